@@ -1,0 +1,1 @@
+"""The `smolforge` command: a typer app with one module per command group."""

@@ -1,0 +1,129 @@
+"""Pydantic specs for jobs: YAML files plus `--set a.b=c` overrides.
+
+One spec type per job keeps the CLI, the REST API and the Python API in agreement: each of them
+builds the same object and validation errors read the same everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from smolforge.errors import SmolforgeError
+
+PeftMethod = Literal["lora", "prefix", "prompt", "ia3", "adapter", "none"]
+DataFormat = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class PeftSpec(Spec):
+    method: PeftMethod = "lora"
+    r: int = Field(8, ge=1, description="LoRA rank")
+    alpha: float = Field(16, gt=0, description="LoRA alpha")
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | str | None = Field(None, description="None picks every linear layer of the blocks")
+    num_virtual_tokens: int = Field(8, ge=1, description="prefix / prompt tuning length")
+    adapter_size: int = Field(16, ge=1, description="Houlsby bottleneck width")
+
+
+class DataSpec(Spec):
+    path: str = Field(..., description="JSONL file, or 'bundled' for the generated task set")
+    format: DataFormat = "auto"
+    eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path`")
+    eval_fraction: float = Field(0.1, ge=0, lt=1)
+    max_eval_samples: int | None = 200
+    max_samples: int | None = None
+    max_length: int = Field(256, ge=8)
+    packing: bool = False
+    skip_bad_lines: bool = False
+
+
+class TrainConfig(Spec):
+    model: str
+    data: DataSpec
+    peft: PeftSpec = PeftSpec()
+    output_dir: str = "outputs/run"
+    max_steps: int | None = Field(None, ge=1, description="overrides epochs when set")
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float | None = 1.0
+    gradient_checkpointing: bool = False
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    eval_every: int = Field(0, ge=0, description="0: evaluate at the end only")
+    eval_accuracy: bool = Field(True, description="exact-match accuracy where the data has answers")
+    max_new_tokens: int = Field(16, ge=1)
+    save_every: int = Field(0, ge=0, description="0: save at the end only")
+    keep_last: int = Field(2, ge=1)
+    resume: bool = False
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs given")
+    log_every: int = Field(10, ge=1)
+    quiet: bool = False
+    tensorboard: bool = True
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if parts and parts[0] == "training":  # the seeds write training.x for top-level fields
+            parts = parts[1:]
+        if not parts:
+            raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set lr=1e-4")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SmolforgeError(f"--set {item!r}: {p} is not a section", fix="check the key path")
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise SmolforgeError(f"config file {path} does not exist", fix="check the --config path")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise SmolforgeError(f"invalid YAML: {getattr(err, 'problem', err)}", where=where,
+                             fix="fix the YAML syntax at that line") from err
+    if not isinstance(data, dict):
+        raise SmolforgeError("config must be a mapping of keys to values", where=str(path),
+                             fix="write key: value lines at the top level")
+    return data
+
+
+def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
+    """Build a spec, turning pydantic's error list into one SmolforgeError that names each field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors())
+        raise SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
+                             fix="correct or remove those keys (see `smolforge train --help`)") from err

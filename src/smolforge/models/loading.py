@@ -1,0 +1,93 @@
+"""Load a causal LM and its tokenizer from a preset, a local directory, an HF id or an Ollama name.
+
+Everything ends in `from_pretrained` on a directory or hub id, so the path users take with a real
+model is the path the tests take with a tiny one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from smolforge.errors import SmolforgeError
+from smolforge.models import tiny
+from smolforge.models.registry import ollama_to_hf
+
+
+def resolve_model(name: str, aliases: dict[str, str] | None = None) -> str:
+    """Map a user's model name to something `from_pretrained` takes: a directory or an HF id."""
+    if tiny.is_preset(name):
+        return str(tiny.preset_dir(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise SmolforgeError(
+                f"model directory {path} has no config.json",
+                fix="point --model at a directory written by save_pretrained, an HF id, or a preset "
+                f"({', '.join(tiny.PRESETS)})",
+            )
+        return str(path)
+    hf = ollama_to_hf(name, aliases)
+    if hf:
+        return hf
+    if ":" in name and "/" not in name:
+        raise SmolforgeError(
+            f"unknown Ollama model name {name!r}",
+            fix="add it to the alias table (models.aliases in your config, or SMOLFORGE_MODEL_ALIASES=file.yaml) "
+            "mapping it to a Hugging Face id",
+        )
+    if name.startswith((".", "/", "~")):
+        raise SmolforgeError(f"model directory {name} does not exist", fix="check the path")
+    return name
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", "0"
+    ).lower() in ("1", "true", "yes")
+
+
+def _hub_error(name: str, resolved: str, err: Exception) -> SmolforgeError:
+    if _offline():
+        fix = (f"HF_HUB_OFFLINE is set and {resolved} is not in the local cache: download it once "
+               f"with network access (`huggingface-cli download {resolved}`), or pass a local directory")
+    else:
+        fix = (f"check the name and your network; for gated models run `huggingface-cli login`; "
+               f"or download {resolved} elsewhere and pass its directory")
+    return SmolforgeError(f"cannot load model {name!r} ({resolved}): {type(err).__name__}: {err}".splitlines()[0], fix=fix)
+
+
+def load_tokenizer(name: str, aliases: dict[str, str] | None = None):
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(name, aliases)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved)
+    except (OSError, ValueError) as err:
+        raise _hub_error(name, resolved, err) from err
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               aliases: dict[str, str] | None = None):
+    """The model in train-ready form: on `device`, with `dtype` (fp32 by default on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_model(name, aliases)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype or torch.float32)
+    except (OSError, ValueError) as err:
+        raise _hub_error(name, resolved, err) from err
+    return model.to(device)
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SmolforgeError("--device cuda asked for, but no CUDA GPU is visible", fix="use --device cpu or auto")
+    return torch.device(device)

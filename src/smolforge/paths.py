@@ -1,0 +1,71 @@
+"""Where smolforge keeps things on disk, and atomic writes.
+
+Everything goes under `SMOLFORGE_HOME` (default `~/.smolforge`) so that tests can point it at a
+temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def home() -> Path:
+    return Path(os.environ.get("SMOLFORGE_HOME", Path.home() / ".smolforge")).expanduser()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write via a temp file in the same directory, fsync, then rename: a crash leaves the old file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_replace_dir(tmp_dir: str | Path, final_dir: str | Path) -> None:
+    """Swap a fully written directory into place; the old one is removed only after the swap."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    old = None
+    if final_dir.exists():
+        old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def safe_join(root: str | Path, relative: str) -> Path:
+    """Join a user-sent relative path under root, refusing `..` escapes and absolute paths."""
+    from smolforge.errors import SmolforgeError
+
+    root = Path(root).resolve()
+    candidate = (root / relative).resolve()
+    if candidate != root and root not in candidate.parents:
+        raise SmolforgeError(
+            f"path {relative!r} escapes {root}",
+            fix="send a path relative to the artifact root without '..' or a leading '/'",
+        )
+    return candidate
