@@ -33,18 +33,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-llama": (
         "llama",
         dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1),
     ),
     "tiny-qwen2": (
         "qwen2",
         dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1),
     ),
     # A larger tiny model: the demo's teacher and the one students learn from.
     "small-llama": (
         "llama",
         dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True),
+             num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1),
     ),
     # ~100M parameters, for benchmarks only (vocab padded to a realistic 32k).
     "llama-100m": (

@@ -1,0 +1,181 @@
+"""`smolforge train`, `eval` and `generate`: the single-worker engine from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli, set_nested
+from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
+
+FLAG_KEYS = {
+    "model": "model", "data": "data.path", "format": "data.format", "eval_data": "data.eval_path",
+    "max_length": "data.max_length", "packing": "data.packing", "skip_bad_lines": "data.skip_bad_lines",
+    "max_samples": "data.max_samples", "output_dir": "output_dir", "max_steps": "max_steps",
+    "epochs": "epochs", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
+    "warmup_steps": "warmup_steps", "scheduler": "scheduler", "eval_every": "eval_every",
+    "save_every": "save_every", "keep_last": "keep_last", "resume": "resume", "seed": "seed",
+    "device": "device", "precision": "precision", "gradient_checkpointing": "gradient_checkpointing",
+    "num_threads": "num_threads", "quiet": "quiet",
+}
+
+
+def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str, Any], peft: dict[str, Any]) -> TrainConfig:
+    """YAML file, then explicit flags, then --set overrides: later wins."""
+    data: dict[str, Any] = load_yaml(config) if config else {}
+    for name, value in flags.items():
+        if value is not None and value is not False:
+            set_nested(data, FLAG_KEYS[name], value)
+    if peft:
+        data.setdefault("peft", {}).update(peft)
+    apply_overrides(data, sets)
+    missing = [k for k in ("model",) if k not in data]
+    if "data" not in data or "path" not in (data.get("data") or {}):
+        missing.append("data")
+    if missing:
+        from smolforge.errors import SmolforgeError
+
+        raise SmolforgeError(f"missing {' and '.join('--' + m for m in missing)}",
+                             fix="pass them as flags or in --config (e.g. --model tiny-llama --data bundled)")
+    return validate(TrainConfig, data, where=str(config) if config else "command line")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @run_cli
+    def train(
+        model: Optional[str] = typer.Option(None, help="HF id, local dir, Ollama name or preset (tiny-llama)"),
+        data: Optional[str] = typer.Option(None, help="JSONL file, or 'bundled' for the generated task set"),
+        format: Optional[str] = typer.Option(None, "--format", help="auto|alpaca|chat|prompt_completion|text"),
+        eval_data: Optional[str] = typer.Option(None, help="held-out JSONL (default: a 10% split of --data)"),
+        peft: Optional[str] = typer.Option(None, help="lora|prefix|prompt|ia3|adapter|none (default lora)"),
+        peft_config: Optional[str] = typer.Option(None, help='JSON, e.g. \'{"r": 8, "alpha": 16, "dropout": 0.05}\''),
+        lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
+        lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
+        lora_dropout: Optional[float] = typer.Option(None, help="LoRA dropout"),
+        output_dir: Optional[str] = typer.Option(None, help="where checkpoints, metrics and <peft>_adapter/ go"),
+        max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --epochs)"),
+        epochs: Optional[float] = typer.Option(None),
+        batch_size: Optional[int] = typer.Option(None),
+        grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step"),
+        lr: Optional[float] = typer.Option(None),
+        warmup_steps: Optional[int] = typer.Option(None),
+        scheduler: Optional[str] = typer.Option(None, help="cosine|linear|constant"),
+        max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
+        max_samples: Optional[int] = typer.Option(None, help="use only the first N training examples"),
+        packing: bool = typer.Option(False, "--packing", help="pack examples into full-length sequences"),
+        skip_bad_lines: bool = typer.Option(False, "--skip-bad-lines", help="skip malformed lines, report how many"),
+        eval_every: Optional[int] = typer.Option(None, help="evaluate every N steps (0: at the end)"),
+        save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (0: at the end)"),
+        keep_last: Optional[int] = typer.Option(None, help="checkpoints to keep"),
+        resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint"),
+        seed: Optional[int] = typer.Option(None),
+        device: Optional[str] = typer.Option(None, help="auto|cpu|cuda"),
+        precision: Optional[str] = typer.Option(None, help="auto|fp32|bf16|fp16"),
+        gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
+        num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+        config: Optional[Path] = typer.Option(None, "--config", help="YAML file with any of these settings"),
+        set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set training.batch_size=16"),
+        json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress bar (for scripts)"),
+    ):
+        """Fine-tune a model on one worker (LoRA by default).
+
+        Example: smolforge train --model tiny-llama --data bundled --peft lora --max-steps 200 --output-dir outputs/run
+        """
+        quiet_libraries()
+        flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
+        cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
+        if json_out:
+            cfg = cfg.model_copy(update={"quiet": True})
+        from smolforge.train.engine import train as run_train
+
+        result = run_train(cfg)
+        if json_out:
+            print_json(result.to_dict())
+        else:
+            typer.echo(f"adapter: {result.adapter_dir}")
+            typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})")
+
+    @app.command("eval")
+    @run_cli
+    def eval_cmd(
+        model: str = typer.Option(..., help="base model: HF id, local dir, Ollama name or preset"),
+        data: str = typer.Option(..., help="JSONL file or 'bundled' (its held-out split)"),
+        adapter: Optional[str] = typer.Option(None, help="a <peft>_adapter/ directory to apply"),
+        format: str = typer.Option("auto", "--format"),
+        max_length: int = typer.Option(256),
+        batch_size: int = typer.Option(16),
+        max_samples: Optional[int] = typer.Option(200, help="evaluate on at most N examples"),
+        max_new_tokens: int = typer.Option(16, help="for exact-match accuracy"),
+        device: str = typer.Option("auto"),
+        json_out: bool = typer.Option(False, "--json"),
+    ):
+        """Eval loss, perplexity and exact-match accuracy of a model (plus adapter) on held-out data.
+
+        Example: smolforge eval --model tiny-llama --adapter outputs/run/lora_adapter --data bundled
+        """
+        quiet_libraries()
+        from smolforge.config import DataSpec
+        from smolforge.data.splits import load_splits
+        from smolforge.models.loading import load_model, load_tokenizer, pick_device
+        from smolforge.train.engine import evaluate
+
+        dev = pick_device(device)
+        tok = load_tokenizer(model)
+        net = load_model(model, device=dev)
+        if adapter:
+            from smolforge.models.peft_methods import load_adapter
+
+            net = load_adapter(net, adapter).to(dev)
+        # A file given to eval is all held-out data; 'bundled' has its own held-out split.
+        spec = DataSpec(path=data, format=format, max_length=max_length, max_eval_samples=max_samples,
+                        eval_path=None if data == "bundled" else data, max_samples=1)
+        splits = load_splits(spec, tok)
+        cfg = TrainConfig(model=model, data=spec, batch_size=batch_size, max_new_tokens=max_new_tokens)
+        metrics = evaluate(net, tok, splits, cfg, dev)
+        metrics["examples"] = len(splits.eval)
+        if json_out:
+            print_json(metrics)
+        else:
+            for k, v in metrics.items():
+                typer.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+
+    @app.command()
+    @run_cli
+    def generate(
+        model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset"),
+        prompt: str = typer.Option(..., help="the user message"),
+        adapter: Optional[str] = typer.Option(None, help="a <peft>_adapter/ directory to apply"),
+        max_new_tokens: int = typer.Option(64),
+        temperature: float = typer.Option(0.0, help="0 = greedy"),
+        raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+        device: str = typer.Option("auto"),
+    ):
+        """Generate a reply from a model (plus adapter).
+
+        Example: smolforge generate --model tiny-llama --adapter outputs/run/lora_adapter --prompt "What is 2 + 3?"
+        """
+        quiet_libraries()
+        from smolforge.data.encode import render
+        from smolforge.models.loading import load_model, load_tokenizer, pick_device
+
+        dev = pick_device(device)
+        tok = load_tokenizer(model)
+        net = load_model(model, device=dev)
+        if adapter:
+            from smolforge.models.peft_methods import load_adapter
+
+            net = load_adapter(net, adapter).to(dev)
+        net.eval()
+        text = prompt if raw else render(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        enc = tok(text, return_tensors="pt", add_special_tokens=raw).to(dev)
+        import torch
+
+        with torch.no_grad():
+            out = net.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                               temperature=temperature if temperature > 0 else None,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))

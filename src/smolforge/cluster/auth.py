@@ -1,0 +1,87 @@
+"""One token guards the cluster: Ray's token auth and the control service's bearer token.
+
+Why one token: a worker joining needs both (the API to register, Ray to run tasks), and users should
+have to copy exactly one secret. It is generated once, kept with mode 0600, compared in constant
+time, and handed to Ray through `RAY_AUTH_TOKEN_PATH` (a file, so it never shows in `ps` or
+`/proc/<pid>/environ`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from smolforge.errors import SmolforgeError
+
+
+def load_or_create_token(path: Path) -> str:
+    """The token at `path`; generated (and written 0600) the first time."""
+    path = Path(path)
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+            return token
+    token = secrets.token_hex(32)
+    write_token(path, token)
+    return token
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write the token readable by its owner only, atomically (never a world-readable moment)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, token.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def check_token_format(token: str | None) -> str:
+    token = (token or "").strip()
+    if not token:
+        raise SmolforgeError("no cluster token given",
+                             fix="pass --token T (printed by `smolforge coordinator start`) or set SMOLFORGE_TOKEN")
+    if any(c.isspace() for c in token) or len(token) > 512:
+        raise SmolforgeError("the token contains whitespace or is too long", fix="copy the token exactly as printed")
+    return token
+
+
+def tokens_match(given: str | None, expected: str) -> bool:
+    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer_of(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def ray_auth_env(token_path: Path) -> dict[str, str]:
+    """Environment that turns on Ray token auth with the token in `token_path`."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(token_path).resolve())}
+
+
+def apply_ray_auth(token_path: Path) -> None:
+    """Turn on Ray token auth for this process (and children) before `ray.init`.
+
+    Ray caches the token and its config on first use; reset both so a process that talks to two
+    clusters in turn (the tests do) uses the right token each time.
+    """
+    os.environ.update(ray_auth_env(token_path))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except Exception:  # older/newer Ray without these hooks: the env alone is enough on first init
+        pass

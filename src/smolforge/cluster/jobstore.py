@@ -1,0 +1,307 @@
+"""The job store: SQLite in WAL mode, so a coordinator restart loses nothing that was submitted.
+
+Tables: jobs, tasks, events, metrics. Every state change of a job goes through `set_state`, which
+checks the transition and writes an event in the same transaction, so the event log is the
+complete history (pending → running → (paused ↔ running) → completed | failed | cancelled).
+
+One connection per thread (SQLite objects are not shared across threads); WAL lets the API read
+while a job runner writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from smolforge.errors import SmolforgeError
+
+STATES = ("pending", "running", "paused", "completed", "failed", "cancelled")
+FINAL = ("completed", "failed", "cancelled")
+TRANSITIONS = {
+    "pending": {"running", "paused", "failed", "cancelled"},
+    "running": {"paused", "completed", "failed", "cancelled", "pending"},  # pending: re-queued after a restart
+    "paused": {"pending", "running", "cancelled", "failed"},
+    "completed": set(),
+    "failed": set(),
+    "cancelled": set(),
+}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    step INTEGER DEFAULT 0,
+    max_steps INTEGER DEFAULT 0,
+    samples_done INTEGER DEFAULT 0,
+    samples_total INTEGER DEFAULT 0,
+    loss REAL,
+    eta_s REAL,
+    world_size INTEGER DEFAULT 0,
+    nodes TEXT DEFAULT '[]',
+    attempts INTEGER DEFAULT 0,
+    error TEXT,
+    result TEXT
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    kind TEXT NOT NULL,
+    rank INTEGER,
+    attempt INTEGER DEFAULT 0,
+    state TEXT NOT NULL,
+    node_id TEXT,
+    node_name TEXT,
+    pid INTEGER,
+    max_retries INTEGER DEFAULT 0,
+    requirements TEXT,
+    error TEXT,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tasks_job ON tasks(job_id);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT,
+    task_id TEXT,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    name TEXT NOT NULL,
+    value REAL
+);
+CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name, step);
+"""
+
+JOB_PROGRESS_FIELDS = ("step", "max_steps", "samples_done", "samples_total", "loss", "eta_s", "world_size")
+
+
+def new_job_id() -> str:
+    return "job-" + uuid.uuid4().hex[:10]
+
+
+class JobStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._write_lock = threading.RLock()
+        with self._tx() as db:
+            db.executescript(SCHEMA)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=True)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        with self._write_lock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    @staticmethod
+    def _job_row(row: sqlite3.Row | None) -> dict[str, Any] | None:
+        if row is None:
+            return None
+        d = dict(row)
+        d["spec"] = json.loads(d["spec"])
+        d["nodes"] = json.loads(d["nodes"] or "[]")
+        d["result"] = json.loads(d["result"]) if d["result"] else None
+        d["progress"] = (d["step"] / d["max_steps"]) if d["max_steps"] else (1.0 if d["state"] == "completed" else 0.0)
+        return d
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def create_job(self, kind: str, spec: dict[str, Any], name: str | None = None, job_id: str | None = None) -> str:
+        job_id = job_id or new_job_id()
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT INTO jobs (id, name, kind, state, spec, created, updated) VALUES (?,?,?,?,?,?,?)",
+                       (job_id, name or job_id, kind, "pending", json.dumps(spec), now, now))
+            self._event(db, job_id, None, "submitted", f"job {job_id} submitted ({kind})", {"name": name})
+        return job_id
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        row = self._db().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None:
+            row = self._db().execute("SELECT * FROM jobs WHERE id LIKE ? OR name=? ORDER BY created DESC",
+                                     (job_id + "%", job_id)).fetchone()
+        if row is None:
+            raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
+        return self._job_row(row)
+
+    def list_jobs(self, states: tuple[str, ...] | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        if states:
+            q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY created DESC LIMIT ?"
+            rows = self._db().execute(q, (*states, limit)).fetchall()
+        else:
+            rows = self._db().execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+        return [self._job_row(r) for r in rows]
+
+    def set_state(self, job_id: str, state: str, message: str = "", *, error: str | None = None,
+                  result: dict | None = None, force: bool = False) -> str:
+        """Move a job to `state` (checked against TRANSITIONS); returns the previous state."""
+        if state not in STATES:
+            raise ValueError(f"unknown state {state}")
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT state, started FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
+            prev = row["state"]
+            if prev == state:
+                return prev
+            if state not in TRANSITIONS[prev] and not force:
+                raise SmolforgeError(f"job {job_id} is {prev}; it cannot become {state}",
+                                     fix="see its state with `smolforge job show " + job_id + "`")
+            sets = ["state=?", "updated=?"]
+            args: list[Any] = [state, now]
+            if state == "running" and row["started"] is None:
+                sets.append("started=?")
+                args.append(now)
+            if state in FINAL:
+                sets.append("finished=?")
+                args.append(now)
+            if error is not None:
+                sets.append("error=?")
+                args.append(error)
+            if result is not None:
+                sets.append("result=?")
+                args.append(json.dumps(result, default=str))
+            db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*args, job_id))
+            self._event(db, job_id, None, "state", message or f"{prev} → {state}",
+                        {"from": prev, "to": state, **({"error": error} if error else {})})
+        return prev
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update {bad}")
+        if not fields:
+            return
+        vals = []
+        for k, v in fields.items():
+            vals.append(json.dumps(v, default=str) if k in ("nodes", "result", "spec") and v is not None else v)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in fields)}, updated=? WHERE id=?",
+                       (*vals, time.time(), job_id))
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def upsert_task(self, task_id: str, job_id: str, kind: str, state: str, **fields: Any) -> None:
+        now = time.time()
+        cols = {"rank", "attempt", "node_id", "node_name", "pid", "max_retries", "requirements", "error"}
+        bad = set(fields) - cols
+        if bad:
+            raise ValueError(f"unknown task fields {bad}")
+        if "requirements" in fields and not isinstance(fields["requirements"], (str, type(None))):
+            fields["requirements"] = json.dumps(fields["requirements"])
+        with self._tx() as db:
+            exists = db.execute("SELECT 1 FROM tasks WHERE id=?", (task_id,)).fetchone()
+            if exists:
+                sets = ", ".join(f"{k}=?" for k in ("state", *fields, "updated"))
+                db.execute(f"UPDATE tasks SET {sets} WHERE id=?", (state, *fields.values(), now, task_id))
+            else:
+                names = ["id", "job_id", "kind", "state", *fields, "created", "updated"]
+                db.execute(f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                           (task_id, job_id, kind, state, *fields.values(), now, now))
+
+    def tasks(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._db().execute("SELECT * FROM tasks WHERE job_id=? ORDER BY created, rank", (job_id,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["requirements"] = json.loads(d["requirements"]) if d["requirements"] else None
+            out.append(d)
+        return out
+
+    # -- events and metrics ---------------------------------------------------------------------
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, job_id: str | None, task_id: str | None, kind: str, message: str,
+               data: dict | None = None, ts: float | None = None) -> None:
+        db.execute("INSERT INTO events (job_id, task_id, ts, kind, message, data) VALUES (?,?,?,?,?,?)",
+                   (job_id, task_id, ts or time.time(), kind, message, json.dumps(data, default=str) if data else None))
+
+    def add_event(self, job_id: str | None, kind: str, message: str, data: dict | None = None,
+                  task_id: str | None = None, ts: float | None = None) -> None:
+        with self._tx() as db:
+            self._event(db, job_id, task_id, kind, message, data, ts)
+
+    def events(self, job_id: str | None = None, since_id: int = 0, limit: int = 1000,
+               kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        q = "SELECT * FROM events WHERE id > ?"
+        args: list[Any] = [since_id]
+        if job_id is not None:
+            q += " AND job_id=?"
+            args.append(job_id)
+        if kinds:
+            q += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args.extend(kinds)
+        q += " ORDER BY id LIMIT ?"
+        args.append(limit)
+        out = []
+        for r in self._db().execute(q, args).fetchall():
+            d = dict(r)
+            d["data"] = json.loads(d["data"]) if d["data"] else None
+            out.append(d)
+        return out
+
+    def add_metrics(self, job_id: str, rows: list[tuple[int, str, float]], ts: float | None = None) -> None:
+        if not rows:
+            return
+        now = ts or time.time()
+        with self._tx() as db:
+            db.executemany("INSERT INTO metrics (job_id, step, ts, name, value) VALUES (?,?,?,?,?)",
+                           [(job_id, int(s), now, n, float(v)) for s, n, v in rows])
+
+    def metrics(self, job_id: str, name: str | None = None) -> list[dict[str, Any]]:
+        if name:
+            rows = self._db().execute("SELECT step, ts, name, value FROM metrics WHERE job_id=? AND name=? ORDER BY step",
+                                      (job_id, name)).fetchall()
+        else:
+            rows = self._db().execute("SELECT step, ts, name, value FROM metrics WHERE job_id=? ORDER BY step, name",
+                                      (job_id,)).fetchall()
+        return [dict(r) for r in rows]

@@ -1,0 +1,21 @@
+"""Batching: right-pad token rows into tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from smolforge.data.encode import IGNORE
+
+
+def collate(features: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(f["input_ids"]) for f in features)
+    n = len(features)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    for i, f in enumerate(features):
+        k = len(f["input_ids"])
+        input_ids[i, :k] = torch.tensor(f["input_ids"], dtype=torch.long)
+        labels[i, :k] = torch.tensor(f["labels"], dtype=torch.long)
+        attention[i, :k] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}

@@ -1,0 +1,174 @@
+"""Read JSONL in the formats people have, into one normalised `Example`.
+
+Formats (detected per file from the first record, or forced):
+- alpaca: {instruction, input?, output}
+- chat: {messages: [{role, content}, ...]}
+- prompt_completion: {prompt, completion}
+- text: {text}
+
+Every problem names file:line and the fix; with `skip_bad_lines` bad lines are counted, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from smolforge.errors import SmolforgeError
+
+FORMATS = ("alpaca", "chat", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant", "tool")
+_FIX = {
+    "alpaca": 'each line must look like {"instruction": "...", "input": "...", "output": "..."} (input optional)',
+    "chat": 'each line must look like {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
+    "prompt_completion": 'each line must look like {"prompt": "...", "completion": "..."}',
+    "text": 'each line must look like {"text": "..."}',
+}
+
+
+@dataclass
+class Example:
+    """One training record: either chat messages (loss on assistant turns) or raw text (loss on all)."""
+
+    source: str
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """The conversation up to the last assistant turn: what a model is asked at eval time."""
+        assert self.messages is not None
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        return self.messages[:last]
+
+    @property
+    def answer(self) -> str | None:
+        """The reference answer (last assistant turn) for exact-match accuracy; None for text."""
+        if not self.messages:
+            return None
+        for m in reversed(self.messages):
+            if m["role"] == "assistant":
+                return m["content"]
+        return None
+
+
+@dataclass
+class ReadResult:
+    examples: list[Example]
+    format: str
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def detect_format(record: dict) -> str | None:
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record or "output" in record:
+        return "alpaca"
+    if "prompt" in record or "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def _need_str(record: dict, key: str, fmt: str, optional: bool = False) -> str:
+    if key not in record:
+        if optional:
+            return ""
+        raise ValueError(f'missing field "{key}" for {fmt} format')
+    value = record[key]
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f'field "{key}" must be a string, got {type(value).__name__}')
+    return value
+
+
+def to_example(record: dict, fmt: str, source: str) -> Example:
+    """Normalise one record; raises ValueError with the field at fault."""
+    if fmt == "alpaca":
+        instruction = _need_str(record, "instruction", fmt)
+        extra = _need_str(record, "input", fmt, optional=True)
+        output = _need_str(record, "output", fmt)
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        return Example(source, messages=[{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+    if fmt == "prompt_completion":
+        prompt, completion = _need_str(record, "prompt", fmt), _need_str(record, "completion", fmt)
+        return Example(source, messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}])
+    if fmt == "chat":
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('field "messages" must be a non-empty list')
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be an object with string role and content")
+            if m["role"] not in ROLES:
+                raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+            clean.append({"role": m["role"], "content": m["content"]})
+        if not any(m["role"] == "assistant" for m in clean):
+            raise ValueError("messages has no assistant turn to learn from")
+        return Example(source, messages=clean)
+    if fmt == "text":
+        return Example(source, text=_need_str(record, "text", fmt))
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> ReadResult:
+    path = Path(path)
+    if not path.exists():
+        raise SmolforgeError(f"data file {path} does not exist", fix="check the --data path (or use --data bundled)")
+    if path.is_dir():
+        raise SmolforgeError(f"{path} is a directory, not a JSONL file", fix="point --data at a .jsonl file")
+    if fmt != "auto" and fmt not in FORMATS:
+        raise SmolforgeError(f"unknown --format {fmt!r}", fix=f"use one of auto, {', '.join(FORMATS)}")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise SmolforgeError("data file is empty", where=str(path), fix="add one JSON object per line")
+    result = ReadResult(examples=[], format=fmt)
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _Bad(f"not valid UTF-8 (byte {err.start})", "save the file as UTF-8 (e.g. iconv -t UTF-8)")
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise _Bad(f"malformed JSON: {err.msg} at column {err.colno}", "write one complete JSON object per line")
+            if not isinstance(record, dict):
+                raise _Bad(f"expected a JSON object, got {type(record).__name__}", "write one JSON object per line")
+            if result.format == "auto":
+                detected = detect_format(record)
+                if detected is None:
+                    raise _Bad(
+                        f"cannot tell the format from keys {sorted(record)}",
+                        "use keys of one format (instruction/output, messages, prompt/completion or text) or pass --format",
+                    )
+                result.format = detected
+            try:
+                result.examples.append(to_example(record, result.format, where))
+            except ValueError as err:
+                raise _Bad(str(err), _FIX[result.format])
+        except _Bad as bad:
+            if not skip_bad_lines:
+                raise SmolforgeError(bad.what, where=where,
+                                     fix=f"{bad.fix}; or pass --skip-bad-lines to skip such lines") from None
+            result.skipped += 1
+            result.problems.append(f"{where}: {bad.what}")
+    if not result.examples:
+        raise SmolforgeError(
+            f"no usable examples ({result.skipped} bad lines skipped)", where=str(path),
+            fix="check the file's format; the first problems were: " + "; ".join(result.problems[:3]),
+        )
+    return result
+
+
+class _Bad(Exception):
+    def __init__(self, what: str, fix: str):
+        self.what, self.fix = what, fix

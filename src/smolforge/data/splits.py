@@ -1,0 +1,79 @@
+"""From a DataSpec to train/eval token datasets plus the raw eval examples for accuracy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from smolforge.config import DataSpec
+from smolforge.data.encode import EncodeStats, encode_all
+from smolforge.data.formats import Example, read_examples
+from smolforge.data.synthetic import bundled_paths
+
+
+class TokenRows(list):
+    """A list of {"input_ids", "labels"} rows; a list is already a map-style torch Dataset."""
+
+
+@dataclass
+class Splits:
+    train: TokenRows
+    eval: TokenRows
+    eval_examples: list[Example]
+    format: str
+    skipped: int
+    train_stats: EncodeStats
+    eval_stats: EncodeStats
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stats(self) -> dict:
+        return {
+            "format": self.format,
+            "train_sequences": len(self.train),
+            "eval_sequences": len(self.eval),
+            "skipped_lines": self.skipped,
+            "truncated": self.train_stats.truncated + self.eval_stats.truncated,
+            "dropped_no_target": self.train_stats.dropped_no_target + self.eval_stats.dropped_no_target,
+            "train_tokens": self.train_stats.tokens,
+            "train_target_tokens": self.train_stats.target_tokens,
+        }
+
+
+def read_spec(spec: DataSpec) -> tuple[list[Example], list[Example], str, int]:
+    """(train examples, eval examples, format, skipped lines)."""
+    path, eval_path = spec.path, spec.eval_path
+    if path == "bundled":
+        train_p, eval_p = bundled_paths()
+        path, eval_path = str(train_p), eval_path or str(eval_p)
+    res = read_examples(path, spec.format, spec.skip_bad_lines)
+    train, skipped = res.examples, res.skipped
+    if eval_path:
+        ev = read_examples(eval_path, spec.format if spec.format != "auto" else res.format, spec.skip_bad_lines)
+        eval_ex, skipped = ev.examples, skipped + ev.skipped
+    elif spec.eval_fraction > 0 and len(train) > 1:
+        rng = random.Random(0)
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        n_eval = max(1, int(len(train) * spec.eval_fraction))
+        held = set(order[:n_eval])
+        eval_ex = [e for i, e in enumerate(train) if i in held]
+        train = [e for i, e in enumerate(train) if i not in held]
+    else:
+        eval_ex = []
+    if spec.max_samples:
+        train = train[: spec.max_samples]
+    if spec.max_eval_samples:
+        eval_ex = eval_ex[: spec.max_eval_samples]
+    return train, eval_ex, res.format, skipped
+
+
+def load_splits(spec: DataSpec, tokenizer) -> Splits:
+    train_ex, eval_ex, fmt, skipped = read_spec(spec)
+    train_rows, train_stats = encode_all(tokenizer, train_ex, spec.max_length, spec.packing)
+    eval_rows, eval_stats = encode_all(tokenizer, eval_ex, spec.max_length, packing=False)
+    return Splits(
+        train=TokenRows(train_rows), eval=TokenRows(eval_rows),
+        eval_examples=[e for e in eval_ex if e.messages], format=fmt, skipped=skipped,
+        train_stats=train_stats, eval_stats=eval_stats,
+    )

@@ -1,0 +1,360 @@
+"""The teacher-output store: compact, checksummed shards that students can read while teachers write.
+
+Why this shape:
+- Full-vocabulary logits are what made the seeds' example 160 GB. A shard keeps, per response
+  token, only the teacher's top-k log-probabilities (fp16), their vocabulary indices bit-packed to
+  ceil(log2 V) bits, and the probability mass outside the top k (the tail), which the KD losses
+  need to stay a proper distribution. `compress=False` keeps fp32 values and plain integer indices.
+- Each shard is two files: `batch_N.safetensors` (tensors, no pickle) and `batch_N.json`, its
+  manifest (tokenizer hash, k, dtypes, counts, sha256 of the tensor file). Both are written
+  atomically and the manifest last, so a manifest on disk means a complete shard: a student can
+  poll the directory and start on shard 0 while later shards are still being generated.
+- Readers verify the checksum before parsing. A mismatch raises `CorruptShardError`, the shard is
+  quarantined and regenerated; it is never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smolforge.errors import SmolforgeError
+from smolforge.paths import atomic_write_bytes, atomic_write_json
+
+FORMAT = "smolforge-teacher-shard"
+VERSION = 1
+PLAN_FILE = "plan.json"
+
+
+class CorruptShardError(SmolforgeError):
+    """A shard whose bytes do not match its manifest's checksum (or that cannot be parsed)."""
+
+    def __init__(self, shard_id: int, what: str, where: str | None = None):
+        self.shard_id = shard_id
+        super().__init__(f"teacher shard {shard_id} is corrupt: {what}", where=where,
+                         fix="the shard is quarantined and regenerated automatically; to force it, delete "
+                             f"batch_{shard_id}.* and rerun the teacher for that shard")
+
+
+def shard_stem(shard_id: int) -> str:
+    return f"batch_{shard_id}"
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A hash of the vocabulary (token → id) and special tokens: equal hashes mean ids agree."""
+    vocab = tokenizer.get_vocab()
+    payload = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    special = json.dumps([tokenizer.eos_token, tokenizer.pad_token, getattr(tokenizer, "bos_token", None)])
+    return hashlib.sha256((payload + special).encode("utf-8")).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------- index packing
+
+def index_bits(vocab_size: int) -> int:
+    return max(1, math.ceil(math.log2(max(vocab_size, 2))))
+
+
+def pack_indices(indices: np.ndarray, bits: int) -> np.ndarray:
+    """Pack non-negative ints < 2**bits into a little-endian bit stream (uint8)."""
+    v = np.ascontiguousarray(indices, dtype=np.uint32).reshape(-1)
+    if v.size and int(v.max()) >= (1 << bits):
+        raise ValueError(f"index {int(v.max())} does not fit in {bits} bits")
+    shifts = np.arange(bits, dtype=np.uint32)
+    bitmat = ((v[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(bitmat.reshape(-1), bitorder="little")
+
+
+def unpack_indices(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    flat = np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count * bits, bitorder="little")
+    bitmat = flat.reshape(count, bits).astype(np.int64)
+    return (bitmat << np.arange(bits, dtype=np.int64)).sum(axis=1)
+
+
+# ----------------------------------------------------------------------------------------- records
+
+@dataclass
+class TeacherRecord:
+    """One teacher sample: the prompt, the response it generated, and its top-k over that response.
+
+    `topk_logprobs`/`topk_indices` are [len(response_ids), k] (row r is the teacher's distribution
+    for response token r); `tail_mass` is [len(response_ids)]. All three are None when the
+    backend gave text only (sequence-level KD).
+    """
+
+    example_id: int
+    prompt_messages: list[dict[str, str]]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_text: str
+    answer: str | None = None
+    sample_id: int = 0
+    topk_logprobs: np.ndarray | None = None
+    topk_indices: np.ndarray | None = None
+    tail_mass: np.ndarray | None = None
+
+    @property
+    def has_topk(self) -> bool:
+        return self.topk_logprobs is not None
+
+
+@dataclass
+class Shard:
+    shard_id: int
+    manifest: dict[str, Any]
+    records: list[TeacherRecord]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.response_ids) for r in self.records)
+
+
+def _flat(seqs: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(s) for s in seqs]) if seqs else []
+    flat = np.fromiter((t for s in seqs for t in s), dtype=dtype, count=int(offsets[-1]))
+    return flat, offsets
+
+
+def encode_shard(shard_id: int, records: list[TeacherRecord], *, vocab_size: int, k: int, tok_hash: str,
+                 compress: bool = True, extra: dict[str, Any] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """Serialise records into (safetensors bytes, manifest). Pure: no I/O."""
+    from safetensors.numpy import save
+
+    id_dtype = np.uint16 if vocab_size <= 65536 else np.int32
+    prompt_flat, prompt_off = _flat([r.prompt_ids for r in records], id_dtype)
+    resp_flat, resp_off = _flat([r.response_ids for r in records], id_dtype)
+    value_dtype = np.float16 if compress else np.float32
+    with_topk = [r for r in records if r.has_topk]
+    rows = sum(len(r.response_ids) for r in with_topk)
+    values = np.zeros((rows, k), dtype=value_dtype)
+    idx = np.zeros((rows, k), dtype=np.int64)
+    tail = np.zeros(rows, dtype=value_dtype)
+    pos = 0
+    for r in with_topk:
+        n = len(r.response_ids)
+        if r.topk_logprobs.shape != (n, k) or r.topk_indices.shape != (n, k) or r.tail_mass.shape != (n,):
+            raise ValueError(f"example {r.example_id}: top-k arrays must be [{n}, {k}] and tail [{n}]")
+        values[pos:pos + n] = r.topk_logprobs
+        idx[pos:pos + n] = r.topk_indices
+        tail[pos:pos + n] = r.tail_mass
+        pos += n
+    if compress:
+        bits = index_bits(vocab_size)
+        packed = pack_indices(idx, bits)
+        index_encoding = {"kind": "bitpack", "bits": bits}
+    else:
+        packed = idx.astype(id_dtype)
+        index_encoding = {"kind": "plain", "dtype": np.dtype(id_dtype).name}
+    text_meta = [{"prompt_messages": r.prompt_messages, "response": r.response_text, "answer": r.answer}
+                 for r in records]
+    tensors = {
+        "prompt_ids": prompt_flat, "prompt_offsets": prompt_off,
+        "response_ids": resp_flat, "response_offsets": resp_off,
+        "example_ids": np.array([r.example_id for r in records], dtype=np.int64),
+        "sample_ids": np.array([r.sample_id for r in records], dtype=np.int32),
+        "has_topk": np.array([r.has_topk for r in records], dtype=np.uint8),
+        "topk_values": values, "topk_indices": np.ascontiguousarray(packed), "tail_mass": tail,
+        "text_json": np.frombuffer(json.dumps(text_meta, ensure_ascii=False).encode("utf-8"), dtype=np.uint8).copy(),
+    }
+    data = save(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
+    response_tokens = int(resp_off[-1])
+    topk_bytes = values.nbytes + packed.nbytes + tail.nbytes
+    manifest = {
+        "format": FORMAT, "version": VERSION, "shard": shard_id,
+        "file": f"{shard_stem(shard_id)}.safetensors",
+        "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+        "tokenizer_hash": tok_hash, "vocab_size": int(vocab_size), "k": int(k),
+        "values_dtype": np.dtype(value_dtype).name, "tail_dtype": np.dtype(value_dtype).name,
+        "ids_dtype": np.dtype(id_dtype).name, "index_encoding": index_encoding, "compressed": bool(compress),
+        "num_examples": len(records), "num_prompts": len({r.example_id for r in records}),
+        "num_response_tokens": response_tokens, "num_topk_rows": rows,
+        "topk_bytes": int(topk_bytes),
+        "bytes_per_token": (len(data) / response_tokens) if response_tokens else 0.0,
+        "topk_bytes_per_token": (topk_bytes / rows) if rows else 0.0,
+        "created": time.time(),
+    }
+    if extra:
+        manifest.update(extra)
+    return data, manifest
+
+
+def write_shard(out_dir: str | Path, shard_id: int, records: list[TeacherRecord], **kwargs) -> dict[str, Any]:
+    """Encode and write a shard atomically: tensor file first, manifest last. Returns the manifest."""
+    data, manifest = encode_shard(shard_id, records, **kwargs)
+    write_shard_bytes(out_dir, manifest, data)
+    return manifest
+
+
+def write_shard_bytes(out_dir: str | Path, manifest: dict[str, Any], data: bytes) -> None:
+    """Place an already encoded shard (e.g. received from a remote teacher) into a store directory."""
+    out_dir = Path(out_dir)
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise CorruptShardError(int(manifest["shard"]), "bytes received do not match the teacher's checksum")
+    stem = shard_stem(int(manifest["shard"]))
+    atomic_write_bytes(out_dir / f"{stem}.safetensors", data)
+    atomic_write_json(out_dir / f"{stem}.json", manifest)
+
+
+def decode_shard(manifest: dict[str, Any], data: bytes) -> Shard:
+    """Verify the checksum, then parse. Raises CorruptShardError on any mismatch."""
+    from safetensors.numpy import load
+
+    shard_id = int(manifest.get("shard", -1))
+    if manifest.get("format") != FORMAT:
+        raise CorruptShardError(shard_id, f"manifest format is {manifest.get('format')!r}, not {FORMAT!r}")
+    if len(data) != manifest.get("bytes") or hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+        raise CorruptShardError(shard_id, "sha256 of the tensor file does not match the manifest")
+    try:
+        t = load(data)
+        text_meta = json.loads(bytes(t["text_json"]).decode("utf-8"))
+        k = int(manifest["k"])
+        enc = manifest["index_encoding"]
+        rows = int(manifest["num_topk_rows"])
+        if enc["kind"] == "bitpack":
+            idx = unpack_indices(t["topk_indices"], int(enc["bits"]), rows * k).reshape(rows, k)
+        else:
+            idx = t["topk_indices"].astype(np.int64).reshape(rows, k)
+        values, tail = t["topk_values"], t["tail_mass"]
+        records = []
+        pos = 0
+        for i, meta in enumerate(text_meta):
+            p0, p1 = int(t["prompt_offsets"][i]), int(t["prompt_offsets"][i + 1])
+            r0, r1 = int(t["response_offsets"][i]), int(t["response_offsets"][i + 1])
+            rec = TeacherRecord(
+                example_id=int(t["example_ids"][i]), sample_id=int(t["sample_ids"][i]),
+                prompt_messages=meta["prompt_messages"], answer=meta.get("answer"),
+                prompt_ids=t["prompt_ids"][p0:p1].astype(np.int64).tolist(),
+                response_ids=t["response_ids"][r0:r1].astype(np.int64).tolist(),
+                response_text=meta["response"],
+            )
+            if t["has_topk"][i]:
+                n = r1 - r0
+                rec.topk_logprobs = values[pos:pos + n]
+                rec.topk_indices = idx[pos:pos + n]
+                rec.tail_mass = tail[pos:pos + n]
+                pos += n
+            records.append(rec)
+    except CorruptShardError:
+        raise
+    except Exception as err:  # a checksum collision is unrealistic; a format bug should still not crash training
+        raise CorruptShardError(shard_id, f"cannot parse: {type(err).__name__}: {err}") from err
+    return Shard(shard_id, manifest, records)
+
+
+def manifest_path(out_dir: str | Path, shard_id: int) -> Path:
+    return Path(out_dir) / f"{shard_stem(shard_id)}.json"
+
+
+def read_manifest(out_dir: str | Path, shard_id: int) -> dict[str, Any] | None:
+    path = manifest_path(out_dir, shard_id)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptShardError(shard_id, f"manifest is not valid JSON ({err})", where=str(path)) from err
+
+
+def read_shard_bytes(out_dir: str | Path, shard_id: int) -> tuple[dict[str, Any], bytes] | None:
+    """(manifest, tensor bytes) of a complete shard, or None when it is not written yet."""
+    manifest = read_manifest(out_dir, shard_id)
+    if manifest is None:
+        return None
+    path = Path(out_dir) / manifest.get("file", f"{shard_stem(shard_id)}.safetensors")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as err:
+        raise CorruptShardError(shard_id, "manifest present but tensor file missing", where=str(path)) from err
+    return manifest, data
+
+
+def read_shard(out_dir: str | Path, shard_id: int) -> Shard:
+    got = read_shard_bytes(out_dir, shard_id)
+    if got is None:
+        raise SmolforgeError(f"teacher shard {shard_id} does not exist in {out_dir}",
+                             fix="run the teacher first (smolforge distill does both)")
+    return decode_shard(*got)
+
+
+def quarantine_shard(out_dir: str | Path, shard_id: int) -> None:
+    """Move a bad shard aside (manifest first, so readers stop seeing it) for later inspection."""
+    out_dir = Path(out_dir)
+    stem = shard_stem(shard_id)
+    stamp = int(time.time() * 1000)
+    for suffix in (".json", ".safetensors"):
+        src = out_dir / f"{stem}{suffix}"
+        if src.exists():
+            os.replace(src, out_dir / f".{stem}{suffix}.corrupt-{stamp}")
+
+
+def ready_shards(out_dir: str | Path) -> list[int]:
+    """Shard ids whose manifest exists (written last, so the shard is complete)."""
+    out_dir = Path(out_dir)
+    ids = []
+    if not out_dir.exists():
+        return ids
+    for p in out_dir.glob("batch_*.json"):
+        try:
+            ids.append(int(p.stem.split("_", 1)[1]))
+        except ValueError:
+            continue
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------- plan file
+
+@dataclass
+class StorePlan:
+    """What the store will hold when every teacher is done: lets students know when to stop waiting."""
+
+    num_shards: int
+    num_examples: int
+    shard_size: int
+    teacher: str
+    dataset: str
+    tokenizer_hash: str
+    vocab_size: int
+    k: int
+    shards: list[list[int]] = field(default_factory=list)  # [start, end) example ranges per shard
+    samples_per_prompt: int = 1
+
+    def write(self, out_dir: str | Path) -> None:
+        atomic_write_json(Path(out_dir) / PLAN_FILE, self.__dict__)
+
+    @classmethod
+    def read(cls, out_dir: str | Path) -> "StorePlan | None":
+        path = Path(out_dir) / PLAN_FILE
+        if not path.exists():
+            return None
+        return cls(**json.loads(path.read_text(encoding="utf-8")))
+
+
+def store_summary(out_dir: str | Path) -> dict[str, Any]:
+    """Totals over the shards on disk: bytes/token against an fp16 full-vocabulary store."""
+    total_bytes = tokens = topk_bytes = rows = 0
+    vocab = k = 0
+    shards = ready_shards(out_dir)
+    for sid in shards:
+        m = read_manifest(out_dir, sid) or {}
+        total_bytes += int(m.get("bytes", 0))
+        tokens += int(m.get("num_response_tokens", 0))
+        topk_bytes += int(m.get("topk_bytes", 0))
+        rows += int(m.get("num_topk_rows", 0))
+        vocab, k = int(m.get("vocab_size", vocab)), int(m.get("k", k))
+    full = 2 * vocab
+    bpt = total_bytes / tokens if tokens else 0.0
+    return {
+        "shards": len(shards), "bytes": total_bytes, "response_tokens": tokens, "vocab_size": vocab, "k": k,
+        "bytes_per_token": bpt, "topk_bytes_per_token": topk_bytes / rows if rows else 0.0,
+        "fp16_full_vocab_bytes_per_token": full, "ratio_vs_fp16_full": (bpt / full) if full else 0.0,
+    }

@@ -1,0 +1,511 @@
+"""Streaming students: train on teacher shards as they appear, with KD + CE, any PEFT method.
+
+Why a loop of its own rather than `smolforge.train.engine.train`: the engine wants its whole
+dataset up front (its sample order is a pure function of (seed, step) over a known row count),
+while a student must start on the first shard while teachers are still writing the rest. So this
+loop keeps the engine's conventions (AdamW with decay/no-decay groups, warmup + cosine/linear
+schedule, loss summed over target tokens and divided by the target count of the whole
+accumulation window, clipping, checkpoints from `smolforge.train.checkpoint`, the same eval code)
+and swaps the data side for a shard stream.
+
+Data order is deterministic given the order in which shards arrived (recorded in checkpoints):
+epoch 0 is each shard's seeded permutation in arrival order; later epochs are seeded
+permutations of every row. So a resumed student sees exactly the rows it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from smolforge.config import PeftSpec
+from smolforge.distill.losses import KDConfig, mixed_loss
+from smolforge.distill.store import (CorruptShardError, Shard, StorePlan, decode_shard, quarantine_shard,
+                                     read_shard_bytes, tokenizer_hash)
+from smolforge.errors import SmolforgeError
+
+IGNORE = -100
+EventFn = Callable[..., None]
+
+
+@dataclass
+class StudentConfig:
+    """One student run. `output_dir` is e.g. `<run>/output/student_0`; the adapter goes in `<peft>_adapter/`."""
+
+    base_model: str
+    output_dir: str
+    peft: PeftSpec = field(default_factory=PeftSpec)
+    kd: KDConfig = field(default_factory=KDConfig)
+    max_steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    scheduler: str = "cosine"
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0
+    max_length: int = 256
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None
+    save_every: int = 0
+    keep_last: int = 2
+    resume: bool = False
+    eval_data: str | None = None  # dataset whose held-out split is used for eval ('bundled', a JSONL)
+    max_eval_samples: int | None = 200
+    eval_accuracy: bool = True
+    max_new_tokens: int = 16
+    wait_timeout_s: float = 900.0  # how long to wait for one shard before giving up
+    poll_s: float = 0.2
+    quiet: bool = True
+
+
+class ShardSource(Protocol):
+    """Where a student's shards come from: a local store dir or a cluster broker."""
+
+    def expected_rows(self) -> int | None: ...
+
+    def next_shard(self) -> Shard | None:
+        """The next verified shard (blocking until one is ready), or None when all are done."""
+        ...
+
+    def get_shard(self, shard_id: int) -> Shard:
+        """A specific shard again (after a resume), verified."""
+        ...
+
+
+class DirShardSource:
+    """Shards from a store directory, taken in the order they become ready.
+
+    A shard failing its checksum is quarantined and `on_corrupt(shard_id)` is called (the
+    orchestrator regenerates it); the source then keeps waiting for the good copy.
+    """
+
+    def __init__(self, store_dir: str | Path, shard_ids: list[int] | None = None, *,
+                 on_corrupt: Callable[[int], None] | None = None, on_event: EventFn | None = None,
+                 poll_s: float = 0.2, timeout_s: float = 900.0, is_failed: Callable[[], str | None] | None = None):
+        self.store_dir = Path(store_dir)
+        self._ids = shard_ids
+        self._pending: list[int] | None = None
+        self.on_corrupt = on_corrupt
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.is_failed = is_failed
+
+    def _plan(self, wait: bool = True) -> StorePlan | None:
+        deadline = time.time() + self.timeout_s
+        while True:
+            plan = StorePlan.read(self.store_dir)
+            if plan is not None or not wait:
+                return plan
+            if time.time() > deadline:
+                raise SmolforgeError(f"no teacher plan appeared in {self.store_dir} within {self.timeout_s:.0f}s",
+                                     fix="start the teachers first, or check their logs")
+            time.sleep(self.poll_s)
+
+    def _pending_ids(self) -> list[int]:
+        if self._pending is None:
+            ids = self._ids if self._ids is not None else list(range(self._plan().num_shards))
+            self._pending = list(ids)
+        return self._pending
+
+    def expected_rows(self) -> int | None:
+        plan = self._plan()
+        ids = self._ids if self._ids is not None else range(plan.num_shards)
+        return sum(plan.shards[i][1] - plan.shards[i][0] for i in ids) * max(1, plan.samples_per_prompt)
+
+    def _try(self, sid: int) -> Shard | None:
+        try:
+            got = read_shard_bytes(self.store_dir, sid)
+            if got is None:
+                return None
+            return decode_shard(*got)
+        except CorruptShardError as err:
+            quarantine_shard(self.store_dir, sid)
+            self.on_event("shard_corrupt", shard=sid, error=err.what)
+            warnings.warn(f"{err.what}; quarantined, asking for it to be regenerated", stacklevel=2)
+            if self.on_corrupt:
+                self.on_corrupt(sid)
+            return None
+
+    def next_shard(self) -> Shard | None:
+        pending = self._pending_ids()
+        if not pending:
+            return None
+        deadline = time.time() + self.timeout_s
+        while True:
+            for sid in list(pending):
+                shard = self._try(sid)
+                if shard is not None:
+                    pending.remove(sid)
+                    return shard
+            if self.is_failed and (why := self.is_failed()):
+                raise SmolforgeError(f"teachers failed before shards {pending} were written: {why}",
+                                     fix="check the teacher task's error in the event log")
+            if time.time() > deadline:
+                raise SmolforgeError(f"waited {self.timeout_s:.0f}s for teacher shards {pending} in {self.store_dir}",
+                                     fix="check that the teacher tasks are running (smolforge status)")
+            time.sleep(self.poll_s)
+
+    def get_shard(self, shard_id: int) -> Shard:
+        if self._pending is not None and shard_id in self._pending:
+            self._pending.remove(shard_id)
+        deadline = time.time() + self.timeout_s
+        while True:
+            shard = self._try(shard_id)
+            if shard is not None:
+                return shard
+            if time.time() > deadline:
+                raise SmolforgeError(f"teacher shard {shard_id} is missing from {self.store_dir}",
+                                     fix="regenerate it or start the student without --resume")
+            time.sleep(self.poll_s)
+
+
+# ------------------------------------------------------------------------------ rows from records
+
+@dataclass
+class Row:
+    input_ids: list[int]
+    labels: list[int]
+    topk_logprobs: np.ndarray | None = None  # [targets, k]
+    topk_indices: np.ndarray | None = None
+    tail: np.ndarray | None = None
+
+
+def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: int) -> list[Row]:
+    """Student rows: teacher ids + top-k when tokenizers agree, else re-tokenized teacher text."""
+    from smolforge.data.encode import encode_example
+    from smolforge.data.formats import Example
+
+    rows: list[Row] = []
+    for rec in shard.records:
+        if same_tokenizer:
+            prompt, resp = list(rec.prompt_ids), list(rec.response_ids)
+            if not prompt or not resp or len(prompt) >= max_length:
+                continue
+            resp = resp[: max_length - len(prompt)]
+            row = Row(prompt + resp, [IGNORE] * len(prompt) + resp)
+            if rec.has_topk:
+                n = len(resp)
+                row.topk_logprobs = np.asarray(rec.topk_logprobs[:n], dtype=np.float32)
+                row.topk_indices = np.asarray(rec.topk_indices[:n], dtype=np.int64)
+                row.tail = np.asarray(rec.tail_mass[:n], dtype=np.float32)
+            rows.append(row)
+        else:
+            ex = Example(source=f"shard {shard.shard_id}",
+                         messages=list(rec.prompt_messages) + [{"role": "assistant", "content": rec.response_text}])
+            ids, labels = encode_example(tokenizer, ex)
+            ids, labels = ids[:max_length], labels[:max_length]
+            if all(x == IGNORE for x in labels[1:]):
+                continue
+            rows.append(Row(ids, labels))
+    return rows
+
+
+def collate_rows(rows: list[Row], pad_id: int, k: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch plus teacher rows aligned with the target tokens in row-major order."""
+    width = max(len(r.input_ids) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    lp, ix, tail, weight = [], [], [], []
+    for i, r in enumerate(rows):
+        L = len(r.input_ids)
+        input_ids[i, :L] = torch.tensor(r.input_ids)
+        labels[i, :L] = torch.tensor(r.labels)
+        attention[i, :L] = 1
+        targets = sum(1 for x in r.labels[1:] if x != IGNORE)
+        if r.topk_logprobs is not None and len(r.topk_logprobs) == targets:
+            lp.append(torch.from_numpy(r.topk_logprobs))
+            ix.append(torch.from_numpy(r.topk_indices))
+            tail.append(torch.from_numpy(r.tail))
+            weight.append(torch.ones(targets))
+        else:  # no teacher logits for this row: CE only on its tokens
+            lp.append(torch.zeros(targets, k))
+            ix.append(torch.arange(k).repeat(targets, 1))
+            tail.append(torch.zeros(targets))
+            weight.append(torch.zeros(targets))
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+    if k > 0 and any(r.topk_logprobs is not None for r in rows):
+        batch.update(teacher_logprobs=torch.cat(lp), teacher_indices=torch.cat(ix), teacher_tail=torch.cat(tail),
+                     kd_weight=torch.cat(weight))
+    return batch
+
+
+# ------------------------------------------------------------------------------------ the stream
+
+class RowStream:
+    """Deterministic row order over shards arriving one by one (see module docstring)."""
+
+    def __init__(self, source: ShardSource, to_rows: Callable[[Shard], list[Row]], seed: int,
+                 on_shard: Callable[[Shard, int], None] | None = None, replay_order: list[int] | None = None):
+        self.source, self.to_rows, self.seed = source, to_rows, seed
+        self.on_shard = on_shard
+        self.shard_rows: dict[int, list[Row]] = {}
+        self.arrival: list[int] = []
+        self.stream: list[Row] = []
+        self.exhausted = False
+        self.epoch = 0
+        self._replay = list(replay_order or [])
+
+    def _perm(self, n: int, salt: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _pull(self) -> bool:
+        """Add one shard (epoch 0) or one more epoch to the stream; False when nothing more can come."""
+        if not self.exhausted:
+            shard = self.source.get_shard(self._replay.pop(0)) if self._replay else self.source.next_shard()
+            if shard is not None:
+                rows = self.to_rows(shard)
+                self.shard_rows[shard.shard_id] = rows
+                self.arrival.append(shard.shard_id)
+                self.stream += [rows[i] for i in self._perm(len(rows), 7919 * (shard.shard_id + 1))]
+                if self.on_shard:
+                    self.on_shard(shard, len(rows))
+                return True
+            self.exhausted = True
+        all_rows = [r for sid in sorted(self.shard_rows) for r in self.shard_rows[sid]]
+        if not all_rows:
+            return False
+        self.epoch += 1
+        self.stream += [all_rows[i] for i in self._perm(len(all_rows), -self.epoch)]
+        return True
+
+    def take(self, start: int, count: int) -> list[Row]:
+        while len(self.stream) < start + count:
+            if not self._pull():
+                raise SmolforgeError("the teacher produced no usable training rows for this student",
+                                     fix="check max_length (prompts longer than it are dropped) and the teacher's outputs")
+        return self.stream[start:start + count]
+
+
+# ----------------------------------------------------------------------------------- the student
+
+@dataclass
+class StudentResult:
+    output_dir: str
+    adapter_dir: str | None
+    steps: int
+    final_loss: float | None
+    mode: str  # "logit" (top-k KD) or "sequence" (teacher text only)
+    eval: dict[str, Any] = field(default_factory=dict)
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    started_at: float = 0.0
+    first_step_at: float | None = None
+    tokens_per_s: float = 0.0
+    trainable_params: int = 0
+    total_params: int = 0
+    stopped: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def student_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits aligned with input_ids: prompt tuning prepends virtual-token positions, dropped here."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    extra = logits.shape[1] - input_ids.shape[1]
+    return logits[:, extra:] if extra > 0 else logits
+
+
+@torch.no_grad()
+def eval_loss(model, rows, pad_id: int, device, batch_size: int = 32) -> tuple[float, int]:
+    """(summed token CE, token count) over held-out rows."""
+    from smolforge.data.collate import collate
+    from smolforge.train.evaluate import token_loss_sum
+
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        b = {k: v.to(device) for k, v in collate(rows[i:i + batch_size], pad_id).items()}
+        s, n = token_loss_sum(student_logits(model, b["input_ids"], b["attention_mask"]), b["labels"])
+        total, count = total + float(s), count + n
+    model.train(was)
+    return total, count
+
+
+def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig, device) -> dict[str, Any]:
+    """Eval loss/perplexity and exact-match accuracy on a dataset's held-out split (engine code)."""
+    if not eval_data:
+        return {}
+    from smolforge.config import DataSpec
+    from smolforge.data.splits import load_splits
+    from smolforge.train.evaluate import exact_match_counts, perplexity
+
+    splits = load_splits(DataSpec(path=eval_data, max_eval_samples=cfg.max_eval_samples, max_length=cfg.max_length,
+                                  max_samples=1), tokenizer)
+    out: dict[str, Any] = {}
+    loss_sum, count = eval_loss(model, splits.eval, tokenizer.pad_token_id, device)
+    if count:
+        out["eval_loss"] = loss_sum / count
+        out["perplexity"] = perplexity(out["eval_loss"])
+    if cfg.eval_accuracy and splits.eval_examples:
+        correct, total = exact_match_counts(model, tokenizer, splits.eval_examples, cfg.max_new_tokens, 64, device)
+        if total:
+            out["accuracy"] = correct / total
+    return out
+
+
+def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
+                  on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
+                  on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None) -> StudentResult:
+    """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json."""
+    from smolforge.data.encode import ensure_chat_template
+    from smolforge.models.loading import load_model, load_tokenizer, pick_device
+    from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_summary
+    from smolforge.paths import atomic_write_json
+    from smolforge.telemetry.progress import StepProgress
+    from smolforge.train import checkpoint as ckpt
+    from smolforge.train.schedule import make_scheduler
+
+    emit = on_event or (lambda *a, **k: None)
+    t_start = time.time()
+    torch.set_num_threads(cfg.num_threads or _available_cpus())
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.base_model)
+    ensure_chat_template(tokenizer)
+    if model is None:
+        model = load_model(cfg.base_model, device=device)
+        model = apply_peft(model, cfg.peft)
+    model.to(device)
+    trainable, total_params = trainable_summary(model)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = StudentResult(output_dir=str(out_dir), adapter_dir=None, steps=0, final_loss=None, mode="logit",
+                           started_at=t_start, trainable_params=trainable, total_params=total_params)
+    my_hash = tokenizer_hash(tokenizer)
+    same = teacher_tokenizer_hash is None or teacher_tokenizer_hash == my_hash
+    k_holder = {"k": 0}
+
+    def to_rows(shard: Shard) -> list[Row]:
+        nonlocal same
+        if shard.manifest.get("tokenizer_hash") != my_hash and same:
+            same = False
+        if not same and result.mode != "sequence":
+            result.mode = "sequence"
+            msg = (f"student {cfg.base_model} has a different tokenizer than teacher "
+                   f"{shard.manifest.get('teacher')} (vocab hash {my_hash} != {shard.manifest.get('tokenizer_hash')}): "
+                   "falling back to sequence-level KD (training on the teacher's text, no logits)")
+            warnings.warn(msg, stacklevel=2)
+            result.warnings.append(msg)
+            emit("student_sequence_kd", warning=msg)
+        if same and shard.manifest.get("has_logits", True):
+            k_holder["k"] = int(shard.manifest.get("k", 0))
+        return rows_from_shard(shard, tokenizer, same, cfg.max_length)
+
+    def on_shard(shard: Shard, n_rows: int) -> None:
+        info = {"shard": shard.shard_id, "sha256": shard.manifest["sha256"], "rows": n_rows, "time": time.time()}
+        result.shards.append(info)
+        emit("student_shard", **info)
+
+    # Resume: weights/optimizer from the newest valid checkpoint, shard order replayed exactly.
+    per_step = cfg.batch_size * cfg.grad_accum
+    latest = ckpt.latest_checkpoint(out_dir) if cfg.resume else None
+    replay: list[int] = []
+    if latest is not None:
+        import json
+
+        replay = list(json.loads((latest / "state.json").read_text()).get("shard_order", []))
+    stream = RowStream(source, to_rows, cfg.seed, on_shard=on_shard, replay_order=replay)
+    expected = source.expected_rows()
+    if cfg.max_steps:
+        steps = cfg.max_steps
+    elif expected:
+        steps = max(1, math.ceil(cfg.epochs * expected / per_step))
+    else:
+        raise SmolforgeError("cannot tell how many steps to train: the teacher plan is unknown",
+                             fix="pass max_steps")
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
+    start_step = 0
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+        start_step = int(state["step"])
+        emit("student_resumed", step=start_step, checkpoint=str(latest))
+
+    emit("student_waiting", steps=steps)
+    progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet, completed=start_step)
+    model.train()
+    loss_val = float("nan")
+    tokens_seen = 0
+    t_loop = None
+    stopped = None
+    try:
+        for step in range(start_step, steps):
+            rows = stream.take(step * per_step, per_step)  # blocks until the shard(s) exist
+            if t_loop is None:
+                t_loop = time.time()
+                result.first_step_at = t_loop
+                emit("student_started", step=step, shards_ready=len(stream.arrival))
+            micro = [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, k_holder["k"])
+                     for j in range(0, per_step, cfg.batch_size)]
+            window_targets = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for m in micro)
+            total = 0.0
+            for m in micro:
+                m = {key: v.to(device) for key, v in m.items()}
+                logits = student_logits(model, m["input_ids"], m["attention_mask"])
+                parts = mixed_loss(logits, m, cfg.kd, window_targets)
+                parts.loss.backward()
+                total += float(parts.loss.detach())
+                tokens_seen += int(m["attention_mask"].sum())
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_val = total
+            done = step + 1
+            result.steps = done
+            tps = tokens_seen / max(time.time() - t_loop, 1e-9)
+            progress.update(done, f"loss {loss_val:.4f} · {tps:,.0f} tok/s · shards {len(stream.arrival)}")
+            if on_step:
+                on_step({"step": done, "max_steps": steps, "loss": loss_val, "lr": lr, "tokens_per_s": tps,
+                         "samples_done": done * per_step, "samples_total": steps * per_step})
+            stopped = should_stop() if should_stop else None
+            if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
+                ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
+                                     extra={"shard_order": stream.arrival, "model": cfg.base_model})
+            if stopped:
+                break
+    finally:
+        progress.close()
+    result.stopped = stopped
+    result.final_loss = loss_val if loss_val == loss_val else None
+    result.tokens_per_s = tokens_seen / max(time.time() - (t_loop or time.time()), 1e-9)
+    if stopped is None:
+        result.eval = evaluate_student(model, tokenizer, cfg.eval_data, cfg, device)
+        adapter = out_dir / f"{cfg.peft.method}_adapter"
+        save_adapter(model, adapter, tokenizer=tokenizer)
+        result.adapter_dir = str(adapter)
+        emit("student_finished", steps=result.steps, eval=result.eval, adapter=str(adapter))
+    result.seconds = time.time() - t_start
+    atomic_write_json(out_dir / "summary.json", result.to_dict())
+    return result

@@ -1,0 +1,245 @@
+"""Teacher generation with transformers: batched, KV-cached `generate`, then top-k over the response.
+
+Per prompt the teacher produces (a) response text for sequence-level KD and (b) for every response
+token the top-k log-probabilities and the tail mass, for logit-level KD. Prompts are left-padded
+so a whole batch decodes together with the KV cache; prompts are sorted by length first so little
+compute goes to padding. The logits come from one extra teacher-forced forward pass over prompt
+plus response (restricted to the response positions with `logits_to_keep`), which on a cached
+model costs about one decode step per batch and keeps `generate` itself as fast as a plain call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from smolforge.errors import SmolforgeError
+from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash
+
+
+@dataclass
+class GenSettings:
+    """Teacher sampling settings; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    samples_per_prompt: int = 1
+    top_k: int = 32  # logits kept per response token
+    batch_size: int = 8
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.samples_per_prompt > 1 and self.temperature <= 0:
+            raise SmolforgeError("samples_per_prompt > 1 with greedy decoding gives identical samples",
+                                 fix="set a temperature > 0 (e.g. 0.8) or samples_per_prompt 1")
+        if not 0 < self.top_p <= 1:
+            raise SmolforgeError(f"top_p must be in (0, 1], got {self.top_p}", fix="use e.g. top_p 0.95")
+        if self.top_k < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise SmolforgeError("top_k, max_new_tokens and batch_size must be ≥ 1", fix="check the teacher settings")
+
+
+@dataclass
+class PromptItem:
+    """A prompt to answer: its index in the dataset, the chat turns, and the reference answer if any."""
+
+    example_id: int
+    prompt_messages: list[dict[str, str]]
+    answer: str | None = None
+
+
+def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
+    """The training prompts of a dataset (JSONL or 'bundled'), in file order, with their answers."""
+    from smolforge.config import DataSpec
+    from smolforge.data.splits import read_spec
+
+    train, _eval, _fmt, _skipped = read_spec(DataSpec(path=dataset, format=data_format, max_samples=max_samples))
+    items = [PromptItem(i, ex.prompt_messages, ex.answer) for i, ex in enumerate(train) if ex.messages]
+    if not items:
+        raise SmolforgeError(f"{dataset} has no prompt/response examples for a teacher to answer",
+                             fix="use alpaca, chat or prompt/completion records (plain text has no prompts)")
+    return items
+
+
+def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, V] logits → (top-k log-probs [N, k], indices [N, k], tail mass [N]) in fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = min(k, logp.shape[-1])
+    values, idx = logp.topk(k, dim=-1)
+    if k < logp.shape[-1]:
+        tail = torch.logsumexp(logp.scatter(-1, idx, -float("inf")), dim=-1).exp()
+    else:
+        tail = torch.zeros(logp.shape[0])
+    return values, idx, tail
+
+
+class HFTeacher:
+    """A transformers causal LM used as a teacher. Loaded once per process, reused for every shard."""
+
+    backend = "hf"
+
+    def __init__(self, model: str, device: str = "auto", dtype: torch.dtype | None = None, model_obj=None,
+                 tokenizer=None):
+        from smolforge.data.encode import ensure_chat_template
+        from smolforge.models.loading import load_model, load_tokenizer, pick_device
+
+        self.name = model
+        self.device = pick_device(device)
+        self.tokenizer = tokenizer or load_tokenizer(model)
+        ensure_chat_template(self.tokenizer)
+        self.model = model_obj if model_obj is not None else load_model(model, device=self.device, dtype=dtype)
+        self.model.eval()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.tok_hash = tokenizer_hash(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    def prompt_ids(self, item: PromptItem) -> list[int]:
+        from smolforge.data.encode import render
+
+        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
+        """Answer every prompt; records come back in the order of `items` (samples adjacent)."""
+        settings.check()
+        encoded = [(item, self.prompt_ids(item)) for item in items]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]))
+        out: dict[int, list[TeacherRecord]] = {}
+        for start in range(0, len(order), settings.batch_size):
+            chunk = [encoded[i] for i in order[start:start + settings.batch_size]]
+            for pos, recs in zip(order[start:start + settings.batch_size], self._generate_batch(chunk, settings)):
+                out[pos] = recs
+        return [r for i in range(len(encoded)) for r in out[i]]
+
+    def _generate_batch(self, chunk: list[tuple[PromptItem, list[int]]], s: GenSettings) -> list[list[TeacherRecord]]:
+        width = max(len(ids) for _, ids in chunk)
+        n = len(chunk)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention[i, width - len(ids):] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        gen_kwargs: dict[str, Any] = dict(
+            max_new_tokens=s.max_new_tokens, use_cache=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            num_return_sequences=s.samples_per_prompt,
+        )
+        if s.temperature > 0:
+            gen_kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=None)
+            torch.manual_seed(s.seed)
+        else:
+            gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        seqs = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+        gen = seqs[:, width:]
+        rows = gen.shape[0]
+        # Response = generated tokens up to and including the first eos.
+        lengths = []
+        for r in range(rows):
+            toks = gen[r].tolist()
+            cut = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
+            lengths.append(cut)
+        g = max(lengths) if lengths else 0
+        prompt_mask = attention.repeat_interleave(s.samples_per_prompt, dim=0)
+        gen_mask = (torch.arange(gen.shape[1], device=gen.device)[None, :] < torch.tensor(lengths, device=gen.device)[:, None]).long()
+        full = torch.cat([seqs[:, :width], gen[:, :g]], dim=1)
+        mask = torch.cat([prompt_mask, gen_mask[:, :g]], dim=1)
+        records: list[list[TeacherRecord]] = [[] for _ in chunk]
+        values = idx = tail = None
+        if g > 0:
+            position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+            logits = self._response_logits(full, mask, position_ids, g)  # [rows, g, V]
+            values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), s.top_k)
+            k = values.shape[-1]
+            values, idx, tail = values.view(rows, g, k).cpu(), idx.view(rows, g, k).cpu(), tail.view(rows, g).cpu()
+        for r in range(rows):
+            item, ids = chunk[r // s.samples_per_prompt]
+            n_resp = lengths[r]
+            resp = gen[r, :n_resp].tolist()
+            text = self.tokenizer.decode(resp, skip_special_tokens=True)
+            rec = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=list(ids),
+                                response_ids=resp, response_text=text, answer=item.answer,
+                                sample_id=r % s.samples_per_prompt)
+            if values is not None:
+                rec.topk_logprobs = values[r, :n_resp].numpy()
+                rec.topk_indices = idx[r, :n_resp].numpy().astype(np.int64)
+                rec.tail_mass = tail[r, :n_resp].numpy()
+            else:
+                rec.topk_logprobs = np.zeros((0, min(s.top_k, self.vocab_size)), np.float32)
+                rec.topk_indices = np.zeros((0, min(s.top_k, self.vocab_size)), np.int64)
+                rec.tail_mass = np.zeros(0, np.float32)
+            records[r // s.samples_per_prompt].append(rec)
+        return records
+
+    def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, g: int) -> torch.Tensor:
+        """Logits predicting each of the g response tokens: positions [L-g-1, L-2] of the full rows."""
+        keep = g + 1
+        try:
+            out = self.model(input_ids=full, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
+                             use_cache=False)
+            logits = out.logits
+        except TypeError:  # a model class without logits_to_keep
+            logits = self.model(input_ids=full, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        return logits[:, -keep:-1, :]
+
+
+def make_teacher(model: str, backend: str = "hf", **kwargs):
+    """The teacher object for a backend name: 'hf' (transformers) or 'ollama' (HTTP API)."""
+    if backend == "hf":
+        return HFTeacher(model, device=kwargs.get("device", "auto"))
+    if backend == "ollama":
+        from smolforge.distill.ollama import OllamaTeacher
+
+        return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
+    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf or ollama")
+
+
+def produce_shards(teacher, items: list[PromptItem], shard_ranges: dict[int, tuple[int, int]], settings: GenSettings,
+                   compress: bool = True, should_stop: Callable[[], bool] | None = None,
+                   ) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """Generate each shard (a [start, end) range of `items`) and yield (manifest, safetensors bytes).
+
+    The caller decides where bytes go (a local store dir, the Ray object store), so the same
+    generator serves the local pipeline and remote teacher tasks.
+    """
+    for shard_id, (start, end) in sorted(shard_ranges.items()):
+        if should_stop and should_stop():
+            return
+        t0 = time.time()
+        records = teacher.generate(items[start:end], settings)
+        seconds = time.time() - t0
+        k = records[0].topk_logprobs.shape[1] if records and records[0].has_topk else min(settings.top_k, teacher.vocab_size)
+        data, manifest = encode_shard(
+            shard_id, records, vocab_size=teacher.vocab_size, k=k, tok_hash=teacher.tok_hash, compress=compress,
+            extra={"teacher": teacher.name, "backend": teacher.backend, "example_range": [start, end],
+                   "generation": asdict(settings), "seconds": seconds,
+                   "has_logits": any(r.has_topk for r in records),
+                   "generated_tokens_per_s": sum(len(r.response_ids) for r in records) / max(seconds, 1e-9)})
+        yield manifest, data
+
+
+def run_teacher_local(model: str, dataset: str, output_dir: str | Path, *, shard_ids: list[int] | None = None,
+                      num_shards: int = 1, max_samples: int | None = None, settings: GenSettings | None = None,
+                      compress: bool = True, backend: str = "hf", device: str = "auto") -> list[dict[str, Any]]:
+    """Single-process teacher: plan shards, generate them, write each into `output_dir` as it finishes."""
+    from smolforge.distill.planner import plan_shards
+    from smolforge.distill.store import write_shard_bytes
+
+    settings = settings or GenSettings()
+    items = prompts_from_dataset(dataset, max_samples)
+    teacher = make_teacher(model, backend, device=device)
+    plan = plan_shards(len(items), num_shards=num_shards, teacher=model, dataset=dataset,
+                       tokenizer_hash=teacher.tok_hash, vocab_size=teacher.vocab_size, k=settings.top_k)
+    plan.write(output_dir)
+    wanted = {i: tuple(plan.shards[i]) for i in (shard_ids if shard_ids is not None else range(plan.num_shards))}
+    manifests = []
+    for manifest, data in produce_shards(teacher, items, wanted, settings, compress=compress):
+        write_shard_bytes(output_dir, manifest, data)
+        manifests.append(manifest)
+    return manifests

@@ -1,0 +1,489 @@
+"""Parameter-efficient fine-tuning: one entry point for lora, prefix, prompt, ia3, adapter and none.
+
+lora, prefix, prompt and ia3 go through HF peft, so their adapter directories are the ones the
+rest of the ecosystem (peft, vLLM, llama.cpp's convert_lora_to_gguf) reads. `adapter` is our own
+Houlsby implementation (`smolforge.models.houlsby`), saved in the same layout. `none` is full
+fine-tuning; its "adapter" directory is a complete model written by `save_pretrained`.
+
+The engine, the distillation students and the split-learning client all call the same four
+functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from smolforge.config import PeftSpec, validate
+from smolforge.errors import SmolforgeError
+from smolforge.models import houlsby
+from smolforge.paths import atomic_replace_dir
+
+METHODS = ("lora", "prefix", "prompt", "ia3", "adapter", "none")
+
+# peft's PeftType value -> our method name
+_PEFT_TYPES = {
+    "LORA": "lora",
+    "PREFIX_TUNING": "prefix",
+    "PROMPT_TUNING": "prompt",
+    "IA3": "ia3",
+    houlsby.PEFT_TYPE: "adapter",
+}
+
+# LoRA on GPT-2: its block projections are transformers' Conv1D (weights stored fan-in x fan-out).
+_LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
+
+# (IA)^3: scale keys, values and the MLP's input to the down projection.
+_IA3_TARGETS: dict[str, tuple[list[str], list[str]]] = {
+    "llama": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
+    "qwen2": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
+    "qwen3": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
+    "mistral": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
+    "gpt2": (["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
+}
+
+# --peft-config keys people write (peft's own names included) -> PeftSpec fields
+_CLI_ALIASES = {
+    "lora_r": "r",
+    "rank": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "bottleneck": "adapter_size",
+    "bottleneck_size": "adapter_size",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP/FSDP-style `.module` wrappers so we see the model itself."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel) or (
+        type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module")
+    ):
+        model = model.module
+    return model
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def base_transformer(model: nn.Module) -> nn.Module:
+    """The underlying transformers model (below any peft wrapper)."""
+    model = _unwrap(model)
+    if _is_peft_model(model):
+        return model.get_base_model()
+    return model
+
+
+def model_method(model: nn.Module) -> str:
+    """Which PEFT method a model in memory carries: one of METHODS."""
+    model = _unwrap(model)
+    if _is_peft_model(model):
+        peft_type = str(getattr(model.peft_config[model.active_adapter].peft_type, "value",
+                                model.peft_config[model.active_adapter].peft_type))
+        return _PEFT_TYPES.get(peft_type, peft_type.lower())
+    if houlsby.is_houlsby(model):
+        return "adapter"
+    return "none"
+
+
+def adapter_dir(output_dir: str | Path, method: str) -> Path:
+    """Where a run's adapter goes: `<output_dir>/<method>_adapter` (the seed projects' layout)."""
+    return Path(output_dir) / f"{method}_adapter"
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _has_conv1d(model: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return any(isinstance(m, Conv1D) for m in model.modules())
+
+
+def _lora_config(model: nn.Module, spec: PeftSpec):
+    from peft import LoraConfig
+
+    targets: Any = spec.target_modules
+    if targets is None:
+        # peft's "all-linear" is every Linear/Conv1D except the output head.
+        targets = _LORA_TARGETS.get(_model_type(model) or "", "all-linear")
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=targets,
+        fan_in_fan_out=_has_conv1d(model),
+        bias="none",
+    )
+
+
+def _ia3_config(model: nn.Module, spec: PeftSpec):
+    from peft import IA3Config
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as PEFT_FF,
+        TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as PEFT_TARGETS,
+    )
+
+    mtype = _model_type(model) or ""
+    if mtype in _IA3_TARGETS:
+        targets, feedforward = _IA3_TARGETS[mtype]
+    elif mtype in PEFT_TARGETS:
+        targets, feedforward = list(PEFT_TARGETS[mtype]), list(PEFT_FF.get(mtype, []))
+    else:
+        targets, feedforward = None, None
+    if spec.target_modules is not None:
+        given = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
+        # feedforward modules must be a subset of the targets: keep the family's ones the user kept
+        feedforward = [m for m in (feedforward or []) if m in given]
+        targets = given
+    if targets is None:
+        raise SmolforgeError(
+            f"(IA)^3 has no default target modules for model type {mtype!r}",
+            fix='name them: --peft-config \'{"target_modules": ["k_proj", "v_proj", "down_proj"]}\'',
+        )
+    return IA3Config(
+        task_type="CAUSAL_LM",
+        target_modules=list(targets),
+        feedforward_modules=list(feedforward or []),
+        fan_in_fan_out=_has_conv1d(model),
+    )
+
+
+def _peft_config(model: nn.Module, spec: PeftSpec):
+    from peft import PrefixTuningConfig, PromptTuningConfig
+
+    if spec.method == "lora":
+        return _lora_config(model, spec)
+    if spec.method == "ia3":
+        return _ia3_config(model, spec)
+    if spec.method == "prefix":
+        return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
+    if spec.method == "prompt":
+        return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
+    raise AssertionError(spec.method)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
+    """Return `model` ready to train with `spec.method`; only that method's parameters are trainable.
+
+    For peft methods the result is a `peft.PeftModel` around `model`; for `adapter` and `none`
+    it is `model` itself (adapters added in place for `adapter`).
+    """
+    if spec.method not in METHODS:
+        raise SmolforgeError(f"unknown PEFT method {spec.method!r}", fix=f"use one of {', '.join(METHODS)}")
+    model = _unwrap(model)
+    if model_method(model) != "none":
+        raise SmolforgeError("this model already carries a PEFT adapter",
+                             fix="apply PEFT to a freshly loaded base model")
+    if spec.method == "none":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    if spec.method == "adapter":
+        return houlsby.apply_houlsby(model, spec.adapter_size)
+    from peft import get_peft_model
+
+    # peft refuses prefix tuning on a checkpointing model; switch it off, apply, switch it back on
+    recheckpoint = spec.method == "prefix" and _is_checkpointing(model)
+    if recheckpoint:
+        _disable_checkpointing(model)
+    try:
+        peft_model = get_peft_model(model, _peft_config(model, spec))
+        return enable_gradient_checkpointing(peft_model) if recheckpoint else peft_model
+    except ValueError as err:  # e.g. target modules not found
+        raise SmolforgeError(f"cannot apply {spec.method}: {err}".splitlines()[0],
+                             fix="check target_modules in --peft-config against the model's module names") from err
+
+
+def trainable_summary(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; shared (tied) tensors are counted once."""
+    trainable = total = 0
+    for p in _unwrap(model).parameters():
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+    return trainable, total
+
+
+def trainable_message(model: nn.Module) -> str:
+    """`trainable params: 12,288 || all params: 881,792 || trainable%: 1.39` (peft's wording)."""
+    trainable, total = trainable_summary(model)
+    pct = 100.0 * trainable / total if total else 0.0
+    return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {pct:.2f}"
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write the model's adapter (or the full model for `none`) to `out_dir`, atomically.
+
+    Everything is written to a temp directory next to `out_dir` and swapped into place, so a
+    crash never leaves a half-written adapter where a reader could find it.
+    """
+    model = _unwrap(model)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        method = model_method(model)
+        if method == "adapter":
+            houlsby.save_houlsby(model, tmp)
+        else:
+            model.save_pretrained(tmp)  # safetensors; peft models write only the adapter
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        atomic_replace_dir(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def adapter_method(adapter_dir: str | Path) -> str:
+    """The method an adapter directory holds (one of METHODS), read from its config files."""
+    adapter_dir = Path(adapter_dir)
+    cfg = adapter_dir / "adapter_config.json"
+    if cfg.exists():
+        try:
+            peft_type = json.loads(cfg.read_text(encoding="utf-8")).get("peft_type")
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise SmolforgeError(f"{cfg} is not valid JSON", fix="re-save the adapter, or restore the file") from err
+        if peft_type in _PEFT_TYPES:
+            return _PEFT_TYPES[peft_type]
+        raise SmolforgeError(f"{cfg}: unsupported peft_type {peft_type!r}",
+                             fix=f"smolforge reads {', '.join(sorted(_PEFT_TYPES))} adapters")
+    if (adapter_dir / "config.json").exists():
+        return "none"
+    if not adapter_dir.exists():
+        raise SmolforgeError(f"adapter directory {adapter_dir} does not exist", fix="check the --adapter path")
+    raise SmolforgeError(f"{adapter_dir} holds neither adapter_config.json nor config.json",
+                         fix="point --adapter at a directory written by `smolforge train` (<output-dir>/<method>_adapter)")
+
+
+def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable: bool = False) -> nn.Module:
+    """`base_model` with the adapter in `adapter_dir` applied (for `none`, the saved full model).
+
+    `is_trainable=True` leaves the adapter's parameters trainable, for resuming or further training.
+    """
+    adapter_dir = Path(adapter_dir)
+    method = adapter_method(adapter_dir)
+    base_model = _unwrap(base_model)
+    if method == "none":
+        from transformers import AutoModelForCausalLM
+
+        ref = next(base_model.parameters())
+        model = AutoModelForCausalLM.from_pretrained(str(adapter_dir), dtype=ref.dtype).to(ref.device)
+        for p in model.parameters():
+            p.requires_grad_(is_trainable)
+        return model
+    if method == "adapter":
+        return houlsby.load_houlsby(base_model, adapter_dir, is_trainable=is_trainable)
+    from peft import PeftModel
+
+    try:
+        model = PeftModel.from_pretrained(base_model, str(adapter_dir), is_trainable=is_trainable)
+    except (RuntimeError, ValueError, KeyError) as err:
+        base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        raise SmolforgeError(f"cannot load {method} adapter {adapter_dir}: {err}".splitlines()[0],
+                             fix=f"load it onto the base model it was trained on ({base})") from err
+    if not is_trainable:  # peft leaves prompt-learning encoders trainable even in inference mode
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
+    """A transformers model with the adapter folded into its weights (lora, ia3).
+
+    Houlsby adapters add layers and cannot be folded into the base weights: with `plain=False`
+    the model is returned as is (adapter modules kept, fine for in-process inference); with the
+    default `plain=True` that is an error, because a "merged" directory written from it would
+    silently lose the adapters when reloaded with `from_pretrained`.
+    """
+    model = _unwrap(model)
+    method = model_method(model)
+    if method == "none":
+        return model
+    if method in ("lora", "ia3"):
+        return model.merge_and_unload()
+    if method in ("prefix", "prompt"):
+        raise SmolforgeError(
+            f"cannot merge {method} tuning; keep the adapter",
+            fix="load the base model with --adapter <dir> instead of merging, or train with --peft lora to get a mergeable adapter",
+        )
+    if not plain:
+        return model
+    raise SmolforgeError(
+        "cannot merge Houlsby adapters into the base weights: they are extra layers, not weight deltas",
+        fix="keep the adapter and load it with --adapter <dir>, or train with --peft lora to get a mergeable adapter",
+    )
+
+
+def peft_spec_from_cli(peft: str, peft_config_json: str | None = None, lora_r: int | None = None,
+                       lora_alpha: float | None = None, lora_dropout: float | None = None) -> PeftSpec:
+    """Build a PeftSpec from `--peft`, `--peft-config JSON` and `--lora-r/--lora-alpha/--lora-dropout`.
+
+    The explicit flags win over the JSON, so `--peft-config` can hold a team default that a
+    single run then adjusts.
+    """
+    if peft not in METHODS:
+        raise SmolforgeError(f"unknown --peft {peft!r}", fix=f"use one of {', '.join(METHODS)}")
+    data: dict[str, Any] = {}
+    if peft_config_json:
+        try:
+            loaded = json.loads(peft_config_json)
+        except json.JSONDecodeError as err:
+            raise SmolforgeError(
+                f"--peft-config is not valid JSON: {err.msg} at column {err.colno}",
+                fix='write a JSON object with double quotes, e.g. --peft-config \'{"r": 8, "alpha": 16, "dropout": 0.05}\'',
+            ) from err
+        if not isinstance(loaded, dict):
+            raise SmolforgeError(
+                f"--peft-config must be a JSON object, got {type(loaded).__name__}",
+                fix='write key/value pairs in braces, e.g. --peft-config \'{"r": 8, "alpha": 16}\'',
+            )
+        for key, value in loaded.items():
+            key = _CLI_ALIASES.get(key, key)
+            if key in data:
+                raise SmolforgeError(f"--peft-config sets {key!r} twice", fix="keep one spelling of that key")
+            data[key] = value
+        if "method" in data and data["method"] != peft:
+            raise SmolforgeError(f"--peft-config says method {data['method']!r} but --peft is {peft!r}",
+                                 fix="drop 'method' from --peft-config, or make the two agree")
+    data["method"] = peft
+    for key, value in (("r", lora_r), ("alpha", lora_alpha), ("dropout", lora_dropout)):
+        if value is not None:
+            data[key] = value
+    return validate(PeftSpec, data, where="--peft-config")
+
+
+def _is_checkpointing(model: nn.Module) -> bool:
+    base = base_transformer(model)
+    flag = getattr(type(base), "is_activation_checkpointing", None)
+    if isinstance(flag, property):
+        return bool(base.is_activation_checkpointing)
+    return any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
+
+
+def _disable_checkpointing(base: nn.Module) -> None:
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    else:  # transformers < 5.23
+        base.gradient_checkpointing_disable()
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Turn on activation checkpointing so it works with every method; call it after `apply_peft`.
+
+    Non-reentrant checkpointing is used, which back-propagates into adapters even when the
+    block's inputs do not require grad; the embedding output is also made to require grad
+    (transformers' `enable_input_require_grads`) for code paths that still checkpoint reentrantly.
+    The KV cache is switched off: it is useless in training and conflicts with recomputation.
+    Prefix tuning needs more, see `_prefix_survives_checkpointing`.
+    """
+    base = base_transformer(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5.23
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if model_method(model) != "none" and hasattr(base, "enable_input_require_grads"):
+        if not getattr(base, "_require_grads_hooks", None) and not getattr(base, "_require_grads_hook", None):
+            base.enable_input_require_grads()
+    if getattr(base, "config", None) is not None:
+        base.config.use_cache = False
+    if model_method(model) == "prefix":
+        _prefix_survives_checkpointing(_unwrap(model))
+    return model
+
+
+def _read_only_prefix_cache(cache: Any) -> Any:
+    """Make each layer of peft's prefix cache return `cat(prefix, new)` without storing `new`.
+
+    A checkpointed block runs its forward twice (forward, then the recompute in backward). With
+    an ordinary DynamicCache the second run would append its keys again and see a longer
+    sequence. Read-only layers give both runs the same keys, and the attention mask (computed once
+    from the prefix length before any layer runs) is the same as without checkpointing.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    read_only = _read_only_layer_class()
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is DynamicLayer:
+            layer.__class__ = read_only
+        elif not isinstance(layer, read_only):
+            raise SmolforgeError(
+                f"prefix tuning with gradient checkpointing does not support {type(layer).__name__} cache layers",
+                fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
+            )
+    return cache
+
+
+def _prefix_survives_checkpointing(model: nn.Module) -> None:
+    """Let prefix tuning's KV prefix pass through checkpointed blocks.
+
+    peft hands the learned prefix to the model as a pre-filled KV cache, and transformers drops
+    any cache a checkpointed block receives (because a block that writes to the cache would write
+    twice). We make the training-time prefix cache read-only and tell the blocks it is safe to keep.
+    """
+    import types
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if not layers:
+        raise SmolforgeError(
+            "prefix tuning with gradient checkpointing needs a model whose blocks checkpoint themselves "
+            "(transformers' GradientCheckpointingLayer)",
+            fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
+        )
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module._can_checkpoint_with_cache = True
+        elif getattr(module, "gradient_checkpointing", False):
+            # Backbones such as GPT2Model drop the cache themselves when this flag is on; the
+            # blocks above do the checkpointing, so the backbone flag only has that effect.
+            module.gradient_checkpointing = False
+    if getattr(model, "_smolforge_prefix_ckpt", False):
+        return
+    original = model.get_prompt
+
+    def get_prompt(self, *args, **kwargs):
+        prompt = original(*args, **kwargs)
+        if self.training:
+            prompt = _read_only_prefix_cache(prompt)
+        return prompt
+
+    model.get_prompt = types.MethodType(get_prompt, model)
+    model._smolforge_prefix_ckpt = True
+
+
+@functools.cache
+def _read_only_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class ReadOnlyPrefixLayer(DynamicLayer):
+        """A DynamicLayer whose `update` returns prefix + new states and stores nothing."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return ReadOnlyPrefixLayer
+

@@ -1,0 +1,232 @@
+"""One rank of a data-parallel job: a Ray actor that runs the ordinary training engine.
+
+The actor is deliberately thin. It pins its torch threads to the CPUs Ray gave it, fetches what the
+job needs onto its own disk (uploaded dataset, the checkpoint to resume from: there is no shared
+filesystem), joins the process group, and calls `smolforge.train.engine.train` with hooks:
+
+- `should_stop` reads a flag that a background thread refreshes from the job's control actor every
+  half second (pause / cancel / regroup), so checking costs nothing per step; the engine max-reduces
+  the decision across ranks so every rank leaves the loop at the same step.
+- `on_step` / `on_eval` buffer progress that the same thread ships to the control actor in batches.
+- `on_checkpoint` (rank 0) uploads the checkpoint directory, checksummed, to the coordinator's
+  artifact store and waits for the acknowledgement; a requested regroup (a node joining) then turns
+  into a pause at this checkpoint boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+POLL_S = 0.5
+
+
+def node_dir() -> Path:
+    """Per-machine scratch space: set by `worker join` for its node, else under SMOLFORGE_HOME."""
+    env = os.environ.get("SMOLFORGE_NODE_DIR")
+    if env:
+        return Path(env)
+    from smolforge.paths import home
+
+    return home() / "node"
+
+
+def local_model_path(name: str) -> str:
+    """The node's own copy of a model when `worker join` found one under that name."""
+    try:
+        table = json.loads(os.environ.get("SMOLFORGE_MODEL_PATHS") or "{}")
+    except ValueError:
+        table = {}
+    where = table.get(name)
+    if where and where.startswith("alias:"):
+        where = table.get(where[len("alias:"):])
+    if where and where != "ollama" and Path(where).is_dir():
+        return where
+    return name
+
+
+class DPWorker:
+    """Ray actor class (wrapped with ray.remote by WorkerGroup)."""
+
+    def __init__(self, job_id: str, attempt: int, rank: int, cpus: float, control: Any):
+        import torch
+
+        self.job_id, self.attempt, self.rank = job_id, attempt, rank
+        self.cpus = max(1, int(round(cpus)))
+        torch.set_num_threads(self.cpus)
+        self.control = control
+        self._stop: str | None = None
+        self._regroup = False
+        self._buffer: list[dict] = []
+        self._lock = threading.Lock()
+        self._running = False
+
+    # -- placement info and rendezvous ----------------------------------------------------------
+
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_name": os.environ.get("SMOLFORGE_NODE_NAME") or socket.gethostname(),
+                "ip": ray.util.get_node_ip_address(), "rank": self.rank}
+
+    def free_address(self) -> tuple[str, int]:
+        from smolforge.parallel.rendezvous import free_port, node_ip
+
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def _emit(self, item: dict) -> None:
+        item.setdefault("ts", time.time())
+        item.setdefault("rank", self.rank)
+        with self._lock:
+            self._buffer.append(item)
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._buffer = self._buffer, []
+        if batch:
+            self.control.report.remote(batch)  # ordered per caller; no need to wait
+
+    def _poller(self) -> None:
+        import ray
+
+        while self._running:
+            try:
+                state = ray.get(self.control.poll.remote(), timeout=10)
+                if state.get("stop"):
+                    self._stop = state["stop"]
+                self._regroup = bool(state.get("regroup"))
+                if state.get("regroup_now"):
+                    self._stop = self._stop or "pause"
+            except Exception:
+                pass  # the driver notices a lost control actor; training need not stop for it
+            try:
+                self._flush()
+            except Exception:
+                pass
+            time.sleep(POLL_S)
+
+    # -- staging ----------------------------------------------------------------------------------
+
+    def _stage_upload(self, ref: str, job_root: Path) -> str:
+        """`upload:<sha256>` → a local file with that content (fetched once per node and job)."""
+        import ray
+
+        digest = ref.split(":", 1)[1]
+        dest = job_root / "data" / f"{digest}.jsonl"
+        if dest.exists() and hashlib.sha256(dest.read_bytes()).hexdigest() == digest:
+            return str(dest)
+        data = ray.get(self.control.get_upload.remote(digest), timeout=600)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise RuntimeError(f"dataset {digest[:12]} arrived corrupted")
+        from smolforge.paths import atomic_write_bytes
+
+        atomic_write_bytes(dest, data)
+        return str(dest)
+
+    def _stage_checkpoint(self, name: str, out_dir: Path) -> None:
+        import ray
+
+        from smolforge.parallel.transfer import unpack_dir
+
+        payload = ray.get(self.control.get_artifact.remote("checkpoints", name), timeout=600)
+        unpack_dir(payload, out_dir / "checkpoints" / name)
+
+    # -- the work ---------------------------------------------------------------------------------
+
+    def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
+            backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2) -> dict:
+        import ray
+
+        from smolforge.config import TrainConfig
+        from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
+        from smolforge.parallel.transfer import pack_dir
+        from smolforge.train.engine import TrainHooks, train
+
+        t0 = time.time()
+        job_root = node_dir() / "jobs" / self.job_id
+        out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
+        cfg_dict = json.loads(json.dumps(cfg_dict))
+        data = cfg_dict["data"]
+        for key in ("path", "eval_path"):
+            if isinstance(data.get(key), str) and data[key].startswith("upload:"):
+                data[key] = self._stage_upload(data[key], job_root)
+        cfg_dict["model"] = local_model_path(cfg_dict["model"])
+        cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False,
+                        resume=bool(resume_from))
+        cfg = TrainConfig.model_validate(cfg_dict)
+        if resume_from:
+            self._stage_checkpoint(resume_from, out_dir)
+        is_main = self.rank == 0
+        step_times: list[float] = []
+
+        def on_step(info) -> None:
+            step_times.append(time.time())
+            if not is_main:
+                return
+            recent = step_times[-20:]
+            per_step = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else None
+            eta = per_step * (info.max_steps - info.step) if per_step else None
+            self._emit({"type": "step", "step": info.step, "max_steps": info.max_steps, "loss": info.loss,
+                        "lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": info.tokens_per_s,
+                        "samples_done": info.samples_done, "samples_total": info.samples_total,
+                        "epoch": info.epoch, "eta_s": eta})
+
+        def on_eval(metrics: dict) -> None:
+            if is_main:
+                self._emit({"type": "eval", **metrics})
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            payload = pack_dir(path)
+            meta = ray.get(self.control.put_artifact.remote("checkpoints", Path(path).name, payload, keep_last),
+                           timeout=600)
+            self._emit({"type": "event", "kind": "checkpoint",
+                        "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
+                        "data": {"step": step, "name": Path(path).name}})
+            if self._regroup:
+                self._stop = self._stop or "pause"
+
+        def should_stop() -> str | None:
+            return self._stop if is_main else None
+
+        hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop)
+        self._running = True
+        poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")
+        poller.start()
+        chosen = pick_backend(backend, cfg.device)
+        try:
+            if world > 1:
+                init_group(chosen, master_addr, master_port, self.rank, world, timeout_s)
+            t_ready = time.time()
+            self._emit({"type": "event", "kind": "rank_started",
+                        "message": f"rank {self.rank}/{world} started on {self.info()['node_name']} "
+                                   f"({chosen if world > 1 else 'single'}, {self.cpus} threads"
+                                   f"{', resuming ' + resume_from if resume_from else ''})"})
+            result = train(cfg, hooks)
+            adapter_meta = None
+            if is_main and not result.stopped and result.adapter_dir:
+                adapter = Path(result.adapter_dir)
+                adapter_meta = ray.get(self.control.put_artifact.remote("adapter", adapter.name, pack_dir(adapter)),
+                                       timeout=600)
+        finally:
+            self._running = False
+            leave_group()
+            try:
+                self._flush()
+            except Exception:
+                pass
+        out = result.to_dict()
+        out.update(rank=self.rank, world=world, node=self.info(), setup_s=t_ready - t0,
+                   adapter_artifact=adapter_meta["name"] if adapter_meta else None,
+                   first_step_ts=step_times[0] if step_times else None,
+                   step_times=step_times if is_main else None)
+        return out

@@ -1,0 +1,512 @@
+"""The trunk server: runs layers [sp1, sp2) for any number of clients, one session each.
+
+What it keeps per session: its own LoRA on the trunk (the frozen base weights are loaded once and
+shared by all sessions), an AdamW over that LoRA, and the autograd graph of every in-flight
+(step, micro-batch) between its Forward and its Backward. Gradients accumulate over a step's
+micro-batches; the optimizer steps when the client says so, with the client's learning rate and
+clip coefficient, so the trunk moves in lockstep with the bottom and top.
+
+Robustness rules:
+- every call but Health needs the bearer token (UNAUTHENTICATED otherwise);
+- a malformed message is INVALID_ARGUMENT and the session stays usable; nothing crashes the server;
+- an unknown session is NOT_FOUND, which tells a client that the server restarted, so it rolls
+  back to the last checkpoint both sides share;
+- a repeated Backward returns the cached answer and a repeated Step is a no-op, so a client may
+  retry a call whose reply was lost without applying a gradient twice;
+- a session idle for longer than the timeout (a client that vanished) is freed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hmac
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from torch import nn
+
+from smolforge import __version__
+from smolforge.config import PeftSpec
+from smolforge.errors import SmolforgeError
+from smolforge.paths import home, safe_join
+from smolforge.split import checkpoint as ckpt
+from smolforge.split.codec import CODECS, CodecError, decode, encode
+from smolforge.split.lora import apply_lora, load_lora_state, lora_state, targets
+from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, partition
+from smolforge.split.protocol import (AUTH_HEADER, CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, OPEN_METHODS, pb, pb_grpc,
+                                      server_credentials)
+from smolforge.split.rng import seeded_rng
+
+log = logging.getLogger("smolforge.split.server")
+SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class ServeConfig:
+    """Everything `smolforge split serve` takes."""
+
+    model: str
+    split_point_1: int
+    split_point_2: int
+    use_lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    target_modules: list[str] | None = None
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    checkpoint_dir: str | None = None
+    session_timeout: float = 900.0
+    max_sessions: int = 8
+    max_inflight: int = 64
+    keep_last: int = 3
+    num_threads: int | None = None
+    max_workers: int = 8
+
+    def peft(self) -> PeftSpec:
+        return PeftSpec(method="lora", r=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                        target_modules=self.target_modules)
+
+
+class CallError(Exception):
+    """An error status for the caller; the server carries on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(msg: str) -> CallError:
+    return CallError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+
+def _precondition(msg: str) -> CallError:
+    return CallError(grpc.StatusCode.FAILED_PRECONDITION, msg)
+
+
+@dataclass
+class Session:
+    id: str
+    name: str
+    trunk: Trunk
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+    codec: str
+    seed: int
+    mixed_precision: bool
+    has_dropout: bool
+    step: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    done: dict[tuple[int, int], pb.BackwardReply] = field(default_factory=dict)
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+
+def _has_dropout(module: nn.Module, config) -> bool:
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
+        return True
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+
+
+class TrunkService(pb_grpc.TrunkServicer):
+    """The gRPC servicer. Model state is built once; sessions come and go."""
+
+    def __init__(self, cfg: ServeConfig):
+        from smolforge.models.loading import load_model, pick_device
+
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        model = load_model(cfg.model, device=self.device)
+        self.arch = arch_of(model.config)
+        check_split_points(cfg.split_point_1, cfg.split_point_2, self.arch.num_layers)
+        self.fingerprint = fingerprint(model)
+        self.base = partition(model, cfg.split_point_1, cfg.split_point_2, keep=("trunk",)).trunk
+        del model  # embeddings, head and the client's layers are freed: the server holds only the trunk
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.base.train()
+        self.peft = cfg.peft()
+        self.ckpt_root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else home() / "split" / "server-checkpoints"
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.Lock()
+        self.rng_lock = threading.Lock()  # dropout draws from the process-wide RNG
+
+    # ----------------------------------------------------------------- helpers
+
+    def _session(self, session_id: str) -> Session:
+        with self.lock:
+            sess = self.sessions.get(session_id)
+        if sess is None:
+            raise CallError(grpc.StatusCode.NOT_FOUND,
+                            f"no session {session_id[:8]}… on this server (it restarted, or the session timed out)")
+        sess.touch()
+        return sess
+
+    def _session_root(self, name: str) -> Path:
+        if not SESSION_NAME.match(name or ""):
+            raise _invalid(f"session name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        return safe_join(self.ckpt_root, name)
+
+    def info_reply(self, session_name: str = "") -> pb.InfoReply:
+        steps = ckpt.valid_steps(self._session_root(session_name)) if session_name else []
+        return pb.InfoReply(
+            model_id=self.cfg.model, model_type=self.arch.model_type, model_fingerprint=self.fingerprint,
+            num_layers=self.arch.num_layers, hidden_size=self.arch.hidden_size,
+            split_point_1=self.cfg.split_point_1, split_point_2=self.cfg.split_point_2, codecs=list(CODECS),
+            active_sessions=len(self.sessions), checkpoint_steps=steps, version=__version__,
+            device=str(self.device), lora=self._lora_msg(), max_message_bytes=MAX_MESSAGE_BYTES)
+
+    def _lora_msg(self) -> pb.LoraSpec:
+        return pb.LoraSpec(enabled=self.cfg.use_lora, r=self.peft.r, alpha=self.peft.alpha, dropout=self.peft.dropout,
+                           target_modules=targets(self.peft, self.arch.model_type))
+
+    def _new_trunk(self, seed: int) -> tuple[Trunk, list[nn.Parameter]]:
+        # A structural copy whose frozen base weights are the shared tensors (the memo maps them to
+        # themselves): each session adds only its LoRA and optimizer state.
+        memo = {id(p): p for p in self.base.parameters()}
+        trunk = copy.deepcopy(self.base, memo)
+        params = apply_lora(trunk, self.peft, seed, self.arch.canonical) if self.cfg.use_lora else []
+        trunk.to(self.device)
+        return trunk, params
+
+    def _tensor(self, msg: pb.Tensor, what: str) -> torch.Tensor:
+        try:
+            return decode(msg)
+        except CodecError as err:
+            raise _invalid(f"{what}: {err}") from None
+
+    def _inputs(self, req: pb.ForwardRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self._tensor(req.hidden, "hidden")
+        if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < 1 or hidden.shape[2] != self.arch.hidden_size:
+            raise _invalid(f"hidden must be [batch, seq, {self.arch.hidden_size}], got {list(hidden.shape)}")
+        if not hidden.is_floating_point():
+            raise _invalid("hidden must be a floating tensor")
+        b, t = hidden.shape[:2]
+        mask = self._tensor(req.attention_mask, "attention_mask")
+        if tuple(mask.shape) != (b, t) or mask.is_floating_point():
+            raise _invalid(f"attention_mask must be an integer/bool tensor [{b}, {t}], got {mask.dtype} {list(mask.shape)}")
+        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+            raise _invalid("attention_mask values must be 0 or 1")
+        pos = self._tensor(req.positions, "positions")
+        if pos.ndim != 2 or pos.shape[1] != t or pos.shape[0] not in (1, b) or pos.is_floating_point() \
+                or pos.dtype == torch.bool:
+            raise _invalid(f"positions must be an integer tensor [{b} or 1, {t}], got {pos.dtype} {list(pos.shape)}")
+        if pos.numel() and int(pos.min()) < 0:
+            raise _invalid("positions must be >= 0")
+        return hidden, mask.to(torch.long), pos.to(torch.long)
+
+    def _autocast(self, sess: Session):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=sess.mixed_precision)
+
+    # ----------------------------------------------------------------- RPCs
+
+    def OpenSession(self, req: pb.OpenSessionRequest, context) -> pb.OpenSessionReply:
+        cfg = self.cfg
+        if (req.split_point_1, req.split_point_2) != (cfg.split_point_1, cfg.split_point_2):
+            raise _precondition(
+                f"split points differ: this server runs the trunk layers [{cfg.split_point_1}, {cfg.split_point_2}) "
+                f"(--split-point-1 {cfg.split_point_1} --split-point-2 {cfg.split_point_2}), the client asked for "
+                f"[{req.split_point_1}, {req.split_point_2}); start the client with the server's split points")
+        if req.model_fingerprint != self.fingerprint:
+            raise _precondition(
+                f"model differs: this server serves {cfg.model!r} (fingerprint {self.fingerprint}), the client loaded "
+                f"{req.model_id!r} (fingerprint {req.model_fingerprint or 'none'}); both sides need the same checkpoint")
+        if req.codec not in CODECS:
+            raise _invalid(f"unknown codec {req.codec!r}; use one of {', '.join(CODECS)}")
+        root = self._session_root(req.session_name)
+        with self.lock:
+            replaced = [s for s in self.sessions.values() if s.name == req.session_name]
+            if len(self.sessions) - len(replaced) >= cfg.max_sessions:
+                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the server holds its maximum of {cfg.max_sessions} sessions; try again later")
+        trunk, params = self._new_trunk(int(req.seed))
+        optimizer = None
+        if params:
+            optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=float(req.weight_decay))
+        step = 0
+        if req.resume_step > 0:
+            try:
+                path, state = ckpt.read(root, int(req.resume_step))
+            except FileNotFoundError:
+                have = ckpt.valid_steps(root)
+                raise _precondition(f"this server holds no checkpoint of session {req.session_name!r} at step "
+                                    f"{req.resume_step} (it holds {have or 'none'})") from None
+            if state.get("fingerprint") != self.fingerprint:
+                raise _precondition(f"the checkpoint at {path} was made with another model")
+            if params:
+                load_lora_state(trunk, ckpt.load_tensors(path, "trunk_lora"), self.arch.canonical)
+            if optimizer is not None:
+                optimizer.load_state_dict(ckpt.load_blob(path, "optim")["optimizer"])
+            step = int(state["step"])
+        sess = Session(id=secrets.token_hex(16), name=req.session_name, trunk=trunk, params=params,
+                       optimizer=optimizer, codec=req.codec, seed=int(req.seed),
+                       mixed_precision=bool(req.mixed_precision), has_dropout=_has_dropout(trunk, self.base.config),
+                       step=step)
+        sess.trunk.train()
+        with self.lock:
+            for old in replaced:
+                self.sessions.pop(old.id, None)
+            self.sessions[sess.id] = sess
+        log.info("session %s opened (%s, codec %s, step %d%s)", req.session_name, sess.id[:8], req.codec, step,
+                 f", replaced {len(replaced)}" if replaced else "")
+        return pb.OpenSessionReply(session_id=sess.id, step=step, trainable_params=sum(p.numel() for p in params),
+                                   server_model_id=cfg.model, lora=self._lora_msg(),
+                                   session_timeout_s=cfg.session_timeout)
+
+    def Forward(self, req: pb.ForwardRequest, context) -> pb.ForwardReply:
+        sess = self._session(req.session_id)
+        hidden, mask, pos = self._inputs(req)
+        hidden, mask, pos = hidden.to(self.device), mask.to(self.device), pos.to(self.device)
+        dtype = next(self.base.parameters()).dtype
+        with sess.lock:
+            if not req.train:
+                with torch.no_grad(), self._autocast(sess):
+                    sess.trunk.eval()
+                    try:
+                        out = sess.trunk(hidden.to(dtype), mask, pos)
+                    finally:
+                        sess.trunk.train()
+                return pb.ForwardReply(hidden=encode(out, sess.codec))
+            if req.step != sess.step + 1:
+                raise _precondition(f"forward for step {req.step}, but this session is at step {sess.step} "
+                                    f"(the next step is {sess.step + 1})")
+            key = (int(req.step), int(req.micro_batch))
+            if key not in sess.inflight and len(sess.inflight) >= self.cfg.max_inflight:
+                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(sess.inflight)} micro-batches await their backward; send those first")
+            h_in = hidden.to(dtype).requires_grad_(True)
+            lock = self.rng_lock if sess.has_dropout else _NoLock()
+            with lock, seeded_rng(sess.seed, "trunk", key[0], key[1], self.device), self._autocast(sess):
+                h_out = sess.trunk(h_in, mask, pos)
+            sess.inflight[key] = (h_in, h_out)
+            sess.done.pop(key, None)
+            reply = pb.ForwardReply(hidden=encode(h_out.detach(), sess.codec))
+        sess.touch()
+        return reply
+
+    def Backward(self, req: pb.BackwardRequest, context) -> pb.BackwardReply:
+        sess = self._session(req.session_id)
+        key = (int(req.step), int(req.micro_batch))
+        with sess.lock:
+            if key in sess.done:
+                return sess.done[key]  # a retry whose first reply was lost
+            if key not in sess.inflight:
+                raise _precondition(f"no forward in flight for step {key[0]} micro-batch {key[1]}")
+            h_in, h_out = sess.inflight[key]
+            grad = self._tensor(req.grad, "grad")
+            if tuple(grad.shape) != tuple(h_out.shape) or not grad.is_floating_point():
+                raise _invalid(f"grad must have the forward output's shape {list(h_out.shape)}, got {list(grad.shape)}")
+            h_out.backward(grad.to(self.device, h_out.dtype))
+            del sess.inflight[key]
+            sq = 0.0
+            if req.last_micro_batch:
+                sq = float(sum((p.grad.detach().float() ** 2).sum() for p in sess.params if p.grad is not None))
+            reply = pb.BackwardReply(grad=encode(h_in.grad, sess.codec), trunk_grad_sq_norm=sq)
+            sess.done[key] = reply
+        sess.touch()
+        return reply
+
+    def Step(self, req: pb.StepRequest, context) -> pb.StepReply:
+        sess = self._session(req.session_id)
+        with sess.lock:
+            if req.step <= sess.step:
+                return pb.StepReply(step=sess.step)  # already applied: a retried call
+            if req.step != sess.step + 1:
+                raise _precondition(f"step {req.step} asked for, but this session is at step {sess.step}")
+            if not (math.isfinite(req.lr) and req.lr >= 0):
+                raise _invalid(f"learning rate must be finite and >= 0, got {req.lr}")
+            if not (math.isfinite(req.clip_coef) and 0 < req.clip_coef <= 1):
+                raise _invalid(f"clip_coef must be in (0, 1], got {req.clip_coef}")
+            if sess.inflight:
+                raise _precondition(f"{len(sess.inflight)} micro-batches of this step still await their backward")
+            if sess.optimizer is not None:
+                with torch.no_grad():
+                    for p in sess.params:
+                        if p.grad is not None:
+                            p.grad.mul_(req.clip_coef)
+                for group in sess.optimizer.param_groups:
+                    group["lr"] = req.lr
+                sess.optimizer.step()
+                sess.optimizer.zero_grad(set_to_none=True)
+            sess.step = int(req.step)
+            sess.done = {k: v for k, v in sess.done.items() if k[0] >= sess.step}
+        return pb.StepReply(step=sess.step)
+
+    def Health(self, req, context) -> pb.HealthReply:
+        return pb.HealthReply(status="ok")
+
+    def Info(self, req: pb.InfoRequest, context) -> pb.InfoReply:
+        return self.info_reply(req.session_name)
+
+    def SaveCheckpoint(self, req: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointReply:
+        sess = self._session(req.session_id)
+        with sess.lock:
+            if req.step != sess.step:
+                raise _precondition(f"checkpoint for step {req.step} asked for, but this session is at step {sess.step}")
+            weights = lora_state(sess.trunk, self.arch.canonical)
+            blobs = {"optim": {"optimizer": sess.optimizer.state_dict()}} if sess.optimizer is not None else {}
+            state = {"session": sess.name, "model": self.cfg.model, "fingerprint": self.fingerprint,
+                     "split_points": [self.cfg.split_point_1, self.cfg.split_point_2], "seed": sess.seed,
+                     "lora": self.peft.model_dump() if self.cfg.use_lora else None}
+            path = ckpt.write(self._session_root(sess.name), sess.step, {"trunk_lora": weights}, blobs, state,
+                              keep_last=self.cfg.keep_last)
+        log.info("session %s: checkpoint at step %d in %s", sess.name, sess.step, path)
+        reply = pb.SaveCheckpointReply(step=sess.step)
+        if req.return_weights:
+            reply.weights.extend(pb.NamedTensor(name=k, tensor=encode(v, "fp32")) for k, v in sorted(weights.items()))
+        return reply
+
+    def CloseSession(self, req: pb.CloseSessionRequest, context) -> pb.CloseSessionReply:
+        with self.lock:
+            sess = self.sessions.pop(req.session_id, None)
+        if sess is not None:
+            log.info("session %s closed (%s)", sess.name, sess.id[:8])
+        return pb.CloseSessionReply(closed=sess is not None)
+
+    # ----------------------------------------------------------------- housekeeping
+
+    def reap(self) -> list[str]:
+        """Free sessions idle for longer than the timeout; returns their names."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [s for s in self.sessions.values()
+                     if now - s.last_seen > self.cfg.session_timeout and not s.lock.locked()]
+            for s in stale:
+                del self.sessions[s.id]
+        for s in stale:
+            log.info("session %s timed out after %.0f s idle; freed", s.name, self.cfg.session_timeout)
+        return [s.name for s in stale]
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _guard(method):
+    """Run an RPC, turning CallError into its status and anything unexpected into INTERNAL."""
+
+    def wrapper(request, context):
+        try:
+            return method(request, context)
+        except CallError as err:
+            context.abort(err.code, err.message)
+        except SmolforgeError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, err.render())
+        except Exception as err:  # noqa: BLE001 - the server must outlive any one bad call
+            log.exception("internal error in %s", getattr(method, "__name__", "rpc"))
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    return wrapper
+
+
+class _Guarded:
+    """Wraps every RPC of a servicer with `_guard`."""
+
+    def __init__(self, service: TrunkService):
+        for name in ("OpenSession", "Forward", "Backward", "Step", "Health", "Info", "SaveCheckpoint", "CloseSession"):
+            setattr(self, name, _guard(getattr(service, name)))
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Refuse every call without `authorization: Bearer <token>` (Health excepted)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: pass --token (or set SMOLFORGE_SPLIT_TOKEN) as the server was started")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method in OPEN_METHODS:
+            return continuation(details)
+        given = next((v for k, v in details.invocation_metadata if k == AUTH_HEADER), "")
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given, self._expected):
+            return continuation(details)
+        return self._deny
+
+
+class TrunkServer:
+    """A running trunk server: `.port`, `.stop()`, `.wait()`."""
+
+    def __init__(self, cfg: ServeConfig, allow_no_token: bool = False):
+        if not cfg.token and not allow_no_token:
+            raise SmolforgeError("the trunk server needs a token", fix="pass --token T (or set SMOLFORGE_SPLIT_TOKEN)")
+        torch.set_num_threads(cfg.num_threads or _cpus())
+        self.cfg = cfg
+        self.service = TrunkService(cfg)
+        interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
+                                  options=CHANNEL_OPTIONS)
+        pb_grpc.add_TrunkServicer_to_server(_Guarded(self.service), self.server)
+        address = f"{cfg.host}:{cfg.port}"
+        creds = server_credentials(cfg.tls_cert, cfg.tls_key)
+        try:
+            self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
+        except RuntimeError as err:
+            raise SmolforgeError(f"cannot listen on {address}: {err}",
+                                 fix="pick a free --port, or stop what is listening there") from err
+        if not self.port:
+            raise SmolforgeError(f"cannot listen on {address}", fix="pick a free --port, or stop what is listening there")
+        self.tls = creds is not None
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="split-session-reaper", daemon=True)
+
+    def start(self) -> "TrunkServer":
+        self.server.start()
+        self._reaper.start()
+        return self
+
+    def _reap_loop(self) -> None:
+        period = max(0.05, min(5.0, self.cfg.session_timeout / 4))
+        while not self._stop.wait(period):
+            self.service.reap()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace).wait()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def describe(self) -> str:
+        a, cfg = self.service.arch, self.cfg
+        return (f"split trunk server listening on {cfg.host}:{self.port} ({'TLS' if self.tls else 'plaintext'}, "
+                f"{'token' if cfg.token else 'NO token'}): {cfg.model} ({a.model_type}, {a.num_layers} layers), "
+                f"trunk layers [{cfg.split_point_1}, {cfg.split_point_2}), "
+                f"LoRA {'r=' + str(cfg.lora_rank) if cfg.use_lora else 'off'}, device {self.service.device}")
+
+
+def _cpus() -> int:
+    from smolforge.train.engine import available_cpus
+
+    return available_cpus()
+
+
+def serve(cfg: ServeConfig, allow_no_token: bool = False) -> TrunkServer:
+    """Load the trunk and start serving; returns the running server."""
+    return TrunkServer(cfg, allow_no_token=allow_no_token).start()

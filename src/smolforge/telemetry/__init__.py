@@ -1,0 +1,1 @@
+"""Metrics writers (JSONL, TensorBoard) and progress reporting."""

@@ -1,0 +1,1 @@
+"""The single-worker training engine (also each rank of a data-parallel group)."""

@@ -1,0 +1,124 @@
+"""Atomic, checksummed training checkpoints that resume exactly.
+
+A checkpoint is `<output_dir>/checkpoints/step-<N>/` holding the trainable weights, the optimizer,
+the scheduler and RNG state, and `manifest.json` with a sha256 of every file. It is written into a
+temp directory and renamed into place, so a crash leaves the previous checkpoint intact; a
+checkpoint whose checksums do not match is skipped when resuming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from smolforge.paths import atomic_write_json
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    root = checkpoints_dir(output_dir)
+    if not root.exists():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and _step_of(p) >= 0]
+    return sorted(found, key=_step_of)
+
+
+def verify(path: Path) -> bool:
+    """True when the manifest exists and every file's checksum matches."""
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        return False
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        return all((path / name).exists() and sha256_file(path / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupt or half-written ones are passed over."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if verify(path):
+            return path
+    return None
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
+                    extra: dict[str, Any] | None = None, keep_last: int = 2) -> Path:
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
+    try:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_file(rng, str(tmp / "rng.safetensors"))
+        # Tensors plus plain numbers only: loaded back with weights_only=True.
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+        atomic_write_json(tmp / "state.json", {"step": step, **(extra or {})})
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / MANIFEST, {"step": step, "files": files})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and RNG; returns state.json."""
+    weights = load_file(str(path / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [n for n in weights if n not in params]
+    if missing:
+        raise RuntimeError(f"checkpoint {path} has weights the model lacks: {missing[:3]}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    blob = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,355 @@
+"""The training engine: one readable loop that is also each rank of a data-parallel group.
+
+Why it looks like this:
+- The order of samples is a pure function of (seed, step), so resuming from a checkpoint at step N
+  sees exactly the batches an uninterrupted run would, and rank r of a data-parallel group takes its
+  slice of the same global batch a single process would take whole.
+- The loss is a sum over target tokens divided by the target-token count of the whole optimizer
+  step (all micro-batches, all ranks), so gradient accumulation and data parallelism give the same
+  gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from smolforge.config import TrainConfig
+from smolforge.data.collate import collate
+from smolforge.data.splits import Splits, load_splits
+from smolforge.paths import atomic_write_json
+from smolforge.telemetry.progress import StepProgress
+from smolforge.telemetry.writers import MetricsWriter
+from smolforge.train import checkpoint as ckpt
+from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
+from smolforge.train.schedule import make_scheduler
+
+
+@dataclass
+class StepInfo:
+    step: int
+    max_steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    samples_done: int
+    samples_total: int
+    epoch: float
+
+
+@dataclass
+class TrainHooks:
+    on_step: Callable[[StepInfo], None] | None = None
+    on_checkpoint: Callable[[Path, int], None] | None = None
+    on_eval: Callable[[dict], None] | None = None
+    should_stop: Callable[[], str | None] | None = None
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    adapter_dir: str | None
+    steps: int
+    final_loss: float | None
+    eval: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    trainable_params: int = 0
+    total_params: int = 0
+    stopped: str | None = None
+    checkpoint_dir: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(values: list[float], device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16/fp16 only where asked or where it pays: on CPU 'auto' stays fp32 (measured slower)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return None
+
+
+class SampleOrder:
+    """Which rows each step uses: per-epoch seeded permutations, drop-last, sliced per rank."""
+
+    def __init__(self, n_rows: int, per_step: int, seed: int):
+        self.n_rows, self.per_step, self.seed = n_rows, per_step, seed
+        self.steps_per_epoch = max(1, n_rows // per_step) if n_rows >= per_step else 1
+        self._cache: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._cache:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._cache = {epoch: torch.randperm(self.n_rows, generator=g).tolist()}
+        return self._cache[epoch]
+
+    def step_rows(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = self._perm(epoch)
+        if self.n_rows < self.per_step:  # tiny data: wrap around
+            return [perm[i % self.n_rows] for i in range(self.per_step)]
+        return perm[k * self.per_step:(k + 1) * self.per_step]
+
+
+def total_steps(cfg: TrainConfig, order: SampleOrder) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.epochs * order.steps_per_epoch))
+
+
+def build_model(cfg: TrainConfig, device: torch.device):
+    """Tokenizer and the PEFT-wrapped model on device."""
+    from smolforge.models.loading import load_model, load_tokenizer
+    from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, device=device)
+    model = apply_peft(model, cfg.peft)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.to(device)
+    return tokenizer, model
+
+
+def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accuracy: bool = True) -> dict[str, Any]:
+    """Eval loss/perplexity (and accuracy where answers exist), each rank doing its shard."""
+    rank, world = _rank_world()
+    rows = splits.eval[rank::world]
+    loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
+    correct = total = 0
+    if accuracy and cfg.eval_accuracy and splits.eval_examples:
+        correct, total = exact_match_counts(model, tokenizer, splits.eval_examples[rank::world],
+                                            cfg.max_new_tokens, 64, device)
+    loss_sum, count, correct, total = _all_reduce([loss_sum, count, correct, total], device)
+    out: dict[str, Any] = {}
+    if count:
+        out["eval_loss"] = loss_sum / count
+        out["perplexity"] = perplexity(out["eval_loss"])
+    if total:
+        out["accuracy"] = correct / total
+    return out
+
+
+def _stop_code(hooks: TrainHooks, device) -> str | None:
+    """Rank 0's pause/cancel decision, shared with every rank so they leave the loop together."""
+    code = 0
+    if hooks.should_stop is not None:
+        decision = hooks.should_stop()
+        code = {"pause": 1, "cancel": 2}.get(decision or "", 0)
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([code], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        code = int(t.item())
+    return {1: "pause", 2: "cancel"}.get(code)
+
+
+def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
+          model=None, tokenizer=None) -> TrainResult:
+    """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones."""
+    from smolforge.models.peft_methods import save_adapter, trainable_summary
+
+    hooks = hooks or TrainHooks()
+    t_start = time.perf_counter()
+    rank, world = _rank_world()
+    torch.set_num_threads(cfg.num_threads or available_cpus())
+    from smolforge.models.loading import pick_device
+
+    device = pick_device(cfg.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    torch.manual_seed(cfg.seed)
+    if model is None or tokenizer is None:
+        tokenizer, model = build_model(cfg, device)
+    if splits is None:
+        splits = load_splits(cfg.data, tokenizer)
+    trainable, total_params = trainable_summary(model)
+    out_dir = Path(cfg.output_dir)
+    is_main = rank == 0
+    quiet = cfg.quiet or not is_main
+    log = (lambda *a: None) if quiet else _printer()
+    log(f"model {cfg.model}: trainable params: {trainable:,} || all params: {total_params:,} || "
+        f"trainable%: {100 * trainable / max(1, total_params):.2f}")
+    st = splits.stats
+    log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
+        f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
+
+    per_rank = cfg.batch_size * cfg.grad_accum
+    order = SampleOrder(len(splits.train), per_rank * world, cfg.seed)
+    steps = total_steps(cfg, order)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
+                                  foreach=device.type == "cuda" or None)
+    scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
+
+    start_step = 0
+    resumed_from = None
+    if cfg.resume:
+        latest = ckpt.latest_checkpoint(out_dir)
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+            start_step, resumed_from = int(state["step"]), str(latest)
+            log(f"resumed from {latest} at step {start_step}")
+
+    ddp_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    amp = autocast_dtype(cfg.precision, device)
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 and device.type == "cuda" else None
+    writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard, append=start_step > 0) if is_main else None
+
+    result = TrainResult(output_dir=str(out_dir), adapter_dir=None, steps=start_step, final_loss=None,
+                         trainable_params=trainable, total_params=total_params,
+                         data=splits.stats | {"resumed_from": resumed_from})
+    progress = StepProgress(steps, "train", quiet=quiet, completed=start_step)
+    model.train()
+    tokens_seen, t_loop = 0, time.perf_counter()
+    loss_val = float("nan")
+    stopped = None
+    try:
+        for step in range(start_step, steps):
+            rows = order.step_rows(step)
+            mine = rows[rank * per_rank:(rank + 1) * per_rank]
+            micro = [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
+                     for j in range(0, per_rank, cfg.batch_size)]
+            local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+            global_targets = _all_reduce([float(local_targets)], device)[0]
+            scale = world / max(1.0, global_targets)  # DDP averages over ranks; undo that
+            loss_total = 0.0
+            for j, m in enumerate(micro):
+                m = {k: v.to(device, non_blocking=True) for k, v in m.items()}
+                sync = j == len(micro) - 1 or world == 1
+                ctx = nullcontext() if sync or world == 1 else ddp_model.no_sync()
+                with ctx:
+                    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                        logits = ddp_model(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits
+                    loss_sum, _ = token_loss_sum(logits, m["labels"])
+                    loss = loss_sum * scale
+                    (scaler.scale(loss) if scaler else loss).backward()
+                loss_total += float(loss_sum.detach())
+                tokens_seen += int(m["attention_mask"].sum())
+            if scaler:
+                scaler.unscale_(optimizer)
+            if cfg.max_grad_norm:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            else:
+                grad_norm = float(torch.sqrt(sum((p.grad.detach().float() ** 2).sum()
+                                                 for p in model.parameters() if p.grad is not None)))
+            lr = scheduler.get_last_lr()[0]
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_val = _all_reduce([loss_total], device)[0] / max(1.0, global_targets)
+            done = step + 1
+            elapsed = time.perf_counter() - t_loop
+            tps = tokens_seen * world / max(elapsed, 1e-9)
+            info = StepInfo(step=done, max_steps=steps, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                            samples_done=done * per_rank * world, samples_total=steps * per_rank * world,
+                            epoch=done / order.steps_per_epoch)
+            if hooks.on_step:
+                hooks.on_step(info)
+            progress.update(done, f"loss {loss_val:.4f} · {tps:,.0f} tok/s")
+            if writer and (done % cfg.log_every == 0 or done == steps):
+                writer.log("train", done, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                           epoch=info.epoch)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
+                metrics = evaluate(model, tokenizer, splits, cfg, device)
+                if writer:
+                    writer.log("eval", done, **metrics)
+                if hooks.on_eval:
+                    hooks.on_eval({"step": done, **metrics})
+                log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            stopped = _stop_code(hooks, device)
+            if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
+                _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, is_main)
+            result.steps = done
+            if stopped:
+                break
+    finally:
+        progress.close()
+    result.final_loss = loss_val if loss_val == loss_val else None
+    loop_seconds = time.perf_counter() - t_loop
+    result.tokens_per_s = tokens_seen * world / max(loop_seconds, 1e-9)
+    result.stopped = stopped
+    if stopped is None:
+        result.eval = evaluate(model, tokenizer, splits, cfg, device)
+        if writer:
+            writer.log("eval", result.steps, **result.eval)
+        if hooks.on_eval:
+            hooks.on_eval({"step": result.steps, **result.eval})
+        if is_main:
+            adapter_dir = out_dir / f"{cfg.peft.method}_adapter"
+            save_adapter(model, adapter_dir, tokenizer=tokenizer)
+            result.adapter_dir = str(adapter_dir)
+            _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, is_main)
+    result.seconds = time.perf_counter() - t_start
+    if writer:
+        writer.close()
+    if is_main:
+        atomic_write_json(out_dir / "summary.json", result.to_dict())
+        if result.eval:
+            log("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
+    return result
+
+
+def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main) -> None:
+    if is_main:
+        path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler,
+                                    extra={"model": cfg.model, "peft": cfg.peft.method}, keep_last=cfg.keep_last)
+        result.checkpoint_dir = str(path)
+        if hooks.on_checkpoint:
+            hooks.on_checkpoint(path, step)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _printer():
+    from rich.console import Console
+
+    con = Console(stderr=True, highlight=False)
+    return lambda msg: con.print(msg, markup=False)

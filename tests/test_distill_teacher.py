@@ -1,0 +1,165 @@
+"""Teacher backends: batched HF generation with top-k, and the Ollama HTTP backend."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from smolforge.distill.store import read_shard, ready_shards, StorePlan
+from smolforge.distill.teacher import GenSettings, HFTeacher, PromptItem, prompts_from_dataset, run_teacher_local
+from smolforge.errors import SmolforgeError
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return HFTeacher("tiny-llama", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def items():
+    return prompts_from_dataset("bundled", max_samples=10)
+
+
+def test_batched_left_padded_generation_matches_one_by_one(teacher, items):
+    recs = teacher.generate(items, GenSettings(max_new_tokens=6, top_k=8, batch_size=4))
+    assert [r.example_id for r in recs] == [it.example_id for it in items]
+    for r in recs[:5]:
+        ids = torch.tensor([r.prompt_ids])
+        out = teacher.model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=teacher.pad_id,
+                                     eos_token_id=teacher.eos_id)
+        alone = out[0, ids.shape[1]:].tolist()
+        assert alone[:len(r.response_ids)] == r.response_ids
+        # top-k equals the unpadded teacher-forced forward pass over the response
+        with torch.no_grad():
+            logits = teacher.model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1:-1]
+        lp = torch.log_softmax(logits, -1)
+        v, i = lp.topk(8, -1)
+        assert np.allclose(v.numpy(), r.topk_logprobs, atol=1e-4)
+        assert np.array_equal(i.numpy(), r.topk_indices)
+        tail = 1 - np.exp(r.topk_logprobs).sum(-1)
+        assert np.allclose(tail, r.tail_mass, atol=1e-5)
+
+
+def test_sampling_settings(teacher, items):
+    s = GenSettings(temperature=0.9, top_p=0.9, max_new_tokens=5, samples_per_prompt=3, top_k=4, batch_size=8)
+    recs = teacher.generate(items[:3], s)
+    assert len(recs) == 9
+    assert [(r.example_id, r.sample_id) for r in recs] == [(e.example_id, j) for e in items[:3] for j in range(3)]
+    assert all(1 <= len(r.response_ids) <= 5 and r.topk_logprobs.shape == (len(r.response_ids), 4) for r in recs)
+    with pytest.raises(SmolforgeError, match="identical samples"):
+        teacher.generate(items[:1], GenSettings(samples_per_prompt=2))
+
+
+def test_local_teacher_writes_shards_with_plan(tmp_path):
+    manifests = run_teacher_local("tiny-llama", "bundled", tmp_path, num_shards=3, max_samples=9,
+                                  settings=GenSettings(max_new_tokens=4, top_k=8), device="cpu")
+    assert ready_shards(tmp_path) == [0, 1, 2]
+    plan = StorePlan.read(tmp_path)
+    assert plan.num_shards == 3 and plan.shards == [[0, 3], [3, 6], [6, 9]]
+    shard = read_shard(tmp_path, 1)
+    assert [r.example_id for r in shard.records] == [3, 4, 5]
+    assert manifests[0]["teacher"] == "tiny-llama" and manifests[0]["has_logits"]
+
+
+# --------------------------------------------------------------------------------------- Ollama
+
+def _entry(text: str, logprob: float, alts: list[tuple[str, float]]):
+    enc = lambda s: list(s.encode("utf-8"))  # noqa: E731
+    return {"token": text, "logprob": logprob, "bytes": enc(text),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": enc(t)} for t, lp in alts]}
+
+
+# Recorded from the protocol of Ollama ≥ 0.12.11 (`/api/chat`, stream false, logprobs + top_logprobs).
+RECORDED = {
+    "model": "qwen2.5:0.5b", "created_at": "2025-11-20T10:00:00.000Z",
+    "message": {"role": "assistant", "content": "12"},
+    "done": True, "done_reason": "stop", "total_duration": 81234567, "load_duration": 1234567,
+    "prompt_eval_count": 31, "eval_count": 2, "eval_duration": 45678901,
+    "logprobs": [_entry("1", -0.1, [("1", -0.1), ("2", -3.2), (" ", -4.0)]),
+                 _entry("2", -0.2, [("2", -0.2), ("3", -1.9), ("1", -3.5)])],
+}
+
+
+class _Recorded(BaseHTTPRequestHandler):
+    """Answers like `ollama serve` would, from a recording; Ollama itself cannot run on this machine."""
+
+    requests: list = []
+    with_logprobs = True
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append((self.path, body))
+        if body.get("model") != "qwen2.5:0.5b":
+            self._send(404, {"error": f"model '{body.get('model')}' not found"})
+            return
+        answer = dict(RECORDED)
+        if not (type(self).with_logprobs and body.get("logprobs")):
+            answer.pop("logprobs")
+        self._send(200, answer)
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def ollama_server():
+    _Recorded.requests = []
+    _Recorded.with_logprobs = True
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorded)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_ollama_backend_with_top_logprobs(ollama_server):
+    """Against a recorded-protocol server (Ollama cannot run here): text plus mapped top logprobs."""
+    from smolforge.distill.ollama import OllamaTeacher
+
+    # tiny-llama's byte-level tokenizer stands in for qwen2.5's: digits are single tokens in both.
+    t = OllamaTeacher("qwen2.5:0.5b", host=ollama_server, tokenizer_name="tiny-llama")
+    item = PromptItem(0, [{"role": "user", "content": "What is 5 + 7?"}], "12")
+    recs = t.generate([item], GenSettings(max_new_tokens=8, top_k=4, temperature=0.0))
+    path, body = _Recorded.requests[0]
+    assert path == "/api/chat" and body["logprobs"] is True and body["top_logprobs"] == 4
+    assert body["options"]["num_predict"] == 8 and body["messages"] == item.prompt_messages
+    (rec,) = recs
+    tok = t.tokenizer
+    assert rec.response_text == "12"
+    assert rec.response_ids == tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert rec.has_topk and rec.topk_logprobs.shape == (3, 4)
+    one, two = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2")
+    assert rec.topk_indices[0, 0] == one and rec.topk_indices[1, 0] == two
+    assert rec.topk_logprobs[0, 0] == pytest.approx(-0.1)
+    assert rec.tail_mass[0] == pytest.approx(1 - np.exp([-0.1, -3.2, -4.0]).sum(), abs=1e-6)
+    assert len(set(rec.topk_indices[0].tolist())) == 4  # padding ids are distinct
+
+
+def test_ollama_backend_text_only_and_errors(ollama_server):
+    """Recorded-protocol server without logprobs (older Ollama): records are text-only."""
+    from smolforge.distill.ollama import OllamaTeacher
+
+    _Recorded.with_logprobs = False
+    t = OllamaTeacher("qwen2.5:0.5b", host=ollama_server, tokenizer_name="tiny-llama")
+    (rec,) = t.generate([PromptItem(0, [{"role": "user", "content": "5+7?"}])], GenSettings(top_k=4))
+    assert rec.response_text == "12" and not rec.has_topk and rec.response_ids
+    missing = OllamaTeacher("llama3.2:1b", host=ollama_server, tokenizer_name="tiny-llama")
+    with pytest.raises(SmolforgeError, match="ollama pull"):
+        missing.generate([PromptItem(0, [{"role": "user", "content": "hi"}])], GenSettings())
+    dead = OllamaTeacher("qwen2.5:0.5b", host="http://127.0.0.1:9", tokenizer_name="tiny-llama")
+    with pytest.raises(SmolforgeError, match="cannot reach Ollama"):
+        dead.generate([PromptItem(0, [{"role": "user", "content": "hi"}])], GenSettings())
