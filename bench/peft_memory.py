@@ -81,14 +81,14 @@ def worker(args: argparse.Namespace) -> dict:
     import psutil
     import torch
 
-    from smolforge.config import PeftSpec
     from smolforge.models.loading import load_model, pick_device
-    from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
+    from smolforge.models.peft_methods import (apply_peft, enable_gradient_checkpointing, peft_spec_from_cli,
+                                               trainable_summary)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = pick_device(args.device)
-    model = apply_peft(load_model(args.model, device=device), PeftSpec(method=args.method))
+    model = apply_peft(load_model(args.model, device=device), peft_spec_from_cli(args.method, args.peft_config))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     trainable, total = trainable_summary(model)
@@ -146,6 +146,8 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
            "--threads", str(args.threads), "--device", args.device]
     if args.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
+    if args.peft_config:
+        cmd += ["--peft-config", args.peft_config]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
@@ -161,7 +163,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
     out = [
         f"model {args.model} ({base['total']:,} params), batch {args.batch} x seq {args.seq}, {args.steps} AdamW steps, "
         f"{args.threads} threads, device {base['device']}"
-        + (", gradient checkpointing" if args.gradient_checkpointing else ""),
+        + (", gradient checkpointing" if args.gradient_checkpointing else "")
+        + (f", --peft-config {args.peft_config}" if args.peft_config else ""),
         f"training overhead = {what} during training - after load (each method in a fresh process; "
         f"peak from {base['peak_source']})",
         "",
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--peft-config", default=None, help='JSON for every method, e.g. \'{"dropout": 0}\'')
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object at the end")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

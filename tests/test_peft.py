@@ -110,6 +110,23 @@ def test_train_save_reload_identical(model_name, method, tmp_path):
     assert pm.trainable_summary(reloaded)[0] == 0  # loaded for inference by default
 
 
+@pytest.mark.parametrize("method", pm.METHODS)
+def test_virtual_token_offset_lines_logits_up_with_labels(method):
+    batch = _batch(4)
+    model = pm.apply_peft(load_model("tiny-llama"), PeftSpec(method=method, num_virtual_tokens=5))
+    logits = _logits(model, batch)
+    offset = pm.virtual_token_offset(model)
+    assert offset == (5 if method == "prompt" else 0)
+    assert logits.shape[1] == batch["input_ids"].shape[1] + offset
+    # logits[:, offset + i] predicts input_ids[:, i + 1]; peft's labels= loss (which also scores the
+    # first real token from the last virtual position) is reproduced from that alignment
+    start = offset - 1 if offset else 0
+    targets = batch["labels"] if offset else batch["labels"][:, 1:]
+    shifted = logits[:, start:-1].reshape(-1, logits.shape[-1])
+    manual = torch.nn.functional.cross_entropy(shifted, targets.reshape(-1))
+    torch.testing.assert_close(manual, torch.tensor(_loss(model, batch)), rtol=1e-5, atol=1e-5)
+
+
 def test_trainable_message_format():
     model = pm.apply_peft(load_model("tiny-llama"), PeftSpec(method="lora", r=4))
     msg = pm.trainable_message(model)
@@ -225,6 +242,12 @@ def test_merge_houlsby_plain_refused_but_kept_on_request():
         pm.merge_adapter(model)
     assert "lora" in err.value.fix
     assert pm.merge_adapter(model, plain=False) is model
+
+
+def test_unknown_target_modules_is_clear():
+    with pytest.raises(SmolforgeError, match="cannot apply lora") as err:
+        pm.apply_peft(load_model("tiny-llama"), PeftSpec(method="lora", target_modules=["no_such_proj"]))
+    assert "target_modules" in err.value.fix
 
 
 def test_apply_twice_refused():

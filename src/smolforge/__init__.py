@@ -4,4 +4,22 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Client", "Orchestrator", "__version__", "create_distributed_training"]
+
+# Lazy: `import smolforge` stays light (no Ray, torch or httpx until these are used).
+_LAZY = {
+    "Client": ("smolforge.client", "Client"),
+    "Orchestrator": ("smolforge.orchestrator", "Orchestrator"),
+    "create_distributed_training": ("smolforge.orchestrator", "create_distributed_training"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'smolforge' has no attribute {name!r}")

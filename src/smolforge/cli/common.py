@@ -15,7 +15,11 @@ from smolforge.errors import SmolforgeError
 
 def quiet_libraries() -> None:
     """Keep library chatter (weight-loading bars, hub warnings) out of the user's terminal."""
+    import warnings
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -118,10 +118,22 @@ class ArtifactStore:
                 except (OSError, ValueError):
                     continue
                 out.append({"kind": kind_dir.name, "name": name, "files": sorted(meta["sha256"]),
+                            "sha256": meta["sha256"],
                             "bytes": meta.get("bytes"), "stored": meta.get("stored")})
         return out
 
     # -- uploads (datasets sent with a job) -----------------------------------------------------
+
+    def add_upload(self, src: str | Path) -> str:
+        """Copy a local file in (content-addressed); returns its sha256."""
+        data = Path(src).read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        dest = self.root / "uploads" / digest
+        if not dest.exists():
+            from smolforge.paths import atomic_write_bytes
+
+            atomic_write_bytes(dest, data)
+        return digest
 
     def upload_path(self, digest: str) -> Path:
         if not re.fullmatch(r"[0-9a-f]{64}", digest or ""):

@@ -106,8 +106,8 @@ class JobStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.RLock()
-        with self._tx() as db:
-            db.executescript(SCHEMA)
+        with self._write_lock:
+            self._db().executescript(SCHEMA)  # executescript manages its own transaction
 
     # -- plumbing -------------------------------------------------------------------------------
 

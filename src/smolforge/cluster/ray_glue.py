@@ -2,13 +2,13 @@
 
 API (stable; other packages build on it):
 
-    connect(address=None, *, state_dir=None, num_cpus=None) -> ClusterHandle
+    connect(address=None, *, state_dir=None, num_cpus=None, token=None) -> ClusterHandle
         Join a running coordinator's Ray cluster, or start an embedded local one. `address` is a Ray
         address ("host:6379"). With none given it uses $SMOLFORGE_RAY_ADDRESS, then the
         coordinator recorded in `<state_dir>/coordinator.json` if its Ray port answers, and
         otherwise starts an in-process cluster of this machine (`ray.init(address="local")`) that
         advertises itself as a worker. "One machine" is a cluster of one, same code path.
-        Token auth is always on: the token comes from `<state_dir>/token` (the coordinator's
+        Token auth is always on: the token comes from `token=`, `<state_dir>/token` (the coordinator's
         machine), `<state_dir>/node-token` (a joined worker), or $SMOLFORGE_TOKEN; the embedded
         cluster creates one in `<state_dir>/token` (0600). Calling connect again while connected
         returns the same handle.
@@ -339,9 +339,12 @@ def _resolve_address(address: str | None, sd: StateDir) -> str | None:
     return None
 
 
-def _token_file(sd: StateDir, create: bool) -> Path:
+def _token_file(sd: StateDir, create: bool, token: str | None = None) -> Path:
     from smolforge.cluster.auth import load_or_create_token, write_token
 
+    if token:
+        write_token(sd.node_token_path, token.strip())
+        return sd.node_token_path
     for p in (sd.token_path, sd.node_token_path):
         if p.exists() and p.read_text().strip():
             return p
@@ -364,7 +367,7 @@ def embedded_resources(num_cpus: int, models: dict[str, str] | None = None) -> d
 
 
 def connect(address: str | None = None, *, state_dir: str | Path | None = None,
-            num_cpus: int | None = None, object_store_mb: int | None = None) -> ClusterHandle:
+            num_cpus: int | None = None, object_store_mb: int | None = None, token: str | None = None) -> ClusterHandle:
     """Join the coordinator's Ray cluster, or start the embedded one (see the module docstring)."""
     global _HANDLE
     import ray
@@ -384,7 +387,7 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
             if not port.isdigit() or not port_open(host or "127.0.0.1", int(port), timeout=3):
                 raise SmolforgeError(f"cannot reach the cluster's Ray port at {addr}",
                                      fix="start the coordinator (`smolforge coordinator start`) or check host/port")
-            apply_ray_auth(_token_file(sd, create=False))
+            apply_ray_auth(_token_file(sd, create=False, token=token))
             try:
                 ray.init(address=addr, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
             except Exception as err:  # Ray reports auth failures and timeouts as several types

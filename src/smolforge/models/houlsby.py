@@ -171,13 +171,13 @@ def save_houlsby(model: nn.Module, out_dir: str | Path) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = getattr(model, "config", None)
-    first = next(iter(tensors.values()))
+    first = next(m for m in model.modules() if isinstance(m, BottleneckAdapter))
     payload = {
         "peft_type": PEFT_TYPE,
         "format_version": FORMAT_VERSION,
         "base_model_name_or_path": getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None),
         "model_type": getattr(config, "model_type", None),
-        "hidden_size": int(first.shape[-1]) if first.dim() == 2 else None,
+        "hidden_size": first.down.in_features,
         "activation": "gelu",
         "num_adapters": len(info["target_modules"]),
         **info,

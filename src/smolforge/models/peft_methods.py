@@ -98,6 +98,22 @@ def model_method(model: nn.Module) -> str:
     return "none"
 
 
+def virtual_token_offset(model: nn.Module) -> int:
+    """How many positions prompt tuning prepends to `outputs.logits` (0 for every other method).
+
+    Prompt tuning feeds its virtual tokens through the model as embeddings, so the logits are
+    `num_virtual_tokens` longer than `input_ids`; code that lines logits up with labels itself
+    (a hand-rolled loss, distillation against teacher logits) slices `logits[:, offset:]`.
+    peft's own `labels=` loss already accounts for it (and also scores the first real token from
+    the last virtual position). Prefix tuning does not lengthen the logits.
+    """
+    model = _unwrap(model)
+    if model_method(model) != "prompt":
+        return 0
+    config = model.peft_config[model.active_adapter]
+    return int(config.num_virtual_tokens) * int(getattr(config, "num_transformer_submodules", 1) or 1)
+
+
 def adapter_dir(output_dir: str | Path, method: str) -> Path:
     """Where a run's adapter goes: `<output_dir>/<method>_adapter` (the seed projects' layout)."""
     return Path(output_dir) / f"{method}_adapter"

@@ -51,6 +51,35 @@ def local_model_path(name: str) -> str:
     return name
 
 
+def engine_final_save_compat() -> None:
+    """Keep the engine's end-of-training save from deadlocking a data-parallel group.
+
+    `train()` calls its final `_save` on rank 0 only, and `_save` ends in `dist.barrier()`, which the
+    other ranks never enter (they have already returned): rank 0 would wait forever. Here the final
+    save (the one whose step equals `result.steps`) skips that barrier; periodic and pause saves,
+    which every rank reaches, keep it. Harmless if the engine later calls the final save on every
+    rank. Applied once per worker process.
+    """
+    from smolforge.train import engine
+
+    orig = engine._save
+    if getattr(orig, "_smolforge_compat", False):
+        return
+
+    def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main):
+        if result.steps != step:
+            return orig(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main)
+        barrier = engine.dist.barrier
+        engine.dist.barrier = lambda *a, **k: None
+        try:
+            return orig(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main)
+        finally:
+            engine.dist.barrier = barrier
+
+    _save._smolforge_compat = True
+    engine._save = _save
+
+
 class DPWorker:
     """Ray actor class (wrapped with ray.remote by WorkerGroup)."""
 
@@ -198,6 +227,7 @@ class DPWorker:
         def should_stop() -> str | None:
             return self._stop if is_main else None
 
+        engine_final_save_compat()
         hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop)
         self._running = True
         poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")

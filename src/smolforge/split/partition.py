@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,29 @@ def arch_of(config) -> Arch:
     prefix, family = SUPPORTED[model_type]
     return Arch(model_type=model_type, num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
                 layers_prefix=prefix, family=family)
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_full_model(name: str, device="cpu"):
+    """`load_model` (and the tokenizer) under a process-wide lock.
+
+    transformers' `from_pretrained` switches process-global state (meta-device init), so two
+    threads loading at once can get a model with tensors left on the meta device. Several
+    clients, or a client and a server, may live in one process (tests, the cluster layer).
+    """
+    from smolforge.models.loading import load_model
+
+    with _LOAD_LOCK:
+        return load_model(name, device=device)
+
+
+def load_tokenizer_locked(name: str):
+    from smolforge.models.loading import load_tokenizer
+
+    with _LOAD_LOCK:
+        return load_tokenizer(name)
 
 
 def check_split_points(sp1: int, sp2: int, num_layers: int) -> None:

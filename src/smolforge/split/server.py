@@ -41,7 +41,7 @@ from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
 from smolforge.split.codec import CODECS, CodecError, decode, encode
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, targets
-from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, partition
+from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, load_full_model, partition
 from smolforge.split.protocol import (AUTH_HEADER, CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, OPEN_METHODS, pb, pb_grpc,
                                       server_credentials)
 from smolforge.split.rng import seeded_rng
@@ -129,11 +129,11 @@ class TrunkService(pb_grpc.TrunkServicer):
     """The gRPC servicer. Model state is built once; sessions come and go."""
 
     def __init__(self, cfg: ServeConfig):
-        from smolforge.models.loading import load_model, pick_device
+        from smolforge.models.loading import pick_device
 
         self.cfg = cfg
         self.device = pick_device(cfg.device)
-        model = load_model(cfg.model, device=self.device)
+        model = load_full_model(cfg.model, device=self.device)
         self.arch = arch_of(model.config)
         check_split_points(cfg.split_point_1, cfg.split_point_2, self.arch.num_layers)
         self.fingerprint = fingerprint(model)
@@ -315,10 +315,9 @@ class TrunkService(pb_grpc.TrunkServicer):
                 raise _invalid(f"grad must have the forward output's shape {list(h_out.shape)}, got {list(grad.shape)}")
             h_out.backward(grad.to(self.device, h_out.dtype))
             del sess.inflight[key]
-            sq = 0.0
+            reply = pb.BackwardReply(grad=encode(h_in.grad, sess.codec))
             if req.last_micro_batch:
-                sq = float(sum((p.grad.detach().float() ** 2).sum() for p in sess.params if p.grad is not None))
-            reply = pb.BackwardReply(grad=encode(h_in.grad, sess.codec), trunk_grad_sq_norm=sq)
+                reply.trunk_grad_norms.extend(grad_norms(sess.params))
             sess.done[key] = reply
         sess.touch()
         return reply
@@ -393,6 +392,14 @@ class TrunkService(pb_grpc.TrunkServicer):
         for s in stale:
             log.info("session %s timed out after %.0f s idle; freed", s.name, self.cfg.session_timeout)
         return [s.name for s in stale]
+
+
+def grad_norms(params: list[nn.Parameter]) -> list[float]:
+    """Each gradient's 2-norm, computed as torch.nn.utils.clip_grad_norm_ does (float32, per tensor)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return []
+    return [float(n) for n in torch._foreach_norm(grads, 2.0)]
 
 
 class _NoLock:

@@ -33,7 +33,7 @@ from smolforge.split import checkpoint as ckpt
 from smolforge.split.client import SessionLost, TrunkClient
 from smolforge.split.codec import CODECS, decode, encode, encode_raw
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, save_peft_adapter
-from smolforge.split.partition import fingerprint, partition, positions_for
+from smolforge.split.partition import fingerprint, load_full_model, load_tokenizer_locked, partition, positions_for
 from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.split.rng import seeded_rng
 from smolforge.train.engine import SampleOrder, StepInfo, TrainHooks, available_cpus
@@ -126,6 +126,7 @@ class SplitTrainResult:
     checkpoint_dir: str | None = None
     resumed_from: int | None = None
     rollbacks: int = 0
+    retries: int = 0
     codec: str = "fp32"
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,7 +145,7 @@ class SplitTrainer:
     """One client run. `train()` does the loop; the pieces are methods so tests can drive them."""
 
     def __init__(self, cfg: SplitTrainConfig, hooks: TrainHooks | None = None, *, splits=None, tokenizer=None):
-        from smolforge.models.loading import load_model, load_tokenizer, pick_device
+        from smolforge.models.loading import pick_device
 
         self.cfg = cfg
         self.hooks = hooks or TrainHooks()
@@ -153,8 +154,8 @@ class SplitTrainer:
         torch.set_num_threads(cfg.num_threads or available_cpus())
         self.device = pick_device(cfg.device)
         self.log = (lambda msg: None) if cfg.quiet else _printer()
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model)
-        model = load_model(cfg.model, device=self.device)
+        self.tokenizer = tokenizer or load_tokenizer_locked(cfg.model)
+        model = load_full_model(cfg.model, device=self.device)
         self.fingerprint = fingerprint(model)
         self.total_params = sum(p.numel() for p in model.parameters())
         parts = partition(model, cfg.split_point_1, cfg.split_point_2, keep=("bottom", "top"))
@@ -162,8 +163,9 @@ class SplitTrainer:
         self.arch = parts.arch
         self.bottom, self.top = parts.bottom, parts.top
         self.peft = cfg.peft()
-        self.params = (apply_lora(self.bottom, self.peft, cfg.seed, self.arch.canonical)
-                       + apply_lora(self.top, self.peft, cfg.seed, self.arch.canonical))
+        self.bottom_params = apply_lora(self.bottom, self.peft, cfg.seed, self.arch.canonical)
+        self.top_params = apply_lora(self.top, self.peft, cfg.seed, self.arch.canonical)
+        self.params = self.bottom_params + self.top_params
         self.bottom.to(self.device).train()
         self.top.to(self.device).train()
         self.initial_lora = self._client_state()
@@ -315,7 +317,7 @@ class SplitTrainer:
         targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
         denom = float(max(1, targets))
         loss_total = 0.0
-        trunk_sq = 0.0
+        trunk_norms: list[float] = []
         for j, m in enumerate(micro):
             ids, mask, labels = (m[k].to(self.device) for k in ("input_ids", "attention_mask", "labels"))
             pos = positions_for(mask)
@@ -333,18 +335,10 @@ class SplitTrainer:
             self.train_bytes += req.ByteSize() + reply.ByteSize()
             if h1.requires_grad:
                 h1.backward(decode(reply.grad).to(self.device, h1.dtype))
-            trunk_sq = reply.trunk_grad_sq_norm
+            if j == len(micro) - 1:
+                trunk_norms = list(reply.trunk_grad_norms)
             loss_total += float(loss_sum.detach())
-        client_sq = float(sum((p.grad.detach().float() ** 2).sum() for p in self.params if p.grad is not None))
-        grad_norm = math.sqrt(client_sq + trunk_sq)
-        coef = 1.0
-        if self.cfg.max_grad_norm:
-            coef = min(1.0, self.cfg.max_grad_norm / (grad_norm + 1e-6))  # torch's clip_grad_norm_ rule
-        if coef < 1.0:
-            with torch.no_grad():
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        grad_norm, coef = self._clip(trunk_norms)
         lr = self.cfg.learning_rate * lr_lambda(step0, self.total_steps, self.cfg.warmup_steps, self.cfg.scheduler, 0.0)
         req = pb.StepRequest(session_id=self.session_id, step=s, lr=lr, clip_coef=coef)
         reply = self.client.call("Step", req)
@@ -355,6 +349,28 @@ class SplitTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss_total / denom, grad_norm, lr
+
+    @torch.no_grad()
+    def _clip(self, trunk_norms: list[float]) -> tuple[float, float]:
+        """Global gradient norm and clip coefficient, exactly as clip_grad_norm_ on the whole model.
+
+        torch stacks the per-tensor norms in parameter order and takes their norm in float32; the
+        model's order is bottom, trunk, top, so the client stacks its own norms around the
+        trunk's. Its gradients are scaled here; the trunk scales its own with the same coefficient.
+        """
+        from smolforge.split.server import grad_norms
+
+        norms = grad_norms(self.bottom_params) + [float(x) for x in trunk_norms] + grad_norms(self.top_params)
+        if not norms:
+            return 0.0, 1.0
+        total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32), 2.0)
+        if not self.cfg.max_grad_norm:
+            return float(total), 1.0
+        coef = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return float(total), float(coef)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
@@ -464,10 +480,11 @@ class SplitTrainer:
             result.adapter_dir = str(adapter)
             atomic_write_json(self.out_dir / "split_run.json", {**self._run_state(), "steps": step,
                                                                "adapter": adapter.name, "codec": cfg.codec})
-            self.client.call("CloseSession", pb.CloseSessionRequest(session_id=self.session_id), retry=False)
+        self._close_session()
         result.best_eval_loss = self.best_eval
         result.trunk_trainable_params = self.trunk_trainable
         result.bytes_sent, result.bytes_received = self.client.bytes_sent, self.client.bytes_received
+        result.retries = self.client.retries
         result.seconds = time.perf_counter() - t0
         writer.close()
         atomic_write_json(self.out_dir / "summary.json", result.to_dict())
@@ -494,6 +511,13 @@ class SplitTrainer:
             if self.hooks.on_eval:
                 self.hooks.on_eval({"step": step, **metrics})
         return metrics
+
+    def _close_session(self) -> None:
+        """Free the server's session now (paused runs reopen it from their checkpoint)."""
+        try:
+            self.client.call("CloseSession", pb.CloseSessionRequest(session_id=self.session_id), retry=False)
+        except (SmolforgeError, SessionLost):
+            pass  # the server frees it after its timeout anyway
 
     def close(self) -> None:
         self.client.close()

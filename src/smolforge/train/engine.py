@@ -135,12 +135,12 @@ def total_steps(cfg: TrainConfig, order: SampleOrder) -> int:
     return max(1, math.ceil(cfg.epochs * order.steps_per_epoch))
 
 
-def build_model(cfg: TrainConfig, device: torch.device):
+def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None):
     """Tokenizer and the PEFT-wrapped model on device."""
     from smolforge.models.loading import load_model, load_tokenizer
     from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing
 
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = tokenizer or load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=device)
     model = apply_peft(model, cfg.peft)
     if cfg.gradient_checkpointing:
@@ -196,10 +196,14 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     torch.manual_seed(cfg.seed)
-    if model is None or tokenizer is None:
-        tokenizer, model = build_model(cfg, device)
-    if splits is None:
+    if tokenizer is None:
+        from smolforge.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    if splits is None:  # before the model: bad data should fail in a second, not after a load
         splits = load_splits(cfg.data, tokenizer)
+    if model is None:
+        tokenizer, model = build_model(cfg, device, tokenizer)
     trainable, total_params = trainable_summary(model)
     out_dir = Path(cfg.output_dir)
     is_main = rank == 0

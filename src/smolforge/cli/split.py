@@ -1,0 +1,209 @@
+"""`smolforge split serve | train | merge | info`: split learning from the command line.
+
+The flags are the seed project's (SplitLearn's `start_trunk_server.py` and
+`train_lora_distributed.py`), so its users' commands carry over. Run as
+`python -m smolforge.cli.split <command>` too, which is what the tests start as a real process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import sys
+from typing import Any, Optional
+
+import typer
+
+from smolforge.cli.common import print_json, quiet_libraries, run_cli
+
+TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
+
+split_app = typer.Typer(
+    name="split",
+    help="Split learning: a trunk server runs the middle layers; the client keeps the data, the labels and "
+    "the first and last layers. All three parts train LoRA.\n\n"
+    "Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --token T",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+SPLIT_POINT_1 = typer.Option(..., "--split-point-1", help="bottom = embeddings + layers [0, A); 0: embeddings only")
+SPLIT_POINT_2 = typer.Option(..., "--split-point-2", help="trunk = layers [A, B); top = layers [B, n) + norm + head")
+
+
+@split_app.command("serve")
+@run_cli
+def serve_cmd(
+    model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
+    split_point_1: int = SPLIT_POINT_1,
+    split_point_2: int = SPLIT_POINT_2,
+    use_lora: bool = typer.Option(True, "--use-lora/--no-lora", help="train a LoRA on the trunk (default on)"),
+    lora_rank: int = typer.Option(8, help="trunk LoRA rank"),
+    lora_alpha: float = typer.Option(16.0, help="trunk LoRA alpha"),
+    lora_dropout: float = typer.Option(0.05, help="trunk LoRA dropout"),
+    device: str = typer.Option("cpu", help="cpu|cuda|auto"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes it to your network"),
+    port: int = typer.Option(50051, help="port to listen on (0: any free port)"),
+    token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"clients must send it (default: ${TOKEN_ENV}, "
+                                        "else a random one is printed)"),
+    no_token: bool = typer.Option(False, "--no-token", help="accept calls without a token (trusted loopback only)"),
+    tls_cert: Optional[str] = typer.Option(None, help="PEM certificate: serve over TLS"),
+    tls_key: Optional[str] = typer.Option(None, help="PEM private key of --tls-cert"),
+    checkpoint_dir: Optional[str] = typer.Option(None, help="where per-session trunk checkpoints go "
+                                                 "(default $SMOLFORGE_HOME/split/server-checkpoints)"),
+    session_timeout: float = typer.Option(900.0, help="free a session idle this many seconds (vanished client)"),
+    max_sessions: int = typer.Option(8, help="most concurrent client sessions"),
+    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+):
+    """Run the trunk server: layers [A, B) of MODEL, one LoRA and optimizer per client session.
+
+    Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --port 50051 --token s3cret
+    """
+    quiet_libraries()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    from smolforge.split.server import ServeConfig, serve
+
+    generated = False
+    if not token and not no_token:
+        token, generated = secrets.token_urlsafe(24), True
+    cfg = ServeConfig(model=model, split_point_1=split_point_1, split_point_2=split_point_2, use_lora=use_lora,
+                      lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, device=device, host=host,
+                      port=port, token=None if no_token else token, tls_cert=tls_cert, tls_key=tls_key,
+                      checkpoint_dir=checkpoint_dir, session_timeout=session_timeout, max_sessions=max_sessions,
+                      num_threads=num_threads)
+    server = serve(cfg, allow_no_token=no_token)
+    if generated:
+        typer.echo(f"token: {token}  (clients: --token {token}, or export {TOKEN_ENV}={token})", err=True)
+    typer.echo(server.describe())
+    sys.stdout.flush()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(2.0))
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop(1.0)
+
+
+@split_app.command("train")
+@run_cli
+def train_cmd(
+    model: str = typer.Option(..., help="the same model the server was started with"),
+    split_point_1: int = SPLIT_POINT_1,
+    split_point_2: int = SPLIT_POINT_2,
+    server_host: str = typer.Option("127.0.0.1", help="trunk server address"),
+    server_port: int = typer.Option(50051, help="trunk server port"),
+    token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"the server's token (default: ${TOKEN_ENV})"),
+    tls_ca: Optional[str] = typer.Option(None, help="PEM CA bundle that signed the server's certificate: use TLS"),
+    tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
+    lora_rank: int = typer.Option(8, help="bottom/top LoRA rank"),
+    lora_alpha: float = typer.Option(16.0),
+    lora_dropout: float = typer.Option(0.05),
+    batch_size: int = typer.Option(4, help="micro-batch size"),
+    learning_rate: float = typer.Option(2e-4),
+    weight_decay: float = typer.Option(0.0),
+    num_epochs: float = typer.Option(1.0),
+    max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --num-epochs)"),
+    dataset: str = typer.Option("bundled", help="JSONL file, or 'bundled' for the generated task set"),
+    data_format: str = typer.Option("auto", help="auto|alpaca|chat|prompt_completion|text"),
+    max_train_samples: Optional[int] = typer.Option(None, help="use only the first N training examples"),
+    max_eval_samples: int = typer.Option(64, help="held-out examples for Val Loss (0: no evaluation)"),
+    gradient_accumulation_steps: int = typer.Option(1, help="micro-batches per optimizer step"),
+    mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bf16 autocast on both sides"),
+    max_seq_length: int = typer.Option(256, help="truncate sequences to this many tokens"),
+    warmup_steps: int = typer.Option(0),
+    max_grad_norm: float = typer.Option(1.0, help="clip the global (client + trunk) gradient norm; 0: off"),
+    scheduler: str = typer.Option("linear", help="linear|cosine|constant"),
+    save_interval: int = typer.Option(0, help="checkpoint both sides every N steps (0: at the end)"),
+    eval_interval: int = typer.Option(0, help="evaluate every N steps (0: at the end)"),
+    log_interval: int = typer.Option(10, help="print a Step line every N steps"),
+    output_dir: str = typer.Option("outputs/split", help="checkpoints, metrics, lora_adapter/"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint both sides hold"),
+    codec: str = typer.Option("fp32", help="activations/gradients on the wire: fp32|fp16|bf16|int8"),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("cpu", help="cpu|cuda|auto"),
+    session_name: Optional[str] = typer.Option(None, help="names this run on the server (default: from --output-dir)"),
+    reconnect_timeout: float = typer.Option(300.0, help="keep retrying an unreachable server this many seconds"),
+    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="also write TensorBoard logs"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar or log lines"),
+    json_out: bool = typer.Option(False, "--json", help="print the result summary as JSON"),
+):
+    """Train the bottom and top here, the trunk on the server, all with LoRA.
+
+    Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051 --token s3cret --dataset bundled --max-steps 50
+    """
+    quiet_libraries()
+    from smolforge.config import validate
+    from smolforge.split.trainer import SplitTrainConfig, train_split
+
+    values: dict[str, Any] = dict(
+        model=model, split_point_1=split_point_1, split_point_2=split_point_2, server_host=server_host,
+        server_port=server_port, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, batch_size=batch_size, learning_rate=learning_rate,
+        weight_decay=weight_decay, num_epochs=num_epochs, max_steps=max_steps, dataset=dataset, data_format=data_format,
+        max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
+        gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision,
+        max_seq_length=max_seq_length, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm or None,
+        scheduler=scheduler, save_interval=save_interval, eval_interval=eval_interval, log_interval=log_interval,
+        output_dir=output_dir, resume=resume, codec=codec, seed=seed, device=device, session_name=session_name,
+        reconnect_timeout=reconnect_timeout, num_threads=num_threads, tensorboard=tensorboard, quiet=quiet)
+    cfg = validate(SplitTrainConfig, values, where="smolforge split train")
+    if not quiet:
+        logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    result = train_split(cfg)
+    if json_out:
+        print_json(result.to_dict())
+    elif not quiet:
+        typer.echo(f"done: {result.steps} steps, final loss {result.final_loss}, adapter {result.adapter_dir}", err=True)
+
+
+@split_app.command("merge")
+@run_cli
+def merge_cmd(
+    output_dir: str = typer.Option(..., help="the --output-dir of `smolforge split train`"),
+    merged_dir: Optional[str] = typer.Option(None, help="where the merged model goes (default <output-dir>/merged_model)"),
+    model: Optional[str] = typer.Option(None, help="base model (default: the one the run used)"),
+    step: Optional[int] = typer.Option(None, help="merge this checkpoint instead of the final adapter"),
+):
+    """Fold bottom + trunk + top LoRA into one full HF model directory (loads with `smolforge generate`).
+
+    Example: smolforge split merge --output-dir outputs/split --merged-dir outputs/split/merged_model
+    """
+    quiet_libraries()
+    from smolforge.split.merge import merge_run
+
+    path = merge_run(output_dir, merged_dir, model=model, step=step)
+    typer.echo(f"merged model written to {path}")
+
+
+@split_app.command("info")
+@run_cli
+def info_cmd(
+    server_host: str = typer.Option("127.0.0.1"),
+    server_port: int = typer.Option(50051),
+    token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV),
+    tls_ca: Optional[str] = typer.Option(None),
+    session_name: str = typer.Option("", help="also list the server checkpoints of this session"),
+):
+    """Ask a trunk server what it serves (model, split points, sessions, checkpoints) as JSON.
+
+    Example: smolforge split info --server-port 50051 --token s3cret
+    """
+    from google.protobuf.json_format import MessageToDict
+
+    from smolforge.split.client import TrunkClient
+
+    with TrunkClient(server_host, server_port, token, tls_ca, reconnect_timeout=5.0) as client:
+        print_json(MessageToDict(client.info(session_name), preserving_proto_field_name=True))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(split_app, name="split")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    split_app()

@@ -1,0 +1,259 @@
+"""`smolforge.Client`: the coordinator's REST API from Python, with the seeds' method names.
+
+    from smolforge import Client
+    c = Client("192.168.1.10", 5000, token="…")
+    job_id = c.submit_job("job.yaml")            # or a dict; local data files are uploaded first
+    c.get_job_status(job_id)                     # state, progress, samples, ETA, nodes, error
+    c.pause_job(job_id); c.resume_job(job_id); c.cancel_job(job_id)
+    c.join_job(job_id)                           # lend the coordinator node at the next checkpoint
+    c.job_logs(job_id); c.list_nodes(); c.list_jobs()
+    c.wait_for_job(job_id); c.download_adapter(job_id, "outputs/run")
+
+Errors come back as SmolforgeError with the server's what / where / fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from smolforge.errors import SmolforgeError
+
+
+def job_status(job: dict) -> dict:
+    """The compact status the seeds' monitor callbacks expect."""
+    return {
+        "job_id": job["id"], "name": job.get("name"), "state": job["state"], "progress": job.get("progress", 0.0),
+        "step": job.get("step"), "max_steps": job.get("max_steps"), "samples_done": job.get("samples_done"),
+        "samples_total": job.get("samples_total"), "eta_s": job.get("eta_s"), "loss": job.get("loss"),
+        "node": ", ".join(job.get("nodes") or []) or None, "nodes": job.get("nodes") or [],
+        "world_size": job.get("world_size"), "attempts": job.get("attempts"), "error": job.get("error"),
+        "result": job.get("result"),
+    }
+
+
+def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
+    """Replace local data files in a job spec by uploads (the workers share no filesystem with us)."""
+    train = spec.get("train") or {}
+    data = train.get("data") or {}
+    for key in ("path", "eval_path"):
+        value = data.get(key)
+        if not value or value == "bundled" or str(value).startswith("upload:"):
+            continue
+        path = Path(str(value)).expanduser()
+        if not path.is_file():
+            raise SmolforgeError(f"dataset {value} does not exist", where=f"train.data.{key}",
+                                 fix="check the path (or use 'bundled' for the generated task set)")
+        data[key] = upload(path)
+    return spec
+
+
+def format_event(e: dict) -> str:
+    ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+    return f"{ts} [{e['kind']}] {e['message']}"
+
+
+class Client:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = 5000, token: str | None = None, *,
+                 timeout: float = 60.0, state_dir: str | Path | None = None):
+        import httpx
+
+        from smolforge.cluster.worker import split_hostport
+
+        if ":" in host and port in (None, 5000):
+            host, port = split_hostport(host, port or 5000)
+        self.host, self.port = host, int(port or 5000)
+        self.base = f"http://{self.host}:{self.port}"
+        token = token or os.environ.get("SMOLFORGE_TOKEN")
+        if not token and state_dir is not None:
+            p = Path(state_dir) / "token"
+            token = p.read_text().strip() if p.exists() else None
+        self.token = token
+        self._http = httpx.Client(base_url=self.base, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {token}"} if token else {})
+
+    def __repr__(self) -> str:
+        return f"Client({self.base})"
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, raw: bool = False, **kw) -> Any:
+        import httpx
+
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise SmolforgeError(f"cannot reach the coordinator at {self.base} ({type(err).__name__})",
+                                 fix="start it with `smolforge coordinator start`, or pass --coordinator HOST:PORT") from None
+        if r.status_code == 401:
+            raise SmolforgeError("coordinator rejected the token", where=self.base,
+                                 fix="pass --token (or SMOLFORGE_TOKEN) as printed by `smolforge coordinator start`")
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"error": r.text[:300]}
+            raise SmolforgeError(str(body.get("error") or body.get("detail") or r.status_code),
+                                 where=body.get("where") or self.base, fix=body.get("fix"))
+        if not raw and r.headers.get("content-type", "").startswith("application/json"):
+            return r.json()
+        return r.content
+
+    # -- cluster ----------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        return self._request("GET", "/health")
+
+    def check_token(self) -> dict:
+        return self._request("GET", "/api/v1/auth/check")
+
+    def status(self) -> dict:
+        return self._request("GET", "/api/v1/status")
+
+    def list_nodes(self) -> list[dict]:
+        return self._request("GET", "/api/v1/nodes")
+
+    def resources(self) -> list[dict]:
+        return self._request("GET", "/api/v1/resources")
+
+    def metrics_text(self) -> str:
+        return self._request("GET", "/metrics").decode()
+
+    # -- jobs ---------------------------------------------------------------------------------------
+
+    def upload(self, path: str | Path) -> str:
+        """Send a local file to the coordinator; returns `upload:<sha256>` for a job spec."""
+        path = Path(path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        with open(path, "rb") as f:
+            out = self._request("POST", "/api/v1/uploads", content=f,
+                                headers={"Content-Type": "application/octet-stream"})
+        if out["id"] != digest:
+            raise SmolforgeError(f"upload of {path} arrived corrupted", fix="retry")
+        return out["ref"]
+
+    def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
+        """Submit a job spec (dict, or a YAML file); returns the job id. Local data files are uploaded."""
+        from smolforge.config import load_yaml
+
+        data = load_yaml(spec) if isinstance(spec, (str, Path)) else dict(spec)
+        apply_job_overrides(data, overrides or [])
+        data = stage_spec(data, self.upload)
+        return self._request("POST", "/api/v1/jobs", json=data)["job_id"]
+
+    def list_jobs(self, state: str | None = None) -> list[dict]:
+        return self._request("GET", "/api/v1/jobs", params={"state": state} if state else None)
+
+    def get_job(self, job_id: str) -> dict:
+        return self._request("GET", f"/api/v1/jobs/{job_id}")
+
+    def get_job_status(self, job_id: str) -> dict:
+        job = self.get_job(job_id)
+        st = job_status(job)
+        st["tasks"] = job.get("tasks", [])
+        return st
+
+    def pause_job(self, job_id: str) -> dict:
+        return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/pause"))
+
+    def resume_job(self, job_id: str) -> dict:
+        return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/resume"))
+
+    def cancel_job(self, job_id: str) -> dict:
+        return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/cancel"))
+
+    def join_job(self, job_id: str, node: str | None = None) -> dict:
+        """Lend the coordinator node (or `node`) to a running data-parallel job."""
+        return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/join", json={"node": node}))
+
+    def job_events(self, job_id: str, since: int = 0) -> list[dict]:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/events", params={"since": since})
+
+    def job_logs(self, job_id: str, since: int = 0) -> list[str]:
+        return [format_event(e) for e in self.job_events(job_id, since)]
+
+    def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/metrics", params={"name": name} if name else None)
+
+    def wait_for_job(self, job_id: str, timeout: float | None = None, poll: float = 1.0,
+                     callback: Callable[[dict], None] | None = None, until_paused: bool = True) -> dict:
+        """Poll until the job is completed, failed, cancelled (or paused); returns its status."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            st = job_status(self.get_job(job_id))
+            if callback:
+                callback(st)
+            if st["state"] in ("completed", "failed", "cancelled") or (until_paused and st["state"] == "paused"):
+                return st
+            if deadline and time.time() > deadline:
+                raise SmolforgeError(f"job {job_id} still {st['state']} after {timeout:.0f} s",
+                                     fix="wait longer or check `smolforge job logs " + job_id + "`")
+            time.sleep(poll)
+
+    def artifacts(self, job_id: str) -> list[dict]:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/artifacts")
+
+    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path) -> Path:
+        """Fetch one artifact directory, checking every file's sha256; written atomically."""
+        from smolforge.parallel.transfer import unpack_dir
+
+        entry = next((a for a in self.artifacts(job_id) if a["kind"] == kind and a["name"] == name), None)
+        if entry is None:
+            raise SmolforgeError(f"job {job_id} has no artifact {kind}/{name}", fix="list them with Client.artifacts")
+        files = {rel: self._request("GET", f"/api/v1/jobs/{job_id}/artifacts/{kind}/{name}/{rel}", raw=True)
+                 for rel in entry["files"]}
+        return unpack_dir({"files": files, "sha256": entry["sha256"]}, dest)
+
+    def download_adapter(self, job_id: str, output_dir: str | Path) -> Path:
+        """The finished job's adapter into `<output_dir>/<method>_adapter/`."""
+        adapters = [a for a in self.artifacts(job_id) if a["kind"] == "adapter"]
+        if not adapters:
+            raise SmolforgeError(f"job {job_id} has no adapter yet", fix="wait for it to complete")
+        name = adapters[-1]["name"]
+        return self.download_artifact(job_id, "adapter", name, Path(output_dir) / name)
+
+
+def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
+    """`--set` for job specs: keys of TrainConfig go under `train:` (training.x / train.x / x)."""
+    from smolforge.config import TrainConfig, apply_overrides
+
+    from smolforge.cluster.specs import DataParallelJob
+
+    job_keys = set(DataParallelJob.model_fields)
+    train_keys = set(TrainConfig.model_fields)
+    fixed = []
+    for item in overrides:
+        if "=" not in item:
+            raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
+        key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if parts[0] in ("training", "train"):
+            parts = parts[1:]
+            fixed.append("train." + ".".join(parts) + sep + value)
+        elif parts[0] in job_keys:
+            fixed.append(item)
+        elif parts[0] in train_keys:
+            fixed.append("train." + key.strip() + sep + value)
+        else:
+            fixed.append(item)
+    # config.apply_overrides strips a leading "training."; ours are already routed, so escape it
+    for item in fixed:
+        key, _, raw = item.partition("=")
+        node = data
+        parts = [p for p in key.split(".") if p]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        apply_overrides(node, [f"{parts[-1]}={raw}"])
+    return data

@@ -1,0 +1,196 @@
+"""The coordinator's control service (FastAPI): REST API, /metrics, /health and the dashboard.
+
+Every route needs `Authorization: Bearer <token>` except two that carry no data: `/health` (for load
+balancers and `worker join`'s reachability check) and the `/dashboard` page shell, which a browser
+loads before it has the token; the page then calls the API with the token it reads from the URL
+fragment (`/dashboard#token=…`, never sent to the server) or a login box.
+
+Errors are JSON `{"error", "where", "fix"}` with 400 (bad request), 401 (token), 404 (unknown job).
+Handlers are plain `def`: FastAPI runs them in its thread pool, which suits SQLite and Ray calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from smolforge.cluster.auth import bearer_of, tokens_match
+from smolforge.errors import SmolforgeError
+from smolforge.paths import safe_join
+
+MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**30)))
+
+
+def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
+    out = dict(job)
+    if tasks is not None:
+        out["tasks"] = tasks
+    return out
+
+
+def create_app(core: Any) -> FastAPI:
+    """`core` is a cluster.coordinator.CoordinatorCore (token, store, artifacts, manager, monitor, info)."""
+    app = FastAPI(title="smolforge coordinator", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def require_token(request: Request) -> None:
+        if not tokens_match(bearer_of(request.headers.get("authorization")), core.token):
+            raise HTTPException(status_code=401, detail="missing or wrong token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(require_token)]
+
+    @app.exception_handler(SmolforgeError)
+    def _smolforge_error(request: Request, err: SmolforgeError):
+        status = 404 if err.what.startswith("no job") else 400
+        return JSONResponse({"error": err.what, "where": err.where, "fix": err.fix}, status_code=status)
+
+    @app.exception_handler(HTTPException)
+    def _http_error(request: Request, err: HTTPException):
+        fix = "pass the cluster token (Authorization: Bearer <token>)" if err.status_code == 401 else None
+        return JSONResponse({"error": str(err.detail), "where": None, "fix": fix}, status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
+
+    # -- open routes ------------------------------------------------------------------------------
+
+    @app.get("/health")
+    def health():
+        return {"ok": True, "service": "smolforge-coordinator", "uptime_s": round(time.time() - core.started, 1)}
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    def dashboard():
+        from smolforge.dashboard import page
+
+        return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+    # -- cluster ----------------------------------------------------------------------------------
+
+    @app.get("/metrics", dependencies=auth)
+    def metrics():
+        from smolforge.cluster.metrics import render
+
+        body, ctype = render(core)
+        return Response(body, media_type=ctype)
+
+    @app.get("/api/v1/auth/check", dependencies=auth)
+    def auth_check():
+        return {"ok": True, **core.public_info()}
+
+    @app.get("/api/v1/status", dependencies=auth)
+    def status():
+        nodes = core.monitor.snapshot()
+        active = core.store.list_jobs(states=("pending", "running", "paused"))
+        return {"coordinator": core.public_info(), "nodes": nodes, "jobs": active,
+                "recent_jobs": core.store.list_jobs(limit=20)}
+
+    @app.get("/api/v1/nodes", dependencies=auth)
+    def list_nodes():
+        return core.monitor.snapshot()
+
+    @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
+    def heartbeat(node_id: str, sample: dict):
+        core.monitor.heartbeat(node_id, sample)
+        return {"ok": True}
+
+    @app.get("/api/v1/resources", dependencies=auth)
+    def resources():
+        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["resources"],
+                 "available": n["available"], "usage": n["usage"]} for n in core.monitor.snapshot()]
+
+    @app.get("/api/v1/events", dependencies=auth)
+    def cluster_events(since: int = 0, limit: int = 500):
+        return core.store.events(None, since_id=since, limit=limit)
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    @app.get("/api/v1/jobs", dependencies=auth)
+    def list_jobs(state: str | None = None, limit: int = 200):
+        states = tuple(s for s in (state or "").split(",") if s) or None
+        return core.store.list_jobs(states=states, limit=limit)
+
+    @app.post("/api/v1/jobs", dependencies=auth)
+    def submit_job(spec: dict):
+        job_id = core.manager.submit(spec)
+        return {"job_id": job_id, "job": core.store.get_job(job_id)}
+
+    @app.get("/api/v1/jobs/{job_id}", dependencies=auth)
+    def get_job(job_id: str):
+        job = core.store.get_job(job_id)
+        return job_view(job, core.store.tasks(job["id"]))
+
+    @app.get("/api/v1/jobs/{job_id}/events", dependencies=auth)
+    def job_events(job_id: str, since: int = 0, limit: int = 1000):
+        job = core.store.get_job(job_id)
+        return core.store.events(job["id"], since_id=since, limit=limit)
+
+    @app.get("/api/v1/jobs/{job_id}/metrics", dependencies=auth)
+    def job_metrics(job_id: str, name: str | None = None):
+        job = core.store.get_job(job_id)
+        return core.store.metrics(job["id"], name)
+
+    @app.post("/api/v1/jobs/{job_id}/pause", dependencies=auth)
+    def pause(job_id: str):
+        return core.manager.pause(job_id)
+
+    @app.post("/api/v1/jobs/{job_id}/resume", dependencies=auth)
+    def resume(job_id: str):
+        return core.manager.resume(job_id)
+
+    @app.post("/api/v1/jobs/{job_id}/cancel", dependencies=auth)
+    def cancel(job_id: str):
+        return core.manager.cancel(job_id)
+
+    @app.post("/api/v1/jobs/{job_id}/join", dependencies=auth)
+    def join(job_id: str, body: dict | None = None):
+        return core.manager.join(job_id, (body or {}).get("node"))
+
+    @app.get("/api/v1/jobs/{job_id}/artifacts", dependencies=auth)
+    def artifacts(job_id: str):
+        job = core.store.get_job(job_id)
+        return core.artifacts.all_for_job(job["id"])
+
+    @app.get("/api/v1/jobs/{job_id}/artifacts/{kind}/{name}/{path:path}", dependencies=auth)
+    def artifact_file(job_id: str, kind: str, name: str, path: str):
+        job = core.store.get_job(job_id)
+        if not core.artifacts.verify(job["id"], kind, name):
+            raise SmolforgeError(f"artifact {kind}/{name} of {job['id']} is missing or corrupt",
+                                 fix="list artifacts with `smolforge job show ID`")
+        target = safe_join(core.artifacts.path(job["id"], kind, name), path)
+        if not target.is_file():
+            raise SmolforgeError(f"no file {path} in {kind}/{name}", fix="list the artifact's files first")
+        return FileResponse(target)
+
+    # -- uploads ----------------------------------------------------------------------------------
+
+    @app.post("/api/v1/uploads", dependencies=auth)
+    async def upload(request: Request):
+        """Raw body in, content-addressed file out: `upload:<sha256>` can then be used in a job spec."""
+        up_dir = core.artifacts.root / "uploads"
+        up_dir.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=up_dir, prefix=".upload.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_UPLOAD_BYTES:
+                        raise SmolforgeError(f"upload larger than {MAX_UPLOAD_BYTES} bytes",
+                                             fix="set SMOLFORGE_MAX_UPLOAD_BYTES on the coordinator")
+                    h.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = h.hexdigest()
+            os.replace(tmp, up_dir / digest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return {"id": digest, "ref": f"upload:{digest}", "bytes": size}
+
+    return app

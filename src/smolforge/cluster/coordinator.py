@@ -1,0 +1,272 @@
+"""`smolforge coordinator start`: the Ray head plus the control service, on the user's main machine.
+
+Start-up order, and why:
+1. The token (created once, 0600) — Ray and the API both need it before anything listens.
+2. The Ray head, as our own child (`ray start --head --block`). If a head from an earlier run of this
+   coordinator is still up on the Ray port (the coordinator was killed, the head was not), we attach
+   to it instead: the workers stay connected and nothing has to re-join.
+   The head advertises the coordinator's CPUs but not the `smolforge-worker` resource, so training
+   never lands here unless a job is explicitly lent this node (`smolforge job join`).
+3. The job store, then the job manager recovers jobs that were running (from their last checkpoint).
+4. The node monitor (agents, heartbeats) and the FastAPI service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
+from smolforge.cluster.jobstore import JobStore
+from smolforge.cluster.statedir import StateDir, port_open
+from smolforge.errors import SmolforgeError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def outward_ip() -> str:
+    """The address other machines reach us at (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _is_ray_start(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"start" in cmd and b"--head" in cmd
+
+
+@dataclass
+class CoordinatorCore:
+    state: StateDir
+    token: str
+    store: JobStore
+    artifacts: ArtifactStore
+    manager: Any
+    monitor: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def public_info(self) -> dict[str, Any]:
+        return {k: self.info[k] for k in ("name", "api", "ray_address", "ray_port", "version", "node_id")
+                if k in self.info} | {"uptime_s": round(time.time() - self.started, 1)}
+
+
+@dataclass
+class CoordinatorOptions:
+    host: str = "127.0.0.1"
+    port: int = 5000
+    ray_port: int = 6379
+    state_dir: str | None = None
+    name: str = "coordinator"
+    cpus: int | None = None
+    models_dir: str | None = None
+    object_store_mb: int | None = None
+
+
+class Coordinator:
+    def __init__(self, opts: CoordinatorOptions):
+        self.opts = opts
+        self.state = StateDir.at(opts.state_dir)
+        self.head_proc = None
+        self.core: CoordinatorCore | None = None
+        self.server = None
+        self.attached = False
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _node_ip(self) -> str:
+        h = self.opts.host
+        if h in LOOPBACK:
+            return "127.0.0.1"
+        if h in ("0.0.0.0", "", "::"):
+            return outward_ip()
+        return h
+
+    def _check_not_running(self) -> None:
+        info = self.state.read_coordinator()
+        if info and info.get("pid") and info.get("pid") != os.getpid():
+            try:
+                os.kill(int(info["pid"]), 0)
+                alive = True
+            except (ProcessLookupError, ValueError):
+                alive = False
+            except PermissionError:
+                alive = True
+            if alive and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
+                raise SmolforgeError(f"a coordinator (pid {info['pid']}) already runs from {self.state.root}",
+                                     fix="use it, or stop it first (Ctrl-C in its terminal)")
+        if port_open("127.0.0.1" if self.opts.host in ("0.0.0.0", "") else self.opts.host, self.opts.port, 0.5):
+            raise SmolforgeError(f"port {self.opts.port} is already in use", fix="pick another --port")
+
+    def _start_head(self, token_path: Path) -> None:
+        from smolforge.cluster import ray_process
+        from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
+
+        ip = self._node_ip()
+        if port_open(ip, self.opts.ray_port, 0.5):
+            prev = self.state.read_coordinator() or {}
+            if prev.get("ray_port") == self.opts.ray_port:
+                self.attached = True  # our earlier head survived the coordinator: keep it and its workers
+                self.head_pid = prev.get("head_pid")
+                return
+            raise SmolforgeError(f"Ray port {self.opts.ray_port} is taken by something this coordinator did not start",
+                                 fix="pick another --ray-port")
+        cpus = self.opts.cpus if self.opts.cpus is not None else detect_cpus()
+        models = scan_hf_cache()
+        models.update(scan_models_dir(Path(self.opts.models_dir) if self.opts.models_dir else None))
+        resources = {ray_glue.HEAD_RESOURCE: 1000.0}
+        for m in with_aliases(models):
+            resources[ray_glue.model_resource(m)] = ray_glue.MODEL_AMOUNT
+        labels = {ray_glue.NAME_LABEL: self.opts.name, ray_glue.ROLE_LABEL: "coordinator",
+                  ray_glue.RAM_LABEL: f"{detect_ram_gb():.1f}"}
+        env = {**os.environ, **ray_auth_env(token_path), "RAY_USAGE_STATS_ENABLED": "0",
+               "SMOLFORGE_NODE_NAME": self.opts.name, "SMOLFORGE_NODE_DIR": str(self.state.node_dir)}
+        env.pop("RAY_AUTH_TOKEN", None)
+        cmd = ray_process.head_command(self.opts.ray_port, cpus=cpus, node_ip=ip, name=self.opts.name,
+                                       resources=resources, labels=labels, temp_dir=os.environ.get("RAY_TMPDIR"),
+                                       object_store_mb=self.opts.object_store_mb)
+        log = self.state.root / "logs" / "ray-head.log"
+        self.head_proc = ray_process.spawn(cmd, env, log, die_with_parent=False)
+        self.head_pid = self.head_proc.pid
+        ray_process.wait_for_port(ip, self.opts.ray_port, self.head_proc, 60, log)
+
+    def _connect(self, token_path: Path) -> None:
+        import ray
+
+        addr = f"{self._node_ip()}:{self.opts.ray_port}"
+        apply_ray_auth(token_path)
+        deadline = time.time() + 60
+        while True:
+            try:
+                ray_glue.connect(addr, state_dir=self.state.root)
+                return
+            except SmolforgeError:
+                if time.time() > deadline:
+                    raise
+                if ray.is_initialized():
+                    ray.shutdown()
+                time.sleep(1)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def setup(self) -> CoordinatorCore:
+        from smolforge import __version__
+        from smolforge.cluster.node_agent import NodeMonitor
+        from smolforge.cluster.scheduler import JobManager
+
+        self._check_not_running()
+        token = load_or_create_token(self.state.token_path)
+        self._start_head(self.state.token_path)
+        self._connect(self.state.token_path)
+        ip = self._node_ip()
+        client_host = ip if self.opts.host in ("0.0.0.0", "", "::") else self.opts.host
+        api = f"http://{client_host}:{self.opts.port}"
+        store = JobStore(self.state.db_path)
+        artifacts = ArtifactStore(self.state.artifacts)
+        manager = JobManager(store, artifacts)
+        monitor = NodeMonitor(api, token, store)
+        import ray
+
+        info = {"name": self.opts.name, "api": api, "host": self.opts.host, "host_for_clients": client_host,
+                "port": self.opts.port, "ray_address": f"{ip}:{self.opts.ray_port}", "ray_port": self.opts.ray_port,
+                "pid": os.getpid(), "head_pid": getattr(self, "head_pid", None), "version": __version__,
+                "node_id": ray.get_runtime_context().get_node_id(), "state_dir": str(self.state.root),
+                "attached": self.attached, "started": time.time()}
+        self.core = CoordinatorCore(self.state, token, store, artifacts, manager, monitor, info)
+        return self.core
+
+    def serve(self, ready: threading.Event | None = None, announce=print) -> None:
+        """Run until SIGINT/SIGTERM; then stop the API, the monitor and (if we started it) the Ray head."""
+        import uvicorn
+
+        from smolforge.cluster.api import create_app
+
+        core = self.core or self.setup()
+        app = create_app(core)
+        config = uvicorn.Config(app, host=self.opts.host, port=self.opts.port, log_level="warning",
+                                access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # we handle signals ourselves
+
+        def _stop(signum, frame):
+            self.server.should_exit = True
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _stop)
+            signal.signal(signal.SIGTERM, _stop)
+        core.monitor.start()
+        resumed = core.manager.recover()
+
+        def _announce():
+            while not self.server.started and not self.server.should_exit:
+                time.sleep(0.05)
+            if not self.server.started:
+                return
+            self.state.write_coordinator(core.info)
+            host = core.info["host_for_clients"]
+            lines = [
+                f"smolforge coordinator '{core.info['name']}' is up"
+                + (" (re-attached to the running Ray head)" if self.attached else ""),
+                f"  API:        {core.info['api']}   (Authorization: Bearer <token>)",
+                f"  dashboard:  {core.info['api']}/dashboard#token=<token>",
+                f"  Ray:        {core.info['ray_address']} (token auth on)",
+                f"  state:      {self.state.root}",
+                f"  token file: {self.state.token_path}",
+            ]
+            if resumed:
+                lines.append(f"  resuming {len(resumed)} job(s): {', '.join(resumed)}")
+            if host in LOOPBACK:
+                lines.append("  (listening on 127.0.0.1: only this machine can join; use --host 0.0.0.0 for a LAN)")
+            lines.append("Join workers with:")
+            lines.append(f"  smolforge worker join {host}:{self.opts.port} --token {core.token}")
+            announce("\n".join(lines))
+            if ready is not None:
+                ready.set()
+
+        threading.Thread(target=_announce, daemon=True).start()
+        try:
+            self.server.run()
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        from smolforge.cluster import ray_process
+
+        if self.core is not None:
+            self.core.monitor.stop()
+            self.core.manager.shutdown(timeout=5)
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:
+            pass
+        if self.head_proc is not None:
+            ray_process.stop(self.head_proc, timeout=20)
+            self.head_proc = None
+        elif self.attached and getattr(self, "head_pid", None) and _is_ray_start(int(self.head_pid)):
+            ray_process.stop(None, pid=int(self.head_pid), timeout=20)
+        info = self.state.read_coordinator()
+        if info and info.get("pid") == os.getpid():
+            try:
+                self.state.coordinator_file.unlink()
+            except OSError:
+                pass
+        sys.stdout.flush()

@@ -1,0 +1,160 @@
+"""The embedded cluster: no coordinator running, so this process is the coordinator.
+
+`ray_glue.connect()` starts an in-process Ray cluster of this machine (advertised as a worker), and
+the very same JobManager, worker group and control actor as on a real cluster run the job. The
+object has the `Client` methods the CLI and the Orchestrator use, so callers do not care which one
+they hold. State (job store, artifacts) lives in `$SMOLFORGE_HOME/embedded/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from smolforge.client import apply_job_overrides, format_event, job_status, stage_spec
+from smolforge.errors import SmolforgeError
+
+
+class EmbeddedCluster:
+    def __init__(self, state_dir: str | Path | None = None, num_cpus: int | None = None):
+        from smolforge.cluster import ray_glue
+        from smolforge.cluster.artifacts import ArtifactStore
+        from smolforge.cluster.jobstore import JobStore
+        from smolforge.cluster.scheduler import JobManager
+        from smolforge.cluster.statedir import StateDir
+        from smolforge.paths import home
+
+        self.state = StateDir.at(state_dir or home() / "embedded")
+        self.handle = ray_glue.connect(None, state_dir=self.state.root, num_cpus=num_cpus)
+        self.store = JobStore(self.state.db_path)
+        self.artifacts = ArtifactStore(self.state.artifacts)
+        self.manager = JobManager(self.store, self.artifacts)
+        self.base = "embedded"
+
+    def __repr__(self) -> str:
+        return f"EmbeddedCluster({self.state.root})"
+
+    def close(self) -> None:
+        self.manager.shutdown(timeout=10)
+        self.handle.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the Client surface -----------------------------------------------------------------------
+
+    def list_nodes(self) -> list[dict]:
+        out = []
+        for n in self.handle.nodes():
+            d = n.to_dict()
+            d.update(state="online", usage=None, heartbeat_age_s=None)
+            out.append(d)
+        return out
+
+    def status(self) -> dict:
+        return {"coordinator": {"name": "embedded", "api": None, "ray_address": "local"},
+                "nodes": self.list_nodes(), "jobs": self.store.list_jobs(states=("pending", "running", "paused")),
+                "recent_jobs": self.store.list_jobs(limit=20)}
+
+    def resources(self) -> list[dict]:
+        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["resources"],
+                 "available": n["available"], "usage": None} for n in self.list_nodes()]
+
+    def upload(self, path: str | Path) -> str:
+        return "upload:" + self.artifacts.add_upload(path)
+
+    def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
+        from smolforge.config import load_yaml
+
+        data = load_yaml(spec) if isinstance(spec, (str, Path)) else dict(spec)
+        apply_job_overrides(data, overrides or [])
+        return self.manager.submit(stage_spec(data, self.upload))
+
+    def list_jobs(self, state: str | None = None) -> list[dict]:
+        states = tuple(s for s in (state or "").split(",") if s) or None
+        return self.store.list_jobs(states=states)
+
+    def get_job(self, job_id: str) -> dict:
+        job = self.store.get_job(job_id)
+        return {**job, "tasks": self.store.tasks(job["id"])}
+
+    def get_job_status(self, job_id: str) -> dict:
+        job = self.get_job(job_id)
+        return {**job_status(job), "tasks": job["tasks"]}
+
+    def pause_job(self, job_id: str) -> dict:
+        return job_status(self.manager.pause(job_id))
+
+    def resume_job(self, job_id: str) -> dict:
+        return job_status(self.manager.resume(job_id))
+
+    def cancel_job(self, job_id: str) -> dict:
+        return job_status(self.manager.cancel(job_id))
+
+    def join_job(self, job_id: str, node: str | None = None) -> dict:
+        return job_status(self.manager.join(job_id, node))
+
+    def job_events(self, job_id: str, since: int = 0) -> list[dict]:
+        return self.store.events(self.store.get_job(job_id)["id"], since_id=since)
+
+    def job_logs(self, job_id: str, since: int = 0) -> list[str]:
+        return [format_event(e) for e in self.job_events(job_id, since)]
+
+    def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
+        return self.store.metrics(self.store.get_job(job_id)["id"], name)
+
+    def wait_for_job(self, job_id: str, timeout: float | None = None, poll: float = 1.0,
+                     callback: Callable[[dict], None] | None = None, until_paused: bool = True) -> dict:
+        job = self.manager.wait(job_id, timeout=timeout, on_update=(lambda j: callback(job_status(j))) if callback else None)
+        return job_status(job)
+
+    def artifacts_of(self, job_id: str) -> list[dict]:
+        return self.artifacts.all_for_job(self.store.get_job(job_id)["id"])
+
+    def download_adapter(self, job_id: str, output_dir: str | Path) -> Path:
+        job_id = self.store.get_job(job_id)["id"]
+        names = self.artifacts.list(job_id, "adapter")
+        if not names:
+            raise SmolforgeError(f"job {job_id} has no adapter yet", fix="wait for it to complete")
+        from smolforge.parallel.transfer import unpack_dir
+
+        dest = Path(output_dir) / names[-1]
+        return unpack_dir(self.artifacts.get(job_id, "adapter", names[-1]), dest)
+
+    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path) -> Path:
+        from smolforge.parallel.transfer import unpack_dir
+
+        job_id = self.store.get_job(job_id)["id"]
+        return unpack_dir(self.artifacts.get(job_id, kind, name), dest)
+
+
+def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,
+                embedded_ok: bool = False, num_cpus: int | None = None) -> Any:
+    """A Client for the given/configured coordinator, else (if allowed) the embedded cluster.
+
+    Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
+    dir (default $SMOLFORGE_HOME) that answers /health.
+    """
+    import os
+
+    from smolforge.client import Client
+    from smolforge.cluster.statedir import StateDir, port_open
+
+    coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
+    sd = StateDir.at(state_dir)
+    if not coordinator:
+        info = sd.read_coordinator()
+        if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
+            coordinator = f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
+    if coordinator:
+        if not token and not os.environ.get("SMOLFORGE_TOKEN") and sd.token_path.exists():
+            token = sd.token_path.read_text().strip()
+        return Client(coordinator, None, token=token)
+    if embedded_ok:
+        return EmbeddedCluster(num_cpus=num_cpus)
+    raise SmolforgeError("no coordinator given and none running from " + str(sd.root),
+                         fix="pass --coordinator HOST:PORT --token T (or set SMOLFORGE_COORDINATOR / SMOLFORGE_TOKEN), "
+                             "or start one with `smolforge coordinator start`")

@@ -1,0 +1,198 @@
+"""`smolforge worker join HOST:PORT --token T`: lend this machine to the cluster.
+
+1. Ask the coordinator's API whether the token is right (a wrong or missing token is refused within
+   seconds; Ray alone would wait ~20 s and then report a bare ConnectionError).
+2. Take stock of the machine (CPUs, RAM, GPUs, models) and refuse a name another live node has.
+3. Run `ray start --address … --block` as our child with the same token, advertising all of it as
+   Ray resources and labels (see `ray_glue`), and wait until the coordinator sees the node.
+4. Stay in the foreground. Ctrl-C / SIGTERM leaves the cluster. If the Ray node ends on its own
+   (the coordinator's machine went away), wait for the coordinator and join again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.auth import check_token_format, ray_auth_env, write_token
+from smolforge.cluster.statedir import StateDir
+from smolforge.errors import SmolforgeError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+REJECTED = "coordinator rejected the token"
+
+
+@dataclass
+class WorkerOptions:
+    coordinator: str
+    token: str | None = None
+    name: str | None = None
+    models_dir: str | None = None
+    cpus: int | None = None
+    gpus: int | None = None
+    memory_gb: float | None = None
+    state_dir: str | None = None
+    object_store_mb: int | None = None
+    rejoin: bool = True
+    scan_hf_cache: bool = True
+
+
+def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
+    text = text.strip()
+    for prefix in ("http://", "https://"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = text.rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, default_port
+    if not port.isdigit():
+        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix="e.g. smolforge worker join 192.168.1.10:5000 --token T")
+    return host or "127.0.0.1", int(port)
+
+
+def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0) -> dict:
+    """The coordinator's public info if it accepts `token`; SmolforgeError otherwise (fast)."""
+    import httpx
+
+    url = f"http://{host}:{port}"
+    try:
+        r = httpx.get(f"{url}/api/v1/auth/check", headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+    except httpx.HTTPError as err:
+        raise SmolforgeError(f"cannot reach the coordinator at {url} ({type(err).__name__})",
+                             fix="check HOST:PORT and that `smolforge coordinator start` runs there "
+                                 "(with --host 0.0.0.0 for other machines)") from None
+    if r.status_code == 401:
+        raise SmolforgeError(REJECTED, where=url,
+                             fix="copy the token printed by `smolforge coordinator start` (or from its state dir's `token` file)")
+    if r.status_code != 200:
+        raise SmolforgeError(f"coordinator answered {r.status_code}: {r.text[:200]}", where=url,
+                             fix="is that a smolforge coordinator?")
+    return r.json()
+
+
+def _label_value(text: str) -> str:
+    clean = re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-_.")[:63]
+    return clean or "unknown"
+
+
+def node_resources(inv, cpus: int) -> tuple[dict[str, float], dict[str, str]]:
+    res = {ray_glue.WORKER_RESOURCE: float(cpus)}
+    for m in inv.models:
+        res[ray_glue.model_resource(m)] = ray_glue.MODEL_AMOUNT
+    labels = {ray_glue.NAME_LABEL: inv.name, ray_glue.ROLE_LABEL: "worker",
+              ray_glue.RAM_LABEL: f"{inv.ram_gb:.1f}", ray_glue.GPUS_LABEL: str(len(inv.gpus))}
+    if inv.gpus:
+        labels[ray_glue.GPU_TYPE_LABEL] = _label_value(inv.gpus[0].name)
+        labels[ray_glue.GPU_MEM_LABEL] = f"{inv.gpus[0].memory_gb:.0f}"
+    return res, labels
+
+
+class WorkerNode:
+    def __init__(self, opts: WorkerOptions, announce=print):
+        self.opts = opts
+        self.announce = announce
+        self.proc = None
+        self.stopping = threading.Event()
+        self.host, self.port = split_hostport(opts.coordinator)
+
+    def _nodes(self, token: str) -> list[dict]:
+        import httpx
+
+        r = httpx.get(f"http://{self.host}:{self.port}/api/v1/nodes",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def start(self) -> str:
+        """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
+        from smolforge.cluster import ray_process
+        from smolforge.cluster.discovery import discover
+
+        token = check_token_format(self.opts.token or os.environ.get("SMOLFORGE_TOKEN"))
+        info = check_coordinator(self.host, self.port, token)
+        inv = discover(self.opts.name, models_dir=self.opts.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
+                       memory_gb=self.opts.memory_gb, scan_cache=self.opts.scan_hf_cache)
+        for n in self._nodes(token):
+            if n["name"] == inv.name and n["state"] != "dead":
+                raise SmolforgeError(f"a node named {inv.name!r} is already in the cluster",
+                                     fix="pick another --name")
+        self.inv = inv
+        state = StateDir.at(self.opts.state_dir)
+        write_token(state.node_token_path, token)
+        res, labels = node_resources(inv, inv.cpus)
+        node_ip = "127.0.0.1" if self.host in LOOPBACK else None
+        models = {k: v for k, v in inv.models.items()}
+        env = {**os.environ, **ray_auth_env(state.node_token_path), "RAY_USAGE_STATS_ENABLED": "0",
+               "SMOLFORGE_NODE_DIR": str(state.node_dir), "SMOLFORGE_NODE_NAME": inv.name,
+               "SMOLFORGE_MODEL_PATHS": json.dumps(models)}
+        env.pop("RAY_AUTH_TOKEN", None)
+        cmd = ray_process.worker_command(f"{self.host}:{info['ray_port']}", cpus=inv.cpus, gpus=len(inv.gpus),
+                                         node_ip=node_ip, name=inv.name, resources=res, labels=labels,
+                                         temp_dir=os.environ.get("RAY_TMPDIR"),
+                                         object_store_mb=self.opts.object_store_mb,
+                                         memory_bytes=int(inv.ram_gb * 1e9))
+        self.log = state.root / "logs" / f"ray-worker-{inv.name}.log"
+        self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
+        deadline = time.time() + 90
+        while time.time() < deadline and not self.stopping.is_set():
+            if self.proc.poll() is not None:
+                raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
+                                     fix=f"see {self.log}")
+            try:
+                if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
+                    line = f"Registered as {inv.name}: {inv.summary()}"
+                    return line
+            except Exception:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SmolforgeError(f"the coordinator did not see node {inv.name} within 90 s:\n{ray_process.tail(self.log)}",
+                             fix=f"check that this machine can reach {self.host}:{info['ray_port']} (Ray's port)")
+
+    def stop(self) -> None:
+        from smolforge.cluster import ray_process
+
+        self.stopping.set()
+        if self.proc is not None:
+            ray_process.stop(self.proc, timeout=20)
+
+    def run(self) -> int:
+        """Join, then stay up (re-joining after the cluster comes back) until told to stop."""
+        def _on_signal(signum, frame):
+            self.stopping.set()
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _on_signal)
+            signal.signal(signal.SIGTERM, _on_signal)
+        self.announce(self.start())
+        while True:
+            code = self.proc.wait()
+            if self.stopping.is_set():
+                self.stop()
+                return 0
+            self.announce(f"the Ray node stopped (exit {code}); waiting for the coordinator to re-join")
+            if not self.opts.rejoin:
+                return 1
+            while not self.stopping.is_set():
+                try:
+                    self.announce(self.start())
+                    break
+                except SmolforgeError as err:
+                    if err.what == REJECTED:
+                        raise
+                    self.stopping.wait(3)
+            if self.stopping.is_set():
+                self.stop()
+                return 0

@@ -1,0 +1,178 @@
+"""`create_distributed_training(...)` and the `Orchestrator`, with the seeds' names.
+
+    from smolforge import create_distributed_training
+    orch = create_distributed_training(mode="data_parallel", coordinator="192.168.1.10:5000", token="…")
+    orch.discover_nodes()
+    [job] = orch.create_data_parallel_tasks("tiny-llama", "data.jsonl", num_workers=2, batch_size=4, max_steps=100)
+    orch.monitor_tasks([job], callback=lambda task_id, status: print(task_id, status["state"], status["progress"]))
+
+With no coordinator given or configured, the orchestrator runs an embedded cluster of this machine
+(the same scheduler and worker-group code). A data-parallel worker group is one task: its id is the
+job id, and its status names every node of the group.
+
+The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, `create_student_tasks`,
+`aggregate_student_outputs`, `reassign_idle_teacher_as_student`) come from
+`smolforge.distill.orchestration.DistillTasks`, mixed in when that module is present. The mixin gets
+`self.cluster` (a connected `ray_glue.ClusterHandle`), `self.log_event(kind, message, **data)` /
+`self.events`, and may define `_local_task_status(task_id) -> dict | None` so `monitor_tasks` reports
+its tasks too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from smolforge.errors import SmolforgeError
+
+MODES = ("data_parallel", "teacher_student", "hybrid")
+FINAL_STATES = ("completed", "failed", "cancelled")
+
+try:  # the distillation engineer's task set; absent until written
+    from smolforge.distill.orchestration import DistillTasks as _DistillTasks
+except ImportError:  # pragma: no cover - depends on what is installed
+    class _DistillTasks:  # type: ignore[no-redef]
+        pass
+
+
+class Orchestrator(_DistillTasks):
+    def __init__(self, mode: str = "data_parallel", config: dict[str, Any] | None = None, *, backend: Any = None,
+                 coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None):
+        if mode not in MODES:
+            raise SmolforgeError(f"unknown mode {mode!r}", fix=f"use one of {', '.join(MODES)}")
+        from smolforge.cluster.embedded import backend_for
+
+        self.mode = mode
+        self.config = dict(config or {})
+        self.backend = backend or backend_for(coordinator, token, state_dir, embedded_ok=True)
+        self.events: list[dict[str, Any]] = []
+        self._cluster = None
+        self._token = token
+
+    def __repr__(self) -> str:
+        return f"Orchestrator(mode={self.mode!r}, backend={self.backend!r})"
+
+    # -- shared plumbing -------------------------------------------------------------------------
+
+    @property
+    def cluster(self):
+        """The Ray cluster behind the backend, connected on first use (ray_glue.ClusterHandle)."""
+        if self._cluster is None:
+            from smolforge.cluster import ray_glue
+
+            handle = getattr(self.backend, "handle", None)
+            if handle is not None:
+                self._cluster = handle
+            else:
+                info = self.backend.check_token()
+                self._cluster = ray_glue.connect(info["ray_address"], token=self.backend.token)
+        return self._cluster
+
+    def log_event(self, kind: str, message: str, **data: Any) -> None:
+        self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
+
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the seeds' API ----------------------------------------------------------------------------
+
+    def discover_nodes(self) -> list[dict[str, Any]]:
+        """Every node with CPUs, RAM, GPUs, models, role and state."""
+        nodes = self.backend.list_nodes()
+        self.log_event("discover", f"{len(nodes)} nodes", names=[n["name"] for n in nodes])
+        return nodes
+
+    def create_data_parallel_tasks(self, model_path: str, dataset_path: str, num_workers: int = 2,
+                                   batch_size: int = 4, epochs: float = 1.0, max_length: int = 256,
+                                   peft: str = "lora", lora_r: int = 8, lora_alpha: float = 16,
+                                   max_steps: int | None = None, lr: float | None = None,
+                                   save_every: int | None = None, seed: int = 0, max_retries: int = 2,
+                                   cpus_per_worker: float = 1.0, name: str | None = None,
+                                   **train_overrides: Any) -> list[str]:
+        """Submit one data-parallel job (a group of `num_workers` ranks); returns `[job_id]`.
+
+        `batch_size` is per worker; the global batch is batch_size x num_workers.
+        """
+        train: dict[str, Any] = {"model": model_path, "data": {"path": dataset_path, "max_length": max_length},
+                                 "peft": {"method": peft, "r": lora_r, "alpha": lora_alpha},
+                                 "batch_size": batch_size, "epochs": epochs, "seed": seed}
+        for key, value in (("max_steps", max_steps), ("lr", lr), ("save_every", save_every)):
+            if value is not None:
+                train[key] = value
+        data_keys = {"format", "eval_path", "eval_fraction", "max_eval_samples", "max_samples", "packing",
+                     "skip_bad_lines"}
+        for key, value in {**self.config.get("train", {}), **train_overrides}.items():
+            if key in data_keys:
+                train["data"][key] = value
+            else:
+                train[key] = value
+        spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "train": train,
+                "max_retries": max_retries, "cpus_per_worker": cpus_per_worker,
+                **{k: v for k, v in self.config.items() if k != "train"}}
+        job_id = self.backend.submit_job(spec)
+        self.log_event("submitted", f"data-parallel job {job_id} on {num_workers} workers", job_id=job_id)
+        return [job_id]
+
+    def task_status(self, task_id: str) -> dict[str, Any]:
+        local = getattr(self, "_local_task_status", None)
+        if local is not None:
+            st = local(task_id)
+            if st is not None:
+                return st
+        return self.backend.get_job_status(task_id)
+
+    def monitor_tasks(self, task_ids: list[str], callback: Callable[[str, dict], None] | None = None,
+                      poll: float = 1.0, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        """Watch tasks until each is completed, failed or cancelled (or paused).
+
+        `callback(task_id, status)` runs whenever a task's state or progress changes; status holds
+        state, progress, node (and nodes), samples_done/total, eta_s and error.
+        """
+        deadline = None if timeout is None else time.time() + timeout
+        last: dict[str, tuple] = {}
+        statuses: dict[str, dict] = {}
+        while True:
+            for tid in task_ids:
+                st = self.task_status(tid)
+                statuses[tid] = st
+                key = (st.get("state"), round(float(st.get("progress") or 0.0), 4), st.get("node"))
+                if last.get(tid) != key:
+                    last[tid] = key
+                    if callback:
+                        callback(tid, st)
+            if all(s.get("state") in FINAL_STATES + ("paused",) for s in statuses.values()):
+                return statuses
+            if deadline and time.time() > deadline:
+                return statuses
+            time.sleep(poll)
+
+    def get_job_status(self, job_id: str) -> dict[str, Any]:
+        return self.backend.get_job_status(job_id)
+
+    def pause(self, job_id: str) -> dict:
+        return self.backend.pause_job(job_id)
+
+    def resume(self, job_id: str) -> dict:
+        return self.backend.resume_job(job_id)
+
+    def cancel(self, job_id: str) -> dict:
+        return self.backend.cancel_job(job_id)
+
+    def join(self, job_id: str, node: str | None = None) -> dict:
+        return self.backend.join_job(job_id, node)
+
+
+def create_distributed_training(mode: str = "data_parallel", config: dict[str, Any] | None = None, *,
+                                coordinator: str | None = None, token: str | None = None,
+                                state_dir: str | Path | None = None) -> Orchestrator:
+    """An Orchestrator on the given/configured coordinator, or on an embedded cluster of this machine."""
+    return Orchestrator(mode, config, coordinator=coordinator, token=token, state_dir=state_dir)

@@ -1,0 +1,30 @@
+"""Small utilities shared by tests: run the CLI as a real subprocess, write JSONL files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smolforge(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """Run `python -m smolforge.cli.main ARGS` the way a user runs `smolforge ARGS`."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "smolforge.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"smolforge {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -1,0 +1,66 @@
+"""The commands as a user runs them: real subprocesses, --help examples, --json summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import last_json, smolforge
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo"])
+def test_help_has_an_example(command):
+    proc = smolforge(command, "--help", check=True)
+    assert "Example: smolforge" in proc.stdout
+
+
+def test_train_eval_generate_roundtrip(tmp_path):
+    out = tmp_path / "run"
+    proc = smolforge("train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "8", "--batch-size", "4",
+                     "--max-length", "48", "--output-dir", str(out), "--peft", "lora",
+                     "--peft-config", '{"r": 4, "alpha": 8, "dropout": 0.0}', "--set", "data.max_eval_samples=8",
+                     "--json", check=True)
+    summary = last_json(proc.stdout)
+    assert summary["steps"] == 8 and summary["adapter_dir"].endswith("lora_adapter")
+    assert {"eval_loss", "perplexity", "accuracy"} <= set(summary["eval"])
+    ev = last_json(smolforge("eval", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--data", "bundled",
+                             "--max-samples", "8", "--json", check=True).stdout)
+    assert ev["eval_loss"] == pytest.approx(summary["eval"]["eval_loss"], rel=1e-4)
+    gen = smolforge("generate", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--prompt", "What is 2 + 3?",
+                    "--max-new-tokens", "4", check=True)
+    assert gen.returncode == 0
+
+
+def test_config_file_and_set_override(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("model: tiny-llama\ndata:\n  path: bundled\n  max_length: 48\n  max_eval_samples: 4\n"
+                   "max_steps: 50\nbatch_size: 2\neval_accuracy: false\n")
+    proc = smolforge("train", "--config", str(cfg), "--set", "training.max_steps=3", "--output-dir", str(tmp_path / "o"),
+                     "--json", check=True)
+    assert last_json(proc.stdout)["steps"] == 3
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "nonsense"], "is not key=value"),
+    (["--set", "batch_size=0"], "batch_size"),
+    (["--peft", "magic"], "peft.method"),
+    (["--peft-config", "{r: 8"], "--peft-config is not valid JSON"),
+    (["--set", "no_such_key=1"], "no_such_key"),
+])
+def test_bad_settings_are_one_clear_line(tmp_path, args, needle):
+    proc = smolforge("train", "--model", "tiny-llama", "--data", "bundled", "--output-dir", str(tmp_path), *args)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("model: tiny-llama\ndata: [unclosed\n")
+    proc = smolforge("train", "--config", str(cfg))
+    assert proc.returncode == 2 and "cfg.yaml:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_json_shows_accuracy_rising(tmp_path):
+    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--max-steps", "150", timeout=600, check=True)
+    summary = last_json(proc.stdout)
+    assert {"before_accuracy", "after_accuracy", "eval_loss_before", "eval_loss_after", "seconds"} <= set(summary)
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    assert summary["after_accuracy"] > summary["before_accuracy"]

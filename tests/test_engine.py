@@ -1,0 +1,127 @@
+"""The engine: learning happens, accumulation is exact, resume is exact, checkpoints are safe."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from smolforge.config import DataSpec, PeftSpec, TrainConfig
+from smolforge.train import checkpoint as ckpt
+from smolforge.train.engine import SampleOrder, TrainHooks, train
+from smolforge.train.schedule import lr_lambda
+from tests.helpers import ROOT, smolforge
+
+
+def cfg(tmp: Path, **kw) -> TrainConfig:
+    base = dict(model="tiny-llama", data=DataSpec(path="bundled", max_length=48, max_eval_samples=16, max_samples=400),
+                peft=PeftSpec(method="lora", r=4, alpha=8, dropout=0.1), output_dir=str(tmp), max_steps=6,
+                batch_size=4, lr=5e-3, warmup_steps=2, quiet=True, tensorboard=False, eval_accuracy=False,
+                num_threads=1, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def adapter_weights(result) -> dict[str, torch.Tensor]:
+    files = list(Path(result.adapter_dir).glob("*.safetensors"))
+    assert files, f"no weights in {result.adapter_dir}"
+    return load_file(str(files[0]))
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_loss_goes_down_and_outputs_land(tmp_path):
+    result = train(cfg(tmp_path, max_steps=30, lr=1e-2, eval_every=15, tensorboard=True))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    assert train_losses[-1] < train_losses[0]
+    assert any(x["kind"] == "eval" and x["step"] == 15 for x in lines)
+    assert (tmp_path / "lora_adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "summary.json").exists() and list((tmp_path / "tensorboard").iterdir())
+    assert result.eval["eval_loss"] > 0 and result.eval["perplexity"] > 1
+    assert 0 < result.trainable_params < result.total_params
+
+
+def test_gradient_accumulation_equals_big_batch(tmp_path):
+    a = train(cfg(tmp_path / "a", batch_size=8, grad_accum=1, peft=PeftSpec(method="lora", r=4, dropout=0.0)))
+    b = train(cfg(tmp_path / "b", batch_size=4, grad_accum=2, peft=PeftSpec(method="lora", r=4, dropout=0.0)))
+    assert_same(adapter_weights(a), adapter_weights(b), atol=1e-5)
+
+
+def test_pause_then_resume_is_exact(tmp_path):
+    full = train(cfg(tmp_path / "full"))
+    calls = {"n": 0}
+
+    def stop_at_3():
+        calls["n"] += 1
+        return "pause" if calls["n"] == 3 else None
+
+    paused = train(cfg(tmp_path / "split"), TrainHooks(should_stop=stop_at_3))
+    assert paused.stopped == "pause" and paused.steps == 3 and paused.adapter_dir is None
+    assert ckpt.latest_checkpoint(tmp_path / "split").name == "step-3"
+    resumed = train(cfg(tmp_path / "split", resume=True))
+    assert resumed.steps == 6 and resumed.data["resumed_from"].endswith("step-3")
+    assert_same(adapter_weights(full), adapter_weights(resumed))
+
+
+def test_cancel_stops_without_saving(tmp_path):
+    result = train(cfg(tmp_path), TrainHooks(should_stop=lambda: "cancel"))
+    assert result.stopped == "cancel" and result.steps == 1 and result.adapter_dir is None
+
+
+def test_corrupt_checkpoint_is_skipped_and_keep_last(tmp_path):
+    train(cfg(tmp_path, max_steps=6, save_every=2, keep_last=2))
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert names == ["step-4", "step-6"]
+    (tmp_path / "checkpoints" / "step-6" / "trainable.safetensors").write_bytes(b"garbage")
+    assert not ckpt.verify(tmp_path / "checkpoints" / "step-6")
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-4"
+
+
+def test_sample_order_is_a_pure_function_of_step():
+    a, b = SampleOrder(100, 8, seed=1), SampleOrder(100, 8, seed=1)
+    assert [a.step_rows(s) for s in range(30)] == [b.step_rows(s) for s in reversed(range(30))][::-1]
+    epoch0 = sum((a.step_rows(s) for s in range(a.steps_per_epoch)), [])
+    assert len(set(epoch0)) == len(epoch0) == 96
+
+
+def test_schedule_warmup_then_decay():
+    assert lr_lambda(0, 100, 10, "cosine", 0.0) == pytest.approx(0.1)
+    assert lr_lambda(9, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_lambda(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_lambda(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
+
+
+def test_killed_run_resumes_to_identical_weights(tmp_path):
+    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted."""
+    args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "160", "--batch-size", "2",
+            "--max-length", "48", "--save-every", "5", "--seed", "7", "--num-threads", "1", "--quiet",
+            "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
+    smolforge(*args, "--output-dir", str(tmp_path / "ref"), check=True)
+    out = tmp_path / "crash"
+    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", *args, "--output-dir", str(out)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out / "checkpoints" / "step-10" / "manifest.json").exists():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (out / "lora_adapter").exists(), "the run finished before it could be killed"
+    smolforge(*args, "--output-dir", str(out), "--resume", check=True)
+    ref = load_file(str(tmp_path / "ref" / "lora_adapter" / "adapter_model.safetensors"))
+    got = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
+    assert_same(ref, got)
