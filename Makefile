@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, from the pinned CPU build: anything unpinned drags in GBs of CUDA packages.
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	# gRPC stubs for split learning, generated from the .proto by the pinned grpcio-tools.
+	$(BIN)/python -m smolforge.split.gen_proto
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,6 +6,8 @@ another's): load the model, apply the method, then train N AdamW steps on a fixe
 training minus RSS right after the model was loaded and the method applied. It includes
 gradients, optimizer state and activations, which are what PEFT saves.
 
+transformers maps the safetensors file lazily, so the worker reads every weight once before
+taking the baseline (otherwise the first forward would page the weights in and count them).
 On Linux the kernel's peak-RSS counter (VmHWM) is reset after loading (`/proc/self/clear_refs`),
 so load-time spikes do not count; elsewhere a 2 ms RSS sampler is used instead. On `--device
 cuda` the CUDA allocator's peak is reported in the same way (peak allocated minus allocated
@@ -98,6 +100,11 @@ def worker(args: argparse.Namespace) -> dict:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()
+    # transformers maps safetensors files lazily: weights only become resident when first read.
+    # Read them all now, so the baseline is a loaded model and not half a model.
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.float().sum().item()
 
     gc.collect()
     rss_loaded = psutil.Process().memory_info().rss
@@ -149,6 +156,10 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
     if args.peft_config:
         cmd += ["--peft-config", args.peft_config]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if args.malloc_mmap_threshold:
+        # A fixed threshold turns off glibc's sliding one, so big tensors are mmapped and given
+        # back on free: RSS then follows live memory instead of heap fragmentation.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -164,7 +175,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         f"model {args.model} ({base['total']:,} params), batch {args.batch} x seq {args.seq}, {args.steps} AdamW steps, "
         f"{args.threads} threads, device {base['device']}"
         + (", gradient checkpointing" if args.gradient_checkpointing else "")
-        + (f", --peft-config {args.peft_config}" if args.peft_config else ""),
+        + (f", --peft-config {args.peft_config}" if args.peft_config else "")
+        + (f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""),
         f"training overhead = {what} during training - after load (each method in a fresh process; "
         f"peak from {base['peak_source']})",
         "",
@@ -191,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--peft-config", default=None, help='JSON for every method, e.g. \'{"dropout": 0}\'')
+    p.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help="set MALLOC_MMAP_THRESHOLD_ for the workers (e.g. 131072); default: glibc's own")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object at the end")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,14 +1,17 @@
 """Split learning over loopback gRPC vs one-process training of the same model, per codec.
 
 Measures, in one run:
-- steps/s of split training (client here, trunk server in its own process on 127.0.0.1) against
-  local training of the same model with the same LoRA, data and settings, as a ratio;
+- steps/s (wall clock) and CPU time per step (client + server processes) of split training
+  (client here, trunk server in its own process on 127.0.0.1) against local training of the
+  same model with the same LoRA, data and settings, as ratios;
 - bytes on the wire per optimizer step (Forward + Backward + Step messages, protobuf-encoded);
 - the loss after N steps (train loss averaged over the last 5 steps, and eval loss) for each
   codec, next to fp32's and local training's.
 
 Both sides get the same number of torch threads; the split run is sequential (the client waits
-for the trunk), so at any moment it uses about as many cores as the local run.
+for the trunk), so at any moment it uses about as many cores as the local run. On a machine
+shared with other work, wall-clock numbers drift (two processes also get a bigger share of a
+contended CPU than one), so the CPU-time ratio is the steadier measure of the split's overhead.
 
 Example: python bench/split_throughput.py --model tiny-llama --steps 30
 """
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,6 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
+    import psutil
     import torch
 
     torch.set_num_threads(args.threads)
@@ -76,6 +81,7 @@ def main() -> None:
     from smolforge.models.loading import load_tokenizer
     from smolforge.split.local import build, train_local
     from smolforge.split.trainer import SplitTrainConfig, SplitTrainer
+    from smolforge.train.engine import TrainHooks
 
     tok = load_tokenizer(args.model)
     data = load_splits(DataSpec(path="bundled", max_samples=args.steps * args.batch_size,
@@ -85,11 +91,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="split-bench-"))
     server = start_server(args, port, token, str(work / "server"))
     spec = PeftSpec(r=args.rank, alpha=16, dropout=0.0)
+    server_proc = psutil.Process(server.pid)
+
+    def cpu_now() -> float:
+        t = server_proc.cpu_times()
+        return time.process_time() + t.user + t.system
+
+    marks: dict[int, tuple[float, float]] = {}
+
+    def mark(step: int) -> None:
+        """(CPU, wall) time at the end of steps 1 and N: both runs are timed over steps 2..N alone."""
+        if step in (1, args.steps):
+            marks[step] = (cpu_now(), time.perf_counter())
 
     def run_local(steps):
         model = build(args.model, spec, seed=0, device=args.device)
         return train_local(model, data.train, tok.pad_token_id, steps=steps, batch_size=args.batch_size,
-                           lr=args.lr, seed=0, device=args.device, total_steps=args.steps)
+                           lr=args.lr, seed=0, device=args.device, total_steps=args.steps, on_step=mark)
 
     def run_split(codec, rep):
         cfg = SplitTrainConfig(model=args.model, split_point_1=args.sp1, split_point_2=args.sp2, server_port=port,
@@ -97,25 +115,32 @@ def main() -> None:
                                learning_rate=args.lr, max_steps=args.steps, codec=codec, quiet=True,
                                num_threads=args.threads, device=args.device, max_seq_length=args.max_seq_length,
                                output_dir=str(work / f"{codec}-{rep}"), session_name=f"bench-{codec}-{rep}")
-        trainer = SplitTrainer(cfg, splits=data, tokenizer=tok)
+        trainer = SplitTrainer(cfg, TrainHooks(on_step=lambda info: mark(info.step)), splits=data, tokenizer=tok)
         try:
             return trainer.train()
         finally:
             trainer.close()
 
     codecs = args.codecs.split(",")
-    speed: dict[str, list[float]] = {name: [] for name in ["local", *codecs]}
+    configs = ["local", *codecs]
+    speed: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}  # CPU seconds per step, both processes
     results = {}
+
     try:
         run_local(2)  # warm-up
-        # Round-robin repeats: the machine's load drifts (shared cores), and each config sees the same drift.
+        # Round-robin repeats, each starting one config later: the load on shared cores drifts, and
+        # every config then sees the same drift at every position.
         for rep in range(args.repeats):
-            local = run_local(args.steps)
-            speed["local"].append(local.steps_per_s)
-            for codec in codecs:
-                res = run_split(codec, rep)
-                speed[codec].append(res.steps_per_s)
-                results[codec] = res
+            for name in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+                marks.clear()
+                if name == "local":
+                    local = run_local(args.steps)
+                else:
+                    results[name] = run_split(name, rep)
+                (c1, w1), (cn, wn) = marks[1], marks[args.steps]
+                cpu[name].append((cn - c1) / (args.steps - 1))
+                speed[name].append((args.steps - 1) / (wn - w1))
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -124,11 +149,14 @@ def main() -> None:
     local_loss = sum(local.losses[-5:]) / 5
     print(f"\nsplit learning over loopback gRPC: {args.model}, trunk layers [{args.sp1}, {args.sp2}), "
           f"batch {args.batch_size}, {args.steps} steps, LoRA r={args.rank}, {args.threads} thread(s) per side, "
-          f"device {args.device}; steps/s = median of {args.repeats} round-robin repeats (min-max)")
+          f"device {args.device}; steps/s = median of {args.repeats} round-robin repeats (min-max); "
+          f"CPU-ms/step = client + server process CPU time (robust to other load on the machine)")
+    local_cpu = statistics.median(cpu["local"])
     print(f"local (one process): {local_sps:.2f} steps/s ({min(speed['local']):.2f}-{max(speed['local']):.2f}), "
-          f"loss(last 5) {local_loss:.4f}\n")
-    print(f"{'codec':6} {'split steps/s':>20} {'ratio vs local':>15} {'KiB/step':>10} {'vs fp32 bytes':>14} "
-          f"{'loss(last 5)':>13} {'Δ vs local':>11} {'eval loss':>10} {'Δ eval vs fp32':>15}")
+          f"{1000 * local_cpu:.0f} CPU-ms/step, loss(last 5) {local_loss:.4f}\n")
+    print(f"{'codec':6} {'split steps/s':>20} {'ratio vs local':>15} {'CPU-ms/step':>12} {'CPU ratio':>10} "
+          f"{'KiB/step':>10} {'vs fp32 bytes':>14} {'loss(last 5)':>13} {'Δ vs local':>11} {'eval loss':>10} "
+          f"{'Δ eval vs fp32':>15}")
     ref = results.get("fp32", results[codecs[0]])
     fp32_eval = ref.eval.get("eval_loss", float("nan"))
     for codec in codecs:
@@ -137,7 +165,9 @@ def main() -> None:
         loss = sum(res.losses[-5:]) / 5
         ev = res.eval.get("eval_loss", float("nan"))
         span = f"{sps:.2f} ({min(speed[codec]):.2f}-{max(speed[codec]):.2f})"
-        print(f"{codec:6} {span:>20} {sps / local_sps:15.3f} {res.bytes_per_step / 1024:10.1f} "
+        c = statistics.median(cpu[codec])
+        print(f"{codec:6} {span:>20} {sps / local_sps:15.3f} {1000 * c:12.0f} {c / local_cpu:10.3f} "
+              f"{res.bytes_per_step / 1024:10.1f} "
               f"{res.bytes_per_step / ref.bytes_per_step:14.3f} {loss:13.4f} {loss - local_loss:+11.2e} {ev:10.4f} "
               f"{ev - fp32_eval:+15.2e}")
 

@@ -107,6 +107,27 @@ def test_split_equals_smolforge_train_engine(server, splits, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: split {a} != engine {b}"
 
 
+@pytest.mark.parametrize("codec,byte_ratio", [("fp16", 0.5), ("bf16", 0.5), ("int8", 0.27)])
+def test_lossy_codecs_train_close_to_fp32(server, splits, tmp_path, codec, byte_ratio):
+    tok, data = splits
+    fp32 = train_split(split_cfg(server.port, tmp_path / "fp32", max_steps=4), splits=data, tokenizer=tok)
+    lossy = train_split(split_cfg(server.port, tmp_path / codec, max_steps=4, codec=codec), splits=data, tokenizer=tok)
+    assert lossy.codec == codec
+    for a, b in zip(lossy.losses, fp32.losses):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    assert lossy.bytes_per_step / fp32.bytes_per_step == pytest.approx(byte_ratio, abs=0.02)
+
+
+def test_mixed_precision_runs_close_to_fp32(server, splits, tmp_path):
+    tok, data = splits
+    fp32 = train_split(split_cfg(server.port, tmp_path / "fp32", max_steps=3), splits=data, tokenizer=tok)
+    mixed = train_split(split_cfg(server.port, tmp_path / "bf16", max_steps=3, mixed_precision=True), splits=data,
+                        tokenizer=tok)
+    for a, b in zip(mixed.losses, fp32.losses):
+        assert a == a and abs(a - b) <= 5e-2 * abs(b)
+    assert mixed.losses != fp32.losses  # autocast really ran
+
+
 def no_dropout_copy(name: str, out) -> str:
     """A local checkpoint of preset `name` with dropout off, so a one-process run can match exactly."""
     from smolforge.models.loading import load_model

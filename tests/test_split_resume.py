@@ -118,8 +118,8 @@ def free_port() -> int:
 def start_server_process(port: int, ck: Path, log: Path) -> subprocess.Popen:
     """`python -m smolforge.cli.split serve`, a real process; returns once it listens."""
     cmd = [sys.executable, "-m", "smolforge.cli.split", "serve", "--model", "tiny-llama", "--split-point-1", "1",
-           "--split-point-2", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--port", str(port),
-           "--token", TOKEN, "--checkpoint-dir", str(ck), "--num-threads", "1"]
+           "--split-point-2", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
+           "--port", str(port), "--token", TOKEN, "--checkpoint-dir", str(ck), "--num-threads", "1"]
     err = open(log, "ab")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=dict(os.environ), text=True)
     line = [""]

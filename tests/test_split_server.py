@@ -112,7 +112,8 @@ def test_malformed_messages_get_error_statuses_and_the_server_stays_up(server, s
     # out-of-order step, unknown session, bad step values
     assert code_of(lambda: stub.Forward(forward_req(sid, good, step=5), metadata=MD, timeout=30)) == \
         grpc.StatusCode.FAILED_PRECONDITION
-    assert code_of(lambda: stub.Forward(forward_req("nope", good), metadata=MD, timeout=30)) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.Forward(forward_req("nope", good), metadata=MD, timeout=30)) == \
+        grpc.StatusCode.NOT_FOUND
     assert code_of(lambda: stub.Backward(pb.BackwardRequest(session_id=sid, step=1, micro_batch=9, grad=encode(good)),
                                          metadata=MD, timeout=30)) == grpc.StatusCode.FAILED_PRECONDITION
 
@@ -197,3 +198,21 @@ def test_two_clients_hold_separate_sessions(server, tmp_path):
     assert not errors, errors
     assert results[1] == alone[0] and results[2] == alone[1]
     assert alone[0] != alone[1]
+
+
+def test_frozen_trunk_without_lora(tmp_path):
+    """`serve --no-lora`: the trunk only passes gradients through; bottom and top still train."""
+    srv = serve(ServeConfig(model="tiny-llama", split_point_1=1, split_point_2=3, use_lora=False, port=0, token=TOKEN,
+                            num_threads=1, checkpoint_dir=str(tmp_path / "ck")))
+    try:
+        tok = load_tokenizer("tiny-llama")
+        data = load_splits(DataSpec(path="bundled", max_samples=16, max_length=48, max_eval_samples=4), tok)
+        cfg = SplitTrainConfig(model="tiny-llama", split_point_1=1, split_point_2=3, server_port=srv.port, token=TOKEN,
+                               lora_rank=2, batch_size=4, max_steps=2, learning_rate=1e-2, save_interval=1,
+                               output_dir=str(tmp_path / "run"), quiet=True, num_threads=1)
+        result = train_split(cfg, splits=data, tokenizer=tok)
+        assert result.trunk_trainable_params == 0 and result.trainable_params > 0 and result.steps == 2
+        resumed = train_split(cfg.model_copy(update={"max_steps": 3, "resume": True}), splits=data, tokenizer=tok)
+        assert resumed.resumed_from == 2 and resumed.steps == 3
+    finally:
+        srv.stop(0)

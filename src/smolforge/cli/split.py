@@ -133,7 +133,8 @@ def train_cmd(
 ):
     """Train the bottom and top here, the trunk on the server, all with LoRA.
 
-    Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051 --token s3cret --dataset bundled --max-steps 50
+    Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051
+    --token s3cret --dataset bundled --max-steps 50
     """
     quiet_libraries()
     from smolforge.config import validate
@@ -157,14 +158,16 @@ def train_cmd(
     if json_out:
         print_json(result.to_dict())
     elif not quiet:
-        typer.echo(f"done: {result.steps} steps, final loss {result.final_loss}, adapter {result.adapter_dir}", err=True)
+        typer.echo(f"done: {result.steps} steps, final loss {result.final_loss}, adapter {result.adapter_dir}",
+                   err=True)
 
 
 @split_app.command("merge")
 @run_cli
 def merge_cmd(
     output_dir: str = typer.Option(..., help="the --output-dir of `smolforge split train`"),
-    merged_dir: Optional[str] = typer.Option(None, help="where the merged model goes (default <output-dir>/merged_model)"),
+    merged_dir: Optional[str] = typer.Option(None, help="where the merged model goes "
+                                             "(default <output-dir>/merged_model)"),
     model: Optional[str] = typer.Option(None, help="base model (default: the one the run used)"),
     step: Optional[int] = typer.Option(None, help="merge this checkpoint instead of the final adapter"),
 ):

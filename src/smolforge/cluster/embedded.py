@@ -111,7 +111,7 @@ class EmbeddedCluster:
         job = self.manager.wait(job_id, timeout=timeout, on_update=(lambda j: callback(job_status(j))) if callback else None)
         return job_status(job)
 
-    def artifacts_of(self, job_id: str) -> list[dict]:
+    def list_artifacts(self, job_id: str) -> list[dict]:
         return self.artifacts.all_for_job(self.store.get_job(job_id)["id"])
 
     def download_adapter(self, job_id: str, output_dir: str | Path) -> Path:

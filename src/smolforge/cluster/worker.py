@@ -63,7 +63,9 @@ def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0) ->
 
     url = f"http://{host}:{port}"
     try:
-        r = httpx.get(f"{url}/api/v1/auth/check", headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+        ok = token and not any(c.isspace() for c in token)
+        r = httpx.get(f"{url}/api/v1/auth/check", headers={"Authorization": f"Bearer {token}"} if ok else {},
+                      timeout=timeout)
     except httpx.HTTPError as err:
         raise SmolforgeError(f"cannot reach the coordinator at {url} ({type(err).__name__})",
                              fix="check HOST:PORT and that `smolforge coordinator start` runs there "
@@ -115,8 +117,10 @@ class WorkerNode:
         from smolforge.cluster import ray_process
         from smolforge.cluster.discovery import discover
 
-        token = check_token_format(self.opts.token or os.environ.get("SMOLFORGE_TOKEN"))
+        token = (self.opts.token or os.environ.get("SMOLFORGE_TOKEN") or "").strip()
+        # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
         info = check_coordinator(self.host, self.port, token)
+        token = check_token_format(token)
         inv = discover(self.opts.name, models_dir=self.opts.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
                        memory_gb=self.opts.memory_gb, scan_cache=self.opts.scan_hf_cache)
         for n in self._nodes(token):
@@ -139,22 +143,32 @@ class WorkerNode:
                                          object_store_mb=self.opts.object_store_mb,
                                          memory_bytes=int(inv.ram_gb * 1e9))
         self.log = state.root / "logs" / f"ray-worker-{inv.name}.log"
-        self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
-        deadline = time.time() + 90
-        while time.time() < deadline and not self.stopping.is_set():
-            if self.proc.poll() is not None:
-                raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
-                                     fix=f"see {self.log}")
-            try:
-                if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
-                    line = f"Registered as {inv.name}: {inv.summary()}"
-                    return line
-            except Exception:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise SmolforgeError(f"the coordinator did not see node {inv.name} within 90 s:\n{ray_process.tail(self.log)}",
-                             fix=f"check that this machine can reach {self.host}:{info['ray_port']} (Ray's port)")
+        # A loaded machine can make Ray's own 30 s start-up check fail; starting again usually works.
+        for attempt in range(3):
+            self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
+            deadline = time.time() + 90
+            while time.time() < deadline and not self.stopping.is_set():
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
+                        return f"Registered as {inv.name}: {inv.summary()}"
+                except Exception:
+                    pass
+                time.sleep(0.5)
+            if self.stopping.is_set():
+                break
+            if self.proc.poll() is None:
+                self.stop()
+                self.stopping.clear()
+                raise SmolforgeError(f"the coordinator did not see node {inv.name} within 90 s:\n"
+                                     f"{ray_process.tail(self.log)}",
+                                     fix=f"check that this machine can reach {self.host}:{info['ray_port']} (Ray's port)")
+            if attempt < 2:
+                self.announce(f"the Ray node exited during start-up (code {self.proc.returncode}); retrying")
+                time.sleep(2)
+        raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
+                             fix=f"see {self.log}")
 
     def stop(self) -> None:
         from smolforge.cluster import ray_process

@@ -182,24 +182,54 @@ class Row:
     tail: np.ndarray | None = None
 
 
-def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: int) -> list[Row]:
-    """Student rows: teacher ids + top-k when tokenizers agree, else re-tokenized teacher text."""
+def template_tail_ids(tokenizer) -> list[int]:
+    """Tokens the chat template puts after an assistant turn's eos (ChatML: a newline).
+
+    The data module trains on them (they are part of the assistant turn), so a student trained on
+    teacher ids must see them too, or its held-out loss is not comparable with plain SFT.
+    """
+    from smolforge.data.encode import render
+
+    eos = tokenizer.eos_token
+    if not eos:
+        return []
+    text = render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "MARK"}], False)
+    at = text.rfind("MARK")
+    after = text[at + len("MARK"):]
+    if not after.startswith(eos):
+        return []
+    tail = after[len(eos):]
+    return tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+
+
+def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: int,
+                    tail_ids: list[int] | None = None) -> list[Row]:
+    """Student rows: teacher ids + top-k when tokenizers agree, else re-tokenized teacher text.
+
+    With the teacher's ids, a response that ended with eos also gets the template's tail tokens
+    (`template_tail_ids`) as CE-only targets (the teacher gave no logits for them).
+    """
     from smolforge.data.encode import encode_example
     from smolforge.data.formats import Example
 
     rows: list[Row] = []
+    eos = tokenizer.eos_token_id
+    tail_ids = list(tail_ids or [])
     for rec in shard.records:
         if same_tokenizer:
             prompt, resp = list(rec.prompt_ids), list(rec.response_ids)
             if not prompt or not resp or len(prompt) >= max_length:
                 continue
+            n_kd = len(resp)
+            if resp[-1] == eos:
+                resp = resp + tail_ids
             resp = resp[: max_length - len(prompt)]
+            n_kd = min(n_kd, len(resp))
             row = Row(prompt + resp, [IGNORE] * len(prompt) + resp)
             if rec.has_topk:
-                n = len(resp)
-                row.topk_logprobs = np.asarray(rec.topk_logprobs[:n], dtype=np.float32)
-                row.topk_indices = np.asarray(rec.topk_indices[:n], dtype=np.int64)
-                row.tail = np.asarray(rec.tail_mass[:n], dtype=np.float32)
+                row.topk_logprobs = np.asarray(rec.topk_logprobs[:n_kd], dtype=np.float32)
+                row.topk_indices = np.asarray(rec.topk_indices[:n_kd], dtype=np.int64)
+                row.tail = np.asarray(rec.tail_mass[:n_kd], dtype=np.float32)
             rows.append(row)
         else:
             ex = Example(source=f"shard {shard.shard_id}",
@@ -226,16 +256,18 @@ def collate_rows(rows: list[Row], pad_id: int, k: int) -> dict[str, torch.Tensor
         labels[i, :L] = torch.tensor(r.labels)
         attention[i, :L] = 1
         targets = sum(1 for x in r.labels[1:] if x != IGNORE)
-        if r.topk_logprobs is not None and len(r.topk_logprobs) == targets:
-            lp.append(torch.from_numpy(r.topk_logprobs))
-            ix.append(torch.from_numpy(r.topk_indices))
-            tail.append(torch.from_numpy(r.tail))
-            weight.append(torch.ones(targets))
-        else:  # no teacher logits for this row: CE only on its tokens
-            lp.append(torch.zeros(targets, k))
-            ix.append(torch.arange(k).repeat(targets, 1))
-            tail.append(torch.zeros(targets))
-            weight.append(torch.zeros(targets))
+        n_kd = 0 if r.topk_logprobs is None else min(len(r.topk_logprobs), targets)
+        if n_kd:
+            lp.append(torch.from_numpy(r.topk_logprobs[:n_kd]))
+            ix.append(torch.from_numpy(r.topk_indices[:n_kd]))
+            tail.append(torch.from_numpy(r.tail[:n_kd]))
+            weight.append(torch.ones(n_kd))
+        rest = targets - n_kd  # tokens without teacher logits (template tail, text-only rows): CE only
+        if rest:
+            lp.append(torch.zeros(rest, k))
+            ix.append(torch.arange(k).repeat(rest, 1))
+            tail.append(torch.zeros(rest))
+            weight.append(torch.zeros(rest))
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     if k > 0 and any(r.topk_logprobs is not None for r in rows):
         batch.update(teacher_logprobs=torch.cat(lp), teacher_indices=torch.cat(ix), teacher_tail=torch.cat(tail),
@@ -400,6 +432,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     my_hash = tokenizer_hash(tokenizer)
     same = teacher_tokenizer_hash is None or teacher_tokenizer_hash == my_hash
     k_holder = {"k": 0}
+    tail_ids = template_tail_ids(tokenizer)
 
     def to_rows(shard: Shard) -> list[Row]:
         nonlocal same
@@ -415,7 +448,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
             emit("student_sequence_kd", warning=msg)
         if same and shard.manifest.get("has_logits", True):
             k_holder["k"] = int(shard.manifest.get("k", 0))
-        return rows_from_shard(shard, tokenizer, same, cfg.max_length)
+        return rows_from_shard(shard, tokenizer, same, cfg.max_length, tail_ids)
 
     def on_shard(shard: Shard, n_rows: int) -> None:
         info = {"shard": shard.shard_id, "sha256": shard.manifest["sha256"], "rows": n_rows, "time": time.time()}

@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning: one entry point for lora, prefix, prompt, ia3, adapter and none.
 
 lora, prefix, prompt and ia3 go through HF peft, so their adapter directories are the ones the
-rest of the ecosystem (peft, vLLM, llama.cpp's convert_lora_to_gguf) reads. `adapter` is our own
+rest of the ecosystem reads (peft itself; for LoRA also vLLM and llama.cpp's convert_lora_to_gguf). `adapter` is our own
 Houlsby implementation (`smolforge.models.houlsby`), saved in the same layout. `none` is full
 fine-tuning; its "adapter" directory is a complete model written by `save_pretrained`.
 

@@ -69,7 +69,10 @@ def ensure_generated(force: bool = False) -> Path:
 
         raise SmolforgeError(f"the gRPC stubs in {OUT} are missing or stale and {HERE} is not writable",
                              fix="run `python -m smolforge.split.gen_proto` as a user who can write there")
-    with open(HERE / ".gen_proto.lock", "w") as lock:
+    # The lock lives in the temp dir (one per package location), not in the source tree.
+    tag = hashlib.sha256(str(HERE).encode()).hexdigest()[:12]
+    lock_path = Path(tempfile.gettempdir()) / f"smolforge-gen-proto-{tag}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not force and is_current():  # another process generated them while we waited

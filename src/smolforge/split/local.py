@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -52,8 +53,10 @@ def build(model_name: str, spec: PeftSpec, seed: int, device: str = "cpu"):
 def train_local(model, rows, pad_id: int, *, steps: int, batch_size: int, grad_accum: int = 1, lr: float = 2e-4,
                 weight_decay: float = 0.0, warmup_steps: int = 0, scheduler: str = "linear",
                 max_grad_norm: float | None = 1.0, seed: int = 0, total_steps: int | None = None,
-                device: str = "cpu") -> LocalResult:
-    """Train `model` for `steps` optimizer steps (of a `total_steps` schedule) on `rows`."""
+                device: str = "cpu", on_step: Callable[[int], None] | None = None) -> LocalResult:
+    """Train `model` for `steps` optimizer steps (of a `total_steps` schedule) on `rows`.
+
+    `on_step(step)` runs after each step (the benchmark reads CPU time there)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     order = SampleOrder(len(rows), batch_size * grad_accum, seed)
@@ -81,6 +84,8 @@ def train_local(model, rows, pad_id: int, *, steps: int, batch_size: int, grad_a
         opt.zero_grad(set_to_none=True)
         out.losses.append(loss_total / denom)
         out.grad_norms.append(norm)
+        if on_step:
+            on_step(step0 + 1)
     out.seconds = time.perf_counter() - t0
     out.steps_per_s = steps / max(out.seconds, 1e-9)
     out.lora = {canonical(n): p.detach().cpu().float().clone() for n, p in model.named_parameters() if "lora_" in n}

@@ -149,8 +149,8 @@ def save_peft_adapter(state: dict[str, torch.Tensor], spec: PeftSpec, model_type
         cfg = lora_config(spec, model_type)
         cfg.base_model_name_or_path = base_model
         cfg.save_pretrained(str(tmp))
-        save_file({peft_key(k): v.contiguous() for k, v in sorted(state.items())}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        tensors = {peft_key(k): v.contiguous() for k, v in sorted(state.items())}
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         atomic_replace_dir(tmp, out_dir)

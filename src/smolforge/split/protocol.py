@@ -52,7 +52,8 @@ def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredenti
     if not (cert and key):
         raise SmolforgeError("TLS needs both a certificate and its key",
                              fix="pass --tls-cert server.pem --tls-key server.key (or neither for plaintext)")
-    return grpc.ssl_server_credentials([(_read(key, "TLS key", "--tls-key"), _read(cert, "TLS certificate", "--tls-cert"))])
+    pair = (_read(key, "TLS key", "--tls-key"), _read(cert, "TLS certificate", "--tls-cert"))
+    return grpc.ssl_server_credentials([pair])
 
 
 def channel(host: str, port: int, tls_ca: str | None = None, server_name: str | None = None,

@@ -23,7 +23,9 @@ def derive_seed(seed: int, *parts) -> int:
 @contextmanager
 def seeded_rng(seed: int, part: str, step: int, micro: int, device: torch.device | str = "cpu"):
     device = torch.device(device)
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(derive_seed(seed, part, step, micro))
         yield

@@ -201,7 +201,8 @@ class TrunkService(pb_grpc.TrunkServicer):
         b, t = hidden.shape[:2]
         mask = self._tensor(req.attention_mask, "attention_mask")
         if tuple(mask.shape) != (b, t) or mask.is_floating_point():
-            raise _invalid(f"attention_mask must be an integer/bool tensor [{b}, {t}], got {mask.dtype} {list(mask.shape)}")
+            raise _invalid(f"attention_mask must be an integer/bool tensor [{b}, {t}], "
+                           f"got {mask.dtype} {list(mask.shape)}")
         if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
             raise _invalid("attention_mask values must be 0 or 1")
         pos = self._tensor(req.positions, "positions")
@@ -227,9 +228,12 @@ class TrunkService(pb_grpc.TrunkServicer):
         if req.model_fingerprint != self.fingerprint:
             raise _precondition(
                 f"model differs: this server serves {cfg.model!r} (fingerprint {self.fingerprint}), the client loaded "
-                f"{req.model_id!r} (fingerprint {req.model_fingerprint or 'none'}); both sides need the same checkpoint")
+                f"{req.model_id!r} (fingerprint {req.model_fingerprint or 'none'}); "
+                "both sides need the same checkpoint")
         if req.codec not in CODECS:
             raise _invalid(f"unknown codec {req.codec!r}; use one of {', '.join(CODECS)}")
+        if not (math.isfinite(req.weight_decay) and req.weight_decay >= 0):
+            raise _invalid(f"weight_decay must be finite and >= 0, got {req.weight_decay}")
         root = self._session_root(req.session_name)
         with self.lock:
             replaced = [s for s in self.sessions.values() if s.name == req.session_name]
@@ -358,7 +362,8 @@ class TrunkService(pb_grpc.TrunkServicer):
         sess = self._session(req.session_id)
         with sess.lock:
             if req.step != sess.step:
-                raise _precondition(f"checkpoint for step {req.step} asked for, but this session is at step {sess.step}")
+                raise _precondition(f"checkpoint for step {req.step} asked for, "
+                                    f"but this session is at step {sess.step}")
             weights = lora_state(sess.trunk, self.arch.canonical)
             blobs = {"optim": {"optimizer": sess.optimizer.state_dict()}} if sess.optimizer is not None else {}
             state = {"session": sess.name, "model": self.cfg.model, "fingerprint": self.fingerprint,
@@ -443,7 +448,8 @@ class TokenAuth(grpc.ServerInterceptor):
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: pass --token (or set SMOLFORGE_SPLIT_TOKEN) as the server was started")
+                          "missing or wrong token: pass --token (or set SMOLFORGE_SPLIT_TOKEN) "
+                          "as the server was started")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -478,7 +484,8 @@ class TrunkServer:
             raise SmolforgeError(f"cannot listen on {address}: {err}",
                                  fix="pick a free --port, or stop what is listening there") from err
         if not self.port:
-            raise SmolforgeError(f"cannot listen on {address}", fix="pick a free --port, or stop what is listening there")
+            raise SmolforgeError(f"cannot listen on {address}",
+                                 fix="pick a free --port, or stop what is listening there")
         self.tls = creds is not None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="split-session-reaper", daemon=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -81,7 +82,7 @@ class SplitTrainConfig(Spec):
     codec: Codec = "fp32"
     seed: int = 0
     device: str = "cpu"
-    session_name: str | None = None
+    session_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     keep_last: int = Field(2, ge=1)
     quiet: bool = False
     tensorboard: bool = False
@@ -173,17 +174,14 @@ class SplitTrainer:
         self.splits = splits if splits is not None else _load_splits(cfg, self.tokenizer)
         if not len(self.splits.train):
             raise SmolforgeError(f"dataset {cfg.dataset!r} has no training rows", fix="check --dataset and its format")
+        self.eval_rows = [] if cfg.max_eval_samples == 0 else list(self.splits.eval)
         self.per_step = cfg.batch_size * cfg.gradient_accumulation_steps
         self.order = SampleOrder(len(self.splits.train), self.per_step, cfg.seed)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * self.order.steps_per_epoch))
         self.session_name = cfg.default_session_name()
         self.out_dir = Path(cfg.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
-        token = cfg.token
-        if token is None:
-            import os
-
-            token = os.environ.get(TOKEN_ENV) or None
+        token = cfg.token if cfg.token is not None else (os.environ.get(TOKEN_ENV) or None)
         self.client = TrunkClient(cfg.server_host, cfg.server_port, token, cfg.tls_ca, cfg.tls_server_name,
                                   rpc_timeout=cfg.rpc_timeout, reconnect_timeout=cfg.reconnect_timeout)
         self.session_id = ""
@@ -251,6 +249,9 @@ class SplitTrainer:
             torch.cuda.set_rng_state(rng["cuda"])
         self.last_trunk_state = ckpt.load_tensors(path, "trunk_lora")
         self.best_eval = state.get("best_eval_loss")
+        if state.get("total_steps") not in (None, self.total_steps):
+            self.log(f"note: the run was started for {state['total_steps']} steps and now runs {self.total_steps}; "
+                     "the learning-rate schedule changes from here")
 
     def connect(self, resume: bool) -> int:
         """Open the session, at the newest checkpoint both sides hold when resuming; returns its step."""
@@ -302,9 +303,10 @@ class SplitTrainer:
 
     def _forward_remote(self, h1: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, step: int, micro: int,
                         train: bool) -> torch.Tensor:
-        req = pb.ForwardRequest(session_id=self.session_id, step=step, micro_batch=micro,
-                                hidden=encode(h1.detach(), self.cfg.codec), attention_mask=encode_raw(mask.to(torch.uint8)),
-                                positions=encode_raw(pos.to(torch.int32)), train=train)
+        req = pb.ForwardRequest(session_id=self.session_id, step=step, micro_batch=micro, train=train,
+                                hidden=encode(h1.detach(), self.cfg.codec),
+                                attention_mask=encode_raw(mask.to(torch.uint8)),
+                                positions=encode_raw(pos.to(torch.int32)))
         reply = self.client.call("Forward", req)
         if train:
             self.train_bytes += req.ByteSize() + reply.ByteSize()
@@ -374,7 +376,8 @@ class SplitTrainer:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        rows = self.splits.eval
+        """Val loss over the held-out rows: forward only, the server keeps no graph."""
+        rows = self.eval_rows
         if not len(rows):
             return {}
         self.bottom.eval()
@@ -418,7 +421,7 @@ class SplitTrainer:
         if start:
             self.log(f"resumed from the checkpoint at step {start} (shared with the server)")
         self.log(f"trainable params: client {n_client:,} + trunk {self.trunk_trainable:,} || all params: "
-                 f"{self.total_params:,}; {len(self.splits.train)} train / {len(self.splits.eval)} eval rows; "
+                 f"{self.total_params:,}; {len(self.splits.train)} train / {len(self.eval_rows)} eval rows; "
                  f"{self.total_steps} steps")
         writer = MetricsWriter(self.out_dir, tensorboard=cfg.tensorboard, append=start > 0)
         result = SplitTrainResult(output_dir=str(self.out_dir), adapter_dir=None, steps=start, final_loss=None,
@@ -441,7 +444,8 @@ class SplitTrainer:
                 elapsed = time.perf_counter() - t_loop
                 rate = steps_here / max(elapsed, 1e-9)
                 info = StepInfo(step=step, max_steps=self.total_steps, loss=loss, lr=lr, grad_norm=grad_norm,
-                                tokens_per_s=(self.tokens_seen - tokens0) / max(elapsed, 1e-9), samples_done=step * self.per_step,
+                                tokens_per_s=(self.tokens_seen - tokens0) / max(elapsed, 1e-9),
+                                samples_done=step * self.per_step,
                                 samples_total=self.total_steps * self.per_step,
                                 epoch=step / self.order.steps_per_epoch)
                 writer.log("train", step, loss=loss, lr=lr, grad_norm=grad_norm, steps_per_s=rate)

@@ -1,0 +1,213 @@
+"""A real cluster on one machine for tests: a coordinator and workers as separate processes.
+
+Each process is `python -m smolforge.cli.main ...` (what a user runs), started in its own session
+so the test can stop exactly the process group it started (os.killpg), never `ray stop`. Every
+cluster gets its own short RAY_TMPDIR (Ray's socket paths have a length limit), its own state dirs
+and free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    from smolforge.cluster.statedir import free_port as fp
+
+    return fp()
+
+
+def cli_module() -> str:
+    return "smolforge.cli.main" if (ROOT / "src/smolforge/cli/main.py").exists() else "smolforge.cli.cluster"
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict, log: Path):
+        self.args, self.log = args, log
+        self._fh = open(log, "wb")
+        self.p = subprocess.Popen([sys.executable, "-m", cli_module(), *args], env=env, stdout=self._fh,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pgid = self.p.pid
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            out = self.output()
+            if text in out:
+                return out
+            if self.p.poll() is not None:
+                raise AssertionError(f"{self.args[:3]} exited {self.p.returncode}:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} not seen from {self.args[:3]} in {timeout}s:\n{self.output()[-3000:]}")
+
+    def kill_group(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        self._fh.close()
+
+
+class LocalCluster:
+    """coordinator + workers; `with LocalCluster(tmp) as c: c.add_worker("w1")`."""
+
+    def __init__(self, base: Path, coordinator_cpus: int = 1):
+        self.base = Path(base)
+        self.tmp = Path(tempfile.mkdtemp(prefix="sfr", dir="/tmp"))  # short: Ray socket paths
+        self.state = self.base / "coord-state"
+        self.port, self.ray_port = free_port(), free_port()
+        self.coordinator_cpus = coordinator_cpus
+        self.env = {**os.environ, "RAY_TMPDIR": str(self.tmp), "RAY_AUTH_MODE": "token",
+                    "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "HF_HUB_CACHE": str(self.base / "empty-hf-cache"), "PYTHONUNBUFFERED": "1"}
+        for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "SMOLFORGE_COORDINATOR", "SMOLFORGE_TOKEN",
+                  "SMOLFORGE_RAY_ADDRESS", "RAY_ADDRESS"):
+            self.env.pop(k, None)
+        self.coordinator: Proc | None = None
+        self.old_coordinators: list[Proc] = []
+        self.workers: dict[str, Proc] = {}
+        self.head_pgids: list[int] = []
+
+    # -- processes ----------------------------------------------------------------------------------
+
+    def start_coordinator(self, timeout: float = 120, models_dir: Path | None = None) -> "LocalCluster":
+        log = self.base / f"coordinator-{len(self.old_coordinators)}.log"
+        args = ["coordinator", "start", "--port", str(self.port), "--ray-port", str(self.ray_port),
+                "--state-dir", str(self.state), "--cpus", str(self.coordinator_cpus), "--object-store-mb", "100"]
+        if models_dir:
+            args += ["--models-dir", str(models_dir)]
+        self.coordinator = Proc(args, self.env, log)
+        self.coordinator.wait_for("Join workers with:", timeout)
+        info = json.loads((self.state / "coordinator.json").read_text())
+        if info.get("head_pid"):
+            try:
+                self.head_pgids.append(os.getpgid(int(info["head_pid"])))
+            except ProcessLookupError:
+                pass
+        return self
+
+    @property
+    def token(self) -> str:
+        return (self.state / "token").read_text().strip()
+
+    @property
+    def hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def add_worker(self, name: str, cpus: int = 1, models_dir: Path | None = None, token: str | None = None,
+                   wait: bool = True, timeout: float = 120) -> Proc:
+        args = ["worker", "join", self.hostport, "--name", name, "--cpus", str(cpus), "--memory", "4",
+                "--state-dir", str(self.base / f"node-{name}"), "--object-store-mb", "100"]
+        tok = self.token if token is None else token
+        if tok:
+            args += ["--token", tok]
+        if models_dir:
+            args += ["--models-dir", str(models_dir)]
+        proc = Proc(args, self.env, self.base / f"worker-{name}.log")
+        self.workers[name] = proc
+        if wait:
+            proc.wait_for(f"Registered as {name}", timeout)
+        return proc
+
+    def add_workers(self, names: list[str], **kw) -> None:
+        """Start several workers at once (each joins in ~10 s; in parallel that is ~10 s total)."""
+        procs = [self.add_worker(n, wait=False, **kw) for n in names]
+        for n, p in zip(names, procs):
+            p.wait_for(f"Registered as {n}", 120)
+
+    def kill_worker(self, name: str) -> None:
+        self.workers[name].kill_group(signal.SIGKILL)
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator process only (its Ray head keeps running, as after a crash)."""
+        assert self.coordinator is not None
+        try:
+            os.kill(self.coordinator.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.coordinator.p.wait(timeout=15)
+        self.old_coordinators.append(self.coordinator)
+        self.coordinator = None
+
+    def close(self) -> None:
+        for proc in self.workers.values():
+            proc.kill_group(signal.SIGTERM)
+        procs = list(self.workers.values()) + ([self.coordinator] if self.coordinator else []) + self.old_coordinators
+        deadline = time.time() + 10
+        for proc in procs:
+            while proc.alive() and time.time() < deadline:
+                time.sleep(0.2)
+        if self.coordinator:
+            self.coordinator.kill_group(signal.SIGTERM)
+            deadline = time.time() + 20
+            while self.coordinator.alive() and time.time() < deadline:
+                time.sleep(0.2)
+        for proc in procs:
+            proc.kill_group(signal.SIGKILL)
+        for pgid in self.head_pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- API ------------------------------------------------------------------------------------------
+
+    def api(self, method: str, path: str, token: str | None = "default", **kw) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        tok = self.token if token == "default" else token
+        if tok:
+            headers["Authorization"] = f"Bearer {tok}"
+        return httpx.request(method, f"http://{self.hostport}{path}", headers=headers, timeout=60, **kw)
+
+    def client(self):
+        from smolforge.client import Client
+
+        return Client("127.0.0.1", self.port, token=self.token)
+
+    def wait_nodes(self, names: list[str], state: str = "online", timeout: float = 60) -> list[dict]:
+        deadline = time.time() + timeout
+        nodes: list[dict] = []
+        while time.time() < deadline:
+            nodes = self.api("GET", "/api/v1/nodes").json()
+            have = {n["name"]: n["state"] for n in nodes}
+            if all(have.get(n) == state for n in names):
+                return nodes
+            time.sleep(0.5)
+        raise AssertionError(f"nodes {names} not {state} after {timeout}s: {nodes}")
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = {**self.env, "SMOLFORGE_COORDINATOR": self.hostport, "SMOLFORGE_TOKEN": self.token}
+        return subprocess.run([sys.executable, "-m", cli_module(), *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)

@@ -1,0 +1,330 @@
+"""The cluster on one machine, for real: a coordinator and workers as separate processes.
+
+One cluster per module (starting Ray nodes costs ~10 s each), used by the tests in file order:
+nodes and auth, placement errors, a data-parallel LoRA job equal to a single-process run, pause and
+resume, cancel, lending the coordinator, a worker SIGKILLed mid-job, and a coordinator killed and
+restarted. Every process is one this test started, stopped by its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from localcluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 40
+
+
+def pid_running(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """coordinator (holds the model, 1 CPU to lend) + workers w1, w2 (1 CPU each, hold `tiny-copy`)."""
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    base = tmp_path_factory.mktemp("cluster")
+    models = base / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    data = base / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(160, seed=7)))
+    cluster = LocalCluster(base)
+    try:
+        cluster.start_coordinator(models_dir=models)
+        cluster.add_workers(["w1", "w2"], models_dir=models)
+        cluster.wait_nodes(["coordinator", "w1", "w2"])
+        yield {"c": cluster, "models": models, "data": data, "base": base, "refs": {}}
+    finally:
+        cluster.close()
+
+
+def train_section(w, **kw) -> dict:
+    cfg = {"model": "tiny-copy", "data": {"path": str(w["data"]), "max_eval_samples": 8, "max_length": 64},
+           "max_steps": STEPS, "batch_size": 2, "save_every": 5, "eval_accuracy": False, "lr": 1e-3, "seed": 3,
+           "log_every": 5, "keep_last": 2,
+           # no dropout: its masks come from each rank's RNG, so no split of a batch can reproduce them
+           "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
+    cfg.update(kw)
+    return cfg
+
+
+def job_spec(w, num_workers=2, **kw) -> dict:
+    return {"kind": "data_parallel", "num_workers": num_workers, "max_retries": 2, "train": train_section(w, **kw)}
+
+
+def reference(w, global_batch: int) -> dict[str, torch.Tensor]:
+    """The same training in this process, one rank, batch = the group's global batch."""
+    if global_batch in w["refs"]:
+        return w["refs"][global_batch]
+    from smolforge.config import TrainConfig
+    from smolforge.train.engine import train
+
+    out = w["base"] / f"ref-{global_batch}"
+    cfg = train_section(w, batch_size=global_batch, model=str(w["models"] / "tiny-copy"))
+    cfg.update(output_dir=str(out), quiet=True, tensorboard=False, num_threads=1)
+    res = train(TrainConfig.model_validate(cfg))
+    w["refs"][global_batch] = load_file(str(Path(res.adapter_dir) / "adapter_model.safetensors"))
+    return w["refs"][global_batch]
+
+
+def adapter_of(w, job_id: str) -> dict[str, torch.Tensor]:
+    path = w["c"].client().download_adapter(job_id, w["base"] / "downloads" / job_id)
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol=2e-5, rtol=1e-4):
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
+
+
+def wait_state(client, job_id, states, timeout=300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.get_job_status(job_id)
+        if st["state"] in states:
+            return st
+        if st["state"] in ("failed", "cancelled") and st["state"] not in states:
+            raise AssertionError(f"job {job_id} {st['state']}: {st['error']}\n" + "\n".join(client.job_logs(job_id)))
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} not {states} after {timeout}s: {st}\n" + "\n".join(client.job_logs(job_id)))
+
+
+def wait_step(client, job_id, step, timeout=240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.get_job_status(job_id)
+        if (st["step"] or 0) >= step or st["state"] not in ("pending", "running"):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach step {step}: {st}")
+
+
+# -- membership and auth ------------------------------------------------------------------------
+
+def test_three_node_cluster_lists_workers_and_models(world):
+    c = world["c"]
+    r = c.cli("nodes", "--json")
+    assert r.returncode == 0, r.stderr
+    nodes = {n["name"]: n for n in json.loads(r.stdout)}
+    assert set(nodes) == {"coordinator", "w1", "w2"}
+    for name in ("w1", "w2"):
+        assert nodes[name]["role"] == "worker" and nodes[name]["state"] == "online"
+        assert nodes[name]["models"] == ["tiny-copy"] and nodes[name]["cpus"] == 1
+        assert nodes[name]["usage"]["ram_total_gb"] > 0  # the node agent's heartbeat
+    assert nodes["coordinator"]["role"] == "coordinator"
+    table = c.cli("nodes")
+    assert table.returncode == 0 and "w1" in table.stdout and "w2" in table.stdout and "tiny-copy" in table.stdout
+    tree = c.cli("status")
+    assert tree.returncode == 0 and "Workers online: 2/2" in tree.stdout, tree.stdout + tree.stderr
+    assert "takes no training work" in tree.stdout
+
+
+def test_api_needs_token_and_a_bad_worker_token_is_refused(world):
+    c = world["c"]
+    assert c.api("GET", "/health", token=None).status_code == 200
+    for path in ("/api/v1/nodes", "/api/v1/jobs", "/metrics", "/api/v1/status"):
+        assert c.api("GET", path, token=None).status_code == 401, path
+        assert c.api("GET", path, token="wrong-token").status_code == 401, path
+    assert c.api("POST", "/api/v1/jobs", token=None, json={}).status_code == 401
+    metrics = c.api("GET", "/metrics")
+    assert metrics.status_code == 200 and 'smolforge_nodes{state="online"} 3.0' in metrics.text
+    for bad in ("not-the-token", ""):
+        t0 = time.time()
+        proc = c.add_worker(f"intruder{len(bad)}", token=bad, wait=False)
+        proc.p.wait(timeout=10)
+        assert time.time() - t0 < 10
+        assert proc.p.returncode == 2 and "coordinator rejected the token" in proc.output()
+    names = {n["name"] for n in c.api("GET", "/api/v1/nodes").json()}
+    assert not any(n.startswith("intruder") for n in names)
+
+
+def test_unsatisfiable_requirement_fails_at_once(world):
+    from smolforge.errors import SmolforgeError
+
+    c = world["c"]
+    t0 = time.time()
+    with pytest.raises(SmolforgeError) as err:
+        c.client().submit_job(job_spec(world, model="nobody/has-this-model"))
+    assert time.time() - t0 < 10
+    text = err.value.render()
+    assert "no node can run this task" in text and "nobody/has-this-model" in text
+    assert "w1 [worker]" in text and "w2 [worker]" in text and "does not hold model" in text
+    r = c.cli("launch", "--model", "tiny-copy", "--dataset", "bundled", "--workers", "5")
+    assert r.returncode == 2 and "needs 5 workers" in r.stderr and "room for 2" in r.stderr, r.stderr
+
+
+# -- data-parallel training -----------------------------------------------------------------------
+
+def test_data_parallel_lora_equals_single_process_run(world):
+    client = world["c"].client()
+    job_id = client.submit_job(job_spec(world))
+    st = wait_state(client, job_id, ("completed",))
+    assert st["result"]["world"] == 2 and st["result"]["steps"] == STEPS
+    ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
+    assert sorted(t["node_name"] for t in ranks) == ["w1", "w2"]  # one rank per worker
+    assert all(t["node_name"] != "coordinator" for t in ranks)  # the coordinator trained nothing
+    assert st["samples_done"] == st["samples_total"] == STEPS * 4
+    kinds = [e["kind"] for e in client.job_events(job_id)]
+    assert "checkpoint" in kinds and kinds[-1] == "state"
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4))
+    world["dp_job"] = job_id
+
+
+def test_orchestrator_api_with_the_seeds_names(world):
+    from smolforge import create_distributed_training
+
+    c = world["c"]
+    orch = create_distributed_training(mode="data_parallel", coordinator=c.hostport, token=c.token)
+    names = {n["name"] for n in orch.discover_nodes()}
+    assert {"coordinator", "w1", "w2"} <= names
+    tasks = orch.create_data_parallel_tasks("tiny-copy", str(world["data"]), num_workers=2, batch_size=2,
+                                            max_steps=6, max_length=64, eval_accuracy=False, max_eval_samples=4)
+    seen: list[tuple[str, dict]] = []
+    final = orch.monitor_tasks(tasks, callback=lambda task_id, status: seen.append((task_id, status)), poll=0.3)
+    [tid] = tasks
+    assert final[tid]["state"] == "completed" and final[tid]["progress"] == 1.0
+    assert all(t == tid and {"state", "progress", "node", "error"} <= set(s) for t, s in seen)
+    assert seen[-1][1]["state"] == "completed" and seen[-1][1]["node"] in ("w1, w2", "w2, w1")
+    orch.close()
+
+
+def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
+    c = world["c"]
+    page = c.api("GET", "/dashboard", token=None)
+    assert page.status_code == 200 and "Authorization" in page.text and "/api/v1/status" in page.text
+    assert "w1" not in page.text  # no data without the token
+    st = c.api("GET", "/api/v1/status").json()
+    node = next(n for n in st["nodes"] if n["name"] == "w1")
+    assert {"name", "role", "state", "cpus", "ram_gb", "gpus", "models", "usage"} <= set(node)
+    job = st["recent_jobs"][0]
+    assert {"id", "kind", "state", "progress", "step", "max_steps", "samples_done", "samples_total", "loss",
+            "eta_s", "nodes"} <= set(job)
+
+
+def test_pause_then_resume_equals_uninterrupted(world):
+    client = world["c"].client()
+    job_id = client.submit_job(job_spec(world))
+    st = wait_step(client, job_id, 6)
+    assert st["state"] == "running", st
+    client.pause_job(job_id)
+    st = wait_state(client, job_id, ("paused",))
+    assert 6 <= st["step"] < STEPS
+    ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
+    assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks)
+    client.resume_job(job_id)
+    st = wait_state(client, job_id, ("completed",))
+    assert st["result"]["steps"] == STEPS
+    logs = "\n".join(client.job_logs(job_id))
+    assert "paused" in logs and "resumed from step-" in logs
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4))
+
+
+def test_cancel_releases_every_actor_within_10s(world):
+    client = world["c"].client()
+    job_id = client.submit_job(job_spec(world, max_steps=5000, save_every=0))
+    wait_step(client, job_id, 2)
+    pids = [t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
+    assert len(pids) == 2 and all(pid_running(p) for p in pids)
+    t0 = time.time()
+    r = world["c"].cli("job", "cancel", job_id)
+    assert r.returncode == 0 and "cancelled" in r.stdout, r.stderr
+    while any(pid_running(p) for p in pids) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not any(pid_running(p) for p in pids), "actor processes still alive 10 s after cancel"
+    assert client.get_job_status(job_id)["state"] == "cancelled"
+    deadline = time.time() + 10  # CPUs are back in the pool
+    while time.time() < deadline:
+        free = {r["name"]: r["available"].get("CPU", 0) for r in client.resources()}
+        if free["w1"] == 1 and free["w2"] == 1:
+            break
+        time.sleep(0.3)
+    assert free["w1"] == 1 and free["w2"] == 1
+
+
+@pytest.mark.slow
+def test_join_lends_the_coordinator_at_a_checkpoint(world):
+    client = world["c"].client()
+    job_id = client.submit_job(job_spec(world, batch_size=3))  # global batch 6: splits over 2 or 3 ranks
+    wait_step(client, job_id, 3)
+    r = world["c"].cli("job", "join", job_id)
+    assert r.returncode == 0, r.stderr
+    st = wait_state(client, job_id, ("completed",))
+    ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
+    last_round = max(t["attempt"] for t in ranks)
+    assert sorted(t["node_name"] for t in ranks if t["attempt"] == last_round) == ["coordinator", "w1", "w2"]
+    assert st["result"]["world"] == 3
+    kinds = [e["kind"] for e in client.job_events(job_id)]
+    assert "join_requested" in kinds and "regrouped" in kinds
+    # same global batch on 2 then 3 ranks: the same result as one process
+    assert_same_weights(adapter_of(world, job_id), reference(world, 6))
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
+    c = world["c"]
+    client = c.client()
+    job_id = client.submit_job(job_spec(world))
+    wait_step(client, job_id, 8)  # at least one checkpoint (every 5 steps) is stored
+    pids = {t["node_name"]: t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"}
+    c.kill_worker("w2")  # SIGKILL to the whole `worker join` process group: the node is gone
+    st = wait_state(client, job_id, ("completed",))
+    assert not pid_running(pids["w2"])
+    assert st["result"]["steps"] == STEPS and st["result"]["nodes"] == ["w1"]
+    events = client.job_events(job_id)
+    kinds = [e["kind"] for e in events]
+    assert "worker_failed" in kinds and "recovering" in kinds and "recovered" in kinds
+    assert kinds.index("worker_failed") < kinds.index("recovered")
+    recovered = next(e for e in events if e["kind"] == "recovered")
+    assert recovered["data"]["resume"] and recovered["data"]["resume"].startswith("step-")
+    assert st["attempts"] == 1
+    # one rank with batch 4 continues exactly where two ranks of 2 left off
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4))
+    c.add_worker("w3", models_dir=world["models"])  # a replacement node for what follows
+
+
+@pytest.mark.slow
+def test_coordinator_killed_and_restarted_keeps_jobs_and_resumes(world):
+    c = world["c"]
+    client = c.client()
+    job_id = client.submit_job(job_spec(world, max_steps=60))
+    wait_step(client, job_id, 8)
+    before = {j["id"]: j["state"] for j in client.list_jobs()}
+    head_pid = json.loads((c.state / "coordinator.json").read_text())["head_pid"]
+    c.kill_coordinator()
+    assert pid_running(head_pid)  # the Ray head outlives the coordinator process, as after a crash
+    c.start_coordinator(models_dir=world["models"])
+    assert "re-attached" in c.coordinator.output()
+    client = c.client()
+    after = {j["id"]: j["state"] for j in client.list_jobs()}
+    assert after.keys() == before.keys()
+    for jid, state in before.items():
+        if jid != job_id:
+            assert after[jid] == state  # completed / cancelled stay so
+    st = wait_state(client, job_id, ("completed",))
+    assert st["result"]["steps"] == 60
+    kinds = [e["kind"] for e in client.job_events(job_id)]
+    assert "reattached" in kinds
+    names = {n["name"]: n["state"] for n in client.list_nodes()}
+    assert names.get("w1") == "online" and names.get("w3") == "online"  # workers never had to re-join

@@ -1,0 +1,236 @@
+"""Fast tests of the cluster's parts that need no running cluster: job store, artifacts, auth,
+placement rules, model discovery, job specs and overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import pytest
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.auth import bearer_of, load_or_create_token, tokens_match
+from smolforge.cluster.discovery import (check_node_name, parse_ollama_list, scan_hf_cache, scan_models_dir,
+                                         with_aliases)
+from smolforge.cluster.jobstore import JobStore
+from smolforge.cluster.scheduler import JobManager, requirements_for, slots_on
+from smolforge.cluster.specs import DataParallelJob
+from smolforge.errors import SmolforgeError
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+
+
+# -- job store ------------------------------------------------------------------------------------
+
+def test_jobstore_transitions_events_and_persistence(tmp_path):
+    db = tmp_path / "jobs.db"
+    store = JobStore(db)
+    jid = store.create_job("data_parallel", {"x": 1}, name="run-a")
+    assert store.get_job(jid)["state"] == "pending"
+    store.set_state(jid, "running")
+    store.set_state(jid, "paused")
+    store.set_state(jid, "running")
+    store.set_state(jid, "completed")
+    with pytest.raises(SmolforgeError, match="cannot become pending"):
+        store.set_state(jid, "pending")
+    store.update_job(jid, step=5, max_steps=10, samples_done=20, samples_total=40, loss=1.5, nodes=["w1"])
+    store.add_metrics(jid, [(5, "loss", 1.5), (5, "lr", 0.1)])
+    store.close()
+    again = JobStore(db)  # a restart: everything is still there
+    job = again.get_job(jid)
+    assert job["state"] == "completed" and job["finished"] and job["progress"] == 0.5
+    assert job["nodes"] == ["w1"] and again.get_job("run-a")["id"] == jid and again.get_job(jid[:8])["id"] == jid
+    kinds = [(e["kind"], (e["data"] or {}).get("to")) for e in again.events(jid)]
+    assert kinds == [("submitted", None), ("state", "running"), ("state", "paused"), ("state", "running"),
+                     ("state", "completed")]
+    assert [m["name"] for m in again.metrics(jid)] == ["loss", "lr"]
+    with pytest.raises(SmolforgeError, match="no job"):
+        again.get_job("job-missing")
+    mode = again._db().execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_jobstore_tasks_upsert(tmp_path):
+    store = JobStore(tmp_path / "j.db")
+    jid = store.create_job("data_parallel", {})
+    store.upsert_task(f"{jid}-g1-r0", jid, "dp_rank", "running", rank=0, node_name="w1", pid=123,
+                      requirements={"cpus": 1})
+    store.upsert_task(f"{jid}-g1-r0", jid, "dp_rank", "released")
+    [t] = store.tasks(jid)
+    assert t["state"] == "released" and t["pid"] == 123 and t["requirements"] == {"cpus": 1}
+
+
+# -- artifacts ------------------------------------------------------------------------------------
+
+def test_artifacts_roundtrip_checksums_and_latest(tmp_path):
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(b"\x00" * 1000)
+    (src / "sub" / "b.json").write_text('{"x": 1}')
+    store = ArtifactStore(tmp_path / "art")
+    for step in (5, 10, 15):
+        store.put("job-1", "checkpoints", f"step-{step}", pack_dir(src), keep_last=2)
+    assert store.list("job-1", "checkpoints") == ["step-10", "step-15"]
+    assert store.latest_checkpoint("job-1") == "step-15"
+    # corruption on disk is caught, and the newest *valid* checkpoint wins
+    (store.path("job-1", "checkpoints", "step-15") / "a.bin").write_bytes(b"\x01" * 1000)
+    assert not store.verify("job-1", "checkpoints", "step-15")
+    assert store.latest_checkpoint("job-1") == "step-10"
+    with pytest.raises(SmolforgeError, match="missing or corrupt"):
+        store.get("job-1", "checkpoints", "step-15")
+    out = unpack_dir(store.get("job-1", "checkpoints", "step-10"), tmp_path / "restored")
+    assert (out / "sub" / "b.json").read_text() == '{"x": 1}'
+
+
+def test_payload_with_bad_checksum_or_escaping_path_is_refused(tmp_path):
+    payload = {"files": {"a": b"hello"}, "sha256": {"a": "0" * 64}}
+    with pytest.raises(SmolforgeError, match="checksum"):
+        unpack_dir(payload, tmp_path / "x")
+    import hashlib
+
+    evil = {"files": {"../escape": b"x"}, "sha256": {"../escape": hashlib.sha256(b"x").hexdigest()}}
+    with pytest.raises(SmolforgeError, match="escapes"):
+        unpack_dir(evil, tmp_path / "y")
+    assert not (tmp_path / "escape").exists()
+    with pytest.raises(SmolforgeError, match="bad artifact"):
+        ArtifactStore(tmp_path / "s").path("job-1", "..", "x")
+
+
+# -- auth -----------------------------------------------------------------------------------------
+
+def test_token_created_once_with_owner_only_permissions(tmp_path):
+    p = tmp_path / "state" / "token"
+    t1 = load_or_create_token(p)
+    assert len(t1) == 64 and stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    assert load_or_create_token(p) == t1
+    assert tokens_match(t1, t1) and not tokens_match("x" + t1[1:], t1) and not tokens_match(None, t1)
+    assert bearer_of(f"Bearer {t1}") == t1 and bearer_of("Basic abc") is None and bearer_of(None) is None
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+def _node(name, role="worker", cpus=2, gpus=0, ram=8.0, models=(), alive=True):
+    res = {"CPU": float(cpus), "memory": ram * 1e9}
+    if gpus:
+        res["GPU"] = float(gpus)
+    if role == "worker":
+        res[ray_glue.WORKER_RESOURCE] = float(cpus)
+    if role == "coordinator":
+        res[ray_glue.HEAD_RESOURCE] = 1000.0
+    for m in models:
+        res[ray_glue.model_resource(m)] = 1000.0
+    return ray_glue.NodeInfo(node_id=name * 8, name=name, address="127.0.0.1", alive=alive, role=role, cpus=cpus,
+                             gpus=gpus, ram_gb=ram, gpu_type="A100" if gpus else None, models=sorted(models),
+                             resources=res, available=dict(res),
+                             labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: role})
+
+
+NODES = [_node("coord", role="coordinator", cpus=4, models=("qwen2.5:7b",)),
+         _node("cpu1", models=("tiny-copy",)), _node("cpu2", ram=2.0, models=("tiny-copy",)),
+         _node("gpu1", gpus=1, ram=32.0, models=("tiny-copy", "qwen2.5:7b"))]
+
+
+def test_requirements_pick_nodes_and_never_the_coordinator():
+    names = lambda req: [n.name for n in req.candidates(NODES)]  # noqa: E731
+    assert names(ray_glue.Requirements(model="tiny-copy")) == ["cpu1", "cpu2", "gpu1"]
+    assert names(ray_glue.Requirements(model="qwen2.5:7b")) == ["gpu1"]  # coord holds it but takes no work
+    assert names(ray_glue.Requirements(model="tiny-copy", gpu="preferred")) == ["gpu1"]
+    assert names(ray_glue.Requirements(model="tiny-copy", min_ram_gb=4)) == ["cpu1", "gpu1"]
+    assert names(ray_glue.Requirements(allowed_nodes=["cpu2"])) == ["cpu2"]
+    assert names(ray_glue.Requirements(on_coordinator=True, model="qwen2.5:7b")) == ["coord"]
+    opts = ray_glue.Requirements(model="tiny-copy", min_ram_gb=4).ray_options(NODES)
+    assert opts["resources"] == {ray_glue.WORKER_RESOURCE: 1.0, "model:tiny-copy": ray_glue.MODEL_REQUEST}
+    assert opts["label_selector"] == {ray_glue.NAME_LABEL: "in(cpu1,gpu1)"} and opts["num_gpus"] == 0
+    gpu = ray_glue.Requirements(model="tiny-copy", gpu="required").ray_options(NODES)
+    assert gpu["num_gpus"] == 1.0 and "label_selector" not in gpu
+    bundle, sel = ray_glue.Requirements(cpus=2).bundle(NODES)
+    assert bundle == {"CPU": 2.0, ray_glue.WORKER_RESOURCE: 2.0} and sel == {}
+
+
+def test_unsatisfiable_requirement_lists_every_node():
+    with pytest.raises(SmolforgeError) as err:
+        ray_glue.check_placeable(ray_glue.Requirements(model="nobody/has-this"), NODES)
+    text = err.value.render()
+    assert "no node can run this task" in text and "model nobody/has-this" in text
+    for name in ("coord", "cpu1", "cpu2", "gpu1"):
+        assert f"  - {name} [" in text
+    assert "does not hold model nobody/has-this" in text and "takes no training work" in text
+    with pytest.raises(SmolforgeError, match="has no GPU"):
+        ray_glue.check_placeable(ray_glue.Requirements(gpu="required", allowed_nodes=["cpu1"]), NODES)
+    with pytest.raises(SmolforgeError, match="must be required, preferred or no"):
+        ray_glue.Requirements(gpu="maybe")
+
+
+def test_capacity_check_fails_at_submit(tmp_path):
+    mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
+    job = DataParallelJob.model_validate({"num_workers": 8, "train": {"model": "tiny-copy", "data": {"path": "bundled"}}})
+    with pytest.raises(SmolforgeError, match="needs 8 workers .* room for 6"):
+        mgr.check_capacity(job, NODES)
+    ok = DataParallelJob.model_validate({"num_workers": 3, "train": {"model": "tiny-copy", "data": {"path": "bundled"}}})
+    assert mgr.check_capacity(ok, NODES) == 6
+    assert requirements_for(ok).model == "tiny-copy"
+    preset = DataParallelJob.model_validate({"train": {"model": "tiny-llama", "data": {"path": "bundled"}}})
+    assert requirements_for(preset).model is None  # presets are built offline on any node
+    assert slots_on(NODES[1], requirements_for(ok), use_available=True) == 2
+    with pytest.raises(SmolforgeError, match="path on the submitting machine"):
+        mgr._check_data(DataParallelJob.model_validate({"train": {"model": "m", "data": {"path": "/tmp/x.jsonl"}}}))
+    with pytest.raises(SmolforgeError, match="unknown job kind"):
+        mgr.parse({"kind": "teleport", "train": {}})
+
+
+# -- discovery ------------------------------------------------------------------------------------
+
+def test_model_discovery(tmp_path):
+    cache = tmp_path / "hub"
+    snap = cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--org--incomplete" / "snapshots").mkdir(parents=True)
+    assert scan_hf_cache(cache) == {"Qwen/Qwen2.5-0.5B-Instruct": str(snap)}
+    md = tmp_path / "models"
+    (md / "tiny-copy").mkdir(parents=True)
+    (md / "tiny-copy" / "config.json").write_text("{}")
+    (md / "org" / "thing").mkdir(parents=True)
+    (md / "org" / "thing" / "config.json").write_text("{}")
+    (md / "not-a-model").mkdir()
+    assert sorted(scan_models_dir(md)) == ["org/thing", "tiny-copy"]
+    aliased = with_aliases(scan_hf_cache(cache))
+    assert aliased["qwen2.5:0.5b"] == "alias:Qwen/Qwen2.5-0.5B-Instruct"
+    assert parse_ollama_list("NAME ID SIZE MODIFIED\nqwen2.5:0.5b a 1GB now\nllama3.2:latest b 2GB now\n") == \
+        ["qwen2.5:0.5b", "llama3.2"]
+    assert check_node_name("student-cpu-01") == "student-cpu-01"
+    with pytest.raises(SmolforgeError, match="not usable as a label"):
+        check_node_name("bad name!")
+
+
+# -- specs and overrides --------------------------------------------------------------------------
+
+def test_job_overrides_route_to_train_section(tmp_path):
+    from smolforge.client import apply_job_overrides, stage_spec
+
+    spec = {"kind": "data_parallel", "train": {"model": "m", "data": {"path": "bundled"}}}
+    apply_job_overrides(spec, ["num_workers=3", "training.batch_size=16", "lr=0.01", "train.data.max_length=64"])
+    assert spec["num_workers"] == 3 and spec["train"]["batch_size"] == 16 and spec["train"]["lr"] == 0.01
+    assert spec["train"]["data"]["max_length"] == 64
+    with pytest.raises(SmolforgeError, match="key=value"):
+        apply_job_overrides(spec, ["oops"])
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    spec["train"]["data"]["path"] = str(f)
+    staged = stage_spec(spec, lambda p: "upload:" + "f" * 64)
+    assert staged["train"]["data"]["path"] == "upload:" + "f" * 64
+    spec["train"]["data"]["path"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(SmolforgeError, match="does not exist"):
+        stage_spec(spec, lambda p: "")
+
+
+def test_node_state_from_heartbeats():
+    from smolforge.cluster.node_agent import node_state
+
+    now = time.time()
+    assert node_state(False, now, now - 100, now) == "dead"
+    assert node_state(True, now - 1, now - 100, now) == "online"
+    assert node_state(True, now - 60, now - 100, now) == "stale"
+    assert node_state(True, None, now - 1, now) == "joining"
