@@ -7,6 +7,7 @@ model is the path the tests take with a tiny one.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -14,6 +15,11 @@ import torch
 from smolforge.errors import SmolforgeError
 from smolforge.models import tiny
 from smolforge.models.registry import ollama_to_hf
+
+
+# from_pretrained is not thread-safe (concurrent loads fail with "Cannot copy out of meta tensor"),
+# and servers and actors load models from worker threads.
+_LOAD_LOCK = threading.RLock()
 
 
 def resolve_model(name: str, aliases: dict[str, str] | None = None) -> str:
@@ -79,7 +85,8 @@ def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dt
 
     resolved = resolve_model(name, aliases)
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype or torch.float32)
+        with _LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype or torch.float32)
     except (OSError, ValueError) as err:
         raise _hub_error(name, resolved, err) from err
     return model.to(device)
