@@ -125,3 +125,11 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     ref = load_file(str(tmp_path / "ref" / "lora_adapter" / "adapter_model.safetensors"))
     got = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
     assert_same(ref, got)
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt", "ia3", "adapter", "none"])
+def test_every_peft_method_trains_through_the_engine(tmp_path, method):
+    result = train(cfg(tmp_path, max_steps=3, peft=PeftSpec(method=method, num_virtual_tokens=4), eval_accuracy=True,
+                       max_new_tokens=3))
+    assert result.steps == 3 and result.eval["eval_loss"] > 0 and "accuracy" in result.eval
+    assert Path(result.adapter_dir).name == f"{method}_adapter"

@@ -155,19 +155,18 @@ class LocalCluster:
         self.coordinator = None
 
     def close(self) -> None:
+        """Workers: SIGKILL their groups. Coordinator: SIGTERM (it stops its Ray head), then SIGKILL."""
         for proc in self.workers.values():
-            proc.kill_group(signal.SIGTERM)
-        procs = list(self.workers.values()) + ([self.coordinator] if self.coordinator else []) + self.old_coordinators
-        deadline = time.time() + 10
-        for proc in procs:
-            while proc.alive() and time.time() < deadline:
-                time.sleep(0.2)
-        if self.coordinator:
-            self.coordinator.kill_group(signal.SIGTERM)
-            deadline = time.time() + 20
+            proc.kill_group(signal.SIGKILL)
+        if self.coordinator is not None and self.coordinator.alive():
+            try:
+                os.kill(self.coordinator.p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.time() + 15
             while self.coordinator.alive() and time.time() < deadline:
                 time.sleep(0.2)
-        for proc in procs:
+        for proc in ([self.coordinator] if self.coordinator else []) + self.old_coordinators:
             proc.kill_group(signal.SIGKILL)
         for pgid in self.head_pgids:
             try:

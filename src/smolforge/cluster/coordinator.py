@@ -13,6 +13,7 @@ Start-up order, and why:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -136,7 +137,8 @@ class Coordinator:
         labels = {ray_glue.NAME_LABEL: self.opts.name, ray_glue.ROLE_LABEL: "coordinator",
                   ray_glue.RAM_LABEL: f"{detect_ram_gb():.1f}"}
         env = {**os.environ, **ray_auth_env(token_path), "RAY_USAGE_STATS_ENABLED": "0",
-               "SMOLFORGE_NODE_NAME": self.opts.name, "SMOLFORGE_NODE_DIR": str(self.state.node_dir)}
+               "SMOLFORGE_NODE_NAME": self.opts.name, "SMOLFORGE_NODE_DIR": str(self.state.node_dir),
+               "SMOLFORGE_MODEL_PATHS": json.dumps(with_aliases(models))}
         env.pop("RAY_AUTH_TOKEN", None)
         cmd = ray_process.head_command(self.opts.ray_port, cpus=cpus, node_ip=ip, name=self.opts.name,
                                        resources=resources, labels=labels, temp_dir=os.environ.get("RAY_TMPDIR"),

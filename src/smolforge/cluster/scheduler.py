@@ -40,6 +40,11 @@ COORDINATOR = "@coordinator"
 
 
 def _short(err: BaseException) -> str:
+    cause = getattr(err, "cause", None)  # RayTaskError wraps the worker's own exception
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
+    if isinstance(err, SmolforgeError):
+        return err.render().replace("\n", " ")[:400]
     text = str(err).strip().splitlines()
     first = next((t for t in text if t.strip()), "")
     return f"{type(err).__name__}: {first[:300]}"

@@ -98,9 +98,15 @@ class DirShardSource:
         self._ids = shard_ids
         self._pending: list[int] | None = None
         self.on_corrupt = on_corrupt
+        self._own_events = on_event is not None
         self.on_event = on_event or (lambda *a, **k: None)
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.is_failed = is_failed
+
+    def attach_events(self, emit: EventFn) -> None:
+        """Report to the student's event sink unless the caller gave this source its own."""
+        if not self._own_events:
+            self.on_event = emit
 
     def _plan(self, wait: bool = True) -> StorePlan | None:
         deadline = time.time() + self.timeout_s
@@ -158,8 +164,9 @@ class DirShardSource:
             time.sleep(self.poll_s)
 
     def get_shard(self, shard_id: int) -> Shard:
-        if self._pending is not None and shard_id in self._pending:
-            self._pending.remove(shard_id)
+        pending = self._pending_ids()
+        if shard_id in pending:
+            pending.remove(shard_id)
         deadline = time.time() + self.timeout_s
         while True:
             shard = self._try(shard_id)
@@ -378,23 +385,36 @@ def eval_loss(model, rows, pad_id: int, device, batch_size: int = 32) -> tuple[f
     return total, count
 
 
-def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig, device) -> dict[str, Any]:
-    """Eval loss/perplexity and exact-match accuracy on a dataset's held-out split (engine code)."""
-    if not eval_data:
-        return {}
-    from smolforge.config import DataSpec
-    from smolforge.data.splits import load_splits
+def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig, device,
+                     eval_examples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Eval loss/perplexity and exact-match accuracy on held-out examples (the engine's eval code).
+
+    The examples come from `eval_data`'s held-out split, or as records ({"messages": [...]}) sent by
+    the orchestrator, so a student on a node without the dataset file can still evaluate.
+    """
+    from smolforge.data.encode import encode_all
+    from smolforge.data.formats import Example
     from smolforge.train.evaluate import exact_match_counts, perplexity
 
-    splits = load_splits(DataSpec(path=eval_data, max_eval_samples=cfg.max_eval_samples, max_length=cfg.max_length,
-                                  max_samples=1), tokenizer)
+    if eval_examples is not None:
+        examples = [Example("eval", messages=r["messages"]) for r in eval_examples]
+    elif eval_data:
+        from smolforge.config import DataSpec
+        from smolforge.data.splits import read_spec
+
+        _train, examples, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=cfg.max_eval_samples,
+                                                              max_samples=1))
+    else:
+        return {}
+    rows, _stats = encode_all(tokenizer, examples, cfg.max_length)
     out: dict[str, Any] = {}
-    loss_sum, count = eval_loss(model, splits.eval, tokenizer.pad_token_id, device)
+    loss_sum, count = eval_loss(model, rows, tokenizer.pad_token_id, device)
     if count:
         out["eval_loss"] = loss_sum / count
         out["perplexity"] = perplexity(out["eval_loss"])
-    if cfg.eval_accuracy and splits.eval_examples:
-        correct, total = exact_match_counts(model, tokenizer, splits.eval_examples, cfg.max_new_tokens, 64, device)
+    with_answers = [e for e in examples if e.messages]
+    if cfg.eval_accuracy and with_answers:
+        correct, total = exact_match_counts(model, tokenizer, with_answers, cfg.max_new_tokens, 64, device)
         if total:
             out["accuracy"] = correct / total
     return out
@@ -402,7 +422,8 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
 
 def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
                   on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
-                  on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None) -> StudentResult:
+                  on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None,
+                  eval_examples: list[dict[str, Any]] | None = None) -> StudentResult:
     """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json."""
     from smolforge.data.encode import ensure_chat_template
     from smolforge.models.loading import load_model, load_tokenizer, pick_device
@@ -413,6 +434,8 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     from smolforge.train.schedule import make_scheduler
 
     emit = on_event or (lambda *a, **k: None)
+    if hasattr(source, "attach_events"):
+        source.attach_events(emit)
     t_start = time.time()
     torch.set_num_threads(cfg.num_threads or _available_cpus())
     device = pick_device(cfg.device)
@@ -534,7 +557,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     result.final_loss = loss_val if loss_val == loss_val else None
     result.tokens_per_s = tokens_seen / max(time.time() - (t_loop or time.time()), 1e-9)
     if stopped is None:
-        result.eval = evaluate_student(model, tokenizer, cfg.eval_data, cfg, device)
+        result.eval = evaluate_student(model, tokenizer, cfg.eval_data, cfg, device, eval_examples)
         adapter = out_dir / f"{cfg.peft.method}_adapter"
         save_adapter(model, adapter, tokenizer=tokenizer)
         result.adapter_dir = str(adapter)

@@ -200,10 +200,13 @@ def make_teacher(model: str, backend: str = "hf", **kwargs):
     raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf or ollama")
 
 
-def produce_shards(teacher, items: list[PromptItem], shard_ranges: dict[int, tuple[int, int]], settings: GenSettings,
+def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", shard_ranges: dict[int, tuple[int, int]],
+                   settings: GenSettings,
                    compress: bool = True, should_stop: Callable[[], bool] | None = None,
                    ) -> Iterator[tuple[dict[str, Any], bytes]]:
     """Generate each shard (a [start, end) range of `items`) and yield (manifest, safetensors bytes).
+
+    `items` may be a list or a dict from dataset index to prompt (a remote teacher gets only its own).
 
     The caller decides where bytes go (a local store dir, the Ray object store), so the same
     generator serves the local pipeline and remote teacher tasks.
@@ -212,9 +215,10 @@ def produce_shards(teacher, items: list[PromptItem], shard_ranges: dict[int, tup
         if should_stop and should_stop():
             return
         t0 = time.time()
-        records = teacher.generate(items[start:end], settings)
+        records = teacher.generate([items[i] for i in range(start, end)], settings)
         seconds = time.time() - t0
-        k = records[0].topk_logprobs.shape[1] if records and records[0].has_topk else min(settings.top_k, teacher.vocab_size)
+        with_k = [r for r in records if r.has_topk]
+        k = with_k[0].topk_logprobs.shape[1] if with_k else min(settings.top_k, teacher.vocab_size)
         data, manifest = encode_shard(
             shard_id, records, vocab_size=teacher.vocab_size, k=k, tok_hash=teacher.tok_hash, compress=compress,
             extra={"teacher": teacher.name, "backend": teacher.backend, "example_range": [start, end],

@@ -11,10 +11,12 @@ functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,14 @@ def adapter_dir(output_dir: str | Path, method: str) -> Path:
     return Path(output_dir) / f"{method}_adapter"
 
 
+@contextlib.contextmanager
+def _quiet_peft():
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
@@ -221,7 +231,8 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
     if recheckpoint:
         _disable_checkpointing(model)
     try:
-        peft_model = get_peft_model(model, _peft_config(model, spec))
+        with _quiet_peft():
+            peft_model = get_peft_model(model, _peft_config(model, spec))
         return enable_gradient_checkpointing(peft_model) if recheckpoint else peft_model
     except ValueError as err:  # e.g. target modules not found
         raise SmolforgeError(f"cannot apply {spec.method}: {err}".splitlines()[0],
@@ -312,7 +323,8 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
     from peft import PeftModel
 
     try:
-        model = PeftModel.from_pretrained(base_model, str(adapter_dir), is_trainable=is_trainable)
+        with _quiet_peft():
+            model = PeftModel.from_pretrained(base_model, str(adapter_dir), is_trainable=is_trainable)
     except (RuntimeError, ValueError, KeyError) as err:
         base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
         raise SmolforgeError(f"cannot load {method} adapter {adapter_dir}: {err}".splitlines()[0],

@@ -184,7 +184,7 @@ def _stop_code(hooks: TrainHooks, device) -> str | None:
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
           model=None, tokenizer=None) -> TrainResult:
     """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones."""
-    from smolforge.models.peft_methods import save_adapter, trainable_summary
+    from smolforge.models.peft_methods import save_adapter, trainable_summary, virtual_token_offset
 
     hooks = hooks or TrainHooks()
     t_start = time.perf_counter()
@@ -248,6 +248,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                          data=splits.stats | {"resumed_from": resumed_from})
     progress = StepProgress(steps, "train", quiet=quiet, completed=start_step)
     model.train()
+    offset = virtual_token_offset(model)  # prompt tuning prepends its virtual tokens to the logits
     tokens_seen, t_loop = 0, time.perf_counter()
     loss_val = float("nan")
     stopped = None
@@ -268,7 +269,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                 with ctx:
                     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                         logits = ddp_model(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits
-                    loss_sum, _ = token_loss_sum(logits, m["labels"])
+                    loss_sum, _ = token_loss_sum(logits[:, offset:], m["labels"])
                     loss = loss_sum * scale
                     (scaler.scale(loss) if scaler else loss).backward()
                 loss_total += float(loss_sum.detach())

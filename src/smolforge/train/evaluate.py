@@ -26,11 +26,14 @@ def eval_loss_sums(model, rows, pad_id: int, batch_size: int, device) -> tuple[f
     """(sum of token losses, token count) so ranks can add theirs before dividing."""
     was_training = model.training
     model.eval()
+    from smolforge.models.peft_methods import virtual_token_offset
+
+    offset = virtual_token_offset(model)
     total, count = 0.0, 0
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i:i + batch_size], pad_id).items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        s, n = token_loss_sum(logits, batch["labels"])
+        s, n = token_loss_sum(logits[:, offset:], batch["labels"])
         total += float(s)
         count += n
     model.train(was_training)

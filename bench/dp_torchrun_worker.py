@@ -1,0 +1,39 @@
+"""One rank of the baseline: the same training engine under plain `torchrun` (no Ray, no reporting).
+
+Run by bench/dp_step_time.py as
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/dp_torchrun_worker.py CFG.json OUT.json
+Rank 0 writes {"median_step_s", "steps", "step_times"} to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    cfg_path, out_path = sys.argv[1], sys.argv[2]
+    from smolforge.config import TrainConfig
+    from smolforge.parallel.dp_task import engine_final_save_compat
+    from smolforge.train.engine import TrainHooks, train
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = TrainConfig.model_validate({**json.loads(open(cfg_path).read()), "output_dir": f"{out_path}.rank{rank}"})
+    torch.set_num_threads(cfg.num_threads or 1)
+    times: list[float] = []
+    engine_final_save_compat()  # the engine's end-of-run save needs it under any launcher (see dp_task)
+    train(cfg, TrainHooks(on_step=lambda info: times.append(time.time())))
+    if rank == 0:
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        with open(out_path, "w") as f:
+            json.dump({"median_step_s": gaps[len(gaps) // 2], "steps": len(times), "step_times": times}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

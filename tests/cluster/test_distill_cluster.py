@@ -1,0 +1,203 @@
+"""Distillation on a real multi-node Ray cluster on one machine.
+
+The test starts a Ray head and three worker nodes as separate `ray start --block` processes (our
+own children, stopped by PID, never `ray stop`), each with distinct resources and labels:
+    gpu-box   2 CPUs, 1 GPU (declared), holds teacher-llama
+    cpu-box   2 CPUs, holds teacher-llama
+    bare      2 CPUs, holds no model
+No GPU exists here: the GPU is a declared Ray resource, which is what placement reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TEACHER = "teacher-llama"
+
+
+def _spawn_nodes(base: Path, models: Path):
+    from smolforge.cluster import ray_glue
+    from smolforge.cluster.auth import write_token
+    from smolforge.cluster.ray_process import head_command, spawn, wait_for_port, worker_command
+    from smolforge.cluster.statedir import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="sfd", dir="/tmp"))  # short: Ray socket paths
+    token_path = base / "token"
+    write_token(token_path, os.urandom(16).hex())
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_TMPDIR": str(tmp),
+           "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    procs = []
+    head = head_command(port, cpus=1, node_ip="127.0.0.1", name="head", resources={ray_glue.HEAD_RESOURCE: 1000},
+                        labels={ray_glue.NAME_LABEL: "head", ray_glue.ROLE_LABEL: "coordinator"}, temp_dir=str(tmp),
+                        object_store_mb=100)
+    procs.append(spawn(head, env, base / "head.log", die_with_parent=True))
+    wait_for_port("127.0.0.1", port, procs[0], 90, base / "head.log")
+    paths = json.dumps({TEACHER: str(models / TEACHER)})
+    for name, gpus, holds in (("gpu-box", 1, True), ("cpu-box", 0, True), ("bare", 0, False)):
+        res = {ray_glue.WORKER_RESOURCE: 2.0}
+        if holds:
+            res[ray_glue.model_resource(TEACHER)] = ray_glue.MODEL_AMOUNT
+        cmd = worker_command(f"127.0.0.1:{port}", cpus=2, gpus=gpus, node_ip="127.0.0.1", name=name, resources=res,
+                             labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: "worker",
+                                     ray_glue.GPUS_LABEL: str(gpus)}, temp_dir=str(tmp), object_store_mb=100)
+        procs.append(spawn(cmd, {**env, "SMOLFORGE_MODEL_PATHS": paths if holds else "{}"}, base / f"{name}.log",
+                           die_with_parent=True))
+    return f"127.0.0.1:{port}", token_path, procs, tmp
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from smolforge.cluster import ray_glue
+    from smolforge.cluster.ray_process import stop
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+    from smolforge.orchestrator import Orchestrator
+
+    base = tmp_path_factory.mktemp("distill-cluster")
+    models = base / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / TEACHER)
+    data = base / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(160, seed=11)))
+    address, token_path, procs, tmp = _spawn_nodes(base, models)
+    handle = None
+    try:
+        handle = ray_glue.connect(address, state_dir=base / "driver", token=token_path.read_text())
+        deadline = time.time() + 120
+        while len([n for n in handle.nodes() if n.takes_work]) < 3:
+            assert time.time() < deadline, "worker nodes did not join"
+            time.sleep(0.5)
+        backend = SimpleNamespace(handle=handle, close=lambda: None)
+
+        def make():
+            return Orchestrator("teacher_student", backend=backend)
+
+        yield SimpleNamespace(make=make, data=data, base=base, handle=handle)
+    finally:
+        if handle is not None:
+            handle.shutdown()
+        for p in reversed(procs):
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+GEN = dict(max_new_tokens=8, top_k=8, batch_size=8)
+
+
+def test_teacher_shards_land_only_on_nodes_holding_the_model(cluster):
+    from smolforge.distill.store import read_manifest, ready_shards
+    from smolforge.errors import SmolforgeError
+
+    orch = cluster.make()
+    out = cluster.base / "placement"
+    ids = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), out, max_samples=32, num_shards=4, **GEN)
+    assert len(ids) == 2  # num_teachers=None: one per eligible node
+    orch.wait_distill(ids, timeout=300)
+    store = out / "teacher_outputs"
+    nodes = {read_manifest(store, s)["node"] for s in ready_shards(store)}
+    assert ready_shards(store) == [0, 1, 2, 3]
+    assert nodes == {"gpu-box", "cpu-box"}
+    # one teacher only: the GPU node is preferred
+    [one] = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), cluster.base / "one", max_samples=8,
+                                               num_shards=2, num_teachers=1, **GEN)
+    orch.wait_distill([one], timeout=300)
+    assert {read_manifest(cluster.base / "one" / "teacher_outputs", s)["node"] for s in (0, 1)} == {"gpu-box"}
+    assert orch.task_status(one)["node"] == "gpu-box"
+    # nobody holds the model: an immediate, clear error naming what each node has
+    t0 = time.time()
+    with pytest.raises(SmolforgeError, match="no node holds teacher model 'qwen2.5:7b'") as err:
+        orch.create_parallel_teacher_tasks("qwen2.5:7b", str(cluster.data), cluster.base / "none", **GEN)
+    assert time.time() - t0 < 5
+    assert "gpu-box" in err.value.render() and "worker join --models-dir" in err.value.render()
+    orch.shutdown_distill()
+
+
+def test_students_stream_rotate_and_aggregate(cluster):
+    """Timeline: a student starts before the last shard is written; a queued student takes a
+    finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds."""
+    orch = cluster.make()
+    run = cluster.base / "run"
+    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=12,
+                                                  max_new_tokens=16, top_k=8, batch_size=4)
+    # 2 CPUs per student: one fits on `bare` at once, the other waits for a teacher's node.
+    students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=2, peft_type="lora",
+                                         peft_config={"r": 4, "alpha": 8, "dropout": 0.0}, max_steps=6,
+                                         batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
+                                         max_eval_samples=8, max_new_tokens=4)
+    seen: dict[str, set] = {}
+    orch.monitor_tasks(teachers + students, callback=lambda tid, s: seen.setdefault(tid, set()).add(s["state"]),
+                       poll=0.3, timeout=600)
+    for tid in teachers + students:
+        assert orch.task_status(tid)["state"] == "completed", orch.task_status(tid)
+        assert "completed" in seen[tid]
+    ev = orch.events
+    started = [e for e in ev if e["kind"] == "student_started"]
+    written = [e for e in ev if e["kind"] == "shard_written"]
+    assert len(written) == 12 and len(started) == 2
+    assert min(e["ts"] for e in started) < max(e["ts"] for e in written), "no student started before the last shard"
+    assert any(e["kind"] == "student_queued" for e in ev)
+    rot = [e for e in ev if e["kind"] == "teacher_reassigned"]
+    assert rot and rot[0]["data"]["node"] in ("gpu-box", "cpu-box")
+    # hybrid split: no shard trained by two students
+    trained = [set(e["data"]["shards"]) for e in ev if e["kind"] == "student_finished"]
+    assert len(trained) == 2 and not (trained[0] & trained[1]) and trained[0] | trained[1] == set(range(12))
+    for i in range(2):
+        assert (run / "output" / f"student_{i}" / "lora_adapter" / "adapter_model.safetensors").exists()
+        summary = json.loads((run / "output" / f"student_{i}" / "summary.json").read_text())
+        assert summary["mode"] == "logit" and "eval_loss" in summary["eval"]
+    report = orch.aggregate_student_outputs(students, run / "merged_model")
+    assert Path(report["output"]) == run / "merged_model" / "final_adapter"
+    assert (run / "merged_model" / "final_adapter" / "adapter_config.json").exists()
+    assert orch.task_status(report["task_id"])["state"] == "completed"
+    orch.shutdown_distill()
+
+
+def test_corrupt_shards_are_caught_and_regenerated(cluster):
+    """On disk (an earlier run's store) and in transit (bytes that no longer match the manifest)."""
+    import ray
+
+    from smolforge.distill.store import read_manifest
+
+    orch = cluster.make()
+    run = cluster.base / "corrupt"
+    ids = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, max_samples=24, num_shards=3, **GEN)
+    orch.wait_distill(ids, timeout=300)
+    orch.shutdown_distill()
+    store = run / "teacher_outputs"
+    good = {s: read_manifest(store, s)["sha256"] for s in range(3)}
+    path = store / "batch_2.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    # A new orchestrator picks the store up from disk: shard 2 fails its checksum and is regenerated.
+    orch = cluster.make()
+    students = orch.create_student_tasks("tiny-llama", store, num_students=1, max_steps=2, batch_size=4,
+                                         peft_config={"r": 4, "alpha": 8})
+    state = orch._dstate().stores[str(store.resolve())]
+    # ... and shard 0's bytes get damaged on their way to the student.
+    manifest = read_manifest(store, 0)
+    bad = bytearray((store / "batch_0.safetensors").read_bytes())
+    bad[100] ^= 0x01
+    ray.get(state.broker.add.remote(0, json.dumps(manifest), [ray.put((json.dumps(manifest), bytes(bad)))]), timeout=30)
+    orch.wait_distill(students, timeout=600)
+    ev = orch.events
+    corrupt = [e["data"] for e in ev if e["kind"] == "shard_corrupt"]
+    assert {(c.get("source"), c["shard"]) for c in corrupt} >= {("disk", 2), ("student", 0)}
+    regen = [e["data"]["shard"] for e in ev if e["kind"] == "shard_regenerated"]
+    assert sorted(set(regen)) == [0, 2]
+    summary = json.loads((run / "output" / "student_0" / "summary.json").read_text())
+    trained = {s["shard"]: s["sha256"] for s in summary["shards"]}
+    assert trained == good  # only verified, regenerated bytes were trained on (greedy: identical shards)
+    orch.shutdown_distill()
