@@ -76,23 +76,37 @@ def main() -> None:
         out["coordinator_start_s"] = round(wait_text(coord, tmp / "coord.log", "Join workers with:"), 2)
         token = (tmp / "state" / "token").read_text().strip()
         workers = []
-        t1 = time.time()
-        for name in ("b1", "b2"):
+        for name in ("b1", "b2"):  # one after the other: each join is timed on its own
             p = spawn(["worker", "join", f"127.0.0.1:{port}", "--token", token, "--name", name, "--cpus", "1",
                        "--state-dir", str(tmp / name), "--object-store-mb", "100"], env, tmp / f"{name}.log")
             procs.append(p)
             workers.append(p)
-        for name, p in zip(("b1", "b2"), workers):
-            wait_text(p, tmp / f"{name}.log", f"Registered as {name}")
-        out["two_workers_join_s"] = round(time.time() - t1, 2)
+            out[f"worker_join_{name}_s"] = round(wait_text(p, tmp / f"{name}.log", f"Registered as {name}"), 2)
         from smolforge.client import Client
 
         client = Client("127.0.0.1", port, token=token)
         train = {"model": args.model, "data": {"path": str(data), "max_length": args.max_length, "max_eval_samples": 4},
                  "max_steps": args.steps, "batch_size": args.batch_size, "eval_accuracy": False, "save_every": 0,
                  "peft": {"dropout": 0.0}}
-        firsts, step_cluster = [], []
-        for world in (2, 1, 2, 1):
+        import torch
+
+        from smolforge.config import TrainConfig
+        from smolforge.train.engine import TrainHooks
+        from smolforge.train.engine import train as run_train
+
+        torch.set_num_threads(1)
+
+        def plain_run(i: int) -> float:
+            """The baseline: the same 1-rank config in this process, no hooks but the timer."""
+            times: list[float] = []
+            cfg = TrainConfig.model_validate({**train, "output_dir": str(tmp / f"plain-{i}"), "quiet": True,
+                                              "tensorboard": False, "num_threads": 1})
+            run_train(cfg, TrainHooks(on_step=lambda info: times.append(time.time())))
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            return gaps[len(gaps) // 2]
+
+        firsts, step_cluster, plain = [], [], []
+        for i, world in enumerate((2, 1, 2, 1)):  # alternating with the baseline: same background load
             spec = {"kind": "data_parallel", "num_workers": world,
                     "train": {**train, "batch_size": args.batch_size // world}}
             t_submit = time.time()
@@ -103,33 +117,22 @@ def main() -> None:
                 firsts.append(st["result"]["first_step_ts"] - t_submit)
             else:
                 step_cluster.append(st["result"]["median_step_s"])
+                plain.append(plain_run(i))
         out["launch_to_first_step_s"] = round(statistics.median(firsts), 2)
-        # baseline: the same 1-rank config in this process, no hooks, same thread count
-        import torch
-
-        from smolforge.config import TrainConfig
-        from smolforge.train.engine import TrainHooks
-        from smolforge.train.engine import train as run_train
-
-        torch.set_num_threads(1)
-        plain = []
-        for i in range(2):
-            times: list[float] = []
-            cfg = TrainConfig.model_validate({**train, "output_dir": str(tmp / f"plain-{i}"), "quiet": True,
-                                              "tensorboard": False, "num_threads": 1})
-            run_train(cfg, TrainHooks(on_step=lambda info: times.append(time.time())))
-            gaps = sorted(b - a for a, b in zip(times, times[1:]))
-            plain.append(gaps[len(gaps) // 2])
         b, c = statistics.median(plain), statistics.median(step_cluster)
         out.update(plain_ms_per_step=round(b * 1000, 2), cluster_1rank_ms_per_step=round(c * 1000, 2),
                    overhead_ms_per_step=round((c - b) * 1000, 2), overhead_ratio=round(c / b, 3))
+    except BaseException:
+        print(f"failed; logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     finally:
         for p in reversed(procs):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(out, indent=2))
 
 

@@ -14,6 +14,7 @@ Errors come back as SmolforgeError with the server's what / where / fix.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
@@ -89,14 +90,29 @@ class Client:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, raw: bool = False, **kw) -> Any:
+    def _request(self, method: str, path: str, raw: bool = False, retry: bool | None = None, **kw) -> Any:
+        """One API call. GETs (and calls marked retry=True) are retried on a dropped connection:
+        a keep-alive connection closed by the server just as we reuse it is not an error."""
         import httpx
 
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.HTTPError as err:
-            raise SmolforgeError(f"cannot reach the coordinator at {self.base} ({type(err).__name__})",
-                                 fix="start it with `smolforge coordinator start`, or pass --coordinator HOST:PORT") from None
+        retry = method == "GET" if retry is None else retry
+        attempts = 3 if retry else 1
+        for attempt in range(attempts):
+            try:
+                body = kw.get("content")
+                if callable(body):  # a fresh stream per attempt (uploads)
+                    kw = {**kw, "content": body()}
+                r = self._http.request(method, path, **{k: v for k, v in kw.items()})
+                break
+            except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError) as err:
+                if attempt + 1 < attempts:
+                    time.sleep(0.5 * (attempt + 1))
+                    continue
+                raise SmolforgeError(f"cannot reach the coordinator at {self.base} ({type(err).__name__})",
+                                     fix="start it with `smolforge coordinator start`, or pass --coordinator HOST:PORT") from None
+            except httpx.HTTPError as err:
+                raise SmolforgeError(f"cannot reach the coordinator at {self.base} ({type(err).__name__})",
+                                     fix="start it with `smolforge coordinator start`, or pass --coordinator HOST:PORT") from None
         if r.status_code == 401:
             raise SmolforgeError("coordinator rejected the token", where=self.base,
                                  fix="pass --token (or SMOLFORGE_TOKEN) as printed by `smolforge coordinator start`")
@@ -136,10 +152,19 @@ class Client:
     def upload(self, path: str | Path) -> str:
         """Send a local file to the coordinator; returns `upload:<sha256>` for a job spec."""
         path = Path(path)
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        h = hashlib.sha256()
         with open(path, "rb") as f:
-            out = self._request("POST", "/api/v1/uploads", content=f,
-                                headers={"Content-Type": "application/octet-stream"})
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+
+        def stream():
+            with open(path, "rb") as f:
+                yield from iter(lambda: f.read(1 << 20), b"")
+
+        # content-addressed, so sending it twice is harmless: safe to retry
+        out = self._request("POST", "/api/v1/uploads", content=stream, retry=True,
+                            headers={"Content-Type": "application/octet-stream"})
         if out["id"] != digest:
             raise SmolforgeError(f"upload of {path} arrived corrupted", fix="retry")
         return out["ref"]
@@ -148,7 +173,7 @@ class Client:
         """Submit a job spec (dict, or a YAML file); returns the job id. Local data files are uploaded."""
         from smolforge.config import load_yaml
 
-        data = load_yaml(spec) if isinstance(spec, (str, Path)) else dict(spec)
+        data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         apply_job_overrides(data, overrides or [])
         data = stage_spec(data, self.upload)
         return self._request("POST", "/api/v1/jobs", json=data)["job_id"]

@@ -25,25 +25,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TEACHER = "teacher-llama"
 
 
-def _spawn_nodes(base: Path, models: Path):
+def _spawn_nodes(base: Path, models: Path, procs: list):
+    """Head, then each worker in turn (waiting until it registers; a node that fails to start on an
+    overloaded machine is started again once). Returns (driver handle, short Ray temp dir)."""
     from smolforge.cluster import ray_glue
     from smolforge.cluster.auth import write_token
-    from smolforge.cluster.ray_process import head_command, spawn, wait_for_port, worker_command
+    from smolforge.cluster.ray_process import head_command, spawn, stop, wait_for_port, worker_command
     from smolforge.cluster.statedir import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="sfd", dir="/tmp"))  # short: Ray socket paths
     token_path = base / "token"
     write_token(token_path, os.urandom(16).hex())
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_TMPDIR": str(tmp),
-           "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+           "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "RAY_raylet_start_wait_time_s": "120"}
     env.pop("RAY_ADDRESS", None)
     port = free_port()
-    procs = []
     head = head_command(port, cpus=1, node_ip="127.0.0.1", name="head", resources={ray_glue.HEAD_RESOURCE: 1000},
                         labels={ray_glue.NAME_LABEL: "head", ray_glue.ROLE_LABEL: "coordinator"}, temp_dir=str(tmp),
                         object_store_mb=100)
     procs.append(spawn(head, env, base / "head.log", die_with_parent=True))
-    wait_for_port("127.0.0.1", port, procs[0], 90, base / "head.log")
+    wait_for_port("127.0.0.1", port, procs[0], 120, base / "head.log")
+    handle = ray_glue.connect(f"127.0.0.1:{port}", state_dir=base / "driver", token=token_path.read_text())
     paths = json.dumps({TEACHER: str(models / TEACHER)})
     for name, gpus, holds in (("gpu-box", 1, True), ("cpu-box", 0, True), ("bare", 0, False)):
         res = {ray_glue.WORKER_RESOURCE: 2.0}
@@ -52,14 +55,25 @@ def _spawn_nodes(base: Path, models: Path):
         cmd = worker_command(f"127.0.0.1:{port}", cpus=2, gpus=gpus, node_ip="127.0.0.1", name=name, resources=res,
                              labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: "worker",
                                      ray_glue.GPUS_LABEL: str(gpus)}, temp_dir=str(tmp), object_store_mb=100)
-        procs.append(spawn(cmd, {**env, "SMOLFORGE_MODEL_PATHS": paths if holds else "{}"}, base / f"{name}.log",
-                           die_with_parent=True))
-    return f"127.0.0.1:{port}", token_path, procs, tmp
+        for attempt in range(2):
+            proc = spawn(cmd, {**env, "SMOLFORGE_MODEL_PATHS": paths if holds else "{}"},
+                         base / f"{name}-{attempt}.log", die_with_parent=True)
+            procs.append(proc)
+            deadline = time.time() + 150
+            while time.time() < deadline and proc.poll() is None:
+                if any(n.name == name for n in handle.nodes()):
+                    break
+                time.sleep(0.5)
+            if any(n.name == name for n in handle.nodes()):
+                break
+            stop(proc)
+        else:
+            raise AssertionError(f"node {name} did not join; see {base}/{name}-*.log")
+    return handle, tmp
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from smolforge.cluster import ray_glue
     from smolforge.cluster.ray_process import stop
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
@@ -69,15 +83,11 @@ def cluster(tmp_path_factory):
     models = base / "models"
     shutil.copytree(preset_dir("tiny-llama"), models / TEACHER)
     data = base / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in generate(160, seed=11)))
-    address, token_path, procs, tmp = _spawn_nodes(base, models)
-    handle = None
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(560, seed=11)))
+    procs: list = []
+    handle = tmp = None
     try:
-        handle = ray_glue.connect(address, state_dir=base / "driver", token=token_path.read_text())
-        deadline = time.time() + 120
-        while len([n for n in handle.nodes() if n.takes_work]) < 3:
-            assert time.time() < deadline, "worker nodes did not join"
-            time.sleep(0.5)
+        handle, tmp = _spawn_nodes(base, models, procs)
         backend = SimpleNamespace(handle=handle, close=lambda: None)
 
         def make():
@@ -89,7 +99,8 @@ def cluster(tmp_path_factory):
             handle.shutdown()
         for p in reversed(procs):
             stop(p)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 GEN = dict(max_new_tokens=8, top_k=8, batch_size=8)
@@ -128,10 +139,11 @@ def test_students_stream_rotate_and_aggregate(cluster):
     finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds."""
     orch = cluster.make()
     run = cluster.base / "run"
-    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=12,
-                                                  max_new_tokens=16, top_k=8, batch_size=4)
-    # 2 CPUs per student: one fits on `bare` at once, the other waits for a teacher's node.
-    students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=2, peft_type="lora",
+    # Slow teachers on purpose (small batches, long answers): 12 shards each, ~1 s per shard.
+    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24,
+                                                  max_new_tokens=24, top_k=8, batch_size=2)
+    # 2 CPUs per student: one fits on `bare` at once, the others wait; a finished teacher's node takes one.
+    students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=3, peft_type="lora",
                                          peft_config={"r": 4, "alpha": 8, "dropout": 0.0}, max_steps=6,
                                          batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
                                          max_eval_samples=8, max_new_tokens=4)
@@ -144,15 +156,20 @@ def test_students_stream_rotate_and_aggregate(cluster):
     ev = orch.events
     started = [e for e in ev if e["kind"] == "student_started"]
     written = [e for e in ev if e["kind"] == "shard_written"]
-    assert len(written) == 12 and len(started) == 2
-    assert min(e["ts"] for e in started) < max(e["ts"] for e in written), "no student started before the last shard"
+    assert len(written) == 24 and len(started) == 3
+    t0 = ev[0]["ts"]
+    timeline = "\n".join(f"{e['ts'] - t0:6.2f} {e['kind']}: {e['message']}" for e in ev)
+    assert min(e["ts"] for e in started) < max(e["ts"] for e in written), timeline
     assert any(e["kind"] == "student_queued" for e in ev)
     rot = [e for e in ev if e["kind"] == "teacher_reassigned"]
-    assert rot and rot[0]["data"]["node"] in ("gpu-box", "cpu-box")
+    assert rot and rot[0]["data"]["node"] in ("gpu-box", "cpu-box"), "\n".join(e["kind"] + ": " + e["message"] for e in ev)
     # hybrid split: no shard trained by two students
-    trained = [set(e["data"]["shards"]) for e in ev if e["kind"] == "student_finished"]
-    assert len(trained) == 2 and not (trained[0] & trained[1]) and trained[0] | trained[1] == set(range(12))
-    for i in range(2):
+    trained = [set(e["data"]["shards"]) for e in ev if e["kind"] == "student_finished" and "shards" in e["data"]]
+    assigned = [set(orch.task_status(t)["shards"]) for t in students]
+    assert sum(map(len, assigned)) == 24 and set().union(*assigned) == set(range(24))
+    assert len(trained) == 3 and sum(map(len, trained)) == len(set().union(*trained))
+    assert all(t <= a for t, a in zip(trained, assigned))
+    for i in range(3):
         assert (run / "output" / f"student_{i}" / "lora_adapter" / "adapter_model.safetensors").exists()
         summary = json.loads((run / "output" / f"student_{i}" / "summary.json").read_text())
         assert summary["mode"] == "logit" and "eval_loss" in summary["eval"]
@@ -183,7 +200,7 @@ def test_corrupt_shards_are_caught_and_regenerated(cluster):
 
     # A new orchestrator picks the store up from disk: shard 2 fails its checksum and is regenerated.
     orch = cluster.make()
-    students = orch.create_student_tasks("tiny-llama", store, num_students=1, max_steps=2, batch_size=4,
+    students = orch.create_student_tasks("tiny-llama", store, num_students=1, epochs=1.0, batch_size=4,
                                          peft_config={"r": 4, "alpha": 8})
     state = orch._dstate().stores[str(store.resolve())]
     # ... and shard 0's bytes get damaged on their way to the student.
@@ -194,10 +211,11 @@ def test_corrupt_shards_are_caught_and_regenerated(cluster):
     orch.wait_distill(students, timeout=600)
     ev = orch.events
     corrupt = [e["data"] for e in ev if e["kind"] == "shard_corrupt"]
-    assert {(c.get("source"), c["shard"]) for c in corrupt} >= {("disk", 2), ("student", 0)}
+    assert {(c.get("source"), c["shard"]) for c in corrupt} >= {("disk", 2), ("student", 0)}, "\n".join(
+        e["kind"] + ": " + e["message"] for e in ev)
     regen = [e["data"]["shard"] for e in ev if e["kind"] == "shard_regenerated"]
     assert sorted(set(regen)) == [0, 2]
     summary = json.loads((run / "output" / "student_0" / "summary.json").read_text())
     trained = {s["shard"]: s["sha256"] for s in summary["shards"]}
-    assert trained == good  # only verified, regenerated bytes were trained on (greedy: identical shards)
+    assert trained == good, (summary, "\n".join(e["kind"] + ": " + e["message"] for e in ev))  # only verified, regenerated bytes were trained on (greedy: identical shards)
     orch.shutdown_distill()

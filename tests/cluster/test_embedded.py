@@ -39,6 +39,7 @@ def test_launch_without_coordinator_uses_embedded_cluster(tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["state"] == "completed" and out["result"]["world"] == 2 and out["result"]["steps"] == 4
+    assert out["state"] == "completed", out["error"]
+    assert out["result"]["world"] == 2 and out["result"]["steps"] == 4
     assert (Path(out["adapter_dir"]) / "adapter_model.safetensors").exists()
     assert Path(out["adapter_dir"]).parent == tmp_path / "out"

@@ -199,6 +199,8 @@ def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -
         adapter = backend.download_adapter(job_id, output_dir)
     if json_out:
         print_json({**st, "adapter_dir": str(adapter) if adapter else None})
+        if st["state"] == "failed":
+            raise typer.Exit(1)
         return
     typer.echo(f"job {job_id}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
     res = st.get("result") or {}

@@ -8,6 +8,7 @@ they hold. State (job store, artifacts) lives in `$SMOLFORGE_HOME/embedded/`.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,7 +70,7 @@ class EmbeddedCluster:
     def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
         from smolforge.config import load_yaml
 
-        data = load_yaml(spec) if isinstance(spec, (str, Path)) else dict(spec)
+        data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         apply_job_overrides(data, overrides or [])
         return self.manager.submit(stage_spec(data, self.upload))
 

@@ -467,6 +467,7 @@ class DistillTasks:
         st = self._dstate()
         store_dir = _store_dir(output_dir)
         store_dir.mkdir(parents=True, exist_ok=True)
+        store_dir = store_dir.resolve()
         eligible, req_model = self._model_nodes(model_path, "teacher")  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed)
@@ -479,6 +480,7 @@ class DistillTasks:
             raise SmolforgeError("num_teachers must be ≥ 1", fix="pass --num-teachers 1 or more (or leave it unset)")
         plan = plan_shards(len(items), num_shards=num_shards, shard_size=shard_size, min_shards=2 * n_teachers,
                            teacher=model_path, dataset=str(dataset_path), k=top_k, samples_per_prompt=samples_per_prompt)
+        plan.generation, plan.compress, plan.backend = asdict(settings), compress_outputs, backend
         old = StorePlan.read(store_dir)
         if old is not None:
             same = (old.teacher, old.dataset, old.num_examples, old.shards) == (plan.teacher, plan.dataset,
@@ -572,8 +574,8 @@ class DistillTasks:
 
         try:
             while True:
-                if self._dstate().closing or task.state == "cancelled":
-                    return
+                if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
+                    return  # (a Ray call after shutdown would start a fresh local Ray)
                 ready, _ = ray.wait([gen], timeout=1.0)
                 if not ready:
                     continue
@@ -721,8 +723,9 @@ class DistillTasks:
                                  fix="create the teacher tasks first (create_parallel_teacher_tasks)")
         # Teachers ran earlier: serve what is on disk; missing or corrupt shards need the teacher again.
         broker = _remotes()["broker"].options(num_cpus=0, max_concurrency=4).remote({**asdict(plan), "assigned": {}})
-        store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend="hf",
-                           settings=GenSettings(top_k=plan.k), compress=True, broker=broker, teacher_nodes=[],
+        settings = GenSettings(**plan.generation) if plan.generation else GenSettings(top_k=plan.k)
+        store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend=plan.backend,
+                           settings=settings, compress=plan.compress, broker=broker, teacher_nodes=[],
                            teacher_req_model=None, cpus_per_teacher=1.0, device="auto")
         todo = self._reuse_shards(store)
         if todo:
@@ -770,7 +773,7 @@ class DistillTasks:
 
         try:
             while True:
-                if self._dstate().closing:
+                if self._dstate().closing or not ray.is_initialized():
                     return
                 ready, _ = ray.wait([ref], timeout=1.0)
                 if ready:
@@ -794,7 +797,8 @@ class DistillTasks:
                          node=task.node, error=task.error)
         finally:
             try:
-                ray.kill(actor)
+                if ray.is_initialized():
+                    ray.kill(actor)
             except Exception:
                 pass
         self._after_finish(task)
@@ -823,7 +827,9 @@ class DistillTasks:
 
     def _after_finish(self, task: DistillTask) -> None:
         """A finished task frees its node: a finished teacher takes a queued student (rotation)."""
-        if self._dstate().closing:
+        import ray
+
+        if self._dstate().closing or not ray.is_initialized():
             return
         if task.kind == "teacher" and task.state == "completed":
             try:
@@ -873,12 +879,17 @@ class DistillTasks:
         st = self._dstate()
         while not st.closing:
             time.sleep(POLL_S)
+            if not ray.is_initialized():
+                return
             for store in list(st.stores.values()):
                 try:
                     news = ray.get(store.broker.drain.remote(), timeout=30)
                 except Exception:
                     continue
-                self._absorb_broker(store, news)
+                try:
+                    self._absorb_broker(store, news)
+                except Exception as err:  # keep monitoring; say what went wrong
+                    self._devent("monitor_error", f"distill monitor: {_short(err)}", error=_short(err))
 
     def _absorb_broker(self, store: StoreState, news: dict[str, Any]) -> None:
         st = self._dstate()

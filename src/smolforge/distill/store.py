@@ -327,6 +327,10 @@ class StorePlan:
     k: int
     shards: list[list[int]] = field(default_factory=list)  # [start, end) example ranges per shard
     samples_per_prompt: int = 1
+    # How the shards were made, so a missing or corrupt one is regenerated identically.
+    generation: dict[str, Any] = field(default_factory=dict)
+    compress: bool = True
+    backend: str = "hf"
 
     def write(self, out_dir: str | Path) -> None:
         atomic_write_json(Path(out_dir) / PLAN_FILE, self.__dict__)

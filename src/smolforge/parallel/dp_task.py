@@ -80,6 +80,26 @@ def engine_final_save_compat() -> None:
     engine._save = _save
 
 
+def prepare_model(name: str, root: Path) -> None:
+    """Materialise a tiny preset on this node before joining the process group, one rank at a time.
+
+    Two reasons: ranks on one node would otherwise all build it at once, and a build inside an
+    initialised process group goes wrong (transformers' save_pretrained writes the weights on rank 0
+    only), leaving a preset directory without its model.
+    """
+    import fcntl
+
+    from smolforge.models.loading import resolve_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            resolve_model(name)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class DPWorker:
     """Ray actor class (wrapped with ray.remote by WorkerGroup)."""
 
@@ -193,6 +213,7 @@ class DPWorker:
         cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False,
                         resume=bool(resume_from))
         cfg = TrainConfig.model_validate(cfg_dict)
+        prepare_model(cfg.model, node_dir())
         if resume_from:
             self._stage_checkpoint(resume_from, out_dir)
         is_main = self.rank == 0

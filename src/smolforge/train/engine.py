@@ -331,7 +331,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             adapter_dir = out_dir / f"{cfg.peft.method}_adapter"
             save_adapter(model, adapter_dir, tokenizer=tokenizer)
             result.adapter_dir = str(adapter_dir)
-            _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, is_main)
+        # Every rank enters: the save ends in a barrier that all ranks must reach.
+        _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, is_main)
     result.seconds = time.perf_counter() - t_start
     if writer:
         writer.close()
