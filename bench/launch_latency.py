@@ -96,17 +96,23 @@ def main() -> None:
 
         torch.set_num_threads(1)
 
-        def plain_run(i: int) -> float:
+        def plain_run(i: int) -> tuple[float, float]:
             """The baseline: the same 1-rank config in this process, no hooks but the timer."""
             times: list[float] = []
+            cpu: list[float] = []
+
+            def on_step(info) -> None:
+                times.append(time.time())
+                cpu.append(time.process_time())
+
             cfg = TrainConfig.model_validate({**train, "output_dir": str(tmp / f"plain-{i}"), "quiet": True,
                                               "tensorboard": False, "num_threads": 1})
-            run_train(cfg, TrainHooks(on_step=lambda info: times.append(time.time())))
+            run_train(cfg, TrainHooks(on_step=on_step))
             gaps = sorted(b - a for a, b in zip(times, times[1:]))
-            return gaps[len(gaps) // 2]
+            return gaps[len(gaps) // 2], (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
-        firsts, step_cluster, plain = [], [], []
-        for i, world in enumerate((2, 1, 2, 1)):  # alternating with the baseline: same background load
+        firsts, step_cluster, plain, cpu_cluster, cpu_plain = [], [], [], [], []
+        for i, world in enumerate((2, 1, 2, 1, 1)):  # alternating with the baseline: same background load
             spec = {"kind": "data_parallel", "num_workers": world,
                     "train": {**train, "batch_size": args.batch_size // world}}
             t_submit = time.time()
@@ -117,11 +123,17 @@ def main() -> None:
                 firsts.append(st["result"]["first_step_ts"] - t_submit)
             else:
                 step_cluster.append(st["result"]["median_step_s"])
-                plain.append(plain_run(i))
+                cpu_cluster.append(st["result"]["cpu_step_s"])
+                wall, cpu = plain_run(i)
+                plain.append(wall)
+                cpu_plain.append(cpu)
         out["launch_to_first_step_s"] = round(statistics.median(firsts), 2)
         b, c = statistics.median(plain), statistics.median(step_cluster)
+        bc, cc = statistics.median(cpu_plain), statistics.median(cpu_cluster)
         out.update(plain_ms_per_step=round(b * 1000, 2), cluster_1rank_ms_per_step=round(c * 1000, 2),
-                   overhead_ms_per_step=round((c - b) * 1000, 2), overhead_ratio=round(c / b, 3))
+                   overhead_ms_per_step=round((c - b) * 1000, 2), overhead_ratio=round(c / b, 3),
+                   plain_cpu_ms_per_step=round(bc * 1000, 2), cluster_1rank_cpu_ms_per_step=round(cc * 1000, 2),
+                   overhead_cpu_ms_per_step=round((cc - bc) * 1000, 2))
     except BaseException:
         print(f"failed; logs kept in {tmp}", file=sys.stderr)
         raise

@@ -448,6 +448,10 @@ class DPRunner(threading.Thread):
                     return
                 time.sleep(1)
                 continue
+            if self.want:  # paused or cancelled while the group was being placed
+                self._release()
+                self.store.upsert_task(gid, self.job_id, "dp_group", "released")
+                continue
             for info in infos:
                 self.store.upsert_task(f"{gid}-r{info['rank']}", self.job_id, "dp_rank", "running",
                                        rank=info["rank"], attempt=round_no, node_id=info["node_id"],
@@ -643,7 +647,7 @@ class DPRunner(threading.Thread):
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
         summary = {k: r0.get(k) for k in ("steps", "final_loss", "eval", "seconds", "tokens_per_s",
                                           "trainable_params", "total_params", "adapter_artifact", "setup_s",
-                                          "first_step_ts", "world")}
+                                          "first_step_ts", "world", "cpu_step_s")}
         summary["median_step_s"] = gaps[len(gaps) // 2] if gaps else None
         summary["nodes"] = [results[r]["node"]["node_name"] for r in sorted(results)]
         return "completed", summary

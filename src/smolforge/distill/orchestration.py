@@ -72,7 +72,7 @@ def _teacher_shards(spec: dict[str, Any]):
 
     torch.set_num_threads(max(1, int(spec["num_threads"])))
     ctx = ray.get_runtime_context()
-    model = _node_model(spec["model"]) if spec["backend"] == "hf" else spec["model"]
+    model = _node_model(spec["model"]) if spec["backend"] != "ollama" else spec["model"]
     teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
                            tokenizer=spec.get("tokenizer"))
     items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
@@ -472,8 +472,8 @@ class DistillTasks:
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed)
         settings.check()
-        if backend not in ("hf", "ollama"):
-            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf or ollama")
+        if backend not in ("hf", "ollama", "reference"):
+            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
         items = prompts_from_dataset(dataset_path, max_samples, data_format)
         n_teachers = len(eligible) if num_teachers is None else int(num_teachers)
         if n_teachers < 1:
@@ -679,7 +679,7 @@ class DistillTasks:
                 out = run_dir / "output" / f"student_{n}"
                 config = {"base_model": base, "output_dir": str(out), "peft": peft.model_dump(), "kd": asdict(kd),
                           "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "grad_accum": grad_accum,
-                          "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed + rank,
+                          "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
                           "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
                           "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}

@@ -189,15 +189,59 @@ class HFTeacher:
         return logits[:, -keep:-1, :]
 
 
+class ReferenceTeacher:
+    """A "teacher" that answers with the dataset's reference answers: text and ids, no logits.
+
+    Students fed from its store are plain SFT students that went through exactly the same
+    pipeline (shards, split, steps, aggregation) as the distilled ones, which makes it the fair
+    baseline for "does KD beat SFT?". `model` only supplies the tokenizer (use the student's).
+    """
+
+    backend = "reference"
+
+    def __init__(self, model: str):
+        from smolforge.data.encode import ensure_chat_template
+        from smolforge.models.loading import load_tokenizer
+
+        self.name = model
+        self.tokenizer = load_tokenizer(model)
+        ensure_chat_template(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.tok_hash = tokenizer_hash(self.tokenizer)
+
+    def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
+        from smolforge.data.encode import encode_example
+        from smolforge.data.formats import Example
+
+        out = []
+        eos = self.tokenizer.eos_token_id
+        for item in items:
+            if item.answer is None:
+                raise SmolforgeError(f"example {item.example_id} has no reference answer",
+                                     fix="the reference backend needs data with answers (prompt/completion, alpaca, chat)")
+            ex = Example("reference", messages=list(item.prompt_messages) + [{"role": "assistant", "content": item.answer}])
+            ids, labels = encode_example(self.tokenizer, ex)  # exactly the rows plain SFT trains on
+            first = next(i for i, x in enumerate(labels) if x != -100)
+            response = ids[first:]
+            if eos is not None and eos in response:  # the template tail after eos is re-added by students
+                response = response[: response.index(eos) + 1]
+            out.append(TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
+                                     prompt_ids=ids[:first], response_ids=response, response_text=item.answer,
+                                     answer=item.answer))
+        return out
+
+
 def make_teacher(model: str, backend: str = "hf", **kwargs):
-    """The teacher object for a backend name: 'hf' (transformers) or 'ollama' (HTTP API)."""
+    """The teacher object for a backend: 'hf' (transformers), 'ollama' (HTTP API) or 'reference'."""
     if backend == "hf":
         return HFTeacher(model, device=kwargs.get("device", "auto"))
+    if backend == "reference":
+        return ReferenceTeacher(model)
     if backend == "ollama":
         from smolforge.distill.ollama import OllamaTeacher
 
         return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
-    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf or ollama")
+    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf, ollama or reference")
 
 
 def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", shard_ranges: dict[int, tuple[int, int]],

@@ -133,19 +133,29 @@ def build_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def _complete(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / "tokenizer.json").exists() and any(path.glob("*.safetensors"))
+
+
 def preset_dir(name: str) -> Path:
     """The preset's directory, built on first use. Safe when several processes race to build it."""
     final = home() / "presets" / name
-    if (final / "config.json").exists():
+    if _complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
     try:
         build_preset(name, tmp)
+        if not _complete(tmp):
+            # transformers 5 writes weights on rank 0 only once torch.distributed is initialised.
+            raise RuntimeError(f"building preset {name} wrote no weights; build presets before "
+                               "init_process_group (or on rank 0)")
+        if final.exists() and not _complete(final):
+            shutil.rmtree(final, ignore_errors=True)  # a broken earlier build
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").exists():
+            if not _complete(final):
                 raise
     finally:
         if tmp.exists():

@@ -51,35 +51,6 @@ def local_model_path(name: str) -> str:
     return name
 
 
-def engine_final_save_compat() -> None:
-    """Keep the engine's end-of-training save from deadlocking a data-parallel group.
-
-    `train()` calls its final `_save` on rank 0 only, and `_save` ends in `dist.barrier()`, which the
-    other ranks never enter (they have already returned): rank 0 would wait forever. Here the final
-    save (the one whose step equals `result.steps`) skips that barrier; periodic and pause saves,
-    which every rank reaches, keep it. Harmless if the engine later calls the final save on every
-    rank. Applied once per worker process.
-    """
-    from smolforge.train import engine
-
-    orig = engine._save
-    if getattr(orig, "_smolforge_compat", False):
-        return
-
-    def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main):
-        if result.steps != step:
-            return orig(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main)
-        barrier = engine.dist.barrier
-        engine.dist.barrier = lambda *a, **k: None
-        try:
-            return orig(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main)
-        finally:
-            engine.dist.barrier = barrier
-
-    _save._smolforge_compat = True
-    engine._save = _save
-
-
 def prepare_model(name: str, root: Path) -> None:
     """Materialise a tiny preset on this node before joining the process group, one rank at a time.
 
@@ -218,9 +189,11 @@ class DPWorker:
             self._stage_checkpoint(resume_from, out_dir)
         is_main = self.rank == 0
         step_times: list[float] = []
+        cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
 
         def on_step(info) -> None:
             step_times.append(time.time())
+            cpu_times.append(time.process_time())
             if not is_main:
                 return
             recent = step_times[-20:]
@@ -248,7 +221,6 @@ class DPWorker:
         def should_stop() -> str | None:
             return self._stop if is_main else None
 
-        engine_final_save_compat()
         hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop)
         self._running = True
         poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")
@@ -279,5 +251,6 @@ class DPWorker:
         out.update(rank=self.rank, world=world, node=self.info(), setup_s=t_ready - t0,
                    adapter_artifact=adapter_meta["name"] if adapter_meta else None,
                    first_step_ts=step_times[0] if step_times else None,
+                   cpu_step_s=(cpu_times[-1] - cpu_times[0]) / (len(cpu_times) - 1) if len(cpu_times) > 1 else None,
                    step_times=step_times if is_main else None)
         return out

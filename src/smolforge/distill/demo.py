@@ -1,0 +1,236 @@
+"""`smolforge demo`: teacher→student distillation end to end on the embedded default.
+
+1. A teacher is trained in-process on the bundled task (a full fine-tune of `tiny-llama`, cached
+   under $SMOLFORGE_HOME/demo so a second demo starts at step 2).
+2. Two parallel teacher tasks write the top-k logit store (`teacher_outputs/`).
+3. Two LoRA students learn from it (forward KL + CE), each on its own half of the shards, then
+   their adapters are merged (exact mean of the LoRA updates, truncated SVD) into
+   `merged_model/final_adapter/`.
+4. The baseline goes through the *same* pipeline with the dataset's reference answers instead of
+   the teacher (the `reference` backend: text, no logits): two SFT students, same shards, same
+   steps, same merge. So "KD vs SFT" differs in the training signal only.
+5. Held-out exact-match accuracy and eval loss of the untrained student, the SFT student and the
+   KD student, plus the store's bytes/token and the time of each stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from smolforge.paths import atomic_write_json, home
+
+DEMO_TEACHER_BASE = "tiny-llama"
+DEMO_STUDENT = "tiny-llama"
+
+
+@dataclass
+class DemoSettings:
+    """Sized so the whole demo takes a few minutes on a 2-core laptop."""
+
+    teacher_steps: int = 800
+    teacher_lr: float = 3e-3
+    teacher_batch: int = 32
+    student_steps: int = 200
+    student_lr: float = 2e-3
+    student_batch: int = 32
+    lora_r: int = 64
+    lora_alpha: float = 128
+    kd_loss: str = "forward_kl"
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    top_k: int = 32
+    max_new_tokens: int = 12
+    num_teachers: int = 2
+    num_students: int = 2
+    num_shards: int = 16
+    max_length: int = 64
+    max_eval_samples: int = 200
+    teacher_seed: int = 0
+
+
+def _teacher_key(s: DemoSettings) -> str:
+    blob = json.dumps({k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length",
+                                                  "teacher_seed")}, sort_keys=True)
+    return hashlib.sha256((DEMO_TEACHER_BASE + blob).encode()).hexdigest()[:12]
+
+
+def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The demo teacher (cached by its settings): (model dir, its held-out metrics)."""
+    from smolforge.config import DataSpec, PeftSpec, TrainConfig
+    from smolforge.train.engine import train
+
+    root = home() / "demo" / f"teacher-{_teacher_key(s)}"
+    model_dir = root / "none_adapter"
+    info = root / "teacher.json"
+    if (model_dir / "config.json").exists() and info.exists():
+        return model_dir, json.loads(info.read_text())
+    if root.exists():
+        shutil.rmtree(root)
+    cfg = TrainConfig(model=DEMO_TEACHER_BASE, data=DataSpec(path="bundled", max_length=s.max_length,
+                                                             max_eval_samples=s.max_eval_samples),
+                      peft=PeftSpec(method="none"), output_dir=str(root), max_steps=s.teacher_steps,
+                      batch_size=s.teacher_batch, lr=s.teacher_lr, warmup_steps=30, seed=s.teacher_seed,
+                      max_new_tokens=s.max_new_tokens, quiet=quiet, tensorboard=False, log_every=50)
+    result = train(cfg)
+    metrics = dict(result.eval)
+    atomic_write_json(info, {"eval": metrics, "steps": result.steps, "seconds": result.seconds})
+    shutil.rmtree(root / "checkpoints", ignore_errors=True)  # the weights are in none_adapter/
+    return model_dir, {"eval": metrics}
+
+
+def evaluate_adapter(adapter: str | Path | None, s: DemoSettings) -> dict[str, Any]:
+    """Held-out eval loss and exact-match accuracy of the demo student (plus an adapter)."""
+    import torch
+
+    from smolforge.config import DataSpec, TrainConfig
+    from smolforge.data.splits import load_splits
+    from smolforge.models.loading import load_model, load_tokenizer
+    from smolforge.models.peft_methods import load_adapter
+    from smolforge.train.engine import evaluate
+
+    tok = load_tokenizer(DEMO_STUDENT)
+    model = load_model(DEMO_STUDENT)
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+    spec = DataSpec(path="bundled", max_length=s.max_length, max_eval_samples=s.max_eval_samples, max_samples=1)
+    cfg = TrainConfig(model=DEMO_STUDENT, data=spec, batch_size=32, max_new_tokens=s.max_new_tokens)
+    return evaluate(model, tok, load_splits(spec, tok), cfg, torch.device("cpu"))
+
+
+def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
+    return dict(num_students=s.num_students, peft_type="lora",
+                peft_config={"r": s.lora_r, "alpha": s.lora_alpha, "dropout": 0.0}, max_steps=s.student_steps,
+                batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length, seed=seed,
+                kd_loss=s.kd_loss, kd_ratio=s.kd_ratio, temperature=s.temperature, device="cpu")
+
+
+def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: int = 0,
+             settings: DemoSettings | None = None, orchestrator=None) -> dict[str, Any]:
+    """Run the demo; returns teacher/base/SFT/KD metrics, store bytes/token and stage times."""
+    s = settings or DemoSettings()
+    out = Path(output_dir or "outputs/demo")
+    kd_dir, sft_dir = out / "distill", out / "sft-baseline"
+    for d in (kd_dir, sft_dir):
+        if d.exists():
+            shutil.rmtree(d)
+    stages: dict[str, float] = {}
+    t_all = time.time()
+    say = (lambda msg: None) if quiet else _say
+
+    say("1/5 training the teacher in-process (full fine-tune of tiny-llama on the bundled task)")
+    t = time.time()
+    teacher_dir, teacher_info = train_teacher(s, quiet=quiet)
+    stages["teacher_training"] = time.time() - t
+
+    own = orchestrator is None
+    if own:
+        from smolforge.orchestrator import Orchestrator
+
+        orchestrator = Orchestrator("hybrid")
+    orch = orchestrator
+    try:
+        say(f"2/5 {s.num_teachers} parallel teacher tasks write the top-k logit store")
+        t = time.time()
+        common = dict(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64, num_shards=s.num_shards,
+                      device="cpu")
+        teachers = orch.create_parallel_teacher_tasks(str(teacher_dir), "bundled", kd_dir,
+                                                      num_teachers=s.num_teachers, **common)
+        reference = orch.create_parallel_teacher_tasks(DEMO_STUDENT, "bundled", sft_dir, num_teachers=1,
+                                                       backend="reference", **common)
+        say(f"3/5 {s.num_students} KD students stream the shards; the SFT baseline runs the same pipeline")
+        kd_students = orch.create_student_tasks(DEMO_STUDENT, kd_dir / "teacher_outputs", **student_kwargs(s, seed))
+        sft_students = orch.create_student_tasks(DEMO_STUDENT, sft_dir / "teacher_outputs", **student_kwargs(s, seed))
+        orch.wait_distill(teachers + reference, timeout=1800)
+        stages["teacher_shards"] = time.time() - t
+        t_students = time.time()
+        orch.wait_distill(kd_students + sft_students, timeout=1800)
+        stages["students"] = time.time() - t_students
+
+        say("4/5 merging each pair of students (exact mean of LoRA updates → rank r)")
+        t = time.time()
+        kd_merge = orch.aggregate_student_outputs(kd_students, kd_dir / "merged_model")
+        sft_merge = orch.aggregate_student_outputs(sft_students, sft_dir / "merged_model")
+        stages["aggregation"] = time.time() - t
+    finally:
+        if hasattr(orch, "shutdown_distill"):
+            orch.shutdown_distill()
+        if own:
+            orch.close()
+
+    say("5/5 held-out evaluation")
+    t = time.time()
+    base = evaluate_adapter(None, s)
+    sft = evaluate_adapter(sft_merge["output"], s)
+    kd = evaluate_adapter(kd_merge["output"], s)
+    stages["evaluation"] = time.time() - t
+    from smolforge.distill.store import store_summary
+
+    store = store_summary(kd_dir / "teacher_outputs")
+    stages["total"] = time.time() - t_all
+    summary = {
+        "teacher_accuracy": teacher_info["eval"].get("accuracy"),
+        "teacher_eval_loss": teacher_info["eval"].get("eval_loss"),
+        "student_base_accuracy": base.get("accuracy"),
+        "student_base_eval_loss": base.get("eval_loss"),
+        "sft_accuracy": sft.get("accuracy"),
+        "kd_accuracy": kd.get("accuracy"),
+        "sft_eval_loss": sft.get("eval_loss"),
+        "kd_eval_loss": kd.get("eval_loss"),
+        "store_bytes_per_token": store["bytes_per_token"],
+        "store_fp16_full_vocab_bytes_per_token": store["fp16_full_vocab_bytes_per_token"],
+        "stage_seconds": {k: round(v, 1) for k, v in stages.items()},
+        "student_steps": s.student_steps,
+        "seed": seed,
+        "teacher_dir": str(teacher_dir),
+        "kd_adapter": kd_merge["output"],
+        "sft_adapter": sft_merge["output"],
+        "settings": asdict(s),
+    }
+    atomic_write_json(out / "demo_summary.json", summary)
+    if not quiet:
+        print_demo_table(summary)
+    return summary
+
+
+def _say(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold cyan]demo[/] {msg}")
+
+
+def print_demo_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    def num(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    table = Table(title="smolforge demo: distilling a trained teacher into LoRA students (bundled task, held out)")
+    table.add_column("model")
+    table.add_column("exact-match accuracy", justify="right")
+    table.add_column("eval loss", justify="right")
+    table.add_row("teacher (trained in-process)", pct(summary["teacher_accuracy"]), num(summary["teacher_eval_loss"]))
+    table.add_row("student before training", pct(summary["student_base_accuracy"]), num(summary["student_base_eval_loss"]))
+    table.add_row(f"student after SFT only ({summary['student_steps']} steps × 2, merged)", pct(summary["sft_accuracy"]),
+                  num(summary["sft_eval_loss"]))
+    table.add_row(f"student after KD ({summary['student_steps']} steps × 2, merged)", pct(summary["kd_accuracy"]),
+                  num(summary["kd_eval_loss"]))
+    con = Console()
+    con.print(table)
+    con.print(f"teacher-output store: {summary['store_bytes_per_token']:.1f} bytes/token "
+              f"(fp16 full vocabulary: {summary['store_fp16_full_vocab_bytes_per_token']:,} bytes/token)")
+    stages = Table(title="time per stage (s)")
+    for k in summary["stage_seconds"]:
+        stages.add_column(k.replace("_", " "), justify="right")
+    stages.add_row(*[f"{v:.0f}" for v in summary["stage_seconds"].values()])
+    con.print(stages)
+    con.print(f"merged KD adapter: {summary['kd_adapter']}")

@@ -1,0 +1,226 @@
+"""The whole distillation run as one call: teachers → streaming students → aggregation.
+
+`run_distill` is what `smolforge distill` (and `smolforge launch --mode teacher_student|hybrid`)
+runs: it drives an Orchestrator (a coordinator's cluster, or the embedded one) through the
+DistillTasks methods, shows progress, and writes the seed layout:
+
+    <output_dir>/teacher_outputs/batch_N.{safetensors,json}, plan.json
+    <output_dir>/output/student_N/<peft>_adapter/ (+ summary.json)
+    <output_dir>/merged_model/final_adapter/      (several bases: merged_model/<base>/final_adapter/)
+    <output_dir>/distill_summary.json
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smolforge.errors import SmolforgeError
+from smolforge.paths import atomic_write_json
+
+
+@dataclass
+class DistillRun:
+    """Everything `smolforge distill` can set; defaults suit a small model on a CPU."""
+
+    teacher: str
+    students: list[str]
+    data: str
+    output_dir: str = "outputs/distill"
+    num_teachers: int | None = None
+    num_students: int = 2
+    peft: str = "lora"
+    peft_config: dict[str, Any] = field(default_factory=dict)
+    kd_loss: str = "forward_kl"
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    beta: float = 0.5
+    top_k: int = 32
+    compress_outputs: bool = True
+    teacher_backend: str = "hf"
+    ollama_host: str | None = None
+    gen_temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    samples_per_prompt: int = 1
+    teacher_batch_size: int = 16
+    num_shards: int | None = None
+    max_samples: int | None = None
+    max_steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    max_length: int = 256
+    seed: int = 0
+    split_shards: bool | None = None
+    aggregate: str = "mean"  # mean | ties | none
+    aggregate_rank: int | None = None
+    cpus_per_teacher: float = 1.0
+    cpus_per_student: float = 1.0
+    eval: bool = True
+    max_eval_samples: int | None = 200
+    eval_max_new_tokens: int = 16
+    device: str = "auto"
+    mode: str = "teacher_student"
+    coordinator: str | None = None
+    token: str | None = None
+    quiet: bool = False
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name).name or name).strip("-") or "student"
+
+
+class _Progress:
+    """A rich progress bar per teacher (shards) and per student (steps), with rate and ETA."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self._p = None
+        self._rows: dict[str, Any] = {}
+        if quiet:
+            return
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self._p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                           console=Console(stderr=True), refresh_per_second=4)
+        self._p.start()
+
+    def update(self, statuses: list[dict[str, Any]]) -> None:
+        if self._p is None:
+            return
+        for s in statuses:
+            if s["kind"] == "aggregate":
+                continue
+            if s["kind"] == "teacher":
+                total, done = len(s["shards"]), len(s["done_shards"])
+                unit = "shards"
+            else:
+                total = max(1, int(s.get("samples_total") or 1))
+                done = int(s.get("samples_done") or 0) if s["state"] != "completed" else total
+                unit = "samples"
+            state = "queued" if s.get("queued") else s["state"]
+            info = f"{state} · {s.get('node') or '-'} · {unit}"
+            if s["task_id"] not in self._rows:
+                self._rows[s["task_id"]] = self._p.add_task(s["task_id"], total=total, info=info)
+            self._p.update(self._rows[s["task_id"]], total=total, completed=done, info=info)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
+    """Teachers, students, aggregation; returns (and writes) the run summary."""
+    from smolforge.distill.store import store_summary
+
+    if not cfg.students:
+        raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
+    if cfg.aggregate not in ("mean", "ties", "none"):
+        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
+    out = Path(cfg.output_dir)
+    if ".." in out.parts:
+        raise SmolforgeError(f"--output-dir {out} contains '..'", fix="give a plain directory path")
+    out.mkdir(parents=True, exist_ok=True)
+    own = orchestrator is None
+    if own:
+        from smolforge.orchestrator import Orchestrator
+
+        orchestrator = Orchestrator(cfg.mode, coordinator=cfg.coordinator, token=cfg.token)
+    orch = orchestrator
+    t0 = time.time()
+    stages: dict[str, float] = {}
+    progress = _Progress(cfg.quiet)
+    try:
+        teachers = orch.create_parallel_teacher_tasks(
+            cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,
+            num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
+            temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
+            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, ollama_host=cfg.ollama_host, seed=cfg.seed)
+        students = orch.create_student_tasks(
+            cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
+            peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
+            kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
+            epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed,
+            cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
+            max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device)
+        all_ids = teachers + students
+        teacher_done = None
+        while True:
+            statuses = orch.distill_tasks()
+            progress.update([s for s in statuses if s["task_id"] in all_ids])
+            by_id = {s["task_id"]: s for s in statuses}
+            if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
+                teacher_done = time.time()
+            if all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in all_ids):
+                break
+            time.sleep(0.5)
+        progress.close()
+        failed = [by_id[t] for t in all_ids if by_id[t]["state"] == "failed"]
+        if failed:
+            raise SmolforgeError(f"{failed[0]['task_id']} failed: {failed[0]['error']}",
+                                 fix="see the error above; fix it and rerun (valid teacher shards are reused)")
+        stages["teachers"] = (teacher_done or time.time()) - t0
+        stages["students"] = time.time() - t0
+        merged: dict[str, Any] = {}
+        t_agg = time.time()
+        if cfg.aggregate != "none":
+            for base in cfg.students:
+                mine = [t for t in students if orch.task_status(t).get("output_dir")
+                        and _base_of(orch, t) == base]
+                target = out / "merged_model" if len(cfg.students) == 1 else out / "merged_model" / _slug(base)
+                try:
+                    merged[base] = orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
+                                                                  rank=cfg.aggregate_rank)
+                except SmolforgeError as err:
+                    if cfg.peft in ("prefix", "prompt"):
+                        merged[base] = {"skipped": err.what}
+                    else:
+                        raise
+        stages["aggregate"] = time.time() - t_agg
+        summary = {
+            "output_dir": str(out),
+            "teacher": cfg.teacher,
+            "students": cfg.students,
+            "store": store_summary(out / "teacher_outputs"),
+            "teacher_tasks": [orch.task_status(t) for t in teachers],
+            "student_tasks": [{**orch.task_status(t), "eval": _eval_of(orch, t)} for t in students],
+            "merged": merged,
+            "stage_seconds": stages,
+            "seconds": time.time() - t0,
+            "events": [e for e in getattr(orch, "events", [])],
+        }
+        atomic_write_json(out / "distill_summary.json", _jsonable(summary))
+        return summary
+    finally:
+        progress.close()
+        if hasattr(orch, "shutdown_distill"):
+            orch.shutdown_distill()
+        if own:
+            orch.close()
+
+
+def _base_of(orch, task_id: str) -> str | None:
+    task = orch._dstate().tasks.get(task_id)
+    return task.spec["config"]["base_model"] if task is not None else None
+
+
+def _eval_of(orch, task_id: str) -> dict[str, Any]:
+    task = orch._dstate().tasks.get(task_id)
+    return dict(task.result.get("eval", {})) if task is not None else {}
+
+
+def _jsonable(obj: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(obj, default=str))
