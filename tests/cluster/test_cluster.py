@@ -296,9 +296,16 @@ def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     job_id = client.submit_job(job_spec(world))
     wait_step(client, job_id, 8)  # at least one checkpoint (every 5 steps) is stored
     pids = {t["node_name"]: t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"}
-    c.kill_worker("w2")  # SIGKILL to the whole `worker join` process group: the node is gone
+    # The node is lost: SIGKILL its training process (Ray runs it in a session of its own) and the
+    # whole `worker join` process group (raylet and agents).
+    os.kill(pids["w2"], signal.SIGKILL)
+    c.kill_worker("w2")
     c.add_worker("w3", models_dir=world["models"], wait=False)  # a replacement, joining meanwhile
     st = wait_state(client, job_id, ("completed",))
+    # The killed node's rank process notices its raylet is gone and exits; give it a moment.
+    deadline = time.time() + 30
+    while pid_running(pids["w2"]) and time.time() < deadline:
+        time.sleep(0.5)
     assert not pid_running(pids["w2"])
     assert st["result"]["steps"] == STEPS and "w2" not in st["result"]["nodes"]
     assert set(st["result"]["nodes"]) <= {"w1", "w3"}

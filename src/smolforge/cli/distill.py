@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from smolforge.cli.common import parse_json_option, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli
 
 
 def register(app: typer.Typer) -> None:
@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         cfg = DistillRun(
             teacher=teacher, students=list(student), data=data, output_dir=output_dir, num_teachers=num_teachers,
             num_students=num_students, peft=peft,
-            peft_config=parse_json_option(peft_config, "--peft-config", '{"r": 8, "alpha": 16, "dropout": 0.05}'),
+            peft_config=peft_section(None, peft_config, None, None, None),
             kd_loss=kd_loss, kd_ratio=kd_ratio, temperature=temperature, beta=beta, top_k=top_k,
             compress_outputs=not no_compress, teacher_backend=teacher_backend, ollama_host=ollama_host,
             gen_temperature=gen_temperature, top_p=top_p, max_new_tokens=max_new_tokens,

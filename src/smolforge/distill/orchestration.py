@@ -659,7 +659,9 @@ class DistillTasks:
         bases = [base_model] if isinstance(base_model, str) else list(base_model)
         if not bases:
             raise SmolforgeError("no student base model given", fix="pass --student NAME")
-        peft = PeftSpec(**{"method": peft_type, **(peft_config or {})})
+        from smolforge.config import validate
+
+        peft = validate(PeftSpec, {"method": peft_type, **(peft_config or {})}, where="peft_config")
         kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
         run_dir = Path(output_dir) if output_dir else store.dir.parent
         split = (num_students > 1) if split_shards is None else split_shards

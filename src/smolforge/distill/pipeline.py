@@ -126,6 +126,17 @@ def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
     if cfg.aggregate not in ("mean", "ties", "none"):
         raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
+    # Check every setting before a cluster starts: bad flags fail in a second, not after the teachers.
+    from smolforge.config import PeftSpec, validate
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.teacher import GenSettings
+
+    KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
+    validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
+    GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size).check()
+    if cfg.teacher_backend not in ("hf", "ollama", "reference"):
+        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
     out = Path(cfg.output_dir)
     if ".." in out.parts:
         raise SmolforgeError(f"--output-dir {out} contains '..'", fix="give a plain directory path")

@@ -1,0 +1,51 @@
+"""`smolforge distill` from the command line: help, bad input, and a small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import last_json, smolforge
+
+
+def test_help_has_an_example():
+    proc = smolforge("distill", "--help")
+    assert proc.returncode == 0
+    assert "Example:" in proc.stdout and "--kd-loss" in proc.stdout and "--num-teachers" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kd-loss", "kl"], "unknown KD loss"),
+    (["--peft-config", "{bad"], "--peft-config is not valid JSON"),
+    (["--peft-config", '{"rank": 0}'], "r: Input should be greater than or equal to 1"),
+    (["--aggregate", "linear"], "unknown --aggregate"),
+    (["--samples-per-prompt", "2"], "identical samples"),
+    (["--output-dir", "a/../../b"], "contains '..'"),
+])
+def test_bad_flags_fail_fast_with_exit_2(args, message, tmp_path):
+    proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+                     "--output-dir", str(tmp_path / "o"), *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
+    out = tmp_path / "run"
+    env = {"RAY_TMPDIR": f"/tmp/sfdc{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
+    proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+                     "--max-samples", "32", "--max-steps", "3", "--batch-size", "4", "--max-new-tokens", "6",
+                     "--top-k", "8", "--num-students", "2", "--peft-config", '{"r": 4, "lora_alpha": 8}',
+                     "--output-dir", str(out), "--json", timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    assert summary["store"]["shards"] >= 2 and summary["store"]["bytes_per_token"] > 0
+    assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
+    assert (out / "teacher_outputs" / "batch_0.safetensors").exists()
+    for i in range(2):
+        assert (out / "output" / f"student_{i}" / "lora_adapter" / "adapter_model.safetensors").exists()
+    assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
+    assert json.loads((out / "merged_model" / "final_adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert (out / "distill_summary.json").exists()
