@@ -47,14 +47,17 @@ def main() -> None:
                  num_shards=args.num_shards, device="cpu")
     stud = dict(peft_type="lora", peft_config={"r": 8, "alpha": 16, "dropout": 0.0}, batch_size=16, lr=1e-3,
                 device="cpu")
-    try:
-        # warm-up: Ray workers and the preset files, so neither run pays for them alone
-        orch = Orchestrator("teacher_student", backend=backend)
-        w = orch.create_parallel_teacher_tasks(args.teacher, "bundled", work / "warm", max_samples=8, num_teachers=2,
-                                               max_new_tokens=2, num_shards=2, device="cpu")
-        orch.wait_distill(w, timeout=900)
-        orch.shutdown_distill()
+    def warm_up(tag: str) -> None:
+        """Two warm Ray task workers with the teacher loaded once, before each run (Ray reaps idle
+        workers above its soft limit, so a run after a student actor would otherwise pay a cold start)."""
+        o = Orchestrator("teacher_student", backend=backend)
+        w = o.create_parallel_teacher_tasks(args.teacher, "bundled", work / f"warm-{tag}", max_samples=8,
+                                            num_teachers=2, max_new_tokens=2, num_shards=2, device="cpu")
+        o.wait_distill(w, timeout=900)
+        o.shutdown_distill()
 
+    try:
+        warm_up("seq")
         orch = Orchestrator("teacher_student", backend=backend)
         t0 = time.perf_counter()
         [t] = orch.create_parallel_teacher_tasks(args.teacher, "bundled", work / "seq", num_teachers=1, **teach)
@@ -66,6 +69,7 @@ def main() -> None:
         seq = time.perf_counter() - t0
         orch.shutdown_distill()
 
+        warm_up("par")
         orch = Orchestrator("hybrid", backend=backend)
         t0 = time.perf_counter()
         ts = orch.create_parallel_teacher_tasks(args.teacher, "bundled", work / "par", num_teachers=2, **teach)
@@ -76,6 +80,11 @@ def main() -> None:
         orch.wait_distill(ss, timeout=3600)
         par = time.perf_counter() - t0
         first = min(e["ts"] for e in orch.events if e["kind"] == "student_started") - (t0 - time.perf_counter() + time.time())
+        if os.environ.get("BENCH_TIMELINE"):
+            base = orch.events[0]["ts"]
+            for e in orch.events:
+                if e["kind"] not in ("student_shard",):
+                    print(f"  {e['ts'] - base:6.2f} {e['kind']}: {e['message']}")
         orch.shutdown_distill()
         cpus = sum(n.cpus for n in handle.nodes() if n.takes_work)
         print(f"cluster: {len(handle.nodes())} nodes, {cpus:g} worker CPUs; teacher {args.teacher}, student {args.student}, "

@@ -10,6 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# precision "auto" on CPU measures bf16 against fp32; tests compare floats exactly, so pin fp32.
+os.environ.setdefault("SMOLFORGE_CPU_BF16", "0")
 if "SMOLFORGE_HOME" not in os.environ or not os.environ.get("SMOLFORGE_KEEP_HOME"):
     # One home per test session: presets are built once, and nothing touches ~/.smolforge.
     os.environ["SMOLFORGE_HOME"] = tempfile.mkdtemp(prefix="smolforge-test-home-")
