@@ -41,7 +41,7 @@ from typing import Any
 from smolforge.config import PeftSpec
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import model_key, plan_shards, student_assignment, teacher_assignment
+from smolforge.distill.planner import model_nodes, plan_shards, student_assignment, teacher_assignment
 from smolforge.distill.store import (CorruptShardError, Shard, StorePlan, decode_shard, quarantine_shard,
                                      read_shard_bytes, ready_shards, write_shard_bytes)
 from smolforge.distill.teacher import GenSettings, PromptItem, prompts_from_dataset
@@ -359,11 +359,6 @@ def _is_local_model(name: str) -> bool:
     return tiny.is_preset(name) or Path(name).expanduser().exists()
 
 
-def _holds(node, model: str) -> bool:
-    keys = {model_key(m) for m in getattr(node, "models", [])}
-    return model_key(model) in keys or model_key(Path(model).name) in keys
-
-
 class DistillTasks:
     """Mixed into Orchestrator: distillation tasks on the cluster (see the module docstring)."""
 
@@ -396,32 +391,14 @@ class DistillTasks:
     def _model_nodes(self, model: str, role: str) -> tuple[list[Any], str | None]:
         """(nodes that may run a task needing `model`, GPU first; the model resource to request or None).
 
-        Nodes advertise the models they hold (`model:<name>` resources). A preset or a directory on
-        this machine is held by no node explicitly; on an embedded (one-machine) cluster, or for
-        presets (built offline from config on any node), every worker node qualifies.
+        Presets are built offline from config on any node; a local directory counts as held by
+        every node of an embedded (one-machine) cluster. See `planner.model_nodes`.
         """
-        nodes = [n for n in self._nodes() if n.alive and n.takes_work]
-        holding = [n for n in nodes if _holds(n, model)]
-        req_model = None
-        if holding:
-            exact = [n for n in holding if f"model:{model}" in n.resources]
-            req_model = model if len(exact) == len(holding) else None
-            chosen = holding
-        else:
-            from smolforge.models import tiny
+        from smolforge.models import tiny
 
-            embedded = bool(getattr(self.cluster, "embedded", False))
-            if nodes and (tiny.is_preset(model) or (embedded and _is_local_model(model))):
-                chosen = nodes
-            else:
-                have = "; ".join(f"{n.name}: {', '.join(n.models) or 'no models'}" for n in self._nodes()) or "no nodes"
-                raise SmolforgeError(
-                    f"no node holds {role} model {model!r} ({have})",
-                    where="placement",
-                    fix=f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
-                        "model that a node lists under `smolforge nodes`")
-        chosen.sort(key=lambda n: (-(n.gpus >= 1), -n.gpus, -n.cpus, n.name))
-        return chosen, req_model
+        embedded = bool(getattr(self.cluster, "embedded", False))
+        any_ok = tiny.is_preset(model) or (embedded and _is_local_model(model))
+        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok)
 
     def _options(self, node, model: str | None, cpus: float) -> dict[str, Any]:
         from smolforge.cluster.ray_glue import Requirements

@@ -7,7 +7,6 @@ Kept free of Ray so the same decisions are made (and tested) in the local pipeli
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from smolforge.distill.store import StorePlan
@@ -60,22 +59,6 @@ def student_assignment(num_shards: int, num_students: int, split: bool = True) -
     return [list(range(s, num_shards, num_students)) for s in range(num_students)]
 
 
-@dataclass
-class NodeView:
-    """What placement needs to know about a node (built from the cluster's node table)."""
-
-    node_id: str
-    name: str
-    models: set[str] = field(default_factory=set)
-    gpus: float = 0.0
-    cpus: float = 0.0
-    alive: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def holds(self, model: str) -> bool:
-        return model_key(model) in {model_key(m) for m in self.models}
-
-
 def model_key(name: str) -> str:
     """Model names as nodes advertise them: lower case, no ':latest', path separators folded."""
     key = name.strip().lower()
@@ -84,19 +67,37 @@ def model_key(name: str) -> str:
     return key.replace("/", "--")
 
 
-def eligible_teacher_nodes(nodes: Iterable[NodeView], model: str, prefer_gpu: bool = True) -> list[NodeView]:
-    """Alive nodes that hold the teacher model, GPU nodes first (then most CPUs).
+def holds(node: Any, model: str) -> bool:
+    """Whether a node (anything with `.models`) advertises `model`, under any spelling or its dir name."""
+    keys = {model_key(m) for m in getattr(node, "models", [])}
+    return model_key(model) in keys or model_key(model.rstrip("/").split("/")[-1]) in keys
 
-    Raises at once when none holds it: Ray alone would leave the task pending forever.
+
+def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_node_ok: bool = False,
+                ) -> tuple[list[Any], str | None]:
+    """Nodes that may run a task needing `model`, GPU nodes first; and the model resource to request.
+
+    `nodes` are ray_glue NodeInfo-like objects (.name, .alive, .takes_work, .models, .gpus, .cpus,
+    .resources). Nodes that advertise the model win. When none does and `any_node_ok` (a preset,
+    built offline from config anywhere, or a local directory on a one-machine cluster), every
+    worker node qualifies. Otherwise this raises at once, naming what each node holds: Ray alone
+    would leave the task pending forever.
     """
     nodes = list(nodes)
-    ok = [n for n in nodes if n.alive and n.holds(model)]
-    if not ok:
-        have = "; ".join(f"{n.name}: {', '.join(sorted(n.models)) or 'no models'}{'' if n.alive else ' (dead)'}"
+    workers = [n for n in nodes if n.alive and n.takes_work]
+    holding = [n for n in workers if holds(n, model)]
+    req_model = None
+    if holding:
+        exact = [n for n in holding if f"model:{model}" in n.resources]
+        req_model = model if len(exact) == len(holding) else None
+        chosen = holding
+    elif any_node_ok and workers:
+        chosen = workers
+    else:
+        have = "; ".join(f"{n.name}: {', '.join(n.models) or 'no models'}{'' if n.alive else ' (dead)'}"
                          for n in nodes) or "no nodes"
         raise SmolforgeError(
-            f"no node holds teacher model {model!r} ({have})",
-            fix=f"download {model} on a worker (or pass --models-dir to `smolforge worker join`), or pick a "
-                "teacher that a node lists under `smolforge nodes`")
-    ok.sort(key=lambda n: (-(n.gpus > 0) if prefer_gpu else 0, -n.gpus, -n.cpus, n.name))
-    return ok
+            f"no node holds {role} model {model!r} ({have})", where="placement",
+            fix=f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
+                "model that a node lists under `smolforge nodes`")
+    return sorted(chosen, key=lambda n: (-(n.gpus >= 1), -n.gpus, -n.cpus, n.name)), req_model

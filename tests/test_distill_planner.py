@@ -1,0 +1,55 @@
+"""Pipeline planning without a cluster: shards, teacher/student assignment, node choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from smolforge.distill.planner import model_nodes, plan_shards, student_assignment, teacher_assignment
+from smolforge.errors import SmolforgeError
+
+
+@dataclass
+class Node:
+    name: str
+    models: list[str] = field(default_factory=list)
+    gpus: float = 0
+    cpus: float = 2
+    alive: bool = True
+    takes_work: bool = True
+
+    @property
+    def resources(self):
+        return {f"model:{m}": 1000 for m in self.models}
+
+
+def test_shards_cover_every_prompt_once():
+    plan = plan_shards(103, num_shards=4)
+    assert plan.shards[0][0] == 0 and plan.shards[-1][1] == 103
+    assert all(a[1] == b[0] for a, b in zip(plan.shards, plan.shards[1:]))
+    assert plan_shards(10, shard_size=64, min_shards=4).num_shards == 4  # keep every teacher busy
+    assert plan_shards(3, num_shards=10).num_shards == 3
+
+
+def test_assignments():
+    assert teacher_assignment(7, 3) == [[0, 3, 6], [1, 4], [2, 5]]  # first round of shards lands first
+    split = student_assignment(8, 3)
+    assert sorted(s for part in split for s in part) == list(range(8))
+    assert student_assignment(4, 2, split=False) == [[0, 1, 2, 3]] * 2
+    with pytest.raises(SmolforgeError, match="without sharing"):
+        student_assignment(2, 3)
+
+
+def test_model_nodes_prefer_gpus_and_fail_fast():
+    nodes = [Node("cpu-a", ["Qwen/Qwen2.5-7B-Instruct", "qwen2.5:7b"]), Node("gpu", ["qwen2.5:7b"], gpus=1),
+             Node("bare"), Node("dead", ["qwen2.5:7b"], alive=False), Node("head", ["qwen2.5:7b"], takes_work=False)]
+    chosen, req = model_nodes(nodes, "qwen2.5:7b")
+    assert [n.name for n in chosen] == ["gpu", "cpu-a"] and req == "qwen2.5:7b"
+    chosen, _ = model_nodes(nodes, "qwen2.5:7B:latest")
+    assert [n.name for n in chosen] == ["gpu", "cpu-a"]
+    with pytest.raises(SmolforgeError, match="no node holds teacher model 'llama3.1:8b'") as err:
+        model_nodes(nodes, "llama3.1:8b")
+    assert "bare: no models" in err.value.render() and "--models-dir" in err.value.render()
+    chosen, req = model_nodes(nodes, "tiny-llama", any_node_ok=True)  # a preset: any worker can build it
+    assert {n.name for n in chosen} == {"cpu-a", "gpu", "bare"} and req is None
