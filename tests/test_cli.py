@@ -59,7 +59,8 @@ def test_bad_yaml_names_the_line(tmp_path):
 
 
 def test_demo_json_shows_accuracy_rising(tmp_path):
-    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--max-steps", "150", timeout=600, check=True)
+    proc = smolforge("demo", "--workflow", "sft", "--json", "--output-dir", str(tmp_path / "demo"), "--max-steps", "150",
+                     timeout=600, check=True)
     summary = last_json(proc.stdout)
     assert {"before_accuracy", "after_accuracy", "eval_loss_before", "eval_loss_after", "seconds"} <= set(summary)
     assert summary["eval_loss_after"] < summary["eval_loss_before"]

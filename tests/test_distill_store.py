@@ -102,3 +102,15 @@ def test_bytes_per_token_goal_for_32k_vocab_at_k32(tmp_path):
     assert summary["ratio_vs_fp16_full"] <= 0.01
     _, plain = encode_shard(0, recs, vocab_size=32000, k=32, tok_hash="h", compress=False)
     assert plain["bytes"] > manifest["bytes"]
+
+
+def test_encoding_is_canonical_and_plain_safetensors():
+    """Same records → same bytes (a regenerated shard has the same checksum), readable by safetensors."""
+    from safetensors.numpy import load
+
+    recs = _records(5, 1024, 8)
+    a, ma = encode_shard(0, recs, vocab_size=1024, k=8, tok_hash="h")
+    b, mb = encode_shard(0, _records(5, 1024, 8), vocab_size=1024, k=8, tok_hash="h")
+    assert a == b and ma["sha256"] == mb["sha256"]
+    loaded = load(a)
+    assert loaded["topk_values"].dtype == np.float16 and loaded["example_ids"].tolist() == [0, 1, 2, 3, 4, 5]

@@ -80,6 +80,37 @@ def unpack_indices(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return (bitmat << np.arange(bits, dtype=np.int64)).sum(axis=1)
 
 
+# ------------------------------------------------------------------------------- safetensors bytes
+
+_ST_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "uint8": "U8", "int8": "I8", "uint16": "U16",
+              "int16": "I16", "uint32": "U32", "int32": "I32", "int64": "I64", "bool": "BOOL"}
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors encoding with a canonical header (sorted keys, fixed layout).
+
+    The library's own writer orders header keys as a hash map happens to, so equal tensors can
+    give different bytes; a shard regenerated from the same prompts must have the same checksum.
+    The result is plain safetensors (8-byte header length, JSON header, data), read by any loader.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        raw = arr.tobytes()
+        header[name] = {"dtype": _ST_DTYPES[arr.dtype.name], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + b"".join(chunks)
+
+
 # ----------------------------------------------------------------------------------------- records
 
 @dataclass
@@ -127,9 +158,7 @@ def _flat(seqs: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
 
 def encode_shard(shard_id: int, records: list[TeacherRecord], *, vocab_size: int, k: int, tok_hash: str,
                  compress: bool = True, extra: dict[str, Any] | None = None) -> tuple[bytes, dict[str, Any]]:
-    """Serialise records into (safetensors bytes, manifest). Pure: no I/O."""
-    from safetensors.numpy import save
-
+    """Serialise records into (safetensors bytes, manifest). Pure: no I/O, same records → same bytes."""
     id_dtype = np.uint16 if vocab_size <= 65536 else np.int32
     prompt_flat, prompt_off = _flat([r.prompt_ids for r in records], id_dtype)
     resp_flat, resp_off = _flat([r.response_ids for r in records], id_dtype)
@@ -166,7 +195,7 @@ def encode_shard(shard_id: int, records: list[TeacherRecord], *, vocab_size: int
         "topk_values": values, "topk_indices": np.ascontiguousarray(packed), "tail_mass": tail,
         "text_json": np.frombuffer(json.dumps(text_meta, ensure_ascii=False).encode("utf-8"), dtype=np.uint8).copy(),
     }
-    data = save(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
+    data = safetensors_bytes(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
     response_tokens = int(resp_off[-1])
     topk_bytes = values.nbytes + packed.nbytes + tail.nbytes
     manifest = {
