@@ -230,6 +230,9 @@ def test_pause_then_resume_equals_uninterrupted(world):
     st = wait_state(client, job_id, ("paused",))
     assert 6 <= st["step"] < STEPS
     ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
+    deadline = time.time() + 20  # released actors' processes take a moment to exit under load
+    while any(pid_running(t["pid"]) for t in ranks) and time.time() < deadline:
+        time.sleep(0.3)
     assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks)
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
