@@ -54,11 +54,17 @@ def _train(cfg, model, store):
     return train_student(cfg, DirShardSource(store), model=model).eval
 
 
-def test_kd_beats_sft_over_seeds(tmp_path):
+def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, train_teacher
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
     s = DemoSettings()
+    # The teacher is deterministic (seeded, keyed by its settings and library versions): keep it across
+    # test sessions, so only the first run pays the ~2 minutes of teacher training.
+    import tempfile
+    from pathlib import Path
+
+    monkeypatch.setenv("SMOLFORGE_DEMO_CACHE", str(Path(tempfile.gettempdir()) / "smolforge-test-demo-cache"))
     teacher_dir, info = train_teacher(s)
     gen = GenSettings(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64)
     kd_store, sft_store = tmp_path / "kd" / "teacher_outputs", tmp_path / "sft" / "teacher_outputs"

@@ -85,16 +85,20 @@ def cluster(tmp_path_factory):
     data = base / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(560, seed=11)))
     procs: list = []
+    made: list = []
     handle = tmp = None
     try:
         handle, tmp = _spawn_nodes(base, models, procs)
         backend = SimpleNamespace(handle=handle, close=lambda: None)
 
         def make():
-            return Orchestrator("teacher_student", backend=backend)
+            made.append(Orchestrator("teacher_student", backend=backend))
+            return made[-1]
 
         yield SimpleNamespace(make=make, data=data, base=base, handle=handle)
     finally:
+        for orch in made:  # join their threads before Ray goes away, even after a failed test
+            orch.shutdown_distill()
         if handle is not None:
             handle.shutdown()
         for p in reversed(procs):
@@ -134,7 +138,6 @@ def test_teacher_shards_land_only_on_nodes_holding_the_model(cluster):
     orch.shutdown_distill()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 4 still open: failed on a loaded 2-core machine; being fixed")
 def test_students_stream_rotate_and_aggregate(cluster):
     """Timeline: a student starts before the last shard is written; a queued student takes a
     finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds."""
@@ -183,7 +186,6 @@ def test_students_stream_rotate_and_aggregate(cluster):
     orch.shutdown_distill()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 4 still open: failed on a loaded 2-core machine; being fixed")
 def test_corrupt_shards_are_caught_and_regenerated(cluster):
     """On disk (an earlier run's store) and in transit (bytes that no longer match the manifest)."""
     import ray

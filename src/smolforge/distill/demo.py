@@ -55,9 +55,13 @@ class DemoSettings:
 
 
 def _teacher_key(s: DemoSettings) -> str:
+    import torch
+    import transformers
+
     blob = json.dumps({k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length",
                                                   "teacher_seed")}, sort_keys=True)
-    return hashlib.sha256((DEMO_TEACHER_BASE + blob).encode()).hexdigest()[:12]
+    versions = f"{torch.__version__}/{transformers.__version__}"
+    return hashlib.sha256((DEMO_TEACHER_BASE + blob + versions).encode()).hexdigest()[:12]
 
 
 def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -65,7 +69,11 @@ def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, 
     from smolforge.config import DataSpec, PeftSpec, TrainConfig
     from smolforge.train.engine import train
 
-    root = home() / "demo" / f"teacher-{_teacher_key(s)}"
+    import os
+
+    # $SMOLFORGE_DEMO_CACHE lets tests keep the (deterministic) teacher across sessions.
+    cache = Path(os.environ.get("SMOLFORGE_DEMO_CACHE") or home() / "demo")
+    root = cache / f"teacher-{_teacher_key(s)}"
     model_dir = root / "none_adapter"
     info = root / "teacher.json"
     if (model_dir / "config.json").exists() and info.exists():

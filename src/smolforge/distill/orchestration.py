@@ -331,6 +331,7 @@ class StoreState:
     teacher_tokenizer: str | None = None
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
+    retries: dict[int, int] = field(default_factory=dict)
     next_rank: int = 0
     assigned: dict[str, list[int]] = field(default_factory=dict)
     eval_examples: list[dict[str, Any]] = field(default_factory=list)
@@ -344,6 +345,7 @@ class _State:
         self.handles: dict[str, Any] = {}  # task id -> generator / (actor, ref)
         self.counters = {"teacher": itertools.count(), "student": itertools.count(), "aggregate": itertools.count()}
         self.monitor: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
         self.closing = False
         self.node_names: dict[str, str] = {}
 
@@ -412,12 +414,21 @@ class DistillTasks:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
         return opts
 
+    def _thread(self, target, args: tuple, name: str) -> threading.Thread:
+        """Start a driver thread and remember it: shutdown joins them all before Ray goes away
+        (a thread still inside a Ray call when Ray shuts down can crash the process)."""
+        st = self._dstate()
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with st.lock:
+            st.threads = [x for x in st.threads if x.is_alive()] + [t]
+        t.start()
+        return t
+
     def _ensure_monitor(self) -> None:
         st = self._dstate()
         with st.lock:
             if st.monitor is None or not st.monitor.is_alive():
-                st.monitor = threading.Thread(target=self._monitor_loop, name="distill-monitor", daemon=True)
-                st.monitor.start()
+                st.monitor = self._thread(self._monitor_loop, (), "distill-monitor")
 
     # -- teachers ------------------------------------------------------------------------------------
 
@@ -543,7 +554,7 @@ class DistillTasks:
             st.handles[task_id] = gen
         self._devent("teacher_submitted", f"{task_id} on {node.name}: shards {shard_ids}{note}", task_id=task_id,
                      node=node.name, shards=list(shard_ids))
-        threading.Thread(target=self._consume_teacher, args=(store, task, gen), name=task_id, daemon=True).start()
+        self._thread(self._consume_teacher, (store, task, gen), task_id)
         return task_id
 
     def _consume_teacher(self, store: StoreState, task: DistillTask, gen) -> None:
@@ -595,10 +606,9 @@ class DistillTasks:
 
     def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
         """Give shards whose teacher failed to another eligible node (once), or fail the store."""
-        tries = store.__dict__.setdefault("_retries", {})
-        again = [s for s in shard_ids if tries.get(s, 0) < 2]
+        again = [s for s in shard_ids if store.retries.get(s, 0) < 2]
         for s in again:
-            tries[s] = tries.get(s, 0) + 1
+            store.retries[s] = store.retries.get(s, 0) + 1
         if not again:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
@@ -744,7 +754,7 @@ class DistillTasks:
             ref = actor.run.remote(spec, store.broker, task.rank)
             st.handles[task.task_id] = (actor, ref)
         self._devent("student_submitted", f"{task.task_id} placed on {node.name}", task_id=task.task_id, node=node.name)
-        threading.Thread(target=self._await_student, args=(task, actor, ref), name=task.task_id, daemon=True).start()
+        self._thread(self._await_student, (task, actor, ref), task.task_id)
         return True
 
     def _await_student(self, task: DistillTask, actor, ref) -> None:
@@ -862,7 +872,7 @@ class DistillTasks:
                 return
             for store in list(st.stores.values()):
                 try:
-                    news = ray.get(store.broker.drain.remote(), timeout=30)
+                    news = ray.get(store.broker.drain.remote(), timeout=5)
                 except Exception:
                     continue
                 try:
@@ -970,12 +980,19 @@ class DistillTasks:
                 st.stores[task.store].broker.request_stop.remote(task.rank, "cancel")
         self._devent("cancelled", f"{task_id} cancelled", task_id=task_id)
 
-    def shutdown_distill(self) -> None:
-        """Stop the monitor and kill our actors (brokers, students still running)."""
+    def shutdown_distill(self, timeout: float = 15.0) -> None:
+        """Stop our driver threads (joined, so none is inside a Ray call afterwards) and kill our
+        actors (brokers, students still running). Call before disconnecting from Ray."""
         import ray
 
         st = self._dstate()
         st.closing = True
+        deadline = time.time() + timeout
+        for t in list(st.threads):
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.time()))
+        if not ray.is_initialized():
+            return
         for handle in list(st.handles.values()):
             try:
                 if isinstance(handle, tuple):
