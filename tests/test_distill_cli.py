@@ -49,3 +49,40 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
     assert json.loads((out / "merged_model" / "final_adapter" / "adapter_config.json").read_text())["r"] == 4
     assert (out / "distill_summary.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--mode hybrid needs a student model"),
+    (["--student", "tiny-llama", "--save-every", "5"], "--save-every apply to --mode data_parallel only"),
+    (["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
+])
+def test_launch_distill_modes_check_their_flags(args, message, tmp_path):
+    proc = smolforge("launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "bundled",
+                     "--output-dir", str(tmp_path / "o"), *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
+    """`launch --mode hybrid` on the embedded (one-node) cluster: the students never run beside a
+    teacher, so they queue, take the node when the teacher is done, and split the shards."""
+    out = tmp_path / "run"
+    env = {"RAY_TMPDIR": f"/tmp/sfdh{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
+    from smolforge.data.synthetic import generate
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(48, seed=3)))
+    proc = smolforge("launch", "--mode", "hybrid", "--model", "tiny-llama", "--student", "tiny-llama",
+                     "--dataset", str(data), "--workers", "2", "--max-steps", "2", "--batch-size", "4",
+                     "--lora-r", "4", "--top-k", "8", "--output-dir", str(out), "--json", timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "distill_summary.json").read_text())
+    assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
+    shards = [set(s["shards"]) for s in summary["student_tasks"]]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == summary["store"]["shards"]
+    ev = summary["events"]
+    last_teacher = max(e["ts"] for e in ev if e["kind"] == "teacher_finished")
+    assert any(e["kind"] == "student_queued" for e in ev)
+    assert all(e["ts"] >= last_teacher for e in ev if e["kind"] == "student_submitted"), ev
+    assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()

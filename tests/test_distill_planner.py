@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from smolforge.distill.planner import model_nodes, plan_shards, student_assignment, teacher_assignment
+from smolforge.distill.planner import (model_nodes, pick_student_node, plan_shards, student_assignment,
+                                      teacher_assignment)
 from smolforge.errors import SmolforgeError
 
 
@@ -18,6 +19,10 @@ class Node:
     cpus: float = 2
     alive: bool = True
     takes_work: bool = True
+
+    @property
+    def node_id(self):
+        return "id-" + self.name
 
     @property
     def resources(self):
@@ -53,3 +58,16 @@ def test_model_nodes_prefer_gpus_and_fail_fast():
     assert "bare: no models" in err.value.render() and "--models-dir" in err.value.render()
     chosen, req = model_nodes(nodes, "tiny-llama", any_node_ok=True)  # a preset: any worker can build it
     assert {n.name for n in chosen} == {"cpu-a", "gpu", "bare"} and req is None
+
+
+def test_student_node_choice_by_mode():
+    gpu, cpu, busy = Node("gpu-box", gpus=1), Node("cpu-box", cpus=4), Node("busy")
+    free = [(1.0, gpu), (3.0, cpu), (0.0, busy)]
+    teachers = {gpu.node_id}
+    # teacher_student: the GPU node's spare CPU takes the student, next to its teacher
+    assert pick_student_node(free, 1.0, teachers) is gpu
+    assert pick_student_node(free, 2.0, teachers) is cpu  # it must fit
+    # hybrid: never beside a running teacher
+    assert pick_student_node(free, 1.0, teachers, hybrid=True) is cpu
+    assert pick_student_node(free, 1.0, {gpu.node_id, cpu.node_id}, hybrid=True) is None  # queued
+    assert pick_student_node(free, 8.0, set()) is None

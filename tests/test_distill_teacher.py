@@ -45,6 +45,32 @@ def test_batched_left_padded_generation_matches_one_by_one(teacher, items):
         assert np.allclose(tail, r.tail_mass, atol=1e-5)
 
 
+def test_reference_responses_are_scored_teacher_forced(teacher, items):
+    """responses="reference": the dataset's answers (exactly the SFT targets), with the teacher's
+    top-k of each answer token from a batched, left-padded pass equal to the unpadded one."""
+    from smolforge.distill.teacher import ReferenceTeacher
+
+    s = GenSettings(top_k=8, batch_size=4, responses="reference")
+    recs = teacher.generate(items, s)
+    refs = ReferenceTeacher("tiny-llama").generate(items, s)
+    assert [r.example_id for r in recs] == [it.example_id for it in items]
+    for r, ref in zip(recs, refs):
+        assert r.response_ids == ref.response_ids and r.prompt_ids == ref.prompt_ids and r.response_ids
+        assert r.response_text == ref.answer and r.response_ids[-1] == teacher.eos_id
+        with torch.no_grad():
+            logits = teacher.model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1:-1]
+        v, i = torch.log_softmax(logits, -1).topk(8, -1)
+        assert r.topk_logprobs.shape == (len(r.response_ids), 8)
+        assert np.allclose(v.numpy(), r.topk_logprobs, atol=1e-4)
+        assert np.array_equal(i.numpy(), r.topk_indices)
+    with pytest.raises(SmolforgeError, match="identical samples"):
+        GenSettings(responses="reference", samples_per_prompt=2, temperature=1.0).check()
+    with pytest.raises(SmolforgeError, match="unknown teacher responses"):
+        GenSettings(responses="teacher").check()
+    with pytest.raises(SmolforgeError, match="no reference answer"):
+        teacher.generate([PromptItem(0, [{"role": "user", "content": "hi"}])], s)
+
+
 def test_sampling_settings(teacher, items):
     s = GenSettings(temperature=0.9, top_p=0.9, max_new_tokens=5, samples_per_prompt=3, top_k=4, batch_size=8)
     recs = teacher.generate(items[:3], s)
@@ -163,3 +189,5 @@ def test_ollama_backend_text_only_and_errors(ollama_server):
     dead = OllamaTeacher("qwen2.5:0.5b", host="http://127.0.0.1:9", tokenizer_name="tiny-llama")
     with pytest.raises(SmolforgeError, match="cannot reach Ollama"):
         dead.generate([PromptItem(0, [{"role": "user", "content": "hi"}])], GenSettings())
+    with pytest.raises(SmolforgeError, match="cannot score given answers"):
+        t.generate([PromptItem(0, [{"role": "user", "content": "5+7?"}], "12")], GenSettings(responses="reference"))

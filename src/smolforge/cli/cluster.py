@@ -4,7 +4,7 @@
     smolforge worker join HOST:PORT --token T [--name --models-dir --cpus --gpus --memory]
     smolforge status | nodes | resources | jobs
     smolforge job show|logs|pause|resume|cancel|join ID
-    smolforge launch --model M --dataset D --workers N --mode data_parallel [...]
+    smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
     smolforge submit job.yaml [--set key=value]
 
 Commands that talk to a coordinator find it from --coordinator/--token, then SMOLFORGE_COORDINATOR /
@@ -491,7 +491,15 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: int = typer.Option(2, help="data-parallel ranks"),
-        mode: str = typer.Option("data_parallel", help="data_parallel (distillation: `smolforge distill`)"),
+        mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
+                                 "--model is the teacher, --student the student, --workers the students)"),
+        student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
+        kd_loss: str = typer.Option("forward_kl", help="teacher_student/hybrid: forward_kl|reverse_kl|jsd"),
+        kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
+        temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
+        top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
+        num_teachers: Optional[int] = typer.Option(None, help="teacher_student/hybrid: teacher tasks "
+                                                   "(default: one per node holding the teacher)"),
         epochs: Optional[float] = typer.Option(None),
         batch_size: int = typer.Option(4, help="per worker; the global batch is batch size x workers"),
         max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
@@ -515,16 +523,34 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
     ):
-        """Launch distributed training (data-parallel: N ranks with DDP, rendezvous through Ray).
+        """Launch distributed training: data-parallel, or teacher→student distillation.
+
+        data_parallel: N ranks with DDP, rendezvous through Ray. teacher_student: --model is the
+        teacher, --student the student, --workers the number of students; hybrid: the same, with
+        teachers and the data-parallel students kept on separate nodes. `smolforge distill` has
+        every distillation setting.
 
         With no coordinator given or running, it runs on an embedded cluster of this machine.
 
         Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
+
+        Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
         """
+        if mode in ("teacher_student", "hybrid"):
+            _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
+                            epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
+                            peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
+                            cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
+                            kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
+                            coordinator=coordinator, token=token, quiet=quiet, json_out=json_out,
+                            unsupported={"--save-every": save_every, "--set": set_ or None, "--detach": detach or None,
+                                         "--name": name, "--gpu": None if gpu == "no" else gpu})
+            return
         if mode != "data_parallel":
-            raise SmolforgeError(f"--mode {mode} is not a `launch` mode here",
-                                 fix="teacher_student and hybrid runs are `smolforge distill` jobs; "
-                                     "use --mode data_parallel for data-parallel training")
+            raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
+        if student:
+            raise SmolforgeError("--student is for --mode teacher_student or hybrid",
+                                 fix="drop --student, or pick a distillation mode")
         backend = _backend(coordinator, token, state_dir, embedded_ok=True)
         embedded = getattr(backend, "base", "") == "embedded"
         if detach and embedded:
@@ -586,6 +612,37 @@ def register(app: typer.Typer) -> None:
             close = getattr(backend, "close", None)
             if close:
                 close()
+
+
+def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,
+                    unsupported: dict[str, Any], **o: Any) -> None:
+    """`launch --mode teacher_student|hybrid`: the `smolforge distill` pipeline with launch's names."""
+    from smolforge.cli.common import quiet_libraries
+    from smolforge.cli.distill import _print_summary
+    from smolforge.distill.pipeline import DistillRun, run_distill
+
+    if not students:
+        raise SmolforgeError(f"--mode {mode} needs a student model",
+                             fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
+    given = [flag for flag, value in unsupported.items() if value]
+    if given:
+        raise SmolforgeError(f"{', '.join(given)} apply to --mode data_parallel only",
+                             fix="drop them, or use `smolforge distill` for the full set of distillation settings")
+    quiet_libraries()
+    peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
+    extra = {k: o[k] for k in ("max_steps", "lr", "max_length", "seed") if o[k] is not None}
+    cfg = DistillRun(teacher=teacher, students=list(students), data=dataset, num_students=workers,
+                     num_teachers=o["num_teachers"], peft=o["peft"] or "lora", peft_config=peft_config,
+                     kd_loss=o["kd_loss"], kd_ratio=o["kd_ratio"], temperature=o["temperature"], top_k=o["top_k"],
+                     epochs=o["epochs"] if o["epochs"] is not None else 1.0, batch_size=o["batch_size"],
+                     cpus_per_student=o["cpus_per_worker"], output_dir=o["output_dir"] or "outputs/distill",
+                     split_shards=True if mode == "hybrid" else None, mode=mode, coordinator=o["coordinator"],
+                     token=o["token"], quiet=o["quiet"] or o["json_out"], **extra)
+    summary = run_distill(cfg)
+    if o["json_out"]:
+        print_json({k: v for k, v in summary.items() if k != "events"})
+    else:
+        _print_summary(summary)
 
 
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,

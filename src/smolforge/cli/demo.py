@@ -66,12 +66,12 @@ def print_sft_table(summary: dict) -> None:
     con.print(f"{summary['steps']} steps in {summary['seconds']:.0f} s · adapter: {summary['adapter_dir']}")
 
 
-def distill_summary(output_dir: str, seed: int, quiet: bool) -> dict:
+def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
     from smolforge.distill.demo import run_demo
 
     t0 = time.perf_counter()
-    summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed)
+    summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings)
     summary.setdefault("before_accuracy", summary.get("student_base_accuracy"))
     summary.setdefault("after_accuracy", summary.get("kd_accuracy"))
     summary.setdefault("eval_loss_before", summary.get("student_base_eval_loss"))
@@ -88,6 +88,9 @@ def register(app: typer.Typer) -> None:
                                      "sft: a plain LoRA fine-tune"),
         output_dir: str = typer.Option("outputs/demo", help="where the run's outputs go"),
         max_steps: int = typer.Option(400, help="training steps (sft workflow)"),
+        teacher_steps: int = typer.Option(800, help="distill: the teacher's full fine-tune steps (cached per value)"),
+        student_steps: int = typer.Option(200, help="distill: steps per student (KD and SFT alike)"),
+        distill_samples: int = typer.Option(512, help="distill: prompts the teacher labels for the students"),
         seed: int = typer.Option(0),
         json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
         quiet: Optional[bool] = typer.Option(None, "--quiet", help="no progress bars"),
@@ -106,7 +109,16 @@ def register(app: typer.Typer) -> None:
             summary = run_sft_demo(output_dir, max_steps, seed, quiet=be_quiet)
             print_json(summary) if json_out else print_sft_table(summary)
         elif workflow == "distill":
-            summary = distill_summary(output_dir, seed, be_quiet)
+            from smolforge.distill.demo import DemoSettings
+
+            if min(teacher_steps, student_steps, distill_samples) < 1:
+                from smolforge.errors import SmolforgeError
+
+                raise SmolforgeError("--teacher-steps, --student-steps and --distill-samples must be ≥ 1",
+                                     fix="e.g. --student-steps 200 --distill-samples 512")
+            settings = DemoSettings(teacher_steps=teacher_steps, student_steps=student_steps,
+                                    distill_samples=distill_samples)
+            summary = distill_summary(output_dir, seed, be_quiet, settings)
             if json_out:
                 print_json(summary)
             else:

@@ -33,6 +33,8 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, help="teacher nucleus sampling"),
         max_new_tokens: int = typer.Option(32, help="teacher response length"),
         samples_per_prompt: int = typer.Option(1, help="teacher responses per prompt (needs --gen-temperature > 0)"),
+        teacher_responses: str = typer.Option("generate", help="generate: the teacher answers; reference: it scores "
+                                              "the dataset's answers (KD on ground truth, hf backend)"),
         num_shards: Optional[int] = typer.Option(None, help="teacher-output shards (default: ~64 prompts each)"),
         max_samples: Optional[int] = typer.Option(None, help="use only the first N prompts"),
         max_steps: Optional[int] = typer.Option(None, help="optimizer steps per student (default: --epochs)"),
@@ -72,7 +74,7 @@ def register(app: typer.Typer) -> None:
             kd_loss=kd_loss, kd_ratio=kd_ratio, temperature=temperature, beta=beta, top_k=top_k,
             compress_outputs=not no_compress, teacher_backend=teacher_backend, ollama_host=ollama_host,
             gen_temperature=gen_temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-            samples_per_prompt=samples_per_prompt, num_shards=num_shards, max_samples=max_samples, max_steps=max_steps,
+            samples_per_prompt=samples_per_prompt, teacher_responses=teacher_responses, num_shards=num_shards, max_samples=max_samples, max_steps=max_steps,
             epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, lr=lr, max_length=max_length, seed=seed,
             aggregate=aggregate, aggregate_rank=aggregate_rank, cpus_per_teacher=cpus_per_teacher,
             cpus_per_student=cpus_per_student, eval=not no_eval, device=device, mode=mode, coordinator=coordinator,

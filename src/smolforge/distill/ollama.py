@@ -150,6 +150,10 @@ class OllamaTeacher:
 
     def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
         settings.check()
+        if settings.responses == "reference":
+            raise SmolforgeError("the ollama backend cannot score given answers (its API returns logprobs of "
+                                 "generated tokens only)",
+                                 fix="use --teacher-responses generate with ollama, or the hf backend")
         k = min(settings.top_k, MAX_TOP_LOGPROBS)
         want_logits = self.tokenizer is not None
         records = []

@@ -41,7 +41,8 @@ from typing import Any
 from smolforge.config import PeftSpec
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import model_nodes, plan_shards, student_assignment, teacher_assignment
+from smolforge.distill.planner import (model_nodes, pick_student_node, plan_shards, student_assignment,
+                                      teacher_assignment)
 from smolforge.distill.store import (CorruptShardError, Shard, StorePlan, decode_shard, quarantine_shard,
                                      read_shard_bytes, ready_shards, write_shard_bytes)
 from smolforge.distill.teacher import GenSettings, PromptItem, prompts_from_dataset
@@ -446,7 +447,8 @@ class DistillTasks:
                                       num_shards: int | None = None, shard_size: int | None = None,
                                       backend: str = "hf", cpus_per_teacher: float = 1.0, device: str = "auto",
                                       ollama_host: str | None = None, tokenizer: str | None = None,
-                                      data_format: str = "auto", seed: int = 0) -> list[str]:
+                                      data_format: str = "auto", seed: int = 0,
+                                      responses: str = "generate") -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
         Teachers run only on nodes holding `model_path`, GPU nodes first; if none holds it this
@@ -458,7 +460,8 @@ class DistillTasks:
         store_dir = store_dir.resolve()
         eligible, req_model = self._model_nodes(model_path, "teacher")  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed)
+                               samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
+                               responses=responses)
         settings.check()
         if backend not in ("hf", "ollama", "reference"):
             raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
@@ -651,6 +654,9 @@ class DistillTasks:
         peft = validate(PeftSpec, {"method": peft_type, **(peft_config or {})}, where="peft_config")
         kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
         run_dir = Path(output_dir) if output_dir else store.dir.parent
+        if getattr(self, "mode", "") == "hybrid" and split_shards is False:
+            raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
+                                 fix="drop split_shards=False, or use mode teacher_student for an ensemble")
         split = (num_students > 1) if split_shards is None else split_shards
         eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
         ids = []
@@ -736,15 +742,16 @@ class DistillTasks:
                 busy = self._busy_cpus()
                 allowed = set(task.spec["nodes"])
                 free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in self._nodes() if n.node_id in allowed]
-                free = [(f, n) for f, n in free if f >= task.cpus - 1e-9]
-                if not free:
+                teachers = {t.node_id for t in st.tasks.values()
+                            if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
+                hybrid = getattr(self, "mode", "") == "hybrid"
+                node = pick_student_node(free, task.cpus, teachers, hybrid=hybrid)
+                if node is None:
                     if not task.queued:
                         task.queued = True
-                        self._devent("student_queued", f"{task.task_id} queued: every eligible node is busy",
-                                     task_id=task.task_id)
+                        why = "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else "")
+                        self._devent("student_queued", f"{task.task_id} queued: {why}", task_id=task.task_id)
                     return False
-                free.sort(key=lambda fn: (-(fn[1].gpus >= 1), -fn[0], fn[1].name))
-                node = free[0][1]
             task.queued = False
             task.node, task.node_id = node.name, node.node_id
             task.state = "pending"

@@ -46,6 +46,7 @@ class DistillRun:
     top_p: float = 1.0
     max_new_tokens: int = 32
     samples_per_prompt: int = 1
+    teacher_responses: str = "generate"  # or "reference": score the dataset's answers (word-level KD)
     teacher_batch_size: int = 16
     num_shards: int | None = None
     max_samples: int | None = None
@@ -134,7 +135,8 @@ def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
     KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
     validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
     GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size).check()
+                samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
+                responses=cfg.teacher_responses).check()
     if cfg.teacher_backend not in ("hf", "ollama", "reference"):
         raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
     out = Path(cfg.output_dir)
@@ -156,7 +158,8 @@ def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
             num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
             temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
-            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, ollama_host=cfg.ollama_host, seed=cfg.seed)
+            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, ollama_host=cfg.ollama_host, seed=cfg.seed,
+            responses=cfg.teacher_responses)
         students = orch.create_student_tasks(
             cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
             peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,

@@ -59,6 +59,24 @@ def student_assignment(num_shards: int, num_students: int, split: bool = True) -
     return [list(range(s, num_shards, num_students)) for s in range(num_students)]
 
 
+def pick_student_node(candidates: Iterable[tuple[float, Any]], cpus: float, teacher_node_ids: set[str],
+                      hybrid: bool = False) -> Any | None:
+    """The node a student starts on, from (free CPUs, node) pairs; None: queue it.
+
+    teacher_student mode: the freest eligible node, GPU nodes first; a node whose teacher left
+    room takes a student too. hybrid mode: teachers and students keep to separate nodes, so a
+    node with a running teacher is never chosen (it takes a student once its teacher finishes,
+    through rotation).
+    """
+    fits = [(f, n) for f, n in candidates if f >= cpus - 1e-9]
+    if hybrid:
+        fits = [(f, n) for f, n in fits if n.node_id not in teacher_node_ids]
+    if not fits:
+        return None
+    fits.sort(key=lambda fn: (-(fn[1].gpus >= 1), -fn[0], fn[1].name))
+    return fits[0][1]
+
+
 def model_key(name: str) -> str:
     """Model names as nodes advertise them: lower case, no ':latest', path separators folded."""
     key = name.strip().lower()

@@ -33,8 +33,18 @@ class GenSettings:
     top_k: int = 32  # logits kept per response token
     batch_size: int = 8
     seed: int = 0
+    # "generate": the teacher writes the responses (and scores its own tokens).
+    # "reference": the teacher scores the dataset's reference answers, teacher-forced (word-level KD
+    # on ground truth): the student gets correct tokens *and* the teacher's soft distribution.
+    responses: str = "generate"
 
     def check(self) -> None:
+        if self.responses not in ("generate", "reference"):
+            raise SmolforgeError(f"unknown teacher responses {self.responses!r}",
+                                 fix="use generate (the teacher answers) or reference (it scores the dataset's answers)")
+        if self.responses == "reference" and self.samples_per_prompt > 1:
+            raise SmolforgeError("samples_per_prompt > 1 with reference responses gives identical samples",
+                                 fix="use samples_per_prompt 1, or --teacher-responses generate")
         if self.samples_per_prompt > 1 and self.temperature <= 0:
             raise SmolforgeError("samples_per_prompt > 1 with greedy decoding gives identical samples",
                                  fix="set a temperature > 0 (e.g. 0.8) or samples_per_prompt 1")
@@ -64,6 +74,25 @@ def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_form
         raise SmolforgeError(f"{dataset} has no prompt/response examples for a teacher to answer",
                              fix="use alpaca, chat or prompt/completion records (plain text has no prompts)")
     return items
+
+
+def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids up to and including eos) of an item's reference answer: exactly
+    the tokens plain SFT trains on, so KD on references and SFT see the same targets."""
+    from smolforge.data.encode import encode_example
+    from smolforge.data.formats import Example
+
+    if item.answer is None:
+        raise SmolforgeError(f"example {item.example_id} has no reference answer",
+                             fix="reference responses need data with answers (prompt/completion, alpaca, chat)")
+    ex = Example("reference", messages=list(item.prompt_messages) + [{"role": "assistant", "content": item.answer}])
+    ids, labels = encode_example(tokenizer, ex)
+    first = next(i for i, x in enumerate(labels) if x != -100)
+    response = ids[first:]
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in response:  # the template tail after eos is re-added by students
+        response = response[: response.index(eos) + 1]
+    return ids[:first], response
 
 
 def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,6 +138,8 @@ class HFTeacher:
     def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
         """Answer every prompt; records come back in the order of `items` (samples adjacent)."""
         settings.check()
+        if settings.responses == "reference":
+            return self.score_references(items, settings)
         encoded = [(item, self.prompt_ids(item)) for item in items]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]))
         out: dict[int, list[TeacherRecord]] = {}
@@ -177,6 +208,42 @@ class HFTeacher:
             records[r // s.samples_per_prompt].append(rec)
         return records
 
+    @torch.no_grad()
+    def score_references(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
+        """Top-k over the dataset's reference answers, teacher-forced: one forward pass per batch.
+
+        Rows are left-padded so every sequence ends at the same column; row r's response logits are
+        then the last len(response_r) of the kept positions.
+        """
+        encoded = [(item, *reference_ids(self.tokenizer, item)) for item in items]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]) + len(encoded[i][2]))
+        out: dict[int, TeacherRecord] = {}
+        for start in range(0, len(order), settings.batch_size):
+            rows = order[start:start + settings.batch_size]
+            seqs = [encoded[i][1] + encoded[i][2] for i in rows]
+            width = max(map(len, seqs))
+            g = max(len(encoded[i][2]) for i in rows)
+            full = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, ids in enumerate(seqs):
+                full[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+                mask[r, width - len(ids):] = 1
+            full, mask = full.to(self.device), mask.to(self.device)
+            position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+            logits = self._response_logits(full, mask, position_ids, g)  # [rows, g, V]
+            values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), settings.top_k)
+            k = values.shape[-1]
+            values, idx, tail = values.view(len(rows), g, k).cpu(), idx.view(len(rows), g, k).cpu(), tail.view(len(rows), g).cpu()
+            for r, i in enumerate(rows):
+                item, prompt, resp = encoded[i]
+                n = len(resp)
+                out[i] = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
+                                       prompt_ids=list(prompt), response_ids=list(resp), response_text=item.answer or "",
+                                       answer=item.answer, topk_logprobs=values[r, g - n:].numpy(),
+                                       topk_indices=idx[r, g - n:].numpy().astype(np.int64),
+                                       tail_mass=tail[r, g - n:].numpy())
+        return [out[i] for i in range(len(encoded))]
+
     def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, g: int) -> torch.Tensor:
         """Logits predicting each of the g response tokens: positions [L-g-1, L-2] of the full rows."""
         keep = g + 1
@@ -210,23 +277,11 @@ class ReferenceTeacher:
         self.tok_hash = tokenizer_hash(self.tokenizer)
 
     def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
-        from smolforge.data.encode import encode_example
-        from smolforge.data.formats import Example
-
         out = []
-        eos = self.tokenizer.eos_token_id
         for item in items:
-            if item.answer is None:
-                raise SmolforgeError(f"example {item.example_id} has no reference answer",
-                                     fix="the reference backend needs data with answers (prompt/completion, alpaca, chat)")
-            ex = Example("reference", messages=list(item.prompt_messages) + [{"role": "assistant", "content": item.answer}])
-            ids, labels = encode_example(self.tokenizer, ex)  # exactly the rows plain SFT trains on
-            first = next(i for i, x in enumerate(labels) if x != -100)
-            response = ids[first:]
-            if eos is not None and eos in response:  # the template tail after eos is re-added by students
-                response = response[: response.index(eos) + 1]
+            prompt, response = reference_ids(self.tokenizer, item)  # exactly the rows plain SFT trains on
             out.append(TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
-                                     prompt_ids=ids[:first], response_ids=response, response_text=item.answer,
+                                     prompt_ids=prompt, response_ids=response, response_text=item.answer or "",
                                      answer=item.answer))
         return out
 
