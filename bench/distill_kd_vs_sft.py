@@ -93,13 +93,11 @@ def main() -> None:
 
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
     t0 = time.time()
+    # Every student is built before any trains: torch's RNG is process-wide (see prepare).
+    jobs = [(arm, seed, *prepare(arm, seed)) for seed in seeds for arm in arms]
     with ThreadPoolExecutor(2) as pool:
-        futures = []
-        for seed in seeds:
-            for arm in arms:
-                cfg, model, d = prepare(arm, seed)
-                futures.append((arm, seed, pool.submit(
-                    lambda c, m, d: train_student(c, DirShardSource(d), model=m).eval, cfg, model, d)))
+        futures = [(arm, seed, pool.submit(lambda c, m, d: train_student(c, DirShardSource(d), model=m).eval,
+                                           cfg, model, d)) for arm, seed, cfg, model, d in jobs]
         for arm, seed, fut in futures:
             ev = fut.result()
             results[arm].append((ev["accuracy"], ev["eval_loss"]))

@@ -72,8 +72,10 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     results = {"kd": [], "sft": []}
     with ThreadPoolExecutor(2) as pool:  # the two students of a seed side by side, one core each
         for seed in SEEDS:
-            kd = pool.submit(_train, *_student(kd_store, seed, s, tmp_path / f"kd-{seed}"), kd_store)
-            sft = pool.submit(_train, *_student(sft_store, seed, s, tmp_path / f"sft-{seed}"), sft_store)
+            # both built before either trains: torch's RNG is process-wide
+            kd_args = (*_student(kd_store, seed, s, tmp_path / f"kd-{seed}"), kd_store)
+            sft_args = (*_student(sft_store, seed, s, tmp_path / f"sft-{seed}"), sft_store)
+            kd, sft = pool.submit(_train, *kd_args), pool.submit(_train, *sft_args)
             results["kd"].append(kd.result())
             results["sft"].append(sft.result())
 

@@ -439,11 +439,13 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     t_start = time.time()
     torch.set_num_threads(cfg.num_threads or _available_cpus())
     device = pick_device(cfg.device)
-    torch.manual_seed(cfg.seed)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.base_model)
     ensure_chat_template(tokenizer)
     if model is None:
+        # Seed only what we build: a caller passing `model` seeded its init itself, and torch's RNG is
+        # process-wide, so seeding here would reset it under another thread building its own student.
+        torch.manual_seed(cfg.seed)
         model = load_model(cfg.base_model, device=device)
         model = apply_peft(model, cfg.peft)
     model.to(device)
