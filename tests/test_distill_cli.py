@@ -16,17 +16,24 @@ def test_help_has_an_example():
     assert "Example:" in proc.stdout and "--kd-loss" in proc.stdout and "--num-teachers" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kd-loss", "kl"], "unknown KD loss"),
-    (["--peft-config", "{bad"], "--peft-config is not valid JSON"),
-    (["--peft-config", '{"rank": 0}'], "r: Input should be greater than or equal to 1"),
-    (["--aggregate", "linear"], "unknown --aggregate"),
-    (["--samples-per-prompt", "2"], "identical samples"),
-    (["--output-dir", "a/../../b"], "contains '..'"),
+DISTILL = ["distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled"]
+LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "bundled"]
+
+
+@pytest.mark.parametrize("command, args, message", [
+    (DISTILL, ["--kd-loss", "kl"], "unknown KD loss"),
+    (DISTILL, ["--peft-config", "{bad"], "--peft-config is not valid JSON"),
+    (DISTILL, ["--peft-config", '{"rank": 0}'], "r: Input should be greater than or equal to 1"),
+    (DISTILL, ["--aggregate", "linear"], "unknown --aggregate"),
+    (DISTILL, ["--samples-per-prompt", "2"], "identical samples"),
+    (DISTILL, ["--teacher-responses", "mine"], "unknown teacher responses"),
+    (DISTILL, ["--output-dir", "a/../../b"], "contains '..'"),
+    (LAUNCH, [], "--mode hybrid needs a student model"),
+    (LAUNCH, ["--student", "tiny-llama", "--save-every", "5"], "--save-every apply to --mode data_parallel only"),
+    (LAUNCH, ["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
 ])
-def test_bad_flags_fail_fast_with_exit_2(args, message, tmp_path):
-    proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
-                     "--output-dir", str(tmp_path / "o"), *args, timeout=60)
+def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
+    proc = smolforge(*command, "--output-dir", str(tmp_path / "o"), *args, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr
 
@@ -49,18 +56,6 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
     assert json.loads((out / "merged_model" / "final_adapter" / "adapter_config.json").read_text())["r"] == 4
     assert (out / "distill_summary.json").exists()
-
-
-@pytest.mark.parametrize("args, message", [
-    ([], "--mode hybrid needs a student model"),
-    (["--student", "tiny-llama", "--save-every", "5"], "--save-every apply to --mode data_parallel only"),
-    (["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
-])
-def test_launch_distill_modes_check_their_flags(args, message, tmp_path):
-    proc = smolforge("launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "bundled",
-                     "--output-dir", str(tmp_path / "o"), *args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
