@@ -21,6 +21,7 @@ def sft_demo_config(output_dir: str, max_steps: int, seed: int, quiet: bool) -> 
         peft=PeftSpec(method="lora", r=16, alpha=32, dropout=0.0),
         output_dir=output_dir, max_steps=max_steps, batch_size=32, lr=3e-3, warmup_steps=30,
         seed=seed, quiet=quiet, log_every=20,
+        precision="fp32",  # "auto" picks bf16 by a timing probe: the demo's numbers would depend on load
     )
 
 
