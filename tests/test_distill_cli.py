@@ -60,8 +60,9 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
 
 @pytest.mark.slow
 def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
-    """`launch --mode hybrid` on the embedded (one-node) cluster: the students never run beside a
-    teacher, so they queue, take the node when the teacher is done, and split the shards."""
+    """`launch --mode hybrid` on the embedded (one-node) cluster, as a distill job: the students never
+    run beside a teacher, so they queue, take the node when the teacher is done, and split the shards;
+    the merged adapter and the run summary come back into --output-dir."""
     out = tmp_path / "run"
     env = {"RAY_TMPDIR": f"/tmp/sfdh{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
     from smolforge.data.synthetic import generate
@@ -80,4 +81,8 @@ def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
     last_teacher = max(e["ts"] for e in ev if e["kind"] == "teacher_finished")
     assert any(e["kind"] == "student_queued" for e in ev)
     assert all(e["ts"] >= last_teacher for e in ev if e["kind"] == "student_submitted"), ev
-    assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
+    status = last_json(proc.stdout)  # it ran as a job of the embedded cluster, like a data-parallel launch
+    assert status["kind"] == "distill" and status["state"] == "completed", status
+    assert status["result"]["store"]["shards"] == summary["store"]["shards"] and "eval_loss" in status["result"]["eval"]
+    assert status["adapter_dir"] == str(out / "final_adapter")
+    assert (out / "final_adapter" / "adapter_config.json").exists()

@@ -27,7 +27,8 @@ from smolforge.errors import SmolforgeError
 def job_status(job: dict) -> dict:
     """The compact status the seeds' monitor callbacks expect."""
     return {
-        "job_id": job["id"], "name": job.get("name"), "state": job["state"], "progress": job.get("progress", 0.0),
+        "job_id": job["id"], "name": job.get("name"), "kind": job.get("kind"), "state": job["state"],
+        "progress": job.get("progress", 0.0),
         "step": job.get("step"), "max_steps": job.get("max_steps"), "samples_done": job.get("samples_done"),
         "samples_total": job.get("samples_total"), "eta_s": job.get("eta_s"), "loss": job.get("loss"),
         "node": ", ".join(job.get("nodes") or []) or None, "nodes": job.get("nodes") or [],
@@ -38,6 +39,16 @@ def job_status(job: dict) -> dict:
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
     """Replace local data files in a job spec by uploads (the workers share no filesystem with us)."""
+    if spec.get("kind") == "distill":
+        distill = spec.get("distill") or {}
+        value = distill.get("data")
+        if value and value != "bundled" and not str(value).startswith("upload:"):
+            path = Path(str(value)).expanduser()
+            if not path.is_file():
+                raise SmolforgeError(f"dataset {value} does not exist", where="distill.data",
+                                     fix="check the path (or use 'bundled' for the generated task set)")
+            distill["data"] = upload(path)
+        return spec
     train = spec.get("train") or {}
     data = train.get("data") or {}
     for key in ("path", "eval_path"):
@@ -254,9 +265,10 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
     """`--set` for job specs: keys of TrainConfig go under `train:` (training.x / train.x / x)."""
     from smolforge.config import TrainConfig, apply_overrides
 
-    from smolforge.cluster.specs import DataParallelJob
+    from smolforge.cluster.specs import DataParallelJob, DistillJob
 
-    job_keys = set(DataParallelJob.model_fields)
+    distill = data.get("kind") == "distill"
+    job_keys = set(DistillJob.model_fields if distill else DataParallelJob.model_fields)
     train_keys = set(TrainConfig.model_fields)
     fixed = []
     for item in overrides:
@@ -264,7 +276,9 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
             raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
         key, sep, value = item.partition("=")
         parts = key.strip().split(".")
-        if parts[0] in ("training", "train"):
+        if distill:  # job keys as they are, anything else is a distill setting
+            fixed.append(item if parts[0] in job_keys else "distill." + key.strip() + sep + value)
+        elif parts[0] in ("training", "train"):
             parts = parts[1:]
             fixed.append("train." + ".".join(parts) + sep + value)
         elif parts[0] in job_keys:

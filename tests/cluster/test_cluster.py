@@ -272,6 +272,80 @@ def test_cancel_releases_every_actor_within_10s(world):
     assert free["w1"] == 1 and free["w2"] == 1
 
 
+def distill_spec(w, **kw) -> dict:
+    """A distillation job: teachers on w1 and w2 (they hold tiny-copy; the coordinator takes no
+    work), two LoRA students that take those nodes as the teachers finish. Slow teachers on purpose
+    (small batches, many shards) so a pause lands between shards."""
+    distill = {"teacher": "tiny-copy", "students": ["tiny-copy"], "data": str(w["data"]), "num_students": 2,
+               "num_shards": 8, "max_new_tokens": 16, "teacher_batch_size": 2, "top_k": 8, "max_steps": 4,
+               "batch_size": 4, "peft_config": {"r": 4, "alpha": 8, "dropout": 0.0}, "max_eval_samples": 8,
+               "eval_max_new_tokens": 4, "device": "cpu"}
+    distill.update(kw)
+    return {"kind": "distill", "name": "distill-test", "mode": "teacher_student", "distill": distill}
+
+
+def wait_event(client, job_id, kind, timeout=240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [e for e in client.job_events(job_id) if e["kind"] == kind]
+        if found:
+            return found[0]
+        st = client.get_job_status(job_id)
+        if st["state"] in ("failed", "cancelled", "completed"):
+            raise AssertionError(f"job {job_id} {st['state']} before a {kind} event: {st['error']}\n"
+                                 + "\n".join(client.job_logs(job_id)))
+        time.sleep(0.3)
+    raise AssertionError(f"no {kind} event in {timeout}s:\n" + "\n".join(client.job_logs(job_id)))
+
+
+def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
+    """A distillation run as a coordinator job: listed with the others, paused between teacher
+    shards, resumed with the verified shards reused, its merged adapter downloadable."""
+    client = world["c"].client()
+    job_id = client.submit_job(distill_spec(world))  # the dataset is uploaded like a data-parallel job's
+    assert client.get_job(job_id)["spec"]["distill"]["data"].startswith("upload:")
+    wait_event(client, job_id, "shard_written")
+    client.pause_job(job_id)
+    wait_state(client, job_id, ("paused",), timeout=120)
+    r = world["c"].cli("jobs")
+    assert r.returncode == 0 and job_id in r.stdout and "paused" in r.stdout, r.stdout + r.stderr
+    client.resume_job(job_id)
+    st = wait_state(client, job_id, ("completed",), timeout=600)
+    events = client.job_events(job_id)
+    planned = [e["data"] for e in events if e["kind"] == "teachers_planned"]
+    assert len(planned) == 2 and planned[0]["reused"] == 0 and planned[1]["reused"] >= 1, planned
+    assert any(e["kind"] == "state" and "shards kept" in e["message"] for e in events)
+    tasks = client.get_job_status(job_id)["tasks"]
+    assert {t["kind"] for t in tasks} == {"teacher", "student"}
+    assert {t["node_name"] for t in tasks} <= {"w1", "w2"}  # never the coordinator
+    assert all(t["state"] == "completed" for t in tasks if t["kind"] == "student")
+    assert st["result"]["store"]["shards"] == 8 and "eval_loss" in st["result"]["eval"]
+    assert [m for m in client.job_metrics(job_id) if m["name"].startswith("loss/student-")]  # loss curves
+    path = client.download_adapter(job_id, world["base"] / "downloads" / job_id)
+    assert path.name == "final_adapter" and (path / "adapter_model.safetensors").exists()
+    from smolforge.errors import SmolforgeError
+
+    with pytest.raises(SmolforgeError, match="distillation job"):
+        client.join_job(job_id)
+
+
+def test_distill_job_cancel_stops_every_task(world):
+    client = world["c"].client()
+    job_id = client.submit_job(distill_spec(world, max_new_tokens=32, num_shards=16))
+    wait_event(client, job_id, "teacher_submitted")
+    t0 = time.time()
+    r = world["c"].cli("job", "cancel", job_id)
+    assert r.returncode == 0 and "cancelled" in r.stdout, r.stderr
+    assert client.get_job_status(job_id)["state"] == "cancelled"
+    deadline = time.time() + 30  # the teachers' CPUs are back in the pool
+    while time.time() < deadline:
+        free = {r["name"]: r["available"].get("CPU", 0) for r in client.resources()}
+        if free["w1"] == 1 and free["w2"] == 1:
+            break
+        time.sleep(0.3)
+    assert free["w1"] == 1 and free["w2"] == 1, (free, time.time() - t0)
+
+
 @pytest.mark.slow
 def test_join_lends_the_coordinator_at_a_checkpoint(world):
     client = world["c"].client()

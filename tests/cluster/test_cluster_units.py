@@ -180,6 +180,40 @@ def test_capacity_check_fails_at_submit(tmp_path):
         mgr.parse({"kind": "teleport", "train": {}})
 
 
+def test_distill_job_specs_are_checked_at_submit(tmp_path):
+    """kind: distill is validated in full (field names, types, KD and PEFT settings) before anything runs."""
+    from smolforge.client import apply_job_overrides, stage_spec
+    from smolforge.cluster.specs import DistillJob
+
+    mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
+    base = {"kind": "distill", "mode": "hybrid",
+            "distill": {"teacher": "small-llama", "students": ["tiny-llama"], "data": "bundled", "max_steps": 5}}
+    job = mgr.parse(base)
+    assert isinstance(job, DistillJob)
+    cfg = job.run_config("out")
+    assert cfg.mode == "hybrid" and cfg.students == ["tiny-llama"] and cfg.output_dir == "out" and cfg.quiet
+    mgr._check_distill_data(job)  # 'bundled' needs no upload
+    cases = [({"wat": 1}, "unknown distill setting"), ({"max_steps": "many"}, "distill.max_steps"),
+             ({"kd_loss": "kl"}, "unknown KD loss"), ({"peft_config": {"r": 0}}, "r: Input should be greater"),
+             ({"output_dir": "/elsewhere"}, "unknown distill setting")]
+    for extra, message in cases:
+        with pytest.raises(SmolforgeError, match=message):
+            mgr.parse({**base, "distill": {**base["distill"], **extra}})
+    with pytest.raises(SmolforgeError, match="distill.students is required"):
+        mgr.parse({"kind": "distill", "distill": {"teacher": "t", "data": "bundled"}})
+    with pytest.raises(SmolforgeError, match="path on the submitting machine"):
+        mgr._check_distill_data(mgr.parse({**base, "distill": {**base["distill"], "data": "/tmp/x.jsonl"}}))
+    # --set routes to distill.*; a local data file is uploaded, a missing one named
+    spec = apply_job_overrides({**base, "distill": dict(base["distill"])}, ["max_steps=9", "mode=teacher_student"])
+    assert spec["distill"]["max_steps"] == 9 and spec["mode"] == "teacher_student"
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    staged = stage_spec({**base, "distill": {**base["distill"], "data": str(data)}}, lambda path: "upload:abc")
+    assert staged["distill"]["data"] == "upload:abc"
+    with pytest.raises(SmolforgeError, match="does not exist"):
+        stage_spec({**base, "distill": {**base["distill"], "data": str(tmp_path / "no.jsonl")}}, lambda path: "x")
+
+
 # -- discovery ------------------------------------------------------------------------------------
 
 def test_model_discovery(tmp_path):

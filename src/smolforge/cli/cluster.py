@@ -542,7 +542,8 @@ def register(app: typer.Typer) -> None:
                             peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
                             cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
-                            coordinator=coordinator, token=token, quiet=quiet, json_out=json_out,
+                            coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
+                            json_out=json_out,
                             unsupported={"--save-every": save_every, "--set": set_ or None, "--detach": detach or None,
                                          "--name": name, "--gpu": None if gpu == "no" else gpu})
             return
@@ -582,7 +583,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @run_cli
     def submit(
-        job_file: Path = typer.Argument(..., help="a job YAML (kind, num_workers, train: {...})"),
+        job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}) or distill (mode, distill: {...})"),
         set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set num_workers=3"),
         wait: bool = typer.Option(False, "--wait", help="follow the job to its end"),
         output_dir: Optional[str] = typer.Option(None, help="with --wait: where the adapter is downloaded"),
@@ -616,10 +617,9 @@ def register(app: typer.Typer) -> None:
 
 def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,
                     unsupported: dict[str, Any], **o: Any) -> None:
-    """`launch --mode teacher_student|hybrid`: the `smolforge distill` pipeline with launch's names."""
+    """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
+    cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
     from smolforge.cli.common import quiet_libraries
-    from smolforge.cli.distill import _print_summary
-    from smolforge.distill.pipeline import DistillRun, run_distill
 
     if not students:
         raise SmolforgeError(f"--mode {mode} needs a student model",
@@ -629,20 +629,38 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
         raise SmolforgeError(f"{', '.join(given)} apply to --mode data_parallel only",
                              fix="drop them, or use `smolforge distill` for the full set of distillation settings")
     quiet_libraries()
+    distill: dict[str, Any] = {"teacher": teacher, "students": list(students), "data": dataset,
+                               "num_students": workers, "peft": o["peft"] or "lora", "kd_loss": o["kd_loss"],
+                               "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "top_k": o["top_k"],
+                               "batch_size": o["batch_size"], "cpus_per_student": o["cpus_per_worker"]}
     peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
-    extra = {k: o[k] for k in ("max_steps", "lr", "max_length", "seed") if o[k] is not None}
-    cfg = DistillRun(teacher=teacher, students=list(students), data=dataset, num_students=workers,
-                     num_teachers=o["num_teachers"], peft=o["peft"] or "lora", peft_config=peft_config,
-                     kd_loss=o["kd_loss"], kd_ratio=o["kd_ratio"], temperature=o["temperature"], top_k=o["top_k"],
-                     epochs=o["epochs"] if o["epochs"] is not None else 1.0, batch_size=o["batch_size"],
-                     cpus_per_student=o["cpus_per_worker"], output_dir=o["output_dir"] or "outputs/distill",
-                     split_shards=True if mode == "hybrid" else None, mode=mode, coordinator=o["coordinator"],
-                     token=o["token"], quiet=o["quiet"] or o["json_out"], **extra)
-    summary = run_distill(cfg)
-    if o["json_out"]:
-        print_json({k: v for k, v in summary.items() if k != "events"})
-    else:
-        _print_summary(summary)
+    if peft_config:
+        distill["peft_config"] = peft_config
+    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs"):
+        if o[key] is not None:
+            distill[key] = o[key]
+    if mode == "hybrid":
+        distill["split_shards"] = True
+    spec = {"kind": "distill", "mode": mode, "distill": distill}
+    backend = _backend(o["coordinator"], o["token"], o["state_dir"], embedded_ok=True)
+    embedded = getattr(backend, "base", "") == "embedded"
+    try:
+        job_id = backend.submit_job(spec)
+        if not o["json_out"]:
+            typer.echo(f"submitted {job_id} ({mode}: {workers} students" + (", embedded cluster" if embedded else "")
+                       + ")", err=True)
+        st = wait_with_progress(backend, job_id, o["quiet"] or o["json_out"])
+        out = o["output_dir"] or f"outputs/{job_id}"
+        if st["state"] == "completed":
+            backend.download_artifact(job_id, "summary", "distill", Path(out) / "summary")
+            summary = Path(out) / "summary" / "distill_summary.json"
+            summary.replace(Path(out) / "distill_summary.json")
+            (Path(out) / "summary").rmdir()
+        finish_job(backend, st, out, o["json_out"])
+    finally:
+        close = getattr(backend, "close", None)
+        if close:
+            close()
 
 
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,

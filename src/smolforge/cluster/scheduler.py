@@ -30,7 +30,7 @@ from typing import Any, Callable
 from smolforge.cluster import ray_glue
 from smolforge.cluster.artifacts import ArtifactStore
 from smolforge.cluster.jobstore import FINAL, JobStore
-from smolforge.cluster.specs import JOB_KINDS, DataParallelJob
+from smolforge.cluster.specs import DistillJob, JOB_KINDS, DataParallelJob
 from smolforge.config import validate
 from smolforge.errors import SmolforgeError
 
@@ -85,13 +85,30 @@ class JobManager:
 
     # -- submitting -------------------------------------------------------------------------------
 
-    def parse(self, spec: dict[str, Any]) -> DataParallelJob:
+    def parse(self, spec: dict[str, Any]) -> DataParallelJob | DistillJob:
         kind = spec.get("kind", "data_parallel")
         cls = JOB_KINDS.get(kind)
         if cls is None:
             raise SmolforgeError(f"unknown job kind {kind!r}", where="job spec",
-                                 fix=f"use one of {', '.join(JOB_KINDS)} (distillation jobs: `smolforge distill`)")
-        return validate(cls, spec, where="job spec")
+                                 fix=f"use one of {', '.join(JOB_KINDS)}")
+        job = validate(cls, spec, where="job spec")
+        if isinstance(job, DistillJob):
+            from smolforge.distill.pipeline import check_run
+
+            check_run(job.run_config("distill-check"))  # every setting, before anything starts
+        return job
+
+    def _check_distill_data(self, job: DistillJob) -> None:
+        value = str(job.distill["data"])
+        if value == "bundled":
+            return
+        if not value.startswith("upload:"):
+            raise SmolforgeError(f"distill.data {value!r} is a path on the submitting machine", where="job spec",
+                                 fix="submit with `smolforge submit`/`launch` or smolforge.Client, which upload "
+                                     "the file to the coordinator first")
+        if not self.artifacts.has_upload(value.split(":", 1)[1]):
+            raise SmolforgeError(f"distill.data: upload {value[7:19]} is not on the coordinator",
+                                 where="job spec", fix="upload the file again (Client.upload)")
 
     def _check_data(self, job: DataParallelJob) -> None:
         for key in ("path", "eval_path"):
@@ -128,8 +145,11 @@ class JobManager:
         if self.closed:
             raise SmolforgeError("the coordinator is shutting down", fix="retry once it is back")
         job = self.parse(spec)
-        self._check_data(job)
-        self.check_capacity(job)
+        if isinstance(job, DistillJob):
+            self._check_distill_data(job)
+        else:
+            self._check_data(job)
+            self.check_capacity(job)
         job_id = self.store.create_job(job.kind, job.model_dump(mode="json"), name=job.name)
         self._start(job_id, "started")
         return job_id
@@ -139,7 +159,12 @@ class JobManager:
             old = self.runners.get(job_id)
             if old is not None and old.is_alive():
                 raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
-            runner = DPRunner(self, job_id, reason)
+            if self.store.get_job(job_id)["kind"] == "distill":
+                from smolforge.cluster.distill_job import DistillRunner
+
+                runner = DistillRunner(self, job_id, reason)
+            else:
+                runner = DPRunner(self, job_id, reason)
             self.runners[job_id] = runner
             runner.start()
             return runner
@@ -181,6 +206,9 @@ class JobManager:
         if runner is not None and runner.is_alive():
             runner.join(timeout=30)
         self.store.set_state(job_id, "pending", "resume requested")
+        if job["kind"] == "distill":
+            self._start(job_id, "resumed: verified teacher shards are reused, students start again")
+            return self._job(job_id)
         ckpt = self.artifacts.latest_checkpoint(job_id)
         self._start(job_id, f"resumed from {ckpt}" if ckpt else "resumed (no checkpoint yet: from the start)")
         return self._job(job_id)
@@ -204,6 +232,9 @@ class JobManager:
         job = self._job(job_id)
         job_id = job["id"]
         runner = self.runners.get(job_id)
+        if job["kind"] == "distill":
+            raise SmolforgeError(f"job {job_id} is a distillation job; `job join` lends nodes to data-parallel jobs",
+                                 fix="a distillation run places teachers and students on every eligible worker itself")
         if job["state"] != "running" or runner is None:
             raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",
                                  fix=f"resume it first (`smolforge job resume {job_id}`)")

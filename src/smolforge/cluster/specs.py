@@ -14,6 +14,20 @@ A data-parallel job is a TrainConfig plus how many workers and what each needs:
       max_steps: 100
       save_every: 20
 
+A distillation job is the `smolforge distill` run (smolforge.distill.pipeline.DistillRun) driven
+by the coordinator, so it shows in `smolforge jobs` and the dashboard and can be paused, resumed
+and cancelled like any job:
+
+    kind: distill
+    name: my-distill
+    mode: hybrid                # or teacher_student
+    distill:                    # the DistillRun fields (`smolforge distill --help`)
+      teacher: small-llama
+      students: [tiny-llama]
+      data: data.jsonl          # uploaded like a data-parallel job's data
+      num_students: 2
+      max_steps: 100
+
 The global batch (batch_size x grad_accum x num_workers) is what the job means. If the group has
 to re-form on fewer or more workers (a node died, a node joined), each worker's batch is resized
 so the global batch, and therefore the result, stays the same.
@@ -21,9 +35,9 @@ so the global batch, and therefore the result, stays the same.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from smolforge.config import Spec, TrainConfig
 
@@ -50,4 +64,52 @@ class DataParallelJob(Spec):
         return self.train.batch_size * self.num_workers
 
 
-JOB_KINDS = {"data_parallel": DataParallelJob}
+# DistillRun fields the coordinator owns: where outputs go and how it reaches its own cluster.
+DISTILL_FIXED = ("output_dir", "coordinator", "token", "quiet", "mode")
+
+
+class DistillJob(Spec):
+    kind: Literal["distill"] = "distill"
+    name: str | None = None
+    mode: Literal["teacher_student", "hybrid"] = "teacher_student"
+    distill: dict[str, Any]
+
+    @field_validator("distill")
+    @classmethod
+    def _known_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        import dataclasses
+
+        from smolforge.distill.pipeline import DistillRun
+
+        known = {f.name for f in dataclasses.fields(DistillRun)} - set(DISTILL_FIXED)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown distill setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for key in ("teacher", "students", "data"):
+            if key not in value:
+                raise ValueError(f"distill.{key} is required")
+        return value
+
+    def run_config(self, output_dir: str, data: str | None = None):
+        """The DistillRun this job means, writing into `output_dir` (on the coordinator)."""
+        from smolforge.distill.pipeline import DistillRun
+
+        fields = dict(self.distill)
+        if isinstance(fields.get("students"), str):
+            fields["students"] = [fields["students"]]
+        if data is not None:
+            fields["data"] = data
+        from pydantic import TypeAdapter, ValidationError
+
+        from smolforge.errors import SmolforgeError
+
+        try:  # pydantic checks the dataclass's field types too
+            return TypeAdapter(DistillRun).validate_python({**fields, "output_dir": output_dir, "mode": self.mode,
+                                                            "quiet": True})
+        except ValidationError as err:
+            problems = "; ".join(f"distill.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
+            raise SmolforgeError(f"invalid distill job: {problems}", where="job spec",
+                                 fix="correct those keys (see `smolforge distill --help`)") from err
+
+
+JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob}

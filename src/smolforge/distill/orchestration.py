@@ -291,6 +291,9 @@ class DistillTask:
     done_shards: list[int] = field(default_factory=list)
     samples_done: int = 0
     samples_total: int = 0
+    step: int = 0
+    max_steps: int = 0
+    loss: float | None = None
     progress: float = 0.0
     error: str | None = None
     created: float = field(default_factory=time.time)
@@ -308,6 +311,7 @@ class DistillTask:
         return {"task_id": self.task_id, "kind": self.kind, "state": self.state, "progress": round(self.progress, 4),
                 "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued,
                 "samples_done": self.samples_done, "samples_total": self.samples_total, "eta_s": eta,
+                "step": self.step, "max_steps": self.max_steps, "loss": self.loss,
                 "error": self.error, "shards": list(self.shards), "done_shards": list(self.done_shards),
                 "output_dir": self.output_dir, "started": self.started, "finished": self.finished}
 
@@ -683,7 +687,8 @@ class DistillTasks:
                 rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
                 task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
                                    shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
-                                   samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum)
+                                   samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum,
+                                   max_steps=max_steps or max(1, -(-int(rows * epochs) // (batch_size * grad_accum))))
                 with st.lock:
                     st.tasks[task_id] = task
                 ids.append(task_id)
@@ -908,6 +913,8 @@ class DistillTasks:
             task = by_rank.get(int(rank))
             if task is not None and task.state == "running":
                 task.progress = info["step"] / max(1, info["max_steps"])
+                task.step, task.loss = int(info["step"]), info.get("loss")
+                task.max_steps = int(info.get("max_steps") or task.max_steps)
                 task.samples_done = info.get("samples_done", 0)
                 task.samples_total = info.get("samples_total", task.samples_total)
         for bad in news["corrupt"]:

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from smolforge.errors import SmolforgeError
 from smolforge.paths import atomic_write_json
@@ -119,15 +119,22 @@ class _Progress:
             self._p.stop()
 
 
-def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
-    """Teachers, students, aggregation; returns (and writes) the run summary."""
-    from smolforge.distill.store import store_summary
+class DistillStopped(Exception):
+    """`should_stop` asked for a pause or a cancel: every task was stopped, the valid shards stay."""
 
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def check_run(cfg: DistillRun) -> None:
+    """Every setting checked before a cluster starts: bad flags fail in a second, not after the teachers."""
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
     if cfg.aggregate not in ("mean", "ties", "none"):
         raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
-    # Check every setting before a cluster starts: bad flags fail in a second, not after the teachers.
+    if cfg.mode not in ("teacher_student", "hybrid"):
+        raise SmolforgeError(f"unknown --mode {cfg.mode!r}", fix="use teacher_student or hybrid")
     from smolforge.config import PeftSpec, validate
     from smolforge.distill.losses import KDConfig
     from smolforge.distill.teacher import GenSettings
@@ -139,9 +146,24 @@ def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
                 responses=cfg.teacher_responses).check()
     if cfg.teacher_backend not in ("hf", "ollama", "reference"):
         raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
+    if ".." in Path(cfg.output_dir).parts:
+        raise SmolforgeError(f"--output-dir {cfg.output_dir} contains '..'", fix="give a plain directory path")
+
+
+def run_distill(cfg: DistillRun, orchestrator=None,
+                on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
+                should_stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
+    """Teachers, students, aggregation; returns (and writes) the run summary.
+
+    `on_update(task statuses, events so far)` is called every poll (the coordinator's job runner
+    mirrors them into its job store); when `should_stop()` returns "pause" or "cancel" every task
+    is stopped and DistillStopped is raised. Shards already written stay valid: a rerun into the
+    same output dir reuses them.
+    """
+    from smolforge.distill.store import store_summary
+
+    check_run(cfg)
     out = Path(cfg.output_dir)
-    if ".." in out.parts:
-        raise SmolforgeError(f"--output-dir {out} contains '..'", fix="give a plain directory path")
     out.mkdir(parents=True, exist_ok=True)
     own = orchestrator is None
     if own:
@@ -172,7 +194,13 @@ def run_distill(cfg: DistillRun, orchestrator=None) -> dict[str, Any]:
         teacher_done = None
         while True:
             statuses = orch.distill_tasks()
-            progress.update([s for s in statuses if s["task_id"] in all_ids])
+            mine = [s for s in statuses if s["task_id"] in all_ids]
+            progress.update(mine)
+            if on_update is not None:
+                on_update(mine, list(getattr(orch, "events", [])))
+            stop = should_stop() if should_stop is not None else None
+            if stop:
+                raise DistillStopped(stop)  # `finally` below stops every task and actor
             by_id = {s["task_id"]: s for s in statuses}
             if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
                 teacher_done = time.time()

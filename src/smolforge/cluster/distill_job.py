@@ -1,0 +1,200 @@
+"""A distillation run as a coordinator job: `smolforge jobs`, the dashboard, pause/resume/cancel.
+
+The runner drives `smolforge.distill.pipeline.run_distill` from a thread of the coordinator (or
+of the embedded cluster) and mirrors it into the job store: job progress (the students' steps
+over their total, samples, mean loss, ETA), a loss curve per student, one task row per teacher
+and student with its node and state, and the pipeline's events. Outputs are written under the
+coordinator's state dir (`distill/<job>/`, the seed layout); when the run completes, the merged
+adapter becomes the job's `adapter` artifact (what `smolforge launch`/`Client.download_adapter`
+fetch) and the run summary its `summary` artifact.
+
+Pause and cancel stop every teacher and student at once. Shards already in `teacher_outputs/`
+are checksummed and stay: `resume` starts the pipeline again in the same directory, the teachers
+make only the missing shards, and the students train from the start (their state lives on the
+worker that ran them, so it is not kept).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from smolforge.cluster.jobstore import FINAL
+from smolforge.cluster.specs import DistillJob
+from smolforge.errors import SmolforgeError
+
+
+def _short(err: BaseException) -> str:
+    return err.render() if isinstance(err, SmolforgeError) else f"{type(err).__name__}: {err}"
+
+
+def run_dir(mgr, job_id: str) -> Path:
+    """Where a distill job writes its run (teacher_outputs/, output/, merged_model/)."""
+    return mgr.artifacts.root.parent / "distill" / job_id
+
+
+class DistillRunner(threading.Thread):
+    """Runs one distill job until it is completed, failed, cancelled or paused."""
+
+    def __init__(self, mgr, job_id: str, reason: str):
+        super().__init__(daemon=True, name=f"job-{job_id}")
+        self.mgr, self.job_id, self.reason = mgr, job_id, reason
+        self.store = mgr.store
+        self.want: str | None = None  # pause | cancel
+        self.pending_joins: list[str] = []
+        self.world = 0
+        self.abandon = False
+        self.finished = threading.Event()
+        self._events_seen = 0
+        self._task_rows: dict[str, tuple] = {}
+        self._last_progress = -1.0
+        self._steps: dict[str, Any] = {}
+
+    def request(self, what: str, node: str | None = None) -> None:
+        if what in ("pause", "cancel") and self.want != "cancel":
+            self.want = what
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # a bug or an unexpected Ray failure: record it, never die silently
+            if not self.abandon:
+                self.store.add_event(self.job_id, "error", f"job runner failed: {_short(err)}",
+                                     {"traceback": traceback.format_exc()[-4000:]})
+                try:
+                    self.store.set_state(self.job_id, "failed", f"failed: {_short(err)}", error=_short(err), force=True)
+                except Exception:
+                    pass
+        finally:
+            self.finished.set()
+            self.mgr._runner_done(self.job_id, self)
+
+    def _stop_requested(self) -> str | None:
+        if self.abandon:
+            return "abandon"
+        return self.want
+
+    def _run(self) -> None:
+        from smolforge.cluster import ray_glue
+        from smolforge.distill.pipeline import DistillStopped, run_distill
+        from smolforge.orchestrator import Orchestrator
+
+        job = self.store.get_job(self.job_id)
+        if job["state"] in FINAL:
+            return
+        spec = DistillJob.model_validate(job["spec"])
+        if self.want:
+            self._finish_stopped(self.want)
+            return
+        if job["state"] != "running":
+            self.store.set_state(self.job_id, "running", f"running ({self.reason})")
+        data = str(spec.distill["data"])
+        if data.startswith("upload:"):
+            data = str(self.mgr.artifacts.upload_path(data.split(":", 1)[1]))
+        out = run_dir(self.mgr, self.job_id)
+        cfg = spec.run_config(str(out), data)
+        backend = SimpleNamespace(handle=ray_glue.connect(), close=lambda: None)
+        orch = Orchestrator(spec.mode, backend=backend)
+        self.store.add_event(self.job_id, "distill_started",
+                             f"{spec.mode}: teacher {cfg.teacher} → {', '.join(cfg.students)} "
+                             f"({cfg.num_students} per base, {cfg.peft}); run dir {out}")
+        try:
+            summary = run_distill(cfg, orchestrator=orch, on_update=self._mirror, should_stop=self._stop_requested)
+        except DistillStopped as stop:
+            self._mirror(orch.distill_tasks(), orch.events)
+            if stop.what != "abandon":
+                self._finish_stopped(stop.what)
+            return
+        except SmolforgeError as err:
+            self._mirror(orch.distill_tasks(), orch.events)
+            self.store.set_state(self.job_id, "failed", f"failed: {err.what}", error=err.render())
+            return
+        self._mirror(orch.distill_tasks(), orch.events)
+        self._publish(out, summary)
+
+    # -- mirroring into the job store ----------------------------------------------------------------
+
+    def _mirror(self, statuses: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+        for e in events[self._events_seen:]:
+            data = {k: v for k, v in (e.get("data") or {}).items() if isinstance(v, (str, int, float, bool, list))}
+            self.store.add_event(self.job_id, e["kind"], e["message"], data, task_id=data.get("task_id"), ts=e.get("ts"))
+        self._events_seen = len(events)
+        nodes: list[str] = []
+        done = total = 0.0
+        steps = max_steps = 0
+        losses, etas = [], []
+        metric_rows: list[tuple[int, str, float]] = []
+        for s in statuses:
+            if s["kind"] == "aggregate":
+                continue
+            row = (s["state"], s.get("node"), round(float(s.get("progress") or 0), 3), s.get("error"))
+            if self._task_rows.get(s["task_id"]) != row:
+                self._task_rows[s["task_id"]] = row
+                state = "queued" if s.get("queued") else s["state"]
+                self.store.upsert_task(f"{self.job_id}-{s['task_id']}", self.job_id, s["kind"], state,
+                                       node_name=s.get("node"), error=s.get("error"))
+            if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
+                nodes.append(s["node"])
+            if s["kind"] == "student":
+                total += float(s.get("samples_total") or 0)
+                done += float(s.get("samples_total") or 0) if s["state"] == "completed" else float(s.get("samples_done") or 0)
+                max_steps += int(s.get("max_steps") or 0)
+                steps += int(s.get("max_steps") or 0) if s["state"] == "completed" else int(s.get("step") or 0)
+                if s.get("loss") is not None:
+                    losses.append(float(s["loss"]))
+                    if self._steps.get(s["task_id"]) != s.get("step"):  # a loss curve per student
+                        self._steps[s["task_id"]] = s.get("step")
+                        metric_rows.append((int(s.get("step") or 0), f"loss/{s['task_id']}", float(s["loss"])))
+                if s.get("eta_s") is not None:
+                    etas.append(float(s["eta_s"]))
+        self.store.add_metrics(self.job_id, metric_rows)
+        progress = done / total if total else 0.0
+        if abs(progress - self._last_progress) >= 0.005 or (nodes and self.world != len(nodes)):
+            self._last_progress = progress
+            self.world = len(nodes)
+            fields: dict[str, Any] = dict(step=steps, max_steps=max_steps, nodes=nodes, world_size=len(nodes),
+                                          samples_done=int(done), samples_total=int(total),
+                                          eta_s=max(etas) if etas else None)
+            if losses:
+                fields["loss"] = sum(losses) / len(losses)
+            self.store.update_job(self.job_id, **fields)
+
+    def _publish(self, out: Path, summary: dict[str, Any]) -> None:
+        merged = [Path(rep["output"]) for rep in summary.get("merged", {}).values() if rep.get("output")]
+        if merged:
+            self.mgr.artifacts.put_dir(self.job_id, "adapter", merged[0].name, merged[0])
+        self.mgr.artifacts.put_dir(self.job_id, "summary", "distill", _summary_dir(out))
+        evals = [t.get("eval") or {} for t in summary["student_tasks"]]
+        result = {"store": summary["store"], "stage_seconds": summary["stage_seconds"],
+                  "students": [{k: t.get(k) for k in ("task_id", "node", "state", "output_dir")} | {"eval": ev}
+                               for t, ev in zip(summary["student_tasks"], evals)],
+                  "merged": {base: {k: v for k, v in rep.items() if k != "truncation_error"}
+                             for base, rep in summary.get("merged", {}).items()}}
+        ok = [ev for ev in evals if "eval_loss" in ev]
+        if ok:
+            result["eval"] = {k: sum(ev[k] for ev in ok) / len(ok) for k in ("eval_loss", "accuracy")
+                              if all(k in ev for ev in ok)}
+        total = sum(int(t.get("max_steps") or 0) for t in summary["student_tasks"])
+        self.store.update_job(self.job_id, step=total, max_steps=total)
+        self.store.set_state(self.job_id, "completed",
+                             f"completed: {len(summary['student_tasks'])} students, "
+                             f"{summary['store']['bytes_per_token']:.1f} bytes/token store", result=result)
+
+    def _finish_stopped(self, what: str) -> None:
+        if what == "pause":
+            self.store.set_state(self.job_id, "paused", "paused: every task stopped; teacher shards kept for resume")
+        else:
+            self.store.set_state(self.job_id, "cancelled", "cancelled; every task stopped", force=True)
+
+
+def _summary_dir(out: Path) -> Path:
+    """A directory holding just the run summary (artifacts are directories)."""
+    d = out / "summary"
+    d.mkdir(exist_ok=True)
+    src = out / "distill_summary.json"
+    (d / "distill_summary.json").write_bytes(src.read_bytes())
+    return d
