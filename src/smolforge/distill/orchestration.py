@@ -901,7 +901,11 @@ class DistillTasks:
                 continue
             data = dict(ev["data"])
             if ev["kind"] == "student_started":
-                task.state, task.started = "running", data.get("at", time.time())
+                # Broker events are drained every POLL_S: a quick student may have finished (its
+                # result awaited by another thread) before its "started" arrives; never go back.
+                if task.state == "pending":
+                    task.state = "running"
+                task.started = task.started or data.get("at", time.time())
                 self._devent("student_started", f"{task.task_id} started training on {task.node} "
                              f"({data.get('shards_ready')} shards in hand)", task_id=task.task_id, node=task.node, **data)
             elif ev["kind"] == "shard_corrupt":
