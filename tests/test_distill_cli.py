@@ -30,6 +30,8 @@ LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "b
     (DISTILL, ["--output-dir", "a/../../b"], "contains '..'"),
     (LAUNCH, [], "--mode hybrid needs a student model"),
     (LAUNCH, ["--student", "tiny-llama", "--save-every", "5"], "--save-every apply to --mode data_parallel only"),
+    (LAUNCH, ["--student", "tiny-llama", "--set", "kd_loss=kl"], "unknown KD loss"),  # --set reaches distill.*
+    (LAUNCH, ["--student", "tiny-llama", "--set", "wat=1"], "unknown distill setting(s) wat"),
     (LAUNCH, ["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
 ])
 def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):

@@ -544,8 +544,8 @@ def register(app: typer.Typer) -> None:
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
                             coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
                             json_out=json_out,
-                            unsupported={"--save-every": save_every, "--set": set_ or None, "--detach": detach or None,
-                                         "--name": name, "--gpu": None if gpu == "no" else gpu})
+                            name=name, sets=set_, detach=detach,
+                            unsupported={"--save-every": save_every, "--gpu": None if gpu == "no" else gpu})
             return
         if mode != "data_parallel":
             raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
@@ -641,14 +641,27 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
             distill[key] = o[key]
     if mode == "hybrid":
         distill["split_shards"] = True
-    spec = {"kind": "distill", "mode": mode, "distill": distill}
+    from smolforge.client import apply_job_overrides
+
+    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
+    from smolforge.cluster.specs import DistillJob
+    from smolforge.config import validate
+    from smolforge.distill.pipeline import check_run
+
+    check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
     backend = _backend(o["coordinator"], o["token"], o["state_dir"], embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     try:
+        if o["detach"] and embedded:
+            raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
+                                 fix="start one with `smolforge coordinator start`, or drop --detach")
         job_id = backend.submit_job(spec)
         if not o["json_out"]:
             typer.echo(f"submitted {job_id} ({mode}: {workers} students" + (", embedded cluster" if embedded else "")
                        + ")", err=True)
+        if o["detach"]:
+            typer.echo(job_id)
+            return
         st = wait_with_progress(backend, job_id, o["quiet"] or o["json_out"])
         out = o["output_dir"] or f"outputs/{job_id}"
         if st["state"] == "completed":
