@@ -16,20 +16,15 @@ worker that ran them, so it is not kept).
 
 from __future__ import annotations
 
-import threading
-import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from smolforge.cluster.jobstore import FINAL
+from smolforge.cluster.scheduler import JobRunner, _short
 from smolforge.cluster.specs import DistillJob
 from smolforge.errors import SmolforgeError
-
-
-def _short(err: BaseException) -> str:
-    return err.render() if isinstance(err, SmolforgeError) else f"{type(err).__name__}: {err}"
+from smolforge.parallel.transfer import sha256_bytes
 
 
 def run_dir(mgr, job_id: str) -> Path:
@@ -37,18 +32,12 @@ def run_dir(mgr, job_id: str) -> Path:
     return mgr.artifacts.root.parent / "distill" / job_id
 
 
-class DistillRunner(threading.Thread):
+class DistillRunner(JobRunner):
     """Runs one distill job until it is completed, failed, cancelled or paused."""
 
     def __init__(self, mgr, job_id: str, reason: str):
-        super().__init__(daemon=True, name=f"job-{job_id}")
-        self.mgr, self.job_id, self.reason = mgr, job_id, reason
-        self.store = mgr.store
-        self.want: str | None = None  # pause | cancel
-        self.pending_joins: list[str] = []
+        super().__init__(mgr, job_id, reason)
         self.world = 0
-        self.abandon = False
-        self.finished = threading.Event()
         self._events_seen = 0
         self._task_rows: dict[str, tuple] = {}
         self._last_progress = -1.0
@@ -57,21 +46,6 @@ class DistillRunner(threading.Thread):
     def request(self, what: str, node: str | None = None) -> None:
         if what in ("pause", "cancel") and self.want != "cancel":
             self.want = what
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception as err:  # a bug or an unexpected Ray failure: record it, never die silently
-            if not self.abandon:
-                self.store.add_event(self.job_id, "error", f"job runner failed: {_short(err)}",
-                                     {"traceback": traceback.format_exc()[-4000:]})
-                try:
-                    self.store.set_state(self.job_id, "failed", f"failed: {_short(err)}", error=_short(err), force=True)
-                except Exception:
-                    pass
-        finally:
-            self.finished.set()
-            self.mgr._runner_done(self.job_id, self)
 
     def _stop_requested(self) -> str | None:
         if self.abandon:
@@ -167,7 +141,9 @@ class DistillRunner(threading.Thread):
         merged = [Path(rep["output"]) for rep in summary.get("merged", {}).values() if rep.get("output")]
         if merged:
             self.mgr.artifacts.put_dir(self.job_id, "adapter", merged[0].name, merged[0])
-        self.mgr.artifacts.put_dir(self.job_id, "summary", "distill", _summary_dir(out))
+        data = (out / "distill_summary.json").read_bytes()
+        payload = {"files": {"distill_summary.json": data}, "sha256": {"distill_summary.json": sha256_bytes(data)}}
+        self.mgr.artifacts.put(self.job_id, "summary", "distill", payload)
         evals = [t.get("eval") or {} for t in summary["student_tasks"]]
         result = {"store": summary["store"], "stage_seconds": summary["stage_seconds"],
                   "students": [{k: t.get(k) for k in ("task_id", "node", "state", "output_dir")} | {"eval": ev}
@@ -190,11 +166,3 @@ class DistillRunner(threading.Thread):
         else:
             self.store.set_state(self.job_id, "cancelled", "cancelled; every task stopped", force=True)
 
-
-def _summary_dir(out: Path) -> Path:
-    """A directory holding just the run summary (artifacts are directories)."""
-    d = out / "summary"
-    d.mkdir(exist_ok=True)
-    src = out / "distill_summary.json"
-    (d / "distill_summary.json").write_bytes(src.read_bytes())
-    return d

@@ -78,7 +78,7 @@ def slots_on(node: ray_glue.NodeInfo, req: ray_glue.Requirements, use_available:
 class JobManager:
     def __init__(self, store: JobStore, artifacts: ArtifactStore):
         self.store, self.artifacts = store, artifacts
-        self.runners: dict[str, "DPRunner"] = {}
+        self.runners: dict[str, "JobRunner"] = {}
         self.suspects: dict[str, float] = {}  # node_id -> when it stopped answering
         self.lock = threading.RLock()
         self.closed = False
@@ -154,7 +154,7 @@ class JobManager:
         self._start(job_id, "started")
         return job_id
 
-    def _start(self, job_id: str, reason: str) -> "DPRunner":
+    def _start(self, job_id: str, reason: str) -> "JobRunner":
         with self.lock:
             old = self.runners.get(job_id)
             if old is not None and old.is_alive():
@@ -169,7 +169,7 @@ class JobManager:
             runner.start()
             return runner
 
-    def _runner_done(self, job_id: str, runner: "DPRunner") -> None:
+    def _runner_done(self, job_id: str, runner: "JobRunner") -> None:
         with self.lock:
             if self.runners.get(job_id) is runner:
                 del self.runners[job_id]
@@ -354,20 +354,54 @@ class _LazyRemote:
 _probe = _LazyRemote(_probe_fn)
 
 
-class DPRunner(threading.Thread):
-    """Runs one data-parallel job until it is completed, failed, cancelled or paused."""
+class JobRunner(threading.Thread):
+    """One job's thread: runs `_run` until the job is completed, failed, cancelled or paused.
+
+    What every kind shares: pause/cancel requests land in `want`, `abandon` means the coordinator
+    is shutting down (the job stays running in the store and resumes on the next start), and a
+    crash of the runner itself is recorded on the job instead of dying silently.
+    """
 
     def __init__(self, mgr: JobManager, job_id: str, reason: str):
         super().__init__(daemon=True, name=f"job-{job_id}")
         self.mgr, self.job_id, self.reason = mgr, job_id, reason
         self.store = mgr.store
         self.want: str | None = None  # pause | cancel
+        self.abandon = False
+        self.finished = threading.Event()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _cleanup(self) -> None:
+        """Release whatever the job still holds; runs after `_run`, however it ended."""
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # a bug or an unexpected Ray failure: record it, never die silently
+            if not self.abandon:
+                self.store.add_event(self.job_id, "error", f"job runner failed: {_short(err)}",
+                                     {"traceback": traceback.format_exc()[-4000:]})
+                try:
+                    self.store.set_state(self.job_id, "failed", f"failed: {_short(err)}", error=_short(err), force=True)
+                except Exception:
+                    pass
+        finally:
+            self._cleanup()
+            self.finished.set()
+            self.mgr._runner_done(self.job_id, self)
+
+
+class DPRunner(JobRunner):
+    """Runs one data-parallel job until it is completed, failed, cancelled or paused."""
+
+    def __init__(self, mgr: JobManager, job_id: str, reason: str):
+        super().__init__(mgr, job_id, reason)
         self.pending_joins: list[str] = []
         self.control = None
         self.group = None
         self.world = 0
-        self.abandon = False
-        self.finished = threading.Event()
         self._lock = threading.Lock()
 
     # -- requests from the API thread ---------------------------------------------------------
@@ -387,28 +421,15 @@ class DPRunner(threading.Thread):
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception as err:  # a bug or an unexpected Ray failure: record it, never die silently
-            if not self.abandon:
-                self.store.add_event(self.job_id, "error", f"job runner failed: {_short(err)}",
-                                     {"traceback": traceback.format_exc()[-4000:]})
-                try:
-                    self.store.set_state(self.job_id, "failed", f"failed: {_short(err)}", error=_short(err), force=True)
-                except Exception:
-                    pass
-        finally:
-            self._release()
-            if self.control is not None:
-                import ray
+    def _cleanup(self) -> None:
+        self._release()
+        if self.control is not None:
+            import ray
 
-                try:
-                    ray.kill(self.control, no_restart=True)
-                except Exception:
-                    pass
-            self.finished.set()
-            self.mgr._runner_done(self.job_id, self)
+            try:
+                ray.kill(self.control, no_restart=True)
+            except Exception:
+                pass
 
     def _release(self) -> None:
         group, self.group = self.group, None
