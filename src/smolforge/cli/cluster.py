@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -552,33 +552,16 @@ def register(app: typer.Typer) -> None:
         if student:
             raise SmolforgeError("--student is for --mode teacher_student or hybrid",
                                  fix="drop --student, or pick a distillation mode")
-        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
-        embedded = getattr(backend, "base", "") == "embedded"
-        if detach and embedded:
-            raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
-                                 fix="start one with `smolforge coordinator start`, or drop --detach")
-        try:
-            kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
-                                          cpus_per_worker=cpus_per_worker, name=name)
-            for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
-                               ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
-                               ("lora_alpha", lora_alpha), ("peft", peft)):
-                if value is not None:
-                    kwargs[key] = value
-            spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
-            job_id = backend.submit_job(spec)
-            if not json_out:
-                typer.echo(f"submitted {job_id} ({workers} workers" + (", embedded cluster" if embedded else "") + ")",
-                           err=True)
-            if detach:
-                typer.echo(job_id)
-                return
-            st = wait_with_progress(backend, job_id, quiet or json_out)
-            finish_job(backend, st, output_dir or f"outputs/{job_id}", json_out)
-        finally:
-            close = getattr(backend, "close", None)
-            if close:
-                close()
+        kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
+                                      cpus_per_worker=cpus_per_worker, name=name)
+        for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
+                           ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
+                           ("lora_alpha", lora_alpha), ("peft", peft)):
+            if value is not None:
+                kwargs[key] = value
+        spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
+        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=token, state_dir=state_dir,
+                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
 
     @app.command()
     @run_cli
@@ -620,6 +603,10 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
     from smolforge.cli.common import quiet_libraries
+    from smolforge.client import apply_job_overrides
+    from smolforge.cluster.specs import DistillJob
+    from smolforge.config import validate
+    from smolforge.distill.pipeline import check_run
 
     if not students:
         raise SmolforgeError(f"--mode {mode} needs a student model",
@@ -641,35 +628,42 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
             distill[key] = o[key]
     if mode == "hybrid":
         distill["split_shards"] = True
-    from smolforge.client import apply_job_overrides
-
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
-    from smolforge.cluster.specs import DistillJob
-    from smolforge.config import validate
-    from smolforge.distill.pipeline import check_run
-
     check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
-    backend = _backend(o["coordinator"], o["token"], o["state_dir"], embedded_ok=True)
+    _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
+                       state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
+                       output_dir=o["output_dir"], on_completed=_fetch_distill_summary)
+
+
+def _fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
+    """The run summary (store, tasks, events) next to the merged adapter, as `smolforge distill` writes it."""
+    backend.download_artifact(job_id, "summary", "distill", out / "summary")
+    (out / "summary" / "distill_summary.json").replace(out / "distill_summary.json")
+    (out / "summary").rmdir()
+
+
+def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token: str | None, state_dir: str | None,
+                       detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
+                       on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
+    """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
+    its end and fetch its adapter into `output_dir` (default outputs/<job>)."""
+    backend = _backend(coordinator, token, state_dir, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     try:
-        if o["detach"] and embedded:
+        if detach and embedded:
             raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
                                  fix="start one with `smolforge coordinator start`, or drop --detach")
         job_id = backend.submit_job(spec)
-        if not o["json_out"]:
-            typer.echo(f"submitted {job_id} ({mode}: {workers} students" + (", embedded cluster" if embedded else "")
-                       + ")", err=True)
-        if o["detach"]:
+        if not json_out:
+            typer.echo(f"submitted {job_id} ({what}" + (", embedded cluster" if embedded else "") + ")", err=True)
+        if detach:
             typer.echo(job_id)
             return
-        st = wait_with_progress(backend, job_id, o["quiet"] or o["json_out"])
-        out = o["output_dir"] or f"outputs/{job_id}"
-        if st["state"] == "completed":
-            backend.download_artifact(job_id, "summary", "distill", Path(out) / "summary")
-            summary = Path(out) / "summary" / "distill_summary.json"
-            summary.replace(Path(out) / "distill_summary.json")
-            (Path(out) / "summary").rmdir()
-        finish_job(backend, st, out, o["json_out"])
+        st = wait_with_progress(backend, job_id, quiet or json_out)
+        out = output_dir or f"outputs/{job_id}"
+        if on_completed is not None and st["state"] == "completed":
+            on_completed(backend, job_id, Path(out))
+        finish_job(backend, st, out, json_out)
     finally:
         close = getattr(backend, "close", None)
         if close:

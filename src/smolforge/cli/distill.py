@@ -63,10 +63,6 @@ def register(app: typer.Typer) -> None:
         quiet_libraries()
         from smolforge.distill.pipeline import DistillRun, run_distill
 
-        if mode not in ("teacher_student", "hybrid"):
-            from smolforge.errors import SmolforgeError
-
-            raise SmolforgeError(f"unknown --mode {mode!r}", fix="use teacher_student or hybrid")
         cfg = DistillRun(
             teacher=teacher, students=list(student), data=data, output_dir=output_dir, num_teachers=num_teachers,
             num_students=num_students, peft=peft,
