@@ -48,13 +48,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from smolforge.config import PeftSpec
-    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, train_teacher
-    from smolforge.distill.losses import KDConfig
-    from smolforge.distill.student import DirShardSource, StudentConfig, train_student
+    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
+    from smolforge.distill.student import DirShardSource, train_student
     from smolforge.distill.teacher import GenSettings, run_teacher_local
-    from smolforge.models.loading import load_model
-    from smolforge.models.peft_methods import apply_peft
 
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -82,18 +78,11 @@ def main() -> None:
 
     def prepare(arm: str, seed: int):
         kind, ratio = ARMS[arm]
-        cfg = StudentConfig(base_model=DEMO_STUDENT, output_dir=str(out / f"{arm}-{seed}"), max_steps=args.steps,
-                            batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length,
-                            seed=seed, device="cpu", num_threads=1, eval_data="bundled",
-                            max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
-                            peft=PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0),
-                            kd=KDConfig(loss=s.kd_loss, kd_ratio=ratio, temperature=s.temperature))
-        torch.manual_seed(seed)  # LoRA init: built here, in the main thread (torch's RNG is process-wide)
-        return cfg, apply_peft(load_model(DEMO_STUDENT), cfg.peft), store(kind)
+        return (*local_student(s, seed, out / f"{arm}-{seed}", steps=args.steps, kd_ratio=ratio), store(kind))
 
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
     t0 = time.time()
-    # Every student is built before any trains: torch's RNG is process-wide (see prepare).
+    # Every student is built before any trains: torch's RNG is process-wide (see local_student).
     jobs = [(arm, seed, *prepare(arm, seed)) for seed in seeds for arm in arms]
     with ThreadPoolExecutor(2) as pool:
         futures = [(arm, seed, pool.submit(lambda c, m, d: train_student(c, DirShardSource(d), model=m).eval,

@@ -23,28 +23,6 @@ pytestmark = [
 SEEDS = (0, 1, 2)
 
 
-def _student(store, seed: int, s, out):
-    """Config and model for one student; the model is built here, in the main thread, because
-    torch's RNG (which initialises LoRA) is process-wide and the two students train in threads."""
-    import torch
-
-    from smolforge.config import PeftSpec
-    from smolforge.distill.demo import DEMO_STUDENT
-    from smolforge.distill.losses import KDConfig
-    from smolforge.distill.student import StudentConfig
-    from smolforge.models.loading import load_model
-    from smolforge.models.peft_methods import apply_peft
-
-    cfg = StudentConfig(base_model=DEMO_STUDENT, output_dir=str(out), max_steps=s.student_steps,
-                        batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length,
-                        seed=seed, device="cpu", num_threads=1, eval_data="bundled",
-                        max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
-                        peft=PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0),
-                        kd=KDConfig(loss=s.kd_loss, kd_ratio=s.kd_ratio, temperature=s.temperature))
-    torch.manual_seed(seed)
-    return cfg, apply_peft(load_model(DEMO_STUDENT), cfg.peft)
-
-
 def _train(cfg, model, store):
     from smolforge.distill.student import DirShardSource, train_student
 
@@ -52,7 +30,7 @@ def _train(cfg, model, store):
 
 
 def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
-    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, train_teacher
+    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
     s = DemoSettings()
@@ -73,8 +51,8 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     with ThreadPoolExecutor(2) as pool:  # the two students of a seed side by side, one core each
         for seed in SEEDS:
             # both built before either trains: torch's RNG is process-wide
-            kd_args = (*_student(kd_store, seed, s, tmp_path / f"kd-{seed}"), kd_store)
-            sft_args = (*_student(sft_store, seed, s, tmp_path / f"sft-{seed}"), sft_store)
+            kd_args = (*local_student(s, seed, tmp_path / f"kd-{seed}"), kd_store)
+            sft_args = (*local_student(s, seed, tmp_path / f"sft-{seed}"), sft_store)
             kd, sft = pool.submit(_train, *kd_args), pool.submit(_train, *sft_args)
             results["kd"].append(kd.result())
             results["sft"].append(sft.result())

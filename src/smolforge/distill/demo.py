@@ -116,6 +116,32 @@ def evaluate_adapter(adapter: str | Path | None, s: DemoSettings) -> dict[str, A
     return evaluate(model, tok, load_splits(spec, tok), cfg, torch.device("cpu"))
 
 
+def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: int | None = None,
+                  kd_ratio: float | None = None):
+    """(StudentConfig, LoRA model) of one demo student trained in this process (the KD test and bench).
+
+    The model is built here, under `seed`, by the caller's thread: torch's RNG (which initialises
+    LoRA) is process-wide, so students meant to train side by side in threads are all built first.
+    """
+    import torch
+
+    from smolforge.config import PeftSpec
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.student import StudentConfig
+    from smolforge.models.loading import load_model
+    from smolforge.models.peft_methods import apply_peft
+
+    cfg = StudentConfig(base_model=DEMO_STUDENT, output_dir=str(output_dir), max_steps=steps or s.student_steps,
+                        batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length,
+                        seed=seed, device="cpu", num_threads=1, eval_data="bundled",
+                        max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
+                        peft=PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0),
+                        kd=KDConfig(loss=s.kd_loss, kd_ratio=s.kd_ratio if kd_ratio is None else kd_ratio,
+                                    temperature=s.temperature))
+    torch.manual_seed(seed)
+    return cfg, apply_peft(load_model(DEMO_STUDENT), cfg.peft)
+
+
 def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
     return dict(num_students=s.num_students, peft_type="lora",
                 peft_config={"r": s.lora_r, "alpha": s.lora_alpha, "dropout": 0.0}, max_steps=s.student_steps,

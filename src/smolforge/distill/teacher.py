@@ -149,15 +149,20 @@ class HFTeacher:
                 out[pos] = recs
         return [r for i in range(len(encoded)) for r in out[i]]
 
+    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask) on the device, left-padded: every row ends at the same column, so a
+        batch decodes together and the last positions are every row's last tokens."""
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, row in enumerate(seqs):
+            ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[r, width - len(row):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
     def _generate_batch(self, chunk: list[tuple[PromptItem, list[int]]], s: GenSettings) -> list[list[TeacherRecord]]:
-        width = max(len(ids) for _, ids in chunk)
-        n = len(chunk)
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for i, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at the same column
-            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention[i, width - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        input_ids, attention = self._left_pad([ids for _, ids in chunk])
+        width = input_ids.shape[1]
         gen_kwargs: dict[str, Any] = dict(
             max_new_tokens=s.max_new_tokens, use_cache=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             num_return_sequences=s.samples_per_prompt,
@@ -184,8 +189,7 @@ class HFTeacher:
         records: list[list[TeacherRecord]] = [[] for _ in chunk]
         values = idx = tail = None
         if g > 0:
-            position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-            logits = self._response_logits(full, mask, position_ids, g)  # [rows, g, V]
+            logits = self._response_logits(full, mask, g)  # [rows, g, V]
             values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), s.top_k)
             k = values.shape[-1]
             values, idx, tail = values.view(rows, g, k).cpu(), idx.view(rows, g, k).cpu(), tail.view(rows, g).cpu()
@@ -220,17 +224,9 @@ class HFTeacher:
         out: dict[int, TeacherRecord] = {}
         for start in range(0, len(order), settings.batch_size):
             rows = order[start:start + settings.batch_size]
-            seqs = [encoded[i][1] + encoded[i][2] for i in rows]
-            width = max(map(len, seqs))
+            full, mask = self._left_pad([encoded[i][1] + encoded[i][2] for i in rows])
             g = max(len(encoded[i][2]) for i in rows)
-            full = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, ids in enumerate(seqs):
-                full[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-                mask[r, width - len(ids):] = 1
-            full, mask = full.to(self.device), mask.to(self.device)
-            position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-            logits = self._response_logits(full, mask, position_ids, g)  # [rows, g, V]
+            logits = self._response_logits(full, mask, g)  # [rows, g, V]
             values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), settings.top_k)
             k = values.shape[-1]
             values, idx, tail = values.view(len(rows), g, k).cpu(), idx.view(len(rows), g, k).cpu(), tail.view(len(rows), g).cpu()
@@ -244,9 +240,10 @@ class HFTeacher:
                                        tail_mass=tail[r, g - n:].numpy())
         return [out[i] for i in range(len(encoded))]
 
-    def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, g: int) -> torch.Tensor:
+    def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:
         """Logits predicting each of the g response tokens: positions [L-g-1, L-2] of the full rows."""
         keep = g + 1
+        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: positions count real tokens only
         try:
             out = self.model(input_ids=full, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                              use_cache=False)
