@@ -111,10 +111,18 @@ class DPWorker:
             self._buffer.append(item)
 
     def _flush(self) -> None:
+        """Send buffered reports and wait until the control actor has them.
+
+        Waiting keeps this rank's reports in order (the control actor is threaded, so two reports in
+        flight may land in either order and an older step could overwrite a newer one), and makes the
+        last flush land before the task returns: the driver drains once it sees the task finish.
+        """
+        import ray
+
         with self._lock:
             batch, self._buffer = self._buffer, []
         if batch:
-            self.control.report.remote(batch)  # ordered per caller; no need to wait
+            ray.get(self.control.report.remote(batch), timeout=30)
 
     def _poller(self) -> None:
         import ray
@@ -243,6 +251,7 @@ class DPWorker:
         finally:
             self._running = False
             leave_group()
+            poller.join(timeout=15)  # its own flush may hold the last batch; let it send first
             try:
                 self._flush()
             except Exception:
