@@ -71,3 +71,18 @@ def test_student_node_choice_by_mode():
     assert pick_student_node(free, 1.0, teachers, hybrid=True) is cpu
     assert pick_student_node(free, 1.0, {gpu.node_id, cpu.node_id}, hybrid=True) is None  # queued
     assert pick_student_node(free, 8.0, set()) is None
+
+
+def test_a_resumed_students_eta_counts_only_this_runs_steps():
+    """Half the steps came from the checkpoint: the rate is what this run did (10 steps in 10 s),
+    so 40 steps left take 40 s, not the 6.7 s that counting the resumed 50 steps would give."""
+    import time
+
+    from smolforge.distill.orchestration import DistillTask
+
+    task = DistillTask(task_id="student-0", kind="student", store="s", state="running", max_steps=100,
+                       progress=0.6, started=time.time() - 10, resumed_step=50)
+    assert abs(task.status()["eta_s"] - 40) < 0.5
+    fresh = DistillTask(task_id="student-1", kind="student", store="s", state="running", max_steps=100,
+                        progress=0.6, started=time.time() - 10)
+    assert abs(fresh.status()["eta_s"] - 10 * 0.4 / 0.6) < 0.5

@@ -163,3 +163,45 @@ def test_resume_after_pause_gives_the_same_weights(tmp_path, store):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+class _StopWhileWaiting(DirShardSource):
+    """A cluster broker answers "stop" to a student waiting for its next shard; this source does the
+    same on its `stop_at`-th request for a new shard."""
+
+    def __init__(self, *a, stop_at: int, **kw):
+        super().__init__(*a, **kw)
+        self.stop_at, self.asked = stop_at, 0
+
+    def next_shard(self):
+        from smolforge.distill.student import StopRequested
+
+        self.asked += 1
+        if self.asked == self.stop_at:
+            raise StopRequested("pause")
+        return super().next_shard()
+
+
+def test_pause_while_waiting_for_a_shard_checkpoints_the_steps_done(tmp_path, store):
+    """A pause that reaches a student blocked on its next shard still keeps the steps it has done,
+    and the resumed student ends with the same weights as one never paused."""
+    from smolforge.train.checkpoint import latest_checkpoint
+
+    def weights(res):
+        return load_file(str(Path(res.adapter_dir) / "adapter_model.safetensors"))
+
+    full = train_student(_cfg(tmp_path, "a", max_steps=5), DirShardSource(store, poll_s=0.05))
+    # 8 rows a shard, 4 a step: the second shard is asked for at step 2
+    paused = train_student(_cfg(tmp_path, "b", max_steps=5), _StopWhileWaiting(store, poll_s=0.05, stop_at=2))
+    assert paused.stopped == "pause" and paused.steps == 2 and paused.adapter_dir is None
+    ckpt = latest_checkpoint(tmp_path / "output" / "b")
+    assert ckpt is not None and ckpt.name == "step-2"
+    # paused again straight away (no step done): the step-2 checkpoint stays the resume point
+    again = train_student(_cfg(tmp_path, "b", max_steps=5, resume=True), _StopWhileWaiting(store, poll_s=0.05, stop_at=1))
+    assert again.stopped == "pause" and latest_checkpoint(tmp_path / "output" / "b").name == "step-2"
+    resumed = train_student(_cfg(tmp_path, "b", max_steps=5, resume=True), DirShardSource(store, poll_s=0.05))
+    assert resumed.steps == 5 and resumed.stopped is None
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k

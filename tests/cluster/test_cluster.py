@@ -300,9 +300,11 @@ def wait_event(client, job_id, kind, timeout=240) -> dict:
 
 def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
     """A distillation run as a coordinator job: listed with the others, paused between teacher
-    shards, resumed with the verified shards reused, its merged adapter downloadable."""
+    shards, resumed with the verified shards reused; paused again while a student trains, which
+    resumes from the checkpoint it shipped back; its merged adapter downloadable."""
     client = world["c"].client()
-    job_id = client.submit_job(distill_spec(world))  # the dataset is uploaded like a data-parallel job's
+    max_steps = 120  # a student takes seconds for these, so the second pause lands mid-training
+    job_id = client.submit_job(distill_spec(world, max_steps=max_steps))  # the dataset is uploaded like a data-parallel job's
     assert client.get_job(job_id)["spec"]["distill"]["data"].startswith("upload:")
     wait_event(client, job_id, "shard_written")
     client.pause_job(job_id)
@@ -310,11 +312,24 @@ def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
     r = world["c"].cli("jobs")
     assert r.returncode == 0 and job_id in r.stdout and "paused" in r.stdout, r.stdout + r.stderr
     client.resume_job(job_id)
+    # second pause: once a student has trained a few of its steps
+    deadline = time.time() + 300
+    while (client.get_job_status(job_id)["step"] or 0) < 2:
+        assert time.time() < deadline and client.get_job_status(job_id)["state"] == "running"
+        time.sleep(0.2)
+    client.pause_job(job_id)
+    wait_state(client, job_id, ("paused",), timeout=120)
+    kept = {e["data"]["task_id"]: e["data"]["step"] for e in client.job_events(job_id)
+            if e["kind"] == "student_checkpoint"}
+    assert kept and all(0 < s < max_steps for s in kept.values()), kept
+    client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",), timeout=600)
     events = client.job_events(job_id)
+    resumed = {e["data"]["task_id"]: e["data"]["step"] for e in events if e["kind"] == "student_resumed"}
+    assert resumed == kept, (resumed, kept)  # each continued from its checkpoint, wherever it ran now
     planned = [e["data"] for e in events if e["kind"] == "teachers_planned"]
-    assert len(planned) == 2 and planned[0]["reused"] == 0 and planned[1]["reused"] >= 1, planned
-    assert any(e["kind"] == "state" and "shards kept" in e["message"] for e in events)
+    assert len(planned) == 3 and planned[0]["reused"] == 0 and planned[1]["reused"] >= 1, planned
+    assert any(e["kind"] == "state" and "student checkpoints kept" in e["message"] for e in events)
     tasks = client.get_job_status(job_id)["tasks"]
     assert {t["kind"] for t in tasks} == {"teacher", "student"}
     assert {t["node_name"] for t in tasks} <= {"w1", "w2"}  # never the coordinator

@@ -8,10 +8,11 @@ coordinator's state dir (`distill/<job>/`, the seed layout); when the run comple
 adapter becomes the job's `adapter` artifact (what `smolforge launch`/`Client.download_adapter`
 fetch) and the run summary its `summary` artifact.
 
-Pause and cancel stop every teacher and student at once. Shards already in `teacher_outputs/`
-are checksummed and stay: `resume` starts the pipeline again in the same directory, the teachers
-make only the missing shards, and the students train from the start (their state lives on the
-worker that ran them, so it is not kept).
+Pause stops the teachers at once and has each student checkpoint the steps it has done; the
+checkpoint comes back to `output/student_N/checkpoints/` here. Shards already in
+`teacher_outputs/` are checksummed and stay. `resume` starts the pipeline again in the same
+directory: the teachers make only the missing shards, and each student continues from its
+checkpoint (shipped to whichever node runs it now). Cancel stops everything at once.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class DistillRunner(JobRunner):
                              f"{spec.mode}: teacher {cfg.teacher} → {', '.join(cfg.students)} "
                              f"({cfg.num_students} per base, {cfg.peft}); run dir {out}")
         try:
-            summary = run_distill(cfg, orchestrator=orch, on_update=self._mirror, should_stop=self._stop_requested)
+            # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
+            summary = run_distill(cfg, orchestrator=orch, on_update=self._mirror, should_stop=self._stop_requested,
+                                  resume=True)
         except DistillStopped as stop:
             self._mirror(orch.distill_tasks(), orch.events)
             if stop.what != "abandon":
@@ -162,7 +165,8 @@ class DistillRunner(JobRunner):
 
     def _finish_stopped(self, what: str) -> None:
         if what == "pause":
-            self.store.set_state(self.job_id, "paused", "paused: every task stopped; teacher shards kept for resume")
+            self.store.set_state(self.job_id, "paused", "paused: every task stopped; teacher shards and student "
+                                 "checkpoints kept for resume")
         else:
             self.store.set_state(self.job_id, "cancelled", "cancelled; every task stopped", force=True)
 

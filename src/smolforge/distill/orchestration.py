@@ -116,6 +116,8 @@ class _ShardBroker:
         self.delivered.setdefault(rank, set())
 
     def next(self, rank: int) -> dict[str, Any]:
+        if rank in self.stop:  # a student waiting for a shard hears a pause/cancel at once
+            return {"kind": "stop", "what": self.stop[rank]}
         pending = [s for s in self.assigned.get(rank, []) if s not in self.delivered[rank]]
         if not pending:
             return {"kind": "done"}
@@ -129,6 +131,8 @@ class _ShardBroker:
         return {"kind": "wait"}
 
     def get(self, rank: int, shard_id: int) -> dict[str, Any]:
+        if rank in self.stop:
+            return {"kind": "stop", "what": self.stop[rank]}
         if shard_id in self.shards:
             self.delivered.setdefault(rank, set()).add(shard_id)
             manifest_json, holder = self.shards[shard_id]
@@ -144,7 +148,9 @@ class _ShardBroker:
         self.events.append({"rank": rank, "kind": kind, "data": data})
 
     def set_progress(self, rank: int, info: dict[str, Any]) -> None:
-        self.progress[rank] = info
+        # Threaded actor: two reports in flight may land in either order; keep the newest step.
+        if info.get("step", 0) >= self.progress.get(rank, {}).get("step", -1):
+            self.progress[rank] = info
 
     def drain(self) -> dict[str, Any]:
         out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress)}
@@ -196,6 +202,10 @@ class BrokerShardSource:
             reply = ask()
             if reply["kind"] == "done":
                 return None
+            if reply["kind"] == "stop":
+                from smolforge.distill.student import StopRequested
+
+                raise StopRequested(reply["what"])
             if reply["kind"] == "failed":
                 raise SmolforgeError(f"teachers failed before this student's shards were ready: {reply['error']}",
                                      fix="see the teacher task's error (smolforge status / the event log)")
@@ -227,6 +237,8 @@ class _StudentWorker:
         import ray
 
         from smolforge.distill.student import StudentConfig, train_student
+        from smolforge.parallel.transfer import pack_dir, unpack_dir
+        from smolforge.train import checkpoint as ckpt
 
         cfg_fields = dict(spec["config"])
         cfg_fields["base_model"] = _node_model(cfg_fields["base_model"])
@@ -234,6 +246,10 @@ class _StudentWorker:
         cfg_fields["kd"] = KDConfig(**cfg_fields["kd"])
         work = Path(tempfile.mkdtemp(prefix=f"smolforge-student-{rank}-"))
         cfg_fields["output_dir"] = str(work / "out")
+        resume = spec.get("resume")  # the checkpoint this student paused at, shipped back from the driver
+        if resume:
+            unpack_dir(resume["payload"], ckpt.checkpoints_dir(work / "out") / resume["name"])
+            cfg_fields["resume"] = True
         cfg = StudentConfig(**cfg_fields)
         node_id = ray.get_runtime_context().get_node_id()
 
@@ -257,7 +273,11 @@ class _StudentWorker:
                 for p in sorted(root.rglob("*")):
                     if p.is_file():
                         files[str(p.relative_to(root))] = p.read_bytes()
-            return {"result": result.to_dict(), "files": files, "node_id": node_id}
+            out = {"result": result.to_dict(), "files": files, "node_id": node_id}
+            latest = ckpt.latest_checkpoint(work / "out") if result.stopped == "pause" else None
+            if latest is not None:  # this temp dir goes away: the driver keeps the pause point
+                out["checkpoint"] = {"name": latest.name, "payload": pack_dir(latest)}
+            return out
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -302,12 +322,14 @@ class DistillTask:
     output_dir: str | None = None
     result: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None
+    resumed_step: int = 0  # steps done before this run (a resumed student): not part of its rate
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def status(self) -> dict[str, Any]:
         eta = None
-        if self.state == "running" and self.started and 0 < self.progress < 1:
-            eta = (time.time() - self.started) * (1 - self.progress) / self.progress
+        here = self.progress - (self.resumed_step / self.max_steps if self.max_steps else 0.0)
+        if self.state == "running" and self.started and here > 0 and self.progress < 1:
+            eta = (time.time() - self.started) * (1 - self.progress) / here
         return {"task_id": self.task_id, "kind": self.kind, "state": self.state, "progress": round(self.progress, 4),
                 "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued,
                 "samples_done": self.samples_done, "samples_total": self.samples_total, "eta_s": eta,
@@ -639,14 +661,16 @@ class DistillTasks:
                              cpus_per_student: float = 1.0, eval_data: str | None = None,
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
                              max_new_tokens: int = 16, device: str = "auto", save_every: int = 0,
-                             wait_timeout_s: float = 900.0) -> list[str]:
+                             wait_timeout_s: float = 900.0, resume: bool = False) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
         several students per base, the shards are split so no two of them train on the same one
         (hybrid / data-parallel students); `split_shards=False` gives each the whole set.
         Outputs: `<output_dir>/output/student_N/<peft>_adapter/` (default output_dir: the run dir
-        holding teacher_outputs/).
+        holding teacher_outputs/). With `resume`, a student that was paused (see
+        `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
+        without it, such checkpoints are stale and removed.
         """
         st = self._dstate()
         store = self._store_for(teacher_outputs_dir)
@@ -683,10 +707,12 @@ class DistillTasks:
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
                           "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
-                        "eval_examples": eval_examples, "nodes": [n_.node_id for n_ in nodes], "req_model": req_model}
+                        "eval_examples": eval_examples, "nodes": [n_.node_id for n_ in nodes], "req_model": req_model,
+                        "resume": self._resume_point(out, resume)}
                 rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
                 task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
                                    shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
+                                   resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
                                    samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum,
                                    max_steps=max_steps or max(1, -(-int(rows * epochs) // (batch_size * grad_accum))))
                 with st.lock:
@@ -694,6 +720,9 @@ class DistillTasks:
                 ids.append(task_id)
                 self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
                              task_id=task_id, shards=shards, base=base)
+                if spec["resume"]:
+                    self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
+                                 f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
         # The broker's plan now knows every assignment (students read their row counts from it).
         import ray
 
@@ -783,6 +812,8 @@ class DistillTasks:
             result = out["result"]
             if result.get("stopped"):
                 task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
+                if out.get("checkpoint"):
+                    self._keep_student_checkpoint(task, out["checkpoint"])
             else:
                 self._write_student_output(task, result, out["files"])
                 task.state, task.progress = "completed", 1.0
@@ -803,6 +834,38 @@ class DistillTasks:
             except Exception:
                 pass
         self._after_finish(task)
+
+    def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any]) -> None:
+        """Store a paused student's checkpoint in `<output_dir>/checkpoints/` (verified, atomic) so a
+        resumed run picks the student up at that step instead of from scratch."""
+        from smolforge.parallel.transfer import unpack_dir
+        from smolforge.paths import safe_join
+        from smolforge.train import checkpoint as ckpt
+
+        root = ckpt.checkpoints_dir(task.output_dir)
+        dest = unpack_dir(shipped["payload"], safe_join(root, shipped["name"]))  # the name comes from a worker
+        for old in ckpt.list_checkpoints(task.output_dir):
+            if old != dest:
+                shutil.rmtree(old, ignore_errors=True)
+        step = int(json.loads((dest / "state.json").read_text())["step"])
+        self._devent("student_checkpoint", f"{task.task_id} paused at step {step}; checkpoint kept in {dest}",
+                     task_id=task.task_id, step=step, checkpoint=str(dest))
+
+    def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
+        """A student's checkpoint to resume from, packed for the worker; stale ones go when not resuming."""
+        from smolforge.parallel.transfer import pack_dir
+        from smolforge.train import checkpoint as ckpt
+
+        if not resume:
+            shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
+            return None
+        latest = ckpt.latest_checkpoint(out)
+        if latest is None:
+            return None
+        # Same run dir, same spec (a resumed job): student_N is the same student. Its state.json names
+        # the model by the node-local path it ran from, so it is not compared with `base` here.
+        state = json.loads((latest / "state.json").read_text())
+        return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
 
     def _write_student_output(self, task: DistillTask, result: dict[str, Any], files: dict[str, bytes]) -> None:
         from smolforge.paths import safe_join
@@ -997,6 +1060,40 @@ class DistillTasks:
             else:
                 st.stores[task.store].broker.request_stop.remote(task.rank, "cancel")
         self._devent("cancelled", f"{task_id} cancelled", task_id=task_id)
+
+    def pause_distill_students(self, task_ids: list[str], timeout: float = 60.0) -> dict[str, str]:
+        """Ask students to pause and wait until they have: each checkpoints the steps it has done
+        and ships the checkpoint here (`student_N/checkpoints/`), so a resumed run continues from it.
+
+        A student waiting for a shard hears the request at once (the broker answers "stop"); one in
+        a step finishes that step first. Those that do not answer within `timeout` are left to
+        `shutdown_distill`, which kills them; they restart from their last kept checkpoint.
+        Returns each task's state.
+        """
+        import ray
+
+        st = self._dstate()
+        waiting = []
+        for tid in task_ids:
+            task = st.tasks.get(tid)
+            if task is None or task.kind != "student" or task.state in ("completed", "failed", "cancelled", "paused"):
+                continue
+            if task.queued:
+                task.queued, task.state = False, "paused"
+                continue
+            try:
+                ray.get(st.stores[task.store].broker.request_stop.remote(task.rank, "pause"), timeout=10)
+                waiting.append(task)
+            except Exception as err:
+                self._devent("pause_failed", f"{tid}: could not ask it to pause: {_short(err)}", task_id=tid)
+        deadline = time.time() + timeout
+        while waiting and time.time() < deadline:
+            waiting = [t for t in waiting if t.state in ("pending", "running")]
+            time.sleep(POLL_S)
+        for t in waiting:
+            self._devent("pause_timeout", f"{t.task_id} did not pause within {timeout:.0f}s; it is stopped "
+                         "and resumes from its last kept checkpoint", task_id=t.task_id)
+        return {tid: st.tasks[tid].state for tid in task_ids if tid in st.tasks}
 
     def shutdown_distill(self, timeout: float = 15.0) -> None:
         """Stop our driver threads (joined, so none is inside a Ray call afterwards) and kill our

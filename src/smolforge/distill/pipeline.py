@@ -152,13 +152,14 @@ def check_run(cfg: DistillRun) -> None:
 
 def run_distill(cfg: DistillRun, orchestrator=None,
                 on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
-                should_stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
+                should_stop: Callable[[], str | None] | None = None, resume: bool = False) -> dict[str, Any]:
     """Teachers, students, aggregation; returns (and writes) the run summary.
 
     `on_update(task statuses, events so far)` is called every poll (the coordinator's job runner
     mirrors them into its job store); when `should_stop()` returns "pause" or "cancel" every task
     is stopped and DistillStopped is raised. Shards already written stay valid: a rerun into the
-    same output dir reuses them.
+    same output dir reuses them. On "pause" the students first checkpoint the steps they have
+    done; a rerun with `resume=True` continues each student from its checkpoint.
     """
     from smolforge.distill.store import store_summary
 
@@ -189,7 +190,8 @@ def run_distill(cfg: DistillRun, orchestrator=None,
             epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
             warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed,
             cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
-            max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device)
+            max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
+            resume=resume)
         all_ids = teachers + students
         teacher_done = None
         while True:
@@ -200,6 +202,10 @@ def run_distill(cfg: DistillRun, orchestrator=None,
                 on_update(mine, list(getattr(orch, "events", [])))
             stop = should_stop() if should_stop is not None else None
             if stop:
+                if stop == "pause":
+                    orch.pause_distill_students(students)
+                    if on_update is not None:
+                        on_update(orch.distill_tasks(), list(getattr(orch, "events", [])))
                 raise DistillStopped(stop)  # `finally` below stops every task and actor
             by_id = {s["task_id"]: s for s in statuses}
             if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):

@@ -36,6 +36,18 @@ IGNORE = -100
 EventFn = Callable[..., None]
 
 
+class StopRequested(Exception):
+    """Raised by a shard source while a student waits for a shard and a pause or cancel arrives.
+
+    Without it a student blocked on a slow teacher would only see the request after its next
+    step, which may be minutes away; with it, a pause still checkpoints the steps already done.
+    """
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
 @dataclass
 class StudentConfig:
     """One student run. `output_dir` is e.g. `<run>/output/student_0`; the adapter goes in `<peft>_adapter/`."""
@@ -302,10 +314,17 @@ class RowStream:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
         return torch.randperm(n, generator=g).tolist()
 
+    @property
+    def order(self) -> list[int]:
+        """The shard order to record in a checkpoint: what arrived, then what is still to be replayed."""
+        return self.arrival + self._replay
+
     def _pull(self) -> bool:
         """Add one shard (epoch 0) or one more epoch to the stream; False when nothing more can come."""
         if not self.exhausted:
-            shard = self.source.get_shard(self._replay.pop(0)) if self._replay else self.source.next_shard()
+            shard = self.source.get_shard(self._replay[0]) if self._replay else self.source.next_shard()
+            if self._replay:
+                self._replay.pop(0)  # only once fetched: a stop while waiting keeps it in `order`
             if shard is not None:
                 rows = self.to_rows(shard)
                 self.shard_rows[shard.shard_id] = rows
@@ -517,7 +536,14 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     stopped = None
     try:
         for step in range(start_step, steps):
-            rows = stream.take(step * per_step, per_step)  # blocks until the shard(s) exist
+            try:
+                rows = stream.take(step * per_step, per_step)  # blocks until the shard(s) exist
+            except StopRequested as req:  # asked to stop while waiting for a shard
+                stopped = req.what
+                if stopped == "pause" and step > start_step:
+                    ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler, keep_last=cfg.keep_last,
+                                         extra={"shard_order": stream.order, "model": cfg.base_model})
+                break
             if t_loop is None:
                 t_loop = time.time()
                 result.first_step_at = t_loop
@@ -550,7 +576,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
             stopped = should_stop() if should_stop else None
             if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
                 ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                     extra={"shard_order": stream.arrival, "model": cfg.base_model})
+                                     extra={"shard_order": stream.order, "model": cfg.base_model})
             if stopped:
                 break
     finally:
