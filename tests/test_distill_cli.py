@@ -29,7 +29,9 @@ LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "b
     (DISTILL, ["--teacher-responses", "mine"], "unknown teacher responses"),
     (DISTILL, ["--output-dir", "a/../../b"], "contains '..'"),
     (LAUNCH, [], "--mode hybrid needs a student model"),
-    (LAUNCH, ["--student", "tiny-llama", "--save-every", "5"], "--save-every apply to --mode data_parallel only"),
+    (LAUNCH, ["--student", "tiny-llama", "--gpu", "required"], "--gpu applies to --mode data_parallel only"),
+    (LAUNCH, ["--student", "tiny-llama", "--save-every", "-1"], "--save-every must be 0 or more"),
+    (DISTILL, ["--save-every", "-5"], "--save-every must be 0 or more"),
     (LAUNCH, ["--student", "tiny-llama", "--set", "kd_loss=kl"], "unknown KD loss"),  # --set reaches distill.*
     (LAUNCH, ["--student", "tiny-llama", "--set", "wat=1"], "unknown distill setting(s) wat"),
     (LAUNCH, ["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),

@@ -361,6 +361,33 @@ def test_distill_job_cancel_stops_every_task(world):
     assert free["w1"] == 1 and free["w2"] == 1, (free, time.time() - t0)
 
 
+def test_distill_job_survives_a_killed_teacher_and_a_killed_student(world):
+    """Worker processes die mid-run (SIGKILL): the teacher's unfinished shards go to a new teacher,
+    the student restarts from the checkpoint it shipped to the coordinator, and the job completes."""
+    client = world["c"].client()
+    job_id = client.submit_job(distill_spec(world, max_steps=120, save_every=10))
+    first = wait_event(client, job_id, "shard_written")
+    os.kill(first["data"]["pid"], signal.SIGKILL)  # the teacher that wrote it, mid-way through its shards
+    saved = wait_event(client, job_id, "student_checkpoint", timeout=300)
+    victim, step = saved["data"]["task_id"], saved["data"]["step"]
+    started = [e["data"] for e in client.job_events(job_id)
+               if e["kind"] == "student_started" and e["data"].get("task_id") == victim]
+    os.kill(started[-1]["pid"], signal.SIGKILL)
+    st = wait_state(client, job_id, ("completed",), timeout=600)
+    events = client.job_events(job_id)
+    kinds = [e["kind"] for e in events]
+    assert "teacher_failed" in kinds, kinds
+    assert any(e["kind"] == "teacher_submitted" and "(retry)" in e["message"] for e in events)
+    restarted = [e["data"] for e in events if e["kind"] == "student_restarted"]
+    assert [r["task_id"] for r in restarted] == [victim] and restarted[0]["step"] >= step > 0, restarted
+    resumed = [e["data"] for e in events if e["kind"] == "student_resumed" and e["data"].get("task_id") == victim]
+    assert resumed and resumed[-1]["step"] == restarted[0]["step"], resumed
+    assert all(t["state"] == "completed" for t in st["tasks"] if t["kind"] == "student")
+    assert st["result"]["store"]["shards"] == 8
+    path = client.download_adapter(job_id, world["base"] / "downloads" / job_id)
+    assert (path / "adapter_model.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_join_lends_the_coordinator_at_a_checkpoint(world):
     client = world["c"].client()

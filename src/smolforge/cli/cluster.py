@@ -545,7 +545,7 @@ def register(app: typer.Typer) -> None:
                             coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
                             json_out=json_out,
                             name=name, sets=set_, detach=detach,
-                            unsupported={"--save-every": save_every, "--gpu": None if gpu == "no" else gpu})
+                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
             return
         if mode != "data_parallel":
             raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
@@ -613,7 +613,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                              fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
     given = [flag for flag, value in unsupported.items() if value]
     if given:
-        raise SmolforgeError(f"{', '.join(given)} apply to --mode data_parallel only",
+        raise SmolforgeError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode data_parallel only",
                              fix="drop them, or use `smolforge distill` for the full set of distillation settings")
     quiet_libraries()
     distill: dict[str, Any] = {"teacher": teacher, "students": list(students), "data": dataset,
@@ -623,7 +623,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
     if peft_config:
         distill["peft_config"] = peft_config
-    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs"):
+    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every"):
         if o[key] is not None:
             distill[key] = o[key]
     if mode == "hybrid":

@@ -42,6 +42,8 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(8),
         grad_accum: int = typer.Option(1),
         lr: float = typer.Option(1e-3),
+        save_every: int = typer.Option(50, help="student checkpoints every N steps (a student whose worker is "
+                                       "lost restarts there; 0: none)"),
         max_length: int = typer.Option(256),
         aggregate: str = typer.Option("mean", help="mean|ties|none: merge the students into merged_model/final_adapter"),
         aggregate_rank: Optional[int] = typer.Option(None, help="LoRA rank of the merged adapter (default: the students')"),
@@ -72,7 +74,7 @@ def register(app: typer.Typer) -> None:
             gen_temperature=gen_temperature, top_p=top_p, max_new_tokens=max_new_tokens,
             samples_per_prompt=samples_per_prompt, teacher_responses=teacher_responses, num_shards=num_shards, max_samples=max_samples, max_steps=max_steps,
             epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, lr=lr, max_length=max_length, seed=seed,
-            aggregate=aggregate, aggregate_rank=aggregate_rank, cpus_per_teacher=cpus_per_teacher,
+            save_every=save_every, aggregate=aggregate, aggregate_rank=aggregate_rank, cpus_per_teacher=cpus_per_teacher,
             cpus_per_student=cpus_per_student, eval=not no_eval, device=device, mode=mode, coordinator=coordinator,
             token=token, quiet=quiet or json_out)
         summary = run_distill(cfg)

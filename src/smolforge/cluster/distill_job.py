@@ -12,7 +12,9 @@ Pause stops the teachers at once and has each student checkpoint the steps it ha
 checkpoint comes back to `output/student_N/checkpoints/` here. Shards already in
 `teacher_outputs/` are checksummed and stay. `resume` starts the pipeline again in the same
 directory: the teachers make only the missing shards, and each student continues from its
-checkpoint (shipped to whichever node runs it now). Cancel stops everything at once.
+checkpoint (shipped to whichever node runs it now). Cancel stops everything at once. A worker
+that dies mid-run costs its teacher's unfinished shards (regenerated elsewhere) and its student's
+steps since the last `save_every` checkpoint (see smolforge.distill.orchestration).
 """
 
 from __future__ import annotations

@@ -18,7 +18,13 @@ How data moves (no shared filesystem is assumed):
   task; it is never trained on. Shards already in `teacher_outputs/` (an earlier, interrupted
   run) are verified and reused; corrupt ones are regenerated.
 - When a student finishes, its adapter files come back to the driver and are written to
-  `<run>/output/student_N/<peft>_adapter/`.
+  `<run>/output/student_N/<peft>_adapter/`. Its checkpoints (every `save_every` steps, through
+  the broker, and on a pause, with its result) come back too, into `student_N/checkpoints/`.
+
+Failures: a teacher whose worker dies hands its unfinished shards to a new teacher on a node that
+holds the model (twice per shard at most); a student whose worker dies starts again from its last
+kept checkpoint on a free eligible node (MAX_STUDENT_RESTARTS). An error of the student's own
+(bad data, a model that will not load) is not retried: it would only repeat.
 
 Placement and rotation: we count the CPUs our own teacher and student tasks hold on each node. A
 student that finds no free node is queued; when a teacher finishes, its node takes the next queued
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -51,6 +58,7 @@ from smolforge.paths import atomic_replace_dir, atomic_write_json
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
+MAX_STUDENT_RESTARTS = 2  # per student, after its worker process or node was lost
 
 
 # ------------------------------------------------------------------------------- remote definitions
@@ -81,7 +89,7 @@ def _teacher_shards(spec: dict[str, Any]):
     settings = GenSettings(**spec["settings"])
     for manifest, data in produce_shards(teacher, items, ranges, settings, compress=spec["compress"]):
         manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
-                        teacher=spec["model"], finished=time.time())
+                        teacher=spec["model"], finished=time.time(), pid=os.getpid())
         yield json.dumps(manifest), data
 
 
@@ -100,6 +108,7 @@ class _ShardBroker:
         self.corrupt: list[dict[str, Any]] = []
         self.progress: dict[int, dict[str, Any]] = {}
         self.stop: dict[int, str] = {}
+        self.checkpoints: dict[int, dict[str, Any]] = {}
         self.failed: str | None = None
 
     def get_plan(self) -> dict[str, Any]:
@@ -152,9 +161,20 @@ class _ShardBroker:
         if info.get("step", 0) >= self.progress.get(rank, {}).get("step", -1):
             self.progress[rank] = info
 
+    def put_checkpoint(self, rank: int, shipped: dict[str, Any]) -> None:
+        """A student's newest periodic checkpoint, held until the driver drains it to disk."""
+        self.checkpoints[rank] = shipped
+
+    def restart(self, rank: int) -> None:
+        """The student of `rank` starts again (its worker died): every shard is its to ask for again."""
+        self.delivered[rank] = set()
+        self.stop.pop(rank, None)
+        self.progress.pop(rank, None)
+
     def drain(self) -> dict[str, Any]:
-        out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress)}
-        self.events, self.corrupt = [], []
+        out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress),
+               "checkpoints": self.checkpoints}
+        self.events, self.corrupt, self.checkpoints = [], [], {}
         return out
 
     def request_stop(self, rank: int, what: str) -> None:
@@ -254,7 +274,11 @@ class _StudentWorker:
         node_id = ray.get_runtime_context().get_node_id()
 
         def on_event(kind: str, **data: Any) -> None:
-            broker.record.remote(rank, kind, {**data, "at": time.time(), "node_id": node_id})
+            broker.record.remote(rank, kind, {**data, "at": time.time(), "node_id": node_id, "pid": os.getpid()})
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            # Waited for: the driver must hold it before this worker can be lost with it.
+            ray.get(broker.put_checkpoint.remote(rank, {"name": path.name, "payload": pack_dir(path)}), timeout=120)
 
         def on_step(info: dict[str, Any]) -> None:
             broker.set_progress.remote(rank, info)
@@ -266,7 +290,8 @@ class _StudentWorker:
             eval_examples = spec.get("eval_examples")
             result = train_student(cfg, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s),
                                    teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
-                                   should_stop=should_stop, on_step=on_step, eval_examples=eval_examples)
+                                   should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
+                                   on_checkpoint=on_checkpoint)
             files: dict[str, bytes] = {}
             if result.adapter_dir:
                 root = Path(result.adapter_dir)
@@ -293,6 +318,17 @@ def _remotes() -> dict[str, Any]:
         _REMOTES["broker"] = ray.remote(_ShardBroker)
         _REMOTES["student"] = ray.remote(_StudentWorker)
     return _REMOTES
+
+
+def _new_broker(plan: dict[str, Any]):
+    """The broker lives on the driver's node: it holds the shard refs and the students' shipped
+    checkpoints, so it must not go down with a worker."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return _remotes()["broker"].options(num_cpus=0, max_concurrency=4,
+                                        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(plan)
 
 
 # ------------------------------------------------------------------------------------ driver state
@@ -323,6 +359,7 @@ class DistillTask:
     result: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None
     resumed_step: int = 0  # steps done before this run (a resumed student): not part of its rate
+    restarts: int = 0  # times a lost worker made this student start again
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def status(self) -> dict[str, Any]:
@@ -506,7 +543,7 @@ class DistillTasks:
                 raise SmolforgeError(f"{store_dir} holds shards of a different teacher run",
                                      fix="use a new --output-dir, or delete that teacher_outputs/ directory")
         plan.write(store_dir)
-        broker = _remotes()["broker"].options(num_cpus=0, max_concurrency=4).remote(
+        broker = _new_broker(
             {**asdict(plan), "assigned": {}})
         store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
@@ -619,7 +656,7 @@ class DistillTasks:
                              f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
                              f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
                              task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
-                             sha256=manifest["sha256"], at=time.time())
+                             sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
             task.state, task.finished, task.progress = "completed", time.time(), 1.0
             self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
                          node=task.node)
@@ -751,7 +788,7 @@ class DistillTasks:
             raise SmolforgeError(f"{store_dir} has no teacher plan (plan.json)",
                                  fix="create the teacher tasks first (create_parallel_teacher_tasks)")
         # Teachers ran earlier: serve what is on disk; missing or corrupt shards need the teacher again.
-        broker = _remotes()["broker"].options(num_cpus=0, max_concurrency=4).remote({**asdict(plan), "assigned": {}})
+        broker = _new_broker({**asdict(plan), "assigned": {}})
         settings = GenSettings(**plan.generation) if plan.generation else GenSettings(top_k=plan.k)
         store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend=plan.backend,
                            settings=settings, compress=plan.compress, broker=broker, teacher_nodes=[],
@@ -824,32 +861,74 @@ class DistillTasks:
                          task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
                          mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
         except Exception as err:
+            if self._worker_lost(err) and task.restarts < MAX_STUDENT_RESTARTS and not self._dstate().closing:
+                self._restart_student(task, err)
+                return  # (`finally` still kills the lost actor's handle)
             task.state, task.finished, task.error = "failed", time.time(), _short(err)
             self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
                          node=task.node, error=task.error)
         finally:
-            try:
-                if ray.is_initialized():
-                    ray.kill(actor)
-            except Exception:
-                pass
+            self._kill_quietly(actor)
         self._after_finish(task)
 
-    def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any]) -> None:
-        """Store a paused student's checkpoint in `<output_dir>/checkpoints/` (verified, atomic) so a
-        resumed run picks the student up at that step instead of from scratch."""
+    @staticmethod
+    def _kill_quietly(actor) -> None:
+        import ray
+
+        try:
+            if ray.is_initialized():
+                ray.kill(actor)
+        except Exception:
+            pass
+
+    @staticmethod
+    def _worker_lost(err: BaseException) -> bool:
+        """The student's process or node went away (not an error of its own, which would only repeat)."""
+        import ray.exceptions as rex
+
+        return isinstance(err, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
+                                rex.ObjectLostError, rex.OwnerDiedError))
+
+    def _restart_student(self, task: DistillTask, err: BaseException) -> None:
+        """Start a student whose worker was lost again, from its last kept checkpoint (or the start),
+        on whichever eligible node is free; it is queued when none is."""
+        import ray
+
+        st = self._dstate()
+        task.restarts += 1
+        task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
+        task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
+        task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
+        task.step = task.resumed_step
+        lost_on = task.node
+        task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
+        ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
+        self._devent("student_restarted", f"{task.task_id} lost its worker on {lost_on} ({_short(err)}); "
+                     f"restart {task.restarts} of {MAX_STUDENT_RESTARTS} from "
+                     + (f"step {task.resumed_step}" if task.spec["resume"] else "the start"),
+                     task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
+        self._place_student(task)
+
+    def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any], why: str = "paused") -> None:
+        """Store a student's shipped checkpoint in `<output_dir>/checkpoints/` (verified, atomic), so a
+        resumed run, or a restart after its worker died, picks the student up at that step."""
         from smolforge.parallel.transfer import unpack_dir
         from smolforge.paths import safe_join
         from smolforge.train import checkpoint as ckpt
 
         root = ckpt.checkpoints_dir(task.output_dir)
-        dest = unpack_dir(shipped["payload"], safe_join(root, shipped["name"]))  # the name comes from a worker
-        for old in ckpt.list_checkpoints(task.output_dir):
-            if old != dest:
-                shutil.rmtree(old, ignore_errors=True)
+        with self._dstate().lock:  # the monitor (periodic ones) and a student's result (a pause) both come here
+            kept = ckpt.list_checkpoints(task.output_dir)
+            dest = safe_join(root, shipped["name"])  # the name comes from a worker
+            if kept and ckpt.step_of(kept[-1]) > ckpt.step_of(dest):
+                return  # an older one drained late: keep the newer
+            unpack_dir(shipped["payload"], dest)
+            for old in kept:
+                if old != dest:
+                    shutil.rmtree(old, ignore_errors=True)
         step = int(json.loads((dest / "state.json").read_text())["step"])
-        self._devent("student_checkpoint", f"{task.task_id} paused at step {step}; checkpoint kept in {dest}",
-                     task_id=task.task_id, step=step, checkpoint=str(dest))
+        self._devent("student_checkpoint", f"{task.task_id} {why} a checkpoint at step {step}; kept in {dest}",
+                     task_id=task.task_id, step=step, checkpoint=str(dest), why=why)
 
     def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
         """A student's checkpoint to resume from, packed for the worker; stale ones go when not resuming."""
@@ -976,6 +1055,10 @@ class DistillTasks:
                              task_id=task.task_id, **data)
             else:
                 self._devent(ev["kind"], f"{task.task_id}: {ev['kind']}", task_id=task.task_id, **data)
+        for rank, shipped in news.get("checkpoints", {}).items():
+            task = by_rank.get(int(rank))
+            if task is not None:
+                self._keep_student_checkpoint(task, shipped, why="saved")
         for rank, info in news["progress"].items():
             task = by_rank.get(int(rank))
             if task is not None and task.state == "running":

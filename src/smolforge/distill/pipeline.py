@@ -56,6 +56,7 @@ class DistillRun:
     grad_accum: int = 1
     lr: float = 1e-3
     warmup_steps: int = 0
+    save_every: int = 50  # student checkpoints, kept by the driver: a lost worker's student restarts there
     max_length: int = 256
     seed: int = 0
     split_shards: bool | None = None
@@ -146,6 +147,9 @@ def check_run(cfg: DistillRun) -> None:
                 responses=cfg.teacher_responses).check()
     if cfg.teacher_backend not in ("hf", "ollama", "reference"):
         raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
+    if cfg.save_every < 0:
+        raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
+                             fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
     if ".." in Path(cfg.output_dir).parts:
         raise SmolforgeError(f"--output-dir {cfg.output_dir} contains '..'", fix="give a plain directory path")
 
@@ -188,7 +192,7 @@ def run_distill(cfg: DistillRun, orchestrator=None,
             peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
             kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
             epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
-            warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed,
+            warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed, save_every=cfg.save_every,
             cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
             max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
             resume=resume)
@@ -214,7 +218,9 @@ def run_distill(cfg: DistillRun, orchestrator=None,
                 break
             time.sleep(0.5)
         progress.close()
-        failed = [by_id[t] for t in all_ids if by_id[t]["state"] == "failed"]
+        # A failed teacher's shards go to another teacher (see _retry_shards), or the students that
+        # need them fail saying why; so the students' states decide the run.
+        failed = [by_id[t] for t in students if by_id[t]["state"] == "failed"]
         if failed:
             raise SmolforgeError(f"{failed[0]['task_id']} failed: {failed[0]['error']}",
                                  fix="see the error above; fix it and rerun (valid teacher shards are reused)")

@@ -442,8 +442,13 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
 def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
                   on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
                   on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None,
-                  eval_examples: list[dict[str, Any]] | None = None) -> StudentResult:
-    """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json."""
+                  eval_examples: list[dict[str, Any]] | None = None,
+                  on_checkpoint: Callable[[Path, int], None] | None = None) -> StudentResult:
+    """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json.
+
+    `on_checkpoint(path, step)` follows every `save_every` checkpoint: on a cluster the worker ships
+    it to the driver, so a student whose worker dies restarts from it elsewhere.
+    """
     from smolforge.data.encode import ensure_chat_template
     from smolforge.models.loading import load_model, load_tokenizer, pick_device
     from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_summary
@@ -575,8 +580,10 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
                          "samples_done": done * per_step, "samples_total": steps * per_step})
             stopped = should_stop() if should_stop else None
             if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
-                ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                     extra={"shard_order": stream.order, "model": cfg.base_model})
+                path = ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
+                                            extra={"shard_order": stream.order, "model": cfg.base_model})
+                if on_checkpoint and stopped != "pause":  # a pause's checkpoint goes back with the result
+                    on_checkpoint(path, done)
             if stopped:
                 break
     finally:

@@ -36,7 +36,8 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step in a `step-N` checkpoint dir's name (-1 for other names)."""
     try:
         return int(path.name.split("-", 1)[1])
     except (IndexError, ValueError):
@@ -47,8 +48,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.exists():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and _step_of(p) >= 0]
-    return sorted(found, key=_step_of)
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and step_of(p) >= 0]
+    return sorted(found, key=step_of)
 
 
 def verify(path: Path) -> bool:
