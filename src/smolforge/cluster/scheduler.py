@@ -266,8 +266,11 @@ class JobManager:
         """After a (re)start: every job that was running or pending runs again from its checkpoint."""
         resumed = []
         for job in self.store.list_jobs(states=("running", "pending")):
-            ckpt = self.artifacts.latest_checkpoint(job["id"])
-            where = f"checkpoint {ckpt}" if ckpt else "the start (no checkpoint yet)"
+            if (job.get("spec") or {}).get("kind") == "distill":
+                where = "its kept teacher shards and student checkpoints"
+            else:
+                ckpt = self.artifacts.latest_checkpoint(job["id"])
+                where = f"checkpoint {ckpt}" if ckpt else "the start (no checkpoint yet)"
             if job["state"] == "running":
                 self.store.set_state(job["id"], "pending", f"coordinator restarted; resuming from {where}", force=True)
             self.store.add_event(job["id"], "reattached", f"coordinator restarted; job resumes from {where}")

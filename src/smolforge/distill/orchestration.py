@@ -314,7 +314,11 @@ def _remotes() -> dict[str, Any]:
     import ray
 
     if not _REMOTES:
-        _REMOTES["teacher"] = ray.remote(num_returns="streaming", max_retries=0)(_teacher_shards)
+        # max_calls=1: each teacher gets a fresh worker process, which exits after it. A teacher
+        # cancelled mid-import (a job cancel or pause while it loads transformers) otherwise leaves
+        # the pooled process with half-imported modules, and every later teacher there fails with
+        # "Could not import module 'LlamaConfig'" (seen in CI after the cancel test).
+        _REMOTES["teacher"] = ray.remote(num_returns="streaming", max_retries=0, max_calls=1)(_teacher_shards)
         _REMOTES["broker"] = ray.remote(_ShardBroker)
         _REMOTES["student"] = ray.remote(_StudentWorker)
     return _REMOTES
