@@ -475,3 +475,25 @@ def test_coordinator_killed_and_restarted_keeps_jobs_and_resumes(world):
     assert "reattached" in kinds
     names = {n["name"]: n["state"] for n in client.list_nodes()}
     assert names.get("w1") == "online" and names.get("w3") == "online"  # workers never had to re-join
+
+
+def test_coordinator_killed_mid_distill_job_resumes_its_students(world):
+    """The coordinator (the distill run's driver) dies mid-run: after its restart the job runs again
+    in the same run dir, reusing the teacher shards and continuing each student from the checkpoint
+    it had shipped."""
+    c = world["c"]
+    client = c.client()
+    job_id = client.submit_job(distill_spec(world, max_steps=120, save_every=10))
+    saved = wait_event(client, job_id, "student_checkpoint", timeout=300)["data"]
+    c.kill_coordinator()
+    c.start_coordinator(models_dir=world["models"])
+    client = c.client()
+    st = wait_state(client, job_id, ("completed",), timeout=600)
+    events = client.job_events(job_id)
+    assert any(e["kind"] == "reattached" and "student checkpoints" in e["message"] for e in events)
+    planned = [e["data"] for e in events if e["kind"] == "teachers_planned"]
+    assert len(planned) == 2 and planned[1]["reused"] >= 1, planned
+    resuming = {e["data"]["task_id"]: e["data"]["step"] for e in events if e["kind"] == "student_resuming"}
+    assert resuming.get(saved["task_id"], 0) >= saved["step"] > 0, (resuming, saved)
+    assert all(t["state"] == "completed" for t in st["tasks"] if t["kind"] == "student")
+    assert st["result"]["store"]["shards"] == 8
