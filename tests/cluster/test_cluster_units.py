@@ -268,3 +268,18 @@ def test_node_state_from_heartbeats():
     assert node_state(True, now - 1, now - 100, now) == "online"
     assert node_state(True, now - 60, now - 100, now) == "stale"
     assert node_state(True, None, now - 1, now) == "joining"
+
+
+def test_head_ports_are_distinct_and_never_the_gcs_port():
+    """`ray start --head` refuses two components on one port; CI once got the GCS port (picked by
+    the caller, free but not yet bound) back as the client-server port."""
+    from smolforge.cluster.ray_process import head_command
+    from smolforge.cluster.statedir import free_port, free_ports
+
+    promised = free_port()
+    ports = free_ports(30, exclude={promised})
+    assert len(set(ports)) == 30 and promised not in ports
+    for _ in range(20):
+        cmd = head_command(promised, cpus=1, node_ip=None, name="h", resources={}, labels={})
+        chosen = [int(cmd[i + 1]) for i, a in enumerate(cmd) if a.endswith("-port") and a != "--port"]
+        assert len(chosen) == 6 and len(set(chosen)) == 6 and promised not in chosen, cmd

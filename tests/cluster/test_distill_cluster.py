@@ -147,8 +147,11 @@ def test_students_stream_rotate_and_aggregate(cluster):
     teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24,
                                                   max_new_tokens=24, top_k=8, batch_size=2)
     # 2 CPUs per student: one fits on `bare` at once, the others wait; a finished teacher's node takes one.
+    # Two epochs: the student on `bare` needs all its shards (the last comes from a teacher's last
+    # two) and then a whole epoch more, so it is still busy when a teacher finishes. (With a few
+    # steps it could finish first and `bare` would take the queued students: no rotation, seen in CI.)
     students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=3, peft_type="lora",
-                                         peft_config={"r": 4, "alpha": 8, "dropout": 0.0}, max_steps=6,
+                                         peft_config={"r": 4, "alpha": 8, "dropout": 0.0}, epochs=2,
                                          batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
                                          max_eval_samples=8, max_new_tokens=4)
     seen: dict[str, set] = {}

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from smolforge.cluster.statedir import free_port, port_open
+from smolforge.cluster.statedir import free_ports, port_open
 from smolforge.errors import SmolforgeError
 
 
@@ -29,13 +29,10 @@ def ray_executable() -> str:
     return str(exe) if exe.exists() else "ray"
 
 
-def _common_ports() -> list[str]:
-    return [
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--dashboard-agent-grpc-port", str(free_port()),
-        "--runtime-env-agent-port", str(free_port()),
-        "--metrics-export-port", str(free_port()),
-    ]
+def _common_ports(ports: list[int]) -> list[str]:
+    agent, grpc, env, metrics = ports
+    return ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc),
+            "--runtime-env-agent-port", str(env), "--metrics-export-port", str(metrics)]
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -45,10 +42,11 @@ def _labels(labels: dict[str, str]) -> str:
 def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resources: dict[str, float],
                  labels: dict[str, str], temp_dir: str | None = None, object_store_mb: int | None = None,
                  memory_bytes: int | None = None) -> list[str]:
+    dashboard, client, *common = free_ports(6, exclude={int(port)})  # distinct, and never the GCS port
     cmd = [ray_executable(), "start", "--head", "--block", "--port", str(port), "--num-cpus", str(cpus),
            "--resources", json.dumps(resources), "--labels", _labels(labels), "--node-name", name,
-           "--include-dashboard", "false", "--dashboard-port", str(free_port()),
-           "--ray-client-server-port", str(free_port()), "--disable-usage-stats", *_common_ports()]
+           "--include-dashboard", "false", "--dashboard-port", str(dashboard),
+           "--ray-client-server-port", str(client), "--disable-usage-stats", *_common_ports(common)]
     if node_ip:
         cmd += ["--node-ip-address", node_ip]
     if temp_dir:
@@ -65,7 +63,7 @@ def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, n
                    object_store_mb: int | None = None, memory_bytes: int | None = None) -> list[str]:
     cmd = [ray_executable(), "start", "--block", "--address", address, "--num-cpus", str(cpus),
            "--num-gpus", str(gpus), "--resources", json.dumps(resources), "--labels", _labels(labels),
-           "--node-name", name, "--disable-usage-stats", *_common_ports()]
+           "--node-name", name, "--disable-usage-stats", *_common_ports(free_ports(4))]
     if node_ip:
         cmd += ["--node-ip-address", node_ip]
     if temp_dir:

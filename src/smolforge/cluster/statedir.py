@@ -75,7 +75,28 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (bind to 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` distinct ports that were free a moment ago, none of them in `exclude`.
+
+    The sockets stay bound until all are picked, so no port comes back twice; `exclude` holds ports
+    already promised to another component but not bound yet (a Ray head's GCS port: picking it
+    again for the client server made `ray start` refuse, seen in CI).
+    """
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in exclude:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
