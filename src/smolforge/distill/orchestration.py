@@ -54,7 +54,7 @@ from smolforge.distill.store import (CorruptShardError, Shard, StorePlan, decode
                                      read_shard_bytes, ready_shards, write_shard_bytes)
 from smolforge.distill.teacher import GenSettings, PromptItem, prompts_from_dataset
 from smolforge.errors import SmolforgeError
-from smolforge.paths import atomic_replace_dir, atomic_write_json
+from smolforge.paths import atomic_write_json
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
@@ -292,13 +292,8 @@ class _StudentWorker:
                                    teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
                                    should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
                                    on_checkpoint=on_checkpoint)
-            files: dict[str, bytes] = {}
-            if result.adapter_dir:
-                root = Path(result.adapter_dir)
-                for p in sorted(root.rglob("*")):
-                    if p.is_file():
-                        files[str(p.relative_to(root))] = p.read_bytes()
-            out = {"result": result.to_dict(), "files": files, "node_id": node_id}
+            adapter = pack_dir(result.adapter_dir) if result.adapter_dir else None
+            out = {"result": result.to_dict(), "adapter": adapter, "node_id": node_id}
             latest = ckpt.latest_checkpoint(work / "out") if result.stopped == "pause" else None
             if latest is not None:  # this temp dir goes away: the driver keeps the pause point
                 out["checkpoint"] = {"name": latest.name, "payload": pack_dir(latest)}
@@ -856,7 +851,7 @@ class DistillTasks:
                 if out.get("checkpoint"):
                     self._keep_student_checkpoint(task, out["checkpoint"])
             else:
-                self._write_student_output(task, result, out["files"])
+                self._write_student_output(task, result, out["adapter"])
                 task.state, task.progress = "completed", 1.0
             task.result = result
             task.finished = time.time()
@@ -950,23 +945,12 @@ class DistillTasks:
         state = json.loads((latest / "state.json").read_text())
         return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
 
-    def _write_student_output(self, task: DistillTask, result: dict[str, Any], files: dict[str, bytes]) -> None:
-        from smolforge.paths import safe_join
+    def _write_student_output(self, task: DistillTask, result: dict[str, Any], adapter: dict[str, Any]) -> None:
+        from smolforge.parallel.transfer import unpack_dir
 
         out = Path(task.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         method = task.spec["config"]["peft"]["method"]
-        final = out / f"{method}_adapter"
-        tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{final.name}.tmp-"))
-        try:
-            for rel, data in files.items():
-                dest = safe_join(tmp, rel)  # names come from a remote actor: no escaping the dir
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(data)
-            atomic_replace_dir(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        final = unpack_dir(adapter, out / f"{method}_adapter")  # checksummed, no path escapes, atomic swap
         result = {**result, "adapter_dir": str(final), "output_dir": str(out), "node": task.node}
         atomic_write_json(out / "summary.json", result)
 
