@@ -71,19 +71,20 @@ def job_spec(w, num_workers=2, **kw) -> dict:
     return {"kind": "data_parallel", "num_workers": num_workers, "max_retries": 2, "train": train_section(w, **kw)}
 
 
-def reference(w, global_batch: int) -> dict[str, torch.Tensor]:
+def reference(w, global_batch: int, max_steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The same training in this process, one rank, batch = the group's global batch."""
-    if global_batch in w["refs"]:
-        return w["refs"][global_batch]
+    key = (global_batch, max_steps)
+    if key in w["refs"]:
+        return w["refs"][key]
     from smolforge.config import TrainConfig
     from smolforge.train.engine import train
 
-    out = w["base"] / f"ref-{global_batch}"
-    cfg = train_section(w, batch_size=global_batch, model=str(w["models"] / "tiny-copy"))
+    out = w["base"] / f"ref-{global_batch}-{max_steps}"
+    cfg = train_section(w, batch_size=global_batch, max_steps=max_steps, model=str(w["models"] / "tiny-copy"))
     cfg.update(output_dir=str(out), quiet=True, tensorboard=False, num_threads=1)
     res = train(TrainConfig.model_validate(cfg))
-    w["refs"][global_batch] = load_file(str(Path(res.adapter_dir) / "adapter_model.safetensors"))
-    return w["refs"][global_batch]
+    w["refs"][key] = load_file(str(Path(res.adapter_dir) / "adapter_model.safetensors"))
+    return w["refs"][key]
 
 
 def adapter_of(w, job_id: str) -> dict[str, torch.Tensor]:
@@ -401,19 +402,45 @@ def test_distill_job_survives_a_killed_teacher_and_a_killed_student(world):
 
 @pytest.mark.slow
 def test_join_lends_the_coordinator_at_a_checkpoint(world):
+    """A node lent mid-training joins at the next checkpoint. The job is long enough (a few seconds of
+    steps after the first) that the CLI's start-up cannot let it finish first: with 40 steps at ~15
+    steps/s it did, on a loaded CI machine, and the join was (rightly) dropped."""
+    steps = 160
     client = world["c"].client()
-    job_id = client.submit_job(job_spec(world, batch_size=3))  # global batch 6: splits over 2 or 3 ranks
-    wait_step(client, job_id, 3)
+    job_id = client.submit_job(job_spec(world, batch_size=3, max_steps=steps))  # global batch 6: 2 or 3 ranks
+    wait_step(client, job_id, 1)
     r = world["c"].cli("job", "join", job_id)
     assert r.returncode == 0, r.stderr
     st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in events)
     ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
     last_round = max(t["attempt"] for t in ranks)
-    assert sorted(t["node_name"] for t in ranks if t["attempt"] == last_round) == ["coordinator", "w1", "w2"]
+    assert last_round == 2, timeline  # 2 ranks, then 3 after the checkpoint
+    assert sorted(t["node_name"] for t in ranks if t["attempt"] == last_round) == ["coordinator", "w1", "w2"], timeline
     assert st["result"]["world"] == 3
-    kinds = [e["kind"] for e in client.job_events(job_id)]
-    assert "join_requested" in kinds and "regrouped" in kinds
+    regrouped = [e for e in events if e["kind"] == "regrouped"]
+    assert "join_requested" in [e["kind"] for e in events] and len(regrouped) == 1, timeline
+    assert 0 < int(regrouped[0]["message"].split("at step ")[1].split(";")[0]) < steps, timeline
     # same global batch on 2 then 3 ranks: the same result as one process
+    assert_same_weights(adapter_of(world, job_id), reference(world, 6, max_steps=steps))
+
+
+@pytest.mark.slow
+def test_a_join_before_placement_is_never_lost(world):
+    """Joined the moment the job runs, before or while its group is placed (the control actor may not
+    exist yet): the node is in the group that finishes the job, whichever way the race went."""
+    client = world["c"].client()
+    job_id = client.submit_job(job_spec(world, batch_size=3))
+    wait_state(client, job_id, ("running",), timeout=60)
+    client.join_job(job_id)
+    st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in events)
+    ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
+    last_round = max(t["attempt"] for t in ranks)
+    assert sorted(t["node_name"] for t in ranks if t["attempt"] == last_round) == ["coordinator", "w1", "w2"], timeline
+    assert st["result"]["world"] == 3 and "join_dropped" not in [e["kind"] for e in events], timeline
     assert_same_weights(adapter_of(world, job_id), reference(world, 6))
 
 
@@ -423,7 +450,8 @@ def test_join_lends_the_coordinator_at_a_checkpoint(world):
 def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     c = world["c"]
     client = c.client()
-    job_id = client.submit_job(job_spec(world))
+    steps = 2 * STEPS  # room between the kill and the end, however fast the steps run
+    job_id = client.submit_job(job_spec(world, max_steps=steps))
     wait_step(client, job_id, 8)  # at least one checkpoint (every 5 steps) is stored
     pids = {t["node_name"]: t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"}
     # The node is lost: SIGKILL its training process (Ray runs it in a session of its own) and the
@@ -437,7 +465,7 @@ def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     while pid_running(pids["w2"]) and time.time() < deadline:
         time.sleep(0.5)
     assert not pid_running(pids["w2"])
-    assert st["result"]["steps"] == STEPS and "w2" not in st["result"]["nodes"]
+    assert st["result"]["steps"] == steps and "w2" not in st["result"]["nodes"]
     assert set(st["result"]["nodes"]) <= {"w1", "w3"}
     events = client.job_events(job_id)
     kinds = [e["kind"] for e in events]
@@ -447,7 +475,7 @@ def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     assert recovered["data"]["resume"] and recovered["data"]["resume"].startswith("step-")
     assert st["attempts"] == 1
     # the re-formed group keeps the global batch (4), so it continues exactly where it left off
-    assert_same_weights(adapter_of(world, job_id), reference(world, 4))
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4, max_steps=steps))
     c.workers["w3"].wait_for("Registered as w3", 120)
 
 

@@ -13,7 +13,9 @@ watches it:
                    survived; each failure and recovery is an event.
 - pause          → rank 0 checkpoints, every actor is released; resume is a new round.
 - cancel         → actors are killed (processes gone within seconds).
-- join           → at the next checkpoint boundary the group stops and re-forms with the new node.
+- join           → at the next checkpoint boundary the group stops and re-forms with the new node;
+                   a join before the group is placed is in its first round, and one the job
+                   outlives (it finished first) is an event, never silently lost.
 
 Submitting checks placement at once: a job that no node (or not enough nodes) can run fails with a
 message that lists what each node has, instead of waiting forever as Ray alone would.
@@ -249,14 +251,15 @@ class JobManager:
                                                            allowed_nodes=[target]), nodes)
         if target in spec.lent_nodes or target in runner.pending_joins:
             raise SmolforgeError(f"{target} already joined job {job_id}", fix="nothing to do")
-        world = max(runner.world, 1) + 1
+        world = max(runner.world, 1) + len(runner.pending_joins) + 1
         if spec.global_batch % world:
             raise SmolforgeError(
                 f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
                 fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
                     f"(e.g. {world * max(1, spec.global_batch // world)})")
         runner.request("join", target)
-        when = "the next checkpoint" if spec.train.save_every else "the next step"
+        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner._training \
+            else "the placement of its group"
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
         return self._job(job_id)
 
@@ -405,6 +408,7 @@ class DPRunner(JobRunner):
         self.control = None
         self.group = None
         self.world = 0
+        self._training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
 
     # -- requests from the API thread ---------------------------------------------------------
@@ -418,9 +422,29 @@ class DPRunner(JobRunner):
                     self.control.set_stop.remote(self.want)
             elif what == "join":
                 self.pending_joins.append(node or COORDINATOR)
-                if self.control is not None:
-                    spec = DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"])
-                    self.control.set_regroup.remote(bool(spec.train.save_every))
+                if self._training:
+                    self._ask_regroup()
+
+    def _ask_regroup(self) -> None:
+        """Have the running group stop at its next checkpoint (now, without checkpoints) and re-form.
+
+        A join that arrives before a group is placed needs none of this: the next placement takes it
+        in (`_take_joins`). One that arrives while a group is being placed is asked for once the group
+        runs, so no join is lost however it races the placement.
+        """
+        spec = DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"])
+        self.control.set_regroup.remote(bool(spec.train.save_every))
+
+    def _take_joins(self, spec: DataParallelJob, why: str) -> DataParallelJob:
+        """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
+        with self._lock:
+            joins, self.pending_joins = self.pending_joins, []
+        if not joins:
+            return spec
+        spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + joins})
+        self.store.update_job(self.job_id, spec=spec.model_dump(mode="json"))
+        self.store.add_event(self.job_id, "regrouped", f"{', '.join(joins)} joined {why}", {"nodes": joins})
+        return spec
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -470,6 +494,7 @@ class DPRunner(JobRunner):
                 self._finish_stopped(self.want, "before the workers started")
                 return
             round_no = self._round_no()
+            spec = self._take_joins(spec, "before the group was placed")
             try:
                 bundles, world, names = self._plan(spec, quick=recovering is not None)
             except SmolforgeError as err:
@@ -527,13 +552,25 @@ class DPRunner(JobRunner):
                                      f"from {resume or 'the start'}", {"nodes": node_names, "resume": resume},
                                      task_id=gid)
                 recovering = None
+            with self._lock:
+                self._training = True
+                if self.pending_joins:  # asked for while this group was being placed
+                    self._ask_regroup()
             refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last)
             outcome, detail = self._watch(group, refs)
+            with self._lock:
+                self._training = False
             if self.abandon:
                 return
             if outcome == "completed":
                 self._release()
                 self.store.upsert_task(gid, self.job_id, "dp_group", "completed")
+                with self._lock:
+                    late, self.pending_joins = self.pending_joins, []
+                if late:
+                    self.store.add_event(self.job_id, "join_dropped",
+                                         f"the job finished before {', '.join(late)} could join "
+                                         f"(joins take effect at the next checkpoint)", {"nodes": late})
                 self.store.set_state(self.job_id, "completed", f"completed: {detail.get('steps')} steps",
                                      result=detail)
                 return
@@ -545,14 +582,8 @@ class DPRunner(JobRunner):
             if outcome == "regroup":
                 self._release()
                 self.store.upsert_task(gid, self.job_id, "dp_group", "released")
-                with self._lock:
-                    joins, self.pending_joins = self.pending_joins, []
-                spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + joins})
-                self.store.update_job(self.job_id, spec=spec.model_dump(mode="json"))
                 ray_get(self.control.reset.remote())
-                self.store.add_event(self.job_id, "regrouped",
-                                     f"{', '.join(joins)} joined at step {detail.get('steps')}; re-forming the group",
-                                     {"nodes": joins})
+                spec = self._take_joins(spec, f"at step {detail.get('steps')}; re-forming the group")
                 continue
             # a rank failed
             self._release()
