@@ -110,6 +110,11 @@ def wait_state(client, job_id, states, timeout=300) -> dict:
     raise AssertionError(f"job {job_id} not {states} after {timeout}s: {st}\n" + "\n".join(client.job_logs(job_id)))
 
 
+def render_timeline(events: list[dict]) -> str:
+    """A job's events, one per line, for assertion messages that show what happened when."""
+    return "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in events)
+
+
 def wait_step(client, job_id, step, timeout=240) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -413,7 +418,7 @@ def test_join_lends_the_coordinator_at_a_checkpoint(world):
     assert r.returncode == 0, r.stderr
     st = wait_state(client, job_id, ("completed",))
     events = client.job_events(job_id)
-    timeline = "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in events)
+    timeline = render_timeline(events)
     ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
     last_round = max(t["attempt"] for t in ranks)
     assert last_round == 2, timeline  # 2 ranks, then 3 after the checkpoint
@@ -436,7 +441,7 @@ def test_a_join_before_placement_is_never_lost(world):
     client.join_job(job_id)
     st = wait_state(client, job_id, ("completed",))
     events = client.job_events(job_id)
-    timeline = "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in events)
+    timeline = render_timeline(events)
     ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
     last_round = max(t["attempt"] for t in ranks)
     assert sorted(t["node_name"] for t in ranks if t["attempt"] == last_round) == ["coordinator", "w1", "w2"], timeline

@@ -410,6 +410,10 @@ def register(app: typer.Typer) -> None:
 
         The group stops at that checkpoint and re-forms with one more rank; the global batch stays the same.
 
+        A job still being placed takes the node in its first group.
+
+        A job that finishes before its next checkpoint ends without it (`join_dropped` in `job logs`).
+
         Example: smolforge job join job-1a2b3c
         """
         st = _backend(coordinator, token, state_dir).join_job(job_id, node)

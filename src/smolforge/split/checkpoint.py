@@ -24,14 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from smolforge.paths import atomic_write_json
-from smolforge.train.checkpoint import MANIFEST, sha256_file, verify
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name.split("-", 1)[1])
-    except (IndexError, ValueError):
-        return -1
+from smolforge.train.checkpoint import MANIFEST, sha256_file, step_of, verify
 
 
 def valid_steps(root: str | Path) -> list[int]:
@@ -39,8 +32,8 @@ def valid_steps(root: str | Path) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and _step_of(p) >= 0]
-    return sorted(_step_of(p) for p in found if verify(p))
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and step_of(p) >= 0]
+    return sorted(step_of(p) for p in found if verify(p))
 
 
 def step_dir(root: str | Path, step: int) -> Path:
