@@ -258,7 +258,7 @@ class JobManager:
                 fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
                     f"(e.g. {world * max(1, spec.global_batch // world)})")
         runner.request("join", target)
-        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner._training \
+        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner.training \
             else "the placement of its group"
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
         return self._job(job_id)
@@ -408,7 +408,7 @@ class DPRunner(JobRunner):
         self.control = None
         self.group = None
         self.world = 0
-        self._training = False  # a placed group is running: a join now waits for its next checkpoint
+        self.training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
 
     # -- requests from the API thread ---------------------------------------------------------
@@ -422,7 +422,7 @@ class DPRunner(JobRunner):
                     self.control.set_stop.remote(self.want)
             elif what == "join":
                 self.pending_joins.append(node or COORDINATOR)
-                if self._training:
+                if self.training:
                     self._ask_regroup()
 
     def _ask_regroup(self) -> None:
@@ -435,10 +435,14 @@ class DPRunner(JobRunner):
         spec = DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"])
         self.control.set_regroup.remote(bool(spec.train.save_every))
 
-    def _take_joins(self, spec: DataParallelJob, why: str) -> DataParallelJob:
-        """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
+    def _pop_joins(self) -> list[str]:
         with self._lock:
             joins, self.pending_joins = self.pending_joins, []
+        return joins
+
+    def _take_joins(self, spec: DataParallelJob, why: str) -> DataParallelJob:
+        """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
+        joins = self._pop_joins()
         if not joins:
             return spec
         spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + joins})
@@ -553,20 +557,19 @@ class DPRunner(JobRunner):
                                      task_id=gid)
                 recovering = None
             with self._lock:
-                self._training = True
+                self.training = True
                 if self.pending_joins:  # asked for while this group was being placed
                     self._ask_regroup()
             refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last)
             outcome, detail = self._watch(group, refs)
             with self._lock:
-                self._training = False
+                self.training = False
             if self.abandon:
                 return
             if outcome == "completed":
                 self._release()
                 self.store.upsert_task(gid, self.job_id, "dp_group", "completed")
-                with self._lock:
-                    late, self.pending_joins = self.pending_joins, []
+                late = self._pop_joins()
                 if late:
                     self.store.add_event(self.job_id, "join_dropped",
                                          f"the job finished before {', '.join(late)} could join "

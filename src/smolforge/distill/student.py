@@ -539,6 +539,11 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     tokens_seen = 0
     t_loop = None
     stopped = None
+
+    def save(at: int) -> Path:
+        return ckpt.save_checkpoint(out_dir, at, model, optimizer, scheduler, keep_last=cfg.keep_last,
+                                    extra={"shard_order": stream.order, "model": cfg.base_model})
+
     try:
         for step in range(start_step, steps):
             try:
@@ -546,8 +551,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
             except StopRequested as req:  # asked to stop while waiting for a shard
                 stopped = req.what
                 if stopped == "pause" and step > start_step:
-                    ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                         extra={"shard_order": stream.order, "model": cfg.base_model})
+                    save(step)
                 break
             if t_loop is None:
                 t_loop = time.time()
@@ -580,8 +584,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
                          "samples_done": done * per_step, "samples_total": steps * per_step})
             stopped = should_stop() if should_stop else None
             if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
-                path = ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                            extra={"shard_order": stream.order, "model": cfg.base_model})
+                path = save(done)
                 if on_checkpoint and stopped != "pause":  # a pause's checkpoint goes back with the result
                     on_checkpoint(path, done)
             if stopped:

@@ -24,16 +24,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from smolforge.paths import atomic_write_json
-from smolforge.train.checkpoint import MANIFEST, sha256_file, step_of, verify
+from smolforge.train.checkpoint import MANIFEST, sha256_file, step_dirs, step_of, verify
 
 
 def valid_steps(root: str | Path) -> list[int]:
     """Steps of the checkpoints under `root` whose checksums verify, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and step_of(p) >= 0]
-    return sorted(step_of(p) for p in found if verify(p))
+    return [step_of(p) for p in step_dirs(root) if verify(p)]
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -44,12 +44,17 @@ def step_of(path: Path) -> int:
         return -1
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    root = checkpoints_dir(output_dir)
-    if not root.exists():
+def step_dirs(root: str | Path) -> list[Path]:
+    """The `step-N` directories directly under `root`, oldest first (none when it does not exist)."""
+    root = Path(root)
+    if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and step_of(p) >= 0]
     return sorted(found, key=step_of)
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    return step_dirs(checkpoints_dir(output_dir))
 
 
 def verify(path: Path) -> bool:
