@@ -1,0 +1,57 @@
+"""The layering contract (`.importlinter`) holds, and it is a real check: one wrong import breaks it.
+
+The contracts: cli -> (orchestrator, client) -> cluster -> (distill, parallel, split) -> train ->
+(models, data) -> leaves; only cluster/ and the worker glue in parallel/ import Ray; no import
+cycles between siblings at any depth, imports inside functions included (grimp reads them all).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(src: Path, config: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(src), "HOME": str(src.parent)}
+    return subprocess.run([str(LINT), "--config", str(config), "--no-cache", "--no-logo"], cwd=src.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def linter():
+    if not LINT.exists():
+        pytest.fail(f"{LINT} is missing: `make install` installs import-linter (the test extra)")
+    return LINT
+
+
+def test_the_layer_contracts_hold(linter):
+    proc = _lint(ROOT / "src", ROOT / ".importlinter")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize("module, bad_import, contract", [
+    ("train/checkpoint.py", "from smolforge.cluster import states  # noqa", "Layers"),
+    ("models/registry.py", "import ray  # noqa", "Ray only"),
+    ("data/formats.py", "def _late():\n    from smolforge.train import schedule  # noqa\n", "Layers"),
+])
+def test_a_wrong_import_breaks_the_contract(linter, tmp_path, module, bad_import, contract):
+    """The same check on a copy of the tree with one bad import added (inside a function, too)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "smolforge", src / "smolforge",
+                    ignore=shutil.ignore_patterns("__pycache__", "_generated"))
+    target = src / "smolforge" / module
+    target.write_text(target.read_text() + "\n\n" + bad_import + "\n")
+    proc = _lint(src, ROOT / ".importlinter")
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "BROKEN" in proc.stdout
+    broken = [line for line in proc.stdout.splitlines() if "BROKEN" in line]
+    assert any(contract in line for line in broken), proc.stdout[-3000:]
+    assert module.replace("/", ".").removesuffix(".py") in proc.stdout
