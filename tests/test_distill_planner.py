@@ -78,7 +78,7 @@ def test_a_resumed_students_eta_counts_only_this_runs_steps():
     so 40 steps left take 40 s, not the 6.7 s that counting the resumed 50 steps would give."""
     import time
 
-    from smolforge.distill.orchestration import DistillTask
+    from smolforge.cluster.distill.state import DistillTask
 
     task = DistillTask(task_id="student-0", kind="student", store="s", state="running", max_steps=100,
                        progress=0.6, started=time.time() - 10, resumed_step=50)

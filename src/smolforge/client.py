@@ -21,51 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.cluster.jobs import apply_job_overrides, stage_spec
+from smolforge.cluster.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
-
-
-def job_status(job: dict) -> dict:
-    """The compact status the seeds' monitor callbacks expect."""
-    return {
-        "job_id": job["id"], "name": job.get("name"), "kind": job.get("kind"), "state": job["state"],
-        "progress": job.get("progress", 0.0),
-        "step": job.get("step"), "max_steps": job.get("max_steps"), "samples_done": job.get("samples_done"),
-        "samples_total": job.get("samples_total"), "eta_s": job.get("eta_s"), "loss": job.get("loss"),
-        "node": ", ".join(job.get("nodes") or []) or None, "nodes": job.get("nodes") or [],
-        "world_size": job.get("world_size"), "attempts": job.get("attempts"), "error": job.get("error"),
-        "result": job.get("result"),
-    }
-
-
-def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
-    """Replace local data files in a job spec by uploads (the workers share no filesystem with us)."""
-    if spec.get("kind") == "distill":
-        distill = spec.get("distill") or {}
-        value = distill.get("data")
-        if value and value != "bundled" and not str(value).startswith("upload:"):
-            path = Path(str(value)).expanduser()
-            if not path.is_file():
-                raise SmolforgeError(f"dataset {value} does not exist", where="distill.data",
-                                     fix="check the path (or use 'bundled' for the generated task set)")
-            distill["data"] = upload(path)
-        return spec
-    train = spec.get("train") or {}
-    data = train.get("data") or {}
-    for key in ("path", "eval_path"):
-        value = data.get(key)
-        if not value or value == "bundled" or str(value).startswith("upload:"):
-            continue
-        path = Path(str(value)).expanduser()
-        if not path.is_file():
-            raise SmolforgeError(f"dataset {value} does not exist", where=f"train.data.{key}",
-                                 fix="check the path (or use 'bundled' for the generated task set)")
-        data[key] = upload(path)
-    return spec
-
-
-def format_event(e: dict) -> str:
-    ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-    return f"{ts} [{e['kind']}] {e['message']}"
 
 
 class Client:
@@ -261,38 +219,31 @@ class Client:
         return self.download_artifact(job_id, "adapter", name, Path(output_dir) / name)
 
 
-def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
-    """`--set` for job specs: keys of TrainConfig go under `train:` (training.x / train.x / x)."""
-    from smolforge.config import TrainConfig, apply_overrides
+def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,
+                embedded_ok: bool = False, num_cpus: int | None = None) -> Any:
+    """A Client for the given/configured coordinator, else (if allowed) the embedded cluster.
 
-    from smolforge.cluster.specs import DataParallelJob, DistillJob
+    Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
+    dir (default $SMOLFORGE_HOME) that answers /health.
+    """
+    import os
 
-    distill = data.get("kind") == "distill"
-    job_keys = set(DistillJob.model_fields if distill else DataParallelJob.model_fields)
-    train_keys = set(TrainConfig.model_fields)
-    fixed = []
-    for item in overrides:
-        if "=" not in item:
-            raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
-        key, sep, value = item.partition("=")
-        parts = key.strip().split(".")
-        if distill:  # job keys as they are, anything else is a distill setting
-            fixed.append(item if parts[0] in job_keys else "distill." + key.strip() + sep + value)
-        elif parts[0] in ("training", "train"):
-            parts = parts[1:]
-            fixed.append("train." + ".".join(parts) + sep + value)
-        elif parts[0] in job_keys:
-            fixed.append(item)
-        elif parts[0] in train_keys:
-            fixed.append("train." + key.strip() + sep + value)
-        else:
-            fixed.append(item)
-    # config.apply_overrides strips a leading "training."; ours are already routed, so escape it
-    for item in fixed:
-        key, _, raw = item.partition("=")
-        node = data
-        parts = [p for p in key.split(".") if p]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        apply_overrides(node, [f"{parts[-1]}={raw}"])
-    return data
+    from smolforge.cluster.statedir import StateDir, port_open
+
+    coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
+    sd = StateDir.at(state_dir)
+    if not coordinator:
+        info = sd.read_coordinator()
+        if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
+            coordinator = f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
+    if coordinator:
+        if not token and not os.environ.get("SMOLFORGE_TOKEN") and sd.token_path.exists():
+            token = sd.token_path.read_text().strip()
+        return Client(coordinator, None, token=token)
+    if embedded_ok:
+        from smolforge.cluster.embedded import EmbeddedCluster  # starts Ray: only when it is the choice
+
+        return EmbeddedCluster(num_cpus=num_cpus)
+    raise SmolforgeError("no coordinator given and none running from " + str(sd.root),
+                         fix="pass --coordinator HOST:PORT --token T (or set SMOLFORGE_COORDINATOR / SMOLFORGE_TOKEN), "
+                             "or start one with `smolforge coordinator start`")

@@ -82,14 +82,18 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict, in place."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], strip_training: bool = True) -> dict[str, Any]:
+    """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict, in place: the one `--set` parser.
+
+    `strip_training` drops a leading `training.` (the seeds write training.x for top-level fields);
+    job specs route their keys first (smolforge.cluster.jobs.apply_job_overrides) and pass False.
+    """
     for item in overrides:
         if "=" not in item:
             raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
         key, raw = item.split("=", 1)
         parts = [p for p in key.strip().split(".") if p]
-        if parts and parts[0] == "training":  # the seeds write training.x for top-level fields
+        if strip_training and parts and parts[0] == "training":
             parts = parts[1:]
         if not parts:
             raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set lr=1e-4")

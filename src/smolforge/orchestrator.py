@@ -11,11 +11,10 @@ With no coordinator given or configured, the orchestrator runs an embedded clust
 job id, and its status names every node of the group.
 
 The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, `create_student_tasks`,
-`aggregate_student_outputs`, `reassign_idle_teacher_as_student`) come from
-`smolforge.distill.orchestration.DistillTasks`, mixed in when that module is present. The mixin gets
-`self.cluster` (a connected `ray_glue.ClusterHandle`), `self.log_event(kind, message, **data)` /
-`self.events`, and may define `_local_task_status(task_id) -> dict | None` so `monitor_tasks` reports
-its tasks too.
+`aggregate_student_outputs`, `reassign_idle_teacher_as_student`) are the cluster's
+`smolforge.cluster.distill.session.DistillTasks`: it gets `self.cluster` (a connected
+`ray_glue.ClusterHandle`) and `self.log_event(kind, message, **data)` / `self.events` from here, and its
+`_local_task_status` lets `monitor_tasks` report teacher and student tasks too.
 """
 
 from __future__ import annotations
@@ -24,24 +23,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.cluster.distill.session import DistillTasks
 from smolforge.errors import SmolforgeError
 
 MODES = ("data_parallel", "teacher_student", "hybrid")
 FINAL_STATES = ("completed", "failed", "cancelled")
 
-try:  # the distillation engineer's task set; absent until written
-    from smolforge.distill.orchestration import DistillTasks as _DistillTasks
-except ImportError:  # pragma: no cover - depends on what is installed
-    class _DistillTasks:  # type: ignore[no-redef]
-        pass
-
-
-class Orchestrator(_DistillTasks):
+class Orchestrator(DistillTasks):
     def __init__(self, mode: str = "data_parallel", config: dict[str, Any] | None = None, *, backend: Any = None,
                  coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None):
         if mode not in MODES:
             raise SmolforgeError(f"unknown mode {mode!r}", fix=f"use one of {', '.join(MODES)}")
-        from smolforge.cluster.embedded import backend_for
+        from smolforge.client import backend_for
 
         self.mode = mode
         self.config = dict(config or {})
@@ -123,11 +116,9 @@ class Orchestrator(_DistillTasks):
         return [job_id]
 
     def task_status(self, task_id: str) -> dict[str, Any]:
-        local = getattr(self, "_local_task_status", None)
-        if local is not None:
-            st = local(task_id)
-            if st is not None:
-                return st
+        st = self._local_task_status(task_id)
+        if st is not None:
+            return st
         return self.backend.get_job_status(task_id)
 
     def monitor_tasks(self, task_ids: list[str], callback: Callable[[str, dict], None] | None = None,

@@ -16,7 +16,8 @@ from smolforge.cluster.auth import bearer_of, load_or_create_token, tokens_match
 from smolforge.cluster.discovery import (check_node_name, parse_ollama_list, scan_hf_cache, scan_models_dir,
                                          with_aliases)
 from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.scheduler import JobManager, requirements_for, slots_on
+from smolforge.cluster.manager import JobManager
+from smolforge.cluster.placement import requirements_for, slots_on
 from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import pack_dir, unpack_dir
@@ -175,14 +176,14 @@ def test_capacity_check_fails_at_submit(tmp_path):
     assert requirements_for(preset).model is None  # presets are built offline on any node
     assert slots_on(NODES[1], requirements_for(ok), use_available=True) == 2
     with pytest.raises(SmolforgeError, match="path on the submitting machine"):
-        mgr._check_data(DataParallelJob.model_validate({"train": {"model": "m", "data": {"path": "/tmp/x.jsonl"}}}))
+        mgr.check_uploads(DataParallelJob.model_validate({"train": {"model": "m", "data": {"path": "/tmp/x.jsonl"}}}))
     with pytest.raises(SmolforgeError, match="unknown job kind"):
         mgr.parse({"kind": "teleport", "train": {}})
 
 
 def test_distill_job_specs_are_checked_at_submit(tmp_path):
     """kind: distill is validated in full (field names, types, KD and PEFT settings) before anything runs."""
-    from smolforge.client import apply_job_overrides, stage_spec
+    from smolforge.cluster.jobs import apply_job_overrides, stage_spec
     from smolforge.cluster.specs import DistillJob
 
     mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
@@ -192,7 +193,7 @@ def test_distill_job_specs_are_checked_at_submit(tmp_path):
     assert isinstance(job, DistillJob)
     cfg = job.run_config("out")
     assert cfg.mode == "hybrid" and cfg.students == ["tiny-llama"] and cfg.output_dir == "out" and cfg.quiet
-    mgr._check_distill_data(job)  # 'bundled' needs no upload
+    mgr.check_uploads(job)  # 'bundled' needs no upload
     cases = [({"wat": 1}, "unknown distill setting"), ({"max_steps": "many"}, "distill.max_steps"),
              ({"kd_loss": "kl"}, "unknown KD loss"), ({"peft_config": {"r": 0}}, "r: Input should be greater"),
              ({"output_dir": "/elsewhere"}, "unknown distill setting")]
@@ -202,7 +203,7 @@ def test_distill_job_specs_are_checked_at_submit(tmp_path):
     with pytest.raises(SmolforgeError, match="distill.students is required"):
         mgr.parse({"kind": "distill", "distill": {"teacher": "t", "data": "bundled"}})
     with pytest.raises(SmolforgeError, match="path on the submitting machine"):
-        mgr._check_distill_data(mgr.parse({**base, "distill": {**base["distill"], "data": "/tmp/x.jsonl"}}))
+        mgr.check_uploads(mgr.parse({**base, "distill": {**base["distill"], "data": "/tmp/x.jsonl"}}))
     # --set routes to distill.*; a local data file is uploaded, a missing one named
     spec = apply_job_overrides({**base, "distill": dict(base["distill"])}, ["max_steps=9", "mode=teacher_student"])
     assert spec["distill"]["max_steps"] == 9 and spec["mode"] == "teacher_student"
@@ -242,7 +243,7 @@ def test_model_discovery(tmp_path):
 # -- specs and overrides --------------------------------------------------------------------------
 
 def test_job_overrides_route_to_train_section(tmp_path):
-    from smolforge.client import apply_job_overrides, stage_spec
+    from smolforge.cluster.jobs import apply_job_overrides, stage_spec
 
     spec = {"kind": "data_parallel", "train": {"model": "m", "data": {"path": "bundled"}}}
     apply_job_overrides(spec, ["num_workers=3", "training.batch_size=16", "lr=0.01", "train.data.max_length=64"])

@@ -14,7 +14,6 @@ with none of those runs on an embedded cluster of this machine (same scheduler, 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -39,7 +38,7 @@ def _console():
 
 
 def _backend(coordinator: str | None, token: str | None, state_dir: str | None, embedded_ok: bool = False):
-    from smolforge.cluster.embedded import backend_for
+    from smolforge.client import backend_for
 
     return backend_for(coordinator, token, state_dir, embedded_ok=embedded_ok)
 
@@ -473,7 +472,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge job logs job-1a2b3c --follow
         """
-        from smolforge.client import format_event
+        from smolforge.cluster.jobview import format_event
 
         backend = _backend(coordinator, token, state_dir)
         since = 0
@@ -607,7 +606,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
     from smolforge.cli.common import quiet_libraries
-    from smolforge.client import apply_job_overrides
+    from smolforge.cluster.jobs import apply_job_overrides
     from smolforge.cluster.specs import DistillJob
     from smolforge.config import validate
     from smolforge.distill.pipeline import check_run
@@ -676,7 +675,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
 
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
                  max_retries: int, cpus_per_worker: float, name: str | None, **opts: Any) -> dict:
-    from smolforge.client import apply_job_overrides
+    from smolforge.cluster.jobs import apply_job_overrides
 
     train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
     if "max_length" in opts:

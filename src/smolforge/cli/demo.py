@@ -70,9 +70,11 @@ def print_sft_table(summary: dict) -> None:
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
     from smolforge.distill.demo import run_demo
+    from smolforge.orchestrator import Orchestrator
 
     t0 = time.perf_counter()
-    summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings)
+    with Orchestrator("teacher_student") as orch:  # the configured coordinator, else the embedded cluster
+        summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings, orchestrator=orch)
     summary.setdefault("before_accuracy", summary.get("student_base_accuracy"))
     summary.setdefault("after_accuracy", summary.get("kd_accuracy"))
     summary.setdefault("eval_loss_before", summary.get("student_base_eval_loss"))

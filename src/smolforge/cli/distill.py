@@ -63,7 +63,9 @@ def register(app: typer.Typer) -> None:
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
         """
         quiet_libraries()
-        from smolforge.distill.pipeline import DistillRun, run_distill
+        from smolforge.cluster.distill.run import run_distill
+        from smolforge.distill.pipeline import DistillRun
+        from smolforge.orchestrator import Orchestrator
 
         cfg = DistillRun(
             teacher=teacher, students=list(student), data=data, output_dir=output_dir, num_teachers=num_teachers,
@@ -77,7 +79,8 @@ def register(app: typer.Typer) -> None:
             save_every=save_every, aggregate=aggregate, aggregate_rank=aggregate_rank, cpus_per_teacher=cpus_per_teacher,
             cpus_per_student=cpus_per_student, eval=not no_eval, device=device, mode=mode, coordinator=coordinator,
             token=token, quiet=quiet or json_out)
-        summary = run_distill(cfg)
+        with Orchestrator(cfg.mode, coordinator=cfg.coordinator, token=cfg.token) as orch:
+            summary = run_distill(cfg, orch)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})
             return

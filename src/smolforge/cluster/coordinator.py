@@ -170,7 +170,7 @@ class Coordinator:
     def setup(self) -> CoordinatorCore:
         from smolforge import __version__
         from smolforge.cluster.node_agent import NodeMonitor
-        from smolforge.cluster.scheduler import JobManager
+        from smolforge.cluster.manager import JobManager
 
         self._check_not_running()
         token = load_or_create_token(self.state.token_path)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from smolforge.client import apply_job_overrides, format_event, job_status, stage_spec
+from smolforge.cluster.jobs import apply_job_overrides, stage_spec
+from smolforge.cluster.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
 
 
@@ -21,7 +22,7 @@ class EmbeddedCluster:
         from smolforge.cluster import ray_glue
         from smolforge.cluster.artifacts import ArtifactStore
         from smolforge.cluster.jobstore import JobStore
-        from smolforge.cluster.scheduler import JobManager
+        from smolforge.cluster.manager import JobManager
         from smolforge.cluster.statedir import StateDir
         from smolforge.paths import home
 
@@ -130,32 +131,3 @@ class EmbeddedCluster:
 
         job_id = self.store.get_job(job_id)["id"]
         return unpack_dir(self.artifacts.get(job_id, kind, name), dest)
-
-
-def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,
-                embedded_ok: bool = False, num_cpus: int | None = None) -> Any:
-    """A Client for the given/configured coordinator, else (if allowed) the embedded cluster.
-
-    Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
-    dir (default $SMOLFORGE_HOME) that answers /health.
-    """
-    import os
-
-    from smolforge.client import Client
-    from smolforge.cluster.statedir import StateDir, port_open
-
-    coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
-    sd = StateDir.at(state_dir)
-    if not coordinator:
-        info = sd.read_coordinator()
-        if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
-            coordinator = f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
-    if coordinator:
-        if not token and not os.environ.get("SMOLFORGE_TOKEN") and sd.token_path.exists():
-            token = sd.token_path.read_text().strip()
-        return Client(coordinator, None, token=token)
-    if embedded_ok:
-        return EmbeddedCluster(num_cpus=num_cpus)
-    raise SmolforgeError("no coordinator given and none running from " + str(sd.root),
-                         fix="pass --coordinator HOST:PORT --token T (or set SMOLFORGE_COORDINATOR / SMOLFORGE_TOKEN), "
-                             "or start one with `smolforge coordinator start`")

@@ -150,8 +150,9 @@ def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
 
 
 def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: int = 0,
-             settings: DemoSettings | None = None, orchestrator=None) -> dict[str, Any]:
-    """Run the demo; returns teacher/base/SFT/KD metrics, store bytes/token and stage times."""
+             settings: DemoSettings | None = None, *, orchestrator) -> dict[str, Any]:
+    """Run the demo on `orchestrator` (a DistillTasks session: the caller's cluster); returns
+    teacher/base/SFT/KD metrics, store bytes/token and stage times."""
     s = settings or DemoSettings()
     out = Path(output_dir or "outputs/demo")
     kd_dir, sft_dir = out / "distill", out / "sft-baseline"
@@ -167,11 +168,6 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     teacher_dir, teacher_info = train_teacher(s, quiet=quiet)
     stages["teacher_training"] = time.time() - t
 
-    own = orchestrator is None
-    if own:
-        from smolforge.orchestrator import Orchestrator
-
-        orchestrator = Orchestrator("teacher_student")
     orch = orchestrator
     try:
         say(f"2/5 {s.num_teachers} parallel teacher tasks write the top-k logit store")
@@ -197,10 +193,7 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
         sft_merge = orch.aggregate_student_outputs(sft_students, sft_dir / "merged_model")
         stages["aggregation"] = time.time() - t
     finally:
-        if hasattr(orch, "shutdown_distill"):
-            orch.shutdown_distill()
-        if own:
-            orch.close()
+        orch.shutdown_distill()
 
     say("5/5 held-out evaluation")
     t = time.time()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
-from smolforge.distill.teacher import GenSettings, PromptItem
+from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.errors import SmolforgeError
 
 DEFAULT_HOST = "http://127.0.0.1:11434"

@@ -1,6 +1,6 @@
 """A distillation run as a coordinator job: `smolforge jobs`, the dashboard, pause/resume/cancel.
 
-The runner drives `smolforge.distill.pipeline.run_distill` from a thread of the coordinator (or
+The runner drives `smolforge.cluster.distill.run.run_distill` from a thread of the coordinator (or
 of the embedded cluster) and mirrors it into the job store: job progress (the students' steps
 over their total, samples, mean loss, ETA), a loss curve per student, one task row per teacher
 and student with its node and state, and the pipeline's events. Outputs are written under the
@@ -14,17 +14,19 @@ checkpoint comes back to `output/student_N/checkpoints/` here. Shards already in
 directory: the teachers make only the missing shards, and each student continues from its
 checkpoint (shipped to whichever node runs it now). Cancel stops everything at once. A worker
 that dies mid-run costs its teacher's unfinished shards (regenerated elsewhere) and its student's
-steps since the last `save_every` checkpoint (see smolforge.distill.orchestration).
+steps since the last `save_every` checkpoint (see smolforge.cluster.distill).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from smolforge.cluster.jobstore import FINAL
-from smolforge.cluster.scheduler import JobRunner, _short
+from smolforge.cluster import ray_glue
+from smolforge.cluster.distill.run import DistillStopped, run_distill
+from smolforge.cluster.distill.session import DistillSession
+from smolforge.cluster.runners.base import JobRunner
 from smolforge.cluster.specs import DistillJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import sha256_bytes
@@ -56,10 +58,6 @@ class DistillRunner(JobRunner):
         return self.want
 
     def _run(self) -> None:
-        from smolforge.cluster import ray_glue
-        from smolforge.distill.pipeline import DistillStopped, run_distill
-        from smolforge.orchestrator import Orchestrator
-
         job = self.store.get_job(self.job_id)
         if job["state"] in FINAL:
             return
@@ -74,14 +72,13 @@ class DistillRunner(JobRunner):
             data = str(self.mgr.artifacts.upload_path(data.split(":", 1)[1]))
         out = run_dir(self.mgr, self.job_id)
         cfg = spec.run_config(str(out), data)
-        backend = SimpleNamespace(handle=ray_glue.connect(), close=lambda: None)
-        orch = Orchestrator(spec.mode, backend=backend)
+        orch = DistillSession(ray_glue.connect(), spec.mode)
         self.store.add_event(self.job_id, "distill_started",
                              f"{spec.mode}: teacher {cfg.teacher} → {', '.join(cfg.students)} "
                              f"({cfg.num_students} per base, {cfg.peft}); run dir {out}")
         try:
             # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
-            summary = run_distill(cfg, orchestrator=orch, on_update=self._mirror, should_stop=self._stop_requested,
+            summary = run_distill(cfg, orch, on_update=self._mirror, should_stop=self._stop_requested,
                                   resume=True)
         except DistillStopped as stop:
             self._mirror(orch.distill_tasks(), orch.events)

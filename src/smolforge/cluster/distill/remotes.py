@@ -1,0 +1,291 @@
+"""The Ray side of a distillation run: the teacher task, the shard broker and the student actor.
+
+See `smolforge.cluster.distill` for how data moves between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster.distill.state import GET_TIMEOUT_S
+from smolforge.config import PeftSpec
+from smolforge.parallel.dp_task import local_model_path
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import (CorruptShardError, Shard, decode_shard)
+from smolforge.errors import SmolforgeError
+
+
+
+# ------------------------------------------------------------------------------- remote definitions
+
+def _node_model(name: str) -> str:
+    """This node's own copy of a model, when `worker join` found it under that name (else the name)."""
+    return local_model_path(name)
+
+
+def _teacher_shards(spec: dict[str, Any]):
+    """Ray streaming generator: one teacher on one node, yielding (manifest JSON, bytes) per shard."""
+    import ray
+    import torch
+
+    from smolforge.distill.teacher import make_teacher, produce_shards
+
+    torch.set_num_threads(max(1, int(spec["num_threads"])))
+    ctx = ray.get_runtime_context()
+    model = _node_model(spec["model"]) if spec["backend"] != "ollama" else spec["model"]
+    teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
+                           tokenizer=spec.get("tokenizer"))
+    items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
+    ranges = {int(sid): (int(a), int(b)) for sid, (a, b) in spec["shards"].items()}
+    settings = GenSettings(**spec["settings"])
+    for manifest, data in produce_shards(teacher, items, ranges, settings, compress=spec["compress"]):
+        manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
+                        teacher=spec["model"], finished=time.time(), pid=os.getpid())
+        yield json.dumps(manifest), data
+
+
+class _ShardBroker:
+    """Ray actor: which shard goes to which student, plus the students' events and progress.
+
+    It holds object refs (wrapped in lists so Ray does not resolve them), never shard bytes.
+    """
+
+    def __init__(self, plan: dict[str, Any]):
+        self.plan = plan
+        self.shards: dict[int, tuple[str, list]] = {}
+        self.assigned: dict[int, list[int]] = {}
+        self.delivered: dict[int, set[int]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.corrupt: list[dict[str, Any]] = []
+        self.progress: dict[int, dict[str, Any]] = {}
+        self.stop: dict[int, str] = {}
+        self.checkpoints: dict[int, dict[str, Any]] = {}
+        self.failed: str | None = None
+
+    def get_plan(self) -> dict[str, Any]:
+        return self.plan
+
+    def update_plan(self, values: dict[str, Any]) -> None:
+        self.plan.update(values)
+
+    def add(self, shard_id: int, manifest_json: str, holder: list) -> None:
+        self.shards[int(shard_id)] = (manifest_json, holder)
+
+    def assign(self, rank: int, shard_ids: list[int]) -> None:
+        self.assigned[rank] = list(shard_ids)
+        self.delivered.setdefault(rank, set())
+
+    def next(self, rank: int) -> dict[str, Any]:
+        if rank in self.stop:  # a student waiting for a shard hears a pause/cancel at once
+            return {"kind": "stop", "what": self.stop[rank]}
+        pending = [s for s in self.assigned.get(rank, []) if s not in self.delivered[rank]]
+        if not pending:
+            return {"kind": "done"}
+        for sid in pending:
+            if sid in self.shards:
+                self.delivered[rank].add(sid)
+                manifest_json, holder = self.shards[sid]
+                return {"kind": "shard", "shard": sid, "manifest": manifest_json, "holder": holder}
+        if self.failed:
+            return {"kind": "failed", "error": self.failed}
+        return {"kind": "wait"}
+
+    def get(self, rank: int, shard_id: int) -> dict[str, Any]:
+        if rank in self.stop:
+            return {"kind": "stop", "what": self.stop[rank]}
+        if shard_id in self.shards:
+            self.delivered.setdefault(rank, set()).add(shard_id)
+            manifest_json, holder = self.shards[shard_id]
+            return {"kind": "shard", "shard": shard_id, "manifest": manifest_json, "holder": holder}
+        return {"kind": "failed", "error": self.failed} if self.failed else {"kind": "wait"}
+
+    def report_corrupt(self, rank: int, shard_id: int, why: str) -> None:
+        self.shards.pop(shard_id, None)
+        self.delivered.get(rank, set()).discard(shard_id)
+        self.corrupt.append({"rank": rank, "shard": shard_id, "error": why, "at": time.time()})
+
+    def record(self, rank: int, kind: str, data: dict[str, Any]) -> None:
+        self.events.append({"rank": rank, "kind": kind, "data": data})
+
+    def set_progress(self, rank: int, info: dict[str, Any]) -> None:
+        # Threaded actor: two reports in flight may land in either order; keep the newest step.
+        if info.get("step", 0) >= self.progress.get(rank, {}).get("step", -1):
+            self.progress[rank] = info
+
+    def put_checkpoint(self, rank: int, shipped: dict[str, Any]) -> None:
+        """A student's newest periodic checkpoint, held until the driver drains it to disk."""
+        self.checkpoints[rank] = shipped
+
+    def restart(self, rank: int) -> None:
+        """The student of `rank` starts again (its worker died): every shard is its to ask for again."""
+        self.delivered[rank] = set()
+        self.stop.pop(rank, None)
+        self.progress.pop(rank, None)
+
+    def drain(self) -> dict[str, Any]:
+        out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress),
+               "checkpoints": self.checkpoints}
+        self.events, self.corrupt, self.checkpoints = [], [], {}
+        return out
+
+    def request_stop(self, rank: int, what: str) -> None:
+        self.stop[rank] = what
+
+    def should_stop(self, rank: int) -> str | None:
+        return self.stop.get(rank)
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+
+
+class BrokerShardSource:
+    """A student's shard source on the cluster: ask the broker, fetch bytes, verify, report corruption."""
+
+    def __init__(self, broker, rank: int, timeout_s: float = 900.0, poll_s: float = 0.2):
+        self.broker, self.rank = broker, rank
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.broker, method).remote(*args), timeout=60)
+
+    def expected_rows(self) -> int | None:
+        plan = self._call("get_plan")
+        mine = plan["assigned"][str(self.rank)]
+        return sum(plan["shards"][s][1] - plan["shards"][s][0] for s in mine) * max(1, int(plan.get("samples_per_prompt", 1)))
+
+    def _fetch(self, reply: dict[str, Any]) -> Shard | None:
+        import ray
+
+        manifest = json.loads(reply["manifest"])
+        value = ray.get(reply["holder"][0], timeout=GET_TIMEOUT_S)
+        data = value[1] if isinstance(value, (tuple, list)) else value
+        try:
+            return decode_shard(manifest, data)
+        except CorruptShardError as err:
+            self._call("report_corrupt", self.rank, reply["shard"], err.what)
+            return None
+
+    def _loop(self, ask) -> Shard | None:
+        deadline = time.time() + self.timeout_s
+        while True:
+            reply = ask()
+            if reply["kind"] == "done":
+                return None
+            if reply["kind"] == "stop":
+                from smolforge.distill.student import StopRequested
+
+                raise StopRequested(reply["what"])
+            if reply["kind"] == "failed":
+                raise SmolforgeError(f"teachers failed before this student's shards were ready: {reply['error']}",
+                                     fix="see the teacher task's error (smolforge status / the event log)")
+            if reply["kind"] == "shard":
+                shard = self._fetch(reply)
+                if shard is not None:
+                    return shard
+                deadline = time.time() + self.timeout_s  # regeneration takes a teacher's time
+                continue
+            if time.time() > deadline:
+                raise SmolforgeError(f"waited {self.timeout_s:.0f}s for a teacher shard",
+                                     fix="check that the teacher tasks are running (smolforge status)")
+            time.sleep(self.poll_s)
+
+    def next_shard(self) -> Shard | None:
+        return self._loop(lambda: self._call("next", self.rank))
+
+    def get_shard(self, shard_id: int) -> Shard:
+        shard = self._loop(lambda: self._call("get", self.rank, shard_id))
+        if shard is None:
+            raise SmolforgeError(f"shard {shard_id} is gone", fix="start the student without resume")
+        return shard
+
+
+class _StudentWorker:
+    """Ray actor: one student. Trains from the broker, returns its adapter files and summary."""
+
+    def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
+        import ray
+
+        from smolforge.distill.student import StudentConfig, train_student
+        from smolforge.parallel.transfer import pack_dir, unpack_dir
+        from smolforge.train import checkpoint as ckpt
+
+        cfg_fields = dict(spec["config"])
+        cfg_fields["base_model"] = _node_model(cfg_fields["base_model"])
+        cfg_fields["peft"] = PeftSpec(**cfg_fields["peft"])
+        cfg_fields["kd"] = KDConfig(**cfg_fields["kd"])
+        work = Path(tempfile.mkdtemp(prefix=f"smolforge-student-{rank}-"))
+        cfg_fields["output_dir"] = str(work / "out")
+        resume = spec.get("resume")  # the checkpoint this student paused at, shipped back from the driver
+        if resume:
+            unpack_dir(resume["payload"], ckpt.checkpoints_dir(work / "out") / resume["name"])
+            cfg_fields["resume"] = True
+        cfg = StudentConfig(**cfg_fields)
+        node_id = ray.get_runtime_context().get_node_id()
+
+        def on_event(kind: str, **data: Any) -> None:
+            broker.record.remote(rank, kind, {**data, "at": time.time(), "node_id": node_id, "pid": os.getpid()})
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            # Waited for: the driver must hold it before this worker can be lost with it.
+            ray.get(broker.put_checkpoint.remote(rank, {"name": path.name, "payload": pack_dir(path)}), timeout=120)
+
+        def on_step(info: dict[str, Any]) -> None:
+            broker.set_progress.remote(rank, info)
+
+        def should_stop() -> str | None:
+            return ray.get(broker.should_stop.remote(rank), timeout=60)
+
+        try:
+            eval_examples = spec.get("eval_examples")
+            result = train_student(cfg, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s),
+                                   teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
+                                   should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
+                                   on_checkpoint=on_checkpoint)
+            adapter = pack_dir(result.adapter_dir) if result.adapter_dir else None
+            out = {"result": result.to_dict(), "adapter": adapter, "node_id": node_id}
+            latest = ckpt.latest_checkpoint(work / "out") if result.stopped == "pause" else None
+            if latest is not None:  # this temp dir goes away: the driver keeps the pause point
+                out["checkpoint"] = {"name": latest.name, "payload": pack_dir(latest)}
+            return out
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+_REMOTES: dict[str, Any] = {}
+
+
+def remotes() -> dict[str, Any]:
+    import ray
+
+    if not _REMOTES:
+        # max_calls=1: each teacher gets a fresh worker process, which exits after it. A teacher
+        # cancelled mid-import (a job cancel or pause while it loads transformers) otherwise leaves
+        # the pooled process with half-imported modules, and every later teacher there fails with
+        # "Could not import module 'LlamaConfig'" (seen in CI after the cancel test).
+        _REMOTES["teacher"] = ray.remote(num_returns="streaming", max_retries=0, max_calls=1)(_teacher_shards)
+        _REMOTES["broker"] = ray.remote(_ShardBroker)
+        _REMOTES["student"] = ray.remote(_StudentWorker)
+    return _REMOTES
+
+
+def new_broker(plan: dict[str, Any]):
+    """The broker lives on the driver's node: it holds the shard refs and the students' shipped
+    checkpoints, so it must not go down with a worker."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return remotes()["broker"].options(num_cpus=0, max_concurrency=4,
+                                        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(plan)
+
+
+# ------------------------------------------------------------------------------------ driver state

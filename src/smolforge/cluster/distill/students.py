@@ -1,0 +1,294 @@
+"""Student tasks: stream the shards, checkpoint to the driver, restart on a lost worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster.distill.remotes import new_broker, remotes
+from smolforge.cluster.distill.state import (GET_TIMEOUT_S, MAX_STUDENT_RESTARTS, DistillTask, StoreState, short_error, store_dir_of)
+from smolforge.config import PeftSpec
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.planner import (pick_student_node, student_assignment)
+from smolforge.distill.prompts import GenSettings
+from smolforge.distill.store import (StorePlan)
+from smolforge.distill.teacher import prompts_from_dataset
+from smolforge.errors import SmolforgeError
+from smolforge.paths import atomic_write_json
+
+
+class StudentTasks:
+    """The student tasks (a mixin of DistillTasks)."""
+
+    # -- students ------------------------------------------------------------------------------------
+
+    def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path,
+                             num_students: int = 2, peft_type: str = "lora",
+                             peft_config: dict[str, Any] | None = None, *, output_dir: str | Path | None = None,
+                             split_shards: bool | None = None, kd_loss: str = "forward_kl", kd_ratio: float = 0.5,
+                             temperature: float = 1.0, beta: float = 0.5, max_steps: int | None = None,
+                             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-3,
+                             warmup_steps: int = 0, max_length: int = 256, seed: int = 0,
+                             cpus_per_student: float = 1.0, eval_data: str | None = None,
+                             max_eval_samples: int | None = 200, eval_accuracy: bool = True,
+                             max_new_tokens: int = 16, device: str = "auto", save_every: int = 0,
+                             wait_timeout_s: float = 900.0, resume: bool = False) -> list[str]:
+        """Students that stream the teacher's shards as they appear; returns their task ids.
+
+        `base_model` may be a list (several student bases learn from one teacher output). With
+        several students per base, the shards are split so no two of them train on the same one
+        (hybrid / data-parallel students); `split_shards=False` gives each the whole set.
+        Outputs: `<output_dir>/output/student_N/<peft>_adapter/` (default output_dir: the run dir
+        holding teacher_outputs/). With `resume`, a student that was paused (see
+        `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
+        without it, such checkpoints are stale and removed.
+        """
+        st = self._dstate()
+        store = self._store_for(teacher_outputs_dir)
+        bases = [base_model] if isinstance(base_model, str) else list(base_model)
+        if not bases:
+            raise SmolforgeError("no student base model given", fix="pass --student NAME")
+        from smolforge.config import validate
+
+        peft = validate(PeftSpec, {"method": peft_type, **(peft_config or {})}, where="peft_config")
+        kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
+        run_dir = Path(output_dir) if output_dir else store.dir.parent
+        if getattr(self, "mode", "") == "hybrid" and split_shards is False:
+            raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
+                                 fix="drop split_shards=False, or use mode teacher_student for an ensemble")
+        split = (num_students > 1) if split_shards is None else split_shards
+        eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
+        ids = []
+        for base in bases:
+            nodes, req_model = self._model_nodes(base, "student")
+            assignment = student_assignment(store.plan.num_shards, num_students, split=split)
+            for shards in assignment:
+                with st.lock:
+                    rank = store.next_rank
+                    store.next_rank += 1
+                    n = next(st.counters["student"])
+                store.assigned[str(rank)] = shards
+                store.broker.assign.remote(rank, shards)
+                task_id = f"student-{n}"
+                out = run_dir / "output" / f"student_{n}"
+                config = {"base_model": base, "output_dir": str(out), "peft": peft.model_dump(), "kd": asdict(kd),
+                          "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "grad_accum": grad_accum,
+                          "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
+                          "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
+                          "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
+                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}
+                spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
+                        "eval_examples": eval_examples, "nodes": [n_.node_id for n_ in nodes], "req_model": req_model,
+                        "resume": self._resume_point(out, resume)}
+                rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
+                task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
+                                   shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
+                                   resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
+                                   samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum,
+                                   max_steps=max_steps or max(1, -(-int(rows * epochs) // (batch_size * grad_accum))))
+                with st.lock:
+                    st.tasks[task_id] = task
+                ids.append(task_id)
+                self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
+                             task_id=task_id, shards=shards, base=base)
+                if spec["resume"]:
+                    self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
+                                 f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+        # The broker's plan now knows every assignment (students read their row counts from it).
+        import ray
+
+        ray.get(store.broker.update_plan.remote({"assigned": dict(store.assigned)}), timeout=60)
+        for task_id in ids:
+            self._place_student(st.tasks[task_id])
+        self._ensure_monitor()
+        return ids
+
+    def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
+        from smolforge.config import DataSpec
+        from smolforge.data.splits import read_spec
+
+        _train, eval_ex, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=max_eval, max_samples=1))
+        return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
+
+    def _store_for(self, teacher_outputs_dir: str | Path) -> StoreState:
+        st = self._dstate()
+        store_dir = store_dir_of(teacher_outputs_dir).resolve()
+        with st.lock:
+            store = st.stores.get(str(store_dir))
+        if store is not None:
+            return store
+        plan = StorePlan.read(store_dir)
+        if plan is None:
+            raise SmolforgeError(f"{store_dir} has no teacher plan (plan.json)",
+                                 fix="create the teacher tasks first (create_parallel_teacher_tasks)")
+        # Teachers ran earlier: serve what is on disk; missing or corrupt shards need the teacher again.
+        broker = new_broker({**asdict(plan), "assigned": {}})
+        settings = GenSettings(**plan.generation) if plan.generation else GenSettings(top_k=plan.k)
+        store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend=plan.backend,
+                           settings=settings, compress=plan.compress, broker=broker, teacher_nodes=[],
+                           teacher_req_model=None, cpus_per_teacher=1.0, device="auto")
+        todo = self._reuse_shards(store)
+        if todo:
+            store.items = prompts_from_dataset(plan.dataset)
+            store.regenerating.update(todo)
+            nodes, store.teacher_req_model = self._model_nodes(plan.teacher, "teacher")
+            store.teacher_nodes = nodes
+            self._launch_teacher(store, todo, nodes[0], note=" (missing shards)")
+        with st.lock:
+            st.stores[str(store_dir)] = store
+        return store
+
+    def _place_student(self, task: DistillTask, node=None) -> bool:
+        """Start the student on `node` (or the freest eligible node); queue it when all are busy."""
+        st = self._dstate()
+        store = st.stores[task.store]
+        with st.lock:
+            if node is None:
+                busy = self._busy_cpus()
+                allowed = set(task.spec["nodes"])
+                free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in self._nodes() if n.node_id in allowed]
+                teachers = {t.node_id for t in st.tasks.values()
+                            if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
+                hybrid = getattr(self, "mode", "") == "hybrid"
+                node = pick_student_node(free, task.cpus, teachers, hybrid=hybrid)
+                if node is None:
+                    if not task.queued:
+                        task.queued = True
+                        why = "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else "")
+                        self._devent("student_queued", f"{task.task_id} queued: {why}", task_id=task.task_id)
+                    return False
+            task.queued = False
+            task.node, task.node_id = node.name, node.node_id
+            task.state = "pending"
+            opts = self._options(node, task.spec["req_model"], task.cpus)
+            actor = remotes()["student"].options(max_restarts=0, **opts).remote()
+            spec = {k: v for k, v in task.spec.items() if k not in ("nodes", "req_model")}
+            ref = actor.run.remote(spec, store.broker, task.rank)
+            st.handles[task.task_id] = (actor, ref)
+        self._devent("student_submitted", f"{task.task_id} placed on {node.name}", task_id=task.task_id, node=node.name)
+        self._thread(self._await_student, (task, actor, ref), task.task_id)
+        return True
+
+    def _await_student(self, task: DistillTask, actor, ref) -> None:
+        import ray
+
+        try:
+            while True:
+                if self._dstate().closing or not ray.is_initialized():
+                    return
+                ready, _ = ray.wait([ref], timeout=1.0)
+                if ready:
+                    break
+            out = ray.get(ref, timeout=GET_TIMEOUT_S)
+            result = out["result"]
+            if result.get("stopped"):
+                task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
+                if out.get("checkpoint"):
+                    self._keep_student_checkpoint(task, out["checkpoint"])
+            else:
+                self._write_student_output(task, result, out["adapter"])
+                task.state, task.progress = "completed", 1.0
+            task.result = result
+            task.finished = time.time()
+            self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
+                         + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
+                         task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
+                         mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+        except Exception as err:
+            if self._worker_lost(err) and task.restarts < MAX_STUDENT_RESTARTS and not self._dstate().closing:
+                self._restart_student(task, err)
+                return  # (`finally` still kills the lost actor's handle)
+            task.state, task.finished, task.error = "failed", time.time(), short_error(err)
+            self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
+                         node=task.node, error=task.error)
+        finally:
+            self._kill_quietly(actor)
+        self._after_finish(task)
+
+    @staticmethod
+    def _kill_quietly(actor) -> None:
+        import ray
+
+        try:
+            if ray.is_initialized():
+                ray.kill(actor)
+        except Exception:
+            pass
+
+    @staticmethod
+    def _worker_lost(err: BaseException) -> bool:
+        """The student's process or node went away (not an error of its own, which would only repeat)."""
+        import ray.exceptions as rex
+
+        return isinstance(err, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
+                                rex.ObjectLostError, rex.OwnerDiedError))
+
+    def _restart_student(self, task: DistillTask, err: BaseException) -> None:
+        """Start a student whose worker was lost again, from its last kept checkpoint (or the start),
+        on whichever eligible node is free; it is queued when none is."""
+        import ray
+
+        st = self._dstate()
+        task.restarts += 1
+        task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
+        task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
+        task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
+        task.step = task.resumed_step
+        lost_on = task.node
+        task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
+        ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
+        self._devent("student_restarted", f"{task.task_id} lost its worker on {lost_on} ({short_error(err)}); "
+                     f"restart {task.restarts} of {MAX_STUDENT_RESTARTS} from "
+                     + (f"step {task.resumed_step}" if task.spec["resume"] else "the start"),
+                     task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
+        self._place_student(task)
+
+    def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any], why: str = "paused") -> None:
+        """Store a student's shipped checkpoint in `<output_dir>/checkpoints/` (verified, atomic), so a
+        resumed run, or a restart after its worker died, picks the student up at that step."""
+        from smolforge.parallel.transfer import unpack_dir
+        from smolforge.paths import safe_join
+        from smolforge.train import checkpoint as ckpt
+
+        root = ckpt.checkpoints_dir(task.output_dir)
+        with self._dstate().lock:  # the monitor (periodic ones) and a student's result (a pause) both come here
+            kept = ckpt.list_checkpoints(task.output_dir)
+            dest = safe_join(root, shipped["name"])  # the name comes from a worker
+            if kept and ckpt.step_of(kept[-1]) > ckpt.step_of(dest):
+                return  # an older one drained late: keep the newer
+            unpack_dir(shipped["payload"], dest)
+            for old in kept:
+                if old != dest:
+                    shutil.rmtree(old, ignore_errors=True)
+        step = int(json.loads((dest / "state.json").read_text())["step"])
+        self._devent("student_checkpoint", f"{task.task_id} {why} a checkpoint at step {step}; kept in {dest}",
+                     task_id=task.task_id, step=step, checkpoint=str(dest), why=why)
+
+    def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
+        """A student's checkpoint to resume from, packed for the worker; stale ones go when not resuming."""
+        from smolforge.parallel.transfer import pack_dir
+        from smolforge.train import checkpoint as ckpt
+
+        if not resume:
+            shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
+            return None
+        latest = ckpt.latest_checkpoint(out)
+        if latest is None:
+            return None
+        # Same run dir, same spec (a resumed job): student_N is the same student. Its state.json names
+        # the model by the node-local path it ran from, so it is not compared with `base` here.
+        state = json.loads((latest / "state.json").read_text())
+        return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
+
+    def _write_student_output(self, task: DistillTask, result: dict[str, Any], adapter: dict[str, Any]) -> None:
+        from smolforge.parallel.transfer import unpack_dir
+
+        out = Path(task.output_dir)
+        method = task.spec["config"]["peft"]["method"]
+        final = unpack_dir(adapter, out / f"{method}_adapter")  # checksummed, no path escapes, atomic swap
+        result = {**result, "adapter_dir": str(final), "output_dir": str(out), "node": task.node}
+        atomic_write_json(out / "summary.json", result)

@@ -1,0 +1,150 @@
+"""The job-kind registry: what each kind of job is, in one entry.
+
+A kind is one spec (pydantic), one runner class, the spec fields that name local files (the client
+uploads them to the coordinator before submitting, since workers share no filesystem with it), the
+settings section `--set` routes unknown keys into, and its submit-time checks. `JobManager`,
+`Client`, the embedded cluster and the CLI look kinds up here; none of them branches on a kind.
+
+Adding a kind: write its spec and its runner (a `runners.base.JobRunner`), then add one `JobKind`
+line to `KINDS`. Placement, retries (`policy.FailurePolicy`), pause/resume/cancel, events,
+artifacts and the queue come with the base runner and the manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from smolforge.cluster.distill.runner import DistillRunner
+from smolforge.cluster.runners.data_parallel import DPRunner
+from smolforge.cluster.specs import DataParallelJob, DistillJob
+from smolforge.config import Spec, TrainConfig, apply_overrides, validate
+from smolforge.distill.pipeline import DistillRun, check_run
+from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:
+    from smolforge.cluster.manager import JobManager
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    spec: type[Spec]
+    runner: type
+    section: str  # the settings section: `--set` routes keys the job itself lacks into it
+    section_keys: frozenset[str]
+    uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
+    check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
+    joinable: bool = False  # `job join` lends it nodes
+    resumes_from: Callable[["JobManager", str], str] = field(default=lambda mgr, job_id: "the start")
+
+
+def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
+    ckpt = mgr.artifacts.latest_checkpoint(job_id)
+    return f"checkpoint {ckpt}" if ckpt else "the start (no checkpoint yet)"
+
+
+KINDS: dict[str, JobKind] = {k.name: k for k in (
+    JobKind("data_parallel", DataParallelJob, DPRunner, section="train",
+            section_keys=frozenset(TrainConfig.model_fields), uploads=("train.data.path", "train.data.eval_path"),
+            check_capacity=True, joinable=True, resumes_from=_dp_resumes_from),
+    JobKind("distill", DistillJob, DistillRunner, section="distill",
+            section_keys=frozenset(DistillRun.__dataclass_fields__), uploads=("distill.data",),
+            check=lambda job: check_run(job.run_config("distill-check")),
+            resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
+)}
+
+
+def kind_of(spec: dict[str, Any] | str) -> JobKind:
+    name = spec if isinstance(spec, str) else spec.get("kind", "data_parallel")
+    kind = KINDS.get(name)
+    if kind is None:
+        raise SmolforgeError(f"unknown job kind {name!r}", where="job spec", fix=f"use one of {', '.join(KINDS)}")
+    return kind
+
+
+def parse(spec: dict[str, Any]) -> Any:
+    """The validated spec object of a job dict (every setting checked before anything starts)."""
+    kind = kind_of(spec)
+    job = validate(kind.spec, spec, where="job spec")
+    kind.check(job)
+    return job
+
+
+def _get(data: dict, dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _put(data: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value
+
+
+def is_local_file(value: Any) -> bool:
+    return bool(value) and value != "bundled" and not str(value).startswith("upload:")
+
+
+def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
+    """Replace the local files a job names by uploads (the workers share no filesystem with us)."""
+    for dotted in kind_of(spec).uploads:
+        value = _get(spec, dotted)
+        if not is_local_file(value):
+            continue
+        path = Path(str(value)).expanduser()
+        if not path.is_file():
+            raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
+                                 fix="check the path (or use 'bundled' for the generated task set)")
+        _put(spec, dotted, upload(path))
+    return spec
+
+
+def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
+    """Every file the job names is an upload the coordinator holds (or 'bundled')."""
+    data = job.model_dump(mode="json")
+    for dotted in kind_of(job.kind).uploads:
+        value = _get(data, dotted)
+        if value is None or value == "bundled":
+            continue
+        if not str(value).startswith("upload:"):
+            raise SmolforgeError(f"{dotted} {value!r} is a path on the submitting machine", where="job spec",
+                                 fix="submit with `smolforge submit`/`launch` or smolforge.Client, which upload "
+                                     "the file to the coordinator first")
+        if not has_upload(str(value).split(":", 1)[1]):
+            raise SmolforgeError(f"{dotted}: upload {str(value)[7:19]} is not on the coordinator",
+                                 where="job spec", fix="upload the file again (Client.upload)")
+
+
+def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
+    """`--set` for job specs: the job's own keys as they are; `training.x`, `train.x` and every other key
+    go into the kind's settings section (`train:` or `distill:`), parsed by config.apply_overrides."""
+    kind = kind_of(data)
+    job_keys = set(kind.spec.model_fields)
+    for item in overrides:
+        if "=" not in item:
+            raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
+        key, _, raw = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set max_steps=100")
+        if parts[0] in ("training", "train", kind.section):
+            parts = parts[1:]
+            target = data.setdefault(kind.section, {})
+        elif parts[0] in job_keys:
+            target = data
+        else:
+            target = data.setdefault(kind.section, {})
+        if not parts:
+            raise SmolforgeError(f"--set {item!r} names a section, not a setting", fix="e.g. --set train.lr=1e-4")
+        if not isinstance(target, dict):
+            raise SmolforgeError(f"--set {item!r}: {kind.section} is not a section", fix="check the key path")
+        apply_overrides(target, [".".join(parts) + "=" + raw], strip_training=False)
+    return data

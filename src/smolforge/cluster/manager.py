@@ -1,0 +1,258 @@
+"""The job manager: accepts jobs, starts one runner per active job, pause/resume/cancel/join, recovery.
+
+What a job kind adds (its spec, runner, uploads and checks) comes from the registry in
+`smolforge.cluster.jobs`; nothing here branches on a kind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.jobstore import FINAL, JobStore
+from smolforge.cluster import jobs
+from smolforge.cluster.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
+from smolforge.cluster.runners.base import CANCEL_GRACE_S, JobRunner
+from smolforge.cluster.specs import DataParallelJob
+from smolforge.errors import SmolforgeError
+
+class JobManager:
+    def __init__(self, store: JobStore, artifacts: ArtifactStore):
+        self.store, self.artifacts = store, artifacts
+        self.runners: dict[str, JobRunner] = {}
+        self.suspects: dict[str, float] = {}  # node_id -> when it stopped answering
+        self.lock = threading.RLock()
+        self.closed = False
+
+    # -- submitting -------------------------------------------------------------------------------
+
+    def parse(self, spec: dict[str, Any]) -> Any:
+        return jobs.parse(spec)
+
+    def check_capacity(self, job: DataParallelJob, nodes: list[ray_glue.NodeInfo] | None = None) -> int:
+        """Fail at once, listing every node, when the cluster cannot hold the job's workers."""
+        nodes = nodes if nodes is not None else ray_glue.nodes()
+        req = requirements_for(job)
+        cands = ray_glue.check_placeable(req, nodes)
+        total = sum(slots_on(n, req, use_available=False) for n in cands)
+        if total < job.num_workers:
+            listing = "\n".join(f"  - {n.describe()}" for n in nodes)
+            raise SmolforgeError(
+                f"the job needs {job.num_workers} workers of {job.cpus_per_worker:g} CPUs, but the nodes that can run "
+                f"it have room for {total}; nodes:\n{listing}", where="placement",
+                fix="lower --workers, join more workers (`smolforge worker join`), or lend the coordinator "
+                    "(`smolforge job join ID`)")
+        if job.global_batch % job.num_workers:
+            raise SmolforgeError("batch size does not split evenly", fix="use a batch size that splits over the workers")
+        return total
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        if self.closed:
+            raise SmolforgeError("the coordinator is shutting down", fix="retry once it is back")
+        job = jobs.parse(spec)
+        self.check_uploads(job)
+        if jobs.kind_of(job.kind).check_capacity:
+            self.check_capacity(job)
+        job_id = self.store.create_job(job.kind, job.model_dump(mode="json"), name=job.name)
+        self._start(job_id, "started")
+        return job_id
+
+    def check_uploads(self, job: Any) -> None:
+        """Every file the job names is an upload this coordinator holds (or 'bundled')."""
+        jobs.check_uploads(job, self.artifacts.has_upload)
+
+    def _start(self, job_id: str, reason: str) -> JobRunner:
+        with self.lock:
+            old = self.runners.get(job_id)
+            if old is not None and old.is_alive():
+                raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
+            runner = jobs.kind_of(self.store.get_job(job_id)["kind"]).runner(self, job_id, reason)
+            self.runners[job_id] = runner
+            runner.start()
+            return runner
+
+    def _runner_done(self, job_id: str, runner: JobRunner) -> None:
+        with self.lock:
+            if self.runners.get(job_id) is runner:
+                del self.runners[job_id]
+
+    # -- control ----------------------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> dict:
+        return self.store.get_job(job_id)
+
+    def pause(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        if job["state"] == "running" and runner is not None:
+            runner.request("pause")
+            self.store.add_event(job_id, "pause_requested", "pause requested: checkpoint, then release workers")
+        elif job["state"] == "pending":
+            if runner is not None:
+                runner.request("pause")
+            else:
+                self.store.set_state(job_id, "paused", "paused before it started")
+        elif job["state"] != "paused":
+            raise SmolforgeError(f"job {job_id} is {job['state']}; only running or pending jobs can be paused",
+                                 fix=f"see `smolforge job show {job_id}`")
+        return self._job(job_id)
+
+    def resume(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        if job["state"] != "paused":
+            raise SmolforgeError(f"job {job_id} is {job['state']}; only paused jobs can be resumed",
+                                 fix=f"see `smolforge job show {job_id}`")
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.is_alive():
+            runner.join(timeout=30)
+        self.store.set_state(job_id, "pending", "resume requested")
+        where = jobs.kind_of(job["kind"]).resumes_from(self, job_id)
+        self._start(job_id, f"resumed from {where}")
+        return self._job(job_id)
+
+    def cancel(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        if job["state"] in FINAL:
+            raise SmolforgeError(f"job {job_id} is already {job['state']}", fix="nothing to cancel")
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.is_alive():
+            runner.request("cancel")
+            runner.finished.wait(timeout=CANCEL_GRACE_S + 6)
+        job = self._job(job_id)
+        if job["state"] not in FINAL:
+            self.store.set_state(job_id, "cancelled", "cancelled", force=True)
+        return self._job(job_id)
+
+    def join(self, job_id: str, node: str | None = None) -> dict:
+        """Lend the coordinator node (default) or another node to a running data-parallel job."""
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        if not jobs.kind_of(job["kind"]).joinable:
+            raise SmolforgeError(f"job {job_id} is a {job['kind']} job; `job join` lends nodes to data-parallel jobs",
+                                 fix="it places its tasks on every eligible worker itself")
+        if job["state"] != "running" or runner is None:
+            raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",
+                                 fix=f"resume it first (`smolforge job resume {job_id}`)")
+        spec = DataParallelJob.model_validate(job["spec"])
+        target = node or COORDINATOR
+        nodes = ray_glue.nodes()
+        if target == COORDINATOR:
+            ray_glue.check_placeable(coordinator_requirements(spec), nodes)
+        else:
+            req = requirements_for(spec)
+            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
+                                                           allowed_nodes=[target]), nodes)
+        if target in spec.lent_nodes or target in runner.pending_joins:
+            raise SmolforgeError(f"{target} already joined job {job_id}", fix="nothing to do")
+        world = max(runner.world, 1) + len(runner.pending_joins) + 1
+        if spec.global_batch % world:
+            raise SmolforgeError(
+                f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
+                fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
+                    f"(e.g. {world * max(1, spec.global_batch // world)})")
+        runner.request("join", target)
+        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner.training \
+            else "the placement of its group"
+        self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
+        return self._job(job_id)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """After a (re)start: every job that was running or pending runs again from its checkpoint."""
+        resumed = []
+        for job in self.store.list_jobs(states=("running", "pending")):
+            where = jobs.kind_of(job["kind"]).resumes_from(self, job["id"])
+            if job["state"] == "running":
+                self.store.set_state(job["id"], "pending", f"coordinator restarted; resuming from {where}", force=True)
+            self.store.add_event(job["id"], "reattached", f"coordinator restarted; job resumes from {where}")
+            self._start(job["id"], f"resumed after coordinator restart from {where}")
+            resumed.append(job["id"])
+        return resumed
+
+    def active(self) -> list[str]:
+        with self.lock:
+            return [j for j, r in self.runners.items() if r.is_alive()]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop watching jobs (they stay 'running' in the store and resume on the next start)."""
+        self.closed = True
+        with self.lock:
+            runners = list(self.runners.values())
+        for r in runners:
+            r.abandon = True
+        for r in runners:
+            r.join(timeout=timeout / max(1, len(runners)))
+
+    def wait(self, job_id: str, timeout: float | None = None, on_update: Callable[[dict], None] | None = None) -> dict:
+        """Block until the job is final or paused (for the embedded CLI path)."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            job = self._job(job_id)
+            if on_update:
+                on_update(job)
+            runner = self.runners.get(job["id"])
+            if job["state"] in FINAL or (job["state"] == "paused" and (runner is None or not runner.is_alive())):
+                return job
+            if deadline and time.time() > deadline:
+                return job
+            time.sleep(0.5)
+
+    # -- node health ------------------------------------------------------------------------------
+
+    def probe_node(self, node_id: str, timeout: float = 4.0) -> bool:
+        """Does the node still run tasks? (Ray needs ~15 s to declare a silent node dead.)"""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = {n.node_id for n in ray_glue.nodes()}
+        if node_id not in alive:
+            return False
+        ref = _probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                             max_retries=0).remote()
+        try:
+            return ray.get(ref, timeout=timeout) is True
+        except Exception:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:
+                pass
+            return False
+
+    def healthy_nodes(self) -> list[ray_glue.NodeInfo]:
+        nodes = ray_glue.nodes()
+        alive_ids = {n.node_id for n in nodes}
+        for nid, since in list(self.suspects.items()):
+            if nid not in alive_ids:
+                continue  # Ray has caught up: it is gone from the live table
+            if time.time() - since > 20 and self.probe_node(nid, timeout=2):
+                del self.suspects[nid]
+        return [n for n in nodes if n.node_id not in self.suspects]
+
+
+def _probe_fn() -> bool:
+    return True
+
+
+class _LazyRemote:
+    def __init__(self, fn):
+        self.fn, self._remote = fn, None
+
+    def options(self, **kw):
+        import ray
+
+        if self._remote is None:
+            self._remote = ray.remote(self.fn)
+        return self._remote.options(**kw)
+
+
+_probe = _LazyRemote(_probe_fn)
+
+
