@@ -49,7 +49,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
-    from smolforge.distill.student import DirShardSource, train_student
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.student import train_student
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
     arms = args.arms.split(",")

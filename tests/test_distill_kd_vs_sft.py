@@ -24,7 +24,8 @@ SEEDS = (0, 1, 2)
 
 
 def _train(cfg, model, store):
-    from smolforge.distill.student import DirShardSource, train_student
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.student import train_student
 
     return train_student(cfg, DirShardSource(store), model=model).eval
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.store import read_manifest, ready_shards
-from smolforge.distill.student import DirShardSource, StudentConfig, collate_rows, rows_from_shard, train_student
+from smolforge.distill.shard_source import DirShardSource
+from smolforge.distill.student import StudentConfig, collate_rows, rows_from_shard, train_student
 from smolforge.distill.teacher import GenSettings, run_teacher_local
 
 GEN = GenSettings(max_new_tokens=6, top_k=8, batch_size=8)
@@ -174,7 +175,7 @@ class _StopWhileWaiting(DirShardSource):
         self.stop_at, self.asked = stop_at, 0
 
     def next_shard(self):
-        from smolforge.distill.student import StopRequested
+        from smolforge.distill.shard_source import StopRequested
 
         self.asked += 1
         if self.asked == self.stop_at:

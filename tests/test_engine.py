@@ -127,6 +127,22 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     assert_same(ref, got)
 
 
+def test_a_rerun_into_a_used_output_dir_is_refused_and_deletes_nothing(tmp_path):
+    """Without --resume, a second run into the same dir would have its new checkpoints pruned (the old
+    run's steps are higher) and a later --resume would continue the old run: refused, exit 2."""
+    args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "4", "--batch-size", "2",
+            "--max-length", "48", "--save-every", "2", "--num-threads", "1", "--quiet", "--output-dir", str(tmp_path),
+            "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
+    smolforge(*args, check=True)
+    before = sorted(p.name for p in ckpt.list_checkpoints(tmp_path))
+    again = smolforge(*args)
+    assert again.returncode == 2, again.stderr
+    assert "already holds checkpoints" in again.stderr and "--resume" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert sorted(p.name for p in ckpt.list_checkpoints(tmp_path)) == before == ["step-2", "step-4"]
+    smolforge(*args, "--resume", check=True)  # continuing it is fine
+
+
 @pytest.mark.parametrize("method", ["prefix", "prompt", "ia3", "adapter", "none"])
 def test_every_peft_method_trains_through_the_engine(tmp_path, method):
     result = train(cfg(tmp_path, max_steps=3, peft=PeftSpec(method=method, num_virtual_tokens=4), eval_accuracy=True,

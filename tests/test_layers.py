@@ -55,3 +55,22 @@ def test_a_wrong_import_breaks_the_contract(linter, tmp_path, module, bad_import
     broken = [line for line in proc.stdout.splitlines() if "BROKEN" in line]
     assert any(contract in line for line in broken), proc.stdout[-3000:]
     assert module.replace("/", ".").removesuffix(".py") in proc.stdout
+
+
+def test_collectives_live_in_parallel_only():
+    """The training loop talks to its peers through a Strategy: no torch.distributed outside parallel/.
+
+    (import-linter cannot forbid a submodule of an external package, so this reads the source.)
+    """
+    import ast
+
+    offenders = []
+    for path in (ROOT / "src" / "smolforge").rglob("*.py"):
+        if "parallel" in path.relative_to(ROOT / "src" / "smolforge").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.startswith(("torch.distributed", "torch.nn.parallel")) for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders

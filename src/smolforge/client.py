@@ -27,6 +27,7 @@ from smolforge.errors import SmolforgeError
 
 
 class Client:
+    runs_in_process = False  # jobs run on the coordinator: commands may return while they run
     def __init__(self, host: str = "127.0.0.1", port: int | None = 5000, token: str | None = None, *,
                  timeout: float = 60.0, state_dir: str | Path | None = None):
         import httpx

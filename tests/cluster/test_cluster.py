@@ -249,6 +249,28 @@ def test_pause_then_resume_equals_uninterrupted(world):
     assert_same_weights(adapter_of(world, job_id), reference(world, 4, max_steps=steps))
 
 
+def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
+    """Dropout masks come from each rank's own RNG stream: a checkpoint keeps every rank's state and
+    each rank resumes its own (before, every rank took rank 0's and the resumed run drifted)."""
+    import copy
+
+    client = world["c"].client()
+    steps = 2 * STEPS
+    spec = job_spec(world, max_steps=steps, peft={"method": "lora", "r": 8, "alpha": 16, "dropout": 0.05})
+    whole = client.submit_job(copy.deepcopy(spec))
+    wait_state(client, whole, ("completed",))
+    job_id = client.submit_job(copy.deepcopy(spec))
+    st = wait_step(client, job_id, 6)
+    assert st["state"] == "running", st
+    client.pause_job(job_id)
+    st = wait_state(client, job_id, ("paused",))
+    assert 6 <= st["step"] < steps, st
+    client.resume_job(job_id)
+    st = wait_state(client, job_id, ("completed",))
+    assert st["result"]["steps"] == steps
+    assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole))
+
+
 def test_cancel_releases_every_actor_within_10s(world):
     import yaml
 

@@ -15,41 +15,22 @@ with none of those runs on an embedded cluster of this machine (same scheduler, 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import typer
 
-from smolforge.cli.common import print_json, run_cli
-from smolforge.errors import SmolforgeError
+from smolforge.cli.common import console, fmt_eta, print_json, run_cli
+from smolforge.cli.follow import wait_with_progress
 
 COORD_HELP = "coordinator HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from --state-dir)"
 TOKEN_HELP = "cluster token (default: $SMOLFORGE_TOKEN or <state-dir>/token)"
 STATE_HELP = "state directory (default: $SMOLFORGE_HOME, ~/.smolforge)"
 
 
-def _console():
-    import sys
-
-    from rich.console import Console
-
-    # Piped output (scripts, tests) gets wide lines instead of an 80-column wrap.
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-
-
 def _backend(coordinator: str | None, token: str | None, state_dir: str | None, embedded_ok: bool = False):
     from smolforge.client import backend_for
 
     return backend_for(coordinator, token, state_dir, embedded_ok=embedded_ok)
-
-
-def _fmt_eta(s: float | None) -> str:
-    if s is None:
-        return "–"
-    s = int(max(0, round(s)))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def _usage(n: dict) -> str:
@@ -79,7 +60,7 @@ def _job_line(j: dict) -> str:
     if j.get("loss") is not None:
         text += f" · loss {j['loss']:.4f}"
     if j["state"] == "running":
-        text += f" · ETA {_fmt_eta(j.get('eta_s'))}"
+        text += f" · ETA {fmt_eta(j.get('eta_s'))}"
     return text
 
 
@@ -114,7 +95,7 @@ def jobs_table(jobs: list[dict]):
                   f"{100 * (j.get('progress') or 0):.0f}% ({j['step']}/{j['max_steps'] or '?'})",
                   f"{j['samples_done']}/{j['samples_total'] or '?'}",
                   "–" if j.get("loss") is None else f"{j['loss']:.4f}",
-                  _fmt_eta(j.get("eta_s")) if j["state"] == "running" else "–", ", ".join(j.get("nodes") or []) or "–")
+                  fmt_eta(j.get("eta_s")) if j["state"] == "running" else "–", ", ".join(j.get("nodes") or []) or "–")
     return t
 
 
@@ -125,7 +106,7 @@ def status_tree(st: dict):
     c = st["coordinator"]
     nodes = st["nodes"]
     root = Tree(escape(f"Coordinator {c.get('name')} · API {c.get('api')} · Ray {c.get('ray_address')}"
-                       + (f" · up {_fmt_eta(c.get('uptime_s'))}" if c.get("uptime_s") is not None else "")))
+                       + (f" · up {fmt_eta(c.get('uptime_s'))}" if c.get("uptime_s") is not None else "")))
     workers = [n for n in nodes if n["role"] == "worker"]
     online = [n for n in workers if n["state"] == "online"]
     wt = root.add(f"Workers online: {len(online)}/{len([w for w in workers if w['state'] != 'dead'])}")
@@ -152,63 +133,6 @@ def status_tree(st: dict):
             line += f", memory {av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB"
         rt.add(escape(line + (" (takes no training work)" if n["role"] == "coordinator" else "")))
     return root
-
-
-def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0) -> dict:
-    """Follow a job to its end with a rich bar (samples, rate, ETA); returns the final status."""
-    if quiet:
-        return backend.wait_for_job(job_id, poll=poll)
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                        TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                        console=Console(stderr=True), refresh_per_second=4)
-    task = progress.add_task(job_id, total=None, rate="", info="starting")
-    t0, first = time.time(), None
-
-    def update(st: dict) -> None:
-        nonlocal first
-        total = st.get("samples_total") or None
-        done = st.get("samples_done") or 0
-        if done and first is None:
-            first = (time.time(), done)
-        rate = ""
-        if first and done > first[1]:
-            rate = f"{(done - first[1]) / max(1e-6, time.time() - first[0]):.1f} samples/s"
-        info = st["state"]
-        if st.get("loss") is not None:
-            info += f" · loss {st['loss']:.4f}"
-        if st.get("nodes"):
-            info += f" · {len(st['nodes'])} workers"
-        progress.update(task, total=total, completed=done, rate=rate, info=info)
-
-    with progress:
-        final = backend.wait_for_job(job_id, poll=poll, callback=update)
-        update(final)
-    return final
-
-
-def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -> None:
-    job_id = st["job_id"]
-    adapter = None
-    if st["state"] == "completed" and output_dir:
-        adapter = backend.download_adapter(job_id, output_dir)
-    if json_out:
-        print_json({**st, "adapter_dir": str(adapter) if adapter else None})
-        if st["state"] == "failed":
-            raise typer.Exit(1)
-        return
-    typer.echo(f"job {job_id}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
-    res = st.get("result") or {}
-    if res.get("eval"):
-        typer.echo("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in res["eval"].items()))
-    if adapter:
-        typer.echo(f"adapter: {adapter}")
-    if st["state"] == "failed":
-        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
@@ -301,7 +225,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(st)
         else:
-            _console().print(status_tree(st))
+            console().print(status_tree(st))
 
     @app.command()
     @run_cli
@@ -319,7 +243,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(data)
         else:
-            _console().print(nodes_table(data))
+            console().print(nodes_table(data))
 
     @app.command()
     @run_cli
@@ -347,7 +271,7 @@ def register(app: typer.Typer) -> None:
             _add_row(t, r["name"], r["role"], r["state"], f"{av.get('CPU', 0):g}/{tot.get('CPU', 0):g}",
                       f"{av.get('GPU', 0):g}/{tot.get('GPU', 0):g}",
                       f"{av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB", _usage(r))
-        _console().print(t)
+        console().print(t)
 
     @app.command()
     @run_cli
@@ -362,11 +286,11 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge jobs --state running
         """
-        data = _backend(coordinator, token, state_dir).list_jobs(state)
+        data = _backend(coordinator, token, state_dir, embedded_ok=True).list_jobs(state)
         if json_out:
             print_json(data)
         else:
-            _console().print(jobs_table(data))
+            console().print(jobs_table(data))
 
     def _job_cmd(action: str, doc: str):
         @run_cli
@@ -377,12 +301,17 @@ def register(app: typer.Typer) -> None:
             state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
             json_out: bool = typer.Option(False, "--json", help="print the job status as JSON"),
         ):
-            backend = _backend(coordinator, token, state_dir)
-            st = getattr(backend, f"{action}_job")(job_id)
+            backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+            try:
+                st = getattr(backend, f"{action}_job")(job_id)
+                if action == "resume" and backend.runs_in_process:  # the job runs in this command: follow it
+                    st = wait_with_progress(backend, st["job_id"], quiet=json_out)
+            finally:
+                backend.close()
             if json_out:
                 print_json(st)
             else:
-                typer.echo(f"job {st['job_id']}: {st['state']}")
+                typer.echo(f"job {st['job_id']}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
 
         cmd.__doc__ = doc
         cmd.__name__ = f"job_{action}"
@@ -390,7 +319,9 @@ def register(app: typer.Typer) -> None:
 
     job_app.command("pause")(_job_cmd("pause", "Pause a job: rank 0 checkpoints, then every worker is released.\n\n"
                                                 "Example: smolforge job pause job-1a2b3c"))
-    job_app.command("resume")(_job_cmd("resume", "Resume a paused job from its last checkpoint.\n\n"
+    job_app.command("resume")(_job_cmd("resume", "Resume a paused (or interrupted) job from its last checkpoint.\n\n"
+                                                  "Without a coordinator the job runs in this command, which "
+                                                  "follows it to its end (progress, ETA).\n\n"
                                                   "Example: smolforge job resume job-1a2b3c"))
     job_app.command("cancel")(_job_cmd("cancel", "Cancel a job: its workers are stopped and released at once.\n\n"
                                                   "Example: smolforge job cancel job-1a2b3c"))
@@ -415,7 +346,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge job join job-1a2b3c
         """
-        st = _backend(coordinator, token, state_dir).join_job(job_id, node)
+        st = _backend(coordinator, token, state_dir, embedded_ok=True).join_job(job_id, node)
         if json_out:
             print_json(st)
         else:
@@ -434,13 +365,13 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge job show job-1a2b3c
         """
-        backend = _backend(coordinator, token, state_dir)
+        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
         job = backend.get_job(job_id)
         arts = backend.list_artifacts(job["id"])
         if json_out:
             print_json({**job, "artifacts": arts})
             return
-        con = _console()
+        con = console()
         con.print(_job_line(job))
         con.print(f"workers: {', '.join(job.get('nodes') or []) or '–'} · failures survived: {job.get('attempts') or 0}")
         if job.get("error"):
@@ -474,7 +405,7 @@ def register(app: typer.Typer) -> None:
         """
         from smolforge.cluster.jobview import format_event
 
-        backend = _backend(coordinator, token, state_dir)
+        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
         since = 0
         while True:
             events = backend.job_events(job_id, since)
@@ -487,212 +418,3 @@ def register(app: typer.Typer) -> None:
             if st["state"] in ("completed", "failed", "cancelled", "paused") and not events:
                 return
             time.sleep(1)
-
-    @app.command()
-    @run_cli
-    def launch(
-        model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
-        dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
-        workers: int = typer.Option(2, help="data-parallel ranks"),
-        mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
-                                 "--model is the teacher, --student the student, --workers the students)"),
-        student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
-        kd_loss: str = typer.Option("forward_kl", help="teacher_student/hybrid: forward_kl|reverse_kl|jsd"),
-        kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
-        temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
-        top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
-        num_teachers: Optional[int] = typer.Option(None, help="teacher_student/hybrid: teacher tasks "
-                                                   "(default: one per node holding the teacher)"),
-        epochs: Optional[float] = typer.Option(None),
-        batch_size: int = typer.Option(4, help="per worker; the global batch is batch size x workers"),
-        max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
-        max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --epochs)"),
-        lr: Optional[float] = typer.Option(None),
-        peft: Optional[str] = typer.Option(None, help="lora|prefix|prompt|ia3|adapter|none (default lora)"),
-        lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
-        lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
-        save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (recovery resumes there)"),
-        seed: Optional[int] = typer.Option(None),
-        cpus_per_worker: float = typer.Option(1.0, help="CPUs (and torch threads) per rank"),
-        gpu: str = typer.Option("no", help="no|preferred|required"),
-        max_retries: int = typer.Option(2, help="worker failures to survive"),
-        name: Optional[str] = typer.Option(None, help="a name for the job"),
-        output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>)"),
-        set_: list[str] = typer.Option([], "--set", help="override any setting, e.g. --set training.warmup_steps=10"),
-        detach: bool = typer.Option(False, "--detach", help="submit and return (coordinator only)"),
-        coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster"),
-        token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
-        state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
-        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
-        json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
-    ):
-        """Launch distributed training: data-parallel, or teacher→student distillation.
-
-        data_parallel: N ranks with DDP, rendezvous through Ray. teacher_student: --model is the
-        teacher, --student the student, --workers the number of students; hybrid: the same, with
-        teachers and the data-parallel students kept on separate nodes. `smolforge distill` has
-        every distillation setting.
-
-        With no coordinator given or running, it runs on an embedded cluster of this machine.
-
-        Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
-
-        Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
-        """
-        if mode in ("teacher_student", "hybrid"):
-            _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
-                            epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
-                            peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
-                            cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
-                            kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
-                            coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
-                            json_out=json_out,
-                            name=name, sets=set_, detach=detach,
-                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
-            return
-        if mode != "data_parallel":
-            raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
-        if student:
-            raise SmolforgeError("--student is for --mode teacher_student or hybrid",
-                                 fix="drop --student, or pick a distillation mode")
-        kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
-                                      cpus_per_worker=cpus_per_worker, name=name)
-        for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
-                           ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
-                           ("lora_alpha", lora_alpha), ("peft", peft)):
-            if value is not None:
-                kwargs[key] = value
-        spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
-        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=token, state_dir=state_dir,
-                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
-
-    @app.command()
-    @run_cli
-    def submit(
-        job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}) or distill (mode, distill: {...})"),
-        set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set num_workers=3"),
-        wait: bool = typer.Option(False, "--wait", help="follow the job to its end"),
-        output_dir: Optional[str] = typer.Option(None, help="with --wait: where the adapter is downloaded"),
-        coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster (implies --wait)"),
-        token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
-        state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
-        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
-        json_out: bool = typer.Option(False, "--json"),
-    ):
-        """Submit a job file. Local dataset paths are uploaded to the coordinator first.
-
-        Example: smolforge submit job.yaml --set train.max_steps=200 --wait
-        """
-        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
-        embedded = getattr(backend, "base", "") == "embedded"
-        try:
-            job_id = backend.submit_job(job_file, set_)
-            if not (wait or embedded):
-                if json_out:
-                    print_json({"job_id": job_id})
-                else:
-                    typer.echo(job_id)
-                return
-            st = wait_with_progress(backend, job_id, quiet or json_out)
-            finish_job(backend, st, output_dir or f"outputs/{job_id}", json_out)
-        finally:
-            close = getattr(backend, "close", None)
-            if close:
-                close()
-
-
-def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,
-                    unsupported: dict[str, Any], **o: Any) -> None:
-    """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
-    cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cli.common import quiet_libraries
-    from smolforge.cluster.jobs import apply_job_overrides
-    from smolforge.cluster.specs import DistillJob
-    from smolforge.config import validate
-    from smolforge.distill.pipeline import check_run
-
-    if not students:
-        raise SmolforgeError(f"--mode {mode} needs a student model",
-                             fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
-    given = [flag for flag, value in unsupported.items() if value]
-    if given:
-        raise SmolforgeError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode data_parallel only",
-                             fix="drop them, or use `smolforge distill` for the full set of distillation settings")
-    quiet_libraries()
-    distill: dict[str, Any] = {"teacher": teacher, "students": list(students), "data": dataset,
-                               "num_students": workers, "peft": o["peft"] or "lora", "kd_loss": o["kd_loss"],
-                               "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "top_k": o["top_k"],
-                               "batch_size": o["batch_size"], "cpus_per_student": o["cpus_per_worker"]}
-    peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
-    if peft_config:
-        distill["peft_config"] = peft_config
-    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every"):
-        if o[key] is not None:
-            distill[key] = o[key]
-    if mode == "hybrid":
-        distill["split_shards"] = True
-    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
-    check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
-    _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
-                       state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], on_completed=_fetch_distill_summary)
-
-
-def _fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
-    """The run summary (store, tasks, events) next to the merged adapter, as `smolforge distill` writes it."""
-    backend.download_artifact(job_id, "summary", "distill", out / "summary")
-    (out / "summary" / "distill_summary.json").replace(out / "distill_summary.json")
-    (out / "summary").rmdir()
-
-
-def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token: str | None, state_dir: str | None,
-                       detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
-                       on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
-    """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
-    its end and fetch its adapter into `output_dir` (default outputs/<job>)."""
-    backend = _backend(coordinator, token, state_dir, embedded_ok=True)
-    embedded = getattr(backend, "base", "") == "embedded"
-    try:
-        if detach and embedded:
-            raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
-                                 fix="start one with `smolforge coordinator start`, or drop --detach")
-        job_id = backend.submit_job(spec)
-        if not json_out:
-            typer.echo(f"submitted {job_id} ({what}" + (", embedded cluster" if embedded else "") + ")", err=True)
-        if detach:
-            typer.echo(job_id)
-            return
-        st = wait_with_progress(backend, job_id, quiet or json_out)
-        out = output_dir or f"outputs/{job_id}"
-        if on_completed is not None and st["state"] == "completed":
-            on_completed(backend, job_id, Path(out))
-        finish_job(backend, st, out, json_out)
-    finally:
-        close = getattr(backend, "close", None)
-        if close:
-            close()
-
-
-def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
-                 max_retries: int, cpus_per_worker: float, name: str | None, **opts: Any) -> dict:
-    from smolforge.cluster.jobs import apply_job_overrides
-
-    train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
-    if "max_length" in opts:
-        train["data"]["max_length"] = opts.pop("max_length")
-    peft: dict[str, Any] = {}
-    for key, dest in (("peft", "method"), ("lora_r", "r"), ("lora_alpha", "alpha")):
-        if key in opts:
-            peft[dest] = opts.pop(key)
-    if peft:
-        train["peft"] = peft
-    train.update(opts)
-    spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
-            "gpu": gpu, "max_retries": max_retries, "train": train}
-    return apply_job_overrides(spec, sets)
-
-
-if __name__ == "__main__":  # `python -m smolforge.cli.cluster ...` works without the root app
-    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
-    register(_app)
-    _app()

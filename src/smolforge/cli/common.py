@@ -89,3 +89,21 @@ def peft_section(method: str | None, peft_config: str | None, lora_r: int | None
         if value is not None:
             out[key] = value
     return out
+
+
+def console():
+    import sys
+
+    from rich.console import Console
+
+    # Piped output (scripts, tests) gets wide lines instead of an 80-column wrap.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def fmt_eta(s: float | None) -> str:
+    if s is None:
+        return "–"
+    s = int(max(0, round(s)))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"

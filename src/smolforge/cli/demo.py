@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -31,6 +33,8 @@ def run_sft_demo(output_dir: str = "outputs/demo", max_steps: int = 400, seed: i
 
     t0 = time.perf_counter()
     cfg = sft_demo_config(output_dir, max_steps, seed, quiet)
+    # The demo starts fresh every time (its outputs are a showcase, not a run to continue).
+    shutil.rmtree(Path(output_dir) / "checkpoints", ignore_errors=True)
     import torch
 
     torch.manual_seed(seed)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 import typer
+
+from smolforge.cli import cluster, demo, distill, launch, split, train
 
 app = typer.Typer(
     name="smolforge",
@@ -15,16 +15,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-GROUPS = ("train", "demo", "cluster", "distill", "split")
-
-for _name in GROUPS:
-    try:
-        _module = importlib.import_module(f"smolforge.cli.{_name}")
-    except ModuleNotFoundError as _err:  # a group still being written by a teammate
-        if _err.name != f"smolforge.cli.{_name}":
-            raise
-        continue
-    _module.register(app)
+for _group in (train, demo, cluster, launch, distill, split):
+    _group.register(app)
 
 
 def main() -> None:

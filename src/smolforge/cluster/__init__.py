@@ -10,7 +10,14 @@ Modules, one concept each:
 - `jobstore`   SQLite (WAL): jobs, tasks, events, metrics
 - `artifacts`  content-checksummed files and directories that jobs produce and consume
 - `job_control` the per-job actor that workers talk to (stop flags, progress, artifact upload)
-- `scheduler`  the job manager: runs jobs, recovers from failures, pause/resume/cancel/join
+- `states`     JobState: the legal moves between job states, which ones are final
+- `policy`     FailurePolicy: retry from the last checkpoint or give up, with a reason, for every kind
+- `jobs`       the job-kind registry: each kind's spec, runner, uploads, checks
+- `manager`    the job manager: submit, one runner per active job, pause/resume/cancel/join, recovery
+- `runners/`   `base` (what every runner shares) and `data_parallel`; `distill/` holds the distill runner
+- `placement`  where a data-parallel job's ranks may go, and how many fit on a node
+- `distill/`   distillation on the cluster: teacher tasks, shard broker, student actors, the run loop
+- `embedded`   the cluster of one machine when no coordinator runs (same manager, same runners)
 - `api`        the FastAPI control service
 - `coordinator` and `worker`: the two long-running commands
 

@@ -4,6 +4,12 @@
 the very same JobManager, worker group and control actor as on a real cluster run the job. The
 object has the `Client` methods the CLI and the Orchestrator use, so callers do not care which one
 they hold. State (job store, artifacts) lives in `$SMOLFORGE_HOME/embedded/`.
+
+Ray starts only when something must run (a submit, a resume, the node table): `smolforge jobs` and
+`job show` read the store. A job runs inside the command that started (or resumed) it, which
+follows it to the end. If that process dies (killed, a closed laptop lid, a power cut), the next
+embedded command finds the job still `running` with no live owner and marks it `paused`
+("interrupted"); `smolforge job resume ID` continues it from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -12,14 +18,18 @@ import copy
 from pathlib import Path
 from typing import Callable
 
-from smolforge.cluster.jobs import apply_job_overrides, stage_spec
+import psutil
+
+from smolforge.cluster.jobs import apply_job_overrides, pin_local_models, stage_spec
 from smolforge.cluster.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
+from smolforge.paths import atomic_write_json
 
 
 class EmbeddedCluster:
+    runs_in_process = True  # a command that starts or resumes a job here must follow it to its end
+
     def __init__(self, state_dir: str | Path | None = None, num_cpus: int | None = None):
-        from smolforge.cluster import ray_glue
         from smolforge.cluster.artifacts import ArtifactStore
         from smolforge.cluster.jobstore import JobStore
         from smolforge.cluster.manager import JobManager
@@ -27,18 +37,65 @@ class EmbeddedCluster:
         from smolforge.paths import home
 
         self.state = StateDir.at(state_dir or home() / "embedded")
-        self.handle = ray_glue.connect(None, state_dir=self.state.root, num_cpus=num_cpus)
+        self.num_cpus = num_cpus
+        self._handle = None
         self.store = JobStore(self.state.db_path)
         self.artifacts = ArtifactStore(self.state.artifacts)
-        self.manager = JobManager(self.store, self.artifacts)
+        self.manager = JobManager(self.store, self.artifacts, embedded=True, on_start=self._own)
         self.base = "embedded"
+        self.interrupted = self._mark_interrupted()
+
+    @property
+    def handle(self):
+        """The in-process Ray cluster, started on first use."""
+        if self._handle is None:
+            from smolforge.cluster import ray_glue
+
+            self._handle = ray_glue.connect(None, state_dir=self.state.root, num_cpus=self.num_cpus)
+        return self._handle
+
+    # -- who runs which job -----------------------------------------------------------------------
+
+    def _owner_file(self, job_id: str) -> Path:
+        return self.state.root / "owners" / f"{job_id}.json"
+
+    def _own(self, job_id: str) -> None:
+        """Record that this process runs the job (pid and start time: a reused pid is not the owner)."""
+        me = psutil.Process()
+        atomic_write_json(self._owner_file(job_id), {"pid": me.pid, "started": me.create_time()})
+
+    def _owner_alive(self, job_id: str) -> bool:
+        import json
+
+        try:
+            owner = json.loads(self._owner_file(job_id).read_text())
+            proc = psutil.Process(int(owner["pid"]))
+            return abs(proc.create_time() - float(owner["started"])) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+        except (OSError, ValueError, KeyError, psutil.Error):
+            return False
+
+    def _mark_interrupted(self) -> list[str]:
+        """Jobs left `running`/`pending` by an embedded command that is gone become `paused`, never
+        `running` forever; `job resume` continues them from their last checkpoint."""
+        from smolforge.cluster.jobs import kind_of
+
+        found = []
+        for job in self.store.list_jobs(states=("running", "pending")):
+            if self._owner_alive(job["id"]):
+                continue
+            where = kind_of(job["kind"]).resumes_from(self.manager, job["id"])
+            self.store.set_state(job["id"], "paused", f"interrupted: the command running it ended; "
+                                 f"`smolforge job resume {job['id']}` continues from {where}", force=True)
+            found.append(job["id"])
+        return found
 
     def __repr__(self) -> str:
         return f"EmbeddedCluster({self.state.root})"
 
     def close(self) -> None:
         self.manager.shutdown(timeout=10)
-        self.handle.shutdown()
+        if self._handle is not None:
+            self._handle.shutdown()
 
     def __enter__(self):
         return self
@@ -73,7 +130,9 @@ class EmbeddedCluster:
 
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         apply_job_overrides(data, overrides or [])
-        return self.manager.submit(stage_spec(data, self.upload))
+        spec = pin_local_models(stage_spec(data, self.upload))
+        self.handle  # noqa: B018  (placement is checked against the live node table)
+        return self.manager.submit(spec)
 
     def list_jobs(self, state: str | None = None) -> list[dict]:
         states = tuple(s for s in (state or "").split(",") if s) or None
@@ -91,6 +150,7 @@ class EmbeddedCluster:
         return job_status(self.manager.pause(job_id))
 
     def resume_job(self, job_id: str) -> dict:
+        self.handle  # noqa: B018  (the job runs on this process's cluster)
         return job_status(self.manager.resume(job_id))
 
     def cancel_job(self, job_id: str) -> dict:

@@ -35,6 +35,7 @@ class JobKind:
     section: str  # the settings section: `--set` routes keys the job itself lacks into it
     section_keys: frozenset[str]
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
     joinable: bool = False  # `job join` lends it nodes
@@ -49,9 +50,11 @@ def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", DataParallelJob, DPRunner, section="train",
             section_keys=frozenset(TrainConfig.model_fields), uploads=("train.data.path", "train.data.eval_path"),
+            models=("train.model",),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from),
     JobKind("distill", DistillJob, DistillRunner, section="distill",
             section_keys=frozenset(DistillRun.__dataclass_fields__), uploads=("distill.data",),
+            models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.run_config("distill-check")),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
 )}
@@ -104,6 +107,20 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
             raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
                                  fix="check the path (or use 'bundled' for the generated task set)")
         _put(spec, dotted, upload(path))
+    return spec
+
+
+def pin_local_models(spec: dict) -> dict:
+    """Models named by a local directory, made absolute: on the embedded cluster (this machine) every
+    task loads them in place, whatever its working directory."""
+    def pinned(name: Any) -> Any:
+        path = Path(str(name)).expanduser()
+        return str(path.resolve()) if isinstance(name, str) and path.is_dir() else name
+
+    for dotted in kind_of(spec).models:
+        value = _get(spec, dotted)
+        if value is not None:
+            _put(spec, dotted, [pinned(v) for v in value] if isinstance(value, list) else pinned(value))
     return spec
 
 

@@ -21,16 +21,7 @@ from typing import Any, Iterator
 
 from smolforge.errors import SmolforgeError
 
-STATES = ("pending", "running", "paused", "completed", "failed", "cancelled")
-FINAL = ("completed", "failed", "cancelled")
-TRANSITIONS = {
-    "pending": {"running", "paused", "failed", "cancelled"},
-    "running": {"paused", "completed", "failed", "cancelled", "pending"},  # pending: re-queued after a restart
-    "paused": {"pending", "running", "cancelled", "failed"},
-    "completed": set(),
-    "failed": set(),
-    "cancelled": set(),
-}
+from smolforge.cluster.states import FINAL, STATES, JobState  # noqa: F401  (FINAL: the stores' users)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -163,13 +154,26 @@ class JobStore:
         return job_id
 
     def get_job(self, job_id: str) -> dict[str, Any]:
-        row = self._db().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-        if row is None:
-            row = self._db().execute("SELECT * FROM jobs WHERE id LIKE ? OR name=? ORDER BY created DESC",
-                                     (job_id + "%", job_id)).fetchone()
-        if row is None:
-            raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
-        return self._job_row(row)
+        """A job by its exact id, else its exact name, else a unique prefix of its id.
+
+        Two matches are an error that lists them, never "the newest": `job cancel` must not guess.
+        """
+        db = self._db()
+        row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is not None:
+            return self._job_row(row)
+        for what, sql in (("name", "SELECT * FROM jobs WHERE name=? ORDER BY created"),
+                          ("id prefix", "SELECT * FROM jobs WHERE substr(id, 1, length(?1)) = ?1 ORDER BY created")):
+            if what == "id prefix" and (not job_id or not all(c.isalnum() or c == "-" for c in job_id)):
+                break  # ids are letters, digits and dashes: anything else matches no id
+            rows = db.execute(sql, (job_id,)).fetchall()
+            if len(rows) == 1:
+                return self._job_row(rows[0])
+            if len(rows) > 1:
+                ids = ", ".join(r["id"] for r in rows[:6])
+                raise SmolforgeError(f"{job_id!r} matches {len(rows)} jobs by {what}: {ids}",
+                                     fix="use the full job id (`smolforge jobs` lists them)")
+        raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
 
     def list_jobs(self, states: tuple[str, ...] | None = None, limit: int = 200) -> list[dict[str, Any]]:
         if states:
@@ -192,7 +196,9 @@ class JobStore:
             prev = row["state"]
             if prev == state:
                 return prev
-            if state not in TRANSITIONS[prev] and not force:
+            if JobState(prev).final and force:
+                return prev  # a final state stands: a cancelled job never ends as failed (JobState.settle)
+            if not JobState(prev).can_become(state) and not force:
                 raise SmolforgeError(f"job {job_id} is {prev}; it cannot become {state}",
                                      fix="see its state with `smolforge job show " + job_id + "`")
             sets = ["state=?", "updated=?"]

@@ -20,8 +20,11 @@ from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 
 class JobManager:
-    def __init__(self, store: JobStore, artifacts: ArtifactStore):
+    def __init__(self, store: JobStore, artifacts: ArtifactStore, embedded: bool = False,
+                 on_start: Callable[[str], None] = lambda job_id: None):
         self.store, self.artifacts = store, artifacts
+        self.embedded = embedded  # one machine: a local model directory is held by every node
+        self.on_start = on_start  # told before a job's runner starts (the embedded cluster records its owner)
         self.runners: dict[str, JobRunner] = {}
         self.suspects: dict[str, float] = {}  # node_id -> when it stopped answering
         self.lock = threading.RLock()
@@ -35,7 +38,7 @@ class JobManager:
     def check_capacity(self, job: DataParallelJob, nodes: list[ray_glue.NodeInfo] | None = None) -> int:
         """Fail at once, listing every node, when the cluster cannot hold the job's workers."""
         nodes = nodes if nodes is not None else ray_glue.nodes()
-        req = requirements_for(job)
+        req = requirements_for(job, self.embedded)
         cands = ray_glue.check_placeable(req, nodes)
         total = sum(slots_on(n, req, use_available=False) for n in cands)
         if total < job.num_workers:
@@ -70,6 +73,7 @@ class JobManager:
             if old is not None and old.is_alive():
                 raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
             runner = jobs.kind_of(self.store.get_job(job_id)["kind"]).runner(self, job_id, reason)
+            self.on_start(job_id)
             self.runners[job_id] = runner
             runner.start()
             return runner
@@ -144,9 +148,9 @@ class JobManager:
         target = node or COORDINATOR
         nodes = ray_glue.nodes()
         if target == COORDINATOR:
-            ray_glue.check_placeable(coordinator_requirements(spec), nodes)
+            ray_glue.check_placeable(coordinator_requirements(spec, self.embedded), nodes)
         else:
-            req = requirements_for(spec)
+            req = requirements_for(spec, self.embedded)
             ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
                                                            allowed_nodes=[target]), nodes)
         if target in spec.lent_nodes or target in runner.pending_joins:
@@ -208,23 +212,7 @@ class JobManager:
     # -- node health ------------------------------------------------------------------------------
 
     def probe_node(self, node_id: str, timeout: float = 4.0) -> bool:
-        """Does the node still run tasks? (Ray needs ~15 s to declare a silent node dead.)"""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        alive = {n.node_id for n in ray_glue.nodes()}
-        if node_id not in alive:
-            return False
-        ref = _probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                             max_retries=0).remote()
-        try:
-            return ray.get(ref, timeout=timeout) is True
-        except Exception:
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:
-                pass
-            return False
+        return ray_glue.probe_node(node_id, timeout)
 
     def healthy_nodes(self) -> list[ray_glue.NodeInfo]:
         nodes = ray_glue.nodes()
@@ -235,24 +223,3 @@ class JobManager:
             if time.time() - since > 20 and self.probe_node(nid, timeout=2):
                 del self.suspects[nid]
         return [n for n in nodes if n.node_id not in self.suspects]
-
-
-def _probe_fn() -> bool:
-    return True
-
-
-class _LazyRemote:
-    def __init__(self, fn):
-        self.fn, self._remote = fn, None
-
-    def options(self, **kw):
-        import ray
-
-        if self._remote is None:
-            self._remote = ray.remote(self.fn)
-        return self._remote.options(**kw)
-
-
-_probe = _LazyRemote(_probe_fn)
-
-

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from smolforge.cluster import ray_glue
 from smolforge.cluster.specs import DataParallelJob
+from smolforge.models.tiny import is_preset
 
 COORDINATOR = "@coordinator"
 
 
-def requirements_for(spec: DataParallelJob) -> ray_glue.Requirements:
-    from smolforge.models.tiny import is_preset
+def holds_anywhere(model: str, embedded: bool) -> bool:
+    """Every node can load this model: a preset (built from config), or, on an embedded cluster (one
+    machine), a local directory. Elsewhere a model is held by the nodes that advertise it."""
+    return is_preset(model) or (embedded and Path(model).expanduser().is_dir())
 
-    need_model = spec.require_model if spec.require_model is not None else not is_preset(spec.train.model)
+
+def requirements_for(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:
+    need_model = spec.require_model if spec.require_model is not None else \
+        not holds_anywhere(spec.train.model, embedded)
     return ray_glue.Requirements(model=spec.train.model if need_model else None, min_ram_gb=spec.min_ram_gb,
                                  cpus=spec.cpus_per_worker, gpu=spec.gpu, allowed_nodes=spec.allowed_nodes)
 
 
-def coordinator_requirements(spec: DataParallelJob) -> ray_glue.Requirements:
-    base = requirements_for(spec)
+def coordinator_requirements(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:
+    base = requirements_for(spec, embedded)
     return ray_glue.Requirements(model=base.model, cpus=spec.cpus_per_worker, gpu="no", on_coordinator=True)
 
 

@@ -221,6 +221,11 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
     if req.model:
         fix = (f"put {req.model} on a worker (HF cache or --models-dir) and re-join it, "
                "or pick a model some node holds (`smolforge nodes`)")
+        if os.sep in req.model or req.model.startswith((".", "~")):
+            name = Path(req.model).expanduser().name
+            fix = (f"{req.model} is a directory on this machine, and workers share no filesystem with it: copy it "
+                   f"into each worker's --models-dir as {name}/, re-join them and pass --model {name} "
+                   "(without a coordinator, the embedded cluster uses the directory in place)")
     raise SmolforgeError("no node can run this task (needs " + ", ".join(wanted) + "); nodes:\n" + "\n".join(lines),
                          where="placement", fix=fix)
 
@@ -422,3 +427,33 @@ def connected_handle() -> ClusterHandle | None:
 
 def describe_nodes(node_list: list[NodeInfo]) -> str:
     return json.dumps([n.to_dict() for n in node_list], indent=2)
+
+
+# -- is a node still there? ------------------------------------------------------------------------
+
+def _probe_fn() -> bool:
+    return True
+
+
+_PROBE: Any = None
+
+
+def probe_node(node_id: str, timeout: float = 4.0) -> bool:
+    """Does the node still run tasks? Ray needs ~15 s to declare a silent node dead; a zero-CPU task
+    pinned to it answers in milliseconds when it is alive."""
+    global _PROBE
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if node_id not in {n.node_id for n in nodes()}:
+        return False
+    if _PROBE is None:
+        _PROBE = ray.remote(_probe_fn)
+    ref = _PROBE.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                         max_retries=0).remote()
+    try:
+        return ray.get(ref, timeout=timeout) is True
+    except (GetTimeoutError, RayError):
+        ray.cancel(ref, force=True)
+        return False

@@ -40,6 +40,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from smolforge.config import Spec, TrainConfig
+from smolforge.errors import SmolforgeError
+from smolforge.parallel.strategies import check_name
 
 
 class DataParallelJob(Spec):
@@ -54,10 +56,20 @@ class DataParallelJob(Spec):
     require_model: bool | None = Field(
         None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
     max_retries: int = Field(2, ge=0, description="worker failures survived before the job fails")
+    strategy: str = Field("ddp", description="how the ranks share learning (smolforge.parallel.strategies)")
+    strategy_config: dict[str, Any] = Field(default_factory=dict, description="the strategy's own settings")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout (a peer lost without a TCP reset)")
     placement_timeout_s: float = Field(120.0, gt=0)
     lent_nodes: list[str] = Field(default_factory=list, description="nodes lent with `job join` (coordinator: '@coordinator')")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        try:
+            return check_name(value)
+        except SmolforgeError as err:
+            raise ValueError(err.what) from None
 
     @property
     def global_batch(self) -> int:

@@ -1,7 +1,8 @@
-"""Teacher→student distillation: teacher backends (hf, ollama), the top-k logit store, KD losses,
-streaming students, adapter aggregation, the pipeline planner and the cluster tasks.
+"""Teacher→student distillation, the pure parts: teacher backends (hf, ollama, reference), the top-k
+logit store, KD losses, streaming students, adapter aggregation, the planner and the run settings.
 
-Cluster-free pieces import without Ray; `smolforge.distill.orchestration` holds the Ray side.
+Nothing here imports Ray (an import-linter contract keeps it so): running teachers and students on
+the cluster is `smolforge.cluster.distill`.
 """
 
 from smolforge.distill.aggregate import aggregate_student_outputs

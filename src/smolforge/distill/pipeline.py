@@ -55,6 +55,7 @@ class DistillRun:
     lr: float = 1e-3
     warmup_steps: int = 0
     save_every: int = 50  # student checkpoints, kept by the driver: a lost worker's student restarts there
+    replace_timeout_s: float = 300.0  # a student whose node died waits this long for an eligible node, then fails
     max_length: int = 256
     seed: int = 0
     split_shards: bool | None = None
@@ -95,6 +96,9 @@ def check_run(cfg: DistillRun) -> None:
                 responses=cfg.teacher_responses).check()
     if cfg.teacher_backend not in ("hf", "ollama", "reference"):
         raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
+    if cfg.replace_timeout_s <= 0:
+        raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
+                             fix="give the seconds a student whose node died may wait for another (e.g. 300)")
     if cfg.save_every < 0:
         raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")

@@ -172,11 +172,13 @@ class DPWorker:
     # -- the work ---------------------------------------------------------------------------------
 
     def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
-            backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2) -> dict:
+            backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
+            strategy_config: dict | None = None) -> dict:
         import ray
 
         from smolforge.config import TrainConfig
         from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
+        from smolforge.parallel.strategies import make_strategy
         from smolforge.parallel.transfer import pack_dir
         from smolforge.train.engine import TrainHooks, train
 
@@ -242,7 +244,7 @@ class DPWorker:
                         "message": f"rank {self.rank}/{world} started on {self.info()['node_name']} "
                                    f"({chosen if world > 1 else 'single'}, {self.cpus} threads"
                                    f"{', resuming ' + resume_from if resume_from else ''})"})
-            result = train(cfg, hooks)
+            result = train(cfg, hooks, strategy=make_strategy(strategy if world > 1 else "single", strategy_config))
             adapter_meta = None
             if is_main and not result.stopped and result.adapter_dir:
                 adapter = Path(result.adapter_dir)

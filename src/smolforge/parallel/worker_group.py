@@ -73,12 +73,13 @@ class WorkerGroup:
         return infos
 
     def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
-            keep_last: int = 2) -> list:
+            keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None) -> list:
         """Start every rank; returns one ObjectRef per rank (rank order)."""
         import ray
 
         addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
-        return [m.actor.run.remote(cfg, self.world, addr, port, resume_from, backend, timeout_s, keep_last)
+        return [m.actor.run.remote(cfg, self.world, addr, port, resume_from, backend, timeout_s, keep_last,
+                                   strategy, strategy_config)
                 for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:

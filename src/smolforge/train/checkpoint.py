@@ -82,7 +82,13 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
-                    extra: dict[str, Any] | None = None, keep_last: int = 2) -> Path:
+                    extra: dict[str, Any] | None = None, keep_last: int = 2,
+                    rank_rng: list[torch.Tensor] | None = None, strategy_state: dict[str, Any] | None = None) -> Path:
+    """Write `step-<step>/` atomically and prune all but the newest `keep_last`.
+
+    `rank_rng`: every rank's CPU RNG state (a data-parallel group), kept as `cpu_rank<r>` so that each
+    rank resumes its own dropout stream; `strategy_state`: the strategy's own tensors and numbers.
+    """
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
@@ -90,11 +96,13 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
         rng = {"cpu": torch.get_rng_state()}
+        rng.update({f"cpu_rank{r}": state for r, state in enumerate(rank_rng or [])})
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, str(tmp / "rng.safetensors"))
         # Tensors plus plain numbers only: loaded back with weights_only=True.
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "strategy": strategy_state or {}}, tmp / "optim.pt")
         atomic_write_json(tmp / "state.json", {"step": step, **(extra or {})})
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_json(tmp / MANIFEST, {"step": step, "files": files})
@@ -109,8 +117,13 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG; returns state.json."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, strategy=None) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and RNG; returns state.json.
+
+    With a `strategy` (smolforge.train.strategy.Strategy), rank r restores the RNG state rank r saved
+    when the checkpoint holds one per rank of the same world size; otherwise every rank takes the main
+    rank's (a resumed group of another size cannot replay the old dropout streams anyway).
+    """
     weights = load_file(str(path / "trainable.safetensors"))
     params = dict(model.named_parameters())
     missing = [n for n in weights if n not in params]
@@ -123,7 +136,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler) ->
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
-    torch.set_rng_state(rng["cpu"])
+    mine = None
+    if strategy is not None:
+        strategy.load_state_dict(blob.get("strategy") or {})
+        per_rank = [rng[k] for k in sorted((k for k in rng if k.startswith("cpu_rank")), key=lambda k: int(k[8:]))]
+        mine = strategy.rng_for_rank(per_rank) if per_rank else None
+    torch.set_rng_state(mine if mine is not None else rng["cpu"])
     cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)

@@ -14,17 +14,16 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from smolforge.config import TrainConfig
 from smolforge.data.collate import collate
 from smolforge.data.splits import Splits, load_splits
+from smolforge.errors import SmolforgeError
 from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
@@ -32,6 +31,7 @@ from smolforge.train import checkpoint as ckpt
 from smolforge.train.precision import autocast_dtype
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
 from smolforge.train.schedule import make_scheduler
+from smolforge.train.strategy import Strategy
 
 
 @dataclass
@@ -81,20 +81,6 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce(values: list[float], device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 class SampleOrder:
     """Which rows each step uses: per-epoch seeded permutations, drop-last, sliced per rank."""
 
@@ -137,16 +123,17 @@ def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None):
     return tokenizer, model
 
 
-def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accuracy: bool = True) -> dict[str, Any]:
+def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accuracy: bool = True,
+             strategy: Strategy | None = None) -> dict[str, Any]:
     """Eval loss/perplexity (and accuracy where answers exist), each rank doing its shard."""
-    rank, world = _rank_world()
-    rows = splits.eval[rank::world]
+    strategy = strategy or Strategy()
+    rows = strategy.shard(splits.eval)
     loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
     correct = total = 0
     if accuracy and cfg.eval_accuracy and splits.eval_examples:
-        correct, total = exact_match_counts(model, tokenizer, splits.eval_examples[rank::world],
+        correct, total = exact_match_counts(model, tokenizer, strategy.shard(splits.eval_examples),
                                             cfg.max_new_tokens, 64, device)
-    loss_sum, count, correct, total = _all_reduce([loss_sum, count, correct, total], device)
+    loss_sum, count, correct, total = strategy.reduce([loss_sum, count, correct, total], device)
     out: dict[str, Any] = {}
     if count:
         out["eval_loss"] = loss_sum / count
@@ -156,38 +143,51 @@ def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accurac
     return out
 
 
-def _stop_code(hooks: TrainHooks, device) -> str | None:
+def _stop_code(hooks: TrainHooks, strategy: Strategy, device) -> str | None:
     """Rank 0's pause/cancel decision, shared with every rank so they leave the loop together."""
     code = 0
     if hooks.should_stop is not None:
         decision = hooks.should_stop()
         code = {"pause": 1, "cancel": 2}.get(decision or "", 0)
-    if dist.is_available() and dist.is_initialized():
-        t = torch.tensor([code], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        code = int(t.item())
-    return {1: "pause", 2: "cancel"}.get(code)
+    return {1: "pause", 2: "cancel"}.get(strategy.agree(code, device))
+
+
+def refuse_used_output_dir(cfg: TrainConfig) -> None:
+    """A fresh run into a directory holding another run's checkpoints would lose either way: pruning
+    keeps the highest steps (the old run's), deleting the new checkpoints, and a later --resume would
+    continue the old run. So it is refused, and nothing is deleted."""
+    if cfg.resume:
+        return
+    old = ckpt.list_checkpoints(cfg.output_dir)
+    if old:
+        raise SmolforgeError(f"{cfg.output_dir} already holds checkpoints of a run (up to {old[-1].name})",
+                             where="--output-dir",
+                             fix="pass --resume to continue that run, or choose a new --output-dir "
+                                 "(nothing was deleted)")
 
 
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
-          model=None, tokenizer=None) -> TrainResult:
-    """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones."""
+          model=None, tokenizer=None, strategy: Strategy | None = None) -> TrainResult:
+    """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones.
+
+    `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
+    """
     from smolforge.models.peft_methods import save_adapter, trainable_summary, virtual_token_offset
 
     hooks = hooks or TrainHooks()
+    strategy = strategy or Strategy()
     t_start = time.perf_counter()
-    rank, world = _rank_world()
+    rank, world = strategy.rank, strategy.world
     torch.set_num_threads(cfg.num_threads or available_cpus())
     from smolforge.models.loading import pick_device
 
-    device = pick_device(cfg.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    device = strategy.device_for(pick_device(cfg.device))
     torch.manual_seed(cfg.seed)
     if tokenizer is None:
         from smolforge.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
+    refuse_used_output_dir(cfg)
     if splits is None:  # before the model: bad data should fail in a second, not after a load
         splits = load_splits(cfg.data, tokenizer)
     if model is None:
@@ -218,15 +218,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     if cfg.resume:
         latest = ckpt.latest_checkpoint(out_dir)
         if latest is not None:
-            state = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+            state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, strategy=strategy)
             start_step, resumed_from = int(state["step"]), str(latest)
             log(f"resumed from {latest} at step {start_step}")
 
-    ddp_model = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = strategy.wrap(model, device)
     amp = autocast_dtype(cfg.precision, device)
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 and device.type == "cuda" else None
     writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard, append=start_step > 0) if is_main else None
@@ -247,16 +243,14 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             micro = [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
                      for j in range(0, per_rank, cfg.batch_size)]
             local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
-            global_targets = _all_reduce([float(local_targets)], device)[0]
+            global_targets = strategy.reduce([float(local_targets)], device)[0]
             scale = world / max(1.0, global_targets)  # DDP averages over ranks; undo that
             loss_total = 0.0
             for j, m in enumerate(micro):
                 m = {k: v.to(device, non_blocking=True) for k, v in m.items()}
-                sync = j == len(micro) - 1 or world == 1
-                ctx = nullcontext() if sync or world == 1 else ddp_model.no_sync()
-                with ctx:
+                with strategy.accumulate(wrapped, last=j == len(micro) - 1):
                     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                        logits = ddp_model(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits
+                        logits = wrapped(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits
                     loss_sum, _ = token_loss_sum(logits[:, offset:], m["labels"])
                     loss = loss_sum * scale
                     (scaler.scale(loss) if scaler else loss).backward()
@@ -277,7 +271,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_val = _all_reduce([loss_total], device)[0] / max(1.0, global_targets)
+            strategy.after_step(step + 1, model, optimizer)
+            loss_val = strategy.reduce([loss_total], device)[0] / max(1.0, global_targets)
             done = step + 1
             elapsed = time.perf_counter() - t_loop
             tps = tokens_seen * world / max(elapsed, 1e-9)
@@ -291,15 +286,15 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                 writer.log("train", done, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
                            epoch=info.epoch)
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
-                metrics = evaluate(model, tokenizer, splits, cfg, device)
+                metrics = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
                 if writer:
                     writer.log("eval", done, **metrics)
                 if hooks.on_eval:
                     hooks.on_eval({"step": done, **metrics})
                 log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            stopped = _stop_code(hooks, device)
+            stopped = _stop_code(hooks, strategy, device)
             if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
-                _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, is_main)
+                _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, strategy)
             result.steps = done
             if stopped:
                 break
@@ -310,7 +305,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     result.tokens_per_s = tokens_seen * world / max(loop_seconds, 1e-9)
     result.stopped = stopped
     if stopped is None:
-        result.eval = evaluate(model, tokenizer, splits, cfg, device)
+        result.eval = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
         if writer:
             writer.log("eval", result.steps, **result.eval)
         if hooks.on_eval:
@@ -320,7 +315,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             save_adapter(model, adapter_dir, tokenizer=tokenizer)
             result.adapter_dir = str(adapter_dir)
         # Every rank enters: the save ends in a barrier that all ranks must reach.
-        _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, is_main)
+        _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, strategy)
     result.seconds = time.perf_counter() - t_start
     if writer:
         writer.close()
@@ -331,15 +326,17 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     return result
 
 
-def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, is_main) -> None:
-    if is_main:
+def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, strategy: Strategy) -> None:
+    rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
+    if strategy.is_main:
         path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler,
-                                    extra={"model": cfg.model, "peft": cfg.peft.method}, keep_last=cfg.keep_last)
+                                    extra={"model": cfg.model, "peft": cfg.peft.method,
+                                           "strategy": strategy.name, "world": strategy.world},
+                                    keep_last=cfg.keep_last, rank_rng=rngs, strategy_state=strategy.state_dict())
         result.checkpoint_dir = str(path)
         if hooks.on_checkpoint:
             hooks.on_checkpoint(path, step)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    strategy.barrier()
 
 
 def _printer():

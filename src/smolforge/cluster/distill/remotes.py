@@ -181,7 +181,7 @@ class BrokerShardSource:
             if reply["kind"] == "done":
                 return None
             if reply["kind"] == "stop":
-                from smolforge.distill.student import StopRequested
+                from smolforge.distill.shard_source import StopRequested
 
                 raise StopRequested(reply["what"])
             if reply["kind"] == "failed":

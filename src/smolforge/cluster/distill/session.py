@@ -9,9 +9,9 @@ from typing import Any
 
 from smolforge.cluster.distill.students import StudentTasks
 from smolforge.cluster.distill.teachers import TeacherTasks
-from smolforge.cluster.distill.state import (POLL_S, DistillTask, StoreState, short_error)
+from smolforge.cluster.distill.state import PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
-from smolforge.distill.store import (quarantine_shard)
+from smolforge.distill.store import quarantine_shard
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
 
@@ -52,7 +52,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 raise SmolforgeError(f"teacher {task_id} is still {teacher.state}",
                                      fix="reassign it once it has finished its shards")
             queued = [t for t in st.tasks.values() if t.kind == "student" and t.queued
-                      and teacher.node_id in t.spec["nodes"]]
+                      and teacher.node_id in {n.node_id for n in self._student_nodes(t)}]
             if not queued:
                 return None
             student = queued[0]
@@ -73,10 +73,18 @@ class DistillTasks(TeacherTasks, StudentTasks):
         import ray
 
         st = self._dstate()
+        last_placement = 0.0
         while not st.closing:
             time.sleep(POLL_S)
             if not ray.is_initialized():
                 return
+            if time.time() - last_placement > PLACEMENT_POLL_S:  # nodes come and go: queued students may fit now
+                last_placement = time.time()
+                try:
+                    self._place_queued()
+                    self._fail_unplaceable()
+                except Exception as err:  # keep monitoring; say what went wrong
+                    self._devent("monitor_error", f"distill placement: {short_error(err)}", error=short_error(err))
             for store in list(st.stores.values()):
                 try:
                     news = ray.get(store.broker.drain.remote(), timeout=5)
@@ -86,6 +94,19 @@ class DistillTasks(TeacherTasks, StudentTasks):
                     self._absorb_broker(store, news)
                 except Exception as err:  # keep monitoring; say what went wrong
                     self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+
+    def _fail_unplaceable(self) -> None:
+        """A queued student that no live node could run for `replace_timeout_s` fails, saying why."""
+        st = self._dstate()
+        for t in [t for t in st.tasks.values() if t.kind == "student" and t.queued]:
+            since, limit = t.spec.get("no_node_since"), float(t.spec.get("replace_timeout_s") or 300.0)
+            if since is None or time.time() - since < limit:
+                continue
+            t.queued, t.state, t.finished = False, "failed", time.time()
+            t.error = (f"no node could run it for {limit:.0f}s (it needs {t.cpus:g} free CPUs and model "
+                       f"{t.spec['config']['base_model']}): join a worker that holds the model, then rerun; "
+                       "its last checkpoint is kept")
+            self._devent("student_failed", f"{t.task_id} failed: {t.error}", task_id=t.task_id, error=t.error)
 
     def _absorb_broker(self, store: StoreState, news: dict[str, Any]) -> None:
         st = self._dstate()
@@ -147,6 +168,13 @@ class DistillTasks(TeacherTasks, StudentTasks):
             return None
         task = st.tasks.get(task_id)
         return task.status() if task is not None else None
+
+    def task_status(self, task_id: str) -> dict[str, Any]:
+        """One teacher, student or aggregation task's status (the Orchestrator also answers for jobs)."""
+        status = self._local_task_status(task_id)
+        if status is None:
+            raise SmolforgeError(f"unknown task {task_id}", fix="use an id from create_*_tasks")
+        return status
 
     def distill_tasks(self) -> list[dict[str, Any]]:
         """Every teacher, student and aggregation task of this orchestrator, as status dicts."""

@@ -11,11 +11,13 @@ from typing import Any
 
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import (StorePlan)
+from smolforge.cluster.policy import FailurePolicy
 from smolforge.errors import SmolforgeError
 
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
+PLACEMENT_POLL_S = 2.0  # how often queued students look for a node (one that joined, one that freed up)
 MAX_STUDENT_RESTARTS = 2  # per student, after its worker process or node was lost
 
 
@@ -98,6 +100,7 @@ class SessionState:
         self.threads: list[threading.Thread] = []
         self.closing = False
         self.node_names: dict[str, str] = {}
+        self.failures = FailurePolicy(MAX_STUDENT_RESTARTS)  # per student: restarts after a lost worker
 
 
 def store_dir_of(output_dir: str | Path) -> Path:

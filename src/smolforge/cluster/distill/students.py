@@ -9,8 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.remotes import new_broker, remotes
-from smolforge.cluster.distill.state import (GET_TIMEOUT_S, MAX_STUDENT_RESTARTS, DistillTask, StoreState, short_error, store_dir_of)
+from smolforge.cluster.distill.state import (GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of)
+from smolforge.cluster.policy import Decision
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.planner import (pick_student_node, student_assignment)
@@ -36,7 +38,8 @@ class StudentTasks:
                              cpus_per_student: float = 1.0, eval_data: str | None = None,
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
                              max_new_tokens: int = 16, device: str = "auto", save_every: int = 0,
-                             wait_timeout_s: float = 900.0, resume: bool = False) -> list[str]:
+                             wait_timeout_s: float = 900.0, resume: bool = False,
+                             replace_timeout_s: float = 300.0) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -82,7 +85,7 @@ class StudentTasks:
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
                           "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
-                        "eval_examples": eval_examples, "nodes": [n_.node_id for n_ in nodes], "req_model": req_model,
+                        "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
                         "resume": self._resume_point(out, resume)}
                 rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
                 task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
@@ -142,15 +145,29 @@ class StudentTasks:
             st.stores[str(store_dir)] = store
         return store
 
+    def _student_nodes(self, task: DistillTask) -> list[Any]:
+        """The live nodes that may run this student now: asked at every placement, so a node that
+        joined after the run started counts, and a dead one does not."""
+        try:
+            nodes, task.spec["req_model"] = self._model_nodes(task.spec["config"]["base_model"], "student")
+        except SmolforgeError:
+            return []
+        gone = set(task.spec.get("lost_nodes") or ())
+        return [n for n in nodes if n.node_id not in gone]
+
     def _place_student(self, task: DistillTask, node=None) -> bool:
-        """Start the student on `node` (or the freest eligible node); queue it when all are busy."""
+        """Start the student on `node` (or the freest eligible node); queue it when all are busy.
+
+        A student queued while no live node could run it at all (its only node died) records since
+        when (`no_node_since`); the monitor fails it after `replace_timeout_s` (a run never hangs)."""
         st = self._dstate()
         store = st.stores[task.store]
         with st.lock:
             if node is None:
                 busy = self._busy_cpus()
-                allowed = set(task.spec["nodes"])
-                free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in self._nodes() if n.node_id in allowed]
+                eligible = self._student_nodes(task)
+                task.spec["no_node_since"] = None if eligible else (task.spec.get("no_node_since") or time.time())
+                free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
                 teachers = {t.node_id for t in st.tasks.values()
                             if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
                 hybrid = getattr(self, "mode", "") == "hybrid"
@@ -158,7 +175,8 @@ class StudentTasks:
                 if node is None:
                     if not task.queued:
                         task.queued = True
-                        why = "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else "")
+                        why = ("no live node can run it; waiting for one to join" if not eligible else
+                               "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
                         self._devent("student_queued", f"{task.task_id} queued: {why}", task_id=task.task_id)
                     return False
             task.queued = False
@@ -166,7 +184,8 @@ class StudentTasks:
             task.state = "pending"
             opts = self._options(node, task.spec["req_model"], task.cpus)
             actor = remotes()["student"].options(max_restarts=0, **opts).remote()
-            spec = {k: v for k, v in task.spec.items() if k not in ("nodes", "req_model")}
+            spec = {k: v for k, v in task.spec.items()
+                    if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
             ref = actor.run.remote(spec, store.broker, task.rank)
             st.handles[task.task_id] = (actor, ref)
         self._devent("student_submitted", f"{task.task_id} placed on {node.name}", task_id=task.task_id, node=node.name)
@@ -199,8 +218,12 @@ class StudentTasks:
                          task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
                          mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
         except Exception as err:
-            if self._worker_lost(err) and task.restarts < MAX_STUDENT_RESTARTS and not self._dstate().closing:
-                self._restart_student(task, err)
+            lost = self._worker_lost(err)
+            decision = self._dstate().failures.on_failure(
+                f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
+                else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id, retryable=lost)
+            if decision.retry and not self._dstate().closing:
+                self._restart_student(task, decision)
                 return  # (`finally` still kills the lost actor's handle)
             task.state, task.finished, task.error = "failed", time.time(), short_error(err)
             self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
@@ -227,23 +250,25 @@ class StudentTasks:
         return isinstance(err, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
                                 rex.ObjectLostError, rex.OwnerDiedError))
 
-    def _restart_student(self, task: DistillTask, err: BaseException) -> None:
+    def _restart_student(self, task: DistillTask, decision: Decision) -> None:
         """Start a student whose worker was lost again, from its last kept checkpoint (or the start),
         on whichever eligible node is free; it is queued when none is."""
         import ray
 
         st = self._dstate()
-        task.restarts += 1
+        task.restarts = decision.attempt
         task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
         task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
         task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
         task.step = task.resumed_step
         lost_on = task.node
+        if task.node_id and not ray_glue.probe_node(task.node_id, timeout=4):
+            # The node itself is gone (Ray takes ~15 s to say so): never place the student there again.
+            task.spec["lost_nodes"] = [*(task.spec.get("lost_nodes") or []), task.node_id]
         task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
         ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
-        self._devent("student_restarted", f"{task.task_id} lost its worker on {lost_on} ({short_error(err)}); "
-                     f"restart {task.restarts} of {MAX_STUDENT_RESTARTS} from "
-                     + (f"step {task.resumed_step}" if task.spec["resume"] else "the start"),
+        self._devent("student_restarted", f"{decision.reason} (from "
+                     + (f"step {task.resumed_step})" if task.spec["resume"] else "the start)"),
                      task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
         self._place_student(task)
 

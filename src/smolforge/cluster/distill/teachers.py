@@ -239,7 +239,9 @@ class TeacherTasks:
                 if task.state == "pending":
                     task.state, task.started = "running", task.started or time.time()
                 write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
-                store.broker.add.remote(sid, manifest_json, [ref])
+                # The driver's own copy: the teacher's object lives on the teacher's node, and a
+                # student restarted after that node died must still find the shard.
+                store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
                 self._absorb_manifest(store, manifest)
                 with self._dstate().lock:
                     store.written.add(sid)

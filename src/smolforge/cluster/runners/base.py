@@ -6,6 +6,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from smolforge.cluster.policy import Decision, FailurePolicy
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
@@ -42,6 +43,20 @@ class JobRunner(threading.Thread):
         self.want: str | None = None  # pause | cancel
         self.abandon = False
         self.finished = threading.Event()
+
+    def failure_policy(self, max_retries: int) -> FailurePolicy:
+        """This job's FailurePolicy, counting the failures earlier runs of it recorded (`attempts`)."""
+        policy = FailurePolicy(max_retries)
+        policy.restore("job", int(self.store.get_job(self.job_id).get("attempts") or 0))
+        return policy
+
+    def record_failure(self, policy: FailurePolicy, what: str, *, subject: str = "job",
+                       checkpoint: str | None = None, retryable: bool = True) -> Decision:
+        """One failure through the policy; the job's `attempts` shows the count."""
+        decision = policy.on_failure(what, subject=subject, checkpoint=checkpoint, retryable=retryable)
+        if subject == "job":
+            self.store.update_job(self.job_id, attempts=decision.attempt)
+        return decision
 
     def _run(self) -> None:
         raise NotImplementedError

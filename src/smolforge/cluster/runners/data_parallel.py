@@ -128,7 +128,7 @@ class DPRunner(JobRunner):
         with self._lock:
             if self.want:
                 self.control.set_stop.remote(self.want)
-        failures = int(job.get("attempts") or 0)
+        policy = self.failure_policy(spec.max_retries)
         recovering: str | None = None
         while not self.abandon:
             if self.want:
@@ -141,11 +141,10 @@ class DPRunner(JobRunner):
             except SmolforgeError as err:
                 if self.want:
                     continue  # paused or cancelled while waiting: handled at the top of the loop
-                failures += 1
-                self.store.update_job(self.job_id, attempts=failures)
+                decision = self.record_failure(policy, f"no place to run: {err.what}")
                 self.store.add_event(self.job_id, "placement_failed", err.render())
-                if failures > spec.max_retries:
-                    self.store.set_state(self.job_id, "failed", "failed: no place to run", error=err.what)
+                if not decision.retry:
+                    self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=err.what)
                     return
                 continue
             from smolforge.parallel.worker_group import WorkerGroup
@@ -154,20 +153,20 @@ class DPRunner(JobRunner):
             self.group, self.world = group, world
             gid = f"{self.job_id}-g{round_no}"
             self.store.upsert_task(gid, self.job_id, "dp_group", "placing", attempt=round_no,
-                                   max_retries=spec.max_retries, requirements=requirements_for(spec).to_dict())
+                                   max_retries=spec.max_retries,
+                                   requirements=requirements_for(spec, self.mgr.embedded).to_dict())
             try:
                 infos = group.start(spec.placement_timeout_s)
             except Exception as err:
                 self._release()
-                failures += 1
-                self.store.update_job(self.job_id, attempts=failures)
                 msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
+                decision = self.record_failure(policy, "could not place the workers")
                 self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=msg)
                 self.store.add_event(self.job_id, "placement_failed", msg, task_id=gid)
-                if failures > spec.max_retries:
-                    self.store.set_state(self.job_id, "failed", "failed: could not place workers", error=msg)
+                if not decision.retry:
+                    self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=msg)
                     return
-                time.sleep(1)
+                time.sleep(max(1.0, decision.delay_s))
                 continue
             if self.want:  # paused or cancelled while the group was being placed
                 self._release()
@@ -197,7 +196,8 @@ class DPRunner(JobRunner):
                 self.training = True
                 if self.pending_joins:  # asked for while this group was being placed
                     self._ask_regroup()
-            refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last)
+            refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
+                             spec.strategy_config)
             outcome, detail = self._watch(group, refs)
             with self._lock:
                 self.training = False
@@ -227,23 +227,21 @@ class DPRunner(JobRunner):
                 continue
             # a rank failed
             self._release()
-            failures += 1
-            self.store.update_job(self.job_id, attempts=failures)
-            self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=detail.get("error"))
             rank = detail.get("rank")
+            ckpt = self.mgr.artifacts.latest_checkpoint(self.job_id)
+            decision = self.record_failure(policy, f"rank {rank} on {detail.get('node_name')} failed",
+                                           checkpoint=ckpt)
+            self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=detail.get("error"))
             self.store.upsert_task(f"{gid}-r{rank}", self.job_id, "dp_rank", "failed", error=detail.get("error"))
             self.store.add_event(self.job_id, "worker_failed",
                                  f"rank {rank} on {detail.get('node_name')} failed: {detail.get('error')}"
                                  + (f"; nodes set aside: {', '.join(detail['lost'])}" if detail.get("lost") else ""),
                                  detail, task_id=f"{gid}-r{rank}")
-            if failures > spec.max_retries:
-                self.store.set_state(self.job_id, "failed", f"failed after {failures} worker failures "
-                                     f"(max_retries {spec.max_retries})", error=detail.get("error"))
+            if not decision.retry:
+                self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=detail.get("error"))
                 return
-            ckpt = self.mgr.artifacts.latest_checkpoint(self.job_id)
-            self.store.add_event(self.job_id, "recovering",
-                                 f"re-forming the group from {ckpt or 'the start'} (failure {failures} of "
-                                 f"{spec.max_retries} allowed)", {"checkpoint": ckpt})
+            self.store.add_event(self.job_id, "recovering", f"re-forming the group: {decision.reason}",
+                                 {"checkpoint": ckpt})
             recovering = f"rank {rank} failed on {detail.get('node_name')}"
 
     def _finish_stopped(self, what: str, where: str) -> None:
@@ -261,7 +259,7 @@ class DPRunner(JobRunner):
 
     def _plan(self, spec: DataParallelJob, quick: bool) -> tuple[list[tuple[dict, dict]], int, list[str]]:
         """Bundles for this round: as many workers as fit (up to the ask), plus lent nodes."""
-        req = requirements_for(spec)
+        req = requirements_for(spec, self.mgr.embedded)
         grace = 5.0 if quick else min(30.0, spec.placement_timeout_s)
         t0 = time.time()
         while True:
@@ -275,7 +273,7 @@ class DPRunner(JobRunner):
             n_workers = min(want, pool)
             n_coord = 0
             if lent_coord:
-                creq = coordinator_requirements(spec)
+                creq = coordinator_requirements(spec, self.mgr.embedded)
                 if creq.candidates(nodes) and sum(slots_on(n, creq, True) for n in creq.candidates(nodes)) >= 1:
                     n_coord = 1
             while n_workers > 0 and spec.global_batch % (n_workers + n_coord):
@@ -286,7 +284,7 @@ class DPRunner(JobRunner):
             if world >= 1 and spec.global_batch % world == 0 and (full or waited > grace):
                 bundles = [req.bundle(nodes) for _ in range(n_workers)]
                 if n_coord:
-                    bundles.append(coordinator_requirements(spec).bundle(nodes))
+                    bundles.append(coordinator_requirements(spec, self.mgr.embedded).bundle(nodes))
                 names = [n.name for n in req.candidates(nodes)]
                 if not full:
                     self.store.add_event(self.job_id, "degraded",

@@ -1,0 +1,67 @@
+"""Following a job to its end from the terminal: a progress bar with rate and ETA, then the outcome."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import typer
+
+from smolforge.cli.common import print_json
+
+
+def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0) -> dict:
+    """Follow a job to its end with a rich bar (samples, rate, ETA); returns the final status."""
+    if quiet:
+        return backend.wait_for_job(job_id, poll=poll)
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                        console=Console(stderr=True), refresh_per_second=4)
+    task = progress.add_task(job_id, total=None, rate="", info="starting")
+    t0, first = time.time(), None
+
+    def update(st: dict) -> None:
+        nonlocal first
+        total = st.get("samples_total") or None
+        done = st.get("samples_done") or 0
+        if done and first is None:
+            first = (time.time(), done)
+        rate = ""
+        if first and done > first[1]:
+            rate = f"{(done - first[1]) / max(1e-6, time.time() - first[0]):.1f} samples/s"
+        info = st["state"]
+        if st.get("loss") is not None:
+            info += f" · loss {st['loss']:.4f}"
+        if st.get("nodes"):
+            info += f" · {len(st['nodes'])} workers"
+        progress.update(task, total=total, completed=done, rate=rate, info=info)
+
+    with progress:
+        final = backend.wait_for_job(job_id, poll=poll, callback=update)
+        update(final)
+    return final
+
+
+def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -> None:
+    job_id = st["job_id"]
+    adapter = None
+    if st["state"] == "completed" and output_dir:
+        adapter = backend.download_adapter(job_id, output_dir)
+    if json_out:
+        print_json({**st, "adapter_dir": str(adapter) if adapter else None})
+        if st["state"] == "failed":
+            raise typer.Exit(1)
+        return
+    typer.echo(f"job {job_id}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
+    res = st.get("result") or {}
+    if res.get("eval"):
+        typer.echo("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in res["eval"].items()))
+    if adapter:
+        typer.echo(f"adapter: {adapter}")
+    if st["state"] == "failed":
+        raise typer.Exit(1)

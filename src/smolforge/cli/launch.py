@@ -1,0 +1,234 @@
+"""Launching training: `smolforge launch` and `smolforge submit`, each following its job to the end.
+
+    smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
+    smolforge submit job.yaml [--set key=value]
+
+With no coordinator configured, both run on an embedded cluster of this machine (same manager,
+same workers); see smolforge.cli.cluster for how a coordinator is found.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
+from smolforge.cli.follow import finish_job, wait_with_progress
+from smolforge.cli.common import print_json, run_cli
+from smolforge.errors import SmolforgeError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @run_cli
+    def launch(
+        model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
+        dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
+        workers: int = typer.Option(2, help="data-parallel ranks"),
+        mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
+                                 "--model is the teacher, --student the student, --workers the students)"),
+        student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
+        kd_loss: str = typer.Option("forward_kl", help="teacher_student/hybrid: forward_kl|reverse_kl|jsd"),
+        kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
+        temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
+        top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
+        num_teachers: Optional[int] = typer.Option(None, help="teacher_student/hybrid: teacher tasks "
+                                                   "(default: one per node holding the teacher)"),
+        epochs: Optional[float] = typer.Option(None),
+        batch_size: int = typer.Option(4, help="per worker; the global batch is batch size x workers"),
+        max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
+        max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --epochs)"),
+        lr: Optional[float] = typer.Option(None),
+        peft: Optional[str] = typer.Option(None, help="lora|prefix|prompt|ia3|adapter|none (default lora)"),
+        lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
+        lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
+        save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (recovery resumes there; default: a tenth "
+                                                "of --max-steps within 10..200, 50 with --epochs; 0: none)"),
+        seed: Optional[int] = typer.Option(None),
+        cpus_per_worker: float = typer.Option(1.0, help="CPUs (and torch threads) per rank"),
+        gpu: str = typer.Option("no", help="no|preferred|required"),
+        max_retries: int = typer.Option(2, help="worker failures to survive"),
+        name: Optional[str] = typer.Option(None, help="a name for the job"),
+        output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>)"),
+        set_: list[str] = typer.Option([], "--set", help="override any setting, e.g. --set training.warmup_steps=10"),
+        detach: bool = typer.Option(False, "--detach", help="submit and return (coordinator only)"),
+        coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster"),
+        token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+        json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
+    ):
+        """Launch distributed training: data-parallel, or teacher→student distillation.
+
+        data_parallel: N ranks with DDP, rendezvous through Ray. teacher_student: --model is the
+        teacher, --student the student, --workers the number of students; hybrid: the same, with
+        teachers and the data-parallel students kept on separate nodes. `smolforge distill` has
+        every distillation setting.
+
+        With no coordinator given or running, it runs on an embedded cluster of this machine.
+
+        Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
+
+        Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
+        """
+        if mode in ("teacher_student", "hybrid"):
+            _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
+                            epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
+                            peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
+                            cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
+                            kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
+                            coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
+                            json_out=json_out,
+                            name=name, sets=set_, detach=detach,
+                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
+            return
+        if mode != "data_parallel":
+            raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
+        if student:
+            raise SmolforgeError("--student is for --mode teacher_student or hybrid",
+                                 fix="drop --student, or pick a distillation mode")
+        kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
+                                      cpus_per_worker=cpus_per_worker, name=name)
+        for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
+                           ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
+                           ("lora_alpha", lora_alpha), ("peft", peft)):
+            if value is not None:
+                kwargs[key] = value
+        spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
+        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=token, state_dir=state_dir,
+                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
+
+    @app.command()
+    @run_cli
+    def submit(
+        job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}) or distill (mode, distill: {...})"),
+        set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set num_workers=3"),
+        wait: bool = typer.Option(False, "--wait", help="follow the job to its end"),
+        output_dir: Optional[str] = typer.Option(None, help="with --wait: where the adapter is downloaded"),
+        coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster (implies --wait)"),
+        token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+        json_out: bool = typer.Option(False, "--json"),
+    ):
+        """Submit a job file. Local dataset paths are uploaded to the coordinator first.
+
+        Example: smolforge submit job.yaml --set train.max_steps=200 --wait
+        """
+        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+        embedded = getattr(backend, "base", "") == "embedded"
+        try:
+            job_id = backend.submit_job(job_file, set_)
+            if not (wait or embedded):
+                if json_out:
+                    print_json({"job_id": job_id})
+                else:
+                    typer.echo(job_id)
+                return
+            st = wait_with_progress(backend, job_id, quiet or json_out)
+            finish_job(backend, st, output_dir or f"outputs/{job_id}", json_out)
+        finally:
+            close = getattr(backend, "close", None)
+            if close:
+                close()
+
+
+def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,
+                    unsupported: dict[str, Any], **o: Any) -> None:
+    """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
+    cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
+    from smolforge.cli.common import quiet_libraries
+    from smolforge.cluster.jobs import apply_job_overrides
+    from smolforge.cluster.specs import DistillJob
+    from smolforge.config import validate
+    from smolforge.distill.pipeline import check_run
+
+    if not students:
+        raise SmolforgeError(f"--mode {mode} needs a student model",
+                             fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
+    given = [flag for flag, value in unsupported.items() if value]
+    if given:
+        raise SmolforgeError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode data_parallel only",
+                             fix="drop them, or use `smolforge distill` for the full set of distillation settings")
+    quiet_libraries()
+    distill: dict[str, Any] = {"teacher": teacher, "students": list(students), "data": dataset,
+                               "num_students": workers, "peft": o["peft"] or "lora", "kd_loss": o["kd_loss"],
+                               "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "top_k": o["top_k"],
+                               "batch_size": o["batch_size"], "cpus_per_student": o["cpus_per_worker"]}
+    peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
+    if peft_config:
+        distill["peft_config"] = peft_config
+    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every"):
+        if o[key] is not None:
+            distill[key] = o[key]
+    if mode == "hybrid":
+        distill["split_shards"] = True
+    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
+    check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
+    _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
+                       state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
+                       output_dir=o["output_dir"], on_completed=_fetch_distill_summary)
+
+
+def _fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
+    """The run summary (store, tasks, events) next to the merged adapter, as `smolforge distill` writes it."""
+    backend.download_artifact(job_id, "summary", "distill", out / "summary")
+    (out / "summary" / "distill_summary.json").replace(out / "distill_summary.json")
+    (out / "summary").rmdir()
+
+
+def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token: str | None, state_dir: str | None,
+                       detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
+                       on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
+    """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
+    its end and fetch its adapter into `output_dir` (default outputs/<job>)."""
+    backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+    embedded = getattr(backend, "base", "") == "embedded"
+    try:
+        if detach and embedded:
+            raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
+                                 fix="start one with `smolforge coordinator start`, or drop --detach")
+        job_id = backend.submit_job(spec)
+        if not json_out:
+            typer.echo(f"submitted {job_id} ({what}" + (", embedded cluster" if embedded else "") + ")", err=True)
+        if detach:
+            typer.echo(job_id)
+            return
+        st = wait_with_progress(backend, job_id, quiet or json_out)
+        out = output_dir or f"outputs/{job_id}"
+        if on_completed is not None and st["state"] == "completed":
+            on_completed(backend, job_id, Path(out))
+        finish_job(backend, st, out, json_out)
+    finally:
+        close = getattr(backend, "close", None)
+        if close:
+            close()
+
+
+def default_save_every(max_steps: int | None) -> int:
+    """Checkpoints by default, so a dead worker costs minutes, not the run: a tenth of the steps,
+    at least 10 (a checkpoint costs an upload to the coordinator) and at most 200; 50 when the
+    step count comes from --epochs."""
+    return 50 if not max_steps else max(10, min(200, max_steps // 10))
+
+
+def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
+                 max_retries: int, cpus_per_worker: float, name: str | None, **opts: Any) -> dict:
+    from smolforge.cluster.jobs import apply_job_overrides
+
+    train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
+    if "max_length" in opts:
+        train["data"]["max_length"] = opts.pop("max_length")
+    peft: dict[str, Any] = {}
+    for key, dest in (("peft", "method"), ("lora_r", "r"), ("lora_alpha", "alpha")):
+        if key in opts:
+            peft[dest] = opts.pop(key)
+    if peft:
+        train["peft"] = peft
+    train.update(opts)
+    train.setdefault("save_every", default_save_every(train.get("max_steps")))
+    spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
+            "gpu": gpu, "max_retries": max_retries, "train": train}
+    return apply_job_overrides(spec, sets)

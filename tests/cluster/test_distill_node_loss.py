@@ -1,0 +1,91 @@
+"""A distillation job outlives the node its only student runs on.
+
+The whole `worker join` process group of that node is killed (its Ray raylet and every worker
+process, as when a laptop leaves the Wi-Fi). The student restarts from the checkpoint it shipped
+to the coordinator on a worker that joins afterwards; when none joins within `replace_timeout_s`,
+the job fails and says why, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from localcluster import LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _spec(data, **kw) -> dict:
+    distill = {"teacher": "tiny-copy", "students": ["tiny-copy"], "data": str(data), "num_students": 1,
+               "num_shards": 4, "max_new_tokens": 8, "teacher_batch_size": 8, "top_k": 8, "max_steps": 300,
+               "batch_size": 4, "save_every": 10, "peft_config": {"r": 4, "alpha": 8, "dropout": 0.0},
+               "max_eval_samples": 8, "eval_max_new_tokens": 4, "device": "cpu", "aggregate": "none"}
+    distill.update(kw)
+    return {"kind": "distill", "name": "node-loss", "mode": "teacher_student", "distill": distill}
+
+
+def _events(client, job_id, kind) -> list[dict]:
+    return [e for e in client.job_events(job_id) if e["kind"] == kind]
+
+
+def _wait(client, job_id, what, cond, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.get_job_status(job_id)
+        if cond(st):
+            return st
+        assert st["state"] not in ("failed", "cancelled", "completed") or what == "final", (what, st)
+        time.sleep(0.5)
+    logs = "\n".join(client.job_logs(job_id))
+    raise AssertionError(f"job {job_id}: no {what} after {timeout}s\n{logs[-4000:]}")
+
+
+def _lose_the_student_node(cluster, client, job_id, node: str) -> int:
+    """Wait for the teacher to finish and the student to ship a checkpoint; kill the node's group."""
+    _wait(client, job_id, "teacher_finished", lambda st: _events(client, job_id, "teacher_finished"))
+    _wait(client, job_id, "student_checkpoint", lambda st: _events(client, job_id, "student_checkpoint"))
+    step = _events(client, job_id, "student_checkpoint")[-1]["data"]["step"]
+    placed = _events(client, job_id, "student_submitted")[-1]["data"]
+    assert placed["node"] == node, placed
+    cluster.kill_worker(node)
+    return step
+
+
+def test_a_student_outlives_its_node_or_the_job_fails_with_a_reason(tmp_path):
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    models = tmp_path / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(96, seed=11)))
+    with LocalCluster(tmp_path) as cluster:
+        cluster.start_coordinator(models_dir=models)
+        cluster.add_worker("s1", cpus=2, models_dir=models)
+        client = cluster.client()
+
+        # (a) the node dies; a worker that joins afterwards takes the student over
+        job_id = client.submit_job(_spec(data))
+        saved = _lose_the_student_node(cluster, client, job_id, "s1")
+        _wait(client, job_id, "a queued student", lambda st: any(
+            "no live node" in e["message"] for e in _events(client, job_id, "student_queued")), timeout=180)
+        cluster.add_worker("s2", cpus=2, models_dir=models)
+        st = _wait(client, job_id, "final", lambda st: st["state"] in ("completed", "failed"), timeout=600)
+        logs = "\n".join(client.job_logs(job_id))
+        assert st["state"] == "completed", logs[-4000:]
+        assert _events(client, job_id, "student_submitted")[-1]["data"]["node"] == "s2"
+        resumed = _events(client, job_id, "student_resumed")
+        assert resumed and resumed[-1]["data"]["step"] >= saved >= 10, (saved, resumed)
+
+        # (b) the node dies and none joins: the job fails within the bound, saying why
+        job2 = client.submit_job(_spec(data, replace_timeout_s=20))
+        _lose_the_student_node(cluster, client, job2, "s2")
+        t0 = time.time()
+        st = _wait(client, job2, "final", lambda st: st["state"] in ("completed", "failed"), timeout=300)
+        assert st["state"] == "failed", st
+        assert "no node could run it for 20s" in (st["error"] or ""), st["error"]
+        assert time.time() - t0 < 240

@@ -1,0 +1,76 @@
+"""The one job system's pieces, without a cluster: states, the kind registry, ids, the failure policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from smolforge.cluster import jobs
+from smolforge.cluster.jobstore import JobStore
+from smolforge.cluster.policy import FailurePolicy
+from smolforge.cluster.runners.base import JobRunner
+from smolforge.cluster.states import FINAL_STATES, JobState
+from smolforge.errors import SmolforgeError
+
+
+def test_a_cancelled_job_never_ends_as_failed(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    job = store.create_job("data_parallel", {"kind": "data_parallel"})
+    store.set_state(job, "running")
+    store.set_state(job, "cancelled", force=True)
+    # a runner that sees its killed workers fail records "failed" with force: the cancel stands
+    assert store.set_state(job, "failed", "rank 0 died", force=True) == "cancelled"
+    assert store.get_job(job)["state"] == "cancelled"
+    with pytest.raises(SmolforgeError, match="cannot become"):
+        store.set_state(job, "running")
+    assert JobState.settle("cancelled", "failed") is JobState.CANCELLED
+    assert JobState.settle("running", "failed") is JobState.FAILED
+    assert all(not s.can_become(t) for s in FINAL_STATES for t in JobState)
+
+
+def test_job_ids_exact_name_or_unique_prefix_never_a_guess(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    a = store.create_job("data_parallel", {}, name="alpha", job_id="job-aaaa1111")
+    b = store.create_job("data_parallel", {}, name="beta", job_id="job-aaaa2222")
+    assert store.get_job("job-aaaa1111")["id"] == a
+    assert store.get_job("beta")["id"] == b
+    assert store.get_job("job-aaaa2")["id"] == b
+    with pytest.raises(SmolforgeError, match="matches 2 jobs by id prefix"):
+        store.get_job("job-aaaa")
+    for wild in ("%", "job-%", "_ob-aaaa1111", "job-aaaa111_"):  # SQL LIKE wildcards are plain characters
+        with pytest.raises(SmolforgeError, match="no job"):
+            store.get_job(wild)
+    store.create_job("data_parallel", {}, name="alpha", job_id="job-bbbb0000")
+    with pytest.raises(SmolforgeError, match="matches 2 jobs by name"):
+        store.get_job("alpha")
+
+
+def test_every_kind_is_one_registry_entry():
+    assert set(jobs.KINDS) == {"data_parallel", "distill"}
+    for name, kind in jobs.KINDS.items():
+        assert issubclass(kind.runner, JobRunner)
+        assert kind.spec.model_fields["kind"].default == name
+        assert kind.section in kind.spec.model_fields
+    with pytest.raises(SmolforgeError, match="unknown job kind 'teleport'"):
+        jobs.kind_of({"kind": "teleport"})
+
+
+def test_set_routes_into_the_kind_section():
+    dp = jobs.apply_job_overrides({"kind": "data_parallel", "train": {"data": {}}},
+                                  ["num_workers=3", "lr=0.01", "training.batch_size=16", "train.data.max_length=64"])
+    assert dp["num_workers"] == 3 and dp["train"]["lr"] == 0.01 and dp["train"]["batch_size"] == 16
+    assert dp["train"]["data"]["max_length"] == 64
+    ds = jobs.apply_job_overrides({"kind": "distill", "distill": {}}, ["mode=hybrid", "max_steps=9", "top_k=4"])
+    assert ds["mode"] == "hybrid" and ds["distill"] == {"max_steps": 9, "top_k": 4}
+    with pytest.raises(SmolforgeError, match="not a section"):
+        jobs.apply_job_overrides({"kind": "data_parallel", "train": {"max_steps": 5}}, ["max_steps.x=1"])
+
+
+def test_failure_policy_retries_from_the_checkpoint_then_gives_up():
+    policy = FailurePolicy(max_retries=2)
+    first = policy.on_failure("rank 1 died", checkpoint="step-10")
+    assert first.retry and first.resume_from == "step-10" and "retry 1 of 2" in first.reason
+    assert policy.on_failure("rank 0 died").retry
+    last = policy.on_failure("rank 1 died again")
+    assert not last.retry and "gave up after 3 failures" in last.reason
+    own = policy.on_failure("bad data", subject="student-0", retryable=False)
+    assert not own.retry and own.attempt == 1 and "not retried" in own.reason
