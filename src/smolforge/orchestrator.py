@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.client import backend_for
 from smolforge.cluster.distill.session import DistillTasks
 from smolforge.errors import SmolforgeError
 
@@ -34,7 +35,6 @@ class Orchestrator(DistillTasks):
                  coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None):
         if mode not in MODES:
             raise SmolforgeError(f"unknown mode {mode!r}", fix=f"use one of {', '.join(MODES)}")
-        from smolforge.client import backend_for
 
         self.mode = mode
         self.config = dict(config or {})

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from smolforge.errors import SmolforgeError
+
 
 def home() -> Path:
     return Path(os.environ.get("SMOLFORGE_HOME", Path.home() / ".smolforge")).expanduser()
@@ -59,7 +61,6 @@ def atomic_replace_dir(tmp_dir: str | Path, final_dir: str | Path) -> None:
 
 def safe_join(root: str | Path, relative: str) -> Path:
     """Join a user-sent relative path under root, refusing `..` escapes and absolute paths."""
-    from smolforge.errors import SmolforgeError
 
     root = Path(root).resolve()
     candidate = (root / relative).resolve()

@@ -75,7 +75,7 @@ def test_killed_embedded_launch_is_resumed_from_its_checkpoint(tmp_path):
         st = next(j for j in json.loads(listed.stdout) if j["id"] == job["id"])
         assert st["state"] == "paused", st
         logs = _cli(env, "job", "logs", job["id"])
-        assert "interrupted" in logs.stdout and "checkpoint step-" in logs.stdout, logs.stdout[-2000:]
+        assert "interrupted" in logs.stdout and "continues from step-" in logs.stdout, logs.stdout[-2000:]
 
         resumed = _cli(env, "job", "resume", "interrupted-run", "--json")
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_killed_embedded_launch_is_resumed_from_its_checkpoint(tmp_path):
         assert final["state"] == "completed", final
         assert final["result"]["steps"] == steps
         events = JobStore(db).events(job["id"])
-        starts = [e["message"] for e in events if e["kind"] == "state" and "resumed from checkpoint step-" in e["message"]]
+        starts = [e["message"] for e in events if e["kind"] == "state" and "resumed from step-" in e["message"]]
         assert starts, [e["message"] for e in events]
         resumed_at = int(starts[-1].split("step-")[1].split()[0].rstrip(")"))
         assert resumed_at >= 20, starts  # not step 0: the checkpoint before the kill

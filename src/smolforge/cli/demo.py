@@ -11,6 +11,7 @@ import typer
 
 from smolforge.cli.common import print_json, quiet_libraries, run_cli
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
+from smolforge.errors import SmolforgeError
 
 DEMO_MODEL = "tiny-llama"
 
@@ -119,8 +120,6 @@ def register(app: typer.Typer) -> None:
             from smolforge.distill.demo import DemoSettings
 
             if min(teacher_steps, student_steps, distill_samples) < 1:
-                from smolforge.errors import SmolforgeError
-
                 raise SmolforgeError("--teacher-steps, --student-steps and --distill-samples must be ≥ 1",
                                      fix="e.g. --student-steps 200 --distill-samples 512")
             settings = DemoSettings(teacher_steps=teacher_steps, student_steps=student_steps,
@@ -133,6 +132,4 @@ def register(app: typer.Typer) -> None:
 
                 print_demo_table(summary)
         else:
-            from smolforge.errors import SmolforgeError
-
             raise SmolforgeError(f"unknown --workflow {workflow!r}", fix="use --workflow distill or --workflow sft")

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
+from smolforge.cli.common import print_json, quiet_libraries, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
-from smolforge.cli.common import print_json, run_cli
 from smolforge.errors import SmolforgeError
 
 
@@ -139,7 +139,6 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                     unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cli.common import quiet_libraries
     from smolforge.cluster.jobs import apply_job_overrides
     from smolforge.cluster.specs import DistillJob
     from smolforge.config import validate

@@ -9,6 +9,7 @@ import typer
 
 from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli, set_nested
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
+from smolforge.errors import SmolforgeError
 
 FLAG_KEYS = {
     "model": "model", "data": "data.path", "format": "data.format", "eval_data": "data.eval_path",
@@ -35,8 +36,6 @@ def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str,
     if "data" not in data or "path" not in (data.get("data") or {}):
         missing.append("data")
     if missing:
-        from smolforge.errors import SmolforgeError
-
         raise SmolforgeError(f"missing {' and '.join('--' + m for m in missing)}",
                              fix="pass them as flags or in --config (e.g. --model tiny-llama --data bundled)")
     return validate(TrainConfig, data, where=str(config) if config else "command line")

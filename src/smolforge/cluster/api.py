@@ -21,6 +21,8 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from smolforge.cluster.auth import bearer_of, tokens_match
+from smolforge.cluster.metrics import render
+from smolforge.dashboard import page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
 
@@ -64,16 +66,12 @@ def create_app(core: Any) -> FastAPI:
 
     @app.get("/dashboard", response_class=HTMLResponse)
     def dashboard():
-        from smolforge.dashboard import page
-
         return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
     # -- cluster ----------------------------------------------------------------------------------
 
     @app.get("/metrics", dependencies=auth)
     def metrics():
-        from smolforge.cluster.metrics import render
-
         body, ctype = render(core)
         return Response(body, media_type=ctype)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import pack_dir, unpack_dir, verify_payload
-from smolforge.paths import atomic_write_json, safe_join
+from smolforge.paths import atomic_write_bytes, atomic_write_json, safe_join
 
 SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
@@ -130,8 +130,6 @@ class ArtifactStore:
         digest = hashlib.sha256(data).hexdigest()
         dest = self.root / "uploads" / digest
         if not dest.exists():
-            from smolforge.paths import atomic_write_bytes
-
             atomic_write_bytes(dest, data)
         return digest
 

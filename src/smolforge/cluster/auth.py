@@ -83,5 +83,5 @@ def apply_ray_auth(token_path: Path) -> None:
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
-    except Exception:  # older/newer Ray without these hooks: the env alone is enough on first init
+    except (ImportError, AttributeError):  # a Ray without these hooks: the env alone is enough on first init
         pass

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smolforge.cluster import ray_glue
+from smolforge import __version__
+from smolforge.cluster import ray_glue, ray_process
 from smolforge.cluster.artifacts import ArtifactStore
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
+from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
 from smolforge.cluster.jobstore import JobStore
 from smolforge.cluster.statedir import StateDir, port_open
 from smolforge.errors import SmolforgeError
@@ -116,9 +118,6 @@ class Coordinator:
             raise SmolforgeError(f"port {self.opts.port} is already in use", fix="pick another --port")
 
     def _start_head(self, token_path: Path) -> None:
-        from smolforge.cluster import ray_process
-        from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
-
         ip = self._node_ip()
         if port_open(ip, self.opts.ray_port, 0.5):
             prev = self.state.read_coordinator() or {}
@@ -168,9 +167,8 @@ class Coordinator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def setup(self) -> CoordinatorCore:
-        from smolforge import __version__
-        from smolforge.cluster.node_agent import NodeMonitor
         from smolforge.cluster.manager import JobManager
+        from smolforge.cluster.node_agent import NodeMonitor
 
         self._check_not_running()
         token = load_or_create_token(self.state.token_path)
@@ -248,23 +246,20 @@ class Coordinator:
             self.shutdown()
 
     def shutdown(self) -> None:
-        from smolforge.cluster import ray_process
-
         if self.core is not None:
             self.core.monitor.stop()
             self.core.manager.shutdown(timeout=5)
-        try:
-            import ray
+        import ray
 
+        try:
             if ray.is_initialized():
                 ray.shutdown()
-        except Exception:
-            pass
-        if self.head_proc is not None:
-            ray_process.stop(self.head_proc, timeout=20)
-            self.head_proc = None
-        elif self.attached and getattr(self, "head_pid", None) and _is_ray_start(int(self.head_pid)):
-            ray_process.stop(None, pid=int(self.head_pid), timeout=20)
+        finally:  # whatever Ray said, the head we started goes
+            if self.head_proc is not None:
+                ray_process.stop(self.head_proc, timeout=20)
+                self.head_proc = None
+            elif self.attached and getattr(self, "head_pid", None) and _is_ray_start(int(self.head_pid)):
+                ray_process.stop(None, pid=int(self.head_pid), timeout=20)
         info = self.state.read_coordinator()
         if info and info.get("pid") == os.getpid():
             try:

@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smolforge.errors import SmolforgeError
+
 NAME_RE = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?$")
 
 
@@ -51,8 +53,6 @@ def default_node_name() -> str:
 
 
 def check_node_name(name: str) -> str:
-    from smolforge.errors import SmolforgeError
-
     if not NAME_RE.match(name):
         raise SmolforgeError(f"node name {name!r} is not usable as a label",
                              fix="use letters, digits, '-', '_' or '.', at most 63 characters, "
@@ -97,8 +97,8 @@ def detect_gpus() -> list[GpuInfo]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        except pynvml.NVMLError:
+            pass  # it was never initialised (no driver)
 
 
 def hf_cache_dir() -> Path:

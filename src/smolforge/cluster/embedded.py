@@ -20,22 +20,23 @@ from typing import Callable
 
 import psutil
 
-from smolforge.cluster.jobs import apply_job_overrides, pin_local_models, stage_spec
+from smolforge.cluster import ray_glue
+from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.jobs import apply_job_overrides, kind_of, pin_local_models, stage_spec
+from smolforge.cluster.jobstore import JobStore
 from smolforge.cluster.jobview import format_event, job_status
+from smolforge.cluster.manager import JobManager
+from smolforge.cluster.statedir import StateDir
+from smolforge.config import load_yaml
 from smolforge.errors import SmolforgeError
-from smolforge.paths import atomic_write_json
+from smolforge.parallel.transfer import unpack_dir
+from smolforge.paths import atomic_write_json, home
 
 
 class EmbeddedCluster:
     runs_in_process = True  # a command that starts or resumes a job here must follow it to its end
 
     def __init__(self, state_dir: str | Path | None = None, num_cpus: int | None = None):
-        from smolforge.cluster.artifacts import ArtifactStore
-        from smolforge.cluster.jobstore import JobStore
-        from smolforge.cluster.manager import JobManager
-        from smolforge.cluster.statedir import StateDir
-        from smolforge.paths import home
-
         self.state = StateDir.at(state_dir or home() / "embedded")
         self.num_cpus = num_cpus
         self._handle = None
@@ -49,8 +50,6 @@ class EmbeddedCluster:
     def handle(self):
         """The in-process Ray cluster, started on first use."""
         if self._handle is None:
-            from smolforge.cluster import ray_glue
-
             self._handle = ray_glue.connect(None, state_dir=self.state.root, num_cpus=self.num_cpus)
         return self._handle
 
@@ -77,8 +76,6 @@ class EmbeddedCluster:
     def _mark_interrupted(self) -> list[str]:
         """Jobs left `running`/`pending` by an embedded command that is gone become `paused`, never
         `running` forever; `job resume` continues them from their last checkpoint."""
-        from smolforge.cluster.jobs import kind_of
-
         found = []
         for job in self.store.list_jobs(states=("running", "pending")):
             if self._owner_alive(job["id"]):
@@ -126,8 +123,6 @@ class EmbeddedCluster:
         return "upload:" + self.artifacts.add_upload(path)
 
     def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
-        from smolforge.config import load_yaml
-
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         apply_job_overrides(data, overrides or [])
         spec = pin_local_models(stage_spec(data, self.upload))
@@ -181,13 +176,10 @@ class EmbeddedCluster:
         names = self.artifacts.list(job_id, "adapter")
         if not names:
             raise SmolforgeError(f"job {job_id} has no adapter yet", fix="wait for it to complete")
-        from smolforge.parallel.transfer import unpack_dir
 
         dest = Path(output_dir) / names[-1]
         return unpack_dir(self.artifacts.get(job_id, "adapter", names[-1]), dest)
 
     def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path) -> Path:
-        from smolforge.parallel.transfer import unpack_dir
-
         job_id = self.store.get_job(job_id)["id"]
         return unpack_dir(self.artifacts.get(job_id, kind, name), dest)

@@ -16,13 +16,14 @@ import threading
 import time
 from typing import Any
 
+from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.ray_glue import HEAD_RESOURCE
+
 
 class JobControl:
     """Ray actor class (wrapped with ray.remote by `create_control`)."""
 
     def __init__(self, job_id: str, artifacts_root: str):
-        from smolforge.cluster.artifacts import ArtifactStore
-
         self.job_id = job_id
         self.store = ArtifactStore(artifacts_root)
         self.stop: str | None = None
@@ -76,7 +77,6 @@ def create_control(job_id: str, artifacts_root: str) -> Any:
     """A fresh control actor for one run of a job, pinned to the coordinator's node."""
     import ray
 
-    from smolforge.cluster.ray_glue import HEAD_RESOURCE
 
     actor = ray.remote(JobControl).options(
         num_cpus=0, resources={HEAD_RESOURCE: 0.001}, max_restarts=0, max_concurrency=8,

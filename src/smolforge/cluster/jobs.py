@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class JobKind:
     name: str
+    label: str  # how messages name it: "a {label} job"
     spec: type[Spec]
     runner: type
     section: str  # the settings section: `--set` routes keys the job itself lacks into it
@@ -43,16 +44,15 @@ class JobKind:
 
 
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
-    ckpt = mgr.artifacts.latest_checkpoint(job_id)
-    return f"checkpoint {ckpt}" if ckpt else "the start (no checkpoint yet)"
+    return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
 
 KINDS: dict[str, JobKind] = {k.name: k for k in (
-    JobKind("data_parallel", DataParallelJob, DPRunner, section="train",
+    JobKind("data_parallel", "data-parallel", DataParallelJob, DPRunner, section="train",
             section_keys=frozenset(TrainConfig.model_fields), uploads=("train.data.path", "train.data.eval_path"),
             models=("train.model",),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from),
-    JobKind("distill", DistillJob, DistillRunner, section="distill",
+    JobKind("distill", "distillation", DistillJob, DistillRunner, section="distill",
             section_keys=frozenset(DistillRun.__dataclass_fields__), uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.run_config("distill-check")),

@@ -138,8 +138,9 @@ class JobManager:
         job = self._job(job_id)
         job_id = job["id"]
         runner = self.runners.get(job_id)
-        if not jobs.kind_of(job["kind"]).joinable:
-            raise SmolforgeError(f"job {job_id} is a {job['kind']} job; `job join` lends nodes to data-parallel jobs",
+        kind = jobs.kind_of(job["kind"])
+        if not kind.joinable:
+            raise SmolforgeError(f"job {job_id} is a {kind.label} job; `job join` lends nodes to data-parallel jobs",
                                  fix="it places its tasks on every eligible worker itself")
         if job["state"] != "running" or runner is None:
             raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",

@@ -13,14 +13,22 @@ for a node whose agent has not reported yet.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from typing import Any
 
+from ray.exceptions import RayError
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.ray_glue import NAMESPACE
+
 INTERVAL_S = 3.0
 STALE_AFTER_S = 12.0
 AGENT_PREFIX = "smolforge-agent-"
+
+log = logging.getLogger(__name__)
 
 
 def sample_usage(gpus: bool = True) -> dict[str, Any]:
@@ -36,9 +44,9 @@ def sample_usage(gpus: bool = True) -> dict[str, Any]:
         "gpus": [],
     }
     if gpus:
-        try:
-            import pynvml
+        import pynvml  # nvidia-ml-py: a dependency; without a driver nvmlInit raises NVMLError
 
+        try:
             pynvml.nvmlInit()
             try:
                 for i in range(pynvml.nvmlDeviceGetCount()):
@@ -49,8 +57,8 @@ def sample_usage(gpus: bool = True) -> dict[str, Any]:
                                         "mem_total_gb": round(mem.total / 1e9, 2)})
             finally:
                 pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        except pynvml.NVMLError:
+            pass  # the GPU went away or the driver is gone: report the rest
     return out
 
 
@@ -97,7 +105,6 @@ def ensure_agent(node_id: str, url: str, token: str, interval: float = INTERVAL_
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from smolforge.cluster.ray_glue import NAMESPACE
 
     name = AGENT_PREFIX + node_id[:20]
     actor = ray.remote(NodeAgent).options(
@@ -136,8 +143,6 @@ class NodeMonitor(threading.Thread):
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every node with its state and latest usage, coordinator first."""
-        from smolforge.cluster import ray_glue
-
         now = time.time()
         out = []
         seen_alive_names = set()
@@ -158,8 +163,6 @@ class NodeMonitor(threading.Thread):
         return out
 
     def tick(self) -> None:
-        from smolforge.cluster import ray_glue
-
         nodes = ray_glue.nodes(include_dead=True)
         alive_now = {n.node_id: n.name for n in nodes if n.alive}
         for nid, name in alive_now.items():
@@ -169,8 +172,8 @@ class NodeMonitor(threading.Thread):
                     agent = ensure_agent(nid, self.url, self.token)
                     agent.retarget.remote(self.url, self.token)  # an agent from before a coordinator restart
                     self.agents[nid] = agent
-                except Exception:
-                    pass
+                except (RayError, ValueError) as err:  # the node went away meanwhile: next tick tries again
+                    log.info("no agent on node %s yet: %s", name, err)
             if nid not in self.known_alive and self.store is not None:
                 self.store.add_event(None, "node_joined", f"node {name} joined", {"node_id": nid, "name": name})
         for nid, name in self.known_alive.items():
@@ -184,8 +187,8 @@ class NodeMonitor(threading.Thread):
         while not self.stopped.is_set():
             try:
                 self.tick()
-            except Exception:
-                pass
+            except Exception:  # a monitor must outlive any one bad tick; say what it was
+                log.warning("node monitor tick failed", exc_info=True)
             self.stopped.wait(self.interval)
 
     def stop(self) -> None:

@@ -1,7 +1,6 @@
 """Ray glue: connect to the cluster (or start the embedded one), read the node table, place tasks.
 
 API (stable; other packages build on it):
-
     connect(address=None, *, state_dir=None, num_cpus=None, token=None) -> ClusterHandle
         Join a running coordinator's Ray cluster, or start an embedded local one. `address` is a Ray
         address ("host:6379"). With none given it uses $SMOLFORGE_RAY_ADDRESS, then the
@@ -46,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, write_token
+from smolforge.cluster.discovery import default_node_name, detect_cpus, detect_ram_gb, scan_hf_cache, with_aliases
 from smolforge.cluster.statedir import StateDir, port_open
 from smolforge.errors import SmolforgeError
 
@@ -345,8 +346,6 @@ def _resolve_address(address: str | None, sd: StateDir) -> str | None:
 
 
 def _token_file(sd: StateDir, create: bool, token: str | None = None) -> Path:
-    from smolforge.cluster.auth import load_or_create_token, write_token
-
     if token:
         write_token(sd.node_token_path, token.strip())
         return sd.node_token_path
@@ -384,7 +383,6 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
             return _HANDLE
         sd = StateDir.at(state_dir)
         addr = _resolve_address(address, sd)
-        from smolforge.cluster.auth import apply_ray_auth
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if addr:
@@ -402,7 +400,6 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
             _HANDLE = ClusterHandle(address=addr, embedded=False, state_dir=sd.root)
             return _HANDLE
         apply_ray_auth(_token_file(sd, create=True))
-        from smolforge.cluster.discovery import default_node_name, detect_cpus, detect_ram_gb, scan_hf_cache, with_aliases
 
         cpus = int(num_cpus or detect_cpus())
         models = with_aliases(scan_hf_cache())

@@ -80,8 +80,8 @@ def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    except (OSError, AttributeError):
+        pass  # not Linux (no libc.so.6 / prctl): the caller stops its children itself
 
 
 def spawn(cmd: list[str], env: dict[str, str], log_path: Path, die_with_parent: bool) -> subprocess.Popen:

@@ -1,7 +1,6 @@
 """Job specs: what `smolforge submit job.yaml`, `smolforge launch` and `Client.submit_job` send.
 
 A data-parallel job is a TrainConfig plus how many workers and what each needs:
-
     kind: data_parallel
     name: my-run
     num_workers: 2
@@ -17,7 +16,6 @@ A data-parallel job is a TrainConfig plus how many workers and what each needs:
 A distillation job is the `smolforge distill` run (smolforge.distill.pipeline.DistillRun) driven
 by the coordinator, so it shows in `smolforge jobs` and the dashboard and can be paused, resumed
 and cancelled like any job:
-
     kind: distill
     name: my-distill
     mode: hybrid                # or teacher_student
@@ -40,6 +38,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from smolforge.config import Spec, TrainConfig
+from smolforge.distill.pipeline import DistillRun
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import check_name
 
@@ -91,7 +90,6 @@ class DistillJob(Spec):
     def _known_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
         import dataclasses
 
-        from smolforge.distill.pipeline import DistillRun
 
         known = {f.name for f in dataclasses.fields(DistillRun)} - set(DISTILL_FIXED)
         unknown = sorted(set(value) - known)
@@ -104,8 +102,6 @@ class DistillJob(Spec):
 
     def run_config(self, output_dir: str, data: str | None = None):
         """The DistillRun this job means, writing into `output_dir` (on the coordinator)."""
-        from smolforge.distill.pipeline import DistillRun
-
         fields = dict(self.distill)
         if isinstance(fields.get("students"), str):
             fields["students"] = [fields["students"]]
@@ -113,7 +109,6 @@ class DistillJob(Spec):
             fields["data"] = data
         from pydantic import TypeAdapter, ValidationError
 
-        from smolforge.errors import SmolforgeError
 
         try:  # pydantic checks the dataclass's field types too
             return TypeAdapter(DistillRun).validate_python({**fields, "output_dir": output_dir, "mode": self.mode,

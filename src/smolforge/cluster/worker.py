@@ -19,8 +19,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from smolforge.cluster import ray_glue
+import httpx
+
+from smolforge.cluster import ray_glue, ray_process
 from smolforge.cluster.auth import check_token_format, ray_auth_env, write_token
+from smolforge.cluster.discovery import discover
 from smolforge.cluster.statedir import StateDir
 from smolforge.errors import SmolforgeError
 
@@ -59,8 +62,6 @@ def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
 
 def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0) -> dict:
     """The coordinator's public info if it accepts `token`; SmolforgeError otherwise (fast)."""
-    import httpx
-
     url = f"http://{host}:{port}"
     try:
         ok = token and not any(c.isspace() for c in token)
@@ -105,8 +106,6 @@ class WorkerNode:
         self.host, self.port = split_hostport(opts.coordinator)
 
     def _nodes(self, token: str) -> list[dict]:
-        import httpx
-
         r = httpx.get(f"http://{self.host}:{self.port}/api/v1/nodes",
                       headers={"Authorization": f"Bearer {token}"}, timeout=10)
         r.raise_for_status()
@@ -114,9 +113,6 @@ class WorkerNode:
 
     def start(self) -> str:
         """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
-        from smolforge.cluster import ray_process
-        from smolforge.cluster.discovery import discover
-
         token = (self.opts.token or os.environ.get("SMOLFORGE_TOKEN") or "").strip()
         # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
         info = check_coordinator(self.host, self.port, token)
@@ -153,8 +149,8 @@ class WorkerNode:
                 try:
                     if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
                         return f"Registered as {inv.name}: {inv.summary()}"
-                except Exception:
-                    pass
+                except (httpx.HTTPError, ValueError):
+                    pass  # the coordinator is busy or restarting: ask again
                 time.sleep(0.5)
             if self.stopping.is_set():
                 break
@@ -171,8 +167,6 @@ class WorkerNode:
                              fix=f"see {self.log}")
 
     def stop(self) -> None:
-        from smolforge.cluster import ray_process
-
         self.stopping.set()
         if self.proc is not None:
             ray_process.stop(self.proc, timeout=20)

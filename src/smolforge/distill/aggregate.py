@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import resolve_model
+from smolforge.models.peft_methods import adapter_method
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 
 METHODS = ("mean", "ties")
@@ -59,8 +61,6 @@ def final_adapter_path(output_path: str | Path) -> Path:
 
 
 def _method_of(adapter: Path) -> str:
-    from smolforge.models.peft_methods import adapter_method
-
     return adapter_method(adapter)
 
 
@@ -253,7 +253,6 @@ def aggregate_student_outputs(student_output_dirs: list[str | Path], output_path
                 if not base_model:
                     raise SmolforgeError("TIES on full fine-tunes needs the base model to compute updates",
                                          fix="pass base_model=<the students' base>")
-                from smolforge.models.loading import resolve_model
 
                 base = _load_tensors(Path(resolve_model(base_model)))
             tensors = _aggregate_tensors(adapters, method, density, base, 0.0)

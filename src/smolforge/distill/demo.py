@@ -24,7 +24,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from smolforge.config import DataSpec, PeftSpec, TrainConfig
+from smolforge.data.splits import load_splits
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.store import store_summary
+from smolforge.distill.student import StudentConfig
+from smolforge.models.loading import load_model, load_tokenizer
+from smolforge.models.peft_methods import apply_peft, load_adapter
 from smolforge.paths import atomic_write_json, home
+from smolforge.train.engine import evaluate, train
 
 DEMO_TEACHER_BASE = "tiny-llama"
 DEMO_STUDENT = "tiny-llama"
@@ -70,8 +78,6 @@ def _teacher_key(s: DemoSettings) -> str:
 
 def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
     """The demo teacher (cached by its settings): (model dir, its held-out metrics)."""
-    from smolforge.config import DataSpec, PeftSpec, TrainConfig
-    from smolforge.train.engine import train
 
     import os
 
@@ -101,11 +107,6 @@ def evaluate_adapter(adapter: str | Path | None, s: DemoSettings) -> dict[str, A
     """Held-out eval loss and exact-match accuracy of the demo student (plus an adapter)."""
     import torch
 
-    from smolforge.config import DataSpec, TrainConfig
-    from smolforge.data.splits import load_splits
-    from smolforge.models.loading import load_model, load_tokenizer
-    from smolforge.models.peft_methods import load_adapter
-    from smolforge.train.engine import evaluate
 
     tok = load_tokenizer(DEMO_STUDENT)
     model = load_model(DEMO_STUDENT)
@@ -125,11 +126,6 @@ def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: 
     """
     import torch
 
-    from smolforge.config import PeftSpec
-    from smolforge.distill.losses import KDConfig
-    from smolforge.distill.student import StudentConfig
-    from smolforge.models.loading import load_model
-    from smolforge.models.peft_methods import apply_peft
 
     cfg = StudentConfig(base_model=DEMO_STUDENT, output_dir=str(output_dir), max_steps=steps or s.student_steps,
                         batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length,
@@ -201,7 +197,6 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     sft = evaluate_adapter(sft_merge["output"], s)
     kd = evaluate_adapter(kd_merge["output"], s)
     stages["evaluation"] = time.time() - t
-    from smolforge.distill.store import store_summary
 
     store = store_summary(kd_dir / "teacher_outputs")
     stages["total"] = time.time() - t_all

@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from smolforge.distill.store import TeacherRecord, tokenizer_hash
+from smolforge.data.encode import ensure_chat_template, render
 from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_tokenizer
 
 DEFAULT_HOST = "http://127.0.0.1:11434"
 MAX_TOP_LOGPROBS = 20
@@ -59,8 +61,6 @@ class OllamaTeacher:
         if self.tokenizer is None:
             self.tokenizer = self._try_tokenizer(tokenizer_name or model)
         if self.tokenizer is not None:
-            from smolforge.data.encode import ensure_chat_template
-
             ensure_chat_template(self.tokenizer)
             self.vocab_size = len(self.tokenizer)
             self.tok_hash = tokenizer_hash(self.tokenizer)
@@ -70,8 +70,6 @@ class OllamaTeacher:
 
     @staticmethod
     def _try_tokenizer(name: str):
-        from smolforge.models.loading import load_tokenizer
-
         try:
             return load_tokenizer(name)
         except SmolforgeError:
@@ -175,8 +173,6 @@ class OllamaTeacher:
                 rec = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=[],
                                     response_ids=[], response_text=text, answer=item.answer, sample_id=sample)
                 if want_logits:
-                    from smolforge.data.encode import render
-
                     prompt_ids = self.tokenizer(render(self.tokenizer, item.prompt_messages, True),
                                                 add_special_tokens=False)["input_ids"]
                     got = self._logits(data.get("logprobs") or [], k) if isinstance(data.get("logprobs"), list) else None

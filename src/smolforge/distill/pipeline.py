@@ -3,7 +3,6 @@
 
 The run itself (teachers → streaming students → aggregation, on the cluster) is
 `smolforge.cluster.distill.run.run_distill`; it writes the seed layout:
-
     <output_dir>/teacher_outputs/batch_N.{safetensors,json}, plan.json
     <output_dir>/output/student_N/<peft>_adapter/ (+ summary.json)
     <output_dir>/merged_model/final_adapter/      (several bases: merged_model/<base>/final_adapter/)
@@ -17,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smolforge.config import PeftSpec, validate
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.teacher import GenSettings
 from smolforge.errors import SmolforgeError
 
 
@@ -85,9 +87,6 @@ def check_run(cfg: DistillRun) -> None:
         raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
     if cfg.mode not in ("teacher_student", "hybrid"):
         raise SmolforgeError(f"unknown --mode {cfg.mode!r}", fix="use teacher_student or hybrid")
-    from smolforge.config import PeftSpec, validate
-    from smolforge.distill.losses import KDConfig
-    from smolforge.distill.teacher import GenSettings
 
     KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
     validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")

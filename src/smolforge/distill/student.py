@@ -26,11 +26,23 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from smolforge.config import PeftSpec
+from smolforge.config import DataSpec, PeftSpec
+from smolforge.data.collate import collate
+from smolforge.data.encode import encode_all, encode_example, ensure_chat_template, render
+from smolforge.data.formats import Example
+from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig, mixed_loss
-from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.distill.shard_source import ShardSource, StopRequested
+from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_model, load_tokenizer, pick_device
+from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_summary
+from smolforge.paths import atomic_write_json
+from smolforge.telemetry.progress import StepProgress
+from smolforge.train import checkpoint as ckpt
+from smolforge.train.evaluate import exact_match_counts, perplexity, token_loss_sum
+from smolforge.train.precision import autocast_dtype
+from smolforge.train.schedule import make_scheduler
 
 IGNORE = -100
 EventFn = Callable[..., None]
@@ -57,6 +69,7 @@ class StudentConfig:
     max_length: int = 256
     seed: int = 0
     device: str = "auto"
+    precision: str = "auto"  # as TrainConfig.precision: the engine's measured choice of autocast dtype
     num_threads: int | None = None
     save_every: int = 0
     keep_last: int = 2
@@ -87,7 +100,6 @@ def template_tail_ids(tokenizer) -> list[int]:
     The data module trains on them (they are part of the assistant turn), so a student trained on
     teacher ids must see them too, or its held-out loss is not comparable with plain SFT.
     """
-    from smolforge.data.encode import render
 
     eos = tokenizer.eos_token
     if not eos:
@@ -108,8 +120,6 @@ def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: i
     With the teacher's ids, a response that ended with eos also gets the template's tail tokens
     (`template_tail_ids`) as CE-only targets (the teacher gave no logits for them).
     """
-    from smolforge.data.encode import encode_example
-    from smolforge.data.formats import Example
 
     rows: list[Row] = []
     eos = tokenizer.eos_token_id
@@ -270,8 +280,6 @@ def student_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 @torch.no_grad()
 def eval_loss(model, rows, pad_id: int, device, batch_size: int = 32) -> tuple[float, int]:
     """(summed token CE, token count) over held-out rows."""
-    from smolforge.data.collate import collate
-    from smolforge.train.evaluate import token_loss_sum
 
     was = model.training
     model.eval()
@@ -291,16 +299,10 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
     The examples come from `eval_data`'s held-out split, or as records ({"messages": [...]}) sent by
     the orchestrator, so a student on a node without the dataset file can still evaluate.
     """
-    from smolforge.data.encode import encode_all
-    from smolforge.data.formats import Example
-    from smolforge.train.evaluate import exact_match_counts, perplexity
 
     if eval_examples is not None:
         examples = [Example("eval", messages=r["messages"]) for r in eval_examples]
     elif eval_data:
-        from smolforge.config import DataSpec
-        from smolforge.data.splits import read_spec
-
         _train, examples, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=cfg.max_eval_samples,
                                                               max_samples=1))
     else:
@@ -329,13 +331,6 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     `on_checkpoint(path, step)` follows every `save_every` checkpoint: on a cluster the worker ships
     it to the driver, so a student whose worker dies restarts from it elsewhere.
     """
-    from smolforge.data.encode import ensure_chat_template
-    from smolforge.models.loading import load_model, load_tokenizer, pick_device
-    from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_summary
-    from smolforge.paths import atomic_write_json
-    from smolforge.telemetry.progress import StepProgress
-    from smolforge.train import checkpoint as ckpt
-    from smolforge.train.schedule import make_scheduler
 
     emit = on_event or (lambda *a, **k: None)
     if hasattr(source, "attach_events"):
@@ -412,6 +407,8 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         start_step = int(state["step"])
         emit("student_resumed", step=start_step, checkpoint=str(latest))
 
+    amp = autocast_dtype(cfg.precision, device)  # the engine's choice: measured on CPUs, bf16/fp16 on GPUs
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 and device.type == "cuda" else None
     emit("student_waiting", steps=steps)
     progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet, completed=start_step)
     model.train()
@@ -443,15 +440,22 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
             total = 0.0
             for m in micro:
                 m = {key: v.to(device) for key, v in m.items()}
-                logits = student_logits(model, m["input_ids"], m["attention_mask"])
-                parts = mixed_loss(logits, m, cfg.kd, window_targets)
-                parts.loss.backward()
+                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                    logits = student_logits(model, m["input_ids"], m["attention_mask"])
+                parts = mixed_loss(logits.float(), m, cfg.kd, window_targets)
+                (scaler.scale(parts.loss) if scaler else parts.loss).backward()
                 total += float(parts.loss.detach())
                 tokens_seen += int(m["attention_mask"].sum())
+            if scaler:
+                scaler.unscale_(optimizer)
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             loss_val = total

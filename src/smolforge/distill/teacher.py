@@ -18,15 +18,20 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from smolforge.errors import SmolforgeError
+from smolforge.config import DataSpec
+from smolforge.data.encode import encode_example, ensure_chat_template, render
+from smolforge.data.formats import Example
+from smolforge.data.splits import read_spec
+from smolforge.distill.ollama import OllamaTeacher
+from smolforge.distill.planner import plan_shards
 from smolforge.distill.prompts import GenSettings, PromptItem
-from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash
+from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash, write_shard_bytes
+from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
     """The training prompts of a dataset (JSONL or 'bundled'), in file order, with their answers."""
-    from smolforge.config import DataSpec
-    from smolforge.data.splits import read_spec
 
     train, _eval, _fmt, _skipped = read_spec(DataSpec(path=dataset, format=data_format, max_samples=max_samples))
     items = [PromptItem(i, ex.prompt_messages, ex.answer) for i, ex in enumerate(train) if ex.messages]
@@ -39,8 +44,6 @@ def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_form
 def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids up to and including eos) of an item's reference answer: exactly
     the tokens plain SFT trains on, so KD on references and SFT see the same targets."""
-    from smolforge.data.encode import encode_example
-    from smolforge.data.formats import Example
 
     if item.answer is None:
         raise SmolforgeError(f"example {item.example_id} has no reference answer",
@@ -74,8 +77,6 @@ class HFTeacher:
 
     def __init__(self, model: str, device: str = "auto", dtype: torch.dtype | None = None, model_obj=None,
                  tokenizer=None):
-        from smolforge.data.encode import ensure_chat_template
-        from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         self.name = model
         self.device = pick_device(device)
@@ -89,8 +90,6 @@ class HFTeacher:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        from smolforge.data.encode import render
-
         text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -224,9 +223,6 @@ class ReferenceTeacher:
     backend = "reference"
 
     def __init__(self, model: str):
-        from smolforge.data.encode import ensure_chat_template
-        from smolforge.models.loading import load_tokenizer
-
         self.name = model
         self.tokenizer = load_tokenizer(model)
         ensure_chat_template(self.tokenizer)
@@ -250,8 +246,6 @@ def make_teacher(model: str, backend: str = "hf", **kwargs):
     if backend == "reference":
         return ReferenceTeacher(model)
     if backend == "ollama":
-        from smolforge.distill.ollama import OllamaTeacher
-
         return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
     raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf, ollama or reference")
 
@@ -288,8 +282,6 @@ def run_teacher_local(model: str, dataset: str, output_dir: str | Path, *, shard
                       num_shards: int = 1, max_samples: int | None = None, settings: GenSettings | None = None,
                       compress: bool = True, backend: str = "hf", device: str = "auto") -> list[dict[str, Any]]:
     """Single-process teacher: plan shards, generate them, write each into `output_dir` as it finishes."""
-    from smolforge.distill.planner import plan_shards
-    from smolforge.distill.store import write_shard_bytes
 
     settings = settings or GenSettings()
     items = prompts_from_dataset(dataset, max_samples)

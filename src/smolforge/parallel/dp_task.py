@@ -24,6 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayError
+
+from smolforge.config import TrainConfig
+from smolforge.models.loading import resolve_model
+from smolforge.parallel.rendezvous import free_port, init_group, leave_group, node_ip, pick_backend
+from smolforge.parallel.strategies import make_strategy
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.paths import atomic_write_bytes, home
+from smolforge.train.engine import TrainHooks, train
+
 POLL_S = 0.5
 
 
@@ -32,7 +42,6 @@ def node_dir() -> Path:
     env = os.environ.get("SMOLFORGE_NODE_DIR")
     if env:
         return Path(env)
-    from smolforge.paths import home
 
     return home() / "node"
 
@@ -60,7 +69,6 @@ def prepare_model(name: str, root: Path) -> None:
     """
     import fcntl
 
-    from smolforge.models.loading import resolve_model
 
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".prepare.lock", "w") as lock:
@@ -97,8 +105,6 @@ class DPWorker:
                 "ip": ray.util.get_node_ip_address(), "rank": self.rank}
 
     def free_address(self) -> tuple[str, int]:
-        from smolforge.parallel.rendezvous import free_port, node_ip
-
         ip = node_ip()
         return ip, free_port(ip)
 
@@ -135,12 +141,12 @@ class DPWorker:
                 self._regroup = bool(state.get("regroup"))
                 if state.get("regroup_now"):
                     self._stop = self._stop or "pause"
-            except Exception:
+            except RayError:
                 pass  # the driver notices a lost control actor; training need not stop for it
             try:
                 self._flush()
-            except Exception:
-                pass
+            except RayError:
+                pass  # the same: reports wait in the buffer for the next flush
             time.sleep(POLL_S)
 
     # -- staging ----------------------------------------------------------------------------------
@@ -156,7 +162,6 @@ class DPWorker:
         data = ray.get(self.control.get_upload.remote(digest), timeout=600)
         if hashlib.sha256(data).hexdigest() != digest:
             raise RuntimeError(f"dataset {digest[:12]} arrived corrupted")
-        from smolforge.paths import atomic_write_bytes
 
         atomic_write_bytes(dest, data)
         return str(dest)
@@ -164,7 +169,6 @@ class DPWorker:
     def _stage_checkpoint(self, name: str, out_dir: Path) -> None:
         import ray
 
-        from smolforge.parallel.transfer import unpack_dir
 
         payload = ray.get(self.control.get_artifact.remote("checkpoints", name), timeout=600)
         unpack_dir(payload, out_dir / "checkpoints" / name)
@@ -176,11 +180,6 @@ class DPWorker:
             strategy_config: dict | None = None) -> dict:
         import ray
 
-        from smolforge.config import TrainConfig
-        from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
-        from smolforge.parallel.strategies import make_strategy
-        from smolforge.parallel.transfer import pack_dir
-        from smolforge.train.engine import TrainHooks, train
 
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
@@ -256,8 +255,8 @@ class DPWorker:
             poller.join(timeout=15)  # its own flush may hold the last batch; let it send first
             try:
                 self._flush()
-            except Exception:
-                pass
+            except RayError:
+                pass  # a lost control actor: the driver diagnoses the group, not this rank
         out = result.to_dict()
         out.update(rank=self.rank, world=world, node=self.info(), setup_s=t_ready - t0,
                    adapter_artifact=adapter_meta["name"] if adapter_meta else None,

@@ -13,7 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import RayError
+
 from smolforge.errors import SmolforgeError
+from smolforge.parallel.dp_task import DPWorker
 
 
 @dataclass
@@ -43,7 +46,6 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from smolforge.parallel.dp_task import DPWorker
 
         specs = [b for b, _ in self.bundles]
         selectors = [s or {} for _, s in self.bundles]
@@ -90,13 +92,13 @@ class WorkerGroup:
         for m in self.members:
             try:
                 ray.kill(m.actor, no_restart=True)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # already gone
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # already removed
             self.pg = None
         deadline = time.time() + wait_s
         for m in self.members:

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from smolforge.errors import SmolforgeError
+
 HERE = Path(__file__).resolve().parent
 PROTO = HERE / "split.proto"
 OUT = HERE / "_generated"
@@ -65,8 +67,6 @@ def ensure_generated(force: bool = False) -> Path:
     if not force and is_current():
         return OUT
     if not os.access(HERE, os.W_OK):
-        from smolforge.errors import SmolforgeError
-
         raise SmolforgeError(f"the gRPC stubs in {OUT} are missing or stale and {HERE} is not writable",
                              fix="run `python -m smolforge.split.gen_proto` as a user who can write there")
     # The lock lives in the temp dir (one per package location), not in the source tree.

@@ -17,6 +17,8 @@ import torch
 
 from smolforge.config import PeftSpec
 from smolforge.data.collate import collate
+from smolforge.models.loading import load_model
+from smolforge.models.peft_methods import apply_peft
 from smolforge.split.lora import seeded_init
 from smolforge.train.engine import SampleOrder
 from smolforge.train.evaluate import token_loss_sum
@@ -41,8 +43,6 @@ class LocalResult:
 
 def build(model_name: str, spec: PeftSpec, seed: int, device: str = "cpu"):
     """The full model with peft LoRA on every layer, A matrices seeded like the split parts'."""
-    from smolforge.models.loading import load_model
-    from smolforge.models.peft_methods import apply_peft
 
     model = apply_peft(load_model(model_name, device=device), spec)
     seeded_init(model, seed, canonical)

@@ -17,8 +17,11 @@ from pathlib import Path
 
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_model, load_tokenizer, resolve_model
+from smolforge.models.peft_methods import load_adapter, merge_adapter
 from smolforge.paths import atomic_replace_dir
 from smolforge.split import checkpoint as ckpt
+from smolforge.split.lora import save_peft_adapter
 
 
 def _run_info(run_dir: Path) -> dict:
@@ -32,8 +35,6 @@ def adapter_from_checkpoint(run_dir: Path, step: int | None, out_dir: Path) -> t
     """Write checkpoint `step` (newest if None) of a run as a peft adapter at out_dir."""
     from transformers import AutoConfig
 
-    from smolforge.models.loading import resolve_model
-    from smolforge.split.lora import save_peft_adapter
 
     root = run_dir / "checkpoints"
     steps = ckpt.valid_steps(root)
@@ -57,8 +58,6 @@ def merge_run(output_dir: str | Path, merged_dir: str | Path | None = None, *, m
     Uses `<output_dir>/lora_adapter` (written when training finishes), or checkpoint `step` when
     given (for a run that was paused or is still going).
     """
-    from smolforge.models.loading import load_model, load_tokenizer
-    from smolforge.models.peft_methods import load_adapter, merge_adapter
 
     run_dir = Path(output_dir)
     merged_dir = Path(merged_dir) if merged_dir else run_dir / "merged_model"

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_model, load_tokenizer
 
 # model_type -> (path of the decoder layer list in the *ForCausalLM model, family)
 SUPPORTED: dict[str, tuple[str, str]] = {
@@ -76,15 +77,12 @@ def load_full_model(name: str, device="cpu"):
     threads loading at once can get a model with tensors left on the meta device. Several
     clients, or a client and a server, may live in one process (tests, the cluster layer).
     """
-    from smolforge.models.loading import load_model
 
     with _LOAD_LOCK:
         return load_model(name, device=device)
 
 
 def load_tokenizer_locked(name: str):
-    from smolforge.models.loading import load_tokenizer
-
     with _LOAD_LOCK:
         return load_tokenizer(name)
 

@@ -37,14 +37,23 @@ from torch import nn
 from smolforge import __version__
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import pick_device
 from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
 from smolforge.split.codec import CODECS, CodecError, decode, encode
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, targets
 from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, load_full_model, partition
-from smolforge.split.protocol import (AUTH_HEADER, CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, OPEN_METHODS, pb, pb_grpc,
-                                      server_credentials)
+from smolforge.split.protocol import (
+    AUTH_HEADER,
+    CHANNEL_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    OPEN_METHODS,
+    pb,
+    pb_grpc,
+    server_credentials,
+)
 from smolforge.split.rng import seeded_rng
+from smolforge.train.engine import available_cpus
 
 log = logging.getLogger("smolforge.split.server")
 SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -129,8 +138,6 @@ class TrunkService(pb_grpc.TrunkServicer):
     """The gRPC servicer. Model state is built once; sessions come and go."""
 
     def __init__(self, cfg: ServeConfig):
-        from smolforge.models.loading import pick_device
-
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         model = load_full_model(cfg.model, device=self.device)
@@ -516,8 +523,6 @@ class TrunkServer:
 
 
 def _cpus() -> int:
-    from smolforge.train.engine import available_cpus
-
     return available_cpus()
 
 

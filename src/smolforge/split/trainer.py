@@ -27,8 +27,10 @@ import torch
 from pydantic import Field
 
 from smolforge.config import DataSpec, PeftSpec, Spec
+from smolforge.data import load_splits
 from smolforge.data.collate import collate
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import pick_device
 from smolforge.paths import atomic_write_json
 from smolforge.split import checkpoint as ckpt
 from smolforge.split.client import SessionLost, TrunkClient
@@ -37,6 +39,9 @@ from smolforge.split.lora import apply_lora, load_lora_state, lora_state, save_p
 from smolforge.split.partition import fingerprint, load_full_model, load_tokenizer_locked, partition, positions_for
 from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.split.rng import seeded_rng
+from smolforge.split.server import grad_norms
+from smolforge.telemetry.progress import StepProgress
+from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train.engine import SampleOrder, StepInfo, TrainHooks, available_cpus
 from smolforge.train.evaluate import perplexity, token_loss_sum
 from smolforge.train.schedule import lr_lambda
@@ -146,8 +151,6 @@ class SplitTrainer:
     """One client run. `train()` does the loop; the pieces are methods so tests can drive them."""
 
     def __init__(self, cfg: SplitTrainConfig, hooks: TrainHooks | None = None, *, splits=None, tokenizer=None):
-        from smolforge.models.loading import pick_device
-
         self.cfg = cfg
         self.hooks = hooks or TrainHooks()
         if cfg.codec not in CODECS:
@@ -360,8 +363,6 @@ class SplitTrainer:
         model's order is bottom, trunk, top, so the client stacks its own norms around the
         trunk's. Its gradients are scaled here; the trunk scales its own with the same coefficient.
         """
-        from smolforge.split.server import grad_norms
-
         norms = grad_norms(self.bottom_params) + [float(x) for x in trunk_norms] + grad_norms(self.top_params)
         if not norms:
             return 0.0, 1.0
@@ -407,9 +408,6 @@ class SplitTrainer:
     # ----------------------------------------------------------------- the loop
 
     def train(self) -> SplitTrainResult:
-        from smolforge.telemetry.progress import StepProgress
-        from smolforge.telemetry.writers import MetricsWriter
-
         cfg = self.cfg
         t0 = time.perf_counter()
         n_client = sum(p.numel() for p in self.params)
@@ -528,8 +526,6 @@ class SplitTrainer:
 
 
 def _load_splits(cfg: SplitTrainConfig, tokenizer):
-    from smolforge.data import load_splits
-
     return load_splits(cfg.data_spec(), tokenizer)
 
 

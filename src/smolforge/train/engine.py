@@ -24,12 +24,20 @@ from smolforge.config import TrainConfig
 from smolforge.data.collate import collate
 from smolforge.data.splits import Splits, load_splits
 from smolforge.errors import SmolforgeError
+from smolforge.models.loading import load_model, load_tokenizer, pick_device
+from smolforge.models.peft_methods import (
+    apply_peft,
+    enable_gradient_checkpointing,
+    save_adapter,
+    trainable_summary,
+    virtual_token_offset,
+)
 from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
-from smolforge.train.precision import autocast_dtype
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
+from smolforge.train.precision import autocast_dtype
 from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Strategy
 
@@ -111,8 +119,6 @@ def total_steps(cfg: TrainConfig, order: SampleOrder) -> int:
 
 def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None):
     """Tokenizer and the PEFT-wrapped model on device."""
-    from smolforge.models.loading import load_model, load_tokenizer
-    from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=device)
@@ -172,20 +178,16 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
     `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
     """
-    from smolforge.models.peft_methods import save_adapter, trainable_summary, virtual_token_offset
 
     hooks = hooks or TrainHooks()
     strategy = strategy or Strategy()
     t_start = time.perf_counter()
     rank, world = strategy.rank, strategy.world
     torch.set_num_threads(cfg.num_threads or available_cpus())
-    from smolforge.models.loading import pick_device
 
     device = strategy.device_for(pick_device(cfg.device))
     torch.manual_seed(cfg.seed)
     if tokenizer is None:
-        from smolforge.models.loading import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.model)
     refuse_used_output_dir(cfg)
     if splits is None:  # before the model: bad data should fail in a second, not after a load

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from smolforge.data.collate import collate
 from smolforge.data.encode import IGNORE, prompt_text
 from smolforge.data.formats import Example
+from smolforge.models.peft_methods import virtual_token_offset
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -26,7 +27,6 @@ def eval_loss_sums(model, rows, pad_id: int, batch_size: int, device) -> tuple[f
     """(sum of token losses, token count) so ranks can add theirs before dividing."""
     was_training = model.training
     model.eval()
-    from smolforge.models.peft_methods import virtual_token_offset
 
     offset = virtual_token_offset(model)
     total, count = 0.0, 0

@@ -15,13 +15,16 @@ from typing import Any
 
 from smolforge.cluster.distill.state import GET_TIMEOUT_S
 from smolforge.config import PeftSpec
-from smolforge.parallel.dp_task import local_model_path
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings, PromptItem
-from smolforge.distill.store import (CorruptShardError, Shard, decode_shard)
+from smolforge.distill.shard_source import StopRequested
+from smolforge.distill.store import CorruptShardError, Shard, decode_shard
+from smolforge.distill.student import StudentConfig, train_student
+from smolforge.distill.teacher import make_teacher, produce_shards
 from smolforge.errors import SmolforgeError
-
-
+from smolforge.parallel.dp_task import local_model_path
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.train import checkpoint as ckpt
 
 # ------------------------------------------------------------------------------- remote definitions
 
@@ -35,7 +38,6 @@ def _teacher_shards(spec: dict[str, Any]):
     import ray
     import torch
 
-    from smolforge.distill.teacher import make_teacher, produce_shards
 
     torch.set_num_threads(max(1, int(spec["num_threads"])))
     ctx = ray.get_runtime_context()
@@ -181,8 +183,6 @@ class BrokerShardSource:
             if reply["kind"] == "done":
                 return None
             if reply["kind"] == "stop":
-                from smolforge.distill.shard_source import StopRequested
-
                 raise StopRequested(reply["what"])
             if reply["kind"] == "failed":
                 raise SmolforgeError(f"teachers failed before this student's shards were ready: {reply['error']}",
@@ -214,9 +214,6 @@ class _StudentWorker:
     def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
         import ray
 
-        from smolforge.distill.student import StudentConfig, train_student
-        from smolforge.parallel.transfer import pack_dir, unpack_dir
-        from smolforge.train import checkpoint as ckpt
 
         cfg_fields = dict(spec["config"])
         cfg_fields["base_model"] = _node_model(cfg_fields["base_model"])

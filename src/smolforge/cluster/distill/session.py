@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayError
+
+from smolforge.cluster.distill.state import PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.cluster.distill.students import StudentTasks
 from smolforge.cluster.distill.teachers import TeacherTasks
-from smolforge.cluster.distill.state import PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
 from smolforge.distill.store import quarantine_shard
 from smolforge.distill.teacher import prompts_from_dataset
@@ -88,8 +90,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
             for store in list(st.stores.values()):
                 try:
                     news = ray.get(store.broker.drain.remote(), timeout=5)
-                except Exception:
-                    continue
+                except RayError:
+                    continue  # a busy or restarting broker: the next poll drains it
                 try:
                     self._absorb_broker(store, news)
                 except Exception as err:  # keep monitoring; say what went wrong
@@ -216,8 +218,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
             task.state = "cancelled"
             try:
                 ray.cancel(handle)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # it already finished
         elif task.kind == "student":
             if task.queued:
                 task.queued, task.state = False, "cancelled"
@@ -278,13 +280,13 @@ class DistillTasks(TeacherTasks, StudentTasks):
                     ray.kill(handle[0])
                 else:
                     ray.cancel(handle)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # already finished or gone
         for store in st.stores.values():
             try:
                 ray.kill(store.broker)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # already gone
 
     # -- aggregation ---------------------------------------------------------------------------------
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smolforge.distill.prompts import GenSettings, PromptItem
-from smolforge.distill.store import (StorePlan)
 from smolforge.cluster.policy import FailurePolicy
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
-
+from smolforge.models import tiny
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
@@ -109,8 +109,6 @@ def store_dir_of(output_dir: str | Path) -> Path:
 
 
 def is_local_model(name: str) -> bool:
-    from smolforge.models import tiny
-
     return tiny.is_preset(name) or Path(name).expanduser().exists()
 
 

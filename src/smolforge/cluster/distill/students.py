@@ -9,18 +9,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayError
+
 from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.remotes import new_broker, remotes
-from smolforge.cluster.distill.state import (GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of)
+from smolforge.cluster.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
 from smolforge.cluster.policy import Decision
-from smolforge.config import PeftSpec
+from smolforge.config import DataSpec, PeftSpec, validate
+from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import (pick_student_node, student_assignment)
+from smolforge.distill.planner import pick_student_node, student_assignment
 from smolforge.distill.prompts import GenSettings
-from smolforge.distill.store import (StorePlan)
+from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
-from smolforge.paths import atomic_write_json
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.paths import atomic_write_json, safe_join
+from smolforge.train import checkpoint as ckpt
 
 
 class StudentTasks:
@@ -55,7 +60,6 @@ class StudentTasks:
         bases = [base_model] if isinstance(base_model, str) else list(base_model)
         if not bases:
             raise SmolforgeError("no student base model given", fix="pass --student NAME")
-        from smolforge.config import validate
 
         peft = validate(PeftSpec, {"method": peft_type, **(peft_config or {})}, where="peft_config")
         kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
@@ -111,9 +115,6 @@ class StudentTasks:
         return ids
 
     def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
-        from smolforge.config import DataSpec
-        from smolforge.data.splits import read_spec
-
         _train, eval_ex, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=max_eval, max_samples=1))
         return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
 
@@ -239,8 +240,8 @@ class StudentTasks:
         try:
             if ray.is_initialized():
                 ray.kill(actor)
-        except Exception:
-            pass
+        except (RayError, ValueError):
+            pass  # already gone
 
     @staticmethod
     def _worker_lost(err: BaseException) -> bool:
@@ -275,10 +276,6 @@ class StudentTasks:
     def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any], why: str = "paused") -> None:
         """Store a student's shipped checkpoint in `<output_dir>/checkpoints/` (verified, atomic), so a
         resumed run, or a restart after its worker died, picks the student up at that step."""
-        from smolforge.parallel.transfer import unpack_dir
-        from smolforge.paths import safe_join
-        from smolforge.train import checkpoint as ckpt
-
         root = ckpt.checkpoints_dir(task.output_dir)
         with self._dstate().lock:  # the monitor (periodic ones) and a student's result (a pause) both come here
             kept = ckpt.list_checkpoints(task.output_dir)
@@ -295,9 +292,6 @@ class StudentTasks:
 
     def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
         """A student's checkpoint to resume from, packed for the worker; stale ones go when not resuming."""
-        from smolforge.parallel.transfer import pack_dir
-        from smolforge.train import checkpoint as ckpt
-
         if not resume:
             shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
             return None
@@ -310,8 +304,6 @@ class StudentTasks:
         return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
 
     def _write_student_output(self, task: DistillTask, result: dict[str, Any], adapter: dict[str, Any]) -> None:
-        from smolforge.parallel.transfer import unpack_dir
-
         out = Path(task.output_dir)
         method = task.spec["config"]["peft"]["method"]
         final = unpack_dir(adapter, out / f"{method}_adapter")  # checksummed, no path escapes, atomic swap

@@ -11,14 +11,30 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.distill.remotes import new_broker, remotes
-from smolforge.cluster.distill.state import (GET_TIMEOUT_S, DistillTask, SessionState,
-                                             StoreState, is_local_model, short_error, store_dir_of)
-from smolforge.distill.planner import (model_nodes, plan_shards, teacher_assignment)
+from smolforge.cluster.distill.state import (
+    GET_TIMEOUT_S,
+    DistillTask,
+    SessionState,
+    StoreState,
+    is_local_model,
+    short_error,
+    store_dir_of,
+)
+from smolforge.cluster.ray_glue import Requirements
+from smolforge.distill.planner import model_nodes, plan_shards, teacher_assignment
 from smolforge.distill.prompts import GenSettings
-from smolforge.distill.store import (CorruptShardError, StorePlan, decode_shard, quarantine_shard,
-                                     read_shard_bytes, ready_shards, write_shard_bytes)
+from smolforge.distill.store import (
+    CorruptShardError,
+    StorePlan,
+    decode_shard,
+    quarantine_shard,
+    read_shard_bytes,
+    ready_shards,
+    write_shard_bytes,
+)
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
+from smolforge.models import tiny
 
 
 class TeacherTasks:
@@ -56,15 +72,11 @@ class TeacherTasks:
         Presets are built offline from config on any node; a local directory counts as held by
         every node of an embedded (one-machine) cluster. See `planner.model_nodes`.
         """
-        from smolforge.models import tiny
-
         embedded = bool(getattr(self.cluster, "embedded", False))
         any_ok = tiny.is_preset(model) or (embedded and is_local_model(model))
         return model_nodes(self._nodes(), model, role, any_node_ok=any_ok)
 
     def _options(self, node, model: str | None, cpus: float) -> dict[str, Any]:
-        from smolforge.cluster.ray_glue import Requirements
-
         req = Requirements(model=model, cpus=cpus, gpu="preferred" if node.gpus >= 1 else "no",
                            allowed_nodes=[node.name])
         opts = req.ray_options(self._nodes())

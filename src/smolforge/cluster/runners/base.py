@@ -6,6 +6,8 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from ray.exceptions import RayError
+
 from smolforge.cluster.policy import Decision, FailurePolicy
 from smolforge.errors import SmolforgeError
 
@@ -71,10 +73,8 @@ class JobRunner(threading.Thread):
             if not self.abandon:
                 self.store.add_event(self.job_id, "error", f"job runner failed: {short_error(err)}",
                                      {"traceback": traceback.format_exc()[-4000:]})
-                try:
-                    self.store.set_state(self.job_id, "failed", f"failed: {short_error(err)}", error=short_error(err), force=True)
-                except Exception:
-                    pass
+                self.store.set_state(self.job_id, "failed", f"failed: {short_error(err)}", error=short_error(err),
+                                     force=True)  # a final state (a cancel) stands: see JobState.settle
         finally:
             self._cleanup()
             self.finished.set()
@@ -83,9 +83,10 @@ class JobRunner(threading.Thread):
 
 
 def ray_get(ref, timeout: float = 30):
+    """ray.get, or None when the actor is gone or slow (callers treat the answer as optional)."""
     import ray
 
     try:
         return ray.get(ref, timeout=timeout)
-    except Exception:
+    except RayError:
         return None

@@ -27,11 +27,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ray.exceptions import RayError
+
+from smolforge.cluster.job_control import create_control
 from smolforge.cluster.jobstore import FINAL
-from smolforge.cluster.specs import DataParallelJob
 from smolforge.cluster.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
 from smolforge.cluster.runners.base import CANCEL_GRACE_S, POLL_S, JobRunner, ray_get, short_error
+from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
+from smolforge.parallel.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
     from smolforge.cluster.manager import JobManager
@@ -96,8 +100,8 @@ class DPRunner(JobRunner):
 
             try:
                 ray.kill(self.control, no_restart=True)
-            except Exception:
-                pass
+            except (RayError, ValueError):
+                pass  # already gone
 
     def _release(self) -> None:
         group, self.group = self.group, None
@@ -107,17 +111,12 @@ class DPRunner(JobRunner):
         group.release()
         for m in members:
             tid = f"{self.job_id}-g{group.attempt}-r{m.rank}"
-            try:
-                self.store.upsert_task(tid, self.job_id, "dp_rank", "released")
-            except Exception:
-                pass
+            self.store.upsert_task(tid, self.job_id, "dp_rank", "released")
 
     def _round_no(self) -> int:
         return sum(1 for t in self.store.tasks(self.job_id) if t["kind"] == "dp_group") + 1
 
     def _run(self) -> None:
-        from smolforge.cluster.job_control import create_control
-
         job = self.store.get_job(self.job_id)
         if job["state"] in FINAL:
             return
@@ -147,7 +146,6 @@ class DPRunner(JobRunner):
                     self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=err.what)
                     return
                 continue
-            from smolforge.parallel.worker_group import WorkerGroup
 
             group = WorkerGroup(self.job_id, round_no, bundles, self.control)
             self.group, self.world = group, world
@@ -330,6 +328,13 @@ class DPRunner(JobRunner):
                                   samples_done=last_step["samples_done"], samples_total=last_step["samples_total"],
                                   loss=last_step["loss"], eta_s=last_step.get("eta_s"))
 
+    def _drain_quietly(self) -> None:
+        """Drain the control actor's reports; a lost control actor costs the progress rows, nothing else."""
+        try:
+            self._drain()
+        except RayError as err:
+            self.store.add_event(self.job_id, "log", f"progress reports lost: {short_error(err)}")
+
     def _watch(self, group, refs: list) -> tuple[str, dict]:
         import ray
 
@@ -343,16 +348,10 @@ class DPRunner(JobRunner):
                 rank = rank_of[ref]
                 try:
                     results[rank] = ray.get(ref, timeout=30)
-                except Exception as err:
-                    try:
-                        self._drain()
-                    except Exception:
-                        pass
+                except RayError as err:  # the rank's task failed, or its process or node died
+                    self._drain_quietly()
                     return "failed", self._diagnose(group, rank, err)
-            try:
-                self._drain()
-            except Exception:
-                pass
+            self._drain_quietly()
             if self.abandon:
                 return "abandoned", {}
             if self.want == "cancel":
@@ -391,8 +390,8 @@ class DPRunner(JobRunner):
             try:
                 ray.get(m.actor.info.remote(), timeout=3)
                 continue  # the actor answers: its node is fine
-            except Exception:
-                pass
+            except RayError:
+                pass  # no answer: probe the node itself
             if not self.mgr.probe_node(nid, timeout=4):
                 self.mgr.suspects[nid] = time.time()
                 lost.append(m.info.get("node_name") or nid[:12])
