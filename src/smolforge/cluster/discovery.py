@@ -74,14 +74,12 @@ def detect_ram_gb() -> float:
 
 
 def detect_gpus() -> list[GpuInfo]:
-    """GPUs via nvidia-ml-py; none when the library or driver is missing."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
+    """GPUs via nvidia-ml-py (a dependency); none when the NVIDIA driver is missing."""
+    import pynvml
+
     try:
         pynvml.nvmlInit()
-    except Exception:
+    except pynvml.NVMLError:
         return []
     try:
         out = []
@@ -92,13 +90,10 @@ def detect_gpus() -> list[GpuInfo]:
             mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 1e9
             out.append(GpuInfo(i, name, round(mem, 1)))
         return out
-    except Exception:
-        return []
+    except pynvml.NVMLError:
+        return []  # a GPU that fell off the bus mid-query: report none rather than fail the join
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass  # it was never initialised (no driver)
+        pynvml.nvmlShutdown()
 
 
 def hf_cache_dir() -> Path:
