@@ -18,7 +18,7 @@ import torch.distributed as dist
 def main() -> None:
     cfg_path, out_path = sys.argv[1], sys.argv[2]
     from smolforge.config import TrainConfig
-    from smolforge.parallel.dp_task import engine_final_save_compat
+    from smolforge.parallel.strategies import make_strategy
     from smolforge.train.engine import TrainHooks, train
 
     dist.init_process_group("gloo")
@@ -32,8 +32,7 @@ def main() -> None:
         times.append(time.time())
         cpu.append(time.process_time())
 
-    engine_final_save_compat()  # the engine's end-of-run save needs it under any launcher (see dp_task)
-    train(cfg, TrainHooks(on_step=on_step))
+    train(cfg, TrainHooks(on_step=on_step), strategy=make_strategy("ddp"))  # the loop's peers: plain DDP
     if rank == 0:
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
         with open(out_path, "w") as f:

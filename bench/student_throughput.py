@@ -27,6 +27,7 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from smolforge.config import DataSpec, PeftSpec, TrainConfig  # noqa: E402
+from smolforge.data.encode import EncodeStats  # noqa: E402
 from smolforge.data.splits import Splits  # noqa: E402
 from smolforge.distill.losses import KDConfig  # noqa: E402
 from smolforge.distill.shard_source import DirShardSource  # noqa: E402
@@ -91,7 +92,7 @@ def main() -> None:
     stream = [rows[i] for i in order]  # the student's epoch-0 order (RowStream)
     train_rows = [{"input_ids": r.input_ids, "labels": r.labels} for r in rows]
     splits = Splits(train=train_rows, eval=train_rows[:1], eval_examples=[], format="shard", skipped=0,
-                    train_stats=None, eval_stats=None)
+                    train_stats=EncodeStats(), eval_stats=EncodeStats())
     steps = range(args.steps + args.warmup)
     student_tokens = [sum(len(r.input_ids) for r in stream[s * args.batch_size:(s + 1) * args.batch_size])
                       for s in steps]
