@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.distill.runner import DistillRunner
-from smolforge.cluster.runners.data_parallel import DPRunner
 from smolforge.cluster.specs import DataParallelJob, DistillJob
-from smolforge.config import Spec, TrainConfig, apply_overrides, validate
-from smolforge.distill.pipeline import DistillRun, check_run
+from smolforge.config import Spec, apply_overrides, validate
+from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
@@ -32,9 +30,8 @@ class JobKind:
     name: str
     label: str  # how messages name it: "a {label} job"
     spec: type[Spec]
-    runner: type
+    runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
     section: str  # the settings section: `--set` routes keys the job itself lacks into it
-    section_keys: frozenset[str]
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
@@ -43,17 +40,29 @@ class JobKind:
     resumes_from: Callable[["JobManager", str], str] = field(default=lambda mgr, job_id: "the start")
 
 
+def _dp_runner() -> type:
+    from smolforge.cluster.runners.data_parallel import DPRunner  # Ray and torch: only where jobs run
+
+    return DPRunner
+
+
+def _distill_runner() -> type:
+    from smolforge.cluster.distill.runner import DistillRunner  # Ray and torch: only where jobs run
+
+    return DistillRunner
+
+
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
     return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
 
 KINDS: dict[str, JobKind] = {k.name: k for k in (
-    JobKind("data_parallel", "data-parallel", DataParallelJob, DPRunner, section="train",
-            section_keys=frozenset(TrainConfig.model_fields), uploads=("train.data.path", "train.data.eval_path"),
+    JobKind("data_parallel", "data-parallel", DataParallelJob, _dp_runner, section="train",
+            uploads=("train.data.path", "train.data.eval_path"),
             models=("train.model",),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from),
-    JobKind("distill", "distillation", DistillJob, DistillRunner, section="distill",
-            section_keys=frozenset(DistillRun.__dataclass_fields__), uploads=("distill.data",),
+    JobKind("distill", "distillation", DistillJob, _distill_runner, section="distill",
+            uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.run_config("distill-check")),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),

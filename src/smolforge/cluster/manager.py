@@ -72,7 +72,7 @@ class JobManager:
             old = self.runners.get(job_id)
             if old is not None and old.is_alive():
                 raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
-            runner = jobs.kind_of(self.store.get_job(job_id)["kind"]).runner(self, job_id, reason)
+            runner = jobs.kind_of(self.store.get_job(job_id)["kind"]).runner()(self, job_id, reason)
             self.on_start(job_id)
             self.runners[job_id] = runner
             runner.start()

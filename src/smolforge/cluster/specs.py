@@ -40,7 +40,6 @@ from pydantic import Field, field_validator
 from smolforge.config import Spec, TrainConfig
 from smolforge.distill.pipeline import DistillRun
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.strategies import check_name
 
 
 class DataParallelJob(Spec):
@@ -65,6 +64,8 @@ class DataParallelJob(Spec):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
+        from smolforge.parallel.strategies import check_name  # torch.distributed: the client imports specs
+
         try:
             return check_name(value)
         except SmolforgeError as err:

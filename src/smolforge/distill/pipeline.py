@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.config import PeftSpec, validate
-from smolforge.distill.losses import KDConfig
-from smolforge.distill.teacher import GenSettings
+from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 
 
@@ -81,6 +80,8 @@ def _slug(name: str) -> str:
 
 def check_run(cfg: DistillRun) -> None:
     """Every setting checked before a cluster starts: bad flags fail in a second, not after the teachers."""
+    from smolforge.distill.losses import KDConfig  # torch: the client and --help import this module
+
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
     if cfg.aggregate not in ("mean", "ties", "none"):
