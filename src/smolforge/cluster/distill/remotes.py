@@ -146,6 +146,12 @@ class _ShardBroker:
     def fail(self, why: str) -> None:
         self.failed = why
 
+    def node(self) -> str:
+        """The Ray node this broker runs on (the driver checks it is its own)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class BrokerShardSource:
     """A student's shard source on the cluster: ask the broker, fetch bytes, verify, report corruption."""
@@ -281,8 +287,16 @@ def new_broker(plan: dict[str, Any]):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return remotes()["broker"].options(num_cpus=0, max_concurrency=4,
-                                        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(plan)
+    # Hard affinity: a soft one was seen to land the broker on a worker (which then took the whole
+    # run down with it when that worker left). The driver's own node always exists.
+    broker = remotes()["broker"].options(num_cpus=0, max_concurrency=4,
+                                         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(plan)
+    where = ray.get(broker.node.remote(), timeout=60)
+    if where != here:  # a guard: the run must not depend on a worker staying
+        ray.kill(broker)
+        raise SmolforgeError(f"the shard broker started on node {where[:8]}, not on the driver's {here[:8]}",
+                             fix="report this: the broker must live on the coordinator's node")
+    return broker
 
 
 # ------------------------------------------------------------------------------------ driver state

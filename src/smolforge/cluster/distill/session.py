@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from smolforge.cluster.distill.state import PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
+from smolforge.cluster.distill.state import BROKER_LOST_S, PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.cluster.distill.students import StudentTasks
 from smolforge.cluster.distill.teachers import TeacherTasks
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
@@ -90,12 +90,26 @@ class DistillTasks(TeacherTasks, StudentTasks):
             for store in list(st.stores.values()):
                 try:
                     news = ray.get(store.broker.drain.remote(), timeout=5)
-                except RayError:
-                    continue  # a busy or restarting broker: the next poll drains it
+                    store.broker_silent_since = None
+                except RayError as err:  # a busy broker: the next poll drains it; a gone one ends the run
+                    store.broker_silent_since = store.broker_silent_since or time.time()
+                    if time.time() - store.broker_silent_since > BROKER_LOST_S:
+                        self._broker_lost(store, err)
+                    continue
                 try:
                     self._absorb_broker(store, news)
                 except Exception as err:  # keep monitoring; say what went wrong
                     self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+
+    def _broker_lost(self, store: StoreState, err: BaseException) -> None:
+        """The store's broker has not answered for BROKER_LOST_S: its students cannot get shards or
+        ship checkpoints any more, so they fail (their kept checkpoints stay for a rerun)."""
+        why = (f"the shard broker of {store.dir.name} has not answered for {BROKER_LOST_S:.0f}s "
+               f"({short_error(err)}); rerun the job to continue from the kept checkpoints")
+        for t in self._dstate().tasks.values():
+            if t.kind == "student" and t.store == str(store.dir) and t.state in ("pending", "running"):
+                t.queued, t.state, t.finished, t.error = False, "failed", time.time(), why
+                self._devent("student_failed", f"{t.task_id} failed: {why}", task_id=t.task_id, error=why)
 
     def _fail_unplaceable(self) -> None:
         """A queued student that no live node could run for `replace_timeout_s` fails, saying why."""

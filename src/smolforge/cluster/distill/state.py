@@ -18,6 +18,7 @@ from smolforge.models import tiny
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
 PLACEMENT_POLL_S = 2.0  # how often queued students look for a node (one that joined, one that freed up)
+BROKER_LOST_S = 60.0  # a broker silent this long is gone (it lives on the driver node, so this is rare)
 MAX_STUDENT_RESTARTS = 2  # per student, after its worker process or node was lost
 
 
@@ -87,6 +88,7 @@ class StoreState:
     next_rank: int = 0
     assigned: dict[str, list[int]] = field(default_factory=dict)
     eval_examples: list[dict[str, Any]] = field(default_factory=list)
+    broker_silent_since: float | None = None  # when its broker first failed to answer a drain
 
 
 class SessionState:

@@ -223,10 +223,14 @@ class StudentTasks:
             decision = self._dstate().failures.on_failure(
                 f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
                 else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id, retryable=lost)
+            error = short_error(err)
             if decision.retry and not self._dstate().closing:
-                self._restart_student(task, decision)
-                return  # (`finally` still kills the lost actor's handle)
-            task.state, task.finished, task.error = "failed", time.time(), short_error(err)
+                try:
+                    self._restart_student(task, decision)
+                    return  # (`finally` still kills the lost actor's handle)
+                except Exception as again:  # the restart itself failed: the student ends, saying why
+                    error = f"{error}; restarting it failed: {short_error(again)}"
+            task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
             self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
                          node=task.node, error=task.error)
         finally:
