@@ -28,3 +28,23 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def ddp_student_worker(rank: int, world: int, port: int, store: str, cfg_kw: dict) -> None:
+    """One rank of a data-parallel distillation student (gloo on loopback): spawned by a test."""
+    import torch
+
+    from smolforge.config import PeftSpec
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.student import StudentConfig, train_student
+    from smolforge.parallel.rendezvous import init_group, leave_group
+    from smolforge.parallel.strategies import make_strategy
+
+    torch.set_num_threads(1)
+    init_group("gloo", "127.0.0.1", port, rank, world, 120)
+    try:
+        cfg = StudentConfig(**{**cfg_kw, "peft": PeftSpec(**cfg_kw["peft"]), "kd": KDConfig(**cfg_kw["kd"])})
+        train_student(cfg, DirShardSource(Path(store), poll_s=0.05), strategy=make_strategy("ddp"))
+    finally:
+        leave_group()

@@ -175,7 +175,7 @@ class _StopWhileWaiting(DirShardSource):
         self.stop_at, self.asked = stop_at, 0
 
     def next_shard(self):
-        from smolforge.distill.shard_source import StopRequested
+        from smolforge.train.loop import StopRequested
 
         self.asked += 1
         if self.asked == self.stop_at:
@@ -206,3 +206,30 @@ def test_pause_while_waiting_for_a_shard_checkpoints_the_steps_done(tmp_path, st
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_a_ddp_student_of_two_ranks_equals_one_process_with_their_batch(tmp_path, store):
+    """The student is the one trainer, so it takes any strategy: two gloo ranks of batch 2 give the
+    weights one process gets with batch 4 (each rank takes its half of every step's rows)."""
+    import multiprocessing as mp
+
+    from helpers import ddp_student_worker
+    from smolforge.cluster.statedir import free_port
+
+    kw = {"base_model": "tiny-llama", "output_dir": str(tmp_path / "ddp"), "max_steps": 3, "batch_size": 2,
+          "lr": 1e-3, "device": "cpu", "num_threads": 1, "peft": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+          "kd": {"kd_ratio": 0.5}, "wait_timeout_s": 60, "poll_s": 0.05}
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=ddp_student_worker, args=(r, 2, port, str(store), kw)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0, p.exitcode
+    single = train_student(_cfg(tmp_path, "single", batch_size=4), DirShardSource(store, poll_s=0.05))
+    ddp = load_file(str(tmp_path / "ddp" / "lora_adapter" / "adapter_model.safetensors"))
+    one = load_file(str(Path(single.adapter_dir) / "adapter_model.safetensors"))
+    assert ddp.keys() == one.keys()
+    assert any(float(v.abs().sum()) > 0 for k, v in one.items() if "lora_B" in k)  # it trained
+    for k in one:
+        assert torch.allclose(ddp[k], one[k], atol=1e-5), (k, float((ddp[k] - one[k]).abs().max()))

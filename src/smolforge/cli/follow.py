@@ -23,7 +23,7 @@ def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0
                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                         console=Console(stderr=True), refresh_per_second=4)
     task = progress.add_task(job_id, total=None, rate="", info="starting")
-    t0, first = time.time(), None
+    first = None
 
     def update(st: dict) -> None:
         nonlocal first

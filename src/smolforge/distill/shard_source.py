@@ -18,18 +18,6 @@ from smolforge.errors import SmolforgeError
 EventFn = Callable[..., None]
 
 
-class StopRequested(Exception):
-    """Raised by a shard source while a student waits for a shard and a pause or cancel arrives.
-
-    Without it a student blocked on a slow teacher would only see the request after its next
-    step, which may be minutes away; with it, a pause still checkpoints the steps already done.
-    """
-
-    def __init__(self, what: str):
-        super().__init__(what)
-        self.what = what
-
-
 class ShardSource(Protocol):
     """Where a student's shards come from: a local store dir or a cluster broker."""
 

@@ -1,12 +1,10 @@
 """Streaming students: train on teacher shards as they appear, with KD + CE, any PEFT method.
 
-Why a loop of its own rather than `smolforge.train.engine.train`: the engine wants its whole
-dataset up front (its sample order is a pure function of (seed, step) over a known row count),
-while a student must start on the first shard while teachers are still writing the rest. So this
-loop keeps the engine's conventions (AdamW with decay/no-decay groups, warmup + cosine/linear
-schedule, loss summed over target tokens and divided by the target count of the whole
-accumulation window, clipping, checkpoints from `smolforge.train.checkpoint`, the same eval code)
-and swaps the data side for a shard stream.
+A student is the one trainer (`smolforge.train.loop.Trainer`) with two parts of its own: its
+batches come from a stream of teacher shards that may still be being written (a student starts
+on the first shard while the teachers make the rest), and its loss is KD + CE
+(`smolforge.distill.losses.mixed_loss`). So it has the engine's AMP, clipping, accumulation,
+schedules, checkpoints and strategies, by construction.
 
 Data order is deterministic given the order in which shards arrived (recorded in checkpoints):
 epoch 0 is each shard's seeded permutation in arrival order; later epochs are seeded
@@ -15,8 +13,8 @@ permutations of every row. So a resumed student sees exactly the rows it would h
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -32,7 +30,7 @@ from smolforge.data.encode import encode_all, encode_example, ensure_chat_templa
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig, mixed_loss
-from smolforge.distill.shard_source import ShardSource, StopRequested
+from smolforge.distill.shard_source import ShardSource
 from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
@@ -41,8 +39,10 @@ from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import exact_match_counts, perplexity, token_loss_sum
-from smolforge.train.precision import autocast_dtype
+from smolforge.train.engine import available_cpus
+from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer, plain_forward
 from smolforge.train.schedule import make_scheduler
+from smolforge.train.strategy import Strategy
 
 IGNORE = -100
 EventFn = Callable[..., None]
@@ -263,18 +263,9 @@ class StudentResult:
         return asdict(self)
 
 
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def student_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Logits aligned with input_ids: prompt tuning prepends virtual-token positions, dropped here."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    extra = logits.shape[1] - input_ids.shape[1]
-    return logits[:, extra:] if extra > 0 else logits
+    return plain_forward(model, {"input_ids": input_ids, "attention_mask": attention_mask})
 
 
 @torch.no_grad()
@@ -325,19 +316,22 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
                   on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
                   on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None,
                   eval_examples: list[dict[str, Any]] | None = None,
-                  on_checkpoint: Callable[[Path, int], None] | None = None) -> StudentResult:
+                  on_checkpoint: Callable[[Path, int], None] | None = None,
+                  strategy: Strategy | None = None) -> StudentResult:
     """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json.
 
     `on_checkpoint(path, step)` follows every `save_every` checkpoint: on a cluster the worker ships
-    it to the driver, so a student whose worker dies restarts from it elsewhere.
+    it to the driver, so a student whose worker dies restarts from it elsewhere. `strategy` shares
+    the student's steps with other ranks (each takes its slice of every step's rows of the stream).
     """
+    strategy = strategy or Strategy()
 
     emit = on_event or (lambda *a, **k: None)
     if hasattr(source, "attach_events"):
         source.attach_events(emit)
     t_start = time.time()
-    torch.set_num_threads(cfg.num_threads or _available_cpus())
-    device = pick_device(cfg.device)
+    torch.set_num_threads(cfg.num_threads or available_cpus())
+    device = strategy.device_for(pick_device(cfg.device))
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.base_model)
     ensure_chat_template(tokenizer)
@@ -380,110 +374,84 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         emit("student_shard", **info)
 
     # Resume: weights/optimizer from the newest valid checkpoint, shard order replayed exactly.
+    rank, world = strategy.rank, strategy.world
     per_step = cfg.batch_size * cfg.grad_accum
     latest = ckpt.latest_checkpoint(out_dir) if cfg.resume else None
     replay: list[int] = []
     if latest is not None:
-        import json
-
         replay = list(json.loads((latest / "state.json").read_text()).get("shard_order", []))
     stream = RowStream(source, to_rows, cfg.seed, on_shard=on_shard, replay_order=replay)
     expected = source.expected_rows()
     if cfg.max_steps:
         steps = cfg.max_steps
     elif expected:
-        steps = max(1, math.ceil(cfg.epochs * expected / per_step))
+        steps = max(1, math.ceil(cfg.epochs * expected / (per_step * world)))
     else:
         raise SmolforgeError("cannot tell how many steps to train: the teacher plan is unknown",
                              fix="pass max_steps")
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
     scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
     start_step = 0
     if latest is not None:
-        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, strategy=strategy)
         start_step = int(state["step"])
         emit("student_resumed", step=start_step, checkpoint=str(latest))
 
-    amp = autocast_dtype(cfg.precision, device)  # the engine's choice: measured on CPUs, bf16/fp16 on GPUs
-    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 and device.type == "cuda" else None
+    # The one trainer (smolforge.train.loop): AMP, clipping, accumulation, any strategy; KD + CE as the loss.
+    trainer = Trainer(model, optimizer, scheduler, device=device, strategy=strategy, precision=cfg.precision,
+                      max_grad_norm=cfg.max_grad_norm,
+                      loss_sum=lambda logits, m: mixed_loss(logits.float(), m, cfg.kd, 1.0).loss)
     emit("student_waiting", steps=steps)
-    progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet, completed=start_step)
-    model.train()
-    loss_val = float("nan")
-    tokens_seen = 0
-    t_loop = None
-    stopped = None
+    progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet or not strategy.is_main,
+                            completed=start_step)
+    last_loss = [float("nan")]
 
-    def save(at: int) -> Path:
-        return ckpt.save_checkpoint(out_dir, at, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                    extra={"shard_order": stream.order, "model": cfg.base_model})
+    def batches(step: int) -> list[dict[str, torch.Tensor]]:
+        # The global batch of a step is world × per_step rows of the stream; rank r takes its slice.
+        rows = stream.take((step * world + rank) * per_step, per_step)  # blocks until the shard(s) exist
+        if result.first_step_at is None:
+            result.first_step_at = time.time()
+            emit("student_started", step=step, shards_ready=len(stream.arrival))
+        return [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, k_holder["k"])
+                for j in range(0, per_step, cfg.batch_size)]
+
+    def after_step(done: int, stats: StepStats) -> None:
+        last_loss[0] = stats.loss
+        result.steps = done
+        tps = trainer.tokens_per_s()
+        progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s · shards {len(stream.arrival)}")
+        if on_step:
+            on_step({"step": done, "max_steps": steps, "loss": stats.loss, "lr": stats.lr, "tokens_per_s": tps,
+                     "samples_done": done * per_step * world, "samples_total": steps * per_step * world})
+
+    def save(done: int, pausing: bool) -> None:
+        rngs = strategy.gather_rng()  # every rank takes part; the main rank writes
+        if strategy.is_main:
+            path = ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
+                                        extra={"shard_order": stream.order, "model": cfg.base_model},
+                                        rank_rng=rngs, strategy_state=strategy.state_dict())
+            if on_checkpoint and not pausing:  # a pause's checkpoint goes back with the result
+                on_checkpoint(path, done)
+        strategy.barrier()
 
     try:
-        for step in range(start_step, steps):
-            try:
-                rows = stream.take(step * per_step, per_step)  # blocks until the shard(s) exist
-            except StopRequested as req:  # asked to stop while waiting for a shard
-                stopped = req.what
-                if stopped == "pause" and step > start_step:
-                    save(step)
-                break
-            if t_loop is None:
-                t_loop = time.time()
-                result.first_step_at = t_loop
-                emit("student_started", step=step, shards_ready=len(stream.arrival))
-            micro = [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, k_holder["k"])
-                     for j in range(0, per_step, cfg.batch_size)]
-            window_targets = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for m in micro)
-            total = 0.0
-            for m in micro:
-                m = {key: v.to(device) for key, v in m.items()}
-                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                    logits = student_logits(model, m["input_ids"], m["attention_mask"])
-                parts = mixed_loss(logits.float(), m, cfg.kd, window_targets)
-                (scaler.scale(parts.loss) if scaler else parts.loss).backward()
-                total += float(parts.loss.detach())
-                tokens_seen += int(m["attention_mask"].sum())
-            if scaler:
-                scaler.unscale_(optimizer)
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_val = total
-            done = step + 1
-            result.steps = done
-            tps = tokens_seen / max(time.time() - t_loop, 1e-9)
-            progress.update(done, f"loss {loss_val:.4f} · {tps:,.0f} tok/s · shards {len(stream.arrival)}")
-            if on_step:
-                on_step({"step": done, "max_steps": steps, "loss": loss_val, "lr": lr, "tokens_per_s": tps,
-                         "samples_done": done * per_step, "samples_total": steps * per_step})
-            stopped = should_stop() if should_stop else None
-            if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
-                path = save(done)
-                if on_checkpoint and stopped != "pause":  # a pause's checkpoint goes back with the result
-                    on_checkpoint(path, done)
-            if stopped:
-                break
+        _done, stopped = trainer.run(start_step, steps, batches,
+                                     LoopHooks(after_step=after_step, save=save, should_stop=should_stop),
+                                     save_every=cfg.save_every)
     finally:
         progress.close()
     result.stopped = stopped
+    loss_val = last_loss[0]
     result.final_loss = loss_val if loss_val == loss_val else None
-    result.tokens_per_s = tokens_seen / max(time.time() - (t_loop or time.time()), 1e-9)
-    if stopped is None:
+    result.tokens_per_s = trainer.tokens_per_s()
+    if stopped is None and strategy.is_main:
         result.eval = evaluate_student(model, tokenizer, cfg.eval_data, cfg, device, eval_examples)
         adapter = out_dir / f"{cfg.peft.method}_adapter"
         save_adapter(model, adapter, tokenizer=tokenizer)
         result.adapter_dir = str(adapter)
         emit("student_finished", steps=result.steps, eval=result.eval, adapter=str(adapter))
+    strategy.barrier()
     result.seconds = time.time() - t_start
-    atomic_write_json(out_dir / "summary.json", result.to_dict())
+    if strategy.is_main:
+        atomic_write_json(out_dir / "summary.json", result.to_dict())
     return result

@@ -30,14 +30,13 @@ from smolforge.models.peft_methods import (
     enable_gradient_checkpointing,
     save_adapter,
     trainable_summary,
-    virtual_token_offset,
 )
 from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
-from smolforge.train.precision import autocast_dtype
+from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer
 from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Strategy
 
@@ -149,15 +148,6 @@ def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accurac
     return out
 
 
-def _stop_code(hooks: TrainHooks, strategy: Strategy, device) -> str | None:
-    """Rank 0's pause/cancel decision, shared with every rank so they leave the loop together."""
-    code = 0
-    if hooks.should_stop is not None:
-        decision = hooks.should_stop()
-        code = {"pause": 1, "cancel": 2}.get(decision or "", 0)
-    return {1: "pause", 2: "cancel"}.get(strategy.agree(code, device))
-
-
 def refuse_used_output_dir(cfg: TrainConfig) -> None:
     """A fresh run into a directory holding another run's checkpoints would lose either way: pruning
     keeps the highest steps (the old run's), deleting the new checkpoints, and a later --resume would
@@ -208,11 +198,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     per_rank = cfg.batch_size * cfg.grad_accum
     order = SampleOrder(len(splits.train), per_rank * world, cfg.seed)
     steps = total_steps(cfg, order)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
-                                  foreach=device.type == "cuda" or None)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
     scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
 
     start_step = 0
@@ -224,87 +210,53 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             start_step, resumed_from = int(state["step"]), str(latest)
             log(f"resumed from {latest} at step {start_step}")
 
-    wrapped = strategy.wrap(model, device)
-    amp = autocast_dtype(cfg.precision, device)
-    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 and device.type == "cuda" else None
+    trainer = Trainer(model, optimizer, scheduler, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
+                      device=device, strategy=strategy, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
     writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard, append=start_step > 0) if is_main else None
-
     result = TrainResult(output_dir=str(out_dir), adapter_dir=None, steps=start_step, final_loss=None,
                          trainable_params=trainable, total_params=total_params,
                          data=splits.stats | {"resumed_from": resumed_from})
     progress = StepProgress(steps, "train", quiet=quiet, completed=start_step)
-    model.train()
-    offset = virtual_token_offset(model)  # prompt tuning prepends its virtual tokens to the logits
-    tokens_seen, t_loop = 0, time.perf_counter()
-    loss_val = float("nan")
-    stopped = None
+    last_loss = [float("nan")]
+
+    def batches(step: int) -> list[dict[str, torch.Tensor]]:
+        mine = order.step_rows(step)[rank * per_rank:(rank + 1) * per_rank]
+        return [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
+                for j in range(0, per_rank, cfg.batch_size)]
+
+    def after_step(done: int, stats: StepStats) -> None:
+        last_loss[0] = stats.loss
+        result.steps = done
+        tps = trainer.tokens_per_s()
+        info = StepInfo(step=done, max_steps=steps, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                        tokens_per_s=tps, samples_done=done * per_rank * world, samples_total=steps * per_rank * world,
+                        epoch=done / order.steps_per_epoch)
+        if hooks.on_step:
+            hooks.on_step(info)
+        progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s")
+        if writer and (done % cfg.log_every == 0 or done == steps):
+            writer.log("train", done, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=tps,
+                       epoch=info.epoch)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
+            metrics = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
+            if writer:
+                writer.log("eval", done, **metrics)
+            if hooks.on_eval:
+                hooks.on_eval({"step": done, **metrics})
+            log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def save(done: int, _pausing: bool) -> None:
+        _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, strategy)
+
     try:
-        for step in range(start_step, steps):
-            rows = order.step_rows(step)
-            mine = rows[rank * per_rank:(rank + 1) * per_rank]
-            micro = [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
-                     for j in range(0, per_rank, cfg.batch_size)]
-            local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
-            global_targets = strategy.reduce([float(local_targets)], device)[0]
-            scale = world / max(1.0, global_targets)  # DDP averages over ranks; undo that
-            loss_total = 0.0
-            for j, m in enumerate(micro):
-                m = {k: v.to(device, non_blocking=True) for k, v in m.items()}
-                with strategy.accumulate(wrapped, last=j == len(micro) - 1):
-                    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                        logits = wrapped(input_ids=m["input_ids"], attention_mask=m["attention_mask"]).logits
-                    loss_sum, _ = token_loss_sum(logits[:, offset:], m["labels"])
-                    loss = loss_sum * scale
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_total += float(loss_sum.detach())
-                tokens_seen += int(m["attention_mask"].sum())
-            if scaler:
-                scaler.unscale_(optimizer)
-            if cfg.max_grad_norm:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-            else:
-                grad_norm = float(torch.sqrt(sum((p.grad.detach().float() ** 2).sum()
-                                                 for p in model.parameters() if p.grad is not None)))
-            lr = scheduler.get_last_lr()[0]
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            strategy.after_step(step + 1, model, optimizer)
-            loss_val = strategy.reduce([loss_total], device)[0] / max(1.0, global_targets)
-            done = step + 1
-            elapsed = time.perf_counter() - t_loop
-            tps = tokens_seen * world / max(elapsed, 1e-9)
-            info = StepInfo(step=done, max_steps=steps, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                            samples_done=done * per_rank * world, samples_total=steps * per_rank * world,
-                            epoch=done / order.steps_per_epoch)
-            if hooks.on_step:
-                hooks.on_step(info)
-            progress.update(done, f"loss {loss_val:.4f} · {tps:,.0f} tok/s")
-            if writer and (done % cfg.log_every == 0 or done == steps):
-                writer.log("train", done, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                           epoch=info.epoch)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
-                metrics = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
-                if writer:
-                    writer.log("eval", done, **metrics)
-                if hooks.on_eval:
-                    hooks.on_eval({"step": done, **metrics})
-                log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            stopped = _stop_code(hooks, strategy, device)
-            if (cfg.save_every and done % cfg.save_every == 0 and done != steps) or stopped == "pause":
-                _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, strategy)
-            result.steps = done
-            if stopped:
-                break
+        _done, stopped = trainer.run(start_step, steps, batches,
+                                     LoopHooks(after_step=after_step, save=save, should_stop=hooks.should_stop),
+                                     save_every=cfg.save_every)
     finally:
         progress.close()
+    loss_val = last_loss[0]
     result.final_loss = loss_val if loss_val == loss_val else None
-    loop_seconds = time.perf_counter() - t_loop
-    result.tokens_per_s = tokens_seen * world / max(loop_seconds, 1e-9)
+    result.tokens_per_s = trainer.tokens_per_s()
     result.stopped = stopped
     if stopped is None:
         result.eval = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)

@@ -17,7 +17,7 @@ from smolforge.cluster.distill.state import GET_TIMEOUT_S
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings, PromptItem
-from smolforge.distill.shard_source import StopRequested
+from smolforge.train.loop import StopRequested
 from smolforge.distill.store import CorruptShardError, Shard, decode_shard
 from smolforge.distill.student import StudentConfig, train_student
 from smolforge.distill.teacher import make_teacher, produce_shards

@@ -1,0 +1,181 @@
+"""The one training loop: the step every smolforge trainer takes, and the loop around it.
+
+`smolforge train` (the engine) and the distillation student are both this `Trainer`: they differ
+only in where micro-batches come from (a seeded sample order over a known dataset; a stream of
+teacher shards still being written) and in the loss (token cross-entropy; KD + CE). A strategy
+(`smolforge.train.strategy`, `smolforge.parallel.strategies`) shares the work with other ranks,
+so the loop never imports torch.distributed.
+
+Why the loss is normalised the way it is: a loss function returns a *sum* over the micro-batch's
+target tokens; the trainer divides by the target tokens of the whole optimizer step (every
+micro-batch, every rank) and multiplies by the world size (DDP averages over ranks). So gradient
+accumulation and data parallelism give the gradient of one big batch.
+
+The split-learning client (`smolforge.split.trainer`) shares the pieces below it (sample order,
+schedule, loss, hooks, progress) but keeps its own step: its optimizer step spans two processes
+(the client's AdamW and the server's trunk step, under one global clip coefficient).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from smolforge.train.precision import autocast_dtype
+from smolforge.train.strategy import Strategy
+
+Batch = dict[str, torch.Tensor]
+Forward = Callable[[torch.nn.Module, Batch], torch.Tensor]
+"""(model, batch) -> logits aligned with batch["input_ids"]; runs under autocast."""
+LossSum = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""(logits, batch) -> the loss summed over the batch's target tokens; runs in fp32."""
+
+
+class StopRequested(Exception):
+    """Raised by a batch source while it waits for data and a pause or cancel arrives.
+
+    Without it a trainer blocked on a slow producer (a teacher still writing shards) would only
+    see the request after its next step, which may be minutes away; with it, a pause still
+    checkpoints the steps already done.
+    """
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over what trains: decay on matrices, none on biases and norms."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+                              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=lr, foreach=device.type == "cuda" or None)
+
+
+def target_tokens(batch: Batch) -> int:
+    """Tokens that carry a loss: the shifted labels that are not -100."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def plain_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Logits aligned with input_ids (prompt tuning's virtual-token positions dropped)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    extra = logits.shape[1] - batch["input_ids"].shape[1]
+    return logits[:, extra:] if extra > 0 else logits
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean over the step's target tokens, every rank
+    lr: float
+    grad_norm: float
+    tokens: int  # this rank's tokens (attention mask), for throughput
+
+
+@dataclass
+class LoopHooks:
+    """What a trainer does between steps; the loop decides when."""
+
+    after_step: Callable[[int, StepStats], None]  # (steps done, stats): progress, metrics, eval
+    save: Callable[[int, bool], None]  # (steps done, pausing): a checkpoint
+    should_stop: Callable[[], str | None] | None = None  # "pause" | "cancel" | None (asked on rank 0)
+
+
+class Trainer:
+    """One optimizer step (`step`) and the loop of steps (`run`), under a strategy."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *,
+                 loss_sum: LossSum, device: torch.device, strategy: Strategy | None = None,
+                 forward: Forward = plain_forward, precision: str = "fp32",
+                 max_grad_norm: float | None = 1.0):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loss_sum, self.forward, self.device = loss_sum, forward, device
+        self.strategy = strategy or Strategy()
+        self.max_grad_norm = max_grad_norm
+        self.amp = autocast_dtype(precision, device)  # measured on CPUs; bf16/fp16 on GPUs
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 and device.type == "cuda" else None
+        self.wrapped = self.strategy.wrap(model, device)
+        self.tokens_seen = 0
+        self.first_step_at: float | None = None
+
+    def step(self, step: int, micro: list[Batch]) -> StepStats:
+        """Forward, loss, backward for each micro-batch; clip; optimizer and schedule step."""
+        s = self.strategy
+        global_targets = s.reduce([float(sum(target_tokens(m) for m in micro))], self.device)[0]
+        scale = s.world / max(1.0, global_targets)  # DDP averages over ranks; undo that
+        loss_total, tokens = 0.0, 0
+        for j, m in enumerate(micro):
+            m = {k: v.to(self.device, non_blocking=True) for k, v in m.items()}
+            with s.accumulate(self.wrapped, last=j == len(micro) - 1):
+                with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+                    logits = self.forward(self.wrapped, m)
+                loss_sum = self.loss_sum(logits, m)
+                loss = loss_sum * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_total += float(loss_sum.detach())
+            tokens += int(m["attention_mask"].sum())
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self._clip()
+        lr = self.scheduler.get_last_lr()[0]
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        s.after_step(step + 1, self.model, self.optimizer)
+        self.tokens_seen += tokens
+        loss_mean = s.reduce([loss_total], self.device)[0] / max(1.0, global_targets)
+        return StepStats(loss=loss_mean, lr=lr, grad_norm=grad_norm, tokens=tokens)
+
+    def _clip(self) -> float:
+        """The global gradient norm (clipped to max_grad_norm when set)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        return float(torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params))) if params else 0.0
+
+    def stop_decision(self, should_stop: Callable[[], str | None] | None) -> str | None:
+        """Rank 0's pause/cancel decision, shared with every rank so they leave the loop together."""
+        code = {"pause": 1, "cancel": 2}.get((should_stop() if should_stop else None) or "", 0)
+        return {1: "pause", 2: "cancel"}.get(self.strategy.agree(code, self.device))
+
+    def run(self, start: int, steps: int, batches: Callable[[int], list[Batch]], hooks: LoopHooks,
+            save_every: int = 0) -> tuple[int, str | None]:
+        """Steps `start`..`steps`; returns (steps done, "pause" | "cancel" | None).
+
+        A checkpoint every `save_every` steps (not at the last: the caller saves the final state)
+        and on a pause. `batches(step)` may raise StopRequested while it waits for data.
+        """
+        self.model.train()
+        done, stopped = start, None
+        for step in range(start, steps):
+            try:
+                micro = batches(step)
+            except StopRequested as req:
+                stopped = req.what
+                if stopped == "pause" and done > start:
+                    hooks.save(done, True)
+                break
+            if self.first_step_at is None:
+                self.first_step_at = time.perf_counter()
+            stats = self.step(step, micro)
+            done = step + 1
+            hooks.after_step(done, stats)
+            stopped = self.stop_decision(hooks.should_stop)
+            if (save_every and done % save_every == 0 and done != steps) or stopped == "pause":
+                hooks.save(done, stopped == "pause")
+            if stopped:
+                break
+        return done, stopped
+
+    def tokens_per_s(self) -> float:
+        """This rank's tokens per second since the first step, times the world size."""
+        if self.first_step_at is None:
+            return 0.0
+        return self.tokens_seen * self.strategy.world / max(time.perf_counter() - self.first_step_at, 1e-9)
