@@ -49,7 +49,7 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
                      "--max-samples", "32", "--max-steps", "3", "--batch-size", "4", "--max-new-tokens", "6",
                      "--top-k", "8", "--num-students", "2", "--peft-config", '{"r": 4, "lora_alpha": 8}',
-                     "--output-dir", str(out), "--json", timeout=600, env=env)
+                     "--save-every", "1", "--output-dir", str(out), "--json", timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     assert summary["store"]["shards"] >= 2 and summary["store"]["bytes_per_token"] > 0
@@ -60,6 +60,16 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
     assert json.loads((out / "merged_model" / "final_adapter" / "adapter_config.json").read_text())["r"] == 4
     assert (out / "distill_summary.json").exists()
+    # It ran as a distill job of the embedded cluster (the road of `launch` and `submit`), writing here.
+    jobs = last_json(smolforge("jobs", "--json", env=env, check=True).stdout)
+    mine = [j for j in jobs if j["kind"] == "distill" and (j.get("spec") or {}).get("output_dir") == str(out)]
+    assert mine and mine[0]["state"] == "completed", jobs
+    # A rerun into the same dir is refused and deletes nothing: the students' checkpoints stay.
+    kept = sorted(out.glob("output/student_*/checkpoints/step-*"))
+    assert kept
+    again = smolforge(*DISTILL, "--max-samples", "32", "--max-steps", "3", "--output-dir", str(out), env=env)
+    assert again.returncode == 2 and "holds student checkpoints" in again.stderr and "--resume" in again.stderr
+    assert sorted(out.glob("output/student_*/checkpoints/step-*")) == kept
 
 
 @pytest.mark.slow

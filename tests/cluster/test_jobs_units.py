@@ -74,3 +74,20 @@ def test_failure_policy_retries_from_the_checkpoint_then_gives_up():
     assert not last.retry and "gave up after 3 failures" in last.reason
     own = policy.on_failure("bad data", subject="student-0", retryable=False)
     assert not own.retry and own.attempt == 1 and "not retried" in own.reason
+
+
+def test_only_the_embedded_cluster_writes_a_job_where_its_spec_says():
+    """A coordinator never writes into a directory a network peer names; the embedded cluster (this
+    machine, `smolforge distill --output-dir`) does, given an absolute path."""
+    from smolforge.cluster import jobs
+    from smolforge.errors import SmolforgeError
+
+    spec = {"kind": "distill", "distill": {"teacher": "tiny-llama", "students": ["tiny-llama"], "data": "bundled"}}
+    jobs.check_output_dir(jobs.parse(spec), embedded=False)  # no output_dir: fine anywhere
+    job = jobs.parse({**spec, "output_dir": "/tmp/run"})
+    with pytest.raises(SmolforgeError, match="embedded cluster only"):
+        jobs.check_output_dir(job, embedded=False)
+    jobs.check_output_dir(job, embedded=True)
+    for bad in ("run", "/tmp/a/../b"):
+        with pytest.raises(SmolforgeError, match="absolute path without"):
+            jobs.check_output_dir(jobs.parse({**spec, "output_dir": bad}), embedded=True)

@@ -1,8 +1,16 @@
-"""`smolforge distill`: parallel teachers, streaming students, adapter aggregation, on the cluster."""
+"""`smolforge distill`: parallel teachers, streaming students, adapter aggregation, on the cluster.
+
+It submits a `kind: distill` job, the same road as `launch --mode teacher_student|hybrid` and
+`submit`: to the coordinator when one is configured (the merged adapter and the run summary are
+downloaded into --output-dir), else to the embedded cluster of this machine, which writes the whole
+run into --output-dir. Either way the job shows in `smolforge jobs`, and pauses, resumes and cancels.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import Any, Optional
 
 import typer
 
@@ -55,6 +63,8 @@ def register(app: typer.Typer) -> None:
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
         coordinator: Optional[str] = typer.Option(None, help="HOST:PORT (default: the configured one, else embedded)"),
         token: Optional[str] = typer.Option(None, help="cluster token (default $SMOLFORGE_TOKEN)"),
+        resume: bool = typer.Option(False, "--resume", help="continue the students of an earlier run in --output-dir "
+                                    "from their checkpoints (without it such a dir is refused; teacher shards are always reused)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
     ):
@@ -63,28 +73,59 @@ def register(app: typer.Typer) -> None:
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
         """
         quiet_libraries()
-        from smolforge.cluster.distill.run import run_distill
-        from smolforge.distill.pipeline import DistillRun
-        from smolforge.orchestrator import Orchestrator
-
-        cfg = DistillRun(
-            teacher=teacher, students=list(student), data=data, output_dir=output_dir, num_teachers=num_teachers,
-            num_students=num_students, peft=peft,
-            peft_config=peft_section(None, peft_config, None, None, None),
-            kd_loss=kd_loss, kd_ratio=kd_ratio, temperature=temperature, beta=beta, top_k=top_k,
-            compress_outputs=not no_compress, teacher_backend=teacher_backend, ollama_host=ollama_host,
-            gen_temperature=gen_temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-            samples_per_prompt=samples_per_prompt, teacher_responses=teacher_responses, num_shards=num_shards, max_samples=max_samples, max_steps=max_steps,
-            epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, lr=lr, max_length=max_length, seed=seed,
-            save_every=save_every, aggregate=aggregate, aggregate_rank=aggregate_rank, cpus_per_teacher=cpus_per_teacher,
-            cpus_per_student=cpus_per_student, eval=not no_eval, device=device, mode=mode, coordinator=coordinator,
-            token=token, quiet=quiet or json_out)
-        with Orchestrator(cfg.mode, coordinator=cfg.coordinator, token=cfg.token) as orch:
-            summary = run_distill(cfg, orch)
+        distill = {
+            "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
+            "num_students": num_students, "peft": peft, "peft_config": peft_section(None, peft_config, None, None, None),
+            "kd_loss": kd_loss, "kd_ratio": kd_ratio, "temperature": temperature, "beta": beta, "top_k": top_k,
+            "compress_outputs": not no_compress, "teacher_backend": teacher_backend, "ollama_host": ollama_host,
+            "gen_temperature": gen_temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+            "samples_per_prompt": samples_per_prompt, "teacher_responses": teacher_responses, "num_shards": num_shards,
+            "max_samples": max_samples, "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size,
+            "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
+            "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
+            "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
+        summary = run_distill_job({"kind": "distill", "mode": mode, "distill": distill}, output_dir, resume=resume,
+                                  coordinator=coordinator, token=token, quiet=quiet or json_out)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})
             return
         _print_summary(summary)
+
+
+def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coordinator: str | None,
+                    token: str | None, quiet: bool) -> dict[str, Any]:
+    """Check, submit and follow a distill job; returns the run summary, read from --output-dir."""
+    from smolforge.cli.follow import finish_job, wait_with_progress
+    from smolforge.cli.launch import fetch_distill_summary
+    from smolforge.client import backend_for
+    from smolforge.cluster.specs import DistillJob
+    from smolforge.config import validate
+    from smolforge.distill.pipeline import check_run, refuse_used_run_dir
+
+    out = Path(output_dir)
+    check_run(validate(DistillJob, spec, where="distill").run_config(str(out)))  # before any cluster starts
+    refuse_used_run_dir(out, resume)
+    backend = backend_for(coordinator, token, None, embedded_ok=True)
+    embedded = getattr(backend, "base", "") == "embedded"
+    try:
+        if embedded:  # the job runs on this machine: it writes the run where the user said
+            spec = {**spec, "output_dir": str(out.resolve())}
+        job_id = backend.submit_job(spec)
+        if not quiet:
+            typer.echo(f"submitted {job_id} (distill" + (", embedded cluster" if embedded else "") + ")", err=True)
+        st = wait_with_progress(backend, job_id, quiet)
+        if st["state"] != "completed":
+            finish_job(backend, st, None, False)  # says why; exits 1 when it failed
+            raise typer.Exit(1)
+        if not embedded:
+            if any(a["kind"] == "adapter" for a in backend.list_artifacts(job_id)):  # none with --aggregate none
+                backend.download_adapter(job_id, out / "merged_model")
+            fetch_distill_summary(backend, job_id, out)
+        return json.loads((out / "distill_summary.json").read_text())
+    finally:
+        close = getattr(backend, "close", None)
+        if close:
+            close()
 
 
 def _print_summary(summary: dict) -> None:

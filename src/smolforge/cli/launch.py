@@ -168,10 +168,10 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], on_completed=_fetch_distill_summary)
+                       output_dir=o["output_dir"], on_completed=fetch_distill_summary)
 
 
-def _fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
+def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
     """The run summary (store, tasks, events) next to the merged adapter, as `smolforge distill` writes it."""
     backend.download_artifact(job_id, "summary", "distill", out / "summary")
     (out / "summary" / "distill_summary.json").replace(out / "distill_summary.json")

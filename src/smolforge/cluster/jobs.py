@@ -85,6 +85,22 @@ def parse(spec: dict[str, Any]) -> Any:
     return job
 
 
+def check_output_dir(job: Any, embedded: bool) -> None:
+    """A job may name a directory to write into only on the embedded cluster (this machine): a
+    coordinator never writes where a network peer tells it to."""
+    out = getattr(job, "output_dir", None)
+    if out is None:
+        return
+    if not embedded:
+        raise SmolforgeError("output_dir is for the embedded cluster only: a coordinator keeps each run in its "
+                             "state dir", where="job spec",
+                             fix="drop output_dir; the client downloads the results (`smolforge distill "
+                                 "--output-dir` does)")
+    if not Path(out).is_absolute() or ".." in Path(out).parts:
+        raise SmolforgeError(f"output_dir {out} must be an absolute path without '..'", where="job spec",
+                             fix="give the absolute directory to write the run into")
+
+
 def _get(data: dict, dotted: str) -> Any:
     node: Any = data
     for part in dotted.split("."):

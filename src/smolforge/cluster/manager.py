@@ -56,6 +56,7 @@ class JobManager:
         if self.closed:
             raise SmolforgeError("the coordinator is shutting down", fix="retry once it is back")
         job = jobs.parse(spec)
+        jobs.check_output_dir(job, self.embedded)
         self.check_uploads(job)
         if jobs.kind_of(job.kind).check_capacity:
             self.check_capacity(job)

@@ -85,6 +85,10 @@ class DistillJob(Spec):
     name: str | None = None
     mode: Literal["teacher_student", "hybrid"] = "teacher_student"
     distill: dict[str, Any]
+    # Where the run writes (teacher_outputs/, output/, merged_model/): only on the embedded cluster,
+    # where the job runs on this machine (`smolforge distill --output-dir`); a coordinator refuses
+    # it and keeps the run in its state dir (the client downloads the adapter and the summary).
+    output_dir: str | None = None
 
     @field_validator("distill")
     @classmethod

@@ -104,3 +104,16 @@ def check_run(cfg: DistillRun) -> None:
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
     if ".." in Path(cfg.output_dir).parts:
         raise SmolforgeError(f"--output-dir {cfg.output_dir} contains '..'", fix="give a plain directory path")
+
+
+def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:
+    """A distillation rerun into a run dir whose students left checkpoints either continues them
+    (`resume`) or is refused: their steps are never deleted, nor continued by a run with other settings.
+    Teacher shards are always reused (they are checked against the plan)."""
+    if resume:
+        return
+    kept = sorted(Path(output_dir).glob("output/student_*/checkpoints/step-*"))
+    if kept:
+        raise SmolforgeError(f"{output_dir} holds student checkpoints of an earlier run ({kept[-1].parent.parent.name}: "
+                             f"{kept[-1].name})", where="--output-dir",
+                             fix="pass --resume to continue that run, or choose a new --output-dir (nothing was deleted)")

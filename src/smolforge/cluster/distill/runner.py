@@ -70,7 +70,7 @@ class DistillRunner(JobRunner):
         data = str(spec.distill["data"])
         if data.startswith("upload:"):
             data = str(self.mgr.artifacts.upload_path(data.split(":", 1)[1]))
-        out = run_dir(self.mgr, self.job_id)
+        out = Path(spec.output_dir) if spec.output_dir and self.mgr.embedded else run_dir(self.mgr, self.job_id)
         cfg = spec.run_config(str(out), data)
         orch = DistillSession(ray_glue.connect(), spec.mode)
         self.store.add_event(self.job_id, "distill_started",

@@ -295,11 +295,15 @@ class StudentTasks:
                      task_id=task.task_id, step=step, checkpoint=str(dest), why=why)
 
     def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
-        """A student's checkpoint to resume from, packed for the worker; stale ones go when not resuming."""
-        if not resume:
-            shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
-            return None
+        """A student's checkpoint to resume from, packed for the worker. Without `resume`, a run dir
+        holding one is refused: its steps are never deleted, and never silently continued."""
         latest = ckpt.latest_checkpoint(out)
+        if not resume:
+            if latest is not None:
+                raise SmolforgeError(f"{out} already holds a student checkpoint ({latest.name}) of an earlier run",
+                                     fix="resume that run (smolforge distill --resume), or choose a new "
+                                         "--output-dir (nothing was deleted)")
+            return None
         if latest is None:
             return None
         # Same run dir, same spec (a resumed job): student_N is the same student. Its state.json names
