@@ -191,8 +191,7 @@ def test_distill_job_specs_are_checked_at_submit(tmp_path):
             "distill": {"teacher": "small-llama", "students": ["tiny-llama"], "data": "bundled", "max_steps": 5}}
     job = mgr.parse(base)
     assert isinstance(job, DistillJob)
-    cfg = job.run_config("out")
-    assert cfg.mode == "hybrid" and cfg.students == ["tiny-llama"] and cfg.output_dir == "out" and cfg.quiet
+    assert job.mode == "hybrid" and job.distill.students == ["tiny-llama"] and job.distill.max_steps == 5
     mgr.check_uploads(job)  # 'bundled' needs no upload
     cases = [({"wat": 1}, "unknown distill setting"), ({"max_steps": "many"}, "distill.max_steps"),
              ({"kd_loss": "kl"}, "unknown KD loss"), ({"peft_config": {"r": 0}}, "r: Input should be greater"),

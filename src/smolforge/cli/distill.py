@@ -103,7 +103,8 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.distill.pipeline import check_run, refuse_used_run_dir
 
     out = Path(output_dir)
-    check_run(validate(DistillJob, spec, where="distill").run_config(str(out)))  # before any cluster starts
+    job = validate(DistillJob, spec, where="distill")
+    check_run(job.distill, job.mode, out)  # before any cluster starts
     refuse_used_run_dir(out, resume)
     backend = backend_for(coordinator, token, None, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"

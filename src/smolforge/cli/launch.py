@@ -165,7 +165,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     if mode == "hybrid":
         distill["split_shards"] = True
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
-    check_run(validate(DistillJob, spec, where="launch").run_config("check"))  # before any cluster starts
+    job = validate(DistillJob, spec, where="launch")
+    check_run(job.distill, job.mode)  # before any cluster starts
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
                        output_dir=o["output_dir"], on_completed=fetch_distill_summary)

@@ -64,7 +64,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("distill", "distillation", DistillJob, _distill_runner, section="distill",
             uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
-            check=lambda job: check_run(job.run_config("distill-check")),
+            check=lambda job: check_run(job.distill, job.mode),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
 )}
 

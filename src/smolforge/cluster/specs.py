@@ -13,13 +13,13 @@ A data-parallel job is a TrainConfig plus how many workers and what each needs:
       max_steps: 100
       save_every: 20
 
-A distillation job is the `smolforge distill` run (smolforge.distill.pipeline.DistillRun) driven
+A distillation job is the `smolforge distill` run (smolforge.distill.pipeline.DistillSettings) driven
 by the coordinator, so it shows in `smolforge jobs` and the dashboard and can be paused, resumed
 and cancelled like any job:
     kind: distill
     name: my-distill
     mode: hybrid                # or teacher_student
-    distill:                    # the DistillRun fields (`smolforge distill --help`)
+    distill:                    # the DistillSettings fields (`smolforge distill --help`)
       teacher: small-llama
       students: [tiny-llama]
       data: data.jsonl          # uploaded like a data-parallel job's data
@@ -38,7 +38,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from smolforge.config import Spec, TrainConfig
-from smolforge.distill.pipeline import DistillRun
+from smolforge.distill.pipeline import DistillSettings
 from smolforge.errors import SmolforgeError
 
 
@@ -76,52 +76,15 @@ class DataParallelJob(Spec):
         return self.train.batch_size * self.num_workers
 
 
-# DistillRun fields the coordinator owns: where outputs go and how it reaches its own cluster.
-DISTILL_FIXED = ("output_dir", "coordinator", "token", "quiet", "mode")
-
-
 class DistillJob(Spec):
     kind: Literal["distill"] = "distill"
     name: str | None = None
     mode: Literal["teacher_student", "hybrid"] = "teacher_student"
-    distill: dict[str, Any]
+    distill: DistillSettings
     # Where the run writes (teacher_outputs/, output/, merged_model/): only on the embedded cluster,
     # where the job runs on this machine (`smolforge distill --output-dir`); a coordinator refuses
     # it and keeps the run in its state dir (the client downloads the adapter and the summary).
     output_dir: str | None = None
-
-    @field_validator("distill")
-    @classmethod
-    def _known_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
-        import dataclasses
-
-
-        known = {f.name for f in dataclasses.fields(DistillRun)} - set(DISTILL_FIXED)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown distill setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        for key in ("teacher", "students", "data"):
-            if key not in value:
-                raise ValueError(f"distill.{key} is required")
-        return value
-
-    def run_config(self, output_dir: str, data: str | None = None):
-        """The DistillRun this job means, writing into `output_dir` (on the coordinator)."""
-        fields = dict(self.distill)
-        if isinstance(fields.get("students"), str):
-            fields["students"] = [fields["students"]]
-        if data is not None:
-            fields["data"] = data
-        from pydantic import TypeAdapter, ValidationError
-
-
-        try:  # pydantic checks the dataclass's field types too
-            return TypeAdapter(DistillRun).validate_python({**fields, "output_dir": output_dir, "mode": self.mode,
-                                                            "quiet": True})
-        except ValidationError as err:
-            problems = "; ".join(f"distill.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
-            raise SmolforgeError(f"invalid distill job: {problems}", where="job spec",
-                                 fix="correct those keys (see `smolforge distill --help`)") from err
 
 
 JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob}

@@ -1,8 +1,9 @@
-"""A distillation run's settings (`DistillRun`) and their checks: what `smolforge distill`,
-`launch --mode teacher_student|hybrid` and a `kind: distill` job file all mean.
+"""A distillation run's settings (`DistillSettings`) and their checks: what `smolforge distill`,
+`launch --mode teacher_student|hybrid` and a `kind: distill` job file's `distill:` section all mean.
 
-The run itself (teachers → streaming students → aggregation, on the cluster) is
-`smolforge.cluster.distill.run.run_distill`; it writes the seed layout:
+One pydantic model, validated once where the settings enter (the CLI, a submitted job); the job
+runner and the actors receive it as it is. The run itself (teachers → streaming students →
+aggregation, on the cluster) is `smolforge.cluster.distill.run.run_distill`; it writes the seed layout:
     <output_dir>/teacher_outputs/batch_N.{safetensors,json}, plan.json
     <output_dir>/output/student_N/<peft>_adapter/ (+ summary.json)
     <output_dir>/merged_model/final_adapter/      (several bases: merged_model/<base>/final_adapter/)
@@ -12,82 +13,97 @@ The run itself (teachers → streaming students → aggregation, on the cluster)
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smolforge.config import PeftSpec, validate
+from pydantic import Field, field_validator, model_validator
+
+from smolforge.config import PeftSpec, Spec, validate
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 
 
-@dataclass
-class DistillRun:
-    """Everything `smolforge distill` can set; defaults suit a small model on a CPU."""
+class DistillSettings(Spec):
+    """Everything a distillation run can set; defaults suit a small model on a CPU."""
 
     teacher: str
     students: list[str]
     data: str
-    output_dir: str = "outputs/distill"
-    num_teachers: int | None = None
-    num_students: int = 2
+    num_teachers: int | None = Field(None, ge=1)
+    num_students: int = Field(2, ge=1)
     peft: str = "lora"
-    peft_config: dict[str, Any] = field(default_factory=dict)
+    peft_config: dict[str, Any] = Field(default_factory=dict)
     kd_loss: str = "forward_kl"
     kd_ratio: float = 0.5
     temperature: float = 1.0
     beta: float = 0.5
-    top_k: int = 32
+    top_k: int = Field(32, ge=0)
     compress_outputs: bool = True
     teacher_backend: str = "hf"
     ollama_host: str | None = None
     gen_temperature: float = 0.0
     top_p: float = 1.0
-    max_new_tokens: int = 32
-    samples_per_prompt: int = 1
+    max_new_tokens: int = Field(32, ge=1)
+    samples_per_prompt: int = Field(1, ge=1)
     teacher_responses: str = "generate"  # or "reference": score the dataset's answers (word-level KD)
-    teacher_batch_size: int = 16
-    num_shards: int | None = None
-    max_samples: int | None = None
-    max_steps: int | None = None
-    epochs: float = 1.0
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 1e-3
-    warmup_steps: int = 0
+    teacher_batch_size: int = Field(16, ge=1)
+    num_shards: int | None = Field(None, ge=1)
+    max_samples: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
     save_every: int = 50  # student checkpoints, kept by the driver: a lost worker's student restarts there
     replace_timeout_s: float = 300.0  # a student whose node died waits this long for an eligible node, then fails
-    max_length: int = 256
+    max_length: int = Field(256, ge=8)
     seed: int = 0
     split_shards: bool | None = None
     aggregate: str = "mean"  # mean | ties | none
-    aggregate_rank: int | None = None
-    cpus_per_teacher: float = 1.0
-    cpus_per_student: float = 1.0
+    aggregate_rank: int | None = Field(None, ge=1)
+    cpus_per_teacher: float = Field(1.0, gt=0)
+    cpus_per_student: float = Field(1.0, gt=0)
     eval: bool = True
     max_eval_samples: int | None = 200
-    eval_max_new_tokens: int = 16
+    eval_max_new_tokens: int = Field(16, ge=1)
     device: str = "auto"
-    mode: str = "teacher_student"
-    coordinator: str | None = None
-    token: str | None = None
-    quiet: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_and_required(cls, value: Any) -> Any:
+        """One sentence for unknown or missing keys, naming what is known (pydantic's are terser)."""
+        if not isinstance(value, dict):
+            return value
+        unknown = sorted(set(value) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(f"unknown distill setting(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.model_fields))}")
+        for key in ("teacher", "students", "data"):
+            if key not in value:
+                raise ValueError(f"distill.{key} is required")
+        return value
+
+    @field_validator("students", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name).name or name).strip("-") or "student"
 
 
-def check_run(cfg: DistillRun) -> None:
-    """Every setting checked before a cluster starts: bad flags fail in a second, not after the teachers."""
+def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: str | Path | None = None) -> None:
+    """The checks across fields and into other modules' settings, before a cluster starts: bad
+    flags fail in a second, not after the teachers."""
     from smolforge.distill.losses import KDConfig  # torch: the client and --help import this module
 
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
     if cfg.aggregate not in ("mean", "ties", "none"):
         raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
-    if cfg.mode not in ("teacher_student", "hybrid"):
-        raise SmolforgeError(f"unknown --mode {cfg.mode!r}", fix="use teacher_student or hybrid")
+    if mode not in ("teacher_student", "hybrid"):
+        raise SmolforgeError(f"unknown --mode {mode!r}", fix="use teacher_student or hybrid")
 
     KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
     validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
@@ -102,8 +118,8 @@ def check_run(cfg: DistillRun) -> None:
     if cfg.save_every < 0:
         raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
-    if ".." in Path(cfg.output_dir).parts:
-        raise SmolforgeError(f"--output-dir {cfg.output_dir} contains '..'", fix="give a plain directory path")
+    if output_dir is not None and ".." in Path(output_dir).parts:
+        raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
 
 
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.distill.pipeline import DistillRun, _slug, check_run
+from smolforge.distill.pipeline import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
 from smolforge.paths import atomic_write_json
@@ -68,7 +68,8 @@ class DistillStopped(Exception):
         self.what = what
 
 
-def run_distill(cfg: DistillRun, orch,
+def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
+                quiet: bool = True,
                 on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
                 should_stop: Callable[[], str | None] | None = None, resume: bool = False) -> dict[str, Any]:
     """Teachers, students, aggregation on `orch` (a DistillTasks session); returns (and writes) the summary.
@@ -79,12 +80,12 @@ def run_distill(cfg: DistillRun, orch,
     same output dir reuses them. On "pause" the students first checkpoint the steps they have
     done; a rerun with `resume=True` continues each student from its checkpoint.
     """
-    check_run(cfg)
-    out = Path(cfg.output_dir)
+    check_run(cfg, mode, output_dir)
+    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     stages: dict[str, float] = {}
-    progress = _Progress(cfg.quiet)
+    progress = _Progress(quiet)
     try:
         teachers = orch.create_parallel_teacher_tasks(
             cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,

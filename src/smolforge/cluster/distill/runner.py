@@ -67,19 +67,18 @@ class DistillRunner(JobRunner):
             return
         if job["state"] != "running":
             self.store.set_state(self.job_id, "running", f"running ({self.reason})")
-        data = str(spec.distill["data"])
-        if data.startswith("upload:"):
-            data = str(self.mgr.artifacts.upload_path(data.split(":", 1)[1]))
+        settings = spec.distill
+        if settings.data.startswith("upload:"):
+            settings = settings.model_copy(update={"data": str(self.mgr.artifacts.upload_path(settings.data.split(":", 1)[1]))})
         out = Path(spec.output_dir) if spec.output_dir and self.mgr.embedded else run_dir(self.mgr, self.job_id)
-        cfg = spec.run_config(str(out), data)
         orch = DistillSession(ray_glue.connect(), spec.mode)
         self.store.add_event(self.job_id, "distill_started",
-                             f"{spec.mode}: teacher {cfg.teacher} → {', '.join(cfg.students)} "
-                             f"({cfg.num_students} per base, {cfg.peft}); run dir {out}")
+                             f"{spec.mode}: teacher {settings.teacher} → {', '.join(settings.students)} "
+                             f"({settings.num_students} per base, {settings.peft}); run dir {out}")
         try:
             # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
-            summary = run_distill(cfg, orch, on_update=self._mirror, should_stop=self._stop_requested,
-                                  resume=True)
+            summary = run_distill(settings, orch, output_dir=out, mode=spec.mode, on_update=self._mirror,
+                                  should_stop=self._stop_requested, resume=True)
         except DistillStopped as stop:
             self._mirror(orch.distill_tasks(), orch.events)
             if stop.what != "abandon":
