@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from smolforge.config import DataSpec, PeftSpec
-from smolforge.data.collate import collate
 from smolforge.data.encode import encode_all, encode_example, ensure_chat_template, render
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
@@ -38,9 +37,9 @@ from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_su
 from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.train import checkpoint as ckpt
-from smolforge.train.evaluate import exact_match_counts, perplexity, token_loss_sum
+from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity
 from smolforge.train.engine import available_cpus
-from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer, plain_forward
+from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer
 from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Strategy
 
@@ -263,26 +262,6 @@ class StudentResult:
         return asdict(self)
 
 
-def student_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logits aligned with input_ids: prompt tuning prepends virtual-token positions, dropped here."""
-    return plain_forward(model, {"input_ids": input_ids, "attention_mask": attention_mask})
-
-
-@torch.no_grad()
-def eval_loss(model, rows, pad_id: int, device, batch_size: int = 32) -> tuple[float, int]:
-    """(summed token CE, token count) over held-out rows."""
-
-    was = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        b = {k: v.to(device) for k, v in collate(rows[i:i + batch_size], pad_id).items()}
-        s, n = token_loss_sum(student_logits(model, b["input_ids"], b["attention_mask"]), b["labels"])
-        total, count = total + float(s), count + n
-    model.train(was)
-    return total, count
-
-
 def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig, device,
                      eval_examples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Eval loss/perplexity and exact-match accuracy on held-out examples (the engine's eval code).
@@ -300,7 +279,7 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
         return {}
     rows, _stats = encode_all(tokenizer, examples, cfg.max_length)
     out: dict[str, Any] = {}
-    loss_sum, count = eval_loss(model, rows, tokenizer.pad_token_id, device)
+    loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, 32, device)
     if count:
         out["eval_loss"] = loss_sum / count
         out["perplexity"] = perplexity(out["eval_loss"])
