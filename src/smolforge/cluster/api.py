@@ -1,6 +1,7 @@
 """The coordinator's control service (FastAPI): REST API, /metrics, /health and the dashboard.
 
-Every route needs `Authorization: Bearer <token>` except two that carry no data: `/health` (for load
+Every route needs `Authorization: Bearer <token>`, checked before any body byte is read
+(`cluster/gate.py`, which also bounds bodies: 413), except two that carry no data: `/health` (for load
 balancers and `worker join`'s reachability check) and the `/dashboard` page shell, which a browser
 loads before it has the token; the page then calls the API with the token it reads from the URL
 fragment (`/dashboard#token=…`, never sent to the server) or a login box.
@@ -21,12 +22,16 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from smolforge.cluster.auth import bearer_of, tokens_match
+from smolforge.cluster.gate import Gate
 from smolforge.cluster.metrics import render
 from smolforge.dashboard import page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
 
 MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**30)))
+# Every other route takes JSON (job specs, heartbeats): 4 MiB is far above any of them.
+MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_MAX_BODY_BYTES", str(4 * 2**20)))
+OPEN_PATHS = ("/health", "/dashboard")
 
 
 def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
@@ -39,6 +44,10 @@ def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
 def create_app(core: Any) -> FastAPI:
     """`core` is a cluster.coordinator.CoordinatorCore (token, store, artifacts, manager, monitor, info)."""
     app = FastAPI(title="smolforge coordinator", docs_url=None, redoc_url=None, openapi_url=None)
+    # The token and the size bound before any body byte is read (see cluster/gate.py); the
+    # dependency below stays as a second check on every route.
+    app.add_middleware(Gate, token=lambda: core.token, open_paths=OPEN_PATHS, max_body=MAX_BODY_BYTES,
+                       stream_paths={"/api/v1/uploads": MAX_UPLOAD_BYTES})
 
     def require_token(request: Request) -> None:
         if not tokens_match(bearer_of(request.headers.get("authorization")), core.token):
