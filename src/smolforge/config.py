@@ -6,6 +6,7 @@ builds the same object and validation errors read the same everywhere.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,8 +111,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise SmolforgeError(f"config file {path} does not exist", fix="check the --config path")
+    if not path.is_file():
+        raise SmolforgeError(f"config file {path} is a directory, not a YAML file", where=str(path),
+                             fix="point --config at the YAML file itself")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise SmolforgeError(f"{path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})",
+                             where=str(path), fix="save the YAML as UTF-8") from err
+    except OSError as err:
+        raise SmolforgeError(f"cannot read {path}: {err.strerror}", where=str(path),
+                             fix="check the file's permissions") from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -123,11 +133,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
+    """For an unknown key, the closest known one at that level (`bach_size` → `batch_size`)."""
+    if error.get("type") != "extra_forbidden":
+        return ""
+    model: Any = cls
+    for part in error["loc"][:-1]:  # walk down nested sections (data.pathh → DataSpec)
+        field = getattr(model, "model_fields", {}).get(part)
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(str(error["loc"][-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
     """Build a spec, turning pydantic's error list into one SmolforgeError that names each field."""
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}{_did_you_mean(cls, e)}"
+                             for e in err.errors())
         raise SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
                              fix="correct or remove those keys (see `smolforge train --help`)") from err

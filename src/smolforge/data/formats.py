@@ -141,6 +141,8 @@ def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = Fa
                 record = json.loads(text)
             except json.JSONDecodeError as err:
                 raise _Bad(f"malformed JSON: {err.msg} at column {err.colno}", "write one complete JSON object per line")
+            except RecursionError:  # e.g. [[[[...]]]] 100 000 deep: json recurses per level
+                raise _Bad("JSON nested too deeply", "write flat records (messages are one list of objects)") from None
             if not isinstance(record, dict):
                 raise _Bad(f"expected a JSON object, got {type(record).__name__}", "write one JSON object per line")
             if result.format == "auto":

@@ -1,0 +1,63 @@
+"""The bad-input table, through the real CLI: each case is exit 2 and one message (what, where, how to
+fix), never a traceback. Cases that need a running service start the real one."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from helpers import smolforge
+
+
+def _files(tmp):
+    (tmp / "empty.yaml").write_text("")
+    (tmp / "list.yaml").write_text("- a\n- b\n")
+    (tmp / "latin1.yaml").write_bytes(b"model: caf\xe9\n")
+    (tmp / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp / "bad.jsonl").write_text("not json\n{bad\n")
+    (tmp / "nomodel").mkdir()
+    (tmp / "cfgdir").mkdir()
+
+
+TRAIN = ["train", "--model", "tiny-llama", "--data", "bundled"]
+CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
+    ("config is a directory", ["train", "--config", "{t}/cfgdir"], "is a directory, not a YAML file"),
+    ("config not UTF-8", ["train", "--config", "{t}/latin1.yaml"], "is not UTF-8 text"),
+    ("empty config", ["train", "--config", "{t}/empty.yaml"], "missing --model and --data"),
+    ("config is a list", ["train", "--config", "{t}/list.yaml"], "config must be a mapping"),
+    ("a key into a scalar", [*TRAIN, "--set", "max_steps.x=1"], "max_steps"),
+    ("unknown key, did you mean", [*TRAIN, "--set", "bach_size=4"], "did you mean 'batch_size'?"),
+    ("unknown nested key", [*TRAIN, "--set", "data.max_lenght=4"], "did you mean 'max_length'?"),
+    ("negative steps", [*TRAIN, "--max-steps", "-5"], "max_steps: Input should be greater than or equal to 1"),
+    ("JSONL nested 100 000 deep", ["train", "--model", "tiny-llama", "--data", "{t}/deep.jsonl"], "nested too deeply"),
+    ("only bad lines", ["train", "--model", "tiny-llama", "--data", "{t}/bad.jsonl", "--skip-bad-lines"],
+     "no usable examples (2 bad lines skipped)"),
+    ("model dir without config.json", ["train", "--model", "{t}/nomodel", "--data", "bundled"], "has no config.json"),
+    ("coordinator not running", ["jobs", "--coordinator", "127.0.0.1:9", "--token", "x"], "cannot reach the coordinator"),
+]
+
+
+@pytest.mark.parametrize("name,args,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_message_and_exit_2(tmp_path, name, args, needle):
+    _files(tmp_path)
+    argv = [a.replace("{t}", str(tmp_path)) for a in args]
+    if argv[0] == "train":
+        argv += ["--output-dir", str(tmp_path / "out")]
+    proc = smolforge(*argv, timeout=120)
+    assert proc.returncode == 2, (name, proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.startswith("error:") and needle in proc.stderr, (name, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "fix:" in proc.stderr
+
+
+def test_a_port_in_use_is_named(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = smolforge("coordinator", "start", "--port", str(port), "--state-dir", str(tmp_path / "s"), timeout=120)
+    assert proc.returncode == 2 and f"port {port} is already in use" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "s" / "coordinator.json").exists() or not json.loads(
+        (tmp_path / "s" / "coordinator.json").read_text()).get("head_pid")
