@@ -36,6 +36,9 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
      "no usable examples (2 bad lines skipped)"),
     ("model dir without config.json", ["train", "--model", "{t}/nomodel", "--data", "bundled"], "has no config.json"),
     ("coordinator not running", ["jobs", "--coordinator", "127.0.0.1:9", "--token", "x"], "cannot reach the coordinator"),
+    ("split server open to a LAN without a token", ["split", "serve", "--model", "tiny-llama", "--split-point-1", "1",
+                                                    "--split-point-2", "2", "--no-token", "--host", "0.0.0.0"],
+     "--no-token with --host 0.0.0.0"),
 ]
 
 

@@ -136,3 +136,17 @@ def test_stubs_are_generated_with_a_package_relative_import(tmp_path):
     assert gen_proto.is_current(tmp_path)
     (tmp_path / gen_proto.STAMP).write_text("stale\n")  # a changed .proto makes them stale
     assert not gen_proto.is_current(tmp_path)
+
+
+def test_a_huge_int8_block_size_is_refused_before_any_allocation():
+    """34 bytes of input once allocated 517 MiB: a block larger than the tensor is refused at the header."""
+    import resource
+
+    msg = pb.Tensor(codec="int8", dtype="float32", shape=[2], data=b"\x01\x02", scales=b"\x00\x00\x80\x3f",
+                    block_size=2**29)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CodecError, match="block_size"):
+        decode(msg)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
+    small = encode(torch.tensor([1.0, -2.0, 0.5]), "int8")  # a small tensor is one block of its own size
+    assert small.block_size == 3 and torch.allclose(decode(small), torch.tensor([1.0, -2.0, 0.5]), atol=0.02)

@@ -78,3 +78,14 @@ def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
         # the upload route streams to disk and keeps its own, larger bound
         r = cluster.api("POST", "/api/v1/uploads", content=b"x" * (5 * MB))
         assert r.status_code == 200 and r.json()["bytes"] == 5 * MB
+        # heartbeats are checked against their schema: a string where a number belongs is refused,
+        # and /metrics (which renders them) keeps answering
+        node = cluster.api("GET", "/api/v1/nodes").json()[0]
+        node_id = node.get("node_id") or node.get("id")
+        hb = f"/api/v1/nodes/{node_id}/heartbeat"
+        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": "lots"}).status_code == 422
+        assert cluster.api("POST", hb, json={"ts": time.time(), "gpus": [{"index": -1}]}).status_code == 422
+        assert cluster.api("POST", "/api/v1/nodes/a%20b/heartbeat", json={"ts": time.time()}).status_code == 400
+        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": "12.5", "ram_percent": 40}).status_code == 200
+        metrics = cluster.api("GET", "/metrics")
+        assert metrics.status_code == 200 and "smolforge_node_cpu_percent" in metrics.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from smolforge.cluster.auth import bearer_of, tokens_match
 from smolforge.cluster.gate import Gate
+from smolforge.cluster.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
 from smolforge.dashboard import page
 from smolforge.errors import SmolforgeError
@@ -32,6 +34,7 @@ MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**
 # Every other route takes JSON (job specs, heartbeats): 4 MiB is far above any of them.
 MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_MAX_BODY_BYTES", str(4 * 2**20)))
 OPEN_PATHS = ("/health", "/dashboard")
+NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
@@ -100,8 +103,10 @@ def create_app(core: Any) -> FastAPI:
         return core.monitor.snapshot()
 
     @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
-    def heartbeat(node_id: str, sample: dict):
-        core.monitor.heartbeat(node_id, sample)
+    def heartbeat(node_id: str, sample: Heartbeat):
+        if not NODE_ID.fullmatch(node_id):
+            raise HTTPException(status_code=400, detail="a node id is 1 to 128 letters, digits, '-' or '_'")
+        core.monitor.heartbeat(node_id, sample.model_dump())
         return {"ok": True}
 
     @app.get("/api/v1/resources", dependencies=auth)

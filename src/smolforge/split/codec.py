@@ -67,6 +67,7 @@ def encode(t: torch.Tensor, codec: str = "fp32", block_size: int = DEFAULT_BLOCK
     if codec == "int8":
         flat = x.reshape(-1).float().cpu()
         n = flat.numel()
+        block_size = min(block_size, max(n, 1))  # a small tensor is one block of its own size
         nblocks = -(-n // block_size)
         padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
         padded[:n] = flat
@@ -119,8 +120,8 @@ def decode(msg: pb.Tensor, max_numel: int = 1 << 31) -> torch.Tensor:
         raise CodecError(f"codec {msg.codec} carries floating tensors, not {msg.dtype}")
     if msg.codec == "int8":
         bs = int(msg.block_size)
-        if bs <= 0:
-            raise CodecError(f"int8 tensor has block_size {bs}")
+        if bs <= 0 or bs > max(n, 1):  # checked before any allocation: a huge block would allocate its size
+            raise CodecError(f"int8 tensor of {n} elements has block_size {bs} (must be 1..{max(n, 1)})")
         nblocks = -(-n // bs)
         if len(msg.data) != n or len(msg.scales) != 4 * nblocks:
             raise CodecError(f"int8 tensor {list(shape)} needs {n} bytes and {nblocks} scales, "
@@ -129,7 +130,7 @@ def decode(msg: pb.Tensor, max_numel: int = 1 << 31) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype)
         q = _from_bytes(msg.data, torch.int8, (n,)).float()
         scale = _from_bytes(msg.scales, torch.float32, (nblocks,))
-        values = q * scale.repeat_interleave(bs)[:n]
+        values = q * scale[torch.arange(n) // bs]
         return values.reshape(shape).to(dtype)
     wire = WIRE_DTYPE[msg.codec]
     expected = n * wire.itemsize

@@ -37,6 +37,7 @@ from torch import nn
 from smolforge import __version__
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
 from smolforge.models.loading import pick_device
 from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
@@ -476,6 +477,9 @@ class TrunkServer:
     def __init__(self, cfg: ServeConfig, allow_no_token: bool = False):
         if not cfg.token and not allow_no_token:
             raise SmolforgeError("the trunk server needs a token", fix="pass --token T (or set SMOLFORGE_SPLIT_TOKEN)")
+        if not cfg.token and not is_loopback(cfg.host):
+            raise SmolforgeError(f"--no-token with --host {cfg.host}: anyone on that network could train on this server",
+                                 where="--host", fix="keep --no-token for --host 127.0.0.1, or give the server a token")
         torch.set_num_threads(cfg.num_threads or _cpus())
         self.cfg = cfg
         self.service = TrunkService(cfg)

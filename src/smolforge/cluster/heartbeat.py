@@ -1,0 +1,33 @@
+"""A node agent's heartbeat as the coordinator accepts it.
+
+A heartbeat is input from the network that /metrics and the dashboard render, so it is checked
+against this schema before it is kept (a string where a number belongs once broke /metrics).
+Unknown keys are dropped: a newer agent may report more.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GpuUsage(BaseModel):
+    index: int = Field(ge=0, le=1024)
+    util_percent: float = Field(ge=0, le=100)
+    mem_used_gb: float = Field(ge=0)
+    mem_total_gb: float = Field(ge=0)
+
+
+class Heartbeat(BaseModel):
+    """What a node agent reports (`sample_usage` plus when and who), checked before it is kept: a
+    heartbeat is input from the network, and /metrics and the dashboard render it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ts: float
+    pid: int | None = Field(None, ge=0)
+    cpu_percent: float | None = Field(None, ge=0, le=100)
+    ram_used_gb: float | None = Field(None, ge=0)
+    ram_total_gb: float | None = Field(None, ge=0)
+    ram_percent: float | None = Field(None, ge=0, le=100)
+    load_1m: float | None = Field(None, ge=0)
+    gpus: list[GpuUsage] = Field(default_factory=list, max_length=1024)
