@@ -20,6 +20,29 @@ def home() -> Path:
     return Path(os.environ.get("SMOLFORGE_HOME", Path.home() / ".smolforge")).expanduser()
 
 
+def private_dir(path: str | Path) -> Path:
+    """A directory only its owner can enter (0700): created so, or tightened when it is ours.
+
+    Used for what holds cluster state (the job store, artifacts, uploads, logs). An existing
+    directory owned by someone else is left alone (never chmod a shared dir a user pointed us at).
+    """
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, st.st_mode & ~0o077)
+    return path
+
+
+def private_file(path: str | Path) -> Path:
+    """A file only its owner can read or write (0600), created empty if missing."""
+    path = Path(path)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    return path
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write via a temp file in the same directory, fsync, then rename: a crash leaves the old file."""
     path = Path(path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import pack_dir, unpack_dir, verify_payload
-from smolforge.paths import atomic_write_bytes, atomic_write_json, safe_join
+from smolforge.paths import atomic_write_bytes, atomic_write_json, private_dir, safe_join
 
 SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
@@ -38,8 +38,7 @@ def _step(name: str) -> int:
 
 class ArtifactStore:
     def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(root)  # checkpoints, adapters, uploads: the owner's only
 
     def path(self, job_id: str, kind: str, name: str) -> Path:
         return self.root / _check(job_id, "job") / _check(kind, "kind") / _check(name, "name")

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from smolforge.errors import SmolforgeError
-
 from smolforge.cluster.states import FINAL, STATES, JobState  # noqa: F401  (FINAL: the stores' users)
+from smolforge.errors import SmolforgeError
+from smolforge.paths import private_file
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -95,6 +95,10 @@ class JobStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # 0600 before SQLite opens it: its -wal and -shm files take the database file's mode.
+        for p in (self.path, self.path.with_name(self.path.name + "-wal"), self.path.with_name(self.path.name + "-shm")):
+            if p == self.path or p.exists():
+                private_file(p)
         self._local = threading.local()
         self._write_lock = threading.RLock()
         with self._write_lock:

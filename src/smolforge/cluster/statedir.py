@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from smolforge.paths import atomic_write_json, home
+from smolforge.paths import atomic_write_json, home, private_dir
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,11 @@ class StateDir:
     @classmethod
     def at(cls, path: str | Path | None = None) -> "StateDir":
         root = Path(path).expanduser().resolve() if path else home().resolve()
-        root.mkdir(parents=True, exist_ok=True)
+        created = not root.exists()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if created or path is None:  # ours: private; a dir the user named that existed keeps its mode
+            private_dir(root)
+        private_dir(root / "logs")
         return cls(root)
 
     @property
