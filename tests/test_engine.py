@@ -149,3 +149,31 @@ def test_every_peft_method_trains_through_the_engine(tmp_path, method):
                        max_new_tokens=3))
     assert result.steps == 3 and result.eval["eval_loss"] > 0 and "accuracy" in result.eval
     assert Path(result.adapter_dir).name == f"{method}_adapter"
+
+
+def test_a_failed_directory_swap_puts_the_old_copy_back(tmp_path, monkeypatch):
+    """Checkpoints and downloaded artifacts are swapped into place; if the swap fails, the old copy
+    is back where it was (never neither), and the new tree was fsynced before the swap."""
+    from smolforge import paths
+
+    final, new = tmp_path / "step-5", tmp_path / ".step-5.tmp"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    new.mkdir()
+    (new / "weights").write_text("new")
+    synced, real_replace = [], paths.os.replace
+    monkeypatch.setattr(paths, "fsync_tree", lambda root: synced.append(Path(root)))
+
+    def failing_replace(src, dst):
+        if Path(src) == new:
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(paths.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        paths.atomic_replace_dir(new, final)
+    assert (final / "weights").read_text() == "old" and synced == [new]
+    monkeypatch.setattr(paths.os, "replace", real_replace)
+    paths.atomic_replace_dir(new, final)
+    assert (final / "weights").read_text() == "new" and not new.exists()
+    assert not list(tmp_path.glob(".step-5.old-*"))

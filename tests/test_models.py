@@ -78,3 +78,18 @@ def test_preset_sizes():
 def test_directory_without_config_is_rejected(tmp_path):
     with pytest.raises(SmolforgeError, match="no config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_building_a_preset_leaves_the_callers_rng_alone(tmp_path, monkeypatch):
+    """`train` seeds, then loads its model; a preset built right then (its first use) must not reset
+    that seeded stream, or the first run of a preset trains other weights than every later run."""
+    import torch
+
+    from smolforge.models.tiny import preset_dir
+
+    monkeypatch.setenv("SMOLFORGE_HOME", str(tmp_path))  # nothing built yet
+    torch.manual_seed(5)
+    preset_dir("tiny-gpt2")
+    after_build = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(after_build, torch.rand(4))

@@ -35,11 +35,18 @@ def private_dir(path: str | Path) -> Path:
 
 
 def private_file(path: str | Path) -> Path:
-    """A file only its owner can read or write (0600), created empty if missing."""
+    """A file only its owner can read or write (0600), created empty if missing.
+
+    An existing file is only chmod-ed, never opened: closing any descriptor of a file drops every
+    POSIX lock this process holds on it, and SQLite's locks on jobs.db are such locks (closing a
+    second descriptor of a live database is SQLite's first listed way to corrupt one).
+    """
     path = Path(path)
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    if path.stat().st_mode & 0o077:
-        os.chmod(path, 0o600)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)
     return path
 
 
@@ -68,16 +75,50 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first: all of it is on disk."""
+    root = Path(root)
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(d)
+
+
 def atomic_replace_dir(tmp_dir: str | Path, final_dir: str | Path) -> None:
-    """Swap a fully written directory into place; the old one is removed only after the swap."""
+    """Swap a fully written directory into place, crash-safely.
+
+    The new tree is fsynced before the swap; the old copy stays (renamed aside) until the new one
+    is in place, is put back if the swap fails, and is removed only after the parent is fsynced.
+    """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    fsync_tree(tmp_dir)
     old = None
     if final_dir.exists():
         old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
         if old.exists():
             shutil.rmtree(old)
         os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
+    try:
+        os.replace(tmp_dir, final_dir)
+    except BaseException:
+        if old is not None and not final_dir.exists():
+            os.replace(old, final_dir)  # the old copy comes back: never neither
+        raise
+    fsync_dir(final_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -122,8 +122,11 @@ def build_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     vocab = max(kwargs.pop("vocab_size", 0), len(tokenizer))
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|pad|>")
     config = AutoConfig.for_model(family, vocab_size=vocab, eos_token_id=eos, pad_token_id=pad, bos_token_id=eos, **kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    # Its own RNG stream: a preset built on first use inside `train` must not reset the caller's
+    # seeded RNG (the first run of a preset gave other LoRA weights than every later run).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = pad
     model.generation_config.eos_token_id = eos
     out_dir = Path(out_dir)

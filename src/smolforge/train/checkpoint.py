@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from smolforge.paths import atomic_write_json
+from smolforge.paths import atomic_replace_dir, atomic_write_json
 
 MANIFEST = "manifest.json"
 
@@ -106,9 +105,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
         atomic_write_json(tmp / "state.json", {"step": step, **(extra or {})})
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_json(tmp / MANIFEST, {"step": step, "files": files})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        atomic_replace_dir(tmp, final)  # fsynced, then swapped in; on disk before older ones go
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
