@@ -146,3 +146,44 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         srv.stop(0)
     with pytest.raises(SmolforgeError, match="both a certificate and its key"):
         serve(ServeConfig(model="tiny-llama", split_point_1=1, split_point_2=3, port=0, token=TOKEN, tls_cert=cert))
+
+
+def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read(tmp_path):
+    """The real `split serve` in its own process: a 300 MiB Forward without the token is refused
+    and the server's memory stays flat (a unary handler would have read and parsed it all first)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from smolforge.cluster.statedir import free_port, port_open
+
+    port = free_port()
+    env = {**os.environ, "SMOLFORGE_SPLIT_TOKEN": TOKEN, "SMOLFORGE_HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "split", "serve", "--model", "tiny-llama",
+                             "--split-point-1", "1", "--split-point-2", "3", "--port", str(port), "--num-threads", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
+    try:
+        deadline = time.time() + 120
+        while not port_open("127.0.0.1", port, timeout=0.5):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            time.sleep(0.3)
+        server = psutil.Process(proc.pid)
+        ch, stub = stub_for(port)
+        with ch:
+            assert stub.Health(pb.HealthRequest(), timeout=10).status == "ok"
+            before = server.memory_info().rss
+            big = pb.ForwardRequest(session_id="x", hidden=pb.Tensor(codec="fp32", dtype="float32",
+                                                                     data=b"\0" * (300 * 2**20)))
+            for metadata in [(), bearer("wrong")]:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Forward(big, metadata=metadata, timeout=60)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+            grown = (server.memory_info().rss - before) / 2**20
+            assert grown < 50, f"the server grew by {grown:.0f} MiB on unauthenticated calls"
+            assert stub.Info(pb.InfoRequest(), metadata=bearer(TOKEN), timeout=10).num_layers == 4  # still serving
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

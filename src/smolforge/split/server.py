@@ -454,12 +454,17 @@ class TokenAuth(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):
+        def deny(request_iterator, context):
+            # Never iterated: the request's bytes are not read (HTTP/2 flow control holds them at
+            # the sender), so a 300 MiB unauthenticated Forward costs nothing here.
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong token: pass --token (or set SMOLFORGE_SPLIT_TOKEN) "
                           "as the server was started")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        # A stream-request handler for every (unary) method: the server reads a message only when
+        # the handler asks for it, and this one never asks. A unary handler would receive and
+        # deserialize the whole payload before the abort.
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):
         if details.method in OPEN_METHODS:
