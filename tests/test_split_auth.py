@@ -150,7 +150,8 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 
 def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read(tmp_path):
     """The real `split serve` in its own process: a 300 MiB Forward without the token is refused
-    and the server's memory stays flat (a unary handler would have read and parsed it all first)."""
+    and the server's memory stays flat (a unary handler would have read and parsed it all first).
+    The server makes its own token: written 0600 for the clients, never printed."""
     import os
     import subprocess
     import sys
@@ -161,7 +162,8 @@ def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read
     from smolforge.cluster.statedir import free_port, port_open
 
     port = free_port()
-    env = {**os.environ, "SMOLFORGE_SPLIT_TOKEN": TOKEN, "SMOLFORGE_HOME": str(tmp_path)}
+    env = {**os.environ, "SMOLFORGE_HOME": str(tmp_path)}
+    env.pop("SMOLFORGE_SPLIT_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "split", "serve", "--model", "tiny-llama",
                              "--split-point-1", "1", "--split-point-2", "3", "--port", str(port), "--num-threads", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
@@ -170,6 +172,10 @@ def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read
         while not port_open("127.0.0.1", port, timeout=0.5):
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
             time.sleep(0.3)
+        token_file = tmp_path / "split" / "token"
+        token = token_file.read_text()
+        assert token_file.stat().st_mode & 0o777 == 0o600 and token not in (tmp_path / "serve.log").read_text()
+        assert f"--token-file {token_file}" in (tmp_path / "serve.log").read_text()
         server = psutil.Process(proc.pid)
         ch, stub = stub_for(port)
         with ch:
@@ -183,7 +189,7 @@ def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
             grown = (server.memory_info().rss - before) / 2**20
             assert grown < 50, f"the server grew by {grown:.0f} MiB on unauthenticated calls"
-            assert stub.Info(pb.InfoRequest(), metadata=bearer(TOKEN), timeout=10).num_layers == 4  # still serving
+            assert stub.Info(pb.InfoRequest(), metadata=bearer(token), timeout=10).num_layers == 4  # still serving
     finally:
         proc.terminate()
         proc.wait(timeout=30)

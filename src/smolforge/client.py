@@ -28,20 +28,26 @@ from smolforge.errors import SmolforgeError
 
 class Client:
     runs_in_process = False  # jobs run on the coordinator: commands may return while they run
-    def __init__(self, host: str = "127.0.0.1", port: int | None = 5000, token: str | None = None, *,
-                 timeout: float = 60.0, state_dir: str | Path | None = None):
+    def __init__(self, host: str | None = None, port: int | None = None, token: str | None = None, *,
+                 token_file: str | Path | None = None, timeout: float = 60.0, state_dir: str | Path | None = None):
+        """`Client()` alone talks to the coordinator running from this machine's state dir (default
+        $SMOLFORGE_HOME), with its token; otherwise give HOST[:PORT] and the token, best as a file
+        (`token_file`) or $SMOLFORGE_TOKEN / $SMOLFORGE_TOKEN_FILE."""
         import httpx
 
+        from smolforge.cluster.auth import resolve_token
+        from smolforge.cluster.statedir import StateDir
         from smolforge.cluster.worker import split_hostport
 
+        local = StateDir.at(state_dir) if (host is None or state_dir is not None) else None
+        if host is None:
+            info = local.read_coordinator() or {}
+            host, port = info.get("host_for_clients", "127.0.0.1"), port or info.get("port")
         if ":" in host and port in (None, 5000):
             host, port = split_hostport(host, port or 5000)
         self.host, self.port = host, int(port or 5000)
         self.base = f"http://{self.host}:{self.port}"
-        token = token or os.environ.get("SMOLFORGE_TOKEN")
-        if not token and state_dir is not None:
-            p = Path(state_dir) / "token"
-            token = p.read_text().strip() if p.exists() else None
+        token = resolve_token(token, token_file, local.root if local else None)
         self.token = token
         self._http = httpx.Client(base_url=self.base, timeout=timeout,
                                   headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -85,7 +91,8 @@ class Client:
                                      fix="start it with `smolforge coordinator start`, or pass --coordinator HOST:PORT") from None
         if r.status_code == 401:
             raise SmolforgeError("coordinator rejected the token", where=self.base,
-                                 fix="pass --token (or SMOLFORGE_TOKEN) as printed by `smolforge coordinator start`")
+                                 fix="pass --token-file F, a copy of the coordinator's token file (or set SMOLFORGE_TOKEN); "
+                                     "`smolforge coordinator start` prints where it is")
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -221,14 +228,13 @@ class Client:
 
 
 def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,
-                embedded_ok: bool = False, num_cpus: int | None = None) -> Any:
+                embedded_ok: bool = False, num_cpus: int | None = None, token_file: str | Path | None = None) -> Any:
     """A Client for the given/configured coordinator, else (if allowed) the embedded cluster.
 
     Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
     dir (default $SMOLFORGE_HOME) that answers /health.
     """
-    import os
-
+    from smolforge.cluster.auth import resolve_token
     from smolforge.cluster.statedir import StateDir, port_open
 
     coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
@@ -238,13 +244,11 @@ def backend_for(coordinator: str | None = None, token: str | None = None, state_
         if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
             coordinator = f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
     if coordinator:
-        if not token and not os.environ.get("SMOLFORGE_TOKEN") and sd.token_path.exists():
-            token = sd.token_path.read_text().strip()
-        return Client(coordinator, None, token=token)
+        return Client(coordinator, None, token=resolve_token(token, token_file, sd.root))
     if embedded_ok:
         from smolforge.cluster.embedded import EmbeddedCluster  # starts Ray: only when it is the choice
 
         return EmbeddedCluster(num_cpus=num_cpus)
     raise SmolforgeError("no coordinator given and none running from " + str(sd.root),
-                         fix="pass --coordinator HOST:PORT --token T (or set SMOLFORGE_COORDINATOR / SMOLFORGE_TOKEN), "
+                         fix="pass --coordinator HOST:PORT --token-file F (or set SMOLFORGE_COORDINATOR / SMOLFORGE_TOKEN), "
                              "or start one with `smolforge coordinator start`")

@@ -124,8 +124,11 @@ class LocalCluster:
         args = ["worker", "join", self.hostport, "--name", name, "--cpus", str(cpus), "--memory", "4",
                 "--state-dir", str(self.base / f"node-{name}"), "--object-store-mb", "100"]
         tok = self.token if token is None else token
-        if tok:
-            args += ["--token", tok]
+        if tok:  # as the README says: a copy of the token file, never the token in argv
+            token_file = self.base / f"token-copy-{name}"
+            token_file.write_text(tok)
+            token_file.chmod(0o600)
+            args += ["--token-file", str(token_file)]
         if models_dir:
             args += ["--models-dir", str(models_dir)]
         proc = Proc(args, self.env, self.base / f"worker-{name}.log")

@@ -164,6 +164,31 @@ def test_api_needs_token_and_a_bad_worker_token_is_refused(world):
     assert not any(n.startswith("intruder") for n in names)
 
 
+def test_the_token_is_in_no_argv_and_never_printed(world):
+    """`ps` on any machine of the cluster never shows the token: not in the coordinator's, a worker's
+    or any Ray process's command line; the coordinator's output names the token file instead."""
+    import psutil
+
+    c = world["c"]
+    token = c.token
+    client = c.client()
+    job_id = client.submit_job(job_spec(world, max_steps=400))  # its ranks and Ray workers are processes too
+    try:
+        wait_step(client, job_id, 1)
+        seen = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if token in " ".join(proc.info["cmdline"] or []):
+                seen.append((proc.info["pid"], (proc.info["cmdline"] or [])[:4]))
+        assert not seen, seen
+    finally:
+        client.cancel_job(job_id)
+        wait_state(client, job_id, ("cancelled",))
+    out = c.coordinator.output()
+    assert "Join workers with:" in out and f"--token-file {c.state / 'token'}" in out, out[-2000:]
+    for proc in [c.coordinator, *c.workers.values()]:
+        assert token not in proc.output(), proc.args[:2]
+
+
 def test_unsatisfiable_requirement_fails_at_once(world):
     from smolforge.errors import SmolforgeError
 

@@ -1,7 +1,7 @@
 """Cluster commands: coordinator, workers, watching and controlling jobs, launching training.
 
     smolforge coordinator start [--host --port --ray-port --state-dir]
-    smolforge worker join HOST:PORT --token T [--name --models-dir --cpus --gpus --memory]
+    smolforge worker join HOST:PORT --token-file F [--name --models-dir --cpus --gpus --memory]
     smolforge status | nodes | resources | jobs
     smolforge job show|logs|pause|resume|cancel|join ID
     smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from smolforge.cli.common import console, fmt_eta, print_json, run_cli
+from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, fmt_eta, print_json, run_cli
 from smolforge.cli.follow import wait_with_progress
 
 COORD_HELP = "coordinator HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from --state-dir)"
@@ -180,6 +180,7 @@ def register(app: typer.Typer) -> None:
     def worker_join(
         coordinator: str = typer.Argument(..., help="the coordinator's HOST:PORT"),
         token: Optional[str] = typer.Option(None, help="the cluster token ($SMOLFORGE_TOKEN)"),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         name: Optional[str] = typer.Option(None, help="node name (default: host name)"),
         models_dir: Optional[str] = typer.Option(None, help="a folder of models (each with config.json)"),
         cpus: Optional[int] = typer.Option(None, help="CPUs to lend (default: all)"),
@@ -195,13 +196,13 @@ def register(app: typer.Typer) -> None:
         The token is checked first: a wrong or missing one exits within seconds with
         `coordinator rejected the token`. Stays in the foreground; Ctrl-C leaves the cluster.
 
-        Example: smolforge worker join 192.168.1.10:5000 --token T --name student-cpu-01 --models-dir ~/models
+        Example: smolforge worker join 192.168.1.10:5000 --token-file ~/smolforge-token --name student-cpu-01 --models-dir ~/models
         """
         import sys
 
         from smolforge.cluster.worker import WorkerNode, WorkerOptions
 
-        node = WorkerNode(WorkerOptions(coordinator=coordinator, token=token, name=name, models_dir=models_dir,
+        node = WorkerNode(WorkerOptions(coordinator=coordinator, token=cli_token(token, token_file), name=name, models_dir=models_dir,
                                         cpus=cpus, gpus=gpus, memory_gb=memory, state_dir=state_dir,
                                         object_store_mb=object_store_mb, rejoin=not no_rejoin,
                                         scan_hf_cache=not no_hf_cache),
@@ -214,14 +215,15 @@ def register(app: typer.Typer) -> None:
     def status(
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json", help="one JSON object"),
     ):
         """The cluster at a glance: coordinator, workers online, active jobs (progress, ETA), resources.
 
-        Example: smolforge status --coordinator 192.168.1.10:5000 --token T
+        Example: smolforge status --coordinator 192.168.1.10:5000 --token-file ~/smolforge-token
         """
-        st = _backend(coordinator, token, state_dir).status()
+        st = _backend(coordinator, cli_token(token, token_file), state_dir).status()
         if json_out:
             print_json(st)
         else:
@@ -232,6 +234,7 @@ def register(app: typer.Typer) -> None:
     def nodes(
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json", help="a JSON list"),
     ):
@@ -239,7 +242,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge nodes
         """
-        data = _backend(coordinator, token, state_dir).list_nodes()
+        data = _backend(coordinator, cli_token(token, token_file), state_dir).list_nodes()
         if json_out:
             print_json(data)
         else:
@@ -250,6 +253,7 @@ def register(app: typer.Typer) -> None:
     def resources(
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json", help="a JSON list"),
     ):
@@ -257,7 +261,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge resources
         """
-        data = _backend(coordinator, token, state_dir).resources()
+        data = _backend(coordinator, cli_token(token, token_file), state_dir).resources()
         if json_out:
             print_json(data)
             return
@@ -279,6 +283,7 @@ def register(app: typer.Typer) -> None:
         state: Optional[str] = typer.Option(None, help="only these states, e.g. running,paused"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json", help="a JSON list"),
     ):
@@ -286,7 +291,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge jobs --state running
         """
-        data = _backend(coordinator, token, state_dir, embedded_ok=True).list_jobs(state)
+        data = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True).list_jobs(state)
         if json_out:
             print_json(data)
         else:
@@ -298,10 +303,11 @@ def register(app: typer.Typer) -> None:
             job_id: str = typer.Argument(..., help="job id (or a unique prefix, or its name)"),
             coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
             token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+            token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
             state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
             json_out: bool = typer.Option(False, "--json", help="print the job status as JSON"),
         ):
-            backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+            backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
             try:
                 st = getattr(backend, f"{action}_job")(job_id)
                 if action == "resume" and backend.runs_in_process:  # the job runs in this command: follow it
@@ -333,6 +339,7 @@ def register(app: typer.Typer) -> None:
         node: Optional[str] = typer.Option(None, help="a worker node to add (default: lend the coordinator node)"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json"),
     ):
@@ -346,7 +353,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge job join job-1a2b3c
         """
-        st = _backend(coordinator, token, state_dir, embedded_ok=True).join_job(job_id, node)
+        st = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True).join_job(job_id, node)
         if json_out:
             print_json(st)
         else:
@@ -358,6 +365,7 @@ def register(app: typer.Typer) -> None:
         job_id: str = typer.Argument(..., help="job id (or a unique prefix, or its name)"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         json_out: bool = typer.Option(False, "--json"),
     ):
@@ -365,7 +373,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge job show job-1a2b3c
         """
-        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+        backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         job = backend.get_job(job_id)
         arts = backend.list_artifacts(job["id"])
         if json_out:
@@ -397,6 +405,7 @@ def register(app: typer.Typer) -> None:
         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
     ):
         """The job's event log: state changes, placement, checkpoints, failures and recoveries.
@@ -405,7 +414,7 @@ def register(app: typer.Typer) -> None:
         """
         from smolforge.cluster.jobview import format_event
 
-        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+        backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         since = 0
         while True:
             events = backend.job_events(job_id, since)

@@ -107,3 +107,17 @@ def fmt_eta(s: float | None) -> str:
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+TOKEN_FILE_HELP = ("a file holding the cluster token (or $SMOLFORGE_TOKEN_FILE): unlike --token, it never shows "
+                   "in `ps` or shell history")
+
+
+def cli_token(token: str | None, token_file: str | None) -> str | None:
+    """--token, else the token in --token-file; None lets the client look further ($SMOLFORGE_TOKEN,
+    $SMOLFORGE_TOKEN_FILE, the local coordinator's token file)."""
+    if token or not token_file:
+        return token
+    from smolforge.cluster.auth import read_token_file
+
+    return read_token_file(token_file)

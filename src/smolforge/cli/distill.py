@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
 
 
 def register(app: typer.Typer) -> None:
@@ -63,6 +63,7 @@ def register(app: typer.Typer) -> None:
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
         coordinator: Optional[str] = typer.Option(None, help="HOST:PORT (default: the configured one, else embedded)"),
         token: Optional[str] = typer.Option(None, help="cluster token (default $SMOLFORGE_TOKEN)"),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         resume: bool = typer.Option(False, "--resume", help="continue the students of an earlier run in --output-dir "
                                     "from their checkpoints (without it such a dir is refused; teacher shards are always reused)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
@@ -85,7 +86,7 @@ def register(app: typer.Typer) -> None:
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
             "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
         summary = run_distill_job({"kind": "distill", "mode": mode, "distill": distill}, output_dir, resume=resume,
-                                  coordinator=coordinator, token=token, quiet=quiet or json_out)
+                                  coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})
             return

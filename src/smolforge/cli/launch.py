@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
-from smolforge.cli.common import print_json, quiet_libraries, run_cli
+from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
 from smolforge.errors import SmolforgeError
 
@@ -56,6 +56,7 @@ def register(app: typer.Typer) -> None:
         detach: bool = typer.Option(False, "--detach", help="submit and return (coordinator only)"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster"),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
@@ -79,7 +80,7 @@ def register(app: typer.Typer) -> None:
                             peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
                             cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
-                            coordinator=coordinator, token=token, state_dir=state_dir, quiet=quiet,
+                            coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
                             json_out=json_out,
                             name=name, sets=set_, detach=detach,
                             save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
@@ -97,7 +98,7 @@ def register(app: typer.Typer) -> None:
             if value is not None:
                 kwargs[key] = value
         spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
-        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=token, state_dir=state_dir,
+        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir,
                            detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
 
     @app.command()
@@ -109,6 +110,7 @@ def register(app: typer.Typer) -> None:
         output_dir: Optional[str] = typer.Option(None, help="with --wait: where the adapter is downloaded"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster (implies --wait)"),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json"),
@@ -117,7 +119,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge submit job.yaml --set train.max_steps=200 --wait
         """
-        backend = _backend(coordinator, token, state_dir, embedded_ok=True)
+        backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         embedded = getattr(backend, "base", "") == "embedded"
         try:
             job_id = backend.submit_job(job_file, set_)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import print_json, quiet_libraries, run_cli
+from smolforge.cli.common import cli_token, print_json, quiet_libraries, run_cli
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
 
@@ -24,7 +24,7 @@ split_app = typer.Typer(
     name="split",
     help="Split learning: a trunk server runs the middle layers; the client keeps the data, the labels and "
     "the first and last layers. All three parts train LoRA.\n\n"
-    "Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --token T",
+    "Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --token-file split.token",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -49,7 +49,8 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes it to your network"),
     port: int = typer.Option(50051, help="port to listen on (0: any free port)"),
     token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"clients must send it (default: ${TOKEN_ENV}, "
-                                        "else a random one is printed)"),
+                                        "else a random one, written to $SMOLFORGE_HOME/split/token)"),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the token (never in `ps`)"),
     no_token: bool = typer.Option(False, "--no-token", help="accept calls without a token (trusted loopback only)"),
     tls_cert: Optional[str] = typer.Option(None, help="PEM certificate: serve over TLS"),
     tls_key: Optional[str] = typer.Option(None, help="PEM private key of --tls-cert"),
@@ -61,23 +62,29 @@ def serve_cmd(
 ):
     """Run the trunk server: layers [A, B) of MODEL, one LoRA and optimizer per client session.
 
-    Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --port 50051 --token s3cret
+    Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --port 50051 --token-file split.token
     """
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from smolforge.split.server import ServeConfig, serve
 
-    generated = False
-    if not token and not no_token:
-        token, generated = secrets.token_urlsafe(24), True
+    token = cli_token(token, token_file)
+    token_path = None
+    if not token and not no_token:  # a fresh token, written 0600 for the clients: never printed
+        from smolforge.cluster.auth import write_token
+        from smolforge.paths import home
+
+        token, token_path = secrets.token_urlsafe(24), home() / "split" / "token"
+        write_token(token_path, token)
     cfg = ServeConfig(model=model, split_point_1=split_point_1, split_point_2=split_point_2, use_lora=use_lora,
                       lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, device=device, host=host,
                       port=port, token=None if no_token else token, tls_cert=tls_cert, tls_key=tls_key,
                       checkpoint_dir=checkpoint_dir, session_timeout=session_timeout, max_sessions=max_sessions,
                       num_threads=num_threads)
     server = serve(cfg, allow_no_token=no_token)
-    if generated:
-        typer.echo(f"token: {token}  (clients: --token {token}, or export {TOKEN_ENV}={token})", err=True)
+    if token_path:
+        typer.echo(f"token written to {token_path} (mode 0600); clients: --token-file {token_path} "
+                   "(on another machine, a copy of it)", err=True)
     typer.echo(server.describe())
     sys.stdout.flush()
     signal.signal(signal.SIGTERM, lambda *_: server.stop(2.0))
@@ -96,6 +103,7 @@ def train_cmd(
     server_host: str = typer.Option("127.0.0.1", help="trunk server address"),
     server_port: int = typer.Option(50051, help="trunk server port"),
     token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"the server's token (default: ${TOKEN_ENV})"),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token (never in `ps`)"),
     tls_ca: Optional[str] = typer.Option(None, help="PEM CA bundle that signed the server's certificate: use TLS"),
     tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
     lora_rank: int = typer.Option(8, help="bottom/top LoRA rank"),
@@ -134,7 +142,7 @@ def train_cmd(
     """Train the bottom and top here, the trunk on the server, all with LoRA.
 
     Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051
-    --token s3cret --dataset bundled --max-steps 50
+    --token-file split.token --dataset bundled --max-steps 50
     """
     quiet_libraries()
     from smolforge.config import validate
@@ -142,7 +150,7 @@ def train_cmd(
 
     values: dict[str, Any] = dict(
         model=model, split_point_1=split_point_1, split_point_2=split_point_2, server_host=server_host,
-        server_port=server_port, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
+        server_port=server_port, token=cli_token(token, token_file), tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
         lora_alpha=lora_alpha, lora_dropout=lora_dropout, batch_size=batch_size, learning_rate=learning_rate,
         weight_decay=weight_decay, num_epochs=num_epochs, max_steps=max_steps, dataset=dataset, data_format=data_format,
         max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
@@ -188,18 +196,19 @@ def info_cmd(
     server_host: str = typer.Option("127.0.0.1"),
     server_port: int = typer.Option(50051),
     token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token"),
     tls_ca: Optional[str] = typer.Option(None),
     session_name: str = typer.Option("", help="also list the server checkpoints of this session"),
 ):
     """Ask a trunk server what it serves (model, split points, sessions, checkpoints) as JSON.
 
-    Example: smolforge split info --server-port 50051 --token s3cret
+    Example: smolforge split info --server-port 50051 --token-file split.token
     """
     from google.protobuf.json_format import MessageToDict
 
     from smolforge.split.client import TrunkClient
 
-    with TrunkClient(server_host, server_port, token, tls_ca, reconnect_timeout=5.0) as client:
+    with TrunkClient(server_host, server_port, cli_token(token, token_file), tls_ca, reconnect_timeout=5.0) as client:
         print_json(MessageToDict(client.info(session_name), preserving_proto_field_name=True))
 
 

@@ -44,11 +44,53 @@ def write_token(path: Path, token: str) -> None:
     os.replace(tmp, path)
 
 
+TOKEN_ENV = "SMOLFORGE_TOKEN"
+TOKEN_FILE_ENV = "SMOLFORGE_TOKEN_FILE"
+TOKEN_FILE_HELP = ("a file holding the cluster token (default: $SMOLFORGE_TOKEN_FILE): keeps it out of "
+                   "`ps` and shell history")
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token in `path` (one line), or one message naming the file and the fix."""
+    path = Path(path).expanduser()
+    fix = "copy the coordinator's token file here (`smolforge coordinator start` prints where it is)"
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as err:
+        raise SmolforgeError(f"cannot read the token file: {err.strerror}", where=str(path), fix=fix) from err
+    except UnicodeDecodeError as err:
+        raise SmolforgeError("the token file is not text", where=str(path), fix=fix) from err
+    if not token:
+        raise SmolforgeError("the token file is empty", where=str(path), fix=fix)
+    return token
+
+
+def resolve_token(token: str | None = None, token_file: str | Path | None = None,
+                  state_dir: str | Path | None = None) -> str | None:
+    """Where a command finds the cluster token, first match wins: --token, --token-file,
+    $SMOLFORGE_TOKEN, $SMOLFORGE_TOKEN_FILE, then the token file of a coordinator running from
+    `state_dir` (this machine). None when there is none: the coordinator's refusal then says so."""
+    if token:
+        return token.strip()
+    if token_file:
+        return read_token_file(token_file)
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return os.environ[TOKEN_ENV].strip()
+    if os.environ.get(TOKEN_FILE_ENV, "").strip():
+        return read_token_file(os.environ[TOKEN_FILE_ENV].strip())
+    if state_dir is not None:
+        local = Path(state_dir) / "token"
+        if local.is_file():
+            return read_token_file(local)
+    return None
+
+
 def check_token_format(token: str | None) -> str:
     token = (token or "").strip()
     if not token:
         raise SmolforgeError("no cluster token given",
-                             fix="pass --token T (printed by `smolforge coordinator start`) or set SMOLFORGE_TOKEN")
+                             fix="pass --token-file F (a copy of the coordinator's token file; `smolforge coordinator start` "
+                                 "prints where it is) or set SMOLFORGE_TOKEN")
     if any(c.isspace() for c in token) or len(token) > 512:
         raise SmolforgeError("the token contains whitespace or is too long", fix="copy the token exactly as printed")
     return token

@@ -234,7 +234,12 @@ class Coordinator:
             if host in LOOPBACK:
                 lines.append("  (listening on 127.0.0.1: only this machine can join; use --host 0.0.0.0 for a LAN)")
             lines.append("Join workers with:")
-            lines.append(f"  smolforge worker join {host}:{self.opts.port} --token {core.token}")
+            # The token itself is never printed (terminals are logged and shared): the command names
+            # the token file, which another machine needs a copy of.
+            lines.append(f"  smolforge worker join {host}:{self.opts.port} --token-file {self.state.token_path}")
+            if host not in LOOPBACK:
+                lines.append(f"  (on another machine, copy the token file there first, e.g. "
+                             f"`scp {host}:{self.state.token_path} ~/smolforge-token`, and name that copy)")
             announce("\n".join(lines))
             if ready is not None:
                 ready.set()

@@ -218,7 +218,7 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
         wanted.append(f"one of nodes {req.allowed_nodes}")
     if req.on_coordinator:
         wanted.append("the coordinator node")
-    fix = "join a worker that has it (`smolforge worker join HOST:PORT --token T --models-dir DIR`)"
+    fix = "join a worker that has it (`smolforge worker join HOST:PORT --token-file F --models-dir DIR`)"
     if req.model:
         fix = (f"put {req.model} on a worker (HF cache or --models-dir) and re-join it, "
                "or pick a model some node holds (`smolforge nodes`)")

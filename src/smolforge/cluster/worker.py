@@ -1,4 +1,4 @@
-"""`smolforge worker join HOST:PORT --token T`: lend this machine to the cluster.
+"""`smolforge worker join HOST:PORT --token-file F`: lend this machine to the cluster.
 
 1. Ask the coordinator's API whether the token is right (a wrong or missing token is refused within
    seconds; Ray alone would wait ~20 s and then report a bare ConnectionError).
@@ -48,15 +48,16 @@ class WorkerOptions:
 
 def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
     text = text.strip()
-    for prefix in ("http://", "https://"):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    text = text.rstrip("/")
+    if text.startswith("https://"):  # never silently downgraded to plain http
+        raise SmolforgeError(f"{text!r}: the coordinator API speaks plain HTTP (TLS is not built yet)",
+                             fix="give HOST:PORT; across an untrusted network, reach the coordinator through "
+                                 "an SSH tunnel or a VPN (see the README's security notes)")
+    text = text.removeprefix("http://").rstrip("/")
     host, sep, port = text.rpartition(":")
     if not sep:
         return text, default_port
     if not port.isdigit():
-        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix="e.g. smolforge worker join 192.168.1.10:5000 --token T")
+        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix="e.g. smolforge worker join 192.168.1.10:5000 --token-file ~/smolforge-token")
     return host or "127.0.0.1", int(port)
 
 

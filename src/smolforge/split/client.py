@@ -37,7 +37,7 @@ class TrunkCallError(SmolforgeError):
 
 
 _FIXES = {
-    grpc.StatusCode.UNAUTHENTICATED: "pass the server's token with --token T (or set SMOLFORGE_SPLIT_TOKEN)",
+    grpc.StatusCode.UNAUTHENTICATED: "pass the server's token with --token-file F (or set SMOLFORGE_SPLIT_TOKEN)",
     grpc.StatusCode.FAILED_PRECONDITION: "start the client with the same model and split points as the server",
     grpc.StatusCode.INVALID_ARGUMENT: "this is a client/server mismatch; use the same smolforge version on both",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "wait for other sessions to finish, or raise --max-sessions on the server",

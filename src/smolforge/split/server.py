@@ -481,7 +481,7 @@ class TrunkServer:
 
     def __init__(self, cfg: ServeConfig, allow_no_token: bool = False):
         if not cfg.token and not allow_no_token:
-            raise SmolforgeError("the trunk server needs a token", fix="pass --token T (or set SMOLFORGE_SPLIT_TOKEN)")
+            raise SmolforgeError("the trunk server needs a token", fix="pass --token-file F (or set SMOLFORGE_SPLIT_TOKEN)")
         if not cfg.token and not is_loopback(cfg.host):
             raise SmolforgeError(f"--no-token with --host {cfg.host}: anyone on that network could train on this server",
                                  where="--host", fix="keep --no-token for --host 127.0.0.1, or give the server a token")
