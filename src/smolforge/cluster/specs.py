@@ -57,7 +57,11 @@ class DataParallelJob(Spec):
     strategy: str = Field("ddp", description="how the ranks share learning (smolforge.parallel.strategies)")
     strategy_config: dict[str, Any] = Field(default_factory=dict, description="the strategy's own settings")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout (a peer lost without a TCP reset)")
+    dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout (a peer lost without a TCP reset); "
+                                  "never shorter than checkpoint_upload_timeout_s + 60, so the ranks waiting at a "
+                                  "checkpoint outlast rank 0's upload")
+    checkpoint_upload_timeout_s: float = Field(600.0, gt=0, description="how long rank 0 may take to ship a "
+                                               "checkpoint to the coordinator (big ones over Wi-Fi are slow)")
     placement_timeout_s: float = Field(120.0, gt=0)
     lent_nodes: list[str] = Field(default_factory=list, description="nodes lent with `job join` (coordinator: '@coordinator')")
 

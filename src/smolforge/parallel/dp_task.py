@@ -35,6 +35,9 @@ from smolforge.paths import atomic_write_bytes, home
 from smolforge.train.engine import TrainHooks, train
 
 POLL_S = 0.5
+UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
+# Fault injection for tests (the slow-Wi-Fi case): seconds rank 0 sleeps before each checkpoint upload.
+FAULT_UPLOAD_DELAY_S = float(os.environ.get("SMOLFORGE_FAULT_UPLOAD_DELAY_S", "0") or 0)
 
 
 def node_dir() -> Path:
@@ -177,7 +180,7 @@ class DPWorker:
 
     def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
-            strategy_config: dict | None = None) -> dict:
+            strategy_config: dict | None = None, upload_timeout_s: float = 600.0) -> dict:
         import ray
 
 
@@ -219,8 +222,10 @@ class DPWorker:
 
         def on_checkpoint(path: Path, step: int) -> None:
             payload = pack_dir(path)
+            if FAULT_UPLOAD_DELAY_S:
+                time.sleep(FAULT_UPLOAD_DELAY_S)
             meta = ray.get(self.control.put_artifact.remote("checkpoints", Path(path).name, payload, keep_last),
-                           timeout=600)
+                           timeout=upload_timeout_s)
             self._emit({"type": "event", "kind": "checkpoint",
                         "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
                         "data": {"step": step, "name": Path(path).name}})
@@ -237,7 +242,10 @@ class DPWorker:
         chosen = pick_backend(backend, cfg.device)
         try:
             if world > 1:
-                init_group(chosen, master_addr, master_port, self.rank, world, timeout_s)
+                # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
+                # collective timeout must outlast the upload's, or a slow link fails every round.
+                init_group(chosen, master_addr, master_port, self.rank, world,
+                           max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S))
             t_ready = time.time()
             self._emit({"type": "event", "kind": "rank_started",
                         "message": f"rank {self.rank}/{world} started on {self.info()['node_name']} "

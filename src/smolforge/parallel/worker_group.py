@@ -75,13 +75,14 @@ class WorkerGroup:
         return infos
 
     def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
-            keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None) -> list:
+            keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None,
+            upload_timeout_s: float = 600.0) -> list:
         """Start every rank; returns one ObjectRef per rank (rank order)."""
         import ray
 
         addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
         return [m.actor.run.remote(cfg, self.world, addr, port, resume_from, backend, timeout_s, keep_last,
-                                   strategy, strategy_config)
+                                   strategy, strategy_config, upload_timeout_s)
                 for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:

@@ -195,7 +195,7 @@ class DPRunner(JobRunner):
                 if self.pending_joins:  # asked for while this group was being placed
                     self._ask_regroup()
             refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
-                             spec.strategy_config)
+                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s)
             outcome, detail = self._watch(group, refs)
             with self._lock:
                 self.training = False
