@@ -55,8 +55,20 @@ def _post(port: int, path: str, body_bytes: int, token: str | None = None, chunk
 
 
 def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
+    import hashlib
+    import os
+
     with LocalCluster(tmp_path) as cluster:
+        # what a killed coordinator leaves: a half-written upload, and an old one no job names
+        uploads = cluster.state / "artifacts" / "uploads"
+        uploads.mkdir(parents=True)
+        (uploads / ".upload.half").write_bytes(b"x" * 1000)
+        stale = uploads / hashlib.sha256(b"stale").hexdigest()
+        stale.write_bytes(b"y" * (8 * MB))
+        os.utime(stale, (time.time() - 7200, time.time() - 7200))
+        cluster.env["SMOLFORGE_UPLOAD_QUOTA_BYTES"] = str(12 * MB)
         cluster.start_coordinator()
+        assert not (uploads / ".upload.half").exists() and not stale.exists()  # cleaned at start
         pid, port, token = cluster.coordinator.p.pid, cluster.port, cluster.token
         assert cluster.api("GET", "/health", token=None).status_code == 200
         time.sleep(2)
@@ -78,6 +90,11 @@ def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
         # the upload route streams to disk and keeps its own, larger bound
         r = cluster.api("POST", "/api/v1/uploads", content=b"x" * (5 * MB))
         assert r.status_code == 200 and r.json()["bytes"] == 5 * MB
+        # ... and all uploads together a quota (12 MiB here): young uploads may belong to a job on its way
+        assert cluster.api("POST", "/api/v1/uploads", content=b"z" * (5 * MB)).status_code == 200
+        r = cluster.api("POST", "/api/v1/uploads", content=b"w" * (5 * MB))
+        assert r.status_code == 507 and "SMOLFORGE_UPLOAD_QUOTA_BYTES" in r.json()["fix"], r.text
+        assert not list(uploads.glob(".upload.*"))  # the refused one left nothing behind
         # heartbeats are checked against their schema: a string where a number belongs is refused,
         # and /metrics (which renders them) keeps answering
         node = cluster.api("GET", "/api/v1/nodes").json()[0]

@@ -31,6 +31,8 @@ from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
 
 MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**30)))
+# All uploads together; unreferenced ones are collected first when a new one would pass it.
+UPLOAD_QUOTA_BYTES = int(os.environ.get("SMOLFORGE_UPLOAD_QUOTA_BYTES", str(50 * 2**30)))
 # Every other route takes JSON (job specs, heartbeats): 4 MiB is far above any of them.
 MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_MAX_BODY_BYTES", str(4 * 2**20)))
 OPEN_PATHS = ("/health", "/dashboard")
@@ -66,7 +68,9 @@ def create_app(core: Any) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     def _http_error(request: Request, err: HTTPException):
-        fix = "pass the cluster token (Authorization: Bearer <token>)" if err.status_code == 401 else None
+        fix = {401: "pass the cluster token (Authorization: Bearer <token>)",
+               507: "set SMOLFORGE_UPLOAD_QUOTA_BYTES higher on the coordinator, or end the jobs that name old uploads "
+                    "(uploads no pending, running or paused job names are collected after an hour)"}.get(err.status_code)
         return JSONResponse({"error": str(err.detail), "where": None, "fix": fix}, status_code=err.status_code,
                             headers=getattr(err, "headers", None))
 
@@ -186,6 +190,18 @@ def create_app(core: Any) -> FastAPI:
         up_dir.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
         size = 0
+        declared = int(request.headers.get("content-length") or 0)
+        used = core.artifacts.uploads_bytes()
+        if used + declared > UPLOAD_QUOTA_BYTES:
+            core.collect_uploads()
+            used = core.artifacts.uploads_bytes()
+
+        def over_quota() -> HTTPException:
+            return HTTPException(status_code=507, detail=f"the coordinator's upload quota ({UPLOAD_QUOTA_BYTES:,} bytes, "
+                                 f"{used:,} used by uploads that live jobs still name) is full")
+
+        if used + declared > UPLOAD_QUOTA_BYTES:
+            raise over_quota()
         fd, tmp = tempfile.mkstemp(dir=up_dir, prefix=".upload.")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -194,6 +210,8 @@ def create_app(core: Any) -> FastAPI:
                     if size > MAX_UPLOAD_BYTES:
                         raise SmolforgeError(f"upload larger than {MAX_UPLOAD_BYTES} bytes",
                                              fix="set SMOLFORGE_MAX_UPLOAD_BYTES on the coordinator")
+                    if used + size > UPLOAD_QUOTA_BYTES:
+                        raise over_quota()
                     h.update(chunk)
                     f.write(chunk)
                 f.flush()

@@ -21,6 +21,13 @@ from smolforge.parallel.transfer import pack_dir, unpack_dir, verify_payload
 from smolforge.paths import atomic_write_bytes, atomic_write_json, private_dir, safe_join
 
 SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+UPLOAD_REF = re.compile(r"upload:([0-9a-f]{64})")
+UPLOAD_GRACE_S = 3600.0  # an upload this young may belong to a job whose submit is on its way
+
+
+def upload_refs(spec: object) -> set[str]:
+    """Every `upload:<sha256>` a job spec names, at any depth."""
+    return set(UPLOAD_REF.findall(json.dumps(spec)))
 
 
 def _check(part: str, what: str) -> str:
@@ -131,6 +138,28 @@ class ArtifactStore:
         if not dest.exists():
             atomic_write_bytes(dest, data)
         return digest
+
+    def clean_upload_temps(self) -> int:
+        """Remove half-written uploads (`.upload.*`) a killed coordinator left; returns how many."""
+        gone = 0
+        for tmp in (self.root / "uploads").glob(".upload.*"):
+            tmp.unlink(missing_ok=True)
+            gone += 1
+        return gone
+
+    def uploads_bytes(self) -> int:
+        return sum(p.stat().st_size for p in (self.root / "uploads").glob("*") if p.is_file())
+
+    def gc_uploads(self, referenced: set[str], now: float | None = None) -> list[str]:
+        """Delete uploads no live job names, older than the grace period; returns their ids."""
+        now = time.time() if now is None else now
+        gone = []
+        for p in (self.root / "uploads").glob("*"):
+            if (UPLOAD_REF.fullmatch(f"upload:{p.name}") and p.name not in referenced
+                    and now - p.stat().st_mtime > UPLOAD_GRACE_S):
+                p.unlink(missing_ok=True)
+                gone.append(p.name)
+        return gone
 
     def upload_path(self, digest: str) -> Path:
         if not re.fullmatch(r"[0-9a-f]{64}", digest or ""):

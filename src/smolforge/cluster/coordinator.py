@@ -26,7 +26,7 @@ from typing import Any
 
 from smolforge import __version__
 from smolforge.cluster import ray_glue, ray_process
-from smolforge.cluster.artifacts import ArtifactStore
+from smolforge.cluster.artifacts import ArtifactStore, upload_refs
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
 from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
 from smolforge.cluster.jobstore import JobStore
@@ -64,6 +64,13 @@ class CoordinatorCore:
     monitor: Any
     info: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+
+    def collect_uploads(self) -> list[str]:
+        """Delete uploads that no pending, running or paused job names (after a grace period)."""
+        live: set[str] = set()
+        for job in self.store.list_jobs(states=("pending", "running", "paused"), limit=100_000):
+            live |= upload_refs(job["spec"])
+        return self.artifacts.gc_uploads(live)
 
     def public_info(self) -> dict[str, Any]:
         return {k: self.info[k] for k in ("name", "api", "ray_address", "ray_port", "version", "node_id")
@@ -189,6 +196,8 @@ class Coordinator:
                 "node_id": ray.get_runtime_context().get_node_id(), "state_dir": str(self.state.root),
                 "attached": self.attached, "started": time.time()}
         self.core = CoordinatorCore(self.state, token, store, artifacts, manager, monitor, info)
+        artifacts.clean_upload_temps()  # half-written by a coordinator that was killed
+        self.core.collect_uploads()
         return self.core
 
     def serve(self, ready: threading.Event | None = None, announce=print) -> None:
