@@ -242,6 +242,10 @@ class Coordinator:
                 lines.append(f"  resuming {len(resumed)} job(s): {', '.join(resumed)}")
             if host in LOOPBACK:
                 lines.append("  (listening on 127.0.0.1: only this machine can join; use --host 0.0.0.0 for a LAN)")
+            else:
+                lines.append("  warning: plain HTTP: the token and job data cross this network in clear. Fine on a "
+                             "network you trust (your home LAN); on a shared Wi-Fi, reach the coordinator through an "
+                             "SSH tunnel or a VPN instead")
             lines.append("Join workers with:")
             # The token itself is never printed (terminals are logged and shared): the command names
             # the token file, which another machine needs a copy of.
