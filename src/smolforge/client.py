@@ -29,28 +29,34 @@ from smolforge.errors import SmolforgeError
 class Client:
     runs_in_process = False  # jobs run on the coordinator: commands may return while they run
     def __init__(self, host: str | None = None, port: int | None = None, token: str | None = None, *,
-                 token_file: str | Path | None = None, timeout: float = 60.0, state_dir: str | Path | None = None):
+                 token_file: str | Path | None = None, tls_fingerprint: str | None = None, timeout: float = 60.0,
+                 state_dir: str | Path | None = None):
         """`Client()` alone talks to the coordinator running from this machine's state dir (default
         $SMOLFORGE_HOME), with its token; otherwise give HOST[:PORT] and the token, best as a file
-        (`token_file`) or $SMOLFORGE_TOKEN / $SMOLFORGE_TOKEN_FILE."""
+        (`token_file`) or $SMOLFORGE_TOKEN / $SMOLFORGE_TOKEN_FILE. An `https://` address needs the
+        certificate fingerprint `coordinator start --tls` printed (`tls_fingerprint` or
+        $SMOLFORGE_TLS_FINGERPRINT; the local coordinator's is read from its state dir)."""
         import httpx
 
         from smolforge.cluster.auth import resolve_token
         from smolforge.cluster.statedir import StateDir
-        from smolforge.cluster.worker import split_hostport
+        from smolforge.cluster.worker import parse_coordinator, tls_for
 
         local = StateDir.at(state_dir) if (host is None or state_dir is not None) else None
+        info = (local.read_coordinator() or {}) if local else {}
         if host is None:
-            info = local.read_coordinator() or {}
-            host, port = info.get("host_for_clients", "127.0.0.1"), port or info.get("port")
-        if ":" in host and port in (None, 5000):
-            host, port = split_hostport(host, port or 5000)
-        self.host, self.port = host, int(port or 5000)
-        self.base = f"http://{self.host}:{self.port}"
+            host, port = info.get("api") or info.get("host_for_clients", "127.0.0.1"), port or info.get("port")
+        scheme, host, port = parse_coordinator(host, int(port or 5000))
+        self.host, self.port = host, port
+        self.base = f"{scheme}://{self.host}:{self.port}"
+        if scheme == "https" and not tls_fingerprint and info.get("api") == self.base:
+            tls_fingerprint = info.get("tls_fingerprint")  # the coordinator of this machine's state dir
+        verify = tls_for(scheme, host, port, tls_fingerprint)
         token = resolve_token(token, token_file, local.root if local else None)
         self.token = token
         self._http = httpx.Client(base_url=self.base, timeout=timeout,
-                                  headers={"Authorization": f"Bearer {token}"} if token else {})
+                                  headers={"Authorization": f"Bearer {token}"} if token else {},
+                                  **({"verify": verify} if verify is not None else {}))
 
     def __repr__(self) -> str:
         return f"Client({self.base})"
@@ -242,9 +248,9 @@ def backend_for(coordinator: str | None = None, token: str | None = None, state_
     if not coordinator:
         info = sd.read_coordinator()
         if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
-            coordinator = f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
+            coordinator = info.get("api") or f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
     if coordinator:
-        return Client(coordinator, None, token=resolve_token(token, token_file, sd.root))
+        return Client(coordinator, None, token=resolve_token(token, token_file, sd.root), state_dir=sd.root)
     if embedded_ok:
         from smolforge.cluster.embedded import EmbeddedCluster  # starts Ray: only when it is the choice
 

@@ -92,18 +92,23 @@ class LocalCluster:
         self.old_coordinators: list[Proc] = []
         self.workers: dict[str, Proc] = {}
         self.head_pgids: list[int] = []
+        self.tls_fingerprint: str | None = None  # set by start_coordinator(tls=True)
 
     # -- processes ----------------------------------------------------------------------------------
 
-    def start_coordinator(self, timeout: float = 120, models_dir: Path | None = None) -> "LocalCluster":
+    def start_coordinator(self, timeout: float = 120, models_dir: Path | None = None,
+                          tls: bool = False) -> "LocalCluster":
         log = self.base / f"coordinator-{len(self.old_coordinators)}.log"
         args = ["coordinator", "start", "--port", str(self.port), "--ray-port", str(self.ray_port),
                 "--state-dir", str(self.state), "--cpus", str(self.coordinator_cpus), "--object-store-mb", "100"]
         if models_dir:
             args += ["--models-dir", str(models_dir)]
+        if tls:
+            args += ["--tls"]
         self.coordinator = Proc(args, self.env, log)
         self.coordinator.wait_for("Join workers with:", timeout)
         info = json.loads((self.state / "coordinator.json").read_text())
+        self.tls_fingerprint = info.get("tls_fingerprint")
         if info.get("head_pid"):
             try:
                 self.head_pgids.append(os.getpgid(int(info["head_pid"])))
@@ -117,12 +122,14 @@ class LocalCluster:
 
     @property
     def hostport(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{'https://' if self.tls_fingerprint else ''}127.0.0.1:{self.port}"
 
     def add_worker(self, name: str, cpus: int = 1, models_dir: Path | None = None, token: str | None = None,
-                   wait: bool = True, timeout: float = 120) -> Proc:
+                   wait: bool = True, timeout: float = 120, tls_fingerprint: str | None = None) -> Proc:
         args = ["worker", "join", self.hostport, "--name", name, "--cpus", str(cpus), "--memory", "4",
                 "--state-dir", str(self.base / f"node-{name}"), "--object-store-mb", "100"]
+        if tls_fingerprint or self.tls_fingerprint:
+            args += ["--tls-fingerprint", tls_fingerprint or self.tls_fingerprint]
         tok = self.token if token is None else token
         if tok:  # as the README says: a copy of the token file, never the token in argv
             token_file = self.base / f"token-copy-{name}"
@@ -191,12 +198,17 @@ class LocalCluster:
         tok = self.token if token == "default" else token
         if tok:
             headers["Authorization"] = f"Bearer {tok}"
-        return httpx.request(method, f"http://{self.hostport}{path}", headers=headers, timeout=60, **kw)
+        if self.tls_fingerprint:
+            from smolforge.cluster.tls import trust_exactly
+
+            kw["verify"] = trust_exactly((self.state / "tls" / "cert.pem").read_text())
+        url = self.hostport if self.tls_fingerprint else f"http://{self.hostport}"
+        return httpx.request(method, f"{url}{path}", headers=headers, timeout=60, **kw)
 
     def client(self):
         from smolforge.client import Client
 
-        return Client("127.0.0.1", self.port, token=self.token)
+        return Client(self.hostport, self.port, token=self.token, tls_fingerprint=self.tls_fingerprint)
 
     def wait_nodes(self, names: list[str], state: str = "online", timeout: float = 60) -> list[dict]:
         deadline = time.time() + timeout

@@ -58,8 +58,9 @@ def test_client_with_no_arguments_finds_the_local_coordinator(tmp_path, no_token
         assert (c.host, c.port, c.token) == ("10.0.0.5", 6000, "local-token")
 
 
-def test_an_https_address_is_refused_not_downgraded():
+def test_an_https_address_without_a_pin_is_refused_not_downgraded(no_token_env):
     from smolforge.client import Client
 
-    with pytest.raises(SmolforgeError, match="plain HTTP"):
+    no_token_env.delenv("SMOLFORGE_TLS_FINGERPRINT", raising=False)
+    with pytest.raises(SmolforgeError, match="needs the coordinator's certificate fingerprint"):
         Client("https://10.0.0.5:5000", token="t")

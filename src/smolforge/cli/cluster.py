@@ -22,7 +22,8 @@ import typer
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, fmt_eta, print_json, run_cli
 from smolforge.cli.follow import wait_with_progress
 
-COORD_HELP = "coordinator HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from --state-dir)"
+COORD_HELP = ("coordinator HOST:PORT or https://HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from "
+              "--state-dir; https needs $SMOLFORGE_TLS_FINGERPRINT unless it is that one)")
 TOKEN_HELP = "cluster token (default: $SMOLFORGE_TOKEN or <state-dir>/token)"
 STATE_HELP = "state directory (default: $SMOLFORGE_HOME, ~/.smolforge)"
 
@@ -154,20 +155,25 @@ def register(app: typer.Typer) -> None:
         cpus: Optional[int] = typer.Option(None, help="CPUs this node can lend to jobs (`job join`); default: all"),
         models_dir: Optional[str] = typer.Option(None, help="a folder of models this node holds"),
         object_store_mb: Optional[int] = typer.Option(None, help="Ray object store size on this node"),
+        tls: bool = typer.Option(False, "--tls", help="serve the API over HTTPS with a self-signed certificate "
+                                 "made once into the state dir; the join command carries its fingerprint"),
+        tls_cert: Optional[str] = typer.Option(None, help="your own PEM certificate for --tls (with --tls-key)"),
+        tls_key: Optional[str] = typer.Option(None, help="the PEM private key of --tls-cert"),
     ):
         """Start the coordinator: a Ray head with token auth, the REST API, /metrics and /dashboard.
 
         It prints the `smolforge worker join …` command to run on other machines. The coordinator node
         takes no training work unless you lend it to a job (`smolforge job join ID`).
 
-        Example: smolforge coordinator start --host 0.0.0.0 --port 5000
+        Example: smolforge coordinator start --host 0.0.0.0 --port 5000 --tls
         """
         from smolforge.cluster.coordinator import Coordinator, CoordinatorOptions
         from smolforge.cluster.discovery import check_node_name
 
         check_node_name(name)
         coord = Coordinator(CoordinatorOptions(host=host, port=port, ray_port=ray_port, state_dir=state_dir, name=name,
-                                               cpus=cpus, models_dir=models_dir, object_store_mb=object_store_mb))
+                                               cpus=cpus, models_dir=models_dir, object_store_mb=object_store_mb,
+                                               tls=tls, tls_cert=tls_cert, tls_key=tls_key))
         try:
             coord.setup()
         except BaseException:
@@ -178,7 +184,7 @@ def register(app: typer.Typer) -> None:
     @worker_app.command("join")
     @run_cli
     def worker_join(
-        coordinator: str = typer.Argument(..., help="the coordinator's HOST:PORT"),
+        coordinator: str = typer.Argument(..., help="the coordinator's HOST:PORT, or https://HOST:PORT"),
         token: Optional[str] = typer.Option(None, help="the cluster token ($SMOLFORGE_TOKEN)"),
         token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         name: Optional[str] = typer.Option(None, help="node name (default: host name)"),
@@ -190,6 +196,9 @@ def register(app: typer.Typer) -> None:
         object_store_mb: Optional[int] = typer.Option(None, help="Ray object store size on this node"),
         no_hf_cache: bool = typer.Option(False, "--no-hf-cache", help="do not advertise models from the HF cache"),
         no_rejoin: bool = typer.Option(False, "--no-rejoin", help="exit when the cluster goes away"),
+        tls_fingerprint: Optional[str] = typer.Option(None, help="the coordinator's certificate fingerprint for an "
+                                                      "https:// address (printed by `coordinator start --tls`; "
+                                                      "default $SMOLFORGE_TLS_FINGERPRINT)"),
     ):
         """Join a cluster: this machine's CPUs, RAM, GPUs and models become available to jobs.
 
@@ -205,6 +214,7 @@ def register(app: typer.Typer) -> None:
         node = WorkerNode(WorkerOptions(coordinator=coordinator, token=cli_token(token, token_file), name=name, models_dir=models_dir,
                                         cpus=cpus, gpus=gpus, memory_gb=memory, state_dir=state_dir,
                                         object_store_mb=object_store_mb, rejoin=not no_rejoin,
+                                        tls_fingerprint=tls_fingerprint,
                                         scan_hf_cache=not no_hf_cache),
                           announce=lambda text: (typer.echo(text), sys.stdout.flush()))
         code = node.run()

@@ -31,6 +31,7 @@ from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_aut
 from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
 from smolforge.cluster.jobstore import JobStore
 from smolforge.cluster.statedir import StateDir, port_open
+from smolforge.cluster.tls import ensure_cert, fingerprint
 from smolforge.errors import SmolforgeError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -87,6 +88,9 @@ class CoordinatorOptions:
     cpus: int | None = None
     models_dir: str | None = None
     object_store_mb: int | None = None
+    tls: bool = False
+    tls_cert: str | None = None  # with tls_key: the user's own certificate instead of a generated one
+    tls_key: str | None = None
 
 
 class Coordinator:
@@ -99,6 +103,27 @@ class Coordinator:
         self.attached = False
 
     # -- pieces ---------------------------------------------------------------------------------
+
+    def _tls_files(self, client_host: str) -> tuple[tuple[str, str] | None, str | None]:
+        """(cert, key) paths and the certificate's PEM when serving TLS; (None, None) otherwise."""
+        o = self.opts
+        if not (o.tls or o.tls_cert or o.tls_key):
+            return None, None
+        if bool(o.tls_cert) != bool(o.tls_key):
+            raise SmolforgeError("--tls-cert and --tls-key go together", fix="give both, or neither (--tls makes one)")
+        if o.tls_cert:
+            cert, key = Path(o.tls_cert).expanduser(), Path(o.tls_key).expanduser()
+            for p in (cert, key):
+                if not p.is_file():
+                    raise SmolforgeError("no such file", where=str(p), fix="give the PEM files of your certificate")
+        else:
+            cert, key = ensure_cert(self.state.root, [client_host, self._node_ip()])
+        try:
+            pem = cert.read_text()
+            fingerprint(pem)
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            raise SmolforgeError(f"not a PEM certificate: {err}", where=str(cert), fix="give a PEM certificate") from err
+        return (str(cert), str(key)), pem
 
     def _node_ip(self) -> str:
         h = self.opts.host
@@ -178,23 +203,25 @@ class Coordinator:
         from smolforge.cluster.node_agent import NodeMonitor
 
         self._check_not_running()
+        ip = self._node_ip()
+        client_host = ip if self.opts.host in ("0.0.0.0", "", "::") else self.opts.host
+        self.tls_files, tls_pem = self._tls_files(client_host)  # bad TLS options fail before Ray starts
         token = load_or_create_token(self.state.token_path)
         self._start_head(self.state.token_path)
         self._connect(self.state.token_path)
-        ip = self._node_ip()
-        client_host = ip if self.opts.host in ("0.0.0.0", "", "::") else self.opts.host
-        api = f"http://{client_host}:{self.opts.port}"
+        api = f"{'https' if self.tls_files else 'http'}://{client_host}:{self.opts.port}"
         store = JobStore(self.state.db_path)
         artifacts = ArtifactStore(self.state.artifacts)
         manager = JobManager(store, artifacts)
-        monitor = NodeMonitor(api, token, store)
+        monitor = NodeMonitor(api, token, store, ca_pem=tls_pem)
         import ray
 
         info = {"name": self.opts.name, "api": api, "host": self.opts.host, "host_for_clients": client_host,
                 "port": self.opts.port, "ray_address": f"{ip}:{self.opts.ray_port}", "ray_port": self.opts.ray_port,
                 "pid": os.getpid(), "head_pid": getattr(self, "head_pid", None), "version": __version__,
                 "node_id": ray.get_runtime_context().get_node_id(), "state_dir": str(self.state.root),
-                "attached": self.attached, "started": time.time()}
+                "attached": self.attached, "started": time.time(),
+                "tls_fingerprint": fingerprint(tls_pem) if tls_pem else None}
         self.core = CoordinatorCore(self.state, token, store, artifacts, manager, monitor, info)
         artifacts.clean_upload_temps()  # half-written by a coordinator that was killed
         self.core.collect_uploads()
@@ -208,8 +235,9 @@ class Coordinator:
 
         core = self.core or self.setup()
         app = create_app(core)
+        tls = dict(ssl_certfile=self.tls_files[0], ssl_keyfile=self.tls_files[1]) if self.tls_files else {}
         config = uvicorn.Config(app, host=self.opts.host, port=self.opts.port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off", **tls)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # we handle signals ourselves
 
@@ -238,18 +266,22 @@ class Coordinator:
                 f"  state:      {self.state.root}",
                 f"  token file: {self.state.token_path}",
             ]
+            fp = core.info.get("tls_fingerprint")
+            if fp:
+                lines.append(f"  TLS:        certificate {fp} (clients pin it: --tls-fingerprint)")
             if resumed:
                 lines.append(f"  resuming {len(resumed)} job(s): {', '.join(resumed)}")
             if host in LOOPBACK:
                 lines.append("  (listening on 127.0.0.1: only this machine can join; use --host 0.0.0.0 for a LAN)")
-            else:
+            elif not fp:
                 lines.append("  warning: plain HTTP: the token and job data cross this network in clear. Fine on a "
                              "network you trust (your home LAN); on a shared Wi-Fi, reach the coordinator through an "
                              "SSH tunnel or a VPN instead")
             lines.append("Join workers with:")
             # The token itself is never printed (terminals are logged and shared): the command names
             # the token file, which another machine needs a copy of.
-            lines.append(f"  smolforge worker join {host}:{self.opts.port} --token-file {self.state.token_path}")
+            pin = f" --tls-fingerprint {fp}" if fp else ""
+            lines.append(f"  smolforge worker join {core.info['api']}{pin} --token-file {self.state.token_path}")
             if host not in LOOPBACK:
                 lines.append(f"  (on another machine, copy the token file there first, e.g. "
                              f"`scp {host}:{self.state.token_path} ~/smolforge-token`, and name that copy)")

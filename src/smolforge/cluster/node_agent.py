@@ -65,8 +65,9 @@ def sample_usage(gpus: bool = True) -> dict[str, Any]:
 class NodeAgent:
     """Ray actor class: publishes this node's usage to the coordinator every INTERVAL_S."""
 
-    def __init__(self, url: str, token: str, node_id: str, interval: float = INTERVAL_S):
+    def __init__(self, url: str, token: str, node_id: str, interval: float = INTERVAL_S, ca_pem: str | None = None):
         self.url, self.token, self.node_id, self.interval = url.rstrip("/"), token, node_id, interval
+        self.ca_pem = ca_pem  # the coordinator's TLS certificate: trusted exactly, nothing else
         self.last: dict[str, Any] = {}
         self.sent = 0
         self.errors = 0
@@ -77,21 +78,29 @@ class NodeAgent:
     def _loop(self) -> None:
         import httpx
 
-        with httpx.Client(timeout=5.0, headers={"Authorization": f"Bearer {self.token}"}) as client:
-            while not self._stop:
-                try:
-                    self.last = {"ts": time.time(), "pid": os.getpid(), **sample_usage()}
-                    r = client.post(f"{self.url}/api/v1/nodes/{self.node_id}/heartbeat", json=self.last)
-                    if r.status_code == 200:
-                        self.sent += 1
-                    else:
-                        self.errors += 1
-                except Exception:
-                    self.errors += 1  # the coordinator may be restarting; keep trying
-                time.sleep(self.interval)
+        from smolforge.cluster.tls import trust_exactly
 
-    def retarget(self, url: str, token: str) -> None:
-        self.url, self.token = url.rstrip("/"), token
+        while not self._stop:  # a new client whenever retarget() changes the address, token or certificate
+            target = (self.url, self.token, self.ca_pem)
+            tls = {"verify": trust_exactly(self.ca_pem)} if self.ca_pem else {}
+            with httpx.Client(timeout=5.0, headers={"Authorization": f"Bearer {self.token}"}, **tls) as client:
+                self._send_until_retarget(client, target)
+
+    def _send_until_retarget(self, client, target: tuple) -> None:
+        while not self._stop and (self.url, self.token, self.ca_pem) == target:
+            try:
+                self.last = {"ts": time.time(), "pid": os.getpid(), **sample_usage()}
+                r = client.post(f"{self.url}/api/v1/nodes/{self.node_id}/heartbeat", json=self.last)
+                if r.status_code == 200:
+                    self.sent += 1
+                else:
+                    self.errors += 1
+            except Exception:
+                self.errors += 1  # the coordinator may be restarting; keep trying
+            time.sleep(self.interval)
+
+    def retarget(self, url: str, token: str, ca_pem: str | None = None) -> None:
+        self.url, self.token, self.ca_pem = url.rstrip("/"), token, ca_pem
 
     def usage(self) -> dict[str, Any]:
         return {**self.last, "sent": self.sent, "errors": self.errors}
@@ -100,7 +109,7 @@ class NodeAgent:
         return True
 
 
-def ensure_agent(node_id: str, url: str, token: str, interval: float = INTERVAL_S):
+def ensure_agent(node_id: str, url: str, token: str, interval: float = INTERVAL_S, ca_pem: str | None = None):
     """Start (or find) the agent for `node_id`; it needs no CPU and stays on that node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -111,7 +120,7 @@ def ensure_agent(node_id: str, url: str, token: str, interval: float = INTERVAL_
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), max_restarts=0,
         max_concurrency=4,
-    ).remote(url, token, node_id, interval)
+    ).remote(url, token, node_id, interval, ca_pem)
     return actor
 
 
@@ -127,9 +136,9 @@ def node_state(alive: bool, last_heartbeat: float | None, first_seen: float, now
 class NodeMonitor(threading.Thread):
     """Coordinator side: starts agents on new nodes, remembers heartbeats, logs joins and losses."""
 
-    def __init__(self, url: str, token: str, store=None, interval: float = 2.0):
+    def __init__(self, url: str, token: str, store=None, interval: float = 2.0, ca_pem: str | None = None):
         super().__init__(daemon=True, name="node-monitor")
-        self.url, self.token, self.store, self.interval = url, token, store, interval
+        self.url, self.token, self.store, self.interval, self.ca_pem = url, token, store, interval, ca_pem
         self.heartbeats: dict[str, dict[str, Any]] = {}
         self.first_seen: dict[str, float] = {}
         self.agents: dict[str, Any] = {}
@@ -169,8 +178,8 @@ class NodeMonitor(threading.Thread):
             self.first_seen.setdefault(nid, time.time())
             if nid not in self.agents:
                 try:
-                    agent = ensure_agent(nid, self.url, self.token)
-                    agent.retarget.remote(self.url, self.token)  # an agent from before a coordinator restart
+                    agent = ensure_agent(nid, self.url, self.token, ca_pem=self.ca_pem)
+                    agent.retarget.remote(self.url, self.token, self.ca_pem)  # an agent from before a coordinator restart
                     self.agents[nid] = agent
                 except (RayError, ValueError) as err:  # the node went away meanwhile: next tick tries again
                     log.info("no agent on node %s yet: %s", name, err)

@@ -25,6 +25,7 @@ from smolforge.cluster import ray_glue, ray_process
 from smolforge.cluster.auth import check_token_format, ray_auth_env, write_token
 from smolforge.cluster.discovery import discover
 from smolforge.cluster.statedir import StateDir
+from smolforge.cluster.tls import FINGERPRINT_ENV, pinned_context
 from smolforge.errors import SmolforgeError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -42,17 +43,41 @@ class WorkerOptions:
     memory_gb: float | None = None
     state_dir: str | None = None
     object_store_mb: int | None = None
+    tls_fingerprint: str | None = None
     rejoin: bool = True
     scan_hf_cache: bool = True
 
 
-def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
+def parse_coordinator(text: str, default_port: int = 5000) -> tuple[str, str, int]:
+    """(scheme, host, port) of `HOST:PORT`, `http://HOST:PORT` or `https://HOST:PORT`; an https
+    address stays https (never silently downgraded)."""
     text = text.strip()
-    if text.startswith("https://"):  # never silently downgraded to plain http
-        raise SmolforgeError(f"{text!r}: the coordinator API speaks plain HTTP (TLS is not built yet)",
-                             fix="give HOST:PORT; across an untrusted network, reach the coordinator through "
-                                 "an SSH tunnel or a VPN (see the README's security notes)")
-    text = text.removeprefix("http://").rstrip("/")
+    scheme = "https" if text.startswith("https://") else "http"
+    host, port = _hostport(text.removeprefix("https://").removeprefix("http://").rstrip("/"), default_port)
+    return scheme, host, port
+
+
+def tls_for(scheme: str, host: str, port: int, fingerprint: str | None):
+    """httpx's `verify` for a coordinator address: the pinned certificate for https, None for http."""
+    if scheme != "https":
+        return None
+    fingerprint = fingerprint or os.environ.get(FINGERPRINT_ENV)
+    if not fingerprint:
+        raise SmolforgeError(f"https://{host}:{port} needs the coordinator's certificate fingerprint",
+                             fix="pass --tls-fingerprint sha256:… (or set SMOLFORGE_TLS_FINGERPRINT) as "
+                                 "`smolforge coordinator start --tls` printed it")
+    return pinned_context(host, port, fingerprint)
+
+
+def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
+    """HOST and PORT of a plain-HTTP address (an https one is refused here, not downgraded)."""
+    scheme, host, port = parse_coordinator(text, default_port)
+    if scheme == "https":
+        raise SmolforgeError(f"{text!r}: this call speaks plain HTTP", fix="give HOST:PORT")
+    return host, port
+
+
+def _hostport(text: str, default_port: int) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep:
         return text, default_port
@@ -61,13 +86,14 @@ def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0) -> dict:
+def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0, *, scheme: str = "http",
+                      verify=None) -> dict:
     """The coordinator's public info if it accepts `token`; SmolforgeError otherwise (fast)."""
-    url = f"http://{host}:{port}"
+    url = f"{scheme}://{host}:{port}"
     try:
         ok = token and not any(c.isspace() for c in token)
         r = httpx.get(f"{url}/api/v1/auth/check", headers={"Authorization": f"Bearer {token}"} if ok else {},
-                      timeout=timeout)
+                      timeout=timeout, **({"verify": verify} if verify is not None else {}))
     except httpx.HTTPError as err:
         raise SmolforgeError(f"cannot reach the coordinator at {url} ({type(err).__name__})",
                              fix="check HOST:PORT and that `smolforge coordinator start` runs there "
@@ -104,11 +130,13 @@ class WorkerNode:
         self.announce = announce
         self.proc = None
         self.stopping = threading.Event()
-        self.host, self.port = split_hostport(opts.coordinator)
+        self.scheme, self.host, self.port = parse_coordinator(opts.coordinator)
+        self.verify = tls_for(self.scheme, self.host, self.port, opts.tls_fingerprint)
 
     def _nodes(self, token: str) -> list[dict]:
-        r = httpx.get(f"http://{self.host}:{self.port}/api/v1/nodes",
-                      headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r = httpx.get(f"{self.scheme}://{self.host}:{self.port}/api/v1/nodes",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=10,
+                      **({"verify": self.verify} if self.verify is not None else {}))
         r.raise_for_status()
         return r.json()
 
@@ -116,7 +144,7 @@ class WorkerNode:
         """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
         token = (self.opts.token or os.environ.get("SMOLFORGE_TOKEN") or "").strip()
         # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
-        info = check_coordinator(self.host, self.port, token)
+        info = check_coordinator(self.host, self.port, token, scheme=self.scheme, verify=self.verify)
         token = check_token_format(token)
         inv = discover(self.opts.name, models_dir=self.opts.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
                        memory_gb=self.opts.memory_gb, scan_cache=self.opts.scan_hf_cache)
