@@ -77,7 +77,7 @@ def main() -> None:
         token = (tmp / "state" / "token").read_text().strip()
         workers = []
         for name in ("b1", "b2"):  # one after the other: each join is timed on its own
-            p = spawn(["worker", "join", f"127.0.0.1:{port}", "--token", token, "--name", name, "--cpus", "1",
+            p = spawn(["worker", "join", f"127.0.0.1:{port}", "--token-file", str(tmp / "state" / "token"), "--name", name, "--cpus", "1",
                        "--state-dir", str(tmp / name), "--object-store-mb", "100"], env, tmp / f"{name}.log")
             procs.append(p)
             workers.append(p)

@@ -73,3 +73,36 @@ def test_a_port_in_use_is_named(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "s" / "coordinator.json").exists() or not json.loads(
         (tmp_path / "s" / "coordinator.json").read_text()).get("head_pid")
+
+
+def test_a_used_output_dir_is_refused_before_the_job_is_submitted(tmp_path):
+    """The adapter download at a job's end would refuse a dir holding another run's adapter: say so
+    before anything runs (no cluster starts, nothing is submitted), not after an hour of training."""
+    used = tmp_path / "out" / "lora_adapter"
+    used.mkdir(parents=True)
+    (used / "adapter_model.safetensors").write_bytes(b"an earlier run")
+    env = {"SMOLFORGE_HOME": str(tmp_path / "home"), "SMOLFORGE_COORDINATOR": ""}
+    proc = smolforge("launch", "--model", "tiny-llama", "--dataset", "bundled", "--workers", "1",
+                     "--output-dir", str(tmp_path / "out"), timeout=120, env=env)
+    assert proc.returncode == 2 and "already holds lora_adapter" in proc.stderr, proc.stderr[-2000:]
+    assert (used / "adapter_model.safetensors").read_bytes() == b"an earlier run"
+    assert not (tmp_path / "home" / "embedded" / "jobs.db").exists()  # nothing was submitted
+
+
+def test_a_download_keeps_the_same_artifact_and_refuses_other_files(tmp_path):
+    from smolforge.errors import SmolforgeError
+    from smolforge.parallel.transfer import check_download_dest, pack_dir, unpack_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"weights")
+    payload = pack_dir(src)
+    dest = tmp_path / "dest"
+    assert check_download_dest(dest, payload["sha256"]) is False  # free
+    unpack_dir(payload, dest)
+    assert check_download_dest(dest, payload["sha256"]) is True  # the same artifact: nothing to do
+    (dest / "mine.txt").write_text("the user's own file")
+    with pytest.raises(SmolforgeError, match="already holds other files"):
+        check_download_dest(dest, payload["sha256"])
+    assert check_download_dest(dest, payload["sha256"], overwrite=True) is False
+    assert (dest / "mine.txt").exists()  # refusing (or allowing) deletes nothing by itself

@@ -213,24 +213,28 @@ class Client:
     def list_artifacts(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/api/v1/jobs/{job_id}/artifacts")
 
-    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path) -> Path:
-        """Fetch one artifact directory, checking every file's sha256; written atomically."""
-        from smolforge.parallel.transfer import unpack_dir
+    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path, overwrite: bool = False) -> Path:
+        """Fetch one artifact directory, checking every file's sha256; written atomically. A `dest`
+        that already holds exactly this artifact is left as it is; one holding other files is
+        refused unless `overwrite`."""
+        from smolforge.parallel.transfer import check_download_dest, unpack_dir
 
         entry = next((a for a in self.list_artifacts(job_id) if a["kind"] == kind and a["name"] == name), None)
         if entry is None:
             raise SmolforgeError(f"job {job_id} has no artifact {kind}/{name}", fix="list them with Client.list_artifacts")
+        if check_download_dest(dest, entry["sha256"], overwrite):
+            return Path(dest)
         files = {rel: self._request("GET", f"/api/v1/jobs/{job_id}/artifacts/{kind}/{name}/{rel}", raw=True)
                  for rel in entry["files"]}
         return unpack_dir({"files": files, "sha256": entry["sha256"]}, dest)
 
-    def download_adapter(self, job_id: str, output_dir: str | Path) -> Path:
+    def download_adapter(self, job_id: str, output_dir: str | Path, overwrite: bool = False) -> Path:
         """The finished job's adapter into `<output_dir>/<method>_adapter/`."""
         adapters = [a for a in self.list_artifacts(job_id) if a["kind"] == "adapter"]
         if not adapters:
             raise SmolforgeError(f"job {job_id} has no adapter yet", fix="wait for it to complete")
         name = adapters[-1]["name"]
-        return self.download_artifact(job_id, "adapter", name, Path(output_dir) / name)
+        return self.download_artifact(job_id, "adapter", name, Path(output_dir) / name, overwrite)
 
 
 def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,

@@ -121,7 +121,8 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
             raise typer.Exit(1)
         if not embedded:
             if any(a["kind"] == "adapter" for a in backend.list_artifacts(job_id)):  # none with --aggregate none
-                backend.download_adapter(job_id, out / "merged_model")
+                # refuse_used_run_dir already guarded this run dir (or --resume asked to continue it)
+                backend.download_adapter(job_id, out / "merged_model", overwrite=True)
             fetch_distill_summary(backend, job_id, out)
         return json.loads((out / "distill_summary.json").read_text())
     finally:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from smolforge.cli.common import print_json
+from smolforge.errors import SmolforgeError
 
 
 def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0) -> dict:
@@ -65,3 +67,14 @@ def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -
         typer.echo(f"adapter: {adapter}")
     if st["state"] == "failed":
         raise typer.Exit(1)
+
+
+def refuse_used_download_dir(output_dir: str | None) -> None:
+    """Before a job is submitted: an --output-dir that already holds an adapter would refuse the
+    final download (after all the work); say so now, when nothing has started."""
+    if not output_dir:
+        return
+    used = sorted(p.name for p in Path(output_dir).glob("*_adapter") if p.is_dir() and any(p.iterdir()))
+    if used:
+        raise SmolforgeError(f"--output-dir already holds {', '.join(used)} from an earlier run", where=output_dir,
+                             fix="pick another --output-dir, or move that away (nothing was submitted)")

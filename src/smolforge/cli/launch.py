@@ -16,7 +16,7 @@ import typer
 
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
-from smolforge.cli.follow import finish_job, wait_with_progress
+from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.errors import SmolforgeError
 
 
@@ -119,6 +119,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge submit job.yaml --set train.max_steps=200 --wait
         """
+        refuse_used_download_dir(output_dir)
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         embedded = getattr(backend, "base", "") == "embedded"
         try:
@@ -176,7 +177,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
 
 def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
     """The run summary (store, tasks, events) next to the merged adapter, as `smolforge distill` writes it."""
-    backend.download_artifact(job_id, "summary", "distill", out / "summary")
+    backend.download_artifact(job_id, "summary", "distill", out / "summary", overwrite=True)  # moved out below
     (out / "summary" / "distill_summary.json").replace(out / "distill_summary.json")
     (out / "summary").rmdir()
 
@@ -186,6 +187,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
                        on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
     its end and fetch its adapter into `output_dir` (default outputs/<job>)."""
+    refuse_used_download_dir(output_dir)
     backend = _backend(coordinator, token, state_dir, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     try:

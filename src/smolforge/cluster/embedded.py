@@ -29,7 +29,7 @@ from smolforge.cluster.manager import JobManager
 from smolforge.cluster.statedir import StateDir
 from smolforge.config import load_yaml
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.transfer import unpack_dir
+from smolforge.parallel.transfer import check_download_dest, unpack_dir
 from smolforge.paths import atomic_write_json, home
 
 
@@ -171,15 +171,17 @@ class EmbeddedCluster:
     def list_artifacts(self, job_id: str) -> list[dict]:
         return self.artifacts.all_for_job(self.store.get_job(job_id)["id"])
 
-    def download_adapter(self, job_id: str, output_dir: str | Path) -> Path:
+    def download_adapter(self, job_id: str, output_dir: str | Path, overwrite: bool = False) -> Path:
         job_id = self.store.get_job(job_id)["id"]
         names = self.artifacts.list(job_id, "adapter")
         if not names:
             raise SmolforgeError(f"job {job_id} has no adapter yet", fix="wait for it to complete")
+        return self.download_artifact(job_id, "adapter", names[-1], Path(output_dir) / names[-1], overwrite)
 
-        dest = Path(output_dir) / names[-1]
-        return unpack_dir(self.artifacts.get(job_id, "adapter", names[-1]), dest)
-
-    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path) -> Path:
+    def download_artifact(self, job_id: str, kind: str, name: str, dest: str | Path, overwrite: bool = False) -> Path:
+        """As Client.download_artifact: the same artifact already there is kept, other files refused."""
         job_id = self.store.get_job(job_id)["id"]
-        return unpack_dir(self.artifacts.get(job_id, kind, name), dest)
+        payload = self.artifacts.get(job_id, kind, name)
+        if check_download_dest(dest, payload["sha256"], overwrite):
+            return Path(dest)
+        return unpack_dir(payload, dest)

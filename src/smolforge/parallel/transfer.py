@@ -43,6 +43,28 @@ def verify_payload(payload: dict) -> None:
                                  fix="the transfer was corrupted; retry the task")
 
 
+def holds_exactly(dest: str | Path, sums: dict[str, str]) -> bool:
+    """Does `dest` hold these files (by sha256) and nothing else?"""
+    dest = Path(dest)
+    have = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    return have == set(sums) and all(sha256_bytes((dest / rel).read_bytes()) == sums[rel] for rel in sums)
+
+
+def check_download_dest(dest: str | Path, sums: dict[str, str], overwrite: bool = False) -> bool:
+    """Before a download into `dest`: True when it already holds exactly this artifact (nothing to
+    do); False when it is free (or `overwrite`); a SmolforgeError when it holds other files, which a
+    download would otherwise replace."""
+    dest = Path(dest)
+    if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
+        return False
+    if dest.is_dir() and holds_exactly(dest, sums):
+        return True
+    if overwrite:
+        return False
+    raise SmolforgeError("the download's destination already holds other files", where=str(dest),
+                         fix="download into another directory, or move those files away first")
+
+
 def unpack_dir(payload: dict, dest: str | Path) -> Path:
     """Verify, write into a temp dir next to `dest`, then swap it into place."""
     verify_payload(payload)
