@@ -106,3 +106,16 @@ def test_a_download_keeps_the_same_artifact_and_refuses_other_files(tmp_path):
         check_download_dest(dest, payload["sha256"])
     assert check_download_dest(dest, payload["sha256"], overwrite=True) is False
     assert (dest / "mine.txt").exists()  # refusing (or allowing) deletes nothing by itself
+
+
+def test_an_adapter_of_another_base_is_one_message(tmp_path):
+    """The bad-input table's "tokenizer/model mismatch" row: through the real CLI, exit 2, no traceback."""
+    from smolforge.config import PeftSpec
+    from smolforge.models import peft_methods as pm
+    from smolforge.models.loading import load_model
+
+    out = tmp_path / "lora_adapter"
+    pm.save_adapter(pm.apply_peft(load_model("tiny-llama"), PeftSpec(method="lora", r=4)), out)
+    proc = smolforge("eval", "--model", "tiny-qwen2", "--adapter", str(out), "--data", "bundled", timeout=120)
+    assert proc.returncode == 2 and "trained on another base model" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "fix:" in proc.stderr

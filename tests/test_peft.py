@@ -389,3 +389,16 @@ def test_peft_spec_from_cli_bad_method():
     with pytest.raises(SmolforgeError, match="unknown --peft") as err:
         pm.peft_spec_from_cli("qlora", None)
     assert "lora" in err.value.fix
+
+
+@pytest.mark.parametrize("method", ["lora", "adapter"])
+def test_an_adapter_on_a_base_of_another_shape_is_refused(tmp_path, method):
+    """tiny-llama and tiny-qwen2 have the same layer names and sizes: a LoRA of one loads onto the
+    other without a peft error and gives nonsense, so the base's shape is recorded and checked."""
+    out = tmp_path / f"{method}_adapter"
+    pm.save_adapter(pm.apply_peft(load_model("tiny-llama"), PeftSpec(method=method, r=4)), out)
+    assert json.loads((out / pm.BASE_FILE).read_text())["model_type"] == "llama"
+    pm.load_adapter(load_model("tiny-llama"), out)  # its own base: fine
+    with pytest.raises(SmolforgeError, match="trained on another base model") as err:
+        pm.load_adapter(load_model("tiny-qwen2"), out)
+    assert "model_type llama vs qwen2" in str(err.value.what) and "tiny-llama" in err.value.render()

@@ -32,7 +32,8 @@ from smolforge.paths import atomic_replace_dir, atomic_write_json
 
 METHODS = ("mean", "ties")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "vocab.json", "merges.txt", "generation_config.json")
+                    "vocab.json", "merges.txt", "generation_config.json",
+                    "base_model.json")  # and the base's shape (peft_methods.BASE_FILE): the merge keeps its base
 
 
 def find_adapter_dir(path: str | Path) -> Path:

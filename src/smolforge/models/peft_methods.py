@@ -256,6 +256,33 @@ def trainable_message(model: nn.Module) -> str:
     return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {pct:.2f}"
 
 
+BASE_FILE = "base_model.json"  # the shape of the base an adapter was trained on, checked when it is loaded
+BASE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def base_shape(model: nn.Module) -> dict[str, Any]:
+    """What must match for an adapter to mean anything on a base: architecture, vocabulary, sizes."""
+    cfg = getattr(_unwrap(model), "config", None)
+    shape = {k: getattr(cfg, k, None) for k in BASE_KEYS}
+    return {**shape, "name_or_path": getattr(cfg, "name_or_path", None)}
+
+
+def check_base(base_model: nn.Module, adapter_dir: Path) -> None:
+    """Refuse an adapter on a base of another shape. LoRA on same-sized layers of another family
+    loads without an error and gives nonsense (a tiny-llama adapter on tiny-qwen2: perplexity 1844)."""
+    path = adapter_dir / BASE_FILE
+    if not path.is_file():
+        return  # an adapter written elsewhere (plain peft): nothing recorded to check
+    trained = json.loads(path.read_text(encoding="utf-8"))
+    here = base_shape(base_model)
+    diff = [f"{k} {trained.get(k)} vs {here[k]}" for k in BASE_KEYS
+            if trained.get(k) is not None and here[k] is not None and trained.get(k) != here[k]]
+    if diff:
+        raise SmolforgeError(f"the adapter in {adapter_dir} was trained on another base model "
+                             f"({trained.get('name_or_path')}): {', '.join(diff)}",
+                             fix=f"load it onto the base it was trained on ({trained.get('name_or_path')})")
+
+
 def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
     """Write the model's adapter (or the full model for `none`) to `out_dir`, atomically.
 
@@ -274,6 +301,8 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
             model.save_pretrained(tmp)  # safetensors; peft models write only the adapter
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if method != "none":
+            (tmp / BASE_FILE).write_text(json.dumps(base_shape(model)), encoding="utf-8")
         atomic_replace_dir(tmp, out_dir)
     finally:
         if tmp.exists():
@@ -310,6 +339,8 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
     adapter_dir = Path(adapter_dir)
     method = adapter_method(adapter_dir)
     base_model = _unwrap(base_model)
+    if method != "none":
+        check_base(base_model, adapter_dir)
     if method == "none":
         from transformers import AutoModelForCausalLM
 
