@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from smolforge.cluster import ray_glue, ray_process
-from smolforge.cluster.auth import check_token_format, ray_auth_env, write_token
+from smolforge.cluster.auth import check_token_format, ray_auth_env, resolve_token, write_token
 from smolforge.cluster.discovery import discover
 from smolforge.cluster.statedir import StateDir
 from smolforge.cluster.tls import FINGERPRINT_ENV, pinned_context
@@ -67,14 +67,6 @@ def tls_for(scheme: str, host: str, port: int, fingerprint: str | None):
                              fix="pass --tls-fingerprint sha256:… (or set SMOLFORGE_TLS_FINGERPRINT) as "
                                  "`smolforge coordinator start --tls` printed it")
     return pinned_context(host, port, fingerprint)
-
-
-def split_hostport(text: str, default_port: int = 5000) -> tuple[str, int]:
-    """HOST and PORT of a plain-HTTP address (an https one is refused here, not downgraded)."""
-    scheme, host, port = parse_coordinator(text, default_port)
-    if scheme == "https":
-        raise SmolforgeError(f"{text!r}: this call speaks plain HTTP", fix="give HOST:PORT")
-    return host, port
 
 
 def _hostport(text: str, default_port: int) -> tuple[str, int]:
@@ -142,7 +134,7 @@ class WorkerNode:
 
     def start(self) -> str:
         """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
-        token = (self.opts.token or os.environ.get("SMOLFORGE_TOKEN") or "").strip()
+        token = resolve_token(self.opts.token) or ""  # --token(-file) as given, else the environment
         # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
         info = check_coordinator(self.host, self.port, token, scheme=self.scheme, verify=self.verify)
         token = check_token_format(token)
