@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from launch_latency import cluster_env, spawn, wait_text  # bench/ is on sys.path when run as a script
 
 MB = 2**20
 
@@ -47,13 +47,8 @@ def start(tmp: Path, tls: bool, env: dict) -> tuple[subprocess.Popen, dict]:
     args = ["coordinator", "start", "--port", str(free_port()), "--ray-port", str(free_port()), "--state-dir",
             str(state), "--cpus", "0", "--object-store-mb", "100"] + (["--tls"] if tls else [])
     log = tmp / f"coord-{'tls' if tls else 'plain'}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", *args], env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 180
-    while "Join workers with:" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.time() > deadline:
-            raise SystemExit(f"coordinator did not start:\n{log.read_text()[-2000:]}")
-        time.sleep(0.2)
+    proc = spawn(args, env, log)
+    wait_text(proc, log, "Join workers with:")
     info = json.loads((state / "coordinator.json").read_text())
     info["token"] = (state / "token").read_text().strip()
     info["cert"] = str(state / "tls" / "cert.pem") if tls else None
@@ -163,10 +158,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sfa", dir="/tmp"))
-    env = {**os.environ, "RAY_TMPDIR": str(tmp / "r"), "RAY_AUTH_MODE": "token", "HF_HUB_OFFLINE": "1",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    for k in ("SMOLFORGE_COORDINATOR", "SMOLFORGE_TOKEN", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(k, None)
+    env = cluster_env(tmp)
     results = {}
     try:
         for tls in (False, True):

@@ -47,6 +47,16 @@ def wait_text(proc: subprocess.Popen, log: Path, text: str, timeout: float = 180
     raise SystemExit(f"timed out waiting for {text!r} in {log}")
 
 
+def cluster_env(tmp: Path) -> dict:
+    """The environment for a bench's own cluster: its Ray dir under `tmp`, token auth, offline,
+    and nothing inherited that would point it at another cluster."""
+    env = {**os.environ, "RAY_TMPDIR": str(tmp / "r"), "RAY_AUTH_MODE": "token", "HF_HUB_OFFLINE": "1",
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    for k in ("SMOLFORGE_COORDINATOR", "SMOLFORGE_TOKEN", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    return env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llama")
@@ -55,10 +65,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sfl", dir="/tmp"))
-    env = {**os.environ, "RAY_TMPDIR": str(tmp / "r"), "RAY_AUTH_MODE": "token", "HF_HUB_OFFLINE": "1",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    for k in ("SMOLFORGE_COORDINATOR", "SMOLFORGE_TOKEN", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(k, None)
+    env = cluster_env(tmp)
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
 
