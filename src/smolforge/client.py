@@ -244,7 +244,6 @@ def backend_for(coordinator: str | None = None, token: str | None = None, state_
     Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
     dir (default $SMOLFORGE_HOME) that answers /health.
     """
-    from smolforge.cluster.auth import resolve_token
     from smolforge.cluster.statedir import StateDir, port_open
 
     coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
@@ -254,7 +253,7 @@ def backend_for(coordinator: str | None = None, token: str | None = None, state_
         if info and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
             coordinator = info.get("api") or f"{info.get('host_for_clients', '127.0.0.1')}:{info['port']}"
     if coordinator:
-        return Client(coordinator, None, token=resolve_token(token, token_file, sd.root), state_dir=sd.root)
+        return Client(coordinator, None, token=token, token_file=token_file, state_dir=sd.root)
     if embedded_ok:
         from smolforge.cluster.embedded import EmbeddedCluster  # starts Ray: only when it is the choice
 

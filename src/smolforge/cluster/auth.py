@@ -46,8 +46,6 @@ def write_token(path: Path, token: str) -> None:
 
 TOKEN_ENV = "SMOLFORGE_TOKEN"
 TOKEN_FILE_ENV = "SMOLFORGE_TOKEN_FILE"
-TOKEN_FILE_HELP = ("a file holding the cluster token (default: $SMOLFORGE_TOKEN_FILE): keeps it out of "
-                   "`ps` and shell history")
 
 
 def read_token_file(path: str | Path) -> str:
