@@ -42,7 +42,7 @@ def ddp_student_worker(rank: int, world: int, port: int, store: str, cfg_kw: dic
     from smolforge.parallel.strategies import make_strategy
 
     torch.set_num_threads(1)
-    init_group("gloo", "127.0.0.1", port, rank, world, 120)
+    init_group("gloo", "127.0.0.1", port, rank, world, 120, secret="test")
     try:
         cfg = StudentConfig(**{**cfg_kw, "peft": PeftSpec(**cfg_kw["peft"]), "kd": KDConfig(**cfg_kw["kd"])})
         train_student(cfg, DirShardSource(Path(store), poll_s=0.05), strategy=make_strategy("ddp"))

@@ -121,6 +121,14 @@ class Client:
     def status(self) -> dict:
         return self._request("GET", "/api/v1/status")
 
+    def ray_tls_env(self, node_dir: str | Path | None = None) -> dict[str, str]:
+        """For a Ray driver on a TLS cluster: a certificate from the coordinator's CA, and Ray's environment."""
+        from smolforge.cluster.ray_tls import request_node_env
+        from smolforge.paths import home
+
+        d = Path(node_dir) if node_dir else home() / "ray-tls" / f"{self.host}-{self.port}"
+        return request_node_env(lambda path, body: self._request("POST", path, json=body), d)
+
     def list_nodes(self) -> list[dict]:
         return self._request("GET", "/api/v1/nodes")
 

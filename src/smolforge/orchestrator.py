@@ -19,6 +19,7 @@ The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -59,6 +60,8 @@ class Orchestrator(DistillTasks):
                 self._cluster = handle
             else:
                 info = self.backend.check_token()
+                if info.get("ray_tls"):  # this driver needs its own certificate from the cluster's CA
+                    os.environ.update(self.backend.ray_tls_env())
                 self._cluster = ray_glue.connect(info["ray_address"], token=self.backend.token)
         return self._cluster
 

@@ -189,6 +189,39 @@ def test_the_token_is_in_no_argv_and_never_printed(world):
         assert token not in proc.output(), proc.args[:2]
 
 
+def test_every_listener_of_a_loopback_cluster_is_on_loopback(world):
+    """`--host 127.0.0.1` (the default): the coordinator, its Ray head, the workers and a running
+    data-parallel job (its ranks' rendezvous store and gloo pairs) listen on loopback only."""
+    from listeners import listeners
+
+    c = world["c"]
+    info = json.loads((c.state / "coordinator.json").read_text())
+    roots = [c.coordinator.p.pid, *(w.p.pid for w in c.workers.values()), int(info["head_pid"])]
+    client = c.client()
+    job_id = client.submit_job(job_spec(world, max_steps=400))
+    try:
+        wait_step(client, job_id, 1)
+        seen = listeners(roots)
+    finally:
+        client.cancel_job(job_id)
+        wait_state(client, job_id, ("cancelled",))
+    outside = [x for x in seen if not x.loopback]
+    assert not outside, outside
+    names = {x.name for x in seen}
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::DPWorker") for n in names), names
+    ports = {x.port for x in seen}
+    assert c.port in ports and c.ray_port in ports
+    # and Ray's own servers take the cluster token: a call without it is refused
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{c.ray_port}") as channel:
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert call(b"", timeout=10, metadata=[("authorization", f"Bearer {c.token}")])  # the token opens it
+
+
 def test_unsatisfiable_requirement_fails_at_once(world):
     from smolforge.errors import SmolforgeError
 

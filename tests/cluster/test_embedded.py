@@ -1,11 +1,13 @@
 """`smolforge launch` with no coordinator runs on an embedded cluster of this machine: the same
-scheduler, worker group and control actor, in the CLI's own process."""
+scheduler, worker group and control actor, in the CLI's own process; everything it starts listens on
+loopback only."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from listeners import ListenerSampler
 from localcluster import cli_module
 
 
@@ -28,18 +31,31 @@ def test_launch_without_coordinator_uses_embedded_cluster(tmp_path):
     for k in ("SMOLFORGE_COORDINATOR", "SMOLFORGE_TOKEN", "SMOLFORGE_RAY_ADDRESS", "RAY_ADDRESS",
               "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(k, None)
+    seen: set = set()
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", cli_module(), "launch", "--model", "tiny-llama", "--dataset", str(data),
-             "--workers", "2", "--batch-size", "2", "--max-steps", "4", "--max-length", "64",
+             "--workers", "2", "--batch-size", "2", "--max-steps", "8", "--max-length", "64",
              "--set", "eval_accuracy=false", "--set", "data.max_eval_samples=4",
              "--output-dir", str(tmp_path / "out"), "--json"],
-            capture_output=True, text=True, timeout=500, env=env, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        # every socket the embedded cluster and the job's ranks listen on, sampled while they run
+        sampler = ListenerSampler([proc.pid]).start()
+        try:
+            stdout, stderr = proc.communicate(timeout=500)
+        finally:
+            seen = sampler.stop()
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    outside = [x for x in seen if not x.loopback]
+    assert not outside, outside  # "listen where told": an embedded cluster has no reason to be reachable
+    names = {x.name for x in seen}
+    assert "gcs_server" in names and "raylet" in names and any(n.startswith("ray::DPW") for n in names), names
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["state"] == "completed", out["error"]
-    assert out["result"]["world"] == 2 and out["result"]["steps"] == 4
+    assert out["result"]["world"] == 2 and out["result"]["steps"] == 8
     assert (Path(out["adapter_dir"]) / "adapter_model.safetensors").exists()
     assert Path(out["adapter_dir"]).parent == tmp_path / "out"

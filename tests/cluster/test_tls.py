@@ -1,11 +1,13 @@
 """TLS, simply: `coordinator start --tls` makes a certificate once and prints its fingerprint in the
-join command; a worker that pins it joins over https (its heartbeats too) and a data-parallel job
-runs; a worker pinning another fingerprint is refused before it sends the token; an https address is
+join command; a worker that pins it joins over https (its heartbeats too), gets its own certificate
+for Ray's TLS from the cluster's CA, and a data-parallel job runs over Ray's TLS; a worker pinning another fingerprint is refused before it sends the token; an https address is
 never downgraded, and a plain-http client gets no answer from the TLS port."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,6 +45,28 @@ def test_a_tls_cluster_pins_its_certificate(tmp_path):
         while (st := client.get_job_status(job))["state"] not in ("completed", "failed") and time.time() < deadline:
             time.sleep(0.5)
         assert st["state"] == "completed", st
+
+        # Ray's own traffic is TLS too (mutual, each node's certificate signed by the cluster's CA):
+        # its GCS answers no plaintext call, even one with the token
+        import grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{c.ray_port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo")(
+                    b"", timeout=10, metadata=[("authorization", f"Bearer {c.token}")])
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (c.state / "tls" / "ray-ca.key").stat().st_mode & 0o777 == 0o600  # it never leaves
+        assert (tmp_path / "node-w1" / "tls" / "ray-node.pem").is_file()  # w1 asked for its own
+        assert c.api("POST", "/api/v1/ray-tls/certificate", json={"csr": "junk"}).status_code == 400
+        assert c.api("POST", "/api/v1/ray-tls/certificate", token=None, json={"csr": "x"}).status_code == 401
+        # a script's Ray driver (the seeds' orchestrator API) gets its own certificate the same way
+        driver = subprocess.run(
+            [sys.executable, "-c", "import ray; from smolforge import create_distributed_training as c; "
+             "o = c(mode='data_parallel'); o.cluster; print('NODES', len(ray.nodes()))"],
+            env={**c.env, "SMOLFORGE_COORDINATOR": c.hostport, "SMOLFORGE_TOKEN": c.token,
+                 "SMOLFORGE_TLS_FINGERPRINT": fp, "SMOLFORGE_HOME": str(tmp_path / "driver-home")},
+            capture_output=True, text=True, timeout=120)
+        assert "NODES 2" in driver.stdout, driver.stdout[-1000:] + driver.stderr[-3000:]
 
         t0 = time.time()
         bad = c.add_worker("intruder", wait=False, tls_fingerprint="sha256:" + "0" * 64)

@@ -21,11 +21,13 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, Field
 
 from smolforge.cluster.auth import bearer_of, tokens_match
 from smolforge.cluster.gate import Gate
 from smolforge.cluster.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
+from smolforge.cluster.ray_tls import ensure_ca, sign_request
 from smolforge.dashboard import page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
@@ -44,6 +46,10 @@ def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
     if tasks is not None:
         out["tasks"] = tasks
     return out
+
+
+class CertificateRequest(BaseModel):
+    csr: str = Field(max_length=16_384)
 
 
 def create_app(core: Any) -> FastAPI:
@@ -105,6 +111,14 @@ def create_app(core: Any) -> FastAPI:
     @app.get("/api/v1/nodes", dependencies=auth)
     def list_nodes():
         return core.monitor.snapshot()
+
+    @app.post("/api/v1/ray-tls/certificate", dependencies=auth)
+    def ray_tls_certificate(req: CertificateRequest):
+        """A joining node's certificate for Ray's TLS, signed by this cluster's CA (see cluster/ray_tls.py)."""
+        if not core.info.get("ray_tls"):
+            raise HTTPException(status_code=409, detail="this cluster does not use TLS")
+        ca_cert, ca_key = ensure_ca(core.state.root / "tls")
+        return {"certificate": sign_request(req.csr, ca_cert, ca_key), "ca": ca_cert.read_text()}
 
     @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
     def heartbeat(node_id: str, sample: Heartbeat):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge import __version__
-from smolforge.cluster import ray_glue, ray_process
+from smolforge.cluster import ray_glue, ray_process, ray_tls
 from smolforge.cluster.artifacts import ArtifactStore, upload_refs
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
 from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
@@ -33,8 +33,7 @@ from smolforge.cluster.jobstore import JobStore
 from smolforge.cluster.statedir import StateDir, port_open
 from smolforge.cluster.tls import ensure_cert, fingerprint
 from smolforge.errors import SmolforgeError
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from smolforge.net import LOOPBACK
 
 
 def outward_ip() -> str:
@@ -74,7 +73,7 @@ class CoordinatorCore:
         return self.artifacts.gc_uploads(live)
 
     def public_info(self) -> dict[str, Any]:
-        return {k: self.info[k] for k in ("name", "api", "ray_address", "ray_port", "version", "node_id")
+        return {k: self.info[k] for k in ("name", "api", "ray_address", "ray_port", "version", "node_id", "ray_tls")
                 if k in self.info} | {"uptime_s": round(time.time() - self.started, 1)}
 
 
@@ -169,7 +168,7 @@ class Coordinator:
                   ray_glue.RAM_LABEL: f"{detect_ram_gb():.1f}"}
         env = {**os.environ, **ray_auth_env(token_path), "RAY_USAGE_STATS_ENABLED": "0",
                "SMOLFORGE_NODE_NAME": self.opts.name, "SMOLFORGE_NODE_DIR": str(self.state.node_dir),
-               "SMOLFORGE_MODEL_PATHS": json.dumps(with_aliases(models))}
+               "SMOLFORGE_MODEL_PATHS": json.dumps(with_aliases(models)), **ray_process.metrics_port_env()}
         env.pop("RAY_AUTH_TOKEN", None)
         cmd = ray_process.head_command(self.opts.ray_port, cpus=cpus, node_ip=ip, name=self.opts.name,
                                        resources=resources, labels=labels, temp_dir=os.environ.get("RAY_TMPDIR"),
@@ -207,6 +206,9 @@ class Coordinator:
         client_host = ip if self.opts.host in ("0.0.0.0", "", "::") else self.opts.host
         self.tls_files, tls_pem = self._tls_files(client_host)  # bad TLS options fail before Ray starts
         token = load_or_create_token(self.state.token_path)
+        if self.tls_files:  # Ray's own traffic encrypted too: this cluster's CA signs every node's certificate
+            os.environ.update(ray_tls.issue_node_files(self.state.root / "tls", self.state.root / "tls" / "node",
+                                                       ray_tls.machine_addresses()))
         self._start_head(self.state.token_path)
         self._connect(self.state.token_path)
         api = f"{'https' if self.tls_files else 'http'}://{client_host}:{self.opts.port}"
@@ -221,7 +223,7 @@ class Coordinator:
                 "pid": os.getpid(), "head_pid": getattr(self, "head_pid", None), "version": __version__,
                 "node_id": ray.get_runtime_context().get_node_id(), "state_dir": str(self.state.root),
                 "attached": self.attached, "started": time.time(),
-                "tls_fingerprint": fingerprint(tls_pem) if tls_pem else None}
+                "tls_fingerprint": fingerprint(tls_pem) if tls_pem else None, "ray_tls": bool(self.tls_files)}
         self.core = CoordinatorCore(self.state, token, store, artifacts, manager, monitor, info)
         artifacts.clean_upload_temps()  # half-written by a coordinator that was killed
         self.core.collect_uploads()

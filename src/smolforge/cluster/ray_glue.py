@@ -47,8 +47,11 @@ from typing import Any, Literal
 
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, write_token
 from smolforge.cluster.discovery import default_node_name, detect_cpus, detect_ram_gb, scan_hf_cache, with_aliases
+from smolforge.cluster.ray_loopback import keep_loopback
+from smolforge.cluster.ray_process import metrics_port_env
 from smolforge.cluster.statedir import StateDir, port_open
 from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
 
 NAMESPACE = "smolforge"
 WORKER_RESOURCE = "smolforge-worker"
@@ -391,6 +394,8 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
                 raise SmolforgeError(f"cannot reach the cluster's Ray port at {addr}",
                                      fix="start the coordinator (`smolforge coordinator start`) or check host/port")
             apply_ray_auth(_token_file(sd, create=False, token=token))
+            if is_loopback(host or "127.0.0.1"):
+                keep_loopback()  # a loopback head: this driver's node address must stay 127.0.0.1 too
             try:
                 ray.init(address=addr, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
             except Exception as err:  # Ray reports auth failures and timeouts as several types
@@ -400,6 +405,9 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
             _HANDLE = ClusterHandle(address=addr, embedded=False, state_dir=sd.root)
             return _HANDLE
         apply_ray_auth(_token_file(sd, create=True))
+        keep_loopback()
+        for k, v in metrics_port_env().items():
+            os.environ.setdefault(k, v)  # read by the Ray processes ray.init starts
 
         cpus = int(num_cpus or detect_cpus())
         models = with_aliases(scan_hf_cache())
@@ -407,6 +415,7 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
             address="local", num_cpus=cpus, resources=embedded_resources(cpus, models),
             labels={NAME_LABEL: default_node_name(), ROLE_LABEL: "embedded", RAM_LABEL: f"{detect_ram_gb():.1f}"},
             include_dashboard=False, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False,
+            _node_ip_address="127.0.0.1",  # nobody joins an embedded cluster: every listener on loopback
         )
         if object_store_mb:
             kwargs["object_store_memory"] = int(object_store_mb) * 2**20

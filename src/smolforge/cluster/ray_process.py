@@ -22,11 +22,19 @@ from pathlib import Path
 
 from smolforge.cluster.statedir import free_ports, port_open
 from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
 
 
 def ray_executable() -> str:
     exe = Path(sys.executable).with_name("ray")
     return str(exe) if exe.exists() else "ray"
+
+
+def ray_start(loopback: bool) -> list[str]:
+    """`ray start`, or for a loopback cluster our wrapper that keeps the node address 127.0.0.1."""
+    if loopback:
+        return [sys.executable, "-m", "smolforge.cluster.ray_loopback", "start"]
+    return [ray_executable(), "start"]
 
 
 def _common_ports(ports: list[int]) -> list[str]:
@@ -43,7 +51,7 @@ def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resour
                  labels: dict[str, str], temp_dir: str | None = None, object_store_mb: int | None = None,
                  memory_bytes: int | None = None) -> list[str]:
     dashboard, client, *common = free_ports(6, exclude={int(port)})  # distinct, and never the GCS port
-    cmd = [ray_executable(), "start", "--head", "--block", "--port", str(port), "--num-cpus", str(cpus),
+    cmd = [*ray_start(bool(node_ip) and is_loopback(node_ip)), "--head", "--block", "--port", str(port), "--num-cpus", str(cpus),
            "--resources", json.dumps(resources), "--labels", _labels(labels), "--node-name", name,
            "--include-dashboard", "false", "--dashboard-port", str(dashboard),
            "--ray-client-server-port", str(client), "--disable-usage-stats", *_common_ports(common)]
@@ -61,7 +69,7 @@ def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resour
 def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, name: str,
                    resources: dict[str, float], labels: dict[str, str], temp_dir: str | None = None,
                    object_store_mb: int | None = None, memory_bytes: int | None = None) -> list[str]:
-    cmd = [ray_executable(), "start", "--block", "--address", address, "--num-cpus", str(cpus),
+    cmd = [*ray_start(bool(node_ip) and is_loopback(node_ip)), "--block", "--address", address, "--num-cpus", str(cpus),
            "--num-gpus", str(gpus), "--resources", json.dumps(resources), "--labels", _labels(labels),
            "--node-name", name, "--disable-usage-stats", *_common_ports(free_ports(4))]
     if node_ip:
@@ -73,6 +81,13 @@ def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, n
     if memory_bytes:
         cmd += ["--memory", str(int(memory_bytes))]
     return cmd
+
+
+def metrics_port_env() -> dict[str, str]:
+    """Ray's autoscaler and dashboard metrics servers take fixed ports (44217, 44227) unless these
+    variables say otherwise: two heads on one machine (or an embedded cluster beside a head) collided."""
+    autoscaler, dashboard = free_ports(2)
+    return {"AUTOSCALER_METRIC_PORT": str(autoscaler), "DASHBOARD_METRIC_PORT": str(dashboard)}
 
 
 def _die_with_parent() -> None:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import httpx
 
-from smolforge.cluster import ray_glue, ray_process
+from smolforge.cluster import ray_glue, ray_process, ray_tls
 from smolforge.cluster.auth import check_token_format, ray_auth_env, resolve_token, write_token
 from smolforge.cluster.discovery import discover
 from smolforge.cluster.statedir import StateDir
 from smolforge.cluster.tls import FINGERPRINT_ENV, pinned_context
 from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REJECTED = "coordinator rejected the token"
 
 
@@ -132,6 +132,15 @@ class WorkerNode:
         r.raise_for_status()
         return r.json()
 
+    def _post(self, token: str, path: str, body: dict) -> dict:
+        r = httpx.post(f"{self.scheme}://{self.host}:{self.port}{path}", json=body,
+                       headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                       **({"verify": self.verify} if self.verify is not None else {}))
+        if r.status_code != 200:
+            raise SmolforgeError(f"the coordinator refused this node's Ray TLS certificate ({r.status_code}): "
+                                 f"{r.text[:200]}", fix="check that the coordinator and this worker run the same smolforge")
+        return r.json()
+
     def start(self) -> str:
         """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
         token = resolve_token(self.opts.token) or ""  # --token(-file) as given, else the environment
@@ -148,12 +157,17 @@ class WorkerNode:
         state = StateDir.at(self.opts.state_dir)
         write_token(state.node_token_path, token)
         res, labels = node_resources(inv, inv.cpus)
-        node_ip = "127.0.0.1" if self.host in LOOPBACK else None
+        # A loopback cluster (its Ray head on 127.0.0.1) keeps this node on loopback too; a worker that
+        # reaches a LAN coordinator through 127.0.0.1 still lets Ray pick the address others can reach.
+        node_ip = "127.0.0.1" if is_loopback(str(info.get("ray_address", "")).rpartition(":")[0]) else None
         models = {k: v for k, v in inv.models.items()}
         env = {**os.environ, **ray_auth_env(state.node_token_path), "RAY_USAGE_STATS_ENABLED": "0",
                "SMOLFORGE_NODE_DIR": str(state.node_dir), "SMOLFORGE_NODE_NAME": inv.name,
                "SMOLFORGE_MODEL_PATHS": json.dumps(models)}
         env.pop("RAY_AUTH_TOKEN", None)
+        if info.get("ray_tls"):  # the coordinator's CA signs this node's certificate for Ray's own TLS
+            env.update(ray_tls.request_node_env(lambda path, body: self._post(token, path, body),
+                                                state.root / "tls"))
         cmd = ray_process.worker_command(f"{self.host}:{info['ray_port']}", cpus=inv.cpus, gpus=len(inv.gpus),
                                          node_ip=node_ip, name=inv.name, resources=res, labels=labels,
                                          temp_dir=os.environ.get("RAY_TMPDIR"),

@@ -28,7 +28,7 @@ from ray.exceptions import RayError
 
 from smolforge.config import TrainConfig
 from smolforge.models.loading import resolve_model
-from smolforge.parallel.rendezvous import free_port, init_group, leave_group, node_ip, pick_backend
+from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, node_ip, pick_backend
 from smolforge.parallel.strategies import make_strategy
 from smolforge.parallel.transfer import pack_dir, unpack_dir
 from smolforge.paths import atomic_write_bytes, home
@@ -97,6 +97,7 @@ class DPWorker:
         self._buffer: list[dict] = []
         self._lock = threading.Lock()
         self._running = False
+        self._listen: socket.socket | None = None  # rank 0's store socket, from free_address to init_group
 
     # -- placement info and rendezvous ----------------------------------------------------------
 
@@ -108,8 +109,12 @@ class DPWorker:
                 "ip": ray.util.get_node_ip_address(), "rank": self.rank}
 
     def free_address(self) -> tuple[str, int]:
+        """Rank 0: where the group's rendezvous store will listen (this node's address, a free port)."""
+        if self._listen is not None:
+            self._listen.close()
         ip = node_ip()
-        return ip, free_port(ip)
+        self._listen = listen_socket(ip)
+        return ip, self._listen.getsockname()[1]
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -180,7 +185,7 @@ class DPWorker:
 
     def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
-            strategy_config: dict | None = None, upload_timeout_s: float = 600.0) -> dict:
+            strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "") -> dict:
         import ray
 
 
@@ -244,8 +249,9 @@ class DPWorker:
             if world > 1:
                 # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
                 # collective timeout must outlast the upload's, or a slow link fails every round.
+                listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
                 init_group(chosen, master_addr, master_port, self.rank, world,
-                           max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S))
+                           max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S), group_secret, listen)
             t_ready = time.time()
             self._emit({"type": "event", "kind": "rank_started",
                         "message": f"rank {self.rank}/{world} started on {self.info()['node_name']} "

@@ -11,6 +11,8 @@ import os
 import socket
 from datetime import timedelta
 
+from smolforge.net import is_loopback
+
 
 def node_ip() -> str:
     """This process's node address as Ray sees it (what the other ranks can reach)."""
@@ -22,11 +24,17 @@ def node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def free_port(ip: str | None = None) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip or "", 0))
-        return s.getsockname()[1]
+def listen_socket(ip: str) -> socket.socket:
+    """A socket listening on `ip` only, at a free port, for rank 0's rendezvous store.
+
+    Bound here and handed to the store by file descriptor: `tcp://` rendezvous lets torch's TCPStore
+    listen on every interface, and a port found free and then released can be taken in between."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((ip, 0))
+    sock.listen(128)
+    return sock
 
 
 def pick_backend(backend: str = "auto", device: str = "auto") -> str:
@@ -37,16 +45,29 @@ def pick_backend(backend: str = "auto", device: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
 
 
-def init_group(backend: str, master_addr: str, master_port: int, rank: int, world: int, timeout_s: float) -> None:
-    """Join the process group; gloo binds to the interface that reaches rank 0."""
+def init_group(backend: str, master_addr: str, master_port: int, rank: int, world: int, timeout_s: float,
+               secret: str, listen: socket.socket | None = None) -> None:
+    """Join the process group; gloo binds to the interface that reaches rank 0.
+
+    Rank 0 serves the rendezvous store on `listen` (bound to the group's address only). Every key lives
+    under the job's `secret`, which only the group's ranks received (through Ray, which takes the
+    cluster token): anyone else who reaches the store's port can neither read nor write the group's keys.
+    """
     import torch.distributed as dist
 
     os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-    if backend == "gloo" and master_addr in ("127.0.0.1", "localhost"):
+    if backend == "gloo" and is_loopback(master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if listen is not None:  # the store owns the socket from here on
+        store = dist.TCPStore(master_addr, master_port, world, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listen.detach())
+    else:  # rank 0 without a socket of its own (tests): the store listens where TCPStore puts it
+        store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{secret}/", store), rank=rank, world_size=world,
+                            timeout=timeout)
 
 
 def leave_group() -> None:

@@ -9,6 +9,7 @@ once) and removes the placement group, so CPUs return to the cluster within a se
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,8 +82,9 @@ class WorkerGroup:
         import ray
 
         addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
+        secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
         return [m.actor.run.remote(cfg, self.world, addr, port, resume_from, backend, timeout_s, keep_last,
-                                   strategy, strategy_config, upload_timeout_s)
+                                   strategy, strategy_config, upload_timeout_s, group_secret=secret)
                 for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:
