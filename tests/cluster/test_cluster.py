@@ -254,6 +254,24 @@ def test_data_parallel_lora_equals_single_process_run(world):
     world["dp_job"] = job_id
 
 
+def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
+    """ZeRO-1 shards AdamW's state across the ranks; AdamW is elementwise, so the weights are DDP's."""
+    client = world["c"].client()
+    job_id = client.submit_job({**job_spec(world), "strategy": "zero1"})
+    res = wait_state(client, job_id, ("completed",))["result"]
+    ddp = client.get_job_status(world["dp_job"])["result"]
+    assert res["strategy"] == "zero1" and ddp["strategy"] == "ddp"
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4), atol=1e-5, rtol=0)
+    full = ddp["optimizer_state_bytes_per_rank"]
+    assert len(full) == 2 and full[0] == full[1] > 0
+    assert all(b <= (0.5 + 0.1) * full[0] for b in res["optimizer_state_bytes_per_rank"]), (res, full)
+    assert sum(res["optimizer_state_bytes_per_rank"]) == full[0]  # each moment held exactly once
+    # collectives are counted, not estimated: DDP's all-reduce sends every LoRA gradient each step
+    grads = sum(t.numel() * 4 for t in reference(world, 4).values())
+    assert all(b >= STEPS * grads for b in ddp["comm_bytes_sent_per_rank"]), (ddp, grads)
+    assert all(b > 0 for b in res["peak_rss_mb_per_rank"])
+
+
 def test_orchestrator_api_with_the_seeds_names(world):
     from smolforge import create_distributed_training
 
@@ -285,10 +303,11 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
             "eta_s", "nodes"} <= set(job)
 
 
-def test_pause_then_resume_equals_uninterrupted(world):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_pause_then_resume_equals_uninterrupted(world, strategy):
     client = world["c"].client()
     steps = 2 * STEPS  # room for the pause to land (within a poll, ~0.5 s) however fast the steps run
-    job_id = client.submit_job(job_spec(world, max_steps=steps))
+    job_id = client.submit_job({**job_spec(world, max_steps=steps), "strategy": strategy})
     st = wait_step(client, job_id, 6)
     assert st["state"] == "running", st
     client.pause_job(job_id)

@@ -27,6 +27,8 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: int = typer.Option(2, help="data-parallel ranks"),
+        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 "
+                                     "(settings: --set strategy_config.KEY=VALUE)"),
         mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
                                  "--model is the teacher, --student the student, --workers the students)"),
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
@@ -72,6 +74,8 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
 
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy zero1 --max-steps 100
+
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
         """
         if mode in ("teacher_student", "hybrid"):
@@ -91,7 +95,7 @@ def register(app: typer.Typer) -> None:
             raise SmolforgeError("--student is for --mode teacher_student or hybrid",
                                  fix="drop --student, or pick a distillation mode")
         kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
-                                      cpus_per_worker=cpus_per_worker, name=name)
+                                      cpus_per_worker=cpus_per_worker, name=name, strategy=strategy)
         for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
                            ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
                            ("lora_alpha", lora_alpha), ("peft", peft)):
@@ -222,6 +226,7 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
                  max_retries: int, cpus_per_worker: float, name: str | None, **opts: Any) -> dict:
     from smolforge.cluster.jobs import apply_job_overrides
 
+    strategy = opts.pop("strategy", "ddp")
     train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
     if "max_length" in opts:
         train["data"]["max_length"] = opts.pop("max_length")
@@ -234,5 +239,5 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
     train.update(opts)
     train.setdefault("save_every", default_save_every(train.get("max_steps")))
     spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
-            "gpu": gpu, "max_retries": max_retries, "train": train}
+            "gpu": gpu, "max_retries": max_retries, "strategy": strategy, "train": train}
     return apply_job_overrides(spec, sets)

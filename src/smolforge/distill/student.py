@@ -368,7 +368,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     else:
         raise SmolforgeError("cannot tell how many steps to train: the teacher plan is unknown",
                              fix="pass max_steps")
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy)
     scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
     start_step = 0
     if latest is not None:
@@ -405,10 +405,12 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
 
     def save(done: int, pausing: bool) -> None:
         rngs = strategy.gather_rng()  # every rank takes part; the main rank writes
+        optim_state = strategy.optimizer_state(optimizer)
         if strategy.is_main:
             path = ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
                                         extra={"shard_order": stream.order, "model": cfg.base_model},
-                                        rank_rng=rngs, strategy_state=strategy.state_dict())
+                                        rank_rng=rngs, strategy_state=strategy.state_dict(),
+                                        optimizer_state=optim_state)
             if on_checkpoint and not pausing:  # a pause's checkpoint goes back with the result
                 on_checkpoint(path, done)
         strategy.barrier()

@@ -82,11 +82,14 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
                     extra: dict[str, Any] | None = None, keep_last: int = 2,
-                    rank_rng: list[torch.Tensor] | None = None, strategy_state: dict[str, Any] | None = None) -> Path:
+                    rank_rng: list[torch.Tensor] | None = None, strategy_state: dict[str, Any] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
     """Write `step-<step>/` atomically and prune all but the newest `keep_last`.
 
     `rank_rng`: every rank's CPU RNG state (a data-parallel group), kept as `cpu_rank<r>` so that each
-    rank resumes its own dropout stream; `strategy_state`: the strategy's own tensors and numbers.
+    rank resumes its own dropout stream; `strategy_state`: the strategy's own tensors and numbers;
+    `optimizer_state`: the whole optimizer state when it was gathered from sharded ranks
+    (Strategy.optimizer_state), else `optimizer.state_dict()`.
     """
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -100,7 +103,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, str(tmp / "rng.safetensors"))
         # Tensors plus plain numbers only: loaded back with weights_only=True.
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        torch.save({"optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
                     "strategy": strategy_state or {}}, tmp / "optim.pt")
         atomic_write_json(tmp / "state.json", {"step": step, **(extra or {})})
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

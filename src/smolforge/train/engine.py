@@ -32,11 +32,12 @@ from smolforge.models.peft_methods import (
     trainable_summary,
 )
 from smolforge.paths import atomic_write_json
+from smolforge.telemetry.memory import peak_rss_mb
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
-from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer
+from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer, optimizer_state_bytes
 from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Strategy
 
@@ -76,6 +77,10 @@ class TrainResult:
     stopped: str | None = None
     checkpoint_dir: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    strategy: str = "single"
+    optimizer_state_bytes: int = 0  # held by this process (a sharded optimizer: its own part)
+    comm_bytes_sent: int = 0  # handed to collectives by this process (Strategy.bytes_sent)
+    peak_rss_mb: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,7 +203,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     per_rank = cfg.batch_size * cfg.grad_accum
     order = SampleOrder(len(splits.train), per_rank * world, cfg.seed)
     steps = total_steps(cfg, order)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy)
     scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
 
     start_step = 0
@@ -258,6 +263,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     result.final_loss = loss_val if loss_val == loss_val else None
     result.tokens_per_s = trainer.tokens_per_s()
     result.stopped = stopped
+    result.strategy, result.optimizer_state_bytes = strategy.name, optimizer_state_bytes(optimizer)
     if stopped is None:
         result.eval = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
         if writer:
@@ -271,6 +277,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         # Every rank enters: the save ends in a barrier that all ranks must reach.
         _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, strategy)
     result.seconds = time.perf_counter() - t_start
+    result.comm_bytes_sent, result.peak_rss_mb = strategy.bytes_sent, peak_rss_mb()
     if writer:
         writer.close()
     if is_main:
@@ -282,11 +289,13 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
 def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, strategy: Strategy) -> None:
     rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
+    optim_state = strategy.optimizer_state(optimizer)  # likewise: a sharded optimizer gathers its parts
     if strategy.is_main:
         path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler,
                                     extra={"model": cfg.model, "peft": cfg.peft.method,
                                            "strategy": strategy.name, "world": strategy.world},
-                                    keep_last=cfg.keep_last, rank_rng=rngs, strategy_state=strategy.state_dict())
+                                    keep_last=cfg.keep_last, rank_rng=rngs, strategy_state=strategy.state_dict(),
+                                    optimizer_state=optim_state)
         result.checkpoint_dir = str(path)
         if hooks.on_checkpoint:
             hooks.on_checkpoint(path, step)

@@ -47,12 +47,22 @@ class StopRequested(Exception):
         self.what = what
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over what trains: decay on matrices, none on biases and norms."""
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device,
+                   strategy: Strategy | None = None) -> torch.optim.Optimizer:
+    """AdamW over what trains: decay on matrices, none on biases and norms (built by the strategy,
+    which may shard its state across ranks)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return torch.optim.AdamW([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-                              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
-                             lr=lr, foreach=device.type == "cuda" or None)
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    return (strategy or Strategy()).make_optimizer(groups, torch.optim.AdamW, lr=lr,
+                                                   foreach=device.type == "cuda" or None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this process holds (a sharded optimizer's own part only)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
+    return sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
 
 
 def target_tokens(batch: Batch) -> int:

@@ -4,6 +4,8 @@ The training loop (`smolforge.train.engine`) never imports torch.distributed. Ev
 needs from its peers goes through a `Strategy`:
 
 - `wrap(model)`: the module to run forward/backward on (DDP wraps it; one process returns it as is)
+- `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
+- `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
 - `reduce(values)`: sum numbers over every rank (target-token counts, losses, eval sums)
 - `agree(code)`: every rank leaves the loop on the same step (the largest stop code wins)
@@ -58,6 +60,17 @@ class Strategy:
 
     def accumulate(self, wrapped: torch.nn.Module, last: bool) -> ContextManager:
         return nullcontext()
+
+    def make_optimizer(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
+                       **defaults: Any) -> torch.optim.Optimizer:
+        return optimizer_class(groups, **defaults)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer's whole state for a checkpoint: every rank calls it, the main rank gets it.
+
+        A checkpoint holds the whole state whatever the strategy, so that it resumes under any other
+        strategy or world size (a sharded optimizer loads the whole state and keeps its own part)."""
+        return optimizer.state_dict()
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Called after every optimizer step (DiLoCo's outer step, a parameter server's push)."""

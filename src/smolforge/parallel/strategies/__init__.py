@@ -12,11 +12,13 @@ from typing import Any
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.single import SingleProcess
+from smolforge.parallel.strategies.zero1 import Zero1
 from smolforge.train.strategy import Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleProcess,
     "ddp": DDP,
+    "zero1": Zero1,
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from smolforge.train.strategy import Strategy
@@ -41,18 +42,26 @@ class DDP(Strategy):
         return device
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped.register_comm_hook(self, _counted_allreduce)  # DDP's own all-reduce, its bytes counted
+        return wrapped
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        """Bytes this rank hands to a collective (the payload; a ring all-reduce moves about twice that)."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def accumulate(self, wrapped: torch.nn.Module, last: bool) -> ContextManager:
         return nullcontext() if last else wrapped.no_sync()
 
     def reduce(self, values: list[float], device: torch.device) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=device)
+        self._count(t)
         dist.all_reduce(t)
         return t.tolist()
 
     def agree(self, code: int, device: torch.device) -> int:
         t = torch.tensor([code], device=device)
+        self._count(t)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
@@ -62,5 +71,12 @@ class DDP(Strategy):
     def gather_rng(self) -> list[torch.Tensor] | None:
         mine = torch.get_rng_state()
         every = [torch.empty_like(mine) for _ in range(self.world)]
+        self._count(mine)
         dist.all_gather(every, mine)  # gloo and NCCL both gather on the CPU group for byte tensors
         return every if self.is_main else None
+
+
+def _counted_allreduce(strategy, bucket):  # no annotations: DDP compares them to real types, and ours are strings
+    """DDP's default gradient all-reduce (average over ranks), counting the bucket's bytes."""
+    strategy._count(bucket.buffer())
+    return default_hooks.allreduce_hook(None, bucket)
