@@ -56,6 +56,7 @@ class TrainConfig(Spec):
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or plain sgd (no momentum)")
     warmup_steps: int = Field(0, ge=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)

@@ -71,16 +71,16 @@ def job_spec(w, num_workers=2, **kw) -> dict:
     return {"kind": "data_parallel", "num_workers": num_workers, "max_retries": 2, "train": train_section(w, **kw)}
 
 
-def reference(w, global_batch: int, max_steps: int = STEPS) -> dict[str, torch.Tensor]:
+def reference(w, global_batch: int, max_steps: int = STEPS, **kw) -> dict[str, torch.Tensor]:
     """The same training in this process, one rank, batch = the group's global batch."""
-    key = (global_batch, max_steps)
+    key = (global_batch, max_steps, json.dumps(kw, sort_keys=True))
     if key in w["refs"]:
         return w["refs"][key]
     from smolforge.config import TrainConfig
     from smolforge.train.engine import train
 
-    out = w["base"] / f"ref-{global_batch}-{max_steps}"
-    cfg = train_section(w, batch_size=global_batch, max_steps=max_steps, model=str(w["models"] / "tiny-copy"))
+    out = w["base"] / f"ref-{len(w['refs'])}"
+    cfg = train_section(w, batch_size=global_batch, max_steps=max_steps, model=str(w["models"] / "tiny-copy"), **kw)
     cfg.update(output_dir=str(out), quiet=True, tensorboard=False, num_threads=1)
     res = train(TrainConfig.model_validate(cfg))
     w["refs"][key] = load_file(str(Path(res.adapter_dir) / "adapter_model.safetensors"))
@@ -270,6 +270,60 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     grads = sum(t.numel() * 4 for t in reference(world, 4).values())
     assert all(b >= STEPS * grads for b in ddp["comm_bytes_sent_per_rank"]), (ddp, grads)
     assert all(b > 0 for b in res["peak_rss_mb_per_rank"])
+
+
+def test_diloco_with_one_inner_step_and_a_plain_outer_step_is_ddp(world):
+    """H = 1, outer SGD lr 1.0 without momentum, a linear inner optimizer (SGD) and no clipping: the
+    token-weighted average of the ranks' steps is exactly DDP's step (checks the outer step)."""
+    client = world["c"].client()
+    linear = dict(optimizer="sgd", lr=0.05, max_grad_norm=None)
+    job_id = client.submit_job({**job_spec(world, **linear), "strategy": "diloco",
+                                "strategy_config": {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}})
+    res = wait_state(client, job_id, ("completed",))["result"]
+    assert res["strategy"] == "diloco" and res["rounds"] == STEPS
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4, **linear), atol=1e-5, rtol=1e-4)
+
+
+def test_diloco_sends_a_fraction_of_ddps_bytes_for_the_same_loss(world):
+    """H = 20: eval loss within 5% of DDP's at equal samples, with <= 1/15 of its bytes (fp32) and
+    <= 1/60 with int8 pseudo-gradients. Outer lr 1.0 and momentum 0.5: with ten outer steps the
+    paper's 0.7/0.9 (made for thousands) overshoots (BENCHMARKS.md has the sweep)."""
+    client = world["c"].client()
+    steps = 200
+    outer = {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.5}
+    jobs = {name: client.submit_job({**job_spec(world, max_steps=steps, save_every=0), **extra})
+            for name, extra in (("ddp", {}),
+                                ("fp32", {"strategy": "diloco", "strategy_config": outer}),
+                                ("int8", {"strategy": "diloco", "strategy_config": {**outer, "codec": "int8"}}))}
+    res = {name: wait_state(client, job, ("completed",), timeout=600)["result"] for name, job in jobs.items()}
+    ddp_loss, ddp_bytes = res["ddp"]["eval"]["eval_loss"], max(res["ddp"]["comm_bytes_sent_per_rank"])
+    for name, share in (("fp32", 1 / 15), ("int8", 1 / 60)):
+        r = res[name]
+        assert r["rounds"] == steps // 20
+        assert r["eval"]["eval_loss"] <= 1.05 * ddp_loss, (name, r["eval"], ddp_loss)
+        assert max(r["comm_bytes_sent_per_rank"]) <= share * ddp_bytes, (name, r["comm_bytes_sent_per_rank"], ddp_bytes)
+
+
+def test_diloco_pause_then_resume_equals_uninterrupted(world):
+    """The pause lands on the next outer step; every rank's inner AdamW state is kept: the resumed
+    job ends with the weights of an uninterrupted one."""
+    import copy
+
+    client = world["c"].client()
+    steps = 2 * STEPS
+    spec = {**job_spec(world, max_steps=steps, save_every=8), "strategy": "diloco",
+            "strategy_config": {"inner_steps": 4}}
+    whole = client.submit_job(copy.deepcopy(spec))
+    wait_state(client, whole, ("completed",))
+    job_id = client.submit_job(copy.deepcopy(spec))
+    st = wait_step(client, job_id, 6)
+    assert st["state"] == "running", st
+    client.pause_job(job_id)
+    st = wait_state(client, job_id, ("paused",))
+    assert st["step"] % 4 == 0 and 6 <= st["step"] < steps, st  # on an outer step
+    client.resume_job(job_id)
+    wait_state(client, job_id, ("completed",))
+    assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole), atol=1e-6, rtol=0)
 
 
 def test_orchestrator_api_with_the_seeds_names(world):

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: int = typer.Option(2, help="data-parallel ranks"),
-        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 "
+        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 | diloco "
                                      "(settings: --set strategy_config.KEY=VALUE)"),
         mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
                                  "--model is the teacher, --student the student, --workers the students)"),
@@ -75,6 +75,8 @@ def register(app: typer.Typer) -> None:
         Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy zero1 --max-steps 100
+
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy diloco --set strategy_config.inner_steps=20 --set strategy_config.codec=int8
 
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
         """

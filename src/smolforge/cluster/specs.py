@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from smolforge.config import Spec, TrainConfig
 from smolforge.distill.pipeline import DistillSettings
@@ -74,6 +74,17 @@ class DataParallelJob(Spec):
             return check_name(value)
         except SmolforgeError as err:
             raise ValueError(err.what) from None
+
+    @model_validator(mode="after")
+    def _strategy_settings(self) -> "DataParallelJob":
+        from smolforge.parallel.strategies import STRATEGIES
+
+        try:
+            STRATEGIES[self.strategy].check_settings(self.strategy_config)
+        except ValidationError as err:
+            raise ValueError("; ".join(f"strategy_config.{'.'.join(map(str, e['loc']))}: {e['msg']} for "
+                                       f"--strategy {self.strategy}" for e in err.errors())) from None
+        return self
 
     @property
     def global_batch(self) -> int:

@@ -134,7 +134,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].device, params[name].dtype))
     blob = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(blob["optimizer"])
+    if strategy is not None:
+        strategy.load_optimizer_state(optimizer, blob["optimizer"])
+    else:
+        optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
     mine = None

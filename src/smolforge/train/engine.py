@@ -79,7 +79,9 @@ class TrainResult:
     data: dict[str, Any] = field(default_factory=dict)
     strategy: str = "single"
     optimizer_state_bytes: int = 0  # held by this process (a sharded optimizer: its own part)
-    comm_bytes_sent: int = 0  # handed to collectives by this process (Strategy.bytes_sent)
+    comm_bytes_sent: int = 0  # handed to collectives by this process while training (Strategy.bytes_sent)
+    checkpoint_bytes_sent: int = 0  # ... and to gather checkpoints
+    rounds: int | None = None  # outer steps, for strategies that have them (DiLoCo)
     peak_rss_mb: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     per_rank = cfg.batch_size * cfg.grad_accum
     order = SampleOrder(len(splits.train), per_rank * world, cfg.seed)
     steps = total_steps(cfg, order)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
 
     start_step = 0
@@ -278,6 +280,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, strategy)
     result.seconds = time.perf_counter() - t_start
     result.comm_bytes_sent, result.peak_rss_mb = strategy.bytes_sent, peak_rss_mb()
+    result.checkpoint_bytes_sent = strategy.checkpoint_bytes_sent
+    result.rounds = strategy.rounds
     if writer:
         writer.close()
     if is_main:

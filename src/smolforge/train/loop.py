@@ -48,14 +48,14 @@ class StopRequested(Exception):
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device,
-                   strategy: Strategy | None = None) -> torch.optim.Optimizer:
-    """AdamW over what trains: decay on matrices, none on biases and norms (built by the strategy,
-    which may shard its state across ranks)."""
+                   strategy: Strategy | None = None, kind: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW (or plain SGD) over what trains: decay on matrices, none on biases and norms (built by
+    the strategy, which may shard its state across ranks)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
-    return (strategy or Strategy()).make_optimizer(groups, torch.optim.AdamW, lr=lr,
-                                                   foreach=device.type == "cuda" or None)
+    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
+    return (strategy or Strategy()).make_optimizer(groups, cls, lr=lr, foreach=device.type == "cuda" or None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -114,8 +114,9 @@ class Trainer:
     def step(self, step: int, micro: list[Batch]) -> StepStats:
         """Forward, loss, backward for each micro-batch; clip; optimizer and schedule step."""
         s = self.strategy
-        global_targets = s.reduce([float(sum(target_tokens(m) for m in micro))], self.device)[0]
-        scale = s.world / max(1.0, global_targets)  # DDP averages over ranks; undo that
+        my_targets = float(sum(target_tokens(m) for m in micro))
+        global_targets = s.step_reduce([my_targets], self.device)[0]
+        scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
         loss_total, tokens = 0.0, 0
         for j, m in enumerate(micro):
             m = {k: v.to(self.device, non_blocking=True) for k, v in m.items()}
@@ -138,9 +139,9 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        s.after_step(step + 1, self.model, self.optimizer)
+        s.after_step(step + 1, self.model, self.optimizer, targets=my_targets)
         self.tokens_seen += tokens
-        loss_mean = s.reduce([loss_total], self.device)[0] / max(1.0, global_targets)
+        loss_mean = s.step_reduce([loss_total], self.device)[0] / max(1.0, global_targets)
         return StepStats(loss=loss_mean, lr=lr, grad_norm=grad_norm, tokens=tokens)
 
     def _clip(self) -> float:
@@ -163,13 +164,14 @@ class Trainer:
         and on a pause. `batches(step)` may raise StopRequested while it waits for data.
         """
         self.model.train()
-        done, stopped = start, None
+        s = self.strategy
+        done, stopped, wanted, save_due = start, None, None, False
         for step in range(start, steps):
             try:
                 micro = batches(step)
             except StopRequested as req:
                 stopped = req.what
-                if stopped == "pause" and done > start:
+                if stopped == "pause" and done > start and s.at_boundary(done):
                     hooks.save(done, True)
                 break
             if self.first_step_at is None:
@@ -177,11 +179,20 @@ class Trainer:
             stats = self.step(step, micro)
             done = step + 1
             hooks.after_step(done, stats)
-            stopped = self.stop_decision(hooks.should_stop)
-            if (save_every and done % save_every == 0 and done != steps) or stopped == "pause":
-                hooks.save(done, stopped == "pause")
-            if stopped:
+            wanted = wanted or self.stop_decision(hooks.should_stop)
+            if wanted == "cancel":
+                stopped = wanted
                 break
+            save_due = save_due or bool(save_every and done % save_every == 0 and done != steps)
+            # A checkpoint or a pause lands where every rank shares its state (DiLoCo: an outer step).
+            if s.at_boundary(done) and (save_due or wanted == "pause"):
+                hooks.save(done, wanted == "pause")
+                save_due = False
+                if wanted == "pause":
+                    stopped = wanted
+                    break
+        if stopped is None and done == steps:
+            s.finish(self.model, self.optimizer)
         return done, stopped
 
     def tokens_per_s(self) -> float:

@@ -7,10 +7,15 @@ needs from its peers goes through a `Strategy`:
 - `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
-- `reduce(values)`: sum numbers over every rank (target-token counts, losses, eval sums)
+- `reduce(values)`: sum numbers over every rank (eval sums, anything global)
+- `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
+  optimizer step's gradients (every rank for DDP; only itself for DiLoCo's local inner steps)
+- `at_boundary(step)`: may the loop checkpoint or pause after this step (DiLoCo: at outer steps)
+- `finish(model, optimizer)`: the loop ended: bring every rank to the shared weights
 - `agree(code)`: every rank leaves the loop on the same step (the largest stop code wins)
 - `shard(items)`: this rank's slice of a list (eval examples)
-- `after_step(step)`: hook for strategies with an outer step (DiLoCo, parameter servers)
+- `after_step(step, model, optimizer, targets=)`: hook for strategies with an outer step (DiLoCo,
+  parameter servers); `targets`: this rank's loss tokens in the step
 - `gather_rng()` / `rng_for_rank(states)`: every rank's RNG state in a checkpoint, each rank its own
   back on resume (LoRA dropout differs per rank)
 - `state_dict()` / `load_state_dict()`: the strategy's own state in checkpoints
@@ -23,17 +28,29 @@ in `smolforge.parallel.strategies`, one file each, picked by name from its regis
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
+from pydantic import BaseModel
 
 
 class Strategy:
     name = "single"
+    Settings: ClassVar[type[BaseModel] | None] = None  # the pydantic model of `strategy_config`, if any
+
+    @classmethod
+    def check_settings(cls, config: dict[str, Any]) -> None:
+        """Raise ValueError (pydantic's) for settings this strategy does not take; at submit time."""
+        if cls.Settings is not None:
+            cls.Settings(**config)
+        elif config:
+            raise ValueError(f"the {cls.name} strategy takes no settings (got {', '.join(map(str, config))})")
 
     def __init__(self, **config: Any):
         self.config = dict(config)
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # handed to collectives while training
+        self.checkpoint_bytes_sent = 0  # handed to collectives to gather checkpoints
+        self.rounds: int | None = None  # outer steps taken, for strategies that have them (DiLoCo)
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -72,13 +89,30 @@ class Strategy:
         strategy or world size (a sharded optimizer loads the whole state and keeps its own part)."""
         return optimizer.state_dict()
 
-    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                   targets: float = 0.0) -> None:
         """Called after every optimizer step (DiLoCo's outer step, a parameter server's push)."""
+
+    def at_boundary(self, step: int) -> bool:
+        """Whether the state after `step` is one every rank shares (a checkpoint or a pause may land)."""
+        return True
+
+    def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The last step is done: every rank ends with the shared weights (DiLoCo's last outer step)."""
 
     # -- agreeing -----------------------------------------------------------------------------------
 
     def reduce(self, values: list[float], device: torch.device) -> list[float]:
         return list(values)
+
+    def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
+        """Sums over the ranks that average this step's gradients (the loss normalisation)."""
+        return self.reduce(values, device)
+
+    @property
+    def step_ranks(self) -> int:
+        """How many ranks average each step's gradients (DDP divides by it; the loss scale undoes that)."""
+        return self.world
 
     def agree(self, code: int, device: torch.device) -> int:
         return code
@@ -101,6 +135,10 @@ class Strategy:
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Restore what `optimizer_state` saved (strategies whose ranks differ keep one part per rank)."""
+        optimizer.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Strategies with state of their own (an outer optimizer, a staleness clock) restore it."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies.ddp import DDP
+from smolforge.parallel.strategies.diloco import DiLoCo
 from smolforge.parallel.strategies.single import SingleProcess
 from smolforge.parallel.strategies.zero1 import Zero1
 from smolforge.train.strategy import Strategy
@@ -19,6 +20,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleProcess,
     "ddp": DDP,
     "zero1": Zero1,
+    "diloco": DiLoCo,
 }
 
 

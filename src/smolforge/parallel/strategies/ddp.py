@@ -46,9 +46,16 @@ class DDP(Strategy):
         wrapped.register_comm_hook(self, _counted_allreduce)  # DDP's own all-reduce, its bytes counted
         return wrapped
 
-    def _count(self, tensor: torch.Tensor) -> None:
-        """Bytes this rank hands to a collective (the payload; a ring all-reduce moves about twice that)."""
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+    def _count(self, tensor: torch.Tensor, checkpoint: bool = False) -> None:
+        """Bytes this rank hands to a collective (the payload; a ring all-reduce moves about twice that).
+
+        What gathers a checkpoint (RNG states, a sharded or per-rank optimizer state) is counted apart:
+        it depends on how often one saves, not on the strategy's training traffic."""
+        n = tensor.numel() * tensor.element_size()
+        if checkpoint:
+            self.checkpoint_bytes_sent += n
+        else:
+            self.bytes_sent += n
 
     def accumulate(self, wrapped: torch.nn.Module, last: bool) -> ContextManager:
         return nullcontext() if last else wrapped.no_sync()
@@ -71,7 +78,7 @@ class DDP(Strategy):
     def gather_rng(self) -> list[torch.Tensor] | None:
         mine = torch.get_rng_state()
         every = [torch.empty_like(mine) for _ in range(self.world)]
-        self._count(mine)
+        self._count(mine, checkpoint=True)
         dist.all_gather(every, mine)  # gloo and NCCL both gather on the CPU group for byte tensors
         return every if self.is_main else None
 

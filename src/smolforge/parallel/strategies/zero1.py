@@ -29,13 +29,14 @@ class Zero1(DDP):
         self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **defaults)
         return self.optimizer
 
-    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                   targets: float = 0.0) -> None:
         # ZeroRedundancyOptimizer.step() ended by broadcasting the parameters this rank owns
         for p in _owned(self.optimizer):
             self._count(p)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        self.bytes_sent += optimizer_state_bytes(optimizer)  # what this rank's part weighs
+        self.checkpoint_bytes_sent += optimizer_state_bytes(optimizer)  # what this rank's part weighs
         optimizer.consolidate_state_dict(to=0)  # a collective: every rank sends its part to rank 0
         return optimizer.state_dict() if self.is_main else None
 
