@@ -57,5 +57,10 @@ def test_launch_without_coordinator_uses_embedded_cluster(tmp_path):
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["state"] == "completed", out["error"]
     assert out["result"]["world"] == 2 and out["result"]["steps"] == 8
+    # the headline a script or benchmark reads: one object, these keys at its top
+    assert out["strategy"] == "ddp" and out["workers"] == 2 and out["steps"] == 8 and out["samples"] == 8 * 2 * 2
+    assert out["final_loss"] > 0 and out["eval_loss"] > 0 and out["seconds"] > 0
+    for key in ("comm_bytes_sent_per_rank", "peak_rss_mb_per_rank", "optimizer_state_bytes_per_rank"):
+        assert len(out[key]) == 2 and all(v > 0 for v in out[key]), (key, out[key])
     assert (Path(out["adapter_dir"]) / "adapter_model.safetensors").exists()
     assert Path(out["adapter_dir"]).parent == tmp_path / "out"

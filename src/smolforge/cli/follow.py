@@ -49,13 +49,19 @@ def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0
     return final
 
 
+HEADLINE = ("strategy", "workers", "steps", "samples", "final_loss", "eval_loss", "comm_bytes_sent_per_rank",
+            "peak_rss_mb_per_rank", "optimizer_state_bytes_per_rank", "seconds", "rounds")
+
+
 def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -> None:
     job_id = st["job_id"]
     adapter = None
     if st["state"] == "completed" and output_dir:
         adapter = backend.download_adapter(job_id, output_dir)
     if json_out:
-        print_json({**st, "adapter_dir": str(adapter) if adapter else None})
+        res = st.get("result") or {}
+        headline = {k: res[k] for k in HEADLINE if k in res}  # what scripts and benchmarks read first
+        print_json({**headline, **st, "adapter_dir": str(adapter) if adapter else None})
         if st["state"] == "failed":
             raise typer.Exit(1)
         return

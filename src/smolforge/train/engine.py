@@ -82,6 +82,7 @@ class TrainResult:
     comm_bytes_sent: int = 0  # handed to collectives by this process while training (Strategy.bytes_sent)
     checkpoint_bytes_sent: int = 0  # ... and to gather checkpoints
     rounds: int | None = None  # outer steps, for strategies that have them (DiLoCo)
+    samples: int = 0  # sequences trained on, every rank together
     peak_rss_mb: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,6 +267,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     result.tokens_per_s = trainer.tokens_per_s()
     result.stopped = stopped
     result.strategy, result.optimizer_state_bytes = strategy.name, optimizer_state_bytes(optimizer)
+    result.samples = result.steps * per_rank * world
     if stopped is None:
         result.eval = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
         if writer:

@@ -374,6 +374,9 @@ class DPRunner(JobRunner):
         summary["median_step_s"] = gaps[len(gaps) // 2] if gaps else None
         summary["nodes"] = [results[r]["node"]["node_name"] for r in sorted(results)]
         summary["strategy"] = r0.get("strategy")
+        summary["workers"] = len(results)
+        summary["samples"] = r0.get("samples")
+        summary["eval_loss"] = (r0.get("eval") or {}).get("eval_loss")
         summary["rounds"] = r0.get("rounds")  # outer steps (DiLoCo)
         for key in ("comm_bytes_sent", "checkpoint_bytes_sent", "peak_rss_mb", "optimizer_state_bytes"):  # one value per rank, rank order
             summary[f"{key}_per_rank"] = [results[r].get(key) for r in sorted(results)]

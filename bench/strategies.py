@@ -1,0 +1,107 @@
+"""Data-parallel strategies side by side: 2 workers, the same model, data, per-rank batch and steps.
+
+For each strategy (ddp, zero1, diloco fp32, diloco int8) one job on an embedded cluster of this
+machine, against plain torchrun DDP (same engine, no Ray) measured in the same run. Printed per
+strategy, as ratios to the baselines: median step time ÷ torchrun DDP's; bytes handed to collectives
+per rank per sample, peak RSS and optimizer state per rank ÷ our DDP's; eval loss at equal samples.
+
+    .venv/bin/python bench/strategies.py [--model small-llama --steps 100 --peft lora|none --inner-steps 20]
+
+Goals (issue 11): zero1 step <= 1.15x DDP with optimizer state <= 0.55x; diloco bytes <= 1/100 of
+DDP's (H = 100, int8) with the final loss within 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_step_time import run_torchrun  # noqa: E402  (the same baseline as the step-time benchmark)
+
+
+def train_cfg(args, data: str) -> dict:
+    peft = {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0} if args.peft == "lora" else {"method": "none"}
+    return {"model": args.model, "data": {"path": data, "max_length": args.max_length, "max_eval_samples": 64},
+            "max_steps": args.steps, "batch_size": args.batch_size, "eval_accuracy": False, "save_every": 0,
+            "quiet": True, "tensorboard": False, "num_threads": 1, "seed": 0, "lr": args.lr, "peft": peft}
+
+
+def run_strategy(args, cluster, data: str, strategy: str, config: dict) -> dict:
+    spec = {"kind": "data_parallel", "num_workers": 2, "strategy": strategy, "strategy_config": config,
+            "train": train_cfg(args, data)}
+    t0 = time.time()
+    st = cluster.wait_for_job(cluster.submit_job(spec), timeout=3600)
+    if st["state"] != "completed":
+        raise SystemExit(f"{strategy} job {st['state']}: {st['error']}")
+    res = st["result"]
+    res["wall_s"] = time.time() - t0
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=4, help="per rank")
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--peft", choices=["lora", "none"], default="lora", help="none: full fine-tuning")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--inner-steps", type=int, default=20, help="diloco's H")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-momentum", type=float, default=0.5)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    tmp = Path(tempfile.mkdtemp(prefix="sfs"))
+    os.environ.setdefault("RAY_TMPDIR", str(tmp / "ray"))
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    preset_dir(args.model)  # build once, outside the timings
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(2000, seed=11)))
+    from smolforge.cluster.embedded import EmbeddedCluster
+
+    outer = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    plan = [("ddp", "ddp", {}), ("zero1", "zero1", {}), ("diloco-fp32", "diloco", outer),
+            ("diloco-int8", "diloco", {**outer, "codec": "int8"})]
+    torchrun_step, _ = run_torchrun(train_cfg(args, str(data)), tmp, 0)
+    cluster = EmbeddedCluster(state_dir=tmp / "state", num_cpus=2)
+    results = {}
+    try:
+        for name, strategy, config in plan:
+            results[name] = run_strategy(args, cluster, str(data), strategy, config)
+            r = results[name]
+            print(f"{name}: {r['median_step_s'] * 1000:.1f} ms/step, eval loss {r['eval']['eval_loss']:.4f}, "
+                  f"{max(r['comm_bytes_sent_per_rank']) / 1e6:.2f} MB sent per rank", flush=True)
+    finally:
+        cluster.close()
+    ddp = results["ddp"]
+    samples = args.steps * args.batch_size * 2
+    table = {}
+    for name, r in results.items():
+        table[name] = {
+            "ms_per_step": round(r["median_step_s"] * 1000, 1),
+            "step_time_vs_torchrun_ddp": round(r["median_step_s"] / torchrun_step, 3),
+            "bytes_per_rank_per_sample": round(max(r["comm_bytes_sent_per_rank"]) / samples),
+            "bytes_vs_ddp": round(max(r["comm_bytes_sent_per_rank"]) / max(ddp["comm_bytes_sent_per_rank"]), 4),
+            "peak_rss_vs_ddp": round(max(r["peak_rss_mb_per_rank"]) / max(ddp["peak_rss_mb_per_rank"]), 3),
+            "optimizer_state_vs_ddp": round(max(r["optimizer_state_bytes_per_rank"])
+                                            / max(ddp["optimizer_state_bytes_per_rank"]), 3),
+            "eval_loss": round(r["eval"]["eval_loss"], 4),
+            "eval_loss_vs_ddp": round(r["eval"]["eval_loss"] / ddp["eval"]["eval_loss"], 4),
+            "rounds": r.get("rounds"),
+        }
+    print(json.dumps({"model": args.model, "peft": args.peft, "steps": args.steps, "batch_per_rank": args.batch_size,
+                      "ranks": 2, "torchrun_ddp_ms_per_step": round(torchrun_step * 1000, 1),
+                      "diloco": outer, "strategies": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
