@@ -34,6 +34,21 @@ def train_cfg(args, data: str) -> dict:
             "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
 
 
+def prepare(model: str, prefix: str) -> tuple[Path, Path]:
+    """A temp dir (Ray's too), offline settings, the model preset built outside the timings, and the data."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ.setdefault("RAY_TMPDIR", str(tmp / "ray"))
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    preset_dir(model)
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(2000, seed=11)))
+    return tmp, data
+
+
 def run_torchrun(cfg: dict, tmp: Path, i: int) -> tuple[float, float]:
     """(median step s, CPU s per step) of `cfg` under plain torchrun DDP, 2 ranks (no Ray)."""
     cfg_path, out = tmp / f"cfg-{i}.json", tmp / f"torchrun-{i}.json"
@@ -65,16 +80,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    tmp = Path(tempfile.mkdtemp(prefix="sfb"))
-    os.environ.setdefault("RAY_TMPDIR", str(tmp / "ray"))
-    from smolforge.data.synthetic import generate
-    from smolforge.models.tiny import preset_dir
-
-    preset_dir(args.model)  # build once, outside the timings
-    data = tmp / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in generate(2000, seed=11)))
+    tmp, data = prepare(args.model, "sfb")
     from smolforge.cluster.embedded import EmbeddedCluster
 
     t0 = time.time()

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dp_step_time import run_torchrun  # noqa: E402  (the same baseline as the step-time benchmark)
+from dp_step_time import prepare, run_torchrun  # noqa: E402  (the same baseline as the step-time benchmark)
 
 
 def train_cfg(args, data: str) -> dict:
@@ -56,16 +54,7 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--outer-momentum", type=float, default=0.5)
     args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    tmp = Path(tempfile.mkdtemp(prefix="sfs"))
-    os.environ.setdefault("RAY_TMPDIR", str(tmp / "ray"))
-    from smolforge.data.synthetic import generate
-    from smolforge.models.tiny import preset_dir
-
-    preset_dir(args.model)  # build once, outside the timings
-    data = tmp / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in generate(2000, seed=11)))
+    tmp, data = prepare(args.model, "sfs")
     from smolforge.cluster.embedded import EmbeddedCluster
 
     outer = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}

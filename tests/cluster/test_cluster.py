@@ -125,6 +125,20 @@ def wait_step(client, job_id, step, timeout=240) -> dict:
     raise AssertionError(f"job {job_id} did not reach step {step}: {st}")
 
 
+def whole_and_paused(client, spec: dict) -> tuple[str, str, dict]:
+    """Run `spec` uninterrupted, then again paused after step 6 and resumed; returns (whole id, paused
+    job id, its status when paused). The caller checks where the pause landed and the weights."""
+    import copy
+
+    whole = client.submit_job(copy.deepcopy(spec))
+    wait_state(client, whole, ("completed",))
+    job_id = client.submit_job(copy.deepcopy(spec))
+    st = wait_step(client, job_id, 6)
+    assert st["state"] == "running", st
+    client.pause_job(job_id)
+    return whole, job_id, wait_state(client, job_id, ("paused",))
+
+
 # -- membership and auth ------------------------------------------------------------------------
 
 def test_three_node_cluster_lists_workers_and_models(world):
@@ -307,19 +321,11 @@ def test_diloco_sends_a_fraction_of_ddps_bytes_for_the_same_loss(world):
 def test_diloco_pause_then_resume_equals_uninterrupted(world):
     """The pause lands on the next outer step; every rank's inner AdamW state is kept: the resumed
     job ends with the weights of an uninterrupted one."""
-    import copy
-
     client = world["c"].client()
     steps = 2 * STEPS
     spec = {**job_spec(world, max_steps=steps, save_every=8), "strategy": "diloco",
             "strategy_config": {"inner_steps": 4}}
-    whole = client.submit_job(copy.deepcopy(spec))
-    wait_state(client, whole, ("completed",))
-    job_id = client.submit_job(copy.deepcopy(spec))
-    st = wait_step(client, job_id, 6)
-    assert st["state"] == "running", st
-    client.pause_job(job_id)
-    st = wait_state(client, job_id, ("paused",))
+    whole, job_id, st = whole_and_paused(client, spec)
     assert st["step"] % 4 == 0 and 6 <= st["step"] < steps, st  # on an outer step
     client.resume_job(job_id)
     wait_state(client, job_id, ("completed",))
@@ -383,18 +389,10 @@ def test_pause_then_resume_equals_uninterrupted(world, strategy):
 def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     """Dropout masks come from each rank's own RNG stream: a checkpoint keeps every rank's state and
     each rank resumes its own (before, every rank took rank 0's and the resumed run drifted)."""
-    import copy
-
     client = world["c"].client()
     steps = 2 * STEPS
     spec = job_spec(world, max_steps=steps, peft={"method": "lora", "r": 8, "alpha": 16, "dropout": 0.05})
-    whole = client.submit_job(copy.deepcopy(spec))
-    wait_state(client, whole, ("completed",))
-    job_id = client.submit_job(copy.deepcopy(spec))
-    st = wait_step(client, job_id, 6)
-    assert st["state"] == "running", st
-    client.pause_job(job_id)
-    st = wait_state(client, job_id, ("paused",))
+    whole, job_id, st = whole_and_paused(client, spec)
     assert 6 <= st["step"] < steps, st
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
