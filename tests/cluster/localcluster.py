@@ -34,11 +34,13 @@ def cli_module() -> str:
 
 
 class Proc:
-    def __init__(self, args: list[str], env: dict, log: Path):
+    def __init__(self, args: list[str], env: dict, log: Path, prefix: list[str] | None = None):
         self.args, self.log = args, log
         self._fh = open(log, "wb")
-        self.p = subprocess.Popen([sys.executable, "-m", cli_module(), *args], env=env, stdout=self._fh,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # prefix: e.g. `ip netns exec NS` (tests/netlab.py), which execs the command: same pid
+        self.p = subprocess.Popen([*(prefix or []), sys.executable, "-m", cli_module(), *args], env=env,
+                                  stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
         self.pgid = self.p.pid
 
     def output(self) -> str:
@@ -76,8 +78,12 @@ class Proc:
 class LocalCluster:
     """coordinator + workers; `with LocalCluster(tmp) as c: c.add_worker("w1")`."""
 
-    def __init__(self, base: Path, coordinator_cpus: int = 1):
+    def __init__(self, base: Path, coordinator_cpus: int = 1, host: str = "127.0.0.1", prefix=None):
+        """host: the coordinator's --host; prefix(node name) -> argv prefix that runs that node's
+        process elsewhere ("coordinator" for the coordinator; tests/netlab.py: its namespace)."""
         self.base = Path(base)
+        self.host = host
+        self._prefix = prefix or (lambda node: [])
         self.tmp = Path(tempfile.mkdtemp(prefix="sfr", dir="/tmp"))  # short: Ray socket paths
         self.state = self.base / "coord-state"
         self.port, self.ray_port = free_port(), free_port()
@@ -105,7 +111,9 @@ class LocalCluster:
             args += ["--models-dir", str(models_dir)]
         if tls:
             args += ["--tls"]
-        self.coordinator = Proc(args, self.env, log)
+        if self.host != "127.0.0.1":
+            args += ["--host", self.host]
+        self.coordinator = Proc(args, self.env, log, prefix=self._prefix("coordinator"))
         self.coordinator.wait_for("Join workers with:", timeout)
         info = json.loads((self.state / "coordinator.json").read_text())
         self.tls_fingerprint = info.get("tls_fingerprint")
@@ -122,7 +130,7 @@ class LocalCluster:
 
     @property
     def hostport(self) -> str:
-        return f"{'https://' if self.tls_fingerprint else ''}127.0.0.1:{self.port}"
+        return f"{'https://' if self.tls_fingerprint else ''}{self.host}:{self.port}"
 
     def add_worker(self, name: str, cpus: int = 1, models_dir: Path | None = None, token: str | None = None,
                    wait: bool = True, timeout: float = 120, tls_fingerprint: str | None = None) -> Proc:
@@ -138,7 +146,7 @@ class LocalCluster:
             args += ["--token-file", str(token_file)]
         if models_dir:
             args += ["--models-dir", str(models_dir)]
-        proc = Proc(args, self.env, self.base / f"worker-{name}.log")
+        proc = Proc(args, self.env, self.base / f"worker-{name}.log", prefix=self._prefix(name))
         self.workers[name] = proc
         if wait:
             proc.wait_for(f"Registered as {name}", timeout)
@@ -183,7 +191,8 @@ class LocalCluster:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not os.environ.get("SF_KEEP_RAY_TMP"):
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -223,5 +232,6 @@ class LocalCluster:
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         env = {**self.env, "SMOLFORGE_COORDINATOR": self.hostport, "SMOLFORGE_TOKEN": self.token}
-        return subprocess.run([sys.executable, "-m", cli_module(), *args], capture_output=True, text=True,
+        return subprocess.run([*self._prefix("coordinator"), sys.executable, "-m", cli_module(), *args],
+                              capture_output=True, text=True,
                               timeout=timeout, env=env)

@@ -286,6 +286,32 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     assert all(b > 0 for b in res["peak_rss_mb_per_rank"])
 
 
+def test_fsdp_equals_ddp_with_a_shard_of_the_state_per_rank(world):
+    """FSDP2 shards every block's parameters (the frozen base too), gradients and AdamW's state; its
+    reduce-scatter averages over the ranks as DDP's all-reduce does, so the weights are DDP's. The
+    adapter is gathered onto rank 0 and comes out as ordinary PEFT files."""
+    client = world["c"].client()
+    if "dp_job" not in world:  # run on its own (-k fsdp): the ddp job to compare with
+        world["dp_job"] = client.submit_job(job_spec(world))
+        wait_state(client, world["dp_job"], ("completed",))
+    job_id = client.submit_job({**job_spec(world), "strategy": "fsdp"})
+    res = wait_state(client, job_id, ("completed",))["result"]
+    ddp = client.get_job_status(world["dp_job"])["result"]
+    assert res["strategy"] == "fsdp" and res["world"] == 2 and res["steps"] == STEPS
+    path = client.download_adapter(job_id, world["base"] / "downloads" / job_id)
+    assert (path / "adapter_config.json").exists()
+    mine = load_file(str(path / "adapter_model.safetensors"))
+    assert_same_weights(mine, adapter_of(world, world["dp_job"]), atol=1e-5, rtol=0)
+    assert_same_weights(mine, reference(world, 4), atol=1e-5, rtol=0)
+    full = ddp["optimizer_state_bytes_per_rank"]
+    assert all(b <= (1 / 2 + 0.1) * full[0] for b in res["optimizer_state_bytes_per_rank"]), (res, full)
+    # counted, not estimated: every step each rank hands over its half of every block (and of the
+    # embeddings) for the all-gathers, and the whole LoRA gradient buffer to the reduce-scatter
+    grads = sum(t.numel() * 4 for t in mine.values())
+    assert all(b >= STEPS * (grads + res["total_params"] * 4 / 2) for b in res["comm_bytes_sent_per_rank"]), res
+    assert all(b > 0 for b in res["checkpoint_bytes_sent_per_rank"] + res["peak_rss_mb_per_rank"]), res
+
+
 def test_diloco_with_one_inner_step_and_a_plain_outer_step_is_ddp(world):
     """H = 1, outer SGD lr 1.0 without momentum, a linear inner optimizer (SGD) and no clipping: the
     token-weighted average of the ranks' steps is exactly DDP's step (checks the outer step)."""
@@ -332,6 +358,100 @@ def test_diloco_pause_then_resume_equals_uninterrupted(world):
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole), atol=1e-6, rtol=0)
 
 
+def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
+    """w2 sleeps 30 ms per sample in every forward (fault injection: a file in its node directory).
+    With `balance: auto` its rank measures that, takes fewer rows of each global batch and the step
+    gets shorter than with equal slices (`off`); the loss is normalised over the whole step, so both
+    end with the weights of one process with the global batch."""
+    client = world["c"].client()
+    slow = world["base"] / "node-w2" / "node" / "fault-sample-delay-s"
+    slow.parent.mkdir(parents=True, exist_ok=True)
+    slow.write_text("0.03")
+    steps = 16
+    try:
+        res = {}
+        for mode in ("off", "auto"):
+            job_id = client.submit_job({**job_spec(world, batch_size=4, max_steps=steps, save_every=0),
+                                        "balance": mode})
+            res[mode] = wait_state(client, job_id, ("completed",))
+    finally:
+        slow.unlink()
+    off, auto = res["off"]["result"], res["auto"]["result"]
+    slow_rank = auto["nodes"].index("w2")
+    assert off["batch_rows_per_rank"] is None  # equal slices: 4 and 4
+    rows = auto["batch_rows_per_rank"]
+    assert sum(rows) == 8 and rows[slow_rank] < 4 < rows[1 - slow_rank], auto
+    events = client.job_events(res["auto"]["job_id"])
+    assert any(e["kind"] == "balance" for e in events), render_timeline(events)
+    assert auto["median_step_s"] < 0.85 * off["median_step_s"], (auto["median_step_s"], off["median_step_s"])
+    # the fast rank waited for the slow one with equal slices, much less once balanced
+    assert auto["comm_wait_s_per_rank"][1 - slow_rank] < off["comm_wait_s_per_rank"][1 - off["nodes"].index("w2")]
+    ref = reference(world, 8, max_steps=steps, save_every=0)
+    for mode in ("off", "auto"):
+        assert_same_weights(adapter_of(world, res[mode]["job_id"]), ref)
+    # communication lands in the job's metrics: the job row (job show, dashboard) and Prometheus
+    comm = client.get_job_status(res["auto"]["job_id"])["comm"]
+    assert comm["step"] == steps and comm["batch_rows_per_rank"] == rows
+    for reported, total in zip(comm["bytes_sent_per_rank"], auto["comm_bytes_sent_per_rank"]):
+        assert 0.99 * total <= reported <= total  # the last report is before the final eval's reduce
+    scrape = world["c"].api("GET", "/metrics").text
+    assert f'smolforge_job_comm_bytes_sent{{job="{res["auto"]["job_id"]}",rank="{slow_rank}"}}' in scrape
+    assert "smolforge_job_comm_wait_seconds{" in scrape
+
+
+def diloco_spec(w, steps: int, inner: int = 5, **kw) -> dict:
+    return {**job_spec(w, max_steps=steps, save_every=0, **kw), "strategy": "diloco",
+            "strategy_config": {"inner_steps": inner}}
+
+
+def test_diloco_member_killed_mid_round_the_others_carry_on(world):
+    """Rank 1's process is SIGKILLed between two outer steps: rank 0 re-forms the group alone and
+    finishes the job with no restart from a checkpoint (one group, no recovery); the event log shows
+    the member leaving."""
+    client = world["c"].client()
+    steps = 40
+    job_id = client.submit_job(diloco_spec(world, steps))
+    st = wait_step(client, job_id, 7)
+    assert st["state"] == "running" and st["step"] < steps, st
+    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = render_timeline(events)
+    kinds = [e["kind"] for e in events]
+    assert "member_left" in kinds and "group_reformed" in kinds, timeline
+    assert "recovering" not in kinds and "recovered" not in kinds, timeline  # no restart
+    assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline
+    reformed = next(e for e in events if e["kind"] == "group_reformed")
+    assert reformed["data"]["members"] == [0], timeline
+    res = st["result"]
+    assert res["steps"] == steps and res["workers"] == 1 and res["rounds"] == steps // 5, res
+    assert (client.download_adapter(job_id, world["base"] / "downloads" / job_id) / "adapter_model.safetensors").exists()
+
+
+def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world):
+    """The coordinator is lent to a running diloco job: it is placed at once as member 2, waits, and
+    the group takes it in at its next outer step (it receives the step, the shared weights and the
+    outer momentum) with no restart; the job ends with three members' results."""
+    client = world["c"].client()
+    steps = 400  # long enough (~20 s) that the joiner is placed and loaded before the job ends
+    job_id = client.submit_job(diloco_spec(world, steps))
+    wait_step(client, job_id, 2)
+    client.join_job(job_id)
+    st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = render_timeline(events)
+    kinds = [e["kind"] for e in events]
+    assert "member_joining" in kinds and "regrouped" not in kinds, timeline
+    assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline  # no restart
+    reformed = [e["data"] for e in events if e["kind"] == "group_reformed"]
+    assert len(reformed) == 1 and reformed[0]["joined"] == [2] and reformed[0]["members"] == [0, 1, 2], timeline
+    assert reformed[0]["step"] % 5 == 0 and 0 < reformed[0]["step"] < steps, timeline  # at an outer step
+    res = st["result"]
+    assert res["steps"] == steps and res["workers"] == 3 and "coordinator" in res["nodes"], res
+    assert res["rounds"] == steps // 5
+
+
 def test_orchestrator_api_with_the_seeds_names(world):
     from smolforge import create_distributed_training
 
@@ -363,7 +483,7 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
             "eta_s", "nodes"} <= set(job)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_pause_then_resume_equals_uninterrupted(world, strategy):
     client = world["c"].client()
     steps = 2 * STEPS  # room for the pause to land (within a poll, ~0.5 s) however fast the steps run

@@ -65,6 +65,22 @@ def _job_line(j: dict) -> str:
     return text
 
 
+def _comm_line(comm: dict) -> str:
+    """A data-parallel job's communication per rank: bytes handed to collectives, time waiting in them."""
+    sent = " / ".join(_mb(b) for b in comm.get("bytes_sent_per_rank") or [])
+    waits = " / ".join(f"{w:.1f} s" for w in comm.get("wait_s_per_rank") or [])
+    text = f"communication (per rank, step {comm.get('step')}): sent {sent} · waiting {waits}"
+    if comm.get("rounds") is not None:
+        text += f" · {comm['rounds']} outer steps"
+    if any(r is not None for r in comm.get("batch_rows_per_rank") or []):
+        text += " · rows per step " + " / ".join(str(r) for r in comm["batch_rows_per_rank"]) + " (balanced)"
+    return text
+
+
+def _mb(n: int | None) -> str:
+    return "–" if n is None else f"{n / 1e6:,.1f} MB"
+
+
 def _add_row(table, *cells) -> None:
     """Cells hold user text (node, model and job names): never let rich read them as markup."""
     from rich.markup import escape
@@ -394,6 +410,8 @@ def register(app: typer.Typer) -> None:
         con.print(f"workers: {', '.join(job.get('nodes') or []) or '–'} · failures survived: {job.get('attempts') or 0}")
         if job.get("error"):
             con.print(f"error: {job['error']}")
+        if job.get("comm"):
+            con.print(_comm_line(job["comm"]), markup=False)
         from rich.table import Table
 
         t = Table(title="tasks")

@@ -50,7 +50,8 @@ def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0
 
 
 HEADLINE = ("strategy", "workers", "steps", "samples", "final_loss", "eval_loss", "comm_bytes_sent_per_rank",
-            "peak_rss_mb_per_rank", "optimizer_state_bytes_per_rank", "seconds", "rounds")
+            "peak_rss_mb_per_rank", "optimizer_state_bytes_per_rank", "seconds", "rounds", "comm_wait_s_per_rank",
+            "batch_rows_per_rank")
 
 
 def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -> None:

@@ -27,8 +27,10 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: int = typer.Option(2, help="data-parallel ranks"),
-        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 | diloco "
-                                     "(settings: --set strategy_config.KEY=VALUE)"),
+        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 | fsdp | "
+                                     "diloco (settings: --set strategy_config.KEY=VALUE)"),
+        balance: str = typer.Option("auto", help="data_parallel, synchronous strategies: rows per rank follow each "
+                                    "rank's measured speed when speeds differ by >20% (auto), or equal (off)"),
         mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
                                  "--model is the teacher, --student the student, --workers the students)"),
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
@@ -97,7 +99,8 @@ def register(app: typer.Typer) -> None:
             raise SmolforgeError("--student is for --mode teacher_student or hybrid",
                                  fix="drop --student, or pick a distillation mode")
         kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
-                                      cpus_per_worker=cpus_per_worker, name=name, strategy=strategy)
+                                      cpus_per_worker=cpus_per_worker, name=name, strategy=strategy,
+                                      balance=balance)
         for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
                            ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
                            ("lora_alpha", lora_alpha), ("peft", peft)):
@@ -229,6 +232,7 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
     from smolforge.cluster.jobs import apply_job_overrides
 
     strategy = opts.pop("strategy", "ddp")
+    balance = opts.pop("balance", "auto")
     train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
     if "max_length" in opts:
         train["data"]["max_length"] = opts.pop("max_length")
@@ -241,5 +245,5 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
     train.update(opts)
     train.setdefault("save_every", default_save_every(train.get("max_steps")))
     spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
-            "gpu": gpu, "max_retries": max_retries, "strategy": strategy, "train": train}
+            "gpu": gpu, "max_retries": max_retries, "strategy": strategy, "balance": balance, "train": train}
     return apply_job_overrides(spec, sets)

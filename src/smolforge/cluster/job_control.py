@@ -8,16 +8,24 @@ checkpoint to resume from and the uploaded dataset from it. No shared filesystem
 The job runner (in the coordinator process) sets the stop / regroup flags and drains the progress
 reports the workers push; workers poll the flags in the background, so none of this sits on the
 training step's critical path.
+
+For elastic strategies (DiLoCo) it is also the membership service: when ranks must re-form their
+process group (a member died, one joins), each one `enter`s the next epoch with the address where it
+could host the rendezvous, and `view` returns the decision once every live member is in (or after
+a grace period, leaving out who never came): the members, the host's address and a fresh secret.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any
 
 from smolforge.cluster.artifacts import ArtifactStore
 from smolforge.cluster.ray_glue import HEAD_RESOURCE
+
+REGROUP_GRACE_S = 60.0  # how long a re-forming group waits for a member that neither comes nor is known gone
 
 
 class JobControl:
@@ -31,6 +39,7 @@ class JobControl:
         self.regroup_now = False
         self.items: list[dict] = []
         self.lock = threading.Lock()  # threaded actor: reports and drains may overlap
+        self.start_members(0)
 
     def set_stop(self, code: str | None) -> None:
         self.stop = code
@@ -45,7 +54,81 @@ class JobControl:
         self.stop, self.regroup, self.regroup_now = None, False, False
 
     def poll(self) -> dict:
-        return {"stop": self.stop, "regroup": self.regroup, "regroup_now": self.regroup_now}
+        return {"stop": self.stop, "regroup": self.regroup, "regroup_now": self.regroup_now,
+                "joiners": bool(self.joiners)}
+
+    # -- elastic membership -----------------------------------------------------------------------
+
+    def start_members(self, n: int) -> None:
+        """A new group of members 0..n-1 (the runner, as it starts one)."""
+        with self.lock:
+            self.alive: set[int] = set(range(n))
+            self.gone: set[int] = set()
+            self.entries: dict[int, dict[int, tuple[str, int]]] = {}  # epoch -> member -> rendezvous address
+            self.first_entry: dict[int, float] = {}
+            self.decisions: dict[int, dict] = {}
+            self.joiners: dict[int, tuple[str, int]] = {}  # waiting to be taken in at the next epoch
+            self.admitting: set[int] = set()  # epochs the members re-form to take joiners in
+
+    def member_left(self, member: int) -> None:
+        """The runner saw the member's process or node die."""
+        with self.lock:
+            self.alive.discard(member)
+            self.gone.add(member)
+            self.joiners.pop(member, None)
+            self._decide_all()
+
+    def enter(self, epoch: int | None, member: int, addr: tuple[str, int], admit: bool = False) -> None:
+        """A member is ready for group epoch `epoch`; `None`: a joiner, for the next epoch that admits
+        (one the members re-form to take joiners in, not one that only drops a lost peer)."""
+        with self.lock:
+            if member in self.gone:
+                return
+            if epoch is None:
+                self.joiners[member] = tuple(addr)
+                return
+            self.entries.setdefault(epoch, {})[member] = tuple(addr)
+            self.first_entry.setdefault(epoch, time.time())
+            if admit:
+                self.admitting.add(epoch)
+            self._decide_all()
+
+    def view(self, epoch: int | None, member: int) -> dict | None:
+        """The decision for `epoch` once made (None: not yet); a joiner gets the first one taking it in."""
+        with self.lock:
+            self._decide_all()
+            if epoch is None:
+                for e in sorted(self.decisions):
+                    if member in self.decisions[e]["members"]:
+                        return self.decisions[e]
+                return {"excluded": True} if member in self.gone else None
+            d = self.decisions.get(epoch)
+            if d is not None and member not in d["members"]:
+                return {"excluded": True}
+            return d
+
+    def _decide_all(self) -> None:
+        for epoch in sorted(self.entries):
+            if epoch in self.decisions:
+                continue
+            came = self.entries[epoch]
+            late = time.time() - self.first_entry[epoch] > REGROUP_GRACE_S
+            if not (self.alive <= set(came) or late):
+                continue
+            for m in self.alive - set(came):  # never came within the grace period: left out
+                self.gone.add(m)
+                self.items.append({"type": "event", "kind": "member_left", "ts": time.time(),
+                                   "message": f"member {m} did not reach the group's epoch {epoch} within "
+                                              f"{REGROUP_GRACE_S:.0f} s: left out", "data": {"member": m}})
+            joined = dict(self.joiners) if epoch in self.admitting else {}
+            for m in joined:
+                self.joiners.pop(m)
+            hosts = {**joined, **{m: a for m, a in came.items() if m not in self.gone}}
+            members = sorted(hosts)
+            self.alive = set(members)
+            self.decisions[epoch] = {"epoch": epoch, "members": members, "joined": sorted(joined),
+                                     "host": members[0], "addr": hosts[members[0]],
+                                     "secret": secrets.token_hex(16)}
 
     def report(self, batch: list[dict]) -> None:
         with self.lock:

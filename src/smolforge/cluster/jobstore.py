@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     nodes TEXT DEFAULT '[]',
     attempts INTEGER DEFAULT 0,
     error TEXT,
-    result TEXT
+    result TEXT,
+    comm TEXT
 );
 CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY,
@@ -103,6 +104,7 @@ class JobStore:
         self._write_lock = threading.RLock()
         with self._write_lock:
             self._db().executescript(SCHEMA)  # executescript manages its own transaction
+            self._add_missing_columns()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -116,6 +118,13 @@ class JobStore:
             db.execute("PRAGMA foreign_keys=ON")
             self._local.db = db
         return db
+
+    def _add_missing_columns(self) -> None:
+        """A store written by an older smolforge lacks newer columns: add them (nothing else changes)."""
+        have = {r["name"] for r in self._db().execute("PRAGMA table_info(jobs)").fetchall()}
+        for column in ("comm",):
+            if column not in have:
+                self._db().execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -143,6 +152,7 @@ class JobStore:
         d["spec"] = json.loads(d["spec"])
         d["nodes"] = json.loads(d["nodes"] or "[]")
         d["result"] = json.loads(d["result"]) if d["result"] else None
+        d["comm"] = json.loads(d["comm"]) if d.get("comm") else None  # communication per rank (data-parallel)
         d["progress"] = (d["step"] / d["max_steps"]) if d["max_steps"] else (1.0 if d["state"] == "completed" else 0.0)
         return d
 
@@ -225,7 +235,7 @@ class JobStore:
         return prev
 
     def update_job(self, job_id: str, **fields: Any) -> None:
-        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec"}
+        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec", "comm"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update {bad}")
@@ -233,7 +243,7 @@ class JobStore:
             return
         vals = []
         for k, v in fields.items():
-            vals.append(json.dumps(v, default=str) if k in ("nodes", "result", "spec") and v is not None else v)
+            vals.append(json.dumps(v, default=str) if k in ("nodes", "result", "spec", "comm") and v is not None else v)
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in fields)}, updated=? WHERE id=?",
                        (*vals, time.time(), job_id))

@@ -14,7 +14,7 @@ def job_status(job: dict) -> dict:
         "samples_total": job.get("samples_total"), "eta_s": job.get("eta_s"), "loss": job.get("loss"),
         "node": ", ".join(job.get("nodes") or []) or None, "nodes": job.get("nodes") or [],
         "world_size": job.get("world_size"), "attempts": job.get("attempts"), "error": job.get("error"),
-        "result": job.get("result"),
+        "result": job.get("result"), "comm": job.get("comm"),
     }
 
 

@@ -158,7 +158,8 @@ class JobManager:
         if target in spec.lent_nodes or target in runner.pending_joins:
             raise SmolforgeError(f"{target} already joined job {job_id}", fix="nothing to do")
         world = max(runner.world, 1) + len(runner.pending_joins) + 1
-        if spec.global_batch % world:
+        # an elastic group splits each global batch among whoever is a member, evenly or not
+        if spec.global_batch % world and not runner.elastic:
             raise SmolforgeError(
                 f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
                 fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
@@ -166,6 +167,8 @@ class JobManager:
         runner.request("join", target)
         when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner.training \
             else "the placement of its group"
+        if runner.elastic and runner.training:
+            when = "the group's next outer step (no restart)"
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
         return self._job(job_id)
 

@@ -62,6 +62,25 @@ class _Collector:
         yield prog
         yield loss
         yield world
+        # Communication per rank of data-parallel jobs (latest report; counters of the current group)
+        sent = GaugeMetricFamily("smolforge_job_comm_bytes_sent", "Bytes a rank handed to collectives",
+                                 labels=["job", "rank"])
+        wait = GaugeMetricFamily("smolforge_job_comm_wait_seconds", "Time a rank waited in collectives",
+                                 labels=["job", "rank"])
+        rounds = GaugeMetricFamily("smolforge_job_rounds", "Outer steps taken (DiLoCo)", labels=["job"])
+        for j in jobs:
+            comm = j.get("comm") or {}
+            for rank, value in enumerate(comm.get("bytes_sent_per_rank") or []):
+                if value is not None:
+                    sent.add_metric([j["id"], str(rank)], value)
+            for rank, value in enumerate(comm.get("wait_s_per_rank") or []):
+                if value is not None:
+                    wait.add_metric([j["id"], str(rank)], value)
+            if comm.get("rounds") is not None:
+                rounds.add_metric([j["id"]], comm["rounds"])
+        yield sent
+        yield wait
+        yield rounds
 
 
 def render(core: Any) -> tuple[bytes, str]:

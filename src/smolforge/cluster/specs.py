@@ -56,6 +56,9 @@ class DataParallelJob(Spec):
     max_retries: int = Field(2, ge=0, description="worker failures survived before the job fails")
     strategy: str = Field("ddp", description="how the ranks share learning (smolforge.parallel.strategies)")
     strategy_config: dict[str, Any] = Field(default_factory=dict, description="the strategy's own settings")
+    balance: Literal["auto", "off"] = Field(
+        "auto", description="synchronous strategies: rows per rank in proportion to each rank's measured speed "
+                            "when they differ by more than 20% (auto), or equal slices (off)")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout (a peer lost without a TCP reset); "
                                   "never shorter than checkpoint_upload_timeout_s + 60, so the ranks waiting at a "

@@ -154,21 +154,22 @@ def remove_houlsby(model: nn.Module) -> nn.Module:
     return model
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors, under their full names in `model`."""
+def adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors, under their full names in `model` (taken from `state_dict` when given)."""
     marker = f".{CHILD}."
-    return {k: v for k, v in model.state_dict().items() if marker in f".{k}"}
+    return {k: v for k, v in (model.state_dict() if state_dict is None else state_dict).items() if marker in f".{k}"}
 
 
-def save_houlsby(model: nn.Module, out_dir: str | Path) -> None:
-    """Write adapter_config.json + adapter_model.safetensors into an existing directory."""
+def save_houlsby(model: nn.Module, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write adapter_config.json + adapter_model.safetensors into an existing directory (the weights
+    from `state_dict` when given: a sharded model's, gathered)."""
     from safetensors.torch import save_file
 
     info = getattr(model, "_smolforge_houlsby", None)
     if info is None:
         raise SmolforgeError("model has no Houlsby adapters to save", fix="call apply_peft with method 'adapter' first")
     out_dir = Path(out_dir)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model, state_dict).items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = getattr(model, "config", None)
     first = next(m for m in model.modules() if isinstance(m, BottleneckAdapter))

@@ -283,8 +283,12 @@ def check_base(base_model: nn.Module, adapter_dir: Path) -> None:
                              fix=f"load it onto the base it was trained on ({trained.get('name_or_path')})")
 
 
-def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
+def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
+                 weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the model's adapter (or the full model for `none`) to `out_dir`, atomically.
+
+    `weights`: the trainable weights by parameter name when the model holds only shards of them
+    (FSDP: `Strategy.model_state` gathered them); else they are read from the model.
 
     Everything is written to a temp directory next to `out_dir` and swapped into place, so a
     crash never leaves a half-written adapter where a reader could find it.
@@ -296,9 +300,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
     try:
         method = model_method(model)
         if method == "adapter":
-            houlsby.save_houlsby(model, tmp)
-        else:
-            model.save_pretrained(tmp)  # safetensors; peft models write only the adapter
+            houlsby.save_houlsby(model, tmp, state_dict=weights)
+        else:  # safetensors; peft models write only the adapter
+            model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if method != "none":

@@ -38,6 +38,31 @@ POLL_S = 0.5
 UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
 # Fault injection for tests (the slow-Wi-Fi case): seconds rank 0 sleeps before each checkpoint upload.
 FAULT_UPLOAD_DELAY_S = float(os.environ.get("SMOLFORGE_FAULT_UPLOAD_DELAY_S", "0") or 0)
+REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (the control actor decides in 60)
+COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
+
+
+def fault_sample_delay_s() -> float:
+    """Fault injection for tests and benchmarks (a slow machine): seconds this node's ranks sleep per
+    sample in every forward. From SMOLFORGE_FAULT_SAMPLE_DELAY_S, or the file `fault-sample-delay-s`
+    in the node's directory, which a test may write while the worker runs."""
+    env = os.environ.get("SMOLFORGE_FAULT_SAMPLE_DELAY_S")
+    if env:
+        return float(env)
+    try:
+        return float((node_dir() / "fault-sample-delay-s").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0.0
+
+
+def slow_down(model, per_sample_s: float) -> None:
+    """Make every forward of `model` take `per_sample_s` longer per row (see fault_sample_delay_s)."""
+
+    def pause(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        time.sleep(per_sample_s * (int(ids.shape[0]) if ids is not None else 1))
+
+    model.register_forward_pre_hook(pause, with_kwargs=True)
 
 
 def node_dir() -> Path:
@@ -82,6 +107,56 @@ def prepare_model(name: str, root: Path) -> None:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class ControlMembership:
+    """How an elastic strategy's ranks re-form their group: through the job's control actor.
+
+    Each rank binds a rendezvous socket on its own address, `enter`s the next epoch with it, and
+    polls `view` until the control actor has decided who is in (every live member came, or a grace
+    period passed). The lowest member hosts the store on its socket; the others close theirs."""
+
+    def __init__(self, worker: "DPWorker", backend: str, timeout_s: float, admit_timeout_s: float):
+        self.worker, self.backend, self.timeout_s = worker, backend, timeout_s
+        self.admit_timeout_s = admit_timeout_s
+
+    def joiners_waiting(self) -> bool:
+        """Asked afresh at each outer step (the poller's copy may predate the last admission)."""
+        import ray
+
+        try:
+            return bool(ray.get(self.worker.control.poll.remote(), timeout=10).get("joiners"))
+        except RayError:
+            return self.worker._joiners
+
+    def regroup(self, epoch: int | None, admit: bool = False) -> dict:
+        import ray
+
+        control, member = self.worker.control, self.worker.rank
+        sock = listen_socket(node_ip())
+        try:
+            ray.get(control.enter.remote(epoch, member, sock.getsockname()[:2], admit), timeout=30)
+            # a joiner waits for the others' next outer step; a member for the others to arrive
+            limit = self.admit_timeout_s if epoch is None else REGROUP_WAIT_S
+            deadline = time.time() + limit
+            while True:
+                view = ray.get(control.view.remote(epoch, member), timeout=30)
+                if view is not None:
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"member {member}: the group did not re-form within {limit:.0f} s")
+                time.sleep(0.2)
+        except BaseException:
+            sock.close()
+            raise
+        if view.get("excluded"):
+            sock.close()
+            raise RuntimeError(f"member {member} was left out of the group (it was too late or seen as gone)")
+        if view["host"] == member:
+            view = {**view, "listen": sock}
+        else:
+            sock.close()
+        return {**view, "backend": self.backend, "timeout_s": self.timeout_s}
+
+
 class DPWorker:
     """Ray actor class (wrapped with ray.remote by WorkerGroup)."""
 
@@ -94,6 +169,7 @@ class DPWorker:
         self.control = control
         self._stop: str | None = None
         self._regroup = False
+        self._joiners = False  # a member waits to join this (elastic) group
         self._buffer: list[dict] = []
         self._lock = threading.Lock()
         self._running = False
@@ -147,6 +223,7 @@ class DPWorker:
                 if state.get("stop"):
                     self._stop = state["stop"]
                 self._regroup = bool(state.get("regroup"))
+                self._joiners = bool(state.get("joiners"))
                 if state.get("regroup_now"):
                     self._stop = self._stop or "pause"
             except RayError:
@@ -185,7 +262,8 @@ class DPWorker:
 
     def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
-            strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "") -> dict:
+            strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
+            balance: str = "off", join: bool = False) -> dict:
         import ray
 
 
@@ -205,12 +283,32 @@ class DPWorker:
         if resume_from:
             self._stage_checkpoint(resume_from, out_dir)
         is_main = self.rank == 0
+        delay = fault_sample_delay_s()
+        strategy_obj = None  # made once the group exists (a distributed strategy needs it)
         step_times: list[float] = []
         cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
 
         def on_step(info) -> None:
             step_times.append(time.time())
             cpu_times.append(time.process_time())
+            s = strategy_obj
+            if s is not None and (info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps):
+                self._emit({"type": "comm", "step": info.step, "comm_bytes_sent": s.bytes_sent,
+                            "comm_wait_s": s.comm_wait_s, "rounds": s.rounds,
+                            "batch_rows": s.rows[s.rank] if s.rows else None})
+            while s is not None and s.notes:
+                note = s.notes.pop(0)
+                if is_main and note.get("kind") == "regroup":
+                    joined = f"; joined: {', '.join(map(str, note['joined']))}" if note["joined"] else ""
+                    self._emit({"type": "event", "kind": "group_reformed",
+                                "message": f"step {note['step']}: the group re-formed with members "
+                                           f"{', '.join(map(str, note['members']))} ({note['why']}{joined}), "
+                                           "no restart", "data": note})
+                if is_main and note.get("kind") == "balance":
+                    rates = " / ".join(f"{r:.1f}" for r in note["rates"])
+                    self._emit({"type": "event", "kind": "balance",
+                                "message": f"step {info.step}: rows per rank {' / '.join(map(str, note['rows']))} "
+                                           f"(measured {rates} samples/s)", "data": note})
             if not is_main:
                 return
             recent = step_times[-20:]
@@ -240,24 +338,33 @@ class DPWorker:
         def should_stop() -> str | None:
             return self._stop if is_main else None
 
-        hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop)
+        hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop,
+                           on_model=(lambda m: slow_down(m, delay)) if delay > 0 else None)
         self._running = True
         poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")
         poller.start()
         chosen = pick_backend(backend, cfg.device)
         try:
-            if world > 1:
+            collective_timeout = max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S)
+            if world > 1 and not join:  # a joiner enters the group at its next re-formation
                 # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
                 # collective timeout must outlast the upload's, or a slow link fails every round.
                 listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
-                init_group(chosen, master_addr, master_port, self.rank, world,
-                           max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S), group_secret, listen)
+                init_group(chosen, master_addr, master_port, self.rank, world, collective_timeout, group_secret,
+                           listen)
             t_ready = time.time()
             self._emit({"type": "event", "kind": "rank_started",
-                        "message": f"rank {self.rank}/{world} started on {self.info()['node_name']} "
+                        "message": f"{'member' if join else 'rank'} {self.rank}/{world} "
+                                   f"{'waits to join' if join else 'started'} on {self.info()['node_name']} "
                                    f"({chosen if world > 1 else 'single'}, {self.cpus} threads"
-                                   f"{', resuming ' + resume_from if resume_from else ''})"})
-            result = train(cfg, hooks, strategy=make_strategy(strategy if world > 1 else "single", strategy_config))
+                                   f"{', resuming ' + resume_from if resume_from else ''}"
+                                   f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
+            strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
+            strategy_obj.balance = balance
+            if getattr(strategy_obj, "elastic", False) and world > 1:  # members may leave or join
+                strategy_obj.membership = ControlMembership(self, chosen, collective_timeout, collective_timeout)
+                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
+            result = train(cfg, hooks, strategy=strategy_obj)
             adapter_meta = None
             if is_main and not result.stopped and result.adapter_dir:
                 adapter = Path(result.adapter_dir)

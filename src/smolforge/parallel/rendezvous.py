@@ -37,6 +37,26 @@ def listen_socket(ip: str) -> socket.socket:
     return sock
 
 
+_ifname = [""]  # the GLOO_SOCKET_IFNAME init_group set last ("": none): a later group may pick again
+
+
+def interface_towards(addr: str) -> str | None:
+    """The name of this machine's network interface whose address reaches `addr` (None: not found)."""
+    import psutil
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # UDP: the kernel picks the route and the source address; nothing is sent
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == family and a.address.split("%")[0] == local for a in addrs):
+            return name
+    return None
+
+
 def pick_backend(backend: str = "auto", device: str = "auto") -> str:
     if backend != "auto":
         return backend
@@ -57,8 +77,12 @@ def init_group(backend: str, master_addr: str, master_port: int, rank: int, worl
 
     os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-    if backend == "gloo" and is_loopback(master_addr):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # gloo's own choice is the address the host name resolves to: 127.0.1.1 on Debian, which no other
+    # machine reaches ("connectFullMesh failed ... remote=[127.0.0.1]"). A value the user set wins.
+    if backend == "gloo" and os.environ.get("GLOO_SOCKET_IFNAME", _ifname[0]) == _ifname[0]:
+        iface = "lo" if is_loopback(master_addr) else interface_towards(master_addr)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = _ifname[0] = iface
     timeout = timedelta(seconds=timeout_s)
     if listen is not None:  # the store owns the socket from here on
         store = dist.TCPStore(master_addr, master_port, world, is_master=True, timeout=timeout,

@@ -29,8 +29,9 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, job_id: str, attempt: int, bundles: list[tuple[dict, dict]], control: Any,
-                 strategy: str = "SPREAD"):
+                 strategy: str = "SPREAD", first_rank: int = 0):
         self.job_id, self.attempt = job_id, attempt
+        self.first_rank = first_rank  # a group of joiners to an elastic job numbers its members on from there
         self.bundles = bundles
         self.control = control
         self.strategy = strategy
@@ -62,11 +63,12 @@ class WorkerGroup:
                                  f"(bundles {specs})", where="placement",
                                  fix="free CPUs on the workers, join more workers, or lower --workers") from None
         actor_cls = ray.remote(DPWorker)
-        for rank, b in enumerate(specs):
+        for index, b in enumerate(specs):
+            rank = self.first_rank + index
             res = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
             actor = actor_cls.options(
                 num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=res or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
                 max_restarts=0, max_task_retries=0, name=None,
             ).remote(self.job_id, self.attempt, rank, b.get("CPU", 1), self.control)
             self.members.append(Member(rank, actor))
@@ -77,14 +79,22 @@ class WorkerGroup:
 
     def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
             keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None,
-            upload_timeout_s: float = 600.0) -> list:
-        """Start every rank; returns one ObjectRef per rank (rank order)."""
+            upload_timeout_s: float = 600.0, balance: str = "off", join_world: int | None = None) -> list:
+        """Start every rank; returns one ObjectRef per rank (rank order).
+
+        `join_world`: these are members joining a running elastic group of that many ranks; they get
+        the rendezvous from the job's control actor when the group takes them in."""
         import ray
 
-        addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
-        secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
-        return [m.actor.run.remote(cfg, self.world, addr, port, resume_from, backend, timeout_s, keep_last,
-                                   strategy, strategy_config, upload_timeout_s, group_secret=secret)
+        if join_world:
+            addr, port, secret, world = "", 0, "", join_world
+        else:
+            addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
+            secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
+            world = self.world
+        return [m.actor.run.remote(cfg, world, addr, port, resume_from, backend, timeout_s, keep_last,
+                                   strategy, strategy_config, upload_timeout_s, group_secret=secret,
+                                   balance=balance, join=bool(join_world))
                 for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:

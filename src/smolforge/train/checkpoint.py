@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from smolforge.paths import atomic_replace_dir, atomic_write_json
+from smolforge.train.strategy import Strategy
 
 MANIFEST = "manifest.json"
 
@@ -83,20 +84,23 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
                     extra: dict[str, Any] | None = None, keep_last: int = 2,
                     rank_rng: list[torch.Tensor] | None = None, strategy_state: dict[str, Any] | None = None,
-                    optimizer_state: dict[str, Any] | None = None) -> Path:
+                    optimizer_state: dict[str, Any] | None = None,
+                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `step-<step>/` atomically and prune all but the newest `keep_last`.
 
     `rank_rng`: every rank's CPU RNG state (a data-parallel group), kept as `cpu_rank<r>` so that each
     rank resumes its own dropout stream; `strategy_state`: the strategy's own tensors and numbers;
     `optimizer_state`: the whole optimizer state when it was gathered from sharded ranks
-    (Strategy.optimizer_state), else `optimizer.state_dict()`.
+    (Strategy.optimizer_state), else `optimizer.state_dict()`; `model_state`: the trainable weights when
+    gathered from shards (Strategy.model_state), else read from the model.
     """
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
     try:
-        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        save_file(model_state if model_state is not None else trainable_state(model),
+                  str(tmp / "trainable.safetensors"))
         rng = {"cpu": torch.get_rng_state()}
         rng.update({f"cpu_rank{r}": state for r, state in enumerate(rank_rng or [])})
         if torch.cuda.is_available():
@@ -130,9 +134,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
     missing = [n for n in weights if n not in params]
     if missing:
         raise RuntimeError(f"checkpoint {path} has weights the model lacks: {missing[:3]}")
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    (strategy or Strategy()).load_model_state(model, weights)  # FSDP: each rank keeps its shard
     blob = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if strategy is not None:
         strategy.load_optimizer_state(optimizer, blob["optimizer"])

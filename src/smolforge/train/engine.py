@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -61,6 +62,7 @@ class TrainHooks:
     on_checkpoint: Callable[[Path, int], None] | None = None
     on_eval: Callable[[dict], None] | None = None
     should_stop: Callable[[], str | None] | None = None
+    on_model: Callable[[torch.nn.Module], None] | None = None  # the built model, before training (fault injection)
 
 
 @dataclass
@@ -81,6 +83,8 @@ class TrainResult:
     optimizer_state_bytes: int = 0  # held by this process (a sharded optimizer: its own part)
     comm_bytes_sent: int = 0  # handed to collectives by this process while training (Strategy.bytes_sent)
     checkpoint_bytes_sent: int = 0  # ... and to gather checkpoints
+    comm_wait_s: float = 0.0  # time this process spent waiting in collectives
+    batch_rows: list[int] | None = None  # rows per rank of the last step when balanced (None: equal slices)
     rounds: int | None = None  # outer steps, for strategies that have them (DiLoCo)
     samples: int = 0  # sequences trained on, every rank together
     peak_rss_mb: float = 0.0
@@ -141,11 +145,12 @@ def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accurac
     """Eval loss/perplexity (and accuracy where answers exist), each rank doing its shard."""
     strategy = strategy or Strategy()
     rows = strategy.shard(splits.eval)
-    loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
-    correct = total = 0
-    if accuracy and cfg.eval_accuracy and splits.eval_examples:
-        correct, total = exact_match_counts(model, tokenizer, strategy.shard(splits.eval_examples),
-                                            cfg.max_new_tokens, 64, device)
+    with strategy.whole_model(model):  # ranks make different numbers of forwards: none may be a collective
+        loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
+        correct = total = 0
+        if accuracy and cfg.eval_accuracy and splits.eval_examples:
+            correct, total = exact_match_counts(model, tokenizer, strategy.shard(splits.eval_examples),
+                                                cfg.max_new_tokens, 64, device)
     loss_sum, count, correct, total = strategy.reduce([loss_sum, count, correct, total], device)
     out: dict[str, Any] = {}
     if count:
@@ -192,6 +197,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         splits = load_splits(cfg.data, tokenizer)
     if model is None:
         tokenizer, model = build_model(cfg, device, tokenizer)
+    if hooks.on_model:
+        hooks.on_model(model)
     trainable, total_params = trainable_summary(model)
     out_dir = Path(cfg.output_dir)
     is_main = rank == 0
@@ -220,6 +227,14 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
     trainer = Trainer(model, optimizer, scheduler, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
                       device=device, strategy=strategy, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
+    begin = strategy.start_at(start_step)  # a member joining a running group starts where the others are
+    if begin != start_step:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore")
+            for _ in range(begin - start_step):
+                scheduler.step()
+        log(f"joined the group at step {begin}")
+        start_step = begin
     writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard, append=start_step > 0) if is_main else None
     result = TrainResult(output_dir=str(out_dir), adapter_dir=None, steps=start_step, final_loss=None,
                          trainable_params=trainable, total_params=total_params,
@@ -228,9 +243,10 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     last_loss = [float("nan")]
 
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        mine = order.step_rows(step)[rank * per_rank:(rank + 1) * per_rank]
+        first, count = strategy.rows_for(step, per_rank * world)  # equal slices unless balanced by speed
+        mine = order.step_rows(step)[first:first + count]
         return [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
-                for j in range(0, per_rank, cfg.batch_size)]
+                for j in range(0, count, cfg.batch_size)]
 
     def after_step(done: int, stats: StepStats) -> None:
         last_loss[0] = stats.loss
@@ -274,15 +290,18 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             writer.log("eval", result.steps, **result.eval)
         if hooks.on_eval:
             hooks.on_eval({"step": result.steps, **result.eval})
-        if is_main:
-            adapter_dir = out_dir / f"{cfg.peft.method}_adapter"
-            save_adapter(model, adapter_dir, tokenizer=tokenizer)
-            result.adapter_dir = str(adapter_dir)
+        weights = strategy.model_state(model)  # every rank: a sharded model gathers its weights (None: unsharded)
+        with strategy.whole_model(model):  # and what a saver reads from the modules (prompt tuning) is whole
+            if is_main:
+                adapter_dir = out_dir / f"{cfg.peft.method}_adapter"
+                save_adapter(model, adapter_dir, tokenizer=tokenizer, weights=weights)
+                result.adapter_dir = str(adapter_dir)
         # Every rank enters: the save ends in a barrier that all ranks must reach.
         _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, strategy)
     result.seconds = time.perf_counter() - t_start
     result.comm_bytes_sent, result.peak_rss_mb = strategy.bytes_sent, peak_rss_mb()
     result.checkpoint_bytes_sent = strategy.checkpoint_bytes_sent
+    result.comm_wait_s, result.batch_rows = strategy.comm_wait_s, strategy.rows
     result.rounds = strategy.rounds
     if writer:
         writer.close()
@@ -296,12 +315,13 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, strategy: Strategy) -> None:
     rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
     optim_state = strategy.optimizer_state(optimizer)  # likewise: a sharded optimizer gathers its parts
+    weights = strategy.model_state(model)  # and a sharded model its trainable weights (None: read the model)
     if strategy.is_main:
         path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler,
                                     extra={"model": cfg.model, "peft": cfg.peft.method,
                                            "strategy": strategy.name, "world": strategy.world},
                                     keep_last=cfg.keep_last, rank_rng=rngs, strategy_state=strategy.state_dict(),
-                                    optimizer_state=optim_state)
+                                    optimizer_state=optim_state, model_state=weights)
         result.checkpoint_dir = str(path)
         if hooks.on_checkpoint:
             hooks.on_checkpoint(path, step)

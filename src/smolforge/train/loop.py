@@ -51,18 +51,21 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, devic
                    strategy: Strategy | None = None, kind: str = "adamw") -> torch.optim.Optimizer:
     """AdamW (or plain SGD) over what trains: decay on matrices, none on biases and norms (built by
     the strategy, which may shard its state across ranks)."""
+    strategy = strategy or Strategy()
+    strategy.prepare(model, device)  # FSDP replaces the parameters with shards: before the optimizer sees them
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
     cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-    return (strategy or Strategy()).make_optimizer(groups, cls, lr=lr, foreach=device.type == "cuda" or None)
+    return strategy.make_optimizer(groups, cls, lr=lr, foreach=device.type == "cuda" or None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this process holds (a sharded optimizer's own part only)."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
-    return sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
-               if isinstance(t, torch.Tensor))
+    local = [t.to_local() if hasattr(t, "to_local") else t  # FSDP's states are DTensors: this rank's shard
+             for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def target_tokens(batch: Batch) -> int:
@@ -118,6 +121,7 @@ class Trainer:
         global_targets = s.step_reduce([my_targets], self.device)[0]
         scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
         loss_total, tokens = 0.0, 0
+        started = time.perf_counter()
         for j, m in enumerate(micro):
             m = {k: v.to(self.device, non_blocking=True) for k, v in m.items()}
             with s.accumulate(self.wrapped, last=j == len(micro) - 1):
@@ -128,6 +132,7 @@ class Trainer:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_total += float(loss_sum.detach())
             tokens += int(m["attention_mask"].sum())
+        s.observe(sum(int(m["input_ids"].shape[0]) for m in micro), started, time.perf_counter())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()

@@ -4,16 +4,23 @@ The training loop (`smolforge.train.engine`) never imports torch.distributed. Ev
 needs from its peers goes through a `Strategy`:
 
 - `wrap(model)`: the module to run forward/backward on (DDP wraps it; one process returns it as is)
+- `prepare(model)`: before the optimizer is made (FSDP shards the parameters here)
 - `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
+- `whole_model(model)`: a context in which every rank holds the whole weights (evaluation, generation)
+- `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
+  checkpoint or the final adapter, and back (FSDP gathers and scatters shards; others read the model)
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
 - `reduce(values)`: sum numbers over every rank (eval sums, anything global)
 - `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
   optimizer step's gradients (every rank for DDP; only itself for DiLoCo's local inner steps)
 - `at_boundary(step)`: may the loop checkpoint or pause after this step (DiLoCo: at outer steps)
+- `start_at(step)`: where this process starts (a member joining a running elastic group: the others' step)
 - `finish(model, optimizer)`: the loop ended: bring every rank to the shared weights
 - `agree(code)`: every rank leaves the loop on the same step (the largest stop code wins)
 - `shard(items)`: this rank's slice of a list (eval examples)
+- `rows_for(step, total)` / `observe(rows, started, ended)`: this rank's slice of a step's global
+  batch, and what the step cost it (synchronous strategies give a faster rank more rows: `balance`)
 - `after_step(step, model, optimizer, targets=)`: hook for strategies with an outer step (DiLoCo,
   parameter servers); `targets`: this rank's loss tokens in the step
 - `gather_rng()` / `rng_for_rank(states)`: every rank's RNG state in a checkpoint, each rank its own
@@ -51,6 +58,9 @@ class Strategy:
         self.bytes_sent = 0  # handed to collectives while training
         self.checkpoint_bytes_sent = 0  # handed to collectives to gather checkpoints
         self.rounds: int | None = None  # outer steps taken, for strategies that have them (DiLoCo)
+        self.comm_wait_s = 0.0  # time spent waiting in collectives (for peers, for the network)
+        self.balance = "off"  # "auto": rows per rank in proportion to measured speed (synchronous strategies)
+        self.notes: list[dict[str, Any]] = []  # what the strategy decided (a rebalance), for the job's events
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -78,6 +88,14 @@ class Strategy:
     def accumulate(self, wrapped: torch.nn.Module, last: bool) -> ContextManager:
         return nullcontext()
 
+    def prepare(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Before the optimizer sees the parameters (`loop.make_optimizer`): FSDP replaces them with shards."""
+
+    def whole_model(self, model: torch.nn.Module) -> ContextManager:
+        """Inside, every rank holds the whole weights and may run the model alone (evaluation, generation:
+        ranks make different numbers of forwards). Every rank enters (FSDP gathers its shards)."""
+        return nullcontext()
+
     def make_optimizer(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
                        **defaults: Any) -> torch.optim.Optimizer:
         return optimizer_class(groups, **defaults)
@@ -92,6 +110,11 @@ class Strategy:
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                    targets: float = 0.0) -> None:
         """Called after every optimizer step (DiLoCo's outer step, a parameter server's push)."""
+
+    def start_at(self, step: int) -> int:
+        """The step this process starts at: `step` (from its checkpoint), or for a member joining a
+        running elastic group (DiLoCo) the step the others are at when they take it in."""
+        return step
 
     def at_boundary(self, step: int) -> bool:
         """Whether the state after `step` is one every rank shares (a checkpoint or a pause may land)."""
@@ -120,6 +143,19 @@ class Strategy:
     def shard(self, items: list) -> list:
         return items[self.rank::self.world]
 
+    def rows_for(self, step: int, total: int) -> tuple[int, int]:
+        """(first row, row count) of this rank's slice of the step's `total` rows (equal slices here)."""
+        per = total // self.world
+        return self.rank * per, per
+
+    def observe(self, rows: int, started: float, ended: float) -> None:
+        """A step's rows took this rank from `started` to `ended` (perf_counter) of forward and backward."""
+
+    @property
+    def rows(self) -> list[int] | None:
+        """Rows per rank of the latest step when they are not equal slices (None: equal)."""
+        return None
+
     def barrier(self) -> None:
         """Every rank reaches this point before any goes on."""
 
@@ -135,6 +171,19 @@ class Strategy:
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The trainable weights, whole, by parameter name, for a checkpoint or the final adapter, when the
+        model cannot give them itself (FSDP holds shards): every rank calls it, the main rank gets them.
+        None: read them from the model."""
+        return None
+
+    def load_model_state(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Put a checkpoint's trainable weights (whole, on every rank) into the model (FSDP: its shards)."""
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore what `optimizer_state` saved (strategies whose ranks differ keep one part per rank)."""

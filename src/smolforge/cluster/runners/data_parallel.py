@@ -17,6 +17,11 @@ watches it:
                    a join before the group is placed is in its first round, and one the job
                    outlives (it finished first) is an event, never silently lost.
 
+Elastic strategies (`elastic = True` on the strategy class: DiLoCo) change two of these: a rank
+other than 0 that fails leaves the group (the control actor learns it, the others re-form their
+group and go on, no restart), and a join places one more member at once, which the others take in
+at their next outer step.
+
 Submitting checks placement at once: a job that no node (or not enough nodes) can run fails with a
 message that lists what each node has, instead of waiting forever as Ray alone would.
 """
@@ -35,6 +40,7 @@ from smolforge.cluster.placement import COORDINATOR, coordinator_requirements, r
 from smolforge.cluster.runners.base import CANCEL_GRACE_S, POLL_S, JobRunner, ray_get, short_error
 from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
+from smolforge.parallel.strategies import STRATEGIES
 from smolforge.parallel.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
@@ -49,6 +55,9 @@ class DPRunner(JobRunner):
         self.control = None
         self.group = None
         self.world = 0
+        self._comm: dict[int, dict] = {}  # each rank's latest communication report (this group)
+        self.elastic = False  # the strategy lets members leave and join a running group
+        self.joiners: list[WorkerGroup] = []  # members placed to join the running (elastic) group
         self.training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
 
@@ -63,7 +72,7 @@ class DPRunner(JobRunner):
                     self.control.set_stop.remote(self.want)
             elif what == "join":
                 self.pending_joins.append(node or COORDINATOR)
-                if self.training:
+                if self.training and not self.elastic:  # an elastic group takes it in where it runs
                     self._ask_regroup()
 
     def _ask_regroup(self) -> None:
@@ -104,6 +113,12 @@ class DPRunner(JobRunner):
                 pass  # already gone
 
     def _release(self) -> None:
+        joiners, self.joiners = self.joiners, []
+        for g in joiners:
+            members = list(g.members)
+            g.release()
+            for m in members:
+                self.store.upsert_task(f"{self.job_id}-g{g.attempt}-r{m.rank}", self.job_id, "dp_rank", "released")
         group, self.group = self.group, None
         if group is None:
             return
@@ -121,6 +136,7 @@ class DPRunner(JobRunner):
         if job["state"] in FINAL:
             return
         spec = DataParallelJob.model_validate(job["spec"])
+        self.elastic = bool(getattr(STRATEGIES[spec.strategy], "elastic", False))
         if job["state"] != "running":
             self.store.set_state(self.job_id, "running", f"running ({self.reason})")
         self.control = create_control(self.job_id, str(self.mgr.artifacts.root.resolve()))
@@ -149,6 +165,7 @@ class DPRunner(JobRunner):
 
             group = WorkerGroup(self.job_id, round_no, bundles, self.control)
             self.group, self.world = group, world
+            self._comm = {}
             gid = f"{self.job_id}-g{round_no}"
             self.store.upsert_task(gid, self.job_id, "dp_group", "placing", attempt=round_no,
                                    max_retries=spec.max_retries,
@@ -190,13 +207,15 @@ class DPRunner(JobRunner):
                                      f"from {resume or 'the start'}", {"nodes": node_names, "resume": resume},
                                      task_id=gid)
                 recovering = None
+            ray_get(self.control.start_members.remote(world))
             with self._lock:
                 self.training = True
-                if self.pending_joins:  # asked for while this group was being placed
+                if self.pending_joins and not self.elastic:  # asked for while this group was being placed
                     self._ask_regroup()
             refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
-                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s)
-            outcome, detail = self._watch(group, refs)
+                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
+                             balance=spec.balance)
+            outcome, detail = self._watch(group, refs, spec, round_no, cfg)
             with self._lock:
                 self.training = False
             if self.abandon:
@@ -304,6 +323,7 @@ class DPRunner(JobRunner):
         items.sort(key=lambda i: (i.get("ts", 0), i.get("step", 0)))
         rows: list[tuple[int, str, float]] = []
         last_step = None
+        comm: dict[int, dict] = {}  # the latest communication report of each rank in this batch
         for it in items:
             kind = it.get("type")
             if kind == "step":
@@ -319,10 +339,25 @@ class DPRunner(JobRunner):
                 self.store.add_event(self.job_id, "eval", "eval: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in it.items() if k not in ("type", "ts", "rank", "step")
                     and isinstance(v, (int, float))), {k: v for k, v in it.items() if k != "type"}, ts=it.get("ts"))
+            elif kind == "comm":
+                comm[int(it.get("rank", 0))] = it
+                for name in ("comm_bytes_sent", "comm_wait_s", "batch_rows"):
+                    if it.get(name) is not None:
+                        rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", it[name]))
+                if it.get("rounds") is not None and it.get("rank") == 0:
+                    rows.append((it["step"], "rounds", it["rounds"]))
             elif kind == "event":
                 self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
                                      ts=it.get("ts"))
         self.store.add_metrics(self.job_id, rows)
+        if comm:
+            self._comm.update(comm)
+            ranks = sorted(self._comm)
+            self.store.update_job(self.job_id, comm={
+                "bytes_sent_per_rank": [self._comm[r].get("comm_bytes_sent") for r in ranks],
+                "wait_s_per_rank": [round(self._comm[r].get("comm_wait_s") or 0.0, 3) for r in ranks],
+                "batch_rows_per_rank": [self._comm[r].get("batch_rows") for r in ranks],
+                "rounds": self._comm[ranks[0]].get("rounds"), "step": max(c["step"] for c in self._comm.values())})
         if last_step is not None:
             self.store.update_job(self.job_id, step=last_step["step"], max_steps=last_step["max_steps"],
                                   samples_done=last_step["samples_done"], samples_total=last_step["samples_total"],
@@ -335,13 +370,14 @@ class DPRunner(JobRunner):
         except RayError as err:
             self.store.add_event(self.job_id, "log", f"progress reports lost: {short_error(err)}")
 
-    def _watch(self, group, refs: list) -> tuple[str, dict]:
+    def _watch(self, group, refs: list, spec: DataParallelJob, round_no: int, cfg: dict) -> tuple[str, dict]:
         import ray
 
         rank_of = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
         results: dict[int, dict] = {}
         cancel_at = None
+        next_member = len(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
             for ref in ready:
@@ -350,7 +386,22 @@ class DPRunner(JobRunner):
                     results[rank] = ray.get(ref, timeout=30)
                 except RayError as err:  # the rank's task failed, or its process or node died
                     self._drain_quietly()
+                    if self.elastic and rank != 0 and 0 not in results and pending:
+                        self._member_left(group, round_no, rank, err)  # the others re-form and go on
+                        continue
                     return "failed", self._diagnose(group, rank, err)
+            waiting = [rank_of[r] for r in pending if rank_of[r] >= len(refs)]
+            if 0 in results and pending and len(waiting) == len(pending):
+                # the group finished before taking these joiners in: they would wait for nothing
+                self.store.add_event(self.job_id, "join_dropped",
+                                     f"the job finished before member(s) {', '.join(map(str, waiting))} could "
+                                     "join (joins take effect at the next outer step)", {"members": waiting})
+                break
+            if self.elastic and self.pending_joins and not self.want and 0 not in results:
+                for member, ref in self._admit(spec, round_no, cfg, next_member, len(refs)):
+                    rank_of[ref] = member
+                    pending.append(ref)
+                    next_member = member + 1
             self._drain_quietly()
             if self.abandon:
                 return "abandoned", {}
@@ -378,9 +429,56 @@ class DPRunner(JobRunner):
         summary["samples"] = r0.get("samples")
         summary["eval_loss"] = (r0.get("eval") or {}).get("eval_loss")
         summary["rounds"] = r0.get("rounds")  # outer steps (DiLoCo)
-        for key in ("comm_bytes_sent", "checkpoint_bytes_sent", "peak_rss_mb", "optimizer_state_bytes"):  # one value per rank, rank order
+        summary["batch_rows_per_rank"] = r0.get("batch_rows")  # when balanced by speed (None: equal slices)
+        for key in ("comm_bytes_sent", "checkpoint_bytes_sent", "comm_wait_s", "peak_rss_mb",
+                    "optimizer_state_bytes"):  # one value per rank, rank order
             summary[f"{key}_per_rank"] = [results[r].get(key) for r in sorted(results)]
         return "completed", summary
+
+    def _member_left(self, group, round_no: int, rank: int, err: BaseException) -> None:
+        """An elastic group's member died: the control actor lets the others re-form without it."""
+        ray_get(self.control.member_left.remote(rank))
+        info = next((m.info for g in [group, *self.joiners] for m in g.members if m.rank == rank), {})
+        tid = f"{self.job_id}-g{round_no}-r{rank}"
+        self.store.upsert_task(tid, self.job_id, "dp_rank", "failed", error=short_error(err))
+        self.store.add_event(self.job_id, "member_left",
+                             f"rank {rank} on {info.get('node_name')} left the group ({short_error(err)}); the "
+                             "others re-form their group and carry on, no restart",
+                             {"rank": rank, "node_name": info.get("node_name")}, task_id=tid)
+
+    def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
+        """Place each node that asked to join as a new member of the running elastic group; returns
+        (member id, ref) per member started. The group takes each in at its next outer step."""
+        out = []
+        for node in self._pop_joins():
+            member = first + len(out)
+            req = (coordinator_requirements(spec, self.mgr.embedded) if node == COORDINATOR
+                   else requirements_for(spec, self.mgr.embedded))
+            joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.mgr.healthy_nodes())], self.control,
+                                 first_rank=member)
+            try:
+                info = joiner.start(min(60.0, spec.placement_timeout_s))[0]
+            except Exception as err:
+                joiner.release()
+                msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
+                self.store.add_event(self.job_id, "join_failed", f"{node} could not be placed to join: {msg}",
+                                     {"node": node})
+                continue
+            self.joiners.append(joiner)
+            self.store.upsert_task(f"{self.job_id}-g{round_no}-r{member}", self.job_id, "dp_rank", "running",
+                                   rank=member, attempt=round_no, node_id=info["node_id"],
+                                   node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
+            # kept in the spec: a resumed job places it from the start
+            spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + [node]})
+            self.store.update_job(self.job_id, spec=spec.model_dump(mode="json"))
+            self.store.add_event(self.job_id, "member_joining",
+                                 f"{node} placed as member {member} on {info['node_name']}; the group takes it in at "
+                                 "its next outer step", {"node": node, "member": member})
+            ref = joiner.run(cfg, None, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
+                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
+                             balance=spec.balance, join_world=world)[0]
+            out.append((member, ref))
+        return out
 
     def _diagnose(self, group, rank: int, err: BaseException) -> dict:
         """Which rank failed, where, and which nodes no longer answer (set aside for the next round)."""

@@ -12,6 +12,7 @@ from typing import Any
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco import DiLoCo
+from smolforge.parallel.strategies.fsdp import FSDP
 from smolforge.parallel.strategies.single import SingleProcess
 from smolforge.parallel.strategies.zero1 import Zero1
 from smolforge.train.strategy import Strategy
@@ -20,6 +21,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleProcess,
     "ddp": DDP,
     "zero1": Zero1,
+    "fsdp": FSDP,
     "diloco": DiLoCo,
 }
 

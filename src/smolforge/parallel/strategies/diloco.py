@@ -14,18 +14,35 @@ next round from them. Gradients cross the network once per H steps instead of ev
 - Checkpoints and pauses land on outer steps (`at_boundary`), where every rank holds the shared
   weights; each rank's inner optimizer state is kept (gathered as tensors, never pickled), so a
   resumed job continues exactly as an uninterrupted one (the int8 error buffers restart at zero).
+- Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
+  gone (its process or machine died) re-forms the group with the members left, through the job's
+  membership service (`membership`, given by the worker glue; see `cluster/job_control.py`), and is
+  run again; the survivors carry on from where they are, without a restart from a checkpoint, and
+  the lost member's current round is all that is lost. A member that joins a running job waits
+  (`start_at`) until the others reach an outer step, then everyone re-forms the group with it and
+  rank 0 sends the step, the round and the shared weights and outer momentum; it starts with a fresh
+  inner optimizer. The rows of each global batch are split among whoever is a member, so the global
+  batch stays the same. Rank 0 (which writes checkpoints and the adapter) leaving is the exception:
+  the job then restarts from its last checkpoint, as a synchronous one does.
 """
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Literal
+from typing import Any, Callable, ContextManager, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
+from smolforge.train import balance
 from smolforge.train.strategy import Strategy
+
+T = TypeVar("T")
+MAX_REGROUPS = 4  # re-formations in a row for one collective before its error is let through
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "Timed out", "timed out", "Socket Timeout", "No route to host")
 
 
 
@@ -43,6 +60,8 @@ class DiLoCoSettings(BaseModel):
 
 class DiLoCo(DDP):
     name = "diloco"
+    balances = False  # inner steps are local; uneven rows would change each rank's own AdamW path
+    elastic = True  # members may leave (a rank dies) or join (at an outer step) without a restart
 
     Settings = None  # set below: DiLoCoSettings
 
@@ -56,10 +75,39 @@ class DiLoCo(DDP):
         self.rounds, self.round_steps, self.round_targets = 0, 0, 0.0
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
+        # elastic membership, set by the worker glue (smolforge.parallel.dp_task) before training
+        self.membership: Any = None  # .regroup(epoch) -> the next group; .joiners_waiting() -> bool
+        self.member = 0  # this rank's id in the job: its first rank, or a new id for a joiner
+        self.nominal_world = 1  # ranks the job started with (the global batch is per_rank times this)
+        self.epoch = 0  # how many times the group was re-formed
+        self.admit_next = False  # joiners wait: take them in as the next step starts
+        self.last_step = 0
+
+    joins_later = True  # read by DDP.__init__: a joiner has no process group yet
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else self.member
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else self.nominal_world
+
+    def rows_for(self, step: int, total: int) -> tuple[int, int]:
+        """The step's rows split evenly among the current members (fewer members: more rows each).
+
+        Joiners are taken in here, as a step starts and before any of its collectives: a joiner's
+        first step is then the others' next one, and every member runs the same collectives."""
+        if self.admit_next:
+            self.admit_next = False
+            self._regroup("a member joins", admit=True)
+        shares = balance.split_rows([1.0] * self.world, total)
+        return sum(shares[:self.rank]), shares[self.rank]
 
     # -- the inner steps: local ---------------------------------------------------------------------
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             self.shared = torch.nn.Parameter(self._flat(), requires_grad=False)
@@ -82,6 +130,7 @@ class DiLoCo(DDP):
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                    targets: float = 0.0) -> None:
+        self.last_step = step
         self.round_steps += 1
         self.round_targets += targets
         if self.round_steps >= self.inner_steps:
@@ -103,7 +152,15 @@ class DiLoCo(DDP):
     def _outer_step(self) -> None:
         weight = max(self.round_targets, 1.0)
         delta = (self.shared - self._flat()) * weight  # this rank's pseudo-gradient, token-weighted
-        total, avg = self._average(delta, weight)
+        error = self.error.clone() if self.error is not None else None
+
+        def average() -> tuple[float, torch.Tensor]:
+            if error is not None:
+                self.error = error.clone()  # a retry in a re-formed group starts from the same residual
+            return self._average(delta, weight)
+
+        with self.waiting():
+            total, avg = self._collective(average)
         self.shared.grad = avg / total
         self.outer.step()
         self.shared.grad = None
@@ -114,6 +171,84 @@ class DiLoCo(DDP):
             offset += n
         self.rounds += 1
         self.round_steps, self.round_targets = 0, 0.0
+        if self.membership is not None and self._collective(self._joiners_waiting):
+            self.admit_next = True  # at the start of the next step (after a checkpoint or a pause here)
+
+    # -- elastic membership -------------------------------------------------------------------------
+
+    def _joiners_waiting(self) -> bool:
+        """Whether any member saw a joiner waiting: all re-form the group at this outer step, or none."""
+        t = torch.tensor([int(self.membership.joiners_waiting())], device=self.device)
+        self._count(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def start_at(self, step: int) -> int:
+        """A joiner waits until the others take it in at an outer step, then starts at their step."""
+        if self.membership is None or dist.is_initialized():
+            return step
+        self._regroup("joining", admit=True)
+        return self.last_step
+
+    def _collective(self, fn: Callable[[], T]) -> T:
+        """Run a collective; when a peer is gone, re-form the group with the members left and run it again."""
+        for _ in range(MAX_REGROUPS):
+            try:
+                return fn()
+            except RuntimeError as err:
+                if self.membership is None or not any(s in str(err) for s in PEER_LOST):
+                    raise
+                self._regroup("lost a peer: " + str(err).split(". ")[0][-160:])
+        return fn()
+
+    def _regroup(self, why: str, admit: bool = False) -> None:
+        """Re-form the group (`admit`: with the members waiting to join; a lost peer alone does not
+        take them in, so nobody enters in the middle of a step's collectives)."""
+        joining = not dist.is_initialized()
+        view = self.membership.regroup(None if joining else self.epoch + 1, admit)
+        leave_group()
+        members = view["members"]
+        init_group(view["backend"], view["addr"][0], view["addr"][1], members.index(self.member), len(members),
+                   view["timeout_s"], view["secret"], view.get("listen"))
+        self.epoch = view["epoch"]
+        self._sync(joining)
+        if self.is_main:
+            self.notes.append({"kind": "regroup", "members": members, "joined": view.get("joined", []),
+                               "step": self.last_step, "why": why})
+
+    @torch.no_grad()
+    def _sync(self, joining: bool) -> None:
+        """Rank 0's step, round position, shared weights and outer momentum to every member (a joiner
+        starts from them; the others already hold the same)."""
+        momentum = self.outer.state.get(self.shared, {}).get("momentum_buffer")
+        header = torch.tensor([self.last_step, self.rounds, self.round_steps, momentum is not None],
+                              dtype=torch.float64, device=self.device)
+        dist.broadcast(header, 0)
+        dist.broadcast(self.shared.data, 0)
+        if header[3]:
+            buf = momentum if momentum is not None else torch.zeros_like(self.shared)
+            dist.broadcast(buf, 0)
+            self.outer.state[self.shared]["momentum_buffer"] = buf
+        if joining:
+            self.last_step, self.rounds, self.round_steps = (int(v) for v in header[:3].tolist())
+            self.round_targets = 0.0
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(self.shared[offset:offset + n].view_as(p).to(p.dtype))
+                offset += n
+
+    def reduce(self, values: list[float], device: torch.device) -> list[float]:
+        return self._collective(lambda: DDP.reduce(self, values, device))
+
+    def agree(self, code: int, device: torch.device) -> int:
+        return self._collective(lambda: DDP.agree(self, code, device))
+
+    def barrier(self) -> None:
+        self._collective(lambda: DDP.barrier(self))
+
+    def gather_rng(self) -> list[torch.Tensor] | None:
+        return self._collective(lambda: DDP.gather_rng(self))
 
     def _average(self, delta: torch.Tensor, weight: float) -> tuple[float, torch.Tensor]:
         """(sum of the ranks' weights, sum of their weighted pseudo-gradients)."""
@@ -149,6 +284,9 @@ class DiLoCo(DDP):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """Every rank's own inner optimizer state, gathered as tensors (never pickled) onto rank 0."""
+        return self._collective(lambda: self._gather_optimizer_state(optimizer))
+
+    def _gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         mine = optimizer.state_dict()
         per_rank = [{"state": {}, "param_groups": mine["param_groups"]} for _ in range(self.world)]
         for idx in sorted(mine["state"]):

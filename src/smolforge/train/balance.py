@@ -1,0 +1,65 @@
+"""Speed-balanced batches: how many of a step's rows each rank takes, from how fast each one is.
+
+In a synchronous group every rank waits for the slowest at the gradient all-reduce. With equal
+slices a machine 3x slower than its peer makes the peer idle two thirds of each step. Giving each
+rank rows in proportion to its measured rate (rows per second of forward and backward) makes them
+finish together. The global batch stays the same, and the loss is normalised by the step's target
+tokens over every rank (`smolforge.train.loop`), so the gradient is exactly that of the whole batch
+however the rows are split.
+
+Pure functions here; the exchange of rates between ranks is the strategy's (`parallel/strategies`).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+UNEVEN = 1.2  # `auto` balances when the fastest rank is more than 20% faster than the slowest
+FIRST_AFTER = 3  # measured steps (after the first, which warms up) before the first balance
+EVERY = 25  # measured steps between re-balances
+
+
+def uneven(rates: list[float], threshold: float = UNEVEN) -> bool:
+    """Whether the rates differ enough to be worth balancing."""
+    return min(rates) > 0 and max(rates) / min(rates) > threshold
+
+
+def split_rows(rates: list[float], total: int) -> list[int]:
+    """`total` rows split in proportion to `rates`, at least one per rank, summing to `total` exactly.
+
+    Largest remainders, ties to the lower rank: every rank computes the same split from the same
+    rates, so no second exchange is needed."""
+    n = len(rates)
+    if total < n:
+        raise ValueError(f"{total} rows cannot give each of {n} ranks one")
+    spare = total - n  # one row each first
+    weight = sum(rates)
+    ideal = [spare * r / weight for r in rates] if weight > 0 else [spare / n] * n
+    out = [1 + int(x) for x in ideal]
+    order = sorted(range(n), key=lambda i: (-(ideal[i] - int(ideal[i])), i))
+    for i in order[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+class RateMeter:
+    """This rank's rows per second over the steps since the last balance (the median: robust to a
+    step that a checkpoint or an eval slowed)."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.seen = 0  # steps observed in this process, the first (warm-up) included
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.seen += 1
+        if self.seen > 1 and seconds > 0:
+            self.samples.append(rows / seconds)
+
+    def due(self, balanced_before: bool) -> bool:
+        """Every rank observes every step, so every rank reaches the same answer at the same step."""
+        return len(self.samples) >= (EVERY if balanced_before else FIRST_AFTER)
+
+    def take(self) -> float:
+        rate = statistics.median(self.samples)
+        self.samples = []
+        return rate

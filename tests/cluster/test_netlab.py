@@ -1,0 +1,115 @@
+"""netlab (tests/netlab.py): nodes in network namespaces joined by a bridge, each node's upload capped
+with `tc tbf`, as home machines on Wi-Fi. Needs root, `ip netns` and tc's tbf; skipped otherwise.
+
+(a) a 10 MB float32 tensor sent with gloo from one namespace to another moves at the cap within
+20%, and a higher cap is measurably faster; (b) a real cluster across the namespaces (coordinator,
+w1, w2, each on its own address) runs a 2-worker data-parallel job whose ranks sit on w1 and w2 and
+whose gradients cross the capped links. Afterwards none of the lab's namespaces or veths is left.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import netlab
+from netlab import Netlab, NetCluster, measure_rate
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+CAP, HIGHER = 50, 100  # Mbit/s: 10 MB is ~1.7 s at 50, ~0.85 s at 100
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_netlab():
+    reason = netlab.available()
+    if reason:
+        pytest.skip(f"netlab unavailable: {reason}")
+
+
+def root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+ROOT_LINKS = root_links()  # the host's own interfaces: a lab adds none (its veths live in its namespaces)
+
+
+def leftovers(lab: Netlab) -> list[str]:
+    """This lab's namespaces still listed, and any interface the host's namespace did not have."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in names.splitlines() if lab.tag in line] + sorted(root_links() - ROOT_LINKS)
+
+
+def within(measured: float, cap: float, tol: float = 0.20) -> bool:
+    return abs(measured - cap) <= tol * cap
+
+
+def test_a_10mb_tensor_moves_at_the_cap():
+    lab = Netlab(CAP)
+    with lab:
+        assert lab.addr("w1") != lab.addr("w2") and lab.addr("w1").startswith(str(lab.subnet.network_address)[:-1])
+        slow = measure_rate(lab, "w1", "w2")
+        lab.set_rate("w1", HIGHER)
+        fast = measure_rate(lab, "w1", "w2")
+    print(f"cap {CAP} Mbit/s: {slow['Mbps']:.1f} Mbit/s measured; cap {HIGHER}: {fast['Mbps']:.1f}")
+    assert slow["mbytes"] == 10.0
+    assert within(slow["MBps"], CAP / 8), slow  # MB/s: Mbit/s / 8
+    assert within(fast["MBps"], HIGHER / 8), fast
+    assert fast["MBps"] > 1.6 * slow["MBps"], (slow, fast)
+    assert not leftovers(lab), leftovers(lab)
+
+
+def test_close_cleans_up_after_a_failure():
+    """An exception inside the lab (a process still running in a namespace) leaves nothing behind."""
+    lab = Netlab(CAP)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        with lab:
+            p = lab.popen("w1", ["sleep", "600"])
+            raise RuntimeError("on purpose")
+    assert p.poll() is not None
+    assert not leftovers(lab), leftovers(lab)
+
+
+def test_a_data_parallel_job_across_capped_links(tmp_path):
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    from test_cluster import wait_state
+
+    models = tmp_path / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(64, seed=7)))
+    lab = Netlab(CAP)
+    with lab, NetCluster(lab, tmp_path) as c:
+        c.start_coordinator(models_dir=models)
+        c.add_workers(["w1", "w2"], models_dir=models)
+        nodes = {n["name"]: n["address"] for n in c.wait_nodes(["coordinator", "w1", "w2"])}
+        assert not root_links() - ROOT_LINKS
+        r = c.cli("nodes", "--json")  # the CLI, run inside the coordinator's namespace
+        assert r.returncode == 0 and {n["name"] for n in json.loads(r.stdout)} == {"coordinator", "w1", "w2"}, r.stderr
+        client = c.client()
+        before = {n: lab.sent_bytes(n) for n in ("w1", "w2")}
+        spec = {"kind": "data_parallel", "num_workers": 2, "strategy": "ddp", "max_retries": 0,
+                "train": {"model": "tiny-copy", "data": {"path": str(data), "max_eval_samples": 4, "max_length": 64},
+                          "max_steps": 4, "batch_size": 2, "save_every": 0, "eval_accuracy": False, "lr": 1e-3,
+                          "seed": 3, "peft": {"method": "none"}}}
+        t0 = time.time()
+        st = wait_state(client, client.submit_job(spec), ("completed",), timeout=300)
+        took = time.time() - t0
+        sent = {n: lab.sent_bytes(n) - before[n] for n in ("w1", "w2")}
+        info = json.loads((c.state / "coordinator.json").read_text())
+    print(f"job {took:.1f} s; bytes out of w1 {sent['w1']:,}, w2 {sent['w2']:,}; nodes {nodes}")
+    assert st["result"]["world"] == 2 and st["result"]["steps"] == 4
+    ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
+    assert sorted(t["node_name"] for t in ranks) == ["w1", "w2"]
+    assert info["ray_address"] == f"{lab.addr('coord')}:{c.ray_port}"  # Ray's head and nodes: lab addresses
+    assert nodes == {"coordinator": lab.addr("coord"), "w1": lab.addr("w1"), "w2": lab.addr("w2")}, nodes
+    # full fine-tuning of tiny-llama: every step all-reduces every gradient over the capped links
+    assert min(sent.values()) > 4 * 1e6, sent
+    assert not leftovers(lab), leftovers(lab)
