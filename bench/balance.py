@@ -62,6 +62,7 @@ def main() -> None:
     from localcluster import LocalCluster
 
     out: dict = {"model": args.model, "steps": args.steps, "batch_per_rank": args.batch_size}
+    (tmp / "cluster").mkdir()
     with LocalCluster(tmp / "cluster", coordinator_cpus=0) as c:
         c.start_coordinator()
         c.add_workers(["w1", "w2"])

@@ -86,6 +86,7 @@ def main() -> None:
     report: dict = {"args": vars(args), "rates": {}}
     for rate in [float(r) for r in args.rates.split(",")]:
         lab = Netlab(rate)
+        (tmp / f"cluster-{rate:g}").mkdir()
         with lab, NetCluster(lab, tmp / f"cluster-{rate:g}", coordinator_cpus=0) as c:
             c.start_coordinator()
             c.add_workers(["w1", "w2"])

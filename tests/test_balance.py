@@ -40,3 +40,8 @@ def test_the_meter_skips_the_warm_up_step_and_takes_the_median():
     for _ in range(EVERY):
         m.add(1, 1.0)
     assert m.due(balanced_before=True)
+
+
+def test_the_split_is_not_tilted_toward_the_slow_rank():
+    assert split_rows([44.7, 127.5], 16) == [4, 12]  # measured in bench/balance.py; 5/11 before
+    assert split_rows([1.0, 0.001, 0.001], 4) == [2, 1, 1]  # floors of one row come from the big share
