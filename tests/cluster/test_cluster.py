@@ -394,6 +394,9 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     assert comm["step"] == steps and comm["batch_rows_per_rank"] == rows
     for reported, total in zip(comm["bytes_sent_per_rank"], auto["comm_bytes_sent_per_rank"]):
         assert 0.99 * total <= reported <= total  # the last report is before the final eval's reduce
+    shown = world["c"].cli("job", "show", res["auto"]["job_id"])
+    assert shown.returncode == 0 and f"communication (per rank, step {steps}): sent" in shown.stdout, shown.stdout
+    assert f"rows per step {rows[0]} / {rows[1]} (balanced)" in shown.stdout, shown.stdout
     scrape = world["c"].api("GET", "/metrics").text
     assert f'smolforge_job_comm_bytes_sent{{job="{res["auto"]["job_id"]}",rank="{slow_rank}"}}' in scrape
     assert "smolforge_job_comm_wait_seconds{" in scrape

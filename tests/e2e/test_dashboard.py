@@ -54,6 +54,7 @@ def test_dashboard_renders_nodes_and_jobs(tmp_path):
         assert 'data-loaded="1"' in dom, dom[-3000:]
         assert 'data-node="dash-w1"' in dom and 'data-node="coordinator"' in dom
         assert f'data-job="{job_id}"' in dom and "completed" in dom
+        assert '<td class="comm">0.0 MB / 0.0 s</td>' in dom, dom[-3000:]  # one rank: nothing sent, no wait
         # without the token the page holds nothing and asks for it
         bare = dump_dom(f"http://127.0.0.1:{c.port}/dashboard", tmp_path / "profile-bare")
         assert 'id="login" style="display: block;"' in bare and "dash-w1" not in bare
