@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +35,7 @@ def spec(args, data: Path, workers: int, batch: int, balance: str, nodes: list[s
 def throughput(client, job: dict, timeout_s: float = 3600) -> dict:
     """Samples per second over the steady steps (median step time), and the job's result."""
     job_id = client.submit_job(job)
-    deadline = time.time() + timeout_s
-    while (st := client.get_job_status(job_id))["state"] not in ("completed", "failed", "cancelled"):
-        if time.time() > deadline:
-            raise SystemExit(f"job {job_id} still {st['state']} after {timeout_s:.0f} s")
-        time.sleep(0.5)
+    st = client.wait_for_job(job_id, timeout=timeout_s, poll=0.5)
     if st["state"] != "completed":
         raise SystemExit(f"job {job_id} {st['state']}: {st['error']}")
     res = st["result"]

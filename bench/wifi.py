@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,11 +48,7 @@ def smoothed(rows: list[dict], alpha: float = 0.1) -> list[tuple[float, float]]:
 
 def run(client, spec: dict, timeout_s: float = 7200) -> dict:
     job_id = client.submit_job(spec)
-    deadline = time.time() + timeout_s
-    while (st := client.get_job_status(job_id))["state"] not in ("completed", "failed", "cancelled"):
-        if time.time() > deadline:
-            raise SystemExit(f"job {job_id} still {st['state']} after {timeout_s:.0f} s")
-        time.sleep(1.0)
+    st = client.wait_for_job(job_id, timeout=timeout_s)
     if st["state"] != "completed":
         raise SystemExit(f"job {job_id} {st['state']}: {st['error']}")
     res = st["result"]
