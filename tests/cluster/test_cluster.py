@@ -268,12 +268,21 @@ def test_data_parallel_lora_equals_single_process_run(world):
     world["dp_job"] = job_id
 
 
+def ddp_result(world, client) -> dict:
+    """The result of the plain ddp job to compare with: the first data-parallel test's, or (a test run
+    on its own, `-k zero1`) one run now."""
+    if "dp_job" not in world:
+        world["dp_job"] = client.submit_job(job_spec(world))
+        wait_state(client, world["dp_job"], ("completed",))
+    return client.get_job_status(world["dp_job"])["result"]
+
+
 def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     """ZeRO-1 shards AdamW's state across the ranks; AdamW is elementwise, so the weights are DDP's."""
     client = world["c"].client()
     job_id = client.submit_job({**job_spec(world), "strategy": "zero1"})
     res = wait_state(client, job_id, ("completed",))["result"]
-    ddp = client.get_job_status(world["dp_job"])["result"]
+    ddp = ddp_result(world, client)
     assert res["strategy"] == "zero1" and ddp["strategy"] == "ddp"
     assert_same_weights(adapter_of(world, job_id), reference(world, 4), atol=1e-5, rtol=0)
     full = ddp["optimizer_state_bytes_per_rank"]
@@ -291,12 +300,9 @@ def test_fsdp_equals_ddp_with_a_shard_of_the_state_per_rank(world):
     reduce-scatter averages over the ranks as DDP's all-reduce does, so the weights are DDP's. The
     adapter is gathered onto rank 0 and comes out as ordinary PEFT files."""
     client = world["c"].client()
-    if "dp_job" not in world:  # run on its own (-k fsdp): the ddp job to compare with
-        world["dp_job"] = client.submit_job(job_spec(world))
-        wait_state(client, world["dp_job"], ("completed",))
     job_id = client.submit_job({**job_spec(world), "strategy": "fsdp"})
     res = wait_state(client, job_id, ("completed",))["result"]
-    ddp = client.get_job_status(world["dp_job"])["result"]
+    ddp = ddp_result(world, client)
     assert res["strategy"] == "fsdp" and res["world"] == 2 and res["steps"] == STEPS
     path = client.download_adapter(job_id, world["base"] / "downloads" / job_id)
     assert (path / "adapter_config.json").exists()
@@ -446,12 +452,13 @@ def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world)
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]
     assert "member_joining" in kinds and "regrouped" not in kinds, timeline
+    assert "join_dropped" not in kinds, timeline  # taken in, so its result is waited for, however late
     assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline  # no restart
     reformed = [e["data"] for e in events if e["kind"] == "group_reformed"]
     assert len(reformed) == 1 and reformed[0]["joined"] == [2] and reformed[0]["members"] == [0, 1, 2], timeline
     assert reformed[0]["step"] % 5 == 0 and 0 < reformed[0]["step"] < steps, timeline  # at an outer step
     res = st["result"]
-    assert res["steps"] == steps and res["workers"] == 3 and "coordinator" in res["nodes"], res
+    assert res["steps"] == steps and res["workers"] == 3 and "coordinator" in res["nodes"], (res, timeline)
     assert res["rounds"] == steps // 5
 
 
@@ -511,10 +518,15 @@ def test_pause_then_resume_equals_uninterrupted(world, strategy):
 
 def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     """Dropout masks come from each rank's own RNG stream: a checkpoint keeps every rank's state and
-    each rank resumes its own (before, every rank took rank 0's and the resumed run drifted)."""
+    each rank resumes its own (before, every rank took rank 0's and the resumed run drifted).
+
+    Balancing is off: on a loaded machine the ranks may measure speeds 20% apart and re-split the
+    batch, and a row's dropout mask comes from the stream of the rank that trains it, so two runs
+    balanced differently draw different masks (with dropout 0 the weights do not depend on the split)."""
     client = world["c"].client()
     steps = 2 * STEPS
-    spec = job_spec(world, max_steps=steps, peft={"method": "lora", "r": 8, "alpha": 16, "dropout": 0.05})
+    spec = {**job_spec(world, max_steps=steps, peft={"method": "lora", "r": 8, "alpha": 16, "dropout": 0.05}),
+            "balance": "off"}
     whole, job_id, st = whole_and_paused(client, spec)
     assert 6 <= st["step"] < steps, st
     client.resume_job(job_id)

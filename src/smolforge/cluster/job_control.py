@@ -107,6 +107,12 @@ class JobControl:
                 return {"excluded": True}
             return d
 
+    def taken_in(self) -> list[int]:
+        """Every member some group epoch took in (a joiner in here trains with the group, however late
+        its result comes back; one not in here is still waiting for an epoch that admits it)."""
+        with self.lock:
+            return sorted({m for d in self.decisions.values() for m in d["members"]})
+
     def _decide_all(self) -> None:
         for epoch in sorted(self.entries):
             if epoch in self.decisions:

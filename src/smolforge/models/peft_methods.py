@@ -284,11 +284,14 @@ def check_base(base_model: nn.Module, adapter_dir: Path) -> None:
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
-                 weights: dict[str, torch.Tensor] | None = None) -> Path:
+                 weights: dict[str, torch.Tensor] | Path | None = None) -> Path:
     """Write the model's adapter (or the full model for `none`) to `out_dir`, atomically.
 
     `weights`: the trainable weights by parameter name when the model holds only shards of them
-    (FSDP: `Strategy.model_state` gathered them); else they are read from the model.
+    (FSDP: `Strategy.model_state` gathered them), or the safetensors file they were streamed into;
+    else they are read from the model. A full model's streamed file becomes its `model.safetensors`
+    as it is (moved, never loaded whole): its names are the parameters', a tied weight once, which
+    are the names `save_pretrained` writes.
 
     Everything is written to a temp directory next to `out_dir` and swapped into place, so a
     crash never leaves a half-written adapter where a reader could find it.
@@ -299,7 +302,13 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         method = model_method(model)
-        if method == "adapter":
+        if isinstance(weights, Path) and method != "none":  # an adapter's weights are small
+            from safetensors.torch import load_file
+
+            weights = load_file(str(weights))
+        if isinstance(weights, Path):
+            _save_full_model_file(model, weights, tmp)
+        elif method == "adapter":
             houlsby.save_houlsby(model, tmp, state_dict=weights)
         else:  # safetensors; peft models write only the adapter
             model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
@@ -312,6 +321,23 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _save_full_model_file(model: nn.Module, weights_file: Path, out: Path) -> None:
+    """What `save_pretrained` writes for a full model, with its weights already in `weights_file`."""
+    config = model.config
+    # FSDP swaps the model's class for a subclass (FSDPLlamaForCausalLM); the file names the model's own
+    own = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    architectures = config.architectures
+    config.architectures = [own.__name__]
+    try:
+        config.save_pretrained(out)
+    finally:
+        config.architectures = architectures
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(out)
+    shutil.move(str(weights_file), out / "model.safetensors")
 
 
 def adapter_method(adapter_dir: str | Path) -> str:

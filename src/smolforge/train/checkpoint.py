@@ -1,7 +1,10 @@
 """Atomic, checksummed training checkpoints that resume exactly.
 
 A checkpoint is `<output_dir>/checkpoints/step-<N>/` holding the trainable weights, the optimizer,
-the scheduler and RNG state, and `manifest.json` with a sha256 of every file. It is written into a
+the scheduler and RNG state, and `manifest.json` with a sha256 of every file. A strategy whose ranks
+hold only shards (FSDP) streams the weights and the optimizer's tensors into safetensors files one
+tensor at a time (`TensorFileWriter`), so the whole state is never in one process's memory; such a
+checkpoint keeps the optimizer's tensors in `optim_state.safetensors` instead of `optim.pt`. It is written into a
 temp directory and renamed into place, so a crash leaves the previous checkpoint intact; a
 checkpoint whose checksums do not match is skipped when resuming.
 """
@@ -10,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +27,103 @@ from smolforge.paths import atomic_replace_dir, atomic_write_json
 from smolforge.train.strategy import Strategy
 
 MANIFEST = "manifest.json"
+OPTIM_TENSORS = "optim_state.safetensors"  # a streamed optimizer state (see optimizer_file_items)
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class TensorFileWriter:
+    """A safetensors file written one tensor at a time, in the order of `specs`.
+
+    safetensors' own `save_file` serialises every tensor into one buffer first (a second copy of the
+    whole state); here the header is written from the names, dtypes and shapes alone and each
+    tensor's bytes follow as they come (a gathered shard, then freed). Readers are safetensors' own
+    (`load_file`, `safe_open`, transformers). Written to `<path>.tmp`, fsynced, renamed on `close`.
+    """
+
+    def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        self._expect: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in specs:
+            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+            self._expect.append((name, dtype, tuple(shape)))
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._f = open(self._tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want = self._expect[self._next]
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != want:
+            raise ValueError(f"tensor file {self.path}: expected {want} next, got {got}")
+        self._f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self._next += 1
+
+    def close(self) -> Path:
+        if self._next != len(self._expect):
+            self.abort()
+            raise ValueError(f"tensor file {self.path}: {len(self._expect) - self._next} tensors never written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+def write_tensor_file(path: str | Path, items: Iterable[tuple[str, torch.Tensor]],
+                      specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Stream `items` (produced one at a time, e.g. gathered from shards) into a safetensors file."""
+    writer = TensorFileWriter(path, specs, metadata)
+    try:
+        for name, tensor in items:
+            writer.write(name, tensor)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def optimizer_file_key(index: int, key: str) -> str:
+    """Where `state[index][key]` of an optimizer state dict lives in an `optim_state.safetensors`."""
+    return f"state.{index}.{key}"
+
+
+def optimizer_file_metadata(param_groups: list[dict[str, Any]], scalars: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """The non-tensor half of a streamed optimizer state: its groups, and state values that are plain numbers."""
+    return {"format": "pt", "param_groups": json.dumps(param_groups),
+            "scalars": json.dumps({str(i): v for i, v in scalars.items()})}
+
+
+def read_optimizer_file(path: str | Path) -> dict[str, Any]:
+    """An `optim_state.safetensors` back as the `optimizer.state_dict()` it was streamed from."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in json.loads(meta.get("scalars", "{}")).items()}
+        for name in f.keys():
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = f.get_tensor(name)
+    # JSON has no tuples: torch keeps its pairs (AdamW's betas) as tuples, `params` is the one list
+    groups = [{k: v if k == "params" or not isinstance(v, list) else tuple(v) for k, v in g.items()}
+              for g in json.loads(meta["param_groups"])]
+    return {"state": state, "param_groups": groups}
 
 
 def sha256_file(path: Path) -> str:
@@ -84,30 +186,40 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
                     extra: dict[str, Any] | None = None, keep_last: int = 2,
                     rank_rng: list[torch.Tensor] | None = None, strategy_state: dict[str, Any] | None = None,
-                    optimizer_state: dict[str, Any] | None = None,
-                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    optimizer_state: dict[str, Any] | Path | None = None,
+                    model_state: dict[str, torch.Tensor] | Path | None = None) -> Path:
     """Write `step-<step>/` atomically and prune all but the newest `keep_last`.
 
     `rank_rng`: every rank's CPU RNG state (a data-parallel group), kept as `cpu_rank<r>` so that each
     rank resumes its own dropout stream; `strategy_state`: the strategy's own tensors and numbers;
     `optimizer_state`: the whole optimizer state when it was gathered from sharded ranks
     (Strategy.optimizer_state), else `optimizer.state_dict()`; `model_state`: the trainable weights when
-    gathered from shards (Strategy.model_state), else read from the model.
+    gathered from shards (Strategy.model_state), else read from the model. Either may instead be the
+    path of a safetensors file a strategy streamed them into (moved into the checkpoint, not copied).
     """
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
     try:
-        save_file(model_state if model_state is not None else trainable_state(model),
-                  str(tmp / "trainable.safetensors"))
+        if isinstance(model_state, Path):
+            shutil.move(str(model_state), tmp / "trainable.safetensors")
+        else:
+            save_file(model_state if model_state is not None else trainable_state(model),
+                      str(tmp / "trainable.safetensors"))
+        if isinstance(optimizer_state, Path):
+            shutil.move(str(optimizer_state), tmp / OPTIM_TENSORS)
         rng = {"cpu": torch.get_rng_state()}
         rng.update({f"cpu_rank{r}": state for r, state in enumerate(rank_rng or [])})
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, str(tmp / "rng.safetensors"))
         # Tensors plus plain numbers only: loaded back with weights_only=True.
-        torch.save({"optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
+        if isinstance(optimizer_state, Path):
+            optimizer_blob = None  # its tensors are in OPTIM_TENSORS
+        else:
+            optimizer_blob = optimizer_state if optimizer_state is not None else optimizer.state_dict()
+        torch.save({"optimizer": optimizer_blob,
                     "scheduler": scheduler.state_dict(),
                     "strategy": strategy_state or {}}, tmp / "optim.pt")
         atomic_write_json(tmp / "state.json", {"step": step, **(extra or {})})
@@ -136,6 +248,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
         raise RuntimeError(f"checkpoint {path} has weights the model lacks: {missing[:3]}")
     (strategy or Strategy()).load_model_state(model, weights)  # FSDP: each rank keeps its shard
     blob = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    if blob["optimizer"] is None:
+        blob["optimizer"] = read_optimizer_file(path / OPTIM_TENSORS)
     if strategy is not None:
         strategy.load_optimizer_state(optimizer, blob["optimizer"])
     else:

@@ -201,6 +201,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         hooks.on_model(model)
     trainable, total_params = trainable_summary(model)
     out_dir = Path(cfg.output_dir)
+    strategy.spool_dir = out_dir  # state a sharded strategy streams to disk (checkpoints) starts here
     is_main = rank == 0
     quiet = cfg.quiet or not is_main
     log = (lambda *a: None) if quiet else _printer()

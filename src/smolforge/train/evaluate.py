@@ -14,12 +14,17 @@ from smolforge.models.peft_methods import virtual_token_offset
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over target tokens, and how many there were."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
-    loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+    """Summed next-token cross-entropy over target tokens, and how many there were.
+
+    Position t predicts token t+1: the labels move left (the last position has no target) rather
+    than the logits, so contiguous logits go in as a view. Slicing them (`logits[:, :-1]`) copied the
+    largest activation of a small model (batch x length x vocab) on the way in, and once more for its
+    gradient on the way back."""
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
-    return loss, int((shift_labels != IGNORE).sum())
+    return loss, int((targets != IGNORE).sum())
 
 
 @torch.no_grad()

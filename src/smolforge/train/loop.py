@@ -128,6 +128,7 @@ class Trainer:
                 with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                     logits = self.forward(self.wrapped, m)
                 loss_sum = self.loss_sum(logits, m)
+                del logits  # autograd does not need it: freed before the backward, not after
                 loss = loss_sum * scale
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_total += float(loss_sum.detach())

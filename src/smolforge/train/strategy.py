@@ -10,6 +10,8 @@ needs from its peers goes through a `Strategy`:
 - `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
   checkpoint or the final adapter, and back (FSDP gathers and scatters shards; others read the model)
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
+- `spool_dir`: where those two may stream state too big to hold in memory (a safetensors file whose
+  path they return instead of a dict; FSDP does); the trainer sets it to its output directory
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
 - `reduce(values)`: sum numbers over every rank (eval sums, anything global)
 - `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
@@ -35,6 +37,7 @@ in `smolforge.parallel.strategies`, one file each, picked by name from its regis
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, ClassVar, ContextManager
 
 import torch
@@ -61,6 +64,7 @@ class Strategy:
         self.comm_wait_s = 0.0  # time spent waiting in collectives (for peers, for the network)
         self.balance = "off"  # "auto": rows per rank in proportion to measured speed (synchronous strategies)
         self.notes: list[dict[str, Any]] = []  # what the strategy decided (a rebalance), for the job's events
+        self.spool_dir: Path | None = None  # where streamed state files go (the run's output dir)
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -100,8 +104,9 @@ class Strategy:
                        **defaults: Any) -> torch.optim.Optimizer:
         return optimizer_class(groups, **defaults)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer's whole state for a checkpoint: every rank calls it, the main rank gets it.
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | Path | None:
+        """The optimizer's whole state for a checkpoint: every rank calls it, the main rank gets it
+        (or the path of the safetensors file it was streamed into, `checkpoint.read_optimizer_file`).
 
         A checkpoint holds the whole state whatever the strategy, so that it resumes under any other
         strategy or world size (a sharded optimizer loads the whole state and keeps its own part)."""
@@ -172,10 +177,10 @@ class Strategy:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | Path | None:
         """The trainable weights, whole, by parameter name, for a checkpoint or the final adapter, when the
-        model cannot give them itself (FSDP holds shards): every rank calls it, the main rank gets them.
-        None: read them from the model."""
+        model cannot give them itself (FSDP holds shards): every rank calls it, the main rank gets them
+        (or the path of a safetensors file they were streamed into). None: read them from the model."""
         return None
 
     def load_model_state(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

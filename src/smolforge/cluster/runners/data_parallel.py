@@ -391,8 +391,10 @@ class DPRunner(JobRunner):
                         continue
                     return "failed", self._diagnose(group, rank, err)
             waiting = [rank_of[r] for r in pending if rank_of[r] >= len(refs)]
-            if 0 in results and pending and len(waiting) == len(pending):
-                # the group finished before taking these joiners in: they would wait for nothing
+            if (0 in results and pending and len(waiting) == len(pending)
+                    and not set(waiting) & set(ray_get(self.control.taken_in.remote()))):
+                # the group finished before taking these joiners in: they would wait for nothing (a joiner
+                # it did take in is training with it, and its result may come back after rank 0's)
                 self.store.add_event(self.job_id, "join_dropped",
                                      f"the job finished before member(s) {', '.join(map(str, waiting))} could "
                                      "join (joins take effect at the next outer step)", {"members": waiting})

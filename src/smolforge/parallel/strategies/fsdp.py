@@ -17,16 +17,23 @@ its moments for that 1/N only. Why it looks like this:
 - Gradient clipping needs nothing: `clip_grad_norm_` over DTensor gradients reduces the global norm.
 - Evaluation and generation run on whole weights (`whole_model`): ranks make different numbers of
   forwards, and a sharded forward is a collective every rank must join.
-- Checkpoints hold the whole state on rank 0, not one shard file per rank (what `dcp.save` writes):
-  a home cluster has no shared filesystem, and rank 0 alone uploads its checkpoint directory. The
-  state comes from torch.distributed.checkpoint's state-dict API (`get_model_state_dict` /
-  `get_optimizer_state_dict` with `full_state_dict=True, cpu_offload=True`: gathered onto rank 0, on
-  the CPU) and is keyed as the other strategies key it (parameter names; the optimizer by torch's
-  integer ids), so a checkpoint moves between fsdp, ddp, zero1 and world sizes. To resume, every rank
-  (each staged the checkpoint) hands the whole state to `set_model_state_dict` /
-  `set_optimizer_state_dict`, which keep the rank's shard.
-- The final adapter (or full model) is gathered the same way and written by rank 0 as ordinary HF
-  files (`save_adapter(..., weights=)`).
+- Checkpoints hold the whole state, written by rank 0, not one shard file per rank (what `dcp.save`
+  writes): a home cluster has no shared filesystem, and rank 0 alone uploads its checkpoint
+  directory. The state is never whole in one process: each weight and each optimizer tensor in turn
+  is gathered (`DTensor.full_tensor`, every rank), written by rank 0 into a safetensors file as it
+  comes (`checkpoint.TensorFileWriter`) and dropped. (torch.distributed.checkpoint's
+  `get_model_state_dict(full_state_dict=True)` gathers the whole state onto rank 0 first: for a
+  100M-parameter full fine-tune that took rank 0 from 1.7 to 2.9 GB.) It is keyed as the other
+  strategies key it (parameter names; the optimizer by torch's integer ids), so a checkpoint moves
+  between fsdp, ddp, zero1 and world sizes. To resume, every rank (each staged the checkpoint)
+  hands the whole state to `set_model_state_dict` / `set_optimizer_state_dict`, which keep the
+  rank's shard.
+- The final adapter (or full model) is streamed the same way and written by rank 0 as ordinary HF
+  files (`save_adapter(..., weights=path)`).
+- Freed memory goes back to the system: glibc keeps freed blocks under its dynamic mmap threshold
+  (up to 32 MB) in its heap, and FSDP's per-block gathers and frees fragment it; `prepare` fixes the
+  threshold at 1 MiB (`telemetry.memory.return_freed_memory`). Measured on llama-100m full
+  fine-tuning: a rank's training peak 2.5 GB before, 1.66 GB after (DDP's: 2.76 GB either way).
 - Bytes: every all-gather and reduce-scatter FSDP makes goes through counting subclasses of its own
   default collectives (`set_custom_all_gather` / `set_custom_reduce_scatter`): what this rank hands
   over, its shard for a gather, the whole gradient buffer for a reduce-scatter (as DDP counts buckets).
@@ -37,27 +44,25 @@ its moments for that 1/N only. Why it looks like this:
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from smolforge.parallel.strategies.ddp import DDP
+from smolforge.telemetry.memory import return_freed_memory
+from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
 from smolforge.train.loop import optimizer_state_bytes
 
-GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
 SCATTER = StateDictOptions(full_state_dict=True, strict=False)  # whole tensors on every rank; each keeps its shard
 
 
@@ -75,6 +80,7 @@ class FSDP(DDP):
         if self.model is not None:
             return
         self.device = device
+        return_freed_memory()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         mesh = init_device_mesh(device.type, (self.world,))
@@ -127,27 +133,44 @@ class FSDP(DDP):
     def _trainable_names(self, model: torch.nn.Module) -> list[str]:
         return [n for n, p in model.named_parameters() if p.requires_grad]
 
-    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        self.checkpoint_bytes_sent += sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                    ignore_frozen_params=True))
-        if not self.is_main:
-            return None
+    def model_state(self, model: torch.nn.Module) -> Path | None:
         # The names `named_parameters` gives (a tied weight once), as a checkpoint of any strategy has them
-        return {n: full[n].contiguous() for n in self._trainable_names(model)}
+        params = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
+        self.checkpoint_bytes_sent += sum(_local_bytes(p) for _, p in params)
+        return self._stream(params, "trainable", {"format": "pt"})
 
     def load_model_state(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(model, weights, options=SCATTER)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
+        """Streamed as `optimizer.state_dict()` would hold it (integer ids, same groups), tensors in the file."""
         self.checkpoint_bytes_sent += optimizer_state_bytes(optimizer)  # this rank's shards
-        full = get_optimizer_state_dict(self.model, optimizer, options=GATHER)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors: list[tuple[str, torch.Tensor]] = []
+        scalars: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(params):
+            for key, value in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append((optimizer_file_key(i, key), value))
+                else:
+                    scalars.setdefault(i, {})[key] = value
+        groups = optimizer.state_dict()["param_groups"]
+        return self._stream(tensors, "optim", optimizer_file_metadata(groups, scalars))
+
+    def _stream(self, entries: list[tuple[str, torch.Tensor]], kind: str, metadata: dict[str, str]) -> Path | None:
+        """Every rank: each tensor gathered whole in turn (a collective for a sharded one); rank 0 writes
+        it into a fresh safetensors file under `spool_dir` as it comes, and returns the file's path."""
+        whole = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in entries)
         if not self.is_main:
+            for _ in whole:
+                pass
             return None
-        ids = self._ids(optimizer)
-        mine = optimizer.state_dict()  # the layout every strategy checkpoints: integer ids, same groups
-        return {"state": {ids[name]: dict(st) for name, st in full["state"].items()},
-                "param_groups": mine["param_groups"]}
+        root = Path(self.spool_dir or tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=root, prefix=f".{kind}-", suffix=".safetensors")
+        os.close(fd)
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in entries]  # a DTensor's shape is the whole one
+        return write_tensor_file(name, whole, specs, metadata)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         names = {i: name for name, i in self._ids(optimizer).items()}
