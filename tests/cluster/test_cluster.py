@@ -444,10 +444,18 @@ def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world)
     outer momentum) with no restart; the job ends with three members' results."""
     client = world["c"].client()
     steps = 400  # long enough (~20 s) that the joiner is placed and loaded before the job ends
-    job_id = client.submit_job(diloco_spec(world, steps))
-    wait_step(client, job_id, 2)
-    client.join_job(job_id)
-    st = wait_state(client, job_id, ("completed",))
+    # the joiner hands its result back 3 s after the others (fault injection): the runner must wait for
+    # a member the group took in, not drop it as one still waiting to join (it did, on a loaded machine)
+    lag = world["c"].state / "node" / "fault-result-delay-s"
+    lag.parent.mkdir(parents=True, exist_ok=True)
+    lag.write_text("3")
+    try:
+        job_id = client.submit_job(diloco_spec(world, steps))
+        wait_step(client, job_id, 2)
+        client.join_job(job_id)
+        st = wait_state(client, job_id, ("completed",))
+    finally:
+        lag.unlink()
     events = client.job_events(job_id)
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]

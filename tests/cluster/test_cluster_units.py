@@ -85,6 +85,85 @@ def test_artifacts_roundtrip_checksums_and_latest(tmp_path):
     assert (out / "sub" / "b.json").read_text() == '{"x": 1}'
 
 
+def _stream_into(store, src, name: str, chunk: int, keep_last=None, corrupt: bool = False) -> dict:
+    """What a rank's upload does, without Ray: send_dir's pieces into the store's receiver, then commit."""
+    from smolforge.parallel.transfer import send_dir
+
+    receiver = store.begin("job-1", "checkpoints", name)
+    sent: list[tuple[str, int, int]] = []
+
+    def put(rel, offset, data):
+        sent.append((rel, offset, len(data)))
+        receiver.write(rel, offset, (b"\xff" + data[1:]) if corrupt and data else data)
+
+    sums = send_dir(src, put, chunk_bytes=chunk)
+    meta = store.commit("job-1", "checkpoints", name, receiver, sums, keep_last=keep_last)
+    return {"meta": meta, "sent": sent}
+
+
+def test_artifacts_stream_in_pieces_and_back(tmp_path):
+    """A checkpoint moves in pieces of at most `chunk` bytes each way (never whole in memory): stored,
+    verified, pruned like a payload; fetched back piece by piece into a verified directory."""
+    from smolforge.parallel.transfer import DirReceiver
+
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    big = bytes(range(256)) * 41  # 10 496 bytes: three pieces of 4096 and a short one
+    (src / "big.bin").write_bytes(big)
+    (src / "empty").write_bytes(b"")
+    (src / "sub" / "s.json").write_text('{"x": 1}')
+    store = ArtifactStore(tmp_path / "art")
+    for step in (5, 10, 15):
+        out = _stream_into(store, src, f"step-{step}", 4096, keep_last=2)
+    assert [o for r, o, n in out["sent"] if r == "big.bin"] == [0, 4096, 8192]
+    assert ("empty", 0, 0) in out["sent"] and all(n <= 4096 for _, _, n in out["sent"])
+    assert out["meta"]["bytes"] == len(big) + 8
+    assert store.list("job-1", "checkpoints") == ["step-10", "step-15"] and store.verify("job-1", "checkpoints", "step-15")
+    files = store.manifest("job-1", "checkpoints", "step-15")
+    assert files["big.bin"]["bytes"] == len(big) and files["empty"]["bytes"] == 0
+    back = DirReceiver(tmp_path / "restored")
+    for rel, info in files.items():
+        offset = 0
+        while True:
+            data = store.piece("job-1", "checkpoints", "step-15", rel, offset, 4096)
+            back.write(rel, offset, data)
+            offset += len(data)
+            if not data or offset >= info["bytes"]:
+                break
+    back.commit({rel: info["sha256"] for rel, info in files.items()})
+    assert (tmp_path / "restored" / "big.bin").read_bytes() == big
+    assert (tmp_path / "restored" / "empty").read_bytes() == b""
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".restored")]  # no temp dir left
+
+
+def test_a_streamed_artifact_that_fails_its_checksum_or_escapes_changes_nothing(tmp_path):
+    from smolforge.parallel.transfer import DirReceiver
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"\x00" * 5000)
+    store = ArtifactStore(tmp_path / "art")
+    _stream_into(store, src, "step-5", 4096)
+    (src / "a.bin").write_bytes(b"\x07" * 5000)
+    with pytest.raises(SmolforgeError, match="checksum"):
+        _stream_into(store, src, "step-5", 4096, corrupt=True)
+    stored = store.path("job-1", "checkpoints", "step-5")
+    assert (stored / "a.bin").read_bytes() == b"\x00" * 5000 and store.verify("job-1", "checkpoints", "step-5")
+    assert [p.name for p in stored.parent.iterdir() if p.name.startswith(".")] == []  # temp dir gone
+    receiver = store.begin("job-1", "checkpoints", "step-6")
+    with pytest.raises(SmolforgeError, match="escapes"):
+        receiver.write("../escape", 0, b"x")
+    with pytest.raises(SmolforgeError, match="expected 0"):
+        receiver.write("a.bin", 10, b"x")  # a piece out of order
+    receiver.abort()
+    assert not (tmp_path / "art" / "job-1" / "checkpoints" / "escape").exists()
+    assert not store.path("job-1", "checkpoints", "step-6").exists()
+    leftover = DirReceiver(store.path("job-1", "checkpoints", "step-7"))  # an upload cut off by a crash
+    leftover.write("a.bin", 0, b"x")
+    store.begin("job-1", "checkpoints", "step-7").abort()
+    assert [p.name for p in stored.parent.iterdir() if p.name.startswith(".")] == []  # cleared by the next
+
+
 def test_payload_with_bad_checksum_or_escaping_path_is_refused(tmp_path):
     payload = {"files": {"a": b"hello"}, "sha256": {"a": "0" * 64}}
     with pytest.raises(SmolforgeError, match="checksum"):

@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.transfer import pack_dir, unpack_dir, verify_payload
+from smolforge.parallel.transfer import (
+    DirReceiver,
+    dir_files,
+    file_pieces,
+    pack_dir,
+    sha256_path,
+    unpack_dir,
+    verify_payload,
+)
 from smolforge.paths import atomic_write_bytes, atomic_write_json, private_dir, safe_join
 
 SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -59,8 +67,28 @@ class ArtifactStore:
         verify_payload(payload)
         dest = self.path(job_id, kind, name)
         unpack_dir(payload, dest)
-        meta = {"job_id": job_id, "kind": kind, "name": name, "stored": time.time(),
-                "sha256": dict(payload["sha256"]), "bytes": sum(len(v) for v in payload["files"].values())}
+        return self._record(job_id, kind, name, dict(payload["sha256"]),
+                            sum(len(v) for v in payload["files"].values()), keep_last)
+
+    def begin(self, job_id: str, kind: str, name: str) -> DirReceiver:
+        """An artifact arriving in pieces (parallel.transfer.send_dir): write them into the receiver,
+        then `commit`. What an earlier, interrupted transfer of this name left behind goes first."""
+        dest = self.path(job_id, kind, name)
+        if dest.parent.is_dir():
+            for stale in dest.parent.glob(f".{name}.*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        return DirReceiver(dest)
+
+    def commit(self, job_id: str, kind: str, name: str, receiver: DirReceiver, sums: dict[str, str],
+               keep_last: int | None = None) -> dict:
+        """Check every digest, swap the artifact in, record it (as `put` does)."""
+        nbytes = receiver.commit(sums)
+        return self._record(job_id, kind, name, dict(sums), nbytes, keep_last)
+
+    def _record(self, job_id: str, kind: str, name: str, sums: dict[str, str], nbytes: int,
+                keep_last: int | None) -> dict:
+        meta = {"job_id": job_id, "kind": kind, "name": name, "stored": time.time(), "sha256": sums,
+                "bytes": nbytes}
         atomic_write_json(self._meta_path(job_id, kind, name), meta)
         if keep_last:
             for old in self.list(job_id, kind)[:-keep_last]:
@@ -75,8 +103,7 @@ class ArtifactStore:
         try:
             meta = json.loads(mp.read_text())
             for rel, digest in meta["sha256"].items():
-                f = safe_join(p, rel)
-                if hashlib.sha256(f.read_bytes()).hexdigest() != digest:
+                if sha256_path(safe_join(p, rel)) != digest:
                     return False
             return True
         except (OSError, ValueError, KeyError, SmolforgeError):
@@ -92,6 +119,22 @@ class ArtifactStore:
         if payload["sha256"] != meta["sha256"]:
             raise SmolforgeError(f"artifact {job_id}/{kind}/{name} changed on disk", fix="re-run the task")
         return payload
+
+    def manifest(self, job_id: str, kind: str, name: str) -> dict[str, dict]:
+        """A stored artifact's files, verified: {relpath: {"sha256", "bytes"}} (to fetch it in pieces)."""
+        if not self.verify(job_id, kind, name):
+            raise SmolforgeError(f"artifact {job_id}/{kind}/{name} is missing or corrupt",
+                                 fix="re-run the task that produces it")
+        sums = json.loads(self._meta_path(job_id, kind, name).read_text())["sha256"]
+        files = dir_files(self.path(job_id, kind, name))
+        if set(files) != set(sums):
+            raise SmolforgeError(f"artifact {job_id}/{kind}/{name} changed on disk", fix="re-run the task")
+        return {rel: {"sha256": sums[rel], "bytes": files[rel].stat().st_size} for rel in sums}
+
+    def piece(self, job_id: str, kind: str, name: str, rel: str, offset: int, size: int) -> bytes:
+        """`size` bytes of one file of an artifact from `offset` (the receiver checks the whole file's digest)."""
+        path = safe_join(self.path(job_id, kind, name), rel)
+        return b"".join(data for _, data in file_pieces(path, size, offset=offset, size=size))
 
     def list(self, job_id: str, kind: str) -> list[str]:
         """Names of complete artifacts of a kind; checkpoints sorted by step."""

@@ -1,9 +1,11 @@
 """The per-job control actor: the one thing a job's workers talk to.
 
 It lives on the coordinator's node (it asks for the `smolforge-head` resource), so it writes
-artifacts straight into the coordinator's artifact store: rank 0 hands it a checksummed checkpoint
-payload through the Ray object store and waits for the acknowledgement, and every rank fetches the
-checkpoint to resume from and the uploaded dataset from it. No shared filesystem is assumed.
+artifacts straight into the coordinator's artifact store: rank 0 hands it a checkpoint in
+checksummed pieces through the Ray object store (`begin_artifact`, `put_piece`, `commit_artifact`:
+a piece at a time, so neither side holds a whole checkpoint in memory) and waits for the
+acknowledgement, and every rank fetches the checkpoint to resume from (`artifact_manifest`,
+`get_piece`) and the uploaded dataset from it. No shared filesystem is assumed.
 
 The job runner (in the coordinator process) sets the stop / regroup flags and drains the progress
 reports the workers push; workers poll the flags in the background, so none of this sits on the
@@ -39,6 +41,7 @@ class JobControl:
         self.regroup_now = False
         self.items: list[dict] = []
         self.lock = threading.Lock()  # threaded actor: reports and drains may overlap
+        self.uploads: dict[str, tuple[str, str, Any]] = {}  # upload id -> (kind, name, DirReceiver)
         self.start_members(0)
 
     def set_stop(self, code: str | None) -> None:
@@ -151,6 +154,44 @@ class JobControl:
         meta["seconds"] = time.time() - t
         meta.pop("sha256", None)
         return meta
+
+    def begin_artifact(self, kind: str, name: str) -> str:
+        """Start an artifact that arrives in pieces (`parallel.transfer.send_dir`); its upload id."""
+        receiver = self.store.begin(self.job_id, kind, name)
+        upload_id = secrets.token_hex(8)
+        with self.lock:
+            self.uploads[upload_id] = (kind, name, receiver)
+        return upload_id
+
+    def put_piece(self, upload_id: str, rel: str, offset: int, data: bytes) -> None:
+        kind, name, receiver = self.uploads[upload_id]
+        try:
+            receiver.write(rel, offset, data)
+        except BaseException:
+            self.abort_artifact(upload_id)  # a bad path or a piece out of order: the upload is void
+            raise
+
+    def commit_artifact(self, upload_id: str, sha256: dict[str, str], keep_last: int | None = None) -> dict:
+        """Every file's digest checked, the artifact swapped in; what `put_artifact` returns."""
+        t = time.time()
+        with self.lock:
+            kind, name, receiver = self.uploads.pop(upload_id)
+        meta = self.store.commit(self.job_id, kind, name, receiver, sha256, keep_last=keep_last)
+        meta["seconds"] = time.time() - t
+        meta.pop("sha256", None)
+        return meta
+
+    def abort_artifact(self, upload_id: str) -> None:
+        with self.lock:
+            entry = self.uploads.pop(upload_id, None)
+        if entry is not None:
+            entry[2].abort()
+
+    def artifact_manifest(self, kind: str, name: str) -> dict[str, dict]:
+        return self.store.manifest(self.job_id, kind, name)
+
+    def get_piece(self, kind: str, name: str, rel: str, offset: int, size: int) -> bytes:
+        return self.store.piece(self.job_id, kind, name, rel, offset, size)
 
     def get_artifact(self, kind: str, name: str) -> dict:
         return self.store.get(self.job_id, kind, name)

@@ -30,7 +30,7 @@ from smolforge.config import TrainConfig
 from smolforge.models.loading import resolve_model
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, node_ip, pick_backend
 from smolforge.parallel.strategies import make_strategy
-from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes, home
 from smolforge.train.engine import TrainHooks, train
 
@@ -42,21 +42,32 @@ REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (
 COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
 
 
-def fault_sample_delay_s() -> float:
-    """Fault injection for tests and benchmarks (a slow machine): seconds this node's ranks sleep per
-    sample in every forward. From SMOLFORGE_FAULT_SAMPLE_DELAY_S, or the file `fault-sample-delay-s`
-    in the node's directory, which a test may write while the worker runs."""
-    env = os.environ.get("SMOLFORGE_FAULT_SAMPLE_DELAY_S")
+def _left(deadline: float) -> float:
+    """Seconds to a deadline, for a `ray.get` timeout; a timeout error once it has passed."""
+    from ray.exceptions import GetTimeoutError
+
+    left = deadline - time.time()
+    if left <= 0:
+        raise GetTimeoutError("the transfer ran past its time limit")
+    return left
+
+
+def fault_delay_s(name: str) -> float:
+    """Fault injection for tests and benchmarks: seconds of delay `name` asks of this node's ranks, from
+    SMOLFORGE_FAULT_<NAME>_S or the file `fault-<name>-s` in the node's directory (which a test may
+    write while the worker runs). `sample-delay`: per sample in every forward (a slow machine);
+    `result-delay`: before a rank hands back its result (a rank whose last report lags)."""
+    env = os.environ.get(f"SMOLFORGE_FAULT_{name.upper().replace('-', '_')}_S")
     if env:
         return float(env)
     try:
-        return float((node_dir() / "fault-sample-delay-s").read_text().strip() or 0)
+        return float((node_dir() / f"fault-{name}-s").read_text().strip() or 0)
     except (OSError, ValueError):
         return 0.0
 
 
 def slow_down(model, per_sample_s: float) -> None:
-    """Make every forward of `model` take `per_sample_s` longer per row (see fault_sample_delay_s)."""
+    """Make every forward of `model` take `per_sample_s` longer per row (see fault_delay_s)."""
 
     def pause(_module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -251,12 +262,46 @@ class DPWorker:
         atomic_write_bytes(dest, data)
         return str(dest)
 
-    def _stage_checkpoint(self, name: str, out_dir: Path) -> None:
+    def _stage_checkpoint(self, name: str, out_dir: Path, timeout_s: float = 600.0) -> None:
+        """Fetch a stored checkpoint in pieces into `<out_dir>/checkpoints/<name>` (verified, atomic)."""
         import ray
 
+        deadline = time.time() + timeout_s
+        files = ray.get(self.control.artifact_manifest.remote("checkpoints", name), timeout=timeout_s)
+        receiver = DirReceiver(out_dir / "checkpoints" / name)
+        try:
+            for rel, info in files.items():
+                offset = 0
+                while offset < info["bytes"] or (offset == 0 and info["bytes"] == 0):
+                    data = ray.get(self.control.get_piece.remote("checkpoints", name, rel, offset, CHUNK_BYTES),
+                                   timeout=_left(deadline))
+                    receiver.write(rel, offset, data)
+                    offset += len(data)
+                    if not data:
+                        break
+            receiver.commit({rel: info["sha256"] for rel, info in files.items()})
+        finally:
+            receiver.abort()
 
-        payload = ray.get(self.control.get_artifact.remote("checkpoints", name), timeout=600)
-        unpack_dir(payload, out_dir / "checkpoints" / name)
+    def _upload_dir(self, kind: str, path: Path, timeout_s: float, keep_last: int | None = None) -> dict:
+        """Hand a directory to the control actor's artifact store in pieces (`send_dir`); its metadata.
+        An upload that fails or runs past `timeout_s` is aborted: the stored ones stay as they were."""
+        import ray
+
+        deadline = time.time() + timeout_s
+        upload_id = ray.get(self.control.begin_artifact.remote(kind, path.name), timeout=_left(deadline))
+
+        def put(rel: str, offset: int, data: bytes) -> None:
+            ray.get(self.control.put_piece.remote(upload_id, rel, offset, data), timeout=_left(deadline))
+
+        try:
+            sums = send_dir(path, put)
+            if FAULT_UPLOAD_DELAY_S:
+                time.sleep(FAULT_UPLOAD_DELAY_S)
+            return ray.get(self.control.commit_artifact.remote(upload_id, sums, keep_last), timeout=_left(deadline))
+        except BaseException:
+            self.control.abort_artifact.remote(upload_id)  # fire and forget: the actor may be gone
+            raise
 
     # -- the work ---------------------------------------------------------------------------------
 
@@ -264,9 +309,6 @@ class DPWorker:
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
             strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
             balance: str = "off", join: bool = False) -> dict:
-        import ray
-
-
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
         out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
@@ -283,7 +325,7 @@ class DPWorker:
         if resume_from:
             self._stage_checkpoint(resume_from, out_dir)
         is_main = self.rank == 0
-        delay = fault_sample_delay_s()
+        delay = fault_delay_s("sample-delay")
         strategy_obj = None  # made once the group exists (a distributed strategy needs it)
         step_times: list[float] = []
         cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
@@ -324,11 +366,7 @@ class DPWorker:
                 self._emit({"type": "eval", **metrics})
 
         def on_checkpoint(path: Path, step: int) -> None:
-            payload = pack_dir(path)
-            if FAULT_UPLOAD_DELAY_S:
-                time.sleep(FAULT_UPLOAD_DELAY_S)
-            meta = ray.get(self.control.put_artifact.remote("checkpoints", Path(path).name, payload, keep_last),
-                           timeout=upload_timeout_s)
+            meta = self._upload_dir("checkpoints", Path(path), upload_timeout_s, keep_last)
             self._emit({"type": "event", "kind": "checkpoint",
                         "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
                         "data": {"step": step, "name": Path(path).name}})
@@ -367,9 +405,7 @@ class DPWorker:
             result = train(cfg, hooks, strategy=strategy_obj)
             adapter_meta = None
             if is_main and not result.stopped and result.adapter_dir:
-                adapter = Path(result.adapter_dir)
-                adapter_meta = ray.get(self.control.put_artifact.remote("adapter", adapter.name, pack_dir(adapter)),
-                                       timeout=600)
+                adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)
         finally:
             self._running = False
             leave_group()
@@ -384,4 +420,5 @@ class DPWorker:
                    first_step_ts=step_times[0] if step_times else None,
                    cpu_step_s=(cpu_times[-1] - cpu_times[0]) / (len(cpu_times) - 1) if len(cpu_times) > 1 else None,
                    step_times=step_times if is_main else None)
+        time.sleep(fault_delay_s("result-delay"))
         return out
