@@ -33,7 +33,8 @@ its moments for that 1/N only. Why it looks like this:
 - Freed memory goes back to the system: glibc keeps freed blocks under its dynamic mmap threshold
   (up to 32 MB) in its heap, and FSDP's per-block gathers and frees fragment it; `prepare` fixes the
   threshold at 1 MiB (`telemetry.memory.return_freed_memory`). Measured on llama-100m full
-  fine-tuning: a rank's training peak 2.5 GB before, 1.66 GB after (DDP's: 2.76 GB either way).
+  fine-tuning: a rank's training peak 2.5 GB before, 1.66 GB after (DDP's: 2.76 GB either way), for
+  about 1.4x the CPU per step (fresh mappings faulted in each step; BENCHMARKS.md).
 - Bytes: every all-gather and reduce-scatter FSDP makes goes through counting subclasses of its own
   default collectives (`set_custom_all_gather` / `set_custom_reduce_scatter`): what this rank hands
   over, its shard for a gather, the whole gradient buffer for a reduce-scatter (as DDP counts buckets).
