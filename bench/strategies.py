@@ -1,9 +1,10 @@
 """Data-parallel strategies side by side: 2 workers, the same model, data, per-rank batch and steps.
 
-For each strategy (ddp, zero1, diloco fp32, diloco int8) one job on an embedded cluster of this
-machine, against plain torchrun DDP (same engine, no Ray) measured in the same run. Printed per
-strategy, as ratios to the baselines: median step time ÷ torchrun DDP's; bytes handed to collectives
-per rank per sample, peak RSS and optimizer state per rank ÷ our DDP's; eval loss at equal samples.
+For each strategy (ddp, zero1, fsdp, diloco fp32 and int8, ssp, sync-ps, async-ps fp32 and int8) one
+job on an embedded cluster of this machine, against plain torchrun DDP (same engine, no Ray) measured
+in the same run. Printed per strategy, as ratios to the baselines: samples/s ÷ torchrun DDP's; bytes
+sent per rank per sample (collectives, or pushes to a parameter server), peak RSS and optimizer state
+per rank ÷ our DDP's; eval loss at equal samples.
 
     .venv/bin/python bench/strategies.py [--model small-llama --steps 100 --peft lora|none --inner-steps 20 --only fsdp]
 
@@ -43,6 +44,12 @@ def run_strategy(args, cluster, data: str, strategy: str, config: dict) -> dict:
     return res
 
 
+def samples_per_s(args, r: dict) -> float:
+    """Samples trained per second between rank 0's first and last step (a parameter server's rank 0 takes
+    parts, not whole steps: the job's samples over the same span)."""
+    return args.steps * args.batch_size * 2 * (1 - 1 / max(2, r["steps"])) / r["train_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small-llama")
@@ -61,7 +68,8 @@ def main() -> None:
 
     outer = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     plan = [("ddp", "ddp", {}), ("zero1", "zero1", {}), ("fsdp", "fsdp", {}), ("diloco-fp32", "diloco", outer),
-            ("diloco-int8", "diloco", {**outer, "codec": "int8"})]
+            ("diloco-int8", "diloco", {**outer, "codec": "int8"}), ("ssp", "ssp", {"staleness_bound": 2}),
+            ("sync-ps", "sync-ps", {}), ("async-ps", "async-ps", {}), ("async-ps-int8", "async-ps", {"codec": "int8"})]
     if args.only:  # ddp stays: it is every ratio's baseline
         plan = [p for p in plan if p[0] == "ddp" or p[0] in args.only.split(",")]
     torchrun_step, _ = run_torchrun(train_cfg(args, str(data)), tmp, 0)
@@ -71,7 +79,7 @@ def main() -> None:
         for name, strategy, config in plan:
             results[name] = run_strategy(args, cluster, str(data), strategy, config)
             r = results[name]
-            print(f"{name}: {r['median_step_s'] * 1000:.1f} ms/step, eval loss {r['eval']['eval_loss']:.4f}, "
+            print(f"{name}: {samples_per_s(args, r):.1f} samples/s, eval loss {r['eval']['eval_loss']:.4f}, "
                   f"{max(r['comm_bytes_sent_per_rank']) / 1e6:.2f} MB sent per rank", flush=True)
     finally:
         cluster.close()
@@ -80,14 +88,14 @@ def main() -> None:
     table = {}
     for name, r in results.items():
         table[name] = {
-            "ms_per_step": round(r["median_step_s"] * 1000, 1),
-            "step_time_vs_torchrun_ddp": round(r["median_step_s"] / torchrun_step, 3),
+            "samples_per_s": round(samples_per_s(args, r), 2),
+            "samples_per_s_vs_torchrun_ddp": round(samples_per_s(args, r) * torchrun_step / (2 * args.batch_size), 3),
             "bytes_per_rank_per_sample": round(max(r["comm_bytes_sent_per_rank"]) / samples),
             "bytes_vs_ddp": round(max(r["comm_bytes_sent_per_rank"]) / max(ddp["comm_bytes_sent_per_rank"]), 4),
             "peak_rss_vs_ddp": round(max(r["peak_rss_mb_per_rank"]) / max(ddp["peak_rss_mb_per_rank"]), 3),
             "peak_rss_mb_per_rank": [round(m) for m in r["peak_rss_mb_per_rank"]],
             "optimizer_state_vs_ddp": round(max(r["optimizer_state_bytes_per_rank"])
-                                            / max(ddp["optimizer_state_bytes_per_rank"]), 3),
+                                            / max(ddp["optimizer_state_bytes_per_rank"]), 3),  # a server's is 0
             "eval_loss": round(r["eval"]["eval_loss"], 4),
             "eval_loss_vs_ddp": round(r["eval"]["eval_loss"] / ddp["eval"]["eval_loss"], 4),
             "rounds": r.get("rounds"),

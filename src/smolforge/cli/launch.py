@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: int = typer.Option(2, help="data-parallel ranks"),
         strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 | fsdp | "
-                                     "diloco (settings: --set strategy_config.KEY=VALUE)"),
+                                     "diloco | ssp | sync-ps | async-ps (settings: --set strategy_config.KEY=VALUE)"),
         balance: str = typer.Option("auto", help="data_parallel, synchronous strategies: rows per rank follow each "
                                     "rank's measured speed when speeds differ by >20% (auto), or equal (off)"),
         mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
@@ -79,6 +79,8 @@ def register(app: typer.Typer) -> None:
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy zero1 --max-steps 100
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy diloco --set strategy_config.inner_steps=20 --set strategy_config.codec=int8
+
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 3 --strategy async-ps --set strategy_config.codec=int8
 
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
         """

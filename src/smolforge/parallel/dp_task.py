@@ -29,7 +29,7 @@ from ray.exceptions import RayError
 from smolforge.config import TrainConfig
 from smolforge.models.loading import resolve_model
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, node_ip, pick_backend
-from smolforge.parallel.strategies import make_strategy
+from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes, home
 from smolforge.train.engine import TrainHooks, train
@@ -166,6 +166,40 @@ class ControlMembership:
         else:
             sock.close()
         return {**view, "backend": self.backend, "timeout_s": self.timeout_s}
+
+
+class ServerClient:
+    """A parameter server's methods as plain calls (`PSStrategy.server`), each `ray.get` bounded: a server
+    that died raises here, the rank fails, and the runner resumes the job from its last checkpoint."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def _call(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def setup(self, spec: dict) -> bool:
+        return self._call("setup", spec, timeout=600)
+
+    def is_ready(self) -> bool:
+        return self._call("is_ready")
+
+    def claim(self, member: int, wait_s: float) -> dict:
+        return self._call("claim", member, wait_s, timeout=wait_s + 120)
+
+    def push(self, *args: Any) -> dict:
+        return self._call("push", *args, timeout=600)
+
+    def pull(self, member: int, which: str) -> dict:
+        return self._call("pull", member, which, timeout=600)
+
+    def stop(self, code: str) -> None:
+        self._call("stop", code)
+
+    def snapshot(self) -> dict:
+        return self._call("snapshot", timeout=600)
 
 
 class DPWorker:
@@ -308,7 +342,7 @@ class DPWorker:
     def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
             strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
-            balance: str = "off", join: bool = False) -> dict:
+            balance: str = "off", join: bool = False, server: Any = None) -> dict:
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
         out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
@@ -337,7 +371,7 @@ class DPWorker:
             if s is not None and (info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps):
                 self._emit({"type": "comm", "step": info.step, "comm_bytes_sent": s.bytes_sent,
                             "comm_wait_s": s.comm_wait_s, "rounds": s.rounds,
-                            "batch_rows": s.rows[s.rank] if s.rows else None})
+                            "batch_rows": s.rows[s.rank] if s.rows else None, "metrics": s.metrics()})
             while s is not None and s.notes:
                 note = s.notes.pop(0)
                 if is_main and note.get("kind") == "regroup":
@@ -384,7 +418,8 @@ class DPWorker:
         chosen = pick_backend(backend, cfg.device)
         try:
             collective_timeout = max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S)
-            if world > 1 and not join:  # a joiner enters the group at its next re-formation
+            grouped = getattr(STRATEGIES.get(strategy), "uses_process_group", True)  # not via a server
+            if world > 1 and not join and grouped:  # a joiner enters the group at its next re-formation
                 # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
                 # collective timeout must outlast the upload's, or a slow link fails every round.
                 listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
@@ -394,12 +429,16 @@ class DPWorker:
             self._emit({"type": "event", "kind": "rank_started",
                         "message": f"{'member' if join else 'rank'} {self.rank}/{world} "
                                    f"{'waits to join' if join else 'started'} on {self.info()['node_name']} "
-                                   f"({chosen if world > 1 else 'single'}, {self.cpus} threads"
+                                   f"({(chosen if grouped else 'via the parameter server') if world > 1 else 'single'}, "
+                                   f"{self.cpus} threads"
                                    f"{', resuming ' + resume_from if resume_from else ''}"
                                    f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
             strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
             strategy_obj.balance = balance
-            if getattr(strategy_obj, "elastic", False) and world > 1:  # members may leave or join
+            if getattr(strategy_obj, "needs_server", False):  # every exchange goes through the job's server
+                strategy_obj.server = ServerClient(server)
+                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
+            elif getattr(strategy_obj, "elastic", False) and world > 1:  # members may leave or join
                 strategy_obj.membership = ControlMembership(self, chosen, collective_timeout, collective_timeout)
                 strategy_obj.member, strategy_obj.nominal_world = self.rank, world
             result = train(cfg, hooks, strategy=strategy_obj)

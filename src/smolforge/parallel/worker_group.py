@@ -79,22 +79,23 @@ class WorkerGroup:
 
     def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
             keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None,
-            upload_timeout_s: float = 600.0, balance: str = "off", join_world: int | None = None) -> list:
+            upload_timeout_s: float = 600.0, balance: str = "off", join_world: int | None = None,
+            server: Any = None) -> list:
         """Start every rank; returns one ObjectRef per rank (rank order).
 
         `join_world`: these are members joining a running elastic group of that many ranks; they get
         the rendezvous from the job's control actor when the group takes them in."""
         import ray
 
-        if join_world:
-            addr, port, secret, world = "", 0, "", join_world
+        if join_world or server is not None:  # a joiner meets the group later; a server's workers never do
+            addr, port, secret, world = "", 0, "", join_world or self.world
         else:
             addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
             secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
             world = self.world
         return [m.actor.run.remote(cfg, world, addr, port, resume_from, backend, timeout_s, keep_last,
                                    strategy, strategy_config, upload_timeout_s, group_secret=secret,
-                                   balance=balance, join=bool(join_world))
+                                   balance=balance, join=bool(join_world), server=server)
                 for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from smolforge.config import TrainConfig
 from smolforge.data.collate import collate
+from smolforge.data.encode import IGNORE
 from smolforge.data.splits import Splits, load_splits
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
@@ -86,6 +87,7 @@ class TrainResult:
     comm_wait_s: float = 0.0  # time this process spent waiting in collectives
     batch_rows: list[int] | None = None  # rows per rank of the last step when balanced (None: equal slices)
     rounds: int | None = None  # outer steps, for strategies that have them (DiLoCo)
+    strategy_metrics: dict[str, float] = field(default_factory=dict)  # Strategy.metrics(): staleness, waits...
     samples: int = 0  # sequences trained on, every rank together
     peak_rss_mb: float = 0.0
 
@@ -243,6 +245,12 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     progress = StepProgress(steps, "train", quiet=quiet, completed=start_step)
     last_loss = [float("nan")]
 
+    def step_tokens(step: int) -> float:
+        """Loss tokens of the whole global step (what `target_tokens` counts on its collated rows)."""
+        return float(sum(sum(1 for t in splits.train[i]["labels"][1:] if t != IGNORE) for i in order.step_rows(step)))
+
+    strategy.step_tokens = step_tokens
+
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
         first, count = strategy.rows_for(step, per_rank * world)  # equal slices unless balanced by speed
         mine = order.step_rows(step)[first:first + count]
@@ -279,6 +287,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                                      save_every=cfg.save_every)
     finally:
         progress.close()
+    result.steps = strategy.progress(result.steps)  # a parameter server's steps, not this rank's last
     loss_val = last_loss[0]
     result.final_loss = loss_val if loss_val == loss_val else None
     result.tokens_per_s = trainer.tokens_per_s()
@@ -304,6 +313,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     result.checkpoint_bytes_sent = strategy.checkpoint_bytes_sent
     result.comm_wait_s, result.batch_rows = strategy.comm_wait_s, strategy.rows
     result.rounds = strategy.rounds
+    result.strategy_metrics = strategy.metrics()
     if writer:
         writer.close()
     if is_main:
@@ -314,6 +324,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
 
 def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, strategy: Strategy) -> None:
+    step = strategy.checkpoint_step(step)  # a parameter server's consistent state may be behind this rank
     rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
     optim_state = strategy.optimizer_state(optimizer)  # likewise: a sharded optimizer gathers its parts
     weights = strategy.model_state(model)  # and a sharded model its trainable weights (None: read the model)

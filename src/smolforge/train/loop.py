@@ -19,6 +19,7 @@ schedule, loss, hooks, progress) but keeps its own step: its optimizer step span
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -117,8 +118,10 @@ class Trainer:
     def step(self, step: int, micro: list[Batch]) -> StepStats:
         """Forward, loss, backward for each micro-batch; clip; optimizer and schedule step."""
         s = self.strategy
+        if self.scheduler.last_epoch != step:  # steps handed out out of order (a parameter server)
+            self._seek_schedule(step)
         my_targets = float(sum(target_tokens(m) for m in micro))
-        global_targets = s.step_reduce([my_targets], self.device)[0]
+        global_targets = s.step_targets(step, my_targets, self.device)
         scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
         loss_total, tokens = 0.0, 0
         started = time.perf_counter()
@@ -133,7 +136,7 @@ class Trainer:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_total += float(loss_sum.detach())
             tokens += int(m["attention_mask"].sum())
-        s.observe(sum(int(m["input_ids"].shape[0]) for m in micro), started, time.perf_counter())
+        s.observe(sum(int(m["input_ids"].shape[0]) for m in micro), started, time.perf_counter(), targets=my_targets)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
@@ -151,11 +154,17 @@ class Trainer:
         return StepStats(loss=loss_mean, lr=lr, grad_norm=grad_norm, tokens=tokens)
 
     def _clip(self) -> float:
-        """The global gradient norm (clipped to max_grad_norm when set)."""
+        """The global gradient norm (clipped to max_grad_norm when set; by the strategy, which may leave
+        it to a parameter server that clips the ranks' summed gradient)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        return float(torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params))) if params else 0.0
+        return self.strategy.clip_grad_norm(params, self.max_grad_norm)
+
+    def _seek_schedule(self, step: int) -> None:
+        """Put the LR schedule at `step` (a rank that skipped steps others took)."""
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore")
+            self.scheduler.last_epoch = step - 1
+            self.scheduler.step()
 
     def stop_decision(self, should_stop: Callable[[], str | None] | None) -> str | None:
         """Rank 0's pause/cancel decision, shared with every rank so they leave the loop together."""
@@ -171,9 +180,12 @@ class Trainer:
         """
         self.model.train()
         s = self.strategy
-        done, stopped, wanted, save_due = start, None, None, False
-        for step in range(start, steps):
+        done, stopped, wanted, save_due, saved = start, None, None, False, start
+        while True:
             try:
+                step = s.next_step(done, steps)  # the next in order; a parameter server hands them out
+                if step is None:
+                    break
                 micro = batches(step)
             except StopRequested as req:
                 stopped = req.what
@@ -189,15 +201,16 @@ class Trainer:
             if wanted == "cancel":
                 stopped = wanted
                 break
-            save_due = save_due or bool(save_every and done % save_every == 0 and done != steps)
+            # due when a multiple of save_every was passed (a rank handed steps out of order may skip it)
+            save_due = save_due or bool(save_every and done // save_every > saved // save_every and done != steps)
             # A checkpoint or a pause lands where every rank shares its state (DiLoCo: an outer step).
             if s.at_boundary(done) and (save_due or wanted == "pause"):
                 hooks.save(done, wanted == "pause")
-                save_due = False
+                save_due, saved = False, done
                 if wanted == "pause":
                     stopped = wanted
                     break
-        if stopped is None and done == steps:
+        if stopped is None:  # every step taken (by this rank or, handed out, by others)
             s.finish(self.model, self.optimizer)
         return done, stopped
 

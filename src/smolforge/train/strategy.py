@@ -28,6 +28,13 @@ needs from its peers goes through a `Strategy`:
 - `gather_rng()` / `rng_for_rank(states)`: every rank's RNG state in a checkpoint, each rank its own
   back on resume (LoRA dropout differs per rank)
 - `state_dict()` / `load_state_dict()`: the strategy's own state in checkpoints
+- `next_step(done, steps)`: the step this rank takes next (None: none left); a parameter server hands
+  steps out, so a fast rank takes more of them (may raise `StopRequested` when another rank stopped)
+- `clip_grad_norm(params, max_norm)`: the step's gradient norm, clipped (a parameter server clips the
+  sum of the ranks' gradients on the server instead)
+- `checkpoint_step(step)` / `progress(step)`: the step a checkpoint taken now resumes from, and the
+  job's steps done once the loop ends (a parameter server's version, not this rank's last step)
+- `metrics()`: the strategy's own numbers for the job summary (staleness, waits, dropped gradients)
 - `barrier()`, `bytes_sent`, `rank`, `world`, `is_main`
 
 This class is the single-process strategy: rank 0 of 1, every method the identity. The others live
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 from pydantic import BaseModel
@@ -65,6 +72,9 @@ class Strategy:
         self.balance = "off"  # "auto": rows per rank in proportion to measured speed (synchronous strategies)
         self.notes: list[dict[str, Any]] = []  # what the strategy decided (a rebalance), for the job's events
         self.spool_dir: Path | None = None  # where streamed state files go (the run's output dir)
+        # the loss tokens of global step s, every rank's rows (set by the engine, which knows the data):
+        # a rank that computes its part alone (a parameter server's worker) still normalises as DDP does
+        self.step_tokens: Callable[[int], float] | None = None
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -133,6 +143,10 @@ class Strategy:
     def reduce(self, values: list[float], device: torch.device) -> list[float]:
         return list(values)
 
+    def step_targets(self, step: int, mine: float, device: torch.device) -> float:
+        """The loss tokens of the whole step (every rank's rows), which normalise its loss."""
+        return self.step_reduce([mine], device)[0]
+
     def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
         """Sums over the ranks that average this step's gradients (the loss normalisation)."""
         return self.reduce(values, device)
@@ -153,8 +167,31 @@ class Strategy:
         per = total // self.world
         return self.rank * per, per
 
-    def observe(self, rows: int, started: float, ended: float) -> None:
-        """A step's rows took this rank from `started` to `ended` (perf_counter) of forward and backward."""
+    def observe(self, rows: int, started: float, ended: float, targets: float = 0.0) -> None:
+        """A step's rows took this rank from `started` to `ended` (perf_counter) of forward and backward;
+        `targets`: its loss tokens."""
+
+    def next_step(self, done: int, steps: int) -> int | None:
+        """The step this rank takes after `done` steps (None: the loop ends): the next one in order."""
+        return done if done < steps else None
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+        """The global gradient norm of this step, clipped to `max_norm` when set."""
+        if max_norm:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params))) if params else 0.0
+
+    def checkpoint_step(self, step: int) -> int:
+        """The step a checkpoint taken after this rank's `step` resumes from (every rank calls it)."""
+        return step
+
+    def progress(self, step: int) -> int:
+        """The job's steps done when this rank's loop ended at `step`."""
+        return step
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's strategy-specific numbers (name -> value) for the job summary and metrics."""
+        return {}
 
     @property
     def rows(self) -> list[int] | None:

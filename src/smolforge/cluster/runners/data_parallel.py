@@ -58,6 +58,8 @@ class DPRunner(JobRunner):
         self._comm: dict[int, dict] = {}  # each rank's latest communication report (this group)
         self.elastic = False  # the strategy lets members leave and join a running group
         self.joiners: list[WorkerGroup] = []  # members placed to join the running (elastic) group
+        self.server = None  # the round's parameter server (strategies that need one: ssp, sync-ps, async-ps)
+        self._server_polled = 0.0
         self.training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
 
@@ -113,6 +115,15 @@ class DPRunner(JobRunner):
                 pass  # already gone
 
     def _release(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            import ray
+
+            self._poll_server(server, force=True)
+            try:
+                ray.kill(server, no_restart=True)
+            except (RayError, ValueError):
+                pass  # already gone (its node died)
         joiners, self.joiners = self.joiners, []
         for g in joiners:
             members = list(g.members)
@@ -208,13 +219,26 @@ class DPRunner(JobRunner):
                                      task_id=gid)
                 recovering = None
             ray_get(self.control.start_members.remote(world))
+            if getattr(STRATEGIES[spec.strategy], "needs_server", False):
+                try:
+                    self._start_server(spec, infos, world, gid)
+                except Exception as err:  # its node went away while it was placed: a new round
+                    self._release()
+                    msg = short_error(err)
+                    decision = self.record_failure(policy, "could not start the parameter server")
+                    self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=msg)
+                    self.store.add_event(self.job_id, "placement_failed", f"parameter server: {msg}", task_id=gid)
+                    if not decision.retry:
+                        self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=msg)
+                        return
+                    continue
             with self._lock:
                 self.training = True
                 if self.pending_joins and not self.elastic:  # asked for while this group was being placed
                     self._ask_regroup()
             refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
                              spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
-                             balance=spec.balance)
+                             balance=spec.balance, server=self.server)
             outcome, detail = self._watch(group, refs, spec, round_no, cfg)
             with self._lock:
                 self.training = False
@@ -260,6 +284,37 @@ class DPRunner(JobRunner):
             self.store.add_event(self.job_id, "recovering", f"re-forming the group: {decision.reason}",
                                  {"checkpoint": ckpt})
             recovering = f"rank {rank} failed on {detail.get('node_name')}"
+
+    def _start_server(self, spec: DataParallelJob, infos: list[dict], world: int, gid: str) -> None:
+        """The round's parameter server, on a rank's node (not the coordinator's unless it was lent)."""
+        from smolforge.cluster.param_server import server_node, start_server
+
+        coordinators = {n.node_id for n in self.mgr.healthy_nodes() if n.role == "coordinator"}
+        where = server_node(infos, coordinators)
+        self.server = start_server(self.job_id, spec.strategy, spec.strategy_config, world, where["node_id"])
+        self.store.upsert_task(f"{gid}-ps", self.job_id, "param_server", "running", node_id=where["node_id"],
+                               node_name=where["node_name"], attempt=self._round_no() - 1)
+        self.store.add_event(self.job_id, "param_server",
+                             f"parameter server ({spec.strategy}) on {where['node_name']}",
+                             {"node_name": where["node_name"], "node_id": where["node_id"]}, task_id=f"{gid}-ps")
+
+    def _poll_server(self, server=None, force: bool = False) -> None:
+        """The server's decisions (a straggler left the barrier) as events, its counters in the job's row."""
+        server = server or self.server
+        if server is None or (not force and time.time() - self._server_polled < 2.0):
+            return
+        self._server_polled = time.time()
+        try:
+            stats = ray_get(server.stats.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead server fails the ranks; the runner handles it there
+            return
+        if not stats:  # no answer in time (its node is going): the ranks' calls fail and tell
+            return
+        for note in stats.pop("notes", []):
+            self.store.add_event(self.job_id, note.get("kind", "param_server"), note.get("message", ""), note)
+        self.server_stats = stats
+        self.store.update_job(self.job_id, comm={**(self.store.get_job(self.job_id).get("comm") or {}),
+                                                 "server": _jsonable(stats)})
 
     def _finish_stopped(self, what: str, where: str) -> None:
         if what == "pause":
@@ -346,6 +401,9 @@ class DPRunner(JobRunner):
                         rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", it[name]))
                 if it.get("rounds") is not None and it.get("rank") == 0:
                     rows.append((it["step"], "rounds", it["rounds"]))
+                for name, value in (it.get("metrics") or {}).items():  # the strategy's own (staleness...)
+                    if isinstance(value, (int, float)):
+                        rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", value))
             elif kind == "event":
                 self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
                                      ts=it.get("ts"))
@@ -357,7 +415,10 @@ class DPRunner(JobRunner):
                 "bytes_sent_per_rank": [self._comm[r].get("comm_bytes_sent") for r in ranks],
                 "wait_s_per_rank": [round(self._comm[r].get("comm_wait_s") or 0.0, 3) for r in ranks],
                 "batch_rows_per_rank": [self._comm[r].get("batch_rows") for r in ranks],
-                "rounds": self._comm[ranks[0]].get("rounds"), "step": max(c["step"] for c in self._comm.values())})
+                "rounds": self._comm[ranks[0]].get("rounds"), "step": max(c["step"] for c in self._comm.values()),
+                **({"metrics_per_rank": [self._comm[r].get("metrics") for r in ranks]}
+                   if any(self._comm[r].get("metrics") for r in ranks) else {}),
+                **({"server": _jsonable(self.server_stats)} if getattr(self, "server_stats", None) else {})})
         if last_step is not None:
             self.store.update_job(self.job_id, step=last_step["step"], max_steps=last_step["max_steps"],
                                   samples_done=last_step["samples_done"], samples_total=last_step["samples_total"],
@@ -405,6 +466,7 @@ class DPRunner(JobRunner):
                     pending.append(ref)
                     next_member = member + 1
             self._drain_quietly()
+            self._poll_server()
             if self.abandon:
                 return "abandoned", {}
             if self.want == "cancel":
@@ -425,6 +487,8 @@ class DPRunner(JobRunner):
                                           "trainable_params", "total_params", "adapter_artifact", "setup_s",
                                           "first_step_ts", "world", "cpu_step_s")}
         summary["median_step_s"] = gaps[len(gaps) // 2] if gaps else None
+        summary["max_step_s"] = gaps[-1] if gaps else None  # rank 0's longest step (a pause shows here)
+        summary["train_s"] = times[-1] - times[0] if len(times) > 1 else None  # rank 0's first to last step
         summary["nodes"] = [results[r]["node"]["node_name"] for r in sorted(results)]
         summary["strategy"] = r0.get("strategy")
         summary["workers"] = len(results)
@@ -435,11 +499,18 @@ class DPRunner(JobRunner):
         for key in ("comm_bytes_sent", "checkpoint_bytes_sent", "comm_wait_s", "peak_rss_mb",
                     "optimizer_state_bytes"):  # one value per rank, rank order
             summary[f"{key}_per_rank"] = [results[r].get(key) for r in sorted(results)]
+        for key in r0.get("strategy_metrics") or {}:  # the strategy's own: staleness, waits, dropped parts
+            summary[f"{key}_per_rank"] = [(results[r].get("strategy_metrics") or {}).get(key) for r in sorted(results)]
+        if self.server is not None:
+            self._poll_server(force=True)
+            summary["server"] = _jsonable(getattr(self, "server_stats", {}))
         return "completed", summary
 
     def _member_left(self, group, round_no: int, rank: int, err: BaseException) -> None:
         """An elastic group's member died: the control actor lets the others re-form without it."""
         ray_get(self.control.member_left.remote(rank))
+        if self.server is not None:
+            self.server.member_left.remote(rank)  # its unfinished parts go to the others (fire and forget)
         info = next((m.info for g in [group, *self.joiners] for m in g.members if m.rank == rank), {})
         tid = f"{self.job_id}-g{round_no}-r{rank}"
         self.store.upsert_task(tid, self.job_id, "dp_rank", "failed", error=short_error(err))
@@ -478,7 +549,7 @@ class DPRunner(JobRunner):
                                  "its next outer step", {"node": node, "member": member})
             ref = joiner.run(cfg, None, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
                              spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
-                             balance=spec.balance, join_world=world)[0]
+                             balance=spec.balance, join_world=world, server=self.server)[0]
             out.append((member, ref))
         return out
 
@@ -506,3 +577,10 @@ class DPRunner(JobRunner):
                 "error": short_error(err), "lost": lost}
 
 
+def _jsonable(value):
+    """A server's stats for the job store (JSON: member ids as string keys)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -10,10 +10,13 @@ import difflib
 from typing import Any
 
 from smolforge.errors import SmolforgeError
+from smolforge.parallel.strategies.async_ps import AsyncPS
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco import DiLoCo
 from smolforge.parallel.strategies.fsdp import FSDP
 from smolforge.parallel.strategies.single import SingleProcess
+from smolforge.parallel.strategies.ssp import SSP
+from smolforge.parallel.strategies.sync_ps import SyncPS
 from smolforge.parallel.strategies.zero1 import Zero1
 from smolforge.train.strategy import Strategy
 
@@ -23,6 +26,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "zero1": Zero1,
     "fsdp": FSDP,
     "diloco": DiLoCo,
+    "ssp": SSP,
+    "sync-ps": SyncPS,
+    "async-ps": AsyncPS,
 }
 
 

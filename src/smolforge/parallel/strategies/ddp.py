@@ -108,7 +108,7 @@ class DDP(Strategy):
 
     # -- speed-balanced batches ---------------------------------------------------------------------
 
-    def observe(self, rows: int, started: float, ended: float) -> None:
+    def observe(self, rows: int, started: float, ended: float, targets: float = 0.0) -> None:
         busy_until = self.handed_at if started <= self.handed_at <= ended else ended
         self.comm_wait_s += ended - busy_until  # backward's end waits for the last all-reduce
         self.meter.add(rows, busy_until - started)

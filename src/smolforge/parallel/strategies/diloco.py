@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from smolforge.parallel.codecs import dequantize_int8, quantize_int8
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.train import balance
@@ -316,19 +317,6 @@ class DiLoCo(DDP):
         self.rounds = int(state.get("rounds", 0))
         if "outer_momentum_buffer" in state:
             self.outer.state[self.shared]["momentum_buffer"] = state["outer_momentum_buffer"].clone()
-
-
-def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax int8: (codes, one fp32 scale per block); the last block is zero-padded."""
-    pad = (-x.numel()) % block
-    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(-1, block)
-    scales = blocks.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    codes = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1), scales
-
-
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    return (codes.view(scales.numel(), -1).float() * scales[:, None]).view(-1)[:numel]
 
 
 DiLoCo.Settings = DiLoCoSettings

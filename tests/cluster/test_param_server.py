@@ -1,0 +1,244 @@
+"""The parameter-server strategies (`ssp`, `sync-ps`, `async-ps`) on a real cluster of processes.
+
+One cluster for the module: a coordinator and three workers (1 CPU each). The server is a Ray actor
+on a rank's node; workers are real processes that the tests slow down (fault injection), SIGSTOP,
+SIGCONT and SIGKILL, and one test kills the server's whole node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from localcluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    base = tmp_path_factory.mktemp("ps")
+    models = base / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    data = base / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(160, seed=7)))
+    cluster = LocalCluster(base)
+    try:
+        cluster.start_coordinator(models_dir=models)
+        cluster.add_workers(["w1", "w2", "w3"], models_dir=models)
+        cluster.wait_nodes(["coordinator", "w1", "w2", "w3"])
+        yield {"c": cluster, "models": models, "data": data, "base": base}
+    finally:
+        cluster.close()
+
+
+def spec(w, strategy: str, config: dict | None = None, workers: int = 2, steps: int = 40, **train) -> dict:
+    cfg = {"model": "tiny-copy", "data": {"path": str(w["data"]), "max_eval_samples": 8, "max_length": 64},
+           "max_steps": steps, "batch_size": 2, "save_every": 0, "eval_accuracy": False, "lr": 1e-3, "seed": 3,
+           "log_every": 5, "keep_last": 2, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
+    cfg.update(train)
+    return {"kind": "data_parallel", "num_workers": workers, "max_retries": 2, "strategy": strategy,
+            "strategy_config": config or {}, "train": cfg}
+
+
+def wait_state(client, job_id, states, timeout=600) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.get_job_status(job_id)
+        if st["state"] in states:
+            return st
+        if st["state"] in ("failed", "cancelled"):
+            raise AssertionError(f"job {job_id} {st['state']}: {st['error']}\n" + timeline(client, job_id))
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} not {states} after {timeout}s: {st}\n" + timeline(client, job_id))
+
+
+def wait_step(client, job_id, step, timeout=300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.get_job_status(job_id)
+        if (st["step"] or 0) >= step or st["state"] not in ("pending", "running"):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach step {step}: {st}")
+
+
+def timeline(client, job_id) -> str:
+    return "\n".join(f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in client.job_events(job_id))
+
+
+def rank_pid(st: dict, rank: int) -> int:
+    return next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == rank and t["state"] == "running")["pid"]
+
+
+def adapter(w, job_id) -> dict[str, torch.Tensor]:
+    path = w["c"].client().download_adapter(job_id, w["base"] / "downloads" / job_id)
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def first_loss(client, job_id) -> float:
+    rows = client.job_metrics(job_id, "loss")
+    return min(rows, key=lambda r: r["step"])["value"]
+
+
+def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
+    """K = 0: every part computed on the weights of its step, the step applied once all parts are in:
+    DDP's weights. K = 2 with w2 slowed (150 ms per sample, about 3x): its staleness never exceeds 2, no
+    error, and the fast worker computes more parts than the slow one (it waited at the bound)."""
+    client = world["c"].client()
+    ddp = client.submit_job(spec(world, "ddp"))
+    k0 = client.submit_job(spec(world, "ssp", {"staleness_bound": 0}))
+    ref = wait_state(client, ddp, ("completed",))["result"]
+    res = wait_state(client, k0, ("completed",))["result"]
+    assert res["strategy"] == "ssp" and res["steps"] == 40 and res["workers"] == 2, res
+    mine, theirs = adapter(world, k0), adapter(world, ddp)
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert res["staleness_max_per_rank"] == [0, 0], res
+    assert res["optimizer_state_bytes_per_rank"] == [0, 0] and ref["optimizer_state_bytes_per_rank"][0] > 0
+    assert all(b > 0 for b in res["comm_bytes_sent_per_rank"])
+
+    slow = world["c"].state.parent / "node-w2" / "node" / "fault-sample-delay-s"
+    slow.parent.mkdir(parents=True, exist_ok=True)
+    slow.write_text("0.15")
+    try:
+        job = client.submit_job({**spec(world, "ssp", {"staleness_bound": 2}, steps=30), "allowed_nodes": ["w1", "w2"]})
+        st = wait_state(client, job, ("completed",))
+    finally:
+        slow.unlink()
+    res = st["result"]
+    slow_rank = res["nodes"].index("w2") if "w2" in res["nodes"] else None
+    assert slow_rank is not None, res
+    fast = 1 - slow_rank
+    assert max(res["staleness_max_per_rank"]) <= 2, res
+    assert res["parts_done_per_rank"][fast] > res["parts_done_per_rank"][slow_rank], res
+    assert sum(res["parts_done_per_rank"]) == 60 and res["steps"] == 30
+    assert res["claim_waits_per_rank"][fast] > 0, res  # it waited for the slow one, it never failed
+    assert res["final_loss"] < first_loss(client, job)
+    # the strategy's numbers are in the job's metrics too (job show, dashboard, Prometheus)
+    assert client.job_metrics(job, f"staleness_max.rank{fast}")
+
+
+def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
+    """Rank 1 is SIGSTOPped for 20 s: every step still closes within the deadline's ceiling (5 s here),
+    its late part is dropped and counted, it leaves the barrier as a straggler and, after SIGCONT,
+    comes back and contributes again. Then a second job loses rank 1 to SIGKILL and finishes."""
+    client = world["c"].client()
+    cfg = {"deadline_max_s": 5.0, "deadline_min_s": 0.2}
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=400, save_every=0))
+    st = wait_step(client, job, 20)
+    pid = rank_pid(st, 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(20)
+        before = client.get_job_status(job)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    res = wait_state(client, job, ("completed",))["result"]
+    events = client.job_events(job)
+    kinds = [e["kind"] for e in events]
+    assert res["steps"] == 400, res
+    assert res["server"]["max_step_s"] <= 5.0 + 1.0, res["server"]
+    assert "straggler" in kinds and "straggler_back" in kinds, timeline(client, job)
+    assert res["dropped_per_rank"][1] >= 1, res
+    parts_then = (before["comm"].get("metrics_per_rank") or [{}, {}])[1].get("parts_done", 0)
+    assert res["parts_done_per_rank"][1] - res["dropped_per_rank"][1] > parts_then + 5, (res, parts_then)
+    assert res["final_loss"] < first_loss(client, job)
+
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=150))
+    st = wait_step(client, job, 10)
+    os.kill(rank_pid(st, 1), signal.SIGKILL)
+    st = wait_state(client, job, ("completed",))
+    kinds = [e["kind"] for e in client.job_events(job)]
+    assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
+    assert st["result"]["steps"] == 150 and st["result"]["workers"] == 1
+
+
+def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
+    """Every checkpoint holds the server's raw weights and its Polyak average: the average at step k is
+    decay x (the average at k-1) + (1 - decay) x (the raw weights at k), from the saved weights."""
+    client = world["c"].client()
+    decay = 0.8
+    job = client.submit_job(spec(world, "sync-ps", {"polyak_decay": decay, "final": "polyak"}, steps=12,
+                                 save_every=1, keep_last=20))
+    res = wait_state(client, job, ("completed",))["result"]
+    root = world["c"].state / "artifacts" / job / "checkpoints"
+    steps = sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir())
+    assert len(steps) >= 8, steps
+    raw = {s: load_file(str(root / f"step-{s}" / "trainable.safetensors")) for s in steps}
+    ema = {s: torch.load(root / f"step-{s}" / "optim.pt", weights_only=True)["strategy"]["ema"] for s in steps}
+    checked = 0
+    for a, b in zip(steps, steps[1:]):
+        if b != a + 1:
+            continue
+        for k in raw[b]:
+            want = decay * ema[a][k] + (1 - decay) * raw[b][k]
+            torch.testing.assert_close(ema[b][k], want, atol=1e-6, rtol=1e-5)
+        checked += 1
+    assert checked >= 6, steps
+    final = adapter(world, job)  # final: polyak, so the adapter is the last average
+    last = max(steps)
+    assert any(not torch.equal(ema[last][k], raw[last][k]) for k in raw[last])
+    assert res["final_loss"] < first_loss(client, job)
+    assert final
+
+
+def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world):
+    client = world["c"].client()
+    fp32 = client.submit_job(spec(world, "async-ps", {"codec": "fp32"}, steps=30))
+    int8 = client.submit_job(spec(world, "async-ps", {"codec": "int8"}, steps=30))
+    a = wait_state(client, fp32, ("completed",))["result"]
+    b = wait_state(client, int8, ("completed",))["result"]
+    per_push = lambda r: sum(r["comm_bytes_sent_per_rank"]) / sum(r["parts_done_per_rank"])  # noqa: E731
+    assert per_push(b) <= 0.30 * per_push(a), (per_push(b), per_push(a))
+    assert sum(a["parts_done_per_rank"]) == sum(b["parts_done_per_rank"]) == 60
+    assert b["final_loss"] < first_loss(client, int8) and a["final_loss"] < first_loss(client, fp32)
+
+    job = client.submit_job(spec(world, "async-ps", {}, steps=150))
+    st = wait_step(client, job, 10)
+    os.kill(rank_pid(st, 1), signal.SIGKILL)
+    st = wait_state(client, job, ("completed",))
+    res = st["result"]
+    kinds = [e["kind"] for e in client.job_events(job)]
+    assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
+    assert res["steps"] == 150 and res["workers"] == 1, res
+    # rank 0 never waited for the dead one: no step of its took more than a few ordinary ones
+    assert res["max_step_s"] < max(1.0, 5 * res["median_step_s"]), res
+
+
+@pytest.mark.parametrize("strategy", ["ssp", "sync-ps", "async-ps"])
+def test_three_workers_learn(world, strategy):
+    client = world["c"].client()
+    job = client.submit_job(spec(world, strategy, workers=3, steps=20))
+    res = wait_state(client, job, ("completed",))["result"]
+    assert res["workers"] == 3 and res["steps"] == 20, res
+    assert res["final_loss"] < first_loss(client, job)
+
+
+def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(world):
+    """Three workers; the server sits with rank 2. Its whole node is SIGKILLed mid-job: the round fails,
+    and the job resumes from the last checkpoint (which holds the server's state) with a new server on
+    another node, and completes."""
+    c, client = world["c"], world["c"].client()
+    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=300, save_every=10))
+    st = wait_step(client, job, 25)
+    ps = next(t for t in st["tasks"] if t["kind"] == "param_server")
+    c.kill_worker(ps["node_name"])
+    st = wait_state(client, job, ("completed",), timeout=600)
+    kinds = [e["kind"] for e in client.job_events(job)]
+    assert "recovered" in kinds, timeline(client, job)
+    servers = [t for t in st["tasks"] if t["kind"] == "param_server"]
+    assert len(servers) == 2 and servers[-1]["node_name"] != ps["node_name"], servers
+    recovered = next(e for e in client.job_events(job) if e["kind"] == "recovered")
+    assert "checkpoints" in recovered["message"] or "step-" in recovered["message"], recovered
+    assert st["result"]["steps"] == 300

@@ -1,0 +1,64 @@
+"""The gradient codecs (`smolforge.parallel.codecs`): round trips, sizes, and why error feedback matters."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from smolforge.parallel.codecs import ErrorFeedback, decode, encode, payload_bytes
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+def test_round_trip_within_the_codecs_precision(codec):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))  # not a multiple of the block
+    payload = encode(x, codec, block=256)
+    for a in payload.values():
+        a.setflags(write=False)  # as Ray hands them over: read-only buffers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = decode(payload, x.numel())
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    if codec == "fp32":
+        assert torch.equal(x, y)
+    elif codec == "fp16":
+        torch.testing.assert_close(y, x, atol=2e-3, rtol=1e-3)
+    else:
+        blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, 256)
+        step = (blocks.abs().amax(1) / 127).repeat_interleave(256)[:1000]
+        assert bool(((y - x).abs() <= step / 2 + 1e-7).all())
+
+
+def test_int8_sends_about_a_quarter_of_fp32():
+    x = torch.randn(10_000)
+    ratio = payload_bytes(encode(x, "int8", 256)) / payload_bytes(encode(x, "fp32"))
+    assert ratio <= 0.30, ratio
+    assert all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in encode(x, "int8").values())
+
+
+def test_error_feedback_keeps_the_sum_of_what_arrived_exact():
+    """200 gradients whose every block holds one large outlier, so that their small, steady part (a bias
+    of 1e-3 per value) rounds to zero in int8: without feedback it never arrives and the error of the
+    running sum grows with every step; with feedback the residual carries it into later messages and
+    the sum of what arrived stays within one message's rounding of the true sum."""
+    g = torch.Generator().manual_seed(1)
+    n, steps = 1024, 200
+    bias = 1e-3 * torch.ones(n)
+    feedback = ErrorFeedback("int8", block=256)
+    true_sum, with_fb, without = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    errors_without = {}
+    for t in range(steps):
+        grad = bias + 1e-4 * torch.randn(n, generator=g)
+        grad[::256] = 1.0  # one outlier per block sets its scale: 1/127 per step, far above the bias
+        true_sum += grad
+        with_fb += decode(feedback.encode(grad), n)
+        without += decode(encode(grad, "int8", 256), n)
+        rel = lambda s: float((s - true_sum).norm() / true_sum.norm())  # noqa: E731
+        if t + 1 in (50, steps):
+            errors_without[t + 1] = float((without - true_sum).norm())  # absolute: it grows with the sum
+    err_fb, err_plain = rel(with_fb), rel(without)
+    assert err_fb <= 1e-3, err_fb
+    assert err_plain >= 10 * err_fb, (err_plain, err_fb)
+    assert errors_without[steps] > 3 * errors_without[50], errors_without

@@ -1,0 +1,105 @@
+"""Parameter-server strategies in one process: the server core in this process, each worker a thread
+running the ordinary training engine against it. Fast checks of the policies (the cluster tests in
+tests/cluster/test_param_server.py run the same strategies as real processes with a Ray actor).
+
+Rank 0 builds its model before the others start: its initial weights seed the server, the others
+pull them (threads share torch's global RNG, so a concurrent build would draw other LoRA inits).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from smolforge.config import DataSpec, PeftSpec, TrainConfig
+from smolforge.parallel.strategies import STRATEGIES, make_strategy
+from smolforge.train.engine import TrainHooks, train
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(model="tiny-llama", data=DataSpec(path="bundled", max_length=48, max_eval_samples=16, max_samples=400),
+                peft=PeftSpec(method="lora", r=4, alpha=8, dropout=0.0), output_dir=str(out), max_steps=12,
+                batch_size=4, lr=5e-3, warmup_steps=2, quiet=True, tensorboard=False, eval_accuracy=False,
+                num_threads=1, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int = 4, slow: dict | None = None,
+           server=None, **kw):
+    """Train `world` workers against one in-process server; returns (results by rank, server, strategies)."""
+    cls = STRATEGIES[name]
+    server = server or cls.Server(cls.Settings(**config).model_dump(), world)
+    results, errors, strategies = [None] * world, [], [None] * world
+
+    def worker(rank: int) -> None:
+        try:
+            s = make_strategy(name, config)
+            s.server, s.member, s.nominal_world = server, rank, world
+            strategies[rank] = s
+            delay = (slow or {}).get(rank, 0.0)
+            hooks = TrainHooks(on_model=(lambda m: m.register_forward_pre_hook(lambda *a: time.sleep(delay)))
+                               if delay else None)
+            results[rank] = train(cfg(tmp / f"rank{rank}", batch_size=global_batch // world, **kw), hooks,
+                                  strategy=s)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append((rank, err))
+            raise
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+    threads[0].start()
+    deadline = time.time() + 120
+    while not server.is_ready() and time.time() < deadline and not errors:
+        time.sleep(0.05)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    return results, server, strategies
+
+
+def adapter(result) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(result.adapter_dir) / "adapter_model.safetensors"))
+
+
+def test_ssp_with_k0_is_the_single_process_run(tmp_path):
+    single = train(cfg(tmp_path / "single", lr=1e-3))
+    results, server, _ = run_ps(tmp_path / "ssp", "ssp", {"staleness_bound": 0}, lr=1e-3)
+    assert results[0].steps == 12 and server.version == 12
+    mine, ref = adapter(results[0]), adapter(single)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], atol=1e-5, rtol=0)
+    assert all(r.strategy_metrics["staleness_max"] == 0 for r in results)
+
+
+def test_ssp_bounds_staleness_and_a_fast_worker_takes_more_parts(tmp_path):
+    results, server, _ = run_ps(tmp_path, "ssp", {"staleness_bound": 2}, slow={1: 0.15}, max_steps=16)
+    m = [r.strategy_metrics for r in results]
+    assert server.version == 16 and sum(x["parts_done"] for x in m) == 32
+    assert all(x["staleness_max"] <= 2 for x in m), m
+    assert m[0]["parts_done"] > m[1]["parts_done"], m
+    assert m[0]["claim_waits"] > 0, m  # the fast one waited for the slow one at the bound, without an error
+
+
+def test_async_ps_applies_every_part_and_learns(tmp_path):
+    results, server, _ = run_ps(tmp_path, "async-ps", {"codec": "int8", "pull_every": 2}, max_steps=20, lr=1e-2)
+    assert server.progress() == 20 and server.applied == 40
+    assert results[0].eval["eval_loss"] < 6.0
+    m = [r.strategy_metrics for r in results]
+    assert sum(x["parts_done"] for x in m) == 40
+
+
+def test_sync_ps_polyak_average_follows_the_raw_weights(tmp_path):
+    results, server, _ = run_ps(tmp_path, "sync-ps", {"polyak_decay": 0.5, "final": "polyak"}, max_steps=6)
+    assert server.version == 6 and server.ema is not None
+    assert not torch.equal(server.ema, server.flat)
