@@ -2,15 +2,16 @@
 
 A real cluster across network namespaces (tests/netlab.py): the coordinator, w1 and w2 each in its
 own namespace, every node's upload capped with `tc tbf` at each rate given (Mbit/s). For each
-strategy (ddp, zero1, diloco fp32, diloco int8) one 2-worker job with the same model, data, batch
+strategy (ddp, zero1, diloco fp32, diloco int8, async-ps int8) one 2-worker job with the same model, data, batch
 and steps. Time to a target loss: the train loss (rank 0's, smoothed by an EMA over steps) against
 wall-clock time from the job's first step; the target is the worst final smoothed loss among the
 strategies at that rate, so every strategy reaches it. Printed per rate and strategy: seconds to the
 target, its ratio to ddp's, bytes each rank handed to collectives, and the final eval loss.
 
-    .venv/bin/python bench/wifi.py [--rates 100,20 --model small-llama --peft lora --steps 120]
+    .venv/bin/python bench/wifi.py [--rates 100,20 --model small-llama --peft lora --steps 120 --only ...]
 
-Goal (issue 11): diloco reaches the target >= 5x sooner than ddp at 20 Mbit/s.
+Goals: diloco reaches the target >= 5x sooner than ddp at 20 Mbit/s (issue 11); async-ps int8 against
+ddp and diloco there (issue 12).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--inner-steps", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated subset, e.g. diloco-int8,async-ps-int8")
     args = ap.parse_args()
     import netlab
     from netlab import NetCluster, Netlab
@@ -77,7 +79,10 @@ def main() -> None:
     tmp, data = prepare(args.model, "sfw")
     outer = {"inner_steps": args.inner_steps, "outer_lr": 1.0, "outer_momentum": 0.5}
     strategies = {"ddp": ("ddp", {}), "zero1": ("zero1", {}), "diloco-fp32": ("diloco", outer),
-                  "diloco-int8": ("diloco", {**outer, "codec": "int8"})}
+                  "diloco-int8": ("diloco", {**outer, "codec": "int8"}),
+                  "async-ps-int8": ("async-ps", {"codec": "int8"})}
+    if args.only:  # ddp stays: the ratios' baseline
+        strategies = {k: v for k, v in strategies.items() if k == "ddp" or k in args.only.split(",")}
     report: dict = {"args": vars(args), "rates": {}}
     for rate in [float(r) for r in args.rates.split(",")]:
         lab = Netlab(rate)

@@ -127,6 +127,10 @@ def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
     assert res["final_loss"] < first_loss(client, job)
     # the strategy's numbers are in the job's metrics too (job show, dashboard, Prometheus)
     assert client.job_metrics(job, f"staleness_max.rank{fast}")
+    shown = world["c"].cli("job", "show", job)
+    assert shown.returncode == 0 and "staleness_max:" in shown.stdout and "parts_done:" in shown.stdout, shown.stdout
+    scrape = world["c"].api("GET", "/metrics").text
+    assert f'smolforge_job_strategy_metric{{job="{job}",rank="{fast}",name="staleness_max"}}' in scrape
 
 
 def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
@@ -214,6 +218,24 @@ def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world)
     assert res["steps"] == 150 and res["workers"] == 1, res
     # rank 0 never waited for the dead one: no step of its took more than a few ordinary ones
     assert res["max_step_s"] < max(1.0, 5 * res["median_step_s"]), res
+
+
+def test_async_ps_takes_in_a_joiner_from_the_current_weights(world):
+    """The coordinator is lent to a running async-ps job: it is placed at once as member 2, pulls the
+    server's current weights and takes parts like the others, with no restart."""
+    client = world["c"].client()
+    job = client.submit_job(spec(world, "async-ps", {}, steps=200))
+    wait_step(client, job, 5)
+    client.join_job(job)
+    st = wait_state(client, job, ("completed",))
+    res = st["result"]
+    kinds = [e["kind"] for e in client.job_events(job)]
+    assert "member_joining" in kinds and "recovering" not in kinds, timeline(client, job)
+    assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1
+    assert res["workers"] == 3 and "coordinator" in res["nodes"], res
+    joiner = res["nodes"].index("coordinator")
+    assert res["parts_done_per_rank"][joiner] > 0 and res["pulls_per_rank"][joiner] > 0, res
+    assert sum(res["parts_done_per_rank"]) == 400, res
 
 
 @pytest.mark.parametrize("strategy", ["ssp", "sync-ps", "async-ps"])

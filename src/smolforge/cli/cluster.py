@@ -74,7 +74,19 @@ def _comm_line(comm: dict) -> str:
         text += f" · {comm['rounds']} outer steps"
     if any(r is not None for r in comm.get("batch_rows_per_rank") or []):
         text += " · rows per step " + " / ".join(str(r) for r in comm["batch_rows_per_rank"]) + " (balanced)"
+    per_rank = [m or {} for m in comm.get("metrics_per_rank") or []]
+    if any(per_rank):  # the strategy's own numbers (a parameter server's: parts, waits, staleness, dropped)
+        names = [k for k in per_rank[0] if isinstance(per_rank[0][k], (int, float))] if per_rank[0] else []
+        text += "".join(f"\n  {name}: " + " / ".join(_num(m.get(name)) for m in per_rank) for name in names)
+    server = comm.get("server") or {}
+    if server.get("max_step_s") is not None:
+        text += (f"\n  parameter server: step {server.get('version')}, longest step {server['max_step_s']:.2f} s, "
+                 f"stragglers {', '.join(map(str, server.get('stragglers') or [])) or 'none'}")
     return text
+
+
+def _num(v) -> str:
+    return "–" if v is None else (f"{v:,.3g}" if isinstance(v, float) else f"{v:,}")
 
 
 def _mb(n: int | None) -> str:

@@ -68,6 +68,9 @@ class _Collector:
         wait = GaugeMetricFamily("smolforge_job_comm_wait_seconds", "Time a rank waited in collectives",
                                  labels=["job", "rank"])
         rounds = GaugeMetricFamily("smolforge_job_rounds", "Outer steps taken (DiLoCo)", labels=["job"])
+        own = GaugeMetricFamily("smolforge_job_strategy_metric",
+                                "A strategy's own numbers per rank (parameter servers: parts_done, claim_waits, "
+                                "staleness_mean, staleness_max, dropped...)", labels=["job", "rank", "name"])
         for j in jobs:
             comm = j.get("comm") or {}
             for rank, value in enumerate(comm.get("bytes_sent_per_rank") or []):
@@ -78,9 +81,14 @@ class _Collector:
                     wait.add_metric([j["id"], str(rank)], value)
             if comm.get("rounds") is not None:
                 rounds.add_metric([j["id"]], comm["rounds"])
+            for rank, values in enumerate(comm.get("metrics_per_rank") or []):
+                for name, value in (values or {}).items():
+                    if isinstance(value, (int, float)):
+                        own.add_metric([j["id"], str(rank), name], value)
         yield sent
         yield wait
         yield rounds
+        yield own
 
 
 def render(core: Any) -> tuple[bytes, str]:

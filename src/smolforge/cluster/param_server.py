@@ -41,8 +41,8 @@ class ServerActor:
     def is_ready(self) -> bool:
         return self.core.is_ready()
 
-    def claim(self, member: int, wait_s: float) -> dict:
-        return self.core.claim(member, wait_s)
+    def exchange(self, member: int, wait_s: float, push: dict | None, have: int, pull_due: bool) -> dict:
+        return self.core.exchange(member, wait_s, push, have, pull_due)
 
     def push(self, member: int, step: int, part: int, version_used: int, payload: dict, weight: float, lr: float,
              max_norm: float | None) -> dict:

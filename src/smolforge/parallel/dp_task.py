@@ -186,11 +186,8 @@ class ServerClient:
     def is_ready(self) -> bool:
         return self._call("is_ready")
 
-    def claim(self, member: int, wait_s: float) -> dict:
-        return self._call("claim", member, wait_s, timeout=wait_s + 120)
-
-    def push(self, *args: Any) -> dict:
-        return self._call("push", *args, timeout=600)
+    def exchange(self, member: int, wait_s: float, push: dict | None, have: int, pull_due: bool) -> dict:
+        return self._call("exchange", member, wait_s, push, have, pull_due, timeout=wait_s + 600)
 
     def pull(self, member: int, which: str) -> dict:
         return self._call("pull", member, which, timeout=600)

@@ -452,8 +452,9 @@ class DPRunner(JobRunner):
                         continue
                     return "failed", self._diagnose(group, rank, err)
             waiting = [rank_of[r] for r in pending if rank_of[r] >= len(refs)]
-            if (0 in results and pending and len(waiting) == len(pending)
+            if (0 in results and pending and len(waiting) == len(pending) and self.server is None
                     and not set(waiting) & set(ray_get(self.control.taken_in.remote()))):
+                # (a parameter server's joiner needs no group: it trains from the moment it is placed)
                 # the group finished before taking these joiners in: they would wait for nothing (a joiner
                 # it did take in is training with it, and its result may come back after rank 0's)
                 self.store.add_event(self.job_id, "join_dropped",

@@ -160,9 +160,19 @@ class ServerCore:
 
     # -- what workers call ----------------------------------------------------------------------------
 
-    def claim(self, member: int, wait_s: float = 1.0) -> dict[str, Any]:
+    def exchange(self, member: int, wait_s: float = 1.0, push: dict[str, Any] | None = None, have: int = -1,
+                 pull_due: bool = False) -> dict[str, Any]:
+        """One round trip per part: the last part's push (if any), then the next claim, with the current
+        weights when the worker's (version `have`) are too old or it is due to pull (`pull_due`)."""
+        with self.cond:
+            pushed = self.push(member, **push) if push is not None else None
+            got = self.claim(member, wait_s, have, pull_due)
+            return {**got, "pushed": pushed}
+
+    def claim(self, member: int, wait_s: float = 1.0, have: int | None = None, pull_due: bool = False) -> dict[str, Any]:
         """The next part this member computes: {"step", "part", "parts", "version", "need"}; or {"wait": why}
-        after up to `wait_s`; {"stop": "pause"|"cancel"}; {"done": True} once every step is applied."""
+        after up to `wait_s`; {"stop": "pause"|"cancel"}; {"done": True} once every step is applied. With
+        `have` (the version the worker holds): "values" carries the weights when it must or may pull."""
         t0 = time.monotonic()
         deadline = t0 + wait_s
         with self.cond:
@@ -176,7 +186,11 @@ class ServerCore:
                 else:
                     got = self._claim(member)
                     if "wait" not in got:  # `waited`: seconds this claim waited here (the bound, the barrier)
-                        return {**got, "progress": self.progress(), "waited": time.monotonic() - t0}
+                        out = {**got, "progress": self.progress(), "waited": time.monotonic() - t0}
+                        if have is not None and "step" in got and (
+                                have < got["need"] or (got["version"] > have and pull_due)):
+                            out["values"] = self.flat.numpy().copy()  # the weights of `version`, atomically
+                        return out
                     why = got["wait"]
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -351,6 +365,7 @@ class PSStrategy(Strategy):
         self._resume_state: dict | None = None
         self._snap: dict[str, Any] | None = None
         self._progress: int | None = None
+        self._pending: dict[str, Any] | None = None  # the last part's push, sent with the next claim
         self.n = {"parts": 0, "pulls": 0, "waits": 0, "wait_s": 0.0, "dropped": 0, "stale_sum": 0.0, "stale_max": 0.0}
         self.bytes_pulled = 0
 
@@ -405,7 +420,11 @@ class PSStrategy(Strategy):
             self._start(done, steps)
         t0, waited = time.monotonic(), False
         while True:
-            reply = self.server.claim(self.member, self.wait_s)
+            push, self._pending = self._pending, None  # sent once, with the first call
+            reply = self.server.exchange(self.member, self.wait_s, push, self.version,
+                                         self.since_pull >= self.pull_every)
+            if reply.get("pushed") is not None:
+                self._pushed(reply["pushed"])
             if "stop" in reply:
                 raise StopRequested(reply["stop"])
             if reply.get("done"):
@@ -425,8 +444,8 @@ class PSStrategy(Strategy):
         self.comm_wait_s += time.monotonic() - t0
         self.claimed = reply
         self._progress = reply["progress"]
-        if self.version < reply["need"] or (reply["version"] > self.version and self.since_pull >= self.pull_every):
-            self._pull("raw")
+        if "values" in reply:
+            self._load(reply["values"], reply["version"])
         return int(reply["step"])
 
     def rows_for(self, step: int, total: int) -> tuple[int, int]:
@@ -457,17 +476,19 @@ class PSStrategy(Strategy):
 
     @torch.no_grad()
     def push(self, lr: float) -> None:
+        """This part's gradient, encoded; it travels with the next claim (`exchange`: one round trip)."""
         grads = [p.grad.detach().float().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                  for _, p in self.named]
         payload = self.codec.encode(torch.cat(grads).cpu())
         self.bytes_sent += payload_bytes(payload)
-        t0 = time.monotonic()
         c = self.claimed
         share = self.targets / max(self.step_total, 1.0)  # of the step's loss tokens
-        reply = self.server.push(self.member, c["step"], c["part"], self.version, payload, share, lr, self.max_norm)
-        self.comm_wait_s += time.monotonic() - t0
+        self._pending = {"step": c["step"], "part": c["part"], "version_used": self.version, "payload": payload,
+                         "weight": share, "lr": lr, "max_norm": self.max_norm}
         self.n["parts"] += 1
         self.since_pull += 1
+
+    def _pushed(self, reply: dict[str, Any]) -> None:
         if not reply.get("accepted", True):
             self.n["dropped"] += 1
         gap = float(reply.get("staleness", 0.0))
@@ -478,7 +499,10 @@ class PSStrategy(Strategy):
         t0 = time.monotonic()
         got = self.server.pull(self.member, which)
         self.comm_wait_s += time.monotonic() - t0
-        values = torch.from_numpy(np.asarray(got["values"]))
+        self._load(got["values"], got["version"])
+
+    def _load(self, values: np.ndarray, version: int) -> None:
+        values = torch.from_numpy(np.asarray(values))
         self.bytes_pulled += int(values.numel()) * 4
         offset = 0
         with torch.no_grad():
@@ -486,7 +510,7 @@ class PSStrategy(Strategy):
                 k = p.numel()
                 p.copy_(values[offset:offset + k].view_as(p).to(p.device, p.dtype))
                 offset += k
-        self.version = int(got["version"])
+        self.version = int(version)
         self.since_pull = 0
         self.n["pulls"] += 1
 

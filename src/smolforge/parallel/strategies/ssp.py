@@ -27,7 +27,7 @@ class SSPSettings(BaseModel):
     staleness_bound: int = Field(2, ge=0, description="K: how many steps a worker may run ahead of the slowest")
     pull_every: int = Field(1, ge=1, description="pull newer weights at most every N parts (within the bound)")
     codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how gradients travel")
-    block: int = Field(256, ge=8, le=4096, description="int8: values per fp32 scale")
+    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
 
 
 class SSPServer(ServerCore):

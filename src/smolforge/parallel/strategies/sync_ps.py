@@ -39,7 +39,7 @@ class SyncPSSettings(BaseModel):
     polyak_decay: float = Field(0.99, ge=0, lt=1, description="the Polyak average's decay per step")
     final: Literal["polyak", "raw"] = Field("raw", description="the model the job ends with")
     codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how gradients travel")
-    block: int = Field(256, ge=8, le=4096, description="int8: values per fp32 scale")
+    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
 
     @model_validator(mode="after")
     def _floor_below_ceiling(self) -> "SyncPSSettings":

@@ -1,6 +1,6 @@
 """Parameter-server strategies in one process: the server core in this process, each worker a thread
 running the ordinary training engine against it. Fast checks of the policies (the cluster tests in
-tests/cluster/test_param_server.py run the same strategies as real processes with a Ray actor).
+tests/cluster/test_param_server.py runs the same strategies as real processes with a Ray actor).
 
 Rank 0 builds its model before the others start: its initial weights seed the server, the others
 pull them (threads share torch's global RNG, so a concurrent build would draw other LoRA inits).
