@@ -32,7 +32,7 @@ def cfg(out: Path, **kw) -> TrainConfig:
 
 
 def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int = 4, slow: dict | None = None,
-           server=None, **kw):
+           server=None, pause_after: int | None = None, **kw):
     """Train `world` workers against one in-process server; returns (results by rank, server, strategies)."""
     cls = STRATEGIES[name]
     server = server or cls.Server(cls.Settings(**config).model_dump(), world)
@@ -44,8 +44,12 @@ def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int
             s.server, s.member, s.nominal_world = server, rank, world
             strategies[rank] = s
             delay = (slow or {}).get(rank, 0.0)
+            done = [0]
             hooks = TrainHooks(on_model=(lambda m: m.register_forward_pre_hook(lambda *a: time.sleep(delay)))
-                               if delay else None)
+                               if delay else None,
+                               on_step=lambda info: done.__setitem__(0, info.step),
+                               should_stop=(lambda: "pause" if done[0] >= pause_after else None)
+                               if pause_after and rank == 0 else None)
             results[rank] = train(cfg(tmp / f"rank{rank}", batch_size=global_batch // world, **kw), hooks,
                                   strategy=s)
         except BaseException as err:  # noqa: BLE001 - reported by the test
@@ -103,3 +107,17 @@ def test_sync_ps_polyak_average_follows_the_raw_weights(tmp_path):
     results, server, _ = run_ps(tmp_path, "sync-ps", {"polyak_decay": 0.5, "final": "polyak"}, max_steps=6)
     assert server.version == 6 and server.ema is not None
     assert not torch.equal(server.ema, server.flat)
+
+
+def test_ssp_pause_then_resume_equals_uninterrupted(tmp_path):
+    """Rank 0 pauses after 5 steps: the checkpoint holds the server's snapshot (weights, AdamW state, the
+    step every part before which is applied); a new server resumes from it, and K = 0 ends exactly where an
+    uninterrupted run does."""
+    whole, _, _ = run_ps(tmp_path / "whole", "ssp", {"staleness_bound": 0}, lr=1e-3)
+    first, server, _ = run_ps(tmp_path / "paused", "ssp", {"staleness_bound": 0}, lr=1e-3, pause_after=5)
+    assert first[0].stopped == "pause" and first[0].checkpoint_dir and 3 <= server.version < 12
+    again, _, _ = run_ps(tmp_path / "paused", "ssp", {"staleness_bound": 0}, lr=1e-3, resume=True)
+    assert again[0].stopped is None and again[0].steps == 12
+    mine, ref = adapter(again[0]), adapter(whole[0])
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], atol=1e-6, rtol=0)
