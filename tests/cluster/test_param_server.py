@@ -241,13 +241,14 @@ def test_async_ps_takes_in_a_joiner_from_the_current_weights(world):
     assert sum(res["parts_done_per_rank"]) == 400, res
 
 
-@pytest.mark.parametrize("strategy", ["ssp", "sync-ps", "async-ps"])
-def test_three_workers_learn(world, strategy):
+def test_three_workers_learn_with_each_strategy(world):
+    """The three strategies with three workers each, submitted together (the jobs share the nodes)."""
     client = world["c"].client()
-    job = client.submit_job(spec(world, strategy, workers=3, steps=20))
-    res = wait_state(client, job, ("completed",))["result"]
-    assert res["workers"] == 3 and res["steps"] == 20, res
-    assert res["final_loss"] < first_loss(client, job)
+    jobs = {name: client.submit_job(spec(world, name, workers=3, steps=20)) for name in ("ssp", "sync-ps", "async-ps")}
+    for name, job in jobs.items():
+        res = wait_state(client, job, ("completed",))["result"]
+        assert res["strategy"] == name and res["workers"] == 3 and res["steps"] == 20, res
+        assert res["final_loss"] < first_loss(client, job), name
 
 
 def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(world):

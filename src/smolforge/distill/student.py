@@ -233,7 +233,9 @@ class RowStream:
     def take(self, start: int, count: int) -> list[Row]:
         while len(self.stream) < start + count:
             if not self._pull():
-                raise SmolforgeError("the teacher produced no usable training rows for this student",
+                got = (f"{len(self.arrival)} shard(s) arrived ({', '.join(map(str, self.arrival))}), none with a "
+                       "usable row" if self.arrival else "no shard arrived: the teachers reported none for it")
+                raise SmolforgeError(f"the teacher produced no usable training rows for this student: {got}",
                                      fix="check max_length (prompts longer than it are dropped) and the teacher's outputs")
         return self.stream[start:start + count]
 

@@ -70,6 +70,7 @@ class StudentTasks:
         split = (num_students > 1) if split_shards is None else split_shards
         eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
         ids = []
+        assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
         for base in bases:
             nodes, req_model = self._model_nodes(base, "student")
             assignment = student_assignment(store.plan.num_shards, num_students, split=split)
@@ -79,7 +80,7 @@ class StudentTasks:
                     store.next_rank += 1
                     n = next(st.counters["student"])
                 store.assigned[str(rank)] = shards
-                store.broker.assign.remote(rank, shards)
+                assigned.append(store.broker.assign.remote(rank, shards))
                 task_id = f"student-{n}"
                 out = run_dir / "output" / f"student_{n}"
                 config = {"base_model": base, "output_dir": str(out), "peft": peft.model_dump(), "kd": asdict(kd),
@@ -108,7 +109,7 @@ class StudentTasks:
         # The broker's plan now knows every assignment (students read their row counts from it).
         import ray
 
-        ray.get(store.broker.update_plan.remote({"assigned": dict(store.assigned)}), timeout=60)
+        ray.get(assigned + [store.broker.update_plan.remote({"assigned": dict(store.assigned)})], timeout=60)
         for task_id in ids:
             self._place_student(st.tasks[task_id])
         self._ensure_monitor()
