@@ -1,8 +1,9 @@
 """The layering contract (`.importlinter`) holds, and it is a real check: one wrong import breaks it.
 
-The contracts: cli -> (orchestrator, client) -> cluster -> (distill, parallel, split) -> train ->
-(models, data) -> leaves; only cluster/ and the worker glue in parallel/ import Ray; no import
-cycles between siblings at any depth, imports inside functions included (grimp reads them all).
+The contracts: cli -> (orchestrator, client) -> cluster -> (distill, parallel, split, pipeline) ->
+train -> (models, data) -> leaves (config, paths, telemetry, net, auth, gate; errors); only cluster/
+and the worker glue in parallel/ import Ray; no import cycles between siblings at any depth, imports
+inside functions included (grimp reads them all).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def test_the_layer_contracts_hold(linter):
     ("train/checkpoint.py", "from smolforge.cluster import states  # noqa", "Layers"),
     ("models/registry.py", "import ray  # noqa", "Ray only"),
     ("data/formats.py", "def _late():\n    from smolforge.train import schedule  # noqa\n", "Layers"),
+    ("pipeline/serve/engine.py", "from smolforge.cluster import states  # noqa", "Layers"),
+    ("pipeline/serve/api.py", "import ray  # noqa", "Ray only"),
+    ("gate.py", "from smolforge.cluster import states  # noqa", "Layers"),
 ])
 def test_a_wrong_import_breaks_the_contract(linter, tmp_path, module, bad_import, contract):
     """The same check on a copy of the tree with one bad import added (inside a function, too)."""

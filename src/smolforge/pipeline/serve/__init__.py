@@ -1,0 +1,9 @@
+"""`smolforge serve`: a generation engine with static batching behind an OpenAI-compatible API and a chat page.
+
+- `sampling.py`: the per-request sampling settings and one token from logits (greedy, temperature, top_p, seed)
+- `model.py`: the served model (base + adapter, tokenizer) and its batched forward with a KV cache
+- `batch.py`: one static batch: `step()` gives every active request one new token
+- `stops.py`: incremental detokenization and stop strings
+- `engine.py`: the thread that owns the model, the request queue and the token streams
+- `api.py`, `protocol.py`, `chat.html`: the HTTP side
+"""

@@ -1,0 +1,100 @@
+"""The model a server holds: base weights, an optional adapter, the tokenizer, and a batched forward.
+
+Why `forward` takes explicit positions and a cache: a static batch left-pads prompts of different
+lengths, and each row must see the positions it would have alone (RoPE) or its greedy tokens
+would differ from plain `generate`. A multi-stage server splits exactly this call across stage
+actors, each holding its layers and its slice of the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smolforge.errors import SmolforgeError
+
+# Prefix and prompt tuning put virtual tokens in front of the cache: not servable with our positions.
+SERVABLE_METHODS = ("none", "lora", "ia3", "adapter")
+
+
+@dataclass
+class ServedModel:
+    """A causal LM ready to generate: eval mode, no gradients, its context length known."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    max_positions: int
+    eos_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, model: str, adapter: str | None = None, *, name: str | None = None,
+             device: str = "cpu", merge: bool = True) -> "ServedModel":
+        """Load with the project's loaders. A LoRA/IA3 adapter is merged into the weights (one matmul
+        per layer instead of two) unless `merge=False`; a Houlsby adapter stays applied."""
+        from smolforge.models.loading import load_model, load_tokenizer, pick_device
+
+        dev = pick_device(device)
+        tokenizer = load_tokenizer(model)
+        net = load_model(model, device=dev)
+        if adapter:
+            net = _with_adapter(net, adapter, merge=merge).to(dev)
+        return cls.wrap(net, tokenizer, name=name or model, device=dev)
+
+    @classmethod
+    def wrap(cls, net: Any, tokenizer: Any, *, name: str, device: torch.device | str | None = None) -> "ServedModel":
+        """An already loaded model (tests, or a trainer handing over its model)."""
+        net.eval()
+        for p in net.parameters():
+            p.requires_grad_(False)
+        cfg = net.config
+        max_positions = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
+        eos = set()
+        for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(net, "generation_config", None),
+                                                                          "eos_token_id", None)):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source:
+                eos.update(int(i) for i in source)
+        dev = torch.device(device) if device is not None else next(net.parameters()).device
+        return cls(name=name, model=net, tokenizer=tokenizer, device=dev, max_positions=max_positions,
+                   eos_ids=frozenset(eos))
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else next(iter(self.eos_ids), 0))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: Any) -> torch.Tensor:
+        """Logits of the last position of each row, [batch, vocab]; `cache` grows by the new tokens.
+
+        `attention_mask` covers the cache and the new tokens (0 on left padding)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+
+def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+    from smolforge.models.peft_methods import adapter_method, load_adapter, merge_adapter
+
+    path = Path(adapter).expanduser()
+    if not path.exists():
+        raise SmolforgeError(f"adapter directory {path} does not exist",
+                             fix="point --adapter at a <method>_adapter/ directory written by `smolforge train`")
+    method = adapter_method(path)
+    if method not in SERVABLE_METHODS:
+        raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
+                             where=str(path), fix="serve a lora, ia3 or adapter (Houlsby) adapter, or a merged model")
+    net = load_adapter(net, path)
+    return merge_adapter(net, plain=False) if merge else net

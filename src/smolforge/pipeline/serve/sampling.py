@@ -1,0 +1,52 @@
+"""How one request picks its next token: greedy at temperature 0, else temperature and top-p sampling.
+
+Why a generator per request: requests batched together must not share a random stream, or a
+request's text would depend on who else was in its batch; with its own `torch.Generator` seeded
+from `seed`, the same request gives the same text alone or batched.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks for. `temperature` 0 means greedy (argmax, no randomness)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's own random stream (None when greedy: nothing to draw)."""
+        if self.temperature <= 0:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return g
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from one row of logits (shape [vocab])."""
+    if params.temperature <= 0 or generator is None:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (at least one)."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
+    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    sorted_probs[0] = sorted_probs[0].clamp_min(1e-12)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum()

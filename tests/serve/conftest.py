@@ -1,0 +1,33 @@
+"""One real `smolforge serve` process shared by the serve tests: the tiny-llama preset copied to a temp dir."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from servehelpers import start_server
+
+
+@pytest.fixture(scope="session")
+def model_copy(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The preset saved to a temp dir: served as a plain local directory, as a user's model would be."""
+    dst = tmp_path_factory.mktemp("serve-model") / "tiny-llama"
+    shutil.copytree(tiny_llama_dir, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def server(model_copy, tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("serve"), model_copy)
+    try:
+        yield srv
+    finally:
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait(timeout=10)
