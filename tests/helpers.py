@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,46 @@ def ddp_student_worker(rank: int, world: int, port: int, store: str, cfg_kw: dic
         train_student(cfg, DirShardSource(Path(store), poll_s=0.05), strategy=make_strategy("ddp"))
     finally:
         leave_group()
+
+
+MB = 2**20
+
+
+def post_raw(port: int, path: str, body_bytes: int, token: str | None = None, chunked: bool = False,
+             payload: bytes | None = None) -> tuple[int, int]:
+    """POST up to `body_bytes` on a raw socket (so the test controls exactly what is sent) and return
+    (status, bytes the server let us send). A server that refuses before reading the body answers
+    and closes; the rest of the body is then not sent."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if token:
+        head.append(f"Authorization: Bearer {token}")
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {body_bytes}")
+    s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+    chunk = payload if payload is not None else b"[" + b"1," * (MB // 2 - 1) + b"1]"
+    sent = 0
+    try:
+        while sent < body_bytes:
+            piece = chunk[: body_bytes - sent]
+            s.sendall((f"{len(piece):x}\r\n".encode() + piece + b"\r\n") if chunked else piece)
+            sent += len(piece)
+        if chunked:
+            s.sendall(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed without reading the rest: what we want
+    try:
+        data = s.recv(4096)
+    except ConnectionResetError:
+        data = b""
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 "), (path, data[:200])
+    return int(data.split()[1]), sent
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory in MiB, from /proc (Linux)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

@@ -3,55 +3,22 @@ and bounds the bodies of those with it. Raw sockets, so the test controls exactl
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
+from helpers import MB, post_raw, rss_mb
 from localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MB = 2**20
 POST_ROUTES = ["/api/v1/jobs", "/api/v1/uploads", "/api/v1/nodes/n1/heartbeat", "/api/v1/jobs/j/pause",
                "/api/v1/jobs/j/resume", "/api/v1/jobs/j/cancel", "/api/v1/jobs/j/join"]
 
 
-def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def _post(port: int, path: str, body_bytes: int, token: str | None = None, chunked: bool = False,
           payload: bytes | None = None) -> int:
-    """Send a POST with a body of `body_bytes` (as far as the server lets us) and return the status."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
-    if token:
-        head.append(f"Authorization: Bearer {token}")
-    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {body_bytes}")
-    s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
-    chunk = payload if payload is not None else b"[" + b"1," * (MB // 2 - 1) + b"1]"
-    sent = 0
-    try:
-        while sent < body_bytes:
-            piece = chunk[: body_bytes - sent]
-            s.sendall((f"{len(piece):x}\r\n".encode() + piece + b"\r\n") if chunked else piece)
-            sent += len(piece)
-        if chunked:
-            s.sendall(b"0\r\n\r\n")
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server answered and closed without reading the rest: what we want
-    try:
-        data = s.recv(4096)
-    except ConnectionResetError:
-        data = b""
-    finally:
-        s.close()
-    assert data.startswith(b"HTTP/1.1 "), (path, data[:200])
-    return int(data.split()[1])
+    return post_raw(port, path, body_bytes, token=token, chunked=chunked, payload=payload)[0]
 
 
 def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
@@ -72,12 +39,12 @@ def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
         pid, port, token = cluster.coordinator.p.pid, cluster.port, cluster.token
         assert cluster.api("GET", "/health", token=None).status_code == 200
         time.sleep(2)
-        before = _rss_mb(pid)
+        before = rss_mb(pid)
         for path in POST_ROUTES:  # 50 MB to every POST route, no token: 401, nothing buffered
             assert _post(port, path, 50 * MB) == 401, path
             assert _post(port, path, 50 * MB, token="wrong") == 401, path
         assert _post(port, "/api/v1/jobs", 50 * MB, chunked=True) == 401
-        grown = _rss_mb(pid) - before
+        grown = rss_mb(pid) - before
         assert grown < 20, f"RSS grew by {grown:.0f} MB"
         # invalid JSON without the token is a 401 too (FastAPI alone parsed first and said 422)
         assert _post(port, "/api/v1/jobs", 9, payload=b"{not json") == 401

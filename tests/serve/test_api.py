@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import httpx
 import pytest
 
+from helpers import MB, post_raw, rss_mb
+
 pytestmark = pytest.mark.timeout(300)
 
-MB = 2**20
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -130,48 +130,18 @@ def test_bad_requests_get_openai_errors(server):
     assert page.status_code == 200 and "smolforge chat" in page.text and server.token not in page.text
 
 
-def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def _post_raw(port: int, body_bytes: int, token: str | None = None, chunked: bool = False) -> tuple[int, int]:
-    """POST `body_bytes` of JSON-ish bytes on a raw socket; (status, bytes the server let us send)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = ["POST /v1/chat/completions HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
-    if token:
-        head.append(f"Authorization: Bearer {token}")
-    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {body_bytes}")
-    s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
-    piece = b'{"a":' + b"1" * (MB - 7) + b"}\n"
-    sent = 0
-    try:
-        while sent < body_bytes:
-            part = piece[: body_bytes - sent]
-            s.sendall((f"{len(part):x}\r\n".encode() + part + b"\r\n") if chunked else part)
-            sent += len(part)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server answered and closed without reading the rest
-    try:
-        data = s.recv(4096)
-    except ConnectionResetError:
-        data = b""
-    finally:
-        s.close()
-    assert data.startswith(b"HTTP/1.1 "), data[:200]
-    return int(data.split()[1]), sent
+    return post_raw(port, "/v1/chat/completions", body_bytes, token=token, chunked=chunked)
 
 
 def test_a_50_mb_body_without_the_token_is_refused_unread(server):
     pid = server.proc.pid
-    before = _rss_mb(pid)
+    before = rss_mb(pid)
     for token in (None, "wrong"):
         status, sent = _post_raw(server.port, 50 * MB, token=token)
         assert status == 401
     assert _post_raw(server.port, 50 * MB, chunked=True)[0] == 401
-    grown = _rss_mb(pid) - before
+    grown = rss_mb(pid) - before
     assert grown < 20, f"the server grew by {grown:.0f} MB on bodies it should not have read"
     # with the token, a body over the 4 MiB bound is refused too (413), declared or streamed
     assert _post_raw(server.port, 50 * MB, token=server.token)[0] == 413
