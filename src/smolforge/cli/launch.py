@@ -197,7 +197,11 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
                        detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
                        on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
-    its end and fetch its adapter into `output_dir` (default outputs/<job>)."""
+    its end and fetch its adapter into `output_dir` (default outputs/<job>). The spec is checked
+    first: a bad setting is a message in a second, not after an embedded cluster has started."""
+    from smolforge.cluster.jobs import parse
+
+    parse(spec)
     refuse_used_download_dir(output_dir)
     backend = _backend(coordinator, token, state_dir, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"

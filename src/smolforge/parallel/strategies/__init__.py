@@ -7,29 +7,45 @@ line in `STRATEGIES`. The training loop, the job runner and the CLI only ever se
 from __future__ import annotations
 
 import difflib
-from typing import Any
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.strategies.async_ps import AsyncPS
-from smolforge.parallel.strategies.ddp import DDP
-from smolforge.parallel.strategies.diloco import DiLoCo
-from smolforge.parallel.strategies.fsdp import FSDP
-from smolforge.parallel.strategies.single import SingleProcess
-from smolforge.parallel.strategies.ssp import SSP
-from smolforge.parallel.strategies.sync_ps import SyncPS
-from smolforge.parallel.strategies.zero1 import Zero1
-from smolforge.train.strategy import Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "single": SingleProcess,
-    "ddp": DDP,
-    "zero1": Zero1,
-    "fsdp": FSDP,
-    "diloco": DiLoCo,
-    "ssp": SSP,
-    "sync-ps": SyncPS,
-    "async-ps": AsyncPS,
-}
+if TYPE_CHECKING:
+    from smolforge.train.strategy import Strategy
+
+
+class _Registry(Mapping[str, "type[Strategy]"]):
+    """name → strategy class, each module imported when its name is first looked up: checking a job
+    spec (the CLI does it before anything starts) then costs one strategy's imports, not all of them
+    (FSDP's alone pulls in torch.distributed.checkpoint, seconds on a laptop)."""
+
+    def __init__(self, paths: dict[str, str]):
+        self._paths = paths
+
+    def __getitem__(self, name: str) -> "type[Strategy]":
+        module, cls = self._paths[name].split(":")
+        return getattr(importlib.import_module(f"smolforge.parallel.strategies.{module}"), cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+STRATEGIES: Mapping[str, "type[Strategy]"] = _Registry({
+    "single": "single:SingleProcess",
+    "ddp": "ddp:DDP",
+    "zero1": "zero1:Zero1",
+    "fsdp": "fsdp:FSDP",
+    "diloco": "diloco:DiLoCo",
+    "ssp": "ssp:SSP",
+    "sync-ps": "sync_ps:SyncPS",
+    "async-ps": "async_ps:AsyncPS",
+})
 
 
 def check_name(name: str) -> str:
