@@ -26,9 +26,8 @@ from typing import Callable
 import torch
 
 from smolforge.train.precision import autocast_dtype
-from smolforge.train.strategy import Strategy
+from smolforge.train.strategy import Batch, StepPass, Strategy
 
-Batch = dict[str, torch.Tensor]
 Forward = Callable[[torch.nn.Module, Batch], torch.Tensor]
 """(model, batch) -> logits aligned with batch["input_ids"]; runs under autocast."""
 LossSum = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -116,26 +115,18 @@ class Trainer:
         self.first_step_at: float | None = None
 
     def step(self, step: int, micro: list[Batch]) -> StepStats:
-        """Forward, loss, backward for each micro-batch; clip; optimizer and schedule step."""
+        """Forward, loss, backward for each micro-batch (`Strategy.forward_backward`); clip; optimizer and
+        schedule step."""
         s = self.strategy
         if self.scheduler.last_epoch != step:  # steps handed out out of order (a parameter server)
             self._seek_schedule(step)
         my_targets = float(sum(target_tokens(m) for m in micro))
         global_targets = s.step_targets(step, my_targets, self.device)
         scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
-        loss_total, tokens = 0.0, 0
         started = time.perf_counter()
-        for j, m in enumerate(micro):
-            m = {k: v.to(self.device, non_blocking=True) for k, v in m.items()}
-            with s.accumulate(self.wrapped, last=j == len(micro) - 1):
-                with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                    logits = self.forward(self.wrapped, m)
-                loss_sum = self.loss_sum(logits, m)
-                del logits  # autograd does not need it: freed before the backward, not after
-                loss = loss_sum * scale
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_total += float(loss_sum.detach())
-            tokens += int(m["attention_mask"].sum())
+        how = StepPass(forward=self.forward, loss_sum=self.loss_sum, scale=scale, device=self.device, amp=self.amp,
+                       scaler=self.scaler)
+        loss_total, tokens = s.forward_backward(self.wrapped, micro, how)  # each micro-batch in turn, or piped
         s.observe(sum(int(m["input_ids"].shape[0]) for m in micro), started, time.perf_counter(), targets=my_targets)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)

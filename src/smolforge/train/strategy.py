@@ -13,6 +13,8 @@ needs from its peers goes through a `Strategy`:
 - `spool_dir`: where those two may stream state too big to hold in memory (a safetensors file whose
   path they return instead of a dict; FSDP does); the trainer sets it to its output directory
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
+- `forward_backward(wrapped, micro, how)`: forward and backward over a step's micro-batches (one after
+  another here, each under `accumulate`; a pipeline runs them through its stages on a schedule)
 - `reduce(values)`: sum numbers over every rank (eval sums, anything global)
 - `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
   optimizer step's gradients (every rank for DDP; only itself for DiLoCo's local inner steps)
@@ -44,11 +46,36 @@ in `smolforge.parallel.strategies`, one file each, picked by name from its regis
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 from pydantic import BaseModel
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepPass:
+    """How the loop turns one step's micro-batches into gradients, handed to `Strategy.forward_backward`.
+
+    The pieces rather than one closure: a strategy that does not run the whole model in this process
+    (a pipeline stage) still needs the loss, its normalisation and the precision the loop would use.
+    """
+
+    forward: Callable[[torch.nn.Module, Batch], torch.Tensor]  # (module, batch) -> logits, under autocast
+    loss_sum: Callable[[torch.Tensor, Batch], torch.Tensor]  # (logits, batch) -> summed token loss, fp32
+    scale: float  # backward differentiates loss_sum * scale (the step's token normalisation)
+    device: torch.device
+    amp: torch.dtype | None = None  # autocast dtype (None: full precision)
+    scaler: Any = None  # torch.amp.GradScaler for fp16 on CUDA, else None
+
+    def autocast(self) -> ContextManager:
+        return torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
 
 class Strategy:
@@ -101,6 +128,25 @@ class Strategy:
 
     def accumulate(self, wrapped: torch.nn.Module, last: bool) -> ContextManager:
         return nullcontext()
+
+    def forward_backward(self, wrapped: torch.nn.Module, micro: list[Batch], how: StepPass) -> tuple[float, int]:
+        """Forward and backward over this rank's micro-batches of a step, gradients accumulating in the
+        parameters; returns (the summed loss of the step's rows, this rank's tokens for throughput).
+
+        Here each micro-batch in turn runs through the whole model under `accumulate` (DDP and FSDP sync
+        on the last one). A pipeline overrides it: its ranks each run one stage of every micro-batch."""
+        loss_total, tokens = 0.0, 0
+        for j, m in enumerate(micro):
+            m = {k: v.to(how.device, non_blocking=True) for k, v in m.items()}
+            with self.accumulate(wrapped, last=j == len(micro) - 1):
+                with how.autocast():
+                    logits = how.forward(wrapped, m)
+                loss_sum = how.loss_sum(logits, m)
+                del logits  # autograd does not need it: freed before the backward, not after
+                how.backward(loss_sum * how.scale)
+            loss_total += float(loss_sum.detach())
+            tokens += int(m["attention_mask"].sum())
+        return loss_total, tokens
 
     def prepare(self, model: torch.nn.Module, device: torch.device) -> None:
         """Before the optimizer sees the parameters (`loop.make_optimizer`): FSDP replaces them with shards."""

@@ -45,6 +45,7 @@ STRATEGIES: Mapping[str, "type[Strategy]"] = _Registry({
     "ssp": "ssp:SSP",
     "sync-ps": "sync_ps:SyncPS",
     "async-ps": "async_ps:AsyncPS",
+    "pipeline": "pipeline:Pipeline",
 })
 
 

@@ -1,0 +1,594 @@
+"""Pipeline parallelism: each rank of the group runs one stage (a range of layers) of every micro-batch.
+
+`torch.distributed.pipelining` runs the schedule (`ScheduleGPipe`: every forward, then every backward;
+`Schedule1F1B`: one backward as soon as each forward has reached the last stage, so fewer activations
+are alive at once); this module decides what a stage is, what crosses a cut, and how the result stays
+the one-process result. Why it looks like this:
+
+- **Ranks are stages.** World size = stages; rank i runs stage i (`models.partition.cut`: the first also
+  embeds, the last also normalises, projects and computes the loss). The ranks are the data-parallel
+  runner's own processes, so the runner places a pipeline job as it places a ddp job.
+- **Every rank gets the whole step's rows** (`rows_for`). Only the first stage reads the input ids and
+  only the last the labels, but every stage needs the attention mask: it builds its own causal/padding
+  mask and position ids from it (right padding: positions 0..w-1, what HF builds), so only hidden
+  states go forward over a cut and only their gradients come back. A step therefore holds
+  batch_size x grad_accum x stages rows, like a ddp step: the global batch of a job does not depend on
+  the strategy, and `samples` count as they do for ddp.
+- **The model is loaded whole, PEFT is applied to it as the loop does, then it is cut**: the stages share
+  the PEFT-wrapped modules, and each rank frees the parameters of the other stages (their storage, not
+  the `Parameter` objects: names, `requires_grad` and the parameter order stay the whole model's).
+  Loading reads the whole model on every rank first (the loader is shared); training holds one stage.
+  Each rank's optimizer holds only its stage's trainable parameters.
+- **Micro-batches are the loop's** (`microbatches` unset): batch_size rows each, grad_accum x stages of
+  them per step, which 1F1B needs (at least one per stage). Each runs at its own width (its longest
+  row), exactly as the loop runs it alone, so every micro-batch's gradient is the one-process gradient,
+  accumulated in the same order: pipeline training with batch_size B and grad_accum A on N stages equals
+  one process with batch_size B and grad_accum A x N. The schedule's buffers have one shape, so
+  micro-batches cross the cuts padded to the step's width (`_StageStep` crops and pads back); a step of
+  another width rebuilds the stage and schedule (a two-message handshake with each neighbour).
+  `microbatches: M` regroups the step's rows into M micro-batches instead (fewer, larger sends).
+- **Shapes are given, not inferred**: `PipelineStage` gets input and output examples on the meta
+  device, so nothing runs to infer them and no pickled metadata (`send_object_list`) crosses the network.
+- **Loss**: the loop's (`StepPass`): the summed token loss times the step's normalisation (the loop's
+  `scale`), computed on the last stage in fp32 (`scale_grads=False`: the schedule must not also divide
+  by the micro-batch count). The step's loss is broadcast from the last rank, so every rank reports it.
+- **Tied embeddings** (tiny presets, GPT-2): the first and the last stage each hold the matrix. When it
+  trains, the last rank's head gradient and the first rank's embedding gradient are summed between the
+  two (an all-reduce on their own subgroup) before clipping; both then take the same AdamW step from the
+  same state, so the copies stay equal. Checkpoints and the final model take the first rank's.
+- **Gradient clipping** uses the global norm, computed as `clip_grad_norm_` computes it in one process:
+  each parameter's norm on the rank that holds it, gathered in the model's order, the norm of those.
+- **Checkpoints hold the whole state, keyed as every strategy keys it**: trainable weights by parameter
+  name and the optimizer by the whole model's integer ids (the groups `loop.make_optimizer` builds), so a
+  pipeline checkpoint resumes under pipeline (any stage count), single, ddp or fsdp, and the other way
+  round. Rank 0 gathers them: each rank sends a JSON header (names, dtypes, shapes) as a byte tensor, then
+  its tensors, which rank 0 writes as they come (the optimizer's into a safetensors file, as FSDP does).
+- **Evaluation and generation run on whole weights** (`whole_model`): every stage's parameters are
+  broadcast to every rank for the duration, and each rank evaluates its shard of the rows, as under every
+  other strategy. The simplest correct choice; it costs one whole model per rank while it lasts, as
+  FSDP's does.
+- Not supported: prefix and prompt tuning (their virtual tokens are not layers), fp16 with loss scaling
+  (a rank that skips a step on an overflow would leave the others behind), speed-balanced rows. With
+  dropout the weights are not one process's: each rank draws random numbers for its own layers only.
+- GPU: every tensor this module sends lives on `device_for(device)` (NCCL sends device tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ContextManager, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from smolforge.data.encode import IGNORE
+from smolforge.errors import SmolforgeError
+from smolforge.models.partition import (NodeInfo, Stage, Workload, arch_of, check_bounds, cut, model_info,
+                                        plan_stages, positions_for)
+from smolforge.models.peft_methods import base_transformer, model_method
+from smolforge.parallel.strategies.ddp import DDP
+from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
+from smolforge.train.strategy import Batch, StepPass
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class PipelineSettings(BaseModel):
+    """`strategy_config` of `pipeline` (`--set strategy_config.KEY=VALUE`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="the order of forwards and backwards")
+    microbatches: int | None = Field(None, ge=1, description="micro-batches per step (default: the loop's, "
+                                                             "batch_size rows each)")
+    bounds: list[int] | None = Field(None, description="layer bounds, stages+1 of them (default: planned "
+                                                       "for equal nodes)")
+
+    @field_validator("bounds")
+    @classmethod
+    def _starts_at_zero_and_grows(cls, bounds: list[int] | None) -> list[int] | None:
+        """What can be checked before the model is known (`partition.check_bounds` checks the rest)."""
+        if bounds is not None and (len(bounds) < 2 or bounds[0] != 0
+                                   or any(a > b for a, b in zip(bounds, bounds[1:]))):
+            raise ValueError(f"bounds {bounds}: give stages+1 non-decreasing layer indices from 0 to the layer count")
+        return bounds
+
+
+@dataclass
+class _Layout:
+    """Who holds which parameter, worked out on every rank from the whole model before anything is freed."""
+
+    names: list[str]  # `named_parameters()` order (a tied weight once): the whole model's
+    params: list[nn.Parameter]
+    owners: list[tuple[int, ...]]  # the ranks whose stage uses each parameter (rank 0 for one no stage uses)
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    trainable: list[bool]
+    grad_upto: list[bool]  # per stage: its output depends on a trainable parameter (of it or an earlier stage)
+    index: dict[str, int] = field(default_factory=dict)
+
+    def primary(self, i: int) -> int:
+        """The rank that speaks for parameter i (a tied matrix: the first stage)."""
+        return self.owners[i][0]
+
+
+@dataclass
+class _Step:
+    """What the loss function needs about the step the schedule is running."""
+
+    batch: Batch  # every row of the step, at the step's width
+    per_token: set[str]  # the batch's keys with a sequence dimension (cropped to a micro-batch's width)
+    how: StepPass
+    sums: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's loss sum (last stage)
+
+
+class Pipeline(DDP):
+    name = "pipeline"
+    balances = False  # every rank runs every row: there are no rows to move to a faster rank
+    Settings = PipelineSettings
+
+    def __init__(self, **config: Any):
+        self.settings = PipelineSettings(**config)
+        super().__init__()
+        self.config = self.settings.model_dump()
+        self.layout: _Layout | None = None
+        self.runner: _StageStep | None = None
+        self.full = False  # full fine-tuning: the final weights are the whole model (streamed to a file)
+        self.ties: list[tuple[int, dist.ProcessGroup]] = []  # trainable parameters held by several stages
+        self.global_ids: dict[int, int] = {}  # id(parameter) -> its integer id in a whole-model optimizer
+        self.global_groups: list[list[int]] = []
+        self._schedule = None
+        self._schedule_key: tuple | None = None
+        self._step: _Step | None = None
+
+    # -- cutting ------------------------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module, device: torch.device) -> None:
+        if self.layout is not None:
+            return
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        method = model_method(model)
+        if method in ("prefix", "prompt"):
+            raise SmolforgeError(f"the pipeline strategy cannot train {method} tuning: its virtual tokens are "
+                                 "not layers a stage could hold",
+                                 fix="use lora, ia3, adapter or full fine-tuning (peft none) with --strategy pipeline")
+        self.full = method == "none"
+        base = base_transformer(model)
+        stages = cut(base, self._bounds(base))
+        self.layout = _layout(model, stages)
+        stage = stages[self.rank]
+        self.hidden_size = arch_of(base.config).hidden_size
+        self.hidden_dtype = base.get_input_embeddings().weight.dtype
+        self.vocab = base.get_output_embeddings().weight.shape[0]
+        self.runner = _StageStep(stage, self.hidden_dtype)
+        self._free_other_stages()
+        self.ties = self._tie_groups()
+
+    def _bounds(self, base: nn.Module) -> list[int]:
+        """The settings' bounds, or the cut `plan_stages` chooses for `world` equal nodes (it weighs the head)."""
+        layers = arch_of(base.config).num_layers
+        if self.settings.bounds is None:
+            nodes = [NodeInfo(f"stage-{i}", throughput=1.0, free_memory_bytes=sys.maxsize) for i in range(self.world)]
+            return plan_stages(model_info(base), nodes, stages=self.world, workload=Workload(training=True)).bounds
+        bounds = list(self.settings.bounds)
+        check_bounds(bounds, layers)
+        if len(bounds) - 1 != self.world:
+            raise SmolforgeError(f"strategy_config.bounds {bounds} cut {len(bounds) - 1} stages, but the group "
+                                 f"has {self.world} ranks (one stage per rank)",
+                                 fix=f"give {self.world + 1} bounds, or leave them out to have them planned")
+        return bounds
+
+    def _holds(self, i: int) -> bool:
+        return self.rank in self.layout.owners[i]
+
+    def _free_other_stages(self) -> None:
+        """Drop the storage of parameters only other stages use (the Parameter objects stay)."""
+        for i in range(len(self.layout.params)):
+            if not self._holds(i):
+                self._free(i)
+
+    def _free(self, i: int) -> None:
+        """Parameter i without storage: all its dimensions 0, their number kept (`make_optimizer` puts
+        matrices and vectors in different weight-decay groups by it)."""
+        p = self.layout.params[i]
+        p.data = torch.empty((0,) * p.ndim, dtype=p.dtype, device=self.device)
+
+    def _tie_groups(self) -> list[tuple[int, dist.ProcessGroup]]:
+        """A subgroup for each set of stages sharing a trainable parameter; every rank takes part in making it."""
+        lay, groups, mine = self.layout, {}, []
+        for i, owners in enumerate(lay.owners):
+            if len(owners) > 1 and lay.trainable[i]:
+                if owners not in groups:
+                    groups[owners] = dist.new_group(list(owners))
+                if self._holds(i):
+                    mine.append((i, groups[owners]))
+        return mine
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if self.layout is None:
+            raise RuntimeError("pipeline cuts the model before its optimizer is made (smolforge.train.loop."
+                               "make_optimizer calls Strategy.prepare)")
+        self.device = device
+        return model
+
+    def make_optimizer(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """Over this stage's parameters only; the whole model's integer ids are kept for checkpoints."""
+        every = [p for group in groups for p in group["params"]]
+        self.global_ids = {id(p): i for i, p in enumerate(every)}
+        self.global_groups = [[self.global_ids[id(p)] for p in group["params"]] for group in groups]
+        index = {id(p): i for i, p in enumerate(self.layout.params)}
+        mine = [{**group, "params": [p for p in group["params"] if self._holds(index[id(p)])]} for group in groups]
+        return optimizer_class(mine, **defaults)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def accumulate(self, wrapped: nn.Module, last: bool) -> ContextManager:
+        return nullcontext()
+
+    def rows_for(self, step: int, total: int) -> tuple[int, int]:
+        return 0, total  # every stage sees every row (see the module docstring)
+
+    def observe(self, rows: int, started: float, ended: float, targets: float = 0.0) -> None:
+        """Nothing to balance: every rank runs every row."""
+
+    @property
+    def rows(self) -> list[int] | None:
+        return None
+
+    def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
+        return list(values)  # every rank has every row: its sums are the step's
+
+    @property
+    def step_ranks(self) -> int:
+        return 1  # nothing averages gradients over ranks: the loss scale is the loop's for one process
+
+    def forward_backward(self, wrapped: nn.Module, micro: list[Batch], how: StepPass) -> tuple[float, int]:
+        """The step's micro-batches through the pipeline; returns (the step's loss sum, this rank's share of
+        its tokens: summed over the ranks, the step's, so throughput counts each token once).
+
+        `how.forward` is not called: the stages are the model's forward (the plain one, logits aligned with
+        the input ids); `how.loss_sum` and `how.scale` are the loop's, on the last stage."""
+        if how.scaler is not None:
+            raise SmolforgeError("the pipeline strategy does not train in fp16 with loss scaling",
+                                 fix="use --precision bf16 or fp32 with --strategy pipeline")
+        batch, per_token = _concat([{k: v.to(how.device, non_blocking=True) for k, v in m.items()} for m in micro])
+        rows, width = batch["input_ids"].shape
+        n = self.settings.microbatches or len(micro)
+        if rows % n:
+            raise SmolforgeError(f"strategy_config.microbatches={n} does not divide the step's {rows} rows",
+                                 fix="choose a divisor of batch_size x grad_accum x stages, or leave it unset")
+        schedule = self._schedule_for(rows // n, width, n, how.amp)
+        self._step = _Step(batch, per_token, how)
+        first, last = self.rank == 0, self.rank == self.world - 1
+        try:
+            with how.autocast():
+                schedule.step(*((batch["input_ids"],) if first else ()),
+                              target=torch.arange(rows, device=how.device) if last else None,
+                              return_outputs=False, attention_mask=batch["attention_mask"])
+            loss_total = self._step_loss()
+        finally:
+            self._step = None
+        self._count_sends(rows, width)
+        self._sum_tied_grads()
+        tokens = int(batch["attention_mask"].sum())
+        return loss_total, tokens * (self.rank + 1) // self.world - tokens * self.rank // self.world
+
+    def _schedule_for(self, rows: int, width: int, n: int, amp: torch.dtype | None):
+        """The schedule for micro-batches of `rows` x `width` (rebuilt when the step's width changes)."""
+        key = (rows, width, n, amp)
+        if key != self._schedule_key:
+            if self.settings.schedule == "1f1b" and n < self.world:
+                raise SmolforgeError(f"1f1b needs at least one micro-batch per stage ({n} for {self.world} stages)",
+                                     fix="raise strategy_config.microbatches or grad_accum, or use schedule=gpipe")
+            inputs, outputs = self._examples(rows, width, amp)
+            stage = PipelineStage(self.runner, self.rank, self.world, self.device, input_args=inputs,
+                                  output_args=outputs)
+            self._schedule = SCHEDULES[self.settings.schedule](stage, n, loss_fn=self._loss, scale_grads=False)
+            self._schedule_key = key
+        return self._schedule
+
+    def _examples(self, rows: int, width: int, amp: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What crosses this stage's cuts, on the meta device (shapes, dtypes, whether gradients come back)."""
+        meta, lay = torch.device("meta"), self.layout
+
+        def hidden(grad: bool) -> torch.Tensor:
+            shape = (rows, width, self.hidden_size)
+            return torch.empty(shape, dtype=self.hidden_dtype, device=meta).requires_grad_(grad)
+
+        first, last = self.rank == 0, self.rank == self.world - 1
+        inputs = (torch.empty(rows, width, dtype=torch.long, device=meta) if first
+                  else hidden(lay.grad_upto[self.rank - 1]))
+        if last:  # logits go to the loss, not over a cut: their shape is never checked against a buffer
+            return inputs, torch.empty(rows, width, self.vocab, dtype=amp or self.hidden_dtype, device=meta)
+        return inputs, hidden(lay.grad_upto[self.rank])
+
+    def _loss(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one micro-batch (`rows`: its row numbers): the loop's loss, scaled as the
+        loop scales it, on the micro-batch's rows at its own width, in fp32."""
+        step = self._step
+        lo = int(rows[0])
+        part = {k: v[lo:lo + rows.numel(), :logits.shape[1]] if k in step.per_token else v[lo:lo + rows.numel()]
+                for k, v in step.batch.items()}
+        with torch.autocast(step.how.device.type, enabled=False):
+            loss_sum = step.how.loss_sum(logits, part)
+        step.sums.append(loss_sum.detach())
+        return loss_sum * step.how.scale
+
+    def _step_loss(self) -> float:
+        """The step's loss sum, added up micro-batch by micro-batch as the loop adds it, from the last rank."""
+        total = 0.0
+        for s in self._step.sums:
+            total += float(s)
+        t = torch.tensor([total], dtype=torch.float64, device=self.device)
+        if self.rank == self.world - 1:
+            self._count(t)
+        dist.broadcast(t, src=self.world - 1)
+        return float(t.item())
+
+    def _count_sends(self, rows: int, width: int) -> None:
+        """Bytes the schedule sent: hidden states to the next stage, their gradients to the previous one."""
+        n = self._schedule_key[2]
+        one = rows * width * self.hidden_size * torch.empty((), dtype=self.hidden_dtype).element_size()
+        forward = self.rank < self.world - 1
+        backward = self.rank > 0 and self.layout.grad_upto[self.rank - 1]
+        self.bytes_sent += n * one * (int(forward) + int(backward))
+
+    def _sum_tied_grads(self) -> None:
+        """A matrix two stages hold (tied embeddings) gets the sum of both stages' gradients on both."""
+        for i, group in self.ties:
+            p = self.layout.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._count(p.grad)
+            with self.waiting():
+                dist.all_reduce(p.grad, group=group)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+        """The global norm as one process computes it: from every trainable parameter's own norm (or sum of
+        squares), in the model's parameter order, each from the rank that speaks for it."""
+        lay = self.layout
+        index = {id(p): i for i, p in enumerate(lay.params)}
+        parts = torch.zeros(len(lay.params), dtype=torch.float32, device=self.device)
+        for p in params:
+            i = index[id(p)]
+            if lay.primary(i) == self.rank:
+                g = p.grad.detach()
+                parts[i] = torch.linalg.vector_norm(g, 2.0) if max_norm else (g.float() ** 2).sum()
+        self._count(parts)
+        with self.waiting():
+            dist.all_reduce(parts)  # each entry is non-zero on one rank only: the sum is exact
+        trained = [parts[i] for i in range(len(lay.params)) if lay.trainable[i]]
+        if not trained:
+            return 0.0
+        if not max_norm:
+            return float(torch.sqrt(sum(trained)))
+        total = torch.linalg.vector_norm(torch.stack(trained), 2.0)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+
+    # -- whole weights ------------------------------------------------------------------------------
+
+    def whole_model(self, model: nn.Module) -> ContextManager:
+        return self._whole()
+
+    @contextmanager
+    def _whole(self) -> Iterator[None]:
+        """Every stage's parameters broadcast to every rank (by the rank that speaks for each), freed after."""
+        lay = self.layout
+        shared = [i for i in range(len(lay.params)) if len(lay.owners[i]) < self.world]
+        borrowed = [i for i in shared if not self._holds(i)]
+        for i in shared:
+            p = lay.params[i]
+            if not self._holds(i):
+                p.data = torch.empty(lay.shapes[i], dtype=lay.dtypes[i], device=self.device)
+            if lay.primary(i) == self.rank:
+                self._count(p.data)
+            with self.waiting():
+                dist.broadcast(p.data, src=lay.primary(i))
+        try:
+            yield
+        finally:
+            for i in borrowed:
+                self._free(i)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | Path | None:
+        """The whole trainable weights on rank 0, by parameter name: a dict for an adapter (small), a
+        safetensors file for a full model (written as the stages' tensors arrive, never whole in memory)."""
+        lay = self.layout
+        mine = [(lay.names[i], lay.params[i].detach()) for i in range(len(lay.params))
+                if lay.trainable[i] and lay.primary(i) == self.rank]
+        gathered = self._gather(mine, {})
+        if gathered is None:
+            return None
+        specs, tensors, _ = gathered
+        if self.full:
+            return self._write("trainable", specs, tensors, {"format": "pt"})
+        return {name: t.cpu() for name, t in tensors}
+
+    def load_model_state(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
+        with torch.no_grad():
+            for name, value in weights.items():
+                i = lay.index[name]
+                if self._holds(i):
+                    lay.params[i].copy_(value.to(lay.params[i].device, lay.params[i].dtype))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
+        """The whole model's optimizer state on rank 0, as `optimizer.state_dict()` of one process keys it
+        (its integer ids, its groups), streamed into a safetensors file (`checkpoint.read_optimizer_file`)."""
+        lay = self.layout
+        index = {id(p): i for i, p in enumerate(lay.params)}
+        entries: list[tuple[str, torch.Tensor]] = []
+        scalars: dict[str, dict[str, Any]] = {}
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            if lay.primary(index[id(p)]) != self.rank:
+                continue  # a tied copy: its state is the first stage's
+            gid = self.global_ids[id(p)]
+            for key, value in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    entries.append((optimizer_file_key(gid, key), value))
+                else:
+                    scalars.setdefault(str(gid), {})[key] = value
+        gathered = self._gather(entries, scalars)
+        if gathered is None:
+            return None
+        specs, tensors, extras = gathered
+        merged = {int(gid): values for extra in extras for gid, values in extra.items()}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": ids}
+                  for group, ids in zip(optimizer.state_dict()["param_groups"], self.global_groups)]
+        return self._write("optim", specs, tensors, optimizer_file_metadata(groups, merged))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A whole-model state (any strategy's checkpoint): this stage's parameters take their entries."""
+        saved = {int(i): st for i, st in state["state"].items()}
+        local = [p for group in optimizer.param_groups for p in group["params"]]
+        mine = {j: saved[self.global_ids[id(p)]] for j, p in enumerate(local) if self.global_ids[id(p)] in saved}
+        groups, start = [], 0
+        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                           "params": list(range(start, start + count))})
+            start += count
+        optimizer.load_state_dict({"state": mine, "param_groups": groups})
+
+    def _gather(self, entries: list[tuple[str, torch.Tensor]], extra: dict[str, Any]):
+        """Every rank's (name, tensor) entries to rank 0: (specs, an iterator over them, every rank's
+        `extra`) there, None elsewhere. Each rank sends a JSON header (no pickle), then its tensors in
+        order; rank 0 must consume the iterator to the end (the others are sending)."""
+        header = {"specs": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in entries],
+                  "extra": extra}
+        if not self.is_main:
+            self._send_json(header)
+            for _, t in entries:
+                t = t.detach().contiguous()
+                self._count(t, checkpoint=True)
+                dist.send(t, dst=0)
+            return None
+        headers = [header] + [self._recv_json(r) for r in range(1, self.world)]
+        specs = [(n, getattr(torch, d), tuple(s)) for h in headers for n, d, s in h["specs"]]
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            yield from ((n, t.detach()) for n, t in entries)
+            for r in range(1, self.world):
+                for n, d, s in headers[r]["specs"]:
+                    buf = torch.empty(s, dtype=getattr(torch, d), device=self.device)
+                    dist.recv(buf, src=r)
+                    yield n, buf
+
+        return specs, tensors(), [h["extra"] for h in headers]
+
+    def _send_json(self, obj: dict) -> None:
+        raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([raw.numel()], dtype=torch.int64, device=self.device)
+        self._count(raw, checkpoint=True)
+        dist.send(size, dst=0)
+        dist.send(raw, dst=0)
+
+    def _recv_json(self, src: int) -> dict:
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, src=src)
+        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(raw, src=src)
+        return json.loads(bytes(raw.cpu().numpy()).decode())
+
+    def _write(self, kind: str, specs: list, tensors: Iterator[tuple[str, torch.Tensor]],
+               metadata: dict[str, str]) -> Path:
+        """A fresh safetensors file under `spool_dir`, written as the tensors arrive."""
+        root = Path(self.spool_dir or tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=root, prefix=f".{kind}-", suffix=".safetensors")
+        os.close(fd)
+        return write_tensor_file(name, tensors, specs, metadata)
+
+    def metrics(self) -> dict[str, float]:
+        stage = self.runner.stage if self.runner else None
+        return {"stage_layers": float(len(stage.layer_ids))} if stage is not None else {}
+
+
+class _StageStep(nn.Module):
+    """What the schedule runs on this rank: its stage, on one micro-batch at the micro-batch's own width.
+
+    Micro-batches cross the cuts at the step's width (the schedule's buffers have one shape); each is
+    cropped to its longest row on the way in and padded back on the way out, so it runs exactly as the
+    loop runs it alone: the same shapes, the same masks (a micro-batch without padding takes SDPA's
+    causal path; padded to a longer width, it would take the masked one and round differently).
+    """
+
+    def __init__(self, stage: Stage, hidden_dtype: torch.dtype):
+        super().__init__()
+        self.stage = stage
+        self.hidden_dtype = hidden_dtype
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        width = int(attention_mask.sum(-1).max())  # right padding: the longest row
+        mask = attention_mask[:, :width]
+        out = self.stage(x[:, :width].contiguous(), mask, positions_for(mask))
+        if self.stage.has_head:
+            return out  # logits, to the loss at this micro-batch's width
+        if out.dtype != self.hidden_dtype:
+            raise RuntimeError(f"stage {self.stage.lo}-{self.stage.hi} made {out.dtype} hidden states; the next "
+                               f"stage's buffers hold {self.hidden_dtype}")
+        return _PadTo.apply(out, x.shape[1])
+
+
+class _PadTo(torch.autograd.Function):
+    """Right-pad hidden states to the step's width with zeros; the gradient comes back contiguous, as the
+    layers would get it in one process."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, width: int) -> torch.Tensor:
+        ctx.width = h.shape[1]
+        return F.pad(h, (0, 0, 0, width - h.shape[1]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[:, :ctx.width].contiguous(), None
+
+
+def _layout(model: nn.Module, stages: list[Stage]) -> _Layout:
+    named = list(model.named_parameters())
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    owners: list[set[int]] = [set() for _ in named]
+    for rank, stage in enumerate(stages):
+        for p in stage.parameters():
+            owners[index[id(p)]].add(rank)
+    trainable = [p.requires_grad for _, p in named]
+    grad_upto, seen = [], False
+    for rank in range(len(stages)):
+        seen = seen or any(trainable[i] and rank in owners[i] for i in range(len(named)))
+        grad_upto.append(seen)
+    return _Layout(names=[n for n, _ in named], params=[p for _, p in named],
+                   owners=[tuple(sorted(o)) or (0,) for o in owners], shapes=[p.shape for _, p in named],
+                   dtypes=[p.dtype for _, p in named], trainable=trainable, grad_upto=grad_upto,
+                   index={n: i for i, (n, _) in enumerate(named)})
+
+
+def _concat(micro: list[Batch]) -> tuple[Batch, set[str]]:
+    """The step's micro-batches as one batch at the widest one's width (labels padded with IGNORE, the rest
+    with 0), and which keys have a sequence dimension."""
+    width = max(m["input_ids"].shape[1] for m in micro)
+    per_token = {k for k, v in micro[0].items()
+                 if all(m[k].ndim >= 2 and m[k].shape[1] == m["input_ids"].shape[1] for m in micro)}
+    out = {}
+    for k in micro[0]:
+        if k in per_token:
+            fill = IGNORE if k == "labels" else 0
+            pad = [(0, 0) * (m[k].ndim - 2) + (0, width - m[k].shape[1]) for m in micro]
+            out[k] = torch.cat([F.pad(m[k], p, value=fill) for m, p in zip(micro, pad)])
+        else:
+            out[k] = torch.cat([m[k] for m in micro])
+    return out, per_token
