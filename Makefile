@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/smolforge demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/train_throughput.py
