@@ -501,7 +501,7 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
             "eta_s", "nodes"} <= set(job)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])  # ddp: the dropout test below pauses a ddp job
 def test_pause_then_resume_equals_uninterrupted(world, strategy):
     client = world["c"].client()
     steps = 2 * STEPS  # room for the pause to land (within a poll, ~0.5 s) however fast the steps run

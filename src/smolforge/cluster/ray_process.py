@@ -38,9 +38,13 @@ def ray_start(loopback: bool) -> list[str]:
 
 
 def _common_ports(ports: list[int]) -> list[str]:
+    """The ports every node's agents take, and no log monitor: it tails every worker's log to stream it
+    to drivers, and our drivers do not print them (`log_to_driver=False`); one Python process and its
+    polling fewer per node."""
     agent, grpc, env, metrics = ports
     return ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc),
-            "--runtime-env-agent-port", str(env), "--metrics-export-port", str(metrics)]
+            "--runtime-env-agent-port", str(env), "--metrics-export-port", str(metrics),
+            "--include-log-monitor", "false"]
 
 
 def _labels(labels: dict[str, str]) -> str:
