@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from smolforge.errors import SmolforgeError
-from smolforge.models.partition import (ModelInfo, NodeInfo, Workload, cut, generation_positions, model_info,
-                                        plan_stages, positions_for, run_stages, stage_state_to_hf, untie_head)
+from smolforge.models.partition import cut, generation_positions, positions_for, run_stages, stage_state_to_hf, untie_head
+from smolforge.models.placement import ModelInfo, NodeInfo, Workload, model_info, plan_stages
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 BOUNDS = [[0, 2, 4], [0, 1, 3, 4], [0, 0, 4, 4]]  # 2 stages, 3 stages, embeddings and head alone

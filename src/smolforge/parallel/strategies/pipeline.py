@@ -73,8 +73,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from smolforge.data.encode import IGNORE
 from smolforge.errors import SmolforgeError
-from smolforge.models.partition import (NodeInfo, Stage, Workload, arch_of, check_bounds, cut, model_info,
-                                        plan_stages, positions_for)
+from smolforge.models.partition import Stage, arch_of, check_bounds, cut, positions_for
+from smolforge.models.placement import NodeInfo, Workload, model_info, plan_stages
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
