@@ -92,3 +92,17 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def tiny_train_cfg(root: Path, out: str, steps: int, **kw) -> dict:
+    """A TrainConfig dict for tiny-llama on `root/data.jsonl`, fp32, one thread, LoRA without dropout:
+    what the strategy tests train with one process and with spawned ranks, to compare the two."""
+    from smolforge.models.tiny import preset_dir
+
+    cfg = {"model": str(preset_dir("tiny-llama")), "output_dir": str(root / out),
+           "data": {"path": str(root / "data.jsonl"), "max_eval_samples": 5, "max_length": 48},
+           "max_steps": steps, "batch_size": 1, "grad_accum": 2, "lr": 1e-3, "seed": 3, "eval_every": 3,
+           "max_new_tokens": 3, "device": "cpu", "precision": "fp32", "num_threads": 1, "quiet": True,
+           "tensorboard": False, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
+    cfg.update(kw)
+    return cfg

@@ -16,19 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from helpers import tiny_train_cfg
+
 STEPS = 6
 
 
 def _cfg(root: Path, out: str, **kw) -> dict:
-    from smolforge.models.tiny import preset_dir
-
-    cfg = {"model": str(preset_dir("tiny-llama")), "output_dir": str(root / out),
-           "data": {"path": str(root / "data.jsonl"), "max_eval_samples": 5, "max_length": 48},
-           "max_steps": STEPS, "batch_size": 1, "grad_accum": 2, "lr": 1e-3, "seed": 3, "eval_every": 3,
-           "max_new_tokens": 3, "device": "cpu", "precision": "fp32", "num_threads": 1, "quiet": True,
-           "tensorboard": False, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
-    cfg.update(kw)
-    return cfg
+    return tiny_train_cfg(root, out, STEPS, **kw)
 
 
 def _train(cfg: dict, strategy=None, stop_after: int = 0):

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import tiny_train_cfg
+
 pytestmark = [pytest.mark.timeout(300),  # peft reads transformers' deprecated name when it loads an adapter
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
@@ -28,15 +30,7 @@ STEPS = 6
 
 
 def _cfg(root: Path, out: str, **kw) -> dict:
-    from smolforge.models.tiny import preset_dir
-
-    cfg = {"model": str(preset_dir("tiny-llama")), "output_dir": str(root / out),
-           "data": {"path": str(root / "data.jsonl"), "max_eval_samples": 5, "max_length": 48},
-           "max_steps": STEPS, "batch_size": 1, "grad_accum": 2, "lr": 1e-3, "seed": 3, "eval_every": 3,
-           "max_new_tokens": 3, "device": "cpu", "precision": "fp32", "num_threads": 1, "quiet": True,
-           "tensorboard": False, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
-    cfg.update(kw)
-    return cfg
+    return tiny_train_cfg(root, out, STEPS, **kw)
 
 
 FULL = dict(peft={"method": "none"}, max_steps=3, eval_every=0, eval_accuracy=False)
