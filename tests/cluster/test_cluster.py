@@ -178,32 +178,60 @@ def test_api_needs_token_and_a_bad_worker_token_is_refused(world):
     assert not any(n.startswith("intruder") for n in names)
 
 
-def test_the_token_is_in_no_argv_and_never_printed(world):
+@pytest.fixture
+def long_job(world):
+    """One long data-parallel job, submitted as a user would (`smolforge submit job.yaml`, the local
+    dataset uploaded) and running at step 2, shared by the tests that need live ranks (the token in
+    no argv, loopback listeners, and cancel, which ends it): three tests, one job's start-up."""
+    import yaml
+
+    client = world["c"].client()
+    job_id = world.get("long_job")
+    if job_id and client.get_job_status(job_id)["state"] == "running":
+        return job_id
+    job_file = world["base"] / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job_spec(world)))  # the dataset path is local: `submit` uploads it
+    r = world["c"].cli("submit", str(job_file), "--set", "training.max_steps=5000", "--set", "save_every=0")
+    assert r.returncode == 0, r.stderr
+    job_id = world["long_job"] = r.stdout.strip().splitlines()[-1]
+    spec = client.get_job(job_id)["spec"]
+    assert spec["train"]["max_steps"] == 5000 and spec["train"]["data"]["path"].startswith("upload:")
+    wait_step(client, job_id, 2)
+    return job_id
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_long_job(request, world):
+    """A test that does not use `long_job` finds the workers free (with `-k`, cancel may not run)."""
+    job_id = world.get("long_job")
+    if job_id and "long_job" not in request.fixturenames:
+        client = world["c"].client()
+        if client.get_job_status(job_id)["state"] == "running":
+            client.cancel_job(job_id)
+            wait_state(client, job_id, ("cancelled",))
+
+
+def test_the_token_is_in_no_argv_and_never_printed(world, long_job):
     """`ps` on any machine of the cluster never shows the token: not in the coordinator's, a worker's
-    or any Ray process's command line; the coordinator's output names the token file instead."""
+    or any Ray process's command line (a running job's ranks and Ray workers included); the
+    coordinator's output names the token file instead."""
     import psutil
 
     c = world["c"]
     token = c.token
-    client = c.client()
-    job_id = client.submit_job(job_spec(world, max_steps=400))  # its ranks and Ray workers are processes too
-    try:
-        wait_step(client, job_id, 1)
-        seen = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if token in " ".join(proc.info["cmdline"] or []):
-                seen.append((proc.info["pid"], (proc.info["cmdline"] or [])[:4]))
-        assert not seen, seen
-    finally:
-        client.cancel_job(job_id)
-        wait_state(client, job_id, ("cancelled",))
+    assert world["c"].client().get_job_status(long_job)["state"] == "running"
+    seen = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if token in " ".join(proc.info["cmdline"] or []):
+            seen.append((proc.info["pid"], (proc.info["cmdline"] or [])[:4]))
+    assert not seen, seen
     out = c.coordinator.output()
     assert "Join workers with:" in out and f"--token-file {c.state / 'token'}" in out, out[-2000:]
     for proc in [c.coordinator, *c.workers.values()]:
         assert token not in proc.output(), proc.args[:2]
 
 
-def test_every_listener_of_a_loopback_cluster_is_on_loopback(world):
+def test_every_listener_of_a_loopback_cluster_is_on_loopback(world, long_job):
     """`--host 127.0.0.1` (the default): the coordinator, its Ray head, the workers and a running
     data-parallel job (its ranks' rendezvous store and gloo pairs) listen on loopback only."""
     from listeners import listeners
@@ -211,14 +239,8 @@ def test_every_listener_of_a_loopback_cluster_is_on_loopback(world):
     c = world["c"]
     info = json.loads((c.state / "coordinator.json").read_text())
     roots = [c.coordinator.p.pid, *(w.p.pid for w in c.workers.values()), int(info["head_pid"])]
-    client = c.client()
-    job_id = client.submit_job(job_spec(world, max_steps=400))
-    try:
-        wait_step(client, job_id, 1)
-        seen = listeners(roots)
-    finally:
-        client.cancel_job(job_id)
-        wait_state(client, job_id, ("cancelled",))
+    assert c.client().get_job_status(long_job)["state"] == "running"
+    seen = listeners(roots)
     outside = [x for x in seen if not x.loopback]
     assert not outside, outside
     names = {x.name for x in seen}
@@ -234,6 +256,27 @@ def test_every_listener_of_a_loopback_cluster_is_on_loopback(world):
             call(b"", timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert call(b"", timeout=10, metadata=[("authorization", f"Bearer {c.token}")])  # the token opens it
+
+
+def test_cancel_releases_every_actor_within_10s(world, long_job):
+    client = world["c"].client()
+    job_id = long_job
+    pids = [t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
+    assert len(pids) == 2 and all(pid_running(p) for p in pids)
+    t0 = time.time()
+    r = world["c"].cli("job", "cancel", job_id)
+    assert r.returncode == 0 and "cancelled" in r.stdout, r.stderr
+    while any(pid_running(p) for p in pids) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not any(pid_running(p) for p in pids), "actor processes still alive 10 s after cancel"
+    assert client.get_job_status(job_id)["state"] == "cancelled"
+    deadline = time.time() + 10  # CPUs are back in the pool
+    while time.time() < deadline:
+        free = {r["name"]: r["available"].get("CPU", 0) for r in client.resources()}
+        if free["w1"] == 1 and free["w2"] == 1:
+            break
+        time.sleep(0.3)
+    assert free["w1"] == 1 and free["w2"] == 1
 
 
 def test_unsatisfiable_requirement_fails_at_once(world):
@@ -541,36 +584,6 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     st = wait_state(client, job_id, ("completed",))
     assert st["result"]["steps"] == steps
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole))
-
-
-def test_cancel_releases_every_actor_within_10s(world):
-    import yaml
-
-    client = world["c"].client()
-    job_file = world["base"] / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job_spec(world)))  # the dataset path is local: `submit` uploads it
-    r = world["c"].cli("submit", str(job_file), "--set", "training.max_steps=5000", "--set", "save_every=0")
-    assert r.returncode == 0, r.stderr
-    job_id = r.stdout.strip().splitlines()[-1]
-    spec = client.get_job(job_id)["spec"]
-    assert spec["train"]["max_steps"] == 5000 and spec["train"]["data"]["path"].startswith("upload:")
-    wait_step(client, job_id, 2)
-    pids = [t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
-    assert len(pids) == 2 and all(pid_running(p) for p in pids)
-    t0 = time.time()
-    r = world["c"].cli("job", "cancel", job_id)
-    assert r.returncode == 0 and "cancelled" in r.stdout, r.stderr
-    while any(pid_running(p) for p in pids) and time.time() - t0 < 10:
-        time.sleep(0.1)
-    assert not any(pid_running(p) for p in pids), "actor processes still alive 10 s after cancel"
-    assert client.get_job_status(job_id)["state"] == "cancelled"
-    deadline = time.time() + 10  # CPUs are back in the pool
-    while time.time() < deadline:
-        free = {r["name"]: r["available"].get("CPU", 0) for r in client.resources()}
-        if free["w1"] == 1 and free["w2"] == 1:
-            break
-        time.sleep(0.3)
-    assert free["w1"] == 1 and free["w2"] == 1
 
 
 def distill_spec(w, **kw) -> dict:
