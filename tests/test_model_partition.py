@@ -8,7 +8,8 @@ import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import cut, generation_positions, positions_for, run_stages, stage_state_to_hf, untie_head
-from smolforge.models.placement import ModelInfo, NodeInfo, Workload, model_info, plan_stages
+from smolforge.models.placement import (ModelInfo, NodeInfo, Workload, measure_node, model_info, plan_in_order,
+                                        plan_stages)
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 BOUNDS = [[0, 2, 4], [0, 1, 3, 4], [0, 0, 4, 4]]  # 2 stages, 3 stages, embeddings and head alone
@@ -208,6 +209,23 @@ def test_layers_follow_throughput():
     counts = [layers_on(plan, n) for n in ("x4", "x2", "x1")]
     assert counts[0] > counts[1] > counts[2] >= 2, plan.describe()
     assert max(plan.stage_seconds) <= 1.35 * min(plan.stage_seconds)
+
+
+def test_stages_already_placed_keep_their_order_and_get_layers_by_throughput():
+    """A data-parallel group's ranks are placed before the cut: stage i runs on rank i's node, and only
+    the ranges are chosen (the slow node first here: it still gets the fewer layers)."""
+    nodes = [NodeInfo("slow", 1e10, 100 * GB, **FAST_LINK), NodeInfo("fast", 2e10, 100 * GB, **FAST_LINK)]
+    plan = plan_in_order(info24(), nodes, workload=Workload(training=True))
+    assert plan.nodes == ["slow", "fast"] and plan.bounds[0] == 0 and plan.bounds[-1] == 24
+    assert 1.5 <= layers_on(plan, "fast") / layers_on(plan, "slow") <= 2.5, plan.describe()
+    assert "as placed" in plan.describe()
+    with pytest.raises(SmolforgeError, match="does not fit in 2 stages"):
+        plan_in_order(info24(), [NodeInfo("a", 1e10, 10**6), NodeInfo("b", 1e10, 10**6)])
+
+
+def test_a_node_measures_its_own_flops_and_free_memory():
+    node = measure_node("here", seconds=0.05)
+    assert node.name == "here" and node.throughput > 1e8 and node.free_memory_bytes > 10**8, node
 
 
 def test_memory_caps_a_fast_nodes_share():

@@ -60,14 +60,19 @@ def _two(rank: int, root: Path, out: mp.Queue) -> None:
     from smolforge.parallel.strategies import make_strategy
 
     gpipe = {"schedule": "gpipe"}
-    whole, norms = _train(_cfg(root, "pp-lora"), make_strategy("pipeline", gpipe))
+    planned = make_strategy("pipeline", gpipe)  # no bounds: each rank measures its node, the plan sizes the stages
+    whole, norms = _train(_cfg(root, "pp-lora"), planned)
+    plan = [n for n in planned.notes if n.get("event") == "pipeline_plan"]
     paused, _ = _train(_cfg(root, "pp-paused"), make_strategy("pipeline", gpipe), stop_after=3)
     if rank == 0:  # the paused run's checkpoint, for one process to resume
         shutil.copytree(root / "pp-paused", root / "pp-paused-single")
     dist.barrier()
     resumed, _ = _train({**_cfg(root, "pp-paused"), "resume": True}, make_strategy("pipeline", gpipe))
-    full, full_norms = _train(_cfg(root, "pp-full", **FULL), make_strategy("pipeline", {"schedule": "1f1b"}))
-    out.put((rank, {"whole": whole.to_dict(), "norms": norms, "paused": paused.to_dict(),
+    # bounds given: the memory check below needs the layers split (a measured plan may give a tiny
+    # model's layers all to one stage: its cost model counts the hidden states' trip over the cut)
+    full, full_norms = _train(_cfg(root, "pp-full", **FULL), make_strategy("pipeline", {"schedule": "1f1b",
+                                                                                        "bounds": [0, 2, 4]}))
+    out.put((rank, {"whole": whole.to_dict(), "norms": norms, "paused": paused.to_dict(), "plan": plan,
                     "resumed": resumed.to_dict(), "full": full.to_dict(), "full_norms": full_norms}))
 
 
@@ -158,6 +163,10 @@ def test_two_stages_equal_one_process_lora_and_full_and_resume_exactly(data):
     assert abs(r0["whole"]["final_loss"] - one.final_loss) < 1e-5
     assert r1["whole"]["final_loss"] == r0["whole"]["final_loss"]  # every rank reports the step's loss
     assert r0["whole"]["samples"] == one.samples and r0["whole"]["comm_bytes_sent"] > 0
+    # its stages were sized from both ranks' measured nodes; rank 0 stated the plan (the job's event)
+    (plan,) = r0["plan"]
+    assert not r1["plan"] and len(plan["bounds"]) == 3 and plan["bounds"][0] == 0 and plan["bounds"][-1] == 4, plan
+    assert plan["nodes"] == ["rank 0", "rank 1"] and "stage 1:" in plan["message"], plan
     # (c) paused after step 3 and resumed: the uninterrupted run's weights
     assert r0["paused"]["stopped"] == "pause" and r0["paused"]["steps"] == 3
     assert r0["resumed"]["data"]["resumed_from"].endswith("step-3") and r0["resumed"]["steps"] == STEPS

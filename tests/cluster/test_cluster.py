@@ -586,6 +586,36 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole))
 
 
+def test_pipeline_across_two_workers_survives_a_killed_stage_with_one_process_weights(world):
+    """Model parallelism in the cluster (a job file's `stages: 2`): each worker holds a stage, sized by
+    the plan from both nodes' measurements (stated in the events). The second stage's process is
+    SIGKILLed mid-job: the job restarts from its last checkpoint and ends with the weights of one
+    process with the same global batch (each step is batch_size x stages rows, as for ddp)."""
+    client = world["c"].client()
+    steps = 2 * STEPS
+    job_id = client.submit_job({**job_spec(world, max_steps=steps), "stages": 2})
+    spec = client.get_job(job_id)["spec"]
+    assert spec["strategy"] == "pipeline" and spec["num_workers"] == 2
+    st = wait_step(client, job_id, 8)  # a checkpoint (every 5 steps) is stored
+    assert st["state"] == "running" and st["step"] < steps, st
+    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = render_timeline(events)
+    kinds = [e["kind"] for e in events]
+    assert "recovering" in kinds and "recovered" in kinds, timeline
+    plans = [e for e in events if e["kind"] == "pipeline_plan"]
+    assert len(plans) == 2, timeline  # one per round, each from the nodes as placed then
+    for p in plans:
+        assert p["data"]["bounds"][0] == 0 and p["data"]["bounds"][-1] == 4 and len(p["data"]["bounds"]) == 3, p
+        assert sorted(n.split(" (")[0] for n in p["data"]["nodes"]) == ["w1", "w2"], p
+        assert "stage 0:" in p["message"] and "stage 1:" in p["message"], p
+    res = st["result"]
+    assert res["strategy"] == "pipeline" and res["steps"] == steps and res["world"] == 2, res
+    assert_same_weights(adapter_of(world, job_id), reference(world, 4, max_steps=steps))
+
+
 def distill_spec(w, **kw) -> dict:
     """A distillation job: teachers on w1 and w2 (they hold tiny-copy; the coordinator takes no
     work), two LoRA students that take those nodes as the teachers finish. Slow teachers on purpose

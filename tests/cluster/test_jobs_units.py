@@ -91,3 +91,14 @@ def test_only_the_embedded_cluster_writes_a_job_where_its_spec_says():
     for bad in ("run", "/tmp/a/../b"):
         with pytest.raises(SmolforgeError, match="absolute path without"):
             jobs.check_output_dir(jobs.parse({**spec, "output_dir": bad}), embedded=True)
+
+
+def test_stages_in_a_job_file_mean_the_pipeline_with_a_rank_per_stage():
+    from smolforge.cluster.specs import DataParallelJob
+
+    train = {"model": "tiny-llama", "data": {"path": "bundled"}}
+    job = DataParallelJob.model_validate({"train": train, "stages": 3})
+    assert (job.strategy, job.num_workers) == ("pipeline", 3)
+    for bad, needle in (({"strategy": "ddp"}, "strategy is 'ddp'"), ({"num_workers": 3}, "differ")):
+        with pytest.raises(ValueError, match=needle):
+            DataParallelJob.model_validate({"train": train, "stages": 2, **bad})

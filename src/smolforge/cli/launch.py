@@ -26,13 +26,17 @@ def register(app: typer.Typer) -> None:
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
-        workers: int = typer.Option(2, help="data-parallel ranks"),
-        strategy: str = typer.Option("ddp", help="data_parallel: how the ranks share learning: ddp | zero1 | fsdp | "
-                                     "diloco | ssp | sync-ps | async-ps (settings: --set strategy_config.KEY=VALUE)"),
+        workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
+        strategy: Optional[str] = typer.Option(None, help="data_parallel: how the ranks share learning: ddp (default) | "
+                                               "zero1 | fsdp | diloco | ssp | sync-ps | async-ps | pipeline "
+                                               "(settings: --set strategy_config.KEY=VALUE)"),
+        stages: Optional[int] = typer.Option(None, help="model parallelism: split the model's layers into N stages, "
+                                             "one per worker (the pipeline strategy; implies --mode model_parallel)"),
         balance: str = typer.Option("auto", help="data_parallel, synchronous strategies: rows per rank follow each "
                                     "rank's measured speed when speeds differ by >20% (auto), or equal (off)"),
-        mode: str = typer.Option("data_parallel", help="data_parallel | teacher_student | hybrid (distillation: "
-                                 "--model is the teacher, --student the student, --workers the students)"),
+        mode: str = typer.Option("data_parallel", help="data_parallel | model_parallel | teacher_student | hybrid "
+                                 "(distillation: --model is the teacher, --student the student, --workers the "
+                                 "students)"),
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
         kd_loss: str = typer.Option("forward_kl", help="teacher_student/hybrid: forward_kl|reverse_kl|jsd"),
         kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
@@ -82,9 +86,15 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 3 --strategy async-ps --set strategy_config.codec=int8
 
+        Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe
+
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
         """
         if mode in ("teacher_student", "hybrid"):
+            workers = 2 if workers is None else workers
+            if stages is not None or strategy is not None:
+                raise SmolforgeError(f"--{'stages' if stages is not None else 'strategy'} applies to --mode "
+                                     "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {mode}")
             _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
                             epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
                             peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
@@ -95,11 +105,13 @@ def register(app: typer.Typer) -> None:
                             name=name, sets=set_, detach=detach,
                             save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
             return
-        if mode != "data_parallel":
-            raise SmolforgeError(f"unknown --mode {mode!r}", fix="use data_parallel, teacher_student or hybrid")
+        if mode not in ("data_parallel", "model_parallel"):
+            raise SmolforgeError(f"unknown --mode {mode!r}",
+                                 fix="use data_parallel, model_parallel, teacher_student or hybrid")
         if student:
             raise SmolforgeError("--student is for --mode teacher_student or hybrid",
                                  fix="drop --student, or pick a distillation mode")
+        workers, strategy = _model_parallel(mode, stages, workers, strategy)
         kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
                                       cpus_per_worker=cpus_per_worker, name=name, strategy=strategy,
                                       balance=balance)
@@ -109,7 +121,7 @@ def register(app: typer.Typer) -> None:
             if value is not None:
                 kwargs[key] = value
         spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
-        _submit_and_follow(spec, f"{workers} workers", coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir,
+        _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers", coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir,
                            detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
 
     @app.command()
@@ -147,6 +159,23 @@ def register(app: typer.Typer) -> None:
             close = getattr(backend, "close", None)
             if close:
                 close()
+
+
+def _model_parallel(mode: str, stages: int | None, workers: int | None, strategy: str | None) -> tuple[int, str]:
+    """(ranks, strategy) from --mode/--stages/--workers/--strategy: model parallelism is the pipeline
+    strategy with one rank per stage; contradictions are one message each."""
+    if stages is not None and stages < 1:
+        raise SmolforgeError(f"--stages {stages}: give 1 or more", fix="e.g. --stages 2")
+    if stages is None and mode == "data_parallel":
+        return (2 if workers is None else workers), (strategy or "ddp")
+    if strategy not in (None, "pipeline"):
+        raise SmolforgeError(f"--strategy {strategy} is data parallelism, but {'--stages' if stages else '--mode model_parallel'} "
+                             "asks for model parallelism (the pipeline strategy)",
+                             fix="drop --strategy, or drop --stages/--mode model_parallel")
+    if stages is not None and workers is not None and workers != stages:
+        raise SmolforgeError(f"--stages {stages} and --workers {workers} differ: a pipeline has one worker per stage",
+                             fix="give only --stages")
+    return (stages or workers or 2), "pipeline"
 
 
 def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,

@@ -67,6 +67,23 @@ class DataParallelJob(Spec):
                                                "checkpoint to the coordinator (big ones over Wi-Fi are slow)")
     placement_timeout_s: float = Field(120.0, gt=0)
     lent_nodes: list[str] = Field(default_factory=list, description="nodes lent with `job join` (coordinator: '@coordinator')")
+    stages: int | None = Field(None, ge=1, description="model parallelism: pipeline stages, one per rank (sets "
+                                                       "strategy pipeline and num_workers)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_mean_pipeline(cls, data: Any) -> Any:
+        """`stages: N` is `strategy: pipeline` with `num_workers: N`; anything else alongside it is a contradiction."""
+        if not isinstance(data, dict) or data.get("stages") is None:
+            return data
+        stages = data["stages"]
+        if data.get("strategy", "pipeline") != "pipeline":
+            raise ValueError(f"stages is pipeline parallelism, but strategy is {data['strategy']!r}: "
+                             "drop one of them")
+        if data.get("num_workers", stages) != stages:
+            raise ValueError(f"stages {stages} and num_workers {data['num_workers']} differ: a pipeline has one "
+                             "rank per stage (give one of them)")
+        return {**data, "strategy": "pipeline", "num_workers": stages}
 
     @field_validator("strategy")
     @classmethod

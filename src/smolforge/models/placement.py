@@ -360,6 +360,47 @@ def plan_stages(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None =
     return _plan(costs, single, _kept_reason(costs, nodes, single, min_gain), kept=True)
 
 
+def plan_in_order(info: ModelInfo, nodes: Sequence[NodeInfo], *, workload: Workload = Workload(),
+                  links: Mapping[tuple[str, str], float] | None = None) -> Plan:
+    """Layer ranges for stages already placed: stage i runs on `nodes[i]` (a data-parallel group's
+    ranks, in rank order). Only the ranges are chosen, as `plan_stages` sizes them: in proportion to
+    each node's measured throughput, within its free memory."""
+    nodes = _usable(nodes)
+    costs = _Costs(info, workload, links)
+    fit = _fit(costs, tuple(nodes))
+    if fit is None:
+        raise _no_fit(costs, list(nodes), len(nodes))
+    return _plan(costs, fit, f"{len(nodes)} stage{'s' if len(nodes) > 1 else ''} on the nodes as placed: layers "
+                             "sized to each node's measured throughput within its free memory")
+
+
+def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeInfo:
+    """This process's node as placement sees it: FLOP/s of fp32 matmuls on `device` with this
+    process's threads (a short timed loop, after a warm-up), and the memory free there now (the
+    device's on a GPU, the machine's available RAM on a CPU)."""
+    import time
+
+    import psutil
+
+    device = device or torch.device("cpu")
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    done, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        done += 1
+        if done % 4 == 0:
+            sync()
+            if time.perf_counter() - t0 >= seconds:
+                break
+    flops = 2 * size ** 3 * done / (time.perf_counter() - t0)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    return NodeInfo(name, throughput=flops, free_memory_bytes=int(free))
+
+
 def _usable(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     usable = [n for n in nodes if n.throughput > 0 and n.free_memory_bytes > 0]
     if not usable:

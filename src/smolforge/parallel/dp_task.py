@@ -371,6 +371,8 @@ class DPWorker:
                             "batch_rows": s.rows[s.rank] if s.rows else None, "metrics": s.metrics()})
             while s is not None and s.notes:
                 note = s.notes.pop(0)
+                if is_main and note.get("event"):  # a decision the strategy states itself (a plan)
+                    self._emit({"type": "event", "kind": note["event"], "message": note["message"], "data": note})
                 if is_main and note.get("kind") == "regroup":
                     joined = f"; joined: {', '.join(map(str, note['joined']))}" if note["joined"] else ""
                     self._emit({"type": "event", "kind": "group_reformed",

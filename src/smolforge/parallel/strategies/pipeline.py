@@ -7,7 +7,11 @@ the one-process result. Why it looks like this:
 
 - **Ranks are stages.** World size = stages; rank i runs stage i (`models.partition.cut`: the first also
   embeds, the last also normalises, projects and computes the loss). The ranks are the data-parallel
-  runner's own processes, so the runner places a pipeline job as it places a ddp job.
+  runner's own processes, so the runner places a pipeline job as it places a ddp job (and restarts it
+  from its last checkpoint when a stage's node dies). Unless `bounds` are given, every rank measures
+  its node (matmul FLOP/s with its threads, free memory: `placement.measure_node`), the ranks exchange
+  that, and `placement.plan_in_order` sizes each stage's layers to its node; rank 0 states the plan
+  in the job's events (`pipeline_plan`).
 - **Every rank gets the whole step's rows** (`rows_for`). Only the first stage reads the input ids and
   only the last the labels, but every stage needs the attention mask: it builds its own causal/padding
   mask and position ids from it (right padding: positions 0..w-1, what HF builds), so only hidden
@@ -57,7 +61,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -74,13 +77,16 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from smolforge.data.encode import IGNORE
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import Stage, arch_of, check_bounds, cut, positions_for
-from smolforge.models.placement import NodeInfo, Workload, model_info, plan_stages
+from smolforge.models.placement import NodeInfo, Workload, measure_node, model_info, plan_in_order
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
 from smolforge.train.strategy import Batch, StepPass
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+_NAME_BYTES = 64  # a node's name in the measured-nodes exchange
 
 
 class PipelineSettings(BaseModel):
@@ -91,7 +97,7 @@ class PipelineSettings(BaseModel):
     microbatches: int | None = Field(None, ge=1, description="micro-batches per step (default: the loop's, "
                                                              "batch_size rows each)")
     bounds: list[int] | None = Field(None, description="layer bounds, stages+1 of them (default: planned "
-                                                       "for equal nodes)")
+                                                       "from each rank's measured node)")
 
     @field_validator("bounds")
     @classmethod
@@ -176,11 +182,15 @@ class Pipeline(DDP):
         self.ties = self._tie_groups()
 
     def _bounds(self, base: nn.Module) -> list[int]:
-        """The settings' bounds, or the cut `plan_stages` chooses for `world` equal nodes (it weighs the head)."""
+        """The settings' bounds, or the ranges `plan_in_order` sizes from every rank's measured node."""
         layers = arch_of(base.config).num_layers
         if self.settings.bounds is None:
-            nodes = [NodeInfo(f"stage-{i}", throughput=1.0, free_memory_bytes=sys.maxsize) for i in range(self.world)]
-            return plan_stages(model_info(base), nodes, stages=self.world, workload=Workload(training=True)).bounds
+            nodes = self._measure_nodes()
+            plan = plan_in_order(model_info(base), nodes, workload=Workload(training=True))
+            if self.rank == 0:
+                self.notes.append({"event": "pipeline_plan", "message": plan.describe(), "bounds": plan.bounds,
+                                   "nodes": plan.nodes, "throughput_share": plan.throughput_share})
+            return plan.bounds
         bounds = list(self.settings.bounds)
         check_bounds(bounds, layers)
         if len(bounds) - 1 != self.world:
@@ -188,6 +198,26 @@ class Pipeline(DDP):
                                  f"has {self.world} ranks (one stage per rank)",
                                  fix=f"give {self.world + 1} bounds, or leave them out to have them planned")
         return bounds
+
+    def _measure_nodes(self) -> list[NodeInfo]:
+        """Every rank's node (FLOP/s with its threads, free memory), in rank order, exchanged as tensors
+        (names as fixed-width bytes: nothing pickled crosses the network). One rank: itself."""
+        name = os.environ.get("SMOLFORGE_NODE_NAME", "")  # set on a cluster's nodes
+        mine = measure_node(name or f"rank {self.rank}", self.device if self.device.type == "cuda" else None)
+        if not (dist.is_available() and dist.is_initialized()) or self.world == 1:
+            return [mine]
+        dev = self.device_for(self.device)
+        raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+        row = torch.tensor([mine.throughput, float(mine.free_memory_bytes), *raw], dtype=torch.float64, device=dev)
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(rows, row)
+        nodes = []
+        for rank, r in enumerate(rows):
+            r = r.cpu()
+            label = bytes(int(v) for v in r[2:]).rstrip(b"\0").decode(errors="replace")
+            nodes.append(NodeInfo(f"{label} (rank {rank})" if label else f"rank {rank}",
+                                  throughput=float(r[0]), free_memory_bytes=int(r[1])))
+        return nodes
 
     def _holds(self, i: int) -> bool:
         return self.rank in self.layout.owners[i]
