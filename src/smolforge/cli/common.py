@@ -14,16 +14,23 @@ from smolforge.errors import SmolforgeError
 
 
 def quiet_libraries() -> None:
-    """Keep library chatter (weight-loading bars, hub warnings) out of the user's terminal."""
+    """Keep library chatter (weight-loading bars, hub warnings) out of the user's terminal.
+
+    Through the libraries' own environment variables when they are not imported yet, so that a
+    command that then refuses its input has not paid for importing them."""
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for category in (FutureWarning, DeprecationWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:  # read its environment at import: tell it directly
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        transformers = sys.modules["transformers"]
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
 
 
 def run_cli(fn: Callable) -> Callable:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models import tiny
+from smolforge.models.names import check_local_model
 from smolforge.models.registry import ollama_to_hf
 
 
@@ -26,14 +26,8 @@ def resolve_model(name: str, aliases: dict[str, str] | None = None) -> str:
     """Map a user's model name to something `from_pretrained` takes: a directory or an HF id."""
     if tiny.is_preset(name):
         return str(tiny.preset_dir(name))
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise SmolforgeError(
-                f"model directory {path} has no config.json",
-                fix="point --model at a directory written by save_pretrained, an HF id, or a preset "
-                f"({', '.join(tiny.PRESETS)})",
-            )
+    path = check_local_model(name)
+    if path is not None:
         return str(path)
     hf = ollama_to_hf(name, aliases)
     if hf:
@@ -44,8 +38,6 @@ def resolve_model(name: str, aliases: dict[str, str] | None = None) -> str:
             fix="add it to the alias table (models.aliases in your config, or SMOLFORGE_MODEL_ALIASES=file.yaml) "
             "mapping it to a Hugging Face id",
         )
-    if name.startswith((".", "/", "~")):
-        raise SmolforgeError(f"model directory {name} does not exist", fix="check the path")
     return name
 
 

@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 
 from smolforge.paths import home
 
@@ -114,6 +113,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 
 def build_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write preset `name` as an HF directory at out_dir (deterministic for a given seed)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family, kwargs = PRESETS[name]

@@ -9,7 +9,6 @@ actors, each holding its layers and its slice of the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,12 +85,10 @@ class ServedModel:
 
 
 def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+    from smolforge.models.names import check_adapter_dir
     from smolforge.models.peft_methods import adapter_method, load_adapter, merge_adapter
 
-    path = Path(adapter).expanduser()
-    if not path.exists():
-        raise SmolforgeError(f"adapter directory {path} does not exist",
-                             fix="point --adapter at a <method>_adapter/ directory written by `smolforge train`")
+    path = check_adapter_dir(adapter)
     method = adapter_method(path)
     if method not in SERVABLE_METHODS:
         raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
