@@ -616,6 +616,29 @@ def test_pipeline_across_two_workers_survives_a_killed_stage_with_one_process_we
     assert_same_weights(adapter_of(world, job_id), reference(world, 4, max_steps=steps))
 
 
+def test_a_slow_checkpoint_upload_does_not_time_out_the_other_ranks(world):
+    """Timeouts that agree: rank 0 ships each checkpoint to the coordinator while the other ranks wait
+    at the save's barrier; over Wi-Fi a big checkpoint takes long. Here every upload is made 6 s slow
+    (fault injection: a file in each worker's node directory) and the collective timeout asked for is
+    3 s: the job completes, because a group's timeout is never shorter than the upload's bound
+    (`checkpoint_upload_timeout_s`) plus a margin."""
+    client = world["c"].client()
+    delays = [world["base"] / f"node-{n}" / "node" / "fault-upload-delay-s" for n in ("w1", "w2")]
+    for f in delays:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("6")
+    try:
+        job_id = client.submit_job({**job_spec(world, max_steps=4, save_every=4), "max_retries": 0,
+                                    "dist_timeout_s": 3, "checkpoint_upload_timeout_s": 30})
+        st = wait_state(client, job_id, ("completed",))
+    finally:
+        for f in delays:
+            f.unlink(missing_ok=True)
+    assert st["result"]["steps"] == 4, st["result"]
+    stored = [e for e in client.job_events(job_id) if e["kind"] == "checkpoint"]
+    assert stored and stored[-1]["data"]["step"] == 4, render_timeline(client.job_events(job_id))
+
+
 def distill_spec(w, **kw) -> dict:
     """A distillation job: teachers on w1 and w2 (they hold tiny-copy; the coordinator takes no
     work), two LoRA students that take those nodes as the teachers finish. Slow teachers on purpose

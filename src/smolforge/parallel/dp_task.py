@@ -36,8 +36,6 @@ from smolforge.train.engine import TrainHooks, train
 
 POLL_S = 0.5
 UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
-# Fault injection for tests (the slow-Wi-Fi case): seconds rank 0 sleeps before each checkpoint upload.
-FAULT_UPLOAD_DELAY_S = float(os.environ.get("SMOLFORGE_FAULT_UPLOAD_DELAY_S", "0") or 0)
 REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (the control actor decides in 60)
 COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
 
@@ -56,7 +54,8 @@ def fault_delay_s(name: str) -> float:
     """Fault injection for tests and benchmarks: seconds of delay `name` asks of this node's ranks, from
     SMOLFORGE_FAULT_<NAME>_S or the file `fault-<name>-s` in the node's directory (which a test may
     write while the worker runs). `sample-delay`: per sample in every forward (a slow machine);
-    `result-delay`: before a rank hands back its result (a rank whose last report lags)."""
+    `result-delay`: before a rank hands back its result (a rank whose last report lags);
+    `upload-delay`: before a checkpoint's upload commits (a slow link to the coordinator)."""
     env = os.environ.get(f"SMOLFORGE_FAULT_{name.upper().replace('-', '_')}_S")
     if env:
         return float(env)
@@ -327,8 +326,9 @@ class DPWorker:
 
         try:
             sums = send_dir(path, put)
-            if FAULT_UPLOAD_DELAY_S:
-                time.sleep(FAULT_UPLOAD_DELAY_S)
+            delay = fault_delay_s("upload-delay")
+            if delay:
+                time.sleep(delay)
             return ray.get(self.control.commit_artifact.remote(upload_id, sums, keep_last), timeout=_left(deadline))
         except BaseException:
             self.control.abort_artifact.remote(upload_id)  # fire and forget: the actor may be gone
