@@ -1,0 +1,168 @@
+"""Serving speed: `smolforge serve` (a real server process, streamed over HTTP) against plain HF
+`generate` on the same model, prompts, greedy decoding and thread count, measured in one run.
+
+Generation rate is measured as exo does: (n - 1) / (t_last - t_first) over a stream's tokens, so the
+prefill is not in it; time to first token (TTFT) is from sending the request (or calling generate) to
+the first new token. One stream: each prompt alone, the medians. Eight streams: eight requests sent
+at once (the server batches them); the aggregate rate is all streams' tokens after their first over
+the span from the earliest first token to the latest last one. HF's eight are one left-padded batch
+in one `generate` call (its best case), and the same eight prompts one after another.
+
+    .venv/bin/python bench/serve.py [--model small-llama --max-tokens 64 --threads 1]
+
+Goals (issue 13): serve >= 1.0x HF generate for one stream; >= 3x HF's one-stream rate in aggregate
+for eight streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "serve"))
+
+PROMPTS = ["Question: what is 12 plus 7? Answer:", "The capital of a small country is", "Write a list of colours:",
+           "Once upon a time, in a village by the sea,", "def fibonacci(n):", "Translate to French: good morning",
+           "The three laws of motion are", "A recipe for bread starts with"]
+
+
+def rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def hf_side(model_dir: str, max_tokens: int, threads: int) -> dict:
+    """HF generate: each prompt alone (streamed, per-token times), then all eight as one batch."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from smolforge.models.loading import load_model, load_tokenizer
+
+    torch.set_num_threads(threads)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, device="cpu").eval()
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+            self.prompt_seen = False
+
+        def put(self, value):
+            if not self.prompt_seen:  # generate's first put is the prompt
+                self.prompt_seen = True
+                return
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    singles = []
+    with torch.inference_mode():
+        ids = tok(PROMPTS[0], return_tensors="pt")
+        model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
+        t_seq = time.perf_counter()
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt")
+            clock, t0 = Clock(), time.perf_counter()
+            model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, streamer=clock, pad_token_id=pad)
+            singles.append({"ttft_s": clock.times[0] - t0, "tok_s": rate(clock.times), "tokens": len(clock.times)})
+        seq_s = time.perf_counter() - t_seq
+        tok.padding_side = "left"
+        batch = tok(PROMPTS, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+        batch_s = time.perf_counter() - t0
+    new = int((out[:, batch["input_ids"].shape[1]:] != pad).sum())
+    return {"one_stream_tok_s": statistics.median(s["tok_s"] for s in singles),
+            "one_stream_ttft_s": statistics.median(s["ttft_s"] for s in singles),
+            "eight_sequential_tok_s": sum(s["tokens"] for s in singles) / seq_s,
+            "eight_batched_tok_s": new / batch_s}
+
+
+def stream(base: str, token: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion; the arrival time of every chunk that carries text."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    times, t0 = [], time.perf_counter()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {token}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    return {"t0": t0, "times": times}
+
+
+def serve_side(model_dir: str, max_tokens: int, threads: int, tmp: Path) -> dict:
+    from servehelpers import start_server
+
+    server = start_server(tmp, Path(model_dir), token="bench-token-0123456789",
+                          extra=("--model-name", "bench", "--num-threads", str(threads), "--max-batch", "8"))
+    try:
+        base = server.base
+        stream(base, server.token, PROMPTS[0], 4)  # warm-up
+        singles = [stream(base, server.token, p, max_tokens) for p in PROMPTS]
+        results: list[dict] = [{} for _ in PROMPTS]
+
+        def one(i: int) -> None:
+            results[i] = stream(base, server.token, PROMPTS[i], max_tokens)
+
+        threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join(600)
+        first = min(r["times"][0] for r in results)
+        last = max(r["times"][-1] for r in results)
+        agg = sum(len(r["times"]) - 1 for r in results) / (last - first)
+        return {"one_stream_tok_s": statistics.median(rate(s["times"]) for s in singles),
+                "one_stream_ttft_s": statistics.median(s["times"][0] - s["t0"] for s in singles),
+                "eight_streams_tok_s": agg,
+                "eight_streams_ttft_s": statistics.median(r["times"][0] - r["t0"] for r in results)}
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from smolforge.models.tiny import is_preset, preset_dir
+
+    model_dir = str(preset_dir(args.model)) if is_preset(args.model) else args.model
+    tmp = Path(tempfile.mkdtemp(prefix="sfserve"))
+    hf = hf_side(model_dir, args.max_tokens, args.threads)
+    sv = serve_side(model_dir, args.max_tokens, args.threads, tmp)
+    print(f"{args.model}, greedy, {args.max_tokens} new tokens, {args.threads} thread(s); tok/s = (n-1)/(t_last-t_first)")
+    print(f"{'':<34} {'HF generate':>12} {'serve':>10} {'ratio':>7}")
+    rows = [("1 stream tok/s (median)", hf["one_stream_tok_s"], sv["one_stream_tok_s"]),
+            ("1 stream TTFT s (median)", hf["one_stream_ttft_s"], sv["one_stream_ttft_s"]),
+            ("8 streams aggregate tok/s", hf["one_stream_tok_s"], sv["eight_streams_tok_s"]),
+            ("  (HF: 8 one after another)", hf["eight_sequential_tok_s"], sv["eight_streams_tok_s"]),
+            ("  (HF: one batch of 8)", hf["eight_batched_tok_s"], sv["eight_streams_tok_s"])]
+    for name, a, b in rows:
+        print(f"{name:<34} {a:>12.3f} {b:>10.3f} {b / a if a else 0:>7.2f}")
+    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads, "hf": hf,
+                      "serve": sv, "one_stream_ratio": sv["one_stream_tok_s"] / hf["one_stream_tok_s"],
+                      "eight_streams_vs_hf_one_stream": sv["eight_streams_tok_s"] / hf["one_stream_tok_s"],
+                      "goals": {"one_stream_ratio": ">= 1.0", "eight_streams_vs_hf_one_stream": ">= 3"}}))
+
+
+if __name__ == "__main__":
+    main()
