@@ -451,6 +451,17 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     assert "smolforge_job_comm_wait_seconds{" in scrape
 
 
+def kill_rank_then_finish(client, job_id: str, at_step: int, before: int, rank: int = 1) -> tuple[dict, list[dict]]:
+    """SIGKILL `rank`'s process once the job reports `at_step` (still running, before step `before`),
+    wait for the job to complete; its final status and events."""
+    st = wait_step(client, job_id, at_step)
+    assert st["state"] == "running" and st["step"] < before, st
+    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == rank)
+    os.kill(victim["pid"], signal.SIGKILL)
+    st = wait_state(client, job_id, ("completed",))
+    return st, client.job_events(job_id)
+
+
 def diloco_spec(w, steps: int, inner: int = 5, **kw) -> dict:
     return {**job_spec(w, max_steps=steps, save_every=0, **kw), "strategy": "diloco",
             "strategy_config": {"inner_steps": inner}}
@@ -463,12 +474,7 @@ def test_diloco_member_killed_mid_round_the_others_carry_on(world):
     client = world["c"].client()
     steps = 200  # ~15 s: the kill lands mid-training (reported steps lag the ranks by up to a second)
     job_id = client.submit_job(diloco_spec(world, steps))
-    st = wait_step(client, job_id, 7)
-    assert st["state"] == "running" and st["step"] < steps // 2, st
-    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
-    st = wait_state(client, job_id, ("completed",))
-    events = client.job_events(job_id)
+    st, events = kill_rank_then_finish(client, job_id, at_step=7, before=steps // 2)
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]
     assert "member_left" in kinds and "group_reformed" in kinds, timeline
@@ -596,12 +602,7 @@ def test_pipeline_across_two_workers_survives_a_killed_stage_with_one_process_we
     job_id = client.submit_job({**job_spec(world, max_steps=steps), "stages": 2})
     spec = client.get_job(job_id)["spec"]
     assert spec["strategy"] == "pipeline" and spec["num_workers"] == 2
-    st = wait_step(client, job_id, 8)  # a checkpoint (every 5 steps) is stored
-    assert st["state"] == "running" and st["step"] < steps, st
-    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
-    st = wait_state(client, job_id, ("completed",))
-    events = client.job_events(job_id)
+    st, events = kill_rank_then_finish(client, job_id, at_step=8, before=steps)  # a checkpoint (every 5 steps) is stored
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]
     assert "recovering" in kinds and "recovered" in kinds, timeline
