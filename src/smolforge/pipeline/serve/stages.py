@@ -43,7 +43,10 @@ def to_wire(t: torch.Tensor) -> np.ndarray:
 
 
 def from_wire(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # arrays out of Ray's object store are read-only
+        a = a.copy()
+    t = torch.from_numpy(a)
     if dtype is not None and t.is_floating_point():
         t = t.to(dtype)
     return t.to(device)
@@ -178,7 +181,7 @@ class StagedModel:
         x, mask, positions = to_wire(input_ids), to_wire(attention_mask), to_wire(position_ids)
         for stage in self.stages:
             x = stage.forward(cache.id, x, mask, positions, start)
-        return torch.from_numpy(x)
+        return from_wire(x, self.device)
 
     def new_cache(self) -> StagedCache:
         for stage in self.stages:
@@ -204,6 +207,14 @@ class StagedModel:
                 errors.append(err)
         if errors and len(errors) == len(self.stages):
             raise errors[0]
+
+
+def even_bounds(num_layers: int, stages: int) -> list[int]:
+    """Layer bounds giving `stages` stages as equal as can be (every stage at least one layer)."""
+    if not 1 <= stages <= num_layers:
+        raise SmolforgeError(f"cannot cut a {num_layers}-layer model into {stages} stages",
+                             fix=f"ask for 1 to {num_layers} stages")
+    return [round(i * num_layers / stages) for i in range(stages + 1)]
 
 
 def local_stages(model: str, bounds: Sequence[int], *, adapter: str | None = None,
