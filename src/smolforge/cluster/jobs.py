@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.specs import DataParallelJob, DistillJob
+from smolforge.cluster.specs import DataParallelJob, DistillJob, ServeJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
@@ -52,6 +52,12 @@ def _distill_runner() -> type:
     return DistillRunner
 
 
+def _serve_runner() -> type:
+    from smolforge.cluster.runners.serve import ServeRunner  # Ray and torch: only where jobs run
+
+    return ServeRunner
+
+
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
     return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -66,6 +72,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.distill, job.mode),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
+    JobKind("serve", "serving", ServeJob, _serve_runner, section="serve", models=("model",),
+            resumes_from=lambda mgr, job_id: "the start (stages load again)"),
 )}
 
 
