@@ -56,16 +56,21 @@ def port_open(port: int) -> bool:
 
 
 def test_openai_client_streams_a_chat_through_a_two_stage_serve_job(world):
+    """Submitted with `smolforge serve --stages 2` (coordinator found through $SMOLFORGE_COORDINATOR)."""
     import openai
 
     c = world["c"]
     client = c.client()
     port = free_port()
-    job_id = client.submit_job({"kind": "serve", "model": "tiny-copy", "stages": 2, "port": port,
-                                "model_name": "tiny", "step_timeout_s": 30, "load_timeout_s": 120})
-    serving = wait_event(client, job_id, "serving", 240)
-    url = serving["data"]["url"]
-    assert url == f"http://127.0.0.1:{port}"
+    # `smolforge serve --stages 2` against the coordinator: it submits the job and returns once it serves
+    r = c.cli("serve", "--model", "tiny-copy", "--stages", "2", "--port", str(port), "--model-name", "tiny",
+              timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = r.stderr.split("submitted ", 1)[1].split()[0]
+    url = wait_event(client, job_id, "serving", 30)["data"]["url"]
+    assert url == f"http://127.0.0.1:{port}" and f"on {url}" in r.stdout
+    assert f"smolforge job cancel {job_id}" in r.stdout
+    assert c.token not in r.stdout + r.stderr
     stages = [e["message"] for e in client.job_events(job_id) if e["kind"] == "stage"]
     assert len(stages) == 2 and {s.split(" on ")[-1] for s in stages} == {"w1", "w2"}, stages
 

@@ -31,7 +31,7 @@ class JobKind:
     label: str  # how messages name it: "a {label} job"
     spec: type[Spec]
     runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
-    section: str  # the settings section: `--set` routes keys the job itself lacks into it
+    section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
@@ -72,7 +72,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.distill, job.mode),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
-    JobKind("serve", "serving", ServeJob, _serve_runner, section="serve", models=("model",),
+    JobKind("serve", "serving", ServeJob, _serve_runner, section=None, models=("model",),
             resumes_from=lambda mgr, job_id: "the start (stages load again)"),
 )}
 
@@ -185,6 +185,12 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
         parts = [p for p in key.strip().split(".") if p]
         if not parts:
             raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set max_steps=100")
+        if kind.section is None:
+            if parts[0] not in job_keys:
+                raise SmolforgeError(f"--set {item!r}: a {kind.label} job has no setting {parts[0]!r}",
+                                     fix=f"use one of {', '.join(sorted(job_keys - {'kind'}))}")
+            apply_overrides(data, [".".join(parts) + "=" + raw], strip_training=False)
+            continue
         if parts[0] in ("training", "train", kind.section):
             parts = parts[1:]
             target = data.setdefault(kind.section, {})

@@ -113,6 +113,11 @@ class ServeRunner(JobRunner):
         if self.want:
             self._finish_stopped(self.want)
             return
+        if spec.adapter and not self.mgr.embedded:  # a coordinator never reads where a network peer tells it to
+            self.store.set_state(self.job_id, "failed", "failed: adapter is for the embedded cluster only",
+                                 error="a serve job's adapter directory is read on the coordinator's machine: only "
+                                       "the embedded cluster (this machine) takes one; serve a merged model instead")
+            return
         self.store.set_state(self.job_id, "running", f"starting {spec.stages} stages of {spec.model} ({self.reason})")
         ray_glue.connect()
         token_file = os.environ.get("RAY_AUTH_TOKEN_PATH")
