@@ -58,7 +58,15 @@ def test_rows_leaving_at_different_steps_cut_every_stages_cache(tiny_llama_dir, 
     model = staged_model(str(tiny_llama_dir), stages)
     ps = sorted(prompts(served.tokenizer), key=len, reverse=True)
     limits = [3 + 5 * i for i in range(len(ps))]
+    trims: list[tuple[int, bool]] = []
+    for s in stages:
+        def spy(batch_id, rows, trim, _select=s.select):
+            out = _select(batch_id, rows, trim)
+            trims.append((trim, out))
+            return out
+        s.select = spy
     got = run_with_limits(model, ps, limits)
+    assert any(trim and done for trim, done in trims)  # left padding was dropped on the stages
     local = run_with_limits(served, ps, limits)
     for i, p in enumerate(ps):
         assert got[i].token_ids == local[i].token_ids == hf_greedy(served.model, p, limits[i], served.pad_id), i
