@@ -45,11 +45,11 @@ def test_job_ids_exact_name_or_unique_prefix_never_a_guess(tmp_path):
 
 
 def test_every_kind_is_one_registry_entry():
-    assert set(jobs.KINDS) == {"data_parallel", "distill"}
+    assert set(jobs.KINDS) == {"data_parallel", "distill", "serve"}
     for name, kind in jobs.KINDS.items():
         assert issubclass(kind.runner(), JobRunner)
         assert kind.spec.model_fields["kind"].default == name
-        assert kind.section in kind.spec.model_fields
+        assert kind.section is None or kind.section in kind.spec.model_fields
     with pytest.raises(SmolforgeError, match="unknown job kind 'teleport'"):
         jobs.kind_of({"kind": "teleport"})
 
@@ -63,6 +63,10 @@ def test_set_routes_into_the_kind_section():
     assert ds["mode"] == "hybrid" and ds["distill"] == {"max_steps": 9, "top_k": 4}
     with pytest.raises(SmolforgeError, match="not a section"):
         jobs.apply_job_overrides({"kind": "data_parallel", "train": {"max_steps": 5}}, ["max_steps.x=1"])
+    sv = jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["stages=3", "port=0"])  # a flat spec
+    assert jobs.parse(sv).stages == 3 and sv["port"] == 0
+    with pytest.raises(SmolforgeError, match="a serving job has no setting 'lr'"):
+        jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["lr=0.1"])
 
 
 def test_failure_policy_retries_from_the_checkpoint_then_gives_up():

@@ -5,12 +5,16 @@ Imports stay inside the command so `smolforge --help` does not load torch or Fas
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Optional
+import time
+from pathlib import Path
+from typing import Any, Optional
 
 import typer
 
 from smolforge.cli.common import quiet_libraries, run_cli
+from smolforge.errors import SmolforgeError
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +33,12 @@ def register(app: typer.Typer) -> None:
         model_name: Optional[str] = typer.Option(None, help="the name clients use in `model` (default: --model as given)"),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+        stages: Optional[int] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
+                                             "holding it: a `serve` job on the coordinator, or on an embedded "
+                                             "cluster of this machine"),
+        coordinator: Optional[str] = typer.Option(None, help="with --stages: the coordinator HOST:PORT (default: "
+                                                  "$SMOLFORGE_COORDINATOR or a running one; none: embedded cluster)"),
+        cpus_per_stage: float = typer.Option(1.0, help="with --stages: CPUs each stage actor reserves (its torch threads)"),
     ):
         """Serve a model from this process: OpenAI-compatible /v1 API (streaming) and a chat page at /chat.
 
@@ -36,8 +46,28 @@ def register(app: typer.Typer) -> None:
         chat page takes it from its URL fragment (`/chat#token=...`).
 
         Example: smolforge serve --model tiny-llama --adapter outputs/run/lora_adapter --port 8000
+
+        With --stages N the model is cut into N stages served by Ray actors on the nodes that hold it
+        (a `serve` job: `smolforge jobs` shows it, `smolforge job cancel ID` stops it). The API then
+        runs on the coordinator's machine and takes the cluster token; --token-file is the cluster
+        token file for talking to the coordinator. Without a coordinator an embedded cluster of this
+        machine serves until Ctrl-C.
+
+        Example: smolforge serve --model qwen2.5:0.5b --stages 2 --coordinator 192.168.1.10:8765
         """
         quiet_libraries()
+        if stages is not None:
+            from smolforge.cli.common import cli_token
+
+            spec = {"kind": "serve", "model": model, "stages": stages, "host": host, "port": port,
+                    "max_batch": max_batch, "cpus_per_stage": cpus_per_stage,
+                    "device": "cpu" if device == "auto" else device}
+            if adapter:
+                spec["adapter"] = str(Path(adapter).expanduser().resolve())
+            if model_name:
+                spec["model_name"] = model_name
+            serve_staged(spec, coordinator=coordinator, token=cli_token(None, token_file), state_dir=state_dir)
+            return
         from smolforge.pipeline.serve.server import ServeOptions, serve as run
 
         def announce(line: str) -> None:
@@ -47,3 +77,72 @@ def register(app: typer.Typer) -> None:
         run(ServeOptions(model=model, adapter=adapter, host=host, port=port, token_file=token_file,
                          state_dir=state_dir, max_batch=max_batch, model_name=model_name, device=device,
                          num_threads=num_threads), announce=announce)
+
+
+def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None) -> None:
+    """Submit a `serve` job and say where it serves. On a coordinator it keeps serving after this
+    command returns; on the embedded cluster it serves until Ctrl-C (or SIGTERM), then stops."""
+    from smolforge.client import backend_for
+    from smolforge.cluster.jobs import parse
+
+    job = parse(spec)  # a bad setting is a message now, not after a cluster has started
+    backend = backend_for(coordinator, token, state_dir, embedded_ok=True)
+    embedded = getattr(backend, "base", "") == "embedded"
+    job_id = None
+    try:
+        job_id = backend.submit_job(spec)
+        typer.echo(f"submitted {job_id} (serve, {job.stages} stages" + (", embedded cluster" if embedded else "") + ")",
+                   err=True)
+        url = wait_serving(backend, job_id, job.load_timeout_s * (job.stages + 1) + 90)
+        typer.echo(f"serving {job.model_name or job.model} on {url} ({job.stages} stages, max batch {job.max_batch})")
+        typer.echo(f"  API base:  {url}/v1   (openai.OpenAI(base_url=\"{url}/v1\", api_key=<token>))")
+        typer.echo(f"  chat page: {url}/chat#token=<token>")
+        if not embedded:
+            typer.echo("  token:     the cluster token")
+            typer.echo(f"  stop it:   smolforge job cancel {job_id}")
+            return
+        typer.echo(f"  token:     the embedded cluster's, in {backend.state.token_path} (mode 0600)")
+        sys.stdout.flush()
+        _serve_until_stopped(backend, job_id)
+    finally:
+        if embedded:
+            if job_id is not None and backend.get_job_status(job_id)["state"] in ("pending", "running"):
+                backend.cancel_job(job_id)
+            backend.close()
+        else:
+            close = getattr(backend, "close", None)
+            if close:
+                close()
+
+
+def wait_serving(backend: Any, job_id: str, timeout: float) -> str:
+    """The job's URL once its API answers; its error if it fails first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in backend.job_events(job_id):
+            if e["kind"] == "serving":
+                return e["data"]["url"]
+        st = backend.get_job_status(job_id)
+        if st["state"] not in ("pending", "running"):
+            raise SmolforgeError(f"serve job {job_id} {st['state']}: {st.get('error') or st.get('message') or ''}",
+                                 fix=f"see `smolforge job show {job_id}`")
+        time.sleep(0.5)
+    raise SmolforgeError(f"serve job {job_id} did not start serving within {timeout:.0f} s",
+                         fix=f"see `smolforge job show {job_id}`; cancel it with `smolforge job cancel {job_id}`")
+
+
+def _serve_until_stopped(backend: Any, job_id: str) -> None:
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        while backend.get_job_status(job_id)["state"] == "running":
+            time.sleep(1.0)
+        st = backend.get_job_status(job_id)
+        if st["state"] == "failed":
+            raise SmolforgeError(f"serve job {job_id} failed: {st.get('error')}", fix="see the log above")
+    except KeyboardInterrupt:
+        typer.echo("stopping", err=True)
+    finally:
+        signal.signal(signal.SIGTERM, old)

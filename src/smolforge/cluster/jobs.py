@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.specs import DataParallelJob, DistillJob
+from smolforge.cluster.specs import DataParallelJob, DistillJob, ServeJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
@@ -31,7 +31,7 @@ class JobKind:
     label: str  # how messages name it: "a {label} job"
     spec: type[Spec]
     runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
-    section: str  # the settings section: `--set` routes keys the job itself lacks into it
+    section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
@@ -52,6 +52,12 @@ def _distill_runner() -> type:
     return DistillRunner
 
 
+def _serve_runner() -> type:
+    from smolforge.cluster.runners.serve import ServeRunner  # Ray and torch: only where jobs run
+
+    return ServeRunner
+
+
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
     return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -66,6 +72,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.distill, job.mode),
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
+    JobKind("serve", "serving", ServeJob, _serve_runner, section=None, models=("model",),
+            resumes_from=lambda mgr, job_id: "the start (stages load again)"),
 )}
 
 
@@ -177,6 +185,12 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
         parts = [p for p in key.strip().split(".") if p]
         if not parts:
             raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set max_steps=100")
+        if kind.section is None:
+            if parts[0] not in job_keys:
+                raise SmolforgeError(f"--set {item!r}: a {kind.label} job has no setting {parts[0]!r}",
+                                     fix=f"use one of {', '.join(sorted(job_keys - {'kind'}))}")
+            apply_overrides(data, [".".join(parts) + "=" + raw], strip_training=False)
+            continue
         if parts[0] in ("training", "train", kind.section):
             parts = parts[1:]
             target = data.setdefault(kind.section, {})

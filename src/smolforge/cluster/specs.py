@@ -122,4 +122,24 @@ class DistillJob(Spec):
     output_dir: str | None = None
 
 
-JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob}
+class ServeJob(Spec):
+    """A model served from stage actors on the nodes that hold it, behind an OpenAI-compatible API on
+    the coordinator's machine (`smolforge serve --stages N`). It runs until cancelled."""
+
+    kind: Literal["serve"] = "serve"
+    name: str | None = None
+    model: str = Field(..., description="a model the workers hold (its name there), or a preset")
+    adapter: str | None = Field(None, description="a lora/ia3/adapter directory on the coordinator's machine; "
+                                "its files are sent to the stages and merged there")
+    stages: int = Field(2, ge=1, description="pipeline stages: one actor each, on nodes holding the model")
+    host: str = Field("127.0.0.1", description="where the API listens (on the coordinator's machine)")
+    port: int = Field(8000, ge=0, le=65535, description="the API's port (0: any free port, shown in the events)")
+    max_batch: int = Field(8, ge=1, description="most requests generated together")
+    model_name: str | None = Field(None, description="the name clients use in `model` (default: model)")
+    cpus_per_stage: float = Field(1.0, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    step_timeout_s: float = Field(120.0, gt=0, description="a stage that answers no step within this is replaced")
+    load_timeout_s: float = Field(300.0, gt=0, description="how long a stage may take to load its layers")
+
+
+JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob}

@@ -5,5 +5,7 @@
 - `batch.py`: one static batch: `step()` gives every active request one new token
 - `stops.py`: incremental detokenization and stop strings
 - `engine.py`: the thread that owns the model, the request queue and the token streams
+- `stages.py`: a model cut into stages: `StageServer` (one stage, a KV cache per batch) and `StagedModel`
+  (the batch model over stage handles: local servers, or the Ray actors of `cluster/serve_stages.py`)
 - `api.py`, `protocol.py`, `chat.html`: the HTTP side
 """

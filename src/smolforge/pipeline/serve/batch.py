@@ -38,6 +38,15 @@ class BatchModel(Protocol):
 
     def new_cache(self) -> Any: ...
 
+    def select_rows(self, cache: Any, rows: torch.Tensor, trim: int) -> bool:
+        """Keep only these rows of the cache; also drop its first `trim` columns (left padding no row
+        uses any more) when the cache allows it. True when the columns were dropped."""
+        ...
+
+    def release(self, cache: Any) -> None:
+        """The batch is over (finished or failed): whatever the cache holds may go."""
+        ...
+
 
 @dataclass
 class TokenEvent:
@@ -128,13 +137,16 @@ class Batch:
             return
         self.active = [self.active[i] for i in rows]
         if not rows:
-            self.cache = None
+            self.close()
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.model.device)
-        self.cache.batch_select_indices(index)
         self.mask, self.lengths, self.last = self.mask[index], self.lengths[index], self.last[index]
         pad = int((self.mask.sum(0) == 0).sum())  # columns no remaining row uses: left padding only
-        if pad and all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers):  # plain K/V only
+        if self.model.select_rows(self.cache, index, pad) and pad:
             self.mask = self.mask[:, pad:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, pad:], layer.values[:, :, pad:]
+
+    def close(self) -> None:
+        """Let the model free this batch's cache (a stage server holds it remotely)."""
+        if self.cache is not None:
+            cache, self.cache = self.cache, None
+            self.model.release(cache)

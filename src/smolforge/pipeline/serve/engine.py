@@ -137,6 +137,11 @@ class Engine:
             log.exception("generation failed")
             for r in batch.active:
                 _emit(r, ErrorEvent(f"generation failed: {type(err).__name__}: {err}"))
+        finally:
+            try:
+                batch.close()
+            except Exception:  # freeing a failed stage's cache must not stop the server
+                log.exception("releasing the batch's cache failed")
 
     def _advance(self, r: Request, token: int) -> bool:
         """Take one token for `r`; True when `r` is finished (and told so)."""

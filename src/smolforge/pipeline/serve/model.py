@@ -50,18 +50,11 @@ class ServedModel:
         net.eval()
         for p in net.parameters():
             p.requires_grad_(False)
-        cfg = net.config
-        max_positions = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
-        eos = set()
-        for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(net, "generation_config", None),
-                                                                          "eos_token_id", None)):
-            if isinstance(source, int):
-                eos.add(source)
-            elif source:
-                eos.update(int(i) for i in source)
+        max_positions = max_positions_of(net.config)
+        eos = eos_ids_of(net, tokenizer)
         dev = torch.device(device) if device is not None else next(net.parameters()).device
         return cls(name=name, model=net, tokenizer=tokenizer, device=dev, max_positions=max_positions,
-                   eos_ids=frozenset(eos))
+                   eos_ids=eos)
 
     @property
     def pad_id(self) -> int:
@@ -82,6 +75,42 @@ class ServedModel:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def select_rows(self, cache: Any, rows: torch.Tensor, trim: int) -> bool:
+        return select_cache_rows(cache, rows, trim)
+
+    def release(self, cache: Any) -> None:
+        """A local cache goes with its last reference."""
+
+
+def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> bool:
+    """Keep `rows` of a `DynamicCache`; drop its first `trim` columns when every layer is a plain K/V
+    layer (a sliding-window layer keeps its own window). True when the columns were dropped.
+
+    A stage's cache fills only its own layers' slots: the empty ones are left alone."""
+    cache.batch_select_indices(rows)
+    if trim and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+        for layer in cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
+        return True
+    return False
+
+
+def eos_ids_of(net: Any, tokenizer: Any = None) -> frozenset[int]:
+    """End-of-sequence ids from the tokenizer and the model's generation config."""
+    eos: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(net, "generation_config", None),
+                                                                      "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(int(i) for i in source)
+    return frozenset(eos)
+
+
+def max_positions_of(config: Any) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
 
 
 def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:

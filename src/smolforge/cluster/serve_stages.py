@@ -1,0 +1,283 @@
+"""Serving a model cut into stages on the cluster: one Ray actor per stage, on nodes that hold the model.
+
+Each `StageActor` wraps a `pipeline.serve.stages.StageServer`: it loads the node's own copy of the
+model (`SMOLFORGE_MODEL_PATHS`, as training ranks do), merges the adapter (its files travel through
+Ray, no shared filesystem), keeps one stage and uses as many torch threads as it reserved CPUs.
+Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
+
+`StageGroup` places the actors (node affinity, hard: a stage never lands on a node without the
+model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
+`ray.get` bounded by a timeout. When an actor dies (its process or node went away) or does not
+answer in time, the call raises a `StageError`: the engine turns that into an error event for the
+requests of that batch only. The handle is then marked broken, and before the next batch
+(`StagedModel.new_cache` calls `ready()`) it is placed again on a live node that holds the model.
+Ray does not restart the actors itself (`max_restarts=0`): a stage's KV caches die with it, so a
+silent restart would only turn the failure into wrong tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from smolforge.cluster import ray_glue
+from smolforge.cluster.placement import holds_anywhere
+from smolforge.errors import SmolforgeError
+from smolforge.pipeline.serve.stages import StagedModel, StageError, even_bounds
+
+log = logging.getLogger(__name__)
+
+
+def read_dir(path: str | Path) -> dict[str, bytes]:
+    """A small directory (adapter, tokenizer) as {relative name: bytes}, to send through Ray."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SmolforgeError(f"directory {root} does not exist",
+                             fix="point --adapter at a <method>_adapter/ directory written by `smolforge train`")
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_dir(files: dict[str, bytes], root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        dst = (root / name).resolve()
+        if root.resolve() not in dst.parents:
+            raise SmolforgeError(f"refusing to write {name!r} outside {root}")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+    return root
+
+
+class StageActor:
+    """Ray actor class: one stage of a model and its batches' KV caches (`StageServer`), method by method."""
+
+    def __init__(self, model: str, bounds: list[int], index: int, adapter_files: dict[str, bytes] | None,
+                 num_cpus: float, device: str = "cpu"):
+        import torch
+
+        from smolforge.parallel.dp_task import local_model_path
+        from smolforge.pipeline.serve.stages import StageServer
+
+        torch.set_num_threads(max(1, int(num_cpus)))
+        self.model = local_model_path(model)
+        self._tmp = tempfile.TemporaryDirectory(prefix="sf-stage-")
+        adapter = str(write_dir(adapter_files, Path(self._tmp.name) / "adapter")) if adapter_files else None
+        self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device)
+        self.server.name = model
+
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
+        return self.server.forward(batch_id, x, attention_mask, position_ids, start)
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
+        return self.server.select(batch_id, rows, trim)
+
+    def drop(self, batch_id: str) -> None:
+        self.server.drop(batch_id)
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The model's tokenizer as files: the server loads it without holding the model itself."""
+        from transformers import AutoConfig
+
+        from smolforge.models.loading import load_tokenizer, resolve_model
+
+        with tempfile.TemporaryDirectory(prefix="sf-tok-") as tmp:
+            load_tokenizer(self.model).save_pretrained(tmp)
+            AutoConfig.from_pretrained(resolve_model(self.model)).save_pretrained(tmp)  # the loader wants one
+            return read_dir(tmp)
+
+
+def layer_count(model: str) -> int:
+    """The number of decoder layers of the node's copy of `model` (run as a Ray task on such a node)."""
+    from transformers import AutoConfig
+
+    from smolforge.models.loading import resolve_model
+    from smolforge.parallel.dp_task import local_model_path
+
+    return int(AutoConfig.from_pretrained(resolve_model(local_model_path(model))).num_hidden_layers)
+
+
+def _dead(err: BaseException) -> bool:
+    import ray.exceptions as rex
+
+    return isinstance(err, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
+                            rex.WorkerCrashedError, rex.GetTimeoutError, rex.ActorUnschedulableError))
+
+
+class RemoteStage:
+    """A stage handle for `StagedModel`: every call a bounded `ray.get` on the stage's actor."""
+
+    def __init__(self, group: "StageGroup", index: int):
+        self.group, self.index = group, index
+        self.actor: Any = None
+        self.where: dict[str, Any] = {}
+        self.broken = True  # not placed yet
+        self.replacements = 0
+
+    def ready(self) -> None:
+        """Before a batch: a stage whose actor died is placed again (on a live node with the model)."""
+        if self.broken:
+            self.group.place(self)
+
+    def _call(self, method: str, *args, timeout: float):
+        import ray
+
+        if self.broken or self.actor is None:
+            raise StageError(f"stage {self.index} is not running", fix="it is placed again before the next batch")
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except Exception as err:
+            if not _dead(err):
+                raise  # an error inside the stage (e.g. an unknown batch): the actor is fine
+            self.broken = True
+            self.group.kill(self)
+            what = "did not answer within %.0f s" % timeout if "Timeout" in type(err).__name__ else "died"
+            raise StageError(f"stage {self.index} on {self.where.get('node', '?')} {what} ({type(err).__name__})",
+                             fix="the stage is placed again on a live node before the next batch") from None
+
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
+        return self._call("forward", batch_id, x, attention_mask, position_ids, start,
+                          timeout=self.group.step_timeout_s)
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
+        return self._call("select", batch_id, rows, trim, timeout=self.group.step_timeout_s)
+
+    def drop(self, batch_id: str) -> None:
+        if not self.broken:
+            self._call("drop", batch_id, timeout=min(10.0, self.group.step_timeout_s))
+
+    def info(self) -> dict[str, Any]:
+        return self._call("info", timeout=self.group.step_timeout_s)
+
+
+class StageGroup:
+    """The stage actors of one served model: placed, re-placed when one dies, killed together."""
+
+    def __init__(self, model: str, stages: int, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
+                 cpus_per_stage: float = 1.0, device: str = "cpu", step_timeout_s: float = 120.0,
+                 load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None):
+        self.model, self.count, self.name = model, int(stages), name or model
+        self.adapter_files = read_dir(adapter) if adapter else None
+        self.bounds = list(bounds) if bounds else None
+        self.cpus, self.device = float(cpus_per_stage), device
+        self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
+        self.embedded = embedded
+        self.handles = [RemoteStage(self, i) for i in range(self.count)]
+        self._lock = threading.Lock()
+        self.events: list[str] = []  # placements, for the job's events and the tests
+
+    # -- placement --------------------------------------------------------------------------------
+
+    def candidates(self) -> list[ray_glue.NodeInfo]:
+        """Live nodes that hold the model, workers before the coordinator's own machine."""
+        anywhere = holds_anywhere(self.model, self.embedded)
+        nodes = [n for n in ray_glue.nodes() if n.alive and (anywhere and n.cpus > 0 or self.model in n.models)]
+        if not nodes:
+            ray_glue.check_placeable(ray_glue.Requirements(model=self.model))  # raises, listing every node
+            raise SmolforgeError(f"no live node holds {self.model}", fix="join a worker that holds the model")
+        return sorted(nodes, key=lambda n: (n.role in ("coordinator", "embedded"), n.name))
+
+    def _pick(self, handle: RemoteStage) -> ray_glue.NodeInfo:
+        nodes = self.candidates()
+        used: dict[str, int] = {}
+        for h in self.handles:
+            if h is not handle and not h.broken and h.where.get("node_id"):
+                used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
+        free = [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+        return min(free, key=lambda n: (used.get(n.node_id, 0), nodes.index(n)))
+
+    def _bounds(self) -> list[int]:
+        if self.bounds is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node = self.candidates()[0]
+            ref = ray.remote(layer_count).options(
+                num_cpus=0, max_retries=0, resources=self._model_resources(),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(self.model)
+            self.bounds = even_bounds(ray.get(ref, timeout=self.load_timeout_s), self.count)
+        return self.bounds
+
+    def _model_resources(self) -> dict[str, float] | None:
+        if holds_anywhere(self.model, self.embedded):
+            return None
+        return {ray_glue.model_resource(self.model): ray_glue.MODEL_REQUEST}
+
+    def place(self, handle: RemoteStage) -> None:
+        """A new actor for this stage on a live node that holds the model, answering before it returns."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            self.kill(handle)
+            node = self._pick(handle)
+            actor = ray.remote(StageActor).options(
+                num_cpus=self.cpus, resources=self._model_resources(), max_restarts=0, max_task_retries=0,
+                max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote(self.model, self._bounds(), handle.index, self.adapter_files, self.cpus, self.device)
+            try:
+                info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
+            except Exception as err:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+                raise StageError(f"stage {handle.index} could not start on {node.name}: {type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''}",
+                                 fix="check that node's log; free CPUs on it, or join another node that holds "
+                                     f"{self.model}") from None
+            again = bool(handle.where)
+            handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
+            if again:
+                handle.replacements += 1
+            self.events.append(f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
+                               f"{'re-placed' if again else 'placed'} on {node.name}")
+            log.info(self.events[-1])
+
+    def kill(self, handle: RemoteStage) -> None:
+        import ray
+
+        if handle.actor is not None:
+            try:
+                ray.kill(handle.actor, no_restart=True)
+            except Exception:
+                pass  # already gone
+            handle.actor = None
+
+    # -- the model --------------------------------------------------------------------------------
+
+    def start(self) -> StagedModel:
+        """Place every stage and return the batch model over them (the tokenizer loaded here)."""
+        import ray
+
+        from smolforge.models.loading import load_tokenizer
+
+        try:
+            for h in self.handles:
+                self.place(h)
+            files = ray.get(self.handles[0].actor.tokenizer_files.remote(), timeout=self.load_timeout_s)
+            last = self.handles[-1].where
+        except BaseException:
+            self.close()
+            raise
+        with tempfile.TemporaryDirectory(prefix="sf-tok-") as tmp:
+            tokenizer = load_tokenizer(str(write_dir(files, Path(tmp))))
+        return StagedModel(self.handles, tokenizer, name=self.name, eos_ids=frozenset(last["eos_ids"]),
+                           max_positions=int(last["max_positions"]))
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"stage": h.index, "node": h.where.get("node"), "layers": h.where.get("layers"),
+                 "pid": h.where.get("pid"), "running": not h.broken, "replacements": h.replacements}
+                for h in self.handles]
+
+    def close(self) -> None:
+        for h in self.handles:
+            self.kill(h)
+            h.broken = True

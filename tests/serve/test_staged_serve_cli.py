@@ -1,0 +1,57 @@
+"""`smolforge serve --stages 2` with no coordinator: an embedded cluster of this machine serves the
+model from two stage actors until SIGTERM; the embedded cluster's token is the bearer token, and the
+answer equals the single-process server's greedy answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from servehelpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_serve_stages_on_an_embedded_cluster(model_copy, server, tmp_path):
+    import openai
+
+    port = free_port()
+    home = tmp_path / "home"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="sfe", dir="/tmp"))  # short: Ray socket paths
+    env = {**os.environ, "SMOLFORGE_HOME": str(home), "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("SMOLFORGE_TOKEN", "SMOLFORGE_COORDINATOR", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", str(model_copy),
+                             "--model-name", "tiny", "--stages", "2", "--port", str(port)],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while "API base:" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        out = log.read_text()
+        assert f"on http://127.0.0.1:{port}" in out and "2 stages" in out
+        token = (home / "embedded" / "token").read_text().strip()
+        assert token not in out
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Reverse abc"}]
+        got = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        want = server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        with __import__("socket").socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0  # the API went with it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+        __import__("shutil").rmtree(ray_tmp, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Staged serving in one process: a model cut into 2 or 3 `StageServer`s behind a `StagedModel`
+generates exactly the tokens of the single-process `ServedModel` (and of HF `generate`), batched
+prompts of different lengths, with and without a LoRA adapter, rows leaving at different steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from smolforge.errors import SmolforgeError
+from smolforge.pipeline.serve.batch import DoneEvent, ErrorEvent, Request
+from smolforge.pipeline.serve.engine import Engine
+from smolforge.pipeline.serve.model import ServedModel
+from smolforge.pipeline.serve.sampling import SamplingParams
+from smolforge.pipeline.serve.stages import StageError, StageServer, local_stages, staged_model, to_wire
+
+from test_serve_engine import GREEDY, hf_greedy, prompts, run_together
+
+BOUNDS = {2: [0, 2, 4], 3: [0, 1, 3, 4]}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    return ServedModel.load(str(tiny_llama_dir), name="tiny", device="cpu")
+
+
+def run_with_limits(model, ps: list[list[int]], limits: list[int]) -> list[DoneEvent]:
+    done: dict[int, DoneEvent] = {}
+    reqs = [Request(p, SamplingParams(max_tokens=n, temperature=0),
+                    (lambda i: lambda e: done.__setitem__(i, e) if isinstance(e, (DoneEvent, ErrorEvent)) else None)(i))
+            for i, (p, n) in enumerate(zip(ps, limits))]
+    Engine(model).run_batch(reqs)
+    return [done[i] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_stages_generate_the_single_process_tokens(tiny_llama_dir, served, n):
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[n])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    assert model.eos_ids == served.eos_ids and model.max_positions == served.max_positions
+    ps = prompts(served.tokenizer)
+    assert len({len(p) for p in ps}) == len(ps)
+    expected = [hf_greedy(served.model, p, GREEDY.max_tokens, served.pad_id) for p in ps]
+    assert [d.token_ids for d in run_together(served, ps, GREEDY)] == expected
+    got = run_together(model, ps, GREEDY)
+    assert [d.token_ids for d in got] == expected
+    assert [d.text for d in got] == [d.text for d in run_together(served, ps, GREEDY)]
+    assert all(not s.caches for s in stages)  # every batch's cache was freed
+    # each stage holds only its layers: together they hold the model once (the tied head counted once)
+    full = sum(p.numel() for p in served.model.parameters())
+    assert all(s.info()["params"] < full for s in stages)
+
+
+def test_rows_leaving_at_different_steps_cut_every_stages_cache(tiny_llama_dir, served):
+    """The longest prompts leave first, so each stage also drops left padding (the select path)."""
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[3])
+    model = staged_model(str(tiny_llama_dir), stages)
+    ps = sorted(prompts(served.tokenizer), key=len, reverse=True)
+    limits = [3 + 5 * i for i in range(len(ps))]
+    trims: list[tuple[int, bool]] = []
+    for s in stages:
+        def spy(batch_id, rows, trim, _select=s.select):
+            out = _select(batch_id, rows, trim)
+            trims.append((trim, out))
+            return out
+        s.select = spy
+    got = run_with_limits(model, ps, limits)
+    assert any(trim and done for trim, done in trims)  # left padding was dropped on the stages
+    local = run_with_limits(served, ps, limits)
+    for i, p in enumerate(ps):
+        assert got[i].token_ids == local[i].token_ids == hf_greedy(served.model, p, limits[i], served.pad_id), i
+        assert got[i].finish_reason == local[i].finish_reason
+    assert all(not s.caches for s in stages)
+
+
+def test_a_lora_adapter_is_merged_on_every_stage(tiny_llama_dir, served, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from smolforge.models.loading import load_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_model(str(tiny_llama_dir)),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False))  # random B: the adapter changes the output
+    adapter = tmp_path / "lora_adapter"
+    peft_model.save_pretrained(adapter)
+    reference = PeftModel.from_pretrained(load_model(str(tiny_llama_dir)), str(adapter)).eval()
+    ps = prompts(served.tokenizer)
+    expected = [hf_greedy(reference, p, GREEDY.max_tokens, served.pad_id) for p in ps]
+    assert expected != [hf_greedy(served.model, p, GREEDY.max_tokens, served.pad_id) for p in ps]  # it matters
+    single = ServedModel.load(str(tiny_llama_dir), str(adapter), device="cpu")
+    assert [d.token_ids for d in run_together(single, ps, GREEDY)] == expected
+    for n in (2, 3):
+        model = staged_model(str(tiny_llama_dir), local_stages(str(tiny_llama_dir), BOUNDS[n], adapter=str(adapter)))
+        assert [d.token_ids for d in run_together(model, ps, GREEDY)] == expected, n
+
+
+def test_a_stage_without_the_batchs_cache_fails_that_batch_only(tiny_llama_dir, served):
+    """A stage that lost its caches (restarted) is an error for the running batch; the next batch works."""
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages)
+    ps = prompts(served.tokenizer)[:2]
+
+    class Forgetful:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def forward(self, batch_id, x, mask, positions, start=False):
+            self.calls += 1
+            if self.calls == 3:
+                self.inner.caches.clear()
+            return self.inner.forward(batch_id, x, mask, positions, start)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    model.stages[1] = Forgetful(stages[1])
+    got = run_with_limits(model, ps, [10, 10])
+    assert all(isinstance(e, ErrorEvent) and "holds no cache" in e.message for e in got)
+    assert not stages[0].caches  # the other stage's cache was released
+    again = run_with_limits(model, ps, [10, 10])
+    assert [e.token_ids for e in again] == [d.token_ids for d in run_with_limits(served, ps, [10, 10])]
+    with pytest.raises(StageError):
+        stages[0].forward("nope", to_wire(torch.tensor([[1, 2]])), np.ones((1, 2), np.int64),
+                          np.arange(2)[None])
+
+
+def test_bad_stage_index_is_refused(tiny_llama_dir):
+    with pytest.raises(SmolforgeError, match="stage 2 does not exist"):
+        StageServer.load(str(tiny_llama_dir), [0, 2, 4], 2)
