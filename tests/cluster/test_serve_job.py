@@ -1,10 +1,20 @@
 """The `serve` job kind on a real cluster (a coordinator and two workers holding tiny-copy, each a
-separate process): the official `openai` client gets a streamed chat completion through a 2-stage
-serve job, authenticated with the cluster token; `job cancel` stops the API and every stage."""
+separate process), one serve job for the module, submitted as a user does (`smolforge serve
+--stages 2` against the coordinator):
+
+- the stage actors land on the two workers (the coordinator holds no model), and greedy answers
+  through them are the single-process engine's tokens; the official `openai` client streams a chat
+  completion, equal to the non-streamed one, authenticated with the cluster token;
+- a stage actor SIGKILLed mid-stream: that request ends with an error within 30 s, the stage is
+  placed again, and the next request gets the single-process tokens;
+- `job cancel` stops the API and every stage.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import time
 
@@ -14,29 +24,35 @@ from localcluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+PROMPTS = ["What is 2 + 3?", "Reverse abc", "the of and to in is you that it he was for on are as with his", "sum"]
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from smolforge.models.tiny import preset_dir
+    from smolforge.pipeline.serve.engine import Engine
+    from smolforge.pipeline.serve.model import ServedModel
 
     base = tmp_path_factory.mktemp("serve-job")
     models = base / "models"
     shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
     cluster = LocalCluster(base)
+    engine = Engine(ServedModel.load(str(models / "tiny-copy"), device="cpu")).start()  # the single-process answer
     try:
         cluster.start_coordinator()
         cluster.add_workers(["w1", "w2"], models_dir=models)
         cluster.wait_nodes(["coordinator", "w1", "w2"])
-        yield {"c": cluster, "base": base}
+        yield {"c": cluster, "base": base, "single": engine}
     finally:
+        engine.stop()
         cluster.close()
 
 
-def wait_event(client, job_id: str, kind: str, timeout: float) -> dict:
+def wait_event(client, job_id: str, kind: str, timeout: float, where=lambda e: True) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         for e in client.job_events(job_id):
-            if e["kind"] == kind:
+            if e["kind"] == kind and where(e):
                 return e
         st = client.get_job_status(job_id)
         if st["state"] in ("failed", "cancelled", "completed"):
@@ -55,43 +71,96 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_openai_client_streams_a_chat_through_a_two_stage_serve_job(world):
-    """Submitted with `smolforge serve --stages 2` (coordinator found through $SMOLFORGE_COORDINATOR)."""
+def single_text(world, prompt: str, max_tokens: int) -> str:
+    from smolforge.pipeline.serve.sampling import SamplingParams
+
+    engine = world["single"]
+    ids = engine.model.tokenizer(prompt)["input_ids"]
+    return engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0), timeout=120).text
+
+
+@pytest.fixture(scope="module")
+def job(world):
+    """`smolforge serve --stages 2` against the coordinator ($SMOLFORGE_COORDINATOR): it submits the
+    job and returns once the API serves."""
     import openai
 
     c = world["c"]
-    client = c.client()
     port = free_port()
-    # `smolforge serve --stages 2` against the coordinator: it submits the job and returns once it serves
     r = c.cli("serve", "--model", "tiny-copy", "--stages", "2", "--port", str(port), "--model-name", "tiny",
               timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = r.stderr.split("submitted ", 1)[1].split()[0]
-    url = wait_event(client, job_id, "serving", 30)["data"]["url"]
-    assert url == f"http://127.0.0.1:{port}" and f"on {url}" in r.stdout
-    assert f"smolforge job cancel {job_id}" in r.stdout
-    assert c.token not in r.stdout + r.stderr
-    stages = [e["message"] for e in client.job_events(job_id) if e["kind"] == "stage"]
-    assert len(stages) == 2 and {s.split(" on ")[-1] for s in stages} == {"w1", "w2"}, stages
-
+    url = wait_event(c.client(), job_id, "serving", 30)["data"]["url"]
     api = openai.OpenAI(base_url=f"{url}/v1", api_key=c.token, max_retries=0, timeout=60)
-    stream = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                                         max_tokens=16, temperature=0, stream=True)
-    chunks = list(stream)
+    yield {"id": job_id, "url": url, "port": port, "cli": r, "api": api}
+    if c.client().get_job_status(job_id)["state"] not in ("cancelled", "failed"):
+        c.client().cancel_job(job_id)
+
+
+def test_two_stages_on_the_workers_answer_as_one_process_through_the_openai_client(world, job):
+    import openai
+
+    c, client, api = world["c"], world["c"].client(), job["api"]
+    r = job["cli"]
+    assert job["url"] == f"http://127.0.0.1:{job['port']}" and f"on {job['url']}" in r.stdout
+    assert f"smolforge job cancel {job['id']}" in r.stdout
+    assert c.token not in r.stdout + r.stderr
+    stages = [e["data"] for e in client.job_events(job["id"]) if e["kind"] == "stage"]
+    assert sorted(s["node"] for s in stages) == ["w1", "w2"], stages  # one per worker, not the coordinator
+    assert sorted(tuple(s["layers"]) for s in stages) == [(0, 2), (2, 4)], stages
+    # greedy through the stages = the single-process engine, token for token (as text)
+    for prompt in PROMPTS:
+        got = api.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert got.choices[0].text == single_text(world, prompt, 20), prompt
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                              stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert text  # the tiny model says something
-    # the same request again, not streamed: the same greedy text
-    again = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                                        max_tokens=16, temperature=0)
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length") and text
+    again = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
     assert again.choices[0].message.content == text
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{url}/v1", api_key="x" * 32, max_retries=0, timeout=30).models.list()
+        openai.OpenAI(base_url=f"{job['url']}/v1", api_key="x" * 32, max_retries=0, timeout=30).models.list()
 
-    r = c.cli("job", "cancel", job_id)
+
+def test_a_killed_stage_fails_its_stream_within_30s_and_is_placed_again(world, job):
+    import openai
+
+    client, api = world["c"].client(), job["api"]
+    # a prompt the model answers at length (no EOS early): the kill surely lands mid-generation
+    prompt = next((p for p in PROMPTS if len(single_text(world, p, 200)) >= 100), None)
+    assert prompt, "no prompt gives a long answer"
+    victim = next(e["data"] for e in client.job_events(job["id"]) if e["kind"] == "stage" and e["data"]["stage"] == 1)
+    stream = api.completions.create(model="tiny", prompt=prompt, max_tokens=200, temperature=0, stream=True)
+    pieces = iter(stream)
+    assert next(pieces).choices[0].text is not None  # it is streaming
+    os.kill(victim["pid"], signal.SIGKILL)  # the stage actor's process, on w1 or w2
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError, match="stage 1"):
+        for _ in pieces:
+            assert time.monotonic() - killed < 30
+    assert time.monotonic() - killed < 30
+    # the next request: stage 1 placed again on a live node holding the model, the single-process tokens
+    got = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    assert got.choices[0].text == single_text(world, PROMPTS[0], 20)
+    again = wait_event(client, job["id"], "stage", 30, where=lambda e: e["data"]["replaced"])
+    assert again["data"]["stage"] == 1 and again["data"]["pid"] != victim["pid"], again
+    assert again["data"]["node"] in ("w1", "w2") and "re-placed" in again["message"]
+
+
+def test_job_cancel_stops_the_api_and_every_stage(world, job):
+    import psutil
+
+    c, client = world["c"], world["c"].client()
+    pids = [e["data"]["pid"] for e in client.job_events(job["id"]) if e["kind"] == "stage"]
+    r = c.cli("job", "cancel", job["id"])
     assert r.returncode == 0, r.stdout + r.stderr
     deadline = time.time() + 60
-    while time.time() < deadline and (client.get_job_status(job_id)["state"] != "cancelled" or port_open(port)):
+    while time.time() < deadline and (client.get_job_status(job["id"])["state"] != "cancelled"
+                                      or port_open(job["port"]) or any(psutil.pid_exists(p) for p in pids)):
         time.sleep(0.3)
-    assert client.get_job_status(job_id)["state"] == "cancelled"
-    assert not port_open(port)
+    assert client.get_job_status(job["id"])["state"] == "cancelled"
+    assert not port_open(job["port"])
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive

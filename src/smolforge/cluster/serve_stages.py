@@ -171,7 +171,7 @@ class StageGroup:
         self.embedded = embedded
         self.handles = [RemoteStage(self, i) for i in range(self.count)]
         self._lock = threading.Lock()
-        self.events: list[str] = []  # placements, for the job's events and the tests
+        self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
 
     # -- placement --------------------------------------------------------------------------------
 
@@ -237,9 +237,12 @@ class StageGroup:
             handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
             if again:
                 handle.replacements += 1
-            self.events.append(f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
-                               f"{'re-placed' if again else 'placed'} on {node.name}")
-            log.info(self.events[-1])
+            message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
+                       f"{'re-placed' if again else 'placed'} on {node.name}")
+            self.events.append({"message": message, "data": {"stage": handle.index, "node": node.name,
+                                                             "pid": info.get("pid"), "layers": info["layers"],
+                                                             "replaced": again}})
+            log.info(message)
 
     def kill(self, handle: RemoteStage) -> None:
         import ray

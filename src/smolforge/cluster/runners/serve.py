@@ -178,8 +178,8 @@ class ServeRunner(JobRunner):
             if raise_errors:
                 raise
             return
-        for message in st["events"][self._events_seen:]:
-            self.store.add_event(self.job_id, "stage", message)
+        for event in st["events"][self._events_seen:]:
+            self.store.add_event(self.job_id, "stage", event["message"], event["data"])
         self._events_seen = len(st["events"])
 
     def _finish_stopped(self, what: str) -> None:
