@@ -61,7 +61,9 @@ def test_bad_yaml_names_the_line(tmp_path):
 
 
 def test_demo_json_shows_accuracy_rising(tmp_path):
-    proc = smolforge("demo", "--workflow", "sft", "--json", "--output-dir", str(tmp_path / "demo"), "--max-steps", "150",
+    # 60 steps: the untrained student answers nothing (accuracy 0, loss 7.4); after 50 steps it already
+    # has 0.13 and loss 2.76 (fp32, seeded), so the rise is not a close call.
+    proc = smolforge("demo", "--workflow", "sft", "--json", "--output-dir", str(tmp_path / "demo"), "--max-steps", "60",
                      timeout=600, check=True)
     summary = last_json(proc.stdout)
     assert {"before_accuracy", "after_accuracy", "eval_loss_before", "eval_loss_after", "seconds"} <= set(summary)

@@ -37,9 +37,22 @@ LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "b
     (LAUNCH, ["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
 ])
 def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
-    proc = smolforge(*command, "--output-dir", str(tmp_path / "o"), *args, timeout=60)
+    """In-process (the same typer app, the same checks and exit code, without a Python start per case);
+    the next test runs one of them as a real `python -m` process."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+
+    res = CliRunner().invoke(app, [*command, "--output-dir", str(tmp_path / "o"), *args])
+    assert res.exit_code == 2, (res.exit_code, res.stderr, res.exception)
+    assert res.stderr.startswith("error:") and message in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_a_bad_flag_fails_fast_in_a_real_process(tmp_path):
+    proc = smolforge(*DISTILL, "--output-dir", str(tmp_path / "o"), "--kd-loss", "kl", timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error:") and "unknown KD loss" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

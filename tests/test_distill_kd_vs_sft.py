@@ -1,11 +1,17 @@
 """On the bundled task, with the same number of student steps, the KD student beats the SFT-only
 student on held-out accuracy and loss, over several seeds.
 
-Both students run the same code on the same prompts (the demo's 512 distillation prompts): the KD
-one reads the demo teacher's top-k store, the SFT one reads a store of the dataset's reference
-answers (the `reference` backend: text only, so plain CE on exactly the rows `smolforge train`
-would use). Mean and spread over the seeds are printed (run with -s to see them); BENCHMARKS.md
-has them, and the same comparison on all 4,000 prompts, where KD's gain is smaller.
+Both students run the same code on the same prompts (the first 256 bundled train prompts): the KD
+one reads the teacher's top-k store, the SFT one reads a store of the dataset's reference answers
+(the `reference` backend: text only, so plain CE on exactly the rows `smolforge train` would use).
+Mean and spread over the seeds are printed (run with -s to see them); BENCHMARKS.md has them, and
+the same comparison on all 4,000 prompts, where KD's gain is smaller.
+
+Sized for the test (the demo's settings otherwise): the demo's recipe with a 200-step teacher
+(accuracy 0.285; the demo's 800-step one has 0.59 and costs 4x the training, which CI always pays),
+256 prompts (KD's gain grows as labelled prompts get scarce) and 100 student steps. Measured margins
+(the same numbers each run: seeded, fp32, one thread per student): KD accuracy 0.225-0.235 against SFT
+0.16-0.18 on each seed (at least 4.5 points, 9 of 200 examples, better), eval loss 2.31-2.34 against 3.03-3.05.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
-    s = DemoSettings()
+    s = DemoSettings(teacher_steps=200, distill_samples=256, student_steps=100)
     # The teacher is deterministic (seeded, keyed by its settings and library versions): keep it across
-    # test sessions, so only the first run pays the ~2 minutes of teacher training.
+    # test sessions, so only the first run pays the teacher training (~15 s on a quiet 2-core machine).
     import tempfile
     from pathlib import Path
 

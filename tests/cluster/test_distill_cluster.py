@@ -143,8 +143,11 @@ def test_students_stream_rotate_and_aggregate(cluster):
     finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds."""
     orch = cluster.make()
     run = cluster.base / "run"
-    # Slow teachers on purpose (small batches, long answers): 12 shards each, ~1 s per shard.
-    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24,
+    # Slow teachers on purpose (small batches, long answers): 12 shards each, 10 prompts a shard. 240 of
+    # the 504 prompts: the timeline keeps its order (the students boot while the teachers do, so the
+    # first shard starts the student on `bare` long before the last is written; that student's last
+    # shard comes near a teacher's end and a whole epoch follows it), at half the teacher and student work.
+    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24, max_samples=240,
                                                   max_new_tokens=24, top_k=8, batch_size=2)
     # 2 CPUs per student: one fits on `bare` at once, the others wait; a finished teacher's node takes one.
     # Two epochs: the student on `bare` needs all its shards (the last comes from a teacher's last

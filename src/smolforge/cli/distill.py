@@ -73,7 +73,6 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
         """
-        quiet_libraries()
         distill = {
             "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
             "num_students": num_students, "peft": peft, "peft_config": peft_section(None, peft_config, None, None, None),
@@ -107,6 +106,7 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     job = validate(DistillJob, spec, where="distill")
     check_run(job.distill, job.mode, out)  # before any cluster starts
     refuse_used_run_dir(out, resume)
+    quiet_libraries()  # transformers (seconds): only once the flags are known to be good
     backend = backend_for(coordinator, token, None, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     try:

@@ -194,7 +194,6 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     if given:
         raise SmolforgeError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode data_parallel only",
                              fix="drop them, or use `smolforge distill` for the full set of distillation settings")
-    quiet_libraries()
     distill: dict[str, Any] = {"teacher": teacher, "students": list(students), "data": dataset,
                                "num_students": workers, "peft": o["peft"] or "lora", "kd_loss": o["kd_loss"],
                                "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "top_k": o["top_k"],
@@ -210,6 +209,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
     job = validate(DistillJob, spec, where="launch")
     check_run(job.distill, job.mode)  # before any cluster starts
+    quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
                        output_dir=o["output_dir"], on_completed=fetch_distill_summary)

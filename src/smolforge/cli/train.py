@@ -41,6 +41,19 @@ def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str,
     return validate(TrainConfig, data, where=str(config) if config else "command line")
 
 
+def check_model_and_data(cfg: TrainConfig):
+    """Check the model path and read the data file before torch and transformers load (seconds) and
+    a tokenizer does: a typo'd model directory or a bad data line fails at once. Returns what
+    read_spec read, for the engine to use as it is."""
+    from smolforge.data.splits import read_spec
+    from smolforge.models.loading import resolve_model
+    from smolforge.models.tiny import is_preset
+
+    if not is_preset(cfg.model):  # a preset is built on first use, with torch: nothing to check here
+        resolve_model(cfg.model)
+    return read_spec(cfg.data)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @run_cli
@@ -84,14 +97,15 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge train --model tiny-llama --data bundled --peft lora --max-steps 200 --output-dir outputs/run
         """
-        quiet_libraries()
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
         if json_out:
             cfg = cfg.model_copy(update={"quiet": True})
+        examples = check_model_and_data(cfg)
+        quiet_libraries()
         from smolforge.train.engine import train as run_train
 
-        result = run_train(cfg)
+        result = run_train(cfg, examples=examples)
         if json_out:
             print_json(result.to_dict())
         else:

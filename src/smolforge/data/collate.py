@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from smolforge.data.encode import IGNORE
 
+if TYPE_CHECKING:
+    import torch
+
 
 def collate(features: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    import torch  # here, not at import: reading and checking data needs no torch
+
     width = max(len(f["input_ids"]) for f in features)
     n = len(features)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)

@@ -68,8 +68,9 @@ def read_spec(spec: DataSpec) -> tuple[list[Example], list[Example], str, int]:
     return train, eval_ex, res.format, skipped
 
 
-def load_splits(spec: DataSpec, tokenizer) -> Splits:
-    train_ex, eval_ex, fmt, skipped = read_spec(spec)
+def load_splits(spec: DataSpec, tokenizer, read: tuple[list[Example], list[Example], str, int] | None = None) -> Splits:
+    """`read`: what read_spec(spec) returned, when the caller has read (and so checked) the data already."""
+    train_ex, eval_ex, fmt, skipped = read if read is not None else read_spec(spec)
     train_rows, train_stats = encode_all(tokenizer, train_ex, spec.max_length, spec.packing)
     eval_rows, eval_stats = encode_all(tokenizer, eval_ex, spec.max_length, packing=False)
     return Splits(

@@ -21,37 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from smolforge.distill.kdconfig import KD_LOSSES, KDConfig  # noqa: F401 (KDConfig: re-exported)
 from smolforge.errors import SmolforgeError
 
-KDLossName = Literal["forward_kl", "reverse_kl", "jsd"]
-KD_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 # Teacher buckets are floored at this probability: reverse KL and JSD need log p to be finite.
 _MIN_LOGP = math.log(1e-10)
-
-
-@dataclass
-class KDConfig:
-    """How the student learns from the teacher: which divergence, how soft, how much CE."""
-
-    loss: KDLossName = "forward_kl"
-    temperature: float = 1.0
-    kd_ratio: float = 0.5  # weight of the KD term; 1 - kd_ratio goes to cross-entropy on the tokens
-    beta: float = 0.5  # generalized JSD interpolation (0 → forward KL, 1 → reverse KL)
-
-    def __post_init__(self) -> None:
-        if self.loss not in KD_LOSSES:
-            raise SmolforgeError(f"unknown KD loss {self.loss!r}", fix=f"use one of {', '.join(KD_LOSSES)}")
-        if not self.temperature > 0:
-            raise SmolforgeError(f"temperature must be > 0, got {self.temperature}", fix="use e.g. --temperature 1.0")
-        if not 0.0 <= self.kd_ratio <= 1.0:
-            raise SmolforgeError(f"kd_ratio must be in [0, 1], got {self.kd_ratio}", fix="use e.g. --kd-ratio 0.5")
-        if not 0.0 <= self.beta <= 1.0:
-            raise SmolforgeError(f"JSD beta must be in [0, 1], got {self.beta}", fix="use e.g. beta 0.5")
 
 
 def teacher_bucket_logprobs(topk_logprobs: torch.Tensor, tail_mass: torch.Tensor, vocab_size: int,

@@ -96,7 +96,7 @@ def _slug(name: str) -> str:
 def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: str | Path | None = None) -> None:
     """The checks across fields and into other modules' settings, before a cluster starts: bad
     flags fail in a second, not after the teachers."""
-    from smolforge.distill.losses import KDConfig  # torch: the client and --help import this module
+    from smolforge.distill.kdconfig import KDConfig
 
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
-
-import torch
+from typing import TYPE_CHECKING
 
 from smolforge.errors import SmolforgeError
 from smolforge.models import tiny
 from smolforge.models.names import check_local_model
 from smolforge.models.registry import ollama_to_hf
+
+if TYPE_CHECKING:  # torch loads in the functions that use it: resolve_model checks a name without it
+    import torch
 
 
 # from_pretrained is not thread-safe (concurrent loads fail with "Cannot copy out of meta tensor"),
@@ -73,6 +75,7 @@ def load_tokenizer(name: str, aliases: dict[str, str] | None = None):
 def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                aliases: dict[str, str] | None = None):
     """The model in train-ready form: on `device`, with `dtype` (fp32 by default on CPU)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     resolved = resolve_model(name, aliases)
@@ -85,6 +88,8 @@ def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dt
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -178,8 +178,9 @@ def refuse_used_output_dir(cfg: TrainConfig) -> None:
 
 
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
-          model=None, tokenizer=None, strategy: Strategy | None = None) -> TrainResult:
-    """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones.
+          model=None, tokenizer=None, strategy: Strategy | None = None, examples=None) -> TrainResult:
+    """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones,
+    or `examples` (read_spec(cfg.data), read by a caller that checked the data before loading torch).
 
     `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
     """
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         tokenizer = load_tokenizer(cfg.model)
     refuse_used_output_dir(cfg)
     if splits is None:  # before the model: bad data should fail in a second, not after a load
-        splits = load_splits(cfg.data, tokenizer)
+        splits = load_splits(cfg.data, tokenizer, read=examples)
     if model is None:
         tokenizer, model = build_model(cfg, device, tokenizer)
     if hooks.on_model:
