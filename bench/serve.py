@@ -8,15 +8,19 @@ at once (the server batches them); the aggregate rate is all streams' tokens aft
 the span from the earliest first token to the latest last one. HF's eight are one left-padded batch
 in one `generate` call (its best case), and the same eight prompts one after another.
 
-    .venv/bin/python bench/serve.py [--model small-llama --max-tokens 64 --threads 1]
+The staged column: `smolforge serve --stages N` (default 2) on an embedded cluster of this machine,
+each stage actor with --threads CPUs, the same streams.
+
+    .venv/bin/python bench/serve.py [--model small-llama --max-tokens 64 --threads 1 --stages 2]
 
 Goals (issue 13): serve >= 1.0x HF generate for one stream; >= 3x HF's one-stream rate in aggregate
-for eight streams.
+for eight streams; 2 stages on one machine >= 0.8x single-process serve.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,7 +45,7 @@ def rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
 
-def hf_side(model_dir: str, max_tokens: int, threads: int) -> dict:
+def hf_side(model_dir: str, max_tokens: int, threads: int, device: str = "cpu") -> dict:
     """HF generate: each prompt alone (streamed, per-token times), then all eight as one batch."""
     import torch
     from transformers.generation.streamers import BaseStreamer
@@ -50,7 +54,7 @@ def hf_side(model_dir: str, max_tokens: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, device="cpu").eval()
+    model = load_model(model_dir, device=device).eval()
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -69,17 +73,17 @@ def hf_side(model_dir: str, max_tokens: int, threads: int) -> dict:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     singles = []
     with torch.inference_mode():
-        ids = tok(PROMPTS[0], return_tensors="pt")
+        ids = tok(PROMPTS[0], return_tensors="pt").to(device)
         model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
         t_seq = time.perf_counter()
         for p in PROMPTS:
-            ids = tok(p, return_tensors="pt")
+            ids = tok(p, return_tensors="pt").to(device)
             clock, t0 = Clock(), time.perf_counter()
             model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, streamer=clock, pad_token_id=pad)
             singles.append({"ttft_s": clock.times[0] - t0, "tok_s": rate(clock.times), "tokens": len(clock.times)})
         seq_s = time.perf_counter() - t_seq
         tok.padding_side = "left"
-        batch = tok(PROMPTS, return_tensors="pt", padding=True)
+        batch = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
         t0 = time.perf_counter()
         out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
         batch_s = time.perf_counter() - t0
@@ -90,11 +94,12 @@ def hf_side(model_dir: str, max_tokens: int, threads: int) -> dict:
             "eight_batched_tok_s": new / batch_s}
 
 
-def stream(base: str, token: str, prompt: str, max_tokens: int) -> dict:
+def stream(base: str, token: str, prompt: str, max_tokens: int, where=contextlib.nullcontext) -> dict:
     """One streamed completion; the arrival time of every chunk that carries text. The client is made
-    before the clock starts (an httpx client builds an SSL context: ~0.2 s that is not the server's)."""
+    before the clock starts (an httpx client builds an SSL context: ~0.2 s that is not the server's).
+    `where`: a context the connection is made in (bench/serve_wifi.py: a network namespace)."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"}) as client:
+    with where(), httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"}) as client:
         return _timed(client, f"{base}/v1/completions", body)
 
 
@@ -110,35 +115,80 @@ def _timed(client: httpx.Client, url: str, body: dict) -> dict:
     return {"t0": t0, "times": times}
 
 
-def serve_side(model_dir: str, max_tokens: int, threads: int, tmp: Path) -> dict:
+def measure(base: str, token: str, max_tokens: int, where=contextlib.nullcontext) -> dict:
+    """A warm-up, each prompt alone (medians), then all eight at once (aggregate)."""
+    stream(base, token, PROMPTS[0], 4, where)  # warm-up
+    singles = [stream(base, token, p, max_tokens, where) for p in PROMPTS]
+    results: list[dict] = [{} for _ in PROMPTS]
+
+    def one(i: int) -> None:
+        results[i] = stream(base, token, PROMPTS[i], max_tokens, where)
+
+    threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join(600)
+    first = min(r["times"][0] for r in results)
+    last = max(r["times"][-1] for r in results)
+    agg = sum(len(r["times"]) - 1 for r in results) / (last - first)
+    return {"one_stream_tok_s": statistics.median(rate(s["times"]) for s in singles),
+            "one_stream_ttft_s": statistics.median(s["times"][0] - s["t0"] for s in singles),
+            "eight_streams_tok_s": agg,
+            "eight_streams_ttft_s": statistics.median(r["times"][0] - r["t0"] for r in results)}
+
+
+def serve_side(model_dir: str, max_tokens: int, threads: int, tmp: Path, device: str = "cpu") -> dict:
     from servehelpers import start_server
 
-    server = start_server(tmp, Path(model_dir), token="bench-token-0123456789",
-                          extra=("--model-name", "bench", "--num-threads", str(threads), "--max-batch", "8"))
+    server = start_server(tmp, Path(model_dir), token="bench-token-0123456789",  # the last --device counts
+                          extra=("--model-name", "bench", "--num-threads", str(threads), "--max-batch", "8",
+                                 "--device", device))
     try:
-        base = server.base
-        stream(base, server.token, PROMPTS[0], 4)  # warm-up
-        singles = [stream(base, server.token, p, max_tokens) for p in PROMPTS]
-        results: list[dict] = [{} for _ in PROMPTS]
-
-        def one(i: int) -> None:
-            results[i] = stream(base, server.token, PROMPTS[i], max_tokens)
-
-        threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads_:
-            t.start()
-        for t in threads_:
-            t.join(600)
-        first = min(r["times"][0] for r in results)
-        last = max(r["times"][-1] for r in results)
-        agg = sum(len(r["times"]) - 1 for r in results) / (last - first)
-        return {"one_stream_tok_s": statistics.median(rate(s["times"]) for s in singles),
-                "one_stream_ttft_s": statistics.median(s["times"][0] - s["t0"] for s in singles),
-                "eight_streams_tok_s": agg,
-                "eight_streams_ttft_s": statistics.median(r["times"][0] - r["t0"] for r in results)}
+        return measure(server.base, server.token, max_tokens)
     finally:
         server.proc.terminate()
         server.proc.wait(30)
+
+
+def staged_side(model_dir: str, max_tokens: int, threads: int, tmp: Path, stages: int) -> dict:
+    """`smolforge serve --stages N` on an embedded cluster of this machine (stage actors in their own
+    processes, activations through Ray), each stage with `threads` CPUs."""
+    import signal
+
+    from servehelpers import free_port
+
+    home, port = tmp / f"staged-{stages}", free_port()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="sfb", dir="/tmp"))
+    env = {**os.environ, "SMOLFORGE_HOME": str(home), "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("SMOLFORGE_TOKEN", "SMOLFORGE_COORDINATOR", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    log = tmp / f"staged-{stages}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", model_dir,
+                             "--model-name", "bench", "--stages", str(stages), "--port", str(port),
+                             "--cpus-per-stage", str(threads), "--max-batch", "8"],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while "API base:" not in log.read_text():
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"staged serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        token = (home / "embedded" / "token").read_text().strip()
+        out = measure(f"http://127.0.0.1:{port}", token, max_tokens)
+        out["plan"] = log.read_text().split("plan:", 1)[-1].split("serving ", 1)[0].strip()
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(20)
+        import shutil
+
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -146,27 +196,43 @@ def main() -> None:
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (HF generate and single-process serve)")
+    ap.add_argument("--stages", type=int, default=2, help="the staged column's stages (0: no staged column)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from smolforge.models.tiny import is_preset, preset_dir
 
     model_dir = str(preset_dir(args.model)) if is_preset(args.model) else args.model
     tmp = Path(tempfile.mkdtemp(prefix="sfserve"))
-    hf = hf_side(model_dir, args.max_tokens, args.threads)
-    sv = serve_side(model_dir, args.max_tokens, args.threads, tmp)
-    print(f"{args.model}, greedy, {args.max_tokens} new tokens, {args.threads} thread(s); tok/s = (n-1)/(t_last-t_first)")
-    print(f"{'':<34} {'HF generate':>12} {'serve':>10} {'ratio':>7}")
-    rows = [("1 stream tok/s (median)", hf["one_stream_tok_s"], sv["one_stream_tok_s"]),
-            ("1 stream TTFT s (median)", hf["one_stream_ttft_s"], sv["one_stream_ttft_s"]),
-            ("8 streams aggregate tok/s", hf["one_stream_tok_s"], sv["eight_streams_tok_s"]),
-            ("  (HF: 8 one after another)", hf["eight_sequential_tok_s"], sv["eight_streams_tok_s"]),
-            ("  (HF: one batch of 8)", hf["eight_batched_tok_s"], sv["eight_streams_tok_s"])]
-    for name, a, b in rows:
-        print(f"{name:<34} {a:>12.3f} {b:>10.3f} {b / a if a else 0:>7.2f}")
-    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads, "hf": hf,
-                      "serve": sv, "one_stream_ratio": sv["one_stream_tok_s"] / hf["one_stream_tok_s"],
-                      "eight_streams_vs_hf_one_stream": sv["eight_streams_tok_s"] / hf["one_stream_tok_s"],
-                      "goals": {"one_stream_ratio": ">= 1.0", "eight_streams_vs_hf_one_stream": ">= 3"}}))
+    hf = hf_side(model_dir, args.max_tokens, args.threads, args.device)
+    sv = serve_side(model_dir, args.max_tokens, args.threads, tmp, args.device)
+    st = staged_side(model_dir, args.max_tokens, args.threads, tmp, args.stages) if args.stages else None
+    print(f"{args.model} on {args.device}, greedy, {args.max_tokens} new tokens, {args.threads} thread(s) per process; "
+          "tok/s = (n-1)/(t_last-t_first)")
+    head = f"{'':<30} {'HF generate':>11} {'serve':>9} {'ratio':>6}"
+    print(head + (f" {f'{args.stages} stages':>9} {'/serve':>7}" if st else ""))
+    rows = [("1 stream tok/s (median)", hf["one_stream_tok_s"], "one_stream_tok_s"),
+            ("1 stream TTFT s (median)", hf["one_stream_ttft_s"], "one_stream_ttft_s"),
+            ("8 streams aggregate tok/s", hf["one_stream_tok_s"], "eight_streams_tok_s"),
+            ("  (HF: 8 one after another)", hf["eight_sequential_tok_s"], "eight_streams_tok_s"),
+            ("  (HF: one batch of 8)", hf["eight_batched_tok_s"], "eight_streams_tok_s")]
+    for name, a, key in rows:
+        line = f"{name:<30} {a:>11.3f} {sv[key]:>9.3f} {sv[key] / a if a else 0:>6.2f}"
+        if st:
+            line += f" {st[key]:>9.3f} {st[key] / sv[key]:>7.2f}"
+        print(line)
+    if st:
+        print(f"staged plan: {st['plan']}")
+    report = {"model": args.model, "device": args.device, "max_tokens": args.max_tokens, "threads": args.threads,
+              "hf": hf, "serve": sv,
+              "one_stream_ratio": sv["one_stream_tok_s"] / hf["one_stream_tok_s"],
+              "eight_streams_vs_hf_one_stream": sv["eight_streams_tok_s"] / hf["one_stream_tok_s"],
+              "goals": {"one_stream_ratio": ">= 1.0", "eight_streams_vs_hf_one_stream": ">= 3",
+                        "staged_one_stream_vs_serve": ">= 0.8"}}
+    if st:
+        report.update(staged=st, staged_stages=args.stages,
+                      staged_one_stream_vs_serve=st["one_stream_tok_s"] / sv["one_stream_tok_s"])
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
     ("split server open to a LAN without a token", ["split", "serve", "--model", "tiny-llama", "--split-point-1", "1",
                                                     "--split-point-2", "2", "--no-token", "--host", "0.0.0.0"],
      "--no-token with --host 0.0.0.0"),
+    ("serve stages that are not a number", ["serve", "--model", "tiny-llama", "--stages", "many"],
+     "--stages 'many' is not a number of stages"),
 ]
 
 

@@ -99,7 +99,7 @@ def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
     proc = smolforge("launch", "--mode", "hybrid", "--model", "tiny-llama", "--student", "tiny-llama",
                      "--dataset", str(data), "--workers", "2", "--max-steps", "2", "--batch-size", "4",
                      "--lora-r", "4", "--top-k", "8", "--output-dir", str(out), "--json", timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "distill_summary.json").read_text())
     assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
     shards = [set(s["shards"]) for s in summary["student_tasks"]]

@@ -9,7 +9,7 @@ import torch
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import cut, generation_positions, positions_for, run_stages, stage_state_to_hf, untie_head
 from smolforge.models.placement import (ModelInfo, NodeInfo, Workload, measure_node, model_info, plan_in_order,
-                                        plan_stages)
+                                        plan_serving, plan_stages)
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 BOUNDS = [[0, 2, 4], [0, 1, 3, 4], [0, 0, 4, 4]]  # 2 stages, 3 stages, embeddings and head alone
@@ -309,3 +309,33 @@ def test_serving_reserves_the_kv_cache():
     serving = Workload(in_flight=1, kv_tokens=4096)  # 4096 tokens x 16 KB x 24 layers = 1.6 GB of cache
     plan = plan_stages(info24(), nodes, workload=serving)
     assert plan.num_stages == 2 and all(n <= f for n, f in zip(plan.stage_bytes, plan.free_bytes))
+
+
+def test_serving_auto_keeps_one_node_and_asked_stages_say_it_would_be_faster():
+    """`serve --stages auto` plans for one stream (a batch walks the stages in turn): two equal nodes
+    on a fast link still keep the model whole. Asked for 2 stages, it splits by throughput and the
+    reason says one node would be faster."""
+    fast = [NodeInfo("w1", 5e10, 8 * GB, **FAST_LINK), NodeInfo("w2", 5e10, 8 * GB, **FAST_LINK)]
+    auto, hosts = plan_serving(info24(), fast)
+    assert auto.kept_on_one_node and auto.num_stages == 1 and hosts == auto.nodes and len(hosts) == 1
+    assert "splitting would be slower" in auto.reason
+    two, hosts = plan_serving(info24(), fast, stages=2)
+    assert two.num_stages == 2 and sorted(hosts) == ["w1", "w2"] and abs(layers_on(two, "w1") - 12) <= 1
+    assert "note: kept on w1" in two.reason and "--stages auto keeps it there" in two.reason
+    # A model no node holds alone: auto splits it, and the split is the plan asked for as well.
+    small = [NodeInfo("a", 5e10, 2 * GB, **FAST_LINK), NodeInfo("b", 5e10, 2 * GB, **FAST_LINK)]
+    auto, _ = plan_serving(info24(), small)
+    assert auto.num_stages == 2 and not auto.kept_on_one_node and "no node holds it alone" in auto.reason
+    assert "note:" not in plan_serving(info24(), small, stages=2)[0].reason
+
+
+def test_serving_more_stages_than_nodes_share_them_in_turn():
+    one = [NodeInfo("laptop", 5e10, 12 * GB)]
+    plan, hosts = plan_serving(info24(), one, stages=3)
+    assert hosts == ["laptop"] * 3 and plan.nodes == ["laptop#1", "laptop#2", "laptop#3"]
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 24 and plan.bounds == sorted(plan.bounds)
+    assert all(free == 4 * GB for free in plan.free_bytes) and "stages share nodes" in plan.reason
+    two = [NodeInfo("a", 5e10, 12 * GB), NodeInfo("b", 5e10, 12 * GB)]
+    assert plan_serving(info24(), two, stages=3)[1] == ["a", "b", "a"]
+    with pytest.raises(SmolforgeError, match="does not fit"):  # three slots of 1 GB cannot hold 2.5 GB
+        plan_serving(info24(), [NodeInfo("tiny", 5e10, 3 * GB)], stages=3)

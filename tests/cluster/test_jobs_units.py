@@ -65,6 +65,10 @@ def test_set_routes_into_the_kind_section():
         jobs.apply_job_overrides({"kind": "data_parallel", "train": {"max_steps": 5}}, ["max_steps.x=1"])
     sv = jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["stages=3", "port=0"])  # a flat spec
     assert jobs.parse(sv).stages == 3 and sv["port"] == 0
+    assert jobs.parse({"kind": "serve", "model": "m", "stages": "auto"}).stages == "auto"
+    for bad in (0, "many"):
+        with pytest.raises(SmolforgeError, match="stages"):
+            jobs.parse({"kind": "serve", "model": "m", "stages": bad})
     with pytest.raises(SmolforgeError, match="a serving job has no setting 'lr'"):
         jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["lr=0.1"])
 

@@ -106,9 +106,15 @@ def test_two_stages_on_the_workers_answer_as_one_process_through_the_openai_clie
     assert job["url"] == f"http://127.0.0.1:{job['port']}" and f"on {job['url']}" in r.stdout
     assert f"smolforge job cancel {job['id']}" in r.stdout
     assert c.token not in r.stdout + r.stderr
-    stages = [e["data"] for e in client.job_events(job["id"]) if e["kind"] == "stage"]
+    events = client.job_events(job["id"])
+    stages = sorted((e["data"] for e in events if e["kind"] == "stage"), key=lambda s: s["stage"])
     assert sorted(s["node"] for s in stages) == ["w1", "w2"], stages  # one per worker, not the coordinator
-    assert sorted(tuple(s["layers"]) for s in stages) == [(0, 2), (2, 4)], stages
+    # the layers as the placement plan cut them (from each worker's measured speed and memory), printed
+    plan = next(e for e in events if e["kind"] == "plan")
+    bounds = plan["data"]["bounds"]
+    assert bounds[0] == 0 and bounds[-1] == 4 and [tuple(s["layers"]) for s in stages] == list(zip(bounds, bounds[1:]))
+    assert [s["node"] for s in stages] == plan["data"]["nodes"] and plan["message"] in r.stdout
+    assert "plan: 2 stages" in r.stdout and "2 stages as asked" in r.stdout
     # greedy through the stages = the single-process engine, token for token (as text)
     for prompt in PROMPTS:
         got = api.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
@@ -164,3 +170,29 @@ def test_job_cancel_stops_the_api_and_every_stage(world, job):
     assert not port_open(job["port"])
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
+
+
+def test_stages_auto_keeps_a_model_that_fits_on_one_worker(world, job):
+    """After the cancel above (its stages held the workers' CPUs): `--stages auto` measures both
+    workers and keeps the model whole on one of them (a split of a model that fits only adds a
+    cut's latency to every token), printing why; it answers as the single process does."""
+    import openai
+
+    c, client = world["c"], world["c"].client()
+    port = free_port()
+    r = c.cli("serve", "--model", "tiny-copy", "--stages", "auto", "--port", str(port), "--model-name", "tiny",
+              timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = r.stderr.split("submitted ", 1)[1].split()[0]
+    try:
+        assert "plan: 1 stage," in r.stdout and "kept on w" in r.stdout and "(1 stage, max batch" in r.stdout, r.stdout
+        events = client.job_events(job_id)
+        plan = next(e["data"] for e in events if e["kind"] == "plan")
+        stages = [e["data"] for e in events if e["kind"] == "stage"]
+        assert plan["kept_on_one_node"] and plan["bounds"] == [0, 4] and plan["stages_asked"] == "auto"
+        assert len(stages) == 1 and stages[0]["node"] == plan["nodes"][0] in ("w1", "w2"), stages
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=c.token, max_retries=0, timeout=60)
+        got = api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0)
+        assert got.choices[0].text == single_text(world, PROMPTS[1], 20)
+    finally:
+        client.cancel_job(job_id)

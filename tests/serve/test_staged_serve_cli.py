@@ -60,6 +60,7 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
             time.sleep(0.5)
         out = log.read_text()
         assert f"on http://127.0.0.1:{port}" in out and "2 stages" in out
+        assert "plan: 2 stages" in out and "stages share nodes" in out, out  # one node: the plan says so
         token = (home / "embedded" / "token").read_text().strip()
         assert token not in out
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=60)

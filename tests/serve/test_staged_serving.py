@@ -18,6 +18,8 @@ from smolforge.pipeline.serve.stages import StageError, StageServer, local_stage
 from test_serve_engine import GREEDY, hf_greedy, prompts, run_together
 
 BOUNDS = {2: [0, 2, 4], 3: [0, 1, 3, 4]}
+# The placement plan may leave an end stage without layers (tiny models: a cut's latency outweighs a layer)
+EDGE_BOUNDS = {"embeddings-alone": [0, 0, 4], "head-alone": [0, 4, 4], "3-empty-ends": [0, 0, 4, 4]}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,9 @@ def run_with_limits(model, ps: list[list[int]], limits: list[int]) -> list[DoneE
     return [done[i] for i in range(len(ps))]
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, *EDGE_BOUNDS])
 def test_stages_generate_the_single_process_tokens(tiny_llama_dir, served, n):
-    stages = local_stages(str(tiny_llama_dir), BOUNDS[n])
+    stages = local_stages(str(tiny_llama_dir), {**BOUNDS, **EDGE_BOUNDS}[n])
     model = staged_model(str(tiny_llama_dir), stages, name="tiny")
     assert model.eos_ids == served.eos_ids and model.max_positions == served.max_positions
     ps = prompts(served.tokenizer)
@@ -47,9 +49,10 @@ def test_stages_generate_the_single_process_tokens(tiny_llama_dir, served, n):
     assert [d.token_ids for d in got] == expected
     assert [d.text for d in got] == [d.text for d in run_together(served, ps, GREEDY)]
     assert all(not s.caches for s in stages)  # every batch's cache was freed
-    # each stage holds only its layers: together they hold the model once (the tied head counted once)
+    # each stage holds only its layers: less than the model unless it holds every layer (then with a head
+    # copy of its own when the embeddings are elsewhere)
     full = sum(p.numel() for p in served.model.parameters())
-    assert all(s.info()["params"] < full for s in stages)
+    assert all(s.info()["params"] < full for s in stages if s.info()["layers"][1] - s.info()["layers"][0] < 4)
 
 
 def test_rows_leaving_at_different_steps_cut_every_stages_cache(tiny_llama_dir, served):

@@ -33,9 +33,10 @@ def register(app: typer.Typer) -> None:
         model_name: Optional[str] = typer.Option(None, help="the name clients use in `model` (default: --model as given)"),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
-        stages: Optional[int] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
+        stages: Optional[str] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
                                              "holding it: a `serve` job on the coordinator, or on an embedded "
-                                             "cluster of this machine"),
+                                             "cluster of this machine; auto: the placement plan chooses from "
+                                             "each node's measured speed and memory (one node when faster)"),
         coordinator: Optional[str] = typer.Option(None, help="with --stages: the coordinator HOST:PORT (default: "
                                                   "$SMOLFORGE_COORDINATOR or a running one; none: embedded cluster)"),
         cpus_per_stage: float = typer.Option(1.0, help="with --stages: CPUs each stage actor reserves (its torch threads)"),
@@ -59,7 +60,7 @@ def register(app: typer.Typer) -> None:
         if stages is not None:
             from smolforge.cli.common import cli_token
 
-            spec = {"kind": "serve", "model": model, "stages": stages, "host": host, "port": port,
+            spec = {"kind": "serve", "model": model, "stages": _stages(stages), "host": host, "port": port,
                     "max_batch": max_batch, "cpus_per_stage": cpus_per_stage,
                     "device": "cpu" if device == "auto" else device}
             if adapter:
@@ -93,8 +94,13 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
         job_id = backend.submit_job(spec)
         typer.echo(f"submitted {job_id} (serve, {job.stages} stages" + (", embedded cluster" if embedded else "") + ")",
                    err=True)
-        url = wait_serving(backend, job_id, job.load_timeout_s * (job.stages + 1) + 90)
-        typer.echo(f"serving {job.model_name or job.model} on {url} ({job.stages} stages, max batch {job.max_batch})")
+        url, events = wait_serving(backend, job_id, job.start_timeout_s() + 30)
+        for e in events:
+            if e["kind"] == "plan":
+                typer.echo(e["message"])
+        stages = next((e["data"].get("stages") for e in events if e["kind"] == "serving"), job.stages)
+        typer.echo(f"serving {job.model_name or job.model} on {url} ({stages} stage{'s' * (stages != 1)}, "
+                   f"max batch {job.max_batch})")
         typer.echo(f"  API base:  {url}/v1   (openai.OpenAI(base_url=\"{url}/v1\", api_key=<token>))")
         typer.echo(f"  chat page: {url}/chat#token=<token>")
         if not embedded:
@@ -115,13 +121,25 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
                 close()
 
 
-def wait_serving(backend: Any, job_id: str, timeout: float) -> str:
-    """The job's URL once its API answers; its error if it fails first."""
+def _stages(value: str) -> int | str:
+    """--stages: a number, or auto."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise SmolforgeError(f"--stages {value!r} is not a number of stages",
+                             fix="give a number of stages (--stages 2) or let the plan choose (--stages auto)") from None
+
+
+def wait_serving(backend: Any, job_id: str, timeout: float) -> tuple[str, list[dict]]:
+    """The job's URL once its API answers (with the job's events so far); its error if it fails first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for e in backend.job_events(job_id):
+        events = backend.job_events(job_id)
+        for e in events:
             if e["kind"] == "serving":
-                return e["data"]["url"]
+                return e["data"]["url"], events
         st = backend.get_job_status(job_id)
         if st["state"] not in ("pending", "running"):
             raise SmolforgeError(f"serve job {job_id} {st['state']}: {st.get('error') or st.get('message') or ''}",

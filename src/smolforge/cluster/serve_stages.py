@@ -21,12 +21,15 @@ import logging
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from smolforge.cluster import ray_glue
 from smolforge.cluster.placement import holds_anywhere
 from smolforge.errors import SmolforgeError
-from smolforge.pipeline.serve.stages import StagedModel, StageError, even_bounds
+from smolforge.pipeline.serve.stages import StagedModel, StageError
+
+if TYPE_CHECKING:
+    from smolforge.models.placement import Plan
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +97,25 @@ class StageActor:
             return read_dir(tmp)
 
 
-def layer_count(model: str) -> int:
-    """The number of decoder layers of the node's copy of `model` (run as a Ray task on such a node)."""
+def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool) -> dict[str, Any]:
+    """Run as a Ray task on a node: what placement needs of it (matmul FLOP/s with the threads a stage
+    would have, free memory: `placement.measure_node`) and, from one node, the model's sizes and costs
+    (`placement.model_info`, from its config on the meta device: nothing loaded). Plain dicts go back."""
+    import dataclasses
+
+    import torch
     from transformers import AutoConfig
 
     from smolforge.models.loading import resolve_model
+    from smolforge.models.placement import measure_node, model_info
     from smolforge.parallel.dp_task import local_model_path
 
-    return int(AutoConfig.from_pretrained(resolve_model(local_model_path(model))).num_hidden_layers)
+    torch.set_num_threads(max(1, int(cpus)))
+    node = measure_node(name, torch.device(device) if device == "cuda" else None)
+    info = None
+    if with_model:
+        info = dataclasses.asdict(model_info(AutoConfig.from_pretrained(resolve_model(local_model_path(model)))))
+    return {"node": dataclasses.asdict(node), "model": info}
 
 
 def _dead(err: BaseException) -> bool:
@@ -160,16 +174,18 @@ class RemoteStage:
 class StageGroup:
     """The stage actors of one served model: placed, re-placed when one dies, killed together."""
 
-    def __init__(self, model: str, stages: int, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
+    def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
                  cpus_per_stage: float = 1.0, device: str = "cpu", step_timeout_s: float = 120.0,
                  load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None):
-        self.model, self.count, self.name = model, int(stages), name or model
+        self.model, self.name = model, name or model
+        self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
         self.adapter_files = read_dir(adapter) if adapter else None
         self.bounds = list(bounds) if bounds else None
         self.cpus, self.device = float(cpus_per_stage), device
         self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
         self.embedded = embedded
-        self.handles = [RemoteStage(self, i) for i in range(self.count)]
+        self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
+        self.targets: list[str] = []  # the node id the plan chose for each stage
         self._lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
 
@@ -193,17 +209,37 @@ class StageGroup:
         free = [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
         return min(free, key=lambda n: (used.get(n.node_id, 0), nodes.index(n)))
 
-    def _bounds(self) -> list[int]:
-        if self.bounds is None:
-            import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    def plan(self) -> Plan:
+        """Layer ranges and a node per stage (`placement.plan_serving`) from every candidate node's
+        measured throughput and free memory, probed where a stage would run; the plan and its reason
+        become a job event."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            node = self.candidates()[0]
-            ref = ray.remote(layer_count).options(
-                num_cpus=0, max_retries=0, resources=self._model_resources(),
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(self.model)
-            self.bounds = even_bounds(ray.get(ref, timeout=self.load_timeout_s), self.count)
-        return self.bounds
+        from smolforge.models.placement import ModelInfo, NodeInfo, plan_serving
+
+        nodes = self.candidates()
+        free = [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+        names = {n.node_id: (n.name if [m.name for m in free].count(n.name) == 1 else f"{n.name}-{n.node_id[:6]}")
+                 for n in free}
+        refs = [ray.remote(probe_node).options(
+            num_cpus=0, max_retries=0, resources=self._model_resources(),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == 0) for i, n in enumerate(free)]
+        probes = ray.get(refs, timeout=self.load_timeout_s)
+        info = ModelInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in probes[0]["model"].items()})
+        measured = [NodeInfo(**p["node"]) for p in probes]
+        by_name = {names[n.node_id]: n for n in free}
+        plan, hosts = plan_serving(info, measured, self.count)
+        self.bounds = list(plan.bounds)
+        self.targets = [by_name[name].node_id for name in hosts]
+        self.handles = [RemoteStage(self, i) for i in range(plan.num_stages)]
+        self.events.append({"kind": "plan", "message": plan.describe(),
+                            "data": {"bounds": plan.bounds, "nodes": [by_name[n].name for n in hosts],
+                                     "per_token_s": plan.per_token_s, "kept_on_one_node": plan.kept_on_one_node,
+                                     "stages_asked": self.count or "auto"}})
+        log.info("%s", plan.describe())
+        return plan
 
     def _model_resources(self) -> dict[str, float] | None:
         if holds_anywhere(self.model, self.embedded):
@@ -217,11 +253,12 @@ class StageGroup:
 
         with self._lock:
             self.kill(handle)
-            node = self._pick(handle)
+            planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
+            node = next((n for n in self.candidates() if n.node_id == planned), None) or self._pick(handle)
             actor = ray.remote(StageActor).options(
                 num_cpus=self.cpus, resources=self._model_resources(), max_restarts=0, max_task_retries=0,
                 max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            ).remote(self.model, self._bounds(), handle.index, self.adapter_files, self.cpus, self.device)
+            ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device)
             try:
                 info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
             except Exception as err:
@@ -239,7 +276,7 @@ class StageGroup:
                 handle.replacements += 1
             message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
                        f"{'re-placed' if again else 'placed'} on {node.name}")
-            self.events.append({"message": message, "data": {"stage": handle.index, "node": node.name,
+            self.events.append({"kind": "stage", "message": message, "data": {"stage": handle.index, "node": node.name,
                                                              "pid": info.get("pid"), "layers": info["layers"],
                                                              "replaced": again}})
             log.info(message)
@@ -263,6 +300,10 @@ class StageGroup:
         from smolforge.models.loading import load_tokenizer
 
         try:
+            if self.bounds is None:
+                self.plan()
+            elif not self.handles:
+                self.handles = [RemoteStage(self, i) for i in range(len(self.bounds) - 1)]
             for h in self.handles:
                 self.place(h)
             files = ray.get(self.handles[0].actor.tokenizer_files.remote(), timeout=self.load_timeout_s)

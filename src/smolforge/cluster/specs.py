@@ -131,7 +131,8 @@ class ServeJob(Spec):
     model: str = Field(..., description="a model the workers hold (its name there), or a preset")
     adapter: str | None = Field(None, description="a lora/ia3/adapter directory on the coordinator's machine; "
                                 "its files are sent to the stages and merged there")
-    stages: int = Field(2, ge=1, description="pipeline stages: one actor each, on nodes holding the model")
+    stages: int | Literal["auto"] = Field(2, description="pipeline stages: one actor each, on nodes holding the "
+                                          "model; auto: the placement plan chooses (one node when that is faster)")
     host: str = Field("127.0.0.1", description="where the API listens (on the coordinator's machine)")
     port: int = Field(8000, ge=0, le=65535, description="the API's port (0: any free port, shown in the events)")
     max_batch: int = Field(8, ge=1, description="most requests generated together")
@@ -140,6 +141,17 @@ class ServeJob(Spec):
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     step_timeout_s: float = Field(120.0, gt=0, description="a stage that answers no step within this is replaced")
     load_timeout_s: float = Field(300.0, gt=0, description="how long a stage may take to load its layers")
+
+    @field_validator("stages")
+    @classmethod
+    def _positive_stages(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("stages must be 1 or more, or auto")
+        return v
+
+    def start_timeout_s(self) -> float:
+        """How long starting may take: measuring the nodes, then each stage loading in turn."""
+        return self.load_timeout_s * ((self.stages if isinstance(self.stages, int) else 2) + 2) + 60
 
 
 JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob}

@@ -374,6 +374,41 @@ def plan_in_order(info: ModelInfo, nodes: Sequence[NodeInfo], *, workload: Workl
                              "sized to each node's measured throughput within its free memory")
 
 
+LOOPBACK_BYTES_PER_S = 1e9  # between two stages on one node (a per-message latency stays: the RPC's)
+
+
+def plan_serving(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None = None) -> tuple[Plan, list[str]]:
+    """Where the stages of a served model go, and the node each stage runs on (`Plan.nodes` may name
+    slots, `node#2`, when stages share a node).
+
+    `stages` None (`serve --stages auto`): the planner decides for one stream decoding. A batch walks
+    the stages in turn, so a split pays only by reaching a faster node or by fitting at all: the
+    model stays on one node when that is faster and it fits, and the reason says so. N stages on at
+    least N nodes: one stage per node, ranges sized for a full pipeline (in proportion to each node's
+    throughput, within its memory); the reason adds when one node would be faster. More stages than
+    nodes: stages share nodes in turn, each with the node's speed and a share of its memory.
+    """
+    nodes = _usable(nodes)
+    auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1))
+    if stages is None:
+        return auto, list(auto.nodes)
+    if stages <= len(nodes):
+        plan = plan_stages(info, nodes, stages)
+        if auto.kept_on_one_node and stages > 1:
+            plan.reason += f"; note: {auto.reason} (--stages auto keeps it there)"
+        return plan, list(plan.nodes)
+    shares = [len(range(j, stages, len(nodes))) for j in range(len(nodes))]
+    slots, hosts = [], []
+    for i in range(stages):
+        node = nodes[i % len(nodes)]
+        slots.append(NodeInfo(f"{node.name}#{i // len(nodes) + 1}", node.throughput,
+                              node.free_memory_bytes // shares[i % len(nodes)], link_bytes_per_s=LOOPBACK_BYTES_PER_S))
+        hosts.append(node.name)
+    plan = plan_in_order(info, slots)
+    plan.reason += f"; {stages} stages on {len(nodes)} node{'s' * (len(nodes) > 1)}: stages share nodes"
+    return plan, hosts
+
+
 def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeInfo:
     """This process's node as placement sees it: FLOP/s of fp32 matmuls on `device` with this
     process's threads (a short timed loop, after a warm-up), and the memory free there now (the

@@ -48,7 +48,7 @@ class ServeApi:
 
         spec = self.spec
         token = check_token_format(open(self.token_file).read().strip())
-        self.group = StageGroup(spec.model, spec.stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
+        self.group = StageGroup(spec.model, None if spec.stages == "auto" else spec.stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
                                 device=spec.device, step_timeout_s=spec.step_timeout_s,
                                 load_timeout_s=spec.load_timeout_s, embedded=self.embedded,
                                 name=spec.model_name or spec.model)
@@ -130,7 +130,7 @@ class ServeRunner(JobRunner):
             scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
         ).remote(spec.model_dump(mode="json"), token_file, self.mgr.embedded)
         started = self.actor.start.remote()
-        deadline = time.monotonic() + spec.load_timeout_s * (spec.stages + 1) + 60
+        deadline = time.monotonic() + spec.start_timeout_s()
         while True:
             ready, _ = ray.wait([started], timeout=POLL_S)
             if ready:
@@ -150,9 +150,10 @@ class ServeRunner(JobRunner):
             self._mirror()
             self.store.set_state(self.job_id, "failed", f"failed: {short_error(err)}", error=short_error(err))
             return
-        self._mirror()
+        stages = len(self._mirror()["stages"])
         self.store.add_event(self.job_id, "serving", f"serving {spec.model_name or spec.model} at {url}/v1 "
-                             f"({spec.stages} stages; bearer token: the cluster token)", {"url": url})
+                             f"({stages} stage{'s' * (stages != 1)}; bearer token: the cluster token)",
+                             {"url": url, "stages": stages})
         self.store.set_state(self.job_id, "running", f"serving at {url}/v1")
         last = time.monotonic()
         while not self._stopping():
@@ -168,8 +169,8 @@ class ServeRunner(JobRunner):
         if self.want:
             self._finish_stopped(self.want)
 
-    def _mirror(self, raise_errors: bool = False) -> None:
-        """The stage group's placements as job events."""
+    def _mirror(self, raise_errors: bool = False) -> dict[str, Any]:
+        """The stage group's plan and placements as job events; the API actor's status."""
         import ray
 
         try:
@@ -177,10 +178,11 @@ class ServeRunner(JobRunner):
         except Exception:
             if raise_errors:
                 raise
-            return
+            return {"stages": [], "events": []}
         for event in st["events"][self._events_seen:]:
-            self.store.add_event(self.job_id, "stage", event["message"], event["data"])
+            self.store.add_event(self.job_id, event["kind"], event["message"], event["data"])
         self._events_seen = len(st["events"])
+        return st
 
     def _finish_stopped(self, what: str) -> None:
         self._cleanup()
