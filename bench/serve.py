@@ -41,6 +41,29 @@ PROMPTS = ["Question: what is 12 plus 7? Answer:", "The capital of a small count
            "The three laws of motion are", "A recipe for bread starts with"]
 
 
+def printable(model_dir: str, tmp: Path) -> str:
+    """The model with a tokenizer that can print every id it may generate. llama-100m pads its
+    vocabulary to a realistic 32k ids, but its locally trained tokenizer knows 1024: a random model
+    mostly picks ids that decode to nothing, and a streaming server (ours, vLLM) sends no chunk for
+    those, so there would be no token times to measure. The copy links the weights and adds one
+    plain token per missing id; the model and its compute are unchanged."""
+    from transformers import AutoConfig
+
+    from smolforge.models.loading import load_tokenizer
+
+    vocab, tok = AutoConfig.from_pretrained(model_dir).vocab_size, load_tokenizer(model_dir)
+    if len(tok) >= vocab:
+        return model_dir
+    dst = tmp / f"{Path(model_dir).name}-printable"
+    dst.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "chat_template")):
+            (dst / f.name).symlink_to(f.resolve())
+    tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab)])
+    tok.save_pretrained(dst)
+    return str(dst)
+
+
 def rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
@@ -202,8 +225,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from smolforge.models.tiny import is_preset, preset_dir
 
-    model_dir = str(preset_dir(args.model)) if is_preset(args.model) else args.model
     tmp = Path(tempfile.mkdtemp(prefix="sfserve"))
+    model_dir = printable(str(preset_dir(args.model)) if is_preset(args.model) else args.model, tmp)
     hf = hf_side(model_dir, args.max_tokens, args.threads, args.device)
     sv = serve_side(model_dir, args.max_tokens, args.threads, tmp, args.device)
     st = staged_side(model_dir, args.max_tokens, args.threads, tmp, args.stages) if args.stages else None

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(ROOT / "tests" / "serve"))
 from dp_step_time import prepare  # noqa: E402  (offline env, temp dir, preset built outside the timings)
-from serve import measure  # noqa: E402
+from serve import measure, printable  # noqa: E402
 
 
 def serve_job(client, spec: dict, timeout_s: float = 900) -> tuple[str, list[dict]]:
@@ -62,16 +62,24 @@ def main() -> None:
     if reason:
         raise SystemExit(f"netlab unavailable: {reason}")
     tmp, _ = prepare(args.model, "sfsw")
+    from smolforge.models.tiny import is_preset, preset_dir
+
+    models = tmp / "models"  # what the workers hold (--models-dir): the model with a tokenizer that prints every id
+    models.mkdir()
+    src = Path(printable(str(preset_dir(args.model)) if is_preset(args.model) else args.model, models)).resolve()
+    model = src.name
+    if not (models / model).exists():
+        (models / model).symlink_to(src)
     lab = Netlab(args.rate)
     results = {}
     with lab, NetCluster(lab, tmp / "cluster", coordinator_cpus=0) as c:
         c.start_coordinator()
-        c.add_workers(["w1", "w2"], cpus=args.threads)
+        c.add_workers(["w1", "w2"], cpus=args.threads, models_dir=models)
         c.wait_nodes(["w1", "w2"])
         client = c.client()
         for name, stages in (("2 stages", 2), ("auto", "auto")):
             port = free_port()
-            spec = {"kind": "serve", "model": args.model, "stages": stages, "port": port, "model_name": "bench",
+            spec = {"kind": "serve", "model": model, "stages": stages, "port": port, "model_name": "bench",
                     "cpus_per_stage": args.threads, "max_batch": 8}
             job_id, events = serve_job(client, spec)
             try:

@@ -130,6 +130,40 @@ def test_threaded_engine_batches_requests_that_arrive_together(served):
         engine.stop()
 
 
+def test_a_burst_longer_than_the_window_is_one_batch_and_the_wait_is_bounded(served):
+    """Clients of one burst do not arrive within one window: each arrival extends the wait (else the
+    rest would wait a whole generation behind the first), never past max_wait_s after the first."""
+    import time
+
+    ps = prompts(served.tokenizer)
+    engine = Engine(served, max_batch=8, window_s=0.05, max_wait_s=5.0).start()
+    try:
+        qs = []
+        for p in ps:  # a 0.03 s gap each: the burst lasts longer than one window
+            qs.append(queue.Queue())
+            engine.submit(p, GREEDY, qs[-1].put)
+            time.sleep(0.03)
+        for q in qs:
+            while isinstance(q.get(timeout=60), TokenEvent):
+                pass
+        assert engine.batches == 1 and engine.largest_batch == len(ps)
+    finally:
+        engine.stop()
+    engine = Engine(served, max_batch=8, window_s=0.05, max_wait_s=0.05).start()
+    try:  # the same burst against a cap of one window: cut
+        qs = []
+        for p in ps:
+            qs.append(queue.Queue())
+            engine.submit(p, GREEDY, qs[-1].put)
+            time.sleep(0.03)
+        for q in qs:
+            while isinstance(q.get(timeout=60), TokenEvent):
+                pass
+        assert engine.batches > 1
+    finally:
+        engine.stop()
+
+
 def test_stop_strings_cut_the_text_and_the_stream(served):
     p = prompts(served.tokenizer)[2]
     full = run_together(served, [p], SamplingParams(max_tokens=24, temperature=0))[0].text

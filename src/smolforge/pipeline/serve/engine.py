@@ -40,8 +40,12 @@ class Result:
 class Engine:
     """Queue, batch and generate. `start()` it once; `stop()` ends the thread (queued requests fail)."""
 
-    def __init__(self, model: BatchModel, *, max_batch: int = 8, window_s: float = 0.005, max_positions: int | None = None):
+    def __init__(self, model: BatchModel, *, max_batch: int = 8, window_s: float = 0.005, max_wait_s: float = 0.05,
+                 max_positions: int | None = None):
+        # A batch waits window_s after its latest arrival (a burst of clients is not cut after its
+        # first request: the rest would wait a whole generation), never over max_wait_s after its first.
         self.model, self.max_batch, self.window_s = model, max(1, max_batch), window_s
+        self.max_wait_s = max(window_s, max_wait_s)
         self.max_positions = max_positions or int(getattr(model, "max_positions", 0) or 2048)
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -104,7 +108,8 @@ class Engine:
             if first is None:
                 break
             requests = [first]
-            deadline = time.monotonic() + self.window_s
+            cap = time.monotonic() + self.max_wait_s
+            deadline = min(cap, time.monotonic() + self.window_s)
             while len(requests) < self.max_batch:  # those arriving together go together
                 try:
                     nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -114,6 +119,7 @@ class Engine:
                     self._stopping.set()
                     break
                 requests.append(nxt)
+                deadline = min(cap, time.monotonic() + self.window_s)
             self.run_batch(requests)
         self._fail_waiting("the server is shutting down")
 
