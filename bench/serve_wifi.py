@@ -72,6 +72,7 @@ def main() -> None:
         (models / model).symlink_to(src)
     lab = Netlab(args.rate)
     results = {}
+    (tmp / "cluster").mkdir()
     with lab, NetCluster(lab, tmp / "cluster", coordinator_cpus=0) as c:
         c.start_coordinator()
         c.add_workers(["w1", "w2"], cpus=args.threads, models_dir=models)

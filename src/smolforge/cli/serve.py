@@ -52,7 +52,8 @@ def register(app: typer.Typer) -> None:
         (a `serve` job: `smolforge jobs` shows it, `smolforge job cancel ID` stops it). The API then
         runs on the coordinator's machine and takes the cluster token; --token-file is the cluster
         token file for talking to the coordinator. Without a coordinator an embedded cluster of this
-        machine serves until Ctrl-C.
+        machine serves until Ctrl-C. The placement plan (printed) sizes each stage to its node's
+        measured speed and memory; --stages auto also picks how many (one node when that is faster).
 
         Example: smolforge serve --model qwen2.5:0.5b --stages 2 --coordinator 192.168.1.10:8765
         """
