@@ -5,8 +5,9 @@ model (`SMOLFORGE_MODEL_PATHS`, as training ranks do), merges the adapter (its f
 Ray, no shared filesystem), keeps one stage and uses as many torch threads as it reserved CPUs.
 Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
 
-`StageGroup` places the actors (node affinity, hard: a stage never lands on a node without the
-model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
+`StageGroup` plans where the stages go (`plan()`: every candidate node probed where a stage would
+run, then `models.placement.plan_serving`), places the actors (node affinity, hard: a stage never
+lands on a node without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
 `ray.get` bounded by a timeout. When an actor dies (its process or node went away) or does not
 answer in time, the call raises a `StageError`: the engine turns that into an error event for the
 requests of that batch only. The handle is then marked broken, and before the next batch

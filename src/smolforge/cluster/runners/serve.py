@@ -7,7 +7,8 @@ them and uvicorn with the same app as single-process `smolforge serve`. Its bear
 cluster token: the actor reads the coordinator's token file itself (same machine), so the token
 never travels through Ray. The stage actors are owned by the API actor: killing it takes them too.
 
-The job's events carry the URL (`serving`) and every stage placement and re-placement; a stage that
+The job's events carry the placement plan (`plan`), the URL (`serving`) and every stage placement
+and re-placement (`stage`); a stage that
 dies fails only the requests of its batch (see `serve_stages`). Cancel (or pause) stops uvicorn,
 the engine and every actor. Resume starts them all again.
 """
@@ -48,7 +49,8 @@ class ServeApi:
 
         spec = self.spec
         token = check_token_format(open(self.token_file).read().strip())
-        self.group = StageGroup(spec.model, None if spec.stages == "auto" else spec.stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
+        stages = None if spec.stages == "auto" else spec.stages  # None: the placement plan chooses
+        self.group = StageGroup(spec.model, stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
                                 device=spec.device, step_timeout_s=spec.step_timeout_s,
                                 load_timeout_s=spec.load_timeout_s, embedded=self.embedded,
                                 name=spec.model_name or spec.model)
