@@ -8,9 +8,9 @@ cluster token: the actor reads the coordinator's token file itself (same machine
 never travels through Ray. The stage actors are owned by the API actor: killing it takes them too.
 
 The job's events carry the placement plan (`plan`), the URL (`serving`) and every stage placement
-and re-placement (`stage`); a stage that
-dies fails only the requests of its batch (see `serve_stages`). Cancel (or pause) stops uvicorn,
-the engine and every actor. Resume starts them all again.
+and re-placement (`stage`); a stage that dies fails only the requests of its batch (see
+`serve_stages`). Cancel (or pause) stops uvicorn, the engine and every actor. Resume starts them
+all again.
 """
 
 from __future__ import annotations
