@@ -67,9 +67,11 @@ class StageActor:
 
         torch.set_num_threads(max(1, int(num_cpus)))
         self.model = local_model_path(model)
-        self._tmp = tempfile.TemporaryDirectory(prefix="sf-stage-")
-        adapter = str(write_dir(adapter_files, Path(self._tmp.name) / "adapter")) if adapter_files else None
-        self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device)
+        # The adapter's files are needed only while loading: the actor is killed, never closed, so
+        # nothing it keeps on disk would be removed.
+        with tempfile.TemporaryDirectory(prefix="sf-stage-") as tmp:
+            adapter = str(write_dir(adapter_files, Path(tmp) / "adapter")) if adapter_files else None
+            self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device)
         self.server.name = model
 
     def forward(self, batch_id, x, attention_mask, position_ids, start=False):
