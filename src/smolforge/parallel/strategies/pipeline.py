@@ -28,7 +28,7 @@ the one-process result. Why it looks like this:
   row), exactly as the loop runs it alone, so every micro-batch's gradient is the one-process gradient,
   accumulated in the same order: pipeline training with batch_size B and grad_accum A on N stages equals
   one process with batch_size B and grad_accum A x N. The schedule's buffers have one shape, so
-  micro-batches cross the cuts padded to the step's width (`_StageStep` crops and pads back); a step of
+  micro-batches cross the cuts padded to the step's width (`pipeline_micro.StageStep` crops and pads back); a step of
   another width rebuilds the stage and schedule (a two-message handshake with each neighbour).
   `microbatches: M` regroups the step's rows into M micro-batches instead (fewer, larger sends).
 - **Shapes are given, not inferred**: `PipelineStage` gets input and output examples on the meta
@@ -69,17 +69,16 @@ from typing import Any, ContextManager, Iterator, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from smolforge.data.encode import IGNORE
 from smolforge.errors import SmolforgeError
-from smolforge.models.partition import Stage, arch_of, check_bounds, cut, positions_for
+from smolforge.models.partition import Stage, arch_of, check_bounds, cut
 from smolforge.models.placement import NodeInfo, Workload, measure_node, model_info, plan_in_order
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
+from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
 from smolforge.train.strategy import Batch, StepPass
 
@@ -147,7 +146,7 @@ class Pipeline(DDP):
         super().__init__()
         self.config = self.settings.model_dump()
         self.layout: _Layout | None = None
-        self.runner: _StageStep | None = None
+        self.runner: StageStep | None = None
         self.full = False  # full fine-tuning: the final weights are the whole model (streamed to a file)
         self.ties: list[tuple[int, dist.ProcessGroup]] = []  # trainable parameters held by several stages
         self.global_ids: dict[int, int] = {}  # id(parameter) -> its integer id in a whole-model optimizer
@@ -177,7 +176,7 @@ class Pipeline(DDP):
         self.hidden_size = arch_of(base.config).hidden_size
         self.hidden_dtype = base.get_input_embeddings().weight.dtype
         self.vocab = base.get_output_embeddings().weight.shape[0]
-        self.runner = _StageStep(stage, self.hidden_dtype)
+        self.runner = StageStep(stage, self.hidden_dtype)
         self._free_other_stages()
         self.ties = self._tie_groups()
 
@@ -293,7 +292,7 @@ class Pipeline(DDP):
         if how.scaler is not None:
             raise SmolforgeError("the pipeline strategy does not train in fp16 with loss scaling",
                                  fix="use --precision bf16 or fp32 with --strategy pipeline")
-        batch, per_token = _concat([{k: v.to(how.device, non_blocking=True) for k, v in m.items()} for m in micro])
+        batch, per_token = concat_micro_batches([{k: v.to(how.device, non_blocking=True) for k, v in m.items()} for m in micro])
         rows, width = batch["input_ids"].shape
         n = self.settings.microbatches or len(micro)
         if rows % n:
@@ -549,46 +548,6 @@ class Pipeline(DDP):
         return {"stage_layers": float(len(stage.layer_ids))} if stage is not None else {}
 
 
-class _StageStep(nn.Module):
-    """What the schedule runs on this rank: its stage, on one micro-batch at the micro-batch's own width.
-
-    Micro-batches cross the cuts at the step's width (the schedule's buffers have one shape); each is
-    cropped to its longest row on the way in and padded back on the way out, so it runs exactly as the
-    loop runs it alone: the same shapes, the same masks (a micro-batch without padding takes SDPA's
-    causal path; padded to a longer width, it would take the masked one and round differently).
-    """
-
-    def __init__(self, stage: Stage, hidden_dtype: torch.dtype):
-        super().__init__()
-        self.stage = stage
-        self.hidden_dtype = hidden_dtype
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        width = int(attention_mask.sum(-1).max())  # right padding: the longest row
-        mask = attention_mask[:, :width]
-        out = self.stage(x[:, :width].contiguous(), mask, positions_for(mask))
-        if self.stage.has_head:
-            return out  # logits, to the loss at this micro-batch's width
-        if out.dtype != self.hidden_dtype:
-            raise RuntimeError(f"stage {self.stage.lo}-{self.stage.hi} made {out.dtype} hidden states; the next "
-                               f"stage's buffers hold {self.hidden_dtype}")
-        return _PadTo.apply(out, x.shape[1])
-
-
-class _PadTo(torch.autograd.Function):
-    """Right-pad hidden states to the step's width with zeros; the gradient comes back contiguous, as the
-    layers would get it in one process."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, width: int) -> torch.Tensor:
-        ctx.width = h.shape[1]
-        return F.pad(h, (0, 0, 0, width - h.shape[1]))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad[:, :ctx.width].contiguous(), None
-
-
 def _layout(model: nn.Module, stages: list[Stage]) -> _Layout:
     named = list(model.named_parameters())
     index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -605,20 +564,3 @@ def _layout(model: nn.Module, stages: list[Stage]) -> _Layout:
                    owners=[tuple(sorted(o)) or (0,) for o in owners], shapes=[p.shape for _, p in named],
                    dtypes=[p.dtype for _, p in named], trainable=trainable, grad_upto=grad_upto,
                    index={n: i for i, (n, _) in enumerate(named)})
-
-
-def _concat(micro: list[Batch]) -> tuple[Batch, set[str]]:
-    """The step's micro-batches as one batch at the widest one's width (labels padded with IGNORE, the rest
-    with 0), and which keys have a sequence dimension."""
-    width = max(m["input_ids"].shape[1] for m in micro)
-    per_token = {k for k, v in micro[0].items()
-                 if all(m[k].ndim >= 2 and m[k].shape[1] == m["input_ids"].shape[1] for m in micro)}
-    out = {}
-    for k in micro[0]:
-        if k in per_token:
-            fill = IGNORE if k == "labels" else 0
-            pad = [(0, 0) * (m[k].ndim - 2) + (0, width - m[k].shape[1]) for m in micro]
-            out[k] = torch.cat([F.pad(m[k], p, value=fill) for m, p in zip(micro, pad)])
-        else:
-            out[k] = torch.cat([m[k] for m in micro])
-    return out, per_token
