@@ -179,13 +179,11 @@ def staged_side(model_dir: str, max_tokens: int, threads: int, tmp: Path, stages
     processes, activations through Ray), each stage with `threads` CPUs."""
     import signal
 
-    from servehelpers import free_port
+    from servehelpers import embedded_env, free_port
 
     home, port = tmp / f"staged-{stages}", free_port()
     ray_tmp = Path(tempfile.mkdtemp(prefix="sfb", dir="/tmp"))
-    env = {**os.environ, "SMOLFORGE_HOME": str(home), "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
-    for k in ("SMOLFORGE_TOKEN", "SMOLFORGE_COORDINATOR", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(k, None)
+    env = embedded_env(home, ray_tmp)
     log = tmp / f"staged-{stages}.log"
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", model_dir,
                              "--model-name", "bench", "--stages", str(stages), "--port", str(port),

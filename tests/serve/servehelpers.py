@@ -39,6 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def embedded_env(home: Path, ray_tmp: Path) -> dict[str, str]:
+    """The environment of `smolforge serve --stages N` on an embedded cluster of its own: its own home
+    and Ray temp dir, and no coordinator, token or Ray address inherited from the caller's."""
+    env = {**os.environ, "SMOLFORGE_HOME": str(home), "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("SMOLFORGE_TOKEN", "SMOLFORGE_COORDINATOR", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    return env
+
+
 def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123", extra: tuple[str, ...] = ()) -> Server:
     token_file = tmp / "token"
     token_file.write_text(token)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from servehelpers import free_port
+from servehelpers import embedded_env, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -46,9 +46,7 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     port = free_port()
     home = tmp_path / "home"
     ray_tmp = Path(tempfile.mkdtemp(prefix="sfe", dir="/tmp"))  # short: Ray socket paths
-    env = {**os.environ, "SMOLFORGE_HOME": str(home), "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
-    for k in ("SMOLFORGE_TOKEN", "SMOLFORGE_COORDINATOR", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(k, None)
+    env = embedded_env(home, ray_tmp)
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", str(model_copy),
                              "--model-name", "tiny", "--stages", "2", "--port", str(port), "--adapter", str(adapter)],

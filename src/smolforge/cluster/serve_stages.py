@@ -203,13 +203,17 @@ class StageGroup:
             raise SmolforgeError(f"no live node holds {self.model}", fix="join a worker that holds the model")
         return sorted(nodes, key=lambda n: (n.role in ("coordinator", "embedded"), n.name))
 
+    def _with_room(self, nodes: list[ray_glue.NodeInfo]) -> list[ray_glue.NodeInfo]:
+        """The nodes with a stage's CPUs free now; all of them if none has (the actor then waits for one)."""
+        return [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+
     def _pick(self, handle: RemoteStage) -> ray_glue.NodeInfo:
         nodes = self.candidates()
         used: dict[str, int] = {}
         for h in self.handles:
             if h is not handle and not h.broken and h.where.get("node_id"):
                 used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
-        free = [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+        free = self._with_room(nodes)
         return min(free, key=lambda n: (used.get(n.node_id, 0), nodes.index(n)))
 
     def plan(self) -> Plan:
@@ -222,7 +226,7 @@ class StageGroup:
         from smolforge.models.placement import ModelInfo, NodeInfo, plan_serving
 
         nodes = self.candidates()
-        free = [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+        free = self._with_room(nodes)
         names = {n.node_id: (n.name if [m.name for m in free].count(n.name) == 1 else f"{n.name}-{n.node_id[:6]}")
                  for n in free}
         refs = [ray.remote(probe_node).options(
