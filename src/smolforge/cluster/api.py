@@ -4,7 +4,9 @@ Every route needs `Authorization: Bearer <token>`, checked before any body byte 
 (`cluster/gate.py`, which also bounds bodies: 413), except two that carry no data: `/health` (for load
 balancers and `worker join`'s reachability check) and the `/dashboard` page shell, which a browser
 loads before it has the token; the page then calls the API with the token it reads from the URL
-fragment (`/dashboard#token=…`, never sent to the server) or a login box.
+fragment (`/dashboard#token=…`, never sent to the server) or a login box. Its static files (script,
+vendored chart library) are open too, at fixed paths from `smolforge.dashboard.ASSETS`: each path
+names one packaged file, nothing from the URL reaches the filesystem.
 
 Errors are JSON `{"error", "where", "fix"}` with 400 (bad request), 401 (token), 404 (unknown job).
 Handlers are plain `def`: FastAPI runs them in its thread pool, which suits SQLite and Ray calls.
@@ -28,7 +30,7 @@ from smolforge.cluster.gate import Gate
 from smolforge.cluster.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
 from smolforge.cluster.ray_tls import ensure_ca, sign_request
-from smolforge.dashboard import page
+from smolforge.dashboard import asset, asset_paths, page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
 
@@ -37,7 +39,7 @@ MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**
 UPLOAD_QUOTA_BYTES = int(os.environ.get("SMOLFORGE_UPLOAD_QUOTA_BYTES", str(50 * 2**30)))
 # Every other route takes JSON (job specs, heartbeats): 4 MiB is far above any of them.
 MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_MAX_BODY_BYTES", str(4 * 2**20)))
-OPEN_PATHS = ("/health", "/dashboard")
+OPEN_PATHS = ("/health", "/dashboard", *asset_paths())
 NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -89,6 +91,15 @@ def create_app(core: Any) -> FastAPI:
     @app.get("/dashboard", response_class=HTMLResponse)
     def dashboard():
         return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+    @app.get("/dashboard/assets/{name}")
+    def dashboard_asset(name: str):
+        found = asset(name)  # an allow-list lookup: any other name is a 404, never a file path
+        if found is None:
+            raise HTTPException(status_code=404, detail=f"no dashboard file {name!r}")
+        body, media_type = found
+        return Response(body, media_type=media_type,
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
     # -- cluster ----------------------------------------------------------------------------------
 
