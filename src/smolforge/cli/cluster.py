@@ -3,6 +3,7 @@
     smolforge coordinator start [--host --port --ray-port --state-dir]
     smolforge worker join HOST:PORT --token-file F [--name --models-dir --cpus --gpus --memory]
     smolforge status | nodes | resources | jobs
+    smolforge dashboard [--port]   (the embedded cluster's dashboard; a coordinator serves its own)
     smolforge job show|logs|pause|resume|cancel|join ID
     smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
     smolforge submit job.yaml [--set key=value]
@@ -247,6 +248,24 @@ def register(app: typer.Typer) -> None:
                           announce=lambda text: (typer.echo(text), sys.stdout.flush()))
         code = node.run()
         raise typer.Exit(code)
+
+    @app.command()
+    @run_cli
+    def dashboard(
+        port: int = typer.Option(5050, help="port on 127.0.0.1 (0 picks a free one)"),
+        cpus: Optional[int] = typer.Option(None, help="CPUs the embedded cluster may use for jobs resumed here"),
+    ):
+        """Serve the dashboard (nodes, jobs, curves, pause/resume/cancel) for the embedded cluster.
+
+        For jobs run without a coordinator (`smolforge train|launch|distill` on this machine). Listens on
+        127.0.0.1 only and prints the URL to open, with the token in its #fragment. A running coordinator
+        serves its own dashboard at http://HOST:PORT/dashboard instead. Ctrl-C stops it.
+
+        Example: smolforge dashboard --port 5050
+        """
+        from smolforge.cluster.embedded_dashboard import serve
+
+        serve(port, announce=lambda text: (typer.echo(text), __import__("sys").stdout.flush()), num_cpus=cpus)
 
     @app.command()
     @run_cli
