@@ -185,15 +185,23 @@
     var kb = (/^eval_/.test(b) ? 2 : /\.(rank|student)\d+$/.test(b) ? 1 : 0);
     return ka - kb || a.localeCompare(b, undefined, { numeric: true });
   }
-  function fmtAxis(v) {  // learning rates are 1e-4, bytes sent are 1e8: both must read on a narrow axis
+  function decimals(incr) { return Math.min(8, Math.max(0, -Math.floor(Math.log10(incr) + 1e-9))); }
+  function fmtAxis(v, incr) {
+    // as many digits as the tick spacing needs: a learning rate that moves from 2.0000e-4 to 1.9990e-4
+    // over a long run must not read "2.00e-4" on every tick; bytes sent (1e8) read as "15M"
     if (v === null || v === undefined) return "";
     var a = Math.abs(v);
     if (a === 0) return "0";
-    if (a >= 1e9) return +(v / 1e9).toPrecision(3) + "G";
-    if (a >= 1e6) return +(v / 1e6).toPrecision(3) + "M";
-    if (a >= 1e4) return +(v / 1e3).toPrecision(3) + "k";
-    if (a < 0.01) return v.toExponential(2);  // 1.95e-4 and 2.00e-4 stay apart
-    return String(+v.toPrecision(4));
+    incr = incr > 0 ? incr : a;
+    var units = [[1e9, "G"], [1e6, "M"], [1e4, "k"]];
+    for (var k = 0; k < units.length; k++) {
+      if (a >= units[k][0]) {
+        var div = units[k][0] === 1e4 ? 1e3 : units[k][0];
+        return (v / div).toFixed(decimals(incr / div)) + units[k][1];
+      }
+    }
+    if (a < 0.01) return v.toExponential(Math.min(6, Math.max(1, Math.ceil(Math.log10(a / incr)))));
+    return v.toFixed(decimals(incr));
   }
   function chartData(series) {
     var names = Object.keys(series).sort(seriesOrder);
@@ -217,7 +225,9 @@
     var opts = {
       title: TITLES[key] || key, width: width, height: 220,
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, { size: 60, values: function (u, vals) { return vals.map(fmtAxis); } }],
+      axes: [{ label: "step" }, { size: 75, values: function (u, vals, axis, space, incr) {
+        return vals.map(function (v) { return fmtAxis(v, incr); });
+      } }],
       series: [{ label: "step" }].concat(names.map(function (n, i) {
         return { label: n, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
                  points: { show: data[0].length < 40 } };
