@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import last_json, smolforge
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo"])
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "dashboard"])
 def test_help_has_an_example(command):
     proc = smolforge(command, "--help", check=True)
     assert "Example: smolforge" in proc.stdout
