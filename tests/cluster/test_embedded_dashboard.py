@@ -1,7 +1,7 @@
 """`smolforge dashboard`: the coordinator's API and page for the embedded cluster, on loopback.
 
 One `smolforge dashboard --port 0` process for the module (one embedded Ray start): it prints the URL
-with the token in its fragment (the state dir's token, never in argv), serves the page shell and its
+and where the token is (the state dir's token file; the token itself never printed nor in argv), serves the page shell and its
 allow-listed assets open and everything else only with the token, shows this machine live (its
 node agent's heartbeat), runs a job submitted through its API, and stops on SIGINT. The page itself
 is driven in a browser by tests/e2e/test_dashboard.py (same app, served by a coordinator).
@@ -43,10 +43,12 @@ def served(tmp_path_factory):
         deadline = time.time() + 180
         found = None
         while time.time() < deadline and proc.poll() is None and not found:
-            found = re.search(r"open: (http://127\.0\.0\.1:\d+)/dashboard#token=(\S+)", log.read_text())
+            found = re.search(r"open: (http://127\.0\.0\.1:\d+)/dashboard ", log.read_text())
             time.sleep(0.3)
         assert found, log.read_text()[-3000:]
-        yield {"proc": proc, "base": found.group(1), "token": found.group(2), "home": home, "log": log}
+        token = (home / "embedded" / "token").read_text().strip()
+        assert token not in log.read_text()  # the token is never printed: the URL names the file instead
+        yield {"proc": proc, "base": found.group(1), "token": token, "home": home, "log": log}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # only when the SIGINT test did not end it
@@ -58,7 +60,6 @@ def served(tmp_path_factory):
 
 def test_url_token_and_open_routes(served):
     base, token = served["base"], served["token"]
-    assert token == (served["home"] / "embedded" / "token").read_text().strip()
     assert token.encode() not in Path(f"/proc/{served['proc'].pid}/cmdline").read_bytes()
     assert httpx.get(f"{base}/dashboard", timeout=10).status_code == 200
     js = httpx.get(f"{base}/dashboard/assets/uPlot.iife.min.js", timeout=10)

@@ -6,8 +6,9 @@ starts a node agent on the in-process Ray cluster, so the page shows this machin
 use live, as it does for a real cluster's nodes.
 
 Only 127.0.0.1: an embedded cluster is this machine's alone. The token is the embedded state dir's
-(`$SMOLFORGE_HOME/embedded/token`, made 0600 the first time), so a bookmarked URL keeps working; it is
-printed in the URL fragment (the browser never sends a fragment to the server) and never in argv.
+(`$SMOLFORGE_HOME/embedded/token`, made 0600 the first time); like every command it is never printed
+nor put in argv: the announcement names the file, and the page takes it from its login box or from a
+`#token=` fragment the user builds (a browser never sends a fragment to the server).
 
 Jobs resumed from the page run in this process (as `job resume` runs them in its command); Ctrl-C
 stops them, and the next embedded command finds them interrupted (paused) and resumable.
@@ -86,9 +87,9 @@ def serve(port: int, announce: Callable[[str], None] = print, num_cpus: int | No
             if server.started:
                 interrupted = f"\n  paused (interrupted) jobs: {', '.join(cluster.interrupted)}" if cluster.interrupted else ""
                 announce(f"smolforge dashboard for the embedded cluster (this machine), Ctrl-C stops it\n"
-                         f"  open: {url}/dashboard#token={core.token}\n"
-                         f"  (127.0.0.1 only; the token is the one in {cluster.state.token_path}: keep the URL to "
-                         f"yourself){interrupted}")
+                         f"  open: {url}/dashboard  (127.0.0.1 only)\n"
+                         f"  token: in {cluster.state.token_path} (mode 0600): paste it in the page's login box, or "
+                         f"open {url}/dashboard#token=$(cat {cluster.state.token_path}){interrupted}")
             while stop is not None and not server.should_exit:  # a caller in another thread ends it
                 if stop.wait(0.2):
                     server.should_exit = True
