@@ -261,11 +261,26 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
         out = output_dir or f"outputs/{job_id}"
         if on_completed is not None and st["state"] == "completed":
             on_completed(backend, job_id, Path(out))
+        if not json_out:
+            say_monitoring(backend, job_id, embedded)
         finish_job(backend, st, out, json_out)
     finally:
         close = getattr(backend, "close", None)
         if close:
             close()
+
+
+def say_monitoring(backend: Any, job_id: str, embedded: bool) -> None:
+    """Where the job's TensorBoard / W&B files are (the runner's `monitoring` event says), if it wrote any."""
+    for e in backend.job_events(job_id):
+        if e["kind"] == "monitoring" and e.get("data"):
+            root = Path(e["data"]["root"])
+            where = "" if embedded else " (on the coordinator's machine)"
+            if e["data"].get("tensorboard"):
+                typer.echo(f"tensorboard: tensorboard --logdir {root / 'tensorboard'}{where}", err=True)
+            if e["data"].get("wandb"):
+                typer.echo(f"wandb: offline runs in {root / 'wandb'}{where} (upload: wandb sync <run dir>)", err=True)
+            return
 
 
 def monitored(spec: dict) -> bool:

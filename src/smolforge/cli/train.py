@@ -118,7 +118,10 @@ def register(app: typer.Typer) -> None:
             print_json(result.to_dict())
         else:
             typer.echo(f"adapter: {result.adapter_dir}")
-            typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})")
+            tb = f"  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})" if cfg.tensorboard is not False else ""
+            typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}{tb}")
+            if cfg.wandb:
+                typer.echo(f"wandb: offline run in {Path(cfg.output_dir) / 'wandb'} (upload: wandb sync <run dir>)")
 
     @app.command("eval")
     @run_cli
