@@ -62,9 +62,15 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
                      "--max-samples", "32", "--max-steps", "3", "--batch-size", "4", "--max-new-tokens", "6",
                      "--top-k", "8", "--num-students", "2", "--peft-config", '{"r": 4, "lora_alpha": 8}',
-                     "--save-every", "1", "--output-dir", str(out), "--json", timeout=600, env=env)
+                     "--save-every", "1", "--output-dir", str(out), "--tensorboard", "--json", timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for i in range(2):  # --tensorboard: one run dir per student, in the run dir
+        acc = EventAccumulator(str(out / "tensorboard" / f"student{i}"))
+        acc.Reload()
+        assert acc.Scalars("train/loss") and all(e.step <= 3 for e in acc.Scalars("train/loss"))
     assert summary["store"]["shards"] >= 2 and summary["store"]["bytes_per_token"] > 0
     assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
     assert (out / "teacher_outputs" / "batch_0.safetensors").exists()

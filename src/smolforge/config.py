@@ -74,7 +74,11 @@ class TrainConfig(Spec):
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs given")
     log_every: int = Field(10, ge=1)
     quiet: bool = False
-    tensorboard: bool = True
+    tensorboard: bool | None = Field(None, description="TensorBoard event files under output_dir/tensorboard; "
+                                     "default (None): on for `smolforge train`, off for a data-parallel job (there: "
+                                     "one run dir per rank, written by the coordinator)")
+    wandb: str | None = Field(None, description="W&B project: an offline run (per rank in a data-parallel job) "
+                              "under output_dir/wandb; needs smolforge[wandb]")
 
 
 def _parse_value(raw: str) -> Any:

@@ -712,7 +712,7 @@ def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
     assert {t["node_name"] for t in tasks} <= {"w1", "w2"}  # never the coordinator
     assert all(t["state"] == "completed" for t in tasks if t["kind"] == "student")
     assert st["result"]["store"]["shards"] == 8 and "eval_loss" in st["result"]["eval"]
-    assert [m for m in client.job_metrics(job_id) if m["name"].startswith("loss/student-")]  # loss curves
+    assert [m for m in client.job_metrics(job_id) if m["name"].startswith("loss.student")]  # curve per student
     path = client.download_adapter(job_id, world["base"] / "downloads" / job_id)
     assert path.name == "final_adapter" and (path / "adapter_model.safetensors").exists()
     from smolforge.errors import SmolforgeError

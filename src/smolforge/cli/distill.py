@@ -66,12 +66,20 @@ def register(app: typer.Typer) -> None:
         token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         resume: bool = typer.Option(False, "--resume", help="continue the students of an earlier run in --output-dir "
                                     "from their checkpoints (without it such a dir is refused; teacher shards are always reused)"),
+        tensorboard: bool = typer.Option(False, "--tensorboard", help="TensorBoard event files per student: "
+                                         "OUTPUT_DIR/tensorboard/student<N> (with a coordinator: its state dir, "
+                                         "distill/<job>/tensorboard)"),
+        wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
+                                            help="one offline W&B run per student, in the same place's wandb/ "
+                                            "(the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
     ):
         """Distill a teacher into PEFT students: parallel teacher shards, streaming students, merged adapter.
 
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
+
+        Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --tensorboard  (then: tensorboard --logdir outputs/distill/tensorboard)
         """
         distill = {
             "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
@@ -84,7 +92,8 @@ def register(app: typer.Typer) -> None:
             "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
             "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
-        summary = run_distill_job({"kind": "distill", "mode": mode, "distill": distill}, output_dir, resume=resume,
+        spec = {"kind": "distill", "mode": mode, "distill": distill, "tensorboard": tensorboard, "wandb": wandb}
+        summary = run_distill_job(spec, output_dir, resume=resume,
                                   coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})

@@ -59,7 +59,15 @@ def register(app: typer.Typer) -> None:
         gpu: str = typer.Option("no", help="no|preferred|required"),
         max_retries: int = typer.Option(2, help="worker failures to survive"),
         name: Optional[str] = typer.Option(None, help="a name for the job"),
-        output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>)"),
+        output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>); "
+                                                 "on the embedded cluster also where --tensorboard/--wandb write"),
+        tensorboard: bool = typer.Option(False, "--tensorboard", help="TensorBoard event files, one run dir per rank "
+                                         "(tensorboard/rank<R>) or student (tensorboard/student<N>), written by the "
+                                         "coordinator in <state dir>/runs/<job>/ (distill: distill/<job>/); on the "
+                                         "embedded cluster in --output-dir when given"),
+        wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
+                                            help="one offline W&B run per rank/student next to the TensorBoard files "
+                                            "(wandb/; the package's wandb extra; upload later with `wandb sync`)"),
         set_: list[str] = typer.Option([], "--set", help="override any setting, e.g. --set training.warmup_steps=10"),
         detach: bool = typer.Option(False, "--detach", help="submit and return (coordinator only)"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster"),
@@ -89,6 +97,8 @@ def register(app: typer.Typer) -> None:
         Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe
 
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
+
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
         """
         if mode in ("teacher_student", "hybrid"):
             workers = 2 if workers is None else workers
@@ -101,7 +111,7 @@ def register(app: typer.Typer) -> None:
                             cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
                             coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
-                            json_out=json_out,
+                            json_out=json_out, tensorboard=tensorboard, wandb=wandb,
                             name=name, sets=set_, detach=detach,
                             save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
             return
@@ -114,7 +124,7 @@ def register(app: typer.Typer) -> None:
         workers, strategy = _model_parallel(mode, stages, workers, strategy)
         kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
                                       cpus_per_worker=cpus_per_worker, name=name, strategy=strategy,
-                                      balance=balance)
+                                      balance=balance, tensorboard=tensorboard, wandb=wandb)
         for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
                            ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
                            ("lora_alpha", lora_alpha), ("peft", peft)):
@@ -206,7 +216,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
             distill[key] = o[key]
     if mode == "hybrid":
         distill["split_shards"] = True
-    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill}, o["sets"])
+    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill,
+                                "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
     job = validate(DistillJob, spec, where="launch")
     check_run(job.distill, job.mode)  # before any cluster starts
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
@@ -238,6 +249,8 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
         if detach and embedded:
             raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
                                  fix="start one with `smolforge coordinator start`, or drop --detach")
+        if embedded and output_dir and monitored(spec):  # the job runs here: its monitoring files go there too
+            spec = {**spec, "output_dir": str(Path(output_dir).resolve())}
         job_id = backend.submit_job(spec)
         if not json_out:
             typer.echo(f"submitted {job_id} ({what}" + (", embedded cluster" if embedded else "") + ")", err=True)
@@ -248,11 +261,33 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
         out = output_dir or f"outputs/{job_id}"
         if on_completed is not None and st["state"] == "completed":
             on_completed(backend, job_id, Path(out))
+        if not json_out:
+            say_monitoring(backend, job_id, embedded)
         finish_job(backend, st, out, json_out)
     finally:
         close = getattr(backend, "close", None)
         if close:
             close()
+
+
+def say_monitoring(backend: Any, job_id: str, embedded: bool) -> None:
+    """Where the job's TensorBoard / W&B files are (the runner's `monitoring` event says), if it wrote any."""
+    for e in backend.job_events(job_id):
+        if e["kind"] == "monitoring" and e.get("data"):
+            root = Path(e["data"]["root"])
+            where = "" if embedded else " (on the coordinator's machine)"
+            if e["data"].get("tensorboard"):
+                typer.echo(f"tensorboard: tensorboard --logdir {root / 'tensorboard'}{where}", err=True)
+            if e["data"].get("wandb"):
+                typer.echo(f"wandb: offline runs in {root / 'wandb'}{where} (upload: wandb sync <run dir>)", err=True)
+            return
+
+
+def monitored(spec: dict) -> bool:
+    """Whether a data-parallel job spec asks for TensorBoard or W&B files (a distill job keeps them in
+    its run dir, like the rest of its run)."""
+    train = spec.get("train") if spec.get("kind", "data_parallel") == "data_parallel" else None
+    return bool(train and (train.get("tensorboard") or train.get("wandb")))
 
 
 def default_save_every(max_steps: int | None) -> int:
@@ -268,7 +303,11 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
 
     strategy = opts.pop("strategy", "ddp")
     balance = opts.pop("balance", "auto")
-    train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size}
+    train: dict[str, Any] = {"model": model, "data": {"path": dataset}, "batch_size": batch_size,
+                             "tensorboard": bool(opts.pop("tensorboard", False))}
+    if opts.get("wandb"):
+        train["wandb"] = opts.pop("wandb")
+    opts.pop("wandb", None)
     if "max_length" in opts:
         train["data"]["max_length"] = opts.pop("max_length")
     peft: dict[str, Any] = {}

@@ -135,7 +135,9 @@ def train_cmd(
     session_name: Optional[str] = typer.Option(None, help="names this run on the server (default: from --output-dir)"),
     reconnect_timeout: float = typer.Option(300.0, help="keep retrying an unreachable server this many seconds"),
     num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
-    tensorboard: bool = typer.Option(False, "--tensorboard", help="also write TensorBoard logs"),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="also write TensorBoard logs (OUTPUT_DIR/tensorboard)"),
+    wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
+                                        help="also log to W&B, offline, in OUTPUT_DIR/wandb (the package's wandb extra)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or log lines"),
     json_out: bool = typer.Option(False, "--json", help="print the result summary as JSON"),
 ):
@@ -158,7 +160,7 @@ def train_cmd(
         max_seq_length=max_seq_length, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm or None,
         scheduler=scheduler, save_interval=save_interval, eval_interval=eval_interval, log_interval=log_interval,
         output_dir=output_dir, resume=resume, codec=codec, seed=seed, device=device, session_name=session_name,
-        reconnect_timeout=reconnect_timeout, num_threads=num_threads, tensorboard=tensorboard, quiet=quiet)
+        reconnect_timeout=reconnect_timeout, num_threads=num_threads, tensorboard=tensorboard, wandb=wandb, quiet=quiet)
     cfg = validate(SplitTrainConfig, values, where="smolforge split train")
     if not quiet:
         logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)

@@ -19,7 +19,7 @@ FLAG_KEYS = {
     "warmup_steps": "warmup_steps", "scheduler": "scheduler", "eval_every": "eval_every",
     "save_every": "save_every", "keep_last": "keep_last", "resume": "resume", "seed": "seed",
     "device": "device", "precision": "precision", "gradient_checkpointing": "gradient_checkpointing",
-    "num_threads": "num_threads", "quiet": "quiet",
+    "num_threads": "num_threads", "quiet": "quiet", "wandb": "wandb",
 }
 
 
@@ -90,15 +90,23 @@ def register(app: typer.Typer) -> None:
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file with any of these settings"),
         set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set training.batch_size=16"),
+        tensorboard: Optional[bool] = typer.Option(None, "--tensorboard/--no-tensorboard",
+                                                   help="TensorBoard event files in OUTPUT_DIR/tensorboard (default on)"),
+        wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
+                                            help="also log to W&B, offline, in OUTPUT_DIR/wandb (the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar (for scripts)"),
     ):
         """Fine-tune a model on one worker (LoRA by default).
 
         Example: smolforge train --model tiny-llama --data bundled --peft lora --max-steps 200 --output-dir outputs/run
+
+        Example: smolforge train --model tiny-llama --data bundled --max-steps 50 --wandb my-project  (then: wandb sync outputs/run/wandb/offline-run-*)
         """
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
+        if tensorboard is not None:
+            cfg = cfg.model_copy(update={"tensorboard": tensorboard})
         if json_out:
             cfg = cfg.model_copy(update={"quiet": True})
         examples = check_model_and_data(cfg)
@@ -110,7 +118,10 @@ def register(app: typer.Typer) -> None:
             print_json(result.to_dict())
         else:
             typer.echo(f"adapter: {result.adapter_dir}")
-            typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})")
+            tb = f"  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})" if cfg.tensorboard is not False else ""
+            typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}{tb}")
+            if cfg.wandb:
+                typer.echo(f"wandb: offline run in {Path(cfg.output_dir) / 'wandb'} (upload: wandb sync <run dir>)")
 
     @app.command("eval")
     @run_cli

@@ -317,6 +317,13 @@ class JobStore:
             db.executemany("INSERT INTO metrics (job_id, step, ts, name, value) VALUES (?,?,?,?,?)",
                            [(job_id, int(s), now, n, float(v)) for s, n, v in rows])
 
+    def latest_metrics(self, job_id: str) -> dict[str, tuple[int, float]]:
+        """Each series' newest row, name -> (step, value): what a Prometheus scrape exports."""
+        # SQLite takes a bare column's value from the row that MAX() picked: the newest of each name
+        rows = self._db().execute("SELECT name, step, value, MAX(id) FROM metrics WHERE job_id=? GROUP BY name",
+                                  (job_id,)).fetchall()
+        return {r[0]: (int(r[1]), r[2]) for r in rows if r[2] is not None}
+
     def metrics(self, job_id: str, name: str | None = None) -> list[dict[str, Any]]:
         if name:
             rows = self._db().execute("SELECT step, ts, name, value FROM metrics WHERE job_id=? AND name=? ORDER BY step",

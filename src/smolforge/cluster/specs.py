@@ -69,6 +69,9 @@ class DataParallelJob(Spec):
     lent_nodes: list[str] = Field(default_factory=list, description="nodes lent with `job join` (coordinator: '@coordinator')")
     stages: int | None = Field(None, ge=1, description="model parallelism: pipeline stages, one per rank (sets "
                                                        "strategy pipeline and num_workers)")
+    output_dir: str | None = Field(None, description="embedded cluster only (an absolute path): where the job's "
+                                   "TensorBoard (tensorboard/rank<R>) and W&B (wandb/) files go; a coordinator "
+                                   "keeps them in <state dir>/runs/<job>/")
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +123,9 @@ class DistillJob(Spec):
     # where the job runs on this machine (`smolforge distill --output-dir`); a coordinator refuses
     # it and keeps the run in its state dir (the client downloads the adapter and the summary).
     output_dir: str | None = None
+    tensorboard: bool = Field(False, description="TensorBoard event files per student (tensorboard/student<N>) "
+                              "in the run dir")
+    wandb: str | None = Field(None, description="W&B project: one offline run per student in the run dir's wandb/")
 
 
 class ServeJob(Spec):

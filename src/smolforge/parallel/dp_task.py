@@ -349,7 +349,9 @@ class DPWorker:
             if isinstance(data.get(key), str) and data[key].startswith("upload:"):
                 data[key] = self._stage_upload(data[key], job_root)
         cfg_dict["model"] = local_model_path(cfg_dict["model"])
-        cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False,
+        # TensorBoard and W&B are written by the job's runner from the reports (one run per rank, on
+        # the coordinator), not by the ranks on their nodes
+        cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False, wandb=None,
                         resume=bool(resume_from))
         cfg = TrainConfig.model_validate(cfg_dict)
         prepare_model(cfg.model, node_dir())
@@ -384,8 +386,8 @@ class DPWorker:
                     self._emit({"type": "event", "kind": "balance",
                                 "message": f"step {info.step}: rows per rank {' / '.join(map(str, note['rows']))} "
                                            f"(measured {rates} samples/s)", "data": note})
-            if not is_main:
-                return
+            # every rank reports its own step (the runner keeps `<name>.rank<R>` series and one
+            # TensorBoard/W&B run per rank); rank 0's report is also the job's progress
             recent = step_times[-20:]
             per_step = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else None
             eta = per_step * (info.max_steps - info.step) if per_step else None

@@ -41,6 +41,7 @@ from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.split.rng import seeded_rng
 from smolforge.split.server import grad_norms
 from smolforge.telemetry.progress import StepProgress
+from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train.engine import SampleOrder, StepInfo, TrainHooks, available_cpus
 from smolforge.train.evaluate import perplexity, token_loss_sum
@@ -91,6 +92,7 @@ class SplitTrainConfig(Spec):
     keep_last: int = Field(2, ge=1)
     quiet: bool = False
     tensorboard: bool = False
+    wandb: str | None = Field(None, description="W&B project: an offline run under output_dir/wandb")
     reconnect_timeout: float = Field(300.0, gt=0)
     rpc_timeout: float = Field(600.0, gt=0)
     num_threads: int | None = Field(None, ge=1)
@@ -421,7 +423,9 @@ class SplitTrainer:
         self.log(f"trainable params: client {n_client:,} + trunk {self.trunk_trainable:,} || all params: "
                  f"{self.total_params:,}; {len(self.splits.train)} train / {len(self.eval_rows)} eval rows; "
                  f"{self.total_steps} steps")
-        writer = MetricsWriter(self.out_dir, tensorboard=cfg.tensorboard, append=start > 0)
+        writer = MetricsWriter(self.out_dir, tensorboard=cfg.tensorboard, append=start > 0, wandb=cfg.wandb,
+                               run_name=run_name("split", "client", 0, cfg.learning_rate, cfg.batch_size),
+                               config=cfg.model_dump(mode="json"))
         result = SplitTrainResult(output_dir=str(self.out_dir), adapter_dir=None, steps=start, final_loss=None,
                                   first_step=start, trainable_params=n_client, total_params=self.total_params,
                                   resumed_from=resumed_from, codec=cfg.codec)

@@ -36,6 +36,7 @@ from smolforge.models.peft_methods import (
 from smolforge.paths import atomic_write_json
 from smolforge.telemetry.memory import peak_rss_mb
 from smolforge.telemetry.progress import StepProgress
+from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
@@ -239,7 +240,9 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                 scheduler.step()
         log(f"joined the group at step {begin}")
         start_step = begin
-    writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard, append=start_step > 0) if is_main else None
+    writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard is not False, append=start_step > 0, wandb=cfg.wandb,
+                           run_name=run_name("single", "trainer", 0, cfg.lr, cfg.batch_size),
+                           config=cfg.model_dump(mode="json")) if is_main else None
     result = TrainResult(output_dir=str(out_dir), adapter_dir=None, steps=start_step, final_loss=None,
                          trainable_params=trainable, total_params=total_params,
                          data=splits.stats | {"resumed_from": resumed_from})

@@ -30,6 +30,16 @@ from smolforge.cluster.runners.base import JobRunner
 from smolforge.cluster.specs import DistillJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import sha256_bytes
+from smolforge.telemetry.sinks import run_name
+
+
+# What a student's progress report carries, as `<name>.student<N>` series (and its TensorBoard/W&B run)
+STUDENT_SERIES = ("loss", "lr", "tokens_per_s")
+
+
+def student_series(task_id: str) -> str:
+    """`student-3` (the session's task id) -> `student3` (the metric and TensorBoard series name)."""
+    return task_id.replace("-", "")
 
 
 def run_dir(mgr, job_id: str) -> Path:
@@ -47,6 +57,7 @@ class DistillRunner(JobRunner):
         self._task_rows: dict[str, tuple] = {}
         self._last_progress = -1.0
         self._steps: dict[str, Any] = {}
+        self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
 
     def request(self, what: str, node: str | None = None) -> None:
         if what in ("pause", "cancel") and self.want != "cancel":
@@ -72,6 +83,10 @@ class DistillRunner(JobRunner):
             settings = settings.model_copy(update={"data": str(self.mgr.artifacts.upload_path(settings.data.split(":", 1)[1]))})
         out = Path(spec.output_dir) if spec.output_dir and self.mgr.embedded else run_dir(self.mgr, self.job_id)
         orch = DistillSession(ray_glue.connect(), spec.mode)
+        self.open_sinks(out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
+                        name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
+                                                         settings.lr, settings.batch_size,
+                                                         host=self._nodes.get(series, "node")))
         self.store.add_event(self.job_id, "distill_started",
                              f"{spec.mode}: teacher {settings.teacher} → {', '.join(settings.students)} "
                              f"({settings.num_students} per base, {settings.peft}); run dir {out}")
@@ -89,6 +104,7 @@ class DistillRunner(JobRunner):
             self.store.set_state(self.job_id, "failed", f"failed: {err.what}", error=err.render())
             return
         self._mirror(orch.distill_tasks(), orch.events)
+        self.close_sinks()  # complete TensorBoard/W&B files before the job shows completed
         self._publish(out, summary)
 
     # -- mirroring into the job store ----------------------------------------------------------------
@@ -115,15 +131,20 @@ class DistillRunner(JobRunner):
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
             if s["kind"] == "student":
+                if s.get("node"):
+                    self._nodes.setdefault(student_series(s["task_id"]), s["node"])
                 total += float(s.get("samples_total") or 0)
                 done += float(s.get("samples_total") or 0) if s["state"] == "completed" else float(s.get("samples_done") or 0)
                 max_steps += int(s.get("max_steps") or 0)
                 steps += int(s.get("max_steps") or 0) if s["state"] == "completed" else int(s.get("step") or 0)
                 if s.get("loss") is not None:
                     losses.append(float(s["loss"]))
-                    if self._steps.get(s["task_id"]) != s.get("step"):  # a loss curve per student
+                    if self._steps.get(s["task_id"]) != s.get("step"):  # curves per student: `<name>.student<N>`
                         self._steps[s["task_id"]] = s.get("step")
-                        metric_rows.append((int(s.get("step") or 0), f"loss/{s['task_id']}", float(s["loss"])))
+                        series, step = student_series(s["task_id"]), int(s.get("step") or 0)
+                        values = {k: float(s[k]) for k in STUDENT_SERIES if s.get(k) is not None}
+                        metric_rows.extend((step, f"{k}.{series}", v) for k, v in values.items())
+                        self.log_series(series, "train", step, values)
                 if s.get("eta_s") is not None:
                     etas.append(float(s["eta_s"]))
         self.store.add_metrics(self.job_id, metric_rows)

@@ -154,6 +154,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
             if task is not None and task.state == "running":
                 task.progress = info["step"] / max(1, info["max_steps"])
                 task.step, task.loss = int(info["step"]), info.get("loss")
+                task.lr, task.tokens_per_s = info.get("lr"), info.get("tokens_per_s")
                 task.max_steps = int(info.get("max_steps") or task.max_steps)
                 task.samples_done = info.get("samples_done", 0)
                 task.samples_total = info.get("samples_total", task.samples_total)

@@ -39,6 +39,8 @@ class DistillTask:
     step: int = 0
     max_steps: int = 0
     loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
     progress: float = 0.0
     error: str | None = None
     created: float = field(default_factory=time.time)
@@ -60,6 +62,7 @@ class DistillTask:
                 "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued,
                 "samples_done": self.samples_done, "samples_total": self.samples_total, "eta_s": eta,
                 "step": self.step, "max_steps": self.max_steps, "loss": self.loss,
+                "lr": self.lr, "tokens_per_s": self.tokens_per_s,
                 "error": self.error, "shards": list(self.shards), "done_shards": list(self.done_shards),
                 "output_dir": self.output_dir, "started": self.started, "finished": self.finished}
 

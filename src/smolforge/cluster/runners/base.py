@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 import traceback
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayError
 
 from smolforge.cluster.policy import Decision, FailurePolicy
 from smolforge.errors import SmolforgeError
+from smolforge.telemetry.sinks import SeriesSinks
 
 if TYPE_CHECKING:
     from smolforge.cluster.manager import JobManager
@@ -45,6 +48,47 @@ class JobRunner(threading.Thread):
         self.want: str | None = None  # pause | cancel
         self.abandon = False
         self.finished = threading.Event()
+        self.sinks: SeriesSinks | None = None  # TensorBoard / W&B, one run per rank or student
+
+    def monitor_root(self, output_dir: str | None) -> Path:
+        """Where a job's TensorBoard and W&B files go: the job's `output_dir` on the embedded cluster
+        (this machine) when it names one, else `<state dir>/runs/<job>/` next to the artifacts."""
+        if output_dir and self.mgr.embedded:
+            return Path(output_dir)
+        return self.mgr.artifacts.root.parent / "runs" / self.job_id
+
+    def open_sinks(self, root: Path, *, tensorboard: bool, wandb: str | None, name_for: Callable[[str], str],
+                   config: Mapping[str, Any]) -> None:
+        """This job's metric sinks (nothing is opened until a series logs, nor at all when both are off)."""
+        self.close_sinks()
+        self.sinks = SeriesSinks(root, tensorboard=tensorboard, wandb=wandb, name_for=name_for, config=config)
+        if self.sinks.enabled:
+            self.store.add_event(self.job_id, "monitoring",
+                                 "metrics also go to " + " and ".join(
+                                     ([f"TensorBoard ({root / 'tensorboard'})"] if tensorboard else [])
+                                     + ([f"W&B project {wandb}, offline ({root / 'wandb'})"] if wandb else [])),
+                                 {"root": str(root), "tensorboard": tensorboard, "wandb": wandb})
+
+    def log_series(self, series: str, kind: str, step: int, values: Mapping[str, Any]) -> None:
+        """One rank's or student's numbers to its TensorBoard run and W&B run; a sink that fails costs
+        the monitoring (an event says so), never the job."""
+        if self.sinks is None or not self.sinks.enabled:
+            return
+        try:
+            self.sinks.log(series, kind, step, values)
+        except Exception as err:  # noqa: BLE001 (wandb raises its own types): monitoring is optional
+            self.store.add_event(self.job_id, "monitoring_failed", f"TensorBoard/W&B logging stopped: "
+                                 f"{short_error(err)}")
+            self.sinks = None
+
+    def close_sinks(self) -> None:
+        """Flush and close every sink (before the job is marked done, so its files are complete then)."""
+        sinks, self.sinks = self.sinks, None
+        if sinks is not None:
+            try:
+                sinks.close()
+            except Exception as err:  # noqa: BLE001
+                self.store.add_event(self.job_id, "monitoring_failed", f"closing TensorBoard/W&B: {short_error(err)}")
 
     def failure_policy(self, max_retries: int) -> FailurePolicy:
         """This job's FailurePolicy, counting the failures earlier runs of it recorded (`attempts`)."""
@@ -77,6 +121,7 @@ class JobRunner(threading.Thread):
                                      force=True)  # a final state (a cancel) stands: see JobState.settle
         finally:
             self._cleanup()
+            self.close_sinks()
             self.finished.set()
             self.mgr._runner_done(self.job_id, self)
 

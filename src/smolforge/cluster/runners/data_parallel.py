@@ -42,9 +42,14 @@ from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import STRATEGIES
 from smolforge.parallel.worker_group import WorkerGroup
+from smolforge.telemetry.sinks import run_name
 
 if TYPE_CHECKING:
     from smolforge.cluster.manager import JobManager
+
+# What each rank reports per step: the job's series (`loss`, ...) from rank 0, `<name>.rank<R>` from all
+STEP_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s")
+
 
 class DPRunner(JobRunner):
     """Runs one data-parallel job until it is completed, failed, cancelled or paused."""
@@ -156,6 +161,12 @@ class DPRunner(JobRunner):
                 self.control.set_stop.remote(self.want)
         policy = self.failure_policy(spec.max_retries)
         recovering: str | None = None
+        self._rank_nodes: dict[int, str] = {}
+        self.open_sinks(self.monitor_root(spec.output_dir), tensorboard=bool(spec.train.tensorboard),
+                        wandb=spec.train.wandb, config=spec.model_dump(mode="json"),
+                        name_for=lambda series: run_name(spec.strategy, "worker", int(series[4:]), spec.train.lr,
+                                                         spec.train.batch_size,
+                                                         host=self._rank_nodes.get(int(series[4:]), "node")))
         while not self.abandon:
             if self.want:
                 self._finish_stopped(self.want, "before the workers started")
@@ -199,6 +210,7 @@ class DPRunner(JobRunner):
                 self.store.upsert_task(gid, self.job_id, "dp_group", "released")
                 continue
             for info in infos:
+                self._rank_nodes[info["rank"]] = info["node_name"]
                 self.store.upsert_task(f"{gid}-r{info['rank']}", self.job_id, "dp_rank", "running",
                                        rank=info["rank"], attempt=round_no, node_id=info["node_id"],
                                        node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
@@ -252,6 +264,7 @@ class DPRunner(JobRunner):
                     self.store.add_event(self.job_id, "join_dropped",
                                          f"the job finished before {', '.join(late)} could join "
                                          f"(joins take effect at the next checkpoint)", {"nodes": late})
+                self.close_sinks()  # complete TensorBoard/W&B files before anyone sees "completed"
                 self.store.set_state(self.job_id, "completed", f"completed: {detail.get('steps')} steps",
                                      result=detail)
                 return
@@ -381,16 +394,20 @@ class DPRunner(JobRunner):
         comm: dict[int, dict] = {}  # the latest communication report of each rank in this batch
         for it in items:
             kind = it.get("type")
-            if kind == "step":
-                last_step = it
-                for name in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                    if it.get(name) is not None:
-                        rows.append((it["step"], name, it[name]))
+            rank = int(it.get("rank", 0))
+            if kind == "step":  # every rank's: `<name>.rank<R>`; rank 0's also the job's own series
+                values = {name: it[name] for name in STEP_SERIES if it.get(name) is not None}
+                rows.extend((it["step"], f"{name}.rank{rank}", v) for name, v in values.items())
+                if rank == 0:
+                    last_step = it
+                    rows.extend((it["step"], name, v) for name, v in values.items())
+                self.log_series(f"rank{rank}", "train", it["step"], values)
             elif kind == "eval":
                 step = int(it.get("step", 0))
-                for k, v in it.items():
-                    if k not in ("type", "step", "ts", "rank") and isinstance(v, (int, float)):
-                        rows.append((step, k, float(v)))
+                values = {k: float(v) for k, v in it.items()
+                          if k not in ("type", "step", "ts", "rank") and isinstance(v, (int, float))}
+                rows.extend((step, k, v) for k, v in values.items())
+                self.log_series(f"rank{rank}", "eval", step, values)
                 self.store.add_event(self.job_id, "eval", "eval: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in it.items() if k not in ("type", "ts", "rank", "step")
                     and isinstance(v, (int, float))), {k: v for k, v in it.items() if k != "type"}, ts=it.get("ts"))
@@ -401,9 +418,12 @@ class DPRunner(JobRunner):
                         rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", it[name]))
                 if it.get("rounds") is not None and it.get("rank") == 0:
                     rows.append((it["step"], "rounds", it["rounds"]))
-                for name, value in (it.get("metrics") or {}).items():  # the strategy's own (staleness...)
-                    if isinstance(value, (int, float)):
-                        rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", value))
+                own = {name: value for name, value in (it.get("metrics") or {}).items()  # staleness...
+                       if isinstance(value, (int, float))}
+                rows.extend((it["step"], f"{name}.rank{rank}", value) for name, value in own.items())
+                self.log_series(f"rank{rank}", "comm", it["step"],
+                                {**{n: it[n] for n in ("comm_bytes_sent", "comm_wait_s") if it.get(n) is not None},
+                                 **own})
             elif kind == "event":
                 self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
                                      ts=it.get("ts"))
