@@ -377,6 +377,7 @@ class DPRunner(JobRunner):
             return
         items.sort(key=lambda i: (i.get("ts", 0), i.get("step", 0)))
         rows: list[tuple[int, str, float]] = []
+        lines: list[dict] = []  # what the ranks printed and logged (telemetry.tasklog)
         last_step = None
         comm: dict[int, dict] = {}  # the latest communication report of each rank in this batch
         for it in items:
@@ -407,7 +408,10 @@ class DPRunner(JobRunner):
             elif kind == "event":
                 self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
                                      ts=it.get("ts"))
+            elif kind == "log":
+                lines.append(it)
         self.store.add_metrics(self.job_id, rows)
+        self.store.add_logs(self.job_id, lines)
         if comm:
             self._comm.update(comm)
             ranks = sorted(self._comm)
