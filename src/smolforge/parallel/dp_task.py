@@ -35,7 +35,7 @@ from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes, home
-from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
 
 POLL_S = 0.5
@@ -219,7 +219,7 @@ class DPWorker:
         self._lock = threading.Lock()
         self._running = False
         self._listen: socket.socket | None = None  # rank 0's store socket, from free_address to init_group
-        self._log = LineBuffer(f"r{rank}", os.environ.get("SMOLFORGE_NODE_NAME") or socket.gethostname())
+        self._log = LineBuffer(f"r{rank}", this_node())
 
     # -- placement info and rendezvous ----------------------------------------------------------
 

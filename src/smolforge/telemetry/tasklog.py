@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -71,6 +72,11 @@ class LineBuffer:
 
     def _record(self, ts: float, line: str) -> dict[str, Any]:
         return {"type": "log", "task": self.task, "node": self.node, "ts": ts, "line": line}
+
+
+def this_node() -> str:
+    """The node's name as the cluster knows it (`worker join --name` sets it), else the host name."""
+    return os.environ.get("SMOLFORGE_NODE_NAME") or socket.gethostname()
 
 
 def _env_secrets() -> list[str]:
@@ -159,6 +165,16 @@ def capture_output(buffer: LineBuffer) -> Iterator[LineBuffer]:
     handler into the buffer and onto the original stderr; the process's own handlers and levels come
     back afterwards.
     """
+    stop = start_capture(buffer)
+    try:
+        yield buffer
+    finally:
+        stop()
+
+
+def start_capture(buffer: LineBuffer):
+    """`capture_output` for a process whose task has no one block to wrap (an actor that lives as long
+    as its process: the parameter server); returns the function that undoes it."""
     out, err = _TeeStream(sys.stdout, buffer), _TeeStream(sys.stderr, buffer)
     old_out, old_err = sys.stdout, sys.stderr
     handler = _BufferHandler(buffer, sys.stderr)
@@ -169,11 +185,12 @@ def capture_output(buffer: LineBuffer) -> Iterator[LineBuffer]:
         ours.setLevel(logging.INFO)
     sys.stdout, sys.stderr = out, err
     root.addHandler(handler)
-    try:
-        yield buffer
-    finally:
+
+    def stop() -> None:
         root.removeHandler(handler)
         ours.setLevel(old_level)
         sys.stdout, sys.stderr = old_out, old_err
         out.flush()
         err.flush()
+
+    return stop
