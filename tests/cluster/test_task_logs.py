@@ -3,7 +3,8 @@
 
 `smolforge job logs --follow` is started as the job is submitted and must return once it ends, with
 both ranks' lines prefixed `[r0 wN]` / `[r1 wN]`; `--task r1` keeps only r1's; the API route takes the
-token like every other.
+token like every other. The job's strategy is `ssp`, so its parameter server (task `ps`, its own
+process on a worker) is covered by the same run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def run(tmp_path_factory):
         cluster.start_coordinator()
         cluster.add_workers(["w1", "w2"])
         cluster.wait_nodes(["coordinator", "w1", "w2"])
-        spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0,
+        spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "strategy": "ssp",
                 "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
                           "max_steps": STEPS, "batch_size": 1, "log_every": 2, "eval_accuracy": False,
                           "peft": {"method": "lora", "r": 4, "alpha": 8}}}
@@ -62,13 +63,15 @@ def test_task_filter_shows_one_ranks_lines_only(run):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines and all(re.match(r"\d\d:\d\d:\d\d \[r1 w[12]\] ", ln) for ln in lines), out.stdout
+    ps = run["c"].cli("job", "logs", run["job"], "--task", "ps").stdout
+    assert re.search(r"\[ps w[12]\] INFO smolforge.task: parameter server \(ssp\) for 2 members", ps), ps
 
 
 def test_json_lines_and_the_api_route_needs_the_token(run):
     out = run["c"].cli("job", "logs", run["job"], "--json")
     items = [json.loads(ln) for ln in out.stdout.splitlines()]
     logs = [i for i in items if i["type"] == "log"]
-    assert {i["task"] for i in logs} == {"r0", "r1"} and all(i["node"] in ("w1", "w2") for i in logs)
+    assert {i["task"] for i in logs} == {"r0", "r1", "ps"} and all(i["node"] in ("w1", "w2") for i in logs)
     assert [i["ts"] for i in items] == sorted(i["ts"] for i in items)
     c = run["c"]
     assert c.api("GET", f"/api/v1/jobs/{run['job']}/logs", token=None).status_code == 401

@@ -310,6 +310,7 @@ class DPRunner(JobRunner):
             return
         if not stats:  # no answer in time (its node is going): the ranks' calls fail and tell
             return
+        self.store.add_logs(self.job_id, stats.pop("lines", []))
         for note in stats.pop("notes", []):
             self.store.add_event(self.job_id, note.get("kind", "param_server"), note.get("message", ""), note)
         self.server_stats = stats
