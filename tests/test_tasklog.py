@@ -73,3 +73,14 @@ def test_events_and_lines_interleave_by_time():
     items = interleave(events, lines)
     assert [i["type"] for i in items] == ["event", "log", "event"]
     assert format_item(items[1]).endswith("[r1 w2] step 5")
+
+
+def test_output_without_newlines_is_still_bounded(capsys):
+    buf = LineBuffer("r0", "w1", limit=4, secrets=[])
+    with capture_output(buf):
+        for _ in range(10):
+            sys.stdout.write("y" * 2500)  # never a newline: each write is a line of its own, cut
+    out = buf.drain()
+    assert out[0]["line"].startswith("[6 lines dropped") and len(out) == 5
+    assert all(len(r["line"]) < 2100 for r in out)
+    capsys.readouterr()
