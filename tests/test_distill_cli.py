@@ -83,6 +83,13 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     jobs = last_json(smolforge("jobs", "--json", env=env, check=True).stdout)
     mine = [j for j in jobs if j["kind"] == "distill" and (j.get("spec") or {}).get("output_dir") == str(out)]
     assert mine and mine[0]["state"] == "completed", jobs
+    # What the teacher and the students printed reached the job's log, each line with its task's label.
+    logs = [json.loads(ln) for ln in smolforge("job", "logs", mine[0]["id"], "--json", env=env,
+                                               check=True).stdout.splitlines()]
+    lines = [i for i in logs if i["type"] == "log"]
+    assert any(i["task"].startswith("teacher-") and "shard 0 done" in i["line"] for i in lines), logs
+    for student in ("student-0", "student-1"):
+        assert any(i["task"] == student and f"{student} step 3/3" in i["line"] and i["node"] for i in lines), logs
     # A rerun into the same dir is refused and deletes nothing: the students' checkpoints stay.
     kept = sorted(out.glob("output/student_*/checkpoints/step-*"))
     assert kept

@@ -200,6 +200,13 @@ class Client:
     def job_logs(self, job_id: str, since: int = 0) -> list[str]:
         return [format_event(e) for e in self.job_events(job_id, since)]
 
+    def task_logs(self, job_id: str, since: int = 0, task: str | None = None) -> list[dict]:
+        """The lines the job's tasks printed (`{"id", "task", "node", "ts", "line"}`) after line `since`."""
+        params: dict = {"since": since}
+        if task:
+            params["task"] = task
+        return self._request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
+
     def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
         return self._request("GET", f"/api/v1/jobs/{job_id}/metrics", params={"name": name} if name else None)
 

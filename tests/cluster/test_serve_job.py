@@ -13,6 +13,7 @@ separate process), one serve job for the module, submitted as a user does (`smol
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,6 +129,12 @@ def test_two_stages_on_the_workers_answer_as_one_process_through_the_openai_clie
     assert again.choices[0].message.content == text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{job['url']}/v1", api_key="x" * 32, max_retries=0, timeout=30).models.list()
+    # what each stage printed is the job's log, with its task and node (the runner polls every 2 s)
+    deadline, said = time.time() + 15, ""
+    while time.time() < deadline and "stage 1: layers" not in said:
+        said = c.cli("job", "logs", job["id"], "--task", "stage1").stdout
+        time.sleep(1)
+    assert re.search(rf"\[stage1 {stages[1]['node']}\] INFO .*stage 1: layers {bounds[1]}-{bounds[2]} of tiny-copy", said), said
 
 
 def test_a_killed_stage_fails_its_stream_within_30s_and_is_placed_again(world, job):

@@ -462,27 +462,36 @@ def register(app: typer.Typer) -> None:
     def job_logs(
         job_id: str = typer.Argument(..., help="job id (or a unique prefix, or its name)"),
         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
+        task: Optional[str] = typer.Option(None, "--task", help="only this task's lines: r0, r1 (data-parallel "
+                                           "ranks), teacher0, student1, stage0, ps"),
+        json_out: bool = typer.Option(False, "--json", help="one JSON object per line: type event or log"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
         token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
         token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
     ):
-        """The job's event log: state changes, placement, checkpoints, failures and recoveries.
+        """The job's log: its events (state changes, placement, checkpoints, failures) and what its
+        tasks printed, interleaved by time; a task's line starts with its task and node: \\[r1 w2].
 
-        Example: smolforge job logs job-1a2b3c --follow
+        Example: smolforge job logs job-1a2b3c --follow --task r1
         """
-        from smolforge.cluster.jobview import format_event
+        import json
+
+        from smolforge.cluster.jobview import format_item, interleave
 
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
-        since = 0
+        since_event = since_line = 0
         while True:
-            events = backend.job_events(job_id, since)
-            for e in events:
-                typer.echo(format_event(e))
-                since = e["id"]
-            if not follow:
-                return
-            st = backend.get_job_status(job_id)
-            if st["state"] in ("completed", "failed", "cancelled", "paused") and not events:
+            # the state before the reads: a job that was final then has written all it will write
+            final = follow and backend.get_job_status(job_id)["state"] in ("completed", "failed", "cancelled", "paused")
+            events = [] if task else backend.job_events(job_id, since_event)
+            lines = backend.task_logs(job_id, since_line, task)
+            since_event = events[-1]["id"] if events else since_event
+            since_line = lines[-1]["id"] if lines else since_line
+            for item in interleave(events, lines):
+                typer.echo(json.dumps(item, default=str) if json_out else format_item(item))
+            if events or lines:
+                continue  # a page at a time until nothing is left
+            if not follow or final:
                 return
             time.sleep(1)

@@ -169,6 +169,12 @@ def create_app(core: Any) -> FastAPI:
         job = core.store.get_job(job_id)
         return core.store.events(job["id"], since_id=since, limit=limit)
 
+    @app.get("/api/v1/jobs/{job_id}/logs", dependencies=auth)
+    def job_logs(job_id: str, since: int = 0, task: str | None = None, limit: int = 1000):
+        """What the job's tasks printed and logged (`r0`, `teacher0`...), oldest first, after line `since`."""
+        job = core.store.get_job(job_id)
+        return core.store.logs(job["id"], since_id=since, task=task, limit=max(1, min(limit, 5000)))
+
     @app.get("/api/v1/jobs/{job_id}/metrics", dependencies=auth)
     def job_metrics(job_id: str, name: str | None = None):
         job = core.store.get_job(job_id)

@@ -160,6 +160,9 @@ class EmbeddedCluster:
     def job_logs(self, job_id: str, since: int = 0) -> list[str]:
         return [format_event(e) for e in self.job_events(job_id, since)]
 
+    def task_logs(self, job_id: str, since: int = 0, task: str | None = None) -> list[dict]:
+        return self.store.logs(self.store.get_job(job_id)["id"], since_id=since, task=task)
+
     def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
         return self.store.metrics(self.store.get_job(job_id)["id"], name)
 

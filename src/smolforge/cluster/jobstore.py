@@ -1,6 +1,6 @@
 """The job store: SQLite in WAL mode, so a coordinator restart loses nothing that was submitted.
 
-Tables: jobs, tasks, events, metrics. Every state change of a job goes through `set_state`, which
+Tables: jobs, tasks, events, metrics, logs (what the tasks print: see `add_logs`). Every state change of a job goes through `set_state`, which
 checks the transition and writes an event in the same transaction, so the event log is the
 complete history (pending → running → (paused ↔ running) → completed | failed | cancelled).
 
@@ -83,7 +83,22 @@ CREATE TABLE IF NOT EXISTS metrics (
     value REAL
 );
 CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name, step);
+CREATE TABLE IF NOT EXISTS logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    task TEXT NOT NULL,
+    node TEXT,
+    ts REAL NOT NULL,
+    line TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS logs_job ON logs(job_id, id);
+CREATE INDEX IF NOT EXISTS logs_task ON logs(job_id, task, id);
 """
+
+# The newest lines kept per job. About 100 bytes a line, so ~5 MB of SQLite per job at most: enough for
+# every rank's output over thousands of steps, small enough that a chatty job cannot fill the
+# coordinator's disk. Older lines stay in the nodes' own Ray logs (the tasks tee, see telemetry/tasklog).
+MAX_LOG_LINES_PER_JOB = 50_000
 
 JOB_PROGRESS_FIELDS = ("step", "max_steps", "samples_done", "samples_total", "loss", "eta_s", "world_size")
 
@@ -323,6 +338,28 @@ class JobStore:
         rows = self._db().execute("SELECT name, step, value, MAX(id) FROM metrics WHERE job_id=? GROUP BY name",
                                   (job_id,)).fetchall()
         return {r[0]: (int(r[1]), r[2]) for r in rows if r[2] is not None}
+
+    def add_logs(self, job_id: str, lines: list[dict[str, Any]], keep: int = MAX_LOG_LINES_PER_JOB) -> None:
+        """Task output lines (`{"task", "node", "ts", "line"}`), then the job's oldest beyond `keep` go."""
+        if not lines:
+            return
+        with self._tx() as db:
+            db.executemany("INSERT INTO logs (job_id, task, node, ts, line) VALUES (?,?,?,?,?)",
+                           [(job_id, str(r["task"]), r.get("node"), float(r.get("ts") or time.time()), str(r["line"]))
+                            for r in lines])
+            db.execute("DELETE FROM logs WHERE job_id=?1 AND id <= (SELECT id FROM logs WHERE job_id=?1 "
+                       "ORDER BY id DESC LIMIT 1 OFFSET ?2)", (job_id, keep))
+
+    def logs(self, job_id: str, since_id: int = 0, task: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """A job's task lines after `since_id`, oldest first (one task's with `task`)."""
+        q = "SELECT id, task, node, ts, line FROM logs WHERE job_id=? AND id > ?"
+        args: list[Any] = [job_id, since_id]
+        if task is not None:
+            q += " AND task=?"
+            args.append(task)
+        q += " ORDER BY id LIMIT ?"
+        args.append(limit)
+        return [dict(r) for r in self._db().execute(q, args).fetchall()]
 
     def metrics(self, job_id: str, name: str | None = None) -> list[dict[str, Any]]:
         if name:

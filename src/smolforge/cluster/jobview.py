@@ -21,3 +21,20 @@ def job_status(job: dict) -> dict:
 def format_event(e: dict) -> str:
     ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
     return f"{ts} [{e['kind']}] {e['message']}"
+
+
+def format_task_line(line: dict) -> str:
+    """One line a task printed, prefixed with who said it and where: `12:00:01 [r1 w2] ...`."""
+    ts = time.strftime("%H:%M:%S", time.localtime(line["ts"]))
+    where = f"{line['task']} {line['node']}" if line.get("node") else line["task"]
+    return f"{ts} [{where}] {line['line']}"
+
+
+def interleave(events: list[dict], lines: list[dict]) -> list[dict]:
+    """Events and task lines as one stream ordered by time, each tagged `type` event or log (for --json)."""
+    tagged = [{"type": "event", **e} for e in events] + [{"type": "log", **ln} for ln in lines]
+    return sorted(tagged, key=lambda item: item["ts"])  # stable: each source keeps its own order on ties
+
+
+def format_item(item: dict) -> str:
+    return format_task_line(item) if item["type"] == "log" else format_event(item)

@@ -11,9 +11,11 @@ from the last checkpoint with a new server elsewhere (see `runners/data_parallel
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from smolforge.parallel.strategies import STRATEGIES
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, start_capture, this_node
 
 SERVER_CONCURRENCY = 64  # calls at once: every worker's claim, push and pull, and the runner's stats
 
@@ -22,11 +24,18 @@ class ServerActor:
     """Ray actor class: the strategy's server core, method by method."""
 
     def __init__(self, strategy: str, config: dict[str, Any], world: int):
+        import os
+
         import torch
 
         torch.set_num_threads(1)
+        # what this process prints, task `ps`, handed to the runner with each `stats` (its poll)
+        self.lines = LineBuffer("ps", this_node())
+        start_capture(self.lines)  # for the actor's life: its process is its own
         cls = STRATEGIES[strategy]
         self.core = cls.Server(cls.Settings(**config).model_dump(), world)
+        logging.getLogger(TASK_LOGGER).info("parameter server (%s) for %d members on %s, pid %d", strategy, world,
+                                            self.lines.node, os.getpid())
 
     def where(self) -> dict:
         import os
@@ -61,7 +70,7 @@ class ServerActor:
         return self.core.snapshot()
 
     def stats(self) -> dict:
-        return self.core.stats()
+        return {**self.core.stats(), "lines": self.lines.drain()}
 
 
 def start_server(job_id: str, strategy: str, config: dict[str, Any], world: int, node_id: str,

@@ -28,6 +28,7 @@ from smolforge.cluster import ray_glue
 from smolforge.cluster.placement import holds_anywhere
 from smolforge.errors import SmolforgeError
 from smolforge.pipeline.serve.stages import StagedModel, StageError
+from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
 
 if TYPE_CHECKING:
     from smolforge.models.placement import Plan
@@ -65,6 +66,9 @@ class StageActor:
         from smolforge.parallel.dp_task import local_model_path
         from smolforge.pipeline.serve.stages import StageServer
 
+        # what this process prints, task `stage<i>`: the API actor collects it with its status
+        self.lines = LineBuffer(f"stage{index}", this_node())
+        start_capture(self.lines)  # for the actor's life: its process is its own
         torch.set_num_threads(max(1, int(num_cpus)))
         self.model = local_model_path(model)
         # The adapter's files are needed only while loading: the actor is killed, never closed, so
@@ -73,6 +77,8 @@ class StageActor:
             adapter = str(write_dir(adapter_files, Path(tmp) / "adapter")) if adapter_files else None
             self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device)
         self.server.name = model
+        log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
+                 self.lines.node)
 
     def forward(self, batch_id, x, attention_mask, position_ids, start=False):
         return self.server.forward(batch_id, x, attention_mask, position_ids, start)
@@ -87,6 +93,9 @@ class StageActor:
         import ray
 
         return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def take_lines(self) -> list[dict[str, Any]]:
+        return self.lines.drain()
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The model's tokenizer as files: the server loads it without holding the model itself."""
@@ -191,6 +200,7 @@ class StageGroup:
         self.targets: list[str] = []  # the node id the plan chose for each stage
         self._lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
+        self._line_calls: dict[int, Any] = {}  # stage index -> its pending `take_lines` call
 
     # -- placement --------------------------------------------------------------------------------
 
@@ -322,6 +332,27 @@ class StageGroup:
             tokenizer = load_tokenizer(str(write_dir(files, Path(tmp))))
         return StagedModel(self.handles, tokenizer, name=self.name, eos_ids=frozenset(last["eos_ids"]),
                            max_positions=int(last["max_positions"]))
+
+    def take_lines(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """What the stages printed since the last take. A stage busy past `timeout` answers at a later
+        take (its call stays pending, so no lines are lost); a dead one's stay in its node's Ray log."""
+        import ray
+
+        for h in self.handles:
+            if h.actor is not None and not h.broken and h.index not in self._line_calls:
+                self._line_calls[h.index] = h.actor.take_lines.remote()
+        refs = list(self._line_calls.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        out: list[dict[str, Any]] = []
+        for index, ref in list(self._line_calls.items()):
+            if ref not in ready:
+                continue
+            del self._line_calls[index]
+            try:
+                out.extend(ray.get(ref, timeout=timeout))
+            except Exception:  # noqa: BLE001  a stage that died: its re-placement is reported elsewhere
+                pass
+        return out
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"stage": h.index, "node": h.where.get("node"), "layers": h.where.get("layers"),

@@ -8,6 +8,8 @@ filesystem), joins the process group, and calls `smolforge.train.engine.train` w
   half second (pause / cancel / regroup), so checking costs nothing per step; the engine max-reduces
   the decision across ranks so every rank leaves the loop at the same step.
 - `on_step` / `on_eval` buffer progress that the same thread ships to the control actor in batches.
+- what the rank prints and logs (`telemetry.tasklog`) rides in the same batches, as `r<rank>`'s lines,
+  so `smolforge job logs` shows it without anyone reading the node's Ray logs.
 - `on_checkpoint` (rank 0) uploads the checkpoint directory, checksummed, to the coordinator's
   artifact store and waits for the acknowledgement; a requested regroup (a node joining) then turns
   into a pause at this checkpoint boundary.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -32,6 +35,7 @@ from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes, home
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
 
 POLL_S = 0.5
@@ -215,6 +219,7 @@ class DPWorker:
         self._lock = threading.Lock()
         self._running = False
         self._listen: socket.socket | None = None  # rank 0's store socket, from free_address to init_group
+        self._log = LineBuffer(f"r{rank}", this_node())
 
     # -- placement info and rendezvous ----------------------------------------------------------
 
@@ -252,6 +257,7 @@ class DPWorker:
 
         with self._lock:
             batch, self._buffer = self._buffer, []
+        batch += self._log.drain()
         if batch:
             ray.get(self.control.report.remote(batch), timeout=30)
 
@@ -336,7 +342,22 @@ class DPWorker:
 
     # -- the work ---------------------------------------------------------------------------------
 
-    def run(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
+    def run(self, *args: Any, **kwargs: Any) -> dict:
+        """`_train`, with this process's output captured for the coordinator; a failure's traceback
+        is one of the lines shipped (the runner records the failure itself as an event)."""
+        with capture_output(self._log):
+            try:
+                return self._train(*args, **kwargs)
+            except BaseException:
+                logging.getLogger(TASK_LOGGER).exception("rank %d failed", self.rank)
+                raise
+            finally:
+                try:
+                    self._flush()
+                except RayError:
+                    pass  # a lost control actor: the lines stay in the node's Ray log
+
+    def _train(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
             backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
             strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
             balance: str = "off", join: bool = False, server: Any = None) -> dict:
@@ -363,8 +384,13 @@ class DPWorker:
         step_times: list[float] = []
         cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
 
+        task_log = logging.getLogger(TASK_LOGGER)
+
         def on_step(info) -> None:
             step_times.append(time.time())
+            if info.step % cfg.log_every == 0 or info.step == info.max_steps:
+                task_log.info("rank %d step %d/%d: loss %.4f, %.0f tokens/s", self.rank, info.step, info.max_steps,
+                              info.loss, info.tokens_per_s or 0.0)
             cpu_times.append(time.process_time())
             s = strategy_obj
             if s is not None and (info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps):
@@ -434,6 +460,8 @@ class DPWorker:
                                    f"{self.cpus} threads"
                                    f"{', resuming ' + resume_from if resume_from else ''}"
                                    f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
+            task_log.info("rank %d/%d on %s: %s, %d threads, %s", self.rank, world, self._log.node, chosen,
+                          self.cpus, f"resuming {resume_from}" if resume_from else "from the start")
             strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
             strategy_obj.balance = balance
             if getattr(strategy_obj, "needs_server", False):  # every exchange goes through the job's server

@@ -6,6 +6,7 @@ See `smolforge.cluster.distill` for how data moves between them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,7 +25,11 @@ from smolforge.distill.teacher import make_teacher, produce_shards
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.dp_task import local_model_path
 from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output
 from smolforge.train import checkpoint as ckpt
+
+MAX_BROKER_LINES = 20_000  # task lines a broker holds between two drains (it is drained every poll)
+SHIP_LINES_S = 1.0  # how often a student sends what it printed to its broker (fire and forget)
 
 # ------------------------------------------------------------------------------- remote definitions
 
@@ -35,9 +40,17 @@ def _node_model(name: str) -> str:
 
 def _teacher_shards(spec: dict[str, Any]):
     """Ray streaming generator: one teacher on one node, yielding (manifest JSON, bytes) per shard."""
+
+    # What it prints rides along with each shard's manifest (`log`: the driver takes it out); lines
+    # after the last shard stay in the node's Ray log.
+    lines = LineBuffer(spec["task_id"], spec.get("node_name") or "")
+    with capture_output(lines):
+        yield from _teacher_shards_captured(spec, lines)
+
+
+def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
     import ray
     import torch
-
 
     torch.set_num_threads(max(1, int(spec["num_threads"])))
     ctx = ray.get_runtime_context()
@@ -50,6 +63,8 @@ def _teacher_shards(spec: dict[str, Any]):
     for manifest, data in produce_shards(teacher, items, ranges, settings, compress=spec["compress"]):
         manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
                         teacher=spec["model"], finished=time.time(), pid=os.getpid())
+        logging.getLogger(TASK_LOGGER).info("%s: shard %s done", spec["task_id"], manifest.get("shard"))
+        manifest["log"] = lines.drain()
         yield json.dumps(manifest), data
 
 
@@ -70,6 +85,8 @@ class _ShardBroker:
         self.stop: dict[int, str] = {}
         self.checkpoints: dict[int, dict[str, Any]] = {}
         self.failed: str | None = None
+        self.lines: list[dict[str, Any]] = []  # what the students printed (telemetry.tasklog records)
+        self.lines_dropped = 0
 
     def get_plan(self) -> dict[str, Any]:
         return self.plan
@@ -116,6 +133,14 @@ class _ShardBroker:
     def record(self, rank: int, kind: str, data: dict[str, Any]) -> None:
         self.events.append({"rank": rank, "kind": kind, "data": data})
 
+    def add_lines(self, lines: list[dict[str, Any]]) -> None:
+        """A student's output lines; past MAX_BROKER_LINES undrained, the oldest go (counted)."""
+        self.lines.extend(lines)
+        over = len(self.lines) - MAX_BROKER_LINES
+        if over > 0:
+            del self.lines[:over]
+            self.lines_dropped += over
+
     def set_progress(self, rank: int, info: dict[str, Any]) -> None:
         # Threaded actor: two reports in flight may land in either order; keep the newest step.
         if info.get("step", 0) >= self.progress.get(rank, {}).get("step", -1):
@@ -133,9 +158,17 @@ class _ShardBroker:
 
     def drain(self) -> dict[str, Any]:
         out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress),
-               "checkpoints": self.checkpoints}
+               "checkpoints": self.checkpoints, "lines": self.take_lines()}
         self.events, self.corrupt, self.checkpoints = [], [], {}
         return out
+
+    def take_lines(self) -> list[dict[str, Any]]:
+        """The students' lines since the last take, led by a count of those dropped meanwhile."""
+        lines, dropped, self.lines, self.lines_dropped = self.lines, self.lines_dropped, [], 0
+        if dropped:
+            lines.insert(0, {"type": "log", "task": "broker", "node": None, "ts": lines[0]["ts"] if lines else time.time(),
+                             "line": f"[{dropped} student lines dropped: the broker was not drained in time]"})
+        return lines
 
     def request_stop(self, rank: int, what: str) -> None:
         self.stop[rank] = what
@@ -218,6 +251,25 @@ class _StudentWorker:
     """Ray actor: one student. Trains from the broker, returns its adapter files and summary."""
 
     def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
+        """`_train`, with what this process prints sent to the broker as the task's lines."""
+        import ray
+
+        lines = LineBuffer(spec.get("task_id") or f"student-rank{rank}", spec.get("node_name") or "")
+        with capture_output(lines):
+            try:
+                return self._train(spec, broker, rank, lines)
+            except BaseException:
+                logging.getLogger(TASK_LOGGER).exception("%s failed", lines.task)
+                raise
+            finally:
+                from ray.exceptions import RayError
+
+                try:  # waited for: the lines reach the broker before the driver sees the result
+                    ray.get(broker.add_lines.remote(lines.drain()), timeout=10)
+                except RayError:
+                    pass  # a lost broker: the lines stay in the node's Ray log
+
+    def _train(self, spec: dict[str, Any], broker, rank: int, lines: LineBuffer) -> dict[str, Any]:
         import ray
 
 
@@ -241,8 +293,19 @@ class _StudentWorker:
             # Waited for: the driver must hold it before this worker can be lost with it.
             ray.get(broker.put_checkpoint.remote(rank, {"name": path.name, "payload": pack_dir(path)}), timeout=120)
 
+        shipped = [time.time()]
+        task_log = logging.getLogger(TASK_LOGGER)
+        task_log.info("%s (rank %d) on %s: %s, %s threads%s", lines.task, rank, lines.node, cfg.base_model,
+                      cfg.num_threads, ", resuming" if resume else "")
+
         def on_step(info: dict[str, Any]) -> None:
             broker.set_progress.remote(rank, info)
+            task_log.info("%s step %d/%d: loss %.4f", lines.task, info["step"], info["max_steps"], info["loss"])
+            if time.time() - shipped[0] >= SHIP_LINES_S:
+                shipped[0] = time.time()
+                batch = lines.drain()
+                if batch:
+                    broker.add_lines.remote(batch)
 
         def should_stop() -> str | None:
             return ray.get(broker.should_stop.remote(rank), timeout=60)

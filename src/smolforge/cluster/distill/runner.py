@@ -3,7 +3,8 @@
 The runner drives `smolforge.cluster.distill.run.run_distill` from a thread of the coordinator (or
 of the embedded cluster) and mirrors it into the job store: job progress (the students' steps
 over their total, samples, mean loss, ETA), a loss curve per student, one task row per teacher
-and student with its node and state, and the pipeline's events. Outputs are written under the
+and student with its node and state, the pipeline's events, and what each teacher and student
+printed (the job's `logs`, labelled by task id: `teacher-0`, `student-1`). Outputs are written under the
 coordinator's state dir (`distill/<job>/`, the seed layout); when the run completes, the merged
 adapter becomes the job's `adapter` artifact (what `smolforge launch`/`Client.download_adapter`
 fetch) and the run summary its `summary` artifact.
@@ -58,6 +59,7 @@ class DistillRunner(JobRunner):
         self._last_progress = -1.0
         self._steps: dict[str, Any] = {}
         self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
+        self._session: DistillSession | None = None  # the running pipeline: its tasks' output lines
 
     def request(self, what: str, node: str | None = None) -> None:
         if what in ("pause", "cancel") and self.want != "cancel":
@@ -82,7 +84,7 @@ class DistillRunner(JobRunner):
         if settings.data.startswith("upload:"):
             settings = settings.model_copy(update={"data": str(self.mgr.artifacts.upload_path(settings.data.split(":", 1)[1]))})
         out = Path(spec.output_dir) if spec.output_dir and self.mgr.embedded else run_dir(self.mgr, self.job_id)
-        orch = DistillSession(ray_glue.connect(), spec.mode)
+        orch = self._session = DistillSession(ray_glue.connect(), spec.mode)
         self.open_sinks(out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
                         name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
                                                          settings.lr, settings.batch_size,
@@ -114,6 +116,8 @@ class DistillRunner(JobRunner):
             data = {k: v for k, v in (e.get("data") or {}).items() if isinstance(v, (str, int, float, bool, list))}
             self.store.add_event(self.job_id, e["kind"], e["message"], data, task_id=data.get("task_id"), ts=e.get("ts"))
         self._events_seen = len(events)
+        if self._session is not None:
+            self.store.add_logs(self.job_id, self._session.take_lines())
         nodes: list[str] = []
         done = total = 0.0
         steps = max_steps = 0

@@ -17,6 +17,8 @@ from smolforge.distill.store import quarantine_shard
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
 
+MAX_HELD_LINES = 50_000  # task lines held for the job runner, which takes them at every poll
+
 
 class DistillTasks(TeacherTasks, StudentTasks):
     """Mixed into Orchestrator: distillation tasks on the cluster (see the module docstring)."""
@@ -96,6 +98,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
                     if time.time() - store.broker_silent_since > BROKER_LOST_S:
                         self._broker_lost(store, err)
                     continue
+                self._dlines(news.get("lines") or [])
                 try:
                     self._absorb_broker(store, news)
                 except Exception as err:  # keep monitoring; say what went wrong
@@ -298,6 +301,10 @@ class DistillTasks(TeacherTasks, StudentTasks):
             except (RayError, ValueError):
                 pass  # already finished or gone
         for store in st.stores.values():
+            try:  # the students' last lines, sent as they finished, after the monitor's last drain
+                self._dlines(ray.get(store.broker.take_lines.remote(), timeout=5))
+            except RayError:
+                pass  # a gone broker: those lines stay in the nodes' Ray logs
             try:
                 ray.kill(store.broker)
             except (RayError, ValueError):
@@ -342,6 +349,19 @@ class DistillSession(DistillTasks):
     def __init__(self, cluster, mode: str = "teacher_student"):
         self.cluster, self.mode = cluster, mode
         self.events: list[dict[str, Any]] = []
+        self.lines: list[dict[str, Any]] = []
+        self._lines_lock = threading.Lock()
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
+
+    def log_lines(self, lines: list[dict[str, Any]]) -> None:
+        """Teachers' and students' output lines, until the job runner takes them (`take_lines`)."""
+        with self._lines_lock:
+            self.lines.extend(lines)
+            del self.lines[:-MAX_HELD_LINES]  # a runner that stopped taking them must not grow this
+
+    def take_lines(self) -> list[dict[str, Any]]:
+        with self._lines_lock:
+            out, self.lines = self.lines, []
+        return out

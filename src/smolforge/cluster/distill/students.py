@@ -188,6 +188,7 @@ class StudentTasks:
             actor = remotes()["student"].options(max_restarts=0, **opts).remote()
             spec = {k: v for k, v in task.spec.items()
                     if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
+            spec.update(task_id=task.task_id, node_name=node.name)  # its log lines' label and node
             ref = actor.run.remote(spec, store.broker, task.rank)
             st.handles[task.task_id] = (actor, ref)
         self._devent("student_submitted", f"{task.task_id} placed on {node.name}", task_id=task.task_id, node=node.name)

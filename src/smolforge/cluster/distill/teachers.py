@@ -54,6 +54,12 @@ class TeacherTasks:
         if log is not None:
             log(kind, message, **data)
 
+    def _dlines(self, lines: list[dict[str, Any]]) -> None:
+        """Task output lines for whoever keeps them (the job runner: `DistillSession.log_lines`)."""
+        keep = getattr(self, "log_lines", None)
+        if keep is not None and lines:
+            keep(lines)
+
     def _nodes(self) -> list[Any]:
         nodes = self.cluster.nodes()
         self._dstate().node_names.update({n.node_id: n.name for n in nodes})
@@ -247,6 +253,9 @@ class TeacherTasks:
                     break
                 manifest_json, data = ray.get(ref, timeout=GET_TIMEOUT_S)
                 manifest = json.loads(manifest_json)
+                if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
+                    self._dlines(manifest.pop("log"))
+                    manifest_json = json.dumps(manifest)
                 sid = int(manifest["shard"])
                 if task.state == "pending":
                     task.state, task.started = "running", task.started or time.time()

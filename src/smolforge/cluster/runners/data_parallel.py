@@ -323,6 +323,7 @@ class DPRunner(JobRunner):
             return
         if not stats:  # no answer in time (its node is going): the ranks' calls fail and tell
             return
+        self.store.add_logs(self.job_id, stats.pop("lines", []))
         for note in stats.pop("notes", []):
             self.store.add_event(self.job_id, note.get("kind", "param_server"), note.get("message", ""), note)
         self.server_stats = stats
@@ -390,6 +391,7 @@ class DPRunner(JobRunner):
             return
         items.sort(key=lambda i: (i.get("ts", 0), i.get("step", 0)))
         rows: list[tuple[int, str, float]] = []
+        lines: list[dict] = []  # what the ranks printed and logged (telemetry.tasklog)
         last_step = None
         comm: dict[int, dict] = {}  # the latest communication report of each rank in this batch
         for it in items:
@@ -427,7 +429,10 @@ class DPRunner(JobRunner):
             elif kind == "event":
                 self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
                                      ts=it.get("ts"))
+            elif kind == "log":
+                lines.append(it)
         self.store.add_metrics(self.job_id, rows)
+        self.store.add_logs(self.job_id, lines)
         if comm:
             self._comm.update(comm)
             ranks = sorted(self._comm)

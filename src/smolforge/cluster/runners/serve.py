@@ -8,7 +8,8 @@ cluster token: the actor reads the coordinator's token file itself (same machine
 never travels through Ray. The stage actors are owned by the API actor: killing it takes them too.
 
 The job's events carry the placement plan (`plan`), the URL (`serving`) and every stage placement
-and re-placement (`stage`); a stage that dies fails only the requests of its batch (see
+and re-placement (`stage`); what the API actor and each stage print is the job's log (tasks `api`,
+`stage0`, `stage1`...); a stage that dies fails only the requests of its batch (see
 `serve_stages`). Cancel (or pause) stops uvicorn, the engine and every actor. Resume starts them
 all again.
 """
@@ -25,6 +26,7 @@ from smolforge.cluster.jobstore import FINAL
 from smolforge.cluster.runners.base import POLL_S, JobRunner, short_error
 from smolforge.cluster.specs import ServeJob
 from smolforge.errors import SmolforgeError
+from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
 
 STATUS_EVERY_S = 2.0
 
@@ -33,6 +35,9 @@ class ServeApi:
     """Ray actor class: the stage group, the engine over it and the HTTP server, on the coordinator's node."""
 
     def __init__(self, spec: dict[str, Any], token_file: str, embedded: bool):
+        # what this process prints (uvicorn, the engine), task `api`, shipped with `status` with the stages'
+        self.lines = LineBuffer("api", this_node())
+        start_capture(self.lines)  # for the actor's life: its process is its own
         self.spec = ServeJob.model_validate(spec)
         self.token_file, self.embedded = token_file, embedded
         self.group = self.engine = self.server = self.sock = None
@@ -49,6 +54,7 @@ class ServeApi:
 
         spec = self.spec
         token = check_token_format(open(self.token_file).read().strip())
+        self.lines.secrets.append(token)  # masked in every line this actor ships (the cluster token)
         stages = None if spec.stages == "auto" else spec.stages  # None: the placement plan chooses
         self.group = StageGroup(spec.model, stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
                                 device=spec.device, step_timeout_s=spec.step_timeout_s,
@@ -73,8 +79,9 @@ class ServeApi:
         return f"http://{shown}:{port}"
 
     def status(self) -> dict[str, Any]:
+        lines = self.lines.drain() + (self.group.take_lines() if self.group else [])
         return {"stages": self.group.describe() if self.group else [], "events": list(self.group.events) if self.group else [],
-                "batches": self.engine.batches if self.engine else 0, "pid": os.getpid()}
+                "batches": self.engine.batches if self.engine else 0, "pid": os.getpid(), "lines": lines}
 
     def stop(self) -> None:
         if self.server is not None:
@@ -184,6 +191,7 @@ class ServeRunner(JobRunner):
         for event in st["events"][self._events_seen:]:
             self.store.add_event(self.job_id, event["kind"], event["message"], event["data"])
         self._events_seen = len(st["events"])
+        self.store.add_logs(self.job_id, st.get("lines") or [])
         return st
 
     def _finish_stopped(self, what: str) -> None:

@@ -1,0 +1,80 @@
+"""Task output reaches the coordinator: one short 2-rank data-parallel job on a real local cluster
+(coordinator + workers w1, w2, separate processes), shared by every test here.
+
+`smolforge job logs --follow` is started as the job is submitted and must return once it ends, with
+both ranks' lines prefixed `[r0 wN]` / `[r1 wN]`; `--task r1` keeps only r1's; the API route takes the
+token like every other. The job's strategy is `ssp`, so its parameter server (task `ps`, its own
+process on a worker) is covered by the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from localcluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tasklogs")
+    cluster = LocalCluster(base)
+    try:
+        cluster.start_coordinator()
+        cluster.add_workers(["w1", "w2"])
+        cluster.wait_nodes(["coordinator", "w1", "w2"])
+        spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "strategy": "ssp",
+                "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
+                          "max_steps": STEPS, "batch_size": 1, "log_every": 2, "eval_accuracy": False,
+                          "peft": {"method": "lora", "r": 4, "alpha": 8}}}
+        job_id = cluster.client().submit_job(spec)
+        t0 = time.time()
+        follow = cluster.cli("job", "logs", job_id, "--follow", timeout=400)
+        yield {"c": cluster, "job": job_id, "follow": follow, "follow_s": time.time() - t0,
+               "ended": cluster.client().get_job_status(job_id)}
+    finally:
+        cluster.close()
+
+
+def test_follow_returns_when_the_job_ends_with_every_ranks_lines(run):
+    out = run["follow"]
+    assert out.returncode == 0, out.stderr
+    assert run["ended"]["state"] == "completed", out.stdout  # it returned because the job ended
+    assert "completed" in out.stdout.splitlines()[-1] or any("[state]" in ln and "completed" in ln
+                                                             for ln in out.stdout.splitlines()[-5:])
+    prefixes = set(re.findall(r"\[(r[01]) (w[12])\]", out.stdout))
+    assert {p[0] for p in prefixes} == {"r0", "r1"}, out.stdout
+    assert len({p[1] for p in prefixes}) == 2, out.stdout  # the two ranks on their two nodes
+    # each rank's own step lines (they log at info through the task logger), rank 1's too
+    assert re.search(r"\[r1 w[12]\] INFO smolforge.task: rank 1 step 4/4: loss \d", out.stdout), out.stdout
+    assert "[placed]" in out.stdout  # events and task lines in one stream
+    assert run["c"].token not in out.stdout
+
+
+def test_task_filter_shows_one_ranks_lines_only(run):
+    out = run["c"].cli("job", "logs", run["job"], "--task", "r1")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines and all(re.match(r"\d\d:\d\d:\d\d \[r1 w[12]\] ", ln) for ln in lines), out.stdout
+    ps = run["c"].cli("job", "logs", run["job"], "--task", "ps").stdout
+    assert re.search(r"\[ps w[12]\] INFO smolforge.task: parameter server \(ssp\) for 2 members", ps), ps
+
+
+def test_json_lines_and_the_api_route_needs_the_token(run):
+    out = run["c"].cli("job", "logs", run["job"], "--json")
+    items = [json.loads(ln) for ln in out.stdout.splitlines()]
+    logs = [i for i in items if i["type"] == "log"]
+    assert {i["task"] for i in logs} == {"r0", "r1", "ps"} and all(i["node"] in ("w1", "w2") for i in logs)
+    assert [i["ts"] for i in items] == sorted(i["ts"] for i in items)
+    c = run["c"]
+    assert c.api("GET", f"/api/v1/jobs/{run['job']}/logs", token=None).status_code == 401
+    since = logs[0]["id"]
+    later = c.api("GET", f"/api/v1/jobs/{run['job']}/logs", params={"since": since, "task": "r0"}).json()
+    assert later and all(r["id"] > since and r["task"] == "r0" for r in later)
