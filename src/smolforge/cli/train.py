@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import typer
 
+from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli, set_nested
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
 from smolforge.errors import SmolforgeError
@@ -92,6 +93,8 @@ def register(app: typer.Typer) -> None:
         set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set training.batch_size=16"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar (for scripts)"),
+        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the final adapter, merged "
+                                             "and verified, into <output-dir>/export/"),
     ):
         """Fine-tune a model on one worker (LoRA by default).
 
@@ -101,15 +104,19 @@ def register(app: typer.Typer) -> None:
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
         if json_out:
             cfg = cfg.model_copy(update={"quiet": True})
+        check_run_export(export, cfg.peft.method)
         examples = check_model_and_data(cfg)
         quiet_libraries()
         from smolforge.train.engine import train as run_train
 
         result = run_train(cfg, examples=examples)
+        exported = export_run(cfg.model, result.adapter_dir, cfg.output_dir, export) if export else None
         if json_out:
-            print_json(result.to_dict())
+            print_json({**result.to_dict(), **({"export": exported} if exported else {})})
         else:
             typer.echo(f"adapter: {result.adapter_dir}")
+            if exported:
+                show(exported, False)
             typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})")
 
     @app.command("eval")

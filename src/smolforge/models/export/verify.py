@@ -1,0 +1,126 @@
+"""Check a GGUF against the model it came from, in llama.cpp itself (llama-cpp-python).
+
+Three checks on a few chat prompts, against the HF model with its adapters applied by peft
+(unmerged: an independent path from our merge, so a merge bug shows up here too):
+- tokenization: llama.cpp's token ids for each prompt equal the HF tokenizer's (a wrong
+  pre-tokenizer or merge list shows up here first);
+- logits: normalised MSE over the prompt positions, each row centred first (logits are defined up
+  to a constant per row): sum ||a - b||^2 / sum ||b||^2;
+- greedy generation: both continue each prompt greedily for `new_tokens` tokens; agreement is the
+  share of positions with the same token.
+The export fails when any is off by more than its quantisation allows (LIMITS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from smolforge.errors import SmolforgeError
+
+# quant -> (max logits NMSE, min greedy agreement)
+LIMITS = {"f16": (1e-4, 1.0), "bf16": (1e-3, 0.9), "q8_0": (1e-2, 0.9)}
+
+QUESTIONS = [
+    "What is 12 + 30?", "Reverse hello.", "Uppercase word.", "What is 7 - 9?", "Count vowels in banana.",
+    "Sort the letters of code.", "What is 100 + 250?", "Write a word that starts with s.",
+    "What is the first character of python?", "Lowercase WATER.", "What is 3 + 4?", "Reverse abc.",
+    "What is 999 - 1?", "Say the number after 41.", "Uppercase answer.", "What is 5 + 5 + 5?",
+]
+
+
+@dataclass
+class VerifyReport:
+    prompts: int
+    new_tokens: int
+    tokenization_equal: bool
+    logits_nmse: float
+    greedy_agreement: float
+    max_nmse: float
+    min_agreement: float
+    ok: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return (f"llama.cpp vs HF on {self.prompts} prompts: logits NMSE {self.logits_nmse:.2e} (limit "
+                f"{self.max_nmse:.0e}), greedy agreement {self.greedy_agreement:.1%} (limit {self.min_agreement:.0%}), "
+                f"tokenization {'equal' if self.tokenization_equal else 'DIFFERENT'}")
+
+
+def prompts(tokenizer, count: int = 16) -> list[str]:
+    """Chat prompts as the model sees them (the chat template with the generation prompt)."""
+    out = []
+    for q in (QUESTIONS * ((count + len(QUESTIONS) - 1) // len(QUESTIONS)))[:count]:
+        msgs = [{"role": "user", "content": q}]
+        if getattr(tokenizer, "chat_template", None):
+            out.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        else:
+            out.append(q)
+    return out
+
+
+def load_llama(gguf_path: Path, n_ctx: int = 256, threads: int | None = None):
+    try:
+        from llama_cpp import Llama
+    except ImportError as err:
+        raise SmolforgeError("verifying a GGUF needs llama-cpp-python, which is not installed",
+                             fix="pip install 'smolforge[export]' (it builds llama.cpp, minutes), or pass --no-verify"
+                             ) from err
+    import os
+
+    return Llama(model_path=str(gguf_path), n_ctx=n_ctx, logits_all=True, verbose=False, n_gpu_layers=0,
+                 n_threads=threads or max(1, min(4, os.cpu_count() or 1)), n_batch=n_ctx)
+
+
+def _centred(x):
+    return x - x.mean(axis=-1, keepdims=True)
+
+
+def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int = 8) -> VerifyReport:
+    """Run the checks; `model` is the HF model in eval mode (fp32, CPU)."""
+    import numpy as np
+    import torch
+
+    max_nmse, min_agree = LIMITS[quant]
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    tok_equal, err, ref, same, total = True, 0.0, 0.0, 0, 0
+    for text in texts:
+        hf_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        tok_equal &= list(cpp_ids) == list(hf_ids)
+        with torch.no_grad():
+            hf_logits = model(torch.tensor([hf_ids])).logits[0].float().numpy()
+            seq, hf_out = list(hf_ids), []
+            for _ in range(new_tokens):  # plain argmax, end tokens included: llama.cpp's loop below does the same
+                nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+                hf_out.append(nxt)
+                seq.append(nxt)
+        llm.reset()
+        llm.eval(hf_ids)
+        cpp_logits = np.asarray(llm.scores[: len(hf_ids)], dtype=np.float32)[:, : vocab or hf_logits.shape[-1]]
+        a, b = _centred(cpp_logits), _centred(hf_logits)
+        err += float(((a - b) ** 2).sum())
+        ref += float((b ** 2).sum())
+        cpp_out = []
+        for _ in range(new_tokens):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1][: vocab or hf_logits.shape[-1]]))
+            cpp_out.append(nxt)
+            llm.eval([nxt])
+        same += sum(int(x == y) for x, y in zip(cpp_out, hf_out))
+        total += new_tokens
+    nmse = err / max(ref, 1e-30)
+    agree = same / max(total, 1)
+    return VerifyReport(len(texts), new_tokens, tok_equal, nmse, agree, max_nmse, min_agree,
+                        ok=tok_equal and nmse <= max_nmse and agree >= min_agree)
+
+
+def verify_gguf(gguf_path: Path, model, tokenizer, quant: str, count: int = 16, new_tokens: int = 8,
+                threads: int | None = None) -> VerifyReport:
+    llm = load_llama(gguf_path, threads=threads)
+    try:
+        return compare(llm, model, tokenizer, prompts(tokenizer, count), quant, new_tokens)
+    finally:
+        if hasattr(llm, "close"):
+            llm.close()
