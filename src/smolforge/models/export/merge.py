@@ -201,15 +201,15 @@ class MergedModel:
 
     def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
         """(name, merged tensor) for every tensor, in file order."""
-        from safetensors import safe_open
-
-        for path in self.files:
-            with safe_open(str(path), "pt") as f:
-                for key in f.keys():
-                    yield key, self._merged(key, f.get_tensor(key))
+        for name in self.shapes():
+            yield name, self.tensor(name)
 
     def tensor(self, name: str) -> "torch.Tensor":
-        """One merged tensor by name (the GGUF writer's order is not the files' order)."""
+        """One merged tensor by name (the GGUF writer's order is not the files' order).
+
+        The file is opened for this one tensor: safe_open maps the whole file, and pages read through
+        a mapping count as the process's memory until it is closed (a file kept open while every
+        tensor is read costs the whole checkpoint's size in RSS)."""
         from safetensors import safe_open
 
         if self._where is None:
