@@ -44,7 +44,13 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM: the peak below is the export's
 base = status("VmRSS")
 t0 = time.perf_counter()
-summary = export(model, to, out, adapters=[adapter], quant=quant, verify=verify == "1", threads=1)
+if to == "naive":  # the usual road, for comparison: peft's merge_and_unload on the loaded model, save_pretrained
+    from smolforge.models.loading import load_model
+    from smolforge.models.peft_methods import load_adapter, merge_adapter
+    merge_adapter(load_adapter(load_model(model), adapter)).save_pretrained(out)
+    summary = {}
+else:
+    summary = export(model, to, out, adapters=[adapter], quant=quant, verify=verify == "1", threads=1)
 print(json.dumps({"seconds": time.perf_counter() - t0, "rss_before": base, "peak": status("VmHWM"),
                   "summary": summary}))
 '''
@@ -144,7 +150,8 @@ def main() -> None:
         root = Path(tmp)
         adapter = make_adapter(model_dir, root)
         for label, to, quant in (("merge + GGUF f16", "gguf", "f16"), ("merge + GGUF q8_0", "gguf", "q8_0"),
-                                 ("merge + HF directory", "hf", "f16")):
+                                 ("merge + HF directory", "hf", "f16"),
+                                 ("baseline: peft merge_and_unload + save_pretrained", "naive", "f16")):
             r = run_child(model_dir, str(adapter), to, quant, str(root / label.replace(" ", "_")), "0")
             growth = r["peak"] - r["rss_before"]
             results[label] = {"seconds": round(r["seconds"], 2), "peak_rss_growth_mb": round(growth / 2**20, 1),
