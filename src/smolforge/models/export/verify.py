@@ -6,8 +6,10 @@ Three checks on a few chat prompts, against the HF model with its adapters appli
   pre-tokenizer or merge list shows up here first);
 - logits: normalised MSE over the prompt positions, each row centred first (logits are defined up
   to a constant per row): sum ||a - b||^2 / sum ||b||^2;
-- greedy generation: both continue each prompt greedily for `new_tokens` tokens; agreement is the
-  share of positions with the same token.
+- greedy tokens: HF continues each prompt greedily for `new_tokens` tokens; agreement is the share
+  of those positions where llama.cpp's argmax, given the same prefix, is the same token (teacher
+  forced: one near-tie does not turn every later token of a free-running continuation into a miss;
+  the logits above cover the continuation too).
 The export fails when any is off by more than its quantisation allows (LIMITS).
 """
 
@@ -91,24 +93,20 @@ def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int
         cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         tok_equal &= list(cpp_ids) == list(hf_ids)
         with torch.no_grad():
-            hf_logits = model(torch.tensor([hf_ids])).logits[0].float().numpy()
-            seq, hf_out = list(hf_ids), []
-            for _ in range(new_tokens):  # plain argmax, end tokens included: llama.cpp's loop below does the same
-                nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-                hf_out.append(nxt)
-                seq.append(nxt)
+            seq = list(hf_ids)
+            for _ in range(new_tokens):  # plain argmax, end tokens included
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            hf_logits = model(torch.tensor([seq])).logits[0].float().numpy()
         llm.reset()
-        llm.eval(hf_ids)
-        cpp_logits = np.asarray(llm.scores[: len(hf_ids)], dtype=np.float32)[:, : vocab or hf_logits.shape[-1]]
-        a, b = _centred(cpp_logits), _centred(hf_logits)
+        llm.eval(seq)
+        n = vocab or hf_logits.shape[-1]
+        cpp_logits = np.asarray(llm.scores[: len(seq)], dtype=np.float32)[:, :n]
+        a, b = _centred(cpp_logits), _centred(hf_logits[:, :n])
         err += float(((a - b) ** 2).sum())
         ref += float((b ** 2).sum())
-        cpp_out = []
-        for _ in range(new_tokens):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1][: vocab or hf_logits.shape[-1]]))
-            cpp_out.append(nxt)
-            llm.eval([nxt])
-        same += sum(int(x == y) for x, y in zip(cpp_out, hf_out))
+        # llama.cpp's greedy choice at each generated position, on the same prefix as HF's
+        picks = cpp_logits[len(hf_ids) - 1: len(seq) - 1].argmax(axis=-1).tolist()
+        same += sum(int(x == y) for x, y in zip(picks, seq[len(hf_ids):]))
         total += new_tokens
     nmse = err / max(ref, 1e-30)
     agree = same / max(total, 1)
