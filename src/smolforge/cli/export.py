@@ -36,8 +36,9 @@ def show(summary: dict, json_out: bool) -> None:
         typer.echo(f"wrote {out} (an HF model directory: AutoModelForCausalLM.from_pretrained('{out}'))")
     if summary.get("verify"):
         v = summary["verify"]
+        ties = f" ({v['greedy_agreement_with_ties']:.1%} counting {v['near_ties']} near-tie(s))" if v["near_ties"] else ""
         typer.echo(f"verified in llama.cpp: logits NMSE {v['logits_nmse']:.2e}, greedy agreement "
-                   f"{v['greedy_agreement']:.1%} on {v['prompts']} prompts, tokenization "
+                   f"{v['greedy_agreement']:.1%}{ties} on {v['prompts']} prompts, tokenization "
                    f"{'equal' if v['tokenization_equal'] else 'different'}")
     if "ollama" in summary:
         typer.echo(f"import it into Ollama with:\n  {summary['ollama']['create']}")
