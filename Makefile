@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first, from the pinned CPU build: anything unpinned drags in GBs of CUDA packages.
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,wandb]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,export,wandb]'
 	# gRPC stubs for split learning, generated from the .proto by the pinned grpcio-tools.
 	$(BIN)/python -m smolforge.split.gen_proto
 	touch $(STAMP)

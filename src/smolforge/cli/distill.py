@@ -15,6 +15,8 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.export import check_run_export, export_distill, show
+from smolforge.errors import SmolforgeError
 
 
 def register(app: typer.Typer) -> None:
@@ -74,6 +76,8 @@ def register(app: typer.Typer) -> None:
                                             "(the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
+        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the merged adapter (each "
+                                             "student base's), verified, into <output-dir>/export/"),
     ):
         """Distill a teacher into PEFT students: parallel teacher shards, streaming students, merged adapter.
 
@@ -92,13 +96,21 @@ def register(app: typer.Typer) -> None:
             "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
             "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
+        check_run_export(export, peft)
+        if export and aggregate == "none":
+            raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
+                                 fix="use --aggregate mean or ties, or export one student's adapter with `smolforge export`")
         spec = {"kind": "distill", "mode": mode, "distill": distill, "tensorboard": tensorboard, "wandb": wandb}
         summary = run_distill_job(spec, output_dir, resume=resume,
                                   coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
+        if export:
+            summary["export"] = export_distill(summary, output_dir, export)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})
             return
         _print_summary(summary)
+        for exported in (summary.get("export") or {}).values():
+            show(exported, False)
 
 
 def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coordinator: str | None,

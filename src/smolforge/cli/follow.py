@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import typer
 
@@ -54,15 +54,21 @@ HEADLINE = ("strategy", "workers", "steps", "samples", "final_loss", "eval_loss"
             "batch_rows_per_rank")
 
 
-def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -> None:
+def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool,
+               after: Callable[[Path], dict] | None = None) -> None:
+    """Download the finished job's adapter and report; `after(adapter_dir)` (launch --export) runs on
+    the downloaded adapter and its result is reported as `export`."""
     job_id = st["job_id"]
-    adapter = None
+    adapter = extra = None
     if st["state"] == "completed" and output_dir:
         adapter = backend.download_adapter(job_id, output_dir)
+        if after is not None:
+            extra = after(Path(adapter))
     if json_out:
         res = st.get("result") or {}
         headline = {k: res[k] for k in HEADLINE if k in res}  # what scripts and benchmarks read first
-        print_json({**headline, **st, "adapter_dir": str(adapter) if adapter else None})
+        print_json({**headline, **st, "adapter_dir": str(adapter) if adapter else None,
+                    **({"export": extra} if extra else {})})
         if st["state"] == "failed":
             raise typer.Exit(1)
         return
@@ -72,6 +78,10 @@ def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool) -
         typer.echo("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in res["eval"].items()))
     if adapter:
         typer.echo(f"adapter: {adapter}")
+    if extra:
+        from smolforge.cli.export import show
+
+        show(extra, False)
     if st["state"] == "failed":
         raise typer.Exit(1)
 

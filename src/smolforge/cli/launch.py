@@ -17,6 +17,7 @@ import typer
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
+from smolforge.cli.export import check_run_export, export_run
 from smolforge.errors import SmolforgeError
 
 
@@ -76,6 +77,8 @@ def register(app: typer.Typer) -> None:
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
+        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the final adapter, merged "
+                                             "and verified, into <output-dir>/export/"),
     ):
         """Launch distributed training: data-parallel, or teacher→student distillation.
 
@@ -100,6 +103,12 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
         """
+        check_run_export(export, peft or "lora")
+        if export and mode in ("teacher_student", "hybrid") and len(set(student)) > 1:
+            raise SmolforgeError("--export with several student bases: use `smolforge distill --export`, which "
+                                 "exports each base's adapter", fix="give one --student, or drop --export")
+        export_model = (student[0] if student else model) if mode in ("teacher_student", "hybrid") else model
+        after = (lambda adapter: export_run(export_model, adapter, adapter.parent, export)) if export else None
         if mode in ("teacher_student", "hybrid"):
             workers = 2 if workers is None else workers
             if stages is not None or strategy is not None:
@@ -113,7 +122,7 @@ def register(app: typer.Typer) -> None:
                             coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
                             json_out=json_out, tensorboard=tensorboard, wandb=wandb,
                             name=name, sets=set_, detach=detach,
-                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu})
+                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu}, after=after)
             return
         if mode not in ("data_parallel", "model_parallel"):
             raise SmolforgeError(f"unknown --mode {mode!r}",
@@ -132,7 +141,7 @@ def register(app: typer.Typer) -> None:
                 kwargs[key] = value
         spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
         _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers", coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir,
-                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir)
+                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir, after=after)
 
     @app.command()
     @run_cli
@@ -223,7 +232,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], on_completed=fetch_distill_summary)
+                       output_dir=o["output_dir"], on_completed=fetch_distill_summary, after=o.get("after"))
 
 
 def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
@@ -235,7 +244,8 @@ def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
 
 def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token: str | None, state_dir: str | None,
                        detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
-                       on_completed: Callable[[Any, str, Path], None] | None = None) -> None:
+                       on_completed: Callable[[Any, str, Path], None] | None = None,
+                       after: Callable[[Path], dict] | None = None) -> None:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
     its end and fetch its adapter into `output_dir` (default outputs/<job>). The spec is checked
     first: a bad setting is a message in a second, not after an embedded cluster has started."""
@@ -243,6 +253,9 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
 
     parse(spec)
     refuse_used_download_dir(output_dir)
+    if after is not None and detach:
+        raise SmolforgeError("--export needs the run's end: it cannot go with --detach",
+                             fix="drop --detach, or export later with `smolforge export`")
     backend = _backend(coordinator, token, state_dir, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     try:
@@ -263,7 +276,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
             on_completed(backend, job_id, Path(out))
         if not json_out:
             say_monitoring(backend, job_id, embedded)
-        finish_job(backend, st, out, json_out)
+        finish_job(backend, st, out, json_out, after=after)
     finally:
         close = getattr(backend, "close", None)
         if close:

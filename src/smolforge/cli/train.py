@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import typer
 
+from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli, set_nested
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
 from smolforge.errors import SmolforgeError
@@ -96,6 +97,8 @@ def register(app: typer.Typer) -> None:
                                             help="also log to W&B, offline, in OUTPUT_DIR/wandb (the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar (for scripts)"),
+        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the final adapter, merged "
+                                             "and verified, into <output-dir>/export/"),
     ):
         """Fine-tune a model on one worker (LoRA by default).
 
@@ -109,15 +112,19 @@ def register(app: typer.Typer) -> None:
             cfg = cfg.model_copy(update={"tensorboard": tensorboard})
         if json_out:
             cfg = cfg.model_copy(update={"quiet": True})
+        check_run_export(export, cfg.peft.method)
         examples = check_model_and_data(cfg)
         quiet_libraries()
         from smolforge.train.engine import train as run_train
 
         result = run_train(cfg, examples=examples)
+        exported = export_run(cfg.model, result.adapter_dir, cfg.output_dir, export) if export else None
         if json_out:
-            print_json(result.to_dict())
+            print_json({**result.to_dict(), **({"export": exported} if exported else {})})
         else:
             typer.echo(f"adapter: {result.adapter_dir}")
+            if exported:
+                show(exported, False)
             tb = f"  (tensorboard --logdir {Path(cfg.output_dir) / 'tensorboard'})" if cfg.tensorboard is not False else ""
             typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}{tb}")
             if cfg.wandb:

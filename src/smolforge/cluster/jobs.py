@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.specs import DataParallelJob, DistillJob, ServeJob
+from smolforge.cluster.specs import DataParallelJob, DistillJob, ExportJob, ServeJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
@@ -58,6 +58,12 @@ def _serve_runner() -> type:
     return ServeRunner
 
 
+def _export_runner() -> type:
+    from smolforge.cluster.runners.export import ExportRunner  # Ray and torch: only where jobs run
+
+    return ExportRunner
+
+
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
     return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -74,6 +80,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
     JobKind("serve", "serving", ServeJob, _serve_runner, section=None, models=("model",),
             resumes_from=lambda mgr, job_id: "the start (stages load again)"),
+    JobKind("export", "export", ExportJob, _export_runner, section=None, models=("model",),
+            resumes_from=lambda mgr, job_id: "the start (the export runs again)"),
 )}
 
 

@@ -160,4 +160,23 @@ class ServeJob(Spec):
         return self.load_timeout_s * ((self.stages if isinstance(self.stages, int) else 2) + 2) + 60
 
 
-JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob}
+class ExportJob(Spec):
+    """A model (plus adapters) exported on a node that holds it (`smolforge export --coordinator`); the
+    result is the job's `export/<to>` artifact, which the client downloads (smolforge.models.export)."""
+
+    kind: Literal["export"] = "export"
+    name: str | None = None
+    model: str = Field(..., description="a model the workers hold (its name there), a preset or a local directory")
+    adapters: list[str] = Field(default_factory=list, description="adapter directories merged in order: on the "
+                                "embedded cluster only (they are read on this machine)")
+    to: Literal["hf", "gguf", "ollama"] = "gguf"
+    quant: Literal["f16", "bf16", "q8_0"] = "f16"
+    model_name: str | None = Field(None, description="the name in the GGUF and in `ollama create` (--name)")
+    verify: bool = Field(True, description="compare the GGUF with the HF model in llama.cpp; fail when off")
+    cpus: float = Field(1.0, gt=0)
+    require_model: bool | None = Field(
+        None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
+    timeout_s: float = Field(3600.0, gt=0, description="the export (and its upload) must finish within this")
+
+
+JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob, "export": ExportJob}

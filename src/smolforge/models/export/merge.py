@@ -1,0 +1,221 @@
+"""Fold adapters into a base model one tensor at a time: the merge behind every export.
+
+peft's `merge_and_unload` needs the whole model in memory, and a merged directory written with
+`save_pretrained` needs a second copy while it serialises (LlamaForge's merge ran out of memory on
+exactly that). Here the base's safetensors are read tensor by tensor with `safe_open` and each
+adapter's delta is applied to that one tensor, so the peak is one model's worth of adapters (small)
+plus the largest single tensor. The writers (`hf.py`, `gguf.py`) consume the stream.
+
+What merges: LoRA (W += B @ A * alpha / r, alpha / sqrt(r) with rsLoRA), (IA)^3 (rows or, for
+feed-forward modules, columns of W scaled by the learned vector) and full fine-tuning (its
+directory is the new base). Houlsby adapters and prefix/prompt tuning add layers or virtual tokens
+that no plain HF (or GGUF) architecture has: they are refused with what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from smolforge.errors import SmolforgeError
+from smolforge.models.peft_methods import BASE_FILE, BASE_KEYS, adapter_method
+
+if TYPE_CHECKING:
+    import torch
+
+MERGEABLE = ("lora", "ia3", "none")
+PEFT_PREFIX = "base_model.model."
+
+_UNMERGEABLE_FIX = {
+    "adapter": "Houlsby adapters are extra layers, not weight deltas",
+    "prefix": "prefix tuning adds learned key/value prefixes, not weight deltas",
+    "prompt": "prompt tuning adds learned virtual tokens, not weight deltas",
+}
+
+
+@dataclass
+class Adapter:
+    """One adapter directory, read into memory (adapters are small: their tensors by target weight)."""
+
+    path: Path
+    method: str
+    config: dict
+    # target weight name in the base (e.g. model.layers.0.self_attn.q_proj.weight) -> the tensors it needs
+    targets: dict[str, dict[str, "torch.Tensor"]] = field(default_factory=dict)
+
+
+def _weights_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    files = [f for f in files if f.name != "adapter_model.safetensors"]
+    if not files:
+        raise SmolforgeError(f"{model_dir} holds no safetensors weights",
+                             fix="export a model saved with save_pretrained (safetensors), or re-save it: "
+                                 "AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)")
+    return files
+
+
+def unmergeable_reason(method: str) -> str:
+    return _UNMERGEABLE_FIX.get(method, f"{method} is not a weight delta")
+
+
+def read_adapter(path: str | Path) -> Adapter:
+    """An adapter directory ready to merge; unmergeable methods are refused here, before any work."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    method = adapter_method(path)
+    if method not in MERGEABLE:
+        raise SmolforgeError(
+            f"cannot export {path}: it is a {method!r} adapter and {_UNMERGEABLE_FIX[method]}, so it cannot be "
+            "merged into a plain Hugging Face, GGUF or Ollama model",
+            fix=f"serve it unmerged (smolforge serve --model BASE --adapter {path}), or retrain with --peft lora "
+                "(or ia3) and export that")
+    if method == "none":
+        return Adapter(path, method, json.loads((path / "config.json").read_text(encoding="utf-8")))
+    config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(key):
+            raise SmolforgeError(f"{path}: adapters with {key} are not supported by export",
+                                 fix="retrain without it (smolforge's own LoRA and IA3 never set it)")
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise SmolforgeError(f"{weights} is missing", fix="point --adapter at a complete adapter directory")
+    adapter = Adapter(path, method, config)
+    for key, tensor in load_file(str(weights)).items():
+        if not key.startswith(PEFT_PREFIX):
+            raise SmolforgeError(f"{weights}: unexpected tensor {key}", fix="re-save the adapter with peft")
+        module, _, kind = key[len(PEFT_PREFIX):].rpartition(".lora_") if ".lora_" in key else \
+            key[len(PEFT_PREFIX):].rpartition(".")
+        if method == "lora" and kind not in ("A.weight", "B.weight"):
+            raise SmolforgeError(f"{weights}: {key} is a LoRA tensor export cannot merge (embedding LoRA?)",
+                                 fix="retrain with LoRA on linear layers only (the default targets)")
+        adapter.targets.setdefault(module + ".weight", {})[kind] = tensor.float()
+    return adapter
+
+
+def check_base(adapter: Adapter, config: dict) -> None:
+    """The adapter was trained on a base of this shape (the same check as loading it for inference)."""
+    recorded = adapter.path / BASE_FILE
+    if not recorded.is_file():
+        return
+    trained = json.loads(recorded.read_text(encoding="utf-8"))
+    diff = [f"{k} {trained.get(k)} vs {config.get(k)}" for k in BASE_KEYS
+            if trained.get(k) is not None and config.get(k) is not None and trained[k] != config[k]]
+    if diff:
+        raise SmolforgeError(f"{adapter.path} was trained on another base model ({trained.get('name_or_path')}): "
+                             f"{', '.join(diff)}", fix="pass that base as --model")
+
+
+def _is_feedforward(module_weight: str, config: dict) -> bool:
+    module = module_weight[: -len(".weight")]
+    return any(module == f or module.endswith("." + f) for f in (config.get("feedforward_modules") or []))
+
+
+def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter) -> "torch.Tensor":
+    """`tensor` (the base weight or bias `name`) with `adapter` folded in; float32 arithmetic."""
+    fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out"))
+    if name.endswith(".bias"):
+        # (IA)^3 scales the bias of the modules it scales row-wise (peft's merge does the same).
+        weight = name[: -len(".bias")] + ".weight"
+        parts = adapter.targets.get(weight)
+        if adapter.method == "ia3" and parts and not _is_feedforward(weight, adapter.config):
+            return (tensor.float() * parts["ia3_l"].reshape(tensor.shape)).to(tensor.dtype)
+        return tensor
+    parts = adapter.targets.get(name)
+    if not parts:
+        return tensor
+    w = tensor.float()
+    w = w.T if fan_in_fan_out else w  # (out, in) from here on
+    if adapter.method == "lora":
+        r = adapter.config["r"]
+        scale = adapter.config["lora_alpha"] / (r ** 0.5 if adapter.config.get("use_rslora") else r)
+        w = w + (parts["B.weight"] @ parts["A.weight"]) * scale
+    else:
+        w = w * parts["ia3_l"]
+    w = w.T if fan_in_fan_out else w
+    return w.contiguous().to(tensor.dtype)
+
+
+class MergedModel:
+    """A base directory plus adapters, seen as one model: its config, tensor shapes and merged tensors.
+
+    Nothing is loaded up front; `tensors()` streams (name, merged tensor) pairs in file order.
+    """
+
+    def __init__(self, base_dir: str | Path, adapters: list[str | Path] = ()):
+        read = [read_adapter(a) for a in adapters]
+        full = [a for a in read if a.method == "none"]
+        if len(full) > 1 or (full and read[0].method != "none"):
+            raise SmolforgeError("a full fine-tune can only be the first --adapter (it replaces the base)",
+                                 fix="give the full model first, then the LoRA/IA3 adapters trained on it")
+        self.base_dir = Path(full[0].path if full else base_dir)
+        self.tokenizer_dir = Path(base_dir) if not (self.base_dir / "tokenizer.json").exists() else self.base_dir
+        self.adapters = [a for a in read if a.method != "none"]
+        self.config = json.loads((self.base_dir / "config.json").read_text(encoding="utf-8"))
+        for adapter in self.adapters:
+            check_base(adapter, self.config)
+        self.files = _weights_files(self.base_dir)
+        self._where: dict[str, Path] | None = None
+        self._check_targets()
+
+    def _check_targets(self) -> None:
+        names = set(self.shapes())
+        for adapter in self.adapters:
+            missing = sorted(set(adapter.targets) - names)
+            if missing:
+                raise SmolforgeError(f"{adapter.path} changes {missing[0]}, which the base model {self.base_dir} "
+                                     "does not have", fix="pass the base model the adapter was trained on as --model")
+            tied = self.config.get("tie_word_embeddings") and any(
+                t.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) for t in adapter.targets)
+            if tied:
+                raise SmolforgeError(f"{adapter.path} changes the tied embedding/output head; merging it would change "
+                                     "both", fix="retrain with LoRA on the transformer blocks only (the default)")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's name and shape, from the safetensors headers (no data read)."""
+        from safetensors import safe_open
+
+        out: dict[str, tuple[int, ...]] = {}
+        for path in self.files:
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    out[key] = tuple(f.get_slice(key).get_shape())
+        return out
+
+    def dtype(self) -> "torch.dtype":
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[0]), "pt") as f:
+            return f.get_tensor(next(iter(f.keys()))).dtype
+
+    def _merged(self, key: str, tensor: "torch.Tensor") -> "torch.Tensor":
+        for adapter in self.adapters:
+            tensor = _apply(key, tensor, adapter)
+        return tensor
+
+    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """(name, merged tensor) for every tensor, in file order."""
+        for name in self.shapes():
+            yield name, self.tensor(name)
+
+    def tensor(self, name: str) -> "torch.Tensor":
+        """One merged tensor by name (the GGUF writer's order is not the files' order).
+
+        The file is opened for this one tensor: safe_open maps the whole file, and pages read through
+        a mapping count as the process's memory until it is closed (a file kept open while every
+        tensor is read costs the whole checkpoint's size in RSS)."""
+        from safetensors import safe_open
+
+        if self._where is None:
+            self._where = {}
+            for path in self.files:
+                with safe_open(str(path), "pt") as f:
+                    self._where.update({key: path for key in f.keys()})
+        with safe_open(str(self._where[name]), "pt") as f:
+            return self._merged(name, f.get_tensor(name))

@@ -1,0 +1,132 @@
+"""One export, start to finish: merge, write the target format, verify, swap the directory in.
+
+`smolforge export`, the `export` job kind and `train/launch/distill --export` all call `export()`.
+The output directory is built in a temp directory next to it and swapped in whole
+(`paths.atomic_replace_dir`): a failed or refused export (verification off, a crash) leaves
+what was there before. It holds `export.json`, the summary this function returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from smolforge.errors import SmolforgeError
+from smolforge.models.export import gguf as gguf_format
+from smolforge.models.export import hf as hf_format
+from smolforge.models.export import ollama as ollama_format
+from smolforge.models.export.merge import MergedModel
+from smolforge.paths import atomic_replace_dir, atomic_write_json
+
+TARGETS = ("hf", "gguf", "ollama")
+SUMMARY = "export.json"
+GGUF_NAME = "model.gguf"
+
+
+def model_dir(model: str) -> Path:
+    """The base model as a local directory: a preset, a directory, or a hub id from the local cache."""
+    from smolforge.models.loading import _hub_error, resolve_model
+
+    resolved = resolve_model(model)
+    if Path(resolved).is_dir():
+        return Path(resolved)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
+                                                                "*.model"]))
+    except Exception as err:  # offline and not cached, unknown id, gated
+        raise _hub_error(model, resolved, err) from err
+
+
+def default_name(model: str, adapters) -> str:
+    """The run's directory name for `<run>/lora_adapter`, else the adapter's or model's own name;
+    lower-case letters, digits, '.', '-' and '_' only (what `ollama create` takes)."""
+    if adapters:
+        last = Path(str(adapters[-1])).resolve()
+        raw = last.parent.name if last.name.endswith("_adapter") else last.name
+    else:
+        raw = Path(model.rstrip("/")).name.replace(":", "-")
+    return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-._") or "model"
+
+
+def check_output_dir(out: Path) -> None:
+    """Refuse to replace a directory that is not an earlier export: it may hold someone's work."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / SUMMARY).is_file())):
+        raise SmolforgeError(f"--output-dir {out} exists and is not an earlier export (no {SUMMARY} in it)",
+                             fix="pass a new or empty directory; an earlier export's directory is replaced")
+
+
+def reference_model(merged: MergedModel):
+    """The HF model with its adapters applied by peft (unmerged): what the GGUF must reproduce."""
+    from smolforge.models.loading import load_model, load_tokenizer
+    from smolforge.models.peft_methods import load_adapter, merge_adapter
+
+    net = load_model(str(merged.base_dir))
+    for i, adapter in enumerate(merged.adapters):
+        net = load_adapter(net, adapter.path)
+        if i < len(merged.adapters) - 1:
+            net = merge_adapter(net)
+    return net.eval(), load_tokenizer(str(merged.tokenizer_dir))
+
+
+def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] | tuple[str, ...] = (),
+           quant: str = "f16", name: str | None = None, verify: bool = True, threads: int | None = None,
+           say: Callable[[str], None] = lambda line: None) -> dict:
+    """Export `model` (+ `adapters`, merged in order) as `to` into `output_dir`; the summary dict."""
+    if to not in TARGETS:
+        raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")
+    if quant not in gguf_format.QUANTS:
+        raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(gguf_format.QUANTS)}")
+    out = Path(output_dir).expanduser().resolve()
+    check_output_dir(out)
+    t0 = time.time()
+    merged = MergedModel(model_dir(model), list(adapters))
+    name = name or default_name(model, adapters)
+    template = gguf_format.chat_template(merged.tokenizer_dir)
+    if to == "ollama":
+        ollama_format.chat_format(template)  # refuse an untranslatable template before any work
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    summary: dict = {"to": to, "model": model, "adapters": [str(a) for a in adapters], "name": name,
+                     "output_dir": str(out)}
+    try:
+        if to == "hf":
+            say(f"merging into an HF directory ({len(merged.adapters)} adapter(s))")
+            summary["hf"] = hf_format.write_hf(merged, tmp)
+        else:
+            say(f"writing {GGUF_NAME} ({quant})")
+            summary["gguf"] = gguf_format.write_gguf(merged, tmp / GGUF_NAME, quant, name)
+            summary["quant"] = quant
+            if verify:
+                say("verifying in llama.cpp")
+                net, tok = reference_model(merged)
+                from smolforge.models.export.verify import verify_gguf
+
+                report = verify_gguf(tmp / GGUF_NAME, net, tok, quant, threads=threads)
+                del net
+                summary["verify"] = report.to_dict()
+                say(report.line())
+                if not report.ok:
+                    raise SmolforgeError(f"the GGUF does not reproduce the model: {report.line()}",
+                                         fix="report it with the model's config.json; --no-verify writes it anyway")
+            if to == "ollama":
+                summary["ollama"] = ollama_format.write_modelfile(tmp, template, GGUF_NAME)
+                summary["ollama"]["create"] = ollama_format.create_command(name, out)
+        summary["seconds"] = round(time.time() - t0, 2)
+        summary["files"] = sorted(p.name for p in tmp.iterdir()) + [SUMMARY]
+        atomic_write_json(tmp / SUMMARY, summary)
+        atomic_replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def read_summary(output_dir: str | Path) -> dict:
+    return json.loads((Path(output_dir) / SUMMARY).read_text(encoding="utf-8"))
