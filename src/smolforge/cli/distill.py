@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
 
 
 def register(app: typer.Typer) -> None:
@@ -61,6 +61,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
+        priority: str = typer.Option("normal", help=PRIORITY_HELP),
         coordinator: Optional[str] = typer.Option(None, help="HOST:PORT (default: the configured one, else embedded)"),
         token: Optional[str] = typer.Option(None, help="cluster token (default $SMOLFORGE_TOKEN)"),
         token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
@@ -84,7 +85,7 @@ def register(app: typer.Typer) -> None:
             "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
             "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
-        summary = run_distill_job({"kind": "distill", "mode": mode, "distill": distill}, output_dir, resume=resume,
+        summary = run_distill_job({"kind": "distill", "mode": mode, "priority": priority, "distill": distill}, output_dir, resume=resume,
                                   coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
         if json_out:
             print_json({k: v for k, v in summary.items() if k != "events"})

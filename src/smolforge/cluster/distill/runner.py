@@ -114,6 +114,7 @@ class DistillRunner(JobRunner):
                                        node_name=s.get("node"), error=s.get("error"))
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
+                self.mgr.placed(self.job_id)  # a task holds a node now: the queue's claim can go
             if s["kind"] == "student":
                 total += float(s.get("samples_total") or 0)
                 done += float(s.get("samples_total") or 0) if s["state"] == "completed" else float(s.get("samples_done") or 0)
