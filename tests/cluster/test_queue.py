@@ -112,9 +112,10 @@ def test_a_ram_reservation_keeps_two_jobs_off_one_node(cluster):
     first = client.submit_job(spec(6, ["w1"], cpus=1, name="ram-1", resources={"ram_gb": 3}))
     second = client.submit_job(spec(2, ["w1"], cpus=1, name="ram-2", resources={"ram_gb": 3}))
     wait_for("ram-1 running", lambda: job(client, first)["state"] == "running" and job(client, first)["nodes"])
-    st = wait_for("ram-2 waiting for RAM", lambda: (lambda j: j if "GB RAM free" in (j["pending_reason"] or "")
+    expected = f"waiting for 1 worker with 1 CPU, 3 GB RAM: w1 busy with {first} (1 GB RAM free)"
+    st = wait_for("ram-2 waiting for RAM", lambda: (lambda j: j if j["pending_reason"] == expected
                                                     else None)(job(client, second)), timeout=60)
-    assert st["state"] == "pending" and f"w1 busy with {first} (1 GB RAM free)" in st["pending_reason"], st
+    assert st["state"] == "pending", st
     assert st["spec"]["min_ram_gb"] == 3
     wait_for("both completed", lambda: all(job(client, j)["state"] == "completed" for j in (first, second)))
     one, two = job(client, first), job(client, second)
