@@ -6,7 +6,7 @@ import pytest
 
 from smolforge.cluster import jobs, ray_glue
 from smolforge.cluster.queue import Demand, Waiting, decide, order
-from smolforge.cluster.specs import DataParallelJob
+from smolforge.cluster.specs import DataParallelJob, from_seed_task
 from smolforge.errors import SmolforgeError
 
 
@@ -96,6 +96,7 @@ def test_the_seeds_task_shape_and_resource_requests():
     assert req.per_task(True) == {"CPU": 16, ray_glue.WORKER_RESOURCE: 16, "memory": 32e9, "GPU": 2.0}
     gpu_node = node("g", cpus=32, ram=64, gpus=1)
     assert "has 1 GPUs < 2" in "; ".join(req.reasons(gpu_node))
+    assert from_seed_task({"kind": "serve", "model": "m"}) == {"kind": "serve", "model": "m"}  # not a task
     # stored and read back by the runner: the same job (no contradiction with its own mapping)
     assert DataParallelJob.model_validate(seed.model_dump(mode="json")) == seed
     steps = DataParallelJob.model_validate({"checkpointing": True, "train": {"model": "m", "data": {"path": "bundled"},

@@ -234,7 +234,8 @@ class DataParallelJob(JobSpec):
 def from_seed_task(data: Any) -> Any:
     """The seeds' task shape, `{"model": M, "dataset": D, "resources": {...}, ...}`, as a data-parallel
     job (`train: {model: M, data: {path: D}}`); a job spec with `train` passes unchanged."""
-    if not isinstance(data, dict) or "train" in data or "model" not in data:
+    if (not isinstance(data, dict) or "train" in data or "model" not in data
+            or data.get("kind", "data_parallel") != "data_parallel"):  # a serve job names its `model` too
         return data
     data = dict(data)
     train = {"model": data.pop("model")}
