@@ -67,6 +67,11 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
      "--no-token with --host 0.0.0.0"),
     ("serve stages that are not a number", ["serve", "--model", "tiny-llama", "--stages", "many"],
      "--stages 'many' is not a number of stages"),
+    ("a priority the queue has not", ["launch", "--model", "tiny-llama", "--dataset", "bundled", "--priority",
+                                      "urgent"], "priority: Input should be 'high', 'normal' or 'low'"),
+    ("a resource request that contradicts its field", ["launch", "--model", "tiny-llama", "--dataset", "bundled",
+                                                       "--cpus-per-worker", "2", "--set", "resources.cpu_cores=4"],
+     "resources.cpu_cores is 4 but cpus_per_worker is 2"),
 ]
 
 

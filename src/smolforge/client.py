@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.cluster.jobs import apply_job_overrides, stage_spec
+from smolforge.cluster.specs import from_seed_task
 from smolforge.cluster.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
 
@@ -161,10 +162,17 @@ class Client:
         return out["ref"]
 
     def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
-        """Submit a job spec (dict, or a YAML file); returns the job id. Local data files are uploaded."""
+        """Submit a job spec (dict, or a YAML file); returns the job id. Local data files are uploaded.
+
+        The seeds' task shape is a data-parallel job: `{"model": M, "dataset": D, "priority": "high",
+        "resources": {"gpu_ids": [0, 1], "cpu_cores": 16, "ram_gb": 32}, "max_retries": 3,
+        "checkpointing": True}` (specs.from_seed_task). A job whose nodes are busy is queued
+        (`pending`, with its `pending_reason`); one no node could ever run fails here, listing the nodes.
+        """
         from smolforge.config import load_yaml
 
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
+        data = from_seed_task(data)
         apply_job_overrides(data, overrides or [])
         data = stage_spec(data, self.upload)
         return self._request("POST", "/api/v1/jobs", json=data)["job_id"]

@@ -63,6 +63,8 @@ def _job_line(j: dict) -> str:
         text += f" · loss {j['loss']:.4f}"
     if j["state"] == "running":
         text += f" · ETA {fmt_eta(j.get('eta_s'))}"
+    if j["state"] == "pending" and j.get("pending_reason"):
+        text += f" · {j['pending_reason']}"
     return text
 
 
@@ -118,14 +120,18 @@ def jobs_table(jobs: list[dict]):
     from rich.table import Table
 
     t = Table(title=f"jobs ({len(jobs)})")
-    for col in ("id", "name", "kind", "state", "progress", "samples", "loss", "ETA", "workers"):
+    for col in ("id", "name", "kind", "state", "priority", "progress", "samples", "loss", "ETA", "workers / waiting for"):
         t.add_column(col)
     for j in jobs:
+        where = ", ".join(j.get("nodes") or []) or "–"
+        if j["state"] == "pending" and j.get("pending_reason"):
+            where = j["pending_reason"]  # why it is not running yet (the queue's reason)
         _add_row(t, j["id"], j["name"] if j["name"] != j["id"] else "", j["kind"], j["state"],
+                  (j.get("spec") or {}).get("priority", "normal"),
                   f"{100 * (j.get('progress') or 0):.0f}% ({j['step']}/{j['max_steps'] or '?'})",
                   f"{j['samples_done']}/{j['samples_total'] or '?'}",
                   "–" if j.get("loss") is None else f"{j['loss']:.4f}",
-                  fmt_eta(j.get("eta_s")) if j["state"] == "running" else "–", ", ".join(j.get("nodes") or []) or "–")
+                  fmt_eta(j.get("eta_s")) if j["state"] == "running" else "–", where)
     return t
 
 

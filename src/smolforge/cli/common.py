@@ -116,6 +116,8 @@ def fmt_eta(s: float | None) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
+PRIORITY_HELP = ("queue order when the cluster is busy: high | normal | low (first submitted first within one); "
+                 "a waiting job is `pending` with the reason in `smolforge jobs`")
 TOKEN_FILE_HELP = ("a file holding the cluster token (or $SMOLFORGE_TOKEN_FILE): unlike --token, it never shows "
                    "in `ps` or shell history")
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.cli.export import check_run_export, export_distill, show
 from smolforge.errors import SmolforgeError
 
@@ -63,6 +63,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
+        priority: str = typer.Option("normal", help=PRIORITY_HELP),
         coordinator: Optional[str] = typer.Option(None, help="HOST:PORT (default: the configured one, else embedded)"),
         token: Optional[str] = typer.Option(None, help="cluster token (default $SMOLFORGE_TOKEN)"),
         token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
@@ -100,7 +101,8 @@ def register(app: typer.Typer) -> None:
         if export and aggregate == "none":
             raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
                                  fix="use --aggregate mean or ties, or export one student's adapter with `smolforge export`")
-        spec = {"kind": "distill", "mode": mode, "distill": distill, "tensorboard": tensorboard, "wandb": wandb}
+        spec = {"kind": "distill", "mode": mode, "priority": priority, "distill": distill, "tensorboard": tensorboard,
+                "wandb": wandb}
         summary = run_distill_job(spec, output_dir, resume=resume,
                                   coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
         if export:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
-from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
 from smolforge.errors import SmolforgeError
@@ -60,6 +60,7 @@ def register(app: typer.Typer) -> None:
         gpu: str = typer.Option("no", help="no|preferred|required"),
         max_retries: int = typer.Option(2, help="worker failures to survive"),
         name: Optional[str] = typer.Option(None, help="a name for the job"),
+        priority: str = typer.Option("normal", help=PRIORITY_HELP),
         output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>); "
                                                  "on the embedded cluster also where --tensorboard/--wandb write"),
         tensorboard: bool = typer.Option(False, "--tensorboard", help="TensorBoard event files, one run dir per rank "
@@ -99,6 +100,8 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe
 
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 1 --priority high --detach
+
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
@@ -121,7 +124,7 @@ def register(app: typer.Typer) -> None:
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
                             coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
                             json_out=json_out, tensorboard=tensorboard, wandb=wandb,
-                            name=name, sets=set_, detach=detach,
+                            name=name, priority=priority, sets=set_, detach=detach,
                             save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu}, after=after)
             return
         if mode not in ("data_parallel", "model_parallel"):
@@ -133,7 +136,7 @@ def register(app: typer.Typer) -> None:
         workers, strategy = _model_parallel(mode, stages, workers, strategy)
         kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
                                       cpus_per_worker=cpus_per_worker, name=name, strategy=strategy,
-                                      balance=balance, tensorboard=tensorboard, wandb=wandb)
+                                      balance=balance, tensorboard=tensorboard, wandb=wandb, priority=priority)
         for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
                            ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
                            ("lora_alpha", lora_alpha), ("peft", peft)):
@@ -148,6 +151,7 @@ def register(app: typer.Typer) -> None:
     def submit(
         job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}) or distill (mode, distill: {...})"),
         set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set num_workers=3"),
+        priority: Optional[str] = typer.Option(None, help=PRIORITY_HELP + " (default: the file's, else normal)"),
         wait: bool = typer.Option(False, "--wait", help="follow the job to its end"),
         output_dir: Optional[str] = typer.Option(None, help="with --wait: where the adapter is downloaded"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster (implies --wait)"),
@@ -160,12 +164,14 @@ def register(app: typer.Typer) -> None:
         """Submit a job file. Local dataset paths are uploaded to the coordinator first.
 
         Example: smolforge submit job.yaml --set train.max_steps=200 --wait
+
+        Example: smolforge submit job.yaml --priority high
         """
         refuse_used_download_dir(output_dir)
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         embedded = getattr(backend, "base", "") == "embedded"
         try:
-            job_id = backend.submit_job(job_file, set_)
+            job_id = backend.submit_job(job_file, [*set_, *([f"priority={priority}"] if priority else [])])
             if not (wait or embedded):
                 if json_out:
                     print_json({"job_id": job_id})
@@ -225,8 +231,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
             distill[key] = o[key]
     if mode == "hybrid":
         distill["split_shards"] = True
-    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "mode": mode, "distill": distill,
-                                "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
+    spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,
+                                "distill": distill, "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
     job = validate(DistillJob, spec, where="launch")
     check_run(job.distill, job.mode)  # before any cluster starts
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
@@ -311,7 +317,8 @@ def default_save_every(max_steps: int | None) -> int:
 
 
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
-                 max_retries: int, cpus_per_worker: float, name: str | None, **opts: Any) -> dict:
+                 max_retries: int, cpus_per_worker: float, name: str | None, priority: str = "normal",
+                 **opts: Any) -> dict:
     from smolforge.cluster.jobs import apply_job_overrides
 
     strategy = opts.pop("strategy", "ddp")
@@ -331,6 +338,6 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
         train["peft"] = peft
     train.update(opts)
     train.setdefault("save_every", default_save_every(train.get("max_steps")))
-    spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
+    spec = {"kind": "data_parallel", "name": name, "priority": priority, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
             "gpu": gpu, "max_retries": max_retries, "strategy": strategy, "balance": balance, "train": train}
     return apply_job_overrides(spec, sets)

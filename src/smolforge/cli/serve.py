@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import quiet_libraries, run_cli
+from smolforge.cli.common import PRIORITY_HELP, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
 
 
@@ -40,6 +40,7 @@ def register(app: typer.Typer) -> None:
         coordinator: Optional[str] = typer.Option(None, help="with --stages: the coordinator HOST:PORT (default: "
                                                   "$SMOLFORGE_COORDINATOR or a running one; none: embedded cluster)"),
         cpus_per_stage: float = typer.Option(1.0, help="with --stages: CPUs each stage actor reserves (its torch threads)"),
+        priority: str = typer.Option("normal", help="with --stages: " + PRIORITY_HELP),
     ):
         """Serve a model from this process: OpenAI-compatible /v1 API (streaming) and a chat page at /chat.
 
@@ -62,7 +63,7 @@ def register(app: typer.Typer) -> None:
             from smolforge.cli.common import cli_token
 
             spec = {"kind": "serve", "model": model, "stages": _stages(stages), "host": host, "port": port,
-                    "max_batch": max_batch, "cpus_per_stage": cpus_per_stage,
+                    "max_batch": max_batch, "cpus_per_stage": cpus_per_stage, "priority": priority,
                     "device": "cpu" if device == "auto" else device}
             if adapter:
                 spec["adapter"] = str(Path(adapter).expanduser().resolve())

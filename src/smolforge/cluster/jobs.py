@@ -6,7 +6,8 @@ settings section `--set` routes unknown keys into, and its submit-time checks. `
 `Client`, the embedded cluster and the CLI look kinds up here; none of them branches on a kind.
 
 Adding a kind: write its spec and its runner (a `runners.base.JobRunner`), then add one `JobKind`
-line to `KINDS`. Placement, retries (`policy.FailurePolicy`), pause/resume/cancel, events,
+line to `KINDS` (with `demand`: what the job holds while it runs, which the queue in `JobManager`
+schedules by). Placement, retries (`policy.FailurePolicy`), pause/resume/cancel, events,
 artifacts and the queue come with the base runner and the manager.
 """
 
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.specs import DataParallelJob, DistillJob, ExportJob, ServeJob
+from smolforge.cluster.placement import COORDINATOR, holds_anywhere, requirements_for
+from smolforge.cluster.queue import Demand
+from smolforge.cluster.ray_glue import Requirements
+from smolforge.cluster.specs import DataParallelJob, DistillJob, ExportJob, ServeJob, get_path, put_path
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
@@ -38,6 +42,9 @@ class JobKind:
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
     joinable: bool = False  # `job join` lends it nodes
     resumes_from: Callable[["JobManager", str], str] = field(default=lambda mgr, job_id: "the start")
+    # what a job of the kind holds while it runs (spec, embedded?) -> Demand: the queue starts it when
+    # that much is free, and a demand no set of nodes could ever hold fails at submit (check_capacity)
+    demand: Callable[[Any, bool], Demand] | None = None
 
 
 def _dp_runner() -> type:
@@ -64,6 +71,34 @@ def _export_runner() -> type:
     return ExportRunner
 
 
+def _dp_demand(job: DataParallelJob, embedded: bool) -> Demand:
+    """Its workers, plus the worker nodes lent with `job join` (the coordinator lends itself outside
+    the worker pool)."""
+    lent = [n for n in job.lent_nodes if n != COORDINATOR]
+    return Demand(job.num_workers + len(lent), requirements_for(job, embedded))
+
+
+def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
+    """One worker free to start on: a distill run spreads its teachers and students over every
+    eligible worker itself, and waits there for the busy ones (its runner places them as they free)."""
+    d = job.distill
+    model = None if holds_anywhere(d.teacher, embedded) else d.teacher
+    return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
+
+
+def _serve_demand(job: ServeJob, embedded: bool) -> Demand:
+    """One stage per node slot (auto: the plan may put the model on one node, so one)."""
+    model = None if holds_anywhere(job.model, embedded) else job.model
+    return Demand(job.stages if isinstance(job.stages, int) else 1, Requirements(model=model, cpus=job.cpus_per_stage),
+                  noun="stage")
+
+
+def _export_demand(job: ExportJob, embedded: bool) -> Demand:
+    """One task on a node that holds the model (as its runner places it)."""
+    need_model = job.require_model if job.require_model is not None else not holds_anywhere(job.model, embedded)
+    return Demand(1, Requirements(model=job.model if need_model else None, cpus=job.cpus), noun="task")
+
+
 def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
     return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -72,16 +107,17 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, _dp_runner, section="train",
             uploads=("train.data.path", "train.data.eval_path"),
             models=("train.model",),
-            check_capacity=True, joinable=True, resumes_from=_dp_resumes_from),
+            check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, _distill_runner, section="distill",
             uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.distill, job.mode),
-            resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints"),
+            resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints",
+            demand=_distill_demand),
     JobKind("serve", "serving", ServeJob, _serve_runner, section=None, models=("model",),
-            resumes_from=lambda mgr, job_id: "the start (stages load again)"),
+            resumes_from=lambda mgr, job_id: "the start (stages load again)", demand=_serve_demand),
     JobKind("export", "export", ExportJob, _export_runner, section=None, models=("model",),
-            resumes_from=lambda mgr, job_id: "the start (the export runs again)"),
+            resumes_from=lambda mgr, job_id: "the start (the export runs again)", demand=_export_demand),
 )}
 
 
@@ -117,22 +153,6 @@ def check_output_dir(job: Any, embedded: bool) -> None:
                              fix="give the absolute directory to write the run into")
 
 
-def _get(data: dict, dotted: str) -> Any:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict):
-            return None
-        node = node.get(part)
-    return node
-
-
-def _put(data: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        data = data.setdefault(part, {})
-    data[last] = value
-
-
 def is_local_file(value: Any) -> bool:
     return bool(value) and value != "bundled" and not str(value).startswith("upload:")
 
@@ -140,14 +160,14 @@ def is_local_file(value: Any) -> bool:
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
     """Replace the local files a job names by uploads (the workers share no filesystem with us)."""
     for dotted in kind_of(spec).uploads:
-        value = _get(spec, dotted)
+        value = get_path(spec, dotted)
         if not is_local_file(value):
             continue
         path = Path(str(value)).expanduser()
         if not path.is_file():
             raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
                                  fix="check the path (or use 'bundled' for the generated task set)")
-        _put(spec, dotted, upload(path))
+        put_path(spec, dotted, upload(path))
     return spec
 
 
@@ -159,9 +179,9 @@ def pin_local_models(spec: dict) -> dict:
         return str(path.resolve()) if isinstance(name, str) and path.is_dir() else name
 
     for dotted in kind_of(spec).models:
-        value = _get(spec, dotted)
+        value = get_path(spec, dotted)
         if value is not None:
-            _put(spec, dotted, [pinned(v) for v in value] if isinstance(value, list) else pinned(value))
+            put_path(spec, dotted, [pinned(v) for v in value] if isinstance(value, list) else pinned(value))
     return spec
 
 
@@ -169,7 +189,7 @@ def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
     """Every file the job names is an upload the coordinator holds (or 'bundled')."""
     data = job.model_dump(mode="json")
     for dotted in kind_of(job.kind).uploads:
-        value = _get(data, dotted)
+        value = get_path(data, dotted)
         if value is None or value == "bundled":
             continue
         if not str(value).startswith("upload:"):

@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempts INTEGER DEFAULT 0,
     error TEXT,
     result TEXT,
-    comm TEXT
+    comm TEXT,
+    pending_reason TEXT
 );
 CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY,
@@ -137,7 +138,7 @@ class JobStore:
     def _add_missing_columns(self) -> None:
         """A store written by an older smolforge lacks newer columns: add them (nothing else changes)."""
         have = {r["name"] for r in self._db().execute("PRAGMA table_info(jobs)").fetchall()}
-        for column in ("comm",):
+        for column in ("comm", "pending_reason"):
             if column not in have:
                 self._db().execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
 
@@ -177,8 +178,9 @@ class JobStore:
         job_id = job_id or new_job_id()
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT INTO jobs (id, name, kind, state, spec, created, updated) VALUES (?,?,?,?,?,?,?)",
-                       (job_id, name or job_id, kind, "pending", json.dumps(spec), now, now))
+            db.execute("INSERT INTO jobs (id, name, kind, state, spec, created, updated, pending_reason) "
+                       "VALUES (?,?,?,?,?,?,?,?)", (job_id, name or job_id, kind, "pending", json.dumps(spec), now, now,
+                                                    "queued"))
             self._event(db, job_id, None, "submitted", f"job {job_id} submitted ({kind})", {"name": name})
         return job_id
 
@@ -238,6 +240,8 @@ class JobStore:
             if state in FINAL:
                 sets.append("finished=?")
                 args.append(now)
+            sets.append("pending_reason=?")  # why it waits: the queue's to say (JobManager.schedule)
+            args.append("queued" if state == "pending" else None)
             if error is not None:
                 sets.append("error=?")
                 args.append(error)
@@ -250,7 +254,7 @@ class JobStore:
         return prev
 
     def update_job(self, job_id: str, **fields: Any) -> None:
-        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec", "comm"}
+        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec", "comm", "pending_reason"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update {bad}")
@@ -282,6 +286,16 @@ class JobStore:
                 names = ["id", "job_id", "kind", "state", *fields, "created", "updated"]
                 db.execute(f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
                            (task_id, job_id, kind, state, *fields.values(), now, now))
+
+    def busy_nodes(self) -> dict[str, list[str]]:
+        """Node name -> the running jobs with a running task there (the queue's reasons name them)."""
+        rows = self._db().execute(
+            "SELECT DISTINCT t.node_name, t.job_id FROM tasks t JOIN jobs j ON j.id = t.job_id "
+            "WHERE t.state = 'running' AND j.state = 'running' AND t.node_name IS NOT NULL").fetchall()
+        out: dict[str, list[str]] = {}
+        for r in rows:
+            out.setdefault(r["node_name"], []).append(r["job_id"])
+        return out
 
     def tasks(self, job_id: str) -> list[dict[str, Any]]:
         rows = self._db().execute("SELECT * FROM tasks WHERE job_id=? ORDER BY created, rank", (job_id,)).fetchall()

@@ -15,6 +15,7 @@ def job_status(job: dict) -> dict:
         "node": ", ".join(job.get("nodes") or []) or None, "nodes": job.get("nodes") or [],
         "world_size": job.get("world_size"), "attempts": job.get("attempts"), "error": job.get("error"),
         "result": job.get("result"), "comm": job.get("comm"),
+        "priority": (job.get("spec") or {}).get("priority", "normal"), "pending_reason": job.get("pending_reason"),
     }
 
 

@@ -1,23 +1,38 @@
-"""The job manager: accepts jobs, starts one runner per active job, pause/resume/cancel/join, recovery.
+"""The job manager: accepts jobs, queues them, starts one runner per active job,
+pause/resume/cancel/join, recovery.
 
-What a job kind adds (its spec, runner, uploads and checks) comes from the registry in
+What a job kind adds (its spec, runner, uploads, checks and demand) comes from the registry in
 `smolforge.cluster.jobs`; nothing here branches on a kind.
+
+The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
+free; `schedule` decides (rules in `smolforge.cluster.queue`: priority, FIFO, backfill only onto
+what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
+submit and resume, whenever a job's runner ends (finished, paused, failed), and on a bounded tick
+(TICK_S) for what the store cannot tell us: a node joining, a node's resources coming back.
+Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
+shows it then), so two jobs are never started into the same free slots.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable
 
-from smolforge.cluster import ray_glue
+from smolforge.cluster import jobs, queue, ray_glue
 from smolforge.cluster.artifacts import ArtifactStore
 from smolforge.cluster.jobstore import FINAL, JobStore
-from smolforge.cluster import jobs
 from smolforge.cluster.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
 from smolforge.cluster.runners.base import CANCEL_GRACE_S, JobRunner
 from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
+
+log = logging.getLogger(__name__)
+
+TICK_S = 2.0  # the queue looks again at least this often while jobs wait
+CLAIM_TTL_S = 60.0  # an admitted job's claim lapses by then even if its runner never says it placed
+PLACED_GRACE_S = 2.0  # Ray's resource table catches up with a new placement group within this
 
 class JobManager:
     def __init__(self, store: JobStore, artifacts: ArtifactStore, embedded: bool = False,
@@ -29,27 +44,30 @@ class JobManager:
         self.suspects: dict[str, float] = {}  # node_id -> when it stopped answering
         self.lock = threading.RLock()
         self.closed = False
+        self.claims: dict[str, tuple[float, queue.Free]] = {}  # admitted, not yet placed: (expires, what)
+        self.start_reasons: dict[str, str] = {}  # job id -> the runner's reason once it leaves the queue
+        self._wake = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     # -- submitting -------------------------------------------------------------------------------
 
     def parse(self, spec: dict[str, Any]) -> Any:
         return jobs.parse(spec)
 
-    def check_capacity(self, job: DataParallelJob, nodes: list[ray_glue.NodeInfo] | None = None) -> int:
-        """Fail at once, listing every node, when the cluster cannot hold the job's workers."""
+    def check_capacity(self, job: Any, nodes: list[ray_glue.NodeInfo] | None = None) -> int:
+        """Fail at once, listing every node, when no set of nodes could ever hold the job's demand
+        (however idle the cluster got); returns how many of its tasks the cluster can hold."""
         nodes = nodes if nodes is not None else ray_glue.nodes()
-        req = requirements_for(job, self.embedded)
-        cands = ray_glue.check_placeable(req, nodes)
-        total = sum(slots_on(n, req, use_available=False) for n in cands)
-        if total < job.num_workers:
+        demand = jobs.kind_of(job.kind).demand(job, self.embedded)
+        cands = ray_glue.check_placeable(demand.req, nodes)
+        total = sum(slots_on(n, demand.req, use_available=False) for n in cands)
+        if total < demand.tasks:
             listing = "\n".join(f"  - {n.describe()}" for n in nodes)
             raise SmolforgeError(
-                f"the job needs {job.num_workers} workers of {job.cpus_per_worker:g} CPUs, but the nodes that can run "
-                f"it have room for {total}; nodes:\n{listing}", where="placement",
-                fix="lower --workers, join more workers (`smolforge worker join`), or lend the coordinator "
-                    "(`smolforge job join ID`)")
-        if job.global_batch % job.num_workers:
-            raise SmolforgeError("batch size does not split evenly", fix="use a batch size that splits over the workers")
+                f"the job needs {demand.describe()}, but the nodes that can run it have room for {total}; "
+                f"nodes:\n{listing}", where="placement",
+                fix="lower --workers or the resources it asks, join more workers (`smolforge worker join`), or "
+                    "lend the coordinator (`smolforge job join ID`)")
         return total
 
     def submit(self, spec: dict[str, Any]) -> str:
@@ -61,7 +79,8 @@ class JobManager:
         if jobs.kind_of(job.kind).check_capacity:
             self.check_capacity(job)
         job_id = self.store.create_job(job.kind, job.model_dump(mode="json"), name=job.name)
-        self._start(job_id, "started")
+        self.store.add_event(job_id, "queued", f"queued ({job.priority} priority)", {"priority": job.priority})
+        self.schedule()
         return job_id
 
     def check_uploads(self, job: Any) -> None:
@@ -83,6 +102,78 @@ class JobManager:
         with self.lock:
             if self.runners.get(job_id) is runner:
                 del self.runners[job_id]
+            self.claims.pop(job_id, None)
+        self._wake.set()  # what it held is free: the queue looks again (on its own thread)
+
+    # -- the queue --------------------------------------------------------------------------------
+
+    def placed(self, job_id: str) -> None:
+        """A runner has its tasks placed: Ray's table shows what they hold, so the claim can go."""
+        with self.lock:
+            if job_id in self.claims:
+                self.claims[job_id] = (min(self.claims[job_id][0], time.time() + PLACED_GRACE_S),
+                                       self.claims[job_id][1])
+
+    def _waiting(self) -> list[tuple[dict, queue.Waiting | None]]:
+        """Pending jobs without a runner, with what each asks (None: its kind states no demand, so it
+        never waits; a stored spec that no longer parses fails its job)."""
+        out = []
+        for job in self.store.list_jobs(states=("pending",), limit=100_000):
+            runner = self.runners.get(job["id"])
+            if runner is not None and runner.is_alive():
+                continue
+            kind = jobs.kind_of(job["kind"])
+            try:
+                spec = kind.spec.model_validate(job["spec"])
+                demand = kind.demand(spec, self.embedded) if kind.demand else None
+            except Exception as err:  # noqa: BLE001 - recorded on the job, never kills the queue
+                self.store.set_state(job["id"], "failed", f"failed: its spec no longer parses: {err}",
+                                     error=str(err)[:400])
+                continue
+            out.append((job, queue.Waiting(job["id"], spec.priority, job["created"], demand) if demand else None))
+        return out
+
+    def schedule(self) -> list[str]:
+        """Start the waiting jobs that fit now, in queue order; record why the others wait."""
+        with self.lock:
+            if self.closed:
+                return []
+            now = time.time()
+            self.claims = {j: c for j, c in self.claims.items() if c[0] > now}
+            waiting = self._waiting()
+            if not waiting:
+                return []
+            self._ensure_ticker()
+            nodes = self.healthy_nodes()
+            decision = queue.decide([w for _, w in waiting if w], nodes, {j: c for j, (_, c) in self.claims.items()},
+                                    self.store.busy_nodes())
+            started = [job["id"] for job, w in waiting if w is None] + decision.start  # no demand: no wait
+            for job_id in started:
+                if job_id in decision.claims:
+                    self.claims[job_id] = (now + CLAIM_TTL_S, decision.claims[job_id])
+                self.store.update_job(job_id, pending_reason=None)
+                self.store.add_event(job_id, "dequeued", "its turn: what it asks for is free; starting")
+                self._start(job_id, self.start_reasons.pop(job_id, "started"))
+            for job, _ in waiting:
+                why = decision.reasons.get(job["id"])
+                if why and why != job.get("pending_reason"):
+                    self.store.update_job(job["id"], pending_reason=why)
+            return started
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = threading.Thread(target=self._tick, daemon=True, name="job-queue")
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        """Re-check the queue when woken (a job ended) or every TICK_S; ends with the manager."""
+        while not self.closed:
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            try:
+                self.schedule()
+            except Exception:  # noqa: BLE001 - a lost Ray connection must not end the queue for good
+                log.exception("job queue: scheduling failed; retrying in %ss", TICK_S)
 
     # -- control ----------------------------------------------------------------------------------
 
@@ -115,9 +206,10 @@ class JobManager:
         runner = self.runners.get(job_id)
         if runner is not None and runner.is_alive():
             runner.join(timeout=30)
-        self.store.set_state(job_id, "pending", "resume requested")
         where = jobs.kind_of(job["kind"]).resumes_from(self, job_id)
-        self._start(job_id, f"resumed from {where}")
+        self.start_reasons[job_id] = f"resumed from {where}"
+        self.store.set_state(job_id, "pending", "resume requested: queued")
+        self.schedule()
         return self._job(job_id)
 
     def cancel(self, job_id: str) -> dict:
@@ -179,11 +271,14 @@ class JobManager:
         resumed = []
         for job in self.store.list_jobs(states=("running", "pending")):
             where = jobs.kind_of(job["kind"]).resumes_from(self, job["id"])
+            self.start_reasons[job["id"]] = f"resumed after coordinator restart from {where}"
             if job["state"] == "running":
                 self.store.set_state(job["id"], "pending", f"coordinator restarted; resuming from {where}", force=True)
             self.store.add_event(job["id"], "reattached", f"coordinator restarted; job resumes from {where}")
-            self._start(job["id"], f"resumed after coordinator restart from {where}")
             resumed.append(job["id"])
+        # through the queue like any job: the ones that ran hold their place (they were first in it),
+        # and what Ray's table still shows of their old groups is gone once their actors are
+        self.schedule()
         return resumed
 
     def active(self) -> list[str]:
@@ -193,6 +288,7 @@ class JobManager:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop watching jobs (they stay 'running' in the store and resume on the next start)."""
         self.closed = True
+        self._wake.set()
         with self.lock:
             runners = list(self.runners.values())
         for r in runners:

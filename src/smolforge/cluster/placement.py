@@ -22,7 +22,9 @@ def requirements_for(spec: DataParallelJob, embedded: bool = False) -> ray_glue.
     need_model = spec.require_model if spec.require_model is not None else \
         not holds_anywhere(spec.train.model, embedded)
     return ray_glue.Requirements(model=spec.train.model if need_model else None, min_ram_gb=spec.min_ram_gb,
-                                 cpus=spec.cpus_per_worker, gpu=spec.gpu, allowed_nodes=spec.allowed_nodes)
+                                 reserve_ram_gb=spec.min_ram_gb, cpus=spec.cpus_per_worker, gpu=spec.gpu,
+                                 allowed_nodes=spec.allowed_nodes, gpus=float(len(spec.gpu_ids or []) or 1),
+                                 gpu_memory_gb=spec.gpu_memory_gb, gpu_ids=spec.gpu_ids)
 
 
 def coordinator_requirements(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:
@@ -30,15 +32,16 @@ def coordinator_requirements(spec: DataParallelJob, embedded: bool = False) -> r
     return ray_glue.Requirements(model=base.model, cpus=spec.cpus_per_worker, gpu="no", on_coordinator=True)
 
 
+def per_task(req: ray_glue.Requirements, node: ray_glue.NodeInfo) -> dict[str, float]:
+    """The resources one task of `req` takes on `node` (a GPU only where it gets one there)."""
+    return req.per_task(req.gpu == "required" or (req.gpu == "preferred" and node.gpus >= 1))
+
+
+def slots(req: ray_glue.Requirements, node: ray_glue.NodeInfo, free: dict[str, float]) -> int:
+    """How many tasks of `req` fit in the resources `free` of `node`."""
+    need = per_task(req, node)
+    return max(0, min((math.floor((free.get(k, 0.0) + 1e-6) / v) for k, v in need.items() if v > 0), default=64))
+
+
 def slots_on(node: ray_glue.NodeInfo, req: ray_glue.Requirements, use_available: bool) -> int:
-    src = node.available if use_available else node.resources
-    cpu = src.get("CPU", 0.0)
-    k = math.floor((cpu + 1e-6) / req.cpus) if req.cpus > 0 else 64
-    if not req.on_coordinator:
-        w = src.get(ray_glue.WORKER_RESOURCE, 0.0)
-        k = min(k, math.floor((w + 1e-6) / max(req.cpus, 0.001)))
-    if req.gpu == "required" or (req.gpu == "preferred" and node.gpus >= 1):
-        k = min(k, int(src.get("GPU", 0.0) + 1e-6))
-    return max(0, k)
-
-
+    return slots(req, node, node.available if use_available else node.resources)

@@ -113,13 +113,27 @@ class Requirements:
     gpu: GpuPolicy = "no"
     allowed_nodes: list[str] | None = None
     on_coordinator: bool = False  # lent coordinator: run on the head node without the worker resource
+    # Reserved, not just present: Ray's `memory` resource is taken for the task's lifetime, so two
+    # tasks that together ask more than a node has never share it (min_ram_gb alone only filters).
+    reserve_ram_gb: float = 0.0
+    gpus: float = 1.0  # GPUs per task when it gets any (gpu required, or preferred on a GPU node)
+    gpu_memory_gb: float = 0.0  # each GPU of the node (its smolforge.io/gpu-mem-gb label) at least this
+    gpu_ids: list[int] | None = None  # the node must have these GPU indices (Ray assigns which it gives)
 
     def __post_init__(self):
         if self.gpu not in ("required", "preferred", "no"):
             raise SmolforgeError(f"gpu must be required, preferred or no, not {self.gpu!r}",
                                  fix="use gpu='required', 'preferred' or 'no'")
-        if self.cpus < 0 or self.min_ram_gb < 0:
-            raise SmolforgeError("cpus and min_ram_gb must be >= 0", fix="use non-negative numbers")
+        if min(self.cpus, self.min_ram_gb, self.reserve_ram_gb, self.gpus, self.gpu_memory_gb) < 0:
+            raise SmolforgeError("cpus, RAM and GPU amounts must be >= 0", fix="use non-negative numbers")
+
+    def per_task(self, gpu: bool) -> dict[str, float]:
+        """The Ray resources one task of this takes from its node (CPU, GPU, memory, worker share)."""
+        cpus, gpus, res = self._resources(gpu)
+        out = {"CPU": cpus, **{k: v for k, v in res.items() if not k.startswith(MODEL_PREFIX)}}
+        if gpus:
+            out["GPU"] = gpus
+        return {k: v for k, v in out.items() if v > 0}
 
     # -- matching -------------------------------------------------------------------------------
 
@@ -141,8 +155,17 @@ class Requirements:
             why.append(f"has {node.cpus:g} CPUs < {self.cpus:g}")
         if node.ram_gb + 1e-9 < self.min_ram_gb:
             why.append(f"has {node.ram_gb:.1f} GB RAM < {self.min_ram_gb:g} GB")
-        if self.gpu == "required" and node.gpus < 1:
-            why.append("has no GPU")
+        if self.gpu == "required" and node.gpus < self.gpus:
+            why.append("has no GPU" if node.gpus < 1 else f"has {node.gpus:g} GPUs < {self.gpus:g}")
+        if self.reserve_ram_gb and node.resources.get("memory", 0.0) + 1e6 < self.reserve_ram_gb * 1e9:
+            why.append(f"can reserve {node.resources.get('memory', 0.0) / 1e9:.1f} GB RAM < {self.reserve_ram_gb:g} GB")
+        if self.gpu_memory_gb and node.gpus >= 1:
+            have = float(node.labels.get(GPU_MEM_LABEL) or 0)
+            if have + 1e-9 < self.gpu_memory_gb:
+                why.append(f"has {have:g} GB per GPU < {self.gpu_memory_gb:g} GB" if have else
+                           "does not advertise its GPU memory (smolforge.io/gpu-mem-gb)")
+        if self.gpu_ids and node.gpus < max(self.gpu_ids) + 1:
+            why.append(f"has no GPU {max(self.gpu_ids)} (it has {node.gpus:g})")
         return why
 
     def candidates(self, nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -160,14 +183,16 @@ class Requirements:
             res[WORKER_RESOURCE] = max(self.cpus, 0.001)
         if self.model:
             res[model_resource(self.model)] = MODEL_REQUEST
-        return self.cpus, (1.0 if gpu else 0.0), res
+        if self.reserve_ram_gb:
+            res["memory"] = self.reserve_ram_gb * 1e9
+        return self.cpus, (self.gpus if gpu else 0.0), res
 
     def _selector(self, nodes: list[NodeInfo], cands: list[NodeInfo]) -> dict[str, str] | None:
         if self.on_coordinator:
             return {ROLE_LABEL: "in(coordinator,embedded)"}
         # Resources already pick nodes by model, CPUs, GPU and worker role; a name selector is only
         # needed where the requirement names a subset that resources cannot express.
-        if not (self.allowed_nodes or self.min_ram_gb > 0):
+        if not (self.allowed_nodes or self.min_ram_gb > 0 or self.gpu_memory_gb or self.gpu_ids):
             return None
         named = [n.name for n in cands if n.labels.get(NAME_LABEL)]
         if not named:
@@ -179,11 +204,15 @@ class Requirements:
         nodes = nodes if nodes is not None else globals()["nodes"]()
         cands = _check(self, nodes)
         cpus, gpus, res = self._resources(self._wants_gpu(cands))
+        memory = res.pop("memory", 0.0)
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "resources": res}
+        if memory:
+            opts["memory"] = memory
         selector = self._selector(nodes, cands)
         if selector:
             opts["label_selector"] = selector
-        elif len(cands) == 1 and (self.allowed_nodes or self.min_ram_gb or self.on_coordinator):
+        elif len(cands) == 1 and (self.allowed_nodes or self.min_ram_gb or self.on_coordinator or self.gpu_memory_gb
+                                    or self.gpu_ids):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(cands[0].node_id, soft=False)
@@ -213,10 +242,12 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
     if req.model:
         wanted.append(f"model {req.model}")
     wanted.append(f"{req.cpus:g} CPUs")
-    if req.min_ram_gb:
-        wanted.append(f">= {req.min_ram_gb:g} GB RAM")
+    if req.min_ram_gb or req.reserve_ram_gb:
+        wanted.append(f">= {max(req.min_ram_gb, req.reserve_ram_gb):g} GB RAM")
     if req.gpu == "required":
-        wanted.append("a GPU")
+        wanted.append("a GPU" if req.gpus <= 1 else f"{req.gpus:g} GPUs")
+    if req.gpu_memory_gb:
+        wanted.append(f">= {req.gpu_memory_gb:g} GB per GPU")
     if req.allowed_nodes:
         wanted.append(f"one of nodes {req.allowed_nodes}")
     if req.on_coordinator:

@@ -26,6 +26,12 @@ and cancelled like any job:
       num_students: 2
       max_steps: 100
 
+Every kind also takes what the seeds' TaskConfig names (`JobSpec`): `priority: high|normal|low`
+(the queue's order), and a `resources:` block {cpu_cores, ram_gb, gpu_memory_gb, gpu_ids} per task
+(a worker, a stage, a teacher or student), mapped onto the kind's own fields; `ram_gb` is reserved
+on the node, not only checked. Giving both a block key and the field it maps onto, with different
+values, is a contradiction (exit 2). Data-parallel and distill jobs take `checkpointing: bool`.
+
 The global batch (batch_size x grad_accum x num_workers) is what the job means. If the group has
 to re-form on fewer or more workers (a node died, a node joined), each worker's batch is resized
 so the global batch, and therefore the result, stays the same.
@@ -33,7 +39,8 @@ so the global batch, and therefore the result, stays the same.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -42,14 +49,109 @@ from smolforge.distill.pipeline import DistillSettings
 from smolforge.errors import SmolforgeError
 
 
-class DataParallelJob(Spec):
-    kind: Literal["data_parallel"] = "data_parallel"
+PRIORITIES = ("high", "normal", "low")  # the queue's order, first to last
+Priority = Literal["high", "normal", "low"]
+
+
+def get_path(data: dict, dotted: str) -> Any:
+    """data["a"]["b"] for "a.b"; None where a part is missing."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def put_path(data: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value
+
+
+class Resources(Spec):
+    """The seeds' resource request, per task of the job (a worker, a stage, a teacher or student)."""
+
+    cpu_cores: float | None = Field(None, gt=0, description="CPUs each task takes")
+    ram_gb: float | None = Field(None, ge=0, description="RAM reserved for each task on its node")
+    gpu_memory_gb: float | None = Field(None, ge=0, description="the node's GPUs have at least this much memory")
+    gpu_ids: list[int] | None = Field(None, description="GPU indices the node must have (one GPU per id per task)")
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 0 or len(set(v)) != len(v)):
+            raise ValueError("gpu_ids must be distinct GPU indices >= 0, e.g. [0, 1]")
+        return v
+
+
+class JobSpec(Spec):
+    """What every kind shares: a name, its place in the queue, and the seeds' resource request.
+
+    A kind says where each `resources` key lands in its own spec (`RESOURCE_PATHS`, comma-separated
+    dotted paths); a key it cannot honour is refused with the keys it can, never silently ignored.
+    """
+
     name: str | None = None
+    priority: Priority = Field("normal", description="queue order: high, normal, low (FIFO within one)")
+    resources: Resources | None = None
+
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_resources(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("resources"), dict):
+            return data
+        data = copy.deepcopy(data)
+        kind = cls.model_fields["kind"].default
+        for key, value in data["resources"].items():
+            if value is None or key not in Resources.model_fields:
+                continue  # unknown keys: Resources reports them
+            paths = cls.RESOURCE_PATHS.get(key)
+            if not paths:
+                raise ValueError(f"resources.{key}: a {kind} job cannot reserve it; it takes "
+                                 f"{', '.join(cls.RESOURCE_PATHS) or 'no resources block'}")
+            for path in paths.split(","):
+                current = get_path(data, path)
+                if current is not None and current != value:
+                    raise ValueError(f"resources.{key} is {value} but {path} is {current}: they set the same "
+                                     "thing; give one of them")
+                put_path(data, path, value)
+        return data
+
+
+def _checkpointing(data: Any, save_every: str, default: int) -> Any:
+    """`checkpointing: true|false` (the seeds' flag) onto the kind's save_every; a save_every that
+    contradicts it is refused."""
+    if not isinstance(data, dict) or data.get("checkpointing") is None:
+        return data
+    data = copy.deepcopy(data)
+    current = get_path(data, save_every)
+    if data["checkpointing"] is False:
+        if current:
+            raise ValueError(f"checkpointing is false but {save_every} is {current}: drop one of them")
+        put_path(data, save_every, 0)
+    elif not current:
+        put_path(data, save_every, default)
+    return data
+
+
+class DataParallelJob(JobSpec):
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {"cpu_cores": "cpus_per_worker", "ram_gb": "min_ram_gb",
+                                                "gpu_memory_gb": "gpu_memory_gb", "gpu_ids": "gpu_ids"}
+
+    kind: Literal["data_parallel"] = "data_parallel"
     train: TrainConfig
     num_workers: int = Field(2, ge=1, description="ranks in the group")
     cpus_per_worker: float = Field(1.0, gt=0)
     gpu: Literal["required", "preferred", "no"] = "no"
-    min_ram_gb: float = Field(0.0, ge=0)
+    min_ram_gb: float = Field(0.0, ge=0, description="RAM reserved for each worker on its node")
+    gpu_memory_gb: float = Field(0.0, ge=0, description="each worker's GPU has at least this much memory")
+    gpu_ids: list[int] | None = Field(None, description="GPU indices a worker's node must have; one GPU per id")
+    checkpointing: bool | None = Field(None, description="the seeds' flag: false sets train.save_every 0; true "
+                                       "sets it to a tenth of max_steps (100 without max_steps) when unset")
     allowed_nodes: list[str] | None = None
     require_model: bool | None = Field(
         None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
@@ -72,6 +174,24 @@ class DataParallelJob(Spec):
     output_dir: str | None = Field(None, description="embedded cluster only (an absolute path): where the job's "
                                    "TensorBoard (tensorboard/rank<R>) and W&B (wandb/) files go; a coordinator "
                                    "keeps them in <state dir>/runs/<job>/")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seed_shape_and_checkpointing(cls, data: Any) -> Any:
+        data = from_seed_task(data)
+        if isinstance(data, dict) and isinstance(data.get("train"), dict):
+            steps = data["train"].get("max_steps")
+            data = _checkpointing(data, "train.save_every", max(1, int(steps) // 10) if steps else 100)
+        return data
+
+    @model_validator(mode="after")
+    def _gpu_request_needs_a_gpu(self) -> "DataParallelJob":
+        if not (self.gpu_ids or self.gpu_memory_gb) or self.gpu == "required":
+            return self
+        if "gpu" in self.model_fields_set and self.gpu == "no":
+            raise ValueError("gpu is 'no' but the job asks for GPU ids or GPU memory: drop one of them")
+        self.gpu = "required"
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -114,9 +234,25 @@ class DataParallelJob(Spec):
         return self.train.batch_size * self.num_workers
 
 
-class DistillJob(Spec):
+def from_seed_task(data: Any) -> Any:
+    """The seeds' task shape, `{"model": M, "dataset": D, "resources": {...}, ...}`, as a data-parallel
+    job (`train: {model: M, data: {path: D}}`); a job spec with `train` passes unchanged."""
+    if (not isinstance(data, dict) or "train" in data or "model" not in data
+            or data.get("kind", "data_parallel") != "data_parallel"):  # a serve job names its `model` too
+        return data
+    data = dict(data)
+    train = {"model": data.pop("model")}
+    if "dataset" in data:
+        train["data"] = {"path": data.pop("dataset")}
+    return {**data, "train": train}
+
+
+class DistillJob(JobSpec):
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {"cpu_cores": "distill.cpus_per_teacher,distill.cpus_per_student"}
+
     kind: Literal["distill"] = "distill"
-    name: str | None = None
+    checkpointing: bool | None = Field(None, description="the seeds' flag: student checkpoints on (distill."
+                                       "save_every, 50 when unset) or off")
     mode: Literal["teacher_student", "hybrid"] = "teacher_student"
     distill: DistillSettings
     # Where the run writes (teacher_outputs/, output/, merged_model/): only on the embedded cluster,
@@ -127,13 +263,19 @@ class DistillJob(Spec):
                               "in the run dir")
     wandb: str | None = Field(None, description="W&B project: one offline run per student in the run dir's wandb/")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpointing(cls, data: Any) -> Any:
+        return _checkpointing(data, "distill.save_every", 50)
 
-class ServeJob(Spec):
+
+class ServeJob(JobSpec):
     """A model served from stage actors on the nodes that hold it, behind an OpenAI-compatible API on
     the coordinator's machine (`smolforge serve --stages N`). It runs until cancelled."""
 
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {"cpu_cores": "cpus_per_stage"}
+
     kind: Literal["serve"] = "serve"
-    name: str | None = None
     model: str = Field(..., description="a model the workers hold (its name there), or a preset")
     adapter: str | None = Field(None, description="a lora/ia3/adapter directory on the coordinator's machine; "
                                 "its files are sent to the stages and merged there")
@@ -160,12 +302,13 @@ class ServeJob(Spec):
         return self.load_timeout_s * ((self.stages if isinstance(self.stages, int) else 2) + 2) + 60
 
 
-class ExportJob(Spec):
+class ExportJob(JobSpec):
     """A model (plus adapters) exported on a node that holds it (`smolforge export --coordinator`); the
     result is the job's `export/<to>` artifact, which the client downloads (smolforge.models.export)."""
 
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {"cpu_cores": "cpus"}
+
     kind: Literal["export"] = "export"
-    name: str | None = None
     model: str = Field(..., description="a model the workers hold (its name there), a preset or a local directory")
     adapters: list[str] = Field(default_factory=list, description="adapter directories merged in order: on the "
                                 "embedded cluster only (they are read on this machine)")

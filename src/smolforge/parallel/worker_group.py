@@ -65,9 +65,11 @@ class WorkerGroup:
         actor_cls = ray.remote(DPWorker)
         for index, b in enumerate(specs):
             rank = self.first_rank + index
-            res = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
+            res = {k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")}
+            # reserved RAM (a bundle's `memory`) is an option of its own for an actor, not a custom resource
+            memory = {"memory": b["memory"]} if b.get("memory") else {}
             actor = actor_cls.options(
-                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=res or None,
+                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=res or None, **memory,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
                 max_restarts=0, max_task_retries=0, name=None,
             ).remote(self.job_id, self.attempt, rank, b.get("CPU", 1), self.control)

@@ -134,6 +134,7 @@ class DistillRunner(JobRunner):
                                        node_name=s.get("node"), error=s.get("error"))
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
+                self.mgr.placed(self.job_id)  # a task holds a node now: the queue's claim can go
             if s["kind"] == "student":
                 if s.get("node"):
                     self._nodes.setdefault(student_series(s["task_id"]), s["node"])

@@ -205,6 +205,7 @@ class DPRunner(JobRunner):
                     return
                 time.sleep(max(1.0, decision.delay_s))
                 continue
+            self.mgr.placed(self.job_id)  # Ray's table shows the group now: the queue's claim can go
             if self.want:  # paused or cancelled while the group was being placed
                 self._release()
                 self.store.upsert_task(gid, self.job_id, "dp_group", "released")
@@ -344,9 +345,14 @@ class DPRunner(JobRunner):
         return cfg
 
     def _plan(self, spec: DataParallelJob, quick: bool) -> tuple[list[tuple[dict, dict]], int, list[str]]:
-        """Bundles for this round: as many workers as fit (up to the ask), plus lent nodes."""
+        """Bundles for this round: the workers asked for, plus lent nodes.
+
+        The manager's queue started the job when that much was free, so a first round (or one after
+        a pause or a join) waits for all of it, never starting on fewer. Only a round that recovers
+        from a lost node (`quick`) takes fewer after a short grace: it re-forms on the nodes left,
+        with the same global batch, instead of waiting for a replacement that may never come."""
         req = requirements_for(spec, self.mgr.embedded)
-        grace = 5.0 if quick else min(30.0, spec.placement_timeout_s)
+        grace = 5.0
         t0 = time.time()
         while True:
             if self.want:
@@ -367,7 +373,7 @@ class DPRunner(JobRunner):
             world = n_workers + n_coord
             full = n_workers == want and n_coord == int(lent_coord)
             waited = time.time() - t0
-            if world >= 1 and spec.global_batch % world == 0 and (full or waited > grace):
+            if world >= 1 and spec.global_batch % world == 0 and (full or (quick and waited > grace)):
                 bundles = [req.bundle(nodes) for _ in range(n_workers)]
                 if n_coord:
                     bundles.append(coordinator_requirements(spec, self.mgr.embedded).bundle(nodes))

@@ -163,6 +163,7 @@ class ServeRunner(JobRunner):
         self.store.add_event(self.job_id, "serving", f"serving {spec.model_name or spec.model} at {url}/v1 "
                              f"({stages} stage{'s' * (stages != 1)}; bearer token: the cluster token)",
                              {"url": url, "stages": stages})
+        self.mgr.placed(self.job_id)  # its stages hold their nodes now: the queue's claim can go
         self.store.set_state(self.job_id, "running", f"serving at {url}/v1")
         last = time.monotonic()
         while not self._stopping():
