@@ -45,9 +45,10 @@ def test_job_ids_exact_name_or_unique_prefix_never_a_guess(tmp_path):
 
 
 def test_every_kind_is_one_registry_entry():
-    assert set(jobs.KINDS) == {"data_parallel", "distill", "serve"}
+    assert set(jobs.KINDS) == {"data_parallel", "distill", "serve", "export"}
     for name, kind in jobs.KINDS.items():
         assert issubclass(kind.runner(), JobRunner)
+        assert kind.demand is not None, f"{name}: the queue needs to know what a {name} job asks for"
         assert kind.spec.model_fields["kind"].default == name
         assert kind.section is None or kind.section in kind.spec.model_fields
     with pytest.raises(SmolforgeError, match="unknown job kind 'teleport'"):

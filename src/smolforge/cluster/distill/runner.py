@@ -61,10 +61,6 @@ class DistillRunner(JobRunner):
         self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
         self._session: DistillSession | None = None  # the running pipeline: its tasks' output lines
 
-    def request(self, what: str, node: str | None = None) -> None:
-        if what in ("pause", "cancel") and self.want != "cancel":
-            self.want = what
-
     def _stop_requested(self) -> str | None:
         if self.abandon:
             return "abandon"

@@ -90,6 +90,12 @@ class JobRunner(threading.Thread):
             except Exception as err:  # noqa: BLE001
                 self.store.add_event(self.job_id, "monitoring_failed", f"closing TensorBoard/W&B: {short_error(err)}")
 
+    def request(self, what: str, node: str | None = None) -> None:
+        """A pause or cancel asked for (a cancel is never downgraded to a pause); kinds that take
+        other requests (a data-parallel job's `join`) extend this."""
+        if what in ("pause", "cancel") and self.want != "cancel":
+            self.want = what
+
     def failure_policy(self, max_retries: int) -> FailurePolicy:
         """This job's FailurePolicy, counting the failures earlier runs of it recorded (`attempts`)."""
         policy = FailurePolicy(max_retries)

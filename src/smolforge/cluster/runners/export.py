@@ -58,10 +58,6 @@ class ExportRunner(JobRunner):
         self.control: Any = None
         self.ref: Any = None
 
-    def request(self, what: str, node: str | None = None) -> None:
-        if what in ("pause", "cancel") and self.want != "cancel":
-            self.want = what
-
     def _run(self) -> None:
         import ray
 

@@ -104,10 +104,6 @@ class ServeRunner(JobRunner):
         self.actor: Any = None
         self._events_seen = 0
 
-    def request(self, what: str, node: str | None = None) -> None:
-        if what in ("pause", "cancel") and self.want != "cancel":
-            self.want = what
-
     def _stopping(self) -> bool:
         return bool(self.want or self.abandon)
 
