@@ -540,8 +540,10 @@ def test_orchestrator_api_with_the_seeds_names(world):
 def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
     c = world["c"]
     page = c.api("GET", "/dashboard", token=None)
-    assert page.status_code == 200 and "Authorization" in page.text and "/api/v1/status" in page.text
-    assert "w1" not in page.text  # no data without the token
+    script = c.api("GET", "/dashboard/assets/app.js", token=None)  # the page's script: open, it holds no data
+    assert page.status_code == 200 and "/dashboard/assets/app.js" in page.text
+    assert script.status_code == 200 and "Authorization" in script.text and "/api/v1/status" in script.text
+    assert "w1" not in page.text and "w1" not in script.text  # no data without the token
     st = c.api("GET", "/api/v1/status").json()
     node = next(n for n in st["nodes"] if n["name"] == "w1")
     assert {"name", "role", "state", "cpus", "ram_gb", "gpus", "models", "usage"} <= set(node)
