@@ -38,6 +38,7 @@ from smolforge.cluster.job_control import create_control
 from smolforge.cluster.jobstore import FINAL
 from smolforge.cluster.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
 from smolforge.cluster.runners.base import CANCEL_GRACE_S, POLL_S, JobRunner, ray_get, short_error
+from smolforge.cluster.runners.dp_reports import comm_summary, jsonable, sort_batch
 from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import STRATEGIES
@@ -46,9 +47,6 @@ from smolforge.telemetry.sinks import run_name
 
 if TYPE_CHECKING:
     from smolforge.cluster.manager import JobManager
-
-# What each rank reports per step: the job's series (`loss`, ...) from rank 0, `<name>.rank<R>` from all
-STEP_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s")
 
 
 class DPRunner(JobRunner):
@@ -329,7 +327,7 @@ class DPRunner(JobRunner):
             self.store.add_event(self.job_id, note.get("kind", "param_server"), note.get("message", ""), note)
         self.server_stats = stats
         self.store.update_job(self.job_id, comm={**(self.store.get_job(self.job_id).get("comm") or {}),
-                                                 "server": _jsonable(stats)})
+                                                 "server": jsonable(stats)})
 
     def _finish_stopped(self, what: str, where: str) -> None:
         if what == "pause":
@@ -395,65 +393,21 @@ class DPRunner(JobRunner):
         items = ray_get(self.control.drain.remote(), timeout=15) or []
         if not items:
             return
-        items.sort(key=lambda i: (i.get("ts", 0), i.get("step", 0)))
-        rows: list[tuple[int, str, float]] = []
-        lines: list[dict] = []  # what the ranks printed and logged (telemetry.tasklog)
-        last_step = None
-        comm: dict[int, dict] = {}  # the latest communication report of each rank in this batch
-        for it in items:
-            kind = it.get("type")
-            rank = int(it.get("rank", 0))
-            if kind == "step":  # every rank's: `<name>.rank<R>`; rank 0's also the job's own series
-                values = {name: it[name] for name in STEP_SERIES if it.get(name) is not None}
-                rows.extend((it["step"], f"{name}.rank{rank}", v) for name, v in values.items())
-                if rank == 0:
-                    last_step = it
-                    rows.extend((it["step"], name, v) for name, v in values.items())
-                self.log_series(f"rank{rank}", "train", it["step"], values)
-            elif kind == "eval":
-                step = int(it.get("step", 0))
-                values = {k: float(v) for k, v in it.items()
-                          if k not in ("type", "step", "ts", "rank") and isinstance(v, (int, float))}
-                rows.extend((step, k, v) for k, v in values.items())
-                self.log_series(f"rank{rank}", "eval", step, values)
-                self.store.add_event(self.job_id, "eval", "eval: " + ", ".join(
-                    f"{k} {v:.4f}" for k, v in it.items() if k not in ("type", "ts", "rank", "step")
-                    and isinstance(v, (int, float))), {k: v for k, v in it.items() if k != "type"}, ts=it.get("ts"))
-            elif kind == "comm":
-                comm[int(it.get("rank", 0))] = it
-                for name in ("comm_bytes_sent", "comm_wait_s", "batch_rows"):
-                    if it.get(name) is not None:
-                        rows.append((it["step"], f"{name}.rank{it.get('rank', 0)}", it[name]))
-                if it.get("rounds") is not None and it.get("rank") == 0:
-                    rows.append((it["step"], "rounds", it["rounds"]))
-                own = {name: value for name, value in (it.get("metrics") or {}).items()  # staleness...
-                       if isinstance(value, (int, float))}
-                rows.extend((it["step"], f"{name}.rank{rank}", value) for name, value in own.items())
-                self.log_series(f"rank{rank}", "comm", it["step"],
-                                {**{n: it[n] for n in ("comm_bytes_sent", "comm_wait_s") if it.get(n) is not None},
-                                 **own})
-            elif kind == "event":
-                self.store.add_event(self.job_id, it.get("kind", "log"), it.get("message", ""), it.get("data"),
-                                     ts=it.get("ts"))
-            elif kind == "log":
-                lines.append(it)
-        self.store.add_metrics(self.job_id, rows)
-        self.store.add_logs(self.job_id, lines)
-        if comm:
-            self._comm.update(comm)
-            ranks = sorted(self._comm)
-            self.store.update_job(self.job_id, comm={
-                "bytes_sent_per_rank": [self._comm[r].get("comm_bytes_sent") for r in ranks],
-                "wait_s_per_rank": [round(self._comm[r].get("comm_wait_s") or 0.0, 3) for r in ranks],
-                "batch_rows_per_rank": [self._comm[r].get("batch_rows") for r in ranks],
-                "rounds": self._comm[ranks[0]].get("rounds"), "step": max(c["step"] for c in self._comm.values()),
-                **({"metrics_per_rank": [self._comm[r].get("metrics") for r in ranks]}
-                   if any(self._comm[r].get("metrics") for r in ranks) else {}),
-                **({"server": _jsonable(self.server_stats)} if getattr(self, "server_stats", None) else {})})
-        if last_step is not None:
-            self.store.update_job(self.job_id, step=last_step["step"], max_steps=last_step["max_steps"],
-                                  samples_done=last_step["samples_done"], samples_total=last_step["samples_total"],
-                                  loss=last_step["loss"], eta_s=last_step.get("eta_s"))
+        batch = sort_batch(items)
+        for series, kind, step, values in batch.series:
+            self.log_series(series, kind, step, values)
+        for kind, message, data, ts in batch.events:
+            self.store.add_event(self.job_id, kind, message, data, ts=ts)
+        self.store.add_metrics(self.job_id, batch.rows)
+        self.store.add_logs(self.job_id, batch.lines)
+        if batch.comm:
+            self._comm.update(batch.comm)
+            self.store.update_job(self.job_id, comm=comm_summary(self._comm, getattr(self, "server_stats", None)))
+        last = batch.last_step
+        if last is not None:
+            self.store.update_job(self.job_id, step=last["step"], max_steps=last["max_steps"],
+                                  samples_done=last["samples_done"], samples_total=last["samples_total"],
+                                  loss=last["loss"], eta_s=last.get("eta_s"))
 
     def _drain_quietly(self) -> None:
         """Drain the control actor's reports; a lost control actor costs the progress rows, nothing else."""
@@ -535,7 +489,7 @@ class DPRunner(JobRunner):
             summary[f"{key}_per_rank"] = [(results[r].get("strategy_metrics") or {}).get(key) for r in sorted(results)]
         if self.server is not None:
             self._poll_server(force=True)
-            summary["server"] = _jsonable(getattr(self, "server_stats", {}))
+            summary["server"] = jsonable(getattr(self, "server_stats", {}))
         return "completed", summary
 
     def _member_left(self, group, round_no: int, rank: int, err: BaseException) -> None:
@@ -608,11 +562,3 @@ class DPRunner(JobRunner):
         return {"rank": rank, "node_name": info.get("node_name"), "node_id": info.get("node_id"),
                 "error": short_error(err), "lost": lost}
 
-
-def _jsonable(value):
-    """A server's stats for the job store (JSON: member ids as string keys)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
