@@ -23,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from smolforge.cluster.jobstore import FINAL
 from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.run import DistillStopped, run_distill
 from smolforge.cluster.distill.session import DistillSession
@@ -67,14 +66,10 @@ class DistillRunner(JobRunner):
         return self.want
 
     def _run(self) -> None:
-        job = self.store.get_job(self.job_id)
-        if job["state"] in FINAL:
+        spec = self._spec_to_run(DistillJob)
+        if spec is None:
             return
-        spec = DistillJob.model_validate(job["spec"])
-        if self.want:
-            self._finish_stopped(self.want)
-            return
-        if job["state"] != "running":
+        if self.store.get_job(self.job_id)["state"] != "running":
             self.store.set_state(self.job_id, "running", f"running ({self.reason})")
         settings = spec.distill
         if settings.data.startswith("upload:"):

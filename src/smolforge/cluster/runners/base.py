@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ray.exceptions import RayError
 
 from smolforge.cluster.policy import Decision, FailurePolicy
+from smolforge.cluster.states import FINAL
 from smolforge.errors import SmolforgeError
 from smolforge.telemetry.sinks import SeriesSinks
 
@@ -95,6 +96,18 @@ class JobRunner(threading.Thread):
         other requests (a data-parallel job's `join`) extend this."""
         if what in ("pause", "cancel") and self.want != "cancel":
             self.want = what
+
+    def _spec_to_run(self, spec_type: type) -> Any:
+        """The job's validated spec, or None when there is nothing to run: it is already final, or a
+        pause/cancel came before it started (then the kind's `_finish_stopped(what)` records it)."""
+        job = self.store.get_job(self.job_id)
+        if job["state"] in FINAL:
+            return None
+        spec = spec_type.model_validate(job["spec"])
+        if self.want:
+            self._finish_stopped(self.want)
+            return None
+        return spec
 
     def failure_policy(self, max_retries: int) -> FailurePolicy:
         """This job's FailurePolicy, counting the failures earlier runs of it recorded (`attempts`)."""

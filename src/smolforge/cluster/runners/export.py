@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster import ray_glue
-from smolforge.cluster.jobstore import FINAL
 from smolforge.cluster.placement import holds_anywhere
 from smolforge.cluster.runners.base import POLL_S, JobRunner, short_error
 from smolforge.cluster.specs import ExportJob
@@ -61,12 +60,8 @@ class ExportRunner(JobRunner):
     def _run(self) -> None:
         import ray
 
-        job = self.store.get_job(self.job_id)
-        if job["state"] in FINAL:
-            return
-        spec = ExportJob.model_validate(job["spec"])
-        if self.want:
-            self._finish_stopped(self.want)
+        spec = self._spec_to_run(ExportJob)
+        if spec is None:
             return
         if spec.adapters and not self.mgr.embedded:  # a coordinator never reads where a network peer tells it to
             self.store.set_state(self.job_id, "failed", "failed: adapters are for the embedded cluster only",

@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 from smolforge.cluster import ray_glue
-from smolforge.cluster.jobstore import FINAL
 from smolforge.cluster.runners.base import POLL_S, JobRunner, short_error
 from smolforge.cluster.specs import ServeJob
 from smolforge.errors import SmolforgeError
@@ -111,12 +110,8 @@ class ServeRunner(JobRunner):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        job = self.store.get_job(self.job_id)
-        if job["state"] in FINAL:
-            return
-        spec = ServeJob.model_validate(job["spec"])
-        if self.want:
-            self._finish_stopped(self.want)
+        spec = self._spec_to_run(ServeJob)
+        if spec is None:
             return
         if spec.adapter and not self.mgr.embedded:  # a coordinator never reads where a network peer tells it to
             self.store.set_state(self.job_id, "failed", "failed: adapter is for the embedded cluster only",
