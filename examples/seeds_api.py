@@ -111,8 +111,7 @@ def main():
     )
     for peft_type, peft_config in [
         ("prefix", {"num_virtual_tokens": 30}),
-        ("prompt", {"num_virtual_tokens": 30, "prompt_tuning_init": "RANDOM"}),
-        ("prompt", {"num_virtual_tokens": 8, "prompt_tuning_init": "TEXT",
+        ("prompt", {"num_virtual_tokens": 8, "prompt_tuning_init": "TEXT",  # or "RANDOM"
                     "prompt_tuning_init_text": "Answer the question:"}),
         ("adapter", {"reduction_factor": 16}),
         ("ia3", {}),
@@ -175,7 +174,8 @@ def main():
     jobs = client.list_jobs()
     client.join_job(jobs[0]['id'])  # Join latest job
     print(f"[i] {jobs[0]['id']}: {client.get_job_status(job_id)['state']}")
-    print(f"[i] paused: {client.pause_job(job_id)['state']}")
+    print(f"[i] pause asked: {client.pause_job(job_id)['state']}")
+    print(f"[i] paused: {client.wait_for_job(job_id, timeout=180)['state']}")  # it pauses after its step
     print(f"[i] resumed: {client.resume_job(job_id)['state']}")
     print(f"[i] cancelled: {client.cancel_job(job_id)['state']}")
     print("[✓] SEEDS API OK")

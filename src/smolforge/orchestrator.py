@@ -19,8 +19,10 @@ The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, 
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +42,9 @@ class Orchestrator(DistillTasks):
 
         self.mode = mode
         self.config = dict(config or {})
+        host, port = self.config.pop("sollol_host", None), self.config.pop("sollol_port", None)
+        if host and not coordinator:  # the seeds' way to name the server: config={"sollol_host": H, "sollol_port": P}
+            coordinator = f"{host}:{port or 5000}"
         self.backend = backend or backend_for(coordinator, token, state_dir, embedded_ok=True)
         self.events: list[dict[str, Any]] = []
         self._cluster = None
@@ -64,6 +69,10 @@ class Orchestrator(DistillTasks):
                 if info.get("ray_tls"):  # this driver needs its own certificate from the cluster's CA
                     os.environ.update(self.backend.ray_tls_env())
                 self._cluster = ray_glue.connect(info["ray_address"], token=self.backend.token)
+            # A seed script just ends: our driver threads must stop before Ray's own exit hook shuts
+            # Ray down (a thread still calling Ray then kills the process with exit code 1). atexit runs
+            # hooks last-registered first, and Ray registered its hook when this process connected.
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
         return self._cluster
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
@@ -175,6 +184,12 @@ class Orchestrator(DistillTasks):
 
     def join(self, job_id: str, node: str | None = None) -> dict:
         return self.backend.join_job(job_id, node)
+
+
+def _shutdown_at_exit(ref: "weakref.ref[Orchestrator]") -> None:
+    orch = ref()
+    if orch is not None and getattr(orch, "_distill_state", None) is not None:
+        orch.shutdown_distill()
 
 
 def create_distributed_training(mode: str = "data_parallel", config: dict[str, Any] | None = None, *,

@@ -96,7 +96,7 @@ def test_node_dicts_carry_the_seeds_nested_resources_beside_the_flat_keys():
 
 def test_task_config_maps_onto_jobs_and_tasks():
     import smolforge
-    from smolforge.cluster.distill.task_config import resolve, task_options
+    from smolforge.cluster.distill.seed_args import resolve, student_args, task_options
     from smolforge.cluster.specs import DataParallelJob
 
     heavy = smolforge.TaskConfig(name="heavy_training", type="training", priority="high",
@@ -116,6 +116,15 @@ def test_task_config_maps_onto_jobs_and_tasks():
         resolve("cpus_per_student", 1, 2, 1.0)
     with pytest.raises(SmolforgeError, match="priority: Input should be 'high', 'normal' or 'low'"):
         smolforge.TaskConfig(priority="urgent")
+    # create_student_tasks' seed arguments: lora_config, and a TaskConfig's checkpointing and retries
+    args = student_args("lora", None, {"r": 4, "alpha": 8}, smolforge.TaskConfig(checkpointing=True, max_retries=1),
+                        None, None, None)
+    assert (args.peft.r, args.peft.alpha, args.cpus, args.save_every, args.max_retries) == (4, 8, 1.0, 50, 1)
+    assert student_args("ia3", {}, None, light, None, None, None).save_every == 0
+    with pytest.raises(SmolforgeError, match="lora_config is peft_type='lora' with that peft_config"):
+        student_args("prefix", None, {"r": 4}, None, None, None, None)
+    with pytest.raises(SmolforgeError, match="turns checkpointing off but save_every is 10"):
+        student_args("lora", None, None, light, None, 10, None)
 
 
 def test_the_seeds_peft_keys_and_call_signatures():

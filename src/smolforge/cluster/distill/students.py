@@ -15,7 +15,7 @@ from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.remotes import new_broker, remotes
 from smolforge.cluster.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
 from smolforge.cluster.policy import Decision
-from smolforge.cluster.distill.task_config import resolve, task_options
+from smolforge.cluster.distill.seed_args import student_args
 from smolforge.cluster.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
@@ -25,7 +25,6 @@ from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
-from smolforge.models.peft_methods import peft_spec_from_config
 from smolforge.parallel.transfer import pack_dir, unpack_dir
 from smolforge.paths import atomic_write_json, safe_join
 from smolforge.train import checkpoint as ckpt
@@ -68,29 +67,15 @@ class StudentTasks:
         students) and checkpointing (false: none; true: every 50 steps unless save_every is set).
         """
         st = self._dstate()
-        if lora_config is not None:
-            if peft_config is not None or peft_type != "lora":
-                raise SmolforgeError("lora_config is peft_type='lora' with that peft_config: give one of them",
-                                     where="create_student_tasks", fix="pass either lora_config or peft_type + peft_config")
-            peft_config = lora_config
-        opts = task_options(task_config, "student")
-        cpus_per_student = resolve("cpus_per_student", cpus_per_student, opts.get("cpus"), 1.0)
-        checkpointing = opts.get("checkpointing")
-        if checkpointing is False and save_every:
-            raise SmolforgeError(f"the TaskConfig turns checkpointing off but save_every is {save_every}",
-                                 where="task_config", fix="drop one of them")
-        save_every = save_every or 0
-        if checkpointing and not save_every:
-            save_every = 50
-        max_retries = resolve("max_retries", max_retries, opts.get("max_retries"), None)
-        if max_retries is not None:
-            st.failures.max_retries = max_retries
+        args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
+        peft, cpus_per_student, save_every = args.peft, args.cpus, args.save_every
+        if args.max_retries is not None:
+            st.failures.max_retries = args.max_retries
         store = self._store_for(teacher_outputs_dir)
         bases = [base_model] if isinstance(base_model, str) else list(base_model)
         if not bases:
             raise SmolforgeError("no student base model given", fix="pass --student NAME")
 
-        peft = peft_spec_from_config(peft_type, peft_config, where="peft_config")
         kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
         run_dir = Path(output_dir) if output_dir else store.dir.parent
         if getattr(self, "mode", "") == "hybrid" and split_shards is False:

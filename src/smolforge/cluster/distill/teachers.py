@@ -20,7 +20,7 @@ from smolforge.cluster.distill.state import (
     short_error,
     store_dir_of,
 )
-from smolforge.cluster.distill.task_config import resolve, task_options
+from smolforge.cluster.distill.seed_args import resolve, task_options
 from smolforge.cluster.ray_glue import Requirements
 from smolforge.cluster.specs import TaskConfig
 from smolforge.distill.planner import TEACHER_BACKENDS, model_backend, model_nodes, plan_shards, teacher_assignment
@@ -140,7 +140,7 @@ class TeacherTasks:
         raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish (an output_dir
         named teacher_outputs is used as is). A failed teacher's shards go to another eligible node,
         `max_retries` times per shard (default 2). `task_config` (the seeds' TaskConfig) may give
-        resources.cpu_cores and max_retries (see cluster/distill/task_config.py).
+        resources.cpu_cores and max_retries (see cluster/distill/seed_args.py).
         """
         opts = task_options(task_config, "teacher")
         cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)

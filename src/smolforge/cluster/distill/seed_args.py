@@ -1,12 +1,16 @@
-"""The seeds' `TaskConfig` on teacher and student tasks: what those tasks can honour, and a refusal
-that says where the rest applies (nothing in a TaskConfig is silently ignored)."""
+"""The seeds' arguments on teacher and student tasks: their `TaskConfig` (what those tasks can honour,
+and a refusal that says where the rest applies: nothing in it is silently ignored), `lora_config`
+and the PEFT keys they write. Kept here so the task code only sees smolforge's own settings."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from smolforge.cluster.specs import TaskConfig
+from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
+from smolforge.models.peft_methods import peft_spec_from_config
 
 
 def task_options(task_config: TaskConfig | None, role: Literal["teacher", "student"]) -> dict[str, Any]:
@@ -49,3 +53,33 @@ def resolve(name: str, given: Any, from_config: Any, default: Any) -> Any:
         raise SmolforgeError(f"{name} is {given} but the TaskConfig says {from_config}: they set the same thing",
                              where="task_config", fix="give one of them")
     return given if given is not None else (from_config if from_config is not None else default)
+
+
+@dataclass
+class StudentArgs:
+    peft: PeftSpec
+    cpus: float
+    save_every: int
+    max_retries: int | None  # None: the orchestrator's default for restarts after a lost worker
+
+
+def student_args(peft_type: str, peft_config: dict[str, Any] | None, lora_config: dict[str, Any] | None,
+                 task_config: TaskConfig | None, cpus: float | None, save_every: int | None,
+                 max_retries: int | None) -> StudentArgs:
+    """create_student_tasks' settings from the seeds' spellings: `lora_config` (peft_type lora with that
+    config), `peft_config` with their keys, and a TaskConfig's cpu_cores, max_retries and
+    checkpointing (false: no checkpoints; true: every 50 steps unless save_every is set)."""
+    if lora_config is not None:
+        if peft_config is not None or peft_type != "lora":
+            raise SmolforgeError("lora_config is peft_type='lora' with that peft_config: give one of them",
+                                 where="create_student_tasks", fix="pass either lora_config or peft_type + peft_config")
+        peft_config = lora_config
+    opts = task_options(task_config, "student")
+    checkpointing = opts.get("checkpointing")
+    if checkpointing is False and save_every:
+        raise SmolforgeError(f"the TaskConfig turns checkpointing off but save_every is {save_every}",
+                             where="task_config", fix="drop one of them")
+    return StudentArgs(peft=peft_spec_from_config(peft_type, peft_config, where="peft_config"),
+                       cpus=resolve("cpus_per_student", cpus, opts.get("cpus"), 1.0),
+                       save_every=save_every or (50 if checkpointing else 0),
+                       max_retries=resolve("max_retries", max_retries, opts.get("max_retries"), None))
