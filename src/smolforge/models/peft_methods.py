@@ -457,11 +457,11 @@ def peft_spec_from_cli(peft: str, peft_config_json: str | None = None, lora_r: i
                 fix='write key/value pairs in braces, e.g. --peft-config \'{"r": 8, "alpha": 16}\'',
             )
     flags = {k: v for k, v in (("r", lora_r), ("alpha", lora_alpha), ("dropout", lora_dropout)) if v is not None}
-    return peft_spec_from_config(peft, loaded, where="--peft-config", flags=flags)
+    return peft_spec_from_config(peft, loaded, where="--peft-config", flags=flags, method_from="--peft")
 
 
 def peft_spec_from_config(method: str, config: dict[str, Any] | None, where: str = "peft_config",
-                          flags: dict[str, Any] | None = None) -> PeftSpec:
+                          flags: dict[str, Any] | None = None, method_from: str = "peft_type") -> PeftSpec:
     """A PeftSpec from a method and a settings dict as people write it: PeftSpec's own names, peft's
     (`lora_r`, `lora_alpha`, ...) or the seeds' (`r/alpha/dropout`, `num_virtual_tokens`,
     `prompt_tuning_init(_text)`, `reduction_factor`). `flags` (explicit settings) win over the dict.
@@ -473,7 +473,7 @@ def peft_spec_from_config(method: str, config: dict[str, Any] | None, where: str
             raise SmolforgeError(f"{where} sets {key!r} twice", fix="keep one spelling of that key")
         data[key] = value
     if "method" in data and data["method"] != method:
-        raise SmolforgeError(f"{where} says method {data['method']!r} but the PEFT method is {method!r}",
+        raise SmolforgeError(f"{where} says method {data['method']!r} but {method_from} is {method!r}",
                              fix=f"drop 'method' from {where}, or make the two agree")
     data.update(flags or {}, method=method)
     return validate(PeftSpec, data, where=where)
