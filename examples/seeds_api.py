@@ -84,22 +84,8 @@ def main():
         }
     )
 
-    def on_task_update(task_id, status):
-        assert status['state'] in ('pending', 'running', 'completed', 'failed'), status['state']
-        if status['state'] == 'completed':
-            print(f"✓ {task_id} finished!")
-        elif status['state'] == 'failed':
-            print(f"✗ {task_id} failed: {status.get('error')}")
-
-    orchestrator.monitor_tasks(student_task_ids, callback=on_task_update)
-    print("[i] Student adapters: ./output/student_0, ./output/student_1")
-    orchestrator.aggregate_student_outputs(
-        student_output_dirs=["./output/student_0", "./output/student_1"],
-        output_path="./merged_model"
-    )
-    print("[✓] Merged adapter: ./merged_model/final_adapter")
-
-    # -- the other PEFT methods of the peft_methods example, and lora_config as the CPU guide writes it -----
+    # -- the other PEFT methods of the peft_methods example, and lora_config as the CPU guide writes it
+    #    (created now: they queue for a free node while the two above train) -------------------------------
     light = TaskConfig(name="light", type="training", resources=ResourceConfig(cpu_cores=1), max_retries=1,
                        checkpointing=True)
     peft_students = orchestrator.create_student_tasks(
@@ -123,6 +109,21 @@ def main():
             peft_type=peft_type,
             peft_config=peft_config
         )
+
+    def on_task_update(task_id, status):
+        assert status['state'] in ('pending', 'running', 'completed', 'failed'), status['state']
+        if status['state'] == 'completed':
+            print(f"✓ {task_id} finished!")
+        elif status['state'] == 'failed':
+            print(f"✗ {task_id} failed: {status.get('error')}")
+
+    orchestrator.monitor_tasks(student_task_ids, callback=on_task_update)
+    print("[i] Student adapters: ./output/student_0, ./output/student_1")
+    orchestrator.aggregate_student_outputs(
+        student_output_dirs=["./output/student_0", "./output/student_1"],
+        output_path="./merged_model"
+    )
+    print("[✓] Merged adapter: ./merged_model/final_adapter")
     orchestrator.monitor_tasks(peft_students, callback=on_task_update)
     print(f"[✓] Trained {len(peft_students)} more students")
 
