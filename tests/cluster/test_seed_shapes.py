@@ -130,8 +130,9 @@ def test_task_config_maps_onto_jobs_and_tasks():
 def test_the_seeds_peft_keys_and_call_signatures():
     from smolforge.cluster.distill.students import StudentTasks
     from smolforge.cluster.distill.teachers import TeacherTasks
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from smolforge.models.houlsby import BottleneckAdapter
-    from smolforge.models.loading import load_model
     from smolforge.models.peft_methods import apply_peft, peft_spec_from_config
 
     spec = peft_spec_from_config("prompt", {"num_virtual_tokens": 30, "prompt_tuning_init": "TEXT",
@@ -140,7 +141,8 @@ def test_the_seeds_peft_keys_and_call_signatures():
     assert peft_spec_from_config("lora", {"r": 4, "alpha": 8, "dropout": 0.1}).r == 4
     assert peft_spec_from_config("ia3", {}).method == "ia3"
     adapter = peft_spec_from_config("adapter", {"reduction_factor": 16})
-    model = apply_peft(load_model("tiny-llama", device="cpu"), adapter)
+    model = apply_peft(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=4)), adapter)
     down = next(m.down for m in model.modules() if isinstance(m, BottleneckAdapter))
     assert down.out_features == model.config.hidden_size // 16
     with pytest.raises(SmolforgeError, match="reduction_fctor: Extra inputs are not permitted"):
