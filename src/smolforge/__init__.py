@@ -4,13 +4,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "Orchestrator", "__version__", "create_distributed_training"]
+__all__ = ["Client", "Orchestrator", "ResourceConfig", "TaskConfig", "__version__", "create_distributed_training"]
 
 # Lazy: `import smolforge` stays light (no Ray, torch or httpx until these are used).
 _LAZY = {
     "Client": ("smolforge.client", "Client"),
     "Orchestrator": ("smolforge.orchestrator", "Orchestrator"),
     "create_distributed_training": ("smolforge.orchestrator", "create_distributed_training"),
+    "TaskConfig": ("smolforge.cluster.specs", "TaskConfig"),
+    "ResourceConfig": ("smolforge.cluster.specs", "ResourceConfig"),
 }
 
 

@@ -31,6 +31,11 @@ class PeftSpec(Spec):
     target_modules: list[str] | str | None = Field(None, description="None picks every linear layer of the blocks")
     num_virtual_tokens: int = Field(8, ge=1, description="prefix / prompt tuning length")
     adapter_size: int = Field(16, ge=1, description="Houlsby bottleneck width")
+    reduction_factor: int | None = Field(
+        None, ge=1, description="Houlsby bottleneck as hidden size / this (the seeds' adapter key); "
+                                "when set it replaces adapter_size")
+    prompt_tuning_init: str | None = None
+    prompt_tuning_init_text: str | None = None
 
 
 class DataSpec(Spec):
@@ -157,7 +162,12 @@ def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}{_did_you_mean(cls, e)}"
-                             for e in err.errors())
-        raise SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
-                             fix="correct or remove those keys (see `smolforge train --help`)") from err
+        raise spec_error(cls, err, where) from err
+
+
+def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config") -> SmolforgeError:
+    """pydantic's error list as one SmolforgeError that names each field (and a likely misspelling)."""
+    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}{_did_you_mean(cls, e)}"
+                         for e in err.errors())
+    return SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
+                          fix="correct or remove those keys (see `smolforge train --help`)")

@@ -19,13 +19,16 @@ The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, 
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.client import backend_for
 from smolforge.cluster.distill.session import DistillTasks
+from smolforge.cluster.specs import TaskConfig
 from smolforge.errors import SmolforgeError
 
 MODES = ("data_parallel", "teacher_student", "hybrid")
@@ -39,6 +42,9 @@ class Orchestrator(DistillTasks):
 
         self.mode = mode
         self.config = dict(config or {})
+        host, port = self.config.pop("sollol_host", None), self.config.pop("sollol_port", None)
+        if host and not coordinator:  # the seeds' way to name the server: config={"sollol_host": H, "sollol_port": P}
+            coordinator = f"{host}:{port or 5000}"
         self.backend = backend or backend_for(coordinator, token, state_dir, embedded_ok=True)
         self.events: list[dict[str, Any]] = []
         self._cluster = None
@@ -63,6 +69,10 @@ class Orchestrator(DistillTasks):
                 if info.get("ray_tls"):  # this driver needs its own certificate from the cluster's CA
                     os.environ.update(self.backend.ray_tls_env())
                 self._cluster = ray_glue.connect(info["ray_address"], token=self.backend.token)
+            # A seed script just ends: our driver threads must stop before Ray's own exit hook shuts
+            # Ray down (a thread still calling Ray then kills the process with exit code 1). atexit runs
+            # hooks last-registered first, and Ray registered its hook when this process connected.
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
         return self._cluster
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
@@ -82,7 +92,9 @@ class Orchestrator(DistillTasks):
     # -- the seeds' API ----------------------------------------------------------------------------
 
     def discover_nodes(self) -> list[dict[str, Any]]:
-        """Every node with CPUs, RAM, GPUs, models, role and state."""
+        """Every node with CPUs, RAM, GPUs, models, role and state: today's flat keys (cpus, gpus,
+        ram_gb, models, ollama_models) and the seeds' nested ones (`n['resources']['gpu']['count']`,
+        `['cpu']['cores']`, `['memory']['total_gb']`, `['ollama_models']`); see cluster/nodeview.py."""
         nodes = self.backend.list_nodes()
         self.log_event("discover", f"{len(nodes)} nodes", names=[n["name"] for n in nodes])
         return nodes
@@ -91,12 +103,14 @@ class Orchestrator(DistillTasks):
                                    batch_size: int = 4, epochs: float = 1.0, max_length: int = 256,
                                    peft: str = "lora", lora_r: int = 8, lora_alpha: float = 16,
                                    max_steps: int | None = None, lr: float | None = None,
-                                   save_every: int | None = None, seed: int = 0, max_retries: int = 2,
-                                   cpus_per_worker: float = 1.0, name: str | None = None,
-                                   **train_overrides: Any) -> list[str]:
+                                   save_every: int | None = None, seed: int = 0, max_retries: int | None = None,
+                                   cpus_per_worker: float | None = None, name: str | None = None,
+                                   task_config: TaskConfig | None = None, **train_overrides: Any) -> list[str]:
         """Submit one data-parallel job (a group of `num_workers` ranks); returns `[job_id]`.
 
-        `batch_size` is per worker; the global batch is batch_size x num_workers.
+        `batch_size` is per worker; the global batch is batch_size x num_workers. `task_config` (the
+        seeds' TaskConfig) sets the job's name, priority, per-worker resources, max_retries and
+        checkpointing (an argument that says otherwise is an error).
         """
         train: dict[str, Any] = {"model": model_path, "data": {"path": dataset_path, "max_length": max_length},
                                  "peft": {"method": peft, "r": lora_r, "alpha": lora_alpha},
@@ -112,8 +126,15 @@ class Orchestrator(DistillTasks):
             else:
                 train[key] = value
         spec = {"kind": "data_parallel", "name": name, "num_workers": num_workers, "train": train,
-                "max_retries": max_retries, "cpus_per_worker": cpus_per_worker,
                 **{k: v for k, v in self.config.items() if k != "train"}}
+        for key, value in {**(task_config.job_fields() if task_config else {}),
+                           "max_retries": max_retries, "cpus_per_worker": cpus_per_worker}.items():
+            if value is None:
+                continue
+            if spec.get(key) is not None and spec[key] != value:
+                raise SmolforgeError(f"{key} is {spec[key]} in one place and {value} in another",
+                                     where="create_data_parallel_tasks", fix=f"give {key} once")
+            spec[key] = value
         job_id = self.backend.submit_job(spec)
         self.log_event("submitted", f"data-parallel job {job_id} on {num_workers} workers", job_id=job_id)
         return [job_id]
@@ -163,6 +184,12 @@ class Orchestrator(DistillTasks):
 
     def join(self, job_id: str, node: str | None = None) -> dict:
         return self.backend.join_job(job_id, node)
+
+
+def _shutdown_at_exit(ref: "weakref.ref[Orchestrator]") -> None:
+    orch = ref()
+    if orch is not None and getattr(orch, "_distill_state", None) is not None:
+        orch.shutdown_distill()
 
 
 def create_distributed_training(mode: str = "data_parallel", config: dict[str, Any] | None = None, *,

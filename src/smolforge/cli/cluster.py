@@ -46,10 +46,12 @@ def _usage(n: dict) -> str:
 
 
 def _models(n: dict, limit: int = 6) -> str:
-    models = n.get("models") or []
-    if not models:
-        return "–"
-    return ", ".join(models[:limit]) + (f" (+{len(models) - limit})" if len(models) > limit else "")
+    """The weights a node holds, then what its Ollama serves (`ollama: ...`): placement keeps them apart."""
+    parts = []
+    for prefix, models in (("", n.get("models") or []), ("ollama: ", n.get("ollama_models") or [])):
+        if models:
+            parts.append(prefix + ", ".join(models[:limit]) + (f" (+{len(models) - limit})" if len(models) > limit else ""))
+    return "; ".join(parts) or "–"
 
 
 def _job_line(j: dict) -> str:
@@ -161,7 +163,7 @@ def status_tree(st: dict):
     for n in nodes:
         if n["state"] == "dead":
             continue
-        tot, av = n.get("resources") or {}, n.get("available") or {}
+        tot, av = n.get("ray_resources") or {}, n.get("available") or {}
         line = f"{n['name']}: CPU {av.get('CPU', 0):g}/{tot.get('CPU', 0):g} free"
         if tot.get("GPU"):
             line += f", GPU {av.get('GPU', 0):g}/{tot.get('GPU', 0):g} free"

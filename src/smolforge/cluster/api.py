@@ -140,7 +140,7 @@ def create_app(core: Any) -> FastAPI:
 
     @app.get("/api/v1/resources", dependencies=auth)
     def resources():
-        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["resources"],
+        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["ray_resources"],
                  "available": n["available"], "usage": n["usage"]} for n in core.monitor.snapshot()]
 
     @app.get("/api/v1/events", dependencies=auth)

@@ -161,9 +161,7 @@ class Coordinator:
         cpus = self.opts.cpus if self.opts.cpus is not None else detect_cpus()
         models = scan_hf_cache()
         models.update(scan_models_dir(Path(self.opts.models_dir) if self.opts.models_dir else None))
-        resources = {ray_glue.HEAD_RESOURCE: 1000.0}
-        for m in with_aliases(models):
-            resources[ray_glue.model_resource(m)] = ray_glue.MODEL_AMOUNT
+        resources = {ray_glue.HEAD_RESOURCE: 1000.0, **ray_glue.advertised_models(with_aliases(models))}
         labels = {ray_glue.NAME_LABEL: self.opts.name, ray_glue.ROLE_LABEL: "coordinator",
                   ray_glue.RAM_LABEL: f"{detect_ram_gb():.1f}"}
         env = {**os.environ, **ray_auth_env(token_path), "RAY_USAGE_STATS_ENABLED": "0",

@@ -2,9 +2,11 @@
 
 Models are found where users keep them: the Hugging Face cache (`models--org--name` folders with a
 snapshot), a `--models-dir` (any folder with a `config.json`, one or two levels deep) and, when
-Ollama is installed, `ollama list`. Each becomes a Ray custom resource `model:<name>` so placement
-can send a task to a node that already has its weights; HF ids also advertise their Ollama aliases
-and Ollama models their HF ids, so either spelling of a requirement matches.
+Ollama is installed, `ollama list`. Each becomes a Ray custom resource so placement can send a task
+to a node that can load it: `model:<name>` for weights, `ollama:<name>` for what Ollama serves
+(`by_backend`). HF ids also advertise their Ollama aliases and Ollama models their HF ids, so either
+spelling of a requirement matches, but only for the backend the node can load it with: a node with
+only the Ollama tag never takes a task that needs the weights (it would download them from the hub).
 """
 
 from __future__ import annotations
@@ -183,6 +185,20 @@ def with_aliases(models: dict[str, str]) -> dict[str, str]:
         hf = OLLAMA_TO_HF.get(name.lower())
         if hf:
             out.setdefault(hf, f"alias:{name}")
+    return out
+
+
+def by_backend(models: dict[str, str]) -> dict[str, list[str]]:
+    """`{"hf": [...], "ollama": [...]}`: the names (aliases included) a node can load as weights and
+    the ones its Ollama serves, from `Inventory.models` (name -> a directory, "ollama" or "alias:<name>")."""
+    def backend(where: str, hops: int = 0) -> str:
+        if where.startswith("alias:") and hops < 4:
+            return backend(models.get(where[len("alias:"):], ""), hops + 1)
+        return "ollama" if where == "ollama" else "hf"
+
+    out: dict[str, list[str]] = {"hf": [], "ollama": []}
+    for name, where in sorted(models.items()):
+        out[backend(where)].append(name)
     return out
 
 

@@ -26,6 +26,7 @@ from smolforge.cluster.jobs import apply_job_overrides, kind_of, pin_local_model
 from smolforge.cluster.jobstore import JobStore
 from smolforge.cluster.jobview import format_event, job_status
 from smolforge.cluster.manager import JobManager
+from smolforge.cluster.nodeview import node_view
 from smolforge.cluster.statedir import StateDir
 from smolforge.config import load_yaml
 from smolforge.errors import SmolforgeError
@@ -103,12 +104,7 @@ class EmbeddedCluster:
     # -- the Client surface -----------------------------------------------------------------------
 
     def list_nodes(self) -> list[dict]:
-        out = []
-        for n in self.handle.nodes():
-            d = n.to_dict()
-            d.update(state="online", usage=None, heartbeat_age_s=None)
-            out.append(d)
-        return out
+        return [node_view(n, state="online", usage=None, heartbeat_age_s=None) for n in self.handle.nodes()]
 
     def status(self) -> dict:
         return {"coordinator": {"name": "embedded", "api": None, "ray_address": "local"},
@@ -116,7 +112,7 @@ class EmbeddedCluster:
                 "recent_jobs": self.store.list_jobs(limit=20)}
 
     def resources(self) -> list[dict]:
-        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["resources"],
+        return [{"name": n["name"], "role": n["role"], "state": n["state"], "total": n["ray_resources"],
                  "available": n["available"], "usage": None} for n in self.list_nodes()]
 
     def upload(self, path: str | Path) -> str:

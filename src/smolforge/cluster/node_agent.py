@@ -22,6 +22,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from smolforge.cluster import ray_glue
+from smolforge.cluster.nodeview import node_view
 from smolforge.cluster.ray_glue import NAMESPACE
 
 INTERVAL_S = 3.0
@@ -163,10 +164,8 @@ class NodeMonitor(threading.Thread):
             hb = self.heartbeats.get(n.node_id)
             first = self.first_seen.setdefault(n.node_id, now)
             state = node_state(n.alive, hb["received"] if hb else None, first, now)
-            d = n.to_dict()
-            d.update(state=state, usage={k: v for k, v in (hb or {}).items() if k != "received"} or None,
-                     heartbeat_age_s=round(now - hb["received"], 1) if hb else None)
-            out.append(d)
+            out.append(node_view(n, state=state, usage={k: v for k, v in (hb or {}).items() if k != "received"} or None,
+                                 heartbeat_age_s=round(now - hb["received"], 1) if hb else None))
         order = {"coordinator": 0, "embedded": 0, "worker": 1}
         out.sort(key=lambda d: (d["state"] == "dead", order.get(d["role"], 2), d["name"]))
         return out

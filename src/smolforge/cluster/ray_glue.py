@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, write_token
-from smolforge.cluster.discovery import default_node_name, detect_cpus, detect_ram_gb, scan_hf_cache, with_aliases
+from smolforge.cluster.discovery import (by_backend, default_node_name, detect_cpus, detect_ram_gb, scan_hf_cache,
+                                         with_aliases)
 from smolforge.cluster.ray_loopback import keep_loopback
 from smolforge.cluster.ray_process import metrics_port_env
 from smolforge.cluster.statedir import StateDir, port_open
@@ -56,7 +57,8 @@ from smolforge.net import is_loopback
 NAMESPACE = "smolforge"
 WORKER_RESOURCE = "smolforge-worker"
 HEAD_RESOURCE = "smolforge-head"
-MODEL_PREFIX = "model:"
+MODEL_PREFIX = "model:"  # a model the node can load as weights (HF cache, --models-dir)
+OLLAMA_PREFIX = "ollama:"  # a model the node's Ollama serves (`ollama list`)
 NAME_LABEL = "smolforge.io/name"
 ROLE_LABEL = "smolforge.io/role"
 RAM_LABEL = "smolforge.io/ram-gb"
@@ -69,8 +71,15 @@ MODEL_REQUEST = 0.001  # what a task asks for: "this node has the model", not an
 GpuPolicy = Literal["required", "preferred", "no"]
 
 
-def model_resource(name: str) -> str:
-    return MODEL_PREFIX + name.strip()
+def model_resource(name: str, backend: str = "hf") -> str:
+    """The Ray resource by which a node says it can load `name` with `backend` (`hf`: the weights,
+    `ollama`: an Ollama tag). Separate, so a node holding only an Ollama tag never takes an `hf` task."""
+    return (OLLAMA_PREFIX if backend == "ollama" else MODEL_PREFIX) + name.strip()
+
+
+def advertised_models(models: dict[str, str]) -> dict[str, float]:
+    """The model resources of a node from its discovered models (`discovery.Inventory.models`)."""
+    return {model_resource(m, backend): MODEL_AMOUNT for backend, names in by_backend(models).items() for m in names}
 
 
 @dataclass
@@ -84,10 +93,11 @@ class NodeInfo:
     gpus: float
     ram_gb: float
     gpu_type: str | None
-    models: list[str]
+    models: list[str]  # what it can load as weights (hf and reference teachers, students, training)
     resources: dict[str, float] = field(default_factory=dict)
     available: dict[str, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    ollama_models: list[str] = field(default_factory=list)  # what its Ollama serves (ollama teachers)
 
     @property
     def takes_work(self) -> bool:
@@ -96,8 +106,9 @@ class NodeInfo:
     def describe(self) -> str:
         gpu = f"{int(self.gpus)} GPUs" + (f" ({self.gpu_type})" if self.gpu_type and self.gpus else "")
         models = ", ".join(self.models[:8]) + (" …" if len(self.models) > 8 else "") if self.models else "none"
+        ollama = f"; Ollama: {', '.join(self.ollama_models[:8])}" if self.ollama_models else ""
         return (f"{self.name} [{self.role}{'' if self.alive else ', dead'}]: {self.cpus:g} CPUs, "
-                f"{self.ram_gb:.1f} GB RAM, {gpu}; models: {models}")
+                f"{self.ram_gb:.1f} GB RAM, {gpu}; models: {models}{ollama}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +130,7 @@ class Requirements:
     gpus: float = 1.0  # GPUs per task when it gets any (gpu required, or preferred on a GPU node)
     gpu_memory_gb: float = 0.0  # each GPU of the node (its smolforge.io/gpu-mem-gb label) at least this
     gpu_ids: list[int] | None = None  # the node must have these GPU indices (Ray assigns which it gives)
+    model_backend: str = "hf"  # how the task loads `model`: its weights (hf) or an Ollama tag (ollama)
 
     def __post_init__(self):
         if self.gpu not in ("required", "preferred", "no"):
@@ -130,7 +142,7 @@ class Requirements:
     def per_task(self, gpu: bool) -> dict[str, float]:
         """The Ray resources one task of this takes from its node (CPU, GPU, memory, worker share)."""
         cpus, gpus, res = self._resources(gpu)
-        out = {"CPU": cpus, **{k: v for k, v in res.items() if not k.startswith(MODEL_PREFIX)}}
+        out = {"CPU": cpus, **{k: v for k, v in res.items() if not k.startswith((MODEL_PREFIX, OLLAMA_PREFIX))}}
         if gpus:
             out["GPU"] = gpus
         return {k: v for k, v in out.items() if v > 0}
@@ -149,8 +161,8 @@ class Requirements:
             why.append("takes no training work (coordinator node; lend it with `smolforge job join`)")
         if self.allowed_nodes and node.name not in self.allowed_nodes:
             why.append(f"not in allowed nodes {self.allowed_nodes}")
-        if self.model and not ignore_model and model_resource(self.model) not in node.resources:
-            why.append(f"does not hold model {self.model}")
+        if self.model and not ignore_model and model_resource(self.model, self.model_backend) not in node.resources:
+            why.append(f"does not hold model {self.model}" + (" in Ollama" if self.model_backend == "ollama" else ""))
         if node.cpus < self.cpus:
             why.append(f"has {node.cpus:g} CPUs < {self.cpus:g}")
         if node.ram_gb + 1e-9 < self.min_ram_gb:
@@ -182,7 +194,7 @@ class Requirements:
         if not self.on_coordinator:
             res[WORKER_RESOURCE] = max(self.cpus, 0.001)
         if self.model:
-            res[model_resource(self.model)] = MODEL_REQUEST
+            res[model_resource(self.model, self.model_backend)] = MODEL_REQUEST
         if self.reserve_ram_gb:
             res["memory"] = self.reserve_ram_gb * 1e9
         return self.cpus, (self.gpus if gpu else 0.0), res
@@ -276,6 +288,7 @@ def _node_from_ray(raw: dict, available: dict[str, dict[str, float]]) -> NodeInf
         role = "worker"
     ram = float(labels.get(RAM_LABEL) or 0) or res.get("memory", 0.0) / 1e9
     models = sorted(k[len(MODEL_PREFIX):] for k in res if k.startswith(MODEL_PREFIX))
+    ollama_models = sorted(k[len(OLLAMA_PREFIX):] for k in res if k.startswith(OLLAMA_PREFIX))
     return NodeInfo(
         node_id=node_id,
         name=labels.get(NAME_LABEL) or raw.get("NodeName") or node_id[:12],
@@ -290,6 +303,7 @@ def _node_from_ray(raw: dict, available: dict[str, dict[str, float]]) -> NodeInf
         resources=res,
         available=available.get(node_id, {}),
         labels=labels,
+        ollama_models=ollama_models,
     )
 
 
@@ -398,10 +412,7 @@ def _token_file(sd: StateDir, create: bool, token: str | None = None) -> Path:
 
 
 def embedded_resources(num_cpus: int, models: dict[str, str] | None = None) -> dict[str, float]:
-    res = {WORKER_RESOURCE: float(num_cpus), HEAD_RESOURCE: 1000.0}
-    for m in models or {}:
-        res[model_resource(m)] = MODEL_AMOUNT
-    return res
+    return {WORKER_RESOURCE: float(num_cpus), HEAD_RESOURCE: 1000.0, **advertised_models(models or {})}
 
 
 def connect(address: str | None = None, *, state_dir: str | Path | None = None,

@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import Spec, TrainConfig
+from smolforge.config import Spec, TrainConfig, spec_error
 from smolforge.distill.pipeline import DistillSettings
 from smolforge.errors import SmolforgeError
 
@@ -70,6 +70,17 @@ def put_path(data: dict, dotted: str, value: Any) -> None:
     data[last] = value
 
 
+class _SeedInit:
+    """For specs users build in Python with keywords (the seeds' `TaskConfig(...)`): bad values are one
+    SmolforgeError naming each field, as from a job file, not pydantic's traceback."""
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise spec_error(type(self), err, where=type(self).__name__) from None
+
+
 class Resources(Spec):
     """The seeds' resource request, per task of the job (a worker, a stage, a teacher or student)."""
 
@@ -84,6 +95,39 @@ class Resources(Spec):
         if v is not None and (not v or min(v) < 0 or len(set(v)) != len(v)):
             raise ValueError("gpu_ids must be distinct GPU indices >= 0, e.g. [0, 1]")
         return v
+
+
+class ResourceConfig(_SeedInit, Resources):
+    """`Resources` under the seeds' name, built in Python: `ResourceConfig(gpu_memory_gb=24, cpu_cores=8, ram_gb=64)`."""
+
+
+class TaskConfig(_SeedInit, Spec):
+    """The seeds' task settings: `TaskConfig(name, type, priority, resources=ResourceConfig(gpu_memory_gb,
+    cpu_cores, ram_gb), max_retries, checkpointing)`.
+
+    The Orchestrator's task-creating calls take it as `task_config=`. A data-parallel task is a job:
+    every field lands on the job spec (`job_fields`). Teacher and student tasks take what they have
+    (`cpu_cores`, `max_retries`, `checkpointing`) and refuse the rest, saying where it does apply:
+    nothing is silently ignored.
+    """
+
+    name: str | None = None
+    type: str | None = Field(None, description="the seeds' task type (training, inference, ...); the call "
+                             "that takes the config decides what runs")
+    priority: Priority = "normal"
+    resources: Resources | None = None
+    max_retries: int | None = Field(None, ge=0)
+    checkpointing: bool | None = None
+
+    def job_fields(self) -> dict[str, Any]:
+        """The JobSpec keys this sets (name, priority, resources, max_retries, checkpointing)."""
+        out: dict[str, Any] = {"priority": self.priority}
+        if self.resources is not None:
+            out["resources"] = self.resources.model_dump(exclude_none=True)
+        for key in ("name", "max_retries", "checkpointing"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class JobSpec(Spec):

@@ -105,9 +105,7 @@ def _label_value(text: str) -> str:
 
 
 def node_resources(inv, cpus: int) -> tuple[dict[str, float], dict[str, str]]:
-    res = {ray_glue.WORKER_RESOURCE: float(cpus)}
-    for m in inv.models:
-        res[ray_glue.model_resource(m)] = ray_glue.MODEL_AMOUNT
+    res = {ray_glue.WORKER_RESOURCE: float(cpus), **ray_glue.advertised_models(inv.models)}
     labels = {ray_glue.NAME_LABEL: inv.name, ray_glue.ROLE_LABEL: "worker",
               ray_glue.RAM_LABEL: f"{inv.ram_gb:.1f}", ray_glue.GPUS_LABEL: str(len(inv.gpus))}
     if inv.gpus:

@@ -85,37 +85,66 @@ def model_key(name: str) -> str:
     return key.replace("/", "--")
 
 
-def holds(node: Any, model: str) -> bool:
-    """Whether a node (anything with `.models`) advertises `model`, under any spelling or its dir name."""
-    keys = {model_key(m) for m in getattr(node, "models", [])}
+def holds(node: Any, model: str, backend: str = "hf") -> bool:
+    """Whether a node can load `model` with `backend` (`hf`: its `.models`, `ollama`: its
+    `.ollama_models`), under any spelling or its dir name."""
+    keys = {model_key(m) for m in _loadable_list(node, backend)}
     return model_key(model) in keys or model_key(model.rstrip("/").split("/")[-1]) in keys
 
 
+def _loadable_list(node: Any, backend: str) -> list[str]:
+    return list(getattr(node, "ollama_models" if backend == "ollama" else "models", None) or [])
+
+
+def _loadable(node: Any, backend: str) -> str:
+    names = _loadable_list(node, backend)
+    other = _loadable_list(node, "hf" if backend == "ollama" else "ollama")
+    text = ", ".join(names) or ("no Ollama models" if backend == "ollama" else "no models")
+    if other:
+        text += f" [{'weights' if backend == 'ollama' else 'Ollama'}: {', '.join(other)}]"
+    return text
+
+
+TEACHER_BACKENDS = ("hf", "ollama", "reference")
+# What each backend loads, and the Ray resource prefix under which a node advertises what it can load
+# that way (ray_glue.model_resource): the weights (HF cache, --models-dir) or an Ollama tag.
+MODEL_PREFIXES = {"hf": "model:", "ollama": "ollama:"}
+
+
+def model_backend(teacher_backend: str) -> str:
+    """How a task loads its model: `ollama` for an Ollama teacher, `hf` (the weights) for everything else
+    (students, `hf` and `reference` teachers)."""
+    return "ollama" if teacher_backend == "ollama" else "hf"
+
+
 def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_node_ok: bool = False,
-                ) -> tuple[list[Any], str | None]:
+                backend: str = "hf") -> tuple[list[Any], str | None]:
     """Nodes that may run a task needing `model`, GPU nodes first; and the model resource to request.
 
-    `nodes` are ray_glue NodeInfo-like objects (.name, .alive, .takes_work, .models, .gpus, .cpus,
-    .resources). Nodes that advertise the model win. When none does and `any_node_ok` (a preset,
-    built offline from config anywhere, or a local directory on a one-machine cluster), every
-    worker node qualifies. Otherwise this raises at once, naming what each node holds: Ray alone
-    would leave the task pending forever.
+    `nodes` are ray_glue NodeInfo-like objects (.name, .alive, .takes_work, .models, .ollama_models,
+    .gpus, .cpus, .resources). Nodes that can load the model with `backend` win: `hf` reads a node's
+    `models` (weights it holds), `ollama` its `ollama_models`, so a node that has a model only as an
+    Ollama tag never gets an `hf` task (which would download it from the hub). When none can and
+    `any_node_ok` (a preset, built offline from config anywhere, or a local directory on a one-machine
+    cluster), every worker node qualifies. Otherwise this raises at once, naming what each node holds:
+    Ray alone would leave the task pending forever.
     """
     nodes = list(nodes)
     workers = [n for n in nodes if n.alive and n.takes_work]
-    holding = [n for n in workers if holds(n, model)]
+    holding = [n for n in workers if holds(n, model, backend)]
     req_model = None
     if holding:
-        exact = [n for n in holding if f"model:{model}" in n.resources]
+        exact = [n for n in holding if f"{MODEL_PREFIXES[backend]}{model}" in n.resources]
         req_model = model if len(exact) == len(holding) else None
         chosen = holding
     elif any_node_ok and workers:
         chosen = workers
     else:
-        have = "; ".join(f"{n.name}: {', '.join(n.models) or 'no models'}{'' if n.alive else ' (dead)'}"
-                         for n in nodes) or "no nodes"
-        raise SmolforgeError(
-            f"no node holds {role} model {model!r} ({have})", where="placement",
-            fix=f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
-                "model that a node lists under `smolforge nodes`")
+        have = "; ".join(f"{n.name}: {_loadable(n, backend)}{'' if n.alive else ' (dead)'}" for n in nodes) or "no nodes"
+        how = "as an Ollama tag" if backend == "ollama" else "as weights (HF cache or --models-dir)"
+        fix = (f"`ollama pull {model}` on a worker and re-join it, or use --teacher-backend hf with weights a node holds"
+               if backend == "ollama" else
+               f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
+               "model that a node lists under `smolforge nodes`")
+        raise SmolforgeError(f"no node holds {role} model {model!r} {how} ({have})", where="placement", fix=fix)
     return sorted(chosen, key=lambda n: (-(n.gpus >= 1), -n.gpus, -n.cpus, n.name)), req_model

@@ -203,6 +203,16 @@ def _peft_config(model: nn.Module, spec: PeftSpec):
     raise AssertionError(spec.method)
 
 
+def _adapter_size(model: nn.Module, spec: PeftSpec) -> int:
+    """Houlsby's bottleneck width: `adapter_size`, or hidden size / `reduction_factor` (how the seeds and
+    AdapterHub size it, so one setting fits models of any width)."""
+    if not spec.reduction_factor:
+        return spec.adapter_size
+    cfg = base_transformer(model).config
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    return max(1, int(hidden) // spec.reduction_factor)
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -223,7 +233,7 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
             p.requires_grad_(True)
         return model
     if spec.method == "adapter":
-        return houlsby.apply_houlsby(model, spec.adapter_size)
+        return houlsby.apply_houlsby(model, _adapter_size(model, spec))
     from peft import get_peft_model
 
     # peft refuses prefix tuning on a checkpointing model; switch it off, apply, switch it back on
@@ -432,7 +442,7 @@ def peft_spec_from_cli(peft: str, peft_config_json: str | None = None, lora_r: i
     """
     if peft not in METHODS:
         raise SmolforgeError(f"unknown --peft {peft!r}", fix=f"use one of {', '.join(METHODS)}")
-    data: dict[str, Any] = {}
+    loaded: Any = {}
     if peft_config_json:
         try:
             loaded = json.loads(peft_config_json)
@@ -446,19 +456,27 @@ def peft_spec_from_cli(peft: str, peft_config_json: str | None = None, lora_r: i
                 f"--peft-config must be a JSON object, got {type(loaded).__name__}",
                 fix='write key/value pairs in braces, e.g. --peft-config \'{"r": 8, "alpha": 16}\'',
             )
-        for key, value in loaded.items():
-            key = _CLI_ALIASES.get(key, key)
-            if key in data:
-                raise SmolforgeError(f"--peft-config sets {key!r} twice", fix="keep one spelling of that key")
-            data[key] = value
-        if "method" in data and data["method"] != peft:
-            raise SmolforgeError(f"--peft-config says method {data['method']!r} but --peft is {peft!r}",
-                                 fix="drop 'method' from --peft-config, or make the two agree")
-    data["method"] = peft
-    for key, value in (("r", lora_r), ("alpha", lora_alpha), ("dropout", lora_dropout)):
-        if value is not None:
-            data[key] = value
-    return validate(PeftSpec, data, where="--peft-config")
+    flags = {k: v for k, v in (("r", lora_r), ("alpha", lora_alpha), ("dropout", lora_dropout)) if v is not None}
+    return peft_spec_from_config(peft, loaded, where="--peft-config", flags=flags, method_from="--peft")
+
+
+def peft_spec_from_config(method: str, config: dict[str, Any] | None, where: str = "peft_config",
+                          flags: dict[str, Any] | None = None, method_from: str = "peft_type") -> PeftSpec:
+    """A PeftSpec from a method and a settings dict as people write it: PeftSpec's own names, peft's
+    (`lora_r`, `lora_alpha`, ...) or the seeds' (`r/alpha/dropout`, `num_virtual_tokens`,
+    `prompt_tuning_init(_text)`, `reduction_factor`). `flags` (explicit settings) win over the dict.
+    One function for `--peft-config` and the Python API, so both accept the same keys."""
+    data: dict[str, Any] = {}
+    for key, value in (config or {}).items():
+        key = _CLI_ALIASES.get(key, key)
+        if key in data:
+            raise SmolforgeError(f"{where} sets {key!r} twice", fix="keep one spelling of that key")
+        data[key] = value
+    if "method" in data and data["method"] != method:
+        raise SmolforgeError(f"{where} says method {data['method']!r} but {method_from} is {method!r}",
+                             fix=f"drop 'method' from {where}, or make the two agree")
+    data.update(flags or {}, method=method)
+    return validate(PeftSpec, data, where=where)
 
 
 def _is_checkpointing(model: nn.Module) -> bool:

@@ -85,6 +85,7 @@ class StoreState:
     device: str
     ollama_host: str | None = None
     teacher_tokenizer: str | None = None
+    max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
     retries: dict[int, int] = field(default_factory=dict)

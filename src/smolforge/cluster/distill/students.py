@@ -15,7 +15,9 @@ from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.remotes import new_broker, remotes
 from smolforge.cluster.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
 from smolforge.cluster.policy import Decision
-from smolforge.config import DataSpec, PeftSpec, validate
+from smolforge.cluster.distill.seed_args import student_args
+from smolforge.cluster.specs import TaskConfig
+from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.planner import pick_student_node, student_assignment
@@ -35,14 +37,16 @@ class StudentTasks:
 
     def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path,
                              num_students: int = 2, peft_type: str = "lora",
-                             peft_config: dict[str, Any] | None = None, *, output_dir: str | Path | None = None,
+                             peft_config: dict[str, Any] | None = None, *,
+                             lora_config: dict[str, Any] | None = None, task_config: TaskConfig | None = None,
+                             max_retries: int | None = None, output_dir: str | Path | None = None,
                              split_shards: bool | None = None, kd_loss: str = "forward_kl", kd_ratio: float = 0.5,
                              temperature: float = 1.0, beta: float = 0.5, max_steps: int | None = None,
                              epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-3,
                              warmup_steps: int = 0, max_length: int = 256, seed: int = 0,
-                             cpus_per_student: float = 1.0, eval_data: str | None = None,
+                             cpus_per_student: float | None = None, eval_data: str | None = None,
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
-                             max_new_tokens: int = 16, device: str = "auto", save_every: int = 0,
+                             max_new_tokens: int = 16, device: str = "auto", save_every: int | None = None,
                              wait_timeout_s: float = 900.0, resume: bool = False,
                              replace_timeout_s: float = 300.0) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
@@ -54,14 +58,24 @@ class StudentTasks:
         holding teacher_outputs/). With `resume`, a student that was paused (see
         `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
         without it, such checkpoints are stale and removed.
+
+        The seeds' arguments: `peft_config` takes each method's keys as they write them (LoRA
+        r/alpha/dropout, prefix/prompt num_virtual_tokens, prompt prompt_tuning_init TEXT|RANDOM with
+        prompt_tuning_init_text, adapter reduction_factor, IA3 {}); `lora_config={"r": 8, "alpha": 16}`
+        is `peft_type="lora"` with that peft_config. `task_config` (a TaskConfig) may give
+        resources.cpu_cores, max_retries (restarts after a lost worker, for this orchestrator's
+        students) and checkpointing (false: none; true: every 50 steps unless save_every is set).
         """
         st = self._dstate()
+        args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
+        peft, cpus_per_student, save_every = args.peft, args.cpus, args.save_every
+        if args.max_retries is not None:
+            st.failures.max_retries = args.max_retries
         store = self._store_for(teacher_outputs_dir)
         bases = [base_model] if isinstance(base_model, str) else list(base_model)
         if not bases:
             raise SmolforgeError("no student base model given", fix="pass --student NAME")
 
-        peft = validate(PeftSpec, {"method": peft_type, **(peft_config or {})}, where="peft_config")
         kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
         run_dir = Path(output_dir) if output_dir else store.dir.parent
         if getattr(self, "mode", "") == "hybrid" and split_shards is False:
@@ -140,7 +154,7 @@ class StudentTasks:
         if todo:
             store.items = prompts_from_dataset(plan.dataset)
             store.regenerating.update(todo)
-            nodes, store.teacher_req_model = self._model_nodes(plan.teacher, "teacher")
+            nodes, store.teacher_req_model = self._model_nodes(plan.teacher, "teacher", plan.backend)
             store.teacher_nodes = nodes
             self._launch_teacher(store, todo, nodes[0], note=" (missing shards)")
         with st.lock:

@@ -20,8 +20,10 @@ from smolforge.cluster.distill.state import (
     short_error,
     store_dir_of,
 )
+from smolforge.cluster.distill.seed_args import resolve, task_options
 from smolforge.cluster.ray_glue import Requirements
-from smolforge.distill.planner import model_nodes, plan_shards, teacher_assignment
+from smolforge.cluster.specs import TaskConfig
+from smolforge.distill.planner import TEACHER_BACKENDS, model_backend, model_nodes, plan_shards, teacher_assignment
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import (
     CorruptShardError,
@@ -72,19 +74,22 @@ class TeacherTasks:
                 busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
         return busy
 
-    def _model_nodes(self, model: str, role: str) -> tuple[list[Any], str | None]:
+    def _model_nodes(self, model: str, role: str, backend: str = "hf") -> tuple[list[Any], str | None]:
         """(nodes that may run a task needing `model`, GPU first; the model resource to request or None).
 
-        Presets are built offline from config on any node; a local directory counts as held by
-        every node of an embedded (one-machine) cluster. See `planner.model_nodes`.
+        `backend` is how the task loads it: students and `hf`/`reference` teachers need the weights
+        (a node's `models`), an `ollama` teacher the Ollama tag (its `ollama_models`). Presets are
+        built offline from config on any node; a local directory counts as held by every node of an
+        embedded (one-machine) cluster. See `planner.model_nodes`.
         """
+        loader = model_backend(backend)
         embedded = bool(getattr(self.cluster, "embedded", False))
-        any_ok = tiny.is_preset(model) or (embedded and is_local_model(model))
-        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok)
+        any_ok = loader == "hf" and (tiny.is_preset(model) or (embedded and is_local_model(model)))
+        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader)
 
-    def _options(self, node, model: str | None, cpus: float) -> dict[str, Any]:
+    def _options(self, node, model: str | None, cpus: float, backend: str = "hf") -> dict[str, Any]:
         req = Requirements(model=model, cpus=cpus, gpu="preferred" if node.gpus >= 1 else "no",
-                           allowed_nodes=[node.name])
+                           allowed_nodes=[node.name], model_backend=model_backend(backend))
         opts = req.ray_options(self._nodes())
         if "label_selector" not in opts and "scheduling_strategy" not in opts:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -113,35 +118,44 @@ class TeacherTasks:
     def create_teacher_task(self, model_path: str, dataset_path: str, output_dir: str | Path, batch_size: int = 8,
                             max_samples: int | None = None, **kwargs: Any) -> str:
         """One teacher over the whole dataset (the seeds' name); returns its task id."""
-        return self.create_parallel_teacher_tasks(model_path, dataset_path, output_dir, batch_size=batch_size,
-                                                  max_samples=max_samples, num_teachers=1, **kwargs)[0]
+        return self.create_parallel_teacher_tasks(model_path, dataset_path, output_dir, 1, batch_size=batch_size,
+                                                  max_samples=max_samples, **kwargs)[0]
 
     def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str, output_dir: str | Path,
-                                      batch_size: int = 8, max_samples: int | None = None,
-                                      num_teachers: int | None = None, compress_outputs: bool = True, *,
+                                      num_teachers: int | None = None, batch_size: int = 8,
+                                      compress_outputs: bool = True, max_samples: int | None = None, *,
                                       top_k: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                                       max_new_tokens: int = 32, samples_per_prompt: int = 1,
                                       num_shards: int | None = None, shard_size: int | None = None,
-                                      backend: str = "hf", cpus_per_teacher: float = 1.0, device: str = "auto",
-                                      ollama_host: str | None = None, tokenizer: str | None = None,
-                                      data_format: str = "auto", seed: int = 0,
-                                      responses: str = "generate") -> list[str]:
+                                      backend: str = "hf", cpus_per_teacher: float | None = None,
+                                      device: str = "auto", ollama_host: str | None = None,
+                                      tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
+                                      responses: str = "generate", max_retries: int | None = None,
+                                      task_config: TaskConfig | None = None) -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
-        Teachers run only on nodes holding `model_path`, GPU nodes first; if none holds it this
-        raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish.
+        The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
+        Teachers run only on nodes that can load `model_path` with `backend` (an `hf` or `reference`
+        teacher needs the weights, an `ollama` one the Ollama tag), GPU nodes first; if none can, this
+        raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish (an output_dir
+        named teacher_outputs is used as is). A failed teacher's shards go to another eligible node,
+        `max_retries` times per shard (default 2). `task_config` (the seeds' TaskConfig) may give
+        resources.cpu_cores and max_retries (see cluster/distill/seed_args.py).
         """
+        opts = task_options(task_config, "teacher")
+        cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
+        max_retries = resolve("max_retries", max_retries, opts.get("max_retries"), 2)
         st = self._dstate()
         store_dir = store_dir_of(output_dir)
         store_dir.mkdir(parents=True, exist_ok=True)
         store_dir = store_dir.resolve()
-        eligible, req_model = self._model_nodes(model_path, "teacher")  # fails fast, before reading data
+        if backend not in TEACHER_BACKENDS:
+            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
+        eligible, req_model = self._model_nodes(model_path, "teacher", backend)  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
                                responses=responses)
         settings.check()
-        if backend not in ("hf", "ollama", "reference"):
-            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
         items = prompts_from_dataset(dataset_path, max_samples, data_format)
         n_teachers = len(eligible) if num_teachers is None else int(num_teachers)
         if n_teachers < 1:
@@ -162,7 +176,7 @@ class TeacherTasks:
         store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
-                           ollama_host=ollama_host, teacher_tokenizer=tokenizer)
+                           ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -227,7 +241,7 @@ class TeacherTasks:
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))
-        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher)
+        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.backend)
         gen = remotes()["teacher"].options(**opts).remote(spec)
         with st.lock:
             st.tasks[task_id] = task
@@ -291,14 +305,14 @@ class TeacherTasks:
 
     def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
         """Give shards whose teacher failed to another eligible node (once), or fail the store."""
-        again = [s for s in shard_ids if store.retries.get(s, 0) < 2]
+        again = [s for s in shard_ids if store.retries.get(s, 0) < store.max_retries]
         for s in again:
             store.retries[s] = store.retries.get(s, 0) + 1
         if not again:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
         try:
-            nodes, _ = self._model_nodes(store.teacher, "teacher")
+            nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend)
         except SmolforgeError as err:
             store.broker.fail.remote(str(err))
             return
