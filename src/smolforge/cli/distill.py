@@ -161,7 +161,8 @@ def _print_summary(summary: dict) -> None:
     con = Console()
     store = summary["store"]
     con.print(f"teacher outputs: {store['shards']} shards, {store['response_tokens']:,} tokens, "
-              f"{store['bytes_per_token']:.1f} bytes/token ({store['ratio_vs_fp16_full']:.2%} of fp16 full-vocab)")
+              f"{store['bytes_per_token']:.1f} bytes/token ({store['ratio_vs_fp16_full']:.2%} of fp16 full-vocab)"
+              + _kl_note(store))
     table = Table(title="students")
     for col in ("task", "node", "state", "eval loss", "accuracy", "output"):
         table.add_column(col)
@@ -174,3 +175,13 @@ def _print_summary(summary: dict) -> None:
     for base, rep in summary["merged"].items():
         con.print(f"merged ({base}): {rep.get('output', rep.get('skipped'))}")
     con.print(f"done in {summary['seconds']:.0f} s · summary: {summary['output_dir']}/distill_summary.json")
+
+
+def _kl_note(store: dict) -> str:
+    """'; stored vs exact KL …' when the shards recorded their reconstruction error (VERSION 2)."""
+    if store.get("reconstruction_kl_mean") is None:
+        return ""
+    note = f"; stored vs exact top-k KL {store['reconstruction_kl_mean']:.1e} nats/token"
+    if store.get("truncation_kl_mean") is not None:
+        note += f", top-k truncation KL {store['truncation_kl_mean']:.1e}"
+    return note
