@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         epochs: float = typer.Option(1.0, help="passes over each student's shards"),
         batch_size: int = typer.Option(8),
         grad_accum: int = typer.Option(1),
-        lr: float = typer.Option(1e-3),
+        lr: Optional[float] = typer.Option(None, help="student learning rate (default: per --peft method, e.g. lora 5e-3, prompt 3e-2)"),
         save_every: int = typer.Option(50, help="student checkpoints every N steps (a student whose worker is "
                                        "lost restarts there; 0: none)"),
         max_length: int = typer.Option(256),

@@ -71,22 +71,9 @@ def index_bits(vocab_size: int) -> int:
     return max(1, math.ceil(math.log2(max(vocab_size, 2))))
 
 
-def pack_indices(indices: np.ndarray, bits: int) -> np.ndarray:
-    """Pack non-negative ints < 2**bits into a little-endian bit stream (uint8)."""
-    v = np.ascontiguousarray(indices, dtype=np.uint32).reshape(-1)
-    if v.size and int(v.max()) >= (1 << bits):
-        raise ValueError(f"index {int(v.max())} does not fit in {bits} bits")
-    shifts = np.arange(bits, dtype=np.uint32)
-    bitmat = ((v[:, None] >> shifts) & 1).astype(np.uint8)
-    return np.packbits(bitmat.reshape(-1), bitorder="little")
-
-
-def unpack_indices(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=np.int64)
-    flat = np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count * bits, bitorder="little")
-    bitmat = flat.reshape(count, bits).astype(np.int64)
-    return (bitmat << np.arange(bits, dtype=np.int64)).sum(axis=1)
+# VERSION 1 ids are fixed-width bit streams: the codec's own packer (bits ≥ 1 here).
+pack_indices = topk_codec.pack_bits
+unpack_indices = topk_codec.unpack_bits
 
 
 # ------------------------------------------------------------------------------- safetensors bytes
