@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from smolforge.distill.store import read_shard, ready_shards, StorePlan
-from smolforge.distill.teacher import GenSettings, HFTeacher, PromptItem, prompts_from_dataset, run_teacher_local
+from smolforge.distill.teacher import (GenSettings, HFTeacher, PromptItem, prompts_from_dataset, run_teacher_local,
+                                       topk_from_logits, truncation_kl)
 from smolforge.errors import SmolforgeError
 
 
@@ -90,6 +91,20 @@ def test_local_teacher_writes_shards_with_plan(tmp_path):
     shard = read_shard(tmp_path, 1)
     assert [r.example_id for r in shard.records] == [3, 4, 5]
     assert manifests[0]["teacher"] == "tiny-llama" and manifests[0]["has_logits"]
+    rec = manifests[0]["reconstruction"]  # the codec's error on every row, top-k's own from the full logits
+    assert rec["rows"] == rec["truncation_rows"] == manifests[0]["num_topk_rows"] > 0
+    assert 0 <= rec["kl_mean"] <= rec["kl_max"] < 1e-3 and rec["truncation_kl_mean"] > 0
+
+
+def test_truncation_kl_is_the_full_kl_against_top_k_plus_even_tail():
+    logits = torch.randn(5, 50) * 2
+    values, idx, tail = topk_from_logits(logits, 8)
+    p = torch.softmax(logits.double(), -1)
+    approx = (tail.double() / 42)[:, None].expand(5, 50).clone()
+    approx.scatter_(-1, idx, values.double().exp())
+    want = (p * (p.log() - approx.log())).sum(-1)
+    assert torch.allclose(truncation_kl(logits, idx, tail).double(), want, atol=1e-5)
+    assert torch.equal(truncation_kl(logits, logits.topk(50).indices, torch.zeros(5)), torch.zeros(5))
 
 
 # --------------------------------------------------------------------------------------- Ollama

@@ -11,12 +11,28 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from smolforge.errors import SmolforgeError
 
 PeftMethod = Literal["lora", "prefix", "prompt", "ia3", "adapter", "none"]
 DataFormat = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
+
+
+# The learning rate each PEFT method gets when none is given. One rate cannot suit them all: prompt and
+# prefix tuning move a few virtual-token vectors through a frozen model and need rates 6-20x LoRA's,
+# full fine-tuning moves every weight and wants a lower one. Chosen from a sweep on tiny-llama /
+# bundled (BENCHMARKS.md, "Default learning rate per PEFT method"): per method the smallest rate whose
+# held-out loss is within 0.1 nats of the best at 100 steps and, where measured, at 30. A tiny model tolerates high
+# rates; a large pretrained one may want lower (pass lr).
+DEFAULT_LR: dict[str, float] = {
+    "lora": 5e-3, "prefix": 1e-1, "prompt": 3e-2, "ia3": 1e-1, "adapter": 5e-3, "none": 1e-3,
+}
+
+
+def default_lr(method: str) -> float:
+    """The learning rate `method` trains at when the user gives none (see DEFAULT_LR)."""
+    return DEFAULT_LR[method]
 
 
 class Spec(BaseModel):
@@ -34,8 +50,25 @@ class PeftSpec(Spec):
     reduction_factor: int | None = Field(
         None, ge=1, description="Houlsby bottleneck as hidden size / this (the seeds' adapter key); "
                                 "when set it replaces adapter_size")
-    prompt_tuning_init: str | None = None
-    prompt_tuning_init_text: str | None = None
+    # Prompt tuning starts from real token embeddings (SAMPLE_VOCAB: random vocabulary entries; TEXT:
+    # the embeddings of prompt_tuning_init_text), so the frozen model first sees a prompt it could
+    # have read; RANDOM is peft's continuous N(0, 1) init, off the embedding manifold, which makes the
+    # model worse than the base before training can help (the seeds' keys, as peft spells them).
+    prompt_tuning_init: Literal["SAMPLE_VOCAB", "TEXT", "RANDOM"] = Field(
+        "SAMPLE_VOCAB", description="prompt tuning init: SAMPLE_VOCAB (default), TEXT or RANDOM")
+    prompt_tuning_init_text: str | None = Field(None, description="the text TEXT init embeds")
+
+    @field_validator("prompt_tuning_init", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _text_needs_text(self) -> "PeftSpec":
+        if self.prompt_tuning_init == "TEXT" and not (self.prompt_tuning_init_text or "").strip():
+            raise ValueError("prompt_tuning_init TEXT needs prompt_tuning_init_text (the words whose embeddings "
+                             "start the virtual tokens), e.g. \"Answer the question:\"")
+        return self
 
 
 class DataSpec(Spec):
@@ -59,7 +92,7 @@ class TrainConfig(Spec):
     epochs: float = Field(1.0, gt=0)
     batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-4, gt=0)
+    lr: float | None = Field(None, gt=0, description="default: per PEFT method (config.DEFAULT_LR)")
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or plain sgd (no momentum)")
     warmup_steps: int = Field(0, ge=0)
@@ -84,6 +117,13 @@ class TrainConfig(Spec):
                                      "one run dir per rank, written by the coordinator)")
     wandb: str | None = Field(None, description="W&B project: an offline run (per rank in a data-parallel job) "
                               "under output_dir/wandb; needs smolforge[wandb]")
+
+    @model_validator(mode="after")
+    def _lr_for_method(self) -> "TrainConfig":
+        """An omitted lr becomes the PEFT method's default here, once, so every reader sees a number."""
+        if self.lr is None:
+            self.lr = default_lr(self.peft.method)
+        return self
 
 
 def _parse_value(raw: str) -> Any:

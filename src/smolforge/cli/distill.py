@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         epochs: float = typer.Option(1.0, help="passes over each student's shards"),
         batch_size: int = typer.Option(8),
         grad_accum: int = typer.Option(1),
-        lr: float = typer.Option(1e-3),
+        lr: Optional[float] = typer.Option(None, help="student learning rate (default: per --peft method, e.g. lora 5e-3, prompt 3e-2)"),
         save_every: int = typer.Option(50, help="student checkpoints every N steps (a student whose worker is "
                                        "lost restarts there; 0: none)"),
         max_length: int = typer.Option(256),
@@ -161,7 +161,8 @@ def _print_summary(summary: dict) -> None:
     con = Console()
     store = summary["store"]
     con.print(f"teacher outputs: {store['shards']} shards, {store['response_tokens']:,} tokens, "
-              f"{store['bytes_per_token']:.1f} bytes/token ({store['ratio_vs_fp16_full']:.2%} of fp16 full-vocab)")
+              f"{store['bytes_per_token']:.1f} bytes/token ({store['ratio_vs_fp16_full']:.2%} of fp16 full-vocab)"
+              + _kl_note(store))
     table = Table(title="students")
     for col in ("task", "node", "state", "eval loss", "accuracy", "output"):
         table.add_column(col)
@@ -174,3 +175,13 @@ def _print_summary(summary: dict) -> None:
     for base, rep in summary["merged"].items():
         con.print(f"merged ({base}): {rep.get('output', rep.get('skipped'))}")
     con.print(f"done in {summary['seconds']:.0f} s · summary: {summary['output_dir']}/distill_summary.json")
+
+
+def _kl_note(store: dict) -> str:
+    """'; stored vs exact KL …' when the shards recorded their reconstruction error (VERSION 2)."""
+    if store.get("reconstruction_kl_mean") is None:
+        return ""
+    note = f"; stored vs exact top-k KL {store['reconstruction_kl_mean']:.1e} nats/token"
+    if store.get("truncation_kl_mean") is not None:
+        note += f", top-k truncation KL {store['truncation_kl_mean']:.1e}"
+    return note

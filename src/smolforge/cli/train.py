@@ -73,7 +73,8 @@ def register(app: typer.Typer) -> None:
         epochs: Optional[float] = typer.Option(None),
         batch_size: Optional[int] = typer.Option(None),
         grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step"),
-        lr: Optional[float] = typer.Option(None),
+        lr: Optional[float] = typer.Option(None, help="learning rate (default: per --peft method, e.g. lora 5e-3, "
+                                           "prompt 3e-2, none 1e-3)"),
         warmup_steps: Optional[int] = typer.Option(None),
         scheduler: Optional[str] = typer.Option(None, help="cosine|linear|constant"),
         max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),

@@ -211,6 +211,7 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
         "kd_eval_loss": kd.get("eval_loss"),
         "store_bytes_per_token": store["bytes_per_token"],
         "store_fp16_full_vocab_bytes_per_token": store["fp16_full_vocab_bytes_per_token"],
+        "store_reconstruction_kl": store["reconstruction_kl_mean"],
         "stage_seconds": {k: round(v, 1) for k, v in stages.items()},
         "student_steps": s.student_steps,
         "seed": seed,
@@ -252,7 +253,8 @@ def print_demo_table(summary: dict[str, Any]) -> None:
     con = Console()
     con.print(table)
     con.print(f"teacher-output store: {summary['store_bytes_per_token']:.1f} bytes/token "
-              f"(fp16 full vocabulary: {summary['store_fp16_full_vocab_bytes_per_token']:,} bytes/token)")
+              f"(fp16 full vocabulary: {summary['store_fp16_full_vocab_bytes_per_token']:,} bytes/token; "
+              f"stored vs exact top-k KL {summary.get('store_reconstruction_kl') or 0:.1e} nats/token)")
     stages = Table(title="time per stage (s)")
     for k in summary["stage_seconds"]:
         stages.add_column(k.replace("_", " "), justify="right")

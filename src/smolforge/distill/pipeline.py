@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from smolforge.config import PeftSpec, Spec, validate
+from smolforge.config import DEFAULT_LR, PeftSpec, Spec, default_lr, validate
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 
@@ -53,7 +53,7 @@ class DistillSettings(Spec):
     epochs: float = Field(1.0, gt=0)
     batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    lr: float | None = Field(None, gt=0, description="default: per PEFT method (config.DEFAULT_LR)")
     warmup_steps: int = Field(0, ge=0)
     save_every: int = 50  # student checkpoints, kept by the driver: a lost worker's student restarts there
     replace_timeout_s: float = 300.0  # a student whose node died waits this long for an eligible node, then fails
@@ -87,6 +87,13 @@ class DistillSettings(Spec):
     @classmethod
     def _one_or_more(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _lr_for_method(self) -> "DistillSettings":
+        """An omitted lr becomes the students' PEFT method's default (config.DEFAULT_LR)."""
+        if self.lr is None and self.peft in DEFAULT_LR:
+            self.lr = default_lr(self.peft)
+        return self
 
 
 def _slug(name: str) -> str:

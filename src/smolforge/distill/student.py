@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from smolforge.config import DataSpec, PeftSpec
+from smolforge.config import DataSpec, PeftSpec, default_lr
 from smolforge.data.encode import encode_all, encode_example, ensure_chat_template, render
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
@@ -59,7 +59,7 @@ class StudentConfig:
     epochs: float = 1.0
     batch_size: int = 8
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float | None = None  # None: the PEFT method's default (config.DEFAULT_LR)
     weight_decay: float = 0.0
     warmup_steps: int = 0
     scheduler: str = "cosine"
@@ -80,6 +80,10 @@ class StudentConfig:
     wait_timeout_s: float = 900.0  # how long to wait for one shard before giving up
     poll_s: float = 0.2
     quiet: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr is None:
+            self.lr = default_lr(self.peft.method)
 
 
 # ------------------------------------------------------------------------------ rows from records

@@ -10,6 +10,7 @@ model costs about one decode step per batch and keeps `generate` itself as fast 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -68,6 +69,23 @@ def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     else:
         tail = torch.zeros(logp.shape[0])
     return values, idx, tail
+
+
+def truncation_kl(logits: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """Per row KL(P ‖ P̃) in nats, [N]: P = softmax(logits) over the whole vocabulary, P̃ its exact
+    top-k with the tail mass spread evenly over the other V - k ids (what the KD losses assume when
+    they temper the tail). What keeping only the top k loses, whatever the store's codec; 0 when
+    k ≥ V. Only the teacher can compute it (it has the full logits), so it travels on the record
+    into the shard manifest's `reconstruction`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    n, v = logp.shape
+    k = idx.shape[-1]
+    if k >= v:
+        return torch.zeros(n)
+    plogp = (logp.exp() * logp).scatter(-1, idx, 0.0).nan_to_num(0.0)  # 0 · log 0 = 0
+    t = tail.float().clamp_min(0.0)
+    uniform = torch.where(t > 0, t * (t.clamp_min(1e-30).log() - math.log(v - k)), torch.zeros_like(t))
+    return (plogp.sum(-1) - uniform).clamp_min(0.0)
 
 
 class HFTeacher:
@@ -149,7 +167,9 @@ class HFTeacher:
         values = idx = tail = None
         if g > 0:
             logits = self._response_logits(full, mask, g)  # [rows, g, V]
-            values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), s.top_k)
+            flat = logits.reshape(-1, logits.shape[-1])
+            values, idx, tail = topk_from_logits(flat, s.top_k)
+            trunc = truncation_kl(flat, idx, tail).view(rows, g).cpu()
             k = values.shape[-1]
             values, idx, tail = values.view(rows, g, k).cpu(), idx.view(rows, g, k).cpu(), tail.view(rows, g).cpu()
         for r in range(rows):
@@ -164,6 +184,7 @@ class HFTeacher:
                 rec.topk_logprobs = values[r, :n_resp].numpy()
                 rec.topk_indices = idx[r, :n_resp].numpy().astype(np.int64)
                 rec.tail_mass = tail[r, :n_resp].numpy()
+                rec.truncation_kl = trunc[r, :n_resp].numpy()
             else:
                 rec.topk_logprobs = np.zeros((0, min(s.top_k, self.vocab_size)), np.float32)
                 rec.topk_indices = np.zeros((0, min(s.top_k, self.vocab_size)), np.int64)
@@ -186,7 +207,9 @@ class HFTeacher:
             full, mask = self._left_pad([encoded[i][1] + encoded[i][2] for i in rows])
             g = max(len(encoded[i][2]) for i in rows)
             logits = self._response_logits(full, mask, g)  # [rows, g, V]
-            values, idx, tail = topk_from_logits(logits.reshape(-1, logits.shape[-1]), settings.top_k)
+            flat = logits.reshape(-1, logits.shape[-1])
+            values, idx, tail = topk_from_logits(flat, settings.top_k)
+            trunc = truncation_kl(flat, idx, tail).view(len(rows), g).cpu()
             k = values.shape[-1]
             values, idx, tail = values.view(len(rows), g, k).cpu(), idx.view(len(rows), g, k).cpu(), tail.view(len(rows), g).cpu()
             for r, i in enumerate(rows):
@@ -196,7 +219,7 @@ class HFTeacher:
                                        prompt_ids=list(prompt), response_ids=list(resp), response_text=item.answer or "",
                                        answer=item.answer, topk_logprobs=values[r, g - n:].numpy(),
                                        topk_indices=idx[r, g - n:].numpy().astype(np.int64),
-                                       tail_mass=tail[r, g - n:].numpy())
+                                       tail_mass=tail[r, g - n:].numpy(), truncation_kl=trunc[r, g - n:].numpy())
         return [out[i] for i in range(len(encoded))]
 
     def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:

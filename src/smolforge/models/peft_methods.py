@@ -190,7 +190,7 @@ def _ia3_config(model: nn.Module, spec: PeftSpec):
 
 
 def _peft_config(model: nn.Module, spec: PeftSpec):
-    from peft import PrefixTuningConfig, PromptTuningConfig
+    from peft import PrefixTuningConfig
 
     if spec.method == "lora":
         return _lora_config(model, spec)
@@ -199,7 +199,7 @@ def _peft_config(model: nn.Module, spec: PeftSpec):
     if spec.method == "prefix":
         return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
     if spec.method == "prompt":
-        return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
+        return _prompt_config(model, spec)
     raise AssertionError(spec.method)
 
 
@@ -211,6 +211,25 @@ def _adapter_size(model: nn.Module, spec: PeftSpec) -> int:
     cfg = base_transformer(model).config
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
     return max(1, int(hidden) // spec.reduction_factor)
+
+
+def _prompt_config(model: nn.Module, spec: PeftSpec):
+    """Prompt tuning initialised as `spec.prompt_tuning_init` says (SAMPLE_VOCAB by default: see PeftSpec).
+
+    TEXT reads the tokenizer from where the model was loaded (`name_or_path`: a preset's or a local
+    model's directory, or a hub id already in the cache), so it needs nothing from the network.
+    """
+    from peft import PromptTuningConfig
+
+    kwargs: dict[str, Any] = {"prompt_tuning_init": spec.prompt_tuning_init}
+    if spec.prompt_tuning_init == "TEXT":
+        kwargs.update(prompt_tuning_init_text=spec.prompt_tuning_init_text,
+                      tokenizer_name_or_path=getattr(_unwrap(model), "name_or_path", None) or None)
+        if kwargs["tokenizer_name_or_path"] is None:
+            raise SmolforgeError("prompt_tuning_init TEXT needs the model's tokenizer, and this model does not say "
+                                 "where it was loaded from", fix="use prompt_tuning_init SAMPLE_VOCAB, or load the "
+                                 "model from a directory or hub id")
+    return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, **kwargs)
 
 
 # --------------------------------------------------------------------------- public API

@@ -42,7 +42,7 @@ class StudentTasks:
                              max_retries: int | None = None, output_dir: str | Path | None = None,
                              split_shards: bool | None = None, kd_loss: str = "forward_kl", kd_ratio: float = 0.5,
                              temperature: float = 1.0, beta: float = 0.5, max_steps: int | None = None,
-                             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-3,
+                             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float | None = None,
                              warmup_steps: int = 0, max_length: int = 256, seed: int = 0,
                              cpus_per_student: float | None = None, eval_data: str | None = None,
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
