@@ -85,6 +85,7 @@ class StoreState:
     device: str
     ollama_host: str | None = None
     teacher_tokenizer: str | None = None
+    teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
     retries: dict[int, int] = field(default_factory=dict)

@@ -72,19 +72,22 @@ class TeacherTasks:
                 busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
         return busy
 
-    def _model_nodes(self, model: str, role: str) -> tuple[list[Any], str | None]:
+    def _model_nodes(self, model: str, role: str, on_coordinator: bool = False) -> tuple[list[Any], str | None]:
         """(nodes that may run a task needing `model`, GPU first; the model resource to request or None).
+
+        `on_coordinator`: the coordinator (head) node only, which the user lent to the teachers
+        (`--teacher-on-coordinator`); otherwise the worker nodes only.
 
         Presets are built offline from config on any node; a local directory counts as held by
         every node of an embedded (one-machine) cluster. See `planner.model_nodes`.
         """
         embedded = bool(getattr(self.cluster, "embedded", False))
         any_ok = tiny.is_preset(model) or (embedded and is_local_model(model))
-        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok)
+        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, on_coordinator=on_coordinator)
 
-    def _options(self, node, model: str | None, cpus: float) -> dict[str, Any]:
+    def _options(self, node, model: str | None, cpus: float, on_coordinator: bool = False) -> dict[str, Any]:
         req = Requirements(model=model, cpus=cpus, gpu="preferred" if node.gpus >= 1 else "no",
-                           allowed_nodes=[node.name])
+                           allowed_nodes=[node.name], on_coordinator=on_coordinator)
         opts = req.ray_options(self._nodes())
         if "label_selector" not in opts and "scheduling_strategy" not in opts:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -125,17 +128,19 @@ class TeacherTasks:
                                       backend: str = "hf", cpus_per_teacher: float = 1.0, device: str = "auto",
                                       ollama_host: str | None = None, tokenizer: str | None = None,
                                       data_format: str = "auto", seed: int = 0,
-                                      responses: str = "generate") -> list[str]:
+                                      responses: str = "generate", teacher_on_coordinator: bool = False) -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
         Teachers run only on nodes holding `model_path`, GPU nodes first; if none holds it this
         raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish.
+        `teacher_on_coordinator`: the teachers run on the coordinator (head) node instead, which
+        otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
         """
         st = self._dstate()
         store_dir = store_dir_of(output_dir)
         store_dir.mkdir(parents=True, exist_ok=True)
         store_dir = store_dir.resolve()
-        eligible, req_model = self._model_nodes(model_path, "teacher")  # fails fast, before reading data
+        eligible, req_model = self._model_nodes(model_path, "teacher", teacher_on_coordinator)  # fails fast
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
                                responses=responses)
@@ -162,7 +167,8 @@ class TeacherTasks:
         store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
-                           ollama_host=ollama_host, teacher_tokenizer=tokenizer)
+                           ollama_host=ollama_host, teacher_tokenizer=tokenizer,
+                           teacher_on_coordinator=teacher_on_coordinator)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -227,7 +233,7 @@ class TeacherTasks:
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))
-        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher)
+        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.teacher_on_coordinator)
         gen = remotes()["teacher"].options(**opts).remote(spec)
         with st.lock:
             st.tasks[task_id] = task
@@ -298,7 +304,7 @@ class TeacherTasks:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
         try:
-            nodes, _ = self._model_nodes(store.teacher, "teacher")
+            nodes, _ = self._model_nodes(store.teacher, "teacher", store.teacher_on_coordinator)
         except SmolforgeError as err:
             store.broker.fail.remote(str(err))
             return
