@@ -134,3 +134,71 @@ def test_ddp_students_with_the_teacher_on_the_coordinator_equal_one_process(clus
     assert any(float(v.abs().sum()) > 0 for k, v in one.items() if "lora_B" in k)  # it trained
     for k in one:
         assert float((group[k] - one[k]).abs().max()) <= 1e-5, (k, float((group[k] - one[k]).abs().max()))
+
+
+def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(cluster, capsys):
+    """The seeds' multi-model ensemble: one teacher's store (the test above's, reused when it is
+    there), students of two different bases, each with its own output dir, its own merge under
+    merged_model/<base>/final_adapter/, and its own line in the summary and the printed table."""
+    from smolforge.cli.distill import _print_summary
+    from smolforge.cluster.distill.run import run_distill
+    from smolforge.distill.pipeline import DistillSettings
+
+    out = cluster.base / "ensemble"
+    if (cluster.base / "hybrid" / "teacher_outputs").is_dir():  # valid shards are reused, not regenerated
+        shutil.copytree(cluster.base / "hybrid" / "teacher_outputs", out / "teacher_outputs")
+    cfg = DistillSettings(teacher="tiny-llama", students=["tiny-llama", "tiny-qwen2"], data=str(cluster.data),
+                          num_students=1, max_samples=24, num_shards=3, top_k=8, max_new_tokens=8,
+                          teacher_batch_size=8, max_steps=2, batch_size=4, lr=1e-3, peft_config=PEFT, save_every=0,
+                          max_eval_samples=4, eval_max_new_tokens=4, device="cpu", teacher_on_coordinator=True)
+    summary = run_distill(cfg, cluster.make("teacher_student"), output_dir=out)
+
+    lines = {s["base"]: s for s in summary["per_student"]}
+    assert sorted(lines) == ["tiny-llama", "tiny-qwen2"]
+    for base, line in lines.items():
+        assert line["state"] == "completed" and line["steps"] == 2 and line["loss"] > 0, line
+        assert line["kd"] == "logit"  # the presets share one tokenizer: both learn from the teacher's logits
+        assert "eval_loss" in line["eval"] and "accuracy" in line["eval"], line
+        assert (Path(line["output_dir"]) / "lora_adapter" / "adapter_model.safetensors").exists()
+        merged = out / "merged_model" / base / "final_adapter"
+        assert summary["merged"][base]["output"] == str(merged) and (merged / "adapter_config.json").exists()
+    assert lines["tiny-llama"]["output_dir"] != lines["tiny-qwen2"]["output_dir"]
+    cfg_of = {b: json.loads((out / "merged_model" / b / "final_adapter" / "adapter_config.json").read_text())
+              for b in lines}
+    assert cfg_of["tiny-llama"]["base_model_name_or_path"] != cfg_of["tiny-qwen2"]["base_model_name_or_path"]
+    _print_summary(summary)
+    printed = capsys.readouterr().out
+    assert "tiny-qwen2" in printed and "merged (tiny-llama)" in printed and "merged (tiny-qwen2)" in printed
+
+
+def test_a_ddp_group_that_loses_a_rank_fails_at_once_saying_why(cluster):
+    """A rank's worker dies mid-training: the group cannot go on (its other rank would wait in the
+    next all-reduce), so every member fails at once, each with the reason, instead of hanging."""
+    import ray
+
+    from smolforge.errors import SmolforgeError
+
+    out = cluster.base / "lost-rank"
+    if (cluster.base / "hybrid" / "teacher_outputs").is_dir():
+        shutil.copytree(cluster.base / "hybrid" / "teacher_outputs", out / "teacher_outputs")
+    orch = cluster.make()
+    teachers = orch.create_parallel_teacher_tasks("tiny-llama", str(cluster.data), out, max_samples=24, num_shards=3,
+                                                  top_k=8, max_new_tokens=8, batch_size=8, teacher_on_coordinator=True)
+    students = orch.create_student_tasks("tiny-llama", out / "teacher_outputs", num_students=2, peft_config=PEFT,
+                                         max_steps=400, batch_size=2, device="cpu", save_every=0,
+                                         students_sync="ddp")
+    deadline = time.time() + 300
+    while not all(orch.task_status(s)["step"] >= 1 for s in students):  # the group is training
+        assert time.time() < deadline and all(orch.task_status(s)["state"] in ("pending", "running")
+                                              for s in students), [orch.task_status(s) for s in students]
+        time.sleep(0.2)
+    ray.kill(orch._dstate().handles[students[1]][0], no_restart=True)  # rank 1's worker process dies
+    t0 = time.time()
+    with pytest.raises(SmolforgeError, match="a data-parallel group cannot go on without a rank"):
+        orch.wait_distill(teachers + students, timeout=120)
+    assert time.time() - t0 < 60
+    states = [orch.task_status(s) for s in students]
+    assert [s["state"] for s in states] == ["failed", "failed"] and all(s["step"] < 400 for s in states)
+    # one reason for the whole group: whichever rank's end the driver heard of first (the dead one, or
+    # the one whose all-reduce lost its peer)
+    assert len({s["error"] for s in states}) == 1 and "of its ddp student group (student-" in states[0]["error"], states

@@ -142,7 +142,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             for base in cfg.students:
                 mine = [t for t in students if orch.task_status(t).get("output_dir")
                         and _base_of(orch, t) == base]
-                target = out / "merged_model" if len(cfg.students) == 1 else out / "merged_model" / _slug(base)
+                target = out / "merged_model" / ("final_adapter" if len(cfg.students) == 1 else f"{_slug(base)}/final_adapter")
                 try:
                     merged[base] = {**orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
                                                                      rank=cfg.aggregate_rank),
