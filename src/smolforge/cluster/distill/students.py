@@ -279,17 +279,18 @@ class StudentTasks:
                          task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
                          mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
         except Exception as err:
-            if task.state == "failed":
-                return  # its group failed already, saying why (`_fail_group`); `finally` kills its actor
             lost = self._worker_lost(err)
             grouped = len(self._members(task)) > 1
+            error = short_error(err)
+            with self._dstate().lock:  # two ranks of a group may end at once: the first one's reason wins
+                if task.state == "failed":
+                    return  # its group failed already, saying why (`_fail_group`); `finally` kills its actor
+                if grouped:
+                    error = self._fail_group(task, f"lost its worker on {task.node}" if lost else "failed", error)
             decision = self._dstate().failures.on_failure(
                 f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
                 else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id,
                 retryable=lost and not grouped)
-            error = short_error(err)
-            if grouped:
-                error = self._fail_group(task, ("lost its worker on " + str(task.node)) if lost else "failed", error)
             if decision.retry and not self._dstate().closing:
                 try:
                     self._restart_student(task, decision)
@@ -313,6 +314,7 @@ class StudentTasks:
                "a data-parallel group cannot go on without a rank (rerun with --resume to continue from the "
                "group's last checkpoint)")
         st = self._dstate()
+        task.state = "failed"  # (its own event follows from the caller)
         for m in self._members(task):
             if m is task or m.state not in ("pending", "running"):
                 continue
