@@ -237,7 +237,18 @@ class StudentTasks:
                 m.state = "pending"
                 opts = self._options(pick, m.spec["req_model"], m.cpus)
                 actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
+                st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
+        try:  # outside the lock: rank 0's process may take a while to start
             meet = DataParallelSync.rendezvous(actors[0]) if len(members) > 1 else {}
+        except RayError as err:
+            why = (f"its student group could not meet: rank 0 ({members[0].task_id} on {members[0].node}) did not "
+                   f"start ({short_error(err)}); free CPUs on the workers, or rerun with --resume")
+            for m, actor in zip(members, actors):
+                self._kill_quietly(actor)
+                m.state, m.finished, m.error = "failed", time.time(), why
+                self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
+            return True  # ended, not queued
+        with st.lock:
             refs = []
             for m, actor in zip(members, actors):
                 spec = {k: v for k, v in m.spec.items()

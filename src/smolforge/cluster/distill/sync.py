@@ -86,7 +86,7 @@ class DataParallelSync:
         (it travels only through Ray, which takes the cluster token)."""
         import ray
 
-        addr, port = ray.get(first_actor.free_address.remote(), timeout=60)
+        addr, port = ray.get(first_actor.free_address.remote(), timeout=120)  # as a DP job's ranks get to start
         return {"addr": addr, "port": port, "secret": secrets.token_hex(16)}
 
     @staticmethod
