@@ -35,6 +35,10 @@ LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "b
     (LAUNCH, ["--student", "tiny-llama", "--set", "kd_loss=kl"], "unknown KD loss"),  # --set reaches distill.*
     (LAUNCH, ["--student", "tiny-llama", "--set", "wat=1"], "unknown distill setting(s) wat"),
     (LAUNCH, ["--student", "tiny-llama", "--kd-loss", "kl"], "unknown KD loss"),
+    (DISTILL, ["--students-sync", "allreduce"], "students_sync: Input should be 'average' or 'ddp'"),
+    (DISTILL, ["--students-strategy", "zero1"], "--students-strategy zero1 needs --students-sync ddp"),
+    (DISTILL, ["--students-sync", "ddp", "--students-strategy", "dpp"], "unknown strategy 'dpp' (did you mean 'ddp'?)"),
+    (DISTILL, ["--students-sync", "ddp", "--students-strategy", "async-ps"], "needs a parameter server"),
 ])
 def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
     """In-process (the same typer app, the same checks and exit code, without a Python start per case);

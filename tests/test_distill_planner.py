@@ -19,6 +19,7 @@ class Node:
     cpus: float = 2
     alive: bool = True
     takes_work: bool = True
+    role: str = "worker"
 
     @property
     def node_id(self):
@@ -58,6 +59,51 @@ def test_model_nodes_prefer_gpus_and_fail_fast():
     assert "bare: no models" in err.value.render() and "--models-dir" in err.value.render()
     chosen, req = model_nodes(nodes, "tiny-llama", any_node_ok=True)  # a preset: any worker can build it
     assert {n.name for n in chosen} == {"cpu-a", "gpu", "bare"} and req is None
+
+
+def test_a_teacher_lent_the_coordinator_goes_there_and_only_there():
+    """--teacher-on-coordinator: the head node (which takes no work otherwise) is the only candidate."""
+    nodes = [Node("gpu", ["qwen2.5:7b"], gpus=1), Node("head", ["qwen2.5:7b"], takes_work=False, role="coordinator")]
+    chosen, _ = model_nodes(nodes, "qwen2.5:7b", on_coordinator=True)
+    assert [n.name for n in chosen] == ["head"]
+    chosen, _ = model_nodes([Node("one", role="embedded")], "tiny-llama", any_node_ok=True, on_coordinator=True)
+    assert [n.name for n in chosen] == ["one"]  # the one-machine cluster's own node
+    with pytest.raises(SmolforgeError, match="the coordinator node does not hold teacher model 'llama3.1:8b'") as err:
+        model_nodes(nodes, "llama3.1:8b", on_coordinator=True)
+    assert "--teacher-on-coordinator" in err.value.render()
+
+
+def test_a_ddp_student_group_reads_every_shard_in_one_order(tmp_path):
+    """Each rank of a group takes its slice of one stream, so every rank must see the shards in the same
+    order: the in-order source waits for shard 0 even when shard 1 is ready first, and a resumed rank's
+    replayed shards are not handed out again."""
+    from smolforge.cluster.distill.sync import AverageSync, make_sync
+    from smolforge.distill.shard_source import InOrderShardSource
+
+    class Ready:  # hands out whichever shard is ready: 1 before 0
+        def __init__(self):
+            self.asked = []
+
+        def next_shard(self):
+            raise AssertionError("an in-order source never asks for 'whatever is ready'")
+
+        def get_shard(self, sid):
+            self.asked.append(sid)
+            return sid
+
+        def expected_rows(self):
+            return 24
+
+    src = Ready()
+    ordered = InOrderShardSource(src, [0, 1, 2])
+    assert ordered.get_shard(1) == 1  # a resume replays its recorded order first
+    assert [ordered.next_shard(), ordered.next_shard(), ordered.next_shard()] == [0, 2, None]
+    assert src.asked == [1, 0, 2] and ordered.expected_rows() == 24
+    ddp = make_sync("ddp")
+    assert ddp.shards(3, 2, split=True) == [[0, 1, 2], [0, 1, 2]]  # not a split: each rank slices every step
+    assert ddp.group_spec(["student-0", "student-1"], [0, 1, 2])["world"] == 2
+    assert ddp.group_spec(["student-0"], [0, 1, 2]) is None  # one student: nothing to synchronise
+    assert isinstance(make_sync("average"), AverageSync) and make_sync("average").shards(4, 2, True) == [[0, 2], [1, 3]]
 
 
 def test_student_node_choice_by_mode():

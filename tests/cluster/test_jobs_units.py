@@ -55,6 +55,15 @@ def test_every_kind_is_one_registry_entry():
         jobs.kind_of({"kind": "teleport"})
 
 
+def test_a_distill_job_with_its_teacher_on_the_coordinator_asks_no_worker_to_hold_the_teacher():
+    from smolforge.cluster.specs import DistillJob
+
+    spec = {"kind": "distill", "distill": {"teacher": "qwen2.5:7b", "students": ["tiny-llama"], "data": "bundled"}}
+    assert jobs.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model == "qwen2.5:7b"
+    spec["distill"]["teacher_on_coordinator"] = True
+    assert jobs.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model is None
+
+
 def test_set_routes_into_the_kind_section():
     dp = jobs.apply_job_overrides({"kind": "data_parallel", "train": {"data": {}}},
                                   ["num_workers=3", "lr=0.01", "training.batch_size=16", "train.data.max_length=64"])

@@ -63,6 +63,14 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
+        students_sync: str = typer.Option("average", help="average: the students of a base train apart on their "
+                                          "own shards and their adapters are averaged; ddp: they train as one "
+                                          "data-parallel group over every shard and write one adapter (student_0)"),
+        students_strategy: Optional[str] = typer.Option(None, help="the group's strategy with --students-sync ddp "
+                                                        "(any `launch --strategy` name: ddp, zero1, fsdp, diloco, ssp; default ddp)"),
+        teacher_on_coordinator: bool = typer.Option(False, "--teacher-on-coordinator",
+                                                    help="run the teachers on the coordinator node (lent for it), "
+                                                    "the students on the workers"),
         priority: str = typer.Option("normal", help=PRIORITY_HELP),
         coordinator: Optional[str] = typer.Option(None, help="HOST:PORT (default: the configured one, else embedded)"),
         token: Optional[str] = typer.Option(None, help="cluster token (default $SMOLFORGE_TOKEN)"),
@@ -85,6 +93,10 @@ def register(app: typer.Typer) -> None:
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
 
         Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --tensorboard  (then: tensorboard --logdir outputs/distill/tensorboard)
+
+        Example (the seeds' hybrid: teacher on the coordinator, two students as one DDP group on the workers): smolforge distill --teacher small-llama --student tiny-llama --data bundled --mode hybrid --teacher-on-coordinator --students-sync ddp --num-students 2
+
+        Example (an ensemble of two student bases on one teacher's outputs): smolforge distill --teacher small-llama --student tiny-llama --student tiny-qwen2 --data bundled --max-steps 20
         """
         distill = {
             "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
@@ -96,7 +108,9 @@ def register(app: typer.Typer) -> None:
             "max_samples": max_samples, "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size,
             "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
-            "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device}
+            "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device,
+            "students_sync": students_sync, "students_strategy": students_strategy,
+            "teacher_on_coordinator": teacher_on_coordinator}
         check_run_export(export, peft)
         if export and aggregate == "none":
             raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
@@ -121,6 +135,7 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.cli.follow import finish_job, wait_with_progress
     from smolforge.cli.launch import fetch_distill_summary
     from smolforge.client import backend_for
+    from smolforge.cluster.distill.sync import make_sync
     from smolforge.cluster.specs import DistillJob
     from smolforge.config import validate
     from smolforge.distill.pipeline import check_run, refuse_used_run_dir
@@ -128,6 +143,7 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     out = Path(output_dir)
     job = validate(DistillJob, spec, where="distill")
     check_run(job.distill, job.mode, out)  # before any cluster starts
+    make_sync(job.distill.students_sync, job.distill.students_strategy)
     refuse_used_run_dir(out, resume)
     quiet_libraries()  # transformers (seconds): only once the flags are known to be good
     backend = backend_for(coordinator, token, None, embedded_ok=True)
@@ -163,17 +179,22 @@ def _print_summary(summary: dict) -> None:
     con.print(f"teacher outputs: {store['shards']} shards, {store['response_tokens']:,} tokens, "
               f"{store['bytes_per_token']:.1f} bytes/token ({store['ratio_vs_fp16_full']:.2%} of fp16 full-vocab)"
               + _kl_note(store))
-    table = Table(title="students")
-    for col in ("task", "node", "state", "eval loss", "accuracy", "output"):
+    table = Table(title=f"students ({summary.get('students_sync', 'average')})")
+    for col in ("task", "base", "node", "state", "steps", "loss", "kd", "eval loss", "accuracy", "output"):
         table.add_column(col)
-    for s in summary["student_tasks"]:
+    nodes = {s["task_id"]: s.get("node") for s in summary["student_tasks"]}
+    for s in summary.get("per_student") or []:
         ev = s.get("eval") or {}
-        table.add_row(s["task_id"], str(s.get("node")), s["state"],
+        group = s.get("group")
+        output = s.get("output_dir") or (f"(rank {group['rank']} of {group['members'][0]}'s group)" if group else "-")
+        table.add_row(s["task_id"], s["base"], str(nodes.get(s["task_id"])), s["state"], str(s.get("steps") or 0),
+                      f"{s['loss']:.4f}" if s.get("loss") is not None else "-", str(s.get("kd") or "-"),
                       f"{ev['eval_loss']:.3f}" if "eval_loss" in ev else "-",
-                      f"{ev['accuracy']:.1%}" if "accuracy" in ev else "-", str(s.get("output_dir")))
+                      f"{ev['accuracy']:.1%}" if "accuracy" in ev else "-", str(output))
     con.print(table)
     for base, rep in summary["merged"].items():
-        con.print(f"merged ({base}): {rep.get('output', rep.get('skipped'))}")
+        how = f" ({rep['merge']})" if rep.get("merge") else ""
+        con.print(f"merged ({base}){how}: {rep.get('output', rep.get('skipped'))}")
     con.print(f"done in {summary['seconds']:.0f} s · summary: {summary['output_dir']}/distill_summary.json")
 
 

@@ -82,7 +82,8 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
     """One worker free to start on: a distill run spreads its teachers and students over every
     eligible worker itself, and waits there for the busy ones (its runner places them as they free)."""
     d = job.distill
-    model = None if holds_anywhere(d.teacher, embedded) else d.teacher
+    # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model
+    model = None if d.teacher_on_coordinator or holds_anywhere(d.teacher, embedded) else d.teacher
     return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
 
 

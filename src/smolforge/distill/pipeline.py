@@ -7,6 +7,7 @@ aggregation, on the cluster) is `smolforge.cluster.distill.run.run_distill`; it 
     <output_dir>/teacher_outputs/batch_N.{safetensors,json}, plan.json
     <output_dir>/output/student_N/<peft>_adapter/ (+ summary.json)
     <output_dir>/merged_model/final_adapter/      (several bases: merged_model/<base>/final_adapter/)
+    (with --students-sync ddp the students of a base write one adapter, to the first's student_N/)
     <output_dir>/distill_summary.json
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -60,6 +61,12 @@ class DistillSettings(Spec):
     max_length: int = Field(256, ge=8)
     seed: int = 0
     split_shards: bool | None = None
+    # how the students of one base share what they learn (smolforge.cluster.distill.sync): "average"
+    # trains them apart and averages their adapters; "ddp" makes them one data-parallel group (with
+    # `students_strategy`, any name of the parallel strategy registry; ddp by default) and one adapter
+    students_sync: Literal["average", "ddp"] = "average"
+    students_strategy: str | None = None
+    teacher_on_coordinator: bool = False  # the teachers run on the coordinator node (the user lends it)
     aggregate: str = "mean"  # mean | ties | none
     aggregate_rank: int | None = Field(None, ge=1)
     cpus_per_teacher: float = Field(1.0, gt=0)

@@ -13,6 +13,7 @@ from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
 
 DEFAULT_SHARD_SIZE = 64
+COORDINATOR_ROLES = ("coordinator", "embedded")  # as ray_glue.Requirements(on_coordinator=True) reads a node's role
 
 
 def plan_shards(num_items: int, *, num_shards: int | None = None, shard_size: int | None = None,
@@ -118,19 +119,21 @@ def model_backend(teacher_backend: str) -> str:
 
 
 def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_node_ok: bool = False,
-                backend: str = "hf") -> tuple[list[Any], str | None]:
+                backend: str = "hf", on_coordinator: bool = False) -> tuple[list[Any], str | None]:
     """Nodes that may run a task needing `model`, GPU nodes first; and the model resource to request.
 
-    `nodes` are ray_glue NodeInfo-like objects (.name, .alive, .takes_work, .models, .ollama_models,
-    .gpus, .cpus, .resources). Nodes that can load the model with `backend` win: `hf` reads a node's
-    `models` (weights it holds), `ollama` its `ollama_models`, so a node that has a model only as an
-    Ollama tag never gets an `hf` task (which would download it from the hub). When none can and
-    `any_node_ok` (a preset, built offline from config anywhere, or a local directory on a one-machine
-    cluster), every worker node qualifies. Otherwise this raises at once, naming what each node holds:
-    Ray alone would leave the task pending forever.
+    `nodes` are ray_glue NodeInfo-like objects (.name, .alive, .takes_work, .role, .models,
+    .ollama_models, .gpus, .cpus, .resources). Nodes that can load the model with `backend` win: `hf`
+    reads a node's `models` (weights it holds), `ollama` its `ollama_models`, so a node that has a
+    model only as an Ollama tag never gets an `hf` task (which would download it from the hub). When
+    none can and `any_node_ok` (a preset, built offline from config anywhere, or a local directory on
+    a one-machine cluster), every worker node qualifies. Otherwise this raises at once, naming what
+    each node holds: Ray alone would leave the task pending forever. `on_coordinator`: the
+    coordinator node (the one-machine cluster's own node) is the only candidate, not the workers:
+    the user lent it to this role.
     """
     nodes = list(nodes)
-    workers = [n for n in nodes if n.alive and n.takes_work]
+    workers = [n for n in nodes if n.alive and (n.role in COORDINATOR_ROLES if on_coordinator else n.takes_work)]
     holding = [n for n in workers if holds(n, model, backend)]
     req_model = None
     if holding:
@@ -141,6 +144,11 @@ def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_nod
         chosen = workers
     else:
         have = "; ".join(f"{n.name}: {_loadable(n, backend)}{'' if n.alive else ' (dead)'}" for n in nodes) or "no nodes"
+        if on_coordinator:
+            raise SmolforgeError(f"the coordinator node does not hold {role} model {model!r} ({have})",
+                                 where="--teacher-on-coordinator",
+                                 fix=f"put {model} in the coordinator's HF cache or models dir, or drop "
+                                     "--teacher-on-coordinator to run the teachers on workers")
         how = "as an Ollama tag" if backend == "ollama" else "as weights (HF cache or --models-dir)"
         fix = (f"`ollama pull {model}` on a worker and re-join it, or use --teacher-backend hf with weights a node holds"
                if backend == "ollama" else

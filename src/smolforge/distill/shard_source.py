@@ -124,3 +124,34 @@ class DirShardSource:
                 raise SmolforgeError(f"teacher shard {shard_id} is missing from {self.store_dir}",
                                      fix="regenerate it or start the student without --resume")
             time.sleep(self.poll_s)
+
+
+class InOrderShardSource:
+    """Another source's shards strictly in the order of `shard_ids`, waiting for each in turn.
+
+    The ranks of a data-parallel student group each take their slice of every global step's rows of
+    one stream, so that stream must be the same on every rank: a source that hands over shards as
+    they become ready (either above, or the cluster broker) would give each rank its own order.
+    """
+
+    def __init__(self, source: ShardSource, shard_ids: list[int]):
+        self.source, self.shard_ids = source, list(shard_ids)
+        self._taken: set[int] = set()
+
+    def attach_events(self, emit: EventFn) -> None:
+        if hasattr(self.source, "attach_events"):
+            self.source.attach_events(emit)
+
+    def expected_rows(self) -> int | None:
+        return self.source.expected_rows()
+
+    def next_shard(self) -> Shard | None:
+        for sid in self.shard_ids:
+            if sid not in self._taken:
+                return self.get_shard(sid)
+        return None
+
+    def get_shard(self, shard_id: int) -> Shard:
+        """Also how a resumed rank replays its recorded order; those shards are not handed out again."""
+        self._taken.add(shard_id)
+        return self.source.get_shard(shard_id)

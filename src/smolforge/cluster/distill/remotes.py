@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.distill.state import GET_TIMEOUT_S
+from smolforge.cluster.distill.sync import make_sync
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings, PromptItem
@@ -23,7 +24,7 @@ from smolforge.distill.store import CorruptShardError, Shard, decode_shard
 from smolforge.distill.student import StudentConfig, train_student
 from smolforge.distill.teacher import make_teacher, produce_shards
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.dp_task import local_model_path
+from smolforge.parallel.dp_task import local_model_path, node_dir, prepare_model
 from smolforge.parallel.transfer import pack_dir, unpack_dir
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output
 from smolforge.train import checkpoint as ckpt
@@ -248,7 +249,20 @@ class BrokerShardSource:
 
 
 class _StudentWorker:
-    """Ray actor: one student. Trains from the broker, returns its adapter files and summary."""
+    """Ray actor: one student (or one rank of a student group). Trains from the broker, returns its
+    adapter files and summary."""
+
+    _listen = None  # rank 0 of a group: the socket its rendezvous store will serve on
+
+    def free_address(self) -> tuple[str, int]:
+        """Rank 0 of a student group: where the group's rendezvous store will listen (as a
+        data-parallel job's rank 0 does: `DPWorker.free_address`)."""
+        from smolforge.parallel.rendezvous import listen_socket, node_ip
+
+        if self._listen is not None:
+            self._listen.close()
+        self._listen = listen_socket(node_ip())
+        return self._listen.getsockname()[:2]
 
     def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
         """`_train`, with what this process prints sent to the broker as the task's lines."""
@@ -310,12 +324,18 @@ class _StudentWorker:
         def should_stop() -> str | None:
             return ray.get(broker.should_stop.remote(rank), timeout=60)
 
+        # A preset is built here before any process group exists, one student of the node at a time
+        # (as a data-parallel rank does: building inside a group writes the weights on rank 0 only).
+        prepare_model(cfg.base_model, node_dir())
+        group = spec.get("group")
+        sync = make_sync(group["sync"] if group else "average", group["strategy"] if group else None)
+        listen, self._listen = self._listen, None
         try:
             eval_examples = spec.get("eval_examples")
-            result = train_student(cfg, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s),
-                                   teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
-                                   should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
-                                   on_checkpoint=on_checkpoint)
+            with sync.join(group, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s), listen) as (strategy, source):
+                result = train_student(cfg, source, teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
+                                       should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
+                                       on_checkpoint=on_checkpoint, strategy=strategy)
             adapter = pack_dir(result.adapter_dir) if result.adapter_dir else None
             out = {"result": result.to_dict(), "adapter": adapter, "node_id": node_id}
             latest = ckpt.latest_checkpoint(work / "out") if result.stopped == "pause" else None

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.cluster.distill.sync import make_sync
 from smolforge.distill.pipeline import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
@@ -81,6 +82,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
     done; a rerun with `resume=True` continues each student from its checkpoint.
     """
     check_run(cfg, mode, output_dir)
+    sync = make_sync(cfg.students_sync, cfg.students_strategy)  # a bad name fails before the teachers start
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -93,7 +95,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
             cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, ollama_host=cfg.ollama_host, seed=cfg.seed,
-            responses=cfg.teacher_responses)
+            responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator)
         students = orch.create_student_tasks(
             cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
             peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
@@ -103,7 +105,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             replace_timeout_s=cfg.replace_timeout_s,
             cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
             max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
-            resume=resume)
+            resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
         all_ids = teachers + students
         teacher_done = None
         while True:
@@ -140,10 +142,11 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             for base in cfg.students:
                 mine = [t for t in students if orch.task_status(t).get("output_dir")
                         and _base_of(orch, t) == base]
-                target = out / "merged_model" if len(cfg.students) == 1 else out / "merged_model" / _slug(base)
+                target = out / "merged_model" / ("final_adapter" if len(cfg.students) == 1 else f"{_slug(base)}/final_adapter")
                 try:
-                    merged[base] = orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
-                                                                  rank=cfg.aggregate_rank)
+                    merged[base] = {**orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
+                                                                     rank=cfg.aggregate_rank),
+                                    "students_sync": sync.name, "merge": sync.merges}
                 except SmolforgeError as err:
                     if cfg.peft in ("prefix", "prompt"):
                         merged[base] = {"skipped": err.what}
@@ -157,6 +160,8 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             "store": store_summary(out / "teacher_outputs"),
             "teacher_tasks": [orch.task_status(t) for t in teachers],
             "student_tasks": [{**orch.task_status(t), "eval": _eval_of(orch, t)} for t in students],
+            "students_sync": sync.name,
+            "per_student": [_student_line(orch, t) for t in students],
             "merged": merged,
             "stage_seconds": stages,
             "seconds": time.time() - t0,
@@ -172,6 +177,17 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
 def _base_of(orch, task_id: str) -> str | None:
     task = orch._dstate().tasks.get(task_id)
     return task.spec["config"]["base_model"] if task is not None else None
+
+
+def _student_line(orch, task_id: str) -> dict[str, Any]:
+    """One student's line of the summary: its base, steps, final loss, eval and where its adapter is
+    (none for the other ranks of a ddp group: their group's adapter is its first member's)."""
+    task = orch._dstate().tasks[task_id]
+    group = task.spec.get("group")
+    return {"task_id": task_id, "base": task.spec["config"]["base_model"], "state": task.state,
+            "steps": task.result.get("steps", task.step), "loss": task.result.get("final_loss", task.loss),
+            "kd": task.result.get("mode"), "eval": dict(task.result.get("eval", {})), "output_dir": task.output_dir,
+            "group": {"members": group["members"], "rank": group["rank"], "strategy": group["strategy"]} if group else None}
 
 
 def _eval_of(orch, task_id: str) -> dict[str, Any]:

@@ -173,7 +173,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
             store.written.discard(sid)
             quarantine_shard(store.dir, sid)
             try:
-                nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend)
+                nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
                 if not store.items:
                     store.items = prompts_from_dataset(store.plan.dataset)
                 busy = self._busy_cpus()

@@ -86,6 +86,7 @@ class StoreState:
     ollama_host: str | None = None
     teacher_tokenizer: str | None = None
     max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
+    teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
     retries: dict[int, int] = field(default_factory=dict)

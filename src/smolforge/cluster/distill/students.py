@@ -13,6 +13,7 @@ from ray.exceptions import RayError
 
 from smolforge.cluster import ray_glue
 from smolforge.cluster.distill.remotes import new_broker, remotes
+from smolforge.cluster.distill.sync import DataParallelSync, make_sync
 from smolforge.cluster.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
 from smolforge.cluster.policy import Decision
 from smolforge.cluster.distill.seed_args import student_args
@@ -20,7 +21,7 @@ from smolforge.cluster.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import pick_student_node, student_assignment
+from smolforge.distill.planner import pick_student_node
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
@@ -48,7 +49,8 @@ class StudentTasks:
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
                              max_new_tokens: int = 16, device: str = "auto", save_every: int | None = None,
                              wait_timeout_s: float = 900.0, resume: bool = False,
-                             replace_timeout_s: float = 300.0) -> list[str]:
+                             replace_timeout_s: float = 300.0, students_sync: str = "average",
+                             students_strategy: str | None = None) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -65,6 +67,9 @@ class StudentTasks:
         is `peft_type="lora"` with that peft_config. `task_config` (a TaskConfig) may give
         resources.cpu_cores, max_retries (restarts after a lost worker, for this orchestrator's
         students) and checkpointing (false: none; true: every 50 steps unless save_every is set).
+        `students_sync` (see `smolforge.cluster.distill.sync`): "average" is the above; "ddp" makes
+        the students of each base one data-parallel group (`students_strategy`, DDP by default) that
+        reads every shard in order and writes ONE adapter, to the first member's `student_N/`.
         """
         st = self._dstate()
         args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
@@ -82,12 +87,14 @@ class StudentTasks:
             raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
                                  fix="drop split_shards=False, or use mode teacher_student for an ensemble")
         split = (num_students > 1) if split_shards is None else split_shards
+        sync = make_sync(students_sync, students_strategy)
         eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
         ids = []
         assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
         for base in bases:
             nodes, req_model = self._model_nodes(base, "student")
-            assignment = student_assignment(store.plan.num_shards, num_students, split=split)
+            assignment = sync.shards(store.plan.num_shards, num_students, split)
+            of_base: list[str] = []
             for shards in assignment:
                 with st.lock:
                     rank = store.next_rank
@@ -115,11 +122,14 @@ class StudentTasks:
                 with st.lock:
                     st.tasks[task_id] = task
                 ids.append(task_id)
+                of_base.append(task_id)
                 self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
                              task_id=task_id, shards=shards, base=base)
                 if spec["resume"]:
                     self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
                                  f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+            for members in sync.groups(of_base):
+                self._form_group(sync.group_spec(members, assignment[0]))
         # The broker's plan now knows every assignment (students read their row counts from it).
         import ray
 
@@ -171,42 +181,99 @@ class StudentTasks:
         gone = set(task.spec.get("lost_nodes") or ())
         return [n for n in nodes if n.node_id not in gone]
 
+    def _form_group(self, group: dict[str, Any] | None) -> None:
+        """Make the students named in `group` one data-parallel group (see `sync.py`): each member
+        knows its group rank; only the first writes the adapter (its `student_N/`), and every member
+        resumes from the first's checkpoint (all ranks hold the same weights)."""
+        if group is None:
+            return
+        st = self._dstate()
+        members = [st.tasks[t] for t in group["members"]]
+        leader = members[0]
+        for i, task in enumerate(members):
+            task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
+            task.max_steps = max(1, -(-task.max_steps // group["world"]))
+            if i:
+                task.output_dir = None  # one adapter for the group: the leader's
+                task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
+        self._devent("student_group", f"{', '.join(group['members'])} train as one {group['strategy']} group of "
+                     f"{group['world']} over shards {group['shards']}; one adapter in {leader.output_dir}",
+                     members=group["members"], strategy=group["strategy"], output_dir=leader.output_dir)
+
+    def _members(self, task: DistillTask) -> list[DistillTask]:
+        """The students that start and stop together with `task`: its group, or itself alone."""
+        group = task.spec.get("group")
+        return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
+
     def _place_student(self, task: DistillTask, node=None) -> bool:
         """Start the student on `node` (or the freest eligible node); queue it when all are busy.
 
+        A group's members start together or not at all (each on a node of its own choosing, as a
+        lone student would): a group half started would wait in its first collective. The group
+        meets at rank 0's address (`DataParallelSync.rendezvous`) before any member starts training.
         A student queued while no live node could run it at all (its only node died) records since
         when (`no_node_since`); the monitor fails it after `replace_timeout_s` (a run never hangs)."""
         st = self._dstate()
         store = st.stores[task.store]
+        members = self._members(task)
         with st.lock:
-            if node is None:
-                busy = self._busy_cpus()
-                eligible = self._student_nodes(task)
-                task.spec["no_node_since"] = None if eligible else (task.spec.get("no_node_since") or time.time())
-                free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
-                teachers = {t.node_id for t in st.tasks.values()
-                            if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
-                hybrid = getattr(self, "mode", "") == "hybrid"
-                node = pick_student_node(free, task.cpus, teachers, hybrid=hybrid)
-                if node is None:
-                    if not task.queued:
-                        task.queued = True
-                        why = ("no live node can run it; waiting for one to join" if not eligible else
-                               "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
-                        self._devent("student_queued", f"{task.task_id} queued: {why}", task_id=task.task_id)
+            if any(m.node_id and m.state in ("pending", "running") for m in members):
+                return True  # its group was placed with another member (the queue lists every member)
+            busy = self._busy_cpus()
+            teachers = {t.node_id for t in st.tasks.values()
+                        if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
+            hybrid = getattr(self, "mode", "") == "hybrid"
+            picks = []
+            for m in members:
+                pick = node if node is not None and len(members) == 1 else None
+                if pick is None:
+                    eligible = self._student_nodes(m)
+                    m.spec["no_node_since"] = None if eligible else (m.spec.get("no_node_since") or time.time())
+                    free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
+                    pick = pick_student_node(free, m.cpus, teachers, hybrid=hybrid)
+                if pick is None:
+                    for q in members:
+                        if not q.queued:
+                            q.queued = True
+                            why = ("no live node can run it; waiting for one to join" if not eligible else
+                                   "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
+                            if len(members) > 1:
+                                why = f"its group of {len(members)} cannot all start: " + why
+                            self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
                     return False
-            task.queued = False
-            task.node, task.node_id = node.name, node.node_id
-            task.state = "pending"
-            opts = self._options(node, task.spec["req_model"], task.cpus)
-            actor = remotes()["student"].options(max_restarts=0, **opts).remote()
-            spec = {k: v for k, v in task.spec.items()
-                    if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
-            spec.update(task_id=task.task_id, node_name=node.name)  # its log lines' label and node
-            ref = actor.run.remote(spec, store.broker, task.rank)
-            st.handles[task.task_id] = (actor, ref)
-        self._devent("student_submitted", f"{task.task_id} placed on {node.name}", task_id=task.task_id, node=node.name)
-        self._thread(self._await_student, (task, actor, ref), task.task_id)
+                busy[pick.node_id] = busy.get(pick.node_id, 0.0) + m.cpus
+                picks.append(pick)
+            actors = []
+            for m, pick in zip(members, picks):
+                m.queued = False
+                m.node, m.node_id = pick.name, pick.node_id
+                m.state = "pending"
+                opts = self._options(pick, m.spec["req_model"], m.cpus)
+                actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
+                st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
+        try:  # outside the lock: rank 0's process may take a while to start
+            meet = DataParallelSync.rendezvous(actors[0]) if len(members) > 1 else {}
+        except RayError as err:
+            why = (f"its student group could not meet: rank 0 ({members[0].task_id} on {members[0].node}) did not "
+                   f"start ({short_error(err)}); free CPUs on the workers, or rerun with --resume")
+            for m, actor in zip(members, actors):
+                self._kill_quietly(actor)
+                m.state, m.finished, m.error = "failed", time.time(), why
+                self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
+            return True  # ended, not queued
+        with st.lock:
+            refs = []
+            for m, actor in zip(members, actors):
+                spec = {k: v for k, v in m.spec.items()
+                        if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
+                spec.update(task_id=m.task_id, node_name=m.node)  # its log lines' label and node
+                if meet:
+                    spec["group"] = {**spec["group"], **meet}
+                refs.append(actor.run.remote(spec, store.broker, m.rank))
+                st.handles[m.task_id] = (actor, refs[-1])
+        for m, actor, ref in zip(members, actors, refs):
+            self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)
+            self._thread(self._await_student, (m, actor, ref), m.task_id)
         return True
 
     def _await_student(self, task: DistillTask, actor, ref) -> None:
@@ -226,7 +293,8 @@ class StudentTasks:
                 if out.get("checkpoint"):
                     self._keep_student_checkpoint(task, out["checkpoint"])
             else:
-                self._write_student_output(task, result, out["adapter"])
+                if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
+                    self._write_student_output(task, result, out["adapter"])
                 task.state, task.progress = "completed", 1.0
             task.result = result
             task.finished = time.time()
@@ -236,10 +304,17 @@ class StudentTasks:
                          mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
         except Exception as err:
             lost = self._worker_lost(err)
+            grouped = len(self._members(task)) > 1
+            error = short_error(err)
+            with self._dstate().lock:  # two ranks of a group may end at once: the first one's reason wins
+                if task.state == "failed":
+                    return  # its group failed already, saying why (`_fail_group`); `finally` kills its actor
+                if grouped:
+                    error = self._fail_group(task, f"lost its worker on {task.node}" if lost else "failed", error)
             decision = self._dstate().failures.on_failure(
                 f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
-                else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id, retryable=lost)
-            error = short_error(err)
+                else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id,
+                retryable=lost and not grouped)
             if decision.retry and not self._dstate().closing:
                 try:
                     self._restart_student(task, decision)
@@ -252,6 +327,27 @@ class StudentTasks:
         finally:
             self._kill_quietly(actor)
         self._after_finish(task)
+
+    def _fail_group(self, task: DistillTask, what: str, error: str) -> str:
+        """One rank of a data-parallel group is gone or failed: the others would wait in their next
+        collective until it timed out, so they are stopped now and fail with the same reason. The
+        group's checkpoints (rank 0's, kept in its student_N/checkpoints/) stay: a rerun with
+        --resume continues the whole group from the newest."""
+        rank = task.spec["group"]["rank"]
+        why = (f"rank {rank} of its {task.spec['group']['strategy']} student group ({task.task_id}) {what}: {error}; "
+               "a data-parallel group cannot go on without a rank (rerun with --resume to continue from the "
+               "group's last checkpoint)")
+        st = self._dstate()
+        task.state = "failed"  # (its own event follows from the caller)
+        for m in self._members(task):
+            if m is task or m.state not in ("pending", "running"):
+                continue
+            m.queued, m.state, m.finished, m.error = False, "failed", time.time(), why
+            self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
+            handle = st.handles.get(m.task_id)
+            if handle is not None:
+                self._kill_quietly(handle[0])
+        return why
 
     @staticmethod
     def _kill_quietly(actor) -> None:

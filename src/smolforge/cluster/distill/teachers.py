@@ -74,22 +74,28 @@ class TeacherTasks:
                 busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
         return busy
 
-    def _model_nodes(self, model: str, role: str, backend: str = "hf") -> tuple[list[Any], str | None]:
+    def _model_nodes(self, model: str, role: str, backend: str = "hf",
+                     on_coordinator: bool = False) -> tuple[list[Any], str | None]:
         """(nodes that may run a task needing `model`, GPU first; the model resource to request or None).
 
         `backend` is how the task loads it: students and `hf`/`reference` teachers need the weights
-        (a node's `models`), an `ollama` teacher the Ollama tag (its `ollama_models`). Presets are
-        built offline from config on any node; a local directory counts as held by every node of an
-        embedded (one-machine) cluster. See `planner.model_nodes`.
+        (a node's `models`), an `ollama` teacher the Ollama tag (its `ollama_models`).
+        `on_coordinator`: the coordinator (head) node only, which the user lent to the teachers
+        (`--teacher-on-coordinator`); otherwise the worker nodes only. Presets are built offline from
+        config on any node; a local directory counts as held by every node of an embedded
+        (one-machine) cluster. See `planner.model_nodes`.
         """
         loader = model_backend(backend)
         embedded = bool(getattr(self.cluster, "embedded", False))
         any_ok = loader == "hf" and (tiny.is_preset(model) or (embedded and is_local_model(model)))
-        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader)
+        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader,
+                           on_coordinator=on_coordinator)
 
-    def _options(self, node, model: str | None, cpus: float, backend: str = "hf") -> dict[str, Any]:
+    def _options(self, node, model: str | None, cpus: float, backend: str = "hf",
+                 on_coordinator: bool = False) -> dict[str, Any]:
         req = Requirements(model=model, cpus=cpus, gpu="preferred" if node.gpus >= 1 else "no",
-                           allowed_nodes=[node.name], model_backend=model_backend(backend))
+                           allowed_nodes=[node.name], model_backend=model_backend(backend),
+                           on_coordinator=on_coordinator)
         opts = req.ray_options(self._nodes())
         if "label_selector" not in opts and "scheduling_strategy" not in opts:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -131,7 +137,8 @@ class TeacherTasks:
                                       device: str = "auto", ollama_host: str | None = None,
                                       tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
                                       responses: str = "generate", max_retries: int | None = None,
-                                      task_config: TaskConfig | None = None) -> list[str]:
+                                      task_config: TaskConfig | None = None,
+                                      teacher_on_coordinator: bool = False) -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
         The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
@@ -141,6 +148,8 @@ class TeacherTasks:
         named teacher_outputs is used as is). A failed teacher's shards go to another eligible node,
         `max_retries` times per shard (default 2). `task_config` (the seeds' TaskConfig) may give
         resources.cpu_cores and max_retries (see cluster/distill/seed_args.py).
+        `teacher_on_coordinator`: the teachers run on the coordinator (head) node instead, which
+        otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
         """
         opts = task_options(task_config, "teacher")
         cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
@@ -151,7 +160,8 @@ class TeacherTasks:
         store_dir = store_dir.resolve()
         if backend not in TEACHER_BACKENDS:
             raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
-        eligible, req_model = self._model_nodes(model_path, "teacher", backend)  # fails fast, before reading data
+        eligible, req_model = self._model_nodes(model_path, "teacher", backend,
+                                                teacher_on_coordinator)  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
                                responses=responses)
@@ -176,7 +186,8 @@ class TeacherTasks:
         store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
-                           ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries)
+                           ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
+                           teacher_on_coordinator=teacher_on_coordinator)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -241,7 +252,8 @@ class TeacherTasks:
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))
-        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.backend)
+        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.backend,
+                             store.teacher_on_coordinator)
         gen = remotes()["teacher"].options(**opts).remote(spec)
         with st.lock:
             st.tasks[task_id] = task
@@ -312,7 +324,7 @@ class TeacherTasks:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
         try:
-            nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend)
+            nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
         except SmolforgeError as err:
             store.broker.fail.remote(str(err))
             return

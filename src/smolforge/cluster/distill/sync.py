@@ -1,0 +1,113 @@
+"""How the students of one base share what they learn (`--students-sync`): one small plug-in per mode.
+
+- `average` (today's): each student trains alone on its own part of the shards (the broker splits
+  them) and their adapters are averaged at the end (`smolforge.distill.aggregate`).
+- `ddp`: the students are ONE data-parallel group (any strategy of `smolforge.parallel.strategies`,
+  DDP by default). Every rank reads every shard in the same order (`InOrderShardSource`: not a
+  broker split, whose order depends on which shard is ready first) and takes its slice of each
+  global step's rows, as `train_student` does for any strategy. So the group ends with ONE adapter,
+  rank 0's, in `output/student_<first>/`: there is nothing to average.
+
+The rest of the code sees only what a plug-in answers: which shards each student reads, which
+students form a group (an `average` student is a group of one), how a group's members meet (the
+project's own rendezvous, `smolforge.parallel.rendezvous`, as the data-parallel job kind uses), and
+how a member's worker joins and leaves it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from smolforge.distill.planner import student_assignment
+from smolforge.distill.shard_source import InOrderShardSource, ShardSource
+from smolforge.errors import SmolforgeError
+from smolforge.train.strategy import Strategy
+
+GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then fails)
+
+
+class AverageSync:
+    """Independent students, each on its own shards; averaged afterwards."""
+
+    name = "average"
+    merges = "averaged"  # what aggregation does with this mode's adapters (said in the run summary)
+
+    def __init__(self, strategy: str | None = None):
+        if strategy not in (None, "", "single"):
+            raise SmolforgeError(f"--students-strategy {strategy} needs --students-sync ddp",
+                                 fix="add --students-sync ddp, or drop --students-strategy")
+
+    def shards(self, num_shards: int, num_students: int, split: bool) -> list[list[int]]:
+        return student_assignment(num_shards, num_students, split=split)
+
+    def groups(self, task_ids: list[str]) -> list[list[str]]:
+        return [[t] for t in task_ids]
+
+    def group_spec(self, members: list[str], shards: list[int]) -> dict[str, Any] | None:
+        return None
+
+    @staticmethod
+    @contextmanager
+    def join(group: dict[str, Any] | None, source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+        yield Strategy(), source
+
+
+class DataParallelSync:
+    """The students of one base as one data-parallel group over the whole store."""
+
+    name = "ddp"
+    merges = "copied (one data-parallel adapter, no averaging)"
+
+    def __init__(self, strategy: str | None = None):
+        from smolforge.parallel.strategies import STRATEGIES, check_name
+
+        self.strategy = check_name(strategy or "ddp")
+        if not getattr(STRATEGIES[self.strategy], "uses_process_group", True):
+            raise SmolforgeError(f"--students-strategy {self.strategy} needs a parameter server, which a distill "
+                                 "student group does not run", fix="use ddp, zero1, fsdp, diloco or ssp")
+
+    def shards(self, num_shards: int, num_students: int, split: bool) -> list[list[int]]:
+        return [list(range(num_shards)) for _ in range(num_students)]
+
+    def groups(self, task_ids: list[str]) -> list[list[str]]:
+        return [list(task_ids)]
+
+    def group_spec(self, members: list[str], shards: list[int]) -> dict[str, Any] | None:
+        if len(members) < 2:
+            return None  # one student: nothing to synchronise
+        return {"sync": self.name, "strategy": self.strategy, "members": list(members), "world": len(members),
+                "shards": list(shards)}
+
+    @staticmethod
+    def rendezvous(first_actor) -> dict[str, Any]:
+        """Where the group meets: rank 0's address and a port it holds open, and this group's secret
+        (it travels only through Ray, which takes the cluster token)."""
+        import ray
+
+        addr, port = ray.get(first_actor.free_address.remote(), timeout=120)  # as a DP job's ranks get to start
+        return {"addr": addr, "port": port, "secret": secrets.token_hex(16)}
+
+    @staticmethod
+    @contextmanager
+    def join(group: dict[str, Any], source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+        from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
+        from smolforge.parallel.strategies import make_strategy
+
+        init_group(pick_backend("auto", group.get("device", "auto")), group["addr"], group["port"], group["rank"],
+                   group["world"], GROUP_TIMEOUT_S, group["secret"], listen)
+        try:
+            yield make_strategy(group["strategy"]), InOrderShardSource(source, group["shards"])
+        finally:
+            leave_group()
+
+
+SYNCS = {"average": AverageSync, "ddp": DataParallelSync}
+
+
+def make_sync(name: str, strategy: str | None = None):
+    """The plug-in for `--students-sync NAME` (with `--students-strategy`, for ddp)."""
+    if name not in SYNCS:
+        raise SmolforgeError(f"unknown --students-sync {name!r}", fix=f"use one of {', '.join(SYNCS)}")
+    return SYNCS[name](strategy)

@@ -1,0 +1,204 @@
+"""The seeds' hybrid on a real multi-node Ray cluster on one machine: the teacher on the coordinator
+node (lent with --teacher-on-coordinator), two students on the workers training as ONE data-parallel
+group over the store (--students-sync ddp).
+
+Nodes (our own `ray start --block` children, stopped by PID, never `ray stop`):
+    head  1 CPU, role coordinator, no worker resource (takes no work unless lent)
+    w1    1 CPU, worker
+    w2    1 CPU, worker
+The nodes run fp32 (SMOLFORGE_CPU_BF16=0), so the group's adapter can be compared with one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _spawn(base: Path, procs: list):
+    from smolforge.cluster import ray_glue
+    from smolforge.cluster.auth import write_token
+    from smolforge.cluster.ray_process import head_command, spawn, wait_for_port, worker_command
+    from smolforge.cluster.statedir import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="sfh", dir="/tmp"))  # short: Ray socket paths
+    token_path = base / "token"
+    write_token(token_path, os.urandom(16).hex())
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_TMPDIR": str(tmp),
+           "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "RAY_raylet_start_wait_time_s": "120", "SMOLFORGE_CPU_BF16": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    head = head_command(port, cpus=1, node_ip="127.0.0.1", name="head", resources={ray_glue.HEAD_RESOURCE: 1000},
+                        labels={ray_glue.NAME_LABEL: "head", ray_glue.ROLE_LABEL: "coordinator"}, temp_dir=str(tmp),
+                        object_store_mb=100)
+    procs.append(spawn(head, env, base / "head.log", die_with_parent=True))
+    wait_for_port("127.0.0.1", port, procs[0], 120, base / "head.log")
+    handle = ray_glue.connect(f"127.0.0.1:{port}", state_dir=base / "driver", token=token_path.read_text())
+    for name in ("w1", "w2"):
+        cmd = worker_command(f"127.0.0.1:{port}", cpus=1, gpus=0, node_ip="127.0.0.1", name=name,
+                             resources={ray_glue.WORKER_RESOURCE: 1.0},
+                             labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: "worker"}, temp_dir=str(tmp),
+                             object_store_mb=100)
+        procs.append(spawn(cmd, env, base / f"{name}.log", die_with_parent=True))
+        deadline = time.time() + 150
+        while not any(n.name == name for n in handle.nodes()):
+            assert time.time() < deadline and procs[-1].poll() is None, f"node {name} did not join; see {base}"
+            time.sleep(0.5)
+    return handle, tmp
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from smolforge.cluster.ray_process import stop
+    from smolforge.data.synthetic import generate
+    from smolforge.orchestrator import Orchestrator
+
+    base = tmp_path_factory.mktemp("distill-hybrid")
+    data = base / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(64, seed=11)))
+    procs: list = []
+    made: list = []
+    handle = tmp = None
+    try:
+        handle, tmp = _spawn(base, procs)
+        backend = SimpleNamespace(handle=handle, close=lambda: None)
+
+        def make(mode="hybrid"):
+            made.append(Orchestrator(mode, backend=backend))
+            return made[-1]
+
+        yield SimpleNamespace(make=make, data=data, base=base)
+    finally:
+        for orch in made:  # join their threads before Ray goes away, even after a failed test
+            orch.shutdown_distill()
+        if handle is not None:
+            handle.shutdown()
+        for p in reversed(procs):
+            stop(p)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+PEFT = {"r": 4, "alpha": 8, "dropout": 0.0}
+
+
+def test_ddp_students_with_the_teacher_on_the_coordinator_equal_one_process(cluster, tmp_path):
+    """Teacher on the head, a DDP group of two students on w1 and w2 (batch 2 each): ONE adapter, in
+    output/student_0/, equal to train_student in this process over the same shards with batch 4."""
+    from safetensors.torch import load_file
+
+    from smolforge.cluster.distill.run import run_distill
+    from smolforge.config import PeftSpec
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.pipeline import DistillSettings
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.student import StudentConfig, train_student
+
+    out = cluster.base / "hybrid"
+    cfg = DistillSettings(teacher="tiny-llama", students=["tiny-llama"], data=str(cluster.data), num_students=2,
+                          max_samples=24, num_shards=3, top_k=8, max_new_tokens=8, teacher_batch_size=8,
+                          max_steps=3, batch_size=2, lr=1e-3, peft_config=PEFT, save_every=2, eval=False,
+                          device="cpu", students_sync="ddp", teacher_on_coordinator=True)
+    summary = run_distill(cfg, cluster.make(), output_dir=out, mode="hybrid")
+
+    assert {t["node"] for t in summary["teacher_tasks"]} == {"head"}
+    assert sorted(s["node"] for s in summary["student_tasks"]) == ["w1", "w2"]
+    assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
+    # one adapter for the group, its first member's; nothing averaged, and the summary says so
+    assert summary["students_sync"] == "ddp"
+    lines = summary["per_student"]
+    assert [(s["base"], s["steps"], s["group"]["rank"]) for s in lines] == [("tiny-llama", 3, 0), ("tiny-llama", 3, 1)]
+    assert lines[0]["output_dir"] == str(out / "output" / "student_0") and lines[1]["output_dir"] is None
+    assert not (out / "output" / "student_1" / "lora_adapter").exists()
+    assert "no averaging" in summary["merged"]["tiny-llama"]["merge"]
+    assert (out / "merged_model" / "final_adapter" / "adapter_config.json").exists()
+    assert (out / "output" / "student_0" / "checkpoints" / "step-2").is_dir()  # rank 0's, shipped to the driver
+
+    ref = train_student(StudentConfig(base_model="tiny-llama", output_dir=str(tmp_path / "one"), max_steps=3,
+                                      batch_size=4, lr=1e-3, device="cpu", num_threads=1, precision="fp32",
+                                      peft=PeftSpec(method="lora", **PEFT), kd=KDConfig(kd_ratio=0.5)),
+                        DirShardSource(out / "teacher_outputs", poll_s=0.05))
+    one = load_file(str(Path(ref.adapter_dir) / "adapter_model.safetensors"))
+    group = load_file(str(out / "output" / "student_0" / "lora_adapter" / "adapter_model.safetensors"))
+    assert group.keys() == one.keys()
+    assert any(float(v.abs().sum()) > 0 for k, v in one.items() if "lora_B" in k)  # it trained
+    for k in one:
+        assert float((group[k] - one[k]).abs().max()) <= 1e-5, (k, float((group[k] - one[k]).abs().max()))
+
+
+def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(cluster, capsys):
+    """The seeds' multi-model ensemble: one teacher's store (the test above's, reused when it is
+    there), students of two different bases, each with its own output dir, its own merge under
+    merged_model/<base>/final_adapter/, and its own line in the summary and the printed table."""
+    from smolforge.cli.distill import _print_summary
+    from smolforge.cluster.distill.run import run_distill
+    from smolforge.distill.pipeline import DistillSettings
+
+    out = cluster.base / "ensemble"
+    if (cluster.base / "hybrid" / "teacher_outputs").is_dir():  # valid shards are reused, not regenerated
+        shutil.copytree(cluster.base / "hybrid" / "teacher_outputs", out / "teacher_outputs")
+    cfg = DistillSettings(teacher="tiny-llama", students=["tiny-llama", "tiny-qwen2"], data=str(cluster.data),
+                          num_students=1, max_samples=24, num_shards=3, top_k=8, max_new_tokens=8,
+                          teacher_batch_size=8, max_steps=2, batch_size=4, lr=1e-3, peft_config=PEFT, save_every=0,
+                          max_eval_samples=4, eval_max_new_tokens=4, device="cpu", teacher_on_coordinator=True)
+    summary = run_distill(cfg, cluster.make("teacher_student"), output_dir=out)
+
+    lines = {s["base"]: s for s in summary["per_student"]}
+    assert sorted(lines) == ["tiny-llama", "tiny-qwen2"]
+    for base, line in lines.items():
+        assert line["state"] == "completed" and line["steps"] == 2 and line["loss"] > 0, line
+        assert line["kd"] == "logit"  # the presets share one tokenizer: both learn from the teacher's logits
+        assert "eval_loss" in line["eval"] and "accuracy" in line["eval"], line
+        assert (Path(line["output_dir"]) / "lora_adapter" / "adapter_model.safetensors").exists()
+        merged = out / "merged_model" / base / "final_adapter"
+        assert summary["merged"][base]["output"] == str(merged) and (merged / "adapter_config.json").exists()
+    assert lines["tiny-llama"]["output_dir"] != lines["tiny-qwen2"]["output_dir"]
+    cfg_of = {b: json.loads((out / "merged_model" / b / "final_adapter" / "adapter_config.json").read_text())
+              for b in lines}
+    assert cfg_of["tiny-llama"]["base_model_name_or_path"] != cfg_of["tiny-qwen2"]["base_model_name_or_path"]
+    _print_summary(summary)
+    printed = capsys.readouterr().out
+    assert "tiny-qwen2" in printed and "merged (tiny-llama)" in printed and "merged (tiny-qwen2)" in printed
+
+
+def test_a_ddp_group_that_loses_a_rank_fails_at_once_saying_why(cluster):
+    """A rank's worker dies mid-training: the group cannot go on (its other rank would wait in the
+    next all-reduce), so every member fails at once, each with the reason, instead of hanging."""
+    import ray
+
+    from smolforge.errors import SmolforgeError
+
+    out = cluster.base / "lost-rank"
+    if (cluster.base / "hybrid" / "teacher_outputs").is_dir():
+        shutil.copytree(cluster.base / "hybrid" / "teacher_outputs", out / "teacher_outputs")
+    orch = cluster.make()
+    teachers = orch.create_parallel_teacher_tasks("tiny-llama", str(cluster.data), out, max_samples=24, num_shards=3,
+                                                  top_k=8, max_new_tokens=8, batch_size=8, teacher_on_coordinator=True)
+    students = orch.create_student_tasks("tiny-llama", out / "teacher_outputs", num_students=2, peft_config=PEFT,
+                                         max_steps=400, batch_size=2, device="cpu", save_every=0,
+                                         students_sync="ddp")
+    deadline = time.time() + 300
+    while not all(orch.task_status(s)["step"] >= 1 for s in students):  # the group is training
+        assert time.time() < deadline and all(orch.task_status(s)["state"] in ("pending", "running")
+                                              for s in students), [orch.task_status(s) for s in students]
+        time.sleep(0.2)
+    ray.kill(orch._dstate().handles[students[1]][0], no_restart=True)  # rank 1's worker process dies
+    t0 = time.time()
+    with pytest.raises(SmolforgeError, match="a data-parallel group cannot go on without a rank"):
+        orch.wait_distill(teachers + students, timeout=120)
+    assert time.time() - t0 < 60
+    states = [orch.task_status(s) for s in students]
+    assert [s["state"] for s in states] == ["failed", "failed"] and all(s["step"] < 400 for s in states)
+    # one reason for the whole group: whichever rank's end the driver heard of first (the dead one, or
+    # the one whose all-reduce lost its peer)
+    assert len({s["error"] for s in states}) == 1 and "of its ddp student group (student-" in states[0]["error"], states
