@@ -44,7 +44,8 @@ class StudentTasks:
                              max_eval_samples: int | None = 200, eval_accuracy: bool = True,
                              max_new_tokens: int = 16, device: str = "auto", save_every: int = 0,
                              wait_timeout_s: float = 900.0, resume: bool = False,
-                             replace_timeout_s: float = 300.0) -> list[str]:
+                             replace_timeout_s: float = 300.0, on_policy_ratio: float = 0.0,
+                             on_policy_temperature: float = 1.0, teacher_model: str | None = None) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -53,7 +54,9 @@ class StudentTasks:
         Outputs: `<output_dir>/output/student_N/<peft>_adapter/` (default output_dir: the run dir
         holding teacher_outputs/). With `resume`, a student that was paused (see
         `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
-        without it, such checkpoints are stale and removed.
+        without it, such checkpoints are stale and removed. `on_policy_ratio` > 0: that fraction of
+        each student's steps trains on its own samples scored by `teacher_model` (default: the
+        store's teacher), which the student's node loads (distill/on_policy.py).
         """
         st = self._dstate()
         store = self._store_for(teacher_outputs_dir)
@@ -88,7 +91,9 @@ class StudentTasks:
                           "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
                           "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
-                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}
+                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
+                          "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
+                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None)}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
                         "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
                         "resume": self._resume_point(out, resume)}
