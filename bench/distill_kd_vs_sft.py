@@ -1,18 +1,24 @@
-"""Does KD beat plain fine-tuning? KD variants against SFT, same student, steps and prompts, over seeds.
+"""Does KD pay? Teacher, student base, SFT and KD students (off- and on-policy, LoRA and full), over seeds.
 
-The demo teacher (tiny-llama fully fine-tuned on the bundled task; trained and cached under
-$SMOLFORGE_HOME/demo on first use) labels the first N prompts of the bundled train split. Every
-arm trains the same student (tiny-llama + LoRA, the demo's settings) for the same steps on the
-same prompts and is scored on the 200 held-out bundled examples:
+The demo's models (trained once and cached under $SMOLFORGE_HOME/demo): the student base is
+tiny-llama pretrained on the generic corpus (`smolforge.data.synthetic.generic_corpus`), the teacher
+is that base fully fine-tuned on all bundled training examples. The teacher labels the first N
+prompts of the bundled train split; every arm trains a student from the base for the same steps on
+those same prompts and is scored on the 200 held-out bundled examples:
 
-    sft     the dataset's reference answers, CE only (the `reference` backend: what `train` uses)
-    kd      the teacher's own answers + its top-k, forward KL (the demo's KD)
-    ref     the reference answers with the teacher's top-k over them (--teacher-responses reference)
-    ref05   the same, kd_ratio 0.5 (half CE)
+    sft        the dataset's reference answers, CE only (the `reference` backend: what `train` uses)
+    kd         the teacher's own answers + its top-k, the demo's KD settings (DemoSettings)
+    onpolicy   kd, plus GKD: a fraction of the steps on the student's own samples scored by the teacher, JSD(β)
+    ref        the reference answers with the teacher's top-k over them (--teacher-responses reference)
+    *-full     the same arm, every weight trained (peft none) at DemoSettings.full_lr; others are LoRA
 
-    python bench/distill_kd_vs_sft.py --prompts 512 --seeds 0,1,2
-    python bench/distill_kd_vs_sft.py --prompts 0 --arms sft,kd      # all 4,000 prompts
+The gap closed is (arm - sft) / (teacher - sft) in accuracy, per seed pair and on the means.
 
+    python bench/distill_kd_vs_sft.py --seeds 0,1,2
+    python bench/distill_kd_vs_sft.py --arms 'sft,kd,kd:ratio=0.5,kd:T=2,kd:loss=jsd' --seeds 0   # a sweep
+    python bench/distill_kd_vs_sft.py --arms sft-full,kd-full --seeds 0,1,2
+
+An arm may override settings after a colon, ';'-separated: `kd:ratio=0.5;T=2;loss=reverse_kl;lr=1e-3;onp=0.5;beta=0.9`.
 Students train two at a time, one thread each, so a pair of arms shares the machine evenly.
 """
 
@@ -28,40 +34,64 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARMS = {  # name: (store, kd_ratio)
-    "sft": ("sft", 1.0),
-    "kd": ("gen", 1.0),
-    "ref": ("ref", 1.0),
-    "ref05": ("ref", 0.5),
+BASE_ARMS = {  # name: (store, overrides)
+    "sft": ("sft", {}),
+    "kd": ("gen", {}),
+    "onpolicy": ("gen", {"onp": 0.5, "loss": "jsd"}),
+    "ref": ("ref", {}),
 }
+KEYS = {"ratio": float, "T": float, "loss": str, "lr": float, "onp": float, "beta": float}
+
+
+def parse_arm(arm: str) -> tuple[str, str, dict]:
+    """'kd-full:ratio=0.5' -> (store kind, peft, overrides)."""
+    name, _, rest = arm.partition(":")
+    peft = "none" if name.endswith("-full") else "lora"
+    base = name.removesuffix("-full")
+    if base not in BASE_ARMS:
+        raise SystemExit(f"unknown arm {arm!r}: pick from {', '.join(BASE_ARMS)} (+ '-full', ':key=value,...')")
+    kind, over = BASE_ARMS[base]
+    over = dict(over)
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        if key not in KEYS:
+            raise SystemExit(f"unknown arm setting {key!r} in {arm!r}: use {', '.join(KEYS)}")
+        over[key] = KEYS[key](value)
+    return kind, peft, over
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=512, help="distillation prompts (0: all 4,000)")
-    ap.add_argument("--arms", default="sft,kd,ref,ref05")
+    ap.add_argument("--arms", default="sft,kd,onpolicy,sft-full,kd-full",
+                    help="comma-separated; settings after ':' separated by ';' (kd:ratio=0.5;T=2)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=None, help="distillation prompts (default: the demo's)")
+    ap.add_argument("--steps", type=int, default=None, help="student steps (default: the demo's)")
     ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(1)
-    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
+    from smolforge.distill.demo import DemoSettings, evaluate_adapter, local_student, student_base, train_teacher
     from smolforge.distill.shard_source import DirShardSource
     from smolforge.distill.student import train_student
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
+    s = DemoSettings()
+    if args.prompts is not None:
+        s.distill_samples = args.prompts or None
     arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}: pick from {', '.join(ARMS)}")
+    parsed = {a: parse_arm(a) for a in arms}
     seeds = [int(x) for x in args.seeds.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="kd-vs-sft-"))
-    s = DemoSettings()
+    t0 = time.time()
+    base_dir, _ = student_base(s)
     teacher_dir, info = train_teacher(s)
-    print(f"teacher: accuracy {info['eval']['accuracy']:.3f}, eval loss {info['eval']['eval_loss']:.3f}", flush=True)
+    base_eval = evaluate_adapter(None, s, base_dir)
+    teacher_acc = info["eval"]["accuracy"]
+    print(f"teacher: accuracy {teacher_acc:.3f}, eval loss {info['eval']['eval_loss']:.3f}; student base: accuracy "
+          f"{base_eval['accuracy']:.3f}, eval loss {base_eval['eval_loss']:.3f} ({time.time() - t0:.0f} s)", flush=True)
     stores: dict[str, Path] = {}
 
     def store(kind: str) -> Path:
@@ -69,20 +99,23 @@ def main() -> None:
             d = out / kind / "teacher_outputs"
             gen = GenSettings(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64,
                               responses="reference" if kind == "ref" else "generate")
-            common = dict(num_shards=s.num_shards, max_samples=args.prompts or None, settings=gen)
+            common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen, device="cpu")
             if kind == "sft":
-                run_teacher_local(DEMO_STUDENT, "bundled", d, backend="reference", **common)
+                run_teacher_local(str(base_dir), "bundled", d, backend="reference", **common)
             else:
-                run_teacher_local(str(teacher_dir), "bundled", d, device="cpu", **common)
+                run_teacher_local(str(teacher_dir), "bundled", d, **common)
             stores[kind] = d
         return stores[kind]
 
     def prepare(arm: str, seed: int):
-        kind, ratio = ARMS[arm]
-        return (*local_student(s, seed, out / f"{arm}-{seed}", steps=args.steps, kd_ratio=ratio), store(kind))
+        kind, peft, o = parsed[arm]
+        cfg, model = local_student(s, seed, out / f"{arm.replace(':', '_')}-{seed}", steps=args.steps, peft=peft,
+                                   kd_ratio=o.get("ratio"), temperature=o.get("T"), kd_loss=o.get("loss"),
+                                   lr=o.get("lr"), on_policy_ratio=o.get("onp", 0.0), beta=o.get("beta"),
+                                   teacher=teacher_dir)
+        return cfg, model, store(kind)
 
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
-    t0 = time.time()
     # Every student is built before any trains: torch's RNG is process-wide (see local_student).
     jobs = [(arm, seed, *prepare(arm, seed)) for seed in seeds for arm in arms]
     with ThreadPoolExecutor(2) as pool:
@@ -91,14 +124,29 @@ def main() -> None:
         for arm, seed, fut in futures:
             ev = fut.result()
             results[arm].append((ev["accuracy"], ev["eval_loss"]))
-            print(f"{arm:>6} seed {seed}: accuracy {ev['accuracy']:.3f}, eval loss {ev['eval_loss']:.4f} "
+            print(f"{arm:>12} seed {seed}: accuracy {ev['accuracy']:.3f}, eval loss {ev['eval_loss']:.4f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
-    print(f"\nprompts {args.prompts or 'all'}, {args.steps} steps, seeds {seeds}")
-    print("| arm | accuracy mean ± sd | per seed | eval loss mean ± sd | per seed |\n|---|---:|---|---:|---|")
+
+    def sft_of(arm: str) -> str | None:
+        ref = "sft-full" if parsed[arm][1] == "none" else "sft"
+        return ref if ref in results and ref != arm else None
+
+    print(f"\nprompts {s.distill_samples or 'all'}, {args.steps or s.student_steps} steps, seeds {seeds}; teacher "
+          f"{teacher_acc:.3f}, student base {base_eval['accuracy']:.3f}")
+    print("| arm | accuracy mean ± sd | per seed | eval loss mean ± sd | gap closed (of the means) | beats SFT |\n"
+          "|---|---:|---|---:|---:|---:|")
     for arm, vals in results.items():
         acc, loss = [v[0] for v in vals], [v[1] for v in vals]
+        ref = sft_of(arm)
+        gap = wins = "-"
+        if ref:
+            sft_acc = statistics.mean(v[0] for v in results[ref])
+            if teacher_acc > sft_acc:
+                gap = f"{(statistics.mean(acc) - sft_acc) / (teacher_acc - sft_acc):.0%}"
+            wins = f"{sum(a > r[0] for a, r in zip(acc, results[ref]))}/{len(acc)}"
         print(f"| {arm} | {statistics.mean(acc):.3f} ± {statistics.pstdev(acc):.3f} | {', '.join(f'{a:.3f}' for a in acc)} "
-              f"| {statistics.mean(loss):.3f} ± {statistics.pstdev(loss):.3f} | {', '.join(f'{x:.3f}' for x in loss)} |")
+              f"| {statistics.mean(loss):.3f} ± {statistics.pstdev(loss):.3f} | {gap} | {wins} |")
+    print(f"({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,58 @@ def bundled_paths(n_train: int = 4000, n_eval: int = 200, seed: int = 1234) -> t
     atomic_write_text(eval_, "".join(json.dumps(r) + "\n" for r in records[:n_eval]))
     atomic_write_text(train, "".join(json.dumps(r) + "\n" for r in records[n_eval:]))
     return train, eval_
+
+
+# --------------------------------------------------------------------------- a generic corpus
+
+_FILLER = (
+    "the of and to in is you that it was for on are as with they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if "
+    "will up other about out many then them these so some her would make like him into time has look "
+    "two more write go see number no way could people my than first water been call who now find long "
+    "down day did get come made may part letters answer question text string count"
+).split()
+
+
+def _fact(rng: random.Random) -> str:
+    """One sentence that uses a skill the bundled tasks ask for, phrased as prose, never as their question."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        return rng.choice([f"{a} plus {b} makes {a + b}.", f"Adding {b} to {a} gives {a + b}.",
+                           f"{a} and {b} together are {a + b}."])
+    if kind == 1:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        hi, lo = max(a, b), min(a, b)
+        return rng.choice([f"{hi} minus {lo} leaves {hi - lo}.", f"Taking {lo} from {hi} leaves {hi - lo}."])
+    w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 6)))
+    if kind == 2:
+        return rng.choice([f"Backwards, {w} reads {w[::-1]}.", f"{w} spelled from the end is {w[::-1]}."])
+    if kind == 3:
+        return rng.choice([f"In capitals, {w} is {w.upper()}.", f"{w.upper()} is {w} in upper case."])
+    if kind == 4:
+        return rng.choice([f"The string {w} has {len(w)} letters.", f"{w} is {len(w)} characters long."])
+    if kind == 5:
+        return rng.choice([f"{w} twice is {w}{w}.", f"Say {w} two times: {w}{w}."])
+    return " ".join(rng.choice(_FILLER) for _ in range(rng.randint(4, 12))).capitalize() + "."
+
+
+def generic_corpus(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """n plain-text records for pretraining a student base: prose with numbers, words and string facts.
+
+    Why: a real student (a pretrained 0.5B model) already knows language, arithmetic and spelling; it
+    does not know the task's question format, its chat turns or its answer style. This corpus gives the
+    tiny presets that starting point in minutes: the same skills, written as sentences, with no chat
+    template and none of the bundled questions' wording, so fine-tuning or distillation still has the
+    task itself to teach.
+    """
+    rng = random.Random(seed)
+    return [{"text": " ".join(_fact(rng) for _ in range(rng.randint(3, 6)))} for _ in range(n)]
+
+
+def generic_corpus_path(n: int = 20000, seed: int = 0) -> Path:
+    """Write (once) the generic pretraining corpus as text JSONL; returns its path."""
+    path = home() / "datasets" / f"generic-{n}-{seed}" / "train.jsonl"
+    if not path.exists():
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in generic_corpus(n, seed)))
+    return path

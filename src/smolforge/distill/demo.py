@@ -34,14 +34,19 @@ from smolforge.models.peft_methods import apply_peft, load_adapter
 from smolforge.paths import atomic_write_json, home
 from smolforge.train.engine import evaluate, train
 
-DEMO_TEACHER_BASE = "tiny-llama"
-DEMO_STUDENT = "tiny-llama"
+DEMO_STUDENT = "tiny-llama"  # the preset the student base is pretrained from (student_base)
 
 
 @dataclass
 class DemoSettings:
     """Sized so the whole demo takes a few minutes on a 2-core laptop."""
 
+    # The student base: tiny-llama pretrained on the generic corpus (cached; see student_base).
+    pretrain_steps: int = 300
+    pretrain_lr: float = 3e-3
+    pretrain_batch: int = 32
+    pretrain_length: int = 64
+    teacher_base: str = "student"  # "student": the pretrained student base; else a preset name
     teacher_steps: int = 800
     teacher_lr: float = 3e-3
     teacher_batch: int = 32
@@ -50,7 +55,9 @@ class DemoSettings:
     student_batch: int = 32
     lora_r: int = 64
     lora_alpha: float = 128
+    full_lr: float = 3e-4  # students that fine-tune every weight (peft "none")
     kd_loss: str = "forward_kl"
+    beta: float = 0.5  # generalised JSD's β (kd_loss "jsd")
     kd_ratio: float = 1.0  # pure logit KD: measured better than mixing in CE on the teacher's tokens
     temperature: float = 1.0
     top_k: int = 32
@@ -66,76 +73,118 @@ class DemoSettings:
     teacher_seed: int = 0
 
 
-def _teacher_key(s: DemoSettings) -> str:
+def _cache_dir() -> Path:
+    import os
+
+    # $SMOLFORGE_DEMO_CACHE lets tests keep the (deterministic) models across sessions.
+    return Path(os.environ.get("SMOLFORGE_DEMO_CACHE") or home() / "demo")
+
+
+def _key(what: str, fields: dict[str, Any]) -> str:
     import torch
     import transformers
 
-    blob = json.dumps({k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length",
-                                                  "teacher_seed")}, sort_keys=True)
+    blob = json.dumps(fields, sort_keys=True)
     versions = f"{torch.__version__}/{transformers.__version__}/fp32"
-    return hashlib.sha256((DEMO_TEACHER_BASE + blob + versions).encode()).hexdigest()[:12]
+    return hashlib.sha256((what + blob + versions).encode()).hexdigest()[:12]
 
 
-def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
-    """The demo teacher (cached by its settings): (model dir, its held-out metrics)."""
-
-    import os
-
-    # $SMOLFORGE_DEMO_CACHE lets tests keep the (deterministic) teacher across sessions.
-    cache = Path(os.environ.get("SMOLFORGE_DEMO_CACHE") or home() / "demo")
-    root = cache / f"teacher-{_teacher_key(s)}"
+def _cached_full_finetune(root: Path, cfg: TrainConfig) -> tuple[Path, dict[str, Any]]:
+    """Train `cfg` (a full fine-tune) into root/none_adapter once; later calls load it. Deterministic:
+    seeded, fp32, so the cache key (its settings and library versions) names the weights."""
     model_dir = root / "none_adapter"
-    info = root / "teacher.json"
+    info = root / "model.json"
     if (model_dir / "config.json").exists() and info.exists():
         return model_dir, json.loads(info.read_text())
     if root.exists():
-        shutil.rmtree(root)
-    cfg = TrainConfig(model=DEMO_TEACHER_BASE, data=DataSpec(path="bundled", max_length=s.max_length,
-                                                             max_eval_samples=s.max_eval_samples),
+        shutil.rmtree(root)  # a run that died half-way: nothing in it is trusted
+    result = train(cfg)
+    out = {"eval": dict(result.eval), "steps": result.steps, "seconds": result.seconds}
+    atomic_write_json(info, out)
+    shutil.rmtree(root / "checkpoints", ignore_errors=True)  # the weights are in none_adapter/
+    return model_dir, out
+
+
+def student_base(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The demo's student base: tiny-llama pretrained on the generic corpus (cached), as a real student
+    (a pretrained 0.5B model) knows language and arithmetic but not the task's format.
+
+    See `smolforge.data.synthetic.generic_corpus` for what it reads: prose with the skills, no chat turns."""
+    from smolforge.data.synthetic import generic_corpus_path
+
+    fields = {k: getattr(s, k) for k in ("pretrain_steps", "pretrain_lr", "pretrain_batch", "pretrain_length")}
+    root = _cache_dir() / f"student-base-{_key(DEMO_STUDENT, fields)}"
+    corpus = generic_corpus_path()
+    cfg = TrainConfig(model=DEMO_STUDENT, data=DataSpec(path=str(corpus), format="text", packing=True,
+                                                        max_length=s.pretrain_length, max_eval_samples=64,
+                                                        eval_fraction=0.01),
+                      peft=PeftSpec(method="none"), output_dir=str(root), max_steps=s.pretrain_steps,
+                      batch_size=s.pretrain_batch, lr=s.pretrain_lr, warmup_steps=30, seed=0, precision="fp32",
+                      quiet=quiet, tensorboard=False, log_every=50)
+    return _cached_full_finetune(root, cfg)
+
+
+def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The demo teacher (cached by its settings): (model dir, its held-out metrics).
+
+    It knows the task: a full fine-tune on every bundled training example, from the same pretrained
+    base as the students (`teacher_base: "student"`) or from a preset's random weights."""
+    fields = {k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length", "teacher_seed")}
+    if s.teacher_base == "student":
+        base, _ = student_base(s, quiet)
+        fields["base"] = base.parent.name
+    else:
+        base = s.teacher_base
+    root = _cache_dir() / f"teacher-{_key(str(s.teacher_base), fields)}"
+    cfg = TrainConfig(model=str(base), data=DataSpec(path="bundled", max_length=s.max_length,
+                                                     max_eval_samples=s.max_eval_samples),
                       peft=PeftSpec(method="none"), output_dir=str(root), max_steps=s.teacher_steps,
                       batch_size=s.teacher_batch, lr=s.teacher_lr, warmup_steps=30, seed=s.teacher_seed,
                       precision="fp32",  # "auto" may pick bf16 by a timing probe: the teacher would vary by load
                       max_new_tokens=s.max_new_tokens, quiet=quiet, tensorboard=False, log_every=50)
-    result = train(cfg)
-    metrics = dict(result.eval)
-    atomic_write_json(info, {"eval": metrics, "steps": result.steps, "seconds": result.seconds})
-    shutil.rmtree(root / "checkpoints", ignore_errors=True)  # the weights are in none_adapter/
-    return model_dir, {"eval": metrics}
+    return _cached_full_finetune(root, cfg)
 
 
-def evaluate_adapter(adapter: str | Path | None, s: DemoSettings) -> dict[str, Any]:
-    """Held-out eval loss and exact-match accuracy of the demo student (plus an adapter)."""
+def evaluate_adapter(adapter: str | Path | None, s: DemoSettings, base: str | Path | None = None) -> dict[str, Any]:
+    """Held-out eval loss and exact-match accuracy of the demo student base (plus an adapter)."""
     import torch
 
-
-    tok = load_tokenizer(DEMO_STUDENT)
-    model = load_model(DEMO_STUDENT)
+    base = str(base or student_base(s)[0])
+    tok = load_tokenizer(base)
+    model = load_model(base)
     if adapter is not None:
         model = load_adapter(model, adapter)
     spec = DataSpec(path="bundled", max_length=s.max_length, max_eval_samples=s.max_eval_samples, max_samples=1)
-    cfg = TrainConfig(model=DEMO_STUDENT, data=spec, batch_size=32, max_new_tokens=s.max_new_tokens)
+    cfg = TrainConfig(model=base, data=spec, batch_size=32, max_new_tokens=s.max_new_tokens)
     return evaluate(model, tok, load_splits(spec, tok), cfg, torch.device("cpu"))
 
 
 def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: int | None = None,
-                  kd_ratio: float | None = None):
-    """(StudentConfig, LoRA model) of one demo student trained in this process (the KD test and bench).
+                  kd_ratio: float | None = None, peft: str = "lora", on_policy_ratio: float = 0.0,
+                  teacher: str | Path | None = None, kd_loss: str | None = None, beta: float | None = None,
+                  temperature: float | None = None, lr: float | None = None):
+    """(StudentConfig, model) of one demo student trained in this process (the KD test and bench).
 
-    The model is built here, under `seed`, by the caller's thread: torch's RNG (which initialises
-    LoRA) is process-wide, so students meant to train side by side in threads are all built first.
+    `peft` "lora" (the demo's) or "none" (a full fine-tune at `full_lr`). The model is built here,
+    under `seed`, by the caller's thread: torch's RNG (which initialises LoRA) is process-wide, so
+    students meant to train side by side in threads are all built first.
     """
     import torch
 
-
-    cfg = StudentConfig(base_model=DEMO_STUDENT, output_dir=str(output_dir), max_steps=steps or s.student_steps,
-                        batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length,
-                        seed=seed, device="cpu", num_threads=1, eval_data="bundled",
-                        max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
-                        peft=PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0),
-                        kd=KDConfig(loss=s.kd_loss, kd_ratio=s.kd_ratio if kd_ratio is None else kd_ratio,
-                                    temperature=s.temperature))
+    base = str(student_base(s)[0])
+    spec = (PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0) if peft == "lora"
+            else PeftSpec(method=peft))
+    cfg = StudentConfig(base_model=base, output_dir=str(output_dir), max_steps=steps or s.student_steps,
+                        batch_size=s.student_batch, lr=lr or (s.student_lr if peft == "lora" else s.full_lr),
+                        warmup_steps=30, max_length=s.max_length, seed=seed, device="cpu", num_threads=1,
+                        eval_data="bundled", max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
+                        precision="fp32", peft=spec, on_policy_ratio=on_policy_ratio,
+                        teacher_model=str(teacher) if teacher else None,
+                        kd=KDConfig(loss=kd_loss or s.kd_loss, kd_ratio=s.kd_ratio if kd_ratio is None else kd_ratio,
+                                    temperature=s.temperature if temperature is None else temperature,
+                                    beta=s.beta if beta is None else beta))
     torch.manual_seed(seed)
-    return cfg, apply_peft(load_model(DEMO_STUDENT), cfg.peft)
+    return cfg, apply_peft(load_model(base), cfg.peft)
 
 
 def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
@@ -159,8 +208,10 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     t_all = time.time()
     say = (lambda msg: None) if quiet else _say
 
-    say("1/5 training the teacher in-process (full fine-tune of tiny-llama on the bundled task)")
+    say("1/5 the student base (tiny-llama pretrained on a generic corpus) and the teacher (that base fully "
+        "fine-tuned on the bundled task), each trained once and cached")
     t = time.time()
+    base_dir, base_info = student_base(s, quiet=quiet)
     teacher_dir, teacher_info = train_teacher(s, quiet=quiet)
     stages["teacher_training"] = time.time() - t
 
@@ -172,11 +223,11 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
                       max_samples=s.distill_samples, device="cpu")
         teachers = orch.create_parallel_teacher_tasks(str(teacher_dir), "bundled", kd_dir,
                                                       num_teachers=s.num_teachers, **common)
-        reference = orch.create_parallel_teacher_tasks(DEMO_STUDENT, "bundled", sft_dir, num_teachers=1,
+        reference = orch.create_parallel_teacher_tasks(str(base_dir), "bundled", sft_dir, num_teachers=1,
                                                        backend="reference", **common)
         say(f"3/5 {s.num_students} KD students stream the shards; the SFT baseline runs the same pipeline")
-        kd_students = orch.create_student_tasks(DEMO_STUDENT, kd_dir / "teacher_outputs", **student_kwargs(s, seed))
-        sft_students = orch.create_student_tasks(DEMO_STUDENT, sft_dir / "teacher_outputs", **student_kwargs(s, seed))
+        kd_students = orch.create_student_tasks(str(base_dir), kd_dir / "teacher_outputs", **student_kwargs(s, seed))
+        sft_students = orch.create_student_tasks(str(base_dir), sft_dir / "teacher_outputs", **student_kwargs(s, seed))
         orch.wait_distill(teachers + reference, timeout=1800)
         stages["teacher_shards"] = time.time() - t
         t_students = time.time()
@@ -193,15 +244,16 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
 
     say("5/5 held-out evaluation")
     t = time.time()
-    base = evaluate_adapter(None, s)
-    sft = evaluate_adapter(sft_merge["output"], s)
-    kd = evaluate_adapter(kd_merge["output"], s)
+    base = evaluate_adapter(None, s, base_dir)
+    sft = evaluate_adapter(sft_merge["output"], s, base_dir)
+    kd = evaluate_adapter(kd_merge["output"], s, base_dir)
     stages["evaluation"] = time.time() - t
 
     store = store_summary(kd_dir / "teacher_outputs")
     stages["total"] = time.time() - t_all
     summary = {
         "teacher_accuracy": teacher_info["eval"].get("accuracy"),
+        "gap_closed": gap_closed(teacher_info["eval"].get("accuracy"), sft.get("accuracy"), kd.get("accuracy")),
         "teacher_eval_loss": teacher_info["eval"].get("eval_loss"),
         "student_base_accuracy": base.get("accuracy"),
         "student_base_eval_loss": base.get("eval_loss"),
@@ -216,12 +268,20 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
         "student_steps": s.student_steps,
         "seed": seed,
         "teacher_dir": str(teacher_dir),
+        "student_base_dir": str(base_dir),
         "kd_adapter": kd_merge["output"],
         "sft_adapter": sft_merge["output"],
         "settings": asdict(s),
     }
     atomic_write_json(out / "demo_summary.json", summary)
     return summary
+
+
+def gap_closed(teacher: float | None, sft: float | None, kd: float | None) -> float | None:
+    """The share of the SFT student's accuracy gap to the teacher that KD closes: (KD - SFT) / (teacher - SFT)."""
+    if teacher is None or sft is None or kd is None or teacher <= sft:
+        return None
+    return (kd - sft) / (teacher - sft)
 
 
 def _say(msg: str) -> None:
@@ -240,18 +300,22 @@ def print_demo_table(summary: dict[str, Any]) -> None:
     def num(v):
         return "-" if v is None else f"{v:.3f}"
 
-    table = Table(title="smolforge demo: distilling a trained teacher into LoRA students (bundled task, held out)")
+    table = Table(title="smolforge demo: distilling a trained teacher into LoRA students of a pretrained base "
+                        "(bundled task, held out)")
     table.add_column("model")
     table.add_column("exact-match accuracy", justify="right")
     table.add_column("eval loss", justify="right")
     table.add_row("teacher (trained in-process)", pct(summary["teacher_accuracy"]), num(summary["teacher_eval_loss"]))
-    table.add_row("student before training", pct(summary["student_base_accuracy"]), num(summary["student_base_eval_loss"]))
+    table.add_row("student base (pretrained, before distillation)", pct(summary["student_base_accuracy"]), num(summary["student_base_eval_loss"]))
     table.add_row(f"student after SFT only ({summary['student_steps']} steps × 2, merged)", pct(summary["sft_accuracy"]),
                   num(summary["sft_eval_loss"]))
     table.add_row(f"student after KD ({summary['student_steps']} steps × 2, merged)", pct(summary["kd_accuracy"]),
                   num(summary["kd_eval_loss"]))
     con = Console()
     con.print(table)
+    if summary.get("gap_closed") is not None:
+        con.print(f"KD closes {summary['gap_closed']:.0%} of the SFT student's accuracy gap to the teacher "
+                  "(same prompts, same steps)")
     con.print(f"teacher-output store: {summary['store_bytes_per_token']:.1f} bytes/token "
               f"(fp16 full vocabulary: {summary['store_fp16_full_vocab_bytes_per_token']:,} bytes/token; "
               f"stored vs exact top-k KL {summary.get('store_reconstruction_kl') or 0:.1e} nats/token)")

@@ -136,7 +136,10 @@ def mixed_loss(student_logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg
     targets = shift_labels[mask]
     n = int(targets.numel())
     ce_rows = F.cross_entropy(rows.float(), targets, reduction="none") if n else rows.new_zeros(0)
-    have_kd = "teacher_logprobs" in batch and cfg.kd_ratio > 0 and n > 0
+    # An on-policy batch (the student's own samples, distill/on_policy.py) trains on the divergence only:
+    # cross-entropy on the student's samples would be self-training, not distillation.
+    kd_ratio = 1.0 if "on_policy" in batch else cfg.kd_ratio
+    have_kd = "teacher_logprobs" in batch and kd_ratio > 0 and n > 0
     if have_kd:
         w = batch.get("kd_weight")
         w = torch.ones(n, device=rows.device) if w is None else w.to(rows.device).float()
@@ -146,9 +149,9 @@ def mixed_loss(student_logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg
                 fix="the shard and the student tokenizer disagree; regenerate the teacher outputs for this student")
         kd_sum = topk_kd_loss_sum(rows, batch["teacher_logprobs"].to(rows.device), batch["teacher_indices"].to(rows.device),
                                   batch["teacher_tail"].to(rows.device), cfg, weights=w)
-        ce_weight = (1.0 - cfg.kd_ratio) * w + (1.0 - w)  # rows without teacher logits: full CE
+        ce_weight = (1.0 - kd_ratio) * w + (1.0 - w)  # rows without teacher logits: full CE
         ce_sum = (ce_rows * ce_weight).sum()
-        total = cfg.kd_ratio * kd_sum + ce_sum
+        total = kd_ratio * kd_sum + ce_sum
         kd_tokens = int(w.sum().item())
     else:
         kd_sum = rows.new_zeros(())

@@ -38,6 +38,10 @@ class DistillSettings(Spec):
     kd_ratio: float = 0.5
     temperature: float = 1.0
     beta: float = 0.5
+    # On-policy distillation (GKD): this fraction of student steps trains on the student's own samples,
+    # scored by the teacher loaded in the student's process (same tokenizer). See distill/on_policy.py.
+    on_policy_ratio: float = Field(0.0, ge=0, le=1)
+    on_policy_temperature: float = Field(1.0, gt=0)
     top_k: int = Field(32, ge=0)
     compress_outputs: bool = True
     teacher_backend: str = "hf"
@@ -124,6 +128,9 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                 samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
                 responses=cfg.teacher_responses).check()
+    if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
+        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
+                             f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
     if cfg.teacher_backend not in ("hf", "ollama", "reference"):
         raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
     if cfg.replace_timeout_s <= 0:

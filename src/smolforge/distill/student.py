@@ -29,6 +29,7 @@ from smolforge.data.encode import encode_all, encode_example, ensure_chat_templa
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig, mixed_loss
+from smolforge.distill.on_policy import OnPolicySampler, OnPolicySettings, is_on_policy_step
 from smolforge.distill.shard_source import ShardSource
 from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
@@ -77,6 +78,11 @@ class StudentConfig:
     max_eval_samples: int | None = 200
     eval_accuracy: bool = True
     max_new_tokens: int = 16
+    # On-policy distillation (GKD): the fraction of steps trained on the student's own samples, scored by
+    # `teacher_model` loaded in this process (default: the store's teacher). See distill/on_policy.py.
+    on_policy_ratio: float = 0.0
+    on_policy_temperature: float = 1.0
+    teacher_model: str | None = None
     wait_timeout_s: float = 900.0  # how long to wait for one shard before giving up
     poll_s: float = 0.2
     quiet: bool = True
@@ -263,6 +269,7 @@ class StudentResult:
     total_params: int = 0
     stopped: str | None = None
     warnings: list[str] = field(default_factory=list)
+    on_policy_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -295,6 +302,24 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
         if total:
             out["accuracy"] = correct / total
     return out
+
+
+def _on_policy_sampler(cfg: StudentConfig, store_teacher: str | None, tokenizer, my_hash: str,
+                       device: torch.device, k: int) -> OnPolicySampler:
+    """The teacher that scores the student's samples, loaded in this process (once per student run)."""
+    from smolforge.distill.teacher import HFTeacher
+
+    name = cfg.teacher_model or store_teacher
+    if not name:
+        raise SmolforgeError("on-policy distillation needs the teacher model, and the store does not name one",
+                             fix="pass teacher_model (--teacher) with --on-policy-ratio")
+    teacher = HFTeacher(name, device=str(device))
+    if teacher.tok_hash != my_hash:
+        raise SmolforgeError(f"on-policy distillation needs the teacher ({name}) and the student ({cfg.base_model}) "
+                             "to share a tokenizer: the teacher scores the student's own token ids",
+                             fix="use --on-policy-ratio 0 for a student with another tokenizer (sequence-level KD)")
+    return OnPolicySampler(OnPolicySettings(ratio=cfg.on_policy_ratio, temperature=cfg.on_policy_temperature,
+                                            max_new_tokens=cfg.max_new_tokens, top_k=k or 32), teacher, tokenizer, cfg.seed)
 
 
 def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
@@ -334,7 +359,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
                            started_at=t_start, trainable_params=trainable, total_params=total_params)
     my_hash = tokenizer_hash(tokenizer)
     same = teacher_tokenizer_hash is None or teacher_tokenizer_hash == my_hash
-    k_holder = {"k": 0}
+    k_holder: dict[str, Any] = {"k": 0}
     tail_ids = template_tail_ids(tokenizer)
 
     def to_rows(shard: Shard) -> list[Row]:
@@ -351,6 +376,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
             emit("student_sequence_kd", warning=msg)
         if same and shard.manifest.get("has_logits", True):
             k_holder["k"] = int(shard.manifest.get("k", 0))
+        k_holder.setdefault("teacher", shard.manifest.get("teacher"))
         return rows_from_shard(shard, tokenizer, same, cfg.max_length, tail_ids)
 
     def on_shard(shard: Shard, n_rows: int) -> None:
@@ -391,14 +417,28 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
                             completed=start_step)
     last_loss = [float("nan")]
 
+    sampler: list[OnPolicySampler | None] = [None]  # built on the first on-policy step (loads the teacher)
+
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
         # The global batch of a step is world × per_step rows of the stream; rank r takes its slice.
         rows = stream.take((step * world + rank) * per_step, per_step)  # blocks until the shard(s) exist
         if result.first_step_at is None:
             result.first_step_at = time.time()
             emit("student_started", step=step, shards_ready=len(stream.arrival))
-        return [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, k_holder["k"])
-                for j in range(0, per_step, cfg.batch_size)]
+        on_policy = is_on_policy_step(cfg.on_policy_ratio, cfg.seed, step)
+        if on_policy:
+            if sampler[0] is None:
+                sampler[0] = _on_policy_sampler(cfg, k_holder.get("teacher"), tokenizer, my_hash, device,
+                                                k_holder["k"])
+            with strategy.whole_model(model):
+                rows = sampler[0].rewrite(rows, model, device, step, rank)
+            result.on_policy_steps += 1
+        micro = [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, sampler[0].s.top_k if on_policy
+                              else k_holder["k"]) for j in range(0, len(rows), cfg.batch_size)]
+        if on_policy:
+            for m in micro:
+                m["on_policy"] = torch.ones(())
+        return micro
 
     def after_step(done: int, stats: StepStats) -> None:
         last_loss[0] = stats.loss

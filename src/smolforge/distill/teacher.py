@@ -200,27 +200,42 @@ class HFTeacher:
         then the last len(response_r) of the kept positions.
         """
         encoded = [(item, *reference_ids(self.tokenizer, item)) for item in items]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]) + len(encoded[i][2]))
-        out: dict[int, TeacherRecord] = {}
-        for start in range(0, len(order), settings.batch_size):
-            rows = order[start:start + settings.batch_size]
-            full, mask = self._left_pad([encoded[i][1] + encoded[i][2] for i in rows])
-            g = max(len(encoded[i][2]) for i in rows)
+        scored = self.score_ids([(prompt, resp) for _, prompt, resp in encoded], settings.top_k, settings.batch_size)
+        return [TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
+                              prompt_ids=list(prompt), response_ids=list(resp), response_text=item.answer or "",
+                              answer=item.answer, topk_logprobs=values, topk_indices=idx, tail_mass=tail,
+                              truncation_kl=trunc)
+                for (item, prompt, resp), (values, idx, tail, trunc) in zip(encoded, scored)]
+
+    @torch.no_grad()
+    def score_ids(self, pairs: list[tuple[list[int], list[int]]], top_k: int,
+                  batch_size: int = 64) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Teacher-forced top-k over given responses: (log-probs [n, k], indices [n, k], tail [n], top-k
+        truncation KL [n]) per (prompt ids, response ids) pair, in order. The reference backend scores the dataset's answers
+        with it, and on-policy distillation the student's own samples."""
+        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+        out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            full, mask = self._left_pad([list(pairs[i][0]) + list(pairs[i][1]) for i in rows])
+            g = max(len(pairs[i][1]) for i in rows)
+            if g == 0:
+                k = min(top_k, self.vocab_size)
+                for i in rows:
+                    out[i] = (np.zeros((0, k), np.float32), np.zeros((0, k), np.int64), np.zeros(0, np.float32),
+                              np.zeros(0, np.float32))
+                continue
             logits = self._response_logits(full, mask, g)  # [rows, g, V]
             flat = logits.reshape(-1, logits.shape[-1])
-            values, idx, tail = topk_from_logits(flat, settings.top_k)
+            values, idx, tail = topk_from_logits(flat, top_k)
             trunc = truncation_kl(flat, idx, tail).view(len(rows), g).cpu()
             k = values.shape[-1]
             values, idx, tail = values.view(len(rows), g, k).cpu(), idx.view(len(rows), g, k).cpu(), tail.view(len(rows), g).cpu()
             for r, i in enumerate(rows):
-                item, prompt, resp = encoded[i]
-                n = len(resp)
-                out[i] = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
-                                       prompt_ids=list(prompt), response_ids=list(resp), response_text=item.answer or "",
-                                       answer=item.answer, topk_logprobs=values[r, g - n:].numpy(),
-                                       topk_indices=idx[r, g - n:].numpy().astype(np.int64),
-                                       tail_mass=tail[r, g - n:].numpy(), truncation_kl=trunc[r, g - n:].numpy())
-        return [out[i] for i in range(len(encoded))]
+                n = len(pairs[i][1])
+                out[i] = (values[r, g - n:].numpy(), idx[r, g - n:].numpy().astype(np.int64), tail[r, g - n:].numpy(),
+                          trunc[r, g - n:].numpy())
+        return [out[i] for i in range(len(pairs))]
 
     def _response_logits(self, full: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:
         """Logits predicting each of the g response tokens: positions [L-g-1, L-2] of the full rows."""

@@ -50,7 +50,8 @@ class StudentTasks:
                              max_new_tokens: int = 16, device: str = "auto", save_every: int | None = None,
                              wait_timeout_s: float = 900.0, resume: bool = False,
                              replace_timeout_s: float = 300.0, students_sync: str = "average",
-                             students_strategy: str | None = None) -> list[str]:
+                             students_strategy: str | None = None, on_policy_ratio: float = 0.0,
+                             on_policy_temperature: float = 1.0, teacher_model: str | None = None) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -70,6 +71,9 @@ class StudentTasks:
         `students_sync` (see `smolforge.cluster.distill.sync`): "average" is the above; "ddp" makes
         the students of each base one data-parallel group (`students_strategy`, DDP by default) that
         reads every shard in order and writes ONE adapter, to the first member's `student_N/`.
+        `on_policy_ratio` > 0: that fraction of each student's steps trains on its own samples scored
+        by `teacher_model` (default: the store's teacher), which the student's node loads
+        (distill/on_policy.py).
         """
         st = self._dstate()
         args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
@@ -109,7 +113,9 @@ class StudentTasks:
                           "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
                           "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
-                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s}
+                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
+                          "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
+                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None)}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
                         "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
                         "resume": self._resume_point(out, resume)}
