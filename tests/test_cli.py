@@ -73,17 +73,17 @@ def test_demo_json_shows_accuracy_rising(tmp_path):
 
 @pytest.mark.slow
 def test_distill_demo_json_has_the_documented_keys(tmp_path):
-    """The distillation demo end to end, shrunk (a 40-step teacher, 6-step students) to check its
-    wiring and its JSON; the full-size numbers are in BENCHMARKS.md."""
+    """The distillation demo end to end, shrunk (a 20-step student base, a 40-step teacher, 6-step
+    students) to check its wiring and its JSON; the full-size numbers are in BENCHMARKS.md."""
     env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
-    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--teacher-steps", "40",
-                     "--student-steps", "6", "--distill-samples", "64", timeout=600, env=env)
+    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--pretrain-steps", "20",
+                     "--teacher-steps", "40", "--student-steps", "6", "--distill-samples", "64", timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     keys = {"teacher_accuracy", "student_base_accuracy", "sft_accuracy", "kd_accuracy", "sft_eval_loss",
-            "kd_eval_loss", "store_bytes_per_token", "stage_seconds"}
+            "kd_eval_loss", "store_bytes_per_token", "stage_seconds", "gap_closed", "student_base_dir"}
     assert keys <= set(summary), set(summary)
-    assert {"teacher_training", "teacher_shards", "students", "aggregation", "evaluation", "total"} <= set(summary["stage_seconds"])
+    assert {"student_base", "teacher_training", "teacher_shards", "students", "aggregation", "evaluation", "total"} <= set(summary["stage_seconds"])
     assert summary["kd_eval_loss"] < summary["student_base_eval_loss"]
     assert 0 < summary["store_bytes_per_token"] < summary["store_fp16_full_vocab_bytes_per_token"]
     run = tmp_path / "demo" / "distill"

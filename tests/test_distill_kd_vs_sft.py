@@ -1,17 +1,13 @@
 """On the bundled task, with the same number of student steps, the KD student beats the SFT-only
-student on held-out accuracy and loss, over several seeds.
+student on held-out accuracy and loss, over several seeds, and the share of the SFT student's gap to
+the teacher that KD closes is printed (run with -s).
 
-Both students run the same code on the same prompts (the first 256 bundled train prompts): the KD
-one reads the teacher's top-k store, the SFT one reads a store of the dataset's reference answers
-(the `reference` backend: text only, so plain CE on exactly the rows `smolforge train` would use).
-Mean and spread over the seeds are printed (run with -s to see them); BENCHMARKS.md has them, and
-the same comparison on all 4,000 prompts, where KD's gain is smaller.
-
-Sized for the test (the demo's settings otherwise): the demo's recipe with a 200-step teacher
-(accuracy 0.285; the demo's 800-step one has 0.59 and costs 4x the training, which CI always pays),
-256 prompts (KD's gain grows as labelled prompts get scarce) and 100 student steps. Measured margins
-(the same numbers each run: seeded, fp32, one thread per student): KD accuracy 0.225-0.235 against SFT
-0.16-0.18 on each seed (at least 4.5 points, 9 of 200 examples, better), eval loss 2.31-2.34 against 3.03-3.05.
+Both students start from the demo's pretrained student base (tiny-llama pretrained on the generic
+corpus) and run the same code on the same prompts: the KD one reads the teacher's top-k store, the
+SFT one a store of the dataset's reference answers (the `reference` backend: text only, so plain CE
+on exactly the rows `smolforge train` would use). The teacher is that base fully fine-tuned on the
+whole bundled train split. Sized for the test (the demo's models, 256 prompts, 100 student steps);
+BENCHMARKS.md has the demo-size numbers (bench/distill_kd_vs_sft.py).
 """
 
 from __future__ import annotations
@@ -37,22 +33,23 @@ def _train(cfg, model, store):
 
 
 def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
-    from smolforge.distill.demo import DEMO_STUDENT, DemoSettings, local_student, train_teacher
+    from smolforge.distill.demo import DemoSettings, gap_closed, local_student, student_base, train_teacher
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
-    s = DemoSettings(teacher_steps=200, distill_samples=256, student_steps=100)
-    # The teacher is deterministic (seeded, keyed by its settings and library versions): keep it across
-    # test sessions, so only the first run pays the teacher training (~15 s on a quiet 2-core machine).
+    s = DemoSettings(distill_samples=256, student_steps=100)
+    # The base and the teacher are deterministic (seeded, keyed by their settings and library versions):
+    # keep them across test sessions, so only the first run pays their training (~4 min on 2 cores).
     import tempfile
     from pathlib import Path
 
     monkeypatch.setenv("SMOLFORGE_DEMO_CACHE", str(Path(tempfile.gettempdir()) / "smolforge-test-demo-cache"))
+    base_dir, _ = student_base(s)
     teacher_dir, info = train_teacher(s)
     gen = GenSettings(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64)
     kd_store, sft_store = tmp_path / "kd" / "teacher_outputs", tmp_path / "sft" / "teacher_outputs"
     common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen)
     run_teacher_local(str(teacher_dir), "bundled", kd_store, device="cpu", **common)
-    run_teacher_local(DEMO_STUDENT, "bundled", sft_store, backend="reference", **common)
+    run_teacher_local(str(base_dir), "bundled", sft_store, backend="reference", **common)
 
     results = {"kd": [], "sft": []}
     with ThreadPoolExecutor(2) as pool:  # the two students of a seed side by side, one core each
@@ -73,10 +70,15 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
         for kind in ("sft", "kd"):
             m, sd, vals = stats(kind, key)
             lines.append(f"{kind:>3} {key:<9} mean {m:.4f} ± {sd:.4f}  per seed {[round(v, 4) for v in vals]}")
+    gap = gap_closed(info["eval"]["accuracy"], stats("sft", "accuracy")[0], stats("kd", "accuracy")[0])
+    lines.append(f"gap closed: {gap:.1%}" if gap is not None else "gap closed: - (teacher not above SFT)")
     print("\n" + "\n".join(lines))
     assert stats("kd", "accuracy")[0] > stats("sft", "accuracy")[0], lines
     assert stats("kd", "eval_loss")[0] < stats("sft", "eval_loss")[0], lines
-    # and not by luck of one seed: KD has the lower loss on every seed and the higher accuracy on most
+    # and not by luck of one seed: KD has the lower loss on every seed and the higher accuracy on most.
+    # (Measured at this size: KD 0.195/0.200/0.180 against SFT 0.175/0.165/0.185, gap closed 4.8 %; the
+    # issue's goal, half the gap closed and a win on every seed, is not reached: see BENCHMARKS.md.)
     pairs = list(zip(results["kd"], results["sft"]))
     assert all(k["eval_loss"] < f["eval_loss"] for k, f in pairs), lines
     assert sum(k["accuracy"] > f["accuracy"] for k, f in pairs) >= 2, lines
+    assert gap is not None and gap > 0, lines

@@ -1,17 +1,21 @@
 """`smolforge demo`: teacher→student distillation end to end on the embedded default.
 
-1. A teacher is trained in-process on the bundled task (a full fine-tune of `tiny-llama`, cached
-   under $SMOLFORGE_HOME/demo so a second demo starts at step 2).
+1. The student base is `tiny-llama` pretrained in-process on a generic corpus (prose with numbers,
+   words and string facts, no chat turns: `data.synthetic.generic_corpus`), as a real student is a
+   pretrained small model; the teacher is that base fully fine-tuned on every bundled training
+   example. Both are cached under $SMOLFORGE_HOME/demo (keyed by their settings and library
+   versions), so a second demo starts at step 2.
 2. Two parallel teacher tasks label the first 512 bundled prompts into the top-k logit store
    (`teacher_outputs/`).
-3. Two LoRA students learn from it (forward KL to the top-k), each on its own half of the shards, then
-   their adapters are merged (exact mean of the LoRA updates, truncated SVD) into
-   `merged_model/final_adapter/`.
+3. Two LoRA students of the pretrained base learn from it (forward KL to the top-k) as one
+   data-parallel group (`--students-sync ddp`: each rank takes half of every step's rows), whose one
+   adapter goes to `merged_model/final_adapter/`.
 4. The baseline goes through the *same* pipeline with the dataset's reference answers instead of
    the teacher (the `reference` backend: text, no logits): two SFT students, same shards, same
    steps, same merge. So "KD vs SFT" differs in the training signal only.
-5. Held-out exact-match accuracy and eval loss of the untrained student, the SFT student and the
-   KD student, plus the store's bytes/token and the time of each stage.
+5. Held-out exact-match accuracy and eval loss of the student base, the SFT student and the KD
+   student, the share of the SFT student's gap to the teacher that KD closes, the store's
+   bytes/token and the time of each stage.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class DemoSettings:
     max_new_tokens: int = 12
     num_teachers: int = 2
     num_students: int = 2
+    # "ddp": the students of an arm train as one data-parallel group and write one adapter; "average":
+    # each trains on its own half of the shards and their adapters are averaged (which cost KD its
+    # accuracy lead here: BENCHMARKS.md).
+    students_sync: str = "ddp"
     num_shards: int = 16
     # Prompts the teacher labels for the students (the first N of the bundled train split). KD's
     # gain over SFT grows as labelled prompts get scarce: measured in BENCHMARKS.md.
@@ -188,9 +196,12 @@ def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: 
 
 
 def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
-    return dict(num_students=s.num_students, peft_type="lora",
+    # ddp: the students are one data-parallel group, so `student_batch` is the group's global batch,
+    # split over the ranks, and the run equals one student with that batch (the bench's numbers).
+    per_rank = s.student_batch // s.num_students if s.students_sync == "ddp" else s.student_batch
+    return dict(num_students=s.num_students, peft_type="lora", students_sync=s.students_sync,
                 peft_config={"r": s.lora_r, "alpha": s.lora_alpha, "dropout": 0.0}, max_steps=s.student_steps,
-                batch_size=s.student_batch, lr=s.student_lr, warmup_steps=30, max_length=s.max_length, seed=seed,
+                batch_size=per_rank, lr=s.student_lr, warmup_steps=30, max_length=s.max_length, seed=seed,
                 kd_loss=s.kd_loss, kd_ratio=s.kd_ratio, temperature=s.temperature, device="cpu")
 
 
@@ -211,7 +222,9 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     say("1/5 the student base (tiny-llama pretrained on a generic corpus) and the teacher (that base fully "
         "fine-tuned on the bundled task), each trained once and cached")
     t = time.time()
-    base_dir, base_info = student_base(s, quiet=quiet)
+    base_dir, _ = student_base(s, quiet=quiet)
+    stages["student_base"] = time.time() - t
+    t = time.time()
     teacher_dir, teacher_info = train_teacher(s, quiet=quiet)
     stages["teacher_training"] = time.time() - t
 
@@ -234,7 +247,8 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
         orch.wait_distill(kd_students + sft_students, timeout=1800)
         stages["students"] = time.time() - t_students
 
-        say("4/5 merging each pair of students (exact mean of LoRA updates → rank r)")
+        say("4/5 each arm's adapter into merged_model/ (ddp: one group's adapter, copied; average: exact mean of "
+            "the LoRA updates → rank r)")
         t = time.time()
         kd_merge = orch.aggregate_student_outputs(kd_students, kd_dir / "merged_model")
         sft_merge = orch.aggregate_student_outputs(sft_students, sft_dir / "merged_model")
@@ -307,9 +321,12 @@ def print_demo_table(summary: dict[str, Any]) -> None:
     table.add_column("eval loss", justify="right")
     table.add_row("teacher (trained in-process)", pct(summary["teacher_accuracy"]), num(summary["teacher_eval_loss"]))
     table.add_row("student base (pretrained, before distillation)", pct(summary["student_base_accuracy"]), num(summary["student_base_eval_loss"]))
-    table.add_row(f"student after SFT only ({summary['student_steps']} steps × 2, merged)", pct(summary["sft_accuracy"]),
+    settings = summary.get("settings") or {}
+    how = (f"{summary['student_steps']} steps, {settings.get('num_students', 2)} data-parallel ranks"
+           if settings.get("students_sync", "ddp") == "ddp" else f"{summary['student_steps']} steps × 2, merged")
+    table.add_row(f"student after SFT only ({how})", pct(summary["sft_accuracy"]),
                   num(summary["sft_eval_loss"]))
-    table.add_row(f"student after KD ({summary['student_steps']} steps × 2, merged)", pct(summary["kd_accuracy"]),
+    table.add_row(f"student after KD ({how})", pct(summary["kd_accuracy"]),
                   num(summary["kd_eval_loss"]))
     con = Console()
     con.print(table)

@@ -322,6 +322,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
         dirs = []
         for d in student_output_dirs:
             task = st.tasks.get(str(d))
+            if task is not None and task.output_dir is None and task.spec.get("group"):
+                continue  # a data-parallel group's other ranks: the group's one adapter is its leader's
             dirs.append(task.output_dir if task is not None else d)
         task_id = f"aggregate-{next(st.counters['aggregate'])}"
         task = DistillTask(task_id=task_id, kind="aggregate", store="", state="running", started=time.time(),

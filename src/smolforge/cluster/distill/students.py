@@ -198,7 +198,8 @@ class StudentTasks:
         leader = members[0]
         for i, task in enumerate(members):
             task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
-            task.max_steps = max(1, -(-task.max_steps // group["world"]))
+            if not task.spec["config"].get("max_steps"):  # steps from the rows: each step takes world × batch
+                task.max_steps = max(1, -(-task.max_steps // group["world"]))
             if i:
                 task.output_dir = None  # one adapter for the group: the leader's
                 task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
