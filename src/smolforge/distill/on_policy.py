@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from smolforge.distill.teacher import left_pad
 from smolforge.errors import SmolforgeError
 
 IGNORE = -100
@@ -81,12 +82,8 @@ class OnPolicySampler:
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], device: torch.device, step: int, rank: int = 0) -> list[list[int]]:
         """The student's sampled responses (ids up to and including eos) for left-padded prompts."""
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad(prompts, self.pad_id)
+        width = ids.shape[1]
         was_training = model.training
         model.eval()
         try:

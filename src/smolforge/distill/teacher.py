@@ -88,6 +88,18 @@ def truncation_kl(logits: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor) -
     return (plogp.sum(-1) - uniform).clamp_min(0.0)
 
 
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), left-padded: every row ends at the same column, so a batch decodes
+    together and the last positions are every row's last tokens."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, row in enumerate(seqs):
+        ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[r, width - len(row):] = 1
+    return ids, mask
+
+
 class HFTeacher:
     """A transformers causal LM used as a teacher. Loaded once per process, reused for every shard."""
 
@@ -127,14 +139,7 @@ class HFTeacher:
         return [r for i in range(len(encoded)) for r in out[i]]
 
     def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, attention mask) on the device, left-padded: every row ends at the same column, so a
-        batch decodes together and the last positions are every row's last tokens."""
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for r, row in enumerate(seqs):
-            ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[r, width - len(row):] = 1
+        ids, mask = left_pad(seqs, self.pad_id)
         return ids.to(self.device), mask.to(self.device)
 
     def _generate_batch(self, chunk: list[tuple[PromptItem, list[int]]], s: GenSettings) -> list[list[TeacherRecord]]:
