@@ -1,4 +1,4 @@
-"""Batching: right-pad token rows into tensors."""
+"""Batching: right-pad token rows into tensors for training; left-pad prompts for generation."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ def collate(features: list[dict[str, list[int]]], pad_id: int) -> dict[str, torc
         labels[i, :k] = torch.tensor(f["labels"], dtype=torch.long)
         attention[i, :k] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), left-padded: every row ends at the same column, so a batch decodes
+    together and the last positions are every row's last tokens (teachers' batches, on-policy samples)."""
+    import torch
+
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, row in enumerate(seqs):
+        ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[r, width - len(row):] = 1
+    return ids, mask

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from smolforge.distill.teacher import left_pad
+from smolforge.data.collate import left_pad
+from smolforge.data.encode import IGNORE
+from smolforge.distill.rows import Row
 from smolforge.errors import SmolforgeError
 
-IGNORE = -100
 
 
 @dataclass
@@ -102,10 +103,8 @@ class OnPolicySampler:
             responses.append(toks[:cut])
         return responses
 
-    def rewrite(self, rows: list, model, device: torch.device, step: int, rank: int = 0) -> list:
+    def rewrite(self, rows: list[Row], model, device: torch.device, step: int, rank: int = 0) -> list[Row]:
         """Rows with the same prompts, the student's samples as responses and the teacher's top-k over them."""
-        from smolforge.distill.student import Row
-
         prompts = [prompt_of(r) for r in rows]
         responses = self.sample(model, prompts, device, step, rank)
         keep = [i for i, resp in enumerate(responses) if resp]

@@ -30,6 +30,7 @@ from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig, mixed_loss
 from smolforge.distill.on_policy import OnPolicySampler, OnPolicySettings, is_on_policy_step
+from smolforge.distill.rows import Row
 from smolforge.distill.shard_source import ShardSource
 from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
@@ -93,15 +94,6 @@ class StudentConfig:
 
 
 # ------------------------------------------------------------------------------ rows from records
-
-@dataclass
-class Row:
-    input_ids: list[int]
-    labels: list[int]
-    topk_logprobs: np.ndarray | None = None  # [targets, k]
-    topk_indices: np.ndarray | None = None
-    tail: np.ndarray | None = None
-
 
 def template_tail_ids(tokenizer) -> list[int]:
     """Tokens the chat template puts after an assistant turn's eos (ChatML: a newline).

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from smolforge.config import DataSpec
+from smolforge.data.collate import left_pad
 from smolforge.data.encode import encode_example, ensure_chat_template, render
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
@@ -86,18 +87,6 @@ def truncation_kl(logits: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor) -
     t = tail.float().clamp_min(0.0)
     uniform = torch.where(t > 0, t * (t.clamp_min(1e-30).log() - math.log(v - k)), torch.zeros_like(t))
     return (plogp.sum(-1) - uniform).clamp_min(0.0)
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), left-padded: every row ends at the same column, so a batch decodes
-    together and the last positions are every row's last tokens."""
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, row in enumerate(seqs):
-        ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[r, width - len(row):] = 1
-    return ids, mask
 
 
 class HFTeacher:
