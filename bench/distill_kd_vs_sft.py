@@ -18,7 +18,8 @@ The gap closed is (arm - sft) / (teacher - sft) in accuracy, per seed pair and o
     python bench/distill_kd_vs_sft.py --arms 'sft,kd,kd:ratio=0.5,kd:T=2,kd:loss=jsd' --seeds 0   # a sweep
     python bench/distill_kd_vs_sft.py --arms sft-full,kd-full --seeds 0,1,2
 
-An arm may override settings after a colon, ';'-separated: `kd:ratio=0.5;T=2;loss=reverse_kl;lr=1e-3;onp=0.5;beta=0.9`.
+An arm may override settings after a colon, ';'-separated: `kd:ratio=0.5;T=2;loss=reverse_kl;lr=1e-3;onp=0.5;beta=0.9;start=0.5` (start: the fraction of
+the steps before the first on-policy one).
 Students train two at a time, one thread each, so a pair of arms shares the machine evenly.
 """
 
@@ -40,7 +41,7 @@ BASE_ARMS = {  # name: (store, overrides)
     "onpolicy": ("gen", {"onp": 0.5, "loss": "jsd"}),
     "ref": ("ref", {}),
 }
-KEYS = {"ratio": float, "T": float, "loss": str, "lr": float, "onp": float, "beta": float}
+KEYS = {"ratio": float, "T": float, "loss": str, "lr": float, "onp": float, "beta": float, "start": float}
 
 
 def parse_arm(arm: str) -> tuple[str, str, dict]:
@@ -112,6 +113,7 @@ def main() -> None:
         cfg, model = local_student(s, seed, out / f"{arm.replace(':', '_')}-{seed}", steps=args.steps, peft=peft,
                                    kd_ratio=o.get("ratio"), temperature=o.get("T"), kd_loss=o.get("loss"),
                                    lr=o.get("lr"), on_policy_ratio=o.get("onp", 0.0), beta=o.get("beta"),
+                                   on_policy_start=o.get("start", 0.0),
                                    teacher=teacher_dir)
         return cfg, model, store(kind)
 

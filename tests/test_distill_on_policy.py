@@ -36,6 +36,8 @@ def test_on_policy_steps_are_a_fixed_fraction():
     assert 0.25 < sum(picks) / len(picks) < 0.35
     assert not any(is_on_policy_step(0.0, 1, s) for s in range(50))
     assert all(is_on_policy_step(1.0, 1, s) for s in range(50))
+    assert not any(is_on_policy_step(1.0, 1, s, first=10) for s in range(10))  # GKD's off-policy warm start
+    assert all(is_on_policy_step(1.0, 1, s, first=10) for s in range(10, 50))
     with pytest.raises(SmolforgeError):
         OnPolicySettings(ratio=1.5)
 

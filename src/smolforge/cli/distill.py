@@ -37,6 +37,8 @@ def register(app: typer.Typer) -> None:
         beta: float = typer.Option(0.5, help="generalized JSD beta (with --kd-loss jsd)"),
         on_policy_ratio: float = typer.Option(0.0, help="fraction of student steps on the student's own samples, "
                                               "scored by the teacher (on-policy distillation, GKD; hf teacher)"),
+        on_policy_start: float = typer.Option(0.0, help="fraction of the student steps before the first "
+                                              "on-policy one (GKD starts from a student that knows the format)"),
         top_k: int = typer.Option(32, help="teacher logits kept per token"),
         no_compress: bool = typer.Option(False, "--no-compress", help="keep fp32 values in the store"),
         teacher_backend: str = typer.Option("hf", help="hf (transformers) or ollama (HTTP API)"),
@@ -104,7 +106,7 @@ def register(app: typer.Typer) -> None:
             "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
             "num_students": num_students, "peft": peft, "peft_config": peft_section(None, peft_config, None, None, None),
             "kd_loss": kd_loss, "kd_ratio": kd_ratio, "temperature": temperature, "beta": beta, "top_k": top_k,
-            "on_policy_ratio": on_policy_ratio,
+            "on_policy_ratio": on_policy_ratio, "on_policy_start": on_policy_start,
             "compress_outputs": not no_compress, "teacher_backend": teacher_backend, "ollama_host": ollama_host,
             "gen_temperature": gen_temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
             "samples_per_prompt": samples_per_prompt, "teacher_responses": teacher_responses, "num_shards": num_shards,

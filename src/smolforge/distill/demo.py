@@ -168,7 +168,7 @@ def evaluate_adapter(adapter: str | Path | None, s: DemoSettings, base: str | Pa
 
 
 def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: int | None = None,
-                  kd_ratio: float | None = None, peft: str = "lora", on_policy_ratio: float = 0.0,
+                  kd_ratio: float | None = None, peft: str = "lora", on_policy_ratio: float = 0.0, on_policy_start: float = 0.0,
                   teacher: str | Path | None = None, kd_loss: str | None = None, beta: float | None = None,
                   temperature: float | None = None, lr: float | None = None):
     """(StudentConfig, model) of one demo student trained in this process (the KD test and bench).
@@ -186,7 +186,7 @@ def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: 
                         batch_size=s.student_batch, lr=lr or (s.student_lr if peft == "lora" else s.full_lr),
                         warmup_steps=30, max_length=s.max_length, seed=seed, device="cpu", num_threads=1,
                         eval_data="bundled", max_eval_samples=s.max_eval_samples, max_new_tokens=s.max_new_tokens,
-                        precision="fp32", peft=spec, on_policy_ratio=on_policy_ratio,
+                        precision="fp32", peft=spec, on_policy_ratio=on_policy_ratio, on_policy_start=on_policy_start,
                         teacher_model=str(teacher) if teacher else None,
                         kd=KDConfig(loss=kd_loss or s.kd_loss, kd_ratio=s.kd_ratio if kd_ratio is None else kd_ratio,
                                     temperature=s.temperature if temperature is None else temperature,

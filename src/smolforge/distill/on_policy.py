@@ -45,9 +45,11 @@ class OnPolicySettings:
                                  fix="use e.g. 1.0")
 
 
-def is_on_policy_step(ratio: float, seed: int, step: int) -> bool:
-    """Whether global step `step` uses student samples: a fixed draw per (seed, step), the same on every rank."""
-    if ratio <= 0.0:
+def is_on_policy_step(ratio: float, seed: int, step: int, first: int = 0) -> bool:
+    """Whether global step `step` uses student samples: none before step `first` (GKD starts from a
+    student that already answers in the task's format), then a fixed draw per (seed, step), the same
+    on every rank."""
+    if ratio <= 0.0 or step < first:
         return False
     if ratio >= 1.0:
         return True
@@ -76,9 +78,6 @@ class OnPolicySampler:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.sampled_tokens = 0
-
-    def takes(self, step: int) -> bool:
-        return is_on_policy_step(self.s.ratio, self.seed, step)
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], device: torch.device, step: int, rank: int = 0) -> list[list[int]]:

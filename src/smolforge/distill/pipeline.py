@@ -42,6 +42,7 @@ class DistillSettings(Spec):
     # scored by the teacher loaded in the student's process (same tokenizer). See distill/on_policy.py.
     on_policy_ratio: float = Field(0.0, ge=0, le=1)
     on_policy_temperature: float = Field(1.0, gt=0)
+    on_policy_start: float = Field(0.0, ge=0, lt=1)  # fraction of the steps before the first on-policy one
     top_k: int = Field(32, ge=0)
     compress_outputs: bool = True
     teacher_backend: str = "hf"

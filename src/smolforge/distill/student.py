@@ -83,6 +83,7 @@ class StudentConfig:
     # `teacher_model` loaded in this process (default: the store's teacher). See distill/on_policy.py.
     on_policy_ratio: float = 0.0
     on_policy_temperature: float = 1.0
+    on_policy_start: float = 0.0  # the fraction of the steps trained off-policy before any on-policy step
     teacher_model: str | None = None
     wait_timeout_s: float = 900.0  # how long to wait for one shard before giving up
     poll_s: float = 0.2
@@ -417,7 +418,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         if result.first_step_at is None:
             result.first_step_at = time.time()
             emit("student_started", step=step, shards_ready=len(stream.arrival))
-        on_policy = is_on_policy_step(cfg.on_policy_ratio, cfg.seed, step)
+        on_policy = is_on_policy_step(cfg.on_policy_ratio, cfg.seed, step, first=int(cfg.on_policy_start * steps))
         if on_policy:
             if sampler[0] is None:
                 sampler[0] = _on_policy_sampler(cfg, k_holder.get("teacher"), tokenizer, my_hash, device,

@@ -103,7 +103,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
             warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed, save_every=cfg.save_every,
             replace_timeout_s=cfg.replace_timeout_s, on_policy_ratio=cfg.on_policy_ratio,
-            on_policy_temperature=cfg.on_policy_temperature,
+            on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
             cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
             max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
             resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)

@@ -51,7 +51,8 @@ class StudentTasks:
                              wait_timeout_s: float = 900.0, resume: bool = False,
                              replace_timeout_s: float = 300.0, students_sync: str = "average",
                              students_strategy: str | None = None, on_policy_ratio: float = 0.0,
-                             on_policy_temperature: float = 1.0, teacher_model: str | None = None) -> list[str]:
+                             on_policy_temperature: float = 1.0, on_policy_start: float = 0.0,
+                             teacher_model: str | None = None) -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -71,9 +72,9 @@ class StudentTasks:
         `students_sync` (see `smolforge.cluster.distill.sync`): "average" is the above; "ddp" makes
         the students of each base one data-parallel group (`students_strategy`, DDP by default) that
         reads every shard in order and writes ONE adapter, to the first member's `student_N/`.
-        `on_policy_ratio` > 0: that fraction of each student's steps trains on its own samples scored
-        by `teacher_model` (default: the store's teacher), which the student's node loads
-        (distill/on_policy.py).
+        `on_policy_ratio` > 0: that fraction of each student's steps (after the first
+        `on_policy_start` of them) trains on its own samples scored by `teacher_model` (default: the
+        store's teacher), which the student's node loads (distill/on_policy.py).
         """
         st = self._dstate()
         args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
@@ -115,6 +116,7 @@ class StudentTasks:
                           "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
                           "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
                           "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
+                          "on_policy_start": on_policy_start,
                           "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None)}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
                         "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
