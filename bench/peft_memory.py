@@ -84,8 +84,8 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from smolforge.models.loading import load_model, pick_device
-    from smolforge.models.peft_methods import (apply_peft, enable_gradient_checkpointing, peft_spec_from_cli,
-                                               trainable_summary)
+    from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
+    from smolforge.models.peft_spec import peft_spec_from_cli
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ and free ports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -235,3 +236,36 @@ class LocalCluster:
         return subprocess.run([*self._prefix("coordinator"), sys.executable, "-m", cli_module(), *args],
                               capture_output=True, text=True,
                               timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def orchestrators_on(spawn, mode: str):
+    """(handle, make) for Orchestrators on a cluster that `spawn(procs)` starts and returns as (handle,
+    tmp dir): `make(mode)` builds one. Afterwards every orchestrator's threads are joined before Ray
+    goes away (even after a failed test), then the cluster, its processes and its tmp dir are stopped."""
+    from types import SimpleNamespace
+
+    from smolforge.cluster.ray_process import stop
+    from smolforge.orchestrator import Orchestrator
+
+    procs: list = []
+    made: list = []
+    handle = tmp = None
+    try:
+        handle, tmp = spawn(procs)
+        backend = SimpleNamespace(handle=handle, close=lambda: None)
+
+        def make(how: str = mode):
+            made.append(Orchestrator(how, backend=backend))
+            return made[-1]
+
+        yield handle, make
+    finally:
+        for orch in made:
+            orch.shutdown_distill()
+        if handle is not None:
+            handle.shutdown()
+        for p in reversed(procs):
+            stop(p)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from localcluster import orchestrators_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -74,37 +75,16 @@ def _spawn_nodes(base: Path, models: Path, procs: list):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from smolforge.cluster.ray_process import stop
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
-    from smolforge.orchestrator import Orchestrator
 
     base = tmp_path_factory.mktemp("distill-cluster")
     models = base / "models"
     shutil.copytree(preset_dir("tiny-llama"), models / TEACHER)
     data = base / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(560, seed=11)))
-    procs: list = []
-    made: list = []
-    handle = tmp = None
-    try:
-        handle, tmp = _spawn_nodes(base, models, procs)
-        backend = SimpleNamespace(handle=handle, close=lambda: None)
-
-        def make():
-            made.append(Orchestrator("teacher_student", backend=backend))
-            return made[-1]
-
+    with orchestrators_on(lambda ps: _spawn_nodes(base, models, ps), "teacher_student") as (handle, make):
         yield SimpleNamespace(make=make, data=data, base=base, handle=handle)
-    finally:
-        for orch in made:  # join their threads before Ray goes away, even after a failed test
-            orch.shutdown_distill()
-        if handle is not None:
-            handle.shutdown()
-        for p in reversed(procs):
-            stop(p)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 GEN = dict(max_new_tokens=8, top_k=8, batch_size=8)

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from localcluster import orchestrators_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -59,34 +60,13 @@ def _spawn(base: Path, procs: list):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from smolforge.cluster.ray_process import stop
     from smolforge.data.synthetic import generate
-    from smolforge.orchestrator import Orchestrator
 
     base = tmp_path_factory.mktemp("distill-hybrid")
     data = base / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(64, seed=11)))
-    procs: list = []
-    made: list = []
-    handle = tmp = None
-    try:
-        handle, tmp = _spawn(base, procs)
-        backend = SimpleNamespace(handle=handle, close=lambda: None)
-
-        def make(mode="hybrid"):
-            made.append(Orchestrator(mode, backend=backend))
-            return made[-1]
-
+    with orchestrators_on(lambda ps: _spawn(base, ps), "hybrid") as (handle, make):
         yield SimpleNamespace(make=make, data=data, base=base)
-    finally:
-        for orch in made:  # join their threads before Ray goes away, even after a failed test
-            orch.shutdown_distill()
-        if handle is not None:
-            handle.shutdown()
-        for p in reversed(procs):
-            stop(p)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 PEFT = {"r": 4, "alpha": 8, "dropout": 0.0}

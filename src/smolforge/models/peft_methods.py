@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from smolforge.config import PeftSpec, validate
+from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
+# Reading users' PEFT settings is its own module; these names stay importable from here.
+from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
 from smolforge.paths import atomic_replace_dir
 
-METHODS = ("lora", "prefix", "prompt", "ia3", "adapter", "none")
 
 # peft's PeftType value -> our method name
 _PEFT_TYPES = {
@@ -51,15 +52,6 @@ _IA3_TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "gpt2": (["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
 }
 
-# --peft-config keys people write (peft's own names included) -> PeftSpec fields
-_CLI_ALIASES = {
-    "lora_r": "r",
-    "rank": "r",
-    "lora_alpha": "alpha",
-    "lora_dropout": "dropout",
-    "bottleneck": "adapter_size",
-    "bottleneck_size": "adapter_size",
-}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -450,52 +442,6 @@ def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
         "cannot merge Houlsby adapters into the base weights: they are extra layers, not weight deltas",
         fix="keep the adapter and load it with --adapter <dir>, or train with --peft lora to get a mergeable adapter",
     )
-
-
-def peft_spec_from_cli(peft: str, peft_config_json: str | None = None, lora_r: int | None = None,
-                       lora_alpha: float | None = None, lora_dropout: float | None = None) -> PeftSpec:
-    """Build a PeftSpec from `--peft`, `--peft-config JSON` and `--lora-r/--lora-alpha/--lora-dropout`.
-
-    The explicit flags win over the JSON, so `--peft-config` can hold a team default that a
-    single run then adjusts.
-    """
-    if peft not in METHODS:
-        raise SmolforgeError(f"unknown --peft {peft!r}", fix=f"use one of {', '.join(METHODS)}")
-    loaded: Any = {}
-    if peft_config_json:
-        try:
-            loaded = json.loads(peft_config_json)
-        except json.JSONDecodeError as err:
-            raise SmolforgeError(
-                f"--peft-config is not valid JSON: {err.msg} at column {err.colno}",
-                fix='write a JSON object with double quotes, e.g. --peft-config \'{"r": 8, "alpha": 16, "dropout": 0.05}\'',
-            ) from err
-        if not isinstance(loaded, dict):
-            raise SmolforgeError(
-                f"--peft-config must be a JSON object, got {type(loaded).__name__}",
-                fix='write key/value pairs in braces, e.g. --peft-config \'{"r": 8, "alpha": 16}\'',
-            )
-    flags = {k: v for k, v in (("r", lora_r), ("alpha", lora_alpha), ("dropout", lora_dropout)) if v is not None}
-    return peft_spec_from_config(peft, loaded, where="--peft-config", flags=flags, method_from="--peft")
-
-
-def peft_spec_from_config(method: str, config: dict[str, Any] | None, where: str = "peft_config",
-                          flags: dict[str, Any] | None = None, method_from: str = "peft_type") -> PeftSpec:
-    """A PeftSpec from a method and a settings dict as people write it: PeftSpec's own names, peft's
-    (`lora_r`, `lora_alpha`, ...) or the seeds' (`r/alpha/dropout`, `num_virtual_tokens`,
-    `prompt_tuning_init(_text)`, `reduction_factor`). `flags` (explicit settings) win over the dict.
-    One function for `--peft-config` and the Python API, so both accept the same keys."""
-    data: dict[str, Any] = {}
-    for key, value in (config or {}).items():
-        key = _CLI_ALIASES.get(key, key)
-        if key in data:
-            raise SmolforgeError(f"{where} sets {key!r} twice", fix="keep one spelling of that key")
-        data[key] = value
-    if "method" in data and data["method"] != method:
-        raise SmolforgeError(f"{where} says method {data['method']!r} but {method_from} is {method!r}",
-                             fix=f"drop 'method' from {where}, or make the two agree")
-    data.update(flags or {}, method=method)
-    return validate(PeftSpec, data, where=where)
 
 
 def _is_checkpointing(model: nn.Module) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from smolforge.cluster.specs import TaskConfig
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
-from smolforge.models.peft_methods import peft_spec_from_config
+from smolforge.models.peft_spec import peft_spec_from_config
 
 
 def task_options(task_config: TaskConfig | None, role: Literal["teacher", "student"]) -> dict[str, Any]:
