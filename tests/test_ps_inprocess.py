@@ -3,7 +3,9 @@ running the ordinary training engine against it. Fast checks of the policies (th
 tests/cluster/test_param_server.py runs the same strategies as real processes with a Ray actor).
 
 Rank 0 builds its model before the others start: its initial weights seed the server, the others
-pull them (threads share torch's global RNG, so a concurrent build would draw other LoRA inits).
+pull them (threads share torch's global RNG, so a concurrent build would draw other LoRA inits). Every
+rank then waits at its first forward for all the others, so a rank that merely started late (its
+model still loading) is never taken for a slow one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int
     cls = STRATEGIES[name]
     server = server or cls.Server(cls.Settings(**config).model_dump(), world)
     results, errors, strategies = [None] * world, [], [None] * world
+    start_line = threading.Barrier(world)
 
     def worker(rank: int) -> None:
         try:
@@ -44,9 +47,16 @@ def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int
             s.server, s.member, s.nominal_world = server, rank, world
             strategies[rank] = s
             delay = (slow or {}).get(rank, 0.0)
-            done = [0]
-            hooks = TrainHooks(on_model=(lambda m: m.register_forward_pre_hook(lambda *a: time.sleep(delay)))
-                               if delay else None,
+            done, started = [0], [False]
+
+            def before_forward(*_):
+                if not started[0]:  # every rank in step before any trains: a late start is not a fast worker
+                    started[0] = True
+                    start_line.wait(timeout=120)
+                if delay:
+                    time.sleep(delay)
+
+            hooks = TrainHooks(on_model=lambda m: m.register_forward_pre_hook(before_forward),
                                on_step=lambda info: done.__setitem__(0, info.step),
                                should_stop=(lambda: "pause" if done[0] >= pause_after else None)
                                if pause_after and rank == 0 else None)
