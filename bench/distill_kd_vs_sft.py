@@ -2,21 +2,24 @@
 
 The demo's models (trained once and cached under $SMOLFORGE_HOME/demo): the student base is
 tiny-llama pretrained on the generic corpus (`smolforge.data.synthetic.generic_corpus`), the teacher
-is that base fully fine-tuned on all bundled training examples. The teacher labels the first N
-prompts of the bundled train split; every arm trains a student from the base for the same steps on
-those same prompts and is scored on the 200 held-out bundled examples:
+is that base fully fine-tuned on all bundled training examples. The SFT students learn from the
+first N labelled examples of the bundled train split (DemoSettings.distill_samples, 512); the KD
+students from the teacher's answers to the demo's prompt pool (DemoSettings.kd_data,
+`bundled-prompts`: those N prompts and 3,488 more without answers). Every arm trains a student from
+the base for the same steps and is scored on the 200 held-out bundled examples:
 
-    sft        the dataset's reference answers, CE only (the `reference` backend: what `train` uses)
-    kd         the teacher's own answers + its top-k, the demo's KD settings (DemoSettings)
+    sft        the labelled examples' reference answers, CE only (the `reference` backend: what `train` uses)
+    kd         the teacher's own answers + its top-k over the prompt pool, the demo's KD settings (DemoSettings)
+    kdsame     kd on the labelled prompts only (the same prompts as sft: what the teacher adds per prompt)
     onpolicy   kd, plus GKD: a fraction of the steps on the student's own samples scored by the teacher, JSD(β)
-    ref        the reference answers with the teacher's top-k over them (--teacher-responses reference)
-    *-full     the same arm, every weight trained (peft none) at DemoSettings.full_lr; others are LoRA
+    ref        the labelled prompts' reference answers with the teacher's top-k over them (--teacher-responses reference)
+    *-full     the same arm, every weight trained (peft none) at DemoSettings.full_lr; others are LoRA at lora_lr
 
-The gap closed is (arm - sft) / (teacher - sft) in accuracy, per seed pair and on the means.
+The gap closed is (arm - sft) / (teacher - sft) in accuracy, on the means, against the SFT arm of the same kind.
 
     python bench/distill_kd_vs_sft.py --seeds 0,1,2
     python bench/distill_kd_vs_sft.py --arms 'sft,kd,kd:ratio=0.5,kd:T=2,kd:loss=jsd' --seeds 0   # a sweep
-    python bench/distill_kd_vs_sft.py --arms sft-full,kd-full --seeds 0,1,2
+    python bench/distill_kd_vs_sft.py --arms sft-full,kd-full,kdsame-full --seeds 0,1,2
 
 An arm may override settings after a colon, ';'-separated: `kd:ratio=0.5;T=2;loss=reverse_kl;lr=1e-3;onp=0.5;beta=0.9;start=0.5` (start: the fraction of
 the steps before the first on-policy one).
@@ -38,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BASE_ARMS = {  # name: (store, overrides)
     "sft": ("sft", {}),
     "kd": ("gen", {}),
+    "kdsame": ("gen-labelled", {}),
     "onpolicy": ("gen", {"onp": 0.5, "loss": "jsd"}),
     "ref": ("ref", {}),
 }
@@ -63,11 +67,13 @@ def parse_arm(arm: str) -> tuple[str, str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default="sft,kd,onpolicy,sft-full,kd-full",
+    ap.add_argument("--arms", default="sft-full,kd-full,kdsame-full,sft,kd,onpolicy",
                     help="comma-separated; settings after ':' separated by ';' (kd:ratio=0.5;T=2)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--prompts", type=int, default=None, help="distillation prompts (default: the demo's)")
+    ap.add_argument("--prompts", type=int, default=None, help="labelled examples (default: the demo's 512; 0: all)")
     ap.add_argument("--steps", type=int, default=None, help="student steps (default: the demo's)")
+    ap.add_argument("--kd-data", default=None,
+                    help="prompts the teacher answers for the kd arms (JSONL or a built-in; default: the demo's pool)")
     ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
     args = ap.parse_args()
 
@@ -103,6 +109,9 @@ def main() -> None:
             common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen, device="cpu")
             if kind == "sft":
                 run_teacher_local(str(base_dir), "bundled", d, backend="reference", **common)
+            elif kind == "gen":
+                run_teacher_local(str(teacher_dir), args.kd_data or s.kd_data, d,
+                                  **{**common, "max_samples": None if args.kd_data else s.kd_samples})
             else:
                 run_teacher_local(str(teacher_dir), "bundled", d, **common)
             stores[kind] = d
@@ -133,7 +142,8 @@ def main() -> None:
         ref = "sft-full" if parsed[arm][1] == "none" else "sft"
         return ref if ref in results and ref != arm else None
 
-    print(f"\nprompts {s.distill_samples or 'all'}, {args.steps or s.student_steps} steps, seeds {seeds}; teacher "
+    print(f"\nlabelled {s.distill_samples or 'all'}, kd prompts {args.kd_data or s.kd_data}, "
+          f"{args.steps or s.student_steps} steps, seeds {seeds}; teacher "
           f"{teacher_acc:.3f}, student base {base_eval['accuracy']:.3f}")
     print("| arm | accuracy mean ± sd | per seed | eval loss mean ± sd | gap closed (of the means) | beats SFT |\n"
           "|---|---:|---|---:|---:|---:|")

@@ -60,6 +60,15 @@ def test_bad_yaml_names_the_line(tmp_path):
     assert proc.returncode == 2 and "cfg.yaml:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags, says", [(["--kd-prompts", "5000"], "pool has 4,000"),
+                                         (["--student-steps", "0"], "must be ≥ 1"),
+                                         (["--student-peft", "prefix"], "unknown --student-peft")])
+def test_demo_refuses_bad_sizes_before_training(tmp_path, flags, says):
+    proc = smolforge("demo", "--output-dir", str(tmp_path / "demo"), *flags)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "demo").exists()
+
+
 def test_demo_json_shows_accuracy_rising(tmp_path):
     # 60 steps: the untrained student answers nothing (accuracy 0, loss 7.4); after 50 steps it already
     # has 0.13 and loss 2.76 (fp32, seeded), so the rise is not a close call.
@@ -77,7 +86,8 @@ def test_distill_demo_json_has_the_documented_keys(tmp_path):
     students) to check its wiring and its JSON; the full-size numbers are in BENCHMARKS.md."""
     env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
     proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--pretrain-steps", "20",
-                     "--teacher-steps", "40", "--student-steps", "6", "--distill-samples", "64", timeout=600, env=env)
+                     "--teacher-steps", "40", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
+                     timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     keys = {"teacher_accuracy", "student_base_accuracy", "sft_accuracy", "kd_accuracy", "sft_eval_loss",
@@ -87,5 +97,6 @@ def test_distill_demo_json_has_the_documented_keys(tmp_path):
     assert summary["kd_eval_loss"] < summary["student_base_eval_loss"]
     assert 0 < summary["store_bytes_per_token"] < summary["store_fp16_full_vocab_bytes_per_token"]
     run = tmp_path / "demo" / "distill"
-    assert (run / "merged_model" / "final_adapter" / "adapter_model.safetensors").exists()
+    assert (run / "merged_model" / "final_adapter" / "model.safetensors").exists()  # every weight trained
+    assert summary["kd_prompts"] == 128 and summary["sft_examples"] == 64
     assert len(list((run / "teacher_outputs").glob("batch_*.safetensors"))) == 16

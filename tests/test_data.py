@@ -154,3 +154,30 @@ def test_skip_bad_lines_counts(tmp_path):
     res = read_examples(path, skip_bad_lines=True)
     assert len(res.examples) == 5 and res.skipped == 2
     assert any(":6" in p for p in res.problems)
+
+
+def test_bundled_prompts_are_the_labelled_ones_then_new_questions_without_answers(tmp_path, monkeypatch):
+    """`bundled-prompts` (the distill demo's pool): the first 512 training prompts, then prompts that are
+    neither training nor held-out prompts (the teacher was fine-tuned on the first and is scored on
+    the second), none with an answer; `read_spec` reads it with the bundled held-out split."""
+    import json
+
+    from smolforge.data.splits import read_spec
+    from smolforge.data.synthetic import BUNDLED_PROMPTS, bundled_prompts_path
+
+    monkeypatch.setenv("SMOLFORGE_HOME", str(tmp_path))
+    path = bundled_prompts_path(n=1000)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 1000 and all(list(r) == ["prompt"] for r in records)
+    prompts = [r["prompt"] for r in records]
+    train, eval_ = bundled_paths()
+    train_prompts = [json.loads(line)["prompt"] for line in train.read_text().splitlines()]
+    eval_prompts = {json.loads(line)["prompt"] for line in eval_.read_text().splitlines()}
+    assert prompts[:512] == train_prompts[:512] and len(set(prompts)) == 1000
+    assert not set(prompts[512:]) & (set(train_prompts) | eval_prompts)
+    assert bundled_prompts_path(n=1000).read_text() == path.read_text()  # written once, then reused
+    with pytest.raises(SmolforgeError, match="completion"):  # training needs answers
+        read_spec(DataSpec(path=BUNDLED_PROMPTS))
+    pool, held_out, _fmt, _skipped = read_spec(DataSpec(path=BUNDLED_PROMPTS), prompts_only=True)
+    assert len(pool) == 4000 and all(e.answer is None for e in pool)
+    assert {e.prompt_messages[-1]["content"] for e in held_out} == eval_prompts

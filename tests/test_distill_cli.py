@@ -63,7 +63,14 @@ def test_a_bad_flag_fails_fast_in_a_real_process(tmp_path):
 def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     out = tmp_path / "run"
     env = {"RAY_TMPDIR": f"/tmp/sfdc{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
-    proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+    # A teacher needs prompts, not answers: half the lines have none (uploaded, split, answered, scored
+    # on the held-out lines that have answers).
+    from smolforge.data.synthetic import generate
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r if i % 2 else {"prompt": r["prompt"]}) + "\n"
+                            for i, r in enumerate(generate(60, seed=11))))
+    proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", str(data),
                      "--max-samples", "32", "--max-steps", "3", "--batch-size", "4", "--max-new-tokens", "6",
                      "--top-k", "8", "--num-students", "2", "--peft-config", '{"r": 4, "lora_alpha": 8}',
                      "--save-every", "1", "--output-dir", str(out), "--tensorboard", "--json", timeout=600, env=env)

@@ -1,13 +1,15 @@
-"""On the bundled task, with the same number of student steps, the KD student beats the SFT-only
-student on held-out accuracy and loss, over several seeds, and the share of the SFT student's gap to
-the teacher that KD closes is printed (run with -s).
+"""The issue's bar, on the bundled task at equal student steps: over 3 seeds the KD student closes at
+least half of the SFT student's held-out accuracy gap to the teacher (on the means) and beats SFT on
+every seed; the gap closed is printed (run with -s).
 
 Both students start from the demo's pretrained student base (tiny-llama pretrained on the generic
-corpus) and run the same code on the same prompts: the KD one reads the teacher's top-k store, the
-SFT one a store of the dataset's reference answers (the `reference` backend: text only, so plain CE
-on exactly the rows `smolforge train` would use). The teacher is that base fully fine-tuned on the
-whole bundled train split. Sized for the test (the demo's models, 256 prompts, 100 student steps);
-BENCHMARKS.md has the demo-size numbers (bench/distill_kd_vs_sft.py).
+corpus) with the demo's settings (every weight trained, 600 steps) and run the same code: the SFT one
+reads a store of the 512 labelled examples' reference answers (the `reference` backend: text only,
+so plain CE on exactly the rows `smolforge train` would use); the KD one reads the teacher's top-k
+store over the demo's prompt pool (`bundled-prompts`: those 512 prompts and 3,488 without answers,
+none of them a training or held-out prompt of the teacher). The teacher is that base fully
+fine-tuned on the whole bundled train split. BENCHMARKS.md has the LoRA arms and the same-prompts arm
+(bench/distill_kd_vs_sft.py).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     from smolforge.distill.demo import DemoSettings, gap_closed, local_student, student_base, train_teacher
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
-    s = DemoSettings(distill_samples=256, student_steps=100)
+    s = DemoSettings()
     # The base and the teacher are deterministic (seeded, keyed by their settings and library versions):
-    # keep them across test sessions, so only the first run pays their training (~4 min on 2 cores).
+    # keep them across test sessions, so only the first run pays their training (~5 min on 2 cores).
     import tempfile
     from pathlib import Path
 
@@ -47,9 +49,11 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     teacher_dir, info = train_teacher(s)
     gen = GenSettings(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64)
     kd_store, sft_store = tmp_path / "kd" / "teacher_outputs", tmp_path / "sft" / "teacher_outputs"
-    common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen)
-    run_teacher_local(str(teacher_dir), "bundled", kd_store, device="cpu", **common)
-    run_teacher_local(str(base_dir), "bundled", sft_store, backend="reference", **common)
+    kd_m = run_teacher_local(str(teacher_dir), s.kd_data, kd_store, device="cpu", num_shards=s.num_shards,
+                           max_samples=s.kd_samples, settings=gen)
+    sft_m = run_teacher_local(str(base_dir), "bundled", sft_store, backend="reference", num_shards=s.num_shards,
+                            max_samples=s.distill_samples, settings=gen)
+    assert sum(m["num_examples"] for m in sft_m) == 512 and sum(m["num_examples"] for m in kd_m) == 4000
 
     results = {"kd": [], "sft": []}
     with ThreadPoolExecutor(2) as pool:  # the two students of a seed side by side, one core each
@@ -73,12 +77,7 @@ def test_kd_beats_sft_over_seeds(tmp_path, monkeypatch):
     gap = gap_closed(info["eval"]["accuracy"], stats("sft", "accuracy")[0], stats("kd", "accuracy")[0])
     lines.append(f"gap closed: {gap:.1%}" if gap is not None else "gap closed: - (teacher not above SFT)")
     print("\n" + "\n".join(lines))
-    assert stats("kd", "accuracy")[0] > stats("sft", "accuracy")[0], lines
-    assert stats("kd", "eval_loss")[0] < stats("sft", "eval_loss")[0], lines
-    # and not by luck of one seed: KD has the lower loss on every seed and the higher accuracy on most.
-    # (Measured at this size: KD 0.195/0.200/0.180 against SFT 0.175/0.165/0.185, gap closed 4.8 %; the
-    # issue's goal, half the gap closed and a win on every seed, is not reached: see BENCHMARKS.md.)
     pairs = list(zip(results["kd"], results["sft"]))
+    assert gap is not None and gap >= 0.5, lines  # the issue's bar: half the gap, on the means
+    assert all(k["accuracy"] > f["accuracy"] for k, f in pairs), lines  # and a win on every seed
     assert all(k["eval_loss"] < f["eval_loss"] for k, f in pairs), lines
-    assert sum(k["accuracy"] > f["accuracy"] for k, f in pairs) >= 2, lines
-    assert gap is not None and gap > 0, lines

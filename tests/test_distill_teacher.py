@@ -96,6 +96,38 @@ def test_local_teacher_writes_shards_with_plan(tmp_path):
     assert 0 <= rec["kl_mean"] <= rec["kl_max"] < 1e-3 and rec["truncation_kl_mean"] > 0
 
 
+def test_a_teacher_answers_prompts_that_have_no_answers(tmp_path):
+    """Distillation needs prompts, not labels: {"prompt"} lines, alpaca without "output" and a chat
+    ending on a user turn are a teacher's input; the reference backend, which needs answers, refuses."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Reverse the word: {w}"}) + "\n" for w in ("abc", "bad", "cab"))
+                    + json.dumps({"prompt": "Uppercase: ab", "completion": "AB"}) + "\n")
+    items = prompts_from_dataset(str(data))  # one of the four is the held-out split (eval_fraction)
+    asked = {i.prompt_messages[-1]["content"]: i.answer for i in items}
+    assert len(items) == 3 and all(len(i.prompt_messages) == 1 for i in items)
+    assert {p: a for p, a in asked.items() if a is not None} in ({}, {"Uppercase: ab": "AB"})
+    assert {p for p, a in asked.items() if a is None} <= {"Reverse the word: abc", "Reverse the word: bad",
+                                                            "Reverse the word: cab"}
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "What is 2 + 3?"}]}) + "\n")
+    assert prompts_from_dataset(str(chat))[0].prompt_messages[-1] == {"role": "user", "content": "What is 2 + 3?"}
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "Uppercase:", "input": "ab"}) + "\n")
+    assert prompts_from_dataset(str(alpaca))[0].prompt_messages == [{"role": "user", "content": "Uppercase:\n\nab"}]
+    manifests = run_teacher_local("tiny-llama", str(data), tmp_path / "store", max_samples=4,
+                                  settings=GenSettings(max_new_tokens=3, top_k=4), device="cpu")
+    assert [r.example_id for r in read_shard(tmp_path / "store", 0).records] == [0, 1, 2]
+    assert manifests[0]["has_logits"]
+    only = tmp_path / "only.jsonl"
+    only.write_text(json.dumps({"prompt": "Reverse the word: abc"}) + "\n")
+    with pytest.raises(SmolforgeError, match="has no reference answer"):
+        run_teacher_local("tiny-llama", str(only), tmp_path / "ref", backend="reference", device="cpu")
+    with pytest.raises(SmolforgeError, match="no assistant turn"):  # training still needs answers
+        from smolforge.data.formats import read_examples
+        read_examples(data.parent / "chat.jsonl")
+
+
 def test_truncation_kl_is_the_full_kl_against_top_k_plus_even_tail():
     logits = torch.randn(5, 50) * 2
     values, idx, tail = topk_from_logits(logits, 8)

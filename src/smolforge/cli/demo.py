@@ -99,18 +99,24 @@ def register(app: typer.Typer) -> None:
         pretrain_steps: int = typer.Option(300, help="distill: the student base's pretraining steps on the generic "
                                            "corpus (cached per value)"),
         teacher_steps: int = typer.Option(800, help="distill: the teacher's full fine-tune steps (cached per value)"),
-        student_steps: int = typer.Option(200, help="distill: steps per student (KD and SFT alike)"),
-        distill_samples: int = typer.Option(512, help="distill: prompts the teacher labels for the students"),
+        student_steps: int = typer.Option(600, help="distill: steps per student (KD and SFT alike)"),
+        distill_samples: int = typer.Option(512, help="distill: labelled examples the SFT baseline trains on"),
+        kd_prompts: int = typer.Option(4000, help="distill: prompts of the pool (bundled-prompts) the teacher "
+                                       "answers for the KD students, the labelled ones first"),
+        student_peft: str = typer.Option("none", help="distill: the students' PEFT method (none = every weight; "
+                                         "lora is the benchmark's other arm)"),
         seed: int = typer.Option(0),
         json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
         quiet: Optional[bool] = typer.Option(None, "--quiet", help="no progress bars"),
     ):
-        """Distill a tiny teacher into LoRA students on the bundled tasks, and compare with plain fine-tuning.
+        """Distill a tiny teacher into a student on the bundled tasks, and compare with plain fine-tuning.
 
         Runs on the embedded default cluster: a student base pretrained in-process on a generic
-        corpus and a teacher fine-tuned from it (both cached), 2 parallel teacher shards writing the
-        top-k logit store, 2 streaming LoRA students, adapter aggregation; prints the share of the
-        SFT student's gap to the teacher that KD closes.
+        corpus and a teacher fine-tuned from it (both cached); 2 parallel teacher tasks answer a pool
+        of 4,000 prompts (`bundled-prompts`: the 512 labelled ones and 3,488 without answers) into
+        the top-k logit store; 2 streaming students train as one data-parallel group. The SFT
+        baseline runs the same pipeline on the 512 labelled examples. Prints the share of the SFT
+        student's gap to the teacher that KD closes.
         `--workflow sft` runs only a LoRA fine-tune with held-out accuracy before and after.
 
         Example: smolforge demo --json
@@ -123,11 +129,17 @@ def register(app: typer.Typer) -> None:
         elif workflow == "distill":
             from smolforge.distill.demo import DemoSettings
 
-            if min(pretrain_steps, teacher_steps, student_steps, distill_samples) < 1:
-                raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps and --distill-samples "
-                                     "must be ≥ 1", fix="e.g. --student-steps 200 --distill-samples 512")
+            if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts) < 1:
+                raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples and "
+                                     "--kd-prompts must be ≥ 1", fix="e.g. --student-steps 600 --distill-samples 512")
+            if kd_prompts > 4000:
+                raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has 4,000 prompts",
+                                     fix="use --kd-prompts 4000 or fewer")
+            if student_peft not in ("none", "lora"):
+                raise SmolforgeError(f"unknown --student-peft {student_peft!r}", fix="use none or lora")
             settings = DemoSettings(pretrain_steps=pretrain_steps, teacher_steps=teacher_steps,
-                                    student_steps=student_steps, distill_samples=distill_samples)
+                                    student_steps=student_steps, distill_samples=distill_samples,
+                                    student_peft=student_peft, kd_samples=kd_prompts)
             summary = distill_summary(output_dir, seed, be_quiet, settings)
             if json_out:
                 print_json(summary)

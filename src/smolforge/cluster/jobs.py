@@ -22,6 +22,7 @@ from smolforge.cluster.queue import Demand
 from smolforge.cluster.ray_glue import Requirements
 from smolforge.cluster.specs import DataParallelJob, DistillJob, ExportJob, ServeJob, get_path, put_path
 from smolforge.config import Spec, apply_overrides, validate
+from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.distill.pipeline import check_run
 from smolforge.errors import SmolforgeError
 
@@ -155,7 +156,7 @@ def check_output_dir(job: Any, embedded: bool) -> None:
 
 
 def is_local_file(value: Any) -> bool:
-    return bool(value) and value != "bundled" and not str(value).startswith("upload:")
+    return bool(value) and value not in BUILTIN_DATASETS and not str(value).startswith("upload:")
 
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
@@ -191,7 +192,7 @@ def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
     data = job.model_dump(mode="json")
     for dotted in kind_of(job.kind).uploads:
         value = get_path(data, dotted)
-        if value is None or value == "bundled":
+        if value is None or value in BUILTIN_DATASETS:
             continue
         if not str(value).startswith("upload:"):
             raise SmolforgeError(f"{dotted} {value!r} is a path on the submitting machine", where="job spec",

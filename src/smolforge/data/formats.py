@@ -37,10 +37,11 @@ class Example:
 
     @property
     def prompt_messages(self) -> list[dict[str, str]]:
-        """The conversation up to the last assistant turn: what a model is asked at eval time."""
+        """The conversation up to the last assistant turn: what a model is asked at eval time (all of
+        it when there is no assistant turn: a prompt for a teacher to answer)."""
         assert self.messages is not None
-        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
-        return self.messages[:last]
+        turns = [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+        return self.messages[: turns[-1]] if turns else list(self.messages)
 
     @property
     def answer(self) -> str | None:
@@ -86,17 +87,25 @@ def _need_str(record: dict, key: str, fmt: str, optional: bool = False) -> str:
     return value
 
 
-def to_example(record: dict, fmt: str, source: str) -> Example:
-    """Normalise one record; raises ValueError with the field at fault."""
+def _asked(user: str, answer: str | None) -> list[dict[str, str]]:
+    turns = [{"role": "user", "content": user}]
+    return turns + [{"role": "assistant", "content": answer}] if answer is not None else turns
+
+
+def to_example(record: dict, fmt: str, source: str, prompts_only: bool = False) -> Example:
+    """Normalise one record; raises ValueError with the field at fault.
+
+    `prompts_only`: the answer may be missing (a prompt for a teacher to answer: distillation needs
+    prompts, not labels); an answer that is there is kept as the reference."""
     if fmt == "alpaca":
         instruction = _need_str(record, "instruction", fmt)
         extra = _need_str(record, "input", fmt, optional=True)
-        output = _need_str(record, "output", fmt)
-        user = f"{instruction}\n\n{extra}" if extra else instruction
-        return Example(source, messages=[{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+        output = _need_str(record, "output", fmt) if not prompts_only or "output" in record else None
+        return Example(source, messages=_asked(f"{instruction}\n\n{extra}" if extra else instruction, output))
     if fmt == "prompt_completion":
-        prompt, completion = _need_str(record, "prompt", fmt), _need_str(record, "completion", fmt)
-        return Example(source, messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}])
+        prompt = _need_str(record, "prompt", fmt)
+        completion = _need_str(record, "completion", fmt) if not prompts_only or "completion" in record else None
+        return Example(source, messages=_asked(prompt, completion))
     if fmt == "chat":
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -108,15 +117,19 @@ def to_example(record: dict, fmt: str, source: str) -> Example:
             if m["role"] not in ROLES:
                 raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
             clean.append({"role": m["role"], "content": m["content"]})
-        if not any(m["role"] == "assistant" for m in clean):
+        if not prompts_only and not any(m["role"] == "assistant" for m in clean):
             raise ValueError("messages has no assistant turn to learn from")
+        if prompts_only and clean[-1]["role"] == "system":
+            raise ValueError("messages ends with a system turn: nothing asked to answer")
         return Example(source, messages=clean)
     if fmt == "text":
         return Example(source, text=_need_str(record, "text", fmt))
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> ReadResult:
+def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False,
+                  prompts_only: bool = False) -> ReadResult:
+    """Every record of a JSONL file as an Example; `prompts_only` (a teacher's prompts): answers optional."""
     path = Path(path)
     if not path.exists():
         raise SmolforgeError(f"data file {path} does not exist", fix="check the --data path (or use --data bundled)")
@@ -154,7 +167,7 @@ def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = Fa
                     )
                 result.format = detected
             try:
-                result.examples.append(to_example(record, result.format, where))
+                result.examples.append(to_example(record, result.format, where, prompts_only))
             except ValueError as err:
                 raise _Bad(str(err), _FIX[result.format])
         except _Bad as bad:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from smolforge.config import DataSpec
 from smolforge.data.encode import EncodeStats, encode_all
 from smolforge.data.formats import Example, read_examples
-from smolforge.data.synthetic import bundled_paths
+from smolforge.data.synthetic import BUNDLED_PROMPTS, bundled_paths, bundled_prompts_path
 
 
 class TokenRows(list):
@@ -40,13 +40,16 @@ class Splits:
         }
 
 
-def read_spec(spec: DataSpec) -> tuple[list[Example], list[Example], str, int]:
-    """(train examples, eval examples, format, skipped lines)."""
+def read_spec(spec: DataSpec, prompts_only: bool = False) -> tuple[list[Example], list[Example], str, int]:
+    """(train examples, eval examples, format, skipped lines); `prompts_only`: train answers optional
+    (a teacher's prompts), eval examples keep needing theirs."""
     path, eval_path = spec.path, spec.eval_path
     if path == "bundled":
         train_p, eval_p = bundled_paths()
         path, eval_path = str(train_p), eval_path or str(eval_p)
-    res = read_examples(path, spec.format, spec.skip_bad_lines)
+    elif path == BUNDLED_PROMPTS:  # prompts without answers, scored on the bundled held-out examples
+        path, eval_path = str(bundled_prompts_path()), eval_path or str(bundled_paths()[1])
+    res = read_examples(path, spec.format, spec.skip_bad_lines, prompts_only)
     train, skipped = res.examples, res.skipped
     if eval_path:
         ev = read_examples(eval_path, spec.format if spec.format != "auto" else res.format, spec.skip_bad_lines)

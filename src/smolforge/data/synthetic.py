@@ -69,6 +69,43 @@ def bundled_paths(n_train: int = 4000, n_eval: int = 200, seed: int = 1234) -> t
     return train, eval_
 
 
+BUNDLED_PROMPTS = "bundled-prompts"
+BUILTIN_DATASETS = ("bundled", BUNDLED_PROMPTS)  # names every node resolves itself: nothing to upload
+
+
+def bundled_prompts_path(n: int = 4000, labelled: int = 512, seed: int = 1234) -> Path:
+    """Write (once) `bundled-prompts`: n prompts without answers, for a teacher to label; returns its path.
+
+    Why: distillation's input is prompts, not labels. A user typically has a few labelled examples and
+    many more questions without answers (logs, a generator); a plainly fine-tuned student can learn only
+    from the first, a distilled one from the teacher's answers to all of them. The file holds the first
+    `labelled` bundled training prompts (the examples an SFT baseline trains on) and then fresh prompts
+    from the same generator that are neither training nor held-out prompts, so the teacher (fine-tuned on
+    the training set) answers them as it would any new question: no reference answer leaks through it.
+    """
+    root = home() / "datasets" / f"bundled-prompts-{n}-{labelled}-{seed}"
+    path = root / "train.jsonl"
+    if path.exists():
+        return path
+    train, eval_ = bundled_paths(seed=seed)
+    known = [json.loads(line)["prompt"] for f in (train, eval_) for line in f.read_text().splitlines() if line]
+    first = [json.loads(line)["prompt"] for line in train.read_text().splitlines()[:labelled]]
+    taken = set(known)
+    prompts = list(first)
+    rng = random.Random(seed + 7)
+    for _ in range(100 * n):  # bounded: the generator has about 35,000 distinct prompts
+        if len(prompts) >= n:
+            break
+        prompt, _answer = _task(rng)
+        if prompt not in taken:
+            taken.add(prompt)
+            prompts.append(prompt)
+    if len(prompts) < n:
+        raise ValueError(f"the bundled generator has fewer than {n} new prompts")
+    atomic_write_text(path, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
 # --------------------------------------------------------------------------- a generic corpus
 
 _FILLER = (

@@ -444,7 +444,7 @@ def store_summary(out_dir: str | Path) -> dict[str, Any]:
     """Totals over the shards on disk: bytes/token against an fp16 full-vocabulary store, and the
     stored distribution's error (each manifest's `reconstruction`, weighted by its rows; None when
     no shard recorded it, e.g. a VERSION 1 store)."""
-    total_bytes = tokens = topk_bytes = rows = 0
+    total_bytes = tokens = topk_bytes = rows = examples = 0
     vocab = k = 0
     kl_sum = kl_rows = trunc_sum = trunc_rows = 0.0
     kl_max = trunc_max = 0.0
@@ -455,6 +455,7 @@ def store_summary(out_dir: str | Path) -> dict[str, Any]:
         tokens += int(m.get("num_response_tokens", 0))
         topk_bytes += int(m.get("topk_bytes", 0))
         rows += int(m.get("num_topk_rows", 0))
+        examples += int(m.get("num_examples", 0))
         vocab, k = int(m.get("vocab_size", vocab)), int(m.get("k", k))
         rec = m.get("reconstruction") or {}
         kl_sum += rec.get("kl_mean", 0.0) * rec.get("rows", 0)
@@ -466,7 +467,7 @@ def store_summary(out_dir: str | Path) -> dict[str, Any]:
     full = 2 * vocab
     bpt = total_bytes / tokens if tokens else 0.0
     return {
-        "shards": len(shards), "bytes": total_bytes, "response_tokens": tokens, "vocab_size": vocab, "k": k,
+        "shards": len(shards), "examples": examples, "bytes": total_bytes, "response_tokens": tokens, "vocab_size": vocab, "k": k,
         "bytes_per_token": bpt, "topk_bytes_per_token": topk_bytes / rows if rows else 0.0,
         "fp16_full_vocab_bytes_per_token": full, "ratio_vs_fp16_full": (bpt / full) if full else 0.0,
         "reconstruction_kl_mean": kl_sum / kl_rows if kl_rows else None,

@@ -33,9 +33,12 @@ from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
-    """The training prompts of a dataset (JSONL or 'bundled'), in file order, with their answers."""
+    """The training prompts of a dataset (JSONL or 'bundled'), in file order, with their answers where
+    the records have them: a teacher needs prompts only ({"prompt": ...} lines, a chat ending on a user
+    turn); only the `reference` backend and `--teacher-responses reference` need answers."""
 
-    train, _eval, _fmt, _skipped = read_spec(DataSpec(path=dataset, format=data_format, max_samples=max_samples))
+    train, _eval, _fmt, _skipped = read_spec(DataSpec(path=dataset, format=data_format, max_samples=max_samples),
+                                             prompts_only=True)
     items = [PromptItem(i, ex.prompt_messages, ex.answer) for i, ex in enumerate(train) if ex.messages]
     if not items:
         raise SmolforgeError(f"{dataset} has no prompt/response examples for a teacher to answer",

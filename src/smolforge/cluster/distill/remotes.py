@@ -363,6 +363,9 @@ def remotes() -> dict[str, Any]:
     return _REMOTES
 
 
+BROKER_START_S = 300.0
+
+
 def new_broker(plan: dict[str, Any]):
     """The broker lives on the driver's node: it holds the shard refs and the students' shipped
     checkpoints, so it must not go down with a worker."""
@@ -374,7 +377,13 @@ def new_broker(plan: dict[str, Any]):
     # run down with it when that worker left). The driver's own node always exists.
     broker = remotes()["broker"].options(num_cpus=0, max_concurrency=4,
                                          scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(plan)
-    where = ray.get(broker.node.remote(), timeout=60)
+    try:  # its first answer waits for a new worker process (Python, torch): slow on a loaded laptop
+        where = ray.get(broker.node.remote(), timeout=BROKER_START_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(broker)
+        raise SmolforgeError(f"the shard broker did not start within {BROKER_START_S:.0f} s",
+                             fix="the coordinator's machine is overloaded or out of memory: free it and rerun "
+                                 "(finished shards are kept)") from None
     if where != here:  # a guard: the run must not depend on a worker staying
         ray.kill(broker)
         raise SmolforgeError(f"the shard broker started on node {where[:8]}, not on the driver's {here[:8]}",
