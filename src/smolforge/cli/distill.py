@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
     def distill(
         teacher: str = typer.Option(..., help="teacher: HF id, local dir, Ollama name or preset"),
         student: list[str] = typer.Option(..., help="student base model; repeat for several bases (ensemble)"),
-        data: str = typer.Option(..., help="JSONL with prompts (alpaca / chat / prompt-completion), or 'bundled'"),
+        data: str = typer.Option(..., help="JSONL with prompts (alpaca / chat / prompt-completion; answers "
+                                 "optional), 'bundled', or 'bundled-prompts' (questions without answers)"),
         output_dir: str = typer.Option("outputs/distill", help="run dir: teacher_outputs/, output/, merged_model/"),
         num_teachers: Optional[int] = typer.Option(None, help="teacher tasks (default: one per node holding the teacher)"),
         num_students: int = typer.Option(2, help="students per base; they split the shards (hybrid)"),
