@@ -11,6 +11,7 @@ import typer
 
 from smolforge.cli.common import print_json, quiet_libraries, run_cli
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
+from smolforge.data.synthetic import BUNDLED_PROMPTS_N
 from smolforge.errors import SmolforgeError
 
 DEMO_MODEL = "tiny-llama"
@@ -101,7 +102,7 @@ def register(app: typer.Typer) -> None:
         teacher_steps: int = typer.Option(800, help="distill: the teacher's full fine-tune steps (cached per value)"),
         student_steps: int = typer.Option(600, help="distill: steps per student (KD and SFT alike)"),
         distill_samples: int = typer.Option(512, help="distill: labelled examples the SFT baseline trains on"),
-        kd_prompts: int = typer.Option(4000, help="distill: prompts of the pool (bundled-prompts) the teacher "
+        kd_prompts: int = typer.Option(BUNDLED_PROMPTS_N, help="distill: prompts of the pool (bundled-prompts) the teacher "
                                        "answers for the KD students, the labelled ones first"),
         student_peft: str = typer.Option("none", help="distill: the students' PEFT method (none = every weight; "
                                          "lora is the benchmark's other arm)"),
@@ -132,9 +133,9 @@ def register(app: typer.Typer) -> None:
             if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts) < 1:
                 raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples and "
                                      "--kd-prompts must be ≥ 1", fix="e.g. --student-steps 600 --distill-samples 512")
-            if kd_prompts > 4000:
-                raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has 4,000 prompts",
-                                     fix="use --kd-prompts 4000 or fewer")
+            if kd_prompts > BUNDLED_PROMPTS_N:
+                raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has {BUNDLED_PROMPTS_N:,} prompts",
+                                     fix=f"use --kd-prompts {BUNDLED_PROMPTS_N} or fewer")
             if student_peft not in ("none", "lora"):
                 raise SmolforgeError(f"unknown --student-peft {student_peft!r}", fix="use none or lora")
             settings = DemoSettings(pretrain_steps=pretrain_steps, teacher_steps=teacher_steps,

@@ -68,6 +68,8 @@ def read_spec(spec: DataSpec, prompts_only: bool = False) -> tuple[list[Example]
         train = train[: spec.max_samples]
     if spec.max_eval_samples:
         eval_ex = eval_ex[: spec.max_eval_samples]
+    if prompts_only:  # a prompt without an answer (from the split of a teacher's data) scores nothing
+        eval_ex = [e for e in eval_ex if e.messages is None or e.answer is not None]
     return train, eval_ex, res.format, skipped
 
 

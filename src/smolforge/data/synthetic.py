@@ -70,10 +70,11 @@ def bundled_paths(n_train: int = 4000, n_eval: int = 200, seed: int = 1234) -> t
 
 
 BUNDLED_PROMPTS = "bundled-prompts"
+BUNDLED_PROMPTS_N = 4000  # its prompts
 BUILTIN_DATASETS = ("bundled", BUNDLED_PROMPTS)  # names every node resolves itself: nothing to upload
 
 
-def bundled_prompts_path(n: int = 4000, labelled: int = 512, seed: int = 1234) -> Path:
+def bundled_prompts_path(n: int = BUNDLED_PROMPTS_N, labelled: int = 512, seed: int = 1234) -> Path:
     """Write (once) `bundled-prompts`: n prompts without answers, for a teacher to label; returns its path.
 
     Why: distillation's input is prompts, not labels. A user typically has a few labelled examples and
@@ -88,10 +89,10 @@ def bundled_prompts_path(n: int = 4000, labelled: int = 512, seed: int = 1234) -
     if path.exists():
         return path
     train, eval_ = bundled_paths(seed=seed)
-    known = [json.loads(line)["prompt"] for f in (train, eval_) for line in f.read_text().splitlines() if line]
-    first = [json.loads(line)["prompt"] for line in train.read_text().splitlines()[:labelled]]
-    taken = set(known)
-    prompts = list(first)
+    train_prompts, eval_prompts = ([json.loads(line)["prompt"] for line in f.read_text().splitlines() if line]
+                                   for f in (train, eval_))
+    taken = set(train_prompts) | set(eval_prompts)
+    prompts = train_prompts[:labelled]
     rng = random.Random(seed + 7)
     for _ in range(100 * n):  # bounded: the generator has about 35,000 distinct prompts
         if len(prompts) >= n:

@@ -281,7 +281,6 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
     elif eval_data:
         _train, examples, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=cfg.max_eval_samples,
                                                               max_samples=1), prompts_only=True)
-        examples = [e for e in examples if e.answer is not None]  # prompts without answers score nothing
     else:
         return {}
     rows, _stats = encode_all(tokenizer, examples, cfg.max_length)

@@ -148,10 +148,10 @@ class StudentTasks:
         return ids
 
     def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
-        # prompts_only: a teacher's dataset may hold prompts without answers; those cannot score a student
+        # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval)
         _train, eval_ex, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=max_eval, max_samples=1),
                                                     prompts_only=True)
-        return [{"messages": ex.messages} for ex in eval_ex if ex.messages and ex.answer is not None]
+        return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
 
     def _store_for(self, teacher_outputs_dir: str | Path) -> StoreState:
         st = self._dstate()
