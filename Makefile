@@ -2,28 +2,46 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed-base
+FULL := $(VENV)/.installed-test
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25
+# llama.cpp for the GGUF export's verification: the library only (no tools, server, examples, tests
+# or multimodal library, none of which the verification loads). pip caches the built wheel.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-all install install-base bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# What the demo needs: torch, from the pinned CPU build first (anything unpinned drags in GBs of CUDA
+# packages), then smolforge itself.
+$(BASE): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# torch first, from the pinned CPU build: anything unpinned drags in GBs of CUDA packages.
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,export,wandb]'
+	$(BIN)/pip install -q -c constraints.txt -e .
 	# gRPC stubs for split learning, generated from the .proto by the pinned grpcio-tools.
 	$(BIN)/python -m smolforge.split.gen_proto
-	touch $(STAMP)
+	touch $(BASE)
 
-install: $(STAMP)
+# The tests also need pytest and the real clients, llama-cpp-python (built from source: minutes, once)
+# and offline W&B.
+$(FULL): $(BASE)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -c constraints.txt -e '.[test,export,wandb]'
+	touch $(FULL)
 
-demo: $(STAMP)
+install-base: $(BASE)
+install: $(FULL)
+
+demo: $(BASE)
 	$(BIN)/smolforge demo
 
-test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
+# The CI tier: every test that is the only proof of a feature (what CI runs).
+test: $(FULL)
+	$(PYTEST) --tier ci $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# The CI tier plus `soak` (second instances of recovery paths, long runs) and `bench` (speed and quality claims).
+test-all: $(FULL)
+	$(PYTEST) --tier all $(PYTEST_ARGS)
+
+bench: $(FULL)
 	$(BIN)/python bench/train_throughput.py
 
 clean:

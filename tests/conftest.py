@@ -23,6 +23,46 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+TIERS = ("ci", "all")
+OFF_CI = ("soak", "bench")  # markers whose tests run in `make test-all` only
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier", choices=("auto", *TIERS), default=os.environ.get("SMOLFORGE_TEST_TIER", "auto"),
+        help="ci: every test that is the only proof of a feature (`make test`, what CI runs); all: also "
+             "`soak` (second instances of a recovery path, long runs) and `bench` (speed and quality "
+             "claims), `make test-all`. auto (default): ci when pytest collects its testpaths with no -k "
+             "or -m, all when you name files, folders or tests (`pytest tests/test_export.py` runs every "
+             "test in it, `pytest -k kd_beats_sft` finds the bench test).")
+
+
+def chosen_tier(config) -> str:
+    """The tier this run selects: named, or `ci` when pytest collects its testpaths with nothing chosen
+    (no files, -k or -m): a person who names a test wants it run, whatever its tier."""
+    tier = config.getoption("--tier")
+    if tier != "auto":
+        return tier
+    chose = config.getoption("keyword") or config.getoption("markexpr")
+    return "ci" if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not chose else "all"
+
+
+def pytest_report_header(config):
+    return f"smolforge test tier: {chosen_tier(config)} (--tier ci|all; markers {', '.join(OFF_CI)} are off the ci tier)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The one place that chooses the tiers: in `ci`, tests marked soak or bench are deselected."""
+    if chosen_tier(config) == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if any(item.get_closest_marker(m) for m in OFF_CI) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The session's home goes with it (every module's clusters and servers are stopped by now)."""
     if _MADE_HOME:

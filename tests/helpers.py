@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -9,7 +10,45 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"  # the browser tests drive Debian's package, by this path
+
+
+def in_ci() -> bool:
+    """CI sets CI=true (GitHub Actions, GitLab and most others do)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require(present: bool, what: str, install: str) -> None:
+    """A test that needs something installed: skipped without it on a developer's machine, but FAILED
+    under CI (CI=true). Why: a skip is green, so a failed install (a `smolforge[export]` build that
+    broke, a missing apt package) would otherwise pass CI with the feature's only proof never run."""
+    __tracebackhide__ = True  # the report points at the test's line, not this one
+    if present:
+        return
+    msg = f"{what} is missing; fix: {install}"
+    if in_ci():
+        pytest.fail(f"{msg} (CI=true: a missing dependency fails the test instead of skipping it)", pytrace=False)
+    pytest.skip(msg)
+
+
+def require_module(name: str, what: str, install: str):
+    """The module `name`, imported, or `require`'s skip/fail when it cannot be imported."""
+    __tracebackhide__ = True
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        error = err  # failed outside the except block: one message, not a chained ImportError
+    require(False, f"{what} [import {name}: {error}]", install)
+
+
+def require_chromium() -> str:
+    """The path of the headless browser the page tests drive, or `require`'s skip/fail."""
+    __tracebackhide__ = True
+    require(os.path.exists(CHROMIUM), CHROMIUM, "apt-get install chromium (Debian's package; .ci/run does it as root)")
+    return CHROMIUM
 
 
 def smolforge(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
@@ -106,3 +145,95 @@ def tiny_train_cfg(root: Path, out: str, steps: int, **kw) -> dict:
            "tensorboard": False, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}
     cfg.update(kw)
     return cfg
+
+
+def train_dict(cfg: dict, strategy=None, pause_after: int = 0):
+    """engine.train on a TrainConfig dict (as `tiny_train_cfg` makes); with `pause_after`, a pause is asked
+    for once that many steps are done (rank 0's request is the one the ranks agree on). Returns (the
+    TrainResult, what the hooks saw: {"steps": [StepInfo, ...], "evals": [{"step", "eval_loss", ...}, ...]})."""
+    from smolforge.config import TrainConfig
+    from smolforge.train.engine import TrainHooks, train
+
+    seen: dict[str, list] = {"steps": [], "evals": []}
+
+    def should_stop():
+        return "pause" if pause_after and len(seen["steps"]) >= pause_after else None
+
+    hooks = TrainHooks(on_step=seen["steps"].append, on_eval=seen["evals"].append, should_stop=should_stop)
+    return train(TrainConfig.model_validate(cfg), hooks, strategy=strategy), seen
+
+
+def adapter_weights(result, name: str = "adapter_model.safetensors") -> dict:
+    """The tensors a finished run saved (a TrainResult or its to_dict())."""
+    from safetensors.torch import load_file
+
+    adapter_dir = result["adapter_dir"] if isinstance(result, dict) else result.adapter_dir
+    return load_file(str(Path(adapter_dir) / name))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-5, rtol: float = 0.0) -> None:
+    """Same names, and every tensor close; the message names the tensor that is not."""
+    import torch
+
+    assert a.keys() == b.keys() and a, (sorted(a)[:3], sorted(b)[:3])
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
+
+
+def _gloo_rank(work, rank: int, world: int, port: int, args: tuple, out) -> None:
+    """One spawned rank: a gloo group on loopback, then `work(rank, *args)`; its result, or its traceback, goes
+    to the test through `out` (a rank that fails says why, instead of leaving only an exit code)."""
+    import traceback
+
+    import torch
+
+    from smolforge.parallel.rendezvous import init_group, leave_group
+
+    torch.set_num_threads(1)
+    init_group("gloo", "127.0.0.1", port, rank, world, 120, secret="test")
+    try:
+        out.put((rank, True, work(rank, *args)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        leave_group()
+
+
+def run_gloo_ranks(work, world: int, *args, meanwhile=None, timeout: float = 600) -> tuple[dict, object]:
+    """`work(rank, *args)` in `world` spawned processes joined in one gloo group (a module-level function: spawn
+    pickles it by name), while this process computes `meanwhile()`. Returns ({rank: work's result},
+    meanwhile's result). A rank that fails or dies fails the test with its traceback or exit code; ranks still
+    running when the test gives up are terminated (they may wait in a collective for a peer that died)."""
+    import multiprocessing as mp
+    import queue as queues
+    import time
+
+    from smolforge.cluster.statedir import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(work, r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    try:
+        extra = meanwhile() if meanwhile else None
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            assert time.monotonic() < deadline, f"ranks {sorted(set(range(world)) - set(got))} gave nothing in {timeout} s"
+            try:
+                rank, ok, res = out.get(timeout=2)
+            except queues.Empty:  # a rank that died has nothing to send
+                assert all(p.is_alive() or p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+                continue
+            assert ok, f"rank {rank} failed:\n{res}"
+            got[rank] = res
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+    assert [p.exitcode for p in procs] == [0] * world
+    return got, extra

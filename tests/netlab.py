@@ -78,34 +78,50 @@ def _ns_id(ns: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def available() -> str | None:
-    """None if netlab can run here, else why not (for pytest.skip)."""
+NS_FIX = ("run where network namespaces are allowed: as root on the host, or a container started with "
+          "--cap-add NET_ADMIN --cap-add SYS_ADMIN (or --privileged)")
+
+
+def missing() -> tuple[str, str] | None:
+    """None if netlab can run here, else (what is missing, how to get it): for tests/helpers.require,
+    which skips on a developer's machine and fails under CI."""
     if sys.platform != "linux":
-        return "netlab needs Linux network namespaces"
+        return "Linux network namespaces", "run the netlab tests on Linux"
     if os.geteuid() != 0:
-        return "netlab needs root (ip netns, tc)"
+        return "root (ip netns, tc)", "run the tests as root (.ci/run is run as root in CI)"
     for tool in ("ip", "tc"):
         if not shutil.which(tool):
-            return f"`{tool}` is not installed (Debian: apt-get install iproute2)"
+            return f"`{tool}`", "apt-get install iproute2 (.ci/run does it as root)"
+    return _probe()
+
+
+def _probe() -> tuple[str, str] | None:
+    """Make (then delete) one namespace with a tbf qdisc, a veth pair and a bridge: what a lab uses."""
     ns = f"{PREFIX}{os.getpid()}probe"
     try:
         r = _ip("netns", "add", ns, check=False)
         if r.returncode:
-            return f"cannot create a network namespace: {r.stderr.strip()}"
+            return f"network namespaces ({r.stderr.strip()})", NS_FIX
         r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "10mbit",
                             "burst", "32kb", "latency", "50ms"], capture_output=True, text=True, timeout=30)
         if r.returncode:
-            return f"tc tbf is not available: {r.stderr.strip()}"
+            return f"tc's tbf qdisc ({r.stderr.strip()})", "a kernel with sch_tbf (modprobe sch_tbf)"
         r = _ip("-n", ns, "link", "add", "sfprobe0", "type", "veth", "peer", "name", "sfprobe1", check=False)
         if r.returncode:
-            return f"cannot create veth pairs: {r.stderr.strip()}"
+            return f"veth pairs ({r.stderr.strip()})", "a kernel with veth (modprobe veth)"
         r = _ip("-n", ns, "link", "add", "sfprobebr", "type", "bridge", check=False)
         if r.returncode:
-            return f"cannot create a bridge: {r.stderr.strip()}"
+            return f"bridges ({r.stderr.strip()})", "a kernel with bridge support (modprobe bridge)"
         return None
     finally:
         if _ns_exists(ns):
             _ip("netns", "del", ns, check=False)
+
+
+def available() -> str | None:
+    """None if netlab can run here, else why not and the fix, in one line (for the bench scripts)."""
+    gap = missing()
+    return None if gap is None else f"{gap[0]} is missing; {gap[1]}"
 
 
 def tbf_args(rate_mbit: float) -> list[str]:

@@ -1,5 +1,6 @@
-"""The bad-input table, through the real CLI: each case is exit 2 and one message (what, where, how to
-fix), never a traceback. Cases that need a running service start the real one."""
+"""The bad-input table, through the CLI's own app (typer's runner, in this process): each case is exit
+2 and one message (what, where, how to fix), never a traceback. A few tests run the real command
+where the process matters (a port in use, the real entry point's output)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import socket
 
 import pytest
+from typer.testing import CliRunner
 
 from helpers import smolforge
+
+DEEP = "[" * 5000 + "]" * 5000
 
 
 def _files(tmp):
@@ -19,6 +23,16 @@ def _files(tmp):
     (tmp / "bad.jsonl").write_text("not json\n{bad\n")
     (tmp / "nomodel").mkdir()
     (tmp / "cfgdir").mkdir()
+    (tmp / "deep.yaml").write_text(f"model: tiny-llama\ndata: {{path: bundled}}\nx: {DEEP}\n")
+    (tmp / "deepblock.yaml").write_text("".join("  " * i + f"k{i}:\n" for i in range(600)))
+    (tmp / "deepjob.yaml").write_text("kind: data_parallel\ntrain: {model: tiny-llama, data: {path: bundled}}\n"
+                                      f"x: {'[' * 40}{']' * 40}\n")
+    # a billion laughs: 9 aliases of 9 aliases ... expand to 9**9 values (a few KB of YAML)
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (tmp / "bomb.yaml").write_text("\n".join(["model: tiny-llama", "data: {path: bundled}", *bomb]) + "\n")
+    (tmp / "a-file").write_text("not a directory")
+    (tmp / "train-run" / "checkpoints" / "step-10").mkdir(parents=True)  # another run's, not a demo's
 
 
 TRAIN = ["train", "--model", "tiny-llama", "--data", "bundled"]
@@ -75,16 +89,130 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
 ]
 
 
-@pytest.mark.parametrize("name,args,needle", CASES, ids=[c[0] for c in CASES])
+LAUNCH = ["launch", "--model", "tiny-llama", "--dataset", "bundled"]
+HOSTILE = [  # the review's seven command lines, then more: bounds, encodings, nesting, paths
+    ("nested YAML in --config", ["train", "--config", "{t}/deep.yaml"], "deep.yaml: nests deeper than 32 levels"),
+    ("nested YAML in submit", ["submit", "{t}/deep.yaml"], "deep.yaml: nests deeper than 32 levels"),
+    ("nested --set value", [*TRAIN, "--set", f"x={DEEP}"], "--set x: nests deeper than 32 levels"),
+    ("nested --peft-config", [*TRAIN, "--peft-config", '{"r": ' + DEEP + "}"], "--peft-config nests deeper than 32"),
+    ("serve --port -1", ["serve", "--model", "tiny-llama", "--port", "-1"], "--port -1 is not a port number"),
+    ("coordinator --port 70000", ["coordinator", "start", "--port", "70000", "--state-dir", "{t}/state"],
+     "--port 70000 is not a port number"),
+    ("worker join an unclosed IPv6 literal", ["worker", "join", "http://[::1", "--token", "x"],
+     "'[::1' is not HOST:PORT (Invalid IPv6 URL)"),
+    ("--ray-port in Ray's worker ports", ["coordinator", "start", "--ray-port", "15000", "--port", "5999",
+                                          "--state-dir", "{t}/state"],
+     "inside Ray's worker-port range (10002-19999)"),
+    ("block-nested YAML in --config", ["train", "--config", "{t}/deepblock.yaml"], "nests deeper than 32 levels"),
+    ("nested YAML in a job file", ["submit", "{t}/deepjob.yaml"], "deepjob.yaml: nests deeper than 32 levels"),
+    ("a YAML alias bomb", ["train", "--config", "{t}/bomb.yaml"], "holds more than 100,000 values"),
+    ("a --set key 40 parts long", [*TRAIN, "--set", "a." * 40 + "b=1"], "has more than 32 parts"),
+    ("nested --peft-config of distill", ["distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data",
+                                         "bundled", "--peft-config", '{"r": ' + DEEP + "}"], "nests deeper than 32"),
+    ("--port and --ray-port the same", ["coordinator", "start", "--port", "6000", "--ray-port", "6000", "--state-dir",
+                                        "{t}/state"], "--port and --ray-port are both 6000"),
+    ("--ray-port past 65535", ["coordinator", "start", "--ray-port", "99999", "--state-dir", "{t}/state"],
+     "--ray-port 99999 is not a port number"),
+    ("coordinator --cpus below 0", ["coordinator", "start", "--cpus", "-2", "--state-dir", "{t}/state"],
+     "--cpus -2 is below 0"),
+    ("worker join over ftp", ["worker", "join", "ftp://host:5000", "--token", "x"], "http:// or https://, not ftp://"),
+    ("worker join port past 65535", ["worker", "join", "host:99999", "--token", "x"], "Port out of range"),
+    ("worker join with a path", ["worker", "join", "http://host:5000/api", "--token", "x"], "is not HOST:PORT"),
+    ("worker join --cpus -1", ["worker", "join", "127.0.0.1:9", "--token", "x", "--cpus", "-1"], "--cpus -1 is below 1"),
+    ("worker join --gpus -1", ["worker", "join", "127.0.0.1:9", "--token", "x", "--gpus", "-1"], "--gpus -1 is below 0"),
+    ("jobs at an unclosed IPv6 literal", ["jobs", "--coordinator", "http://[::1", "--token", "x"], "is not HOST:PORT"),
+    ("a state no job has", ["jobs", "--state", "runing"], "unknown job state 'runing'"),
+    ("dashboard --port 70000", ["dashboard", "--port", "70000"], "--port 70000 is not a port number"),
+    ("split serve --port -1", ["split", "serve", "--model", "tiny-llama", "--split-point-1", "1", "--split-point-2",
+                               "2", "--port", "-1"], "--port -1 is not a port number"),
+    ("split train --server-port 70000", ["split", "train", "--model", "tiny-llama", "--split-point-1", "1",
+                                         "--split-point-2", "2", "--server-port", "70000"],
+     "--server-port 70000 is not a port number"),
+    ("diloco int8 block past 4096", [*LAUNCH, "--strategy", "diloco", "--set", "strategy_config.codec=int8", "--set",
+                                     "strategy_config.block=100000"], "less than or equal to 4096"),
+    ("diloco int8 block below 64", [*LAUNCH, "--strategy", "diloco", "--set", "strategy_config.block=8"],
+     "greater than or equal to 64"),
+    ("a model name that is not UTF-8", ["train", "--model", "caf\udce9", "--data", "bundled"],
+     "the model argument is not UTF-8 text (byte 0xe9"),
+    ("a job id that is not UTF-8", ["job", "show", "\udcff"], "the job-id argument is not UTF-8 text (byte 0xff"),
+    ("a --config name too long", ["train", "--config", "x" * 5000 + ".yaml"], "File name too long"),
+    ("a --data name too long", ["train", "--model", "tiny-llama", "--data", "x" * 5000 + ".jsonl"],
+     "File name too long"),
+    ("--output-dir that is a file", [*TRAIN, "--output-dir", "{t}/a-file"], "cannot make the directory"),
+    ("demo --max-steps 0", ["demo", "--workflow", "sft", "--max-steps", "0", "--output-dir", "{t}/d"],
+     "--max-steps 0: give 1 or more"),
+    ("demo over another run's checkpoints", ["demo", "--workflow", "sft", "--output-dir", "{t}/train-run"],
+     "already holds checkpoints of a run that is not a demo's"),
+]
+
+
+def _row(row):
+    return row if isinstance(row, type(pytest.param())) else pytest.param(*row, id=row[0])
+
+
+def _invoke(argv: list[str]):
+    """The CLI in this process; a SystemExit of 2 is the one outcome a bad input may have."""
+    from smolforge.cli.main import app
+
+    return CliRunner().invoke(app, argv, env={"SMOLFORGE_COORDINATOR": "", "SMOLFORGE_TOKEN": None})
+
+
+@pytest.mark.timeout(120)  # a row that is not refused would run its command: fail it, do not train for minutes
+@pytest.mark.parametrize("name,args,needle", [_row(r) for r in CASES + HOSTILE])
 def test_bad_input_is_one_message_and_exit_2(tmp_path, name, args, needle):
     _files(tmp_path)
     argv = [a.replace("{t}", str(tmp_path)) for a in args]
-    if argv[0] == "train":
+    if argv[0] == "train" and "--output-dir" not in argv:
         argv += ["--output-dir", str(tmp_path / "out")]
-    proc = smolforge(*argv, timeout=120)
-    assert proc.returncode == 2, (name, proc.returncode, proc.stderr[-2000:])
-    assert proc.stderr.startswith("error:") and needle in proc.stderr, (name, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and "fix:" in proc.stderr
+    result = _invoke(argv)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (name, result.exception, result.output[-2000:])
+    err = result.stderr
+    assert err.startswith("error:") and err.count("error:") == 1 and needle in err, (name, err[-2000:])
+    assert "Traceback" not in result.output and "fix:" in err
+    assert "\n  fix:" in err and len(err.splitlines()) <= 12, err  # one message, not a dump
+
+
+def test_bad_ports_fail_before_anything_starts(tmp_path):
+    """`coordinator start --port 70000` used to start the Ray head, then die at bind(): now nothing
+    starts (no Ray in this process, no child process, not even the state dir)."""
+    import psutil
+    import ray
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    for argv in (["coordinator", "start", "--port", "70000", "--state-dir", str(tmp_path / "s")],
+                 ["coordinator", "start", "--ray-port", "15000", "--state-dir", str(tmp_path / "s")]):
+        assert _invoke(argv).exit_code == 2
+    assert not ray.is_initialized() and not (tmp_path / "s").exists()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_the_real_command_prints_one_message_for_nested_yaml(tmp_path):
+    """The same table row through `python -m smolforge.cli.main`: the process's own stderr and code."""
+    _files(tmp_path)
+    proc = smolforge("train", "--config", str(tmp_path / "deep.yaml"), "--output-dir", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:"), proc.stderr[-2000:]
+    assert "nests deeper than 32 levels" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_demo_deletes_nothing_of_another_run_and_replaces_its_own(tmp_path):
+    """`demo --output-dir D` over another run's checkpoints is refused with them untouched; over a
+    demo's own earlier outputs (its mark) it starts afresh, as it always did."""
+    from smolforge.distill.demo import DEMO_MARK, claim_demo_dir
+    from smolforge.errors import SmolforgeError
+
+    _files(tmp_path)
+    run = tmp_path / "train-run"
+    (run / "distill" / "output").mkdir(parents=True)  # as a `smolforge distill --output-dir D/distill` leaves it
+    refused = _invoke(["demo", "--workflow", "distill", "--output-dir", str(run)])
+    assert refused.exit_code == 2 and "already holds distill of a run that is not a demo's" in refused.stderr
+    with pytest.raises(SmolforgeError, match="already holds distill of a run that is not a demo's"):
+        claim_demo_dir(run, ("distill", "sft-baseline"))
+    assert (run / "checkpoints" / "step-10").is_dir() and (run / "distill" / "output").is_dir()  # nothing deleted
+    demo = tmp_path / "demo"
+    claim_demo_dir(demo, ("checkpoints",))  # a first demo marks its directory
+    (demo / "checkpoints" / "step-400").mkdir(parents=True)
+    claim_demo_dir(demo, ("checkpoints",))  # the next one replaces what the first left
+    assert (demo / DEMO_MARK).is_file() and not (demo / "checkpoints").exists()
 
 
 def test_a_port_in_use_is_named(tmp_path):

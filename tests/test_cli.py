@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.helpers import last_json, smolforge
+from tests.helpers import last_json, smolforge, write_jsonl
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "dashboard"])
@@ -16,20 +16,23 @@ def test_help_has_an_example(command):
 
 
 def test_train_eval_generate_roundtrip(tmp_path):
+    """One question repeated: 8 steps teach the tiny model its answer, and greedy `generate` with the
+    adapter prints it (the untrained model prints noise)."""
+    data = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "What is 2 + 3?", "completion": "2 + 3 = 5"}] * 32)
     out = tmp_path / "run"
-    proc = smolforge("train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "8", "--batch-size", "4",
+    proc = smolforge("train", "--model", "tiny-llama", "--data", str(data), "--max-steps", "8", "--batch-size", "4",
                      "--max-length", "48", "--output-dir", str(out), "--peft", "lora",
                      "--peft-config", '{"r": 4, "alpha": 8, "dropout": 0.0}', "--set", "data.max_eval_samples=8",
                      "--json", check=True)
     summary = last_json(proc.stdout)
     assert summary["steps"] == 8 and summary["adapter_dir"].endswith("lora_adapter")
     assert {"eval_loss", "perplexity", "accuracy"} <= set(summary["eval"])
-    ev = last_json(smolforge("eval", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--data", "bundled",
+    ev = last_json(smolforge("eval", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--data", str(data),
                              "--max-samples", "8", "--json", check=True).stdout)
     assert ev["eval_loss"] == pytest.approx(summary["eval"]["eval_loss"], rel=1e-4)
     gen = smolforge("generate", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--prompt", "What is 2 + 3?",
-                    "--max-new-tokens", "4", check=True)
-    assert gen.returncode == 0
+                    "--max-new-tokens", "12", check=True)
+    assert gen.stdout.strip() == "2 + 3 = 5", gen.stdout
 
 
 def test_config_file_and_set_override(tmp_path):
@@ -80,7 +83,6 @@ def test_demo_json_shows_accuracy_rising(tmp_path):
     assert summary["after_accuracy"] > summary["before_accuracy"]
 
 
-@pytest.mark.slow
 def test_distill_demo_json_has_the_documented_keys(tmp_path):
     """The distillation demo end to end, shrunk (a 20-step student base, a 40-step teacher, 6-step
     students) to check its wiring and its JSON; the full-size numbers are in BENCHMARKS.md."""

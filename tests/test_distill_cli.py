@@ -59,7 +59,6 @@ def test_a_bad_flag_fails_fast_in_a_real_process(tmp_path):
     assert proc.stderr.startswith("error:") and "unknown KD loss" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
 def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     out = tmp_path / "run"
     env = {"RAY_TMPDIR": f"/tmp/sfdc{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
@@ -109,7 +108,6 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     assert sorted(out.glob("output/student_*/checkpoints/step-*")) == kept
 
 
-@pytest.mark.slow
 def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
     """`launch --mode hybrid` on the embedded (one-node) cluster, as a distill job: the students never
     run beside a teacher, so they queue, take the node when the teacher is done, and split the shards;

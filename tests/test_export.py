@@ -6,9 +6,10 @@ every test reuses them:
   tokens on 16 prompts equal at f16 (>= 90% at q8_0), logits NMSE <= 1e-4 at f16;
 - `--to hf` loads with plain AutoModelForCausalLM and gives the peft model's logits;
 - `--to ollama`: the Modelfile's TEMPLATE rendered by Go's text/template equals the tokenizer's
-  chat template for a two-turn conversation (skipped without `go`);
+  chat template for a two-turn conversation (needs `go`);
 - Houlsby/prefix/prompt adapters refused by the CLI with one message, exit 2;
 - `train --export gguf`, and the `export` job kind on an embedded cluster (subprocesses).
+Without llama-cpp-python or `go` those tests skip, or fail under CI (CI=true): see helpers.require.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import last_json, smolforge
+from helpers import last_json, require, require_module, smolforge
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,6 +37,14 @@ TWO_TURNS = [
     {"role": "assistant", "content": "5"},
     {"role": "user", "content": "Reverse \"abc\" please\nthanks"},
 ]
+
+
+def require_llama_cpp() -> None:
+    """These tests are the only proof of the GGUF export in llama.cpp: under CI a missing or broken
+    llama-cpp-python build fails them (helpers.require), never skips them."""
+    __tracebackhide__ = True
+    require_module("llama_cpp", "llama-cpp-python (smolforge[export])",
+                   "make install (pip install -e '.[export]' with the Makefile's CMAKE_ARGS; builds llama.cpp)")
 
 
 def _train(model: str, out: Path) -> Path:
@@ -65,7 +74,7 @@ def _peft_model(model: str, adapter: Path):
 
 @pytest.mark.parametrize("model", FAMILIES)
 def test_gguf_in_llama_cpp_matches_hf(model, loras, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (smolforge[export]) is not installed")
+    require_llama_cpp()
     from smolforge.models.export.run import export
 
     f16 = export(model, "gguf", tmp_path / "f16", adapters=[str(loras[model])], quant="f16", threads=1)
@@ -140,9 +149,8 @@ def test_ollama_modelfile_template_renders_like_the_chat_template(loras, tmp_pat
     assert text.startswith("FROM ./model.gguf\n") and (tmp_path / "ollama" / "model.gguf").is_file()
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert summary["ollama"]["create"] == f"ollama create tiny-qwen2-lora -f {tmp_path / 'ollama' / 'Modelfile'}"
-    if go is None:
-        pytest.skip("go is not installed (apt-get install golang-go): the TEMPLATE cannot be rendered with "
-                    "Go's text/template")
+    require(go is not None, "go (Go's text/template renders the Modelfile's TEMPLATE)",
+            "apt-get install golang-go (.ci/run does it as root)")
     (tmp_path / "render.go").write_text(GO_RENDER)
     (tmp_path / "template.txt").write_text(_modelfile_template(text))
     (tmp_path / "messages.json").write_text(json.dumps(TWO_TURNS))
@@ -188,7 +196,7 @@ def test_cli_refuses_a_houlsby_adapter_with_one_message_exit_2(unmergeable, tmp_
 
 
 def test_train_export_gguf_writes_a_verified_gguf(tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (smolforge[export]) is not installed")
+    require_llama_cpp()
     proc = smolforge("train", "--model", "tiny-gpt2", "--data", "bundled", "--max-samples", "32", "--max-steps", "2",
                      "--batch-size", "4", "--max-length", "64", "--set", "eval_accuracy=false",
                      "--set", "data.max_eval_samples=4", "--num-threads", "1", "--output-dir", str(tmp_path / "run"),

@@ -5,7 +5,9 @@ tests/cluster/test_param_server.py runs the same strategies as real processes wi
 Rank 0 builds its model before the others start: its initial weights seed the server, the others
 pull them (threads share torch's global RNG, so a concurrent build would draw other LoRA inits). Every
 rank then waits at its first forward for all the others, so a rank that merely started late (its
-model still loading) is never taken for a slow one.
+model still loading) is never taken for a slow one. A rank is made slow by a gate, not a sleep: before
+each forward it waits for an event at the server (the fast rank held at the staleness bound, a step
+closed without it), so what the tests assert is what the policy decided, on any machine's speed.
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
+from smolforge.parallel.strategies.ps_base import ServerCore
+from smolforge.parallel.strategies.sync_ps import SyncPSServer
 from smolforge.train.engine import TrainHooks, train
 
 pytestmark = pytest.mark.timeout(300)
+GATE_S = 120.0  # a gate's event comes within seconds; this bound only turns a hang into a failure
+Gate = Callable[[ServerCore, object], None]  # (the server, the rank's strategy): blocks before a forward
 
 
 def cfg(out: Path, **kw) -> TrainConfig:
@@ -33,9 +40,10 @@ def cfg(out: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int = 4, slow: dict | None = None,
-           server=None, pause_after: int | None = None, **kw):
-    """Train `world` workers against one in-process server; returns (results by rank, server, strategies)."""
+def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int = 4,
+           gates: dict[int, Gate] | None = None, server=None, pause_after: int | None = None, **kw):
+    """Train `world` workers against one in-process server; returns (results by rank, server, strategies).
+    `gates`: rank -> what it waits for before each forward (see `wait_at`)."""
     cls = STRATEGIES[name]
     server = server or cls.Server(cls.Settings(**config).model_dump(), world)
     results, errors, strategies = [None] * world, [], [None] * world
@@ -46,15 +54,15 @@ def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int
             s = make_strategy(name, config)
             s.server, s.member, s.nominal_world = server, rank, world
             strategies[rank] = s
-            delay = (slow or {}).get(rank, 0.0)
+            gate = (gates or {}).get(rank)
             done, started = [0], [False]
 
             def before_forward(*_):
                 if not started[0]:  # every rank in step before any trains: a late start is not a fast worker
                     started[0] = True
                     start_line.wait(timeout=120)
-                if delay:
-                    time.sleep(delay)
+                if gate:
+                    gate(server, s)
 
             hooks = TrainHooks(on_model=lambda m: m.register_forward_pre_hook(before_forward),
                                on_step=lambda info: done.__setitem__(0, info.step),
@@ -80,6 +88,12 @@ def run_ps(tmp: Path, name: str, config: dict, world: int = 2, global_batch: int
     return results, server, strategies
 
 
+def wait_at(server: ServerCore, event: Callable[[], bool], what: str) -> None:
+    """Block until `event()` holds at the server (checked whenever a claim starts waiting or a part arrives)."""
+    with server.cond:
+        assert server.cond.wait_for(event, timeout=GATE_S), f"no {what} within {GATE_S:.0f} s: {server.stats()}"
+
+
 def adapter(result) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -96,13 +110,25 @@ def test_ssp_with_k0_is_the_single_process_run(tmp_path):
     assert all(r.strategy_metrics["staleness_max"] == 0 for r in results)
 
 
+def held_at_bound(member: int) -> Gate:
+    """The slow rank computes a part only while `member` is held at the staleness bound (or nothing is
+    left to hand out): `member` is then faster by construction, whatever the machine's load."""
+    def gate(server: ServerCore, _strategy) -> None:
+        wait_at(server, lambda: server.waiting.get(member, "").startswith("staleness bound")
+                or server.queue.peek() is None, f"member {member} held at the staleness bound")
+    return gate
+
+
 def test_ssp_bounds_staleness_and_a_fast_worker_takes_more_parts(tmp_path):
-    results, server, _ = run_ps(tmp_path, "ssp", {"staleness_bound": 2}, slow={1: 0.15}, max_steps=16)
+    """K = 2; rank 1 computes only while rank 0 waits at the bound. Rank 0 runs K steps ahead and waits
+    (counted: `bound_waits`), never fails, takes more parts; no gradient is more than K steps stale."""
+    results, server, _ = run_ps(tmp_path, "ssp", {"staleness_bound": 2}, gates={1: held_at_bound(0)}, max_steps=16)
     m = [r.strategy_metrics for r in results]
     assert server.version == 16 and sum(x["parts_done"] for x in m) == 32
     assert all(x["staleness_max"] <= 2 for x in m), m
+    assert m[0]["bound_waits"] > 0 and m[0]["claim_waits"] >= m[0]["bound_waits"], m  # it waited, without an error
+    assert m[1]["bound_waits"] == 0, m  # the slowest worker is never ahead of itself
     assert m[0]["parts_done"] > m[1]["parts_done"], m
-    assert m[0]["claim_waits"] > 0, m  # the fast one waited for the slow one at the bound, without an error
 
 
 def test_async_ps_applies_every_part_and_learns(tmp_path):
@@ -113,10 +139,60 @@ def test_async_ps_applies_every_part_and_learns(tmp_path):
     assert sum(x["parts_done"] for x in m) == 40
 
 
-def test_sync_ps_polyak_average_follows_the_raw_weights(tmp_path):
-    results, server, _ = run_ps(tmp_path, "sync-ps", {"polyak_decay": 0.5, "final": "polyak"}, max_steps=6)
-    assert server.version == 6 and server.ema is not None
-    assert not torch.equal(server.ema, server.flat)
+class RecordingSyncPS(SyncPSServer):
+    """sync-ps's server that keeps the raw weights before the first step and after every step it applies."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.raw_history: list[torch.Tensor] = []
+
+    def _apply(self, grad: torch.Tensor, lr: float, max_norm: float | None) -> None:
+        if not self.raw_history:
+            self.raw_history.append(self.flat.clone())
+        super()._apply(grad, lr, max_norm)
+        self.raw_history.append(self.flat.clone())
+
+
+def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(tmp_path):
+    """final: polyak ends with the exponential moving average of the raw weights the server applied,
+    step by step: avg_0 = the initial weights, avg_k = decay x avg_(k-1) + (1 - decay) x raw_k."""
+    decay, config = 0.8, {"polyak_decay": 0.8, "final": "polyak"}
+    server = RecordingSyncPS(STRATEGIES["sync-ps"].Settings(**config).model_dump(), 2)
+    results, server, _ = run_ps(tmp_path, "sync-ps", config, server=server, max_steps=6)
+    assert server.version == 6 and len(server.raw_history) == 7  # the initial weights, then one per step
+    want = server.raw_history[0].clone()
+    for raw in server.raw_history[1:]:
+        want = decay * want + (1 - decay) * raw
+    final, last = adapter(results[0]), server.raw_history[-1]
+    for name, offset, shape in zip(server.names, server.offsets, server.shapes):
+        key, n = name.replace(".default", ""), int(torch.Size(shape).numel())
+        torch.testing.assert_close(final[key], want[offset:offset + n].view(shape), msg=lambda m: f"{key}: {m}")
+    assert not torch.allclose(want, last), "the average should differ from the raw weights it follows"
+
+
+def test_sync_ps_closes_a_step_at_its_deadline_and_drops_the_late_part(tmp_path):
+    """Rank 1 holds its part of step 2 until the server has applied step 2 without it: the step closed at
+    its deadline with rank 0's part (counted), rank 1's late part is dropped (the reply to that very push
+    says so, and both sides count it), and rank 1 computes the next steps' parts again (one miss does not
+    make a straggler). Adaptive deadlines between 1 and 3 s: the test waits one of them."""
+    seen: dict[str, int] = {}
+
+    def late_for_step_2(server: ServerCore, strategy) -> None:
+        step = strategy.claimed["step"]
+        if step == 2:
+            seen["before"] = strategy.n["dropped"]
+            wait_at(server, lambda: server.version > 2, "step 2 closed without rank 1's part")
+        elif step > 2 and "after" not in seen:  # the step-2 push went with this step's claim: its reply is in
+            seen["after"] = strategy.n["dropped"]
+
+    config = {"deadline_min_s": 1.0, "deadline_max_s": 3.0}
+    results, server, _ = run_ps(tmp_path, "sync-ps", config, gates={1: late_for_step_2}, max_steps=6)
+    m, stats = [r.strategy_metrics for r in results], server.stats()
+    assert seen.get("after") == seen["before"] + 1, seen  # exactly the held part was dropped
+    assert server.version == 6 and server.applied == 6, stats  # every step applied, the late one too
+    assert stats["closed_at_deadline"] >= 1 and stats["dropped"].get(1, 0) == m[1]["dropped"] >= 1, (m, stats)
+    assert m[1]["parts_done"] - m[1]["dropped"] >= 3, m  # it took part again after the miss
+    assert not any(n["kind"] == "straggler" for n in stats["notes"]), stats
 
 
 def test_ssp_pause_then_resume_equals_uninterrupted(tmp_path):

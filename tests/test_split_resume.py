@@ -136,7 +136,6 @@ def start_server_process(port: int, ck: Path, log: Path) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.slow
 def test_killed_server_restarts_and_client_resumes_from_shared_checkpoint(data, tmp_path):
     tok, splits = data
     port = free_port()

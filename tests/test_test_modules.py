@@ -21,3 +21,101 @@ def test_every_test_module_basename_is_unique():
             seen[path.name].append(str(path.relative_to(TESTS)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"rename one of each (pytest imports test modules by basename): {clashes}"
+
+
+# -- no clocks in CI-tier assertions -----------------------------------------------------------------
+#
+# Why: on a shared, noisy 2-core machine a test that asserts a duration or a speed ratio fails for
+# reasons that are not bugs (and a fast machine has broken others). Speed claims live in bench/ and
+# BENCHMARKS.md; a CI-tier test asserts what the mechanism decided. A clock may appear in an assertion
+# only as a hang guard: `assert time.time() < deadline` inside a polling loop, or an entry below that
+# says why its bound is generous.
+
+import ast  # noqa: E402
+
+CLOCKS = {"time", "monotonic", "perf_counter", "process_time"}
+OFF_CI_MARKERS = {"soak", "bench"}
+# (module relative to tests/, function): why this clock assertion is a hang guard, not a speed claim.
+ALLOWED_HANG_GUARDS: dict[tuple[str, str], str] = {
+    ("test_distill_student.py", "test_student_starts_before_the_last_shard_is_written"):
+        "an order of two events (the student's start, the last shard's write), not a duration",
+    ("cluster/test_serve_job.py", "test_a_killed_stage_fails_its_stream_and_is_placed_again"):
+        "a hang guard (120 s against the stage's failure in about a second): without it a stream that never "
+        "ends would hold the test until the module's timeout",
+}
+
+
+def _is_clock_call(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCKS
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "time")
+
+
+def _marked_off_ci(decorators: list[ast.expr]) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in OFF_CI_MARKERS
+               for d in decorators for n in ast.walk(d))
+
+
+def _module_off_ci(tree: ast.Module) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return _marked_off_ci([node.value])
+    return False
+
+
+def _clock_assertions(func: ast.FunctionDef) -> list[int]:
+    """Lines of the assertions in `func` that compare a clock reading (or a name made from one) with
+    anything but a `deadline`."""
+    clock_names = {t.id for node in ast.walk(func) if isinstance(node, ast.Assign)
+                   and any(_is_clock_call(n) for n in ast.walk(node.value))
+                   for t in node.targets if isinstance(t, ast.Name)}
+
+    def clocky(node: ast.AST) -> bool:
+        """A clock reading in this expression's arithmetic (a clock passed into a call is an input)."""
+        if _is_clock_call(node) or (isinstance(node, ast.Name) and node.id in clock_names):
+            return True
+        if isinstance(node, ast.Call):
+            return False
+        return any(clocky(child) for child in ast.iter_child_nodes(node))
+
+    lines = []
+    for node in ast.walk(func):
+        if not isinstance(node, ast.Assert):
+            continue
+        for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            sides = [cmp.left, *cmp.comparators]
+            if not any(clocky(s) for s in sides):
+                continue
+            if any(isinstance(s, ast.Name) and "deadline" in s.id for s in sides):
+                continue  # `time.time() < deadline`: the guard of a polling loop
+            lines.append(node.lineno)
+    return lines
+
+
+def clock_assertions_in_ci_tier() -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if _module_off_ci(tree):
+            continue
+        rel = str(path.relative_to(TESTS))
+        for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            if _marked_off_ci(func.decorator_list) or (rel, func.name) in ALLOWED_HANG_GUARDS:
+                continue
+            for line in _clock_assertions(func):
+                found.setdefault(f"{rel}::{func.name}", []).append(line)
+    return found
+
+
+def test_no_ci_tier_test_asserts_a_duration():
+    found = clock_assertions_in_ci_tier()
+    assert not found, ("these CI-tier assertions compare a clock: assert what the mechanism decided (a "
+                       "counter, an event), move the speed claim to bench/ (marker `bench`), or, for a "
+                       f"generous hang guard, add it to ALLOWED_HANG_GUARDS with the reason: {found}")
+
+
+def test_the_clock_scan_sees_a_duration_and_spares_a_deadline():
+    tree = ast.parse("def f():\n t0 = time.time()\n work()\n assert time.time() - t0 < 10\n"
+                     "def g():\n deadline = time.time() + 60\n while time.time() < deadline:\n  pass\n"
+                     " assert time.time() < deadline, 'hung'\n")
+    f, g = tree.body
+    assert _clock_assertions(f) == [4] and _clock_assertions(g) == []

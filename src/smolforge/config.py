@@ -126,9 +126,39 @@ class TrainConfig(Spec):
         return self
 
 
-def _parse_value(raw: str) -> Any:
+MAX_NESTING = 32  # levels of sections and lists in a config, a job spec or one --set value
+MAX_VALUES = 100_000  # values in one of them, YAML aliases expanded
+
+
+def check_nesting(value: Any, where: str) -> Any:
+    """Refuse a parsed document nested deeper than MAX_NESTING or holding more than MAX_VALUES values
+    (aliases let a small YAML file expand without bound); returns it. Walked without recursion: the
+    parsers, pydantic and `json.dumps` all recurse per level, so 5 000 `[` ended in a RecursionError."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if depth > MAX_NESTING or seen > MAX_VALUES:
+            what = f"nests deeper than {MAX_NESTING} levels" if depth > MAX_NESTING else \
+                f"holds more than {MAX_VALUES:,} values (aliases expanded)"
+            raise SmolforgeError(what, where=where, fix="write plain sections a few levels deep (e.g. data.max_length: 64)")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def _safe_load(text: str, where: str) -> Any:
+    """yaml.safe_load, with nesting past the parser's recursion one message (see check_nesting)."""
     try:
-        return yaml.safe_load(raw)
+        return check_nesting(yaml.safe_load(text), where)
+    except RecursionError:
+        raise SmolforgeError(f"nests deeper than {MAX_NESTING} levels", where=where,
+                             fix="write plain sections a few levels deep (e.g. data.max_length: 64)") from None
+
+
+def _parse_value(raw: str, where: str = "--set") -> Any:
+    try:
+        return _safe_load(raw, where)
     except yaml.YAMLError:
         return raw
 
@@ -148,12 +178,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], strip_training: 
             parts = parts[1:]
         if not parts:
             raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set lr=1e-4")
+        if len(parts) > MAX_NESTING:
+            raise SmolforgeError(f"--set key {key[:60]!r}... has more than {MAX_NESTING} parts", where="--set",
+                                 fix="name a setting, e.g. --set data.max_length=64")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise SmolforgeError(f"--set {item!r}: {p} is not a section", fix="check the key path")
-        node[parts[-1]] = _parse_value(raw)
+        node[parts[-1]] = _parse_value(raw, f"--set {'.'.join(parts)[:60]}")
     return data
 
 
@@ -165,7 +198,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise SmolforgeError(f"config file {path} is a directory, not a YAML file", where=str(path),
                              fix="point --config at the YAML file itself")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = _safe_load(path.read_text(encoding="utf-8"), str(path)) or {}
     except UnicodeDecodeError as err:
         raise SmolforgeError(f"{path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})",
                              where=str(path), fix="save the YAML as UTF-8") from err

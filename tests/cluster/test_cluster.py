@@ -4,6 +4,11 @@ One cluster per module (starting Ray nodes costs ~10 s each), used by the tests 
 nodes and auth, placement errors, a data-parallel LoRA job equal to a single-process run, pause and
 resume, cancel, lending the coordinator, a worker SIGKILLed mid-job, and a coordinator killed and
 restarted. Every process is one this test started, stopped by its process group.
+
+A test that acts on a running job (pauses, cancels, kills or joins it) holds its ranks at a known
+step first (`held`: the fault `hold-step` of `smolforge.parallel.dp_task`) and waits for them to say
+so (`wait_event(..., "held")`), instead of making the job long enough to still be running: the jobs
+stay short, and what the test does lands at the same step on any machine.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +30,7 @@ from localcluster import LocalCluster
 pytestmark = pytest.mark.timeout(900)
 
 STEPS = 40
+SHORT = 20  # a job that a test holds at a known step: a few steps on each side of the hold and a checkpoint
 
 
 def pid_running(pid: int | None) -> bool:
@@ -125,18 +132,75 @@ def wait_step(client, job_id, step, timeout=240) -> dict:
     raise AssertionError(f"job {job_id} did not reach step {step}: {st}")
 
 
-def whole_and_paused(client, spec: dict) -> tuple[str, str, dict]:
-    """Run `spec` uninterrupted, then again paused after step 6 and resumed; returns (whole id, paused
-    job id, its status when paused). The caller checks where the pause landed and the weights."""
+def wait_event(client, job_id, kind, timeout=240, count=1) -> dict:
+    """The job's first `kind` event, once it has `count` of them (the job still running)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [e for e in client.job_events(job_id) if e["kind"] == kind]
+        if len(found) >= count:
+            return found[0]
+        st = client.get_job_status(job_id)
+        if st["state"] in ("failed", "cancelled", "completed"):
+            raise AssertionError(f"job {job_id} {st['state']} before {count} {kind} event(s): {st['error']}\n"
+                                 + "\n".join(client.job_logs(job_id)))
+        time.sleep(0.3)
+    raise AssertionError(f"not {count} {kind} event(s) in {timeout}s:\n" + "\n".join(client.job_logs(job_id)))
+
+
+def node_dir(w, name: str) -> Path:
+    """Node `name`'s scratch directory, where a test writes its fault files (`dp_task.fault_setting`)."""
+    return w["c"].state / "node" if name == "coordinator" else w["base"] / f"node-{name}" / "node"
+
+
+def hold(w, step: int, nodes=("w1", "w2")) -> list[Path]:
+    """Every rank that starts on `nodes` holds after `step` (fault `hold-step`):
+    it says so in a `held` event and waits until `release`, or until the job asks it to stop, regroup or
+    take in a member (that request then lands at this step, or at the next boundary). The hold files."""
+    files = [node_dir(w, n) / "fault-hold-step" for n in nodes]
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(str(step))
+    return files
+
+
+def release(files: list[Path]) -> None:
+    for f in files:
+        f.unlink(missing_ok=True)
+
+
+@contextmanager
+def held(w, step: int, nodes=("w1", "w2")):
+    """`hold` for the block: ranks that start in it hold after `step`; its end releases them."""
+    files = hold(w, step, nodes)
+    try:
+        yield files
+    finally:
+        release(files)
+
+
+def submit_held(w, spec: dict, step: int, ranks: int = 2) -> str:
+    """Submit `spec` and wait until its `ranks` ranks are held after `step` (inside `held`)."""
+    client = w["c"].client()
+    job_id = client.submit_job(spec)
+    wait_event(client, job_id, "held", count=ranks)
+    st = wait_step(client, job_id, step)  # the step's report may land just after the events
+    assert st["state"] == "running" and st["step"] == step, st
+    return job_id
+
+
+def whole_and_paused(w, spec: dict, at: int = 6) -> tuple[str, str, dict]:
+    """Run `spec` uninterrupted, then again held after step `at`, paused there and resumed; returns
+    (whole id, paused job id, its status when paused). The caller checks where the pause landed and
+    the weights."""
     import copy
 
+    client = w["c"].client()
     whole = client.submit_job(copy.deepcopy(spec))
     wait_state(client, whole, ("completed",))
-    job_id = client.submit_job(copy.deepcopy(spec))
-    st = wait_step(client, job_id, 6)
-    assert st["state"] == "running", st
-    client.pause_job(job_id)
-    return whole, job_id, wait_state(client, job_id, ("paused",))
+    with held(w, at):
+        job_id = submit_held(w, copy.deepcopy(spec), at)
+        client.pause_job(job_id)
+        return whole, job_id, wait_state(client, job_id, ("paused",))
 
 
 # -- membership and auth ------------------------------------------------------------------------
@@ -169,10 +233,8 @@ def test_api_needs_token_and_a_bad_worker_token_is_refused(world):
     metrics = c.api("GET", "/metrics")
     assert metrics.status_code == 200 and 'smolforge_nodes{state="online"} 3.0' in metrics.text
     for bad in ("not-the-token", ""):
-        t0 = time.time()
         proc = c.add_worker(f"intruder{len(bad)}", token=bad, wait=False)
-        proc.p.wait(timeout=10)
-        assert time.time() - t0 < 10
+        proc.p.wait(timeout=120)  # a hang guard: the refusal is the first answer it gets
         assert proc.p.returncode == 2 and "coordinator rejected the token" in proc.output()
     names = {n["name"] for n in c.api("GET", "/api/v1/nodes").json()}
     assert not any(n.startswith("intruder") for n in names)
@@ -180,9 +242,10 @@ def test_api_needs_token_and_a_bad_worker_token_is_refused(world):
 
 @pytest.fixture
 def long_job(world):
-    """One long data-parallel job, submitted as a user would (`smolforge submit job.yaml`, the local
-    dataset uploaded) and running at step 2, shared by the tests that need live ranks (the token in
-    no argv, loopback listeners, and cancel, which ends it): three tests, one job's start-up."""
+    """One data-parallel job with live ranks, submitted as a user would (`smolforge submit job.yaml`,
+    the local dataset uploaded) and held after step 2 on both workers until it ends, shared by the
+    tests that need live ranks (the token in no argv, loopback listeners, and cancel, which ends it):
+    three tests, one job's start-up."""
     import yaml
 
     client = world["c"].client()
@@ -191,24 +254,27 @@ def long_job(world):
         return job_id
     job_file = world["base"] / "job.yaml"
     job_file.write_text(yaml.safe_dump(job_spec(world)))  # the dataset path is local: `submit` uploads it
-    r = world["c"].cli("submit", str(job_file), "--set", "training.max_steps=5000", "--set", "save_every=0")
+    world["long_hold"] = hold(world, 2)  # released by `_no_stray_long_job`, or by the cancel itself
+    r = world["c"].cli("submit", str(job_file), "--set", f"training.max_steps={SHORT}", "--set", "save_every=0")
     assert r.returncode == 0, r.stderr
     job_id = world["long_job"] = r.stdout.strip().splitlines()[-1]
     spec = client.get_job(job_id)["spec"]
-    assert spec["train"]["max_steps"] == 5000 and spec["train"]["data"]["path"].startswith("upload:")
-    wait_step(client, job_id, 2)
+    assert spec["train"]["max_steps"] == SHORT and spec["train"]["data"]["path"].startswith("upload:")
+    wait_event(client, job_id, "held", count=2)
     return job_id
 
 
 @pytest.fixture(autouse=True)
 def _no_stray_long_job(request, world):
-    """A test that does not use `long_job` finds the workers free (with `-k`, cancel may not run)."""
+    """A test that does not use `long_job` finds the workers free and no hold left (with `-k`, cancel
+    may not run)."""
     job_id = world.get("long_job")
     if job_id and "long_job" not in request.fixturenames:
         client = world["c"].client()
         if client.get_job_status(job_id)["state"] == "running":
             client.cancel_job(job_id)
             wait_state(client, job_id, ("cancelled",))
+        release(world.pop("long_hold", []))
 
 
 def test_the_token_is_in_no_argv_and_never_printed(world, long_job):
@@ -258,19 +324,22 @@ def test_every_listener_of_a_loopback_cluster_is_on_loopback(world, long_job):
         assert call(b"", timeout=10, metadata=[("authorization", f"Bearer {c.token}")])  # the token opens it
 
 
-def test_cancel_releases_every_actor_within_10s(world, long_job):
+def test_cancel_releases_every_actor(world, long_job):
+    """`job cancel` ends the ranks' processes (they leave the loop, and the runner kills what is left
+    after its grace period) and gives their CPUs back to the pool. The bounds only guard against a
+    hang: the cancel takes seconds."""
     client = world["c"].client()
     job_id = long_job
     pids = [t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
     assert len(pids) == 2 and all(pid_running(p) for p in pids)
-    t0 = time.time()
     r = world["c"].cli("job", "cancel", job_id)
     assert r.returncode == 0 and "cancelled" in r.stdout, r.stderr
-    while any(pid_running(p) for p in pids) and time.time() - t0 < 10:
+    deadline = time.time() + 120
+    while any(pid_running(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
-    assert not any(pid_running(p) for p in pids), "actor processes still alive 10 s after cancel"
+    assert not any(pid_running(p) for p in pids), "actor processes still alive 120 s after cancel"
     assert client.get_job_status(job_id)["state"] == "cancelled"
-    deadline = time.time() + 10  # CPUs are back in the pool
+    deadline = time.time() + 120  # CPUs are back in the pool
     while time.time() < deadline:
         free = {r["name"]: r["available"].get("CPU", 0) for r in client.resources()}
         if free["w1"] == 1 and free["w2"] == 1:
@@ -283,10 +352,8 @@ def test_unsatisfiable_requirement_fails_at_once(world):
     from smolforge.errors import SmolforgeError
 
     c = world["c"]
-    t0 = time.time()
-    with pytest.raises(SmolforgeError) as err:
+    with pytest.raises(SmolforgeError) as err:  # at once: submitting raises, no job waits for a node
         c.client().submit_job(job_spec(world, model="nobody/has-this-model"))
-    assert time.time() - t0 < 10
     text = err.value.render()
     assert "no node can run this task" in text and "nobody/has-this-model" in text
     assert "w1 [worker]" in text and "w2 [worker]" in text and "does not hold model" in text
@@ -320,6 +387,7 @@ def ddp_result(world, client) -> dict:
     return client.get_job_status(world["dp_job"])["result"]
 
 
+@pytest.mark.soak  # the same claim, in process: tests/test_zero1_strategy.py
 def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     """ZeRO-1 shards AdamW's state across the ranks; AdamW is elementwise, so the weights are DDP's."""
     client = world["c"].client()
@@ -361,6 +429,7 @@ def test_fsdp_equals_ddp_with_a_shard_of_the_state_per_rank(world):
     assert all(b > 0 for b in res["checkpoint_bytes_sent_per_rank"] + res["peak_rss_mb_per_rank"]), res
 
 
+@pytest.mark.soak  # the same claim, in process: tests/test_diloco_strategy.py
 def test_diloco_with_one_inner_step_and_a_plain_outer_step_is_ddp(world):
     """H = 1, outer SGD lr 1.0 without momentum, a linear inner optimizer (SGD) and no clipping: the
     token-weighted average of the ranks' steps is exactly DDP's step (checks the outer step)."""
@@ -373,6 +442,7 @@ def test_diloco_with_one_inner_step_and_a_plain_outer_step_is_ddp(world):
     assert_same_weights(adapter_of(world, job_id), reference(world, 4, **linear), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.bench
 def test_diloco_sends_a_fraction_of_ddps_bytes_for_the_same_loss(world):
     """H = 20: eval loss within 5% of DDP's at equal samples, with <= 1/15 of its bytes (fp32) and
     <= 1/60 with int8 pseudo-gradients. Outer lr 1.0 and momentum 0.5: with ten outer steps the
@@ -393,15 +463,16 @@ def test_diloco_sends_a_fraction_of_ddps_bytes_for_the_same_loss(world):
         assert max(r["comm_bytes_sent_per_rank"]) <= share * ddp_bytes, (name, r["comm_bytes_sent_per_rank"], ddp_bytes)
 
 
+@pytest.mark.soak  # the same claim, in process: tests/test_diloco_strategy.py (the pause through the API: test_pause_then_resume_*)
 def test_diloco_pause_then_resume_equals_uninterrupted(world):
     """The pause lands on the next outer step; every rank's inner AdamW state is kept: the resumed
     job ends with the weights of an uninterrupted one."""
     client = world["c"].client()
-    steps = 2 * STEPS
+    steps = SHORT
     spec = {**job_spec(world, max_steps=steps, save_every=8), "strategy": "diloco",
             "strategy_config": {"inner_steps": 4}}
-    whole, job_id, st = whole_and_paused(client, spec)
-    assert st["step"] % 4 == 0 and 6 <= st["step"] < steps, st  # on an outer step
+    whole, job_id, st = whole_and_paused(world, spec, at=6)
+    assert st["step"] == 8, st  # asked for after step 6, the pause waits for the next outer step
     client.resume_job(job_id)
     wait_state(client, job_id, ("completed",))
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole), atol=1e-6, rtol=0)
@@ -409,13 +480,18 @@ def test_diloco_pause_then_resume_equals_uninterrupted(world):
 
 def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     """w2 sleeps 30 ms per sample in every forward (fault injection: a file in its node directory).
-    With `balance: auto` its rank measures that, takes fewer rows of each global batch and the step
-    gets shorter than with equal slices (`off`); the loss is normalised over the whole step, so both
-    end with the weights of one process with the global batch."""
+    With `balance: auto` the ranks measure their rates (rows per second of forward and backward) and
+    each takes rows of every global batch in proportion, which the `balance` event states; with `off`
+    the slices stay equal. The loss is normalised over the whole step, so both end with the weights
+    of one process with the global batch. (How much time balancing saves is a benchmark's claim:
+    bench/balance.py, BENCHMARKS.md.)"""
+    from smolforge.train.balance import split_rows
+
     client = world["c"].client()
-    slow = world["base"] / "node-w2" / "node" / "fault-sample-delay-s"
+    delay = 0.03
+    slow = node_dir(world, "w2") / "fault-sample-delay-s"
     slow.parent.mkdir(parents=True, exist_ok=True)
-    slow.write_text("0.03")
+    slow.write_text(str(delay))
     steps = 16
     try:
         res = {}
@@ -431,10 +507,13 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     rows = auto["batch_rows_per_rank"]
     assert sum(rows) == 8 and rows[slow_rank] < 4 < rows[1 - slow_rank], auto
     events = client.job_events(res["auto"]["job_id"])
-    assert any(e["kind"] == "balance" for e in events), render_timeline(events)
-    assert auto["median_step_s"] < 0.85 * off["median_step_s"], (auto["median_step_s"], off["median_step_s"])
-    # the fast rank waited for the slow one with equal slices, much less once balanced
-    assert auto["comm_wait_s_per_rank"][1 - slow_rank] < off["comm_wait_s_per_rank"][1 - off["nodes"].index("w2")]
+    decided = [e["data"] for e in events if e["kind"] == "balance"]
+    assert decided, render_timeline(events)
+    rates = decided[-1]["rates"]  # what each rank measured, samples/s
+    # the slowed rank measured its delay (it cannot do more than 1/delay rows a second), and every
+    # rank's rows are its share of the step in proportion to the rates: what the job ended with
+    assert 0 < rates[slow_rank] <= 1 / delay and rates[1 - slow_rank] > rates[slow_rank], decided
+    assert decided[-1]["rows"] == split_rows(rates, 8) == rows, (decided, rows)
     ref = reference(world, 8, max_steps=steps, save_every=0)
     for mode in ("off", "auto"):
         assert_same_weights(adapter_of(world, res[mode]["job_id"]), ref)
@@ -451,15 +530,17 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     assert "smolforge_job_comm_wait_seconds{" in scrape
 
 
-def kill_rank_then_finish(client, job_id: str, at_step: int, before: int, rank: int = 1) -> tuple[dict, list[dict]]:
-    """SIGKILL `rank`'s process once the job reports `at_step` (still running, before step `before`),
-    wait for the job to complete; its final status and events."""
-    st = wait_step(client, job_id, at_step)
-    assert st["state"] == "running" and st["step"] < before, st
-    victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == rank)
-    os.kill(victim["pid"], signal.SIGKILL)
+def kill_rank_then_finish(w, spec: dict, at_step: int, rank: int = 1) -> tuple[str, dict, list[dict]]:
+    """Submit `spec` with its ranks held after `at_step`, SIGKILL `rank`'s process there, release the
+    others and wait for the job to complete; its id, final status and events."""
+    client = w["c"].client()
+    with held(w, at_step):
+        job_id = submit_held(w, spec, at_step)
+        st = client.get_job_status(job_id)
+        victim = next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == rank)
+        os.kill(victim["pid"], signal.SIGKILL)
     st = wait_state(client, job_id, ("completed",))
-    return st, client.job_events(job_id)
+    return job_id, st, client.job_events(job_id)
 
 
 def diloco_spec(w, steps: int, inner: int = 5, **kw) -> dict:
@@ -472,16 +553,16 @@ def test_diloco_member_killed_mid_round_the_others_carry_on(world):
     finishes the job with no restart from a checkpoint (one group, no recovery); the event log shows
     the member leaving."""
     client = world["c"].client()
-    steps = 200  # ~15 s: the kill lands mid-training (reported steps lag the ranks by up to a second)
-    job_id = client.submit_job(diloco_spec(world, steps))
-    st, events = kill_rank_then_finish(client, job_id, at_step=7, before=steps // 2)
+    steps = SHORT
+    job_id, st, events = kill_rank_then_finish(world, diloco_spec(world, steps), at_step=7)
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]
     assert "member_left" in kinds and "group_reformed" in kinds, timeline
     assert "recovering" not in kinds and "recovered" not in kinds, timeline  # no restart
     assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline
     reformed = next(e for e in events if e["kind"] == "group_reformed")
-    assert reformed["data"]["members"] == [0], timeline
+    # released, rank 0's next collective (the stop decision after step 7) finds its peer gone
+    assert reformed["data"]["members"] == [0] and reformed["data"]["step"] == 7, timeline
     res = st["result"]
     assert res["steps"] == steps and res["workers"] == 1 and res["rounds"] == steps // 5, res
     assert (client.download_adapter(job_id, world["base"] / "downloads" / job_id) / "adapter_model.safetensors").exists()
@@ -492,17 +573,18 @@ def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world)
     the group takes it in at its next outer step (it receives the step, the shared weights and the
     outer momentum) with no restart; the job ends with three members' results."""
     client = world["c"].client()
-    steps = 400  # long enough (~20 s) that the joiner is placed and loaded before the job ends
+    steps = SHORT
     # the joiner hands its result back 3 s after the others (fault injection): the runner must wait for
     # a member the group took in, not drop it as one still waiting to join (it did, on a loaded machine)
-    lag = world["c"].state / "node" / "fault-result-delay-s"
+    lag = node_dir(world, "coordinator") / "fault-result-delay-s"
     lag.parent.mkdir(parents=True, exist_ok=True)
     lag.write_text("3")
     try:
-        job_id = client.submit_job(diloco_spec(world, steps))
-        wait_step(client, job_id, 2)
-        client.join_job(job_id)
-        st = wait_state(client, job_id, ("completed",))
+        # held after step 2 until the joiner waits at the door: the group takes it in at its next outer step
+        with held(world, 2):
+            job_id = submit_held(world, diloco_spec(world, steps), 2)
+            client.join_job(job_id)
+            st = wait_state(client, job_id, ("completed",))
     finally:
         lag.unlink()
     events = client.job_events(job_id)
@@ -513,7 +595,7 @@ def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world)
     assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline  # no restart
     reformed = [e["data"] for e in events if e["kind"] == "group_reformed"]
     assert len(reformed) == 1 and reformed[0]["joined"] == [2] and reformed[0]["members"] == [0, 1, 2], timeline
-    assert reformed[0]["step"] % 5 == 0 and 0 < reformed[0]["step"] < steps, timeline  # at an outer step
+    assert reformed[0]["step"] == 5, timeline  # the first outer step after the hold
     res = st["result"]
     assert res["steps"] == steps and res["workers"] == 3 and "coordinator" in res["nodes"], (res, timeline)
     assert res["rounds"] == steps // 5
@@ -555,15 +637,14 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])  # ddp: the dropout test below pauses a ddp job
 def test_pause_then_resume_equals_uninterrupted(world, strategy):
     client = world["c"].client()
-    steps = 2 * STEPS  # room for the pause to land (within a poll, ~0.5 s) however fast the steps run
-    job_id = client.submit_job({**job_spec(world, max_steps=steps), "strategy": strategy})
-    st = wait_step(client, job_id, 6)
-    assert st["state"] == "running", st
-    client.pause_job(job_id)
-    st = wait_state(client, job_id, ("paused",))
-    assert 6 <= st["step"] < steps
+    steps = SHORT
+    with held(world, 6):
+        job_id = submit_held(world, {**job_spec(world, max_steps=steps), "strategy": strategy}, 6)
+        client.pause_job(job_id)
+        st = wait_state(client, job_id, ("paused",))
+    assert st["step"] == 6, st  # the held ranks take the pause where they stand
     ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
-    deadline = time.time() + 20  # released actors' processes take a moment to exit under load
+    deadline = time.time() + 60  # a hang guard: released actors' processes exit in seconds
     while any(pid_running(t["pid"]) for t in ranks) and time.time() < deadline:
         time.sleep(0.3)
     assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks)
@@ -583,11 +664,11 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     batch, and a row's dropout mask comes from the stream of the rank that trains it, so two runs
     balanced differently draw different masks (with dropout 0 the weights do not depend on the split)."""
     client = world["c"].client()
-    steps = 2 * STEPS
+    steps = SHORT
     spec = {**job_spec(world, max_steps=steps, peft={"method": "lora", "r": 8, "alpha": 16, "dropout": 0.05}),
             "balance": "off"}
-    whole, job_id, st = whole_and_paused(client, spec)
-    assert 6 <= st["step"] < steps, st
+    whole, job_id, st = whole_and_paused(world, spec, at=6)
+    assert st["step"] == 6, st
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
     assert st["result"]["steps"] == steps
@@ -600,11 +681,11 @@ def test_pipeline_across_two_workers_survives_a_killed_stage_with_one_process_we
     SIGKILLed mid-job: the job restarts from its last checkpoint and ends with the weights of one
     process with the same global batch (each step is batch_size x stages rows, as for ddp)."""
     client = world["c"].client()
-    steps = 2 * STEPS
-    job_id = client.submit_job({**job_spec(world, max_steps=steps), "stages": 2})
+    steps = SHORT
+    # held after step 8: the checkpoint of step 5 (every 5 steps) is stored
+    job_id, st, events = kill_rank_then_finish(world, {**job_spec(world, max_steps=steps), "stages": 2}, at_step=8)
     spec = client.get_job(job_id)["spec"]
     assert spec["strategy"] == "pipeline" and spec["num_workers"] == 2
-    st, events = kill_rank_then_finish(client, job_id, at_step=8, before=steps)  # a checkpoint (every 5 steps) is stored
     timeline = render_timeline(events)
     kinds = [e["kind"] for e in events]
     assert "recovering" in kinds and "recovered" in kinds, timeline
@@ -652,20 +733,6 @@ def distill_spec(w, **kw) -> dict:
                "eval_max_new_tokens": 4, "device": "cpu"}
     distill.update(kw)
     return {"kind": "distill", "name": "distill-test", "mode": "teacher_student", "distill": distill}
-
-
-def wait_event(client, job_id, kind, timeout=240) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        found = [e for e in client.job_events(job_id) if e["kind"] == kind]
-        if found:
-            return found[0]
-        st = client.get_job_status(job_id)
-        if st["state"] in ("failed", "cancelled", "completed"):
-            raise AssertionError(f"job {job_id} {st['state']} before a {kind} event: {st['error']}\n"
-                                 + "\n".join(client.job_logs(job_id)))
-        time.sleep(0.3)
-    raise AssertionError(f"no {kind} event in {timeout}s:\n" + "\n".join(client.job_logs(job_id)))
 
 
 def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
@@ -769,18 +836,17 @@ def test_distill_job_survives_a_killed_teacher_and_a_killed_student(world):
     assert (path / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.slow
 def test_join_lends_the_coordinator_at_a_checkpoint(world):
-    """A node lent mid-training joins at the next checkpoint. The job is long enough (a few seconds of
-    steps after the first) that the CLI's start-up cannot let it finish first: with 40 steps at ~15
-    steps/s it did, on a loaded CI machine, and the join was (rightly) dropped."""
-    steps = 160
+    """A node lent mid-training joins at the next checkpoint. The ranks are held after step 2 until the
+    join asks them to regroup, so the CLI's start-up cannot let the job finish first (with 40 free
+    steps it did, on a loaded CI machine, and the join was rightly dropped)."""
+    steps = SHORT
     client = world["c"].client()
-    job_id = client.submit_job(job_spec(world, batch_size=3, max_steps=steps))  # global batch 6: 2 or 3 ranks
-    wait_step(client, job_id, 1)
-    r = world["c"].cli("job", "join", job_id)
-    assert r.returncode == 0, r.stderr
-    st = wait_state(client, job_id, ("completed",))
+    with held(world, 2):  # global batch 6: 2 or 3 ranks
+        job_id = submit_held(world, job_spec(world, batch_size=3, max_steps=steps), 2)
+        r = world["c"].cli("job", "join", job_id)
+        assert r.returncode == 0, r.stderr
+        st = wait_state(client, job_id, ("completed",))
     events = client.job_events(job_id)
     timeline = render_timeline(events)
     ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
@@ -790,12 +856,13 @@ def test_join_lends_the_coordinator_at_a_checkpoint(world):
     assert st["result"]["world"] == 3
     regrouped = [e for e in events if e["kind"] == "regrouped"]
     assert "join_requested" in [e["kind"] for e in events] and len(regrouped) == 1, timeline
-    assert 0 < int(regrouped[0]["message"].split("at step ")[1].split(";")[0]) < steps, timeline
+    # asked for while held after step 2: the checkpoint of step 5 turns it into a pause at the next
+    # step's stop decision, and the group re-forms from there
+    assert int(regrouped[0]["message"].split("at step ")[1].split(";")[0]) == 6, timeline
     # same global batch on 2 then 3 ranks: the same result as one process
     assert_same_weights(adapter_of(world, job_id), reference(world, 6, max_steps=steps))
 
 
-@pytest.mark.slow
 def test_a_join_before_placement_is_never_lost(world):
     """Joined the moment the job runs, before or while its group is placed (the control actor may not
     exist yet): the node is in the group that finishes the job, whichever way the race went."""
@@ -815,19 +882,18 @@ def test_a_join_before_placement_is_never_lost(world):
 
 # -- failures -------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     c = world["c"]
     client = c.client()
-    steps = 2 * STEPS  # room between the kill and the end, however fast the steps run
-    job_id = client.submit_job(job_spec(world, max_steps=steps))
-    wait_step(client, job_id, 8)  # at least one checkpoint (every 5 steps) is stored
-    pids = {t["node_name"]: t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"}
-    # The node is lost: SIGKILL its training process (Ray runs it in a session of its own) and the
-    # whole `worker join` process group (raylet and agents).
-    os.kill(pids["w2"], signal.SIGKILL)
-    c.kill_worker("w2")
-    c.add_worker("w3", models_dir=world["models"], wait=False)  # a replacement, joining meanwhile
+    steps = SHORT
+    with held(world, 8):  # after the checkpoint of step 5 (every 5 steps) is stored
+        job_id = submit_held(world, job_spec(world, max_steps=steps), 8)
+        pids = {t["node_name"]: t["pid"] for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"}
+        # The node is lost: SIGKILL its training process (Ray runs it in a session of its own) and the
+        # whole `worker join` process group (raylet and agents).
+        os.kill(pids["w2"], signal.SIGKILL)
+        c.kill_worker("w2")
+        c.add_worker("w3", models_dir=world["models"], wait=False)  # a replacement, joining meanwhile
     st = wait_state(client, job_id, ("completed",))
     # The killed node's rank process notices its raylet is gone and exits; give it a moment.
     deadline = time.time() + 30
@@ -841,24 +907,23 @@ def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):
     assert "worker_failed" in kinds and "recovering" in kinds and "recovered" in kinds
     assert kinds.index("worker_failed") < kinds.index("recovered")
     recovered = next(e for e in events if e["kind"] == "recovered")
-    assert recovered["data"]["resume"] and recovered["data"]["resume"].startswith("step-")
+    assert recovered["data"]["resume"] == "step-5", render_timeline(events)  # the last one before the hold
     assert st["attempts"] == 1
     # the re-formed group keeps the global batch (4), so it continues exactly where it left off
     assert_same_weights(adapter_of(world, job_id), reference(world, 4, max_steps=steps))
     c.workers["w3"].wait_for("Registered as w3", 120)
 
 
-@pytest.mark.slow
 def test_coordinator_killed_and_restarted_keeps_jobs_and_resumes(world):
     c = world["c"]
     client = c.client()
-    job_id = client.submit_job(job_spec(world, max_steps=60))
-    wait_step(client, job_id, 8)
-    before = {j["id"]: j["state"] for j in client.list_jobs()}
-    head_pid = json.loads((c.state / "coordinator.json").read_text())["head_pid"]
-    c.kill_coordinator()
-    assert pid_running(head_pid)  # the Ray head outlives the coordinator process, as after a crash
-    c.start_coordinator(models_dir=world["models"])
+    with held(world, 8, nodes=("w1", "w3")):  # after the checkpoint of step 5 (w3 replaced w2 above)
+        job_id = submit_held(world, job_spec(world, max_steps=SHORT), 8)
+        before = {j["id"]: j["state"] for j in client.list_jobs()}
+        head_pid = json.loads((c.state / "coordinator.json").read_text())["head_pid"]
+        c.kill_coordinator()
+        assert pid_running(head_pid)  # the Ray head outlives the coordinator process, as after a crash
+        c.start_coordinator(models_dir=world["models"])
     assert "re-attached" in c.coordinator.output()
     client = c.client()
     after = {j["id"]: j["state"] for j in client.list_jobs()}
@@ -867,7 +932,7 @@ def test_coordinator_killed_and_restarted_keeps_jobs_and_resumes(world):
         if jid != job_id:
             assert after[jid] == state  # completed / cancelled stay so
     st = wait_state(client, job_id, ("completed",))
-    assert st["result"]["steps"] == 60
+    assert st["result"]["steps"] == SHORT
     kinds = [e["kind"] for e in client.job_events(job_id)]
     assert "reattached" in kinds
     names = {n["name"]: n["state"] for n in client.list_nodes()}

@@ -19,7 +19,6 @@ from listeners import ListenerSampler
 from localcluster import cli_module
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_launch_without_coordinator_uses_embedded_cluster(tmp_path):
     from smolforge.data.synthetic import generate

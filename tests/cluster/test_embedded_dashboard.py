@@ -23,7 +23,7 @@ import pytest
 
 from localcluster import cli_module
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

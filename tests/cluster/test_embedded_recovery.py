@@ -17,7 +17,7 @@ import pytest
 
 from localcluster import cli_module
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 
 def _env(home: Path, ray_tmp: str) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from helpers import MB, post_raw, rss_mb
 from localcluster import LocalCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 POST_ROUTES = ["/api/v1/jobs", "/api/v1/uploads", "/api/v1/nodes/n1/heartbeat", "/api/v1/jobs/j/pause",
                "/api/v1/jobs/j/resume", "/api/v1/jobs/j/cancel", "/api/v1/jobs/j/join"]
@@ -53,7 +53,7 @@ def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
         # with the token, JSON routes take at most 4 MiB: 413, declared or streamed
         assert _post(port, "/api/v1/jobs", 5 * MB, token=token) == 413
         assert _post(port, "/api/v1/jobs", 5 * MB, token=token, chunked=True) == 413
-        assert cluster.api("POST", "/api/v1/jobs", content=b"{not json").status_code == 422  # read: it is small
+        assert cluster.api("POST", "/api/v1/jobs", content=b"{not json").status_code == 400  # read: it is small
         # the upload route streams to disk and keeps its own, larger bound
         r = cluster.api("POST", "/api/v1/uploads", content=b"x" * (5 * MB))
         assert r.status_code == 200 and r.json()["bytes"] == 5 * MB
@@ -67,9 +67,9 @@ def test_no_token_no_body_read_and_bodies_are_bounded(tmp_path):
         node = cluster.api("GET", "/api/v1/nodes").json()[0]
         node_id = node.get("node_id") or node.get("id")
         hb = f"/api/v1/nodes/{node_id}/heartbeat"
-        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": "lots"}).status_code == 422
-        assert cluster.api("POST", hb, json={"ts": time.time(), "gpus": [{"index": -1}]}).status_code == 422
+        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": "lots"}).status_code == 400
+        assert cluster.api("POST", hb, json={"ts": time.time(), "gpus": [{"index": -1}]}).status_code == 400
         assert cluster.api("POST", "/api/v1/nodes/a%20b/heartbeat", json={"ts": time.time()}).status_code == 400
-        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": "12.5", "ram_percent": 40}).status_code == 200
+        assert cluster.api("POST", hb, json={"ts": time.time(), "cpu_percent": 12.5, "ram_percent": 40}).status_code == 200
         metrics = cluster.api("GET", "/metrics")
         assert metrics.status_code == 200 and "smolforge_node_cpu_percent" in metrics.text

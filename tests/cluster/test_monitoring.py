@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers import require
 from localcluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -175,8 +176,8 @@ def test_wandb_offline_run_per_rank_holds_the_loss_history(world):
 
 def test_prometheus_scrapes_the_job_with_the_token_and_gets_401_without(world):
     port = world["prom_port"]
-    if port is None:
-        pytest.skip("/usr/bin/prometheus is absent (Debian's `prometheus` package; .ci/run installs it as root)")
+    require(port is not None, str(PROMETHEUS), "apt-get install prometheus (Debian's package; .ci/run installs it "
+            "as root without starting its service)")
     job = world["job"]
     (sample,) = world["prom_loss"]
     assert sample["metric"]["job"] == job and sample["metric"]["node"] == "w1"  # label node: rank 0's node

@@ -2,7 +2,9 @@
 
 One cluster for the module: a coordinator and three workers (1 CPU each). The server is a Ray actor
 on a rank's node; workers are real processes that the tests slow down (fault injection), SIGSTOP,
-SIGCONT and SIGKILL, and one test kills the server's whole node.
+SIGCONT and SIGKILL, and one test kills the server's whole node. What they assert is what the
+policies decided (counted parts, waits, dropped parts, events), never a duration; the fast proofs of
+the same policies are in tests/test_ps_inprocess.py, so the jobs here are as short as their claims allow.
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ def wait_state(client, job_id, states, timeout=600) -> dict:
     raise AssertionError(f"job {job_id} not {states} after {timeout}s: {st}\n" + timeline(client, job_id))
 
 
+def wait_event(client, job_id, kind, timeout=300) -> dict:
+    """The job's first event of `kind` (the bound only turns a hang into a failure)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = next((e for e in client.job_events(job_id) if e["kind"] == kind), None)
+        if found:
+            return found
+        if client.get_job_status(job_id)["state"] not in ("pending", "running"):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id}: no {kind} event\n" + timeline(client, job_id))
+
+
 def wait_step(client, job_id, step, timeout=300) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -94,22 +109,22 @@ def first_loss(client, job_id) -> float:
 
 def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
     """K = 0 with three workers: every part computed on the weights of its step, the step applied once
-    all parts are in: DDP's weights. K = 2 with w2 slowed (150 ms per sample, about 3x): its staleness never exceeds 2, no
-    error, and the fast worker computes more parts than the slow one (it waited at the bound)."""
+    all parts are in: DDP's weights. K = 2 with w2 slowed (150 ms per sample, about 3x): no staleness
+    exceeds 2, no error, and the fast worker waits at the bound (counted) and computes more parts."""
     client = world["c"].client()
     # one job at a time: the three worker nodes take one three-worker job (a second would start degraded)
-    ddp = client.submit_job(spec(world, "ddp", workers=3))
+    ddp = client.submit_job(spec(world, "ddp", workers=3, steps=20))
     ref = wait_state(client, ddp, ("completed",))["result"]
-    k0 = client.submit_job(spec(world, "ssp", {"staleness_bound": 0}, workers=3))
+    k0 = client.submit_job(spec(world, "ssp", {"staleness_bound": 0}, workers=3, steps=20))
     res = wait_state(client, k0, ("completed",))["result"]
-    assert res["strategy"] == "ssp" and res["steps"] == 40 and res["workers"] == 3, res
+    assert res["strategy"] == "ssp" and res["steps"] == 20 and res["workers"] == 3, res
     mine, theirs = adapter(world, k0), adapter(world, ddp)
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert res["staleness_max_per_rank"] == [0, 0, 0], res
     assert res["optimizer_state_bytes_per_rank"] == [0, 0, 0] and ref["optimizer_state_bytes_per_rank"][0] > 0
     assert all(b > 0 for b in res["comm_bytes_sent_per_rank"])
-    assert res["final_loss"] < first_loss(client, k0)  # ssp learns with three workers
+    # (its learning is DDP's: the same weights; the K = 2 job below shows ssp learning on its own)
 
     slow = world["c"].state.parent / "node-w2" / "node" / "fault-sample-delay-s"
     slow.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +141,7 @@ def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
     assert max(res["staleness_max_per_rank"]) <= 2, res
     assert res["parts_done_per_rank"][fast] > res["parts_done_per_rank"][slow_rank], res
     assert sum(res["parts_done_per_rank"]) == 60 and res["steps"] == 30
-    assert res["claim_waits_per_rank"][fast] > 0, res  # it waited for the slow one, it never failed
+    assert res["bound_waits_per_rank"][fast] > 0, res  # it waited at the bound for the slow one, never failed
     assert res["final_loss"] < first_loss(client, job)
     # the strategy's numbers are in the job's metrics too (job show, dashboard, Prometheus)
     assert client.job_metrics(job, f"staleness_max.rank{fast}")
@@ -139,44 +154,46 @@ def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
 
 
 def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
-    """Rank 1 is SIGSTOPped for 8 s (dozens of adaptive deadlines): every step still closes within the deadline's ceiling (5 s here),
-    its late part is dropped and counted, it leaves the barrier as a straggler and, after SIGCONT,
-    comes back and contributes again. Then a second job loses rank 1 to SIGKILL and finishes."""
+    """Rank 1 is SIGSTOPped until the server has closed steps at their deadline without it and it left
+    the barrier as a straggler (the event); then SIGCONT: its late part is dropped and counted, it comes
+    back (the event) and contributes again. Then a second job loses rank 1 to SIGKILL and finishes."""
     client = world["c"].client()
-    cfg = {"deadline_max_s": 5.0, "deadline_min_s": 0.2}
-    job = client.submit_job(spec(world, "sync-ps", cfg, steps=400, save_every=0))
-    st = wait_step(client, job, 20)
+    cfg = {"deadline_max_s": 5.0, "deadline_min_s": 0.2}  # straggler_after: 3 deadlines missed in a row
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=100))
+    st = wait_step(client, job, 10)  # past the first arrivals: the deadline adapts
     pid = rank_pid(st, 1)
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(8)
+        wait_event(client, job, "straggler", timeout=120)
         before = client.get_job_status(job)
     finally:
         os.kill(pid, signal.SIGCONT)
     res = wait_state(client, job, ("completed",))["result"]
-    events = client.job_events(job)
-    kinds = [e["kind"] for e in events]
-    assert res["steps"] == 400, res
-    assert res["server"]["max_step_s"] <= 5.0 + 1.0, res["server"]
-    assert "straggler" in kinds and "straggler_back" in kinds, timeline(client, job)
-    assert res["dropped_per_rank"][1] >= 1, res
+    kinds = [e["kind"] for e in client.job_events(job)]
+    assert res["steps"] == 100, res
+    assert res["server"]["closed_at_deadline"] >= 3, res["server"]  # the steps it missed closed without it
+    assert "straggler_back" in kinds, timeline(client, job)
+    assert res["dropped_per_rank"][1] >= 1 and res["server"]["dropped"]["1"] == res["dropped_per_rank"][1], res
     parts_then = (before["comm"].get("metrics_per_rank") or [{}, {}])[1].get("parts_done", 0)
     assert res["parts_done_per_rank"][1] - res["dropped_per_rank"][1] > parts_then + 5, (res, parts_then)
     assert res["final_loss"] < first_loss(client, job)
 
-    job = client.submit_job(spec(world, "sync-ps", cfg, steps=150))
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=60))
     st = wait_step(client, job, 10)
     os.kill(rank_pid(st, 1), signal.SIGKILL)
     st = wait_state(client, job, ("completed",))
     kinds = [e["kind"] for e in client.job_events(job)]
     assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
-    assert st["result"]["steps"] == 150 and st["result"]["workers"] == 1
+    assert st["result"]["steps"] == 60 and st["result"]["workers"] == 1
 
 
 def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
-    """Every checkpoint holds the server's raw weights and its Polyak average: the average at step k is
-    decay x (the average at k-1) + (1 - decay) x (the raw weights at k), from the saved weights.
-    Three workers."""
+    """Every checkpoint holds the server's raw weights and its Polyak average (three workers, one
+    checkpoint per step). The average starts at the initial weights and at step k is the EMA carried
+    over the raw weights of every step up to k: decay x (the average at k-1) + (1 - decay) x (raw at k).
+    The final adapter (final: polyak) is the server's last average, not its raw weights. (Rank 0's
+    last periodic checkpoint is at step 10 of 12, its own push travelling with its next claim; the
+    in-process test checks the chain through the very last step.)"""
     client = world["c"].client()
     decay = 0.8
     job = client.submit_job(spec(world, "sync-ps", {"polyak_decay": decay, "final": "polyak"}, steps=12,
@@ -185,23 +202,25 @@ def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
     assert res["workers"] == 3, res  # and it learns with three (below)
     root = world["c"].state / "artifacts" / job / "checkpoints"
     steps = sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir())
-    assert len(steps) >= 8, steps
     raw = {s: load_file(str(root / f"step-{s}" / "trainable.safetensors")) for s in steps}
     ema = {s: torch.load(root / f"step-{s}" / "optim.pt", weights_only=True)["strategy"]["ema"] for s in steps}
-    checked = 0
-    for a, b in zip(steps, steps[1:]):
-        if b != a + 1:
-            continue
-        for k in raw[b]:
-            want = decay * ema[a][k] + (1 - decay) * raw[b][k]
-            torch.testing.assert_close(ema[b][k], want, atol=1e-6, rtol=1e-5)
-        checked += 1
-    assert checked >= 6, steps
-    final = adapter(world, job)  # final: polyak, so the adapter is the last average
-    last = max(steps)
-    assert any(not torch.equal(ema[last][k], raw[last][k]) for k in raw[last])
+    unbroken = 0
+    while unbroken + 1 in raw:
+        unbroken += 1
+    assert steps[0] == 0 and unbroken >= 8 and max(steps) == 12, str(steps)
+    want = dict(raw[0])  # the initial weights
+    for s in range(unbroken + 1):
+        if s:
+            want = {k: decay * want[k] + (1 - decay) * raw[s][k] for k in want}
+        for k in want:
+            torch.testing.assert_close(ema[s][k], want[k], atol=1e-6, rtol=1e-5, msg=lambda m: f"step {s}, {k}: {m}")
+    final, last = adapter(world, job), max(steps)
+    assert set(final) == {k.replace(".default", "") for k in ema[last]}, (sorted(final), sorted(ema[last]))
+    for k in ema[last]:
+        torch.testing.assert_close(final[k.replace(".default", "")], ema[last][k], atol=0, rtol=0,
+                                   msg=lambda m: f"{k}: {m}")
+    assert any(not torch.allclose(ema[last][k], raw[last][k]) for k in raw[last])  # the average, not the raw
     assert res["final_loss"] < first_loss(client, job)
-    assert final
 
 
 def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world):
@@ -216,16 +235,15 @@ def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world)
     assert sum(a["parts_done_per_rank"]) == sum(b["parts_done_per_rank"]) == 60
     assert b["final_loss"] < first_loss(client, int8) and a["final_loss"] < first_loss(client, fp32)
 
-    job = client.submit_job(spec(world, "async-ps", {}, steps=120))
+    job = client.submit_job(spec(world, "async-ps", {}, steps=60))
     st = wait_step(client, job, 10)
     os.kill(rank_pid(st, 1), signal.SIGKILL)
     st = wait_state(client, job, ("completed",))
     res = st["result"]
     kinds = [e["kind"] for e in client.job_events(job)]
     assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
-    assert res["steps"] == 120 and res["workers"] == 1, res
-    # rank 0 never waited for the dead one: no step of its took more than a few ordinary ones
-    assert res["max_step_s"] < max(1.0, 5 * res["median_step_s"]), res
+    assert res["steps"] == 60 and res["workers"] == 1, res
+    assert res["claim_waits_per_rank"][0] == 0, res  # async-ps never made rank 0 wait, not for the dead one either
 
 
 def test_async_ps_takes_in_a_joiner_from_the_current_weights(world):
@@ -261,7 +279,7 @@ def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(w
     and the job resumes from the last checkpoint (which holds the server's state) with a new server on
     another node, and completes."""
     c, client = world["c"], world["c"].client()
-    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=300, save_every=10))
+    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=120, save_every=10))
     st = wait_step(client, job, 25)
     ps = next(t for t in st["tasks"] if t["kind"] == "param_server")
     c.kill_worker(ps["node_name"])
@@ -272,5 +290,5 @@ def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(w
     assert len(servers) == 2 and servers[-1]["node_name"] != ps["node_name"], servers
     recovered = next(e for e in client.job_events(job) if e["kind"] == "recovered")
     assert "checkpoints" in recovered["message"] or "step-" in recovered["message"], recovered
-    assert st["result"]["steps"] == 300
+    assert st["result"]["steps"] == 120
     assert st["result"]["final_loss"] < first_loss(client, job)  # it learned (three workers, then the two left)

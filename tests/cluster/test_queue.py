@@ -109,14 +109,22 @@ def test_a_ram_reservation_keeps_two_jobs_off_one_node(cluster):
     """w1 has 2 CPUs but 4 GB to reserve: two 1-CPU jobs of 3 GB each never share it; the second
     waits, saying it is short of RAM there, not of CPUs, and runs once the first is done."""
     client = cluster.client()
-    first = client.submit_job(spec(6, ["w1"], cpus=1, name="ram-1", resources={"ram_gb": 3}))
-    second = client.submit_job(spec(2, ["w1"], cpus=1, name="ram-2", resources={"ram_gb": 3}))
-    wait_for("ram-1 running", lambda: job(client, first)["state"] == "running" and job(client, first)["nodes"])
-    expected = f"waiting for 1 worker with 1 CPU, 3 GB RAM: w1 busy with {first} (1 GB RAM free)"
-    st = wait_for("ram-2 waiting for RAM", lambda: (lambda j: j if j["pending_reason"] == expected
-                                                    else None)(job(client, second)), timeout=60)
-    assert st["state"] == "pending", st
-    assert st["spec"]["min_ram_gb"] == 3
+    # ram-1 holds after its step 2 (fault injection: a file in w1's node directory) until the test has
+    # seen ram-2 wait: a short job on a fast machine was done before the test looked (a CI flake)
+    hold = cluster.base / "node-w1" / "node" / "fault-hold-step"
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text("2")
+    try:
+        first = client.submit_job(spec(6, ["w1"], cpus=1, name="ram-1", resources={"ram_gb": 3}))
+        second = client.submit_job(spec(2, ["w1"], cpus=1, name="ram-2", resources={"ram_gb": 3}))
+        wait_for("ram-1 held", lambda: any(e["kind"] == "held" for e in client.job_events(first)))
+        expected = f"waiting for 1 worker with 1 CPU, 3 GB RAM: w1 busy with {first} (1 GB RAM free)"
+        st = wait_for("ram-2 waiting for RAM", lambda: (lambda j: j if j["pending_reason"] == expected
+                                                        else None)(job(client, second)))
+        assert st["state"] == "pending", st
+        assert st["spec"]["min_ram_gb"] == 3
+    finally:
+        hold.unlink(missing_ok=True)
     wait_for("both completed", lambda: all(job(client, j)["state"] == "completed" for j in (first, second)))
     one, two = job(client, first), job(client, second)
     assert two["started"] >= one["finished"] and one["nodes"] == two["nodes"] == ["w1"]

@@ -6,6 +6,7 @@ coordinator and its token through $SMOLFORGE_HOME, never through argv."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from localcluster import ROOT, LocalCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +49,11 @@ def run(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=15)
-        yield proc.returncode, "\n".join(lines), work
+        yield proc.returncode, "\n".join(lines), work, cluster
 
 
 def test_the_seed_script_runs_as_written(run):
-    returncode, out, work = run
+    returncode, out, work, _ = run
     assert returncode == 0 and "[✓] SEEDS API OK" in out, out[-6000:]
     # discover_nodes: the seeds' nested resources beside the flat keys
     assert "w1: 1.0 CPUs, 4.0GB RAM, 0 GPUs; Ollama models: none (flat: [])" in out
@@ -67,5 +68,27 @@ def test_the_seed_script_runs_as_written(run):
     assert "refused: a teacher task cannot honour resources.ram_gb, resources.gpu_memory_gb, priority 'high'" in out
     # Client(): the seeds' resource request no node here has is refused at submit, naming the nodes
     assert "no node here could ever run that request" in out
-    for line in ("paused: paused", "resumed: ", "cancelled: cancelled"):
-        assert line in out, out[-3000:]
+    for line in ("paused: paused", "cancelled: cancelled"):
+        assert f"[i] {line}\n" in out + "\n", out[-3000:]
+    # resume_job queues the paused job again: it answers pending (queued) or running (already dequeued)
+    resumed = re.search(r"\[i\] resumed: (\w+)", out)
+    assert resumed and resumed.group(1) in ("pending", "running"), out[-3000:]
+
+
+def test_the_seed_clients_job_was_joined_paused_resumed_and_cancelled(run):
+    """What the script's SOLLOL calls did to its one job, as the coordinator recorded it: `join_job`
+    lent the coordinator to it (kept in the job across the pause, so the resumed job places it),
+    `pause_job` paused it, `resume_job` queued it from its pause, `cancel_job` ended it."""
+    returncode, out, _, cluster = run
+    assert returncode == 0, out[-3000:]
+    client = cluster.client()
+    (job,) = [j for j in client.list_jobs() if j["kind"] == "data_parallel"]
+    assert f"[i] {job['id']}: running" in out, out[-3000:]  # jobs[0], the job joined, is the one submitted
+    events = client.job_events(job["id"])
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert job["state"] == "cancelled" and job["spec"]["lent_nodes"] == ["@coordinator"], (job, story)
+    assert any(e["kind"] == "join_requested" and e["data"]["node"] == "@coordinator" for e in events), story
+    states = [(e["data"]["from"], e["data"]["to"]) for e in events if e["kind"] == "state"]
+    paused = states.index(("running", "paused"))
+    assert states[paused + 1] == ("paused", "pending") and states[-1][1] == "cancelled", story
+

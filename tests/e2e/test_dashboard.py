@@ -8,12 +8,12 @@ through the API; cancel only once its confirmation dialog is accepted).
 
 The page is opened as a user would, `/dashboard#token=…`: its script must call the API with that
 token. Screenshots of each step are saved as test artifacts under `test-artifacts/dashboard/` at the
-repository root (git-ignored; CI keeps them). Skipped only when /usr/bin/chromium is absent.
+repository root (git-ignored; CI keeps them). Without /usr/bin/chromium it skips, or fails under CI
+(CI=true; helpers.require).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,16 +22,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 
+from helpers import CHROMIUM, require_chromium  # noqa: E402
 from localcluster import LocalCluster  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 STEPS = 3000  # far more than the tests need, on a fast machine too: still running when the buttons are pressed
 WAIT_MS = 60_000
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
-              pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                 reason="/usr/bin/chromium is not installed (CI installs the Debian chromium package)")]
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium() -> str:
+    """At test time, not a module-level skipif: under CI (CI=true) a missing browser fails (helpers.require)."""
+    return require_chromium()
 
 
 def wait_state(client, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict:

@@ -1,4 +1,5 @@
-"""One real `smolforge serve` process shared by the serve tests: the tiny-llama preset copied to a temp dir."""
+"""One real `smolforge serve` process shared by the serve tests (the tiny-llama preset copied to a temp dir),
+and the same model loaded in-process for tests that drive the app or the engine directly."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def server(model_copy, tmp_path_factory):
         except subprocess.TimeoutExpired:
             srv.proc.kill()
             srv.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def served_tiny(model_copy):
+    """The model of the `server` fixture, loaded here: in-process apps and engines share it (read-only)."""
+    from smolforge.pipeline.serve.model import ServedModel
+
+    return ServedModel.load(str(model_copy), name="tiny", device="cpu")

@@ -74,3 +74,63 @@ def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123"
     return Server(proc, port, token, "tiny", log)
 
 
+
+
+@dataclass
+class Hostile:
+    """A request a careless or hostile client sends, and the refusal it must get (never a 5xx)."""
+
+    name: str
+    body: bytes
+    status: int
+    code: str | None
+    path: str = "/v1/chat/completions"
+    auth: bool = True
+
+
+def _chat(**kw) -> bytes:
+    import json
+
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+
+def hostile_bodies(mb_prompt: bool = True) -> list[Hostile]:
+    """Issue 28's hostile bodies (and their neighbours), each with the 4xx it must get."""
+    import json
+
+    deep = b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    rows = [
+        Hostile("seed 2**64 (killed the engine)", _chat(seed=2**64, temperature=0.9), 400, "invalid_value"),
+        Hostile("seed under -2**63", _chat(seed=-(2**63) - 1, temperature=0.9), 400, "invalid_value"),
+        Hostile("max_tokens 10**30", _chat(max_tokens=10**30), 400, "invalid_value"),
+        Hostile("max_completion_tokens 0", _chat(max_completion_tokens=0), 400, "invalid_value"),
+        Hostile("n 10**20", _chat(n=10**20), 400, "invalid_value"),
+        Hostile("n 2", _chat(n=2), 400, "unsupported_parameter"),
+        Hostile("temperature NaN", _chat()[:-1] + b', "temperature": NaN}', 400, "invalid_json"),
+        Hostile("top_p -Infinity", _chat()[:-1] + b', "top_p": -Infinity}', 400, "invalid_json"),
+        Hostile("temperature 1e309", _chat()[:-1] + b', "temperature": 1e309}', 400, "invalid_value"),
+        Hostile("JSON nested 100 000 deep", deep, 400, "invalid_json"),
+        Hostile("100 000 unclosed brackets", b"[" * 100_000, 400, "invalid_json"),
+        Hostile("a lone surrogate \\ud800", _chat().replace(b'"hi"', b'"\\ud800"'), 400, "invalid_value"),
+        Hostile("a surrogate as raw bytes", _chat().replace(b'"hi"', b'"\xed\xa0\x80"'), 400, "invalid_json"),
+        Hostile("not UTF-8", _chat().replace(b'"hi"', b'"\xff\xfe"'), 400, "invalid_json"),
+        Hostile("invalid JSON", b"{not json", 400, "invalid_json"),
+        Hostile("not an object", b"[1, 2]", 400, "invalid_json"),
+        Hostile("an integer of 5000 digits", _chat()[:-1] + b', "seed": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
+        Hostile("messages not a list", _chat(messages="hi"), 400, "invalid_value"),
+        Hostile("no messages", _chat(messages=[]), 400, "invalid_value"),
+        Hostile("5 stop strings", _chat(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value"),
+        Hostile("a 1 MB stop string", _chat(stop="x" * 2**20), 400, "invalid_value"),
+        Hostile("a prompt token id of 2**40", json.dumps({"model": "tiny", "prompt": [1, 2**40]}).encode(), 400,
+                "invalid_value", path="/v1/completions"),
+        Hostile("a prompt token id past the vocabulary", json.dumps({"model": "tiny", "prompt": [1, 10**6]}).encode(),
+                400, "invalid_value", path="/v1/completions"),
+        Hostile("logprobs 10**9", json.dumps({"model": "tiny", "prompt": "x", "logprobs": 10**9}).encode(), 400,
+                "invalid_value", path="/v1/completions"),
+        Hostile("a 1 MB model name", _chat(model="m" * 2**20), 404, "model_not_found"),
+        Hostile("without the token", _chat(), 401, "invalid_api_key", auth=False),
+    ]
+    if mb_prompt:
+        rows.append(Hostile("a 1 MB prompt", _chat(messages=[{"role": "user", "content": "word " * (2**20 // 5)}]),
+                            400, "context_length_exceeded"))
+    return rows

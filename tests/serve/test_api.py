@@ -65,7 +65,8 @@ def test_eight_concurrent_streams_each_get_their_own_text(server):
     alone = [client.chat.completions.create(model=server.model, messages=q, temperature=0, max_tokens=20)
              .choices[0].message.content for q in questions]
     assert len(set(alone)) == len(alone)  # eight different answers: a mix-up would show
-    batches_before = httpx.get(f"{server.base}/health").json()["batches"]
+    # Whether they share a batch depends on when they arrive: test_api_app.py proves batching through
+    # the API with the engine held, so that no clock decides it; here each must get its own text.
     results: dict[int, str] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(len(questions))
@@ -84,9 +85,6 @@ def test_eight_concurrent_streams_each_get_their_own_text(server):
         t.join(timeout=120)
     assert not errors, errors
     assert [results[i] for i in range(len(questions))] == alone
-    health = httpx.get(f"{server.base}/health").json()
-    assert health["batches"] - batches_before < len(questions)  # some of them shared a batch
-    assert health["largest_batch"] > 1
 
 
 def test_bad_requests_get_openai_errors(server):
@@ -118,6 +116,9 @@ def test_bad_requests_get_openai_errors(server):
     assert err["type"] == "authentication_error"
     check(httpx.post(url, headers={"Authorization": "Bearer wrong"}, content=b"{not json"), 401, "invalid_api_key")
     check(httpx.get(f"{server.base}/v1/models"), 401, "invalid_api_key")
+    # the router's own refusals too (a newline in a model id matches no route: found by schemathesis)
+    check(httpx.get(f"{server.base}/v1/models/a%0Ab", headers=auth), 404, "not_found")
+    check(httpx.delete(f"{server.base}/v1/models", headers=auth), 405, "method_not_allowed")
     # the official client sees the same as typed exceptions
     import openai
 

@@ -14,7 +14,6 @@ import asyncio
 import base64
 import html
 import json
-import os
 import re
 import subprocess
 import time
@@ -22,13 +21,18 @@ import time
 import httpx
 import pytest
 
+from helpers import CHROMIUM, require_chromium
 from servehelpers import free_port
 
-CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.timeout(300)
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                 reason="/usr/bin/chromium is not installed (CI installs the Debian chromium package)")]
+
+@pytest.fixture(scope="session", autouse=True)
+def chromium() -> str:
+    """At test time, not a module-level skipif: under CI (CI=true) a missing browser fails (helpers.require).
+    Session scope: checked before the session's `server` starts."""
+    return require_chromium()
+
 
 QUESTION, FOLLOW_UP = "What is 2 + 3?", "And 4 + 4?"
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 
@@ -32,6 +34,8 @@ def test_help_has_an_example():
     (["--adapter", "/nonexistent/adapter"], "adapter directory /nonexistent/adapter does not exist"),
     (["--token-file", "/nonexistent/token"], "cannot read the token file"),
     (["--max-batch", "0"], "--max-batch must be at least 1"),
+    (["--port", "-1"], "--port -1 is not a port"),
+    (["--port", "70000"], "--port 70000 is not a port"),
 ])
 def test_bad_input_is_one_message_and_exit_2(model_copy, args, message):
     full = ["serve", "--model", str(model_copy), "--port", "0", *args] if args[0] != "--model" else ["serve", *args]
@@ -117,3 +121,34 @@ def test_serve_with_an_adapter_answers_as_the_adapted_model(model_copy, tmp_path
     finally:
         srv.proc.terminate()
         srv.proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("source", ["$SMOLFORGE_TOKEN", "--token-file"])
+def test_serve_and_staged_serve_take_the_same_token(tmp_path, monkeypatch, source):
+    """One rule (issue 28): `serve` and `serve --stages` on the embedded cluster take the token from
+    --token-file, else $SMOLFORGE_TOKEN; the staged API reads it from a 0600 file the CLI names to the
+    job's runner. With none given, one-process serve makes its own and the staged one keeps the
+    embedded cluster's."""
+    from smolforge.cli.serve import _embedded_api_token
+    from smolforge.pipeline.serve.server import ServeOptions, given_token, server_token
+
+    for name in ("SMOLFORGE_TOKEN", "SMOLFORGE_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    token, token_file = f"token-from-{source.strip('-$').lower()}", None
+    if source == "$SMOLFORGE_TOKEN":
+        monkeypatch.setenv("SMOLFORGE_TOKEN", token)
+    else:
+        token_file = tmp_path / "given"
+        token_file.write_text(token + "\n")
+        token_file = str(token_file)
+    assert server_token(ServeOptions(model="m", token_file=token_file, state_dir=str(tmp_path / "serve"))) == (token, None)
+    backend = SimpleNamespace(state=SimpleNamespace(root=tmp_path / "embedded"), manager=SimpleNamespace())
+    path = _embedded_api_token(backend, given_token(token_file))
+    assert path.read_text() == token and path.stat().st_mode & 0o777 == 0o600
+    assert backend.manager.serve_token_file == str(path)
+
+    for name in ("SMOLFORGE_TOKEN", "SMOLFORGE_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    made, where = server_token(ServeOptions(model="m", state_dir=str(tmp_path / "serve")))
+    assert where == tmp_path / "serve" / "token" and made != token
+    assert _embedded_api_token(backend, given_token(None)) is None

@@ -1,17 +1,21 @@
 """The generation engine in-process: greedy tokens equal plain HF `generate`, alone, batched with
-prompts of other lengths, and with a LoRA adapter; stop strings, seeds and cancellation."""
+prompts of other lengths, and with a LoRA adapter; stop strings, seeds and cancellation; batching
+decided by the queue (the engine held, or a fake clock), never by a sleep; and failures that stay
+with their request, their batch, or restart the loop."""
 
 from __future__ import annotations
 
 import queue
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from smolforge.pipeline.serve.batch import DoneEvent, Request, TokenEvent
+from smolforge.pipeline.serve.batch import DoneEvent, ErrorEvent, Request, TokenEvent
 from smolforge.pipeline.serve.engine import Engine, PromptTooLong
 from smolforge.pipeline.serve.model import ServedModel
-from smolforge.pipeline.serve.sampling import SamplingParams
+from smolforge.pipeline.serve.sampling import SamplingParams, next_token
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -106,15 +110,36 @@ def test_greedy_with_a_lora_adapter_equals_hf_generate(tiny_llama_dir, tmp_path)
         assert [d.token_ids for d in got] == expected, f"merge={merge}"
 
 
+class Held:
+    """The engine thread kept inside a one-token request's last event until `release()`: whatever is
+    submitted meanwhile waits in the queue, so the next batch is what the queue holds, not what a
+    clock let in."""
+
+    def __init__(self, engine: Engine, prompt: list[int]):
+        self.entered, self.go = threading.Event(), threading.Event()
+        engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), self._sink)
+        assert self.entered.wait(60), "the engine never started the holding request"
+
+    def _sink(self, event) -> None:
+        if isinstance(event, DoneEvent):
+            self.entered.set()
+            assert self.go.wait(60), "the test never released the engine"
+
+    def release(self) -> None:
+        self.go.set()
+
+
 def test_threaded_engine_batches_requests_that_arrive_together(served):
     ps = prompts(served.tokenizer)
-    engine = Engine(served, max_batch=8, window_s=0.5).start()
+    engine = Engine(served, max_batch=8).start()
     try:
+        held = Held(engine, ps[0])
         events: list[queue.Queue] = []
         for p in ps:
             q: queue.Queue = queue.Queue()
             engine.submit(p, GREEDY, q.put)
             events.append(q)
+        held.release()
         for p, q in zip(ps, events):
             streamed = ""
             while True:
@@ -125,37 +150,136 @@ def test_threaded_engine_batches_requests_that_arrive_together(served):
                     break
             assert isinstance(e, DoneEvent) and streamed == e.text
             assert e.token_ids == hf_greedy(served.model, p, GREEDY.max_tokens, served.pad_id)
-        assert engine.largest_batch == len(ps) and engine.batches == 1
+        assert (engine.batches, engine.largest_batch) == (2, len(ps))  # the holding one, then all together
     finally:
         engine.stop()
 
 
-def _burst_batches(served, ps, gap_s: float, **engine_kw) -> int:
-    """How many batches an engine makes of requests submitted `gap_s` apart."""
-    import time
+class ScriptedQueue:
+    """A request queue on a fake clock: item i arrives at its time; `get(timeout)` moves the clock to
+    the arrival, or by the whole timeout when nothing arrives within it."""
 
-    engine = Engine(served, max_batch=8, **engine_kw).start()
-    try:
-        qs = []
-        for p in ps:
-            qs.append(queue.Queue())
-            engine.submit(p, GREEDY, qs[-1].put)
-            time.sleep(gap_s)
-        for q in qs:
-            while isinstance(q.get(timeout=60), TokenEvent):
-                pass
-        assert engine.largest_batch <= len(ps)
-        return engine.batches
-    finally:
-        engine.stop()
+    def __init__(self, clock: list[float], arrivals: list[tuple[float, str]]):
+        self.clock, self.arrivals = clock, list(arrivals)
+
+    def get(self, timeout: float):
+        if self.arrivals and self.arrivals[0][0] <= self.clock[0] + timeout:
+            at, item = self.arrivals.pop(0)
+            self.clock[0] = max(self.clock[0], at)
+            return item
+        self.clock[0] += timeout
+        raise queue.Empty
 
 
-def test_a_burst_longer_than_the_window_is_one_batch_and_the_wait_is_bounded(served):
+def _gathered(gap_s: float, **engine_kw) -> int:
+    """How many of 5 requests arriving `gap_s` apart (on a fake clock) the engine takes into one batch."""
+    clock = [0.0]
+    engine = Engine(SimpleNamespace(max_positions=512), max_batch=8, clock=lambda: clock[0], **engine_kw)
+    engine._queue = ScriptedQueue(clock, [(i * gap_s, f"r{i}") for i in range(1, 5)])
+    taken = ["r0"]
+    engine._gather(taken)
+    return len(taken)
+
+
+def test_a_burst_longer_than_the_window_is_one_batch_and_the_wait_is_bounded():
     """Clients of one burst do not arrive within one window: each arrival extends the wait (else the
     rest would wait a whole generation behind the first), never past max_wait_s after the first."""
-    ps = prompts(served.tokenizer)  # 0.03 s apart: the burst lasts longer than one window
-    assert _burst_batches(served, ps, 0.03, window_s=0.05, max_wait_s=5.0) == 1
-    assert _burst_batches(served, ps, 0.03, window_s=0.05, max_wait_s=0.05) > 1  # capped at one window: cut
+    assert _gathered(0.03, window_s=0.05, max_wait_s=5.0) == 5  # 0.12 s of burst, each gap within the window
+    assert _gathered(0.03, window_s=0.05, max_wait_s=0.05) == 2  # capped at 0.05 s: cut after the second
+    assert _gathered(0.06, window_s=0.05, max_wait_s=5.0) == 1  # a gap over the window ends the batch
+
+
+def test_a_request_that_cannot_be_sampled_fails_alone(served):
+    """A seed no random generator takes (2**64, as the issue's request sent) fails its own request with
+    a 400-kind error; the requests batched with it get their tokens, and a running engine goes on."""
+    ps = prompts(served.tokenizer)[:3]
+    bad = SamplingParams(max_tokens=8, temperature=0.9, seed=2**64)
+    got: dict[int, object] = {}
+    reqs = [Request(p, bad if i == 1 else GREEDY, (lambda i: lambda e: got.__setitem__(i, e)
+                                                     if not isinstance(e, TokenEvent) else None)(i))
+            for i, p in enumerate(ps)]
+    Engine(served).run_batch(reqs)
+    assert isinstance(got[1], ErrorEvent) and got[1].status == 400 and "cannot sample" in got[1].message, got[1]
+    for i in (0, 2):
+        assert got[i].token_ids == hf_greedy(served.model, ps[i], GREEDY.max_tokens, served.pad_id)
+
+    engine = Engine(served).start()
+    try:
+        with pytest.raises(RuntimeError, match="cannot sample"):
+            engine.generate(ps[0], bad, timeout=60)
+        assert engine.generate(ps[0], GREEDY, timeout=60).token_ids == got[0].token_ids
+        assert engine.alive and engine.restarts == 0
+    finally:
+        engine.stop()
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone(served):
+    """NaN probabilities (a temperature of NaN gets past no schema, but the engine is also a library)
+    fail that row at its first step; the other row of the batch finishes."""
+    ps = prompts(served.tokenizer)[:2]
+    got: dict[int, object] = {}
+    nan = SamplingParams(max_tokens=8, temperature=float("nan"), seed=1)
+    reqs = [Request(p, nan if i == 0 else GREEDY, (lambda i: lambda e: got.__setitem__(i, e)
+                                                    if not isinstance(e, TokenEvent) else None)(i))
+            for i, p in enumerate(ps)]
+    Engine(served).run_batch(reqs)
+    assert isinstance(got[0], ErrorEvent) and got[0].status == 500 and "generation failed for this request" in got[0].message
+    assert got[1].token_ids == hf_greedy(served.model, ps[1], GREEDY.max_tokens, served.pad_id)
+
+
+def test_an_error_that_escapes_a_batch_restarts_the_loop(served, monkeypatch):
+    """A bug outside the per-batch catch costs the requests it held (an error each, never silence); the
+    loop starts again and the next request is answered."""
+    ids = prompts(served.tokenizer)[0]
+    engine = Engine(served).start()
+    real = engine.run_batch
+    calls = []
+
+    def broken_once(requests):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        real(requests)
+
+    monkeypatch.setattr(engine, "run_batch", broken_once)
+    try:
+        with pytest.raises(RuntimeError, match="internal error in the generation engine: KeyError"):
+            engine.generate(ids, GREEDY, timeout=60)
+        assert engine.restarts == 1 and engine.alive
+        assert engine.generate(ids, GREEDY, timeout=60).token_ids == hf_greedy(served.model, ids, GREEDY.max_tokens,
+                                                                                served.pad_id)
+    finally:
+        engine.stop()
+
+
+def test_an_engine_thread_that_ends_says_why(served, monkeypatch):
+    """Should even the recovery fail, the thread ends: the request it held fails (503), `failure` and
+    `on_death` say why, `alive` is False and `submit` refuses; the server then exits (server.py)."""
+    from types import SimpleNamespace as NS
+
+    from smolforge.pipeline.serve.engine import EngineStopped
+    from smolforge.pipeline.serve.server import stop_when_engine_dies
+
+    ids = prompts(served.tokenizer)[0]
+    engine = Engine(served)
+    uvicorn_server = NS(should_exit=False)
+    stop_when_engine_dies(engine, uvicorn_server)
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "run_batch", boom)
+    monkeypatch.setattr(engine, "_recover", boom)
+    engine.start()
+    events: queue.Queue = queue.Queue()
+    engine.submit(ids, GREEDY, events.put)
+    event = events.get(timeout=60)
+    assert isinstance(event, ErrorEvent) and event.status == 503 and "boom" in event.message
+    engine._thread.join(60)
+    assert not engine.alive and engine.failure == "RuntimeError: boom"
+    assert uvicorn_server.should_exit  # the watchdog told uvicorn to stop
+    with pytest.raises(EngineStopped, match="not running: RuntimeError: boom"):
+        engine.submit(ids, GREEDY, events.put)
 
 
 def test_stop_strings_cut_the_text_and_the_stream(served):
@@ -178,6 +302,15 @@ def test_a_seed_gives_the_same_sample_alone_and_batched(served):
     other = run_together(served, [ps[1]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=99))[0]
     assert alone.token_ids == batched.token_ids
     assert alone.token_ids != other.token_ids
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    """A temperature of 1e-300 is a valid request (>= 0): it samples the best token; it used to divide
+    the logits into inf - inf inside softmax, NaN probabilities, and a 500."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for t in (1e-300, 5e-324, 1e-6):
+        p = SamplingParams(temperature=t, seed=3)
+        assert next_token(logits, p, p.generator()) == int(logits.argmax()), t
 
 
 def test_too_long_is_refused_before_it_is_queued(served):

@@ -1,7 +1,8 @@
 """`smolforge serve --stages 2 --adapter A` with no coordinator: an embedded cluster of this machine
 serves the model from two stage actors until SIGTERM (the adapter's files travel to the stage actors
-through Ray, merged on each); the embedded cluster's token is the bearer token, and the greedy answer
-equals the single-process engine's with the same adapter."""
+through Ray, merged on each); the bearer token is the one `$SMOLFORGE_TOKEN` gives, as for one-process
+`serve`, even where the embedded cluster has a token file of its own (issue 28: that one won), and
+the greedy answer equals the single-process engine's with the same adapter."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from servehelpers import embedded_env, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 
 def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
@@ -47,6 +49,11 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     home = tmp_path / "home"
     ray_tmp = Path(tempfile.mkdtemp(prefix="sfe", dir="/tmp"))  # short: Ray socket paths
     env = embedded_env(home, ray_tmp)
+    token = env["SMOLFORGE_TOKEN"] = "the-token-the-user-gave-28"
+    stale = "an-older-embedded-cluster-token"
+    (home / "embedded").mkdir(parents=True)
+    (home / "embedded" / "token").write_text(stale)
+    (home / "embedded" / "token").chmod(0o600)
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", str(model_copy),
                              "--model-name", "tiny", "--stages", "2", "--port", str(port), "--adapter", str(adapter)],
@@ -59,13 +66,15 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         out = log.read_text()
         assert f"on http://127.0.0.1:{port}" in out and "2 stages" in out
         assert "plan: 2 stages" in out and "stages share nodes" in out, out  # one node: the plan says so
-        token = (home / "embedded" / "token").read_text().strip()
-        assert token not in out
+        assert "token:     the one you gave" in out and token not in out
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=60)
         got = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert got.choices[0].text == want
+        refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
+        assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert not (home / "embedded" / "serve-api-token").exists()  # the copy went with the server
         with __import__("socket").socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0  # the API went with it
     finally:

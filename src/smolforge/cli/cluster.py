@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, fmt_eta, print_json, run_cli
-from smolforge.cli.follow import wait_with_progress
+from smolforge.cli.follow import finish_job, wait_with_progress
 
 COORD_HELP = ("coordinator HOST:PORT or https://HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from "
               "--state-dir; https needs $SMOLFORGE_TLS_FINGERPRINT unless it is that one)")
@@ -171,6 +171,17 @@ def status_tree(st: dict):
             line += f", memory {av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB"
         rt.add(escape(line + (" (takes no training work)" if n["role"] == "coordinator" else "")))
     return root
+
+
+def finish_resumed(backend, st: dict, json_out: bool) -> None:
+    """An embedded job resumed in this command has ended: its adapter goes where the command that
+    launched it would have put it (`launch --output-dir`, default outputs/<job>); a job no command
+    launched (the Python API) says where the adapter is in the store."""
+    out = backend.output_dir_of(st["job_id"])
+    finish_job(backend, st, str(out) if out else None, json_out)
+    if out is None and st["state"] == "completed" and not json_out:
+        where = backend.adapter_path(st["job_id"])
+        typer.echo(f"adapter: {where} (in the embedded cluster's store)" if where else "the job kept no adapter")
 
 
 def register(app: typer.Typer) -> None:
@@ -376,7 +387,8 @@ def register(app: typer.Typer) -> None:
             try:
                 st = getattr(backend, f"{action}_job")(job_id)
                 if action == "resume" and backend.runs_in_process:  # the job runs in this command: follow it
-                    st = wait_with_progress(backend, st["job_id"], quiet=json_out)
+                    finish_resumed(backend, wait_with_progress(backend, st["job_id"], quiet=json_out), json_out)
+                    return
             finally:
                 backend.close()
             if json_out:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import typer
 
+from smolforge.cluster.statedir import check_port  # noqa: F401  (every command's port flags: before anything starts)
 from smolforge.errors import SmolforgeError
 
 
@@ -34,20 +35,59 @@ def quiet_libraries() -> None:
 
 
 def run_cli(fn: Callable) -> Callable:
-    """Turn SmolforgeError into `error: ...` on stderr and exit 2, never a traceback."""
+    """Turn SmolforgeError into `error: ...` on stderr and exit 2, never a traceback; so too an
+    argument that is not UTF-8 and a file the system refuses (a name too long, a directory that
+    cannot be made), wherever in the command it is met."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            check_utf8(kwargs)
             return fn(*args, **kwargs)
         except SmolforgeError as err:
             typer.echo(f"error: {err.render()}", err=True)
             raise typer.Exit(err.exit_code)
+        except OSError as err:
+            if err.filename is None:  # not about a path the user named: a bug to see whole
+                raise
+            name = os.fsdecode(err.filename)
+            name = name if len(name) <= 120 else f"{name[:60]}…{name[-40:]}"
+            typer.echo(f"error: {name!r}: {err.strerror}\n  fix: check the path (it must fit the file system, and "
+                       "be writable where the command writes)", err=True)
+            raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
 
     return wrapper
+
+
+def check_utf8(options: dict[str, Any]) -> None:
+    """Refuse arguments that are not UTF-8 (Python keeps such bytes as lone surrogates, which
+    fail later, anywhere: an HTTP request, a JSON spec, the terminal)."""
+    for name, value in options.items():
+        for text in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(text, (str, os.PathLike)):
+                try:
+                    os.fspath(text).encode("utf-8")
+                except UnicodeEncodeError as err:
+                    byte = ord(os.fspath(text)[err.start]) & 0xFF  # surrogateescape keeps byte b as U+DC00 + b
+                    raise SmolforgeError(f"the {name.rstrip('_').replace('_', '-')} argument is not UTF-8 text "
+                                         f"(byte 0x{byte:02x} at character {err.start})",
+                                         fix="use UTF-8 names (rename the file or directory, or check the "
+                                             "terminal's encoding)") from None
+
+
+def make_output_dir(path: str, flag: str = "--output-dir") -> None:
+    """Make the directory a command writes into now, before any model loads: a path that cannot be
+    one (a file, a place without write access) is one message at once, not an error minutes later."""
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SmolforgeError(f"cannot make the directory {path}: {err.strerror}", where=flag,
+                             fix="give a directory you can write to (nothing was started)") from None
 
 
 def print_json(obj: Any) -> None:
@@ -58,11 +98,15 @@ def print_json(obj: Any) -> None:
 def parse_json_option(raw: str | None, flag: str, example: str) -> dict[str, Any]:
     if not raw:
         return {}
+    from smolforge.config import MAX_NESTING, check_nesting
+
     try:
-        value = json.loads(raw)
+        value = check_nesting(json.loads(raw), flag)
     except json.JSONDecodeError as err:
         raise SmolforgeError(f"{flag} is not valid JSON: {err.msg} at column {err.colno}",
                              fix=f"quote it for the shell, e.g. {flag} '{example}'") from None
+    except RecursionError:  # the parser recurses per level: thousands of `[` end here
+        raise SmolforgeError(f"{flag} nests deeper than {MAX_NESTING} levels", fix=f"e.g. {flag} '{example}'") from None
     if not isinstance(value, dict):
         raise SmolforgeError(f"{flag} must be a JSON object", fix=f"e.g. {flag} '{example}'")
     return value

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
 
-from smolforge.cli.common import print_json, quiet_libraries, run_cli
+from smolforge.cli.common import make_output_dir, print_json, quiet_libraries, run_cli
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.data.synthetic import BUNDLED_PROMPTS_N
 from smolforge.errors import SmolforgeError
 
 DEMO_MODEL = "tiny-llama"
+SFT_REPLACES = ("checkpoints",)  # what the fine-tune demo starts afresh in its --output-dir
 
 
 def sft_demo_config(output_dir: str, max_steps: int, seed: int, quiet: bool) -> TrainConfig:
@@ -33,10 +32,11 @@ def run_sft_demo(output_dir: str = "outputs/demo", max_steps: int = 400, seed: i
     from smolforge.data.splits import load_splits
     from smolforge.train.engine import build_model, evaluate, train
 
+    from smolforge.distill.demo import claim_demo_dir
+
     t0 = time.perf_counter()
     cfg = sft_demo_config(output_dir, max_steps, seed, quiet)
-    # The demo starts fresh every time (its outputs are a showcase, not a run to continue).
-    shutil.rmtree(Path(output_dir) / "checkpoints", ignore_errors=True)
+    claim_demo_dir(output_dir, SFT_REPLACES)  # a fresh start, but never over another run's checkpoints
     import torch
 
     torch.manual_seed(seed)
@@ -71,6 +71,15 @@ def print_sft_table(summary: dict) -> None:
     con = Console()
     con.print(table)
     con.print(f"{summary['steps']} steps in {summary['seconds']:.0f} s · adapter: {summary['adapter_dir']}")
+
+
+def prepare_output_dir(output_dir: str, replaces: tuple[str, ...]) -> None:
+    """Before any model loads or cluster starts: a directory holding another run is refused (nothing
+    deleted), one that cannot be made is one message."""
+    from smolforge.distill.demo import check_demo_dir
+
+    check_demo_dir(output_dir, replaces)
+    make_output_dir(output_dir)
 
 
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
@@ -125,10 +134,13 @@ def register(app: typer.Typer) -> None:
         quiet_libraries()
         be_quiet = bool(quiet) or json_out
         if workflow == "sft":
+            if max_steps < 1:
+                raise SmolforgeError(f"--max-steps {max_steps}: give 1 or more", fix="e.g. --max-steps 400")
+            prepare_output_dir(output_dir, SFT_REPLACES)
             summary = run_sft_demo(output_dir, max_steps, seed, quiet=be_quiet)
             print_json(summary) if json_out else print_sft_table(summary)
         elif workflow == "distill":
-            from smolforge.distill.demo import DemoSettings
+            from smolforge.distill.demo import DISTILL_REPLACES, DemoSettings
 
             if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts) < 1:
                 raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples and "
@@ -141,6 +153,7 @@ def register(app: typer.Typer) -> None:
             settings = DemoSettings(pretrain_steps=pretrain_steps, teacher_steps=teacher_steps,
                                     student_steps=student_steps, distill_samples=distill_samples,
                                     student_peft=student_peft, kd_samples=kd_prompts)
+            prepare_output_dir(output_dir, DISTILL_REPLACES)
             summary = distill_summary(output_dir, seed, be_quiet, settings)
             if json_out:
                 print_json(summary)

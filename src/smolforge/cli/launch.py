@@ -172,6 +172,8 @@ def register(app: typer.Typer) -> None:
         embedded = getattr(backend, "base", "") == "embedded"
         try:
             job_id = backend.submit_job(job_file, [*set_, *([f"priority={priority}"] if priority else [])])
+            if embedded:  # as launch: `job resume` downloads where this command would have
+                backend.remember_output_dir(job_id, output_dir or f"outputs/{job_id}")
             if not (wait or embedded):
                 if json_out:
                     print_json({"job_id": job_id})
@@ -271,13 +273,15 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
         if embedded and output_dir and monitored(spec):  # the job runs here: its monitoring files go there too
             spec = {**spec, "output_dir": str(Path(output_dir).resolve())}
         job_id = backend.submit_job(spec)
+        out = output_dir or f"outputs/{job_id}"
+        if embedded:  # `job resume` of this job, if this command dies, downloads there too
+            backend.remember_output_dir(job_id, out)
         if not json_out:
             typer.echo(f"submitted {job_id} ({what}" + (", embedded cluster" if embedded else "") + ")", err=True)
         if detach:
             typer.echo(job_id)
             return
         st = wait_with_progress(backend, job_id, quiet or json_out)
-        out = output_dir or f"outputs/{job_id}"
         if on_completed is not None and st["state"] == "completed":
             on_completed(backend, job_id, Path(out))
         if not json_out:

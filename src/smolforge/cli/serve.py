@@ -53,12 +53,16 @@ def register(app: typer.Typer) -> None:
         (a `serve` job: `smolforge jobs` shows it, `smolforge job cancel ID` stops it). The API then
         runs on the coordinator's machine and takes the cluster token; --token-file is the cluster
         token file for talking to the coordinator. Without a coordinator an embedded cluster of this
-        machine serves until Ctrl-C. The placement plan (printed) sizes each stage to its node's
+        machine serves until Ctrl-C, with the token one-process serve would take (--token-file, else
+        $SMOLFORGE_TOKEN, else the embedded cluster's). The placement plan (printed) sizes each stage to its node's
         measured speed and memory; --stages auto also picks how many (one node when that is faster).
 
         Example: smolforge serve --model qwen2.5:0.5b --stages 2 --coordinator 192.168.1.10:8765
         """
         quiet_libraries()
+        from smolforge.cluster.statedir import check_port
+
+        check_port(port, "--port", zero_picks=True)  # one message before anything starts, staged or not
         if stages is not None:
             from smolforge.cli.common import cli_token
 
@@ -69,7 +73,8 @@ def register(app: typer.Typer) -> None:
                 spec["adapter"] = str(Path(adapter).expanduser().resolve())
             if model_name:
                 spec["model_name"] = model_name
-            serve_staged(spec, coordinator=coordinator, token=cli_token(None, token_file), state_dir=state_dir)
+            serve_staged(spec, coordinator=coordinator, token=cli_token(None, token_file), state_dir=state_dir,
+                         token_file=token_file)
             return
         from smolforge.pipeline.serve.server import ServeOptions, serve as run
 
@@ -82,16 +87,20 @@ def register(app: typer.Typer) -> None:
                          num_threads=num_threads), announce=announce)
 
 
-def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None) -> None:
+def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None,
+                 token_file: str | None = None) -> None:
     """Submit a `serve` job and say where it serves. On a coordinator it keeps serving after this
     command returns; on the embedded cluster it serves until Ctrl-C (or SIGTERM), then stops."""
     from smolforge.client import backend_for
     from smolforge.cluster.jobs import parse
+    from smolforge.pipeline.serve.server import given_token
 
     job = parse(spec)  # a bad setting is a message now, not after a cluster has started
+    given = given_token(token_file)  # an unreadable token file too
     backend = backend_for(coordinator, token, state_dir, embedded_ok=True)
     embedded = getattr(backend, "base", "") == "embedded"
     job_id = None
+    api_token = _embedded_api_token(backend, given) if embedded else None
     try:
         job_id = backend.submit_job(spec)
         typer.echo(f"submitted {job_id} (serve, {job.stages} stages" + (", embedded cluster" if embedded else "") + ")",
@@ -109,10 +118,13 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
             typer.echo("  token:     the cluster token")
             typer.echo(f"  stop it:   smolforge job cancel {job_id}")
             return
-        typer.echo(f"  token:     the embedded cluster's, in {backend.state.token_path} (mode 0600)")
+        typer.echo("  token:     the one you gave (--token-file / $SMOLFORGE_TOKEN)" if api_token else
+                   f"  token:     the embedded cluster's, in {backend.state.token_path} (mode 0600)")
         sys.stdout.flush()
         _serve_until_stopped(backend, job_id)
     finally:
+        if api_token is not None:
+            api_token.unlink(missing_ok=True)
         if embedded:
             if job_id is not None and backend.get_job_status(job_id)["state"] in ("pending", "running"):
                 backend.cancel_job(job_id)
@@ -121,6 +133,19 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
             close = getattr(backend, "close", None)
             if close:
                 close()
+
+
+def _embedded_api_token(backend: Any, given: str | None) -> Path | None:
+    """The token the user gave, in a 0600 file of the embedded state dir that the serve job's API
+    actor reads (not through Ray); None: the API takes the embedded cluster's token."""
+    if given is None:
+        return None
+    from smolforge.auth import write_token
+
+    path = backend.state.root / "serve-api-token"
+    write_token(path, given)
+    backend.manager.serve_token_file = str(path)
+    return path
 
 
 def _stages(value: str) -> int | str:

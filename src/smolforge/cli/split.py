@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import cli_token, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import check_port, cli_token, print_json, quiet_libraries, run_cli
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
 
@@ -64,6 +64,7 @@ def serve_cmd(
 
     Example: smolforge split serve --model tiny-llama --split-point-1 1 --split-point-2 3 --port 50051 --token-file split.token
     """
+    check_port(port, "--port", zero_picks=True)
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from smolforge.split.server import ServeConfig, serve
@@ -146,6 +147,7 @@ def train_cmd(
     Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051
     --token-file split.token --dataset bundled --max-steps 50
     """
+    check_port(server_port, "--server-port")
     quiet_libraries()
     from smolforge.config import validate
     from smolforge.split.trainer import SplitTrainConfig, train_split

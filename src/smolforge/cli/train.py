@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
-from smolforge.cli.common import peft_section, print_json, quiet_libraries, run_cli, set_nested
+from smolforge.cli.common import make_output_dir, peft_section, print_json, quiet_libraries, run_cli, set_nested
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
 from smolforge.errors import SmolforgeError
 
@@ -115,6 +115,7 @@ def register(app: typer.Typer) -> None:
             cfg = cfg.model_copy(update={"quiet": True})
         check_run_export(export, cfg.peft.method)
         examples = check_model_and_data(cfg)
+        make_output_dir(cfg.output_dir)
         quiet_libraries()
         from smolforge.train.engine import train as run_train
 

@@ -8,7 +8,8 @@ fragment (`/dashboard#token=…`, never sent to the server) or a login box. Its 
 vendored chart library) are open too, at fixed paths from `smolforge.dashboard.ASSETS`: each path
 names one packaged file, nothing from the URL reaches the filesystem.
 
-Errors are JSON `{"error", "where", "fix"}` with 400 (bad request), 401 (token), 404 (unknown job).
+Errors are JSON `{"error", "where", "fix"}` with 400 (bad request: also a parameter out of range, a
+body that is not JSON or nests too deep; see `cluster/api_input.py`), 401 (token), 404 (unknown job).
 Handlers are plain `def`: FastAPI runs them in its thread pool, which suits SQLite and Ray calls.
 """
 
@@ -16,21 +17,25 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, JobId, JoinRequest, NodeId, SeriesName,
+                                         Since, StateList, TaskName, document_errors, rows, validation_error)
 from smolforge.cluster.auth import bearer_of, tokens_match
 from smolforge.cluster.gate import Gate
 from smolforge.cluster.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
 from smolforge.cluster.ray_tls import ensure_ca, sign_request
-from smolforge.dashboard import asset, asset_paths, page
+from smolforge.cluster.states import parse_states
+from smolforge.dashboard import ASSETS, asset, asset_paths, page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
 
@@ -40,7 +45,6 @@ UPLOAD_QUOTA_BYTES = int(os.environ.get("SMOLFORGE_UPLOAD_QUOTA_BYTES", str(50 *
 # Every other route takes JSON (job specs, heartbeats): 4 MiB is far above any of them.
 MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_MAX_BODY_BYTES", str(4 * 2**20)))
 OPEN_PATHS = ("/health", "/dashboard", *asset_paths())
-NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def job_view(job: dict, tasks: list[dict] | None = None) -> dict:
@@ -56,7 +60,10 @@ class CertificateRequest(BaseModel):
 
 def create_app(core: Any) -> FastAPI:
     """`core` is a cluster.coordinator.CoordinatorCore (token, store, artifacts, manager, monitor, info)."""
-    app = FastAPI(title="smolforge coordinator", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="smolforge coordinator", docs_url=None, redoc_url=None, responses=ERRORS)  # /openapi.json: token
+    app.router.route_class = BoundedJsonRoute  # JSON nesting counted before any parse
+    document_errors(app)
+    app.add_exception_handler(RequestValidationError, validation_error)
     # The token and the size bound before any body byte is read (see cluster/gate.py); the
     # dependency below stays as a second check on every route.
     app.add_middleware(Gate, token=lambda: core.token, open_paths=OPEN_PATHS, max_body=MAX_BODY_BYTES,
@@ -74,8 +81,8 @@ def create_app(core: Any) -> FastAPI:
         status = 404 if err.what.startswith("no job") else 400
         return JSONResponse({"error": err.what, "where": err.where, "fix": err.fix}, status_code=status)
 
-    @app.exception_handler(HTTPException)
-    def _http_error(request: Request, err: HTTPException):
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body it cannot parse, an unknown path
+    def _http_error(request: Request, err: StarletteHTTPException):
         fix = {401: "pass the cluster token (Authorization: Bearer <token>)",
                507: "set SMOLFORGE_UPLOAD_QUOTA_BYTES higher on the coordinator, or end the jobs that name old uploads "
                     "(uploads no pending, running or paused job names are collected after an hour)"}.get(err.status_code)
@@ -92,7 +99,8 @@ def create_app(core: Any) -> FastAPI:
     def dashboard():
         return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
-    @app.get("/dashboard/assets/{name}")
+    @app.get("/dashboard/assets/{name}", responses={200: {"description": "one packaged file", "content": {
+        media.split(";")[0]: {} for _, media in ASSETS.values()}}})
     def dashboard_asset(name: str):
         found = asset(name)  # an allow-list lookup: any other name is a 404, never a file path
         if found is None:
@@ -103,7 +111,7 @@ def create_app(core: Any) -> FastAPI:
 
     # -- cluster ----------------------------------------------------------------------------------
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", dependencies=auth, response_class=PlainTextResponse)
     def metrics():
         body, ctype = render(core)
         return Response(body, media_type=ctype)
@@ -123,7 +131,8 @@ def create_app(core: Any) -> FastAPI:
     def list_nodes():
         return core.monitor.snapshot()
 
-    @app.post("/api/v1/ray-tls/certificate", dependencies=auth)
+    @app.post("/api/v1/ray-tls/certificate", dependencies=auth,
+              responses={409: {"model": ApiError, "description": "this cluster does not use TLS"}})
     def ray_tls_certificate(req: CertificateRequest):
         """A joining node's certificate for Ray's TLS, signed by this cluster's CA (see cluster/ray_tls.py)."""
         if not core.info.get("ray_tls"):
@@ -132,9 +141,7 @@ def create_app(core: Any) -> FastAPI:
         return {"certificate": sign_request(req.csr, ca_cert, ca_key), "ca": ca_cert.read_text()}
 
     @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
-    def heartbeat(node_id: str, sample: Heartbeat):
-        if not NODE_ID.fullmatch(node_id):
-            raise HTTPException(status_code=400, detail="a node id is 1 to 128 letters, digits, '-' or '_'")
+    def heartbeat(node_id: NodeId, sample: Heartbeat):
         core.monitor.heartbeat(node_id, sample.model_dump())
         return {"ok": True}
 
@@ -144,15 +151,14 @@ def create_app(core: Any) -> FastAPI:
                  "available": n["available"], "usage": n["usage"]} for n in core.monitor.snapshot()]
 
     @app.get("/api/v1/events", dependencies=auth)
-    def cluster_events(since: int = 0, limit: int = 500):
+    def cluster_events(since: Since = 0, limit: int = rows(500)):
         return core.store.events(None, since_id=since, limit=limit)
 
     # -- jobs -------------------------------------------------------------------------------------
 
     @app.get("/api/v1/jobs", dependencies=auth)
-    def list_jobs(state: str | None = None, limit: int = 200):
-        states = tuple(s for s in (state or "").split(",") if s) or None
-        return core.store.list_jobs(states=states, limit=limit)
+    def list_jobs(state: StateList = None, limit: int = rows(200)):
+        return core.store.list_jobs(states=parse_states(state), limit=limit)
 
     @app.post("/api/v1/jobs", dependencies=auth)
     def submit_job(spec: dict):
@@ -160,49 +166,51 @@ def create_app(core: Any) -> FastAPI:
         return {"job_id": job_id, "job": core.store.get_job(job_id)}
 
     @app.get("/api/v1/jobs/{job_id}", dependencies=auth)
-    def get_job(job_id: str):
+    def get_job(job_id: JobId):
         job = core.store.get_job(job_id)
         return job_view(job, core.store.tasks(job["id"]))
 
     @app.get("/api/v1/jobs/{job_id}/events", dependencies=auth)
-    def job_events(job_id: str, since: int = 0, limit: int = 1000):
+    def job_events(job_id: JobId, since: Since = 0, limit: int = rows(1000)):
         job = core.store.get_job(job_id)
         return core.store.events(job["id"], since_id=since, limit=limit)
 
     @app.get("/api/v1/jobs/{job_id}/logs", dependencies=auth)
-    def job_logs(job_id: str, since: int = 0, task: str | None = None, limit: int = 1000):
+    def job_logs(job_id: JobId, since: Since = 0, task: TaskName = None, limit: int = rows(1000)):
         """What the job's tasks printed and logged (`r0`, `teacher0`...), oldest first, after line `since`."""
         job = core.store.get_job(job_id)
-        return core.store.logs(job["id"], since_id=since, task=task, limit=max(1, min(limit, 5000)))
+        return core.store.logs(job["id"], since_id=since, task=task, limit=limit)
 
     @app.get("/api/v1/jobs/{job_id}/metrics", dependencies=auth)
-    def job_metrics(job_id: str, name: str | None = None):
+    def job_metrics(job_id: JobId, name: SeriesName = None):
         job = core.store.get_job(job_id)
         return core.store.metrics(job["id"], name)
 
     @app.post("/api/v1/jobs/{job_id}/pause", dependencies=auth)
-    def pause(job_id: str):
+    def pause(job_id: JobId):
         return core.manager.pause(job_id)
 
     @app.post("/api/v1/jobs/{job_id}/resume", dependencies=auth)
-    def resume(job_id: str):
+    def resume(job_id: JobId):
         return core.manager.resume(job_id)
 
     @app.post("/api/v1/jobs/{job_id}/cancel", dependencies=auth)
-    def cancel(job_id: str):
+    def cancel(job_id: JobId):
         return core.manager.cancel(job_id)
 
     @app.post("/api/v1/jobs/{job_id}/join", dependencies=auth)
-    def join(job_id: str, body: dict | None = None):
-        return core.manager.join(job_id, (body or {}).get("node"))
+    def join(job_id: JobId, body: JoinRequest | None = None):
+        return core.manager.join(job_id, body.node if body else None)
 
     @app.get("/api/v1/jobs/{job_id}/artifacts", dependencies=auth)
-    def artifacts(job_id: str):
+    def artifacts(job_id: JobId):
         job = core.store.get_job(job_id)
         return core.artifacts.all_for_job(job["id"])
 
-    @app.get("/api/v1/jobs/{job_id}/artifacts/{kind}/{name}/{path:path}", dependencies=auth)
-    def artifact_file(job_id: str, kind: str, name: str, path: str):
+    @app.get("/api/v1/jobs/{job_id}/artifacts/{kind}/{name}/{path:path}", dependencies=auth,
+             response_class=FileResponse, responses={200: {"description": "the file's bytes",
+                                                           "content": {"application/octet-stream": {}}}})
+    def artifact_file(job_id: JobId, kind: str, name: str, path: str):
         job = core.store.get_job(job_id)
         if not core.artifacts.verify(job["id"], kind, name):
             raise SmolforgeError(f"artifact {kind}/{name} of {job['id']} is missing or corrupt",
@@ -210,11 +218,12 @@ def create_app(core: Any) -> FastAPI:
         target = safe_join(core.artifacts.path(job["id"], kind, name), path)
         if not target.is_file():
             raise SmolforgeError(f"no file {path} in {kind}/{name}", fix="list the artifact's files first")
-        return FileResponse(target)
+        return FileResponse(target, media_type="application/octet-stream")
 
     # -- uploads ----------------------------------------------------------------------------------
 
-    @app.post("/api/v1/uploads", dependencies=auth)
+    @app.post("/api/v1/uploads", dependencies=auth,
+              responses={507: {"model": ApiError, "description": "the upload quota is full"}})
     async def upload(request: Request):
         """Raw body in, content-addressed file out: `upload:<sha256>` can then be used in a job spec."""
         up_dir = core.artifacts.root / "uploads"

@@ -30,7 +30,7 @@ from smolforge.cluster.artifacts import ArtifactStore, upload_refs
 from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
 from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
 from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.statedir import StateDir, port_open
+from smolforge.cluster.statedir import StateDir, check_port, check_ray_port, port_open
 from smolforge.cluster.tls import ensure_cert, fingerprint
 from smolforge.errors import SmolforgeError
 from smolforge.net import LOOPBACK
@@ -91,10 +91,21 @@ class CoordinatorOptions:
     tls_cert: str | None = None  # with tls_key: the user's own certificate instead of a generated one
     tls_key: str | None = None
 
+    def check(self) -> "CoordinatorOptions":
+        """Numbers a bad flag would otherwise break only after the Ray head is up: checked first."""
+        check_port(self.port, "--port")
+        check_ray_port(self.ray_port, "--ray-port")
+        if self.port == self.ray_port:
+            raise SmolforgeError(f"--port and --ray-port are both {self.port}", fix="give them different ports")
+        for flag, value, low in (("--cpus", self.cpus, 0), ("--object-store-mb", self.object_store_mb, 75)):
+            if value is not None and value < low:
+                raise SmolforgeError(f"{flag} {value} is below {low}", where=flag, fix=f"give {low} or more, or leave it out")
+        return self
+
 
 class Coordinator:
     def __init__(self, opts: CoordinatorOptions):
-        self.opts = opts
+        self.opts = opts.check()
         self.state = StateDir.at(opts.state_dir)
         self.head_proc = None
         self.core: CoordinatorCore | None = None
@@ -232,12 +243,13 @@ class Coordinator:
         import uvicorn
 
         from smolforge.cluster.api import create_app
+        from smolforge.http_limits import server_config
 
         core = self.core or self.setup()
         app = create_app(core)
         tls = dict(ssl_certfile=self.tls_files[0], ssl_keyfile=self.tls_files[1]) if self.tls_files else {}
-        config = uvicorn.Config(app, host=self.opts.host, port=self.opts.port, log_level="warning",
-                                access_log=False, lifespan="off", **tls)
+        config = server_config(app, self.opts.host, self.opts.port, log_level="warning", access_log=False,
+                               lifespan="off", **tls)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # we handle signals ourselves
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import psutil
 
-from smolforge.cluster import ray_glue
+from smolforge.cluster import ray_glue, ray_session
 from smolforge.cluster.artifacts import ArtifactStore
 from smolforge.cluster.jobs import apply_job_overrides, kind_of, pin_local_models, stage_spec
 from smolforge.cluster.jobstore import JobStore
@@ -28,6 +28,7 @@ from smolforge.cluster.jobview import format_event, job_status
 from smolforge.cluster.manager import JobManager
 from smolforge.cluster.nodeview import node_view
 from smolforge.cluster.statedir import StateDir
+from smolforge.cluster.states import parse_states
 from smolforge.config import load_yaml
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import check_download_dest, unpack_dir
@@ -45,6 +46,7 @@ class EmbeddedCluster:
         self.artifacts = ArtifactStore(self.state.artifacts)
         self.manager = JobManager(self.store, self.artifacts, embedded=True, on_start=self._own)
         self.base = "embedded"
+        self.reaped = ray_session.reap_dead(self.state.root)  # Ray agents a killed command left behind
         self.interrupted = self._mark_interrupted()
 
     @property
@@ -52,6 +54,7 @@ class EmbeddedCluster:
         """The in-process Ray cluster, started on first use."""
         if self._handle is None:
             self._handle = ray_glue.connect(None, state_dir=self.state.root, num_cpus=self.num_cpus)
+            ray_session.record(self.state.root)  # so the next command can reap it if this one is killed
         return self._handle
 
     # -- who runs which job -----------------------------------------------------------------------
@@ -84,6 +87,7 @@ class EmbeddedCluster:
             where = kind_of(job["kind"]).resumes_from(self.manager, job["id"])
             self.store.set_state(job["id"], "paused", f"interrupted: the command running it ended; "
                                  f"`smolforge job resume {job['id']}` continues from {where}", force=True)
+            self.store.stop_tasks(job["id"], "stopped: the command running the job ended")
             found.append(job["id"])
         return found
 
@@ -94,6 +98,7 @@ class EmbeddedCluster:
         self.manager.shutdown(timeout=10)
         if self._handle is not None:
             self._handle.shutdown()
+            ray_session.forget(self.state.root)
 
     def __enter__(self):
         return self
@@ -126,8 +131,7 @@ class EmbeddedCluster:
         return self.manager.submit(spec)
 
     def list_jobs(self, state: str | None = None) -> list[dict]:
-        states = tuple(s for s in (state or "").split(",") if s) or None
-        return self.store.list_jobs(states=states)
+        return self.store.list_jobs(states=parse_states(state))
 
     def get_job(self, job_id: str) -> dict:
         job = self.store.get_job(job_id)
@@ -169,6 +173,24 @@ class EmbeddedCluster:
 
     def list_artifacts(self, job_id: str) -> list[dict]:
         return self.artifacts.all_for_job(self.store.get_job(job_id)["id"])
+
+    def remember_output_dir(self, job_id: str, output_dir: str | Path) -> None:
+        """Where the command that submitted the job downloads its adapter: `job resume` of the job,
+        interrupted, downloads it there too."""
+        atomic_write_json(self.state.root / "downloads" / f"{job_id}.json", {"output_dir": str(Path(output_dir).resolve())})
+
+    def output_dir_of(self, job_id: str) -> Path | None:
+        import json
+
+        try:
+            return Path(json.loads((self.state.root / "downloads" / f"{job_id}.json").read_text())["output_dir"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def adapter_path(self, job_id: str) -> Path | None:
+        """The job's newest adapter in this cluster's artifact store (where it is when nothing downloaded it)."""
+        names = self.artifacts.list(job_id, "adapter")
+        return self.artifacts.path(job_id, "adapter", names[-1]) if names else None
 
     def download_adapter(self, job_id: str, output_dir: str | Path, overwrite: bool = False) -> Path:
         job_id = self.store.get_job(job_id)["id"]

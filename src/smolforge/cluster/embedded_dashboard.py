@@ -26,7 +26,7 @@ from smolforge.cluster.auth import load_or_create_token
 from smolforge.cluster.coordinator import CoordinatorCore
 from smolforge.cluster.embedded import EmbeddedCluster
 from smolforge.cluster.node_agent import NodeMonitor
-from smolforge.cluster.statedir import StateDir, free_port, port_open
+from smolforge.cluster.statedir import StateDir, check_port, free_port, port_open
 from smolforge.errors import SmolforgeError
 
 HOST = "127.0.0.1"
@@ -60,7 +60,9 @@ def serve(port: int, announce: Callable[[str], None] = print, num_cpus: int | No
     import uvicorn
 
     from smolforge.cluster.api import create_app
+    from smolforge.http_limits import server_config
 
+    check_port(port, "--port", zero_picks=True)  # before the cluster starts, not at bind()
     check_no_coordinator()
     port = port or free_port(HOST)
     if port_open(HOST, port, 0.5):
@@ -70,8 +72,8 @@ def serve(port: int, announce: Callable[[str], None] = print, num_cpus: int | No
     try:
         url = f"http://{HOST}:{port}"
         core = embedded_core(cluster, url)
-        server = uvicorn.Server(uvicorn.Config(create_app(core), host=HOST, port=port, log_level="warning",
-                                               access_log=False, lifespan="off"))
+        server = uvicorn.Server(server_config(create_app(core), HOST, port, log_level="warning", access_log=False,
+                                              lifespan="off"))
         server.install_signal_handlers = lambda: None  # ours below: the same stop for both signals
 
         def _stop(signum, frame):

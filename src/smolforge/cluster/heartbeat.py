@@ -2,7 +2,9 @@
 
 A heartbeat is input from the network that /metrics and the dashboard render, so it is checked
 against this schema before it is kept (a string where a number belongs once broke /metrics).
-Unknown keys are dropped: a newer agent may report more.
+Unknown keys are dropped: a newer agent may report more. Strict types (no `false` for a number)
+and no NaN or infinity (Python's JSON parser takes `NaN`; the answers that carry the value back
+could not encode it).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class GpuUsage(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
     index: int = Field(ge=0, le=1024)
     util_percent: float = Field(ge=0, le=100)
     mem_used_gb: float = Field(ge=0)
@@ -21,10 +25,10 @@ class Heartbeat(BaseModel):
     """What a node agent reports (`sample_usage` plus when and who), checked before it is kept: a
     heartbeat is input from the network, and /metrics and the dashboard render it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    ts: float
-    pid: int | None = Field(None, ge=0)
+    ts: float = Field(ge=0)
+    pid: int | None = Field(None, ge=0, le=2**31)
     cpu_percent: float | None = Field(None, ge=0, le=100)
     ram_used_gb: float | None = Field(None, ge=0)
     ram_total_gb: float | None = Field(None, ge=0)

@@ -287,6 +287,14 @@ class JobStore:
                 db.execute(f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
                            (task_id, job_id, kind, state, *fields.values(), now, now))
 
+    def stop_tasks(self, job_id: str, reason: str) -> int:
+        """A job's tasks still marked placing or running when what ran them is gone (the embedded
+        command was killed): `stopped`, so `job show` does not list dead ranks as running."""
+        with self._tx() as db:
+            return db.execute("UPDATE tasks SET state='stopped', error=COALESCE(error, ?), updated=? "
+                              "WHERE job_id=? AND state IN ('placing', 'running')",
+                              (reason, time.time(), job_id)).rowcount
+
     def busy_nodes(self) -> dict[str, list[str]]:
         """Node name -> the running jobs with a running task there (the queue's reasons name them)."""
         rows = self._db().execute(

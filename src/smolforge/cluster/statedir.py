@@ -16,7 +16,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from smolforge.errors import SmolforgeError
 from smolforge.paths import atomic_write_json, home, private_dir
+
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default --min/--max-worker-port: its worker processes bind these
 
 
 @dataclass(frozen=True)
@@ -77,30 +80,68 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def check_port(port: int, flag: str = "--port", *, zero_picks: bool = False) -> int:
+    """A port number from the command line, checked before anything starts (out of range, bind()
+    raised OverflowError, after a Ray head was already up); with `zero_picks`, 0 means "pick one"."""
+    low = 0 if zero_picks else 1
+    if not low <= port <= 65535:
+        raise SmolforgeError(f"{flag} {port} is not a port number", where=flag,
+                             fix=f"use a port from {low} to 65535" + (" (0 picks a free one)" if zero_picks else ""))
+    return port
+
+
+def check_ray_port(port: int, flag: str = "--ray-port") -> int:
+    """A Ray head's GCS port: a port number outside the range where Ray starts its workers (inside it,
+    `ray start` died with its own stack, or a worker took the port later)."""
+    check_port(port, flag)
+    if port in RAY_WORKER_PORTS:
+        raise SmolforgeError(f"{flag} {port} is inside Ray's worker-port range "
+                             f"({RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}), where Ray starts its workers",
+                             where=flag, fix=f"pick a port outside {RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}, "
+                                             "e.g. --ray-port 6379 (the default)")
+    return port
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (bind to 0, read it, close)."""
     return free_ports(1, host)[0]
 
 
+# Ports we hand out come from here: below Linux's ephemeral range (32768-60999, where every outgoing
+# connection takes its local port, so a port read off `bind(0)` can be taken by the next connect before
+# our server binds it: seen in CI as "address already in use") and above Ray's worker ports (10002-19999).
+PICK_PORTS = range(20000, 32768)
+
+
 def free_ports(n: int, host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """`n` distinct ports that were free a moment ago, none of them in `exclude`.
+    """`n` distinct ports that were free a moment ago, none of them in `exclude`, from PICK_PORTS.
 
     The sockets stay bound until all are picked, so no port comes back twice; `exclude` holds ports
     already promised to another component but not bound yet (a Ray head's GCS port: picking it
     again for the client server made `ray start` refuse, seen in CI).
     """
+    import random
+
     socks: list[socket.socket] = []
     ports: list[int] = []
+    candidates = random.sample(PICK_PORTS, len(PICK_PORTS))
     try:
-        while len(ports) < n:
+        for port in candidates:
+            if len(ports) == n:
+                break
+            if port in exclude:
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in exclude:
-                ports.append(port)
+            ports.append(port)
     finally:
         for s in socks:
             s.close()
+    if len(ports) < n:
+        raise OSError(f"no {n} free ports on {host} in {PICK_PORTS.start}-{PICK_PORTS.stop - 1}")
     return ports

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from smolforge.errors import SmolforgeError
+
 
 class JobState(str, Enum):
     PENDING = "pending"
@@ -60,3 +62,14 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 STATES = tuple(s.value for s in JobState)
 FINAL = tuple(s.value for s in JobState if s.final)
+
+
+def parse_states(text: str | None) -> tuple[str, ...] | None:
+    """A `--state` / `?state=` filter, `running,paused` -> ('running', 'paused'); None for none. An
+    unknown state is refused (it matched nothing, silently)."""
+    states = tuple(s.strip() for s in (text or "").split(",") if s.strip()) or None
+    unknown = sorted(set(states or ()) - set(STATES))
+    if unknown:
+        raise SmolforgeError(f"unknown job state {unknown[0][:40]!r}", where="state",
+                             fix=f"use states among {', '.join(STATES)}, comma-separated")
+    return states

@@ -47,14 +47,31 @@ class WorkerOptions:
     rejoin: bool = True
     scan_hf_cache: bool = True
 
+    def check(self) -> "WorkerOptions":
+        """What this machine lends, checked before the coordinator is asked anything."""
+        for flag, value, low in (("--cpus", self.cpus, 1), ("--gpus", self.gpus, 0), ("--memory", self.memory_gb, 0.1),
+                                 ("--object-store-mb", self.object_store_mb, 75)):
+            if value is not None and not value >= low:  # `not >=`: NaN is refused too
+                raise SmolforgeError(f"{flag} {value} is below {low}", where=flag, fix=f"give {low} or more, or leave it out")
+        return self
+
 
 def parse_coordinator(text: str, default_port: int = 5000) -> tuple[str, str, int]:
     """(scheme, host, port) of `HOST:PORT`, `http://HOST:PORT` or `https://HOST:PORT`; an https
-    address stays https (never silently downgraded)."""
+    address stays https (never silently downgraded). Anything else (another scheme, a path, a bad
+    IPv6 literal, a port out of range) is one message, before any connection is tried."""
     text = text.strip()
-    scheme = "https" if text.startswith("https://") else "http"
-    host, port = _hostport(text.removeprefix("https://").removeprefix("http://").rstrip("/"), default_port)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "http", text
+    if scheme not in ("http", "https"):
+        raise SmolforgeError(f"{text!r}: a coordinator is reached over http:// or https://, not {scheme}://",
+                             fix=ADDRESS_FIX)
+    host, port = _hostport(rest.rstrip("/"), default_port)
     return scheme, host, port
+
+
+ADDRESS_FIX = "e.g. smolforge worker join 192.168.1.10:5000 --token-file ~/smolforge-token ([::1]:5000 for IPv6)"
 
 
 def tls_for(scheme: str, host: str, port: int, fingerprint: str | None):
@@ -70,12 +87,20 @@ def tls_for(scheme: str, host: str, port: int, fingerprint: str | None):
 
 
 def _hostport(text: str, default_port: int) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        return text, default_port
-    if not port.isdigit():
-        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix="e.g. smolforge worker join 192.168.1.10:5000 --token-file ~/smolforge-token")
-    return host or "127.0.0.1", int(port)
+    """HOST[:PORT] (an IPv6 host in brackets) -> (host, port); an empty host is this machine."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(f"//{text}")
+        port = parts.port
+    except ValueError as err:  # '[::1' (no closing bracket), a port that is not a number or past 65535
+        raise SmolforgeError(f"{text!r} is not HOST:PORT ({err})", fix=ADDRESS_FIX) from None
+    if parts.path or parts.query or parts.fragment or parts.username is not None or port == 0:
+        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix=ADDRESS_FIX)
+    host, sep, tail = parts.netloc.rpartition(":")
+    if not (sep and (tail.isdigit() or tail == "")):  # no port given (or only an IPv6 literal's own colons)
+        host = parts.netloc
+    return host or "127.0.0.1", (default_port if port is None else port)
 
 
 def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0, *, scheme: str = "http",
@@ -116,7 +141,7 @@ def node_resources(inv, cpus: int) -> tuple[dict[str, float], dict[str, str]]:
 
 class WorkerNode:
     def __init__(self, opts: WorkerOptions, announce=print):
-        self.opts = opts
+        self.opts = opts.check()
         self.announce = announce
         self.proc = None
         self.stopping = threading.Event()

@@ -330,7 +330,9 @@ class DPRunner(JobRunner):
                                                  "server": jsonable(stats)})
 
     def _finish_stopped(self, what: str, where: str) -> None:
-        if what == "pause":
+        if what == "pause":  # a join asked for before the pause is kept: the resumed job places it
+            self._take_joins(DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"]),
+                             "while the job paused; placed when it resumes")
             ckpt = self.mgr.artifacts.latest_checkpoint(self.job_id)
             self.store.set_state(self.job_id, "paused", f"paused{' ' + where if where else ''}"
                                  + (f" at {ckpt}" if ckpt else ""))

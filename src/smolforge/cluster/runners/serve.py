@@ -3,9 +3,12 @@
 The runner starts one `ServeApi` actor on the coordinator's node (the API listens where the user
 said: 127.0.0.1 unless the spec's host says otherwise). That actor places the stage actors
 (`cluster.serve_stages.StageGroup`, on nodes holding the model), runs the generation engine over
-them and uvicorn with the same app as single-process `smolforge serve`. Its bearer token is the
-cluster token: the actor reads the coordinator's token file itself (same machine), so the token
-never travels through Ray. The stage actors are owned by the API actor: killing it takes them too.
+them and uvicorn with the same app and limits as single-process `smolforge serve`. Its bearer token
+is the cluster token: the actor reads the coordinator's token file itself (same machine), so the
+token never travels through Ray. On the embedded cluster, a token the user gave (`--token-file`,
+`$SMOLFORGE_TOKEN`: the rule of one-process `serve`) is put in a file by the CLI, which names it in
+`manager.serve_token_file`; the actor reads that one instead. The stage actors are owned by the API
+actor: killing it takes them too. Should the engine's thread end, `status()` raises: the job fails.
 
 The job's events carry the placement plan (`plan`), the URL (`serving`) and every stage placement
 and re-placement (`stage`); what the API actor and each stage print is the job's log (tasks `api`,
@@ -49,7 +52,7 @@ class ServeApi:
         from smolforge.cluster.serve_stages import StageGroup
         from smolforge.pipeline.serve.api import create_app
         from smolforge.pipeline.serve.engine import Engine
-        from smolforge.pipeline.serve.server import bind
+        from smolforge.pipeline.serve.server import bind, serve_config, stop_when_engine_dies
 
         spec = self.spec
         token = check_token_format(open(self.token_file).read().strip())
@@ -64,8 +67,8 @@ class ServeApi:
         host, port = self.sock.getsockname()[:2]
         self.engine = Engine(model, max_batch=spec.max_batch).start()
         app = create_app(model, self.engine, token=token, model_name=model.name)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(serve_config(app, self.sock))
+        stop_when_engine_dies(self.engine, self.server)  # and status() says so: the job fails with the reason
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="serve-http")
         self.thread.start()
@@ -78,6 +81,8 @@ class ServeApi:
         return f"http://{shown}:{port}"
 
     def status(self) -> dict[str, Any]:
+        if self.engine is not None and self.engine.failure:
+            raise SmolforgeError(f"the generation engine stopped: {self.engine.failure}")
         lines = self.lines.drain() + (self.group.take_lines() if self.group else [])
         return {"stages": self.group.describe() if self.group else [], "events": list(self.group.events) if self.group else [],
                 "batches": self.engine.batches if self.engine else 0, "pid": os.getpid(), "lines": lines}
@@ -120,7 +125,8 @@ class ServeRunner(JobRunner):
             return
         self.store.set_state(self.job_id, "running", f"starting {spec.stages} stages of {spec.model} ({self.reason})")
         ray_glue.connect()
-        token_file = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        token_file = (self.mgr.embedded and getattr(self.mgr, "serve_token_file", None)) or \
+            os.environ.get("RAY_AUTH_TOKEN_PATH")
         head = ray_glue.head_node_id()
         if not token_file or head is None:
             raise SmolforgeError("the serve job runs only in a coordinator (or the embedded cluster)",

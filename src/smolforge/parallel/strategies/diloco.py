@@ -56,7 +56,9 @@ class DiLoCoSettings(BaseModel):
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how pseudo-gradients travel")
-    block: int = Field(256, ge=8, description="int8: values per fp32 scale")
+    # bounded like the parameter-server strategies: the codec pads every message to a whole block, so
+    # an unbounded one made a pseudo-gradient of a few values cost megabytes
+    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
 
 
 class DiLoCo(DDP):

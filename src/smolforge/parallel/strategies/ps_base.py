@@ -47,7 +47,6 @@ from smolforge.train.strategy import Strategy
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 SETUP_WAIT_S = 600.0  # a worker waiting for rank 0 to start the server (rank 0 may still be loading)
-WAIT_COUNTED_S = 0.005  # a claim that waited longer at the server counts as a wait (a bound, a barrier)
 STALL_S = 900.0  # a worker that gets no step to take for this long gives up, saying why
 
 
@@ -94,6 +93,7 @@ class ServerCore:
         self.dropped: dict[int, int] = {}
         self.staleness: dict[int, list[float]] = {}  # member -> [sum, count, max]
         self.notes: list[dict] = []  # decisions for the job's events (a straggler left the barrier)
+        self.waiting: dict[int, str] = {}  # member -> why the policy makes its claim wait now (shown in stats)
         self.applied = 0
 
     # -- setup (rank 0, once per round) ---------------------------------------------------------------
@@ -172,30 +172,44 @@ class ServerCore:
     def claim(self, member: int, wait_s: float = 1.0, have: int | None = None, pull_due: bool = False) -> dict[str, Any]:
         """The next part this member computes: {"step", "part", "parts", "version", "need"}; or {"wait": why}
         after up to `wait_s`; {"stop": "pause"|"cancel"}; {"done": True} once every step is applied. With
-        `have` (the version the worker holds): "values" carries the weights when it must or may pull."""
-        t0 = time.monotonic()
-        deadline = t0 + wait_s
+        `have` (the version the worker holds): "values" carries the weights when it must or may pull.
+
+        Every reply says what the policy decided, not how long it took: `blocked` (this claim was made to
+        wait: a bound, a barrier, the last parts out) and `at_bound` (ssp: it waited at the staleness
+        bound); the worker counts them (`claim_waits`, `bound_waits`), whatever the machine's speed."""
+        deadline = time.monotonic() + wait_s
+        blocked = at_bound = False
         with self.cond:
             while True:
-                if not self.ready:
-                    why = "waiting for rank 0 to start the parameter server"
-                elif self.stopped:
-                    return {"stop": self.stopped}
-                elif member in self.gone:
-                    return {"stop": "cancel", "why": "this member was taken out of the job"}
-                else:
-                    got = self._claim(member)
-                    if "wait" not in got:  # `waited`: seconds this claim waited here (the bound, the barrier)
-                        out = {**got, "progress": self.progress(), "waited": time.monotonic() - t0}
-                        if have is not None and "step" in got and (
-                                have < got["need"] or (got["version"] > have and pull_due)):
-                            out["values"] = self.flat.numpy().copy()  # the weights of `version`, atomically
+                got = self._decide(member)
+                if "wait" not in got:
+                    self.waiting.pop(member, None)
+                    out = {**got, "blocked": blocked, "at_bound": at_bound}
+                    if "stop" in got:
                         return out
-                    why = got["wait"]
+                    out["progress"] = self.progress()
+                    if have is not None and "step" in got and (
+                            have < got["need"] or (got["version"] > have and pull_due)):
+                        out["values"] = self.flat.numpy().copy()  # the weights of `version`, atomically
+                    return out
+                blocked, at_bound = True, at_bound or bool(got.get("bound"))
+                if member not in self.waiting:
+                    self.cond.notify_all()  # whoever watches the server (a test's gate) sees it start waiting
+                self.waiting[member] = got["wait"]
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return {"wait": why, "version": self.version}
+                    return {"wait": got["wait"], "version": self.version, "blocked": True, "at_bound": at_bound}
                 self.cond.wait(self._wake_in(left))
+
+    def _decide(self, member: int) -> dict[str, Any]:
+        """What `claim` answers now: the policy's decision, or why it cannot decide yet."""
+        if not self.ready:
+            return {"wait": "waiting for rank 0 to start the parameter server"}
+        if self.stopped:
+            return {"stop": self.stopped}
+        if member in self.gone:
+            return {"stop": "cancel", "why": "this member was taken out of the job"}
+        return self._claim(member)
 
     def push(self, member: int, step: int, part: int, version_used: int, payload: dict, weight: float,
              lr: float, max_norm: float | None) -> dict[str, Any]:
@@ -227,6 +241,7 @@ class ServerCore:
         """The runner saw this member's process die: its parts are handed to the others."""
         with self.cond:
             self.gone.add(member)
+            self.waiting.pop(member, None)
             self._left(member)
             self.cond.notify_all()
 
@@ -247,7 +262,7 @@ class ServerCore:
             notes, self.notes = self.notes, []
             return {"version": self.version, "progress": self.progress(), "dropped": dict(self.dropped),
                     "staleness": {m: {"mean": s[0] / max(1, s[1]), "max": s[2]} for m, s in self.staleness.items()},
-                    "notes": notes, **self._stats()}
+                    "notes": notes, "waiting": dict(self.waiting), **self._stats()}
 
     # -- the policy (subclasses) ------------------------------------------------------------------------
 
@@ -366,7 +381,8 @@ class PSStrategy(Strategy):
         self._snap: dict[str, Any] | None = None
         self._progress: int | None = None
         self._pending: dict[str, Any] | None = None  # the last part's push, sent with the next claim
-        self.n = {"parts": 0, "pulls": 0, "waits": 0, "wait_s": 0.0, "dropped": 0, "stale_sum": 0.0, "stale_max": 0.0}
+        self.n = {"parts": 0, "pulls": 0, "waits": 0, "bound_waits": 0, "wait_s": 0.0, "dropped": 0, "stale_sum": 0.0,
+                  "stale_max": 0.0}
         self.bytes_pulled = 0
 
     @property
@@ -418,7 +434,7 @@ class PSStrategy(Strategy):
     def next_step(self, done: int, steps: int) -> int | None:
         if not self.started:
             self._start(done, steps)
-        t0, waited = time.monotonic(), False
+        t0, blocked, at_bound = time.monotonic(), False, False
         while True:
             push, self._pending = self._pending, None  # sent once, with the first call
             reply = self.server.exchange(self.member, self.wait_s, push, self.version,
@@ -427,23 +443,20 @@ class PSStrategy(Strategy):
                 self._pushed(reply["pushed"])
             if "stop" in reply:
                 raise StopRequested(reply["stop"])
-            if reply.get("done"):
-                self.n["waits"] += int(waited)
-                self._progress = reply["progress"]
-                self.comm_wait_s += time.monotonic() - t0
-                return None
+            blocked, at_bound = blocked or bool(reply.get("blocked")), at_bound or bool(reply.get("at_bound"))
             if "wait" not in reply:
-                waited = waited or reply.get("waited", 0.0) > WAIT_COUNTED_S
-                if waited:
-                    self.n["waits"] += 1
-                    self.n["wait_s"] += time.monotonic() - t0
                 break
-            waited = True
             if time.monotonic() - t0 > STALL_S:
                 raise RuntimeError(f"member {self.member}: no step to take for {STALL_S:.0f} s ({reply['wait']})")
-        self.comm_wait_s += time.monotonic() - t0
-        self.claimed = reply
+        waited_s = time.monotonic() - t0
+        self.comm_wait_s += waited_s
+        self.n["waits"] += int(blocked)  # the server's decision, counted once per claim
+        self.n["bound_waits"] += int(at_bound)
+        self.n["wait_s"] += waited_s if blocked else 0.0
         self._progress = reply["progress"]
+        if reply.get("done"):
+            return None
+        self.claimed = reply
         if "values" in reply:
             self._load(reply["values"], reply["version"])
         return int(reply["step"])
@@ -574,9 +587,10 @@ class PSStrategy(Strategy):
 
     def metrics(self) -> dict[str, float]:
         n = self.n
-        return {"parts_done": n["parts"], "pulls": n["pulls"], "claim_waits": n["waits"], "claim_wait_s": n["wait_s"],
-                "dropped": n["dropped"], "staleness_mean": n["stale_sum"] / max(1, n["parts"]),
-                "staleness_max": n["stale_max"], "bytes_pulled": self.bytes_pulled}
+        return {"parts_done": n["parts"], "pulls": n["pulls"], "claim_waits": n["waits"],
+                "bound_waits": n["bound_waits"], "claim_wait_s": n["wait_s"], "dropped": n["dropped"],
+                "staleness_mean": n["stale_sum"] / max(1, n["parts"]), "staleness_max": n["stale_max"],
+                "bytes_pulled": self.bytes_pulled}
 
 
 def median_mad(values: list[float] | deque) -> tuple[float, float]:

@@ -3,11 +3,11 @@
 Workers take parts of the global steps in order from the server (a fast worker takes more of them),
 push each part's gradient tagged with its step, and pull the weights whenever the server has newer
 ones. The server applies step s when all its parts arrived (summed, token-normalised, clipped once:
-DDP's step). A worker may compute a part of step s only when every step before s - K is applied
-(K = `staleness_bound`): one that would run further ahead of the slowest **waits** (the reason is
-shown, and counted: `claim_waits`, `comm_wait_s`); nothing is ever raised for staleness. Its
-gradient is then computed on weights at most K steps old (`staleness_max` <= K, measured).
-K = 0 is fully synchronous and gives DDP's weights.
+DDP's step). A worker may compute a part of step s only when every step before s - K is applied (K =
+`staleness_bound`): one that would run further ahead of the slowest **waits** (the reason is shown,
+and counted: `bound_waits`, `claim_waits`, `comm_wait_s`); nothing is ever raised for staleness. Its
+gradient is then computed on weights at most K steps old (`staleness_max` <= K, measured). K = 0 is
+fully synchronous and gives DDP's weights.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class SSPServer(ServerCore):
         step = slot // self.world
         if step > self.version + self.bound:
             return {"wait": f"staleness bound: step {step} would be more than {self.bound} ahead of step "
-                            f"{self.version}, which waits for a slower worker"}
+                            f"{self.version}, which waits for a slower worker", "bound": True}
         self.queue.take(member)
         return {"step": step, "part": slot % self.world, "parts": self.world, "version": self.version,
                 "need": step - self.bound}

@@ -1,13 +1,14 @@
 """`sync-ps`: a synchronous parameter server with straggler deadlines (the seed's SyncPS).
 
 Every step the server waits for one part from each worker in its barrier, until a deadline; it
-applies what arrived (token-normalised, so a missing part only makes that step's batch smaller) and
-counts a late part as dropped. The deadline adapts to the arrivals: max(2 x median, median + 6 x
-MAD) of recent ones, between `deadline_min_s` and `deadline_max_s` (or fixed: `deadline_s`); until
-four parts have arrived it is the ceiling. A worker that misses `straggler_after` deadlines in a row
-leaves the barrier (an event says so), so the others stop waiting for it; when it asks for work again
-it has caught up and is back in the barrier from the next step. A dead worker leaves the barrier at
-once. Nothing waits without a bound: a step closes at its deadline once anything arrived.
+applies what arrived (token-normalised, so a missing part only makes that step's batch smaller),
+counts the step (`closed_at_deadline`) and a late part as dropped (`dropped`). The deadline adapts
+to the arrivals: max(2 x median, median + 6 x MAD) of recent ones, between `deadline_min_s` and
+`deadline_max_s` (or fixed: `deadline_s`); until four parts have arrived it is the ceiling. A worker
+that misses `straggler_after` deadlines in a row leaves the barrier (an event says so), so the
+others stop waiting for it; when it asks for work again it has caught up and is back in the barrier
+from the next step. A dead worker leaves the barrier at once. Nothing waits without a bound: a step
+closes at its deadline once anything arrived.
 
 The server keeps a Polyak (exponential moving) average of the weights, updated at every step with
 `polyak_decay`; the final model is it or the raw weights (`final: polyak|raw`). Workers train on the
@@ -58,6 +59,7 @@ class SyncPSServer(ServerCore):
         self.arrivals: deque[float] = deque(maxlen=64)  # seconds from a step's opening to an on-time part
         self.step_s: deque[float] = deque(maxlen=1000)
         self.max_step_s = 0.0
+        self.closed_at_deadline = 0  # steps applied without a part of the barrier (its deadline passed)
         self._open()
 
     def _open(self) -> None:
@@ -90,6 +92,8 @@ class SyncPSServer(ServerCore):
             self._close()
 
     def _close(self) -> None:
+        if set(self.barrier) - self.gone - self.arrived:
+            self.closed_at_deadline += 1
         if self.total is not None:  # the parts are normalised over the whole step: rescale what arrived
             complete = set(self.barrier) - self.gone <= self.arrived and abs(self.tokens - 1.0) < 1e-6
             self._apply(self.total if complete else self.total / max(self.tokens, 1e-9), self.lr, self.max_norm)
@@ -161,6 +165,7 @@ class SyncPSServer(ServerCore):
     def _stats(self) -> dict[str, Any]:
         steps = sorted(self.step_s) if self.ready else []
         return {"max_step_s": self.max_step_s if self.ready else 0.0,
+                "closed_at_deadline": self.closed_at_deadline if self.ready else 0,
                 "median_step_s": steps[len(steps) // 2] if steps else None,
                 "deadline_s": self.deadline_len() if self.ready else None,
                 "stragglers": sorted(self.stragglers) if self.ready else []}

@@ -7,5 +7,7 @@
 - `engine.py`: the thread that owns the model, the request queue and the token streams
 - `stages.py`: a model cut into stages: `StageServer` (one stage, a KV cache per batch) and `StagedModel`
   (the batch model over stage handles: local servers, or the Ray actors of `cluster/serve_stages.py`)
-- `api.py`, `protocol.py`, `chat.html`: the HTTP side
+- `api.py`, `protocol.py`, `chat.html`: the HTTP side; `intake.py`: a body to a checked, tokenized
+  request, off the event loop; `streams.py`: answers and token streams from the engine thread;
+  `openapi.py`: the OpenAPI description the fuzz tests check answers against
 """

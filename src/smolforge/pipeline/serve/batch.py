@@ -8,6 +8,10 @@ positions at once, so the batch shrinks instead of computing for requests nobody
 
 `step()` is the interface a multi-stage server keeps: a batch of active requests in, one new
 token for each out; only `model.forward` changes (stage actors instead of one module).
+
+Why failures are kept per request: one request whose settings cannot be turned into a random
+stream (a seed out of range), or whose row cannot be sampled, must fail alone. Such a request is
+left out of the batch (`failed`) or its row is reported (`row_errors`), and the others go on.
 """
 
 from __future__ import annotations
@@ -69,7 +73,10 @@ class DoneEvent:
 
 @dataclass
 class ErrorEvent:
+    """The request failed: `status` 400 when its own settings caused it, 500 when the server did."""
+
     message: str
+    status: int = 500
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent
@@ -98,17 +105,25 @@ class Batch:
     """The cache and masks of the requests generated together; rows leave as they finish."""
 
     def __init__(self, model: BatchModel, requests: list[Request]):
-        self.model, self.active = model, list(requests)
+        self.model, self.active = model, []
+        self.failed: list[tuple[Request, Exception]] = []  # could not join: their settings are unusable
+        self.row_errors: dict[int, Exception] = {}  # rows of the last step() that got no token
         self.cache: Any = None
         self.mask: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None  # real (unpadded) tokens in the cache, per row
         self.last: torch.Tensor | None = None  # each row's newest token: the next step's input
-        for r in self.active:
-            r.stream = TextStream(model.tokenizer, r.params.stop)
-            r.generator = r.params.generator(model.device)
+        for r in requests:
+            try:
+                r.stream = TextStream(model.tokenizer, r.params.stop)
+                r.generator = r.params.generator(model.device)
+            except Exception as err:  # noqa: BLE001 - this request fails alone (the engine tells it why)
+                self.failed.append((r, err))
+            else:
+                self.active.append(r)
 
-    def step(self) -> list[int]:
-        """One new token for each active request (the first call reads the prompts: prefill)."""
+    def step(self) -> list[int | None]:
+        """One new token for each active request (the first call reads the prompts: prefill); None for a
+        row that could not be sampled (see `row_errors`): the caller drops it with `keep`."""
         dev = self.model.device
         if self.cache is None:
             width = max(len(r.prompt_ids) for r in self.active)
@@ -127,8 +142,20 @@ class Batch:
             self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
             logits = self.model.forward(self.last[:, None], self.mask, self.lengths[:, None], self.cache)
             self.lengths = self.lengths + 1
-        tokens = [next_token(logits[i], r.params, r.generator) for i, r in enumerate(self.active)]
-        self.last = torch.tensor(tokens, dtype=torch.long, device=dev)
+        tokens = self._sample(logits)
+        self.last = torch.tensor([self.model.pad_id if t is None else t for t in tokens], dtype=torch.long, device=dev)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor) -> list[int | None]:
+        """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
+        self.row_errors = {}
+        tokens: list[int | None] = []
+        for i, r in enumerate(self.active):
+            try:
+                tokens.append(next_token(logits[i], r.params, r.generator))
+            except Exception as err:  # noqa: BLE001 - that row fails, the others go on
+                self.row_errors[i] = err
+                tokens.append(None)
         return tokens
 
     def keep(self, rows: list[int]) -> None:

@@ -4,6 +4,11 @@ Why pydantic models that ignore unknown fields: clients (the official `openai` p
 curl scripts) send fields we do not use (`user`, `frequency_penalty`, ...); refusing them would
 break those clients, while the fields we do read are checked strictly, and the ones we cannot
 honour (`n` > 1, `logprobs`, `echo`) are refused by name rather than silently ignored.
+
+Why every number has bounds here: the schema is the first check a request meets, and a number
+nothing bounds reaches code that cannot take it (`"seed": 2**64` overflowed the random generator
+on the engine thread). The bounds are OpenAI's where it states them (seed: a signed 64-bit integer;
+at most 4 stop strings) and generous elsewhere; the context length is checked per request.
 """
 
 from __future__ import annotations
@@ -11,11 +16,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: OpenAI's chat default is "to the context", too long here
+MAX_TOKENS_LIMIT = 2**20  # over any context served here: the real bound is the context, checked per request
+MAX_STOPS, MAX_STOP_CHARS = 4, 512
+MAX_N = 128  # n > 1 is refused by name; beyond this it is not a number of choices at all
+MAX_TOKEN_ID = 2**31 - 1  # the vocabulary check gives the real bound
+INT64 = 2**63
+
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class StreamOptions(BaseModel):
@@ -27,14 +41,14 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    max_tokens: TokenCount | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None] = None
+    seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -61,7 +75,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
 
     def limit(self) -> int | None:
@@ -73,9 +87,9 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: Union[str, list[str], list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
 
     def limit(self) -> int | None:

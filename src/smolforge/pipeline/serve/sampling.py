@@ -36,7 +36,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """One token id from one row of logits (shape [vocab])."""
     if params.temperature <= 0 or generator is None:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Shifted before dividing, by a temperature float32 can hold (1e-300 is a valid request but
+    # rounds to 0 there): the best logit scales to 0, not inf, so softmax never sees inf - inf (NaN).
+    scaled = (logits.float() - logits.float().max()) / max(params.temperature, 1e-30)
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator).item())

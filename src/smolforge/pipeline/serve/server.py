@@ -3,8 +3,14 @@ engine, listen, run uvicorn.
 
 Why the socket is bound here, before the model loads and before uvicorn starts: a port in use or a
 bad address then ends in one message and exit 2 within a second (uvicorn alone logs a traceback and
-exits 1), and `--port 0` prints the port it really got. The token comes from `--token-file`, `$SMOLFORGE_TOKEN` or `$SMOLFORGE_TOKEN_FILE`, else
-it is made once into the state dir (0600); only that file's path is ever printed, never the token.
+exits 1), and `--port 0` prints the port it really got. The token comes from `--token-file`,
+`$SMOLFORGE_TOKEN` or `$SMOLFORGE_TOKEN_FILE` (`given_token`: `serve --stages` on the embedded
+cluster takes it the same way), else it is made once into the state dir (0600); only that file's
+path is ever printed, never the token.
+
+Why a watchdog on the engine: the engine restarts its own loop after an error, but should its
+thread end anyway, a server that goes on answering `/health` would hide it; instead uvicorn is
+told to stop and `serve` exits 1 with the reason (`EngineStopped`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from smolforge.auth import check_token_format, load_or_create_token, resolve_token
 from smolforge.errors import SmolforgeError
@@ -38,34 +44,56 @@ class ServeOptions:
     batch_window_ms: float = 5.0
 
 
+def given_token(token_file: str | None) -> str | None:
+    """The token the user gave: `--token-file`, else `$SMOLFORGE_TOKEN`, else `$SMOLFORGE_TOKEN_FILE`;
+    None when none was given. The one rule of every `serve`, staged or not."""
+    given = resolve_token(token_file=token_file)
+    return check_token_format(given) if given else None
+
+
 def server_token(opts: ServeOptions) -> tuple[str, Path | None]:
     """(token, the file it was made into) — the file only when we made or reused our own."""
-    given = resolve_token(token_file=opts.token_file)
+    given = given_token(opts.token_file)
     if given:
-        return check_token_format(given), None
+        return given, None
     path = Path(opts.state_dir).expanduser() if opts.state_dir else home() / "serve"
     path = path / "token"
     return load_or_create_token(path), path
 
 
+def check_options(opts: ServeOptions) -> None:
+    """Refuse bad numbers before anything loads (a port out of range is a message, not a traceback)."""
+    if not 0 <= opts.port <= 65535:
+        raise SmolforgeError(f"--port {opts.port} is not a port", fix="give a port from 1 to 65535 (0: any free port)")
+    if not 1 <= opts.max_batch <= 1024:
+        raise SmolforgeError(f"--max-batch must be at least 1 (and at most 1024), not {opts.max_batch}",
+                             fix="e.g. --max-batch 8")
+    if opts.num_threads is not None and not 1 <= opts.num_threads <= 1024:
+        raise SmolforgeError(f"--num-threads {opts.num_threads} is not a number of threads", fix="e.g. --num-threads 4")
+    if not 0 <= opts.batch_window_ms <= 10_000:
+        raise SmolforgeError(f"the batch window of {opts.batch_window_ms} ms is out of range", fix="give 0 to 10000 ms")
+
+
 def bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise SmolforgeError(f"port {port} is not a port", fix="give a port from 1 to 65535 (0: any free port)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as err:
+    except (OSError, UnicodeError) as err:  # UnicodeError: a host name IDNA cannot encode
         sock.close()
-        raise SmolforgeError(f"cannot listen on {host}:{port}: {err.strerror}",
-                             fix="pick another --port (0: any free port), or stop what uses this one") from None
+        why = getattr(err, "strerror", None) or str(err)
+        raise SmolforgeError(f"cannot listen on {host}:{port}: {why}",
+                             fix="pick another --port (0: any free port) or --host, or stop what uses this one") from None
     sock.set_inheritable(True)
     return sock
 
 
 def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     """Serve until SIGINT/SIGTERM. Bad options are refused before torch and the model load."""
-    if opts.max_batch < 1:
-        raise SmolforgeError(f"--max-batch must be at least 1, not {opts.max_batch}", fix="e.g. --max-batch 8")
+    check_options(opts)
     token, token_path = server_token(opts)
     check_local_model(opts.model)
     if opts.adapter:
@@ -89,13 +117,38 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
              "  token:     the one you gave (--token-file / $SMOLFORGE_TOKEN)")
     import uvicorn
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(serve_config(app, sock))
+    stop_when_engine_dies(engine, server)
     try:
         server.run(sockets=[sock])
     finally:
         engine.stop()
         sock.close()
+    if engine.failure:
+        from smolforge.pipeline.serve.engine import EngineStopped
+
+        raise EngineStopped(f"the generation engine stopped: {engine.failure}",
+                            fix="the log above has its traceback; start `smolforge serve` again")
+
+
+def serve_config(app: Any, sock: socket.socket) -> Any:
+    """The uvicorn settings of every serve listener (one process or staged): the coordinator's bounds
+    on slow clients and connections (`smolforge.http_limits`), on this already bound socket."""
+    from smolforge.http_limits import server_config
+
+    host, port = sock.getsockname()[:2]
+    return server_config(app, host, port, log_level="warning", access_log=False, lifespan="off",
+                         timeout_graceful_shutdown=3)
+
+
+def stop_when_engine_dies(engine: Any, server: Any) -> None:
+    """Tell uvicorn to stop when the engine's thread ends on its own (the caller then exits 1)."""
+
+    def died(reason: str) -> None:
+        log.error("the generation engine stopped (%s): shutting the server down", reason)
+        server.should_exit = True
+
+    engine.on_death = died
 
 
 def _load(opts: ServeOptions, token: str):

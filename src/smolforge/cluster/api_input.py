@@ -1,0 +1,111 @@
+"""What the coordinator's API accepts, and how it refuses the rest: always `{"error", "where", "fix"}`.
+
+- Every query and path parameter states its bounds where it is declared: FastAPI checks them and
+  the OpenAPI schema says them. (`limit=-1` once listed every job, and a `limit` past 2**63 reached
+  SQLite as an OverflowError: a 500.)
+- FastAPI's own refusals (a query value out of range, a body that is not JSON or not the model)
+  come as our 400, not FastAPI's 422 shape: a client reads one error shape.
+- A JSON body's nesting is counted before it is parsed (`BoundedJsonRoute`, `http_limits`).
+- The schema documents these answers (and drops the 422 FastAPI would list), so a fuzzer
+  (schemathesis, `tests/cluster/test_coordinator_fuzz.py`) holds the service to them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
+
+from smolforge.errors import SmolforgeError
+from smolforge.http_limits import MAX_JSON_DEPTH, json_depth
+
+SQL_INT_MAX = 2**63 - 1  # SQLite's INTEGER: ids past it do not exist, and binding one overflows
+NAME = r"^[A-Za-z0-9_.:@-]+$"  # task, series and node names: what the runners write
+
+Since = Annotated[int, Query(ge=0, le=SQL_INT_MAX, description="only rows after this id")]
+JobId = Annotated[str, Path(min_length=1, max_length=200, description="job id, a unique prefix, or its name")]
+NodeId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="the node agent's id")]
+TaskName = Annotated[str | None, Query(max_length=64, pattern=NAME, description="one task's lines (r0, teacher0)")]
+SeriesName = Annotated[str | None, Query(max_length=200, pattern=NAME, description="one metric series")]
+StateList = Annotated[str | None, Query(max_length=200, description="comma-separated states, e.g. running,paused")]
+
+
+def rows(default: int, most: int = 5000) -> Any:
+    """A `limit` query parameter: 1..most rows, `default` when absent."""
+    return Query(default, ge=1, le=most, description=f"at most this many rows (1..{most})")
+
+
+class ApiError(BaseModel):
+    """Every refusal: what went wrong, where, and how to fix it."""
+
+    error: str
+    where: str | None = None
+    fix: str | None = None
+
+
+class JoinRequest(BaseModel):
+    node: str | None = Field(None, max_length=63, pattern=r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?$",
+                             description="a worker node's name (default: lend the coordinator node)")
+
+
+ERRORS = {status: {"model": ApiError, "description": text} for status, text in (
+    (400, "bad request: a parameter out of range, a body that is not JSON or nests too deep, a spec that does "
+          "not validate"),
+    (401, "missing or wrong token"), (404, "no such job, artifact or file"),
+    (413, "body over the route's size limit"))}
+
+
+class BoundedJsonRoute(APIRoute):
+    """A route whose JSON body is refused (400) when it nests deeper than MAX_JSON_DEPTH, counted on
+    the raw bytes before FastAPI parses them (Starlette keeps the body for the parse that follows)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def checked(request: Request):
+            if json_depth(await request.body()) > MAX_JSON_DEPTH:
+                raise SmolforgeError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", where="body",
+                                     fix="send the flat JSON this route documents")
+            return await handler(request)
+
+        return checked
+
+
+def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 as our 400: the first problem, where it is, and the count of the others."""
+    problems = err.errors()
+    first = problems[0] if problems else {}
+    where = ".".join(str(p) for p in first.get("loc", ())) or None
+    if first.get("type") == "json_invalid":
+        what = f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', 'decode error')})"
+        fix = "send a JSON document (Content-Type: application/json)"
+    else:
+        what = str(first.get("msg", "invalid request"))
+        fix = "send values in the ranges this API's schema states"
+    if len(problems) > 1:
+        what += f" (and {len(problems) - 1} more)"
+    return JSONResponse({"error": what, "where": where, "fix": fix}, status_code=400)
+
+
+def document_errors(app: FastAPI) -> None:
+    """The OpenAPI schema as the service answers: our error model on every route, no 422."""
+    make = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = make()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,104 @@
+"""The test tree's tier rules, checked on real pytest runs (subprocesses over this repository's tests).
+
+- A missing dependency never gives a green CI: under CI=true, tests/test_export.py's llama.cpp test
+  FAILS when llama_cpp cannot be imported, and says to install llama-cpp-python; without CI the same
+  run skips with that message (tests/helpers.py, `require`). llama_cpp is hidden by a plugin that
+  makes its import raise ImportError, as in a venv where the `smolforge[export]` build failed. The
+  selected test calls `require` first, so the run stops before any training.
+- The ci tier (`make test`, tests/conftest.py's --tier) leaves out the `bench` and `soak` tests that
+  `--tier all` (`make test-all`) keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import ROOT, require
+
+HIDE_LLAMA_CPP = textwrap.dedent('''
+    """pytest plugin (-p hide_llama_cpp): `import llama_cpp` raises ImportError, as if not installed."""
+    import sys
+
+
+    class HideLlamaCpp:
+        def find_spec(self, name, path=None, target=None):
+            if name == "llama_cpp" or name.startswith("llama_cpp."):
+                raise ImportError(f"{name} hidden by tests/test_tiers.py")
+            return None
+
+
+    sys.meta_path.insert(0, HideLlamaCpp())
+    for _name in [m for m in sys.modules if m == "llama_cpp" or m.startswith("llama_cpp.")]:
+        del sys.modules[_name]
+''')
+LLAMA_TEST = "tests/test_export.py::test_train_export_gguf_writes_a_verified_gguf"  # require() is its first line
+BENCH_TEST = "tests/test_distill_kd_vs_sft.py::test_kd_beats_sft_over_seeds"  # marked bench
+
+
+def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`python -m pytest ARGS` in the repository root, started now (the runs of a test overlap)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CI", "SMOLFORGE_TEST_TIER", "PYTEST_ADDOPTS")}
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                            env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=300)  # a guard against a hang only: each run takes seconds
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{proc.args} still running after 300 s:\n{proc.communicate()[0][-3000:]}") from None
+    return proc.returncode, out
+
+
+def _outcome(present: bool) -> BaseException | None:
+    """What `require` raised: caught here, so that a wrong skip cannot skip this test itself."""
+    try:
+        require(present, "thing", "apt-get install thing")
+    except (pytest.fail.Exception, pytest.skip.Exception) as err:
+        return err
+    return None
+
+
+def test_require_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    failed = _outcome(False)
+    assert isinstance(failed, pytest.fail.Exception), f"{type(failed).__name__}: {failed}"
+    assert "thing is missing; fix: apt-get install thing" in failed.msg and not failed.pytrace  # one message
+    assert _outcome(True) is None  # present: nothing happens
+    monkeypatch.delenv("CI")
+    skipped = _outcome(False)
+    assert isinstance(skipped, pytest.skip.Exception), f"{type(skipped).__name__}: {skipped}"
+    assert "thing is missing; fix: apt-get install thing" in skipped.msg
+
+
+def test_a_missing_llama_cpp_fails_under_ci_and_skips_without_it(tmp_path):
+    (tmp_path / "hide_llama_cpp.py").write_text(HIDE_LLAMA_CPP)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    args = (LLAMA_TEST, "-p", "hide_llama_cpp", "-q", "-rfs")
+    ci = _start(*args, env={"PYTHONPATH": path, "CI": "true"})
+    laptop = _start(*args, env={"PYTHONPATH": path})
+    (ci_rc, ci_out), (laptop_rc, laptop_out) = _finish(ci), _finish(laptop)
+    assert ci_rc == 1 and "1 failed" in ci_out, ci_out[-3000:]
+    assert "llama-cpp-python" in ci_out and "hidden by tests/test_tiers.py" in ci_out, ci_out[-3000:]
+    assert "CI=true" in ci_out and "Traceback" not in ci_out and "During handling" not in ci_out, ci_out[-3000:]
+    assert laptop_rc == 0 and "1 skipped" in laptop_out, laptop_out[-3000:]
+    assert "llama-cpp-python" in laptop_out, laptop_out[-3000:]
+
+
+def test_the_ci_tier_leaves_out_bench_tests_that_all_keeps():
+    runs = {tier: _start("--collect-only", "-q", "--tier", tier, "tests") for tier in ("ci", "all")}
+    listed = {}
+    for tier, proc in runs.items():
+        rc, out = _finish(proc)
+        assert rc == 0, out[-3000:]
+        listed[tier] = {line for line in out.splitlines() if "::" in line}
+    assert "tests/test_tiers.py::test_the_ci_tier_leaves_out_bench_tests_that_all_keeps" in listed["ci"]
+    assert BENCH_TEST in listed["all"], f"--tier all does not list {BENCH_TEST}"
+    assert BENCH_TEST not in listed["ci"], f"--tier ci lists {BENCH_TEST}, marked bench (make test-all only)"
+    assert listed["ci"] < listed["all"], sorted(listed["ci"] - listed["all"])  # the ci tier only removes tests
