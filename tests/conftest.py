@@ -52,15 +52,36 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The one place that chooses the tiers: in `ci`, tests marked soak or bench are deselected."""
-    if chosen_tier(config) == "all":
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if any(item.get_closest_marker(m) for m in OFF_CI) else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    """The one place that chooses the tiers: in `ci`, tests marked soak or bench are deselected.
+    Then the users of the session's shared cluster run last, together (`shared_cluster_last`)."""
+    if chosen_tier(config) != "all":
+        keep, drop = [], []
+        for item in items:
+            (drop if any(item.get_closest_marker(m) for m in OFF_CI) else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    shared_cluster_last(items)
+
+
+# The modules that share one coordinator + two workers (`shared_cluster`), in the order they run:
+# test_cluster last, because its failure tests kill a worker (w2, replaced by w3) and the coordinator.
+SHARED_CLUSTER_ORDER = ("test_task_logs", "test_seeds_api", "test_serve_job", "test_dashboard", "test_cluster")
+
+
+def shared_cluster_last(items: list) -> None:
+    """Move the tests that use `shared_cluster` to the end, grouped by module in SHARED_CLUSTER_ORDER
+    (stable otherwise): the cluster starts once for all of them, and stops as the session ends, right
+    after its last user, instead of idling beside every other module."""
+    def key(pair):
+        index, item = pair
+        if "shared_cluster" not in item.fixturenames:
+            return (0, 0, index)
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        rank = SHARED_CLUSTER_ORDER.index(module) if module in SHARED_CLUSTER_ORDER else len(SHARED_CLUSTER_ORDER)
+        return (1, rank, index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -69,6 +90,59 @@ def pytest_sessionfinish(session, exitstatus):
         import shutil
 
         shutil.rmtree(_MADE_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory):
+    """One real cluster for the modules of that topology (SHARED_CLUSTER_ORDER): a coordinator (1 CPU,
+    takes no training work) and workers w1, w2 (1 CPU each); every node holds `tiny-copy` in its models
+    dir. Starting one costs ~40 s on the 2-core machine; five modules used to start one each. A module
+    takes it through `module_cluster`, which checks it is whole and ends what the module left running."""
+    import shutil
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster"))
+    from localcluster import LocalCluster
+
+    from smolforge.models.tiny import preset_dir
+
+    base = tmp_path_factory.mktemp("shared-cluster")
+    models = base / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    cluster = LocalCluster(base)
+    try:
+        cluster.start_coordinator(models_dir=models)
+        cluster.add_workers(["w1", "w2"], models_dir=models)
+        cluster.wait_nodes(["coordinator", "w1", "w2"])
+        yield SimpleNamespace(c=cluster, models=models, base=base)
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def module_cluster(shared_cluster):
+    """`shared_cluster` for one module: whole when the module starts (the module before it left every
+    node online), and after it, no job of its still running (each is cancelled, bounded wait)."""
+    c = shared_cluster.c
+    c.wait_nodes(["coordinator", "w1", "w2"], timeout=120)
+    yield shared_cluster
+    end_jobs(c.client())
+
+
+def end_jobs(client, timeout: float = 120) -> None:
+    """Cancel every job not yet ended and wait until each has (a hang guard, not a timing)."""
+    import time
+
+    ended = ("completed", "failed", "cancelled")
+    live = [j["id"] for j in client.list_jobs() if j["state"] not in ended]
+    for job_id in live:
+        client.cancel_job(job_id)
+    deadline = time.time() + timeout
+    while live and time.time() < deadline:
+        live = [j for j in live if client.get_job_status(j)["state"] not in ended]
+        time.sleep(0.3)
+    assert not live, f"jobs not ended {timeout} s after their cancel: {live}"
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import json
 import torch
 
 from smolforge.paths import home
+from smolforge.models import cpu_bf16
 from smolforge.train import precision
 
 
@@ -22,7 +23,7 @@ def test_explicit_choices_and_override(monkeypatch):
 
 def test_auto_follows_the_cached_measurement(monkeypatch):
     monkeypatch.delenv("SMOLFORGE_CPU_BF16", raising=False)
-    speedup = precision.cpu_bf16_speedup()
+    speedup = cpu_bf16.cpu_bf16_speedup()
     assert speedup > 0
     cache = home() / "probes" / "cpu_bf16.json"
     table = json.loads(cache.read_text())

@@ -8,14 +8,43 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from smolforge.errors import SmolforgeError
 
+# The names of a model's weights dtype (`--dtype`, spec fields `dtype`); what each means at load time
+# is smolforge.models.dtypes. Here, at the bottom layer, so every spec and flag checks them alike.
+DTYPE_CHOICES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
+DTYPE_HELP = ("weights dtype: fp32 (default), bf16, fp16, or auto (the checkpoint's own where this device runs "
+              "it well, else fp32)")
+# Spellings people also write (torch's, numpy's); normalised at the config/CLI edge.
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def normalise_dtype(value: Any) -> Any:
+    """'bfloat16' → 'bf16' etc.; anything else unchanged (the Literal then names the choices)."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        return _ALIASES.get(low, low)
+    return value
+
+
 PeftMethod = Literal["lora", "prefix", "prompt", "ia3", "adapter", "none"]
+
+
+def _dtype_choice(value: Any) -> Any:
+    """'bfloat16' etc. read as 'bf16'; an unknown name is one sentence that names the value and the choices."""
+    value = normalise_dtype(value)
+    if isinstance(value, str) and value not in DTYPE_CHOICES:
+        raise ValueError(f"{value!r} is not a dtype: use one of {', '.join(DTYPE_CHOICES)} (e.g. bf16)")
+    return value
+
+
+# The weights' dtype of every model load (smolforge.models.dtypes).
+ModelDtype = Annotated[Literal["auto", "bf16", "fp16", "fp32"], BeforeValidator(_dtype_choice)]
 DataFormat = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
 
 
@@ -101,6 +130,8 @@ class TrainConfig(Spec):
     max_grad_norm: float | None = 1.0
     gradient_checkpointing: bool = False
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    dtype: ModelDtype = Field("fp32", description="the weights' dtype: fp32, bf16, fp16 or auto (the checkpoint's "
+                              "own where the device runs it well); a LoRA base in bf16 keeps its adapter in fp32")
     eval_every: int = Field(0, ge=0, description="0: evaluate at the end only")
     eval_accuracy: bool = Field(True, description="exact-match accuracy where the data has answers")
     max_new_tokens: int = Field(16, ge=1)

@@ -1,12 +1,13 @@
 """The cluster on one machine, for real: a coordinator and workers as separate processes.
 
-One cluster per module (starting Ray nodes costs ~10 s each), used by the tests in file order:
+The session's shared cluster (tests/conftest.py `shared_cluster`: four other modules use it too, and
+this one runs last of them), used by the tests in file order:
 nodes and auth, placement errors, a data-parallel LoRA job equal to a single-process run, pause and
 resume, cancel, lending the coordinator, a worker SIGKILLed mid-job, and a coordinator killed and
 restarted. Every process is one this test started, stopped by its process group.
 
 A test that acts on a running job (pauses, cancels, kills or joins it) holds its ranks at a known
-step first (`held`: the fault `hold-step` of `smolforge.parallel.dp_task`) and waits for them to say
+step first (`held`: the fault `hold-step` of `smolforge.train.faults`) and waits for them to say
 so (`wait_event(..., "held")`), instead of making the job long enough to still be running: the jobs
 stay short, and what the test does lands at the same step on any machine.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -25,7 +25,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from localcluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,24 +43,16 @@ def pid_running(pid: int | None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """coordinator (holds the model, 1 CPU to lend) + workers w1, w2 (1 CPU each, hold `tiny-copy`)."""
+def world(module_cluster):
+    """The session's shared cluster (tests/conftest.py `shared_cluster`): the coordinator (holds the
+    model, 1 CPU to lend) + workers w1, w2 (1 CPU each), every node holding `tiny-copy`. This module runs
+    last of its users: its failure tests kill w2 (w3 replaces it) and the coordinator."""
     from smolforge.data.synthetic import generate
-    from smolforge.models.tiny import preset_dir
 
-    base = tmp_path_factory.mktemp("cluster")
-    models = base / "models"
-    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    base = module_cluster.base
     data = base / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(160, seed=7)))
-    cluster = LocalCluster(base)
-    try:
-        cluster.start_coordinator(models_dir=models)
-        cluster.add_workers(["w1", "w2"], models_dir=models)
-        cluster.wait_nodes(["coordinator", "w1", "w2"])
-        yield {"c": cluster, "models": models, "data": data, "base": base, "refs": {}}
-    finally:
-        cluster.close()
+    return {"c": module_cluster.c, "models": module_cluster.models, "data": data, "base": base, "refs": {}}
 
 
 def train_section(w, **kw) -> dict:
@@ -148,7 +139,7 @@ def wait_event(client, job_id, kind, timeout=240, count=1) -> dict:
 
 
 def node_dir(w, name: str) -> Path:
-    """Node `name`'s scratch directory, where a test writes its fault files (`dp_task.fault_setting`)."""
+    """Node `name`'s scratch directory, where a test writes its fault files (`train.faults.fault_setting`)."""
     return w["c"].state / "node" if name == "coordinator" else w["base"] / f"node-{name}" / "node"
 
 
@@ -735,30 +726,49 @@ def distill_spec(w, **kw) -> dict:
     return {"kind": "distill", "name": "distill-test", "mode": "teacher_student", "distill": distill}
 
 
+def live_workers(w) -> tuple[str, ...]:
+    """The worker nodes up now, where a distillation job's students run (w3 replaces w2 once the
+    failure tests have killed it): the nodes to `hold` them on."""
+    return tuple(name for name, proc in w["c"].workers.items() if proc.alive())
+
+
+def wait_match(client, job_id, kind, timeout=240, **data) -> dict:
+    """The job's first `kind` event whose data has these values (the job still running), e.g. the
+    checkpoint of one student."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for e in client.job_events(job_id):
+            if e["kind"] == kind and all(e["data"].get(k) == v for k, v in data.items()):
+                return e
+        st = client.get_job_status(job_id)
+        if st["state"] in ("failed", "cancelled", "completed"):
+            raise AssertionError(f"job {job_id} {st['state']} before a {kind} event with {data}: {st['error']}")
+        time.sleep(0.3)
+    raise AssertionError(f"no {kind} event with {data} in {timeout}s:\n" + render_timeline(client.job_events(job_id)))
+
+
 def test_distill_job_pauses_resumes_and_reuses_its_shards(world):
     """A distillation run as a coordinator job: listed with the others, paused between teacher
     shards, resumed with the verified shards reused; paused again while a student trains, which
     resumes from the checkpoint it shipped back; its merged adapter downloadable."""
     client = world["c"].client()
-    max_steps = 120  # a student takes seconds for these, so the second pause lands mid-training
-    job_id = client.submit_job(distill_spec(world, max_steps=max_steps))  # the dataset is uploaded like a data-parallel job's
-    assert client.get_job(job_id)["spec"]["distill"]["data"].startswith("upload:")
-    wait_event(client, job_id, "shard_written")
-    client.pause_job(job_id)
-    wait_state(client, job_id, ("paused",), timeout=120)
-    r = world["c"].cli("jobs")
-    assert r.returncode == 0 and job_id in r.stdout and "paused" in r.stdout, r.stdout + r.stderr
-    client.resume_job(job_id)
-    # second pause: once a student has trained a few of its steps
-    deadline = time.time() + 300
-    while (client.get_job_status(job_id)["step"] or 0) < 2:
-        assert time.time() < deadline and client.get_job_status(job_id)["state"] == "running"
-        time.sleep(0.2)
-    client.pause_job(job_id)
-    wait_state(client, job_id, ("paused",), timeout=120)
+    with held(world, 4, nodes=live_workers(world)):  # each student stops after step 4 of SHORT and waits
+        job_id = client.submit_job(distill_spec(world, max_steps=SHORT))  # the dataset is uploaded like a data-parallel job's
+        assert client.get_job(job_id)["spec"]["distill"]["data"].startswith("upload:")
+        wait_event(client, job_id, "shard_written")
+        client.pause_job(job_id)
+        wait_state(client, job_id, ("paused",), timeout=120)
+        r = world["c"].cli("jobs")
+        assert r.returncode == 0 and job_id in r.stdout and "paused" in r.stdout, r.stdout + r.stderr
+        client.resume_job(job_id)
+        # second pause: while both students are held after step 4 (the pause releases them)
+        wait_event(client, job_id, "held", count=2)
+        client.pause_job(job_id)
+        wait_state(client, job_id, ("paused",), timeout=120)
     kept = {e["data"]["task_id"]: e["data"]["step"] for e in client.job_events(job_id)
             if e["kind"] == "student_checkpoint"}
-    assert kept and all(0 < s < max_steps for s in kept.values()), kept
+    held_at = {e["data"]["task_id"]: e["data"]["step"] for e in client.job_events(job_id) if e["kind"] == "held"}
+    assert kept == held_at and sorted(kept.values()) == [4, 4], (kept, held_at)  # each paused where it was held
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",), timeout=600)
     events = client.job_events(job_id)
@@ -811,23 +821,26 @@ def test_distill_job_survives_a_killed_teacher_and_a_killed_student(world):
     """Worker processes die mid-run (SIGKILL): the teacher's unfinished shards go to a new teacher,
     the student restarts from the checkpoint it shipped to the coordinator, and the job completes."""
     client = world["c"].client()
-    job_id = client.submit_job(distill_spec(world, max_steps=120, save_every=10, num_shards=16))
-    first = wait_event(client, job_id, "shard_written")
-    teacher = next(t for t in client.get_job_status(job_id)["tasks"] if t["id"] == f"{job_id}-{first['data']['task_id']}")
-    assert teacher["state"] in ("pending", "running"), teacher  # 8 shards each: it is mid-way through them
-    os.kill(first["data"]["pid"], signal.SIGKILL)  # the teacher that wrote it
-    saved = wait_event(client, job_id, "student_checkpoint", timeout=300)
-    victim, step = saved["data"]["task_id"], saved["data"]["step"]
-    started = [e["data"] for e in client.job_events(job_id)
-               if e["kind"] == "student_started" and e["data"].get("task_id") == victim]
-    os.kill(started[-1]["pid"], signal.SIGKILL)
+    # students hold after step 8, past their checkpoint of step 5: the one killed there restarts from 5
+    with held(world, 8, nodes=live_workers(world)):
+        job_id = client.submit_job(distill_spec(world, max_steps=SHORT, save_every=5, num_shards=16))
+        first = wait_event(client, job_id, "shard_written")
+        teacher = next(t for t in client.get_job_status(job_id)["tasks"]
+                       if t["id"] == f"{job_id}-{first['data']['task_id']}")
+        assert teacher["state"] in ("pending", "running"), teacher  # 8 shards each: it is mid-way through them
+        os.kill(first["data"]["pid"], signal.SIGKILL)  # the teacher that wrote it
+        victim = wait_event(client, job_id, "held", timeout=300)["data"]["task_id"]
+        step = wait_match(client, job_id, "student_checkpoint", task_id=victim)["data"]["step"]
+        started = [e["data"] for e in client.job_events(job_id)
+                   if e["kind"] == "student_started" and e["data"].get("task_id") == victim]
+        os.kill(started[-1]["pid"], signal.SIGKILL)
     st = wait_state(client, job_id, ("completed",), timeout=600)
     events = client.job_events(job_id)
     kinds = [e["kind"] for e in events]
     assert "teacher_failed" in kinds, kinds
     assert any(e["kind"] == "teacher_submitted" and "(retry)" in e["message"] for e in events)
     restarted = [e["data"] for e in events if e["kind"] == "student_restarted"]
-    assert [r["task_id"] for r in restarted] == [victim] and restarted[0]["step"] >= step > 0, restarted
+    assert [r["task_id"] for r in restarted] == [victim] and restarted[0]["step"] == step == 5, (restarted, step)
     resumed = [e["data"] for e in events if e["kind"] == "student_resumed" and e["data"].get("task_id") == victim]
     assert resumed and resumed[-1]["step"] == restarted[0]["step"], resumed
     assert all(t["state"] == "completed" for t in st["tasks"] if t["kind"] == "student")
@@ -945,10 +958,13 @@ def test_coordinator_killed_mid_distill_job_resumes_its_students(world):
     it had shipped."""
     c = world["c"]
     client = c.client()
-    job_id = client.submit_job(distill_spec(world, max_steps=120, save_every=10))
-    saved = wait_event(client, job_id, "student_checkpoint", timeout=300)["data"]
-    c.kill_coordinator()
-    c.start_coordinator(models_dir=world["models"])
+    with held(world, 8, nodes=live_workers(world)):  # both students past their checkpoint of step 5
+        job_id = client.submit_job(distill_spec(world, max_steps=SHORT, save_every=5))
+        wait_event(client, job_id, "held", count=2, timeout=300)
+        held_tasks = {e["data"]["task_id"] for e in client.job_events(job_id) if e["kind"] == "held"}
+        saved = {t: wait_match(client, job_id, "student_checkpoint", task_id=t)["data"]["step"] for t in held_tasks}
+        c.kill_coordinator()
+        c.start_coordinator(models_dir=world["models"])
     client = c.client()
     st = wait_state(client, job_id, ("completed",), timeout=600)
     events = client.job_events(job_id)
@@ -956,6 +972,6 @@ def test_coordinator_killed_mid_distill_job_resumes_its_students(world):
     planned = [e["data"] for e in events if e["kind"] == "teachers_planned"]
     assert len(planned) == 2 and planned[1]["reused"] >= 1, planned
     resuming = {e["data"]["task_id"]: e["data"]["step"] for e in events if e["kind"] == "student_resuming"}
-    assert resuming.get(saved["task_id"], 0) >= saved["step"] > 0, (resuming, saved)
+    assert resuming == saved and sorted(saved.values()) == [5, 5], (resuming, saved)
     assert all(t["state"] == "completed" for t in st["tasks"] if t["kind"] == "student")
     assert st["result"]["store"]["shards"] == 8

@@ -5,7 +5,8 @@ own children, stopped by PID, never `ray stop`), each with distinct resources an
     gpu-box   2 CPUs, 1 GPU (declared), holds teacher-llama
     cpu-box   2 CPUs, holds teacher-llama
     bare      2 CPUs, holds no model
-No GPU exists here: the GPU is a declared Ray resource, which is what placement reads.
+No GPU exists here: the GPU is a declared Ray resource, which is what placement reads. Each worker has
+its own SMOLFORGE_NODE_DIR (`node_dir`), where a test writes fault files (`smolforge.train.faults`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from localcluster import orchestrators_on
 pytestmark = [pytest.mark.timeout(900)]
 
 TEACHER = "teacher-llama"
+
+
+def node_dir(base: Path, name: str) -> Path:
+    """Worker `name`'s scratch directory, where a test writes its fault files (`train.faults.fault_setting`)."""
+    return base / f"node-{name}"
 
 
 def _spawn_nodes(base: Path, models: Path, procs: list):
@@ -57,7 +63,8 @@ def _spawn_nodes(base: Path, models: Path, procs: list):
                              labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: "worker",
                                      ray_glue.GPUS_LABEL: str(gpus)}, temp_dir=str(tmp), object_store_mb=100)
         for attempt in range(2):
-            proc = spawn(cmd, {**env, "SMOLFORGE_MODEL_PATHS": paths if holds else "{}"},
+            proc = spawn(cmd, {**env, "SMOLFORGE_MODEL_PATHS": paths if holds else "{}",
+                               "SMOLFORGE_NODE_DIR": str(node_dir(base, name))},
                          base / f"{name}-{attempt}.log", die_with_parent=True)
             procs.append(proc)
             deadline = time.time() + 150
@@ -131,16 +138,28 @@ def test_students_stream_rotate_and_aggregate(cluster):
     teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24, max_samples=240,
                                                   max_new_tokens=24, top_k=8, batch_size=2)
     # 2 CPUs per student: one fits on `bare` at once, the others wait; a finished teacher's node takes one.
-    # Two epochs: the student on `bare` needs all its shards (the last comes from a teacher's last
-    # two) and then a whole epoch more, so it is still busy when a teacher finishes. (With a few
-    # steps it could finish first and `bare` would take the queued students: no rotation, seen in CI.)
-    students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=3, peft_type="lora",
-                                         peft_config={"r": 4, "alpha": 8, "dropout": 0.0}, epochs=2,
-                                         batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
-                                         max_eval_samples=8, max_new_tokens=4)
+    # The student on `bare` is held after step 15 of its 20 (one epoch; fault `hold-step`) until a
+    # teacher's node has taken a queued student, so it is still busy when a teacher finishes: without
+    # the hold, a student done first would let `bare` take the queued ones (no rotation, seen in CI).
+    # Late in its run, so most of its steps still overlap the teachers' work.
+    hold = node_dir(cluster.base, "bare") / "fault-hold-step"
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text("15")
     seen: dict[str, set] = {}
-    orch.monitor_tasks(teachers + students, callback=lambda tid, s: seen.setdefault(tid, set()).add(s["state"]),
-                       poll=0.3, timeout=600)
+
+    def watch(tid: str, status: dict) -> None:
+        seen.setdefault(tid, set()).add(status["state"])
+        if any(e["kind"] == "teacher_reassigned" for e in orch.events):
+            hold.unlink(missing_ok=True)
+
+    try:
+        students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=3,
+                                             peft_type="lora", peft_config={"r": 4, "alpha": 8, "dropout": 0.0},
+                                             epochs=1, batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
+                                             max_eval_samples=8, max_new_tokens=4)
+        orch.monitor_tasks(teachers + students, callback=watch, poll=0.3, timeout=600)
+    finally:
+        hold.unlink(missing_ok=True)
     for tid in teachers + students:
         assert orch.task_status(tid)["state"] == "completed", orch.task_status(tid)
         assert "completed" in seen[tid]
@@ -152,6 +171,9 @@ def test_students_stream_rotate_and_aggregate(cluster):
     timeline = "\n".join(f"{e['ts'] - t0:6.2f} {e['kind']}: {e['message']}" for e in ev)
     assert min(e["ts"] for e in started) < max(e["ts"] for e in written), timeline
     assert any(e["kind"] == "student_queued" for e in ev)
+    held = [(e["data"]["node_id"], e["data"]["step"]) for e in ev if e["kind"] == "held"]
+    bare = next(n.node_id for n in cluster.handle.nodes() if n.name == "bare")
+    assert held == [(bare, 15)], timeline  # only `bare` held, once: its student, at step 15
     rot = [e for e in ev if e["kind"] == "teacher_reassigned"]
     assert rot and rot[0]["data"]["node"] in ("gpu-box", "cpu-box"), "\n".join(e["kind"] + ": " + e["message"] for e in ev)
     # hybrid split: no shard trained by two students

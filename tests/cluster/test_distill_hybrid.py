@@ -7,6 +7,8 @@ Nodes (our own `ray start --block` children, stopped by PID, never `ray stop`):
     w1    1 CPU, worker
     w2    1 CPU, worker
 The nodes run fp32 (SMOLFORGE_CPU_BF16=0), so the group's adapter can be compared with one process.
+Each node has its own SMOLFORGE_NODE_DIR (`node_dir`), where a test writes fault files
+(`smolforge.train.faults`): a student held after a known step instead of one made long enough.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import pytest
 from localcluster import orchestrators_on
 
 pytestmark = [pytest.mark.timeout(900)]
+
+
+def node_dir(base: Path, name: str) -> Path:
+    """Worker `name`'s scratch directory, where a test writes its fault files (`train.faults.fault_setting`)."""
+    return base / f"node-{name}"
 
 
 def _spawn(base: Path, procs: list):
@@ -50,7 +57,8 @@ def _spawn(base: Path, procs: list):
                              resources={ray_glue.WORKER_RESOURCE: 1.0},
                              labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: "worker"}, temp_dir=str(tmp),
                              object_store_mb=100)
-        procs.append(spawn(cmd, env, base / f"{name}.log", die_with_parent=True))
+        node_env = {**env, "SMOLFORGE_NODE_DIR": str(node_dir(base, name))}
+        procs.append(spawn(cmd, node_env, base / f"{name}.log", die_with_parent=True))
         deadline = time.time() + 150
         while not any(n.name == name for n in handle.nodes()):
             assert time.time() < deadline and procs[-1].poll() is None, f"node {name} did not join; see {base}"
@@ -164,19 +172,29 @@ def test_a_ddp_group_that_loses_a_rank_fails_at_once_saying_why(cluster):
     orch = cluster.make()
     teachers = orch.create_parallel_teacher_tasks("tiny-llama", str(cluster.data), out, max_samples=24, num_shards=3,
                                                   top_k=8, max_new_tokens=8, batch_size=8, teacher_on_coordinator=True)
-    students = orch.create_student_tasks("tiny-llama", out / "teacher_outputs", num_students=2, peft_config=PEFT,
-                                         max_steps=400, batch_size=2, device="cpu", save_every=0,
-                                         students_sync="ddp")
-    deadline = time.time() + 300
-    while not all(orch.task_status(s)["step"] >= 1 for s in students):  # the group is training
-        assert time.time() < deadline and all(orch.task_status(s)["state"] in ("pending", "running")
-                                              for s in students), [orch.task_status(s) for s in students]
-        time.sleep(0.2)
-    ray.kill(orch._dstate().handles[students[1]][0], no_restart=True)  # rank 1's worker process dies
-    with pytest.raises(SmolforgeError, match="a data-parallel group cannot go on without a rank"):
-        orch.wait_distill(teachers + students, timeout=300)  # a hang guard: the failure is the claim
+    hold = [node_dir(cluster.base, n) / "fault-hold-step" for n in ("w1", "w2")]
+    try:
+        for f in hold:  # both ranks stop after step 2 and wait there (the group is training)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text("2")
+        students = orch.create_student_tasks("tiny-llama", out / "teacher_outputs", num_students=2,
+                                             peft_config=PEFT, max_steps=20, batch_size=2, device="cpu",
+                                             save_every=0, students_sync="ddp")
+        deadline = time.time() + 300
+        while len(held := [e for e in orch.events if e["kind"] == "held"]) < 2:
+            assert time.time() < deadline and all(orch.task_status(s)["state"] in ("pending", "running")
+                                                  for s in students), [orch.task_status(s) for s in students]
+            time.sleep(0.2)
+        assert sorted((e["data"]["task_id"], e["data"]["step"]) for e in held) == [(s, 2) for s in students], held
+        ray.kill(orch._dstate().handles[students[1]][0], no_restart=True)  # rank 1's worker process dies
+        with pytest.raises(SmolforgeError, match="a data-parallel group cannot go on without a rank"):
+            orch.wait_distill(teachers + students, timeout=300)  # a hang guard: the failure is the claim
+    finally:
+        for f in hold:
+            f.unlink(missing_ok=True)
     states = [orch.task_status(s) for s in students]
-    assert [s["state"] for s in states] == ["failed", "failed"] and all(s["step"] < 400 for s in states)
+    # both failed where they were held: rank 0 never went on alone past the step its peer died at
+    assert [s["state"] for s in states] == ["failed", "failed"] and all(s["step"] <= 2 for s in states), states
     # one reason for the whole group: whichever rank's end the driver heard of first (the dead one, or
     # the one whose all-reduce lost its peer)
     assert len({s["error"] for s in states}) == 1 and "of its ddp student group (student-" in states[0]["error"], states

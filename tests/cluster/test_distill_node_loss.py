@@ -4,6 +4,10 @@ The whole `worker join` process group of that node is killed (its Ray raylet and
 process, as when a laptop leaves the Wi-Fi). The student restarts from the checkpoint it shipped
 to the coordinator on a worker that joins afterwards; when none joins within `replace_timeout_s`,
 the job fails and says why, instead of waiting forever.
+
+The student is held after step 8 (the fault `hold-step` of `smolforge.train.faults`, a file in its
+node's directory) and the test waits for it to say so (`held`), so the node dies at a known step,
+after the checkpoint of step 5, in a 20-step run: the replacement resumes from step 5 exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +24,13 @@ from localcluster import LocalCluster
 pytestmark = [pytest.mark.timeout(1200)]
 
 
+STEPS, SAVE_EVERY, HOLD = 20, 5, 8  # the node dies while its student is held after step 8: checkpoint 5 kept
+
+
 def _spec(data, **kw) -> dict:
-    # max_steps 150: the node is killed right after the first checkpoint (step 10), so the student must
-    # still be training then; what is left (up to 140 steps) is what the replacement node trains.
     distill = {"teacher": "tiny-copy", "students": ["tiny-copy"], "data": str(data), "num_students": 1,
-               "num_shards": 4, "max_new_tokens": 8, "teacher_batch_size": 8, "top_k": 8, "max_steps": 150,
-               "batch_size": 4, "save_every": 10, "peft_config": {"r": 4, "alpha": 8, "dropout": 0.0},
+               "num_shards": 4, "max_new_tokens": 8, "teacher_batch_size": 8, "top_k": 8, "max_steps": STEPS,
+               "batch_size": 4, "save_every": SAVE_EVERY, "peft_config": {"r": 4, "alpha": 8, "dropout": 0.0},
                "max_eval_samples": 8, "eval_max_new_tokens": 4, "device": "cpu", "aggregate": "none"}
     distill.update(kw)
     return {"kind": "distill", "name": "node-loss", "mode": "teacher_student", "distill": distill}
@@ -46,13 +52,25 @@ def _wait(client, job_id, what, cond, timeout=300):
     raise AssertionError(f"job {job_id}: no {what} after {timeout}s\n{logs[-4000:]}")
 
 
+def _hold(cluster, node: str) -> Path:
+    """Students that start on `node` hold after step HOLD (fault `hold-step`) until the file goes."""
+    path = cluster.base / f"node-{node}" / "node" / "fault-hold-step"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(HOLD))
+    return path
+
+
 def _lose_the_student_node(cluster, client, job_id, node: str) -> int:
-    """Wait for the teacher to finish and the student to ship a checkpoint; kill the node's group."""
+    """Wait for the student to be held after step HOLD (so its checkpoint of step 5 is shipped) and the
+    teacher to finish; kill the node's group while the student is held; its last checkpoint's step."""
+    _wait(client, job_id, "held", lambda st: _events(client, job_id, "held"))
+    held = _events(client, job_id, "held")
+    assert [e["data"]["step"] for e in held] == [HOLD], held
     _wait(client, job_id, "teacher_finished", lambda st: _events(client, job_id, "teacher_finished"))
     _wait(client, job_id, "student_checkpoint", lambda st: _events(client, job_id, "student_checkpoint"))
     step = _events(client, job_id, "student_checkpoint")[-1]["data"]["step"]
     placed = _events(client, job_id, "student_submitted")[-1]["data"]
-    assert placed["node"] == node, placed
+    assert placed["node"] == node and held[0]["data"]["task_id"] == placed["task_id"], (placed, held)
     cluster.kill_worker(node)
     return step
 
@@ -71,6 +89,7 @@ def test_a_student_outlives_its_node_or_the_job_fails_with_a_reason(tmp_path):
         client = cluster.client()
 
         # (a) the node dies; a worker that joins afterwards takes the student over
+        _hold(cluster, "s1")
         job_id = client.submit_job(_spec(data))
         saved = _lose_the_student_node(cluster, client, job_id, "s1")
         _wait(client, job_id, "a queued student", lambda st: any(
@@ -81,9 +100,12 @@ def test_a_student_outlives_its_node_or_the_job_fails_with_a_reason(tmp_path):
         assert st["state"] == "completed", logs[-4000:]
         assert _events(client, job_id, "student_submitted")[-1]["data"]["node"] == "s2"
         resumed = _events(client, job_id, "student_resumed")
-        assert resumed and resumed[-1]["data"]["step"] >= saved >= 10, (saved, resumed)
+        # the checkpoint before the hold, and the replacement went on from exactly there
+        assert saved == SAVE_EVERY and [e["data"]["step"] for e in resumed] == [saved], (saved, resumed)
+        assert st["step"] == STEPS, st
 
         # (b) the node dies and none joins: the job fails within the bound, saying why
+        _hold(cluster, "s2")
         job2 = client.submit_job(_spec(data, replace_timeout_s=10))
         _lose_the_student_node(cluster, client, job2, "s2")
         st = _wait(client, job2, "final", lambda st: st["state"] in ("completed", "failed"), timeout=300)

@@ -14,13 +14,15 @@ import time
 
 import pytest
 
-from localcluster import ROOT, LocalCluster
+from localcluster import ROOT
 
 pytestmark = [pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(module_cluster, tmp_path_factory):
+    """The script run once against the session's shared cluster (coordinator + w1, w2; tests/conftest.py):
+    (exit code, its timed output, its working dir, the cluster, the ids of the jobs it submitted)."""
     from smolforge.data.synthetic import generate
 
     base = tmp_path_factory.mktemp("seeds")
@@ -28,32 +30,32 @@ def run(tmp_path_factory):
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(16, seed=5)))
     work = base / "work"
     work.mkdir()
-    with LocalCluster(base) as cluster:
-        cluster.start_coordinator()
-        cluster.add_workers(["w1", "w2"])
-        env = {**cluster.env, "SMOLFORGE_HOME": str(cluster.state), "OMP_NUM_THREADS": "1"}
-        args = [sys.executable, "-u", str(ROOT / "examples" / "seeds_api.py"), "--teacher", "tiny-llama",
-                "--student", "tiny-llama", "--data", str(data), "--max-samples", "16"]
-        assert cluster.token not in " ".join(args)
-        t0 = time.time()
-        proc = subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        limit = threading.Timer(600, proc.kill)  # nothing hangs: a stuck script is killed, and the test fails
-        limit.start()
-        try:
-            for line in proc.stdout:  # timed, so a slow phase shows in the failure output
-                lines.append(f"{time.time() - t0:6.1f}s {line.rstrip()}")
-            proc.wait(timeout=60)
-        finally:
-            limit.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=15)
-        yield proc.returncode, "\n".join(lines), work, cluster
+    cluster = module_cluster.c
+    before = {j["id"] for j in cluster.client().list_jobs()}  # other modules' jobs on the shared cluster
+    env = {**cluster.env, "SMOLFORGE_HOME": str(cluster.state), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-u", str(ROOT / "examples" / "seeds_api.py"), "--teacher", "tiny-llama",
+            "--student", "tiny-llama", "--data", str(data), "--max-samples", "16"]
+    assert cluster.token not in " ".join(args)
+    t0 = time.time()
+    proc = subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    limit = threading.Timer(600, proc.kill)  # nothing hangs: a stuck script is killed, and the test fails
+    limit.start()
+    try:
+        for line in proc.stdout:  # timed, so a slow phase shows in the failure output
+            lines.append(f"{time.time() - t0:6.1f}s {line.rstrip()}")
+        proc.wait(timeout=60)
+    finally:
+        limit.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=15)
+    mine = {j["id"] for j in cluster.client().list_jobs()} - before
+    return proc.returncode, "\n".join(lines), work, cluster, mine
 
 
 def test_the_seed_script_runs_as_written(run):
-    returncode, out, work, _ = run
+    returncode, out, work, _, _ = run
     assert returncode == 0 and "[✓] SEEDS API OK" in out, out[-6000:]
     # discover_nodes: the seeds' nested resources beside the flat keys
     assert "w1: 1.0 CPUs, 4.0GB RAM, 0 GPUs; Ollama models: none (flat: [])" in out
@@ -79,10 +81,10 @@ def test_the_seed_clients_job_was_joined_paused_resumed_and_cancelled(run):
     """What the script's SOLLOL calls did to its one job, as the coordinator recorded it: `join_job`
     lent the coordinator to it (kept in the job across the pause, so the resumed job places it),
     `pause_job` paused it, `resume_job` queued it from its pause, `cancel_job` ended it."""
-    returncode, out, _, cluster = run
+    returncode, out, _, cluster, mine = run
     assert returncode == 0, out[-3000:]
     client = cluster.client()
-    (job,) = [j for j in client.list_jobs() if j["kind"] == "data_parallel"]
+    (job,) = [j for j in client.list_jobs() if j["kind"] == "data_parallel" and j["id"] in mine]
     assert f"[i] {job['id']}: running" in out, out[-3000:]  # jobs[0], the job joined, is the one submitted
     events = client.job_events(job["id"])
     story = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

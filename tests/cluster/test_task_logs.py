@@ -1,5 +1,5 @@
 """Task output reaches the coordinator: one short 2-rank data-parallel job on a real local cluster
-(coordinator + workers w1, w2, separate processes), shared by every test here.
+(the session's shared coordinator + workers w1, w2, separate processes), shared by every test here.
 
 `smolforge job logs --follow` is started as the job is submitted and must return once it ends, with
 both ranks' lines prefixed `[r0 wN]` / `[r1 wN]`; `--task r1` keeps only r1's; the API route takes the
@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from localcluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,24 +22,18 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    base = tmp_path_factory.mktemp("tasklogs")
-    cluster = LocalCluster(base)
-    try:
-        cluster.start_coordinator()
-        cluster.add_workers(["w1", "w2"])
-        cluster.wait_nodes(["coordinator", "w1", "w2"])
-        spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "strategy": "ssp",
-                "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
-                          "max_steps": STEPS, "batch_size": 1, "log_every": 2, "eval_accuracy": False,
-                          "peft": {"method": "lora", "r": 4, "alpha": 8}}}
-        job_id = cluster.client().submit_job(spec)
-        t0 = time.time()
-        follow = cluster.cli("job", "logs", job_id, "--follow", timeout=400)
-        yield {"c": cluster, "job": job_id, "follow": follow, "follow_s": time.time() - t0,
-               "ended": cluster.client().get_job_status(job_id)}
-    finally:
-        cluster.close()
+def run(module_cluster):
+    """The job on the session's shared cluster (coordinator + w1, w2; tests/conftest.py)."""
+    cluster = module_cluster.c
+    spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "strategy": "ssp",
+            "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
+                      "max_steps": STEPS, "batch_size": 1, "log_every": 2, "eval_accuracy": False,
+                      "peft": {"method": "lora", "r": 4, "alpha": 8}}}
+    job_id = cluster.client().submit_job(spec)
+    t0 = time.time()
+    follow = cluster.cli("job", "logs", job_id, "--follow", timeout=400)
+    return {"c": cluster, "job": job_id, "follow": follow, "follow_s": time.time() - t0,
+            "ended": cluster.client().get_job_status(job_id)}
 
 
 def test_follow_returns_when_the_job_ends_with_every_ranks_lines(run):

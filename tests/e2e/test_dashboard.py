@@ -1,6 +1,6 @@
 """The dashboard driven for real in headless Chromium (Debian `chromium`, through Playwright).
 
-One cluster (a coordinator and two workers) and one 2-worker data-parallel job for the whole module,
+The session's shared cluster (a coordinator and two workers, tests/conftest.py) and one 2-worker data-parallel job for the whole module,
 used by the tests in file order: the overview lists nodes and the job; the job page draws curves
 whose points are the job's own metrics (read from the charts' series data, checked against
 /api/v1/jobs/{id}/metrics); its buttons pause, resume and cancel the job (the job's state read back
@@ -23,10 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 
 from helpers import CHROMIUM, require_chromium  # noqa: E402
-from localcluster import LocalCluster  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
-STEPS = 3000  # far more than the tests need, on a fast machine too: still running when the buttons are pressed
+STEPS = 40  # held after step 8, and after step 12 once resumed: still running whenever a button is pressed
 WAIT_MS = 60_000
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,27 +48,39 @@ def wait_state(client, job_id: str, states: tuple[str, ...], timeout: float = 12
     raise AssertionError(f"job {job_id} did not reach {states}: {st}")
 
 
+def hold(base: Path, step: int) -> list[Path]:
+    """Ranks on w1 and w2 hold after `step` until released (fault `hold-step`, train/faults.py): the
+    job is surely running when a button is pressed, without a job made long enough to be."""
+    files = [base / f"node-{n}" / "node" / "fault-hold-step" for n in ("w1", "w2")]
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(str(step))
+    return files
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    base = tmp_path_factory.mktemp("dash")
-    with LocalCluster(base) as c:
-        c.start_coordinator()
-        c.add_workers(["dash-w1", "dash-w2"])
-        c.wait_nodes(["dash-w1", "dash-w2"])
-        client = c.client()
+def world(module_cluster):
+    """The session's shared cluster (a coordinator and workers w1, w2; tests/conftest.py) and one job,
+    held after step 8 (two evaluations and checkpoints drawn by then)."""
+    c = module_cluster.c
+    client = c.client()
+    files = hold(module_cluster.base, 8)
+    try:
         job_id = client.submit_job({
             "kind": "data_parallel", "num_workers": 2, "name": "dash-job",
             "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
                       "max_steps": STEPS, "batch_size": 2, "eval_accuracy": False, "log_every": 1,
                       "eval_every": 4, "save_every": 4}})
         deadline = time.time() + 300
-        while time.time() < deadline:  # curves need a few steps and one evaluation
-            names = {m["name"] for m in client.job_metrics(job_id)}
-            if {"loss", "eval_loss", "comm_bytes_sent.rank1"} <= names:
+        while time.time() < deadline:  # both ranks held after step 8: curves, evaluations, checkpoints
+            if sum(e["kind"] == "held" for e in client.job_events(job_id)) >= 2:
                 break
             assert client.get_job_status(job_id)["state"] in ("pending", "running"), client.job_logs(job_id)
             time.sleep(0.5)
-        yield {"c": c, "client": client, "job": job_id, "base": base}
+        yield {"c": c, "client": client, "job": job_id, "base": module_cluster.base}
+    finally:
+        for f in files:
+            f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +105,12 @@ def test_overview_lists_nodes_and_the_job(world, page):
     job_id = world["job"]
     page.wait_for_selector('body[data-loaded="1"]')
     page.wait_for_selector(f'tr[data-job="{job_id}"]')
-    page.wait_for_function("() => /%/.test(document.querySelector('tr[data-node=\"dash-w1\"] td.usage')?.textContent)")
+    page.wait_for_function("() => /%/.test(document.querySelector('tr[data-node=\"w1\"] td.usage')?.textContent)")
     assert "#token=" not in page.url  # the page takes the token out of the address bar
-    for node in ("coordinator", "dash-w1", "dash-w2"):
+    for node in ("coordinator", "w1", "w2"):
         assert page.locator(f'tr[data-node="{node}"]').count() == 1
-    assert "CPU" in page.locator('tr[data-node="dash-w1"] td.usage').inner_text()
-    assert page.locator('tr[data-node="dash-w1"] td.gpu-usage').inner_text() == "–"  # no GPU here
+    assert "CPU" in page.locator('tr[data-node="w1"] td.usage').inner_text()
+    assert page.locator('tr[data-node="w1"] td.gpu-usage').inner_text() == "–"  # no GPU here
     assert "running" in page.locator(f'tr[data-job="{job_id}"]').inner_text()
     page.screenshot(path=str(ARTIFACTS / "overview.png"), full_page=True)
     # what this machine cannot produce, drawn from a doctored /status: a GPU in a heartbeat, and a
@@ -107,7 +118,7 @@ def test_overview_lists_nodes_and_the_job(world, page):
     def doctored(route):
         body = route.fetch().json()
         for n in body["nodes"]:
-            if n["name"] == "dash-w2":
+            if n["name"] == "w2":
                 n["usage"]["gpus"] = [{"index": 0, "util_percent": 87.0, "mem_used_gb": 3.14, "mem_total_gb": 24.0}]
         for j in body["jobs"] + body["recent_jobs"]:
             j["pending_reason"] = "waiting for 2 free workers"
@@ -115,8 +126,8 @@ def test_overview_lists_nodes_and_the_job(world, page):
 
     page.route("**/api/v1/status", doctored)
     try:
-        page.wait_for_function("() => /GPU0/.test(document.querySelector('tr[data-node=\"dash-w2\"] td.gpu-usage').textContent)")
-        assert page.locator('tr[data-node="dash-w2"] td.gpu-usage').inner_text() == "GPU0 87% · 3.1/24 GB"
+        page.wait_for_function("() => /GPU0/.test(document.querySelector('tr[data-node=\"w2\"] td.gpu-usage').textContent)")
+        assert page.locator('tr[data-node="w2"] td.gpu-usage').inner_text() == "GPU0 87% · 3.1/24 GB"
         assert page.locator(f'tr[data-job="{job_id}"] .reason').inner_text() == "waiting for 2 free workers"
     finally:
         page.unroute("**/api/v1/status")
@@ -169,7 +180,7 @@ def test_job_page_draws_the_jobs_curves(world, page):
     assert len(charts["loss"]["loss"]) >= 3
     tasks = page.locator("#tasks tbody tr")
     assert tasks.count() >= 2
-    assert {"dash-w1", "dash-w2"} <= set(page.locator("#tasks tbody td:nth-child(4)").all_inner_texts())
+    assert {"w1", "w2"} <= set(page.locator("#tasks tbody td:nth-child(4)").all_inner_texts())
     assert page.locator("#events li").count() > 0
     assert page.locator("#job-eta").inner_text() != ""
     page.screenshot(path=str(ARTIFACTS / "job-curves.png"), full_page=True)
@@ -183,6 +194,7 @@ def test_pause_and_resume_buttons(world, page):
     assert st["step"] < STEPS, st
     page.wait_for_selector("#job-state.paused")
     page.screenshot(path=str(ARTIFACTS / "job-paused.png"), full_page=True)
+    hold(world["base"], 12)  # the resumed ranks (from step 8's checkpoint) hold again for the cancel test
     page.wait_for_selector("#btn-resume:enabled").click()
     wait_state(client, job_id, ("running",), timeout=180)
     page.wait_for_selector("#job-state.running")

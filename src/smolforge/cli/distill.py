@@ -17,6 +17,7 @@ import typer
 from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.cli.export import check_run_export, export_distill, show
 from smolforge.errors import SmolforgeError
+from smolforge.models.dtypes import DTYPE_HELP
 
 
 def register(app: typer.Typer) -> None:
@@ -67,6 +68,9 @@ def register(app: typer.Typer) -> None:
         no_eval: bool = typer.Option(False, "--no-eval", help="skip held-out eval of the students"),
         seed: int = typer.Option(0),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
+        teacher_dtype: str = typer.Option("fp32", "--teacher-dtype", help="the teacher's " + DTYPE_HELP),
+        student_dtype: str = typer.Option("fp32", "--student-dtype", help="the students' base " + DTYPE_HELP
+                                          + "; a LoRA adapter stays fp32"),
         mode: str = typer.Option("teacher_student", help="teacher_student or hybrid"),
         students_sync: str = typer.Option("average", help="average: the students of a base train apart on their "
                                           "own shards and their adapters are averaged; ddp: they train as one "
@@ -102,6 +106,8 @@ def register(app: typer.Typer) -> None:
         Example (the seeds' hybrid: teacher on the coordinator, two students as one DDP group on the workers): smolforge distill --teacher small-llama --student tiny-llama --data bundled --mode hybrid --teacher-on-coordinator --students-sync ddp --num-students 2
 
         Example (an ensemble of two student bases on one teacher's outputs): smolforge distill --teacher small-llama --student tiny-llama --student tiny-qwen2 --data bundled --max-steps 20
+
+        Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
         """
         distill = {
             "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
@@ -115,6 +121,7 @@ def register(app: typer.Typer) -> None:
             "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
             "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
             "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device,
+            "teacher_dtype": teacher_dtype, "student_dtype": student_dtype,
             "students_sync": students_sync, "students_strategy": students_strategy,
             "teacher_on_coordinator": teacher_on_coordinator}
         check_run_export(export, peft)

@@ -125,6 +125,8 @@ def register(app: typer.Typer) -> None:
         to: str = typer.Option(..., "--to", help="hf | gguf | ollama"),
         output_dir: str = typer.Option(..., help="directory to write (replaced if it holds an earlier export)"),
         quant: str = typer.Option("f16", help="GGUF weights: f16 | bf16 | q8_0"),
+        dtype: str = typer.Option("auto", "--dtype", help="--to hf: the dtype the merged weights are written in: "
+                                  "auto (the checkpoint's own) | bf16 | fp16 | fp32 (GGUF: use --quant)"),
         name: Optional[str] = typer.Option(None, help="model name in the GGUF and for `ollama create`"),
         no_verify: bool = typer.Option(False, "--no-verify", help="skip the llama.cpp comparison"),
         coordinator: Optional[str] = typer.Option(None, help="run as an `export` job on the coordinator HOST:PORT's "
@@ -138,22 +140,26 @@ def register(app: typer.Typer) -> None:
         LoRA, IA3 and full fine-tunes merge; Houlsby adapters and prefix/prompt tuning cannot (serve them with --adapter instead). GGUF exports are checked in llama.cpp unless --no-verify.
 
         Example: smolforge export --model tiny-llama --adapter outputs/run/lora_adapter --to ollama --output-dir outputs/run/ollama
+
+        Example: smolforge export --model tiny-llama --adapter outputs/run/lora_adapter --to hf --dtype bf16 --output-dir outputs/run/hf
         """
-        from smolforge.models.export.run import TARGETS, check_output_dir
+        from smolforge.models.export.run import TARGETS, check_export_dtype, check_output_dir
 
         if to not in TARGETS:
             raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")
+        dtype = check_export_dtype(dtype, to)
         out = Path(output_dir).expanduser().resolve()
         check_output_dir(out)
         quiet_libraries()
         if coordinator:
             spec: dict[str, Any] = {"kind": "export", "model": model, "adapters": [str(Path(a).resolve()) for a in adapter],
-                                    "to": to, "quant": quant, "model_name": name, "verify": not no_verify}
+                                    "to": to, "quant": quant, "model_name": name, "verify": not no_verify,
+                                    "dtype": dtype}
             summary = _via_job(spec, out, coordinator, cli_token(None, token_file), timeout)
         else:
             from smolforge.models.export.run import export
 
             summary = export(model, to, out, adapters=adapter, quant=quant, name=name, verify=not no_verify,
-                             say=(lambda line: None) if json_out else _say)
+                             dtype=dtype, say=(lambda line: None) if json_out else _say)
         show(summary, json_out)
         sys.stdout.flush()

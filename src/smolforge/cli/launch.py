@@ -19,6 +19,7 @@ from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, prin
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
 from smolforge.errors import SmolforgeError
+from smolforge.models.dtypes import DTYPE_HELP
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +57,7 @@ def register(app: typer.Typer) -> None:
         save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (recovery resumes there; default: a tenth "
                                                 "of --max-steps within 10..200, 50 with --epochs; 0: none)"),
         seed: Optional[int] = typer.Option(None),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP + " (distillation: teacher and students)"),
         cpus_per_worker: float = typer.Option(1.0, help="CPUs (and torch threads) per rank"),
         gpu: str = typer.Option("no", help="no|preferred|required"),
         max_retries: int = typer.Option(2, help="worker failures to survive"),
@@ -105,6 +107,8 @@ def register(app: typer.Typer) -> None:
         Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
+
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
         """
         check_run_export(export, peft or "lora")
         if export and mode in ("teacher_student", "hybrid") and len(set(student)) > 1:
@@ -119,7 +123,7 @@ def register(app: typer.Typer) -> None:
                                      "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {mode}")
             _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
                             epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
-                            peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
+                            dtype=dtype, peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
                             cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
                             kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
                             coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
@@ -139,7 +143,7 @@ def register(app: typer.Typer) -> None:
                                       balance=balance, tensorboard=tensorboard, wandb=wandb, priority=priority)
         for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
                            ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
-                           ("lora_alpha", lora_alpha), ("peft", peft)):
+                           ("lora_alpha", lora_alpha), ("peft", peft), ("dtype", dtype)):
             if value is not None:
                 kwargs[key] = value
         spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
@@ -231,6 +235,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every"):
         if o[key] is not None:
             distill[key] = o[key]
+    if o["dtype"] is not None:  # one --dtype for both here; `smolforge distill` sets them apart
+        distill["teacher_dtype"] = distill["student_dtype"] = o["dtype"]
     if mode == "hybrid":
         distill["split_shards"] = True
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,

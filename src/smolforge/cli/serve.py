@@ -15,6 +15,7 @@ import typer
 
 from smolforge.cli.common import PRIORITY_HELP, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
+from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
         max_batch: int = typer.Option(8, help="most requests generated together in one batch"),
         model_name: Optional[str] = typer.Option(None, help="the name clients use in `model` (default: --model as given)"),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
+        dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP + "; fp16 serves on a CPU too"),
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
         stages: Optional[str] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
                                              "holding it: a `serve` job on the coordinator, or on an embedded "
@@ -58,7 +60,10 @@ def register(app: typer.Typer) -> None:
         measured speed and memory; --stages auto also picks how many (one node when that is faster).
 
         Example: smolforge serve --model qwen2.5:0.5b --stages 2 --coordinator 192.168.1.10:8765
+
+        Example: smolforge serve --model qwen2.5:0.5b --dtype bf16  (half the memory of fp32; auto: the checkpoint's own)
         """
+        dtype = parse_dtype(dtype)  # one message before anything starts, staged or not
         quiet_libraries()
         from smolforge.cluster.statedir import check_port
 
@@ -68,7 +73,7 @@ def register(app: typer.Typer) -> None:
 
             spec = {"kind": "serve", "model": model, "stages": _stages(stages), "host": host, "port": port,
                     "max_batch": max_batch, "cpus_per_stage": cpus_per_stage, "priority": priority,
-                    "device": "cpu" if device == "auto" else device}
+                    "device": "cpu" if device == "auto" else device, "dtype": dtype}
             if adapter:
                 spec["adapter"] = str(Path(adapter).expanduser().resolve())
             if model_name:
@@ -84,7 +89,7 @@ def register(app: typer.Typer) -> None:
 
         run(ServeOptions(model=model, adapter=adapter, host=host, port=port, token_file=token_file,
                          state_dir=state_dir, max_batch=max_batch, model_name=model_name, device=device,
-                         num_threads=num_threads), announce=announce)
+                         dtype=dtype, num_threads=num_threads), announce=announce)
 
 
 def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None,

@@ -11,6 +11,7 @@ from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.common import make_output_dir, peft_section, print_json, quiet_libraries, run_cli, set_nested
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
 from smolforge.errors import SmolforgeError
+from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
 
 FLAG_KEYS = {
     "model": "model", "data": "data.path", "format": "data.format", "eval_data": "data.eval_path",
@@ -19,7 +20,7 @@ FLAG_KEYS = {
     "epochs": "epochs", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
     "warmup_steps": "warmup_steps", "scheduler": "scheduler", "eval_every": "eval_every",
     "save_every": "save_every", "keep_last": "keep_last", "resume": "resume", "seed": "seed",
-    "device": "device", "precision": "precision", "gradient_checkpointing": "gradient_checkpointing",
+    "device": "device", "precision": "precision", "dtype": "dtype", "gradient_checkpointing": "gradient_checkpointing",
     "num_threads": "num_threads", "quiet": "quiet", "wandb": "wandb",
 }
 
@@ -48,9 +49,12 @@ def check_model_and_data(cfg: TrainConfig):
     read_spec read, for the engine to use as it is."""
     from smolforge.data.splits import read_spec
     from smolforge.models.loading import resolve_model
+    from smolforge.models import twins
     from smolforge.models.tiny import is_preset
 
-    if not is_preset(cfg.model):  # a preset is built on first use, with torch: nothing to check here
+    if twins.is_twin(cfg.model):  # built on first use, with torch: only the name is checked here
+        twins.parse(cfg.model)
+    elif not is_preset(cfg.model):  # a preset is built on first use, with torch: nothing to check here
         resolve_model(cfg.model)
     return read_spec(cfg.data)
 
@@ -87,7 +91,8 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint"),
         seed: Optional[int] = typer.Option(None),
         device: Optional[str] = typer.Option(None, help="auto|cpu|cuda"),
-        precision: Optional[str] = typer.Option(None, help="auto|fp32|bf16|fp16"),
+        precision: Optional[str] = typer.Option(None, help="autocast: auto|fp32|bf16|fp16"),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP + "; LoRA keeps its adapter in fp32"),
         gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file with any of these settings"),
@@ -106,6 +111,8 @@ def register(app: typer.Typer) -> None:
         Example: smolforge train --model tiny-llama --data bundled --peft lora --max-steps 200 --output-dir outputs/run
 
         Example: smolforge train --model tiny-llama --data bundled --max-steps 50 --wandb my-project  (then: wandb sync outputs/run/wandb/offline-run-*)
+
+        Example: smolforge train --model qwen2.5:0.5b --data bundled --dtype bf16  (frozen base in bf16: half the memory)
         """
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
@@ -144,12 +151,16 @@ def register(app: typer.Typer) -> None:
         max_samples: Optional[int] = typer.Option(200, help="evaluate on at most N examples"),
         max_new_tokens: int = typer.Option(16, help="for exact-match accuracy"),
         device: str = typer.Option("auto"),
+        dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
         json_out: bool = typer.Option(False, "--json"),
     ):
         """Eval loss, perplexity and exact-match accuracy of a model (plus adapter) on held-out data.
 
         Example: smolforge eval --model tiny-llama --adapter outputs/run/lora_adapter --data bundled
+
+        Example: smolforge eval --model tiny-llama --data bundled --dtype bf16 --json
         """
+        dtype = parse_dtype(dtype)
         quiet_libraries()
         from smolforge.config import DataSpec
         from smolforge.data.splits import load_splits
@@ -158,7 +169,7 @@ def register(app: typer.Typer) -> None:
 
         dev = pick_device(device)
         tok = load_tokenizer(model)
-        net = load_model(model, device=dev)
+        net = load_model(model, device=dev, dtype=dtype)
         if adapter:
             from smolforge.models.peft_methods import load_adapter
 
@@ -186,18 +197,22 @@ def register(app: typer.Typer) -> None:
         temperature: float = typer.Option(0.0, help="0 = greedy"),
         raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
         device: str = typer.Option("auto"),
+        dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
     ):
         """Generate a reply from a model (plus adapter).
 
         Example: smolforge generate --model tiny-llama --adapter outputs/run/lora_adapter --prompt "What is 2 + 3?"
+
+        Example: smolforge generate --model tiny-llama --prompt "What is 2 + 3?" --dtype bf16
         """
+        dtype = parse_dtype(dtype)
         quiet_libraries()
         from smolforge.data.encode import render
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         dev = pick_device(device)
         tok = load_tokenizer(model)
-        net = load_model(model, device=dev)
+        net = load_model(model, device=dev, dtype=dtype)
         if adapter:
             from smolforge.models.peft_methods import load_adapter
 

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from smolforge.cluster import ray_glue
 from smolforge.cluster.specs import DataParallelJob
-from smolforge.models.tiny import is_preset
+from smolforge.models.names import built_from_code
 
 COORDINATOR = "@coordinator"
 
 
 def holds_anywhere(model: str, embedded: bool) -> bool:
-    """Every node can load this model: a preset (built from config), or, on an embedded cluster (one
-    machine), a local directory. Elsewhere a model is held by the nodes that advertise it."""
-    return is_preset(model) or (embedded and Path(model).expanduser().is_dir())
+    """Every node can load this model: a preset or a twin (built from code), or, on an embedded cluster
+    (one machine), a local directory. Elsewhere a model is held by the nodes that advertise it."""
+    return built_from_code(model) or (embedded and Path(model).expanduser().is_dir())
 
 
 def requirements_for(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:

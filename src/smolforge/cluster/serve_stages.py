@@ -60,7 +60,7 @@ class StageActor:
     """Ray actor class: one stage of a model and its batches' KV caches (`StageServer`), method by method."""
 
     def __init__(self, model: str, bounds: list[int], index: int, adapter_files: dict[str, bytes] | None,
-                 num_cpus: float, device: str = "cpu"):
+                 num_cpus: float, device: str = "cpu", dtype: str = "fp32"):
         import torch
 
         from smolforge.parallel.dp_task import local_model_path
@@ -75,7 +75,7 @@ class StageActor:
         # nothing it keeps on disk would be removed.
         with tempfile.TemporaryDirectory(prefix="sf-stage-") as tmp:
             adapter = str(write_dir(adapter_files, Path(tmp) / "adapter")) if adapter_files else None
-            self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device)
+            self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device, dtype=dtype)
         self.server.name = model
         log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
                  self.lines.node)
@@ -187,13 +187,13 @@ class StageGroup:
     """The stage actors of one served model: placed, re-placed when one dies, killed together."""
 
     def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
-                 cpus_per_stage: float = 1.0, device: str = "cpu", step_timeout_s: float = 120.0,
+                 cpus_per_stage: float = 1.0, device: str = "cpu", dtype: str = "fp32", step_timeout_s: float = 120.0,
                  load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None):
         self.model, self.name = model, name or model
         self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
         self.adapter_files = read_dir(adapter) if adapter else None
         self.bounds = list(bounds) if bounds else None
-        self.cpus, self.device = float(cpus_per_stage), device
+        self.cpus, self.device, self.dtype = float(cpus_per_stage), device, dtype
         self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
         self.embedded = embedded
         self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
@@ -275,7 +275,7 @@ class StageGroup:
             actor = ray.remote(StageActor).options(
                 num_cpus=self.cpus, resources=self._model_resources(), max_restarts=0, max_task_retries=0,
                 max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device)
+            ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
             try:
                 info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
             except Exception as err:

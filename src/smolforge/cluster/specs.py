@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import Spec, TrainConfig, spec_error
+from smolforge.config import ModelDtype, Spec, TrainConfig, spec_error
 from smolforge.distill.pipeline import DistillSettings
 from smolforge.errors import SmolforgeError
 
@@ -331,6 +331,8 @@ class ServeJob(JobSpec):
     model_name: str | None = Field(None, description="the name clients use in `model` (default: model)")
     cpus_per_stage: float = Field(1.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "cpu"
+    dtype: ModelDtype = Field("fp32", description="the stages' weights: fp32, bf16, fp16 or auto (the checkpoint's "
+                              "own where the device runs it well)")
     step_timeout_s: float = Field(120.0, gt=0, description="a stage that answers no step within this is replaced")
     load_timeout_s: float = Field(300.0, gt=0, description="how long a stage may take to load its layers")
 
@@ -358,12 +360,20 @@ class ExportJob(JobSpec):
                                 "embedded cluster only (they are read on this machine)")
     to: Literal["hf", "gguf", "ollama"] = "gguf"
     quant: Literal["f16", "bf16", "q8_0"] = "f16"
+    dtype: ModelDtype = Field("auto", description="--to hf: the dtype the merged tensors are written in (auto: "
+                              "the checkpoint's own); a GGUF's is quant")
     model_name: str | None = Field(None, description="the name in the GGUF and in `ollama create` (--name)")
     verify: bool = Field(True, description="compare the GGUF with the HF model in llama.cpp; fail when off")
     cpus: float = Field(1.0, gt=0)
     require_model: bool | None = Field(
         None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
     timeout_s: float = Field(3600.0, gt=0, description="the export (and its upload) must finish within this")
+
+    @model_validator(mode="after")
+    def _dtype_for_hf(self) -> "ExportJob":
+        if self.dtype != "auto" and self.to != "hf":
+            raise ValueError(f"dtype {self.dtype} applies to to: hf; a {self.to} export's weights dtype is quant")
+        return self
 
 
 JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob, "export": ExportJob}

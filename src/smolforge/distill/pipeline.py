@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from smolforge.config import DEFAULT_LR, PeftSpec, Spec, default_lr, validate
+from smolforge.config import DEFAULT_LR, ModelDtype, PeftSpec, Spec, default_lr, validate
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 
@@ -80,6 +80,11 @@ class DistillSettings(Spec):
     max_eval_samples: int | None = 200
     eval_max_new_tokens: int = Field(16, ge=1)
     device: str = "auto"
+    # Two dtypes, not one: the teacher only runs inference (bf16 halves a 7B teacher's ~28 GB and is
+    # safe on any device), the students train (their frozen base may be bf16, the adapter stays fp32;
+    # fp16 cannot train on a CPU). See smolforge.models.dtypes.
+    teacher_dtype: ModelDtype = "fp32"
+    student_dtype: ModelDtype = "fp32"
 
     @model_validator(mode="before")
     @classmethod

@@ -40,6 +40,7 @@ from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity
+from smolforge.train.faults import HoldAt, fault_hold_step, held_message, stay_held
 from smolforge.train.engine import available_cpus
 from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer
 from smolforge.train.schedule import make_scheduler
@@ -71,6 +72,8 @@ class StudentConfig:
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"  # as TrainConfig.precision: the engine's measured choice of autocast dtype
+    dtype: str = "fp32"  # the base's weights, as TrainConfig.dtype (a LoRA adapter stays fp32 on a bf16 base)
+    teacher_dtype: str = "fp32"  # the on-policy teacher's weights (DistillSettings.teacher_dtype)
     num_threads: int | None = None
     save_every: int = 0
     keep_last: int = 2
@@ -306,13 +309,26 @@ def _on_policy_sampler(cfg: StudentConfig, store_teacher: str | None, tokenizer,
     if not name:
         raise SmolforgeError("on-policy distillation needs the teacher model, and the store does not name one",
                              fix="pass teacher_model (--teacher) with --on-policy-ratio")
-    teacher = HFTeacher(name, device=str(device))
+    teacher = HFTeacher(name, device=str(device), dtype=cfg.teacher_dtype)
     if teacher.tok_hash != my_hash:
         raise SmolforgeError(f"on-policy distillation needs the teacher ({name}) and the student ({cfg.base_model}) "
                              "to share a tokenizer: the teacher scores the student's own token ids",
                              fix="use --on-policy-ratio 0 for a student with another tokenizer (sequence-level KD)")
     return OnPolicySampler(OnPolicySettings(ratio=cfg.on_policy_ratio, temperature=cfg.on_policy_temperature,
                                             max_new_tokens=cfg.max_new_tokens, top_k=k or 32), teacher, tokenizer, cfg.seed)
+
+
+def _hold(who: str, step: int, at: int, emit: EventFn, should_stop: Callable[[], str | None] | None) -> None:
+    """Fault `hold-step` N = `at` (`smolforge.train.faults`): say so in a `held` event (what a test
+    waits for), then stay after `step` until released or until the job asks this student to stop (a
+    pause or cancel then lands at this step, as the loop's next stop decision)."""
+    emit("held", step=step, message=held_message(who, step))
+
+    def asked() -> str | None:
+        what = should_stop() if should_stop else None
+        return f"the job asked for a {what}" if what else None
+
+    stay_held(who, step, at, asked)
 
 
 def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
@@ -342,7 +358,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         # Seed only what we build: a caller passing `model` seeded its init itself, and torch's RNG is
         # process-wide, so seeding here would reset it under another thread building its own student.
         torch.manual_seed(cfg.seed)
-        model = load_model(cfg.base_model, device=device)
+        model = load_model(cfg.base_model, device=device, dtype=cfg.dtype, training=True)
         model = apply_peft(model, cfg.peft)
     model.to(device)
     trainable, total_params = trainable_summary(model)
@@ -409,6 +425,7 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
     progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet or not strategy.is_main,
                             completed=start_step)
     last_loss = [float("nan")]
+    hold = HoldAt(fault_hold_step())  # fault injection for tests (train/faults.py): read once, here
 
     sampler: list[OnPolicySampler | None] = [None]  # built on the first on-policy step (loads the teacher)
 
@@ -441,6 +458,8 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         if on_step:
             on_step({"step": done, "max_steps": steps, "loss": stats.loss, "lr": stats.lr, "tokens_per_s": tps,
                      "samples_done": done * per_step * world, "samples_total": steps * per_step * world})
+        if hold.due(done):
+            _hold("student" if world == 1 else f"student rank {rank}", done, hold.step, emit, should_stop)
 
     def save(done: int, pausing: bool) -> None:
         rngs = strategy.gather_rng()  # every rank takes part; the main rank writes

@@ -97,8 +97,10 @@ class HFTeacher:
 
     backend = "hf"
 
-    def __init__(self, model: str, device: str = "auto", dtype: torch.dtype | None = None, model_obj=None,
+    def __init__(self, model: str, device: str = "auto", dtype: torch.dtype | str | None = None, model_obj=None,
                  tokenizer=None):
+        """`dtype`: a torch dtype or a --dtype choice (auto|bf16|fp16|fp32; default fp32). Top-k rows
+        are computed in fp32 from whatever dtype the logits come in (topk_from_logits)."""
 
         self.name = model
         self.device = pick_device(device)
@@ -277,7 +279,7 @@ class ReferenceTeacher:
 def make_teacher(model: str, backend: str = "hf", **kwargs):
     """The teacher object for a backend: 'hf' (transformers), 'ollama' (HTTP API) or 'reference'."""
     if backend == "hf":
-        return HFTeacher(model, device=kwargs.get("device", "auto"))
+        return HFTeacher(model, device=kwargs.get("device", "auto"), dtype=kwargs.get("dtype"))
     if backend == "reference":
         return ReferenceTeacher(model)
     if backend == "ollama":
@@ -315,12 +317,13 @@ def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", s
 
 def run_teacher_local(model: str, dataset: str, output_dir: str | Path, *, shard_ids: list[int] | None = None,
                       num_shards: int = 1, max_samples: int | None = None, settings: GenSettings | None = None,
-                      compress: bool = True, backend: str = "hf", device: str = "auto") -> list[dict[str, Any]]:
+                      compress: bool = True, backend: str = "hf", device: str = "auto",
+                      dtype: str = "fp32") -> list[dict[str, Any]]:
     """Single-process teacher: plan shards, generate them, write each into `output_dir` as it finishes."""
 
     settings = settings or GenSettings()
     items = prompts_from_dataset(dataset, max_samples)
-    teacher = make_teacher(model, backend, device=device)
+    teacher = make_teacher(model, backend, device=device, dtype=dtype)
     plan = plan_shards(len(items), num_shards=num_shards, teacher=model, dataset=dataset,
                        tokenizer_hash=teacher.tok_hash, vocab_size=teacher.vocab_size, k=settings.top_k)
     plan.write(output_dir)

@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from smolforge.errors import SmolforgeError
-from smolforge.models import tiny
+from smolforge.models import tiny, twins
 from smolforge.models.names import check_local_model
 from smolforge.models.registry import ollama_to_hf
 
@@ -28,6 +28,8 @@ def resolve_model(name: str, aliases: dict[str, str] | None = None) -> str:
     """Map a user's model name to something `from_pretrained` takes: a directory or an HF id."""
     if tiny.is_preset(name):
         return str(tiny.preset_dir(name))
+    if twins.is_twin(name):  # config-exact twin of a published family, built on first use
+        return str(twins.twin_dir(name))
     path = check_local_model(name)
     if path is not None:
         return str(path)
@@ -72,13 +74,20 @@ def load_tokenizer(name: str, aliases: dict[str, str] | None = None):
     return tok
 
 
-def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               aliases: dict[str, str] | None = None):
-    """The model in train-ready form: on `device`, with `dtype` (fp32 by default on CPU)."""
+def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+               aliases: dict[str, str] | None = None, training: bool = False):
+    """The model in train-ready form: on `device`, with `dtype` (fp32 by default).
+
+    `dtype` is a torch dtype or a `--dtype` choice (auto|bf16|fp16|fp32, see models.dtypes);
+    `training` makes a choice that cannot train on `device` (fp16 on a CPU) an error."""
     import torch
     from transformers import AutoModelForCausalLM
 
     resolved = resolve_model(name, aliases)
+    if isinstance(dtype, str):
+        from smolforge.models.dtypes import pick_dtype
+
+        dtype = pick_dtype(dtype, resolved, torch.device(device), training=training)
     try:
         with _LOAD_LOCK:
             model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype or torch.float32)

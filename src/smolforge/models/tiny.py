@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -140,27 +141,32 @@ def _complete(path: Path) -> bool:
     return (path / "config.json").exists() and (path / "tokenizer.json").exists() and any(path.glob("*.safetensors"))
 
 
-def preset_dir(name: str) -> Path:
-    """The preset's directory, built on first use. Safe when several processes race to build it."""
-    final = home() / "presets" / name
-    if _complete(final):
+def atomic_build(final: Path, build: Callable[[Path], object], complete: Callable[[Path], bool], what: str) -> Path:
+    """`final`, built by `build(tmp_dir)` on first use. Safe when several processes race to build it:
+    each builds in its own temporary sibling and renames it into place; a loser keeps the winner's copy."""
+    if complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}."))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
     try:
-        build_preset(name, tmp)
-        if not _complete(tmp):
+        build(tmp)
+        if not complete(tmp):
             # transformers 5 writes weights on rank 0 only once torch.distributed is initialised.
-            raise RuntimeError(f"building preset {name} wrote no weights; build presets before "
+            raise RuntimeError(f"building {what} wrote no weights; build it before "
                                "init_process_group (or on rank 0)")
-        if final.exists() and not _complete(final):
+        if final.exists() and not complete(final):
             shutil.rmtree(final, ignore_errors=True)  # a broken earlier build
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _complete(final):
+            if not complete(final):
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def preset_dir(name: str) -> Path:
+    """The preset's directory, built on first use. Safe when several processes race to build it."""
+    return atomic_build(home() / "presets" / name, lambda tmp: build_preset(name, tmp), _complete, f"preset {name}")

@@ -34,16 +34,15 @@ from smolforge.models.loading import resolve_model
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, node_ip, pick_backend
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
-from smolforge.paths import atomic_write_bytes, home
+from smolforge.paths import atomic_write_bytes
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
+from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, stay_held
 
 POLL_S = 0.5
 UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
 REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (the control actor decides in 60)
 COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
-HOLD_LIMIT_S = 300.0  # a hold nobody releases ends here (fault `hold-step`): a forgotten file slows, never hangs
-HOLD_POLL_S = 0.2
 
 
 def _left(deadline: float) -> float:
@@ -56,60 +55,6 @@ def _left(deadline: float) -> float:
     return left
 
 
-def fault_setting(name: str) -> str:
-    """Fault injection for tests and benchmarks: what fault `name` asks of this node's ranks, from
-    SMOLFORGE_FAULT_<NAME> or the file `fault-<name>` in the node's directory (which a test may write
-    while the worker runs); "" when neither. Each fault is read once where it acts, never per step:
-    with no fault set, none costs anything.
-
-    Delays (`<fault>-s`, seconds: `fault_delay_s`): `sample-delay-s`, per sample in every forward (a
-    slow machine); `result-delay-s`, before a rank hands back its result (a rank whose last report
-    lags); `upload-delay-s`, before a checkpoint's upload commits (a slow link to the coordinator).
-
-    `hold-step` (a step N, read as a rank starts): the rank stops after the step that takes it past
-    N (N itself, unless a parameter server hands it steps with gaps), says so in a `held` event, and
-    waits there until released (`DPWorker._hold`), so a test acts on a job at a known step instead
-    of on one made "long enough" to still be running. A rank that resumes past N does not hold. Hold
-    every node of a job (a file in each node's directory): a rank that goes on would wait for the
-    held ones at its next collective."""
-    env = os.environ.get(f"SMOLFORGE_FAULT_{name.upper().replace('-', '_')}")
-    if env:
-        return env.strip()
-    try:
-        return (node_dir() / f"fault-{name}").read_text().strip()
-    except OSError:
-        return ""
-
-
-def fault_delay_s(name: str) -> float:
-    """Seconds of delay fault `name` asks of this node's ranks (`fault_setting(name + "-s")`), 0 if none."""
-    try:
-        return float(fault_setting(f"{name}-s") or 0)
-    except ValueError:
-        return 0.0
-
-
-def fault_hold_step() -> int | None:
-    """The step after which this node's ranks hold (fault `hold-step`, see `fault_setting`), if any."""
-    try:
-        return int(fault_setting("hold-step")) or None
-    except ValueError:
-        return None
-
-
-class HoldAt:
-    """Whether the step a rank just took passes the hold's step N (`fault_hold_step`, read once): its
-    steps come in order, N itself or, from a parameter server, the first one past N."""
-
-    def __init__(self, step: int | None):
-        self.step = step
-        self.last: int | None = None  # the step before this one (the first: as if steps had no gaps)
-
-    def due(self, step: int) -> bool:
-        last, self.last = (step - 1 if self.last is None else self.last), step
-        return self.step is not None and last < self.step <= step
-
-
 def slow_down(model, per_sample_s: float) -> None:
     """Make every forward of `model` take `per_sample_s` longer per row (see fault_delay_s)."""
 
@@ -118,15 +63,6 @@ def slow_down(model, per_sample_s: float) -> None:
         time.sleep(per_sample_s * (int(ids.shape[0]) if ids is not None else 1))
 
     model.register_forward_pre_hook(pause, with_kwargs=True)
-
-
-def node_dir() -> Path:
-    """Per-machine scratch space: set by `worker join` for its node, else under SMOLFORGE_HOME."""
-    env = os.environ.get("SMOLFORGE_NODE_DIR")
-    if env:
-        return Path(env)
-
-    return home() / "node"
 
 
 def local_model_path(name: str) -> str:
@@ -323,30 +259,18 @@ class DPWorker:
             time.sleep(POLL_S)
 
     def _hold(self, step: int, at: int) -> None:
-        """Fault injection `hold-step` N = `at` (see `fault_setting`): stay after `step` until released.
-
-        Released when the setting no longer names N (the test removed the file), when the job
-        asks something of this rank (a stop, a regroup, a member waiting to join: the poller's flags,
-        so the request lands at this step or the next boundary, never at one a race chose), or after
-        HOLD_LIMIT_S. The `held` event is what a test waits for; the poller keeps shipping it and the
-        step's report meanwhile. Holding costs one file read per HOLD_POLL_S, and only while held."""
-        log = logging.getLogger(TASK_LOGGER)
+        """Fault injection `hold-step` N = `at` (`smolforge.train.faults`): stay after `step` until
+        released, or until the job asks something of this rank (`_hold_interrupt`). The `held` event is
+        what a test waits for; the poller keeps shipping it and the step's report meanwhile."""
         self._emit({"type": "event", "kind": "held", "data": {"rank": self.rank, "step": step},
-                    "message": f"rank {self.rank} held after step {step} (fault injection: "
-                               f"{node_dir() / 'fault-hold-step'}); waiting for its release"})
-        deadline = time.time() + HOLD_LIMIT_S
-        while not (why := self._hold_over(at, deadline)):
-            time.sleep(HOLD_POLL_S)
-        log.info("rank %d goes on after step %d: %s", self.rank, step, why)
+                    "message": held_message(f"rank {self.rank}", step)})
+        stay_held(f"rank {self.rank}", step, at, self._hold_interrupt)
 
-    def _hold_over(self, at: int, deadline: float) -> str | None:
-        """Why the hold of fault `hold-step` N = `at` ends now (None: it goes on)."""
+    def _hold_interrupt(self) -> str | None:
+        """What the job asks of a held rank (a stop, a regroup, a member waiting to join: the poller's
+        flags, so asking costs nothing), which ends the hold; None while it asks nothing."""
         if self._stop or self._regroup or self._joiners:
             return "the job asked for " + (self._stop or ("a regroup" if self._regroup else "a member to join"))
-        if fault_hold_step() != at:
-            return "released"
-        if time.time() > deadline:
-            return f"not released within {HOLD_LIMIT_S:.0f} s"
         return None
 
     # -- staging ----------------------------------------------------------------------------------

@@ -135,8 +135,8 @@ def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None):
     """Tokenizer and the PEFT-wrapped model on device."""
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    model = load_model(cfg.model, device=device)
-    model = apply_peft(model, cfg.peft)
+    model = load_model(cfg.model, device=device, dtype=cfg.dtype, training=True)
+    model = apply_peft(model, cfg.peft)  # peft keeps LoRA/IA3 weights in fp32 on a bf16/fp16 base
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.to(device)
@@ -199,6 +199,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     refuse_used_output_dir(cfg)
     if splits is None:  # before the model: bad data should fail in a second, not after a load
         splits = load_splits(cfg.data, tokenizer, read=examples)
+    if not splits.train:  # every answer cut off by max_length: refuse, not a modulo by zero rows later
+        raise SmolforgeError(
+            f"no training example keeps an answer token within max_length {cfg.data.max_length} "
+            f"({splits.train_stats.dropped_no_target} dropped: the prompt, with the chat template, fills it)",
+            where=str(cfg.data.path), fix="raise --max-length (data.max_length)")
     if model is None:
         tokenizer, model = build_model(cfg, device, tokenizer)
     if hooks.on_model:

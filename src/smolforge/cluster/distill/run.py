@@ -94,7 +94,8 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
             temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
-            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, ollama_host=cfg.ollama_host, seed=cfg.seed,
+            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, dtype=cfg.teacher_dtype,
+            ollama_host=cfg.ollama_host, seed=cfg.seed,
             responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator)
         students = orch.create_student_tasks(
             cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
@@ -106,6 +107,7 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
             on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
             cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
             max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
+            dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
             resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
         all_ids = teachers + students
         teacher_done = None

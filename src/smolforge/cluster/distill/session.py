@@ -143,6 +143,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 task.started = task.started or data.get("at", time.time())
                 self._devent("student_started", f"{task.task_id} started training on {task.node} "
                              f"({data.get('shards_ready')} shards in hand)", task_id=task.task_id, node=task.node, **data)
+            elif ev["kind"] == "held":  # fault injection (train/faults.py): the student says where it waits
+                self._devent("held", f"{task.task_id}: {data.pop('message', 'held')}", task_id=task.task_id, **data)
             elif ev["kind"] == "shard_corrupt":
                 self._devent("shard_corrupt", f"{task.task_id} rejected shard {data.get('shard')}: {data.get('error')}",
                              task_id=task.task_id, **data)

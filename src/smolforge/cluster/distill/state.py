@@ -13,7 +13,7 @@ from smolforge.cluster.policy import FailurePolicy
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
-from smolforge.models import tiny
+from smolforge.models.names import built_from_code
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
@@ -87,6 +87,7 @@ class StoreState:
     teacher_tokenizer: str | None = None
     max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
     teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)
+    dtype: str = "fp32"  # the teacher's weights (a --dtype choice, smolforge.models.dtypes)
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
     retries: dict[int, int] = field(default_factory=dict)
@@ -116,7 +117,7 @@ def store_dir_of(output_dir: str | Path) -> Path:
 
 
 def is_local_model(name: str) -> bool:
-    return tiny.is_preset(name) or Path(name).expanduser().exists()
+    return built_from_code(name) or Path(name).expanduser().exists()
 
 
 

@@ -52,7 +52,8 @@ class StudentTasks:
                              replace_timeout_s: float = 300.0, students_sync: str = "average",
                              students_strategy: str | None = None, on_policy_ratio: float = 0.0,
                              on_policy_temperature: float = 1.0, on_policy_start: float = 0.0,
-                             teacher_model: str | None = None) -> list[str]:
+                             teacher_model: str | None = None, dtype: str = "fp32",
+                             teacher_dtype: str = "fp32") -> list[str]:
         """Students that stream the teacher's shards as they appear; returns their task ids.
 
         `base_model` may be a list (several student bases learn from one teacher output). With
@@ -117,7 +118,8 @@ class StudentTasks:
                           "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
                           "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
                           "on_policy_start": on_policy_start,
-                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None)}
+                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None),
+                          "dtype": dtype, "teacher_dtype": teacher_dtype}
                 spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
                         "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
                         "resume": self._resume_point(out, resume)}

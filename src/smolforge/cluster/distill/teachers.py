@@ -36,7 +36,7 @@ from smolforge.distill.store import (
 )
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
-from smolforge.models import tiny
+from smolforge.models.names import built_from_code
 
 
 class TeacherTasks:
@@ -87,7 +87,7 @@ class TeacherTasks:
         """
         loader = model_backend(backend)
         embedded = bool(getattr(self.cluster, "embedded", False))
-        any_ok = loader == "hf" and (tiny.is_preset(model) or (embedded and is_local_model(model)))
+        any_ok = loader == "hf" and (built_from_code(model) or (embedded and is_local_model(model)))
         return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader,
                            on_coordinator=on_coordinator)
 
@@ -134,7 +134,7 @@ class TeacherTasks:
                                       max_new_tokens: int = 32, samples_per_prompt: int = 1,
                                       num_shards: int | None = None, shard_size: int | None = None,
                                       backend: str = "hf", cpus_per_teacher: float | None = None,
-                                      device: str = "auto", ollama_host: str | None = None,
+                                      device: str = "auto", dtype: str = "fp32", ollama_host: str | None = None,
                                       tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
                                       responses: str = "generate", max_retries: int | None = None,
                                       task_config: TaskConfig | None = None,
@@ -187,7 +187,7 @@ class TeacherTasks:
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
                            ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
-                           teacher_on_coordinator=teacher_on_coordinator)
+                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -246,7 +246,7 @@ class TeacherTasks:
                 it = store.items[i]
                 items[i] = {"prompt_messages": it.prompt_messages, "answer": it.answer}
         spec = {"task_id": task_id, "model": store.teacher, "backend": store.backend, "items": items, "shards": shards,
-                "settings": asdict(store.settings), "compress": store.compress, "device": store.device,
+                "settings": asdict(store.settings), "compress": store.compress, "device": store.device, "dtype": store.dtype,
                 "num_threads": max(1, int(store.cpus_per_teacher)), "node_name": node.name,
                 "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer}
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,

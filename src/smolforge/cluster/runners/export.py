@@ -37,7 +37,7 @@ def export_task(spec_dict: dict[str, Any], control: Any, upload_timeout_s: float
     with tempfile.TemporaryDirectory(dir=scratch, prefix="export-") as tmp:
         out = Path(tmp) / spec.to
         summary = export(local_model_path(spec.model), spec.to, out, adapters=spec.adapters, quant=spec.quant,
-                         name=spec.model_name, verify=spec.verify, threads=max(1, int(spec.cpus)))
+                         name=spec.model_name, verify=spec.verify, threads=max(1, int(spec.cpus)), dtype=spec.dtype)
         deadline = time.monotonic() + upload_timeout_s
         left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
         upload_id = ray.get(control.begin_artifact.remote(ARTIFACT_KIND, spec.to), timeout=left())

@@ -59,7 +59,7 @@ class ServeApi:
         self.lines.secrets.append(token)  # masked in every line this actor ships (the cluster token)
         stages = None if spec.stages == "auto" else spec.stages  # None: the placement plan chooses
         self.group = StageGroup(spec.model, stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
-                                device=spec.device, step_timeout_s=spec.step_timeout_s,
+                                device=spec.device, dtype=spec.dtype, step_timeout_s=spec.step_timeout_s,
                                 load_timeout_s=spec.load_timeout_s, embedded=self.embedded,
                                 name=spec.model_name or spec.model)
         model = self.group.start()

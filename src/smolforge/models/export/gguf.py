@@ -7,8 +7,10 @@ the q8_0/bf16 packing; this module is the glue no library ships as an importable
   permuted from HF's rotate-half rope to llama.cpp's interleaved (NORM) rope, Qwen2's left as
   they are (NEOX rope), GPT-2's Conv1D weights transposed, tied embeddings (GPT-2 gets an explicit
   output tensor; Llama and Qwen2 fall back to the embedding in llama.cpp);
-- the byte-level BPE tokenizer: tokens, token types, merges, special ids, chat template, and the
-  pre-tokenizer name read from what tokenizer.json actually does (not from a hash table).
+- the tokenizer (gguf_vocab.py): byte-level BPE with the pre-tokenizer name read from what
+  tokenizer.json actually does (not from a hash table), or SentencePiece-style byte-fallback BPE;
+- rope scaling as llama.cpp's converter carries it: Llama 3's as a `rope_freqs` tensor, linear
+  and YaRN as keys.
 
 Written streaming: every tensor's info first (shapes come from the safetensors headers), then one
 merged, converted tensor at a time, so the peak is one tensor above the adapters.
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.export.gguf_vocab import pre_tokenizer_name, write_tokenizer  # noqa: F401 (re-export)
 from smolforge.models.export.merge import MergedModel
 
 if TYPE_CHECKING:
@@ -45,14 +48,80 @@ class Family:
     untie: bool  # write output.weight from the embedding when the head is tied
 
 
-def _rope_theta(cfg: dict) -> float:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise SmolforgeError(f"rope scaling {kind!r} is not supported by GGUF export yet",
-                             fix="export a model with plain rope (no rope_scaling), or convert with llama.cpp's "
-                                 "convert_hf_to_gguf.py")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope(cfg: dict) -> dict:
+    """The rope parameters (transformers 5 keeps them in rope_parameters, 4 in rope_scaling)."""
+    rope = dict(cfg.get("rope_scaling") or {})
+    rope.update(cfg.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope["kind"] = rope.get("rope_type", rope.get("type")) or "default"
+    return rope
+
+
+YARN_DEFAULTS = {"attention_factor": None, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
+                 "mscale_all_dim": None}  # what llama.cpp assumes (it derives the attention factor itself)
+
+
+def _rope_scaling(w, cfg: dict, arch: str) -> None:
+    """Rope scaling keys as llama.cpp's convert_hf_to_gguf.py writes them; a kind llama.cpp would
+    run differently is refused, since a wrong rope only shows as a worse model."""
+    import gguf
+
+    rope = _rope(cfg)
+    kind = rope["kind"]
+    if kind == "default":
+        return
+    if kind == "llama3" and arch == "LLAMA":
+        return  # carried by the rope_freqs tensor (_extra_tensors); llama.cpp reads it per layer
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        return
+    if kind == "yarn" and all(rope.get(k, v) in (v, None) for k, v in YARN_DEFAULTS.items()):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
+                                            or cfg["max_position_embeddings"]))
+        return
+    raise SmolforgeError(f"rope scaling {kind!r} ({json.dumps({k: v for k, v in rope.items() if k != 'kind'})}) on a "
+                         f"{arch.lower()} model has no llama.cpp equivalent smolforge writes",
+                         fix="export with --to hf and convert with llama.cpp's convert_hf_to_gguf.py; GGUF export "
+                             "carries default, linear, yarn (default betas) and llama3 (Llama) rope")
+
+
+def llama3_rope_factors(cfg: dict) -> "torch.Tensor":
+    """Llama 3's per-frequency rope divisors, as convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors
+    computes them (llama.cpp divides each rope frequency by its factor), from the rope parameters
+    HF itself uses (transformers' _compute_llama3_parameters reads original_max_position_embeddings
+    from the rope parameters, so that is where it is read here too)."""
+    import math
+
+    import torch
+
+    rope = _rope(cfg)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)), \
+        float(rope.get("high_freq_factor", 4.0))
+    old_ctx = float(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _extra_tensors(cfg: dict, arch: str) -> dict[str, "torch.Tensor"]:
+    """Tensors llama.cpp needs that the checkpoint does not hold (GGUF name -> tensor)."""
+    if arch == "LLAMA" and _rope(cfg)["kind"] == "llama3":
+        return {"rope_freqs.weight": llama3_rope_factors(cfg)}
+    return {}
 
 
 def _llama_like_hparams(w, cfg: dict) -> None:
@@ -64,8 +133,9 @@ def _llama_like_hparams(w, cfg: dict) -> None:
     w.add_head_count(heads)
     w.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    w.add_rope_freq_base(_rope_theta(cfg))
+    w.add_rope_freq_base(float(_rope(cfg)["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    _rope_scaling(w, cfg, "QWEN2" if cfg.get("model_type") == "qwen2" else "LLAMA")
 
 
 def _llama_fix(name: str, t: "torch.Tensor", cfg: dict) -> "torch.Tensor":
@@ -109,85 +179,6 @@ def family_of(cfg: dict) -> Family:
 
 
 # --------------------------------------------------------------------------- tokenizer
-
-def _pre_step(step: dict) -> tuple:
-    """What matters of one pre-tokenizer step for the split it makes."""
-    kind = step.get("type")
-    if kind == "ByteLevel":
-        return (kind, step.get("use_regex", True), step.get("add_prefix_space", False))
-    if kind == "Digits":
-        return (kind, step.get("individual_digits", False))
-    return (kind,)
-
-
-def pre_tokenizer_name(tokenizer_json: dict) -> str:
-    """The llama.cpp pre-tokenizer that splits text exactly as tokenizer.json's pre_tokenizer does.
-
-    Read from the pre-tokenizer itself: ByteLevel with its GPT-2 regex is llama.cpp's `gpt2`;
-    single digits split first, then ByteLevel's regex, is `starcoder` (its regexes are `\\p{N}` and
-    then GPT-2's). Anything else is refused rather than guessed: a wrong name tokenizes differently.
-    """
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    shape = [_pre_step(s) for s in steps]
-    if shape == [("ByteLevel", True, False)]:
-        return "gpt2"
-    if shape == [("Digits", True), ("ByteLevel", True, False)]:
-        return "starcoder"
-    raise SmolforgeError(f"the tokenizer's pre-tokenizer {json.dumps(pre)[:200]} has no known llama.cpp equivalent",
-                         fix="export with --to hf and convert with llama.cpp's convert_hf_to_gguf.py, which knows "
-                             "the pre-tokenizers of published models")
-
-
-def _token_id(tokenizer_json: dict, token: str | dict | None) -> int | None:
-    if isinstance(token, dict):
-        token = token.get("content")
-    if not token:
-        return None
-    vocab = tokenizer_json["model"]["vocab"]
-    if token in vocab:
-        return vocab[token]
-    return next((a["id"] for a in tokenizer_json.get("added_tokens", []) if a["content"] == token), None)
-
-
-def write_tokenizer(w, tok_dir: Path, cfg: dict, vocab_size: int) -> dict:
-    """The tokenizer keys; returns {eos, bos, pad, pre} for the report."""
-    import gguf
-
-    tj = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    if tj.get("model", {}).get("type") != "BPE":
-        raise SmolforgeError(f"{tok_dir}/tokenizer.json is not a BPE tokenizer", fix="export with --to hf")
-    tc_path = tok_dir / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
-    pre = pre_tokenizer_name(tj)
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    types = [gguf.TokenType.UNUSED] * vocab_size
-    for text, i in tj["model"]["vocab"].items():
-        if i < vocab_size:
-            tokens[i], types[i] = text, gguf.TokenType.NORMAL
-    for added in tj.get("added_tokens", []):
-        if added["id"] < vocab_size:
-            tokens[added["id"]] = added["content"]
-            types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    eos = _token_id(tj, tc.get("eos_token")) if tc.get("eos_token") else cfg.get("eos_token_id")
-    bos = _token_id(tj, tc.get("bos_token")) if tc.get("bos_token") else cfg.get("bos_token_id")
-    pad = _token_id(tj, tc.get("pad_token")) if tc.get("pad_token") else cfg.get("pad_token_id")
-    for add, value in ((w.add_eos_token_id, eos), (w.add_bos_token_id, bos), (w.add_pad_token_id, pad)):
-        if isinstance(value, int):
-            add(value)
-    # Our byte-level tokenizers add no BOS (tokenizer_config bos_token null): llama.cpp must not either.
-    w.add_add_bos_token(bool(tc.get("add_bos_token", False)) and bool(tc.get("bos_token")))
-    template = chat_template(tok_dir)
-    if template:
-        w.add_chat_template(template)
-    return {"pre_tokenizer": pre, "eos_token_id": eos, "bos_token_id": bos, "pad_token_id": pad}
-
 
 def chat_template(tok_dir: Path) -> str | None:
     """The tokenizer's chat template (transformers 5 keeps it in chat_template.jinja)."""
@@ -241,7 +232,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     shapes = model.shapes()
     n_blocks = cfg.get("num_hidden_layers") or cfg.get("n_layer")
     tmap = gguf.get_tensor_name_map(arch, n_blocks)
-    plan: list[tuple[str, str, tuple[int, ...]]] = []  # (gguf name, hf name, shape in HF order after fixes)
+    plan: list[tuple[str, str | None, tuple[int, ...]]] = []  # (gguf name, hf name or None, shape after fixes)
     for hf_name, shape in shapes.items():
         gname = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gname is None:
@@ -253,6 +244,8 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     embed = next((p for p in plan if p[0] == "token_embd.weight"), None)
     if family.untie and embed and not any(p[0] == "output.weight" for p in plan):
         plan.append(("output.weight", embed[1], embed[2]))
+    extras = _extra_tensors(cfg, family.arch)
+    plan += [(gname, None, tuple(t.shape)) for gname, t in extras.items()]
 
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(name or Path(cfg.get("_name_or_path") or model.base_dir).name)
@@ -261,7 +254,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = cfg["vocab_size"]
-    tok = write_tokenizer(writer, model.tokenizer_dir, cfg, vocab_size)
+    tok = write_tokenizer(writer, model.tokenizer_dir, cfg, vocab_size, chat_template(model.tokenizer_dir))
     qtypes = {}
     for gname, _, shape in plan:
         qtype = qtypes[gname] = _qtype(gname, shape, quant)
@@ -275,7 +268,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for gname, hf_name, _ in plan:
-        tensor = family.fix(hf_name, model.tensor(hf_name), cfg)
+        tensor = extras[gname] if hf_name is None else family.fix(hf_name, model.tensor(hf_name), cfg)
         writer.write_tensor_data(_pack(tensor, qtypes[gname]))
         del tensor
     writer.close()

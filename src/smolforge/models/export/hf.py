@@ -34,15 +34,20 @@ def copy_side_files(model: MergedModel, out: Path) -> None:
                 break
 
 
-def write_hf(model: MergedModel, out: Path) -> dict:
-    """Write the merged model into the empty directory `out`; returns {files, bytes}."""
+def write_hf(model: MergedModel, out: Path, dtype: str = "auto") -> dict:
+    """Write the merged model into the empty directory `out`; returns {files, bytes}.
+
+    `dtype` (a --dtype choice): the floating tensors are written in it (the merge itself folds in
+    fp32, merge._apply) and config.json declares it; auto keeps the checkpoint's own dtypes."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
+    cast = _cast_to(dtype)
     shards: list[dict] = []
     current: dict = {}
     size = total = 0
-    for name, tensor in model.tensors():
+    for name, raw in model.tensors():
+        tensor = raw.to(cast) if cast is not None and raw.is_floating_point() else raw
         if current and size + tensor.numel() * tensor.element_size() > SHARD_BYTES:
             shards.append(current)
             _flush(current, out, len(shards), save_file)
@@ -61,9 +66,19 @@ def write_hf(model: MergedModel, out: Path) -> dict:
         weight_map.update({name: final.name for name in shard})
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
-    (out / "config.json").write_text(json.dumps(model.config, indent=2), encoding="utf-8")
+    config = dict(model.config)
+    if cast is not None:  # transformers 5 reads `dtype`, older versions `torch_dtype`
+        config["dtype"] = config["torch_dtype"] = str(cast).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     copy_side_files(model, out)
     return {"files": sorted(p.name for p in out.iterdir()), "bytes": total}
+
+
+def _cast_to(dtype: str):
+    """The torch dtype to write tensors in; None: as stored (auto)."""
+    from smolforge.models.dtypes import torch_dtype
+
+    return None if dtype == "auto" else torch_dtype(dtype)
 
 
 def _shard_name(i: int, count: int) -> str:

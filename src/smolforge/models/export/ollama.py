@@ -7,16 +7,23 @@ format's Go template goes into the Modelfile. A template no known format reprodu
 since a wrong TEMPLATE makes Ollama prompt the model in a format it never saw.
 
 No Ollama server runs here: `ollama create` itself is untested; the TEMPLATE is checked by
-rendering it with Go's text/template (tests/test_export.py).
+rendering it with Go's text/template (tests/test_export.py, tests/test_export_families.py) and
+comparing it with the published Jinja templates (models/chat_templates.py).
+
+Formats: ChatML (with the default system prompt its template adds, as Qwen2.5's does), Zephyr
+(TinyLlama-Chat), Llama 3, Llama 3.2 (a dated system header: the date is fixed at export, as the
+Jinja template renders it that day) and Phi-3 (the template llama.cpp's tests name Phi-3-mini,
+which drops system messages). Jinja's `| trim` has no Go builtin: contents are passed as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.export.gguf_vocab import adds_bos
 
 PROBE = [
     {"role": "system", "content": "You are terse."},
@@ -27,60 +34,173 @@ PROBE = [
 
 
 @dataclass(frozen=True)
+class Params:
+    """What a format needs from the tokenizer: its BOS/EOS text, the system prompt its template adds
+    when the conversation has none, and the date a dated template prints (fixed at export)."""
+    bos: str = ""
+    eos: str = ""
+    default_system: str | None = None
+    date: str = ""
+
+
+@dataclass(frozen=True)
 class ChatFormat:
     name: str
-    render: Callable[[list[dict]], str]  # messages -> prompt text with the generation prompt
-    go_template: str
-    stops: tuple[str, ...]
+    render: Callable[[list[dict], Params], str]  # messages -> prompt text with the generation prompt
+    go: Callable[[Params], str]  # the Modelfile TEMPLATE (Go text/template over .Messages)
+    stops: Callable[[Params], tuple[str, ...]]
+    default_system: Callable[[str], str | None] = lambda rendered: None  # from a rendering without one
 
 
-def _chatml(messages: list[dict]) -> str:
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+def _chatml(messages: list[dict], p: Params) -> str:
+    head = "" if p.default_system is None or (messages and messages[0]["role"] == "system") \
+        else f"<|im_start|>system\n{p.default_system}<|im_end|>\n"
+    return head + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) \
+        + "<|im_start|>assistant\n"
 
+
+def _chatml_go(p: Params) -> str:
+    head = "" if p.default_system is None else (
+        '{{- if or (not .Messages) (ne (index .Messages 0).Role "system") }}<|im_start|>system\n'
+        f"{p.default_system}<|im_end|>\n{{{{ end }}}}")
+    return head + ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+                   "<|im_start|>assistant\n")
+
+
+def _chatml_default_system(rendered: str) -> str | None:
+    head = "<|im_start|>system\n"
+    return rendered[len(head): rendered.index("<|im_end|>")] if rendered.startswith(head) else None
+
+
+def _zephyr(messages: list[dict], p: Params) -> str:
+    return "".join(f"<|{m['role']}|>\n{m['content']}{p.eos}\n" for m in messages
+                   if m["role"] in ("system", "user", "assistant")) + "<|assistant|>\n"
+
+
+def _llama3(messages: list[dict], p: Params) -> str:
+    return p.bos * bool(messages) + "".join(
+        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages
+    ) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def _llama32_head(p: Params) -> str:
+    return (f"{p.bos}<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+            f"Today Date: {p.date}\n\n")
+
+
+def _llama32(messages: list[dict], p: Params) -> str:
+    system = messages[0]["content"].strip() if messages and messages[0]["role"] == "system" else ""
+    rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    return _llama32_head(p) + system + "<|eot_id|>" + _llama3(rest, Params())
+
+
+def _phi3(messages: list[dict], p: Params) -> str:
+    turns = {"user": "<|user|>\n{}<|end|>\n<|assistant|>\n", "assistant": "{}<|end|>\n"}
+    return p.bos + "".join(turns[m["role"]].format(m["content"]) for m in messages if m["role"] in turns)
+
+
+_LLAMA3_TURN = "<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>"
+_LLAMA3_PROMPT = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+_FIRST_IS_SYSTEM = '(and .Messages (eq (index .Messages 0).Role "system"))'
 
 FORMATS = (
+    ChatFormat("chatml", _chatml, _chatml_go, lambda p: ("<|im_start|>", "<|im_end|>"), _chatml_default_system),
     ChatFormat(
-        "chatml", _chatml,
-        "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
-        ("<|im_start|>", "<|im_end|>"),
-    ),
+        "zephyr", _zephyr,
+        lambda p: ('{{- range .Messages }}{{ if or (eq .Role "system") (eq .Role "user") (eq .Role "assistant") }}'
+                   f"<|{{{{ .Role }}}}|>\n{{{{ .Content }}}}{p.eos}\n{{{{ end }}}}{{{{ end }}}}<|assistant|>\n"),
+        lambda p: tuple(s for s in (p.eos, "<|user|>", "<|system|>") if s)),
+    ChatFormat(
+        "llama3", _llama3,
+        lambda p: f"{{{{- range $i, $m := .Messages }}}}{{{{ if eq $i 0 }}}}{p.bos}{{{{ end }}}}{_LLAMA3_TURN}"
+                  f"{{{{ end }}}}{_LLAMA3_PROMPT}",
+        lambda p: ("<|eot_id|>", "<|start_header_id|>")),
+    ChatFormat(
+        "llama3.2", _llama32,
+        lambda p: (_llama32_head(p) + f"{{{{ if {_FIRST_IS_SYSTEM} }}}}"
+                   "{{ (index .Messages 0).Content }}{{ end }}"
+                   "<|eot_id|>{{- range $i, $m := .Messages }}{{ if not (and (eq $i 0) (eq .Role \"system\")) }}"
+                   f"{_LLAMA3_TURN}{{{{ end }}}}{{{{ end }}}}{_LLAMA3_PROMPT}"),
+        lambda p: ("<|eot_id|>", "<|start_header_id|>")),
+    ChatFormat(
+        "phi3", _phi3,
+        lambda p: (f"{p.bos}{{{{- range .Messages }}}}"
+                   '{{ if eq .Role "user" }}<|user|>\n{{ .Content }}<|end|>\n'
+                   "<|assistant|>\n{{ else if eq .Role \"assistant\" }}{{ .Content }}<|end|>\n{{ end }}{{ end }}"),
+        lambda p: ("<|end|>", "<|user|>", "<|assistant|>")),
 )
 
 
-def render_jinja(template: str, messages: list[dict]) -> str:
-    """The tokenizer's chat template rendered as transformers renders it (add_generation_prompt on)."""
+def render_jinja(template: str, messages: list[dict], tokens: dict | None = None) -> str:
+    """The tokenizer's chat template rendered as transformers renders it (add_generation_prompt on);
+    `tokens` are the template variables apply_chat_template passes (bos_token, eos_token, ...)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True)
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
+                                        **(tokens or {}))
     return rendered[0]
 
 
-def chat_format(template: str | None) -> ChatFormat:
+def template_vars(bos: str | None, eos: str | None, date: str | None = None, adds_bos: bool = False) -> dict:
+    """The variables the template is rendered with; the date is fixed (a dated template such as
+    Llama 3.2's prints it, and the Go TEMPLATE carries the same text). `add_bos_token`: llama.cpp
+    adds the BOS itself, so a TEMPLATE must not write it too (a doubled BOS degrades the model)."""
+    import time
+
+    return {"bos_token": bos or "", "eos_token": eos or "", "date_string": date or time.strftime("%d %b %Y"),
+            "add_bos_token": adds_bos}
+
+
+def chat_format(template: str | None, tokens: dict | None = None) -> tuple[ChatFormat, Params]:
+    """The known format the tokenizer's chat template renders like, with and without a system
+    prompt, and the parameters (BOS/EOS text, default system prompt, date) that make it so."""
     if not template:
         raise SmolforgeError("the tokenizer has no chat template, so the Modelfile would have no TEMPLATE",
                              fix="export --to gguf and write the Modelfile yourself, or add a chat template to the "
                                  "tokenizer (tokenizer.chat_template = ...; save_pretrained)")
-    got = render_jinja(template, PROBE)
+    tokens = tokens or template_vars(None, None)
+    try:
+        got, got_bare = render_jinja(template, PROBE, tokens), render_jinja(template, PROBE[1:], tokens)
+    except Exception as err:  # the template raises (e.g. "System role not supported"), or does not parse
+        raise SmolforgeError(f"the tokenizer's chat template does not render a conversation with a system prompt "
+                             f"({type(err).__name__}: {err})",
+                             fix="export --to gguf and write the Modelfile yourself") from err
     for fmt in FORMATS:
-        if fmt.render(PROBE) == got:
-            return fmt
+        params = Params(tokens["bos_token"], tokens["eos_token"], fmt.default_system(got_bare), tokens["date_string"])
+        if fmt.render(PROBE, params) == got and fmt.render(PROBE[1:], params) == got_bare:
+            if any("{{" in (v or "") for v in (params.bos, params.eos, params.default_system)):
+                break  # literal text Go would read as an action
+            return fmt, params
     raise SmolforgeError(f"the tokenizer's chat template matches none of the formats smolforge can write as an "
                          f"Ollama TEMPLATE ({', '.join(f.name for f in FORMATS)})",
                          fix="export --to gguf and write the Modelfile's TEMPLATE yourself")
 
 
-def modelfile(template: str | None, gguf_name: str = "model.gguf") -> tuple[str, ChatFormat]:
-    """The Modelfile text for a GGUF next to it, and the chat format it uses."""
-    fmt = chat_format(template)
-    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{fmt.go_template}"""']
-    lines += [f'PARAMETER stop "{s}"' for s in fmt.stops]
-    return "\n".join(lines) + "\n", fmt
+def tokens_of(tok_dir: Path) -> dict:
+    """The template variables for the tokenizer in `tok_dir` (its BOS/EOS text, today's date)."""
+    import json
+
+    path = tok_dir / "tokenizer_config.json"
+    tc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    text = {k: (v.get("content") if isinstance(v, dict) else v)
+            for k, v in tc.items() if k in ("bos_token", "eos_token")}
+    return template_vars(text.get("bos_token"), text.get("eos_token"), adds_bos=adds_bos(tc))
 
 
-def write_modelfile(out_dir: Path, template: str | None, gguf_name: str = "model.gguf") -> dict:
-    text, fmt = modelfile(template, gguf_name)
+def modelfile(template: str | None, tokens: dict | None = None, gguf_name: str = "model.gguf") -> tuple[str, dict]:
+    """The Modelfile text for a GGUF next to it, and what it chose (for the export summary)."""
+    fmt, params = chat_format(template, tokens)
+    stops = fmt.stops(params)
+    go = fmt.go(replace(params, bos="") if (tokens or {}).get("add_bos_token") else params)
+    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{go}"""'] + [f'PARAMETER stop "{s}"' for s in stops]
+    return "\n".join(lines) + "\n", {"chat_format": fmt.name, "stops": list(stops)}
+
+
+def write_modelfile(out_dir: Path, template: str | None, tokens: dict | None = None,
+                    gguf_name: str = "model.gguf") -> dict:
+    text, chosen = modelfile(template, tokens, gguf_name)
     (out_dir / "Modelfile").write_text(text, encoding="utf-8")
-    return {"modelfile": "Modelfile", "chat_format": fmt.name, "stops": list(fmt.stops)}
+    return {"modelfile": "Modelfile", **chosen}
 
 
 def create_command(name: str, out_dir: Path) -> str:

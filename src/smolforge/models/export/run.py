@@ -77,10 +77,14 @@ def reference_model(merged: MergedModel):
 
 def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] | tuple[str, ...] = (),
            quant: str = "f16", name: str | None = None, verify: bool = True, threads: int | None = None,
-           say: Callable[[str], None] = lambda line: None) -> dict:
-    """Export `model` (+ `adapters`, merged in order) as `to` into `output_dir`; the summary dict."""
+           dtype: str = "auto", say: Callable[[str], None] = lambda line: None) -> dict:
+    """Export `model` (+ `adapters`, merged in order) as `to` into `output_dir`; the summary dict.
+
+    `dtype` is the dtype `--to hf` writes (auto: the checkpoint's own); a GGUF's is `quant`, and
+    its verification reference stays fp32 (a bf16 reference would hide the GGUF's own error)."""
     if to not in TARGETS:
         raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")
+    dtype = check_export_dtype(dtype, to)
     if quant not in gguf_format.QUANTS:
         raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(gguf_format.QUANTS)}")
     out = Path(output_dir).expanduser().resolve()
@@ -89,8 +93,9 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     merged = MergedModel(model_dir(model), list(adapters))
     name = name or default_name(model, adapters)
     template = gguf_format.chat_template(merged.tokenizer_dir)
+    tokens = ollama_format.tokens_of(merged.tokenizer_dir)
     if to == "ollama":
-        ollama_format.chat_format(template)  # refuse an untranslatable template before any work
+        ollama_format.chat_format(template, tokens)  # refuse an untranslatable template before any work
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     summary: dict = {"to": to, "model": model, "adapters": [str(a) for a in adapters], "name": name,
@@ -98,7 +103,8 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     try:
         if to == "hf":
             say(f"merging into an HF directory ({len(merged.adapters)} adapter(s))")
-            summary["hf"] = hf_format.write_hf(merged, tmp)
+            summary["hf"] = hf_format.write_hf(merged, tmp, dtype)
+            summary["dtype"] = dtype
         else:
             say(f"writing {GGUF_NAME} ({quant})")
             summary["gguf"] = gguf_format.write_gguf(merged, tmp / GGUF_NAME, quant, name)
@@ -116,7 +122,7 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
                     raise SmolforgeError(f"the GGUF does not reproduce the model: {report.line()}",
                                          fix="report it with the model's config.json; --no-verify writes it anyway")
             if to == "ollama":
-                summary["ollama"] = ollama_format.write_modelfile(tmp, template, GGUF_NAME)
+                summary["ollama"] = ollama_format.write_modelfile(tmp, template, tokens, GGUF_NAME)
                 summary["ollama"]["create"] = ollama_format.create_command(name, out)
         summary["seconds"] = round(time.time() - t0, 2)
         summary["files"] = sorted(p.name for p in tmp.iterdir()) + [SUMMARY]
@@ -126,6 +132,17 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return summary
+
+
+def check_export_dtype(dtype: str | None, to: str) -> str:
+    """--dtype for an export: a choice (default auto, the checkpoint's own), and only for --to hf."""
+    from smolforge.models.dtypes import parse_dtype
+
+    dtype = parse_dtype(dtype or "auto")
+    if dtype != "auto" and to != "hf":
+        raise SmolforgeError(f"--dtype {dtype} applies to --to hf; a {to} export's weights dtype is --quant",
+                             where="--dtype", fix="use --quant f16|bf16|q8_0 for GGUF/Ollama, or drop --dtype")
+    return dtype
 
 
 def read_summary(output_dir: str | Path) -> dict:

@@ -2,8 +2,8 @@
 
 Three checks on a few chat prompts, against the HF model with its adapters applied by peft
 (unmerged: an independent path from our merge, so a merge bug shows up here too):
-- tokenization: llama.cpp's token ids for each prompt equal the HF tokenizer's (a wrong
-  pre-tokenizer or merge list shows up here first);
+- tokenization: llama.cpp's token ids for each prompt, and for TOKENIZER_TEXTS (digits, spaces,
+  CJK, emoji, code), equal the HF tokenizer's (a wrong pre-tokenizer or merge list shows up here);
 - logits: normalised MSE over the prompt positions, each row centred first (logits are defined up
   to a constant per row): sum ||a - b||^2 / sum ||b||^2;
 - greedy tokens: HF continues each prompt greedily for `new_tokens` tokens; agreement is the share
@@ -35,6 +35,43 @@ QUESTIONS = [
     "What is the first character of python?", "Lowercase WATER.", "What is 3 + 4?", "Reverse abc.",
     "What is 999 - 1?", "Say the number after 41.", "Uppercase answer.", "What is 5 + 5 + 5?",
 ]
+
+
+# Text no chat prompt above exercises: digits, runs of spaces, CJK, emoji, code with tabs and
+# newlines, CRLF. A pre-tokenizer that splits these differently from HF's (e.g. Qwen2's regex
+# written as GPT-2's) passes on the chat prompts and fails here.
+TOKENIZER_TEXTS = [
+    "What is 12345 + 678?  Twelve   spaces ->            <- here 3.14159 1,000,000",
+    "日本語のテキストと中文字符，混在する text 🙂🚀 emoji 👩‍💻",
+    "def f(x):\n\tif x > 10:\n\t\treturn x ** 2\n    return None\n\n\n",
+    "Ünïcödé naïve café — “quotes” … it's we'll THEY'RE don't",
+    "   leading and trailing   \r\nCRLF\ttab  ",
+]
+
+
+def sentencepiece_style(llm) -> bool:
+    """Whether the GGUF's vocabulary is SentencePiece-style (`tokenizer.ggml.model` llama)."""
+    return (getattr(llm, "metadata", None) or {}).get("tokenizer.ggml.model") == "llama"
+
+
+def tokenizer_texts(llm) -> list[str]:
+    """The texts whose tokens must be equal. For a SentencePiece-style vocabulary, TOKENIZER_TEXTS
+    less those starting with whitespace, and not the chat prompts (`compare`): llama.cpp follows
+    SentencePiece, which such models were trained with, and puts a "▁" before every run of text, at
+    the start and after each special token; transformers 5's LlamaTokenizer (Metaspace,
+    prepend_scheme "first", legacy=False) puts one only at the start, and none when the text already
+    starts with a space ("   x": 3 vs 4 "▁"; "</s>\n<|assistant|>": "\n" vs "▁\n"). Neither is a
+    fault of the GGUF, and no GGUF key makes llama.cpp do the other; plain text still compares every
+    token, and the logits and greedy checks below run on HF's own token ids."""
+    if sentencepiece_style(llm):
+        return [t for t in TOKENIZER_TEXTS if not t[:1].isspace()]
+    return TOKENIZER_TEXTS
+
+
+def same_tokens(llm, tokenizer, text: str) -> bool:
+    """llama.cpp's token ids for `text` equal the HF tokenizer's (special tokens parsed by both)."""
+    want = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)) == list(want)
 
 
 @dataclass
@@ -97,11 +134,11 @@ def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int
 
     max_nmse, min_agree = LIMITS[quant]
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
-    tok_equal, err, ref, same, ties, total = True, 0.0, 0.0, 0, 0, 0
+    tok_equal = all(same_tokens(llm, tokenizer, text) for text in tokenizer_texts(llm))
+    err, ref, same, ties, total = 0.0, 0.0, 0, 0, 0
     for text in texts:
         hf_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        tok_equal &= list(cpp_ids) == list(hf_ids)
+        tok_equal &= sentencepiece_style(llm) or same_tokens(llm, tokenizer, text)  # see tokenizer_texts
         with torch.no_grad():
             seq = list(hf_ids)
             for _ in range(new_tokens):  # plain argmax, end tokens included

@@ -32,14 +32,15 @@ class ServedModel:
 
     @classmethod
     def load(cls, model: str, adapter: str | None = None, *, name: str | None = None,
-             device: str = "cpu", merge: bool = True) -> "ServedModel":
-        """Load with the project's loaders. A LoRA/IA3 adapter is merged into the weights (one matmul
-        per layer instead of two) unless `merge=False`; a Houlsby adapter stays applied."""
+             device: str = "cpu", merge: bool = True, dtype: str = "fp32") -> "ServedModel":
+        """Load with the project's loaders, in `dtype` (a --dtype choice). A LoRA/IA3 adapter is merged
+        into the weights (one matmul per layer instead of two) unless `merge=False`; a Houlsby adapter
+        stays applied."""
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         dev = pick_device(device)
         tokenizer = load_tokenizer(model)
-        net = load_model(model, device=dev)
+        net = load_model(model, device=dev, dtype=dtype)
         if adapter:
             net = _with_adapter(net, adapter, merge=merge).to(dev)
         return cls.wrap(net, tokenizer, name=name or model, device=dev)

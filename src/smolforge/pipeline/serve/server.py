@@ -40,6 +40,7 @@ class ServeOptions:
     max_batch: int = 8
     model_name: str | None = None
     device: str = "auto"
+    dtype: str = "fp32"  # the weights' dtype, a --dtype choice (smolforge.models.dtypes)
     num_threads: int | None = None
     batch_window_ms: float = 5.0
 
@@ -161,6 +162,7 @@ def _load(opts: ServeOptions, token: str):
 
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
-    served = ServedModel.load(opts.model, opts.adapter, name=opts.model_name or opts.model, device=opts.device)
+    served = ServedModel.load(opts.model, opts.adapter, name=opts.model_name or opts.model, device=opts.device,
+                              dtype=opts.dtype)
     engine = Engine(served, max_batch=opts.max_batch, window_s=opts.batch_window_ms / 1000).start()
     return served, engine, create_app(served, engine, token=token, model_name=served.name)

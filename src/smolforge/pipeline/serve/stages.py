@@ -69,14 +69,14 @@ class StageServer:
 
     @classmethod
     def load(cls, model: str, bounds: Sequence[int], index: int, *, adapter: str | None = None,
-             device: str = "cpu") -> "StageServer":
+             device: str = "cpu", dtype: str = "fp32") -> "StageServer":
         """Load the model with the project's loaders, merge the adapter (as `ServedModel.load` does),
         cut it at `bounds` and keep stage `index`; the other stages' weights are freed."""
         from smolforge.models.loading import load_model, pick_device
         from smolforge.models.partition import cut
 
         dev = pick_device(device)
-        net = load_model(model, device=dev)
+        net = load_model(model, device=dev, dtype=dtype)
         if adapter:
             net = _with_adapter(net, adapter, merge=True).to(dev)
         eos, max_positions = eos_ids_of(net), max_positions_of(net.config)
