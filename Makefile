@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 BASE := $(VENV)/.installed-base
 FULL := $(VENV)/.installed-test
-PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25
+# every test's duration goes to test-artifacts/junit.xml (git-ignored; CI keeps it): where the time goes
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 --junitxml=test-artifacts/junit.xml
 # llama.cpp for the GGUF export's verification: the library only (no tools, server, examples, tests
 # or multimodal library, none of which the verification loads). pip caches the built wheel.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF

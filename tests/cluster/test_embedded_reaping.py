@@ -1,7 +1,10 @@
 """A SIGKILLed embedded `launch` leaves nothing running and loses nothing: the next command reaps the
 Ray processes it started (by PID and session: Ray's agents used to live on for minutes, re-parented
 to init), `job show` lists its ranks as stopped, not running, and `job resume` finishes the job into
-the launch's --output-dir, where the launch itself would have put the adapter."""
+the launch's --output-dir, where the launch itself would have put the adapter, continuing from the
+checkpoint kept before the kill (not from step 0). The model is named by a local directory, as
+users' own checkpoints are. (tests/cluster/test_embedded_recovery.py, a second instance of the same
+path with the whole process group killed, runs in the soak tier.)"""
 
 from __future__ import annotations
 
@@ -55,10 +58,13 @@ def _wait_for_step(db, step: int, proc: subprocess.Popen, log) -> dict:
 
 
 def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir(tmp_path):
+    from smolforge.cluster.jobstore import JobStore
     from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(48, seed=3)))
+    shutil.copytree(preset_dir("tiny-llama"), tmp_path / "my-model")  # a local directory: this machine holds it
     home, out = tmp_path / "home", tmp_path / "run-out"
     ray_tmp = tempfile.mkdtemp(prefix="sfk", dir="/tmp")  # short: Ray's socket paths have a length limit
     env = _env(home, ray_tmp)
@@ -66,10 +72,10 @@ def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir
     session: list[psutil.Process] = []
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", cli_module(), "launch", "--model", "tiny-llama", "--dataset", str(data),
+            [sys.executable, "-m", cli_module(), "launch", "--model", "./my-model", "--dataset", str(data),
              "--workers", "1", "--batch-size", "1", "--max-steps", "120", "--max-length", "32", "--save-every", "4",
              "--set", "eval_accuracy=false", "--set", "data.max_eval_samples=2", "--output-dir", str(out), "--quiet"],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
         job = _wait_for_step(home / "embedded" / "jobs.db", 5, proc, log)  # a checkpoint (step 4) is kept
         session = psutil.Process(proc.pid).children(recursive=True)  # every process the launch started
         assert session, "the launch started no process"
@@ -84,6 +90,9 @@ def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir
         assert st["state"] == "paused", st["state"]
         ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
         assert ranks and {t["state"] for t in ranks} == {"stopped"}, [(t["id"], t["state"]) for t in st["tasks"]]
+        logs = subprocess.run([sys.executable, "-m", cli_module(), "job", "logs", job["id"]],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert "interrupted" in logs.stdout and "continues from step-" in logs.stdout, logs.stdout[-2000:]
 
         resumed = subprocess.run([sys.executable, "-m", cli_module(), "job", "resume", job["id"], "--json"],
                                  capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -92,6 +101,10 @@ def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir
         assert final["state"] == "completed" and final["result"]["steps"] == 120, final
         assert final["adapter_dir"] == str(out / "lora_adapter"), final["adapter_dir"]
         assert (out / "lora_adapter" / "adapter_model.safetensors").is_file()
+        events = JobStore(home / "embedded" / "jobs.db").events(job["id"])
+        starts = [e["message"] for e in events if e["kind"] == "state" and "resumed from step-" in e["message"]]
+        assert starts, [e["message"] for e in events]
+        assert int(starts[-1].split("step-")[1].split()[0].rstrip(")")) >= 4, starts  # a checkpoint, not step 0
     finally:
         for p in session:  # a failed run must not leave what it started behind (by PID, as the reaper does)
             try:

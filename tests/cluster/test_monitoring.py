@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 STEPS = 40
+HOLD = 20  # the ranks hold after this step until Prometheus has seen them
 LR = 2e-3
 
 
@@ -88,6 +89,13 @@ def _query(port: int, promql: str) -> list[dict]:
     return r.json()["data"]["result"]
 
 
+def _not_failed(client, job_id: str) -> bool:
+    st = client.get_job_status(job_id)
+    if st["state"] == "failed":
+        pytest.fail(str(st["error"]))
+    return True
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     base = tmp_path_factory.mktemp("monitor")
@@ -95,7 +103,6 @@ def world(tmp_path_factory):
     prom = None
     try:
         cluster.start_coordinator(timeout=300)  # generous: the suite shares few cores
-        cluster.env["SMOLFORGE_FAULT_SAMPLE_DELAY_S"] = "0.03"  # the worker's ranks: a job Prometheus can watch
         cluster.add_worker("w1", cpus=2, timeout=300)
         cluster.wait_nodes(["coordinator", "w1"])
         prom_port = None
@@ -105,15 +112,23 @@ def world(tmp_path_factory):
         train = {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
                  "max_steps": STEPS, "batch_size": 2, "lr": LR, "save_every": 0, "eval_accuracy": False,
                  "tensorboard": True, "wandb": "smolforge-test"}
+        # Both ranks hold after step HOLD (fault `hold-step`, smolforge.train.faults) until Prometheus has
+        # scraped the job's loss and each rank's: the job is surely running then, on any machine.
+        hold = base / "node-w1" / "node" / "fault-hold-step"
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        hold.write_text(str(HOLD))
         job_id = client.submit_job({"kind": "data_parallel", "num_workers": 2, "cpus_per_worker": 1,
                                     "max_retries": 0, "train": train})
         seen_running: list[dict] = []
-        if prom_port:  # while the job runs: the loss through Prometheus
-            seen_running = _wait("the job's loss in Prometheus",
-                                 lambda: _query(prom_port, f'smolforge_job_loss{{job="{job_id}"}}')
-                                 if client.get_job_status(job_id)["state"] != "failed" else
-                                 pytest.fail(str(client.get_job_status(job_id)["error"])), 300, every=1.0)
-            ranks_running = _query(prom_port, f'smolforge_rank_loss{{job="{job_id}"}}')
+        try:
+            if prom_port:  # while the job runs: the loss through Prometheus, then each rank's
+                seen_running = _wait("the job's loss in Prometheus", lambda: _query(
+                    prom_port, f'smolforge_job_loss{{job="{job_id}"}}') if _not_failed(client, job_id) else [],
+                    300, every=1.0)
+                ranks_running = _wait("both ranks' loss in Prometheus", lambda: r if len(r := _query(
+                    prom_port, f'smolforge_rank_loss{{job="{job_id}"}}')) == 2 else [], 300, every=1.0)
+        finally:
+            hold.unlink(missing_ok=True)
         st = _wait("job completed", lambda: (s := client.get_job_status(job_id))["state"] in
                    ("completed", "failed", "cancelled") and s, 300)
         assert st["state"] == "completed", st
