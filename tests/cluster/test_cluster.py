@@ -625,7 +625,9 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
             "eta_s", "nodes"} <= set(job)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])  # ddp: the dropout test below pauses a ddp job
+# ddp: the dropout test below pauses a ddp job; fsdp's pause and resume (under fsdp, ddp and one
+# process) is proven in process by tests/test_fsdp_strategy.py, so its cluster instance is soak
+@pytest.mark.parametrize("strategy", ["zero1", pytest.param("fsdp", marks=pytest.mark.soak)])
 def test_pause_then_resume_equals_uninterrupted(world, strategy):
     client = world["c"].client()
     steps = SHORT

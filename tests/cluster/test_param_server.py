@@ -107,6 +107,9 @@ def first_loss(client, job_id) -> float:
     return min(rows, key=lambda r: r["step"])["value"]
 
 
+# soak: tests/test_ps_inprocess.py proves K = 0 equals one process and the bound's counted waits; the
+# strategy's numbers in job show, metrics and /metrics: tests/cluster/test_task_logs.py's ssp job
+@pytest.mark.soak
 def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
     """K = 0 with three workers: every part computed on the weights of its step, the step applied once
     all parts are in: DDP's weights. K = 2 with w2 slowed (150 ms per sample, about 3x): no staleness
@@ -187,6 +190,7 @@ def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
     assert st["result"]["steps"] == 60 and st["result"]["workers"] == 1
 
 
+@pytest.mark.soak  # the CI tier's proof: the in-process test of the same name (tests/test_ps_inprocess.py)
 def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
     """Every checkpoint holds the server's raw weights and its Polyak average (three workers, one
     checkpoint per step). The average starts at the initial weights and at step k is the EMA carried

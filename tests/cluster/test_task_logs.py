@@ -71,3 +71,18 @@ def test_json_lines_and_the_api_route_needs_the_token(run):
     since = logs[0]["id"]
     later = c.api("GET", f"/api/v1/jobs/{run['job']}/logs", params={"since": since, "task": "r0"}).json()
     assert later and all(r["id"] > since and r["task"] == "r0" for r in later)
+
+
+def test_the_ssp_jobs_strategy_numbers_reach_its_metrics_job_show_and_prometheus(run):
+    """The parameter server's own numbers (staleness, parts per rank) are job metrics, in `job show`
+    and in the coordinator's /metrics, as for any strategy that reports them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c, job = run["c"], run["job"]  # (which rank claims which part is the server's choice: any rank's)
+    names = {m["name"] for m in c.client().job_metrics(job)}
+    assert {"staleness_max", "parts_done"} <= {n.split(".rank")[0] for n in names if ".rank" in n}, names
+    shown = c.cli("job", "show", job)
+    assert shown.returncode == 0 and "staleness_max:" in shown.stdout and "parts_done:" in shown.stdout, shown.stdout
+    samples = [s for fam in text_string_to_metric_families(c.api("GET", "/metrics").text) for s in fam.samples
+               if s.name == "smolforge_job_strategy_metric" and s.labels.get("job") == job]
+    assert {s.labels["name"] for s in samples} >= {"staleness_max", "parts_done"}, samples
