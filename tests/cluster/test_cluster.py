@@ -1,6 +1,6 @@
 """The cluster on one machine, for real: a coordinator and workers as separate processes.
 
-The session's shared cluster (tests/conftest.py `shared_cluster`: four other modules use it too, and
+The session's shared cluster (tests/conftest.py `shared_cluster`: three other modules use it too, and
 this one runs last of them), used by the tests in file order:
 nodes and auth, placement errors, a data-parallel LoRA job equal to a single-process run, pause and
 resume, cancel, lending the coordinator, a worker SIGKILLed mid-job, and a coordinator killed and

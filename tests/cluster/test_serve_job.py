@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import time
 
 import pytest
 
-from localcluster import free_port
+from localcluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -28,17 +29,26 @@ PROMPTS = ["What is 2 + 3?", "Reverse abc", "the of and to in is you that it he 
 
 
 @pytest.fixture(scope="module")
-def world(module_cluster):
-    """The session's shared cluster (coordinator + w1, w2, each holding `tiny-copy`; tests/conftest.py)
-    and the single-process engine whose answers the stages must equal."""
+def world(tmp_path_factory):
+    """Its own cluster, not the session's shared one: there the coordinator holds the model too, and a
+    stage may be planned on it (once with no layers at all: a planner bug, noted in issue 31's work)."""
+    from smolforge.models.tiny import preset_dir
     from smolforge.pipeline.serve.engine import Engine
     from smolforge.pipeline.serve.model import ServedModel
 
-    engine = Engine(ServedModel.load(str(module_cluster.models / "tiny-copy"), device="cpu")).start()
+    base = tmp_path_factory.mktemp("serve-job")
+    models = base / "models"
+    shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
+    cluster = LocalCluster(base)
+    engine = Engine(ServedModel.load(str(models / "tiny-copy"), device="cpu")).start()  # the single-process answer
     try:
-        yield {"c": module_cluster.c, "base": module_cluster.base, "single": engine}
+        cluster.start_coordinator()
+        cluster.add_workers(["w1", "w2"], models_dir=models)
+        cluster.wait_nodes(["coordinator", "w1", "w2"])
+        yield {"c": cluster, "base": base, "single": engine}
     finally:
         engine.stop()
+        cluster.close()
 
 
 def wait_event(client, job_id: str, kind: str, timeout: float, where=lambda e: True) -> dict:
