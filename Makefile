@@ -6,6 +6,10 @@ BASE := $(VENV)/.installed-base
 FULL := $(VENV)/.installed-test
 # every test's duration goes to test-artifacts/junit.xml (git-ignored; CI keeps it): where the time goes
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 --junitxml=test-artifacts/junit.xml
+# Two pytest processes: the suite's time is process starts (a core idle ~40 % of it with one). Each takes
+# whole work units, a module or the shared cluster's modules (tests/conftest.py `work_unit`). TEST_PROCS=0: one.
+TEST_PROCS ?= 2
+PARALLEL := $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadgroup)
 # llama.cpp for the GGUF export's verification: the library only (no tools, server, examples, tests
 # or multimodal library, none of which the verification loads). pip caches the built wheel.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
@@ -36,11 +40,11 @@ demo: $(BASE)
 
 # The CI tier: every test that is the only proof of a feature (what CI runs).
 test: $(FULL)
-	$(PYTEST) --tier ci $(PYTEST_ARGS)
+	$(PYTEST) --tier ci $(PARALLEL) $(PYTEST_ARGS)
 
 # The CI tier plus `soak` (second instances of recovery paths, long runs) and `bench` (speed and quality claims).
 test-all: $(FULL)
-	$(PYTEST) --tier all $(PYTEST_ARGS)
+	$(PYTEST) --tier all $(PARALLEL) $(PYTEST_ARGS)
 
 bench: $(FULL)
 	$(BIN)/python bench/train_throughput.py

@@ -53,7 +53,9 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     """The one place that chooses the tiers: in `ci`, tests marked soak or bench are deselected.
-    Then the users of the session's shared cluster run last, together (`shared_cluster_last`)."""
+    Then the order: alone, the users of the session's shared cluster run last, together
+    (`shared_cluster_last`); under pytest-xdist (`make test` runs two processes), they run first
+    (`work_units`), and `work_unit` says which tests share a process."""
     if chosen_tier(config) != "all":
         keep, drop = [], []
         for item in items:
@@ -61,7 +63,10 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
-    shared_cluster_last(items)
+    if hasattr(config, "workerinput"):
+        work_units(items)
+    else:
+        shared_cluster_last(items)
 
 
 # The modules that share one coordinator + two workers (`shared_cluster`), in the order they run:
@@ -82,6 +87,41 @@ def shared_cluster_last(items: list) -> None:
         return (1, rank, index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+def work_units(items: list) -> None:
+    """Under pytest-xdist, the shared cluster's users first (in SHARED_CLUSTER_ORDER): theirs is the
+    longest work unit (`work_unit`), and the other process takes the modules one by one meanwhile."""
+    shared = [item for item in items if "shared_cluster" in item.fixturenames]
+    shared_cluster_last(shared)
+    items[:] = shared + [item for item in items if "shared_cluster" not in item.fixturenames]
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work one pytest-xdist process takes whole, from a test's id: its module (its
+    module-scoped fixtures start once), every test under tests/serve/ (they share one session
+    `server`), or every module of SHARED_CLUSTER_ORDER (one cluster). From the id alone, because
+    the scheduler sees ids, not items (and xdist's own `xdist_group` no longer reaches it under
+    pytest 9, which ignores the id suffix xdist sets)."""
+    path = nodeid.split("::")[0]
+    if path.rsplit("/", 1)[-1].removesuffix(".py") in SHARED_CLUSTER_ORDER:
+        return "shared-cluster"
+    return "tests/serve" if path.startswith("tests/serve/") else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's (the `test` extra installs it)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest processes (`-n 2 --dist loadgroup`): the suite's time is process
+    starts, and one core sat idle about 40 % of the time; the units are `work_unit`'s."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -339,3 +339,18 @@ def test_serving_more_stages_than_nodes_share_them_in_turn():
     assert plan_serving(info24(), two, stages=3)[1] == ["a", "b", "a"]
     with pytest.raises(SmolforgeError, match="does not fit"):  # three slots of 1 GB cannot hold 2.5 GB
         plan_serving(info24(), [NodeInfo("tiny", 5e10, 3 * GB)], stages=3)
+
+
+def test_stages_asked_for_each_hold_a_layer():
+    """Two stages asked for on a fast roomy node and a slow one: the full-pipeline optimum would leave
+    the slow node only the embeddings (it was once planned so, a stage with layers [0, 0] on a cluster's
+    coordinator); asked for by number, each stage computes. Where nothing else fits, an end stage may
+    still hold only the embeddings."""
+    nodes = [NodeInfo("fast", 1e12, 100 * GB, **FAST_LINK), NodeInfo("slow", 1e9, 100 * GB, **FAST_LINK)]
+    plan = plan_stages(info24(), nodes, stages=2)
+    assert all(hi > lo for lo, hi in zip(plan.bounds, plan.bounds[1:])), plan.describe()
+    assert layers_on(plan, "slow") == 1 and layers_on(plan, "fast") == 23, plan.describe()
+    # "tiny" can hold the 50 MB embeddings but no 100 MB layer: the only plan leaves it none
+    tight = [NodeInfo("tiny", 1e10, 70_000_000, **FAST_LINK), NodeInfo("big", 1e10, 100 * GB, **FAST_LINK)]
+    plan = plan_stages(info24(), tight, stages=2)
+    assert layers_on(plan, "tiny") == 0 and layers_on(plan, "big") == 24, plan.describe()

@@ -119,3 +119,24 @@ def test_the_clock_scan_sees_a_duration_and_spares_a_deadline():
                      " assert time.time() < deadline, 'hung'\n")
     f, g = tree.body
     assert _clock_assertions(f) == [4] and _clock_assertions(g) == []
+
+
+# -- work units under pytest-xdist -------------------------------------------------------------------
+#
+# Why: `make test` runs two pytest processes, and each takes whole work units (tests/conftest.py
+# `work_unit`). A module that uses the session's shared cluster but is not in SHARED_CLUSTER_ORDER
+# would be its own unit: the other process would start a second cluster (it happened, with xdist's
+# own groups, which pytest 9 no longer honours).
+
+def test_every_user_of_the_shared_cluster_is_in_its_work_unit():
+    from conftest import SHARED_CLUSTER_ORDER, work_unit
+
+    users = sorted(str(p.relative_to(TESTS.parent)) for p in TESTS.rglob("test_*.py")
+                   if "__pycache__" not in p.parts and p.name != Path(__file__).name
+                   and any(f in p.read_text() for f in ("shared_cluster", "module_cluster")))
+    assert users, "no module uses the shared cluster: the scan is broken"
+    assert {work_unit(f"{u}::test_x") for u in users} == {"shared-cluster"}, users
+    assert {p.rsplit("/", 1)[-1].removesuffix(".py") for p in users} == set(SHARED_CLUSTER_ORDER), users
+    # tests/serve shares one session server; any other module is its own unit
+    assert work_unit("tests/serve/test_api.py::test_x") == work_unit("tests/serve/test_load.py::test_y[1]")
+    assert work_unit("tests/cluster/test_queue.py::test_x") == "tests/cluster/test_queue.py"

@@ -241,16 +241,17 @@ def _stage_s(costs: _Costs, order: tuple[NodeInfo, ...], j: int, lo: int, hi: in
     return costs.compute_s(order[j], lo, hi, last) + send
 
 
-def _fit(costs: _Costs, order: tuple[NodeInfo, ...]) -> _Fit | None:
+def _fit(costs: _Costs, order: tuple[NodeInfo, ...], every_stage_works: bool = False) -> _Fit | None:
     """The best contiguous layer ranges for stages on `order` (one per node), or None if none fit.
+    `every_stage_works`: each stage holds at least one layer (stages a user asked for by number).
 
     A full pipeline is as fast as its slowest stage, so the ranges minimise that: a 2x faster node
     takes about 2x the layers. With few sequences in flight the total counts too, so the ranges
     that minimise the total (the fast node takes all it can hold) compete, and the better wins.
     """
-    bounds = [_ranges(costs, order, by_total=False)]
+    bounds = [_ranges(costs, order, False, every_stage_works)]
     if costs.workload.in_flight is not None:
-        bounds.append(_ranges(costs, order, by_total=True))
+        bounds.append(_ranges(costs, order, True, every_stage_works))
     fits = []
     for b in filter(None, bounds):
         seconds = [_stage_s(costs, order, j, lo, hi) for j, (lo, hi) in enumerate(zip(b, b[1:]))]
@@ -258,10 +259,13 @@ def _fit(costs: _Costs, order: tuple[NodeInfo, ...]) -> _Fit | None:
     return min(fits, key=lambda f: f.key) if fits else None
 
 
-def _ranges(costs: _Costs, order: tuple[NodeInfo, ...], by_total: bool) -> list[int] | None:
+def _ranges(costs: _Costs, order: tuple[NodeInfo, ...], by_total: bool,
+            every_stage_works: bool = False) -> list[int] | None:
     """DP over (stage, end layer), O(stages x layers^2): minimise (slowest, total), or (total, slowest).
 
-    Memory rules out the ranges a node cannot hold; only the end stages may hold no layers.
+    Memory rules out the ranges a node cannot hold; only the end stages may hold no layers (an
+    embeddings-only first stage can be what lets a big vocabulary fit), and none may when
+    `every_stage_works`: a user who asks for two stages on two nodes means both to compute.
     """
     n, k = costs.n, len(order)
     bytes_upto, flops_upto = costs.bytes_upto, costs.flops_upto
@@ -280,7 +284,7 @@ def _ranges(costs: _Costs, order: tuple[NodeInfo, ...], by_total: bool) -> list[
                 if (bytes_upto[hi] - bytes_upto[lo] + end_bytes) * headroom + kv * (hi - lo) > cap:
                     break
                 prev = (0.0, 0.0) if first else best[j - 1][lo]
-                if prev[0] == math.inf or (lo == hi and not (first or last)):
+                if prev[0] == math.inf or (lo == hi and (every_stage_works or not (first or last))):
                     continue
                 t = (flops_upto[hi] - flops_upto[lo] + head_flops) * per_flop + send
                 cand = (prev[0] + t, max(prev[1], t)) if by_total else (max(prev[0], t), prev[1] + t)
@@ -324,8 +328,8 @@ def _orders(costs: _Costs, nodes: Sequence[NodeInfo], k: int) -> list[tuple[Node
     return orders[:MAX_ORDERS]
 
 
-def _best(costs: _Costs, nodes: Sequence[NodeInfo], k: int) -> _Fit | None:
-    fits = [f for f in (_fit(costs, order) for order in _orders(costs, nodes, k)) if f is not None]
+def _best(costs: _Costs, nodes: Sequence[NodeInfo], k: int, every_stage_works: bool = False) -> _Fit | None:
+    fits = [f for f in (_fit(costs, order, every_stage_works) for order in _orders(costs, nodes, k)) if f is not None]
     return min(fits, key=lambda f: f.key) if fits else None
 
 
@@ -450,7 +454,9 @@ def _plan_fixed(costs: _Costs, nodes: list[NodeInfo], stages: int) -> Plan:
     if not 1 <= stages <= len(nodes):
         raise SmolforgeError(f"cannot place {stages} stages on {len(nodes)} node(s): one stage per node",
                              fix=f"ask for 1 to {len(nodes)} stages, or add nodes")
-    fit = _best(costs, nodes, stages)
+    # each stage asked for holds a layer where that fits; else an end stage may hold none (embeddings only)
+    fit = _best(costs, nodes, stages, every_stage_works=True) if stages <= costs.n else None
+    fit = fit or _best(costs, nodes, stages)
     if fit is None:
         raise _no_fit(costs, nodes, stages)
     return _plan(costs, fit, f"{stages} stage{'s' if stages > 1 else ''} as asked: layers sized to each "
