@@ -39,6 +39,8 @@ LAUNCH = ["launch", "--mode", "hybrid", "--model", "tiny-llama", "--dataset", "b
     (DISTILL, ["--students-strategy", "zero1"], "--students-strategy zero1 needs --students-sync ddp"),
     (DISTILL, ["--students-sync", "ddp", "--students-strategy", "dpp"], "unknown strategy 'dpp' (did you mean 'ddp'?)"),
     (DISTILL, ["--students-sync", "ddp", "--students-strategy", "async-ps"], "needs a parameter server"),
+    # its stages need the same rows, a student group's ranks each take their own: the class says so
+    (DISTILL, ["--students-sync", "ddp", "--students-strategy", "pipeline"], "pipeline cannot train a distill student"),
 ])
 def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
     """In-process (the same typer app, the same checks and exit code, without a Python start per case);

@@ -212,13 +212,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], strip_training: 
         if len(parts) > MAX_NESTING:
             raise SmolforgeError(f"--set key {key[:60]!r}... has more than {MAX_NESTING} parts", where="--set",
                                  fix="name a setting, e.g. --set data.max_length=64")
-        node = data
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise SmolforgeError(f"--set {item!r}: {p} is not a section", fix="check the key path")
-        node[parts[-1]] = _parse_value(raw, f"--set {'.'.join(parts)[:60]}")
+        put_path(data, ".".join(parts), _parse_value(raw, f"--set {'.'.join(parts)[:60]}"), where=f"--set {item!r}")
     return data
+
+
+def get_path(data: dict[str, Any], dotted: str) -> Any:
+    """data["a"]["b"] for "a.b"; None where a part is missing."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def put_path(data: dict[str, Any], dotted: str, value: Any, where: str | None = None) -> None:
+    """data["a"]["b"] = value for "a.b", making the sections on the way: the one nested setter (command
+    flags, `--set`, job specs). A part that holds a value, not a section, is one message."""
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SmolforgeError(f"{where or dotted}: {part} is not a section", fix="check the key path")
+    node[last] = value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

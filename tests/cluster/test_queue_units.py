@@ -90,7 +90,7 @@ def test_the_seeds_task_shape_and_resource_requests():
                                            "max_retries": 5, "checkpointing": True})
     assert seed.train.model == "tiny-llama" and seed.train.data.path == "bundled" and seed.priority == "high"
     assert (seed.cpus_per_worker, seed.min_ram_gb, seed.gpu, seed.gpu_ids) == (16, 32, "required", [0, 1])
-    assert seed.max_retries == 5 and seed.train.save_every == 100
+    assert seed.max_retries == 5 and seed.train.save_every == 50  # specs.default_save_every, as `launch`
     req = jobs.KINDS["data_parallel"].demand(seed, False).req
     assert (req.cpus, req.reserve_ram_gb, req.gpus, req.gpu) == (16, 32, 2.0, "required")
     assert req.per_task(True) == {"CPU": 16, ray_glue.WORKER_RESOURCE: 16, "memory": 32e9, "GPU": 2.0}
@@ -101,7 +101,7 @@ def test_the_seeds_task_shape_and_resource_requests():
     assert DataParallelJob.model_validate(seed.model_dump(mode="json")) == seed
     steps = DataParallelJob.model_validate({"checkpointing": True, "train": {"model": "m", "data": {"path": "bundled"},
                                                                              "max_steps": 40}})
-    assert steps.train.save_every == 4
+    assert steps.train.save_every == 10  # a tenth of 40, at least 10
     off = DataParallelJob.model_validate({"checkpointing": False, "train": {"model": "m", "data": {"path": "bundled"}}})
     assert off.train.save_every == 0
 

@@ -105,7 +105,7 @@ def test_task_config_maps_onto_jobs_and_tasks():
     job = DataParallelJob.model_validate({"train": {"model": "tiny-llama", "data": {"path": "bundled"}, "max_steps": 50},
                                           **heavy.job_fields()})
     assert (job.name, job.priority, job.cpus_per_worker, job.min_ram_gb, job.gpu_memory_gb, job.max_retries,
-            job.train.save_every, job.gpu) == ("heavy_training", "high", 8, 64, 24, 3, 5, "required")
+            job.train.save_every, job.gpu) == ("heavy_training", "high", 8, 64, 24, 3, 10, "required")  # as launch
     with pytest.raises(SmolforgeError, match="cannot honour resources.ram_gb, resources.gpu_memory_gb, priority"):
         task_options(heavy, "teacher")
     light = smolforge.TaskConfig(resources=smolforge.ResourceConfig(cpu_cores=2), max_retries=1, checkpointing=False)

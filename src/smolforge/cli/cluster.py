@@ -191,6 +191,15 @@ def register(app: typer.Typer) -> None:
     app.add_typer(coordinator_app, name="coordinator")
     app.add_typer(worker_app, name="worker")
     app.add_typer(job_app, name="job")
+    _register_nodes(coordinator_app, worker_app)
+    _register_overview(app)
+    _register_listings(app)
+    _register_job_control(job_app)
+    _register_job_views(job_app)
+
+
+def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> None:
+    """`coordinator start` and `worker join`: the commands that make this machine part of a cluster."""
 
     @coordinator_app.command("start")
     @run_cli
@@ -268,6 +277,10 @@ def register(app: typer.Typer) -> None:
         code = node.run()
         raise typer.Exit(code)
 
+
+def _register_overview(app: typer.Typer) -> None:
+    """`dashboard` and `status`: the cluster at a glance, in a browser or a terminal."""
+
     @app.command()
     @run_cli
     def dashboard(
@@ -304,6 +317,10 @@ def register(app: typer.Typer) -> None:
             print_json(st)
         else:
             console().print(status_tree(st))
+
+
+def _register_listings(app: typer.Typer) -> None:
+    """`nodes`, `resources` and `jobs`: one table (or JSON list) each."""
 
     @app.command()
     @run_cli
@@ -373,6 +390,10 @@ def register(app: typer.Typer) -> None:
         else:
             console().print(jobs_table(data))
 
+
+def _register_job_control(job_app: typer.Typer) -> None:
+    """`job pause|resume|cancel|join`: the commands that change a job's course."""
+
     def _job_cmd(action: str, doc: str):
         @run_cli
         def cmd(
@@ -435,6 +456,10 @@ def register(app: typer.Typer) -> None:
             print_json(st)
         else:
             typer.echo(f"job {st['job_id']}: {node or 'the coordinator'} joins at the next checkpoint")
+
+
+def _register_job_views(job_app: typer.Typer) -> None:
+    """`job show` and `job logs`: what one job is doing and has said."""
 
     @job_app.command("show")
     @run_cli

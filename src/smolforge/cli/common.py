@@ -8,7 +8,9 @@ import os
 import sys
 from typing import Any, Callable
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from smolforge.cluster.statedir import check_port  # noqa: F401  (every command's port flags: before anything starts)
 from smolforge.errors import SmolforgeError
@@ -112,12 +114,38 @@ def parse_json_option(raw: str | None, flag: str, example: str) -> dict[str, Any
     return value
 
 
-def set_nested(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
+def strategy_choices(able: Callable[[Any], bool] | None = None, default: str = "ddp") -> str:
+    """The strategy registry's names as a flag's help lists them ('ddp (default) | zero1 | ...'), all of
+    them or those whose class has a capability (which imports every strategy: seconds)."""
+    from smolforge.parallel.strategies import STRATEGIES, names_where
+
+    names = list(STRATEGIES) if able is None else names_where(able)
+    return " | ".join(f"{name} (default)" if name == default else name for name in names)
+
+
+# `{name}` in an option's help of a `RegistryHelp` command: what fills it, read when the help is shown
+REGISTRY_HELP: dict[str, Callable[[], str]] = {
+    "{strategies}": strategy_choices,
+    "{student_strategies}": lambda: strategy_choices(lambda cls: cls.distill_students),
+}
+
+
+class RegistryHelp(TyperCommand):
+    """A command whose option help names what a registry holds (`REGISTRY_HELP`), filled in when the
+    help is shown, not when the CLI starts: a strategy's capabilities are class attributes, and
+    importing every strategy costs seconds that `smolforge jobs` should not pay. A strategy added to
+    the registry (a new file, a plug-in) then shows in `--help` with no edit here."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        for param in self.get_params(ctx):
+            text = getattr(param, "help", None)  # click's own arguments have none
+            if not text:
+                continue
+            for key, fill in REGISTRY_HELP.items():
+                if key in text:
+                    text = text.replace(key, fill())
+            param.help = text  # type: ignore[attr-defined]
+        super().format_help(ctx, formatter)
 
 
 PEFT_KEYS = {"r": "r", "rank": "r", "lora_r": "r", "alpha": "alpha", "lora_alpha": "alpha",

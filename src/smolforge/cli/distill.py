@@ -14,14 +14,18 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, peft_section, print_json,
+                                  quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
+from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
+from smolforge.models.export.targets import RUN_TARGETS
+from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(cls=RegistryHelp)
     @run_cli
     def distill(
         teacher: str = typer.Option(..., help="teacher: HF id, local dir, Ollama name or preset"),
@@ -31,9 +35,9 @@ def register(app: typer.Typer) -> None:
         output_dir: str = typer.Option("outputs/distill", help="run dir: teacher_outputs/, output/, merged_model/"),
         num_teachers: Optional[int] = typer.Option(None, help="teacher tasks (default: one per node holding the teacher)"),
         num_students: int = typer.Option(2, help="students per base; they split the shards (hybrid)"),
-        peft: str = typer.Option("lora", help="lora|prefix|prompt|ia3|adapter|none"),
+        peft: str = typer.Option("lora", help="|".join(PEFT_METHODS)),
         peft_config: Optional[str] = typer.Option(None, help='JSON, e.g. \'{"r": 8, "alpha": 16, "dropout": 0.05}\''),
-        kd_loss: str = typer.Option("forward_kl", help="forward_kl|reverse_kl|jsd"),
+        kd_loss: str = typer.Option("forward_kl", help="|".join(KD_LOSSES)),
         kd_ratio: float = typer.Option(0.5, help="weight of the KD term (the rest is CE on the teacher's tokens)"),
         temperature: float = typer.Option(1.0, help="KD softmax temperature"),
         beta: float = typer.Option(0.5, help="generalized JSD beta (with --kd-loss jsd)"),
@@ -75,8 +79,8 @@ def register(app: typer.Typer) -> None:
         students_sync: str = typer.Option("average", help="average: the students of a base train apart on their "
                                           "own shards and their adapters are averaged; ddp: they train as one "
                                           "data-parallel group over every shard and write one adapter (student_0)"),
-        students_strategy: Optional[str] = typer.Option(None, help="the group's strategy with --students-sync ddp "
-                                                        "(any `launch --strategy` name: ddp, zero1, fsdp, diloco, ssp; default ddp)"),
+        students_strategy: Optional[str] = typer.Option(None, help="the group's strategy with --students-sync ddp: "
+                                                        "{student_strategies}"),
         teacher_on_coordinator: bool = typer.Option(False, "--teacher-on-coordinator",
                                                     help="run the teachers on the coordinator node (lent for it), "
                                                     "the students on the workers"),
@@ -94,7 +98,7 @@ def register(app: typer.Typer) -> None:
                                             "(the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
-        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the merged adapter (each "
+        export: Optional[str] = typer.Option(None, "--export", help=f"{'|'.join(RUN_TARGETS)}: export the merged adapter (each "
                                              "student base's), verified, into <output-dir>/export/"),
     ):
         """Distill a teacher into PEFT students: parallel teacher shards, streaming students, merged adapter.
@@ -109,21 +113,7 @@ def register(app: typer.Typer) -> None:
 
         Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
         """
-        distill = {
-            "teacher": teacher, "students": list(student), "data": data, "num_teachers": num_teachers,
-            "num_students": num_students, "peft": peft, "peft_config": peft_section(None, peft_config, None, None, None),
-            "kd_loss": kd_loss, "kd_ratio": kd_ratio, "temperature": temperature, "beta": beta, "top_k": top_k,
-            "on_policy_ratio": on_policy_ratio, "on_policy_start": on_policy_start,
-            "compress_outputs": not no_compress, "teacher_backend": teacher_backend, "ollama_host": ollama_host,
-            "gen_temperature": gen_temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-            "samples_per_prompt": samples_per_prompt, "teacher_responses": teacher_responses, "num_shards": num_shards,
-            "max_samples": max_samples, "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size,
-            "grad_accum": grad_accum, "lr": lr, "max_length": max_length, "seed": seed, "save_every": save_every,
-            "aggregate": aggregate, "aggregate_rank": aggregate_rank, "cpus_per_teacher": cpus_per_teacher,
-            "cpus_per_student": cpus_per_student, "eval": not no_eval, "device": device,
-            "teacher_dtype": teacher_dtype, "student_dtype": student_dtype,
-            "students_sync": students_sync, "students_strategy": students_strategy,
-            "teacher_on_coordinator": teacher_on_coordinator}
+        distill = _distill_section(dict(locals()))
         check_run_export(export, peft)
         if export and aggregate == "none":
             raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
@@ -132,14 +122,38 @@ def register(app: typer.Typer) -> None:
                 "wandb": wandb}
         summary = run_distill_job(spec, output_dir, resume=resume,
                                   coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
-        if export:
-            summary["export"] = export_distill(summary, output_dir, export)
-        if json_out:
-            print_json({k: v for k, v in summary.items() if k != "events"})
-            return
-        _print_summary(summary)
-        for exported in (summary.get("export") or {}).values():
-            show(exported, False)
+        _export_and_show(summary, output_dir, export, json_out)
+
+
+def _distill_section(o: dict[str, Any]) -> dict[str, Any]:
+    """The job spec's `distill:` section from `smolforge distill`'s flags (by name, as given)."""
+    return {
+        "teacher": o["teacher"], "students": list(o["student"]), "data": o["data"], "num_teachers": o["num_teachers"],
+        "num_students": o["num_students"], "peft": o["peft"], "peft_config": peft_section(None, o["peft_config"], None, None, None),
+        "kd_loss": o["kd_loss"], "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "beta": o["beta"], "top_k": o["top_k"],
+        "on_policy_ratio": o["on_policy_ratio"], "on_policy_start": o["on_policy_start"],
+        "compress_outputs": not o["no_compress"], "teacher_backend": o["teacher_backend"], "ollama_host": o["ollama_host"],
+        "gen_temperature": o["gen_temperature"], "top_p": o["top_p"], "max_new_tokens": o["max_new_tokens"],
+        "samples_per_prompt": o["samples_per_prompt"], "teacher_responses": o["teacher_responses"], "num_shards": o["num_shards"],
+        "max_samples": o["max_samples"], "max_steps": o["max_steps"], "epochs": o["epochs"], "batch_size": o["batch_size"],
+        "grad_accum": o["grad_accum"], "lr": o["lr"], "max_length": o["max_length"], "seed": o["seed"], "save_every": o["save_every"],
+        "aggregate": o["aggregate"], "aggregate_rank": o["aggregate_rank"], "cpus_per_teacher": o["cpus_per_teacher"],
+        "cpus_per_student": o["cpus_per_student"], "eval": not o["no_eval"], "device": o["device"],
+        "teacher_dtype": o["teacher_dtype"], "student_dtype": o["student_dtype"],
+        "students_sync": o["students_sync"], "students_strategy": o["students_strategy"],
+        "teacher_on_coordinator": o["teacher_on_coordinator"]}
+
+
+def _export_and_show(summary: dict[str, Any], output_dir: str, export: str | None, json_out: bool) -> None:
+    """The finished run: its merged adapters exported when --export asks, then its summary (a table, or JSON)."""
+    if export:
+        summary["export"] = export_distill(summary, output_dir, export)
+    if json_out:
+        print_json({k: v for k, v in summary.items() if k != "events"})
+        return
+    _print_summary(summary)
+    for exported in (summary.get("export") or {}).values():
+        show(exported, False)
 
 
 def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coordinator: str | None,

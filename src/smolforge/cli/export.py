@@ -2,7 +2,7 @@
 
 Runs on this machine by default; with --coordinator it is an `export` job on a node that holds the
 model, and the result is downloaded into --output-dir. `train`, `launch` and `distill` call
-`export_run` for their `--export gguf|ollama`.
+`export_run` for their `--export` (one of `models.export.targets.RUN_TARGETS`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import typer
 
 from smolforge.cli.common import cli_token, print_json, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
-
-RUN_EXPORT_TARGETS = ("gguf", "ollama")
+from smolforge.models.export.targets import RUN_TARGETS, TARGETS
 
 
 def _say(line: str) -> None:
@@ -49,8 +48,8 @@ def check_run_export(target: str | None, method: str | None) -> None:
     before any training starts."""
     if target is None:
         return
-    if target not in RUN_EXPORT_TARGETS:
-        raise SmolforgeError(f"unknown --export {target!r}", fix=f"use one of {', '.join(RUN_EXPORT_TARGETS)}")
+    if target not in RUN_TARGETS:
+        raise SmolforgeError(f"unknown --export {target!r}", fix=f"use one of {', '.join(RUN_TARGETS)}")
     from smolforge.models.export.merge import MERGEABLE, unmergeable_reason
 
     if method is not None and method not in MERGEABLE:
@@ -122,7 +121,7 @@ def register(app: typer.Typer) -> None:
     def export_cmd(
         model: str = typer.Option(..., help="base model: HF id, local dir, Ollama name or preset"),
         adapter: list[str] = typer.Option([], "--adapter", help="adapter directory to merge (repeat: merged in order)"),
-        to: str = typer.Option(..., "--to", help="hf | gguf | ollama"),
+        to: str = typer.Option(..., "--to", help=" | ".join(TARGETS)),
         output_dir: str = typer.Option(..., help="directory to write (replaced if it holds an earlier export)"),
         quant: str = typer.Option("f16", help="GGUF weights: f16 | bf16 | q8_0"),
         dtype: str = typer.Option("auto", "--dtype", help="--to hf: the dtype the merged weights are written in: "
@@ -143,7 +142,7 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge export --model tiny-llama --adapter outputs/run/lora_adapter --to hf --dtype bf16 --output-dir outputs/run/hf
         """
-        from smolforge.models.export.run import TARGETS, check_export_dtype, check_output_dir
+        from smolforge.models.export.run import check_export_dtype, check_output_dir
 
         if to not in TARGETS:
             raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")

@@ -15,22 +15,32 @@ from typing import Any, Callable, Optional
 import typer
 
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
-from smolforge.cli.common import PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, print_json, quiet_libraries,
+                                  run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
+from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
+from smolforge.models.export.targets import RUN_TARGETS
+from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    _register_launch(app)
+    _register_submit(app)
+
+
+def _register_launch(app: typer.Typer) -> None:
+    """`launch`: every option of a data-parallel, model-parallel or distill job, as flags."""
+
+    @app.command(cls=RegistryHelp)
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
-        strategy: Optional[str] = typer.Option(None, help="data_parallel: how the ranks share learning: ddp (default) | "
-                                               "zero1 | fsdp | diloco | ssp | sync-ps | async-ps | pipeline "
+        strategy: Optional[str] = typer.Option(None, help="data_parallel: how the ranks share learning: {strategies} "
                                                "(settings: --set strategy_config.KEY=VALUE)"),
         stages: Optional[int] = typer.Option(None, help="model parallelism: split the model's layers into N stages, "
                                              "one per worker (the pipeline strategy; implies --mode model_parallel)"),
@@ -40,7 +50,7 @@ def register(app: typer.Typer) -> None:
                                  "(distillation: --model is the teacher, --student the student, --workers the "
                                  "students)"),
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
-        kd_loss: str = typer.Option("forward_kl", help="teacher_student/hybrid: forward_kl|reverse_kl|jsd"),
+        kd_loss: str = typer.Option("forward_kl", help=f"teacher_student/hybrid: {'|'.join(KD_LOSSES)}"),
         kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
         temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
         top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
@@ -51,7 +61,7 @@ def register(app: typer.Typer) -> None:
         max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
         max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --epochs)"),
         lr: Optional[float] = typer.Option(None),
-        peft: Optional[str] = typer.Option(None, help="lora|prefix|prompt|ia3|adapter|none (default lora)"),
+        peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
         lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
         lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
         save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (recovery resumes there; default: a tenth "
@@ -80,7 +90,7 @@ def register(app: typer.Typer) -> None:
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
-        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the final adapter, merged "
+        export: Optional[str] = typer.Option(None, "--export", help=f"{'|'.join(RUN_TARGETS)}: export the final adapter, merged "
                                              "and verified, into <output-dir>/export/"),
     ):
         """Launch distributed training: data-parallel, or teacher→student distillation.
@@ -110,45 +120,16 @@ def register(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
         """
-        check_run_export(export, peft or "lora")
-        if export and mode in ("teacher_student", "hybrid") and len(set(student)) > 1:
-            raise SmolforgeError("--export with several student bases: use `smolforge distill --export`, which "
-                                 "exports each base's adapter", fix="give one --student, or drop --export")
-        export_model = (student[0] if student else model) if mode in ("teacher_student", "hybrid") else model
-        after = (lambda adapter: export_run(export_model, adapter, adapter.parent, export)) if export else None
+        flags = dict(locals())  # every option by name, as given
+        after = _export_after(flags)
         if mode in ("teacher_student", "hybrid"):
-            workers = 2 if workers is None else workers
-            if stages is not None or strategy is not None:
-                raise SmolforgeError(f"--{'stages' if stages is not None else 'strategy'} applies to --mode "
-                                     "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {mode}")
-            _launch_distill(mode=mode, teacher=model, students=student, dataset=dataset, workers=workers,
-                            epochs=epochs, batch_size=batch_size, max_length=max_length, max_steps=max_steps, lr=lr,
-                            dtype=dtype, peft=peft, lora_r=lora_r, lora_alpha=lora_alpha, seed=seed,
-                            cpus_per_worker=cpus_per_worker, output_dir=output_dir, kd_loss=kd_loss,
-                            kd_ratio=kd_ratio, temperature=temperature, top_k=top_k, num_teachers=num_teachers,
-                            coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir, quiet=quiet,
-                            json_out=json_out, tensorboard=tensorboard, wandb=wandb,
-                            name=name, priority=priority, sets=set_, detach=detach,
-                            save_every=save_every, unsupported={"--gpu": None if gpu == "no" else gpu}, after=after)
-            return
-        if mode not in ("data_parallel", "model_parallel"):
-            raise SmolforgeError(f"unknown --mode {mode!r}",
-                                 fix="use data_parallel, model_parallel, teacher_student or hybrid")
-        if student:
-            raise SmolforgeError("--student is for --mode teacher_student or hybrid",
-                                 fix="drop --student, or pick a distillation mode")
-        workers, strategy = _model_parallel(mode, stages, workers, strategy)
-        kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=batch_size, max_retries=max_retries,
-                                      cpus_per_worker=cpus_per_worker, name=name, strategy=strategy,
-                                      balance=balance, tensorboard=tensorboard, wandb=wandb, priority=priority)
-        for key, value in (("epochs", epochs), ("max_steps", max_steps), ("lr", lr), ("save_every", save_every),
-                           ("seed", seed), ("max_length", max_length), ("lora_r", lora_r),
-                           ("lora_alpha", lora_alpha), ("peft", peft), ("dtype", dtype)):
-            if value is not None:
-                kwargs[key] = value
-        spec = _launch_spec(model, dataset, gpu=gpu, sets=set_, **kwargs)
-        _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers", coordinator=coordinator, token=cli_token(token, token_file), state_dir=state_dir,
-                           detach=detach, quiet=quiet, json_out=json_out, output_dir=output_dir, after=after)
+            _launch_distill_flags(flags, after)
+        else:
+            _launch_data_parallel_flags(flags, after)
+
+
+def _register_submit(app: typer.Typer) -> None:
+    """`submit`: a job file as it is (with --set overrides)."""
 
     @app.command()
     @run_cli
@@ -192,9 +173,67 @@ def register(app: typer.Typer) -> None:
                 close()
 
 
+def _export_after(o: dict[str, Any]) -> Callable[[Path], dict] | None:
+    """`launch --export`, checked before anything starts: what exports the adapter once the job is done."""
+    export, mode, student = o["export"], o["mode"], o["student"]
+    check_run_export(export, o["peft"] or "lora")
+    if export and mode in ("teacher_student", "hybrid") and len(set(student)) > 1:
+        raise SmolforgeError("--export with several student bases: use `smolforge distill --export`, which "
+                             "exports each base's adapter", fix="give one --student, or drop --export")
+    export_model = (student[0] if student else o["model"]) if mode in ("teacher_student", "hybrid") else o["model"]
+    return (lambda adapter: export_run(export_model, adapter, adapter.parent, export)) if export else None
+
+
+# `launch` flags that `_launch_distill` takes as they are
+_DISTILL_FLAGS = ("epochs", "batch_size", "max_length", "max_steps", "lr", "dtype", "peft", "lora_r", "lora_alpha",
+                  "seed", "cpus_per_worker", "output_dir", "kd_loss", "kd_ratio", "temperature", "top_k",
+                  "num_teachers", "coordinator", "state_dir", "quiet", "json_out", "tensorboard", "wandb", "name",
+                  "priority", "detach", "save_every")
+
+
+def _launch_distill_flags(o: dict[str, Any], after: Callable[[Path], dict] | None) -> None:
+    """`launch --mode teacher_student|hybrid`: --model is the teacher, --workers the students."""
+    workers = 2 if o["workers"] is None else o["workers"]
+    if o["stages"] is not None or o["strategy"] is not None:
+        raise SmolforgeError(f"--{'stages' if o['stages'] is not None else 'strategy'} applies to --mode "
+                             "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {o['mode']}")
+    _launch_distill(mode=o["mode"], teacher=o["model"], students=o["student"], dataset=o["dataset"], workers=workers,
+                    token=cli_token(o["token"], o["token_file"]), sets=o["set_"],
+                    unsupported={"--gpu": None if o["gpu"] == "no" else o["gpu"]}, after=after,
+                    **{key: o[key] for key in _DISTILL_FLAGS})
+
+
+def _launch_data_parallel_flags(o: dict[str, Any], after: Callable[[Path], dict] | None) -> None:
+    """`launch --mode data_parallel|model_parallel`: a data-parallel job spec from the flags, submitted and followed."""
+    mode = o["mode"]
+    if mode not in ("data_parallel", "model_parallel"):
+        raise SmolforgeError(f"unknown --mode {mode!r}",
+                             fix="use data_parallel, model_parallel, teacher_student or hybrid")
+    if o["student"]:
+        raise SmolforgeError("--student is for --mode teacher_student or hybrid",
+                             fix="drop --student, or pick a distillation mode")
+    workers, strategy = _model_parallel(mode, o["stages"], o["workers"], o["strategy"])
+    kwargs: dict[str, Any] = dict(num_workers=workers, batch_size=o["batch_size"], max_retries=o["max_retries"],
+                                  cpus_per_worker=o["cpus_per_worker"], name=o["name"], strategy=strategy,
+                                  balance=o["balance"], tensorboard=o["tensorboard"], wandb=o["wandb"],
+                                  priority=o["priority"])
+    for key in ("epochs", "max_steps", "lr", "save_every", "seed", "max_length", "lora_r", "lora_alpha", "peft", "dtype"):
+        if o[key] is not None:
+            kwargs[key] = o[key]
+    spec = _launch_spec(o["model"], o["dataset"], gpu=o["gpu"], sets=o["set_"], **kwargs)
+    _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers",
+                       coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
+                       state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
+                       output_dir=o["output_dir"], after=after)
+
+
 def _model_parallel(mode: str, stages: int | None, workers: int | None, strategy: str | None) -> tuple[int, str]:
     """(ranks, strategy) from --mode/--stages/--workers/--strategy: model parallelism is the pipeline
     strategy with one rank per stage; contradictions are one message each."""
+    if strategy is not None:  # a name the registry lacks: its closest one and the registry's names
+        from smolforge.parallel.strategies import check_name
+
+        check_name(strategy, where="--strategy")
     if stages is not None and stages < 1:
         raise SmolforgeError(f"--stages {stages}: give 1 or more", fix="e.g. --stages 2")
     if stages is None and mode == "data_parallel":
@@ -319,17 +358,11 @@ def monitored(spec: dict) -> bool:
     return bool(train and (train.get("tensorboard") or train.get("wandb")))
 
 
-def default_save_every(max_steps: int | None) -> int:
-    """Checkpoints by default, so a dead worker costs minutes, not the run: a tenth of the steps,
-    at least 10 (a checkpoint costs an upload to the coordinator) and at most 200; 50 when the
-    step count comes from --epochs."""
-    return 50 if not max_steps else max(10, min(200, max_steps // 10))
-
-
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
                  max_retries: int, cpus_per_worker: float, name: str | None, priority: str = "normal",
                  **opts: Any) -> dict:
     from smolforge.cluster.jobs import apply_job_overrides
+    from smolforge.cluster.specs import default_save_every
 
     strategy = opts.pop("strategy", "ddp")
     balance = opts.pop("balance", "auto")

@@ -8,10 +8,12 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
-from smolforge.cli.common import make_output_dir, peft_section, print_json, quiet_libraries, run_cli, set_nested
-from smolforge.config import TrainConfig, apply_overrides, load_yaml, validate
+from smolforge.cli.common import make_output_dir, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, validate
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
+from smolforge.models.export.targets import RUN_TARGETS
+from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
 FLAG_KEYS = {
     "model": "model", "data": "data.path", "format": "data.format", "eval_data": "data.eval_path",
@@ -30,7 +32,7 @@ def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str,
     data: dict[str, Any] = load_yaml(config) if config else {}
     for name, value in flags.items():
         if value is not None and value is not False:
-            set_nested(data, FLAG_KEYS[name], value)
+            put_path(data, FLAG_KEYS[name], value, where=f"--{name.replace('_', '-')}")
     if peft:
         data.setdefault("peft", {}).update(peft)
     apply_overrides(data, sets)
@@ -60,6 +62,14 @@ def check_model_and_data(cfg: TrainConfig):
 
 
 def register(app: typer.Typer) -> None:
+    _register_train(app)
+    _register_eval(app)
+    _register_generate(app)
+
+
+def _register_train(app: typer.Typer) -> None:
+    """`train`: fine-tune on this machine (the single-worker engine)."""
+
     @app.command()
     @run_cli
     def train(
@@ -67,7 +77,7 @@ def register(app: typer.Typer) -> None:
         data: Optional[str] = typer.Option(None, help="JSONL file, or 'bundled' for the generated task set"),
         format: Optional[str] = typer.Option(None, "--format", help="auto|alpaca|chat|prompt_completion|text"),
         eval_data: Optional[str] = typer.Option(None, help="held-out JSONL (default: a 10% split of --data)"),
-        peft: Optional[str] = typer.Option(None, help="lora|prefix|prompt|ia3|adapter|none (default lora)"),
+        peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
         peft_config: Optional[str] = typer.Option(None, help='JSON, e.g. \'{"r": 8, "alpha": 16, "dropout": 0.05}\''),
         lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
         lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
@@ -103,7 +113,7 @@ def register(app: typer.Typer) -> None:
                                             help="also log to W&B, offline, in OUTPUT_DIR/wandb (the package's wandb extra)"),
         json_out: bool = typer.Option(False, "--json", help="print the run summary as one JSON object"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar (for scripts)"),
-        export: Optional[str] = typer.Option(None, "--export", help="gguf|ollama: export the final adapter, merged "
+        export: Optional[str] = typer.Option(None, "--export", help=f"{'|'.join(RUN_TARGETS)}: export the final adapter, merged "
                                              "and verified, into <output-dir>/export/"),
     ):
         """Fine-tune a model on one worker (LoRA by default).
@@ -138,6 +148,10 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}{tb}")
             if cfg.wandb:
                 typer.echo(f"wandb: offline run in {Path(cfg.output_dir) / 'wandb'} (upload: wandb sync <run dir>)")
+
+
+def _register_eval(app: typer.Typer) -> None:
+    """`eval`: held-out loss, perplexity and accuracy of a model (plus adapter)."""
 
     @app.command("eval")
     @run_cli
@@ -186,6 +200,10 @@ def register(app: typer.Typer) -> None:
         else:
             for k, v in metrics.items():
                 typer.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+
+
+def _register_generate(app: typer.Typer) -> None:
+    """`generate`: one reply from a model (plus adapter)."""
 
     @app.command()
     @run_cli

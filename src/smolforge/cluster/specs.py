@@ -44,30 +44,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import ModelDtype, Spec, TrainConfig, spec_error
+from smolforge.config import ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
 from smolforge.distill.pipeline import DistillSettings
 from smolforge.errors import SmolforgeError
+from smolforge.models.export.targets import ExportTarget
 
 
 PRIORITIES = ("high", "normal", "low")  # the queue's order, first to last
 Priority = Literal["high", "normal", "low"]
-
-
-def get_path(data: dict, dotted: str) -> Any:
-    """data["a"]["b"] for "a.b"; None where a part is missing."""
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict):
-            return None
-        node = node.get(part)
-    return node
-
-
-def put_path(data: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        data = data.setdefault(part, {})
-    data[last] = value
 
 
 class _SeedInit:
@@ -166,6 +150,13 @@ class JobSpec(Spec):
         return data
 
 
+def default_save_every(max_steps: int | None) -> int:
+    """A data-parallel job's checkpoints when nothing sets them (`launch`, the seeds' `checkpointing: true`):
+    a dead worker then costs minutes, not the run. A tenth of the steps, at least 10 (a checkpoint
+    costs an upload to the coordinator) and at most 200; 50 when the step count comes from epochs."""
+    return 50 if not max_steps else max(10, min(200, max_steps // 10))
+
+
 def _checkpointing(data: Any, save_every: str, default: int) -> Any:
     """`checkpointing: true|false` (the seeds' flag) onto the kind's save_every; a save_every that
     contradicts it is refused."""
@@ -195,7 +186,7 @@ class DataParallelJob(JobSpec):
     gpu_memory_gb: float = Field(0.0, ge=0, description="each worker's GPU has at least this much memory")
     gpu_ids: list[int] | None = Field(None, description="GPU indices a worker's node must have; one GPU per id")
     checkpointing: bool | None = Field(None, description="the seeds' flag: false sets train.save_every 0; true "
-                                       "sets it to a tenth of max_steps (100 without max_steps) when unset")
+                                       "sets it when unset as `launch` does (default_save_every)")
     allowed_nodes: list[str] | None = None
     require_model: bool | None = Field(
         None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
@@ -225,7 +216,7 @@ class DataParallelJob(JobSpec):
         data = from_seed_task(data)
         if isinstance(data, dict) and isinstance(data.get("train"), dict):
             steps = data["train"].get("max_steps")
-            data = _checkpointing(data, "train.save_every", max(1, int(steps) // 10) if steps else 100)
+            data = _checkpointing(data, "train.save_every", default_save_every(int(steps) if steps else None))
         return data
 
     @model_validator(mode="after")
@@ -310,7 +301,7 @@ class DistillJob(JobSpec):
     @model_validator(mode="before")
     @classmethod
     def _checkpointing(cls, data: Any) -> Any:
-        return _checkpointing(data, "distill.save_every", 50)
+        return _checkpointing(data, "distill.save_every", DistillSettings.model_fields["save_every"].default)
 
 
 class ServeJob(JobSpec):
@@ -358,7 +349,7 @@ class ExportJob(JobSpec):
     model: str = Field(..., description="a model the workers hold (its name there), a preset or a local directory")
     adapters: list[str] = Field(default_factory=list, description="adapter directories merged in order: on the "
                                 "embedded cluster only (they are read on this machine)")
-    to: Literal["hf", "gguf", "ollama"] = "gguf"
+    to: ExportTarget = "gguf"
     quant: Literal["f16", "bf16", "q8_0"] = "f16"
     dtype: ModelDtype = Field("auto", description="--to hf: the dtype the merged tensors are written in (auto: "
                               "the checkpoint's own); a GGUF's is quant")

@@ -4,12 +4,12 @@ the job specs check these settings without importing torch (seconds), so a bad f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from smolforge.errors import SmolforgeError
 
-KDLossName = Literal["forward_kl", "reverse_kl", "jsd"]
-KD_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+KDLossName = Literal["forward_kl", "reverse_kl", "jsd"]  # the KD losses, one place (`losses.bucket_divergence`)
+KD_LOSSES: tuple[str, ...] = get_args(KDLossName)  # what --kd-loss takes and its help names
 
 
 @dataclass

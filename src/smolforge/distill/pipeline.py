@@ -68,7 +68,7 @@ class DistillSettings(Spec):
     split_shards: bool | None = None
     # how the students of one base share what they learn (smolforge.cluster.distill.sync): "average"
     # trains them apart and averages their adapters; "ddp" makes them one data-parallel group (with
-    # `students_strategy`, any name of the parallel strategy registry; ddp by default) and one adapter
+    # `students_strategy`: a strategy whose class says `distill_students`; ddp by default) and one adapter
     students_sync: Literal["average", "ddp"] = "average"
     students_strategy: str | None = None
     teacher_on_coordinator: bool = False  # the teachers run on the coordinator node (the user lends it)

@@ -8,12 +8,12 @@ and checking user input: no torch, so the CLI and job specs check PEFT flags in 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, get_args
 
-from smolforge.config import PeftSpec, validate
+from smolforge.config import PeftMethod, PeftSpec, validate
 from smolforge.errors import SmolforgeError
 
-METHODS = ("lora", "prefix", "prompt", "ia3", "adapter", "none")
+METHODS: tuple[str, ...] = get_args(PeftMethod)  # what --peft takes and its help names (config.PeftMethod)
 
 # --peft-config keys people write (peft's own names included) -> PeftSpec fields
 _CLI_ALIASES = {

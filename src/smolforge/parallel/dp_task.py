@@ -440,7 +440,7 @@ class DPWorker:
         chosen = pick_backend(backend, cfg.device)
         try:
             collective_timeout = max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S)
-            grouped = getattr(STRATEGIES.get(strategy), "uses_process_group", True)  # not via a server
+            grouped = STRATEGIES[strategy].uses_process_group  # not via a server
             if world > 1 and not join and grouped:  # a joiner enters the group at its next re-formation
                 # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
                 # collective timeout must outlast the upload's, or a slow link fails every round.
@@ -459,10 +459,10 @@ class DPWorker:
                           self.cpus, f"resuming {resume_from}" if resume_from else "from the start")
             strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
             strategy_obj.balance = balance
-            if getattr(strategy_obj, "needs_server", False):  # every exchange goes through the job's server
+            if strategy_obj.needs_server:  # every exchange goes through the job's server
                 strategy_obj.server = ServerClient(server)
                 strategy_obj.member, strategy_obj.nominal_world = self.rank, world
-            elif getattr(strategy_obj, "elastic", False) and world > 1:  # members may leave or join
+            elif strategy_obj.elastic and world > 1:  # members may leave or join
                 strategy_obj.membership = ControlMembership(self, chosen, collective_timeout, collective_timeout)
                 strategy_obj.member, strategy_obj.nominal_world = self.rank, world
             result = train(cfg, hooks, strategy=strategy_obj)

@@ -42,6 +42,7 @@ from smolforge.train import checkpoint as ckpt
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
 from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer, optimizer_state_bytes
 from smolforge.train.schedule import make_scheduler
+from smolforge.train.step_loss import StepLoss
 from smolforge.train.strategy import Strategy
 
 
@@ -91,6 +92,9 @@ class TrainResult:
     strategy_metrics: dict[str, float] = field(default_factory=dict)  # Strategy.metrics(): staleness, waits...
     samples: int = 0  # sequences trained on, every rank together
     peak_rss_mb: float = 0.0
+    # this rank's raw part of the last global step it counted in: a job's final_loss merges every rank's
+    # (`train.step_loss.final_loss`), where `final_loss` above is this rank's own view of its last step
+    last_step_loss: StepLoss | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -323,6 +327,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     result.comm_wait_s, result.batch_rows = strategy.comm_wait_s, strategy.rows
     result.rounds = strategy.rounds
     result.strategy_metrics = strategy.metrics()
+    result.last_step_loss = strategy.last_loss
     if writer:
         writer.close()
     if is_main:

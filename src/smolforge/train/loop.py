@@ -82,7 +82,7 @@ def plain_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 @dataclass
 class StepStats:
-    loss: float  # mean over the step's target tokens, every rank
+    loss: float  # mean over the step's target tokens, every rank (a rank that computes its part alone: its own)
     lr: float
     grad_norm: float
     tokens: int  # this rank's tokens (attention mask), for throughput
@@ -141,7 +141,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         s.after_step(step + 1, self.model, self.optimizer, targets=my_targets)
         self.tokens_seen += tokens
-        loss_mean = s.step_reduce([loss_total], self.device)[0] / max(1.0, global_targets)
+        s.own_loss(step, loss_total, my_targets)  # this rank's part, for the job's final_loss (train.step_loss)
+        # the mean over the very tokens whose loss was summed: the whole step's where the ranks reduce it (DDP),
+        # this rank's rows' where it computes its part alone (a parameter server's worker: not the part's loss
+        # over the whole step's tokens, which is a fraction of the step's loss)
+        loss_sum, covered = s.step_reduce([loss_total, my_targets], self.device)
+        loss_mean = loss_sum / max(1.0, covered)
         return StepStats(loss=loss_mean, lr=lr, grad_norm=grad_norm, tokens=tokens)
 
     def _clip(self) -> float:

@@ -25,6 +25,8 @@ needs from its peers goes through a `Strategy`:
 - `shard(items)`: this rank's slice of a list (eval examples)
 - `rows_for(step, total)` / `observe(rows, started, ended)`: this rank's slice of a step's global
   batch, and what the step cost it (synchronous strategies give a faster rank more rows: `balance`)
+- `own_loss(step, loss_sum, targets)` / `last_loss`: this rank's part of the step's loss, for the job's
+  `final_loss` (a parameter server's worker keeps only the parts the server applied)
 - `after_step(step, model, optimizer, targets=)`: hook for strategies with an outer step (DiLoCo,
   parameter servers); `targets`: this rank's loss tokens in the step
 - `gather_rng()` / `rng_for_rank(states)`: every rank's RNG state in a checkpoint, each rank its own
@@ -52,6 +54,8 @@ from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 from pydantic import BaseModel
+
+from smolforge.train.step_loss import StepLoss, later
 
 Batch = dict[str, torch.Tensor]
 
@@ -81,6 +85,14 @@ class StepPass:
 class Strategy:
     name = "single"
     Settings: ClassVar[type[BaseModel] | None] = None  # the pydantic model of `strategy_config`, if any
+    # Capabilities: what the job runner, the worker glue and the CLI ask of a strategy's class, before any
+    # instance exists. A subclass sets the ones that differ; every strategy answers every question.
+    needs_server: ClassVar[bool] = False  # the runner starts a parameter server for the job's round
+    uses_process_group: ClassVar[bool] = True  # the ranks form a torch.distributed group (not a server's clients)
+    elastic: ClassVar[bool] = False  # members may leave (a rank dies) or join a running group without a restart
+    # the students of one distill base may train as one group under it (`distill --students-sync ddp`): each
+    # rank takes its own slice of every step's rows from the shards, and no parameter server runs
+    distill_students: ClassVar[bool] = False
 
     @classmethod
     def check_settings(cls, config: dict[str, Any]) -> None:
@@ -102,6 +114,7 @@ class Strategy:
         # the loss tokens of global step s, every rank's rows (set by the engine, which knows the data):
         # a rank that computes its part alone (a parameter server's worker) still normalises as DDP does
         self.step_tokens: Callable[[int], float] | None = None
+        self.last_loss: StepLoss | None = None  # this rank's part of the latest step it counted in (`own_loss`)
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -171,6 +184,12 @@ class Strategy:
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                    targets: float = 0.0) -> None:
         """Called after every optimizer step (DiLoCo's outer step, a parameter server's push)."""
+
+    def own_loss(self, step: int, loss_sum: float, targets: float) -> None:
+        """This rank's rows of global step `step` are done: their summed token loss and loss tokens, kept as
+        `last_loss`, from which the job's `final_loss` is merged (`smolforge.train.step_loss`). A parameter
+        server's worker keeps a part only once the server says it applied it."""
+        self.last_loss = later(self.last_loss, step, loss_sum, targets)
 
     def start_at(self, step: int) -> int:
         """The step this process starts at: `step` (from its checkpoint), or for a member joining a

@@ -61,12 +61,15 @@ class DataParallelSync:
     merges = "copied (one data-parallel adapter, no averaging)"
 
     def __init__(self, strategy: str | None = None):
-        from smolforge.parallel.strategies import STRATEGIES, check_name
+        from smolforge.parallel.strategies import STRATEGIES, check_name, names_where
 
-        self.strategy = check_name(strategy or "ddp")
-        if not getattr(STRATEGIES[self.strategy], "uses_process_group", True):
-            raise SmolforgeError(f"--students-strategy {self.strategy} needs a parameter server, which a distill "
-                                 "student group does not run", fix="use ddp, zero1, fsdp, diloco or ssp")
+        self.strategy = check_name(strategy or "ddp", where="--students-strategy")
+        chosen = STRATEGIES[self.strategy]
+        if not chosen.distill_students:
+            why = ("needs a parameter server, which a distill student group does not run" if chosen.needs_server
+                   else "cannot train a distill student group")
+            raise SmolforgeError(f"--students-strategy {self.strategy} {why}",
+                                 fix=f"use one of {', '.join(names_where(lambda s: s.distill_students))}")
 
     def shards(self, num_shards: int, num_students: int, split: bool) -> list[list[int]]:
         return [list(range(num_shards)) for _ in range(num_students)]

@@ -42,6 +42,7 @@ from smolforge.cluster.runners.dp_reports import comm_summary, jsonable, sort_ba
 from smolforge.cluster.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import STRATEGIES
+from smolforge.parallel.summary import job_summary
 from smolforge.parallel.worker_group import WorkerGroup
 from smolforge.telemetry.sinks import run_name
 
@@ -150,7 +151,7 @@ class DPRunner(JobRunner):
         if job["state"] in FINAL:
             return
         spec = DataParallelJob.model_validate(job["spec"])
-        self.elastic = bool(getattr(STRATEGIES[spec.strategy], "elastic", False))
+        self.elastic = STRATEGIES[spec.strategy].elastic
         if job["state"] != "running":
             self.store.set_state(self.job_id, "running", f"running ({self.reason})")
         self.control = create_control(self.job_id, str(self.mgr.artifacts.root.resolve()))
@@ -230,7 +231,7 @@ class DPRunner(JobRunner):
                                      task_id=gid)
                 recovering = None
             ray_get(self.control.start_members.remote(world))
-            if getattr(STRATEGIES[spec.strategy], "needs_server", False):
+            if STRATEGIES[spec.strategy].needs_server:
                 try:
                     self._start_server(spec, infos, world, gid)
                 except Exception as err:  # its node went away while it was placed: a new round
@@ -469,26 +470,7 @@ class DPRunner(JobRunner):
             if self.want == "pause" or not self.pending_joins:
                 return "paused", {"where": f"at step {r0.get('steps')}"}
             return "regroup", {"steps": r0.get("steps")}
-        times = r0.get("step_times") or []
-        gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        summary = {k: r0.get(k) for k in ("steps", "final_loss", "eval", "seconds", "tokens_per_s",
-                                          "trainable_params", "total_params", "adapter_artifact", "setup_s",
-                                          "first_step_ts", "world", "cpu_step_s")}
-        summary["median_step_s"] = gaps[len(gaps) // 2] if gaps else None
-        summary["max_step_s"] = gaps[-1] if gaps else None  # rank 0's longest step (a pause shows here)
-        summary["train_s"] = times[-1] - times[0] if len(times) > 1 else None  # rank 0's first to last step
-        summary["nodes"] = [results[r]["node"]["node_name"] for r in sorted(results)]
-        summary["strategy"] = r0.get("strategy")
-        summary["workers"] = len(results)
-        summary["samples"] = r0.get("samples")
-        summary["eval_loss"] = (r0.get("eval") or {}).get("eval_loss")
-        summary["rounds"] = r0.get("rounds")  # outer steps (DiLoCo)
-        summary["batch_rows_per_rank"] = r0.get("batch_rows")  # when balanced by speed (None: equal slices)
-        for key in ("comm_bytes_sent", "checkpoint_bytes_sent", "comm_wait_s", "peak_rss_mb",
-                    "optimizer_state_bytes"):  # one value per rank, rank order
-            summary[f"{key}_per_rank"] = [results[r].get(key) for r in sorted(results)]
-        for key in r0.get("strategy_metrics") or {}:  # the strategy's own: staleness, waits, dropped parts
-            summary[f"{key}_per_rank"] = [(results[r].get("strategy_metrics") or {}).get(key) for r in sorted(results)]
+        summary = job_summary(results)  # each key one meaning for every strategy (final_loss: merged from the ranks)
         if self.server is not None:
             self._poll_server(force=True)
             summary["server"] = jsonable(getattr(self, "server_stats", {}))

@@ -21,9 +21,9 @@ from smolforge.models.export import gguf as gguf_format
 from smolforge.models.export import hf as hf_format
 from smolforge.models.export import ollama as ollama_format
 from smolforge.models.export.merge import MergedModel
+from smolforge.models.export.targets import TARGETS
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 
-TARGETS = ("hf", "gguf", "ollama")
 SUMMARY = "export.json"
 GGUF_NAME = "model.gguf"
 

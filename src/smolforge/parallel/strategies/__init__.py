@@ -1,14 +1,17 @@
 """Data-parallel strategies as plug-ins: a name → class registry.
 
 A new strategy is one file in this package (a `smolforge.train.strategy.Strategy` subclass) and one
-line in `STRATEGIES`. The training loop, the job runner and the CLI only ever see the name.
+line in `STRATEGIES` (a plug-in elsewhere sets `STRATEGIES[name] = its class`). The training loop, the
+job runner and the CLI only ever see the name; what a strategy can do they read from its class's
+capabilities (`needs_server`, `uses_process_group`, `elastic`, `distill_students`), and the CLI's
+help and errors list the names held here.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from smolforge.errors import SmolforgeError
@@ -17,17 +20,30 @@ if TYPE_CHECKING:
     from smolforge.train.strategy import Strategy
 
 
-class _Registry(Mapping[str, "type[Strategy]"]):
+class _Registry(MutableMapping[str, "type[Strategy]"]):
     """name → strategy class, each module imported when its name is first looked up: checking a job
     spec (the CLI does it before anything starts) then costs one strategy's imports, not all of them
-    (FSDP's alone pulls in torch.distributed.checkpoint, seconds on a laptop)."""
+    (FSDP's alone pulls in torch.distributed.checkpoint, seconds on a laptop). A name may also hold a
+    class itself (a plug-in outside this package, a test's strategy)."""
 
-    def __init__(self, paths: dict[str, str]):
+    def __init__(self, paths: dict[str, "str | type[Strategy]"]):
         self._paths = paths
 
     def __getitem__(self, name: str) -> "type[Strategy]":
-        module, cls = self._paths[name].split(":")
+        where = self._paths[name]
+        if not isinstance(where, str):
+            return where
+        module, cls = where.split(":")
         return getattr(importlib.import_module(f"smolforge.parallel.strategies.{module}"), cls)
+
+    def __setitem__(self, name: str, cls: "type[Strategy]") -> None:
+        self._paths[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del self._paths[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._paths  # without importing the strategy, as Mapping's own would
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
@@ -36,7 +52,7 @@ class _Registry(Mapping[str, "type[Strategy]"]):
         return len(self._paths)
 
 
-STRATEGIES: Mapping[str, "type[Strategy]"] = _Registry({
+STRATEGIES: MutableMapping[str, "type[Strategy]"] = _Registry({
     "single": "single:SingleProcess",
     "ddp": "ddp:DDP",
     "zero1": "zero1:Zero1",
@@ -49,13 +65,19 @@ STRATEGIES: Mapping[str, "type[Strategy]"] = _Registry({
 })
 
 
-def check_name(name: str) -> str:
-    """The name if a strategy has it; else one message with the closest name."""
+def check_name(name: str, where: str | None = None) -> str:
+    """The name if a strategy has it; else one message with the closest name (`where`: the flag)."""
     if name in STRATEGIES:
         return name
     close = difflib.get_close_matches(name, STRATEGIES, n=1)
     raise SmolforgeError(f"unknown strategy {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
-                         fix=f"use one of {', '.join(STRATEGIES)}")
+                         where=where, fix=f"use one of {', '.join(STRATEGIES)}")
+
+
+def names_where(able: Callable[["type[Strategy]"], bool]) -> list[str]:
+    """The names whose strategy has a capability, e.g. `names_where(lambda s: s.distill_students)`;
+    it imports every strategy (seconds): for an error message or `--help`, not for every command."""
+    return [name for name in STRATEGIES if able(STRATEGIES[name])]
 
 
 def make_strategy(name: str, config: dict[str, Any] | None = None) -> Strategy:

@@ -32,6 +32,7 @@ class DDP(Strategy):
     name = "ddp"
     balances = True  # every step is synchronous: rows per rank can follow speed, the result stays exact
     joins_later = False  # made before its process group exists (an elastic member joining a running job)
+    distill_students = True  # its subclasses too, unless they say otherwise
 
     def __init__(self, **config: Any):
         super().__init__(**config)

@@ -139,6 +139,7 @@ class _Step:
 class Pipeline(DDP):
     name = "pipeline"
     balances = False  # every rank runs every row: there are no rows to move to a faster rank
+    distill_students = False  # its stages need the same rows; a distill student takes its own slice
     Settings = PipelineSettings
 
     def __init__(self, **config: Any):

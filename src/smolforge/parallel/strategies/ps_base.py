@@ -381,6 +381,7 @@ class PSStrategy(Strategy):
         self._snap: dict[str, Any] | None = None
         self._progress: int | None = None
         self._pending: dict[str, Any] | None = None  # the last part's push, sent with the next claim
+        self._pending_loss: tuple[int, float, float] | None = None  # its (step, loss sum, tokens): counted if applied
         self.n = {"parts": 0, "pulls": 0, "waits": 0, "bound_waits": 0, "wait_s": 0.0, "dropped": 0, "stale_sum": 0.0,
                   "stale_max": 0.0}
         self.bytes_pulled = 0
@@ -437,10 +438,11 @@ class PSStrategy(Strategy):
         t0, blocked, at_bound = time.monotonic(), False, False
         while True:
             push, self._pending = self._pending, None  # sent once, with the first call
+            loss, self._pending_loss = self._pending_loss, None
             reply = self.server.exchange(self.member, self.wait_s, push, self.version,
                                          self.since_pull >= self.pull_every)
             if reply.get("pushed") is not None:
-                self._pushed(reply["pushed"])
+                self._pushed(reply["pushed"], loss)
             if "stop" in reply:
                 raise StopRequested(reply["stop"])
             blocked, at_bound = blocked or bool(reply.get("blocked")), at_bound or bool(reply.get("at_bound"))
@@ -501,9 +503,15 @@ class PSStrategy(Strategy):
         self.n["parts"] += 1
         self.since_pull += 1
 
-    def _pushed(self, reply: dict[str, Any]) -> None:
+    def own_loss(self, step: int, loss_sum: float, targets: float) -> None:
+        """This part's loss waits with its push: it counts in `last_loss` only once the server applied the part."""
+        self._pending_loss = (step, loss_sum, targets)
+
+    def _pushed(self, reply: dict[str, Any], loss: tuple[int, float, float] | None = None) -> None:
         if not reply.get("accepted", True):
             self.n["dropped"] += 1
+        elif loss is not None:  # the job's final_loss merges the parts of the last step the server applied
+            Strategy.own_loss(self, *loss)
         gap = float(reply.get("staleness", 0.0))
         self.n["stale_sum"] += gap
         self.n["stale_max"] = max(self.n["stale_max"], gap)

@@ -1,0 +1,52 @@
+"""A rank's own part of a global step's loss, and the job's `final_loss` merged from every rank's part.
+
+Why not each rank's logged loss: what a rank can see of the last step differs by strategy. A DDP rank
+all-reduces the step's loss; a parameter server's worker computes parts of steps on its own (possibly
+several parts of one step, some dropped as late); a DiLoCo rank's inner steps are local. So each rank
+keeps its raw part of the latest global step it counted in (`StepLoss`: summed token loss and loss
+tokens of its rows, only the parts the step actually used), and `final_loss` merges them the one way
+that means the same for every strategy: the mean token loss of the last global step over all its
+tokens (DDP's all-reduced step loss, whatever the strategy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """This rank's rows of global step `step` (0-based): their summed token loss and their loss tokens."""
+
+    step: int
+    loss_sum: float
+    tokens: float
+
+    def then(self, step: int, loss_sum: float, tokens: float) -> "StepLoss":
+        """The latest step's part after another part of this rank's: a later step replaces it, another part
+        of the same step (a fast parameter-server worker takes several) adds to it, an earlier one is kept out."""
+        if step > self.step:
+            return StepLoss(step, loss_sum, tokens)
+        if step == self.step:
+            return StepLoss(step, self.loss_sum + loss_sum, self.tokens + tokens)
+        return self
+
+
+def later(last: StepLoss | None, step: int, loss_sum: float, tokens: float) -> StepLoss:
+    """`last.then(...)`, starting from nothing."""
+    return StepLoss(step, loss_sum, tokens) if last is None else last.then(step, loss_sum, tokens)
+
+
+def final_loss(parts: Iterable[StepLoss | Mapping[str, Any] | None]) -> float | None:
+    """The mean token loss of the last global step any rank counted in, over the parts of that step (every
+    rank's `StepLoss`, or its `to_dict()` form as it comes back from a rank); None when no rank has one."""
+    got = [p if isinstance(p, StepLoss) else StepLoss(int(p["step"]), float(p["loss_sum"]), float(p["tokens"]))
+           for p in parts if p]
+    if not got:
+        return None
+    last = max(p.step for p in got)
+    loss_sum = sum(p.loss_sum for p in got if p.step == last)
+    tokens = sum(p.tokens for p in got if p.step == last)
+    return loss_sum / tokens if tokens > 0 else None
