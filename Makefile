@@ -7,7 +7,7 @@ FULL := $(VENV)/.installed-test
 # every test's duration goes to test-artifacts/junit.xml (git-ignored; CI keeps it): where the time goes
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 --junitxml=test-artifacts/junit.xml
 # Two pytest processes: the suite's time is process starts (a core idle ~40 % of it with one). Each takes
-# whole work units, a module or the shared cluster's modules (tests/conftest.py `work_unit`). TEST_PROCS=0: one.
+# whole work units, a module or the shared cluster's modules (tests/workunits.py `work_unit`). TEST_PROCS=0: one.
 TEST_PROCS ?= 2
 PARALLEL := $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadgroup)
 # llama.cpp for the GGUF export's verification: the library only (no tools, server, examples, tests

@@ -20,6 +20,8 @@ if "SMOLFORGE_HOME" not in os.environ or not os.environ.get("SMOLFORGE_KEEP_HOME
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from workunits import SHARED_CLUSTER_ORDER, work_unit  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -69,11 +71,6 @@ def pytest_collection_modifyitems(config, items):
         shared_cluster_last(items)
 
 
-# The modules that share one coordinator + two workers (`shared_cluster`), in the order they run:
-# test_cluster last, because its failure tests kill a worker (w2, replaced by w3) and the coordinator.
-SHARED_CLUSTER_ORDER = ("test_task_logs", "test_seeds_api", "test_dashboard", "test_cluster")
-
-
 def shared_cluster_last(items: list) -> None:
     """Move the tests that use `shared_cluster` to the end, grouped by module in SHARED_CLUSTER_ORDER
     (stable otherwise): the cluster starts once for all of them, and stops as the session ends, right
@@ -95,18 +92,6 @@ def work_units(items: list) -> None:
     shared = [item for item in items if "shared_cluster" in item.fixturenames]
     shared_cluster_last(shared)
     items[:] = shared + [item for item in items if "shared_cluster" not in item.fixturenames]
-
-
-def work_unit(nodeid: str) -> str:
-    """The unit of work one pytest-xdist process takes whole, from a test's id: its module (its
-    module-scoped fixtures start once), every test under tests/serve/ (they share one session
-    `server`), or every module of SHARED_CLUSTER_ORDER (one cluster). From the id alone, because
-    the scheduler sees ids, not items (and xdist's own `xdist_group` no longer reaches it under
-    pytest 9, which ignores the id suffix xdist sets)."""
-    path = nodeid.split("::")[0]
-    if path.rsplit("/", 1)[-1].removesuffix(".py") in SHARED_CLUSTER_ORDER:
-        return "shared-cluster"
-    return "tests/serve" if path.startswith("tests/serve/") else path
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's (the `test` extra installs it)

@@ -123,13 +123,13 @@ def test_the_clock_scan_sees_a_duration_and_spares_a_deadline():
 
 # -- work units under pytest-xdist -------------------------------------------------------------------
 #
-# Why: `make test` runs two pytest processes, and each takes whole work units (tests/conftest.py
+# Why: `make test` runs two pytest processes, and each takes whole work units (tests/workunits.py
 # `work_unit`). A module that uses the session's shared cluster but is not in SHARED_CLUSTER_ORDER
 # would be its own unit: the other process would start a second cluster (it happened, with xdist's
 # own groups, which pytest 9 no longer honours).
 
 def test_every_user_of_the_shared_cluster_is_in_its_work_unit():
-    from conftest import SHARED_CLUSTER_ORDER, work_unit
+    from workunits import SHARED_CLUSTER_ORDER, work_unit
 
     users = sorted(str(p.relative_to(TESTS.parent)) for p in TESTS.rglob("test_*.py")
                    if "__pycache__" not in p.parts and p.name != Path(__file__).name

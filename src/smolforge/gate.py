@@ -51,6 +51,7 @@ class Gate:
         if path not in self.open_paths:
             given = bearer_of(headers.get(b"authorization", b"").decode("latin-1"))
             if not tokens_match(given, self.token()):
+                await _drain_small(receive, headers.get(b"content-length"))
                 await _reply(send, 401, self.error_body(401, "missing or wrong token", self.token_fix),
                              {"www-authenticate": "Bearer"})
                 return
@@ -83,6 +84,30 @@ def _counting(receive: Receive, limit: int) -> Receive:
         return message
 
     return counted
+
+
+DRAIN_MAX = 64 * 1024  # a refused body this small is read and dropped; a bigger one stays unread
+
+
+async def _drain_small(receive: Receive, declared: bytes | None) -> None:
+    """Read and drop a refused request's body when it declares at most DRAIN_MAX bytes. Why: closing a
+    socket whose received bytes were never read sends a reset, and a client that has not yet read the
+    401 then loses it ("connection reset by peer", seen on a loaded machine). A small body is already in
+    the kernel's buffer, so reading it costs nothing; a big or undeclared one is never read."""
+    try:
+        size = int(declared) if declared is not None else -1
+    except ValueError:
+        return
+    if not 0 < size <= DRAIN_MAX:
+        return
+    seen = 0
+    while seen <= size:
+        message = await receive()
+        if message.get("type") != "http.request":
+            return
+        seen += len(message.get("body") or b"")
+        if not message.get("more_body"):
+            return
 
 
 def coordinator_error_body(status: int, error: str, fix: str | None) -> bytes:

@@ -82,10 +82,10 @@ def serve_cmd(
                       port=port, token=None if no_token else token, tls_cert=tls_cert, tls_key=tls_key,
                       checkpoint_dir=checkpoint_dir, session_timeout=session_timeout, max_sessions=max_sessions,
                       num_threads=num_threads)
-    server = serve(cfg, allow_no_token=no_token)
-    if token_path:
+    if token_path:  # said before the port opens: a client that sees it open can already find the token
         typer.echo(f"token written to {token_path} (mode 0600); clients: --token-file {token_path} "
                    "(on another machine, a copy of it)", err=True)
+    server = serve(cfg, allow_no_token=no_token)
     typer.echo(server.describe())
     sys.stdout.flush()
     signal.signal(signal.SIGTERM, lambda *_: server.stop(2.0))

@@ -1,0 +1,24 @@
+"""Which tests share a pytest process, and in what order the shared cluster's users run.
+
+A plain module, not conftest.py: tests/serve has a conftest.py of its own, and under pytest-xdist a
+process that ran the serve tests holds *that* one as `conftest`, so `from conftest import` in a test
+would find the wrong file.
+"""
+
+from __future__ import annotations
+
+# The modules that share one coordinator + two workers (`shared_cluster`), in the order they run:
+# test_cluster last, because its failure tests kill a worker (w2, replaced by w3) and the coordinator.
+SHARED_CLUSTER_ORDER = ("test_task_logs", "test_seeds_api", "test_dashboard", "test_cluster")
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work one pytest-xdist process takes whole, from a test's id: its module (its
+    module-scoped fixtures start once), every test under tests/serve/ (they share one session
+    `server`), or every module of SHARED_CLUSTER_ORDER (one cluster). From the id alone, because
+    the scheduler sees ids, not items (and xdist's own `xdist_group` no longer reaches it under
+    pytest 9, which ignores the id suffix xdist sets)."""
+    path = nodeid.split("::")[0]
+    if path.rsplit("/", 1)[-1].removesuffix(".py") in SHARED_CLUSTER_ORDER:
+        return "shared-cluster"
+    return "tests/serve" if path.startswith("tests/serve/") else path
