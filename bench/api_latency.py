@@ -41,7 +41,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def start(tmp: Path, tls: bool, env: dict) -> tuple[subprocess.Popen, dict]:
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
 
     state = tmp / ("tls" if tls else "plain")
     args = ["coordinator", "start", "--port", str(free_port()), "--ray-port", str(free_port()), "--state-dir",
@@ -56,7 +56,7 @@ def start(tmp: Path, tls: bool, env: dict) -> tuple[subprocess.Popen, dict]:
 
 
 def client_kwargs(info: dict) -> dict:
-    from smolforge.cluster.tls import trust_exactly
+    from smolforge.cluster.nodes.tls import trust_exactly
 
     kw = {"headers": {"Authorization": f"Bearer {info['token']}"}, "timeout": 30}
     if info["cert"]:
@@ -76,7 +76,7 @@ def unauth_post(host: str, port: int, tls_cert: str | None, size: int) -> int:
 
     s = socket.create_connection((host, port), timeout=30)
     if tls_cert:
-        from smolforge.cluster.tls import trust_exactly
+        from smolforge.cluster.nodes.tls import trust_exactly
 
         s = trust_exactly(Path(tls_cert).read_text()).wrap_socket(s)
     s.sendall(f"POST /api/v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"

@@ -36,7 +36,7 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     from types import SimpleNamespace
 
-    from smolforge.cluster import ray_glue
+    from smolforge.cluster.nodes import ray_glue
     from smolforge.orchestrator import Orchestrator
 
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="sfb", dir="/tmp"))

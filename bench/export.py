@@ -84,10 +84,10 @@ def speed(model_dir: str, adapter: Path, gguf_path: Path, tokens: int, rounds: i
     import torch
     from llama_cpp import Llama
 
-    from smolforge.pipeline.serve.batch import Request
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
 
     torch.set_num_threads(1)
     served = ServedModel.load(model_dir, adapter=str(adapter), device="cpu")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    from smolforge.cluster.statedir import free_port as fp
+    from smolforge.cluster.nodes.statedir import free_port as fp
 
     return fp()
 

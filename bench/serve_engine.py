@@ -23,10 +23,10 @@ def main() -> None:
     import torch
 
     from smolforge.models.tiny import is_preset, preset_dir
-    from smolforge.pipeline.serve.batch import Request
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
 
     torch.set_num_threads(1)
     served = ServedModel.load(str(preset_dir(args.model)) if is_preset(args.model) else args.model, device="cpu")

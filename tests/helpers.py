@@ -209,7 +209,7 @@ def run_gloo_ranks(work, world: int, *args, meanwhile=None, timeout: float = 600
     import queue as queues
     import time
 
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     out = ctx.Queue()

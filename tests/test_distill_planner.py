@@ -77,7 +77,7 @@ def test_a_ddp_student_group_reads_every_shard_in_one_order(tmp_path):
     """Each rank of a group takes its slice of one stream, so every rank must see the shards in the same
     order: the in-order source waits for shard 0 even when shard 1 is ready first, and a resumed rank's
     replayed shards are not handed out again."""
-    from smolforge.cluster.distill.sync import AverageSync, make_sync
+    from smolforge.cluster.workloads.distill.sync import AverageSync, make_sync
     from smolforge.distill.shard_source import InOrderShardSource
 
     class Ready:  # hands out whichever shard is ready: 1 before 0
@@ -124,7 +124,7 @@ def test_a_resumed_students_eta_counts_only_this_runs_steps():
     so 40 steps left take 40 s, not the 6.7 s that counting the resumed 50 steps would give."""
     import time
 
-    from smolforge.cluster.distill.state import DistillTask
+    from smolforge.cluster.workloads.distill.state import DistillTask
 
     task = DistillTask(task_id="student-0", kind="student", store="s", state="running", max_steps=100,
                        progress=0.6, started=time.time() - 10, resumed_step=50)

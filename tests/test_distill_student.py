@@ -214,7 +214,7 @@ def test_a_ddp_student_of_two_ranks_equals_one_process_with_their_batch(tmp_path
     import multiprocessing as mp
 
     from helpers import ddp_student_worker
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
 
     kw = {"base_model": "tiny-llama", "output_dir": str(tmp_path / "ddp"), "max_steps": 3, "batch_size": 2,
           "lr": 1e-3, "device": "cpu", "num_threads": 1, "peft": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0},

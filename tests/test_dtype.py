@@ -71,7 +71,7 @@ def test_a_bf16_teacher_writes_topk_rows(tmp_path):
 
 
 def test_serve_loads_bf16_and_generates_greedily():
-    from smolforge.pipeline.serve.model import ServedModel
+    from smolforge.serve.model import ServedModel
 
     served = ServedModel.load("tiny-llama", device="cpu", dtype="bf16")
     assert {p.dtype for p in served.model.parameters()} == {torch.bfloat16}
@@ -123,9 +123,9 @@ def test_fp16_refuses_to_train_on_a_cpu_and_serves_there():
 
 
 def test_specs_take_the_spellings_and_name_the_choices():
-    from smolforge.cluster.specs import ExportJob, ServeJob
+    from smolforge.cluster.control.specs import ExportJob, ServeJob
     from smolforge.config import validate
-    from smolforge.distill.pipeline import DistillSettings
+    from smolforge.distill.settings import DistillSettings
 
     assert _cfg(Path("x"), dtype="bfloat16").dtype == "bf16"
     settings = DistillSettings(teacher="t", students=["s"], data="bundled", teacher_dtype="bf16")

@@ -97,10 +97,10 @@ def _serve_prompts(tok) -> list[list[int]]:
 def cell_serve(family: str, adapter: Path) -> str:
     """The engine's greedy tokens, all prompts in one batch, equal HF `generate` on each alone; where HF
     goes on past an end token, the engine stopped there ("stop") and left it out."""
-    from smolforge.pipeline.serve.batch import DoneEvent, Request
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.batch import DoneEvent, Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
 
     served = ServedModel.load(f"twin:{family}", str(adapter), name=family, device="cpu")
     prompts, done = _serve_prompts(served.tokenizer), {}

@@ -80,7 +80,7 @@ def _same(a: dict, b: dict, atol: float) -> None:
 def test_two_fsdp_ranks_equal_one_process_and_their_checkpoints_resume_anywhere(tmp_path):
     import queue as queues
 
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
 

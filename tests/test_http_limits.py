@@ -47,7 +47,7 @@ def server(monkeypatch):
     """A bounded listener with short limits (0.5 s to send a head or a body's next bytes, 3 connections)."""
     import uvicorn
 
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
 
     monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
     monkeypatch.setattr(http_limits, "BODY_IDLE_S", 0.5)

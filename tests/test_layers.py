@@ -42,8 +42,8 @@ def test_the_layer_contracts_hold(linter):
     ("train/checkpoint.py", "from smolforge.cluster import states  # noqa", "Layers"),
     ("models/registry.py", "import ray  # noqa", "Ray only"),
     ("data/formats.py", "def _late():\n    from smolforge.train import schedule  # noqa\n", "Layers"),
-    ("pipeline/serve/engine.py", "from smolforge.cluster import states  # noqa", "Layers"),
-    ("pipeline/serve/api.py", "import ray  # noqa", "Ray only"),
+    ("serve/engine.py", "from smolforge.cluster import states  # noqa", "Layers"),
+    ("serve/api.py", "import ray  # noqa", "Ray only"),
     ("gate.py", "from smolforge.cluster import states  # noqa", "Layers"),
 ])
 def test_a_wrong_import_breaks_the_contract(linter, tmp_path, module, bad_import, contract):

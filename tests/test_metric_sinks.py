@@ -68,7 +68,7 @@ def test_metrics_writer_keeps_jsonl_and_mirrors_to_tensorboard(tmp_path):
 
 
 def test_prometheus_families_per_job_and_per_rank_or_student(tmp_path):
-    from smolforge.cluster.jobstore import JobStore
+    from smolforge.cluster.control.jobstore import JobStore
     from smolforge.cluster.metrics import training_families
 
     store = JobStore(tmp_path / "jobs.db")

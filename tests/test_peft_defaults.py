@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from smolforge.config import DEFAULT_LR, DataSpec, PeftSpec, TrainConfig, validate
-from smolforge.distill.pipeline import DistillSettings
+from smolforge.distill.settings import DistillSettings
 from smolforge.distill.student import StudentConfig
 from smolforge.errors import SmolforgeError
 from smolforge.models import peft_methods as pm

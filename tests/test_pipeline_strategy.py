@@ -99,7 +99,7 @@ def _rank(job, rank: int, world: int, port: int, root: str, out: mp.Queue) -> No
 
 def _spawn(job, world: int, root: Path, reference) -> tuple[dict[int, dict], object]:
     """`world` ranks running `job`, while this process computes `reference()`; (results by rank, reference)."""
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes.statedir import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     out = ctx.Queue()

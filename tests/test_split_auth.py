@@ -159,7 +159,7 @@ def test_an_unauthenticated_300_mib_forward_is_refused_before_its_bytes_are_read
 
     import psutil
 
-    from smolforge.cluster.statedir import free_port, port_open
+    from smolforge.cluster.nodes.statedir import free_port, port_open
 
     port = free_port()
     env = {**os.environ, "SMOLFORGE_HOME": str(tmp_path)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.jobview import format_item, interleave
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.jobview import format_item, interleave
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output
 
 

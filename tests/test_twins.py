@@ -194,8 +194,8 @@ def test_full_twin_has_the_published_parameter_count(family, tmp_path):
 def test_placement_counts_a_twin_as_held_by_every_node_like_a_preset():
     """A twin is built from code on whichever node loads it: no node has to advertise it (a cluster
     job on a twin once waited for a node holding `twin:…`)."""
-    from smolforge.cluster.distill.state import is_local_model
-    from smolforge.cluster.placement import holds_anywhere
+    from smolforge.cluster.workloads.distill.state import is_local_model
+    from smolforge.cluster.control.placement import holds_anywhere
 
     for name in ("twin:gpt2", "twin:qwen2.5-0.5b-instruct@full", "tiny-llama"):
         assert holds_anywhere(name, embedded=False) and is_local_model(name), name

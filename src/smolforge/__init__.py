@@ -11,8 +11,8 @@ _LAZY = {
     "Client": ("smolforge.client", "Client"),
     "Orchestrator": ("smolforge.orchestrator", "Orchestrator"),
     "create_distributed_training": ("smolforge.orchestrator", "create_distributed_training"),
-    "TaskConfig": ("smolforge.cluster.specs", "TaskConfig"),
-    "ResourceConfig": ("smolforge.cluster.specs", "ResourceConfig"),
+    "TaskConfig": ("smolforge.cluster.control.specs", "TaskConfig"),
+    "ResourceConfig": ("smolforge.cluster.control.specs", "ResourceConfig"),
 }
 
 

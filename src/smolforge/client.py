@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.cluster.jobs import apply_job_overrides, stage_spec
-from smolforge.cluster.specs import from_seed_task
-from smolforge.cluster.jobview import format_event, job_status
+from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
+from smolforge.cluster.control.specs import from_seed_task
+from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
 
 
@@ -39,9 +39,9 @@ class Client:
         $SMOLFORGE_TLS_FINGERPRINT; the local coordinator's is read from its state dir)."""
         import httpx
 
-        from smolforge.cluster.auth import resolve_token
-        from smolforge.cluster.statedir import StateDir
-        from smolforge.cluster.worker import parse_coordinator, tls_for
+        from smolforge.auth import resolve_token
+        from smolforge.cluster.nodes.statedir import StateDir
+        from smolforge.cluster.nodes.worker import parse_coordinator, tls_for
 
         local = StateDir.at(state_dir) if (host is None or state_dir is not None) else None
         info = (local.read_coordinator() or {}) if local else {}
@@ -124,7 +124,7 @@ class Client:
 
     def ray_tls_env(self, node_dir: str | Path | None = None) -> dict[str, str]:
         """For a Ray driver on a TLS cluster: a certificate from the coordinator's CA, and Ray's environment."""
-        from smolforge.cluster.ray_tls import request_node_env
+        from smolforge.cluster.nodes.ray_tls import request_node_env
         from smolforge.paths import home
 
         d = Path(node_dir) if node_dir else home() / "ray-tls" / f"{self.host}-{self.port}"
@@ -267,7 +267,7 @@ def backend_for(coordinator: str | None = None, token: str | None = None, state_
     Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state
     dir (default $SMOLFORGE_HOME) that answers /health.
     """
-    from smolforge.cluster.statedir import StateDir, port_open
+    from smolforge.cluster.nodes.statedir import StateDir, port_open
 
     coordinator = coordinator or os.environ.get("SMOLFORGE_COORDINATOR")
     sd = StateDir.at(state_dir)

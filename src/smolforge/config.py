@@ -198,7 +198,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], strip_training: 
     """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict, in place: the one `--set` parser.
 
     `strip_training` drops a leading `training.` (the seeds write training.x for top-level fields);
-    job specs route their keys first (smolforge.cluster.jobs.apply_job_overrides) and pass False.
+    job specs route their keys first (smolforge.cluster.control.kinds.apply_job_overrides) and pass False.
     """
     for item in overrides:
         if "=" not in item:

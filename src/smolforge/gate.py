@@ -1,6 +1,6 @@
 """The gate in front of smolforge's HTTP services: the token and the body size, before any body byte.
 
-Used by the coordinator (`cluster/api.py`) and by `smolforge serve` (`pipeline/serve/api.py`); it
+Used by the coordinator (`cluster/api.py`) and by `smolforge serve` (`serve/api.py`); it
 lives below the layers so a service that needs no cluster does not import `smolforge.cluster`.
 Each service answers refusals in its own error shape (`error_body`).
 

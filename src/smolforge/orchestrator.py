@@ -12,7 +12,7 @@ job id, and its status names every node of the group.
 
 The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, `create_student_tasks`,
 `aggregate_student_outputs`, `reassign_idle_teacher_as_student`) are the cluster's
-`smolforge.cluster.distill.session.DistillTasks`: it gets `self.cluster` (a connected
+`smolforge.cluster.workloads.distill.session.DistillTasks`: it gets `self.cluster` (a connected
 `ray_glue.ClusterHandle`) and `self.log_event(kind, message, **data)` / `self.events` from here, and its
 `_local_task_status` lets `monitor_tasks` report teacher and student tasks too.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.client import backend_for
-from smolforge.cluster.distill.session import DistillTasks
-from smolforge.cluster.specs import TaskConfig
+from smolforge.cluster.workloads.distill.session import DistillTasks
+from smolforge.cluster.control.specs import TaskConfig
 from smolforge.errors import SmolforgeError
 
 MODES = ("data_parallel", "teacher_student", "hybrid")
@@ -59,7 +59,7 @@ class Orchestrator(DistillTasks):
     def cluster(self):
         """The Ray cluster behind the backend, connected on first use (ray_glue.ClusterHandle)."""
         if self._cluster is None:
-            from smolforge.cluster import ray_glue
+            from smolforge.cluster.nodes import ray_glue
 
             handle = getattr(self.backend, "handle", None)
             if handle is not None:
@@ -94,7 +94,7 @@ class Orchestrator(DistillTasks):
     def discover_nodes(self) -> list[dict[str, Any]]:
         """Every node with CPUs, RAM, GPUs, models, role and state: today's flat keys (cpus, gpus,
         ram_gb, models, ollama_models) and the seeds' nested ones (`n['resources']['gpu']['count']`,
-        `['cpu']['cores']`, `['memory']['total_gb']`, `['ollama_models']`); see cluster/nodeview.py."""
+        `['cpu']['cores']`, `['memory']['total_gb']`, `['ollama_models']`); see cluster/nodes/nodeview.py."""
         nodes = self.backend.list_nodes()
         self.log_event("discover", f"{len(nodes)} nodes", names=[n["name"] for n in nodes])
         return nodes

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    from smolforge.cluster.statedir import free_port as fp
+    from smolforge.cluster.nodes.statedir import free_port as fp
 
     return fp()
 
@@ -209,7 +209,7 @@ class LocalCluster:
         if tok:
             headers["Authorization"] = f"Bearer {tok}"
         if self.tls_fingerprint:
-            from smolforge.cluster.tls import trust_exactly
+            from smolforge.cluster.nodes.tls import trust_exactly
 
             kw["verify"] = trust_exactly((self.state / "tls" / "cert.pem").read_text())
         url = self.hostport if self.tls_fingerprint else f"http://{self.hostport}"
@@ -245,7 +245,7 @@ def orchestrators_on(spawn, mode: str):
     goes away (even after a failed test), then the cluster, its processes and its tmp dir are stopped."""
     from types import SimpleNamespace
 
-    from smolforge.cluster.ray_process import stop
+    from smolforge.cluster.nodes.ray_process import stop
     from smolforge.orchestrator import Orchestrator
 
     procs: list = []

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from smolforge.cluster import ray_glue
-from smolforge.cluster.artifacts import ArtifactStore
-from smolforge.cluster.auth import bearer_of, load_or_create_token, tokens_match
-from smolforge.cluster.discovery import (check_node_name, parse_ollama_list, scan_hf_cache, scan_models_dir,
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.auth import bearer_of, load_or_create_token, tokens_match
+from smolforge.cluster.nodes.discovery import (check_node_name, parse_ollama_list, scan_hf_cache, scan_models_dir,
                                          with_aliases)
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.manager import JobManager
-from smolforge.cluster.placement import requirements_for, slots_on
-from smolforge.cluster.specs import DataParallelJob
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.manager import JobManager
+from smolforge.cluster.control.placement import requirements_for, slots_on
+from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import pack_dir, unpack_dir
 
@@ -262,8 +262,8 @@ def test_capacity_check_fails_at_submit(tmp_path):
 
 def test_distill_job_specs_are_checked_at_submit(tmp_path):
     """kind: distill is validated in full (field names, types, KD and PEFT settings) before anything runs."""
-    from smolforge.cluster.jobs import apply_job_overrides, stage_spec
-    from smolforge.cluster.specs import DistillJob
+    from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
+    from smolforge.cluster.control.specs import DistillJob
 
     mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
     base = {"kind": "distill", "mode": "hybrid",
@@ -321,7 +321,7 @@ def test_model_discovery(tmp_path):
 # -- specs and overrides --------------------------------------------------------------------------
 
 def test_job_overrides_route_to_train_section(tmp_path):
-    from smolforge.cluster.jobs import apply_job_overrides, stage_spec
+    from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
 
     spec = {"kind": "data_parallel", "train": {"model": "m", "data": {"path": "bundled"}}}
     apply_job_overrides(spec, ["num_workers=3", "training.batch_size=16", "lr=0.01", "train.data.max_length=64"])
@@ -340,7 +340,7 @@ def test_job_overrides_route_to_train_section(tmp_path):
 
 
 def test_node_state_from_heartbeats():
-    from smolforge.cluster.node_agent import node_state
+    from smolforge.cluster.nodes.node_agent import node_state
 
     now = time.time()
     assert node_state(False, now, now - 100, now) == "dead"
@@ -352,8 +352,8 @@ def test_node_state_from_heartbeats():
 def test_head_ports_are_distinct_and_never_the_gcs_port():
     """`ray start --head` refuses two components on one port; CI once got the GCS port (picked by
     the caller, free but not yet bound) back as the client-server port."""
-    from smolforge.cluster.ray_process import head_command
-    from smolforge.cluster.statedir import free_port, free_ports
+    from smolforge.cluster.nodes.ray_process import head_command
+    from smolforge.cluster.nodes.statedir import free_port, free_ports
 
     promised = free_port()
     ports = free_ports(30, exclude={promised})

@@ -22,13 +22,13 @@ CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conform
 
 def _seeded_core(root):
     """A CoordinatorCore over a real store, artifacts and job manager, with jobs in several states."""
-    from smolforge.cluster.artifacts import ArtifactStore
+    from smolforge.cluster.control.artifacts import ArtifactStore
     from smolforge.cluster.coordinator import CoordinatorCore
-    from smolforge.cluster.jobs import parse
-    from smolforge.cluster.jobstore import JobStore
-    from smolforge.cluster.manager import JobManager
-    from smolforge.cluster.node_agent import NodeMonitor
-    from smolforge.cluster.statedir import StateDir
+    from smolforge.cluster.control.kinds import parse
+    from smolforge.cluster.control.jobstore import JobStore
+    from smolforge.cluster.control.manager import JobManager
+    from smolforge.cluster.nodes.node_agent import NodeMonitor
+    from smolforge.cluster.nodes.statedir import StateDir
 
     state = StateDir.at(root / "state")
     store, artifacts = JobStore(state.db_path), ArtifactStore(state.artifacts)
@@ -53,7 +53,7 @@ def _seeded_core(root):
 
 
 def _fake_nodes(include_dead: bool = False):
-    from smolforge.cluster.ray_glue import NodeInfo
+    from smolforge.cluster.nodes.ray_glue import NodeInfo
 
     return [NodeInfo(node_id="n1", name="coordinator", address="127.0.0.1", alive=True, role="coordinator", cpus=2,
                      gpus=0, ram_gb=4.0, gpu_type=None, models=[], resources={"CPU": 2.0}, available={"CPU": 2.0})]
@@ -87,7 +87,7 @@ def coordinator(tmp_path_factory):
     node that takes no work."""
     from schemathesis.python.asgi import get_client
 
-    from smolforge.cluster import ray_glue
+    from smolforge.cluster.nodes import ray_glue
     from smolforge.cluster.api import create_app
 
     with pytest.MonkeyPatch.context() as mp:

@@ -35,10 +35,10 @@ def node_dir(base: Path, name: str) -> Path:
 def _spawn_nodes(base: Path, models: Path, procs: list):
     """Head, then each worker in turn (waiting until it registers; a node that fails to start on an
     overloaded machine is started again once). Returns (driver handle, short Ray temp dir)."""
-    from smolforge.cluster import ray_glue
-    from smolforge.cluster.auth import write_token
-    from smolforge.cluster.ray_process import head_command, spawn, stop, wait_for_port, worker_command
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes import ray_glue
+    from smolforge.auth import write_token
+    from smolforge.cluster.nodes.ray_process import head_command, spawn, stop, wait_for_port, worker_command
+    from smolforge.cluster.nodes.statedir import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="sfd", dir="/tmp"))  # short: Ray socket paths
     token_path = base / "token"

@@ -33,10 +33,10 @@ def node_dir(base: Path, name: str) -> Path:
 
 
 def _spawn(base: Path, procs: list):
-    from smolforge.cluster import ray_glue
-    from smolforge.cluster.auth import write_token
-    from smolforge.cluster.ray_process import head_command, spawn, wait_for_port, worker_command
-    from smolforge.cluster.statedir import free_port
+    from smolforge.cluster.nodes import ray_glue
+    from smolforge.auth import write_token
+    from smolforge.cluster.nodes.ray_process import head_command, spawn, wait_for_port, worker_command
+    from smolforge.cluster.nodes.statedir import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="sfh", dir="/tmp"))  # short: Ray socket paths
     token_path = base / "token"
@@ -85,10 +85,10 @@ def test_ddp_students_with_the_teacher_on_the_coordinator_equal_one_process(clus
     output/student_0/, equal to train_student in this process over the same shards with batch 4."""
     from safetensors.torch import load_file
 
-    from smolforge.cluster.distill.run import run_distill
+    from smolforge.cluster.workloads.distill.run import run_distill
     from smolforge.config import PeftSpec
     from smolforge.distill.losses import KDConfig
-    from smolforge.distill.pipeline import DistillSettings
+    from smolforge.distill.settings import DistillSettings
     from smolforge.distill.shard_source import DirShardSource
     from smolforge.distill.student import StudentConfig, train_student
 
@@ -129,8 +129,8 @@ def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(clus
     there), students of two different bases, each with its own output dir, its own merge under
     merged_model/<base>/final_adapter/, and its own line in the summary and the printed table."""
     from smolforge.cli.distill import _print_summary
-    from smolforge.cluster.distill.run import run_distill
-    from smolforge.distill.pipeline import DistillSettings
+    from smolforge.cluster.workloads.distill.run import run_distill
+    from smolforge.distill.settings import DistillSettings
 
     out = cluster.base / "ensemble"
     if (cluster.base / "hybrid" / "teacher_outputs").is_dir():  # valid shards are reused, not regenerated

@@ -1,6 +1,6 @@
-"""A drained batch of rank reports, sorted into store rows without Ray (cluster/runners/dp_reports.py)."""
+"""A drained batch of rank reports, sorted into store rows without Ray (cluster/workloads/data_parallel/reports.py)."""
 
-from smolforge.cluster.runners.dp_reports import comm_summary, sort_batch
+from smolforge.cluster.workloads.data_parallel.reports import comm_summary, sort_batch
 
 
 def test_a_batch_becomes_job_and_rank_series_events_and_lines_in_time_order():

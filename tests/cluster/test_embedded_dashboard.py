@@ -100,7 +100,7 @@ def test_this_machine_is_live_and_a_job_runs_through_the_api(served):
 
 def test_refuses_when_a_coordinator_runs_and_stops_on_sigint(served, monkeypatch):
     from smolforge.cluster.embedded_dashboard import check_no_coordinator
-    from smolforge.cluster.statedir import StateDir
+    from smolforge.cluster.nodes.statedir import StateDir
     from smolforge.errors import SmolforgeError
 
     port = int(served["base"].rsplit(":", 1)[1])

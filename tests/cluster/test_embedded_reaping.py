@@ -46,7 +46,7 @@ def _running(procs: list[psutil.Process]) -> list[str]:
 
 
 def _wait_for_step(db, step: int, proc: subprocess.Popen, log) -> dict:
-    from smolforge.cluster.jobstore import JobStore
+    from smolforge.cluster.control.jobstore import JobStore
 
     deadline = time.time() + 400  # a hang guard only: the launch reaches it in well under a minute alone
     while time.time() < deadline and proc.poll() is None:
@@ -58,7 +58,7 @@ def _wait_for_step(db, step: int, proc: subprocess.Popen, log) -> dict:
 
 
 def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir(tmp_path):
-    from smolforge.cluster.jobstore import JobStore
+    from smolforge.cluster.control.jobstore import JobStore
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
 

@@ -36,7 +36,7 @@ def _cli(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedPro
 
 @pytest.mark.soak  # the CI tier's proof of this path: test_embedded_reaping.py (kill, reap, show, resume)
 def test_killed_embedded_launch_is_resumed_from_its_checkpoint(tmp_path):
-    from smolforge.cluster.jobstore import JobStore
+    from smolforge.cluster.control.jobstore import JobStore
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
 

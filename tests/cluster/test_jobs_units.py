@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from smolforge.cluster import jobs
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.policy import FailurePolicy
-from smolforge.cluster.runners.base import JobRunner
-from smolforge.cluster.states import FINAL_STATES, JobState
+from smolforge.cluster.control import kinds
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.policy import FailurePolicy
+from smolforge.cluster.control.runner import JobRunner
+from smolforge.cluster.control.states import FINAL_STATES, JobState
 from smolforge.errors import SmolforgeError
 
 
@@ -45,42 +45,42 @@ def test_job_ids_exact_name_or_unique_prefix_never_a_guess(tmp_path):
 
 
 def test_every_kind_is_one_registry_entry():
-    assert set(jobs.KINDS) == {"data_parallel", "distill", "serve", "export"}
-    for name, kind in jobs.KINDS.items():
+    assert set(kinds.KINDS) == {"data_parallel", "distill", "serve", "export"}
+    for name, kind in kinds.KINDS.items():
         assert issubclass(kind.runner(), JobRunner)
         assert kind.demand is not None, f"{name}: the queue needs to know what a {name} job asks for"
         assert kind.spec.model_fields["kind"].default == name
         assert kind.section is None or kind.section in kind.spec.model_fields
     with pytest.raises(SmolforgeError, match="unknown job kind 'teleport'"):
-        jobs.kind_of({"kind": "teleport"})
+        kinds.kind_of({"kind": "teleport"})
 
 
 def test_a_distill_job_with_its_teacher_on_the_coordinator_asks_no_worker_to_hold_the_teacher():
-    from smolforge.cluster.specs import DistillJob
+    from smolforge.cluster.control.specs import DistillJob
 
     spec = {"kind": "distill", "distill": {"teacher": "qwen2.5:7b", "students": ["tiny-llama"], "data": "bundled"}}
-    assert jobs.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model == "qwen2.5:7b"
+    assert kinds.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model == "qwen2.5:7b"
     spec["distill"]["teacher_on_coordinator"] = True
-    assert jobs.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model is None
+    assert kinds.KINDS["distill"].demand(DistillJob.model_validate(spec), False).req.model is None
 
 
 def test_set_routes_into_the_kind_section():
-    dp = jobs.apply_job_overrides({"kind": "data_parallel", "train": {"data": {}}},
+    dp = kinds.apply_job_overrides({"kind": "data_parallel", "train": {"data": {}}},
                                   ["num_workers=3", "lr=0.01", "training.batch_size=16", "train.data.max_length=64"])
     assert dp["num_workers"] == 3 and dp["train"]["lr"] == 0.01 and dp["train"]["batch_size"] == 16
     assert dp["train"]["data"]["max_length"] == 64
-    ds = jobs.apply_job_overrides({"kind": "distill", "distill": {}}, ["mode=hybrid", "max_steps=9", "top_k=4"])
+    ds = kinds.apply_job_overrides({"kind": "distill", "distill": {}}, ["mode=hybrid", "max_steps=9", "top_k=4"])
     assert ds["mode"] == "hybrid" and ds["distill"] == {"max_steps": 9, "top_k": 4}
     with pytest.raises(SmolforgeError, match="not a section"):
-        jobs.apply_job_overrides({"kind": "data_parallel", "train": {"max_steps": 5}}, ["max_steps.x=1"])
-    sv = jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["stages=3", "port=0"])  # a flat spec
-    assert jobs.parse(sv).stages == 3 and sv["port"] == 0
-    assert jobs.parse({"kind": "serve", "model": "m", "stages": "auto"}).stages == "auto"
+        kinds.apply_job_overrides({"kind": "data_parallel", "train": {"max_steps": 5}}, ["max_steps.x=1"])
+    sv = kinds.apply_job_overrides({"kind": "serve", "model": "m"}, ["stages=3", "port=0"])  # a flat spec
+    assert kinds.parse(sv).stages == 3 and sv["port"] == 0
+    assert kinds.parse({"kind": "serve", "model": "m", "stages": "auto"}).stages == "auto"
     for bad in (0, "many"):
         with pytest.raises(SmolforgeError, match="stages"):
-            jobs.parse({"kind": "serve", "model": "m", "stages": bad})
+            kinds.parse({"kind": "serve", "model": "m", "stages": bad})
     with pytest.raises(SmolforgeError, match="a serving job has no setting 'lr'"):
-        jobs.apply_job_overrides({"kind": "serve", "model": "m"}, ["lr=0.1"])
+        kinds.apply_job_overrides({"kind": "serve", "model": "m"}, ["lr=0.1"])
 
 
 def test_failure_policy_retries_from_the_checkpoint_then_gives_up():
@@ -97,22 +97,22 @@ def test_failure_policy_retries_from_the_checkpoint_then_gives_up():
 def test_only_the_embedded_cluster_writes_a_job_where_its_spec_says():
     """A coordinator never writes into a directory a network peer names; the embedded cluster (this
     machine, `smolforge distill --output-dir`) does, given an absolute path."""
-    from smolforge.cluster import jobs
+    from smolforge.cluster.control import kinds
     from smolforge.errors import SmolforgeError
 
     spec = {"kind": "distill", "distill": {"teacher": "tiny-llama", "students": ["tiny-llama"], "data": "bundled"}}
-    jobs.check_output_dir(jobs.parse(spec), embedded=False)  # no output_dir: fine anywhere
-    job = jobs.parse({**spec, "output_dir": "/tmp/run"})
+    kinds.check_output_dir(kinds.parse(spec), embedded=False)  # no output_dir: fine anywhere
+    job = kinds.parse({**spec, "output_dir": "/tmp/run"})
     with pytest.raises(SmolforgeError, match="embedded cluster only"):
-        jobs.check_output_dir(job, embedded=False)
-    jobs.check_output_dir(job, embedded=True)
+        kinds.check_output_dir(job, embedded=False)
+    kinds.check_output_dir(job, embedded=True)
     for bad in ("run", "/tmp/a/../b"):
         with pytest.raises(SmolforgeError, match="absolute path without"):
-            jobs.check_output_dir(jobs.parse({**spec, "output_dir": bad}), embedded=True)
+            kinds.check_output_dir(kinds.parse({**spec, "output_dir": bad}), embedded=True)
 
 
 def test_stages_in_a_job_file_mean_the_pipeline_with_a_rank_per_stage():
-    from smolforge.cluster.specs import DataParallelJob
+    from smolforge.cluster.control.specs import DataParallelJob
 
     train = {"model": "tiny-llama", "data": {"path": "bundled"}}
     job = DataParallelJob.model_validate({"train": train, "stages": 3})

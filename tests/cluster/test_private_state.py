@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import stat
 
-from smolforge.cluster.artifacts import ArtifactStore
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.statedir import StateDir
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.nodes.statedir import StateDir
 
 
 def _mode(path) -> int:

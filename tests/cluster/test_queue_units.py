@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from smolforge.cluster import jobs, ray_glue
-from smolforge.cluster.queue import Demand, Waiting, decide, order
-from smolforge.cluster.specs import DataParallelJob, from_seed_task
+from smolforge.cluster.control import kinds
+
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.control.queue import Demand, Waiting, decide, order
+from smolforge.cluster.control.specs import DataParallelJob, from_seed_task
 from smolforge.errors import SmolforgeError
 
 
@@ -91,7 +93,7 @@ def test_the_seeds_task_shape_and_resource_requests():
     assert seed.train.model == "tiny-llama" and seed.train.data.path == "bundled" and seed.priority == "high"
     assert (seed.cpus_per_worker, seed.min_ram_gb, seed.gpu, seed.gpu_ids) == (16, 32, "required", [0, 1])
     assert seed.max_retries == 5 and seed.train.save_every == 50  # specs.default_save_every, as `launch`
-    req = jobs.KINDS["data_parallel"].demand(seed, False).req
+    req = kinds.KINDS["data_parallel"].demand(seed, False).req
     assert (req.cpus, req.reserve_ram_gb, req.gpus, req.gpu) == (16, 32, 2.0, "required")
     assert req.per_task(True) == {"CPU": 16, ray_glue.WORKER_RESOURCE: 16, "memory": 32e9, "GPU": 2.0}
     gpu_node = node("g", cpus=32, ram=64, gpus=1)
@@ -116,26 +118,26 @@ def test_the_seeds_task_shape_and_resource_requests():
 def test_contradictions_are_one_message(spec, match):
     base = {"kind": "data_parallel", "train": {"model": "m", "data": {"path": "bundled"}, **spec.pop("train", {})}}
     with pytest.raises(SmolforgeError, match=match):
-        jobs.parse({**base, **spec})
+        kinds.parse({**base, **spec})
 
 
 def test_kinds_take_only_what_they_can_honour():
     with pytest.raises(SmolforgeError, match="a serve job cannot reserve it; it takes cpu_cores"):
-        jobs.parse({"kind": "serve", "model": "m", "resources": {"ram_gb": 2}})
-    serve = jobs.parse({"kind": "serve", "model": "m", "stages": 3, "resources": {"cpu_cores": 2}, "priority": "low"})
-    assert serve.cpus_per_stage == 2 and jobs.KINDS["serve"].demand(serve, False).describe() == "3 stages with 2 CPUs"
-    distill = jobs.parse({"kind": "distill", "checkpointing": False, "resources": {"cpu_cores": 2},
+        kinds.parse({"kind": "serve", "model": "m", "resources": {"ram_gb": 2}})
+    serve = kinds.parse({"kind": "serve", "model": "m", "stages": 3, "resources": {"cpu_cores": 2}, "priority": "low"})
+    assert serve.cpus_per_stage == 2 and kinds.KINDS["serve"].demand(serve, False).describe() == "3 stages with 2 CPUs"
+    distill = kinds.parse({"kind": "distill", "checkpointing": False, "resources": {"cpu_cores": 2},
                           "distill": {"teacher": "tiny-llama", "students": ["tiny-llama"], "data": "bundled"}})
     assert (distill.distill.cpus_per_teacher, distill.distill.cpus_per_student, distill.distill.save_every) == (2, 2, 0)
 
 
 def test_no_node_could_ever_hold_it_fails_at_submit_listing_nodes(tmp_path):
-    from smolforge.cluster.artifacts import ArtifactStore
-    from smolforge.cluster.jobstore import JobStore
-    from smolforge.cluster.manager import JobManager
+    from smolforge.cluster.control.artifacts import ArtifactStore
+    from smolforge.cluster.control.jobstore import JobStore
+    from smolforge.cluster.control.manager import JobManager
 
     mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
-    job = jobs.parse({"model": "tiny-llama", "dataset": "bundled", "num_workers": 1, "resources": {"ram_gb": 6}})
+    job = kinds.parse({"model": "tiny-llama", "dataset": "bundled", "num_workers": 1, "resources": {"ram_gb": 6}})
     with pytest.raises(SmolforgeError) as err:
         mgr.check_capacity(job, [node("w1"), node("w2")])
     text = err.value.render()
@@ -143,7 +145,7 @@ def test_no_node_could_ever_hold_it_fails_at_submit_listing_nodes(tmp_path):
 
 
 def test_the_store_keeps_the_reason_while_pending_only(tmp_path):
-    from smolforge.cluster.jobstore import JobStore
+    from smolforge.cluster.control.jobstore import JobStore
 
     store = JobStore(tmp_path / "j.db")
     job_id = store.create_job("data_parallel", {"priority": "high"})

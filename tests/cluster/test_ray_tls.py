@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from smolforge.cluster import ray_tls
+from smolforge.cluster.nodes import ray_tls
 from smolforge.errors import SmolforgeError
 
 

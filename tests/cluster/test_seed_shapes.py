@@ -31,8 +31,8 @@ class Node:
 
 
 def test_a_model_held_only_as_an_ollama_tag_is_advertised_and_placed_for_ollama_only(tmp_path):
-    from smolforge.cluster import ray_glue
-    from smolforge.cluster.discovery import by_backend, scan_hf_cache, with_aliases
+    from smolforge.cluster.nodes import ray_glue
+    from smolforge.cluster.nodes.discovery import by_backend, scan_hf_cache, with_aliases
     from smolforge.distill.planner import model_nodes
 
     # discovery: an Ollama tag and its HF alias load with Ollama only; cached weights and their alias with HF
@@ -76,8 +76,8 @@ def test_a_model_held_only_as_an_ollama_tag_is_advertised_and_placed_for_ollama_
 
 
 def test_node_dicts_carry_the_seeds_nested_resources_beside_the_flat_keys():
-    from smolforge.cluster import ray_glue
-    from smolforge.cluster.nodeview import node_view
+    from smolforge.cluster.nodes import ray_glue
+    from smolforge.cluster.nodes.nodeview import node_view
 
     raw = {"NodeID": "n1", "Alive": True, "Labels": {ray_glue.NAME_LABEL: "gpu-box", ray_glue.RAM_LABEL: "31.3",
                                                       ray_glue.GPU_MEM_LABEL: "24", ray_glue.GPU_TYPE_LABEL: "RTX"},
@@ -96,8 +96,8 @@ def test_node_dicts_carry_the_seeds_nested_resources_beside_the_flat_keys():
 
 def test_task_config_maps_onto_jobs_and_tasks():
     import smolforge
-    from smolforge.cluster.distill.seed_args import resolve, student_args, task_options
-    from smolforge.cluster.specs import DataParallelJob
+    from smolforge.cluster.workloads.distill.seed_args import resolve, student_args, task_options
+    from smolforge.cluster.control.specs import DataParallelJob
 
     heavy = smolforge.TaskConfig(name="heavy_training", type="training", priority="high",
                                  resources=smolforge.ResourceConfig(gpu_memory_gb=24, cpu_cores=8, ram_gb=64),
@@ -128,8 +128,8 @@ def test_task_config_maps_onto_jobs_and_tasks():
 
 
 def test_the_seeds_peft_keys_and_call_signatures():
-    from smolforge.cluster.distill.students import StudentTasks
-    from smolforge.cluster.distill.teachers import TeacherTasks
+    from smolforge.cluster.workloads.distill.students import StudentTasks
+    from smolforge.cluster.workloads.distill.teachers import TeacherTasks
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from smolforge.models.houlsby import BottleneckAdapter

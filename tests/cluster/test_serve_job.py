@@ -33,8 +33,8 @@ def world(tmp_path_factory):
     """Its own cluster, not the session's shared one: there the coordinator holds the model too, and a
     stage may be planned on it (once with no layers at all: a planner bug, noted in issue 31's work)."""
     from smolforge.models.tiny import preset_dir
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
 
     base = tmp_path_factory.mktemp("serve-job")
     models = base / "models"
@@ -75,7 +75,7 @@ def port_open(port: int) -> bool:
 
 
 def single_text(world, prompt: str, max_tokens: int) -> str:
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.sampling import SamplingParams
 
     engine = world["single"]
     ids = engine.model.tokenizer(prompt)["input_ids"]

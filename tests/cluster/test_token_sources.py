@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from smolforge.cluster.auth import read_token_file, resolve_token
+from smolforge.auth import read_token_file, resolve_token
 from smolforge.errors import SmolforgeError
 
 

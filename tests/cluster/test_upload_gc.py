@@ -7,10 +7,10 @@ import hashlib
 import os
 import time
 
-from smolforge.cluster.artifacts import UPLOAD_GRACE_S, ArtifactStore, upload_refs
+from smolforge.cluster.control.artifacts import UPLOAD_GRACE_S, ArtifactStore, upload_refs
 from smolforge.cluster.coordinator import CoordinatorCore
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.statedir import StateDir
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.nodes.statedir import StateDir
 
 
 def _upload(store: ArtifactStore, tmp, text: str, age_s: float) -> str:

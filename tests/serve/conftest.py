@@ -37,6 +37,6 @@ def server(model_copy, tmp_path_factory):
 @pytest.fixture(scope="session")
 def served_tiny(model_copy):
     """The model of the `server` fixture, loaded here: in-process apps and engines share it (read-only)."""
-    from smolforge.pipeline.serve.model import ServedModel
+    from smolforge.serve.model import ServedModel
 
     return ServedModel.load(str(model_copy), name="tiny", device="cpu")

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from smolforge.data.encode import ensure_chat_template
-from smolforge.pipeline.serve.api import create_app
-from smolforge.pipeline.serve.engine import Engine
+from smolforge.serve.api import create_app
+from smolforge.serve.engine import Engine
 
 from test_serve_engine import Held
 

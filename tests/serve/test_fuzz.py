@@ -28,8 +28,8 @@ def fuzz_serve(served, examples: int, context: int) -> dict[tuple[str, int], int
         status_code_conformance,
     )
 
-    from smolforge.pipeline.serve.api import create_app
-    from smolforge.pipeline.serve.engine import Engine
+    from smolforge.serve.api import create_app
+    from smolforge.serve.engine import Engine
 
     engine = Engine(served, max_positions=context).start()
     app = create_app(served, engine, token=TOKEN, model_name="tiny")

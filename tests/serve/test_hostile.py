@@ -56,7 +56,7 @@ class Listener:
         import uvicorn
         from fastapi import FastAPI
 
-        from smolforge.pipeline.serve.server import serve_config
+        from smolforge.serve.server import serve_config
 
         if app is None:
             app = FastAPI()
@@ -171,8 +171,8 @@ def test_connections_over_the_bound_are_closed_until_some_close(monkeypatch):
 
 def test_a_body_that_never_arrives_is_408(served_tiny, monkeypatch):
     """Headers in time, then half the declared body and nothing more: the handler stops waiting (408)."""
-    from smolforge.pipeline.serve import api
-    from smolforge.pipeline.serve.engine import Engine
+    from smolforge.serve import api
+    from smolforge.serve.engine import Engine
 
     monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.5)
     app = api.create_app(served_tiny, Engine(served_tiny), token="t0k", model_name="tiny")

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from smolforge.http_limits import MAX_JSON_DEPTH
-from smolforge.pipeline.serve import intake
-from smolforge.pipeline.serve.intake import char_bound, lone_surrogate, read_json
-from smolforge.pipeline.serve.protocol import ApiError
+from smolforge.serve import intake
+from smolforge.serve.intake import char_bound, lone_surrogate, read_json
+from smolforge.serve.protocol import ApiError
 
 
 def nested(depth: int) -> bytes:

@@ -95,9 +95,9 @@ def test_serve_with_an_adapter_answers_as_the_adapted_model(model_copy, tmp_path
 
     from servehelpers import start_server
     from smolforge.models.loading import load_model
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
 
     torch.manual_seed(1)
     lora = get_peft_model(load_model(str(model_copy)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
@@ -130,7 +130,7 @@ def test_serve_and_staged_serve_take_the_same_token(tmp_path, monkeypatch, sourc
     job's runner. With none given, one-process serve makes its own and the staged one keeps the
     embedded cluster's."""
     from smolforge.cli.serve import _embedded_api_token
-    from smolforge.pipeline.serve.server import ServeOptions, given_token, server_token
+    from smolforge.serve.server import ServeOptions, given_token, server_token
 
     for name in ("SMOLFORGE_TOKEN", "SMOLFORGE_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)

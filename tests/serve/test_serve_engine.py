@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from smolforge.pipeline.serve.batch import DoneEvent, ErrorEvent, Request, TokenEvent
-from smolforge.pipeline.serve.engine import Engine, PromptTooLong
-from smolforge.pipeline.serve.model import ServedModel
-from smolforge.pipeline.serve.sampling import SamplingParams, next_token
+from smolforge.serve.batch import DoneEvent, ErrorEvent, Request, TokenEvent
+from smolforge.serve.engine import Engine, PromptTooLong
+from smolforge.serve.model import ServedModel
+from smolforge.serve.sampling import SamplingParams, next_token
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -257,8 +257,8 @@ def test_an_engine_thread_that_ends_says_why(served, monkeypatch):
     `on_death` say why, `alive` is False and `submit` refuses; the server then exits (server.py)."""
     from types import SimpleNamespace as NS
 
-    from smolforge.pipeline.serve.engine import EngineStopped
-    from smolforge.pipeline.serve.server import stop_when_engine_dies
+    from smolforge.serve.engine import EngineStopped
+    from smolforge.serve.server import stop_when_engine_dies
 
     ids = prompts(served.tokenizer)[0]
     engine = Engine(served)

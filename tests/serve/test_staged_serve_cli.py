@@ -28,9 +28,9 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from smolforge.models.loading import load_model
-    from smolforge.pipeline.serve.engine import Engine
-    from smolforge.pipeline.serve.model import ServedModel
-    from smolforge.pipeline.serve.sampling import SamplingParams
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
 
     torch.manual_seed(1)  # a LoRA that changes the answers (B not zero)
     lora = get_peft_model(load_model(str(model_copy)), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from smolforge.errors import SmolforgeError
-from smolforge.pipeline.serve.batch import DoneEvent, ErrorEvent, Request
-from smolforge.pipeline.serve.engine import Engine
-from smolforge.pipeline.serve.model import ServedModel
-from smolforge.pipeline.serve.sampling import SamplingParams
-from smolforge.pipeline.serve.stages import StageError, StageServer, local_stages, staged_model, to_wire
+from smolforge.serve.batch import DoneEvent, ErrorEvent, Request
+from smolforge.serve.engine import Engine
+from smolforge.serve.model import ServedModel
+from smolforge.serve.sampling import SamplingParams
+from smolforge.serve.stages import StageError, StageServer, local_stages, staged_model, to_wire
 
 from test_serve_engine import GREEDY, hf_greedy, prompts, run_together
 

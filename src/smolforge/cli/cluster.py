@@ -225,7 +225,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         Example: smolforge coordinator start --host 0.0.0.0 --port 5000 --tls
         """
         from smolforge.cluster.coordinator import Coordinator, CoordinatorOptions
-        from smolforge.cluster.discovery import check_node_name
+        from smolforge.cluster.nodes.discovery import check_node_name
 
         check_node_name(name)
         coord = Coordinator(CoordinatorOptions(host=host, port=port, ray_port=ray_port, state_dir=state_dir, name=name,
@@ -266,7 +266,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         """
         import sys
 
-        from smolforge.cluster.worker import WorkerNode, WorkerOptions
+        from smolforge.cluster.nodes.worker import WorkerNode, WorkerOptions
 
         node = WorkerNode(WorkerOptions(coordinator=coordinator, token=cli_token(token, token_file), name=name, models_dir=models_dir,
                                         cpus=cpus, gpus=gpus, memory_gb=memory, state_dir=state_dir,
@@ -522,7 +522,7 @@ def _register_job_views(job_app: typer.Typer) -> None:
         """
         import json
 
-        from smolforge.cluster.jobview import format_item, interleave
+        from smolforge.cluster.control.jobview import format_item, interleave
 
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
         since_event = since_line = 0

@@ -12,7 +12,7 @@ import click
 import typer
 from typer.core import TyperCommand
 
-from smolforge.cluster.statedir import check_port  # noqa: F401  (every command's port flags: before anything starts)
+from smolforge.cluster.nodes.statedir import check_port  # noqa: F401  (every command's port flags: before anything starts)
 from smolforge.errors import SmolforgeError
 
 
@@ -199,6 +199,6 @@ def cli_token(token: str | None, token_file: str | None) -> str | None:
     $SMOLFORGE_TOKEN_FILE, the local coordinator's token file)."""
     if token or not token_file:
         return token
-    from smolforge.cluster.auth import read_token_file
+    from smolforge.auth import read_token_file
 
     return read_token_file(token_file)

@@ -162,10 +162,10 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.cli.follow import finish_job, wait_with_progress
     from smolforge.cli.launch import fetch_distill_summary
     from smolforge.client import backend_for
-    from smolforge.cluster.distill.sync import make_sync
-    from smolforge.cluster.specs import DistillJob
+    from smolforge.cluster.workloads.distill.sync import make_sync
+    from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
-    from smolforge.distill.pipeline import check_run, refuse_used_run_dir
+    from smolforge.distill.settings import check_run, refuse_used_run_dir
 
     out = Path(output_dir)
     job = validate(DistillJob, spec, where="distill")

@@ -252,10 +252,10 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                     unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cluster.jobs import apply_job_overrides
-    from smolforge.cluster.specs import DistillJob
+    from smolforge.cluster.control.kinds import apply_job_overrides
+    from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
-    from smolforge.distill.pipeline import check_run
+    from smolforge.distill.settings import check_run
 
     if not students:
         raise SmolforgeError(f"--mode {mode} needs a student model",
@@ -302,7 +302,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
     its end and fetch its adapter into `output_dir` (default outputs/<job>). The spec is checked
     first: a bad setting is a message in a second, not after an embedded cluster has started."""
-    from smolforge.cluster.jobs import parse
+    from smolforge.cluster.control.kinds import parse
 
     parse(spec)
     refuse_used_download_dir(output_dir)
@@ -361,8 +361,8 @@ def monitored(spec: dict) -> bool:
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
                  max_retries: int, cpus_per_worker: float, name: str | None, priority: str = "normal",
                  **opts: Any) -> dict:
-    from smolforge.cluster.jobs import apply_job_overrides
-    from smolforge.cluster.specs import default_save_every
+    from smolforge.cluster.control.kinds import apply_job_overrides
+    from smolforge.cluster.control.specs import default_save_every
 
     strategy = opts.pop("strategy", "ddp")
     balance = opts.pop("balance", "auto")

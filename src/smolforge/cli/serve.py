@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
         """
         dtype = parse_dtype(dtype)  # one message before anything starts, staged or not
         quiet_libraries()
-        from smolforge.cluster.statedir import check_port
+        from smolforge.cluster.nodes.statedir import check_port
 
         check_port(port, "--port", zero_picks=True)  # one message before anything starts, staged or not
         if stages is not None:
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
             serve_staged(spec, coordinator=coordinator, token=cli_token(None, token_file), state_dir=state_dir,
                          token_file=token_file)
             return
-        from smolforge.pipeline.serve.server import ServeOptions, serve as run
+        from smolforge.serve.server import ServeOptions, serve as run
 
         def announce(line: str) -> None:
             typer.echo(line)
@@ -97,8 +97,8 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
     """Submit a `serve` job and say where it serves. On a coordinator it keeps serving after this
     command returns; on the embedded cluster it serves until Ctrl-C (or SIGTERM), then stops."""
     from smolforge.client import backend_for
-    from smolforge.cluster.jobs import parse
-    from smolforge.pipeline.serve.server import given_token
+    from smolforge.cluster.control.kinds import parse
+    from smolforge.serve.server import given_token
 
     job = parse(spec)  # a bad setting is a message now, not after a cluster has started
     given = given_token(token_file)  # an unreadable token file too

@@ -72,7 +72,7 @@ def serve_cmd(
     token = cli_token(token, token_file)
     token_path = None
     if not token and not no_token:  # a fresh token, written 0600 for the clients: never printed
-        from smolforge.cluster.auth import write_token
+        from smolforge.auth import write_token
         from smolforge.paths import home
 
         token, token_path = secrets.token_urlsafe(24), home() / "split" / "token"

@@ -29,12 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, JobId, JoinRequest, NodeId, SeriesName,
                                          Since, StateList, TaskName, document_errors, rows, validation_error)
-from smolforge.cluster.auth import bearer_of, tokens_match
-from smolforge.cluster.gate import Gate
-from smolforge.cluster.heartbeat import Heartbeat
+from smolforge.auth import bearer_of, tokens_match
+from smolforge.gate import Gate
+from smolforge.cluster.nodes.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
-from smolforge.cluster.ray_tls import ensure_ca, sign_request
-from smolforge.cluster.states import parse_states
+from smolforge.cluster.nodes.ray_tls import ensure_ca, sign_request
+from smolforge.cluster.control.states import parse_states
 from smolforge.dashboard import ASSETS, asset, asset_paths, page
 from smolforge.errors import SmolforgeError
 from smolforge.paths import safe_join
@@ -134,7 +134,7 @@ def create_app(core: Any) -> FastAPI:
     @app.post("/api/v1/ray-tls/certificate", dependencies=auth,
               responses={409: {"model": ApiError, "description": "this cluster does not use TLS"}})
     def ray_tls_certificate(req: CertificateRequest):
-        """A joining node's certificate for Ray's TLS, signed by this cluster's CA (see cluster/ray_tls.py)."""
+        """A joining node's certificate for Ray's TLS, signed by this cluster's CA (see cluster/nodes/ray_tls.py)."""
         if not core.info.get("ray_tls"):
             raise HTTPException(status_code=409, detail="this cluster does not use TLS")
         ca_cert, ca_key = ensure_ca(core.state.root / "tls")

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from smolforge import __version__
-from smolforge.cluster import ray_glue, ray_process, ray_tls
-from smolforge.cluster.artifacts import ArtifactStore, upload_refs
-from smolforge.cluster.auth import apply_ray_auth, load_or_create_token, ray_auth_env
-from smolforge.cluster.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.statedir import StateDir, check_port, check_ray_port, port_open
-from smolforge.cluster.tls import ensure_cert, fingerprint
+from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
+from smolforge.cluster.control.artifacts import ArtifactStore, upload_refs
+from smolforge.auth import load_or_create_token
+from smolforge.cluster.nodes.ray_auth import apply_ray_auth, ray_auth_env
+from smolforge.cluster.nodes.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.nodes.statedir import StateDir, check_port, check_ray_port, port_open
+from smolforge.cluster.nodes.tls import ensure_cert, fingerprint
 from smolforge.errors import SmolforgeError
 from smolforge.net import LOOPBACK
 
@@ -207,8 +208,8 @@ class Coordinator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def setup(self) -> CoordinatorCore:
-        from smolforge.cluster.manager import JobManager
-        from smolforge.cluster.node_agent import NodeMonitor
+        from smolforge.cluster.control.manager import JobManager
+        from smolforge.cluster.nodes.node_agent import NodeMonitor
 
         self._check_not_running()
         ip = self._node_ip()

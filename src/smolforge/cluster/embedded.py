@@ -20,15 +20,15 @@ from typing import Callable
 
 import psutil
 
-from smolforge.cluster import ray_glue, ray_session
-from smolforge.cluster.artifacts import ArtifactStore
-from smolforge.cluster.jobs import apply_job_overrides, kind_of, pin_local_models, stage_spec
-from smolforge.cluster.jobstore import JobStore
-from smolforge.cluster.jobview import format_event, job_status
-from smolforge.cluster.manager import JobManager
-from smolforge.cluster.nodeview import node_view
-from smolforge.cluster.statedir import StateDir
-from smolforge.cluster.states import parse_states
+from smolforge.cluster.nodes import ray_glue, ray_session
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.kinds import apply_job_overrides, kind_of, pin_local_models, stage_spec
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.jobview import format_event, job_status
+from smolforge.cluster.control.manager import JobManager
+from smolforge.cluster.nodes.nodeview import node_view
+from smolforge.cluster.nodes.statedir import StateDir
+from smolforge.cluster.control.states import parse_states
 from smolforge.config import load_yaml
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import check_download_dest, unpack_dir

@@ -22,11 +22,11 @@ import time
 from typing import Callable
 
 from smolforge import __version__
-from smolforge.cluster.auth import load_or_create_token
+from smolforge.auth import load_or_create_token
 from smolforge.cluster.coordinator import CoordinatorCore
 from smolforge.cluster.embedded import EmbeddedCluster
-from smolforge.cluster.node_agent import NodeMonitor
-from smolforge.cluster.statedir import StateDir, check_port, free_port, port_open
+from smolforge.cluster.nodes.node_agent import NodeMonitor
+from smolforge.cluster.nodes.statedir import StateDir, check_port, free_port, port_open
 from smolforge.errors import SmolforgeError
 
 HOST = "127.0.0.1"

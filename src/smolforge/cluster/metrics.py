@@ -88,7 +88,7 @@ class _Collector:
         yield own
 
 
-# The job store's series (smolforge.cluster.runners: `loss`, `lr`... for the job, `<name>.rank<R>` per
+# The job store's series (the runners: `loss`, `lr`... for the job, `<name>.rank<R>` per
 # rank, `<name>.student<N>` per student) -> the exported gauge (prefix smolforge_job_ or smolforge_rank_)
 EXPORTED = {"loss": "loss", "lr": "learning_rate", "grad_norm": "grad_norm", "tokens_per_s": "tokens_per_second",
             "comm_bytes_sent": "bytes_sent", "staleness_mean": "staleness", "staleness_max": "staleness_max"}

@@ -1,7 +1,7 @@
 """Where a student's teacher shards come from, and how it hears a stop while it waits for one.
 
 `DirShardSource` reads a store directory (a local run, tests); on a cluster the student asks the
-shard broker (smolforge.cluster.distill.remotes.BrokerShardSource). Both hand over verified shards.
+shard broker (smolforge.cluster.workloads.distill.remotes.BrokerShardSource). Both hand over verified shards.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Worker groups: Ray actors that form a torch.distributed process group and train together.
+"""What data-parallel training shares besides the strategies, with no Ray in it.
 
-- `rendezvous` rank 0's address and a free port (found through Ray), then `init_process_group`
-- `transfer`   directories as checksummed payloads, so checkpoints travel without a shared filesystem
-- `dp_task`    the data-parallel worker actor that runs the training engine as one rank
-- `worker_group` placing N of those actors (a placement group), starting them, tearing them down
+- `strategies/` the strategy plug-ins (a name -> class registry)
+- `rendezvous`  rank 0 serves the group's store on its address; every rank joins the group there
+- `transfer`    directories as checksummed payloads, so checkpoints travel without a shared filesystem
+- `codecs`      how gradients travel: fp32, fp16, blockwise int8 with error feedback
+- `summary`     the job summary, derived from the ranks' results
 
-This is the only place below `cluster/` that imports Ray.
+The rank actors themselves (Ray) are in `cluster/workloads/data_parallel/`.
 """

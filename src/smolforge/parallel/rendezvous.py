@@ -1,8 +1,8 @@
 """Our own rendezvous: rank 0 names its address and a free port, every rank joins the group there.
 
 Why not Ray Train: on this hardware it cost ~5x per step and wants shared storage for multi-node
-checkpoints. Ray only places the actors and carries rank 0's address to the others; the collectives
-are plain torch.distributed (gloo on CPU, NCCL on GPU).
+checkpoints. Ray only places the actors and carries rank 0's address to the others (`ray_glue.node_ip`);
+the collectives are plain torch.distributed (gloo on CPU, NCCL on GPU). No Ray here.
 """
 
 from __future__ import annotations
@@ -12,16 +12,6 @@ import socket
 from datetime import timedelta
 
 from smolforge.net import is_loopback
-
-
-def node_ip() -> str:
-    """This process's node address as Ray sees it (what the other ranks can reach)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return socket.gethostbyname(socket.gethostname())
 
 
 def listen_socket(ip: str) -> socket.socket:

@@ -2,7 +2,7 @@
 
 One function, so each key means one thing for every strategy. A rank's result is its `TrainResult`
 (`smolforge.train.engine`), as the rank actor sends it back: `to_dict()`, plus where it ran (`node`), its
-setup time and, on rank 0, its step timestamps (`parallel.dp_task`). Most keys are rank 0's (the job's
+setup time and, on rank 0, its step timestamps (`cluster.workloads.data_parallel.rank`). Most keys are rank 0's (the job's
 steps, eval, adapter) or one value per rank, rank order (`*_per_rank`); `final_loss` is merged from every
 rank's part of the last global step (`train.step_loss`): the mean token loss of that step over all its
 tokens, as DDP all-reduces it, whether the step was all-reduced, computed in parts through a parameter

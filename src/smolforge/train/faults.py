@@ -1,6 +1,6 @@
 """Fault injection for tests and benchmarks, shared by every kind of training task on a node.
 
-A data-parallel rank (`smolforge.parallel.dp_task`) and a distillation student
+A data-parallel rank (`smolforge.cluster.workloads.data_parallel.rank`) and a distillation student
 (`smolforge.distill.student`) read the same faults from the same place, so one test helper (a file
 in the node's directory) acts on either. Each fault is read once where it acts, never per step:
 with no fault set, none costs anything.

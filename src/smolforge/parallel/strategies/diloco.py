@@ -16,7 +16,7 @@ next round from them. Gradients cross the network once per H steps instead of ev
   resumed job continues exactly as an uninterrupted one (the int8 error buffers restart at zero).
 - Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
   gone (its process or machine died) re-forms the group with the members left, through the job's
-  membership service (`membership`, given by the worker glue; see `cluster/job_control.py`), and is
+  membership service (`membership`, given by the worker glue; see `cluster/workloads/data_parallel/job_control.py`), and is
   run again; the survivors carry on from where they are, without a restart from a checkpoint, and
   the lost member's current round is all that is lost. A member that joins a running job waits
   (`start_at`) until the others reach an outer step, then everyone re-forms the group with it and
@@ -78,7 +78,7 @@ class DiLoCo(DDP):
         self.rounds, self.round_steps, self.round_targets = 0, 0, 0.0
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
-        # elastic membership, set by the worker glue (smolforge.parallel.dp_task) before training
+        # elastic membership, set by the worker glue (smolforge.cluster.workloads.data_parallel.rank) before training
         self.membership: Any = None  # .regroup(epoch) -> the next group; .joiners_waiting() -> bool
         self.member = 0  # this rank's id in the job: its first rank, or a new id for a joiner
         self.nominal_world = 1  # ranks the job started with (the global batch is per_rank times this)

@@ -19,7 +19,7 @@ carries its gradient's token count), and with K = 0 `ssp` is exactly DDP's step:
 gradients computed on the same weights, summed and clipped once, one AdamW step at lr(step).
 
 `ServerCore` is plain Python and thread-safe (every wait bounded); the worker glue hosts it in a Ray
-actor (`smolforge.cluster.param_server`) and the tests in a thread. Tensors travel as numpy arrays
+actor (`smolforge.cluster.workloads.data_parallel.param_server`) and the tests in a thread. Tensors travel as numpy arrays
 (zero-copy buffers in Ray's object store), never pickled over a socket of ours. `PSStrategy` is the
 worker side: the loop's optimizer step becomes a push (`ServerOptimizer`), its next step a claim.
 

@@ -1,0 +1,15 @@
+"""The job control plane: what a job is and how it moves, for every kind alike.
+
+- `kinds.py`     the job-kind registry: spec, demand, runner and view of each kind, in one entry
+- `specs.py`     the specs users submit (YAML, `launch`, `Client.submit_job`), validated once
+- `manager.py`   accepts jobs, queues them, starts one runner per active job
+- `queue.py`     which waiting jobs start now, and why the others wait
+- `runner.py`    what every job runner shares: its thread, pause/cancel requests, crash recording
+- `states.py`    a job's states and the moves it may make
+- `policy.py`    one failure policy for every kind: retry from the last checkpoint, or give up
+- `jobstore.py`  SQLite (WAL): jobs, events, metrics; survives a coordinator restart
+- `artifacts.py` checksummed directories that jobs produce and consume
+- `jobview.py`   how a job reads to a person or a script
+
+Nothing here names a kind: the kinds live in `cluster/workloads/`, one package each.
+"""

@@ -1,0 +1,393 @@
+"""The job store: SQLite in WAL mode, so a coordinator restart loses nothing that was submitted.
+
+Tables: jobs, tasks, events, metrics, logs (what the tasks print: see `add_logs`). Every state change of a job goes through `set_state`, which
+checks the transition and writes an event in the same transaction, so the event log is the
+complete history (pending → running → (paused ↔ running) → completed | failed | cancelled).
+
+One connection per thread (SQLite objects are not shared across threads); WAL lets the API read
+while a job runner writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from smolforge.cluster.control.states import FINAL, STATES, JobState  # noqa: F401  (FINAL: the stores' users)
+from smolforge.errors import SmolforgeError
+from smolforge.paths import private_file
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    step INTEGER DEFAULT 0,
+    max_steps INTEGER DEFAULT 0,
+    samples_done INTEGER DEFAULT 0,
+    samples_total INTEGER DEFAULT 0,
+    loss REAL,
+    eta_s REAL,
+    world_size INTEGER DEFAULT 0,
+    nodes TEXT DEFAULT '[]',
+    attempts INTEGER DEFAULT 0,
+    error TEXT,
+    result TEXT,
+    comm TEXT,
+    pending_reason TEXT
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    kind TEXT NOT NULL,
+    rank INTEGER,
+    attempt INTEGER DEFAULT 0,
+    state TEXT NOT NULL,
+    node_id TEXT,
+    node_name TEXT,
+    pid INTEGER,
+    max_retries INTEGER DEFAULT 0,
+    requirements TEXT,
+    error TEXT,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tasks_job ON tasks(job_id);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT,
+    task_id TEXT,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    name TEXT NOT NULL,
+    value REAL
+);
+CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name, step);
+CREATE TABLE IF NOT EXISTS logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    task TEXT NOT NULL,
+    node TEXT,
+    ts REAL NOT NULL,
+    line TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS logs_job ON logs(job_id, id);
+CREATE INDEX IF NOT EXISTS logs_task ON logs(job_id, task, id);
+"""
+
+# The newest lines kept per job. About 100 bytes a line, so ~5 MB of SQLite per job at most: enough for
+# every rank's output over thousands of steps, small enough that a chatty job cannot fill the
+# coordinator's disk. Older lines stay in the nodes' own Ray logs (the tasks tee, see telemetry/tasklog).
+MAX_LOG_LINES_PER_JOB = 50_000
+
+JOB_PROGRESS_FIELDS = ("step", "max_steps", "samples_done", "samples_total", "loss", "eta_s", "world_size")
+
+
+def new_job_id() -> str:
+    return "job-" + uuid.uuid4().hex[:10]
+
+
+class JobStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # 0600 before SQLite opens it: its -wal and -shm files take the database file's mode.
+        for p in (self.path, self.path.with_name(self.path.name + "-wal"), self.path.with_name(self.path.name + "-shm")):
+            if p == self.path or p.exists():
+                private_file(p)
+        self._local = threading.local()
+        self._write_lock = threading.RLock()
+        with self._write_lock:
+            self._db().executescript(SCHEMA)  # executescript manages its own transaction
+            self._add_missing_columns()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=True)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._local.db = db
+        return db
+
+    def _add_missing_columns(self) -> None:
+        """A store written by an older smolforge lacks newer columns: add them (nothing else changes)."""
+        have = {r["name"] for r in self._db().execute("PRAGMA table_info(jobs)").fetchall()}
+        for column in ("comm", "pending_reason"):
+            if column not in have:
+                self._db().execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        with self._write_lock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    @staticmethod
+    def _job_row(row: sqlite3.Row | None) -> dict[str, Any] | None:
+        if row is None:
+            return None
+        d = dict(row)
+        d["spec"] = json.loads(d["spec"])
+        d["nodes"] = json.loads(d["nodes"] or "[]")
+        d["result"] = json.loads(d["result"]) if d["result"] else None
+        d["comm"] = json.loads(d["comm"]) if d.get("comm") else None  # communication per rank (data-parallel)
+        d["progress"] = (d["step"] / d["max_steps"]) if d["max_steps"] else (1.0 if d["state"] == "completed" else 0.0)
+        return d
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def create_job(self, kind: str, spec: dict[str, Any], name: str | None = None, job_id: str | None = None) -> str:
+        job_id = job_id or new_job_id()
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT INTO jobs (id, name, kind, state, spec, created, updated, pending_reason) "
+                       "VALUES (?,?,?,?,?,?,?,?)", (job_id, name or job_id, kind, "pending", json.dumps(spec), now, now,
+                                                    "queued"))
+            self._event(db, job_id, None, "submitted", f"job {job_id} submitted ({kind})", {"name": name})
+        return job_id
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        """A job by its exact id, else its exact name, else a unique prefix of its id.
+
+        Two matches are an error that lists them, never "the newest": `job cancel` must not guess.
+        """
+        db = self._db()
+        row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is not None:
+            return self._job_row(row)
+        for what, sql in (("name", "SELECT * FROM jobs WHERE name=? ORDER BY created"),
+                          ("id prefix", "SELECT * FROM jobs WHERE substr(id, 1, length(?1)) = ?1 ORDER BY created")):
+            if what == "id prefix" and (not job_id or not all(c.isalnum() or c == "-" for c in job_id)):
+                break  # ids are letters, digits and dashes: anything else matches no id
+            rows = db.execute(sql, (job_id,)).fetchall()
+            if len(rows) == 1:
+                return self._job_row(rows[0])
+            if len(rows) > 1:
+                ids = ", ".join(r["id"] for r in rows[:6])
+                raise SmolforgeError(f"{job_id!r} matches {len(rows)} jobs by {what}: {ids}",
+                                     fix="use the full job id (`smolforge jobs` lists them)")
+        raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
+
+    def list_jobs(self, states: tuple[str, ...] | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        if states:
+            q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY created DESC LIMIT ?"
+            rows = self._db().execute(q, (*states, limit)).fetchall()
+        else:
+            rows = self._db().execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+        return [self._job_row(r) for r in rows]
+
+    def set_state(self, job_id: str, state: str, message: str = "", *, error: str | None = None,
+                  result: dict | None = None, force: bool = False) -> str:
+        """Move a job to `state` (checked against TRANSITIONS); returns the previous state."""
+        if state not in STATES:
+            raise ValueError(f"unknown state {state}")
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT state, started FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
+            prev = row["state"]
+            if prev == state:
+                return prev
+            if JobState(prev).final and force:
+                return prev  # a final state stands: a cancelled job never ends as failed (JobState.settle)
+            if not JobState(prev).can_become(state) and not force:
+                raise SmolforgeError(f"job {job_id} is {prev}; it cannot become {state}",
+                                     fix="see its state with `smolforge job show " + job_id + "`")
+            sets = ["state=?", "updated=?"]
+            args: list[Any] = [state, now]
+            if state == "running" and row["started"] is None:
+                sets.append("started=?")
+                args.append(now)
+            if state in FINAL:
+                sets.append("finished=?")
+                args.append(now)
+            sets.append("pending_reason=?")  # why it waits: the queue's to say (JobManager.schedule)
+            args.append("queued" if state == "pending" else None)
+            if error is not None:
+                sets.append("error=?")
+                args.append(error)
+            if result is not None:
+                sets.append("result=?")
+                args.append(json.dumps(result, default=str))
+            db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*args, job_id))
+            self._event(db, job_id, None, "state", message or f"{prev} → {state}",
+                        {"from": prev, "to": state, **({"error": error} if error else {})})
+        return prev
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        allowed = set(JOB_PROGRESS_FIELDS) | {"nodes", "attempts", "error", "result", "spec", "comm", "pending_reason"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update {bad}")
+        if not fields:
+            return
+        vals = []
+        for k, v in fields.items():
+            vals.append(json.dumps(v, default=str) if k in ("nodes", "result", "spec", "comm") and v is not None else v)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in fields)}, updated=? WHERE id=?",
+                       (*vals, time.time(), job_id))
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def upsert_task(self, task_id: str, job_id: str, kind: str, state: str, **fields: Any) -> None:
+        now = time.time()
+        cols = {"rank", "attempt", "node_id", "node_name", "pid", "max_retries", "requirements", "error"}
+        bad = set(fields) - cols
+        if bad:
+            raise ValueError(f"unknown task fields {bad}")
+        if "requirements" in fields and not isinstance(fields["requirements"], (str, type(None))):
+            fields["requirements"] = json.dumps(fields["requirements"])
+        with self._tx() as db:
+            exists = db.execute("SELECT 1 FROM tasks WHERE id=?", (task_id,)).fetchone()
+            if exists:
+                sets = ", ".join(f"{k}=?" for k in ("state", *fields, "updated"))
+                db.execute(f"UPDATE tasks SET {sets} WHERE id=?", (state, *fields.values(), now, task_id))
+            else:
+                names = ["id", "job_id", "kind", "state", *fields, "created", "updated"]
+                db.execute(f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                           (task_id, job_id, kind, state, *fields.values(), now, now))
+
+    def stop_tasks(self, job_id: str, reason: str) -> int:
+        """A job's tasks still marked placing or running when what ran them is gone (the embedded
+        command was killed): `stopped`, so `job show` does not list dead ranks as running."""
+        with self._tx() as db:
+            return db.execute("UPDATE tasks SET state='stopped', error=COALESCE(error, ?), updated=? "
+                              "WHERE job_id=? AND state IN ('placing', 'running')",
+                              (reason, time.time(), job_id)).rowcount
+
+    def busy_nodes(self) -> dict[str, list[str]]:
+        """Node name -> the running jobs with a running task there (the queue's reasons name them)."""
+        rows = self._db().execute(
+            "SELECT DISTINCT t.node_name, t.job_id FROM tasks t JOIN jobs j ON j.id = t.job_id "
+            "WHERE t.state = 'running' AND j.state = 'running' AND t.node_name IS NOT NULL").fetchall()
+        out: dict[str, list[str]] = {}
+        for r in rows:
+            out.setdefault(r["node_name"], []).append(r["job_id"])
+        return out
+
+    def tasks(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._db().execute("SELECT * FROM tasks WHERE job_id=? ORDER BY created, rank", (job_id,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["requirements"] = json.loads(d["requirements"]) if d["requirements"] else None
+            out.append(d)
+        return out
+
+    # -- events and metrics ---------------------------------------------------------------------
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, job_id: str | None, task_id: str | None, kind: str, message: str,
+               data: dict | None = None, ts: float | None = None) -> None:
+        db.execute("INSERT INTO events (job_id, task_id, ts, kind, message, data) VALUES (?,?,?,?,?,?)",
+                   (job_id, task_id, ts or time.time(), kind, message, json.dumps(data, default=str) if data else None))
+
+    def add_event(self, job_id: str | None, kind: str, message: str, data: dict | None = None,
+                  task_id: str | None = None, ts: float | None = None) -> None:
+        with self._tx() as db:
+            self._event(db, job_id, task_id, kind, message, data, ts)
+
+    def events(self, job_id: str | None = None, since_id: int = 0, limit: int = 1000,
+               kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        q = "SELECT * FROM events WHERE id > ?"
+        args: list[Any] = [since_id]
+        if job_id is not None:
+            q += " AND job_id=?"
+            args.append(job_id)
+        if kinds:
+            q += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args.extend(kinds)
+        q += " ORDER BY id LIMIT ?"
+        args.append(limit)
+        out = []
+        for r in self._db().execute(q, args).fetchall():
+            d = dict(r)
+            d["data"] = json.loads(d["data"]) if d["data"] else None
+            out.append(d)
+        return out
+
+    def add_metrics(self, job_id: str, rows: list[tuple[int, str, float]], ts: float | None = None) -> None:
+        if not rows:
+            return
+        now = ts or time.time()
+        with self._tx() as db:
+            db.executemany("INSERT INTO metrics (job_id, step, ts, name, value) VALUES (?,?,?,?,?)",
+                           [(job_id, int(s), now, n, float(v)) for s, n, v in rows])
+
+    def latest_metrics(self, job_id: str) -> dict[str, tuple[int, float]]:
+        """Each series' newest row, name -> (step, value): what a Prometheus scrape exports."""
+        # SQLite takes a bare column's value from the row that MAX() picked: the newest of each name
+        rows = self._db().execute("SELECT name, step, value, MAX(id) FROM metrics WHERE job_id=? GROUP BY name",
+                                  (job_id,)).fetchall()
+        return {r[0]: (int(r[1]), r[2]) for r in rows if r[2] is not None}
+
+    def add_logs(self, job_id: str, lines: list[dict[str, Any]], keep: int = MAX_LOG_LINES_PER_JOB) -> None:
+        """Task output lines (`{"task", "node", "ts", "line"}`), then the job's oldest beyond `keep` go."""
+        if not lines:
+            return
+        with self._tx() as db:
+            db.executemany("INSERT INTO logs (job_id, task, node, ts, line) VALUES (?,?,?,?,?)",
+                           [(job_id, str(r["task"]), r.get("node"), float(r.get("ts") or time.time()), str(r["line"]))
+                            for r in lines])
+            db.execute("DELETE FROM logs WHERE job_id=?1 AND id <= (SELECT id FROM logs WHERE job_id=?1 "
+                       "ORDER BY id DESC LIMIT 1 OFFSET ?2)", (job_id, keep))
+
+    def logs(self, job_id: str, since_id: int = 0, task: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """A job's task lines after `since_id`, oldest first (one task's with `task`)."""
+        q = "SELECT id, task, node, ts, line FROM logs WHERE job_id=? AND id > ?"
+        args: list[Any] = [job_id, since_id]
+        if task is not None:
+            q += " AND task=?"
+            args.append(task)
+        q += " ORDER BY id LIMIT ?"
+        args.append(limit)
+        return [dict(r) for r in self._db().execute(q, args).fetchall()]
+
+    def metrics(self, job_id: str, name: str | None = None) -> list[dict[str, Any]]:
+        if name:
+            rows = self._db().execute("SELECT step, ts, name, value FROM metrics WHERE job_id=? AND name=? ORDER BY step",
+                                      (job_id, name)).fetchall()
+        else:
+            rows = self._db().execute("SELECT step, ts, name, value FROM metrics WHERE job_id=? ORDER BY step, name",
+                                      (job_id,)).fetchall()
+        return [dict(r) for r in rows]

@@ -1,0 +1,231 @@
+"""The job-kind registry: what each kind of job is, in one entry.
+
+A kind is one spec (pydantic), one runner class, the spec fields that name local files (the client
+uploads them to the coordinator before submitting, since workers share no filesystem with it), the
+settings section `--set` routes unknown keys into, and its submit-time checks. `JobManager`,
+`Client`, the embedded cluster and the CLI look kinds up here; none of them branches on a kind.
+
+Adding a kind: write its spec and its runner (a `control.runner.JobRunner`, in its own package under
+`cluster/workloads/`), then add one `JobKind` line to `KINDS`, naming the runner with `runner_at`
+(with `demand`: what the job holds while it runs, which the queue in `JobManager`
+schedules by). Placement, retries (`policy.FailurePolicy`), pause/resume/cancel, events,
+artifacts and the queue come with the base runner and the manager.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from smolforge.cluster.control.placement import COORDINATOR, holds_anywhere, requirements_for
+from smolforge.cluster.control.queue import Demand
+from smolforge.cluster.nodes.ray_glue import Requirements
+from smolforge.cluster.control.specs import DataParallelJob, DistillJob, ExportJob, ServeJob, get_path, put_path
+from smolforge.config import Spec, apply_overrides, validate
+from smolforge.data.synthetic import BUILTIN_DATASETS
+from smolforge.distill.settings import check_run
+from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:
+    from smolforge.cluster.control.manager import JobManager
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    label: str  # how messages name it: "a {label} job"
+    spec: type[Spec]
+    runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
+    section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
+    uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
+    check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
+    check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
+    joinable: bool = False  # `job join` lends it nodes
+    resumes_from: Callable[["JobManager", str], str] = field(default=lambda mgr, job_id: "the start")
+    # what a job of the kind holds while it runs (spec, embedded?) -> Demand: the queue starts it when
+    # that much is free, and a demand no set of nodes could ever hold fails at submit (check_capacity)
+    demand: Callable[[Any, bool], Demand] | None = None
+
+
+WORKLOADS = "smolforge.cluster.workloads"
+
+
+def runner_at(ref: str) -> Callable[[], type]:
+    """The runner class named `module:Class`, imported when a job of the kind runs (Ray, torch).
+
+    A kind's runner lives in its own package under `cluster/workloads/`, which imports this
+    control plane; naming it by reference keeps the control plane from importing any workload
+    (import-linter: control sits below workloads)."""
+
+    def load() -> type:
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    return load
+
+
+def _dp_demand(job: DataParallelJob, embedded: bool) -> Demand:
+    """Its workers, plus the worker nodes lent with `job join` (the coordinator lends itself outside
+    the worker pool)."""
+    lent = [n for n in job.lent_nodes if n != COORDINATOR]
+    return Demand(job.num_workers + len(lent), requirements_for(job, embedded))
+
+
+def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
+    """One worker free to start on: a distill run spreads its teachers and students over every
+    eligible worker itself, and waits there for the busy ones (its runner places them as they free)."""
+    d = job.distill
+    # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model
+    model = None if d.teacher_on_coordinator or holds_anywhere(d.teacher, embedded) else d.teacher
+    return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
+
+
+def _serve_demand(job: ServeJob, embedded: bool) -> Demand:
+    """One stage per node slot (auto: the plan may put the model on one node, so one)."""
+    model = None if holds_anywhere(job.model, embedded) else job.model
+    return Demand(job.stages if isinstance(job.stages, int) else 1, Requirements(model=model, cpus=job.cpus_per_stage),
+                  noun="stage")
+
+
+def _export_demand(job: ExportJob, embedded: bool) -> Demand:
+    """One task on a node that holds the model (as its runner places it)."""
+    need_model = job.require_model if job.require_model is not None else not holds_anywhere(job.model, embedded)
+    return Demand(1, Requirements(model=job.model if need_model else None, cpus=job.cpus), noun="task")
+
+
+def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
+    return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
+
+
+KINDS: dict[str, JobKind] = {k.name: k for k in (
+    JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
+            uploads=("train.data.path", "train.data.eval_path"),
+            models=("train.model",),
+            check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
+    JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
+            uploads=("distill.data",),
+            models=("distill.teacher", "distill.students"),
+            check=lambda job: check_run(job.distill, job.mode),
+            resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints",
+            demand=_distill_demand),
+    JobKind("serve", "serving", ServeJob, runner_at(f"{WORKLOADS}.serve.runner:ServeRunner"), section=None, models=("model",),
+            resumes_from=lambda mgr, job_id: "the start (stages load again)", demand=_serve_demand),
+    JobKind("export", "export", ExportJob, runner_at(f"{WORKLOADS}.export.runner:ExportRunner"), section=None, models=("model",),
+            resumes_from=lambda mgr, job_id: "the start (the export runs again)", demand=_export_demand),
+)}
+
+
+def kind_of(spec: dict[str, Any] | str) -> JobKind:
+    name = spec if isinstance(spec, str) else spec.get("kind", "data_parallel")
+    kind = KINDS.get(name)
+    if kind is None:
+        raise SmolforgeError(f"unknown job kind {name!r}", where="job spec", fix=f"use one of {', '.join(KINDS)}")
+    return kind
+
+
+def parse(spec: dict[str, Any]) -> Any:
+    """The validated spec object of a job dict (every setting checked before anything starts)."""
+    kind = kind_of(spec)
+    job = validate(kind.spec, spec, where="job spec")
+    kind.check(job)
+    return job
+
+
+def check_output_dir(job: Any, embedded: bool) -> None:
+    """A job may name a directory to write into only on the embedded cluster (this machine): a
+    coordinator never writes where a network peer tells it to."""
+    out = getattr(job, "output_dir", None)
+    if out is None:
+        return
+    if not embedded:
+        raise SmolforgeError("output_dir is for the embedded cluster only: a coordinator keeps each run in its "
+                             "state dir", where="job spec",
+                             fix="drop output_dir; the client downloads the results (`smolforge distill "
+                                 "--output-dir` does)")
+    if not Path(out).is_absolute() or ".." in Path(out).parts:
+        raise SmolforgeError(f"output_dir {out} must be an absolute path without '..'", where="job spec",
+                             fix="give the absolute directory to write the run into")
+
+
+def is_local_file(value: Any) -> bool:
+    return bool(value) and value not in BUILTIN_DATASETS and not str(value).startswith("upload:")
+
+
+def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
+    """Replace the local files a job names by uploads (the workers share no filesystem with us)."""
+    for dotted in kind_of(spec).uploads:
+        value = get_path(spec, dotted)
+        if not is_local_file(value):
+            continue
+        path = Path(str(value)).expanduser()
+        if not path.is_file():
+            raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
+                                 fix="check the path (or use 'bundled' for the generated task set)")
+        put_path(spec, dotted, upload(path))
+    return spec
+
+
+def pin_local_models(spec: dict) -> dict:
+    """Models named by a local directory, made absolute: on the embedded cluster (this machine) every
+    task loads them in place, whatever its working directory."""
+    def pinned(name: Any) -> Any:
+        path = Path(str(name)).expanduser()
+        return str(path.resolve()) if isinstance(name, str) and path.is_dir() else name
+
+    for dotted in kind_of(spec).models:
+        value = get_path(spec, dotted)
+        if value is not None:
+            put_path(spec, dotted, [pinned(v) for v in value] if isinstance(value, list) else pinned(value))
+    return spec
+
+
+def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
+    """Every file the job names is an upload the coordinator holds (or 'bundled')."""
+    data = job.model_dump(mode="json")
+    for dotted in kind_of(job.kind).uploads:
+        value = get_path(data, dotted)
+        if value is None or value in BUILTIN_DATASETS:
+            continue
+        if not str(value).startswith("upload:"):
+            raise SmolforgeError(f"{dotted} {value!r} is a path on the submitting machine", where="job spec",
+                                 fix="submit with `smolforge submit`/`launch` or smolforge.Client, which upload "
+                                     "the file to the coordinator first")
+        if not has_upload(str(value).split(":", 1)[1]):
+            raise SmolforgeError(f"{dotted}: upload {str(value)[7:19]} is not on the coordinator",
+                                 where="job spec", fix="upload the file again (Client.upload)")
+
+
+def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
+    """`--set` for job specs: the job's own keys as they are; `training.x`, `train.x` and every other key
+    go into the kind's settings section (`train:` or `distill:`), parsed by config.apply_overrides."""
+    kind = kind_of(data)
+    job_keys = set(kind.spec.model_fields)
+    for item in overrides:
+        if "=" not in item:
+            raise SmolforgeError(f"--set {item!r} is not key=value", fix="write it as --set training.batch_size=16")
+        key, _, raw = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise SmolforgeError(f"--set {item!r} has an empty key", fix="write it as --set max_steps=100")
+        if kind.section is None:
+            if parts[0] not in job_keys:
+                raise SmolforgeError(f"--set {item!r}: a {kind.label} job has no setting {parts[0]!r}",
+                                     fix=f"use one of {', '.join(sorted(job_keys - {'kind'}))}")
+            apply_overrides(data, [".".join(parts) + "=" + raw], strip_training=False)
+            continue
+        if parts[0] in ("training", "train", kind.section):
+            parts = parts[1:]
+            target = data.setdefault(kind.section, {})
+        elif parts[0] in job_keys:
+            target = data
+        else:
+            target = data.setdefault(kind.section, {})
+        if not parts:
+            raise SmolforgeError(f"--set {item!r} names a section, not a setting", fix="e.g. --set train.lr=1e-4")
+        if not isinstance(target, dict):
+            raise SmolforgeError(f"--set {item!r}: {kind.section} is not a section", fix="check the key path")
+        apply_overrides(target, [".".join(parts) + "=" + raw], strip_training=False)
+    return data

@@ -1,0 +1,328 @@
+"""The job manager: accepts jobs, queues them, starts one runner per active job,
+pause/resume/cancel/join, recovery.
+
+What a job kind adds (its spec, runner, uploads, checks and demand) comes from the registry in
+`smolforge.cluster.control.kinds`; nothing here branches on a kind.
+
+The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
+free; `schedule` decides (rules in `smolforge.cluster.control.queue`: priority, FIFO, backfill only onto
+what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
+submit and resume, whenever a job's runner ends (finished, paused, failed), and on a bounded tick
+(TICK_S) for what the store cannot tell us: a node joining, a node's resources coming back.
+Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
+shows it then), so two jobs are never started into the same free slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from smolforge.cluster.control import kinds, queue
+
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.jobstore import FINAL, JobStore
+from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
+from smolforge.cluster.control.runner import CANCEL_GRACE_S, JobRunner
+from smolforge.cluster.control.specs import DataParallelJob
+from smolforge.errors import SmolforgeError
+
+log = logging.getLogger(__name__)
+
+TICK_S = 2.0  # the queue looks again at least this often while jobs wait
+CLAIM_TTL_S = 60.0  # an admitted job's claim lapses by then even if its runner never says it placed
+PLACED_GRACE_S = 2.0  # Ray's resource table catches up with a new placement group within this
+
+class JobManager:
+    def __init__(self, store: JobStore, artifacts: ArtifactStore, embedded: bool = False,
+                 on_start: Callable[[str], None] = lambda job_id: None):
+        self.store, self.artifacts = store, artifacts
+        self.embedded = embedded  # one machine: a local model directory is held by every node
+        self.on_start = on_start  # told before a job's runner starts (the embedded cluster records its owner)
+        self.runners: dict[str, JobRunner] = {}
+        self.suspects: dict[str, float] = {}  # node_id -> when it stopped answering
+        self.lock = threading.RLock()
+        self.closed = False
+        self.claims: dict[str, tuple[float, queue.Free]] = {}  # admitted, not yet placed: (expires, what)
+        self.start_reasons: dict[str, str] = {}  # job id -> the runner's reason once it leaves the queue
+        self._wake = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # -- submitting -------------------------------------------------------------------------------
+
+    def parse(self, spec: dict[str, Any]) -> Any:
+        return kinds.parse(spec)
+
+    def check_capacity(self, job: Any, nodes: list[ray_glue.NodeInfo] | None = None) -> int:
+        """Fail at once, listing every node, when no set of nodes could ever hold the job's demand
+        (however idle the cluster got); returns how many of its tasks the cluster can hold."""
+        nodes = nodes if nodes is not None else ray_glue.nodes()
+        demand = kinds.kind_of(job.kind).demand(job, self.embedded)
+        cands = ray_glue.check_placeable(demand.req, nodes)
+        total = sum(slots_on(n, demand.req, use_available=False) for n in cands)
+        if total < demand.tasks:
+            listing = "\n".join(f"  - {n.describe()}" for n in nodes)
+            raise SmolforgeError(
+                f"the job needs {demand.describe()}, but the nodes that can run it have room for {total}; "
+                f"nodes:\n{listing}", where="placement",
+                fix="lower --workers or the resources it asks, join more workers (`smolforge worker join`), or "
+                    "lend the coordinator (`smolforge job join ID`)")
+        return total
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        if self.closed:
+            raise SmolforgeError("the coordinator is shutting down", fix="retry once it is back")
+        job = kinds.parse(spec)
+        kinds.check_output_dir(job, self.embedded)
+        self.check_uploads(job)
+        if kinds.kind_of(job.kind).check_capacity:
+            self.check_capacity(job)
+        job_id = self.store.create_job(job.kind, job.model_dump(mode="json"), name=job.name)
+        self.store.add_event(job_id, "queued", f"queued ({job.priority} priority)", {"priority": job.priority})
+        self.schedule()
+        return job_id
+
+    def check_uploads(self, job: Any) -> None:
+        """Every file the job names is an upload this coordinator holds (or 'bundled')."""
+        kinds.check_uploads(job, self.artifacts.has_upload)
+
+    def _start(self, job_id: str, reason: str) -> JobRunner:
+        with self.lock:
+            old = self.runners.get(job_id)
+            if old is not None and old.is_alive():
+                raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
+            runner = kinds.kind_of(self.store.get_job(job_id)["kind"]).runner()(self, job_id, reason)
+            self.on_start(job_id)
+            self.runners[job_id] = runner
+            runner.start()
+            return runner
+
+    def _runner_done(self, job_id: str, runner: JobRunner) -> None:
+        with self.lock:
+            if self.runners.get(job_id) is runner:
+                del self.runners[job_id]
+            self.claims.pop(job_id, None)
+        self._wake.set()  # what it held is free: the queue looks again (on its own thread)
+
+    # -- the queue --------------------------------------------------------------------------------
+
+    def placed(self, job_id: str) -> None:
+        """A runner has its tasks placed: Ray's table shows what they hold, so the claim can go."""
+        with self.lock:
+            if job_id in self.claims:
+                self.claims[job_id] = (min(self.claims[job_id][0], time.time() + PLACED_GRACE_S),
+                                       self.claims[job_id][1])
+
+    def _waiting(self) -> list[tuple[dict, queue.Waiting | None]]:
+        """Pending jobs without a runner, with what each asks (None: its kind states no demand, so it
+        never waits; a stored spec that no longer parses fails its job)."""
+        out = []
+        for job in self.store.list_jobs(states=("pending",), limit=100_000):
+            runner = self.runners.get(job["id"])
+            if runner is not None and runner.is_alive():
+                continue
+            kind = kinds.kind_of(job["kind"])
+            try:
+                spec = kind.spec.model_validate(job["spec"])
+                demand = kind.demand(spec, self.embedded) if kind.demand else None
+            except Exception as err:  # noqa: BLE001 - recorded on the job, never kills the queue
+                self.store.set_state(job["id"], "failed", f"failed: its spec no longer parses: {err}",
+                                     error=str(err)[:400])
+                continue
+            out.append((job, queue.Waiting(job["id"], spec.priority, job["created"], demand) if demand else None))
+        return out
+
+    def schedule(self) -> list[str]:
+        """Start the waiting jobs that fit now, in queue order; record why the others wait."""
+        with self.lock:
+            if self.closed:
+                return []
+            now = time.time()
+            self.claims = {j: c for j, c in self.claims.items() if c[0] > now}
+            waiting = self._waiting()
+            if not waiting:
+                return []
+            self._ensure_ticker()
+            nodes = self.healthy_nodes()
+            decision = queue.decide([w for _, w in waiting if w], nodes, {j: c for j, (_, c) in self.claims.items()},
+                                    self.store.busy_nodes())
+            started = [job["id"] for job, w in waiting if w is None] + decision.start  # no demand: no wait
+            for job_id in started:
+                if job_id in decision.claims:
+                    self.claims[job_id] = (now + CLAIM_TTL_S, decision.claims[job_id])
+                self.store.update_job(job_id, pending_reason=None)
+                self.store.add_event(job_id, "dequeued", "its turn: what it asks for is free; starting")
+                self._start(job_id, self.start_reasons.pop(job_id, "started"))
+            for job, _ in waiting:
+                why = decision.reasons.get(job["id"])
+                if why and why != job.get("pending_reason"):
+                    self.store.update_job(job["id"], pending_reason=why)
+            return started
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = threading.Thread(target=self._tick, daemon=True, name="job-queue")
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        """Re-check the queue when woken (a job ended) or every TICK_S; ends with the manager."""
+        while not self.closed:
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            try:
+                self.schedule()
+            except Exception:  # noqa: BLE001 - a lost Ray connection must not end the queue for good
+                log.exception("job queue: scheduling failed; retrying in %ss", TICK_S)
+
+    # -- control ----------------------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> dict:
+        return self.store.get_job(job_id)
+
+    def pause(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        if job["state"] == "running" and runner is not None:
+            runner.request("pause")
+            self.store.add_event(job_id, "pause_requested", "pause requested: checkpoint, then release workers")
+        elif job["state"] == "pending":
+            if runner is not None:
+                runner.request("pause")
+            else:
+                self.store.set_state(job_id, "paused", "paused before it started")
+        elif job["state"] != "paused":
+            raise SmolforgeError(f"job {job_id} is {job['state']}; only running or pending jobs can be paused",
+                                 fix=f"see `smolforge job show {job_id}`")
+        return self._job(job_id)
+
+    def resume(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        if job["state"] != "paused":
+            raise SmolforgeError(f"job {job_id} is {job['state']}; only paused jobs can be resumed",
+                                 fix=f"see `smolforge job show {job_id}`")
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.is_alive():
+            runner.join(timeout=30)
+        where = kinds.kind_of(job["kind"]).resumes_from(self, job_id)
+        self.start_reasons[job_id] = f"resumed from {where}"
+        self.store.set_state(job_id, "pending", "resume requested: queued")
+        self.schedule()
+        return self._job(job_id)
+
+    def cancel(self, job_id: str) -> dict:
+        job = self._job(job_id)
+        job_id = job["id"]
+        if job["state"] in FINAL:
+            raise SmolforgeError(f"job {job_id} is already {job['state']}", fix="nothing to cancel")
+        runner = self.runners.get(job_id)
+        if runner is not None and runner.is_alive():
+            runner.request("cancel")
+            runner.finished.wait(timeout=CANCEL_GRACE_S + 6)
+        job = self._job(job_id)
+        if job["state"] not in FINAL:
+            self.store.set_state(job_id, "cancelled", "cancelled", force=True)
+        return self._job(job_id)
+
+    def join(self, job_id: str, node: str | None = None) -> dict:
+        """Lend the coordinator node (default) or another node to a running data-parallel job."""
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        kind = kinds.kind_of(job["kind"])
+        if not kind.joinable:
+            raise SmolforgeError(f"job {job_id} is a {kind.label} job; `job join` lends nodes to data-parallel jobs",
+                                 fix="it places its tasks on every eligible worker itself")
+        if job["state"] != "running" or runner is None:
+            raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",
+                                 fix=f"resume it first (`smolforge job resume {job_id}`)")
+        spec = DataParallelJob.model_validate(job["spec"])
+        target = node or COORDINATOR
+        nodes = ray_glue.nodes()
+        if target == COORDINATOR:
+            ray_glue.check_placeable(coordinator_requirements(spec, self.embedded), nodes)
+        else:
+            req = requirements_for(spec, self.embedded)
+            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
+                                                           allowed_nodes=[target]), nodes)
+        if target in spec.lent_nodes or target in runner.pending_joins:
+            raise SmolforgeError(f"{target} already joined job {job_id}", fix="nothing to do")
+        world = max(runner.world, 1) + len(runner.pending_joins) + 1
+        # an elastic group splits each global batch among whoever is a member, evenly or not
+        if spec.global_batch % world and not runner.elastic:
+            raise SmolforgeError(
+                f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
+                fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
+                    f"(e.g. {world * max(1, spec.global_batch // world)})")
+        runner.request("join", target)
+        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner.training \
+            else "the placement of its group"
+        if runner.elastic and runner.training:
+            when = "the group's next outer step (no restart)"
+        self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
+        return self._job(job_id)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """After a (re)start: every job that was running or pending runs again from its checkpoint."""
+        resumed = []
+        for job in self.store.list_jobs(states=("running", "pending")):
+            where = kinds.kind_of(job["kind"]).resumes_from(self, job["id"])
+            self.start_reasons[job["id"]] = f"resumed after coordinator restart from {where}"
+            if job["state"] == "running":
+                self.store.set_state(job["id"], "pending", f"coordinator restarted; resuming from {where}", force=True)
+            self.store.add_event(job["id"], "reattached", f"coordinator restarted; job resumes from {where}")
+            resumed.append(job["id"])
+        # through the queue like any job: the ones that ran hold their place (they were first in it),
+        # and what Ray's table still shows of their old groups is gone once their actors are
+        self.schedule()
+        return resumed
+
+    def active(self) -> list[str]:
+        with self.lock:
+            return [j for j, r in self.runners.items() if r.is_alive()]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop watching jobs (they stay 'running' in the store and resume on the next start)."""
+        self.closed = True
+        self._wake.set()
+        with self.lock:
+            runners = list(self.runners.values())
+        for r in runners:
+            r.abandon = True
+        for r in runners:
+            r.join(timeout=timeout / max(1, len(runners)))
+
+    def wait(self, job_id: str, timeout: float | None = None, on_update: Callable[[dict], None] | None = None) -> dict:
+        """Block until the job is final or paused (for the embedded CLI path)."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            job = self._job(job_id)
+            if on_update:
+                on_update(job)
+            runner = self.runners.get(job["id"])
+            if job["state"] in FINAL or (job["state"] == "paused" and (runner is None or not runner.is_alive())):
+                return job
+            if deadline and time.time() > deadline:
+                return job
+            time.sleep(0.5)
+
+    # -- node health ------------------------------------------------------------------------------
+
+    def probe_node(self, node_id: str, timeout: float = 4.0) -> bool:
+        return ray_glue.probe_node(node_id, timeout)
+
+    def healthy_nodes(self) -> list[ray_glue.NodeInfo]:
+        nodes = ray_glue.nodes()
+        alive_ids = {n.node_id for n in nodes}
+        for nid, since in list(self.suspects.items()):
+            if nid not in alive_ids:
+                continue  # Ray has caught up: it is gone from the live table
+            if time.time() - since > 20 and self.probe_node(nid, timeout=2):
+                del self.suspects[nid]
+        return [n for n in nodes if n.node_id not in self.suspects]

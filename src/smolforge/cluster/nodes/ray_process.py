@@ -1,0 +1,162 @@
+"""`ray start` for the coordinator's head node and for joining workers, run as our own child.
+
+We run `ray start --block` as a child process instead of daemonising: its PID is ours, stopping it
+stops exactly the Ray processes we started (never `ray stop`, which would kill every Ray on the
+machine), and a worker's node goes away when `smolforge worker join` does (the child gets
+SIGTERM through PR_SET_PDEATHSIG). Every port Ray would otherwise take at a fixed default is
+picked free, so several nodes (and several test clusters) share one machine.
+
+Token auth: the child gets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH pointing at a 0600 file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from smolforge.cluster.nodes.statedir import free_ports, port_open
+from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
+
+
+def ray_executable() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else "ray"
+
+
+def ray_start(loopback: bool) -> list[str]:
+    """`ray start`, or for a loopback cluster our wrapper that keeps the node address 127.0.0.1."""
+    if loopback:
+        return [sys.executable, "-m", "smolforge.cluster.nodes.ray_loopback", "start"]
+    return [ray_executable(), "start"]
+
+
+def _common_ports(ports: list[int]) -> list[str]:
+    """The ports every node's agents take, and no log monitor: it tails every worker's log to stream it
+    to drivers, and our drivers do not print them (`log_to_driver=False`); one Python process and its
+    polling fewer per node."""
+    agent, grpc, env, metrics = ports
+    return ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc),
+            "--runtime-env-agent-port", str(env), "--metrics-export-port", str(metrics),
+            "--include-log-monitor", "false"]
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resources: dict[str, float],
+                 labels: dict[str, str], temp_dir: str | None = None, object_store_mb: int | None = None,
+                 memory_bytes: int | None = None) -> list[str]:
+    dashboard, client, *common = free_ports(6, exclude={int(port)})  # distinct, and never the GCS port
+    cmd = [*ray_start(bool(node_ip) and is_loopback(node_ip)), "--head", "--block", "--port", str(port), "--num-cpus", str(cpus),
+           "--resources", json.dumps(resources), "--labels", _labels(labels), "--node-name", name,
+           "--include-dashboard", "false", "--dashboard-port", str(dashboard),
+           "--ray-client-server-port", str(client), "--disable-usage-stats", *_common_ports(common)]
+    if node_ip:
+        cmd += ["--node-ip-address", node_ip]
+    if temp_dir:
+        cmd += ["--temp-dir", temp_dir]
+    if object_store_mb:
+        cmd += ["--object-store-memory", str(int(object_store_mb) * 2**20)]
+    if memory_bytes:
+        cmd += ["--memory", str(int(memory_bytes))]
+    return cmd
+
+
+def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, name: str,
+                   resources: dict[str, float], labels: dict[str, str], temp_dir: str | None = None,
+                   object_store_mb: int | None = None, memory_bytes: int | None = None) -> list[str]:
+    cmd = [*ray_start(bool(node_ip) and is_loopback(node_ip)), "--block", "--address", address, "--num-cpus", str(cpus),
+           "--num-gpus", str(gpus), "--resources", json.dumps(resources), "--labels", _labels(labels),
+           "--node-name", name, "--disable-usage-stats", *_common_ports(free_ports(4))]
+    if node_ip:
+        cmd += ["--node-ip-address", node_ip]
+    if temp_dir:
+        cmd += ["--temp-dir", temp_dir]
+    if object_store_mb:
+        cmd += ["--object-store-memory", str(int(object_store_mb) * 2**20)]
+    if memory_bytes:
+        cmd += ["--memory", str(int(memory_bytes))]
+    return cmd
+
+
+def metrics_port_env() -> dict[str, str]:
+    """Ray's autoscaler and dashboard metrics servers take fixed ports (44217, 44227) unless these
+    variables say otherwise: two heads on one machine (or an embedded cluster beside a head) collided."""
+    autoscaler, dashboard = free_ports(2)
+    return {"AUTOSCALER_METRIC_PORT": str(autoscaler), "DASHBOARD_METRIC_PORT": str(dashboard)}
+
+
+def _die_with_parent() -> None:
+    """preexec: the child gets SIGTERM when the process that started it dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux (no libc.so.6 / prctl): the caller stops its children itself
+
+
+def spawn(cmd: list[str], env: dict[str, str], log_path: Path, die_with_parent: bool) -> subprocess.Popen:
+    # No 30 s "drain" on SIGTERM (made for Ray Serve): our jobs recover from checkpoints anyway, and
+    # Ctrl-C on a coordinator or worker should stop it now, taking all its Ray processes with it.
+    env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **env}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent if die_with_parent else None)
+    finally:
+        log.close()
+
+
+def wait_for_port(host: str, port: int, proc: subprocess.Popen | None, timeout: float, log_path: Path) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if port_open(host, port, timeout=0.5):
+            return
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    raise SmolforgeError(f"Ray did not come up on {host}:{port}:\n{tail(log_path)}",
+                         fix=f"see {log_path}; another process may hold the port (pick --ray-port)")
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop(proc: subprocess.Popen | None, pid: int | None = None, timeout: float = 20.0) -> None:
+    """Stop a `ray start --block` we started: SIGTERM (it stops its own children), then SIGKILL."""
+    if proc is not None:
+        pid = proc.pid
+    if not pid:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None:
+            if proc.poll() is not None:
+                return
+        else:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,265 @@
+"""`smolforge worker join HOST:PORT --token-file F`: lend this machine to the cluster.
+
+1. Ask the coordinator's API whether the token is right (a wrong or missing token is refused within
+   seconds; Ray alone would wait ~20 s and then report a bare ConnectionError).
+2. Take stock of the machine (CPUs, RAM, GPUs, models) and refuse a name another live node has.
+3. Run `ray start --address … --block` as our child with the same token, advertising all of it as
+   Ray resources and labels (see `ray_glue`), and wait until the coordinator sees the node.
+4. Stay in the foreground. Ctrl-C / SIGTERM leaves the cluster. If the Ray node ends on its own
+   (the coordinator's machine went away), wait for the coordinator and join again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
+from smolforge.auth import check_token_format, resolve_token, write_token
+from smolforge.cluster.nodes.ray_auth import ray_auth_env
+from smolforge.cluster.nodes.discovery import discover
+from smolforge.cluster.nodes.statedir import StateDir
+from smolforge.cluster.nodes.tls import FINGERPRINT_ENV, pinned_context
+from smolforge.errors import SmolforgeError
+from smolforge.net import is_loopback
+
+REJECTED = "coordinator rejected the token"
+
+
+@dataclass
+class WorkerOptions:
+    coordinator: str
+    token: str | None = None
+    name: str | None = None
+    models_dir: str | None = None
+    cpus: int | None = None
+    gpus: int | None = None
+    memory_gb: float | None = None
+    state_dir: str | None = None
+    object_store_mb: int | None = None
+    tls_fingerprint: str | None = None
+    rejoin: bool = True
+    scan_hf_cache: bool = True
+
+    def check(self) -> "WorkerOptions":
+        """What this machine lends, checked before the coordinator is asked anything."""
+        for flag, value, low in (("--cpus", self.cpus, 1), ("--gpus", self.gpus, 0), ("--memory", self.memory_gb, 0.1),
+                                 ("--object-store-mb", self.object_store_mb, 75)):
+            if value is not None and not value >= low:  # `not >=`: NaN is refused too
+                raise SmolforgeError(f"{flag} {value} is below {low}", where=flag, fix=f"give {low} or more, or leave it out")
+        return self
+
+
+def parse_coordinator(text: str, default_port: int = 5000) -> tuple[str, str, int]:
+    """(scheme, host, port) of `HOST:PORT`, `http://HOST:PORT` or `https://HOST:PORT`; an https
+    address stays https (never silently downgraded). Anything else (another scheme, a path, a bad
+    IPv6 literal, a port out of range) is one message, before any connection is tried."""
+    text = text.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "http", text
+    if scheme not in ("http", "https"):
+        raise SmolforgeError(f"{text!r}: a coordinator is reached over http:// or https://, not {scheme}://",
+                             fix=ADDRESS_FIX)
+    host, port = _hostport(rest.rstrip("/"), default_port)
+    return scheme, host, port
+
+
+ADDRESS_FIX = "e.g. smolforge worker join 192.168.1.10:5000 --token-file ~/smolforge-token ([::1]:5000 for IPv6)"
+
+
+def tls_for(scheme: str, host: str, port: int, fingerprint: str | None):
+    """httpx's `verify` for a coordinator address: the pinned certificate for https, None for http."""
+    if scheme != "https":
+        return None
+    fingerprint = fingerprint or os.environ.get(FINGERPRINT_ENV)
+    if not fingerprint:
+        raise SmolforgeError(f"https://{host}:{port} needs the coordinator's certificate fingerprint",
+                             fix="pass --tls-fingerprint sha256:… (or set SMOLFORGE_TLS_FINGERPRINT) as "
+                                 "`smolforge coordinator start --tls` printed it")
+    return pinned_context(host, port, fingerprint)
+
+
+def _hostport(text: str, default_port: int) -> tuple[str, int]:
+    """HOST[:PORT] (an IPv6 host in brackets) -> (host, port); an empty host is this machine."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(f"//{text}")
+        port = parts.port
+    except ValueError as err:  # '[::1' (no closing bracket), a port that is not a number or past 65535
+        raise SmolforgeError(f"{text!r} is not HOST:PORT ({err})", fix=ADDRESS_FIX) from None
+    if parts.path or parts.query or parts.fragment or parts.username is not None or port == 0:
+        raise SmolforgeError(f"{text!r} is not HOST:PORT", fix=ADDRESS_FIX)
+    host, sep, tail = parts.netloc.rpartition(":")
+    if not (sep and (tail.isdigit() or tail == "")):  # no port given (or only an IPv6 literal's own colons)
+        host = parts.netloc
+    return host or "127.0.0.1", (default_port if port is None else port)
+
+
+def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0, *, scheme: str = "http",
+                      verify=None) -> dict:
+    """The coordinator's public info if it accepts `token`; SmolforgeError otherwise (fast)."""
+    url = f"{scheme}://{host}:{port}"
+    try:
+        ok = token and not any(c.isspace() for c in token)
+        r = httpx.get(f"{url}/api/v1/auth/check", headers={"Authorization": f"Bearer {token}"} if ok else {},
+                      timeout=timeout, **({"verify": verify} if verify is not None else {}))
+    except httpx.HTTPError as err:
+        raise SmolforgeError(f"cannot reach the coordinator at {url} ({type(err).__name__})",
+                             fix="check HOST:PORT and that `smolforge coordinator start` runs there "
+                                 "(with --host 0.0.0.0 for other machines)") from None
+    if r.status_code == 401:
+        raise SmolforgeError(REJECTED, where=url,
+                             fix="copy the token printed by `smolforge coordinator start` (or from its state dir's `token` file)")
+    if r.status_code != 200:
+        raise SmolforgeError(f"coordinator answered {r.status_code}: {r.text[:200]}", where=url,
+                             fix="is that a smolforge coordinator?")
+    return r.json()
+
+
+def _label_value(text: str) -> str:
+    clean = re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-_.")[:63]
+    return clean or "unknown"
+
+
+def node_resources(inv, cpus: int) -> tuple[dict[str, float], dict[str, str]]:
+    res = {ray_glue.WORKER_RESOURCE: float(cpus), **ray_glue.advertised_models(inv.models)}
+    labels = {ray_glue.NAME_LABEL: inv.name, ray_glue.ROLE_LABEL: "worker",
+              ray_glue.RAM_LABEL: f"{inv.ram_gb:.1f}", ray_glue.GPUS_LABEL: str(len(inv.gpus))}
+    if inv.gpus:
+        labels[ray_glue.GPU_TYPE_LABEL] = _label_value(inv.gpus[0].name)
+        labels[ray_glue.GPU_MEM_LABEL] = f"{inv.gpus[0].memory_gb:.0f}"
+    return res, labels
+
+
+class WorkerNode:
+    def __init__(self, opts: WorkerOptions, announce=print):
+        self.opts = opts.check()
+        self.announce = announce
+        self.proc = None
+        self.stopping = threading.Event()
+        self.scheme, self.host, self.port = parse_coordinator(opts.coordinator)
+        self.verify = tls_for(self.scheme, self.host, self.port, opts.tls_fingerprint)
+
+    def _nodes(self, token: str) -> list[dict]:
+        r = httpx.get(f"{self.scheme}://{self.host}:{self.port}/api/v1/nodes",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=10,
+                      **({"verify": self.verify} if self.verify is not None else {}))
+        r.raise_for_status()
+        return r.json()
+
+    def _post(self, token: str, path: str, body: dict) -> dict:
+        r = httpx.post(f"{self.scheme}://{self.host}:{self.port}{path}", json=body,
+                       headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                       **({"verify": self.verify} if self.verify is not None else {}))
+        if r.status_code != 200:
+            raise SmolforgeError(f"the coordinator refused this node's Ray TLS certificate ({r.status_code}): "
+                                 f"{r.text[:200]}", fix="check that the coordinator and this worker run the same smolforge")
+        return r.json()
+
+    def start(self) -> str:
+        """Join once; returns the registration line. Raises SmolforgeError on any refusal."""
+        token = resolve_token(self.opts.token) or ""  # --token(-file) as given, else the environment
+        # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
+        info = check_coordinator(self.host, self.port, token, scheme=self.scheme, verify=self.verify)
+        token = check_token_format(token)
+        inv = discover(self.opts.name, models_dir=self.opts.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
+                       memory_gb=self.opts.memory_gb, scan_cache=self.opts.scan_hf_cache)
+        for n in self._nodes(token):
+            if n["name"] == inv.name and n["state"] != "dead":
+                raise SmolforgeError(f"a node named {inv.name!r} is already in the cluster",
+                                     fix="pick another --name")
+        self.inv = inv
+        state = StateDir.at(self.opts.state_dir)
+        write_token(state.node_token_path, token)
+        res, labels = node_resources(inv, inv.cpus)
+        # A loopback cluster (its Ray head on 127.0.0.1) keeps this node on loopback too; a worker that
+        # reaches a LAN coordinator through 127.0.0.1 still lets Ray pick the address others can reach.
+        node_ip = "127.0.0.1" if is_loopback(str(info.get("ray_address", "")).rpartition(":")[0]) else None
+        models = {k: v for k, v in inv.models.items()}
+        env = {**os.environ, **ray_auth_env(state.node_token_path), "RAY_USAGE_STATS_ENABLED": "0",
+               "SMOLFORGE_NODE_DIR": str(state.node_dir), "SMOLFORGE_NODE_NAME": inv.name,
+               "SMOLFORGE_MODEL_PATHS": json.dumps(models)}
+        env.pop("RAY_AUTH_TOKEN", None)
+        if info.get("ray_tls"):  # the coordinator's CA signs this node's certificate for Ray's own TLS
+            env.update(ray_tls.request_node_env(lambda path, body: self._post(token, path, body),
+                                                state.root / "tls"))
+        cmd = ray_process.worker_command(f"{self.host}:{info['ray_port']}", cpus=inv.cpus, gpus=len(inv.gpus),
+                                         node_ip=node_ip, name=inv.name, resources=res, labels=labels,
+                                         temp_dir=os.environ.get("RAY_TMPDIR"),
+                                         object_store_mb=self.opts.object_store_mb,
+                                         memory_bytes=int(inv.ram_gb * 1e9))
+        self.log = state.root / "logs" / f"ray-worker-{inv.name}.log"
+        # A loaded machine can make Ray's own 30 s start-up check fail; starting again usually works.
+        for attempt in range(3):
+            self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
+            deadline = time.time() + 90
+            while time.time() < deadline and not self.stopping.is_set():
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
+                        return f"Registered as {inv.name}: {inv.summary()}"
+                except (httpx.HTTPError, ValueError):
+                    pass  # the coordinator is busy or restarting: ask again
+                time.sleep(0.5)
+            if self.stopping.is_set():
+                break
+            if self.proc.poll() is None:
+                self.stop()
+                self.stopping.clear()
+                raise SmolforgeError(f"the coordinator did not see node {inv.name} within 90 s:\n"
+                                     f"{ray_process.tail(self.log)}",
+                                     fix=f"check that this machine can reach {self.host}:{info['ray_port']} (Ray's port)")
+            if attempt < 2:
+                self.announce(f"the Ray node exited during start-up (code {self.proc.returncode}); retrying")
+                time.sleep(2)
+        raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
+                             fix=f"see {self.log}")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.proc is not None:
+            ray_process.stop(self.proc, timeout=20)
+
+    def run(self) -> int:
+        """Join, then stay up (re-joining after the cluster comes back) until told to stop."""
+        def _on_signal(signum, frame):
+            self.stopping.set()
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _on_signal)
+            signal.signal(signal.SIGTERM, _on_signal)
+        self.announce(self.start())
+        while True:
+            code = self.proc.wait()
+            if self.stopping.is_set():
+                self.stop()
+                return 0
+            self.announce(f"the Ray node stopped (exit {code}); waiting for the coordinator to re-join")
+            if not self.opts.rejoin:
+                return 1
+            while not self.stopping.is_set():
+                try:
+                    self.announce(self.start())
+                    break
+                except SmolforgeError as err:
+                    if err.what == REJECTED:
+                        raise
+                    self.stopping.wait(3)
+            if self.stopping.is_set():
+                self.stop()
+                return 0

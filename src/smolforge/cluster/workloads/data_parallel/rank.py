@@ -1,0 +1,488 @@
+"""One rank of a data-parallel job: a Ray actor that runs the ordinary training engine.
+
+The actor is deliberately thin. It pins its torch threads to the CPUs Ray gave it, fetches what the
+job needs onto its own disk (uploaded dataset, the checkpoint to resume from: there is no shared
+filesystem), joins the process group, and calls `smolforge.train.engine.train` with hooks:
+
+- `should_stop` reads a flag that a background thread refreshes from the job's control actor every
+  half second (pause / cancel / regroup), so checking costs nothing per step; the engine max-reduces
+  the decision across ranks so every rank leaves the loop at the same step.
+- `on_step` / `on_eval` buffer progress that the same thread ships to the control actor in batches.
+- what the rank prints and logs (`telemetry.tasklog`) rides in the same batches, as `r<rank>`'s lines,
+  so `smolforge job logs` shows it without anyone reading the node's Ray logs.
+- `on_checkpoint` (rank 0) uploads the checkpoint directory, checksummed, to the coordinator's
+  artifact store and waits for the acknowledgement; a requested regroup (a node joining) then turns
+  into a pause at this checkpoint boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ray.exceptions import RayError
+
+from smolforge.config import TrainConfig
+from smolforge.models.loading import resolve_model
+from smolforge.cluster.nodes.ray_glue import node_ip
+from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, pick_backend
+from smolforge.parallel.strategies import STRATEGIES, make_strategy
+from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
+from smolforge.paths import atomic_write_bytes
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
+from smolforge.train.engine import TrainHooks, train
+from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, stay_held
+
+POLL_S = 0.5
+UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
+REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (the control actor decides in 60)
+COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
+
+
+def _left(deadline: float) -> float:
+    """Seconds to a deadline, for a `ray.get` timeout; a timeout error once it has passed."""
+    from ray.exceptions import GetTimeoutError
+
+    left = deadline - time.time()
+    if left <= 0:
+        raise GetTimeoutError("the transfer ran past its time limit")
+    return left
+
+
+def slow_down(model, per_sample_s: float) -> None:
+    """Make every forward of `model` take `per_sample_s` longer per row (see fault_delay_s)."""
+
+    def pause(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        time.sleep(per_sample_s * (int(ids.shape[0]) if ids is not None else 1))
+
+    model.register_forward_pre_hook(pause, with_kwargs=True)
+
+
+def local_model_path(name: str) -> str:
+    """The node's own copy of a model when `worker join` found one under that name."""
+    try:
+        table = json.loads(os.environ.get("SMOLFORGE_MODEL_PATHS") or "{}")
+    except ValueError:
+        table = {}
+    where = table.get(name)
+    if where and where.startswith("alias:"):
+        where = table.get(where[len("alias:"):])
+    if where and where != "ollama" and Path(where).is_dir():
+        return where
+    return name
+
+
+def prepare_model(name: str, root: Path) -> None:
+    """Materialise a tiny preset on this node before joining the process group, one rank at a time.
+
+    Two reasons: ranks on one node would otherwise all build it at once, and a build inside an
+    initialised process group goes wrong (transformers' save_pretrained writes the weights on rank 0
+    only), leaving a preset directory without its model.
+    """
+    import fcntl
+
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            resolve_model(name)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class ControlMembership:
+    """How an elastic strategy's ranks re-form their group: through the job's control actor.
+
+    Each rank binds a rendezvous socket on its own address, `enter`s the next epoch with it, and
+    polls `view` until the control actor has decided who is in (every live member came, or a grace
+    period passed). The lowest member hosts the store on its socket; the others close theirs."""
+
+    def __init__(self, worker: "DPWorker", backend: str, timeout_s: float, admit_timeout_s: float):
+        self.worker, self.backend, self.timeout_s = worker, backend, timeout_s
+        self.admit_timeout_s = admit_timeout_s
+
+    def joiners_waiting(self) -> bool:
+        """Asked afresh at each outer step (the poller's copy may predate the last admission)."""
+        import ray
+
+        try:
+            return bool(ray.get(self.worker.control.poll.remote(), timeout=10).get("joiners"))
+        except RayError:
+            return self.worker._joiners
+
+    def regroup(self, epoch: int | None, admit: bool = False) -> dict:
+        import ray
+
+        control, member = self.worker.control, self.worker.rank
+        sock = listen_socket(node_ip())
+        try:
+            ray.get(control.enter.remote(epoch, member, sock.getsockname()[:2], admit), timeout=30)
+            # a joiner waits for the others' next outer step; a member for the others to arrive
+            limit = self.admit_timeout_s if epoch is None else REGROUP_WAIT_S
+            deadline = time.time() + limit
+            while True:
+                view = ray.get(control.view.remote(epoch, member), timeout=30)
+                if view is not None:
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"member {member}: the group did not re-form within {limit:.0f} s")
+                time.sleep(0.2)
+        except BaseException:
+            sock.close()
+            raise
+        if view.get("excluded"):
+            sock.close()
+            raise RuntimeError(f"member {member} was left out of the group (it was too late or seen as gone)")
+        if view["host"] == member:
+            view = {**view, "listen": sock}
+        else:
+            sock.close()
+        return {**view, "backend": self.backend, "timeout_s": self.timeout_s}
+
+
+class ServerClient:
+    """A parameter server's methods as plain calls (`PSStrategy.server`), each `ray.get` bounded: a server
+    that died raises here, the rank fails, and the runner resumes the job from its last checkpoint."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def _call(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def setup(self, spec: dict) -> bool:
+        return self._call("setup", spec, timeout=600)
+
+    def is_ready(self) -> bool:
+        return self._call("is_ready")
+
+    def exchange(self, member: int, wait_s: float, push: dict | None, have: int, pull_due: bool) -> dict:
+        return self._call("exchange", member, wait_s, push, have, pull_due, timeout=wait_s + 600)
+
+    def pull(self, member: int, which: str) -> dict:
+        return self._call("pull", member, which, timeout=600)
+
+    def stop(self, code: str) -> None:
+        self._call("stop", code)
+
+    def snapshot(self) -> dict:
+        return self._call("snapshot", timeout=600)
+
+
+class DPWorker:
+    """Ray actor class (wrapped with ray.remote by WorkerGroup)."""
+
+    def __init__(self, job_id: str, attempt: int, rank: int, cpus: float, control: Any):
+        import torch
+
+        self.job_id, self.attempt, self.rank = job_id, attempt, rank
+        self.cpus = max(1, int(round(cpus)))
+        torch.set_num_threads(self.cpus)
+        self.control = control
+        self._stop: str | None = None
+        self._regroup = False
+        self._joiners = False  # a member waits to join this (elastic) group
+        self._buffer: list[dict] = []
+        self._lock = threading.Lock()
+        self._running = False
+        self._listen: socket.socket | None = None  # rank 0's store socket, from free_address to init_group
+        self._log = LineBuffer(f"r{rank}", this_node())
+
+    # -- placement info and rendezvous ----------------------------------------------------------
+
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_name": os.environ.get("SMOLFORGE_NODE_NAME") or socket.gethostname(),
+                "ip": ray.util.get_node_ip_address(), "rank": self.rank}
+
+    def free_address(self) -> tuple[str, int]:
+        """Rank 0: where the group's rendezvous store will listen (this node's address, a free port)."""
+        if self._listen is not None:
+            self._listen.close()
+        ip = node_ip()
+        self._listen = listen_socket(ip)
+        return ip, self._listen.getsockname()[1]
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def _emit(self, item: dict) -> None:
+        item.setdefault("ts", time.time())
+        item.setdefault("rank", self.rank)
+        with self._lock:
+            self._buffer.append(item)
+
+    def _flush(self) -> None:
+        """Send buffered reports and wait until the control actor has them.
+
+        Waiting keeps this rank's reports in order (the control actor is threaded, so two reports in
+        flight may land in either order and an older step could overwrite a newer one), and makes the
+        last flush land before the task returns: the driver drains once it sees the task finish.
+        """
+        import ray
+
+        with self._lock:
+            batch, self._buffer = self._buffer, []
+        batch += self._log.drain()
+        if batch:
+            ray.get(self.control.report.remote(batch), timeout=30)
+
+    def _poller(self) -> None:
+        import ray
+
+        while self._running:
+            try:
+                state = ray.get(self.control.poll.remote(), timeout=10)
+                if state.get("stop"):
+                    self._stop = state["stop"]
+                self._regroup = bool(state.get("regroup"))
+                self._joiners = bool(state.get("joiners"))
+                if state.get("regroup_now"):
+                    self._stop = self._stop or "pause"
+            except RayError:
+                pass  # the driver notices a lost control actor; training need not stop for it
+            try:
+                self._flush()
+            except RayError:
+                pass  # the same: reports wait in the buffer for the next flush
+            time.sleep(POLL_S)
+
+    def _hold(self, step: int, at: int) -> None:
+        """Fault injection `hold-step` N = `at` (`smolforge.train.faults`): stay after `step` until
+        released, or until the job asks something of this rank (`_hold_interrupt`). The `held` event is
+        what a test waits for; the poller keeps shipping it and the step's report meanwhile."""
+        self._emit({"type": "event", "kind": "held", "data": {"rank": self.rank, "step": step},
+                    "message": held_message(f"rank {self.rank}", step)})
+        stay_held(f"rank {self.rank}", step, at, self._hold_interrupt)
+
+    def _hold_interrupt(self) -> str | None:
+        """What the job asks of a held rank (a stop, a regroup, a member waiting to join: the poller's
+        flags, so asking costs nothing), which ends the hold; None while it asks nothing."""
+        if self._stop or self._regroup or self._joiners:
+            return "the job asked for " + (self._stop or ("a regroup" if self._regroup else "a member to join"))
+        return None
+
+    # -- staging ----------------------------------------------------------------------------------
+
+    def _stage_upload(self, ref: str, job_root: Path) -> str:
+        """`upload:<sha256>` → a local file with that content (fetched once per node and job)."""
+        import ray
+
+        digest = ref.split(":", 1)[1]
+        dest = job_root / "data" / f"{digest}.jsonl"
+        if dest.exists() and hashlib.sha256(dest.read_bytes()).hexdigest() == digest:
+            return str(dest)
+        data = ray.get(self.control.get_upload.remote(digest), timeout=600)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise RuntimeError(f"dataset {digest[:12]} arrived corrupted")
+
+        atomic_write_bytes(dest, data)
+        return str(dest)
+
+    def _stage_checkpoint(self, name: str, out_dir: Path, timeout_s: float = 600.0) -> None:
+        """Fetch a stored checkpoint in pieces into `<out_dir>/checkpoints/<name>` (verified, atomic)."""
+        import ray
+
+        deadline = time.time() + timeout_s
+        files = ray.get(self.control.artifact_manifest.remote("checkpoints", name), timeout=timeout_s)
+        receiver = DirReceiver(out_dir / "checkpoints" / name)
+        try:
+            for rel, info in files.items():
+                offset = 0
+                while offset < info["bytes"] or (offset == 0 and info["bytes"] == 0):
+                    data = ray.get(self.control.get_piece.remote("checkpoints", name, rel, offset, CHUNK_BYTES),
+                                   timeout=_left(deadline))
+                    receiver.write(rel, offset, data)
+                    offset += len(data)
+                    if not data:
+                        break
+            receiver.commit({rel: info["sha256"] for rel, info in files.items()})
+        finally:
+            receiver.abort()
+
+    def _upload_dir(self, kind: str, path: Path, timeout_s: float, keep_last: int | None = None) -> dict:
+        """Hand a directory to the control actor's artifact store in pieces (`send_dir`); its metadata.
+        An upload that fails or runs past `timeout_s` is aborted: the stored ones stay as they were."""
+        import ray
+
+        deadline = time.time() + timeout_s
+        upload_id = ray.get(self.control.begin_artifact.remote(kind, path.name), timeout=_left(deadline))
+
+        def put(rel: str, offset: int, data: bytes) -> None:
+            ray.get(self.control.put_piece.remote(upload_id, rel, offset, data), timeout=_left(deadline))
+
+        try:
+            sums = send_dir(path, put)
+            delay = fault_delay_s("upload-delay")
+            if delay:
+                time.sleep(delay)
+            return ray.get(self.control.commit_artifact.remote(upload_id, sums, keep_last), timeout=_left(deadline))
+        except BaseException:
+            self.control.abort_artifact.remote(upload_id)  # fire and forget: the actor may be gone
+            raise
+
+    # -- the work ---------------------------------------------------------------------------------
+
+    def run(self, *args: Any, **kwargs: Any) -> dict:
+        """`_train`, with this process's output captured for the coordinator; a failure's traceback
+        is one of the lines shipped (the runner records the failure itself as an event)."""
+        with capture_output(self._log):
+            try:
+                return self._train(*args, **kwargs)
+            except BaseException:
+                logging.getLogger(TASK_LOGGER).exception("rank %d failed", self.rank)
+                raise
+            finally:
+                try:
+                    self._flush()
+                except RayError:
+                    pass  # a lost control actor: the lines stay in the node's Ray log
+
+    def _train(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
+            backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
+            strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
+            balance: str = "off", join: bool = False, server: Any = None) -> dict:
+        t0 = time.time()
+        job_root = node_dir() / "jobs" / self.job_id
+        out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
+        cfg_dict = json.loads(json.dumps(cfg_dict))
+        data = cfg_dict["data"]
+        for key in ("path", "eval_path"):
+            if isinstance(data.get(key), str) and data[key].startswith("upload:"):
+                data[key] = self._stage_upload(data[key], job_root)
+        cfg_dict["model"] = local_model_path(cfg_dict["model"])
+        # TensorBoard and W&B are written by the job's runner from the reports (one run per rank, on
+        # the coordinator), not by the ranks on their nodes
+        cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False, wandb=None,
+                        resume=bool(resume_from))
+        cfg = TrainConfig.model_validate(cfg_dict)
+        prepare_model(cfg.model, node_dir())
+        if resume_from:
+            self._stage_checkpoint(resume_from, out_dir)
+        is_main = self.rank == 0
+        delay = fault_delay_s("sample-delay")
+        hold = HoldAt(fault_hold_step())
+        strategy_obj = None  # made once the group exists (a distributed strategy needs it)
+        step_times: list[float] = []
+        cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
+
+        task_log = logging.getLogger(TASK_LOGGER)
+
+        def on_step(info) -> None:
+            step_times.append(time.time())
+            if info.step % cfg.log_every == 0 or info.step == info.max_steps:
+                task_log.info("rank %d step %d/%d: loss %.4f, %.0f tokens/s", self.rank, info.step, info.max_steps,
+                              info.loss, info.tokens_per_s or 0.0)
+            cpu_times.append(time.process_time())
+            s = strategy_obj
+            if s is not None and (info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps):
+                self._emit({"type": "comm", "step": info.step, "comm_bytes_sent": s.bytes_sent,
+                            "comm_wait_s": s.comm_wait_s, "rounds": s.rounds,
+                            "batch_rows": s.rows[s.rank] if s.rows else None, "metrics": s.metrics()})
+            while s is not None and s.notes:
+                note = s.notes.pop(0)
+                if is_main and note.get("event"):  # a decision the strategy states itself (a plan)
+                    self._emit({"type": "event", "kind": note["event"], "message": note["message"], "data": note})
+                if is_main and note.get("kind") == "regroup":
+                    joined = f"; joined: {', '.join(map(str, note['joined']))}" if note["joined"] else ""
+                    self._emit({"type": "event", "kind": "group_reformed",
+                                "message": f"step {note['step']}: the group re-formed with members "
+                                           f"{', '.join(map(str, note['members']))} ({note['why']}{joined}), "
+                                           "no restart", "data": note})
+                if is_main and note.get("kind") == "balance":
+                    rates = " / ".join(f"{r:.1f}" for r in note["rates"])
+                    self._emit({"type": "event", "kind": "balance",
+                                "message": f"step {info.step}: rows per rank {' / '.join(map(str, note['rows']))} "
+                                           f"(measured {rates} samples/s)", "data": note})
+            # every rank reports its own step (the runner keeps `<name>.rank<R>` series and one
+            # TensorBoard/W&B run per rank); rank 0's report is also the job's progress
+            recent = step_times[-20:]
+            per_step = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else None
+            eta = per_step * (info.max_steps - info.step) if per_step else None
+            self._emit({"type": "step", "step": info.step, "max_steps": info.max_steps, "loss": info.loss,
+                        "lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": info.tokens_per_s,
+                        "samples_done": info.samples_done, "samples_total": info.samples_total,
+                        "epoch": info.epoch, "eta_s": eta})
+            if hold.due(info.step):
+                self._hold(info.step, hold.step)
+
+        def on_eval(metrics: dict) -> None:
+            if is_main:
+                self._emit({"type": "eval", **metrics})
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            meta = self._upload_dir("checkpoints", Path(path), upload_timeout_s, keep_last)
+            self._emit({"type": "event", "kind": "checkpoint",
+                        "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
+                        "data": {"step": step, "name": Path(path).name}})
+            if self._regroup:
+                self._stop = self._stop or "pause"
+
+        def should_stop() -> str | None:
+            return self._stop if is_main else None
+
+        hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop,
+                           on_model=(lambda m: slow_down(m, delay)) if delay > 0 else None)
+        self._running = True
+        poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")
+        poller.start()
+        chosen = pick_backend(backend, cfg.device)
+        try:
+            collective_timeout = max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S)
+            grouped = STRATEGIES[strategy].uses_process_group  # not via a server
+            if world > 1 and not join and grouped:  # a joiner enters the group at its next re-formation
+                # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
+                # collective timeout must outlast the upload's, or a slow link fails every round.
+                listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
+                init_group(chosen, master_addr, master_port, self.rank, world, collective_timeout, group_secret,
+                           listen)
+            t_ready = time.time()
+            self._emit({"type": "event", "kind": "rank_started",
+                        "message": f"{'member' if join else 'rank'} {self.rank}/{world} "
+                                   f"{'waits to join' if join else 'started'} on {self.info()['node_name']} "
+                                   f"({(chosen if grouped else 'via the parameter server') if world > 1 else 'single'}, "
+                                   f"{self.cpus} threads"
+                                   f"{', resuming ' + resume_from if resume_from else ''}"
+                                   f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
+            task_log.info("rank %d/%d on %s: %s, %d threads, %s", self.rank, world, self._log.node, chosen,
+                          self.cpus, f"resuming {resume_from}" if resume_from else "from the start")
+            strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
+            strategy_obj.balance = balance
+            if strategy_obj.needs_server:  # every exchange goes through the job's server
+                strategy_obj.server = ServerClient(server)
+                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
+            elif strategy_obj.elastic and world > 1:  # members may leave or join
+                strategy_obj.membership = ControlMembership(self, chosen, collective_timeout, collective_timeout)
+                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
+            result = train(cfg, hooks, strategy=strategy_obj)
+            adapter_meta = None
+            if is_main and not result.stopped and result.adapter_dir:
+                adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)
+        finally:
+            self._running = False
+            leave_group()
+            poller.join(timeout=15)  # its own flush may hold the last batch; let it send first
+            try:
+                self._flush()
+            except RayError:
+                pass  # a lost control actor: the driver diagnoses the group, not this rank
+        out = result.to_dict()
+        out.update(rank=self.rank, world=world, node=self.info(), setup_s=t_ready - t0,
+                   adapter_artifact=adapter_meta["name"] if adapter_meta else None,
+                   first_step_ts=step_times[0] if step_times else None,
+                   cpu_step_s=(cpu_times[-1] - cpu_times[0]) / (len(cpu_times) - 1) if len(cpu_times) > 1 else None,
+                   step_times=step_times if is_main else None)
+        time.sleep(fault_delay_s("result-delay"))
+        return out

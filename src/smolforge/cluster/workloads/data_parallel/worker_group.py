@@ -1,0 +1,149 @@
+"""A data-parallel worker group: N actors placed together, started together, released together.
+
+Placement is one placement group (strategy SPREAD), so the group is gang-scheduled: all ranks get a
+node or none does, and a half-placed group never holds CPUs while waiting. Each bundle carries the
+task's requirements as Ray resources (CPU, GPU, `smolforge-worker`, `model:<name>`) and a label
+selector where a subset of nodes is meant. Releasing kills every actor (their processes end at
+once) and removes the placement group, so CPUs return to the cluster within a second or two.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayError
+
+from smolforge.errors import SmolforgeError
+from smolforge.cluster.workloads.data_parallel.rank import DPWorker
+
+
+@dataclass
+class Member:
+    rank: int
+    actor: Any
+    info: dict = field(default_factory=dict)
+
+
+class WorkerGroup:
+    def __init__(self, job_id: str, attempt: int, bundles: list[tuple[dict, dict]], control: Any,
+                 strategy: str = "SPREAD", first_rank: int = 0):
+        self.job_id, self.attempt = job_id, attempt
+        self.first_rank = first_rank  # a group of joiners to an elastic job numbers its members on from there
+        self.bundles = bundles
+        self.control = control
+        self.strategy = strategy
+        self.pg = None
+        self.members: list[Member] = []
+
+    @property
+    def world(self) -> int:
+        return len(self.bundles)
+
+    def start(self, ready_timeout: float = 120.0) -> list[dict]:
+        """Reserve the bundles, create one actor per bundle, return each rank's placement info."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+        specs = [b for b, _ in self.bundles]
+        selectors = [s or {} for _, s in self.bundles]
+        kwargs: dict[str, Any] = {"strategy": self.strategy}
+        if any(selectors):
+            kwargs["bundle_label_selector"] = selectors
+        self.pg = placement_group(specs, **kwargs)
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.release()
+            raise SmolforgeError(f"could not place {self.world} workers within {ready_timeout:.0f} s "
+                                 f"(bundles {specs})", where="placement",
+                                 fix="free CPUs on the workers, join more workers, or lower --workers") from None
+        actor_cls = ray.remote(DPWorker)
+        for index, b in enumerate(specs):
+            rank = self.first_rank + index
+            res = {k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")}
+            # reserved RAM (a bundle's `memory`) is an option of its own for an actor, not a custom resource
+            memory = {"memory": b["memory"]} if b.get("memory") else {}
+            actor = actor_cls.options(
+                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=res or None, **memory,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+                max_restarts=0, max_task_retries=0, name=None,
+            ).remote(self.job_id, self.attempt, rank, b.get("CPU", 1), self.control)
+            self.members.append(Member(rank, actor))
+        infos = ray.get([m.actor.info.remote() for m in self.members], timeout=ready_timeout)
+        for m, info in zip(self.members, infos):
+            m.info = info
+        return infos
+
+    def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
+            keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None,
+            upload_timeout_s: float = 600.0, balance: str = "off", join_world: int | None = None,
+            server: Any = None) -> list:
+        """Start every rank; returns one ObjectRef per rank (rank order).
+
+        `join_world`: these are members joining a running elastic group of that many ranks; they get
+        the rendezvous from the job's control actor when the group takes them in."""
+        import ray
+
+        if join_world or server is not None:  # a joiner meets the group later; a server's workers never do
+            addr, port, secret, world = "", 0, "", join_world or self.world
+        else:
+            addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
+            secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
+            world = self.world
+        return [m.actor.run.remote(cfg, world, addr, port, resume_from, backend, timeout_s, keep_last,
+                                   strategy, strategy_config, upload_timeout_s, group_secret=secret,
+                                   balance=balance, join=bool(join_world), server=server)
+                for m in self.members]
+
+    def release(self, wait_s: float = 5.0) -> None:
+        """Kill every actor and free the placement group; waits (briefly) for the processes to go."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for m in self.members:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except (RayError, ValueError):
+                pass  # already gone
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except (RayError, ValueError):
+                pass  # already removed
+            self.pg = None
+        deadline = time.time() + wait_s
+        for m in self.members:
+            pid = m.info.get("pid")
+            while pid and time.time() < deadline and _pid_alive_local(pid, m.info):
+                time.sleep(0.1)
+        self.members = []
+
+
+def _pid_alive_local(pid: int, info: dict) -> bool:
+    """Only meaningful when the actor ran on this machine; elsewhere we trust ray.kill."""
+    import os
+
+    import ray
+
+    try:
+        if info.get("node_id") != ray.get_runtime_context().get_node_id():
+            return False
+    except Exception:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie waiting for its raylet parent counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,395 @@
+"""The Ray side of a distillation run: the teacher task, the shard broker and the student actor.
+
+See `smolforge.cluster.workloads.distill` for how data moves between them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S
+from smolforge.cluster.workloads.distill.sync import make_sync
+from smolforge.config import PeftSpec
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.train.loop import StopRequested
+from smolforge.distill.store import CorruptShardError, Shard, decode_shard
+from smolforge.distill.student import StudentConfig, train_student
+from smolforge.distill.teacher import make_teacher, produce_shards
+from smolforge.errors import SmolforgeError
+from smolforge.cluster.workloads.data_parallel.rank import local_model_path, node_dir, prepare_model
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output
+from smolforge.train import checkpoint as ckpt
+
+MAX_BROKER_LINES = 20_000  # task lines a broker holds between two drains (it is drained every poll)
+SHIP_LINES_S = 1.0  # how often a student sends what it printed to its broker (fire and forget)
+
+# ------------------------------------------------------------------------------- remote definitions
+
+def _node_model(name: str) -> str:
+    """This node's own copy of a model, when `worker join` found it under that name (else the name)."""
+    return local_model_path(name)
+
+
+def _teacher_shards(spec: dict[str, Any]):
+    """Ray streaming generator: one teacher on one node, yielding (manifest JSON, bytes) per shard."""
+
+    # What it prints rides along with each shard's manifest (`log`: the driver takes it out); lines
+    # after the last shard stay in the node's Ray log.
+    lines = LineBuffer(spec["task_id"], spec.get("node_name") or "")
+    with capture_output(lines):
+        yield from _teacher_shards_captured(spec, lines)
+
+
+def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
+    import ray
+    import torch
+
+    torch.set_num_threads(max(1, int(spec["num_threads"])))
+    ctx = ray.get_runtime_context()
+    model = _node_model(spec["model"]) if spec["backend"] != "ollama" else spec["model"]
+    teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
+                           tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "fp32"))
+    items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
+    ranges = {int(sid): (int(a), int(b)) for sid, (a, b) in spec["shards"].items()}
+    settings = GenSettings(**spec["settings"])
+    for manifest, data in produce_shards(teacher, items, ranges, settings, compress=spec["compress"]):
+        manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
+                        teacher=spec["model"], finished=time.time(), pid=os.getpid())
+        logging.getLogger(TASK_LOGGER).info("%s: shard %s done", spec["task_id"], manifest.get("shard"))
+        manifest["log"] = lines.drain()
+        yield json.dumps(manifest), data
+
+
+class _ShardBroker:
+    """Ray actor: which shard goes to which student, plus the students' events and progress.
+
+    It holds object refs (wrapped in lists so Ray does not resolve them), never shard bytes.
+    """
+
+    def __init__(self, plan: dict[str, Any]):
+        self.plan = plan
+        self.shards: dict[int, tuple[str, list]] = {}
+        self.assigned: dict[int, list[int]] = {}
+        self.delivered: dict[int, set[int]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.corrupt: list[dict[str, Any]] = []
+        self.progress: dict[int, dict[str, Any]] = {}
+        self.stop: dict[int, str] = {}
+        self.checkpoints: dict[int, dict[str, Any]] = {}
+        self.failed: str | None = None
+        self.lines: list[dict[str, Any]] = []  # what the students printed (telemetry.tasklog records)
+        self.lines_dropped = 0
+
+    def get_plan(self) -> dict[str, Any]:
+        return self.plan
+
+    def update_plan(self, values: dict[str, Any]) -> None:
+        self.plan.update(values)
+
+    def add(self, shard_id: int, manifest_json: str, holder: list) -> None:
+        self.shards[int(shard_id)] = (manifest_json, holder)
+
+    def assign(self, rank: int, shard_ids: list[int]) -> None:
+        self.assigned[rank] = list(shard_ids)
+        self.delivered.setdefault(rank, set())
+
+    def next(self, rank: int) -> dict[str, Any]:
+        if rank in self.stop:  # a student waiting for a shard hears a pause/cancel at once
+            return {"kind": "stop", "what": self.stop[rank]}
+        pending = [s for s in self.assigned.get(rank, []) if s not in self.delivered[rank]]
+        if not pending:
+            return {"kind": "done"}
+        for sid in pending:
+            if sid in self.shards:
+                self.delivered[rank].add(sid)
+                manifest_json, holder = self.shards[sid]
+                return {"kind": "shard", "shard": sid, "manifest": manifest_json, "holder": holder}
+        if self.failed:
+            return {"kind": "failed", "error": self.failed}
+        return {"kind": "wait"}
+
+    def get(self, rank: int, shard_id: int) -> dict[str, Any]:
+        if rank in self.stop:
+            return {"kind": "stop", "what": self.stop[rank]}
+        if shard_id in self.shards:
+            self.delivered.setdefault(rank, set()).add(shard_id)
+            manifest_json, holder = self.shards[shard_id]
+            return {"kind": "shard", "shard": shard_id, "manifest": manifest_json, "holder": holder}
+        return {"kind": "failed", "error": self.failed} if self.failed else {"kind": "wait"}
+
+    def report_corrupt(self, rank: int, shard_id: int, why: str) -> None:
+        self.shards.pop(shard_id, None)
+        self.delivered.get(rank, set()).discard(shard_id)
+        self.corrupt.append({"rank": rank, "shard": shard_id, "error": why, "at": time.time()})
+
+    def record(self, rank: int, kind: str, data: dict[str, Any]) -> None:
+        self.events.append({"rank": rank, "kind": kind, "data": data})
+
+    def add_lines(self, lines: list[dict[str, Any]]) -> None:
+        """A student's output lines; past MAX_BROKER_LINES undrained, the oldest go (counted)."""
+        self.lines.extend(lines)
+        over = len(self.lines) - MAX_BROKER_LINES
+        if over > 0:
+            del self.lines[:over]
+            self.lines_dropped += over
+
+    def set_progress(self, rank: int, info: dict[str, Any]) -> None:
+        # Threaded actor: two reports in flight may land in either order; keep the newest step.
+        if info.get("step", 0) >= self.progress.get(rank, {}).get("step", -1):
+            self.progress[rank] = info
+
+    def put_checkpoint(self, rank: int, shipped: dict[str, Any]) -> None:
+        """A student's newest periodic checkpoint, held until the driver drains it to disk."""
+        self.checkpoints[rank] = shipped
+
+    def restart(self, rank: int) -> None:
+        """The student of `rank` starts again (its worker died): every shard is its to ask for again."""
+        self.delivered[rank] = set()
+        self.stop.pop(rank, None)
+        self.progress.pop(rank, None)
+
+    def drain(self) -> dict[str, Any]:
+        out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress),
+               "checkpoints": self.checkpoints, "lines": self.take_lines()}
+        self.events, self.corrupt, self.checkpoints = [], [], {}
+        return out
+
+    def take_lines(self) -> list[dict[str, Any]]:
+        """The students' lines since the last take, led by a count of those dropped meanwhile."""
+        lines, dropped, self.lines, self.lines_dropped = self.lines, self.lines_dropped, [], 0
+        if dropped:
+            lines.insert(0, {"type": "log", "task": "broker", "node": None, "ts": lines[0]["ts"] if lines else time.time(),
+                             "line": f"[{dropped} student lines dropped: the broker was not drained in time]"})
+        return lines
+
+    def request_stop(self, rank: int, what: str) -> None:
+        self.stop[rank] = what
+
+    def should_stop(self, rank: int) -> str | None:
+        return self.stop.get(rank)
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+
+    def node(self) -> str:
+        """The Ray node this broker runs on (the driver checks it is its own)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class BrokerShardSource:
+    """A student's shard source on the cluster: ask the broker, fetch bytes, verify, report corruption."""
+
+    def __init__(self, broker, rank: int, timeout_s: float = 900.0, poll_s: float = 0.2):
+        self.broker, self.rank = broker, rank
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.broker, method).remote(*args), timeout=60)
+
+    def expected_rows(self) -> int | None:
+        plan = self._call("get_plan")
+        mine = plan["assigned"][str(self.rank)]
+        return sum(plan["shards"][s][1] - plan["shards"][s][0] for s in mine) * max(1, int(plan.get("samples_per_prompt", 1)))
+
+    def _fetch(self, reply: dict[str, Any]) -> Shard | None:
+        import ray
+
+        manifest = json.loads(reply["manifest"])
+        value = ray.get(reply["holder"][0], timeout=GET_TIMEOUT_S)
+        data = value[1] if isinstance(value, (tuple, list)) else value
+        try:
+            return decode_shard(manifest, data)
+        except CorruptShardError as err:
+            self._call("report_corrupt", self.rank, reply["shard"], err.what)
+            return None
+
+    def _loop(self, ask) -> Shard | None:
+        deadline = time.time() + self.timeout_s
+        while True:
+            reply = ask()
+            if reply["kind"] == "done":
+                return None
+            if reply["kind"] == "stop":
+                raise StopRequested(reply["what"])
+            if reply["kind"] == "failed":
+                raise SmolforgeError(f"teachers failed before this student's shards were ready: {reply['error']}",
+                                     fix="see the teacher task's error (smolforge status / the event log)")
+            if reply["kind"] == "shard":
+                shard = self._fetch(reply)
+                if shard is not None:
+                    return shard
+                deadline = time.time() + self.timeout_s  # regeneration takes a teacher's time
+                continue
+            if time.time() > deadline:
+                raise SmolforgeError(f"waited {self.timeout_s:.0f}s for a teacher shard",
+                                     fix="check that the teacher tasks are running (smolforge status)")
+            time.sleep(self.poll_s)
+
+    def next_shard(self) -> Shard | None:
+        return self._loop(lambda: self._call("next", self.rank))
+
+    def get_shard(self, shard_id: int) -> Shard:
+        shard = self._loop(lambda: self._call("get", self.rank, shard_id))
+        if shard is None:
+            raise SmolforgeError(f"shard {shard_id} is gone", fix="start the student without resume")
+        return shard
+
+
+class _StudentWorker:
+    """Ray actor: one student (or one rank of a student group). Trains from the broker, returns its
+    adapter files and summary."""
+
+    _listen = None  # rank 0 of a group: the socket its rendezvous store will serve on
+
+    def free_address(self) -> tuple[str, int]:
+        """Rank 0 of a student group: where the group's rendezvous store will listen (as a
+        data-parallel job's rank 0 does: `DPWorker.free_address`)."""
+        from smolforge.cluster.nodes.ray_glue import node_ip
+        from smolforge.parallel.rendezvous import listen_socket
+
+        if self._listen is not None:
+            self._listen.close()
+        self._listen = listen_socket(node_ip())
+        return self._listen.getsockname()[:2]
+
+    def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
+        """`_train`, with what this process prints sent to the broker as the task's lines."""
+        import ray
+
+        lines = LineBuffer(spec.get("task_id") or f"student-rank{rank}", spec.get("node_name") or "")
+        with capture_output(lines):
+            try:
+                return self._train(spec, broker, rank, lines)
+            except BaseException:
+                logging.getLogger(TASK_LOGGER).exception("%s failed", lines.task)
+                raise
+            finally:
+                from ray.exceptions import RayError
+
+                try:  # waited for: the lines reach the broker before the driver sees the result
+                    ray.get(broker.add_lines.remote(lines.drain()), timeout=10)
+                except RayError:
+                    pass  # a lost broker: the lines stay in the node's Ray log
+
+    def _train(self, spec: dict[str, Any], broker, rank: int, lines: LineBuffer) -> dict[str, Any]:
+        import ray
+
+
+        cfg_fields = dict(spec["config"])
+        cfg_fields["base_model"] = _node_model(cfg_fields["base_model"])
+        cfg_fields["peft"] = PeftSpec(**cfg_fields["peft"])
+        cfg_fields["kd"] = KDConfig(**cfg_fields["kd"])
+        work = Path(tempfile.mkdtemp(prefix=f"smolforge-student-{rank}-"))
+        cfg_fields["output_dir"] = str(work / "out")
+        resume = spec.get("resume")  # the checkpoint this student paused at, shipped back from the driver
+        if resume:
+            unpack_dir(resume["payload"], ckpt.checkpoints_dir(work / "out") / resume["name"])
+            cfg_fields["resume"] = True
+        cfg = StudentConfig(**cfg_fields)
+        node_id = ray.get_runtime_context().get_node_id()
+
+        def on_event(kind: str, **data: Any) -> None:
+            broker.record.remote(rank, kind, {**data, "at": time.time(), "node_id": node_id, "pid": os.getpid()})
+
+        def on_checkpoint(path: Path, step: int) -> None:
+            # Waited for: the driver must hold it before this worker can be lost with it.
+            ray.get(broker.put_checkpoint.remote(rank, {"name": path.name, "payload": pack_dir(path)}), timeout=120)
+
+        shipped = [time.time()]
+        task_log = logging.getLogger(TASK_LOGGER)
+        task_log.info("%s (rank %d) on %s: %s, %s threads%s", lines.task, rank, lines.node, cfg.base_model,
+                      cfg.num_threads, ", resuming" if resume else "")
+
+        def on_step(info: dict[str, Any]) -> None:
+            broker.set_progress.remote(rank, info)
+            task_log.info("%s step %d/%d: loss %.4f", lines.task, info["step"], info["max_steps"], info["loss"])
+            if time.time() - shipped[0] >= SHIP_LINES_S:
+                shipped[0] = time.time()
+                batch = lines.drain()
+                if batch:
+                    broker.add_lines.remote(batch)
+
+        def should_stop() -> str | None:
+            return ray.get(broker.should_stop.remote(rank), timeout=60)
+
+        # A preset is built here before any process group exists, one student of the node at a time
+        # (as a data-parallel rank does: building inside a group writes the weights on rank 0 only).
+        prepare_model(cfg.base_model, node_dir())
+        group = spec.get("group")
+        sync = make_sync(group["sync"] if group else "average", group["strategy"] if group else None)
+        listen, self._listen = self._listen, None
+        try:
+            eval_examples = spec.get("eval_examples")
+            with sync.join(group, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s), listen) as (strategy, source):
+                result = train_student(cfg, source, teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
+                                       should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
+                                       on_checkpoint=on_checkpoint, strategy=strategy)
+            adapter = pack_dir(result.adapter_dir) if result.adapter_dir else None
+            out = {"result": result.to_dict(), "adapter": adapter, "node_id": node_id}
+            latest = ckpt.latest_checkpoint(work / "out") if result.stopped == "pause" else None
+            if latest is not None:  # this temp dir goes away: the driver keeps the pause point
+                out["checkpoint"] = {"name": latest.name, "payload": pack_dir(latest)}
+            return out
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+_REMOTES: dict[str, Any] = {}
+
+
+def remotes() -> dict[str, Any]:
+    import ray
+
+    if not _REMOTES:
+        # max_calls=1: each teacher gets a fresh worker process, which exits after it. A teacher
+        # cancelled mid-import (a job cancel or pause while it loads transformers) otherwise leaves
+        # the pooled process with half-imported modules, and every later teacher there fails with
+        # "Could not import module 'LlamaConfig'" (seen in CI after the cancel test).
+        _REMOTES["teacher"] = ray.remote(num_returns="streaming", max_retries=0, max_calls=1)(_teacher_shards)
+        _REMOTES["broker"] = ray.remote(_ShardBroker)
+        _REMOTES["student"] = ray.remote(_StudentWorker)
+    return _REMOTES
+
+
+BROKER_START_S = 300.0
+
+
+def new_broker(plan: dict[str, Any]):
+    """The broker lives on the driver's node: it holds the shard refs and the students' shipped
+    checkpoints, so it must not go down with a worker."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    # Hard affinity: a soft one was seen to land the broker on a worker (which then took the whole
+    # run down with it when that worker left). The driver's own node always exists.
+    broker = remotes()["broker"].options(num_cpus=0, max_concurrency=4,
+                                         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(plan)
+    try:  # its first answer waits for a new worker process (Python, torch): slow on a loaded laptop
+        where = ray.get(broker.node.remote(), timeout=BROKER_START_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(broker)
+        raise SmolforgeError(f"the shard broker did not start within {BROKER_START_S:.0f} s",
+                             fix="the coordinator's machine is overloaded or out of memory: free it and rerun "
+                                 "(finished shards are kept)") from None
+    if where != here:  # a guard: the run must not depend on a worker staying
+        ray.kill(broker)
+        raise SmolforgeError(f"the shard broker started on node {where[:8]}, not on the driver's {here[:8]}",
+                             fix="report this: the broker must live on the coordinator's node")
+    return broker
+
+
+# ------------------------------------------------------------------------------------ driver state

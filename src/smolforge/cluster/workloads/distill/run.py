@@ -1,0 +1,202 @@
+"""The whole distillation run as one call: teachers → streaming students → aggregation.
+
+`run_distill` is what a distill job runs (`smolforge distill`, `launch --mode teacher_student|hybrid`,
+`submit` of a `kind: distill` file): it drives a DistillTasks session on the cluster (a coordinator's,
+or the embedded one), shows progress, and writes the seed layout (see smolforge.distill.settings).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from smolforge.cluster.workloads.distill.sync import make_sync
+from smolforge.distill.settings import DistillSettings, _slug, check_run
+from smolforge.distill.store import store_summary
+from smolforge.errors import SmolforgeError
+from smolforge.paths import atomic_write_json
+
+
+class _Progress:
+    """A rich progress bar per teacher (shards) and per student (steps), with rate and ETA."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self._p = None
+        self._rows: dict[str, Any] = {}
+        if quiet:
+            return
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self._p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                           console=Console(stderr=True), refresh_per_second=4)
+        self._p.start()
+
+    def update(self, statuses: list[dict[str, Any]]) -> None:
+        if self._p is None:
+            return
+        for s in statuses:
+            if s["kind"] == "aggregate":
+                continue
+            if s["kind"] == "teacher":
+                total, done = len(s["shards"]), len(s["done_shards"])
+                unit = "shards"
+            else:
+                total = max(1, int(s.get("samples_total") or 1))
+                done = int(s.get("samples_done") or 0) if s["state"] != "completed" else total
+                unit = "samples"
+            state = "queued" if s.get("queued") else s["state"]
+            info = f"{state} · {s.get('node') or '-'} · {unit}"
+            if s["task_id"] not in self._rows:
+                self._rows[s["task_id"]] = self._p.add_task(s["task_id"], total=total, info=info)
+            self._p.update(self._rows[s["task_id"]], total=total, completed=done, info=info)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+class DistillStopped(Exception):
+    """`should_stop` asked for a pause or a cancel: every task was stopped, the valid shards stay."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
+                quiet: bool = True,
+                on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
+                should_stop: Callable[[], str | None] | None = None, resume: bool = False) -> dict[str, Any]:
+    """Teachers, students, aggregation on `orch` (a DistillTasks session); returns (and writes) the summary.
+
+    `on_update(task statuses, events so far)` is called every poll (the coordinator's job runner
+    mirrors them into its job store); when `should_stop()` returns "pause" or "cancel" every task
+    is stopped and DistillStopped is raised. Shards already written stay valid: a rerun into the
+    same output dir reuses them. On "pause" the students first checkpoint the steps they have
+    done; a rerun with `resume=True` continues each student from its checkpoint.
+    """
+    check_run(cfg, mode, output_dir)
+    sync = make_sync(cfg.students_sync, cfg.students_strategy)  # a bad name fails before the teachers start
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    stages: dict[str, float] = {}
+    progress = _Progress(quiet)
+    try:
+        teachers = orch.create_parallel_teacher_tasks(
+            cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,
+            num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
+            temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
+            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, dtype=cfg.teacher_dtype,
+            ollama_host=cfg.ollama_host, seed=cfg.seed,
+            responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator)
+        students = orch.create_student_tasks(
+            cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
+            peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
+            kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
+            epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed, save_every=cfg.save_every,
+            replace_timeout_s=cfg.replace_timeout_s, on_policy_ratio=cfg.on_policy_ratio,
+            on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
+            cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
+            max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
+            dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
+            resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
+        all_ids = teachers + students
+        teacher_done = None
+        while True:
+            statuses = orch.distill_tasks()
+            mine = [s for s in statuses if s["task_id"] in all_ids]
+            progress.update(mine)
+            if on_update is not None:
+                on_update(mine, list(orch.events))
+            stop = should_stop() if should_stop is not None else None
+            if stop:
+                if stop == "pause":
+                    orch.pause_distill_students(students)
+                    if on_update is not None:
+                        on_update(orch.distill_tasks(), list(orch.events))
+                raise DistillStopped(stop)  # `finally` below stops every task and actor
+            by_id = {s["task_id"]: s for s in statuses}
+            if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
+                teacher_done = time.time()
+            if all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in all_ids):
+                break
+            time.sleep(0.5)
+        progress.close()
+        # A failed teacher's shards go to another teacher (see _retry_shards), or the students that
+        # need them fail saying why; so the students' states decide the run.
+        failed = [by_id[t] for t in students if by_id[t]["state"] == "failed"]
+        if failed:
+            raise SmolforgeError(f"{failed[0]['task_id']} failed: {failed[0]['error']}",
+                                 fix="see the error above; fix it and rerun (valid teacher shards are reused)")
+        stages["teachers"] = (teacher_done or time.time()) - t0
+        stages["students"] = time.time() - t0
+        merged: dict[str, Any] = {}
+        t_agg = time.time()
+        if cfg.aggregate != "none":
+            for base in cfg.students:
+                mine = [t for t in students if orch.task_status(t).get("output_dir")
+                        and _base_of(orch, t) == base]
+                target = out / "merged_model" / ("final_adapter" if len(cfg.students) == 1 else f"{_slug(base)}/final_adapter")
+                try:
+                    merged[base] = {**orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
+                                                                     rank=cfg.aggregate_rank),
+                                    "students_sync": sync.name, "merge": sync.merges}
+                except SmolforgeError as err:
+                    if cfg.peft in ("prefix", "prompt"):
+                        merged[base] = {"skipped": err.what}
+                    else:
+                        raise
+        stages["aggregate"] = time.time() - t_agg
+        summary = {
+            "output_dir": str(out),
+            "teacher": cfg.teacher,
+            "students": cfg.students,
+            "store": store_summary(out / "teacher_outputs"),
+            "teacher_tasks": [orch.task_status(t) for t in teachers],
+            "student_tasks": [{**orch.task_status(t), "eval": _eval_of(orch, t)} for t in students],
+            "students_sync": sync.name,
+            "per_student": [_student_line(orch, t) for t in students],
+            "merged": merged,
+            "stage_seconds": stages,
+            "seconds": time.time() - t0,
+            "events": list(orch.events),
+        }
+        atomic_write_json(out / "distill_summary.json", _jsonable(summary))
+        return summary
+    finally:
+        progress.close()
+        orch.shutdown_distill()
+
+
+def _base_of(orch, task_id: str) -> str | None:
+    task = orch._dstate().tasks.get(task_id)
+    return task.spec["config"]["base_model"] if task is not None else None
+
+
+def _student_line(orch, task_id: str) -> dict[str, Any]:
+    """One student's line of the summary: its base, steps, final loss, eval and where its adapter is
+    (none for the other ranks of a ddp group: their group's adapter is its first member's)."""
+    task = orch._dstate().tasks[task_id]
+    group = task.spec.get("group")
+    return {"task_id": task_id, "base": task.spec["config"]["base_model"], "state": task.state,
+            "steps": task.result.get("steps", task.step), "loss": task.result.get("final_loss", task.loss),
+            "kd": task.result.get("mode"), "eval": dict(task.result.get("eval", {})), "output_dir": task.output_dir,
+            "group": {"members": group["members"], "rank": group["rank"], "strategy": group["strategy"]} if group else None}
+
+
+def _eval_of(orch, task_id: str) -> dict[str, Any]:
+    task = orch._dstate().tasks.get(task_id)
+    return dict(task.result.get("eval", {})) if task is not None else {}
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))

@@ -1,0 +1,132 @@
+"""The driver's record of a distillation run: its tasks, its teacher-output stores, its threads."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster.control.policy import FailurePolicy
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import StorePlan
+from smolforge.errors import SmolforgeError
+from smolforge.models.names import built_from_code
+
+GET_TIMEOUT_S = 600.0
+POLL_S = 0.25
+PLACEMENT_POLL_S = 2.0  # how often queued students look for a node (one that joined, one that freed up)
+BROKER_LOST_S = 60.0  # a broker silent this long is gone (it lives on the driver node, so this is rare)
+MAX_STUDENT_RESTARTS = 2  # per student, after its worker process or node was lost
+
+
+@dataclass
+class DistillTask:
+    task_id: str
+    kind: str  # teacher | student | aggregate
+    store: str
+    state: str = "pending"  # pending | running | paused | completed | failed | cancelled
+    node: str | None = None
+    node_id: str | None = None
+    queued: bool = False
+    cpus: float = 1.0
+    shards: list[int] = field(default_factory=list)
+    done_shards: list[int] = field(default_factory=list)
+    samples_done: int = 0
+    samples_total: int = 0
+    step: int = 0
+    max_steps: int = 0
+    loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    progress: float = 0.0
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    output_dir: str | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None
+    resumed_step: int = 0  # steps done before this run (a resumed student): not part of its rate
+    restarts: int = 0  # times a lost worker made this student start again
+    spec: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def status(self) -> dict[str, Any]:
+        eta = None
+        here = self.progress - (self.resumed_step / self.max_steps if self.max_steps else 0.0)
+        if self.state == "running" and self.started and here > 0 and self.progress < 1:
+            eta = (time.time() - self.started) * (1 - self.progress) / here
+        return {"task_id": self.task_id, "kind": self.kind, "state": self.state, "progress": round(self.progress, 4),
+                "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued,
+                "samples_done": self.samples_done, "samples_total": self.samples_total, "eta_s": eta,
+                "step": self.step, "max_steps": self.max_steps, "loss": self.loss,
+                "lr": self.lr, "tokens_per_s": self.tokens_per_s,
+                "error": self.error, "shards": list(self.shards), "done_shards": list(self.done_shards),
+                "output_dir": self.output_dir, "started": self.started, "finished": self.finished}
+
+
+@dataclass
+class StoreState:
+    """One teacher-output store: its plan, prompts, broker and who is working on it."""
+
+    dir: Path
+    plan: StorePlan
+    items: list[PromptItem]
+    teacher: str
+    backend: str
+    settings: GenSettings
+    compress: bool
+    broker: Any
+    teacher_nodes: list[Any]
+    teacher_req_model: str | None
+    cpus_per_teacher: float
+    device: str
+    ollama_host: str | None = None
+    teacher_tokenizer: str | None = None
+    max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
+    teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)
+    dtype: str = "fp32"  # the teacher's weights (a --dtype choice, smolforge.models.dtypes)
+    written: set[int] = field(default_factory=set)
+    regenerating: set[int] = field(default_factory=set)
+    retries: dict[int, int] = field(default_factory=dict)
+    next_rank: int = 0
+    assigned: dict[str, list[int]] = field(default_factory=dict)
+    eval_examples: list[dict[str, Any]] = field(default_factory=list)
+    broker_silent_since: float | None = None  # when its broker first failed to answer a drain
+
+
+class SessionState:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.tasks: dict[str, DistillTask] = {}
+        self.stores: dict[str, StoreState] = {}
+        self.handles: dict[str, Any] = {}  # task id -> generator / (actor, ref)
+        self.counters = {"teacher": itertools.count(), "student": itertools.count(), "aggregate": itertools.count()}
+        self.monitor: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
+        self.closing = False
+        self.node_names: dict[str, str] = {}
+        self.failures = FailurePolicy(MAX_STUDENT_RESTARTS)  # per student: restarts after a lost worker
+
+
+def store_dir_of(output_dir: str | Path) -> Path:
+    p = Path(output_dir)
+    return p if p.name == "teacher_outputs" else p / "teacher_outputs"
+
+
+def is_local_model(name: str) -> bool:
+    return built_from_code(name) or Path(name).expanduser().exists()
+
+
+
+def short_error(err: Exception) -> str:
+    if isinstance(err, SmolforgeError):
+        return err.render()
+    cause = getattr(err, "cause", None)  # RayTaskError wraps the original
+    if isinstance(cause, SmolforgeError):
+        return cause.render()
+    text = str(err).strip().splitlines()
+    tail = [line for line in text if line.strip()][-1:] if text else []
+    return f"{type(err).__name__}: {tail[0] if tail else ''}"[:500]

@@ -1,0 +1,444 @@
+"""Student tasks: stream the shards, checkpoint to the driver, restart on a lost worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ray.exceptions import RayError
+
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
+from smolforge.cluster.workloads.distill.sync import DataParallelSync, make_sync
+from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
+from smolforge.cluster.control.policy import Decision
+from smolforge.cluster.workloads.distill.seed_args import student_args
+from smolforge.cluster.control.specs import TaskConfig
+from smolforge.config import DataSpec
+from smolforge.data.splits import read_spec
+from smolforge.distill.losses import KDConfig
+from smolforge.distill.planner import pick_student_node
+from smolforge.distill.prompts import GenSettings
+from smolforge.distill.store import StorePlan
+from smolforge.distill.teacher import prompts_from_dataset
+from smolforge.errors import SmolforgeError
+from smolforge.parallel.transfer import pack_dir, unpack_dir
+from smolforge.paths import atomic_write_json, safe_join
+from smolforge.train import checkpoint as ckpt
+
+
+class StudentTasks:
+    """The student tasks (a mixin of DistillTasks)."""
+
+    # -- students ------------------------------------------------------------------------------------
+
+    def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path,
+                             num_students: int = 2, peft_type: str = "lora",
+                             peft_config: dict[str, Any] | None = None, *,
+                             lora_config: dict[str, Any] | None = None, task_config: TaskConfig | None = None,
+                             max_retries: int | None = None, output_dir: str | Path | None = None,
+                             split_shards: bool | None = None, kd_loss: str = "forward_kl", kd_ratio: float = 0.5,
+                             temperature: float = 1.0, beta: float = 0.5, max_steps: int | None = None,
+                             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float | None = None,
+                             warmup_steps: int = 0, max_length: int = 256, seed: int = 0,
+                             cpus_per_student: float | None = None, eval_data: str | None = None,
+                             max_eval_samples: int | None = 200, eval_accuracy: bool = True,
+                             max_new_tokens: int = 16, device: str = "auto", save_every: int | None = None,
+                             wait_timeout_s: float = 900.0, resume: bool = False,
+                             replace_timeout_s: float = 300.0, students_sync: str = "average",
+                             students_strategy: str | None = None, on_policy_ratio: float = 0.0,
+                             on_policy_temperature: float = 1.0, on_policy_start: float = 0.0,
+                             teacher_model: str | None = None, dtype: str = "fp32",
+                             teacher_dtype: str = "fp32") -> list[str]:
+        """Students that stream the teacher's shards as they appear; returns their task ids.
+
+        `base_model` may be a list (several student bases learn from one teacher output). With
+        several students per base, the shards are split so no two of them train on the same one
+        (hybrid / data-parallel students); `split_shards=False` gives each the whole set.
+        Outputs: `<output_dir>/output/student_N/<peft>_adapter/` (default output_dir: the run dir
+        holding teacher_outputs/). With `resume`, a student that was paused (see
+        `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
+        without it, such checkpoints are stale and removed.
+
+        The seeds' arguments: `peft_config` takes each method's keys as they write them (LoRA
+        r/alpha/dropout, prefix/prompt num_virtual_tokens, prompt prompt_tuning_init TEXT|RANDOM with
+        prompt_tuning_init_text, adapter reduction_factor, IA3 {}); `lora_config={"r": 8, "alpha": 16}`
+        is `peft_type="lora"` with that peft_config. `task_config` (a TaskConfig) may give
+        resources.cpu_cores, max_retries (restarts after a lost worker, for this orchestrator's
+        students) and checkpointing (false: none; true: every 50 steps unless save_every is set).
+        `students_sync` (see `smolforge.cluster.workloads.distill.sync`): "average" is the above; "ddp" makes
+        the students of each base one data-parallel group (`students_strategy`, DDP by default) that
+        reads every shard in order and writes ONE adapter, to the first member's `student_N/`.
+        `on_policy_ratio` > 0: that fraction of each student's steps (after the first
+        `on_policy_start` of them) trains on its own samples scored by `teacher_model` (default: the
+        store's teacher), which the student's node loads (distill/on_policy.py).
+        """
+        st = self._dstate()
+        args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
+        peft, cpus_per_student, save_every = args.peft, args.cpus, args.save_every
+        if args.max_retries is not None:
+            st.failures.max_retries = args.max_retries
+        store = self._store_for(teacher_outputs_dir)
+        bases = [base_model] if isinstance(base_model, str) else list(base_model)
+        if not bases:
+            raise SmolforgeError("no student base model given", fix="pass --student NAME")
+
+        kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
+        run_dir = Path(output_dir) if output_dir else store.dir.parent
+        if getattr(self, "mode", "") == "hybrid" and split_shards is False:
+            raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
+                                 fix="drop split_shards=False, or use mode teacher_student for an ensemble")
+        split = (num_students > 1) if split_shards is None else split_shards
+        sync = make_sync(students_sync, students_strategy)
+        eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
+        ids = []
+        assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
+        for base in bases:
+            nodes, req_model = self._model_nodes(base, "student")
+            assignment = sync.shards(store.plan.num_shards, num_students, split)
+            of_base: list[str] = []
+            for shards in assignment:
+                with st.lock:
+                    rank = store.next_rank
+                    store.next_rank += 1
+                    n = next(st.counters["student"])
+                store.assigned[str(rank)] = shards
+                assigned.append(store.broker.assign.remote(rank, shards))
+                task_id = f"student-{n}"
+                out = run_dir / "output" / f"student_{n}"
+                config = {"base_model": base, "output_dir": str(out), "peft": peft.model_dump(), "kd": asdict(kd),
+                          "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "grad_accum": grad_accum,
+                          "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
+                          "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
+                          "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
+                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
+                          "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
+                          "on_policy_start": on_policy_start,
+                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None),
+                          "dtype": dtype, "teacher_dtype": teacher_dtype}
+                spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
+                        "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
+                        "resume": self._resume_point(out, resume)}
+                rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
+                task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
+                                   shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
+                                   resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
+                                   samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum,
+                                   max_steps=max_steps or max(1, -(-int(rows * epochs) // (batch_size * grad_accum))))
+                with st.lock:
+                    st.tasks[task_id] = task
+                ids.append(task_id)
+                of_base.append(task_id)
+                self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
+                             task_id=task_id, shards=shards, base=base)
+                if spec["resume"]:
+                    self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
+                                 f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+            for members in sync.groups(of_base):
+                self._form_group(sync.group_spec(members, assignment[0]))
+        # The broker's plan now knows every assignment (students read their row counts from it).
+        import ray
+
+        ray.get(assigned + [store.broker.update_plan.remote({"assigned": dict(store.assigned)})], timeout=60)
+        for task_id in ids:
+            self._place_student(st.tasks[task_id])
+        self._ensure_monitor()
+        return ids
+
+    def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
+        # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval)
+        _train, eval_ex, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=max_eval, max_samples=1),
+                                                    prompts_only=True)
+        return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
+
+    def _store_for(self, teacher_outputs_dir: str | Path) -> StoreState:
+        st = self._dstate()
+        store_dir = store_dir_of(teacher_outputs_dir).resolve()
+        with st.lock:
+            store = st.stores.get(str(store_dir))
+        if store is not None:
+            return store
+        plan = StorePlan.read(store_dir)
+        if plan is None:
+            raise SmolforgeError(f"{store_dir} has no teacher plan (plan.json)",
+                                 fix="create the teacher tasks first (create_parallel_teacher_tasks)")
+        # Teachers ran earlier: serve what is on disk; missing or corrupt shards need the teacher again.
+        broker = new_broker({**asdict(plan), "assigned": {}})
+        settings = GenSettings(**plan.generation) if plan.generation else GenSettings(top_k=plan.k)
+        store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend=plan.backend,
+                           settings=settings, compress=plan.compress, broker=broker, teacher_nodes=[],
+                           teacher_req_model=None, cpus_per_teacher=1.0, device="auto")
+        todo = self._reuse_shards(store)
+        if todo:
+            store.items = prompts_from_dataset(plan.dataset)
+            store.regenerating.update(todo)
+            nodes, store.teacher_req_model = self._model_nodes(plan.teacher, "teacher", plan.backend)
+            store.teacher_nodes = nodes
+            self._launch_teacher(store, todo, nodes[0], note=" (missing shards)")
+        with st.lock:
+            st.stores[str(store_dir)] = store
+        return store
+
+    def _student_nodes(self, task: DistillTask) -> list[Any]:
+        """The live nodes that may run this student now: asked at every placement, so a node that
+        joined after the run started counts, and a dead one does not."""
+        try:
+            nodes, task.spec["req_model"] = self._model_nodes(task.spec["config"]["base_model"], "student")
+        except SmolforgeError:
+            return []
+        gone = set(task.spec.get("lost_nodes") or ())
+        return [n for n in nodes if n.node_id not in gone]
+
+    def _form_group(self, group: dict[str, Any] | None) -> None:
+        """Make the students named in `group` one data-parallel group (see `sync.py`): each member
+        knows its group rank; only the first writes the adapter (its `student_N/`), and every member
+        resumes from the first's checkpoint (all ranks hold the same weights)."""
+        if group is None:
+            return
+        st = self._dstate()
+        members = [st.tasks[t] for t in group["members"]]
+        leader = members[0]
+        for i, task in enumerate(members):
+            task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
+            if not task.spec["config"].get("max_steps"):  # steps from the rows: each step takes world × batch
+                task.max_steps = max(1, -(-task.max_steps // group["world"]))
+            if i:
+                task.output_dir = None  # one adapter for the group: the leader's
+                task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
+        self._devent("student_group", f"{', '.join(group['members'])} train as one {group['strategy']} group of "
+                     f"{group['world']} over shards {group['shards']}; one adapter in {leader.output_dir}",
+                     members=group["members"], strategy=group["strategy"], output_dir=leader.output_dir)
+
+    def _members(self, task: DistillTask) -> list[DistillTask]:
+        """The students that start and stop together with `task`: its group, or itself alone."""
+        group = task.spec.get("group")
+        return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
+
+    def _place_student(self, task: DistillTask, node=None) -> bool:
+        """Start the student on `node` (or the freest eligible node); queue it when all are busy.
+
+        A group's members start together or not at all (each on a node of its own choosing, as a
+        lone student would): a group half started would wait in its first collective. The group
+        meets at rank 0's address (`DataParallelSync.rendezvous`) before any member starts training.
+        A student queued while no live node could run it at all (its only node died) records since
+        when (`no_node_since`); the monitor fails it after `replace_timeout_s` (a run never hangs)."""
+        st = self._dstate()
+        store = st.stores[task.store]
+        members = self._members(task)
+        with st.lock:
+            if any(m.node_id and m.state in ("pending", "running") for m in members):
+                return True  # its group was placed with another member (the queue lists every member)
+            busy = self._busy_cpus()
+            teachers = {t.node_id for t in st.tasks.values()
+                        if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
+            hybrid = getattr(self, "mode", "") == "hybrid"
+            picks = []
+            for m in members:
+                pick = node if node is not None and len(members) == 1 else None
+                if pick is None:
+                    eligible = self._student_nodes(m)
+                    m.spec["no_node_since"] = None if eligible else (m.spec.get("no_node_since") or time.time())
+                    free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
+                    pick = pick_student_node(free, m.cpus, teachers, hybrid=hybrid)
+                if pick is None:
+                    for q in members:
+                        if not q.queued:
+                            q.queued = True
+                            why = ("no live node can run it; waiting for one to join" if not eligible else
+                                   "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
+                            if len(members) > 1:
+                                why = f"its group of {len(members)} cannot all start: " + why
+                            self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
+                    return False
+                busy[pick.node_id] = busy.get(pick.node_id, 0.0) + m.cpus
+                picks.append(pick)
+            actors = []
+            for m, pick in zip(members, picks):
+                m.queued = False
+                m.node, m.node_id = pick.name, pick.node_id
+                m.state = "pending"
+                opts = self._options(pick, m.spec["req_model"], m.cpus)
+                actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
+                st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
+        try:  # outside the lock: rank 0's process may take a while to start
+            meet = DataParallelSync.rendezvous(actors[0]) if len(members) > 1 else {}
+        except RayError as err:
+            why = (f"its student group could not meet: rank 0 ({members[0].task_id} on {members[0].node}) did not "
+                   f"start ({short_error(err)}); free CPUs on the workers, or rerun with --resume")
+            for m, actor in zip(members, actors):
+                self._kill_quietly(actor)
+                m.state, m.finished, m.error = "failed", time.time(), why
+                self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
+            return True  # ended, not queued
+        with st.lock:
+            refs = []
+            for m, actor in zip(members, actors):
+                spec = {k: v for k, v in m.spec.items()
+                        if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
+                spec.update(task_id=m.task_id, node_name=m.node)  # its log lines' label and node
+                if meet:
+                    spec["group"] = {**spec["group"], **meet}
+                refs.append(actor.run.remote(spec, store.broker, m.rank))
+                st.handles[m.task_id] = (actor, refs[-1])
+        for m, actor, ref in zip(members, actors, refs):
+            self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)
+            self._thread(self._await_student, (m, actor, ref), m.task_id)
+        return True
+
+    def _await_student(self, task: DistillTask, actor, ref) -> None:
+        import ray
+
+        try:
+            while True:
+                if self._dstate().closing or not ray.is_initialized():
+                    return
+                ready, _ = ray.wait([ref], timeout=1.0)
+                if ready:
+                    break
+            out = ray.get(ref, timeout=GET_TIMEOUT_S)
+            result = out["result"]
+            if result.get("stopped"):
+                task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
+                if out.get("checkpoint"):
+                    self._keep_student_checkpoint(task, out["checkpoint"])
+            else:
+                if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
+                    self._write_student_output(task, result, out["adapter"])
+                task.state, task.progress = "completed", 1.0
+            task.result = result
+            task.finished = time.time()
+            self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
+                         + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
+                         task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
+                         mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+        except Exception as err:
+            lost = self._worker_lost(err)
+            grouped = len(self._members(task)) > 1
+            error = short_error(err)
+            with self._dstate().lock:  # two ranks of a group may end at once: the first one's reason wins
+                if task.state == "failed":
+                    return  # its group failed already, saying why (`_fail_group`); `finally` kills its actor
+                if grouped:
+                    error = self._fail_group(task, f"lost its worker on {task.node}" if lost else "failed", error)
+            decision = self._dstate().failures.on_failure(
+                f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
+                else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id,
+                retryable=lost and not grouped)
+            if decision.retry and not self._dstate().closing:
+                try:
+                    self._restart_student(task, decision)
+                    return  # (`finally` still kills the lost actor's handle)
+                except Exception as again:  # the restart itself failed: the student ends, saying why
+                    error = f"{error}; restarting it failed: {short_error(again)}"
+            task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
+            self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
+                         node=task.node, error=task.error)
+        finally:
+            self._kill_quietly(actor)
+        self._after_finish(task)
+
+    def _fail_group(self, task: DistillTask, what: str, error: str) -> str:
+        """One rank of a data-parallel group is gone or failed: the others would wait in their next
+        collective until it timed out, so they are stopped now and fail with the same reason. The
+        group's checkpoints (rank 0's, kept in its student_N/checkpoints/) stay: a rerun with
+        --resume continues the whole group from the newest."""
+        rank = task.spec["group"]["rank"]
+        why = (f"rank {rank} of its {task.spec['group']['strategy']} student group ({task.task_id}) {what}: {error}; "
+               "a data-parallel group cannot go on without a rank (rerun with --resume to continue from the "
+               "group's last checkpoint)")
+        st = self._dstate()
+        task.state = "failed"  # (its own event follows from the caller)
+        for m in self._members(task):
+            if m is task or m.state not in ("pending", "running"):
+                continue
+            m.queued, m.state, m.finished, m.error = False, "failed", time.time(), why
+            self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
+            handle = st.handles.get(m.task_id)
+            if handle is not None:
+                self._kill_quietly(handle[0])
+        return why
+
+    @staticmethod
+    def _kill_quietly(actor) -> None:
+        import ray
+
+        try:
+            if ray.is_initialized():
+                ray.kill(actor)
+        except (RayError, ValueError):
+            pass  # already gone
+
+    @staticmethod
+    def _worker_lost(err: BaseException) -> bool:
+        """The student's process or node went away (not an error of its own, which would only repeat)."""
+        import ray.exceptions as rex
+
+        return isinstance(err, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
+                                rex.ObjectLostError, rex.OwnerDiedError))
+
+    def _restart_student(self, task: DistillTask, decision: Decision) -> None:
+        """Start a student whose worker was lost again, from its last kept checkpoint (or the start),
+        on whichever eligible node is free; it is queued when none is."""
+        import ray
+
+        st = self._dstate()
+        task.restarts = decision.attempt
+        task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
+        task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
+        task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
+        task.step = task.resumed_step
+        lost_on = task.node
+        if task.node_id and not ray_glue.probe_node(task.node_id, timeout=4):
+            # The node itself is gone (Ray takes ~15 s to say so): never place the student there again.
+            task.spec["lost_nodes"] = [*(task.spec.get("lost_nodes") or []), task.node_id]
+        task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
+        ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
+        self._devent("student_restarted", f"{decision.reason} (from "
+                     + (f"step {task.resumed_step})" if task.spec["resume"] else "the start)"),
+                     task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
+        self._place_student(task)
+
+    def _keep_student_checkpoint(self, task: DistillTask, shipped: dict[str, Any], why: str = "paused") -> None:
+        """Store a student's shipped checkpoint in `<output_dir>/checkpoints/` (verified, atomic), so a
+        resumed run, or a restart after its worker died, picks the student up at that step."""
+        root = ckpt.checkpoints_dir(task.output_dir)
+        with self._dstate().lock:  # the monitor (periodic ones) and a student's result (a pause) both come here
+            kept = ckpt.list_checkpoints(task.output_dir)
+            dest = safe_join(root, shipped["name"])  # the name comes from a worker
+            if kept and ckpt.step_of(kept[-1]) > ckpt.step_of(dest):
+                return  # an older one drained late: keep the newer
+            unpack_dir(shipped["payload"], dest)
+            for old in kept:
+                if old != dest:
+                    shutil.rmtree(old, ignore_errors=True)
+        step = int(json.loads((dest / "state.json").read_text())["step"])
+        self._devent("student_checkpoint", f"{task.task_id} {why} a checkpoint at step {step}; kept in {dest}",
+                     task_id=task.task_id, step=step, checkpoint=str(dest), why=why)
+
+    def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
+        """A student's checkpoint to resume from, packed for the worker. Without `resume`, a run dir
+        holding one is refused: its steps are never deleted, and never silently continued."""
+        latest = ckpt.latest_checkpoint(out)
+        if not resume:
+            if latest is not None:
+                raise SmolforgeError(f"{out} already holds a student checkpoint ({latest.name}) of an earlier run",
+                                     fix="resume that run (smolforge distill --resume), or choose a new "
+                                         "--output-dir (nothing was deleted)")
+            return None
+        if latest is None:
+            return None
+        # Same run dir, same spec (a resumed job): student_N is the same student. Its state.json names
+        # the model by the node-local path it ran from, so it is not compared with `base` here.
+        state = json.loads((latest / "state.json").read_text())
+        return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
+
+    def _write_student_output(self, task: DistillTask, result: dict[str, Any], adapter: dict[str, Any]) -> None:
+        out = Path(task.output_dir)
+        method = task.spec["config"]["peft"]["method"]
+        final = unpack_dir(adapter, out / f"{method}_adapter")  # checksummed, no path escapes, atomic swap
+        result = {**result, "adapter_dir": str(final), "output_dir": str(out), "node": task.node}
+        atomic_write_json(out / "summary.json", result)

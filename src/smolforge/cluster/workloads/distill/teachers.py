@@ -1,0 +1,332 @@
+"""Teacher tasks: shard the prompts over the nodes holding the teacher, collect shards as they finish,
+retry a failed teacher's shards elsewhere."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
+from smolforge.cluster.workloads.distill.state import (
+    GET_TIMEOUT_S,
+    DistillTask,
+    SessionState,
+    StoreState,
+    is_local_model,
+    short_error,
+    store_dir_of,
+)
+from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
+from smolforge.cluster.nodes.ray_glue import Requirements
+from smolforge.cluster.control.specs import TaskConfig
+from smolforge.distill.planner import TEACHER_BACKENDS, model_backend, model_nodes, plan_shards, teacher_assignment
+from smolforge.distill.prompts import GenSettings
+from smolforge.distill.store import (
+    CorruptShardError,
+    StorePlan,
+    decode_shard,
+    quarantine_shard,
+    read_shard_bytes,
+    ready_shards,
+    write_shard_bytes,
+)
+from smolforge.distill.teacher import prompts_from_dataset
+from smolforge.errors import SmolforgeError
+from smolforge.models.names import built_from_code
+
+
+class TeacherTasks:
+    """Plumbing shared by every distill task, and the teacher tasks (a mixin of DistillTasks)."""
+
+    # -- plumbing ------------------------------------------------------------------------------------
+
+    def _dstate(self) -> SessionState:
+        st = getattr(self, "_distill_state", None)
+        if st is None:
+            st = SessionState()
+            self._distill_state = st
+        return st
+
+    def _devent(self, kind: str, message: str, **data: Any) -> None:
+        log = getattr(self, "log_event", None)
+        if log is not None:
+            log(kind, message, **data)
+
+    def _dlines(self, lines: list[dict[str, Any]]) -> None:
+        """Task output lines for whoever keeps them (the job runner: `DistillSession.log_lines`)."""
+        keep = getattr(self, "log_lines", None)
+        if keep is not None and lines:
+            keep(lines)
+
+    def _nodes(self) -> list[Any]:
+        nodes = self.cluster.nodes()
+        self._dstate().node_names.update({n.node_id: n.name for n in nodes})
+        return nodes
+
+    def _busy_cpus(self) -> dict[str, float]:
+        busy: dict[str, float] = {}
+        for t in self._dstate().tasks.values():
+            if t.kind in ("teacher", "student") and t.node_id and not t.queued and t.state in ("pending", "running"):
+                busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
+        return busy
+
+    def _model_nodes(self, model: str, role: str, backend: str = "hf",
+                     on_coordinator: bool = False) -> tuple[list[Any], str | None]:
+        """(nodes that may run a task needing `model`, GPU first; the model resource to request or None).
+
+        `backend` is how the task loads it: students and `hf`/`reference` teachers need the weights
+        (a node's `models`), an `ollama` teacher the Ollama tag (its `ollama_models`).
+        `on_coordinator`: the coordinator (head) node only, which the user lent to the teachers
+        (`--teacher-on-coordinator`); otherwise the worker nodes only. Presets are built offline from
+        config on any node; a local directory counts as held by every node of an embedded
+        (one-machine) cluster. See `planner.model_nodes`.
+        """
+        loader = model_backend(backend)
+        embedded = bool(getattr(self.cluster, "embedded", False))
+        any_ok = loader == "hf" and (built_from_code(model) or (embedded and is_local_model(model)))
+        return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader,
+                           on_coordinator=on_coordinator)
+
+    def _options(self, node, model: str | None, cpus: float, backend: str = "hf",
+                 on_coordinator: bool = False) -> dict[str, Any]:
+        req = Requirements(model=model, cpus=cpus, gpu="preferred" if node.gpus >= 1 else "no",
+                           allowed_nodes=[node.name], model_backend=model_backend(backend),
+                           on_coordinator=on_coordinator)
+        opts = req.ray_options(self._nodes())
+        if "label_selector" not in opts and "scheduling_strategy" not in opts:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        return opts
+
+    def _thread(self, target, args: tuple, name: str) -> threading.Thread:
+        """Start a driver thread and remember it: shutdown joins them all before Ray goes away
+        (a thread still inside a Ray call when Ray shuts down can crash the process)."""
+        st = self._dstate()
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with st.lock:
+            st.threads = [x for x in st.threads if x.is_alive()] + [t]
+        t.start()
+        return t
+
+    def _ensure_monitor(self) -> None:
+        st = self._dstate()
+        with st.lock:
+            if st.monitor is None or not st.monitor.is_alive():
+                st.monitor = self._thread(self._monitor_loop, (), "distill-monitor")
+
+    # -- teachers ------------------------------------------------------------------------------------
+
+    def create_teacher_task(self, model_path: str, dataset_path: str, output_dir: str | Path, batch_size: int = 8,
+                            max_samples: int | None = None, **kwargs: Any) -> str:
+        """One teacher over the whole dataset (the seeds' name); returns its task id."""
+        return self.create_parallel_teacher_tasks(model_path, dataset_path, output_dir, 1, batch_size=batch_size,
+                                                  max_samples=max_samples, **kwargs)[0]
+
+    def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str, output_dir: str | Path,
+                                      num_teachers: int | None = None, batch_size: int = 8,
+                                      compress_outputs: bool = True, max_samples: int | None = None, *,
+                                      top_k: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                                      max_new_tokens: int = 32, samples_per_prompt: int = 1,
+                                      num_shards: int | None = None, shard_size: int | None = None,
+                                      backend: str = "hf", cpus_per_teacher: float | None = None,
+                                      device: str = "auto", dtype: str = "fp32", ollama_host: str | None = None,
+                                      tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
+                                      responses: str = "generate", max_retries: int | None = None,
+                                      task_config: TaskConfig | None = None,
+                                      teacher_on_coordinator: bool = False) -> list[str]:
+        """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
+
+        The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
+        Teachers run only on nodes that can load `model_path` with `backend` (an `hf` or `reference`
+        teacher needs the weights, an `ollama` one the Ollama tag), GPU nodes first; if none can, this
+        raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish (an output_dir
+        named teacher_outputs is used as is). A failed teacher's shards go to another eligible node,
+        `max_retries` times per shard (default 2). `task_config` (the seeds' TaskConfig) may give
+        resources.cpu_cores and max_retries (see cluster/workloads/distill/seed_args.py).
+        `teacher_on_coordinator`: the teachers run on the coordinator (head) node instead, which
+        otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
+        """
+        opts = task_options(task_config, "teacher")
+        cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
+        max_retries = resolve("max_retries", max_retries, opts.get("max_retries"), 2)
+        st = self._dstate()
+        store_dir = store_dir_of(output_dir)
+        store_dir.mkdir(parents=True, exist_ok=True)
+        store_dir = store_dir.resolve()
+        if backend not in TEACHER_BACKENDS:
+            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
+        eligible, req_model = self._model_nodes(model_path, "teacher", backend,
+                                                teacher_on_coordinator)  # fails fast, before reading data
+        settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
+                               responses=responses)
+        settings.check()
+        items = prompts_from_dataset(dataset_path, max_samples, data_format)
+        n_teachers = len(eligible) if num_teachers is None else int(num_teachers)
+        if n_teachers < 1:
+            raise SmolforgeError("num_teachers must be ≥ 1", fix="pass --num-teachers 1 or more (or leave it unset)")
+        plan = plan_shards(len(items), num_shards=num_shards, shard_size=shard_size, min_shards=2 * n_teachers,
+                           teacher=model_path, dataset=str(dataset_path), k=top_k, samples_per_prompt=samples_per_prompt)
+        plan.generation, plan.compress, plan.backend = asdict(settings), compress_outputs, backend
+        old = StorePlan.read(store_dir)
+        if old is not None:
+            same = (old.teacher, old.dataset, old.num_examples, old.shards) == (plan.teacher, plan.dataset,
+                                                                                  plan.num_examples, plan.shards)
+            if not same and ready_shards(store_dir):
+                raise SmolforgeError(f"{store_dir} holds shards of a different teacher run",
+                                     fix="use a new --output-dir, or delete that teacher_outputs/ directory")
+        plan.write(store_dir)
+        broker = new_broker(
+            {**asdict(plan), "assigned": {}})
+        store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
+                           settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
+                           teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
+                           ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
+                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype)
+        with st.lock:
+            st.stores[str(store_dir.resolve())] = store
+        todo = self._reuse_shards(store)
+        assignment = teacher_assignment(len(todo), n_teachers) if todo else []
+        ids = []
+        for t, positions in enumerate(assignment):
+            node = eligible[t % len(eligible)]
+            ids.append(self._launch_teacher(store, [todo[p] for p in positions], node))
+        self._devent("teachers_planned", f"{plan.num_shards} shards of {len(items)} prompts over {len(ids)} teachers "
+                     f"({len(todo)} to generate, {plan.num_shards - len(todo)} reused)", store=str(store_dir),
+                     shards=plan.num_shards, teachers=ids, reused=plan.num_shards - len(todo))
+        self._ensure_monitor()
+        return ids
+
+    def _reuse_shards(self, store: StoreState) -> list[int]:
+        """Register valid shards already on disk; quarantine corrupt ones. Returns the shards to generate."""
+        import ray
+
+        todo = []
+        for sid in range(store.plan.num_shards):
+            try:
+                got = read_shard_bytes(store.dir, sid)
+                if got is None:
+                    todo.append(sid)
+                    continue
+                decode_shard(*got)
+            except CorruptShardError as err:
+                quarantine_shard(store.dir, sid)
+                self._devent("shard_corrupt", f"shard {sid} on disk failed its checksum; regenerating it",
+                             store=str(store.dir), shard=sid, error=err.what, source="disk")
+                store.regenerating.add(sid)
+                todo.append(sid)
+                continue
+            manifest, data = got
+            store.broker.add.remote(sid, json.dumps(manifest), [ray.put((json.dumps(manifest), data))])
+            store.written.add(sid)
+            self._absorb_manifest(store, manifest)
+        return todo
+
+    def _absorb_manifest(self, store: StoreState, manifest: dict[str, Any]) -> None:
+        if not store.plan.tokenizer_hash:
+            store.plan.tokenizer_hash = manifest.get("tokenizer_hash", "")
+            store.plan.vocab_size = int(manifest.get("vocab_size", 0))
+            store.plan.k = int(manifest.get("k", store.plan.k))
+            store.plan.write(store.dir)
+
+    def _launch_teacher(self, store: StoreState, shard_ids: list[int], node, note: str = "") -> str:
+        st = self._dstate()
+        task_id = f"teacher-{next(st.counters['teacher'])}"
+        items = {}
+        shards = {}
+        for sid in shard_ids:
+            a, b = store.plan.shards[sid]
+            shards[sid] = [a, b]
+            for i in range(a, b):
+                it = store.items[i]
+                items[i] = {"prompt_messages": it.prompt_messages, "answer": it.answer}
+        spec = {"task_id": task_id, "model": store.teacher, "backend": store.backend, "items": items, "shards": shards,
+                "settings": asdict(store.settings), "compress": store.compress, "device": store.device, "dtype": store.dtype,
+                "num_threads": max(1, int(store.cpus_per_teacher)), "node_name": node.name,
+                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer}
+        task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
+                           cpus=store.cpus_per_teacher, shards=list(shard_ids),
+                           samples_total=sum(b - a for a, b in shards.values()))
+        opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.backend,
+                             store.teacher_on_coordinator)
+        gen = remotes()["teacher"].options(**opts).remote(spec)
+        with st.lock:
+            st.tasks[task_id] = task
+            st.handles[task_id] = gen
+        self._devent("teacher_submitted", f"{task_id} on {node.name}: shards {shard_ids}{note}", task_id=task_id,
+                     node=node.name, shards=list(shard_ids))
+        self._thread(self._consume_teacher, (store, task, gen), task_id)
+        return task_id
+
+    def _consume_teacher(self, store: StoreState, task: DistillTask, gen) -> None:
+        import ray
+
+        try:
+            while True:
+                if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
+                    return  # (a Ray call after shutdown would start a fresh local Ray)
+                ready, _ = ray.wait([gen], timeout=1.0)
+                if not ready:
+                    continue
+                try:
+                    ref = next(gen)
+                except StopIteration:
+                    break
+                manifest_json, data = ray.get(ref, timeout=GET_TIMEOUT_S)
+                manifest = json.loads(manifest_json)
+                if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
+                    self._dlines(manifest.pop("log"))
+                    manifest_json = json.dumps(manifest)
+                sid = int(manifest["shard"])
+                if task.state == "pending":
+                    task.state, task.started = "running", task.started or time.time()
+                write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
+                # The driver's own copy: the teacher's object lives on the teacher's node, and a
+                # student restarted after that node died must still find the shard.
+                store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
+                self._absorb_manifest(store, manifest)
+                with self._dstate().lock:
+                    store.written.add(sid)
+                    task.done_shards.append(sid)
+                    task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
+                    task.progress = len(task.done_shards) / max(1, len(task.shards))
+                regen = sid in store.regenerating
+                store.regenerating.discard(sid)
+                self._devent("shard_regenerated" if regen else "shard_written",
+                             f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
+                             f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
+                             task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
+                             sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
+            task.state, task.finished, task.progress = "completed", time.time(), 1.0
+            self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
+                         node=task.node)
+            self._after_finish(task)
+        except Exception as err:  # a dead node, a failing model load: the task fails, students are told
+            task.state, task.finished = "failed", time.time()
+            task.error = short_error(err)
+            self._devent("teacher_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
+                         node=task.node, error=task.error)
+            remaining = [s for s in task.shards if s not in task.done_shards]
+            if remaining and not self._dstate().closing:
+                self._retry_shards(store, remaining, exclude=task.node_id, why=task.error)
+
+    def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
+        """Give shards whose teacher failed to another eligible node (once), or fail the store."""
+        again = [s for s in shard_ids if store.retries.get(s, 0) < store.max_retries]
+        for s in again:
+            store.retries[s] = store.retries.get(s, 0) + 1
+        if not again:
+            store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
+            return
+        try:
+            nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
+        except SmolforgeError as err:
+            store.broker.fail.remote(str(err))
+            return
+        others = [n for n in nodes if n.node_id != exclude] or nodes
+        self._launch_teacher(store, again, others[0], note=" (retry)")

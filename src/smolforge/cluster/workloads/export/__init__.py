@@ -1,0 +1,1 @@
+"""An `export` job: one task on a node that holds the model (`runner.py`)."""

@@ -1,0 +1,365 @@
+"""Serving a model cut into stages on the cluster: one Ray actor per stage, on nodes that hold the model.
+
+Each `StageActor` wraps a `pipeline.serve.stages.StageServer`: it loads the node's own copy of the
+model (`SMOLFORGE_MODEL_PATHS`, as training ranks do), merges the adapter (its files travel through
+Ray, no shared filesystem), keeps one stage and uses as many torch threads as it reserved CPUs.
+Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
+
+`StageGroup` plans where the stages go (`plan()`: every candidate node probed where a stage would
+run, then `models.placement.plan_serving`), places the actors (node affinity, hard: a stage never
+lands on a node without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
+`ray.get` bounded by a timeout. When an actor dies (its process or node went away) or does not
+answer in time, the call raises a `StageError`: the engine turns that into an error event for the
+requests of that batch only. The handle is then marked broken, and before the next batch
+(`StagedModel.new_cache` calls `ready()`) it is placed again on a live node that holds the model.
+Ray does not restart the actors itself (`max_restarts=0`): a stage's KV caches die with it, so a
+silent restart would only turn the failure into wrong tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.control.placement import holds_anywhere
+from smolforge.errors import SmolforgeError
+from smolforge.serve.stages import StagedModel, StageError
+from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
+
+if TYPE_CHECKING:
+    from smolforge.models.placement import Plan
+
+log = logging.getLogger(__name__)
+
+
+def read_dir(path: str | Path) -> dict[str, bytes]:
+    """A small directory (adapter, tokenizer) as {relative name: bytes}, to send through Ray."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SmolforgeError(f"directory {root} does not exist",
+                             fix="point --adapter at a <method>_adapter/ directory written by `smolforge train`")
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_dir(files: dict[str, bytes], root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        dst = (root / name).resolve()
+        if root.resolve() not in dst.parents:
+            raise SmolforgeError(f"refusing to write {name!r} outside {root}")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+    return root
+
+
+class StageActor:
+    """Ray actor class: one stage of a model and its batches' KV caches (`StageServer`), method by method."""
+
+    def __init__(self, model: str, bounds: list[int], index: int, adapter_files: dict[str, bytes] | None,
+                 num_cpus: float, device: str = "cpu", dtype: str = "fp32"):
+        import torch
+
+        from smolforge.cluster.workloads.data_parallel.rank import local_model_path
+        from smolforge.serve.stages import StageServer
+
+        # what this process prints, task `stage<i>`: the API actor collects it with its status
+        self.lines = LineBuffer(f"stage{index}", this_node())
+        start_capture(self.lines)  # for the actor's life: its process is its own
+        torch.set_num_threads(max(1, int(num_cpus)))
+        self.model = local_model_path(model)
+        # The adapter's files are needed only while loading: the actor is killed, never closed, so
+        # nothing it keeps on disk would be removed.
+        with tempfile.TemporaryDirectory(prefix="sf-stage-") as tmp:
+            adapter = str(write_dir(adapter_files, Path(tmp) / "adapter")) if adapter_files else None
+            self.server = StageServer.load(self.model, bounds, index, adapter=adapter, device=device, dtype=dtype)
+        self.server.name = model
+        log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
+                 self.lines.node)
+
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
+        return self.server.forward(batch_id, x, attention_mask, position_ids, start)
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
+        return self.server.select(batch_id, rows, trim)
+
+    def drop(self, batch_id: str) -> None:
+        self.server.drop(batch_id)
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def take_lines(self) -> list[dict[str, Any]]:
+        return self.lines.drain()
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The model's tokenizer as files: the server loads it without holding the model itself."""
+        from transformers import AutoConfig
+
+        from smolforge.models.loading import load_tokenizer, resolve_model
+
+        with tempfile.TemporaryDirectory(prefix="sf-tok-") as tmp:
+            load_tokenizer(self.model).save_pretrained(tmp)
+            AutoConfig.from_pretrained(resolve_model(self.model)).save_pretrained(tmp)  # the loader wants one
+            return read_dir(tmp)
+
+
+def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool) -> dict[str, Any]:
+    """Run as a Ray task on a node: what placement needs of it (matmul FLOP/s with the threads a stage
+    would have, free memory: `placement.measure_node`) and, from one node, the model's sizes and costs
+    (`placement.model_info`, from its config on the meta device: nothing loaded). Plain dicts go back."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from smolforge.models.loading import resolve_model
+    from smolforge.models.placement import measure_node, model_info
+    from smolforge.cluster.workloads.data_parallel.rank import local_model_path
+
+    torch.set_num_threads(max(1, int(cpus)))
+    node = measure_node(name, torch.device(device) if device == "cuda" else None)
+    info = None
+    if with_model:
+        info = dataclasses.asdict(model_info(AutoConfig.from_pretrained(resolve_model(local_model_path(model)))))
+    return {"node": dataclasses.asdict(node), "model": info}
+
+
+def _dead(err: BaseException) -> bool:
+    import ray.exceptions as rex
+
+    return isinstance(err, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
+                            rex.WorkerCrashedError, rex.GetTimeoutError, rex.ActorUnschedulableError))
+
+
+class RemoteStage:
+    """A stage handle for `StagedModel`: every call a bounded `ray.get` on the stage's actor."""
+
+    def __init__(self, group: "StageGroup", index: int):
+        self.group, self.index = group, index
+        self.actor: Any = None
+        self.where: dict[str, Any] = {}
+        self.broken = True  # not placed yet
+        self.replacements = 0
+
+    def ready(self) -> None:
+        """Before a batch: a stage whose actor died is placed again (on a live node with the model)."""
+        if self.broken:
+            self.group.place(self)
+
+    def _call(self, method: str, *args, timeout: float):
+        import ray
+
+        if self.broken or self.actor is None:
+            raise StageError(f"stage {self.index} is not running", fix="it is placed again before the next batch")
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except Exception as err:
+            if not _dead(err):
+                raise  # an error inside the stage (e.g. an unknown batch): the actor is fine
+            self.broken = True
+            self.group.kill(self)
+            what = "did not answer within %.0f s" % timeout if "Timeout" in type(err).__name__ else "died"
+            raise StageError(f"stage {self.index} on {self.where.get('node', '?')} {what} ({type(err).__name__})",
+                             fix="the stage is placed again on a live node before the next batch") from None
+
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
+        return self._call("forward", batch_id, x, attention_mask, position_ids, start,
+                          timeout=self.group.step_timeout_s)
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
+        return self._call("select", batch_id, rows, trim, timeout=self.group.step_timeout_s)
+
+    def drop(self, batch_id: str) -> None:
+        if not self.broken:
+            self._call("drop", batch_id, timeout=min(10.0, self.group.step_timeout_s))
+
+    def info(self) -> dict[str, Any]:
+        return self._call("info", timeout=self.group.step_timeout_s)
+
+
+class StageGroup:
+    """The stage actors of one served model: placed, re-placed when one dies, killed together."""
+
+    def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
+                 cpus_per_stage: float = 1.0, device: str = "cpu", dtype: str = "fp32", step_timeout_s: float = 120.0,
+                 load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None):
+        self.model, self.name = model, name or model
+        self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
+        self.adapter_files = read_dir(adapter) if adapter else None
+        self.bounds = list(bounds) if bounds else None
+        self.cpus, self.device, self.dtype = float(cpus_per_stage), device, dtype
+        self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
+        self.embedded = embedded
+        self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
+        self.targets: list[str] = []  # the node id the plan chose for each stage
+        self._lock = threading.Lock()
+        self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
+        self._line_calls: dict[int, Any] = {}  # stage index -> its pending `take_lines` call
+
+    # -- placement --------------------------------------------------------------------------------
+
+    def candidates(self) -> list[ray_glue.NodeInfo]:
+        """Live nodes that hold the model, workers before the coordinator's own machine."""
+        anywhere = holds_anywhere(self.model, self.embedded)
+        nodes = [n for n in ray_glue.nodes() if n.alive and (anywhere and n.cpus > 0 or self.model in n.models)]
+        if not nodes:
+            ray_glue.check_placeable(ray_glue.Requirements(model=self.model))  # raises, listing every node
+            raise SmolforgeError(f"no live node holds {self.model}", fix="join a worker that holds the model")
+        return sorted(nodes, key=lambda n: (n.role in ("coordinator", "embedded"), n.name))
+
+    def _with_room(self, nodes: list[ray_glue.NodeInfo]) -> list[ray_glue.NodeInfo]:
+        """The nodes with a stage's CPUs free now; all of them if none has (the actor then waits for one)."""
+        return [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
+
+    def _pick(self, handle: RemoteStage) -> ray_glue.NodeInfo:
+        nodes = self.candidates()
+        used: dict[str, int] = {}
+        for h in self.handles:
+            if h is not handle and not h.broken and h.where.get("node_id"):
+                used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
+        free = self._with_room(nodes)
+        return min(free, key=lambda n: (used.get(n.node_id, 0), nodes.index(n)))
+
+    def plan(self) -> Plan:
+        """Layer ranges and a node per stage (`placement.plan_serving`) from every candidate node's
+        measured throughput and free memory, probed where a stage would run; the plan and its reason
+        become a job event."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from smolforge.models.placement import ModelInfo, NodeInfo, plan_serving
+
+        nodes = self.candidates()
+        free = self._with_room(nodes)
+        names = {n.node_id: (n.name if [m.name for m in free].count(n.name) == 1 else f"{n.name}-{n.node_id[:6]}")
+                 for n in free}
+        refs = [ray.remote(probe_node).options(
+            num_cpus=0, max_retries=0, resources=self._model_resources(),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == 0) for i, n in enumerate(free)]
+        probes = ray.get(refs, timeout=self.load_timeout_s)
+        info = ModelInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in probes[0]["model"].items()})
+        measured = [NodeInfo(**p["node"]) for p in probes]
+        by_name = {names[n.node_id]: n for n in free}
+        plan, hosts = plan_serving(info, measured, self.count)
+        self.bounds = list(plan.bounds)
+        self.targets = [by_name[name].node_id for name in hosts]
+        self.handles = [RemoteStage(self, i) for i in range(plan.num_stages)]
+        self.events.append({"kind": "plan", "message": plan.describe(),
+                            "data": {"bounds": plan.bounds, "nodes": [by_name[n].name for n in hosts],
+                                     "per_token_s": plan.per_token_s, "kept_on_one_node": plan.kept_on_one_node,
+                                     "stages_asked": self.count or "auto"}})
+        log.info("%s", plan.describe())
+        return plan
+
+    def _model_resources(self) -> dict[str, float] | None:
+        if holds_anywhere(self.model, self.embedded):
+            return None
+        return {ray_glue.model_resource(self.model): ray_glue.MODEL_REQUEST}
+
+    def place(self, handle: RemoteStage) -> None:
+        """A new actor for this stage on a live node that holds the model, answering before it returns."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            self.kill(handle)
+            planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
+            node = next((n for n in self.candidates() if n.node_id == planned), None) or self._pick(handle)
+            actor = ray.remote(StageActor).options(
+                num_cpus=self.cpus, resources=self._model_resources(), max_restarts=0, max_task_retries=0,
+                max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
+            try:
+                info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
+            except Exception as err:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+                raise StageError(f"stage {handle.index} could not start on {node.name}: {type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''}",
+                                 fix="check that node's log; free CPUs on it, or join another node that holds "
+                                     f"{self.model}") from None
+            again = bool(handle.where)
+            handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
+            if again:
+                handle.replacements += 1
+            message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
+                       f"{'re-placed' if again else 'placed'} on {node.name}")
+            self.events.append({"kind": "stage", "message": message, "data": {"stage": handle.index, "node": node.name,
+                                                             "pid": info.get("pid"), "layers": info["layers"],
+                                                             "replaced": again}})
+            log.info(message)
+
+    def kill(self, handle: RemoteStage) -> None:
+        import ray
+
+        if handle.actor is not None:
+            try:
+                ray.kill(handle.actor, no_restart=True)
+            except Exception:
+                pass  # already gone
+            handle.actor = None
+
+    # -- the model --------------------------------------------------------------------------------
+
+    def start(self) -> StagedModel:
+        """Place every stage and return the batch model over them (the tokenizer loaded here)."""
+        import ray
+
+        from smolforge.models.loading import load_tokenizer
+
+        try:
+            if self.bounds is None:
+                self.plan()
+            elif not self.handles:
+                self.handles = [RemoteStage(self, i) for i in range(len(self.bounds) - 1)]
+            for h in self.handles:
+                self.place(h)
+            files = ray.get(self.handles[0].actor.tokenizer_files.remote(), timeout=self.load_timeout_s)
+            last = self.handles[-1].where
+        except BaseException:
+            self.close()
+            raise
+        with tempfile.TemporaryDirectory(prefix="sf-tok-") as tmp:
+            tokenizer = load_tokenizer(str(write_dir(files, Path(tmp))))
+        return StagedModel(self.handles, tokenizer, name=self.name, eos_ids=frozenset(last["eos_ids"]),
+                           max_positions=int(last["max_positions"]))
+
+    def take_lines(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """What the stages printed since the last take. A stage busy past `timeout` answers at a later
+        take (its call stays pending, so no lines are lost); a dead one's stay in its node's Ray log."""
+        import ray
+
+        for h in self.handles:
+            if h.actor is not None and not h.broken and h.index not in self._line_calls:
+                self._line_calls[h.index] = h.actor.take_lines.remote()
+        refs = list(self._line_calls.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        out: list[dict[str, Any]] = []
+        for index, ref in list(self._line_calls.items()):
+            if ref not in ready:
+                continue
+            del self._line_calls[index]
+            try:
+                out.extend(ray.get(ref, timeout=timeout))
+            except Exception:  # noqa: BLE001  a stage that died: its re-placement is reported elsewhere
+                pass
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"stage": h.index, "node": h.where.get("node"), "layers": h.where.get("layers"),
+                 "pid": h.where.get("pid"), "running": not h.broken, "replacements": h.replacements}
+                for h in self.handles]
+
+    def close(self) -> None:
+        for h in self.handles:
+            self.kill(h)
+            h.broken = True

@@ -1,0 +1,162 @@
+"""A distillation run's settings (`DistillSettings`) and their checks: what `smolforge distill`,
+`launch --mode teacher_student|hybrid` and a `kind: distill` job file's `distill:` section all mean.
+
+One pydantic model, validated once where the settings enter (the CLI, a submitted job); the job
+runner and the actors receive it as it is. The run itself (teachers → streaming students →
+aggregation, on the cluster) is `smolforge.cluster.workloads.distill.run.run_distill`; it writes the seed layout:
+    <output_dir>/teacher_outputs/batch_N.{safetensors,json}, plan.json
+    <output_dir>/output/student_N/<peft>_adapter/ (+ summary.json)
+    <output_dir>/merged_model/final_adapter/      (several bases: merged_model/<base>/final_adapter/)
+    (with --students-sync ddp the students of a base write one adapter, to the first's student_N/)
+    <output_dir>/distill_summary.json
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from smolforge.config import DEFAULT_LR, ModelDtype, PeftSpec, Spec, default_lr, validate
+from smolforge.distill.prompts import GenSettings
+from smolforge.errors import SmolforgeError
+
+
+class DistillSettings(Spec):
+    """Everything a distillation run can set; defaults suit a small model on a CPU."""
+
+    teacher: str
+    students: list[str]
+    data: str
+    num_teachers: int | None = Field(None, ge=1)
+    num_students: int = Field(2, ge=1)
+    peft: str = "lora"
+    peft_config: dict[str, Any] = Field(default_factory=dict)
+    kd_loss: str = "forward_kl"
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    beta: float = 0.5
+    # On-policy distillation (GKD): this fraction of student steps trains on the student's own samples,
+    # scored by the teacher loaded in the student's process (same tokenizer). See distill/on_policy.py.
+    on_policy_ratio: float = Field(0.0, ge=0, le=1)
+    on_policy_temperature: float = Field(1.0, gt=0)
+    on_policy_start: float = Field(0.0, ge=0, lt=1)  # fraction of the steps before the first on-policy one
+    top_k: int = Field(32, ge=0)
+    compress_outputs: bool = True
+    teacher_backend: str = "hf"
+    ollama_host: str | None = None
+    gen_temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = Field(32, ge=1)
+    samples_per_prompt: int = Field(1, ge=1)
+    teacher_responses: str = "generate"  # or "reference": score the dataset's answers (word-level KD)
+    teacher_batch_size: int = Field(16, ge=1)
+    num_shards: int | None = Field(None, ge=1)
+    max_samples: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float | None = Field(None, gt=0, description="default: per PEFT method (config.DEFAULT_LR)")
+    warmup_steps: int = Field(0, ge=0)
+    save_every: int = 50  # student checkpoints, kept by the driver: a lost worker's student restarts there
+    replace_timeout_s: float = 300.0  # a student whose node died waits this long for an eligible node, then fails
+    max_length: int = Field(256, ge=8)
+    seed: int = 0
+    split_shards: bool | None = None
+    # how the students of one base share what they learn (smolforge.cluster.workloads.distill.sync): "average"
+    # trains them apart and averages their adapters; "ddp" makes them one data-parallel group (with
+    # `students_strategy`: a strategy whose class says `distill_students`; ddp by default) and one adapter
+    students_sync: Literal["average", "ddp"] = "average"
+    students_strategy: str | None = None
+    teacher_on_coordinator: bool = False  # the teachers run on the coordinator node (the user lends it)
+    aggregate: str = "mean"  # mean | ties | none
+    aggregate_rank: int | None = Field(None, ge=1)
+    cpus_per_teacher: float = Field(1.0, gt=0)
+    cpus_per_student: float = Field(1.0, gt=0)
+    eval: bool = True
+    max_eval_samples: int | None = 200
+    eval_max_new_tokens: int = Field(16, ge=1)
+    device: str = "auto"
+    # Two dtypes, not one: the teacher only runs inference (bf16 halves a 7B teacher's ~28 GB and is
+    # safe on any device), the students train (their frozen base may be bf16, the adapter stays fp32;
+    # fp16 cannot train on a CPU). See smolforge.models.dtypes.
+    teacher_dtype: ModelDtype = "fp32"
+    student_dtype: ModelDtype = "fp32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_and_required(cls, value: Any) -> Any:
+        """One sentence for unknown or missing keys, naming what is known (pydantic's are terser)."""
+        if not isinstance(value, dict):
+            return value
+        unknown = sorted(set(value) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(f"unknown distill setting(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.model_fields))}")
+        for key in ("teacher", "students", "data"):
+            if key not in value:
+                raise ValueError(f"distill.{key} is required")
+        return value
+
+    @field_validator("students", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _lr_for_method(self) -> "DistillSettings":
+        """An omitted lr becomes the students' PEFT method's default (config.DEFAULT_LR)."""
+        if self.lr is None and self.peft in DEFAULT_LR:
+            self.lr = default_lr(self.peft)
+        return self
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name).name or name).strip("-") or "student"
+
+
+def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: str | Path | None = None) -> None:
+    """The checks across fields and into other modules' settings, before a cluster starts: bad
+    flags fail in a second, not after the teachers."""
+    from smolforge.distill.kdconfig import KDConfig
+
+    if not cfg.students:
+        raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
+    if cfg.aggregate not in ("mean", "ties", "none"):
+        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
+    if mode not in ("teacher_student", "hybrid"):
+        raise SmolforgeError(f"unknown --mode {mode!r}", fix="use teacher_student or hybrid")
+
+    KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
+    validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
+    GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
+                responses=cfg.teacher_responses).check()
+    if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
+        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
+                             f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
+    if cfg.teacher_backend not in ("hf", "ollama", "reference"):
+        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
+    if cfg.replace_timeout_s <= 0:
+        raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
+                             fix="give the seconds a student whose node died may wait for another (e.g. 300)")
+    if cfg.save_every < 0:
+        raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
+                             fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
+    if output_dir is not None and ".." in Path(output_dir).parts:
+        raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
+
+
+def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:
+    """A distillation rerun into a run dir whose students left checkpoints either continues them
+    (`resume`) or is refused: their steps are never deleted, nor continued by a run with other settings.
+    Teacher shards are always reused (they are checked against the plan)."""
+    if resume:
+        return
+    kept = sorted(Path(output_dir).glob("output/student_*/checkpoints/step-*"))
+    if kept:
+        raise SmolforgeError(f"{output_dir} holds student checkpoints of an earlier run ({kept[-1].parent.parent.name}: "
+                             f"{kept[-1].name})", where="--output-dir",
+                             fix="pass --resume to continue that run, or choose a new --output-dir (nothing was deleted)")

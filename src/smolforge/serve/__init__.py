@@ -1,0 +1,13 @@
+"""`smolforge serve`: a generation engine with static batching behind an OpenAI-compatible API and a chat page.
+
+- `sampling.py`: the per-request sampling settings and one token from logits (greedy, temperature, top_p, seed)
+- `model.py`: the served model (base + adapter, tokenizer) and its batched forward with a KV cache
+- `batch.py`: one static batch: `step()` gives every active request one new token
+- `stops.py`: incremental detokenization and stop strings
+- `engine.py`: the thread that owns the model, the request queue and the token streams
+- `stages.py`: a model cut into stages: `StageServer` (one stage, a KV cache per batch) and `StagedModel`
+  (the batch model over stage handles: local servers, or the Ray actors of `cluster/workloads/serve/stages.py`)
+- `api.py`, `protocol.py`, `chat.html`: the HTTP side; `intake.py`: a body to a checked, tokenized
+  request, off the event loop; `streams.py`: answers and token streams from the engine thread;
+  `openapi.py`: the OpenAPI description the fuzz tests check answers against
+"""

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP API of `smolforge serve`, and the chat page.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream: true` as
+server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /openapi.json`; open without
+the token: `/health` (503 once the engine has stopped) and the `/chat` page shell (it reads the
+token from the URL fragment, which browsers never send).
+
+Why the body is parsed here and not by FastAPI: FastAPI answers a body it cannot parse with its
+own 422 shape; OpenAI clients expect `{"error": {"message", "type", "param", "code"}}`, and the
+token must be checked before any body byte is read (the shared `Gate`, as on the coordinator).
+Handlers are `async` and only move bytes: the body's parsing, the chat template and the tokenizer
+run in `intake.Lanes` (bounded thread pools), the model on the engine thread, and token streams
+come back through `streams.py`, so neither a large prompt nor a long answer holds the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from starlette.exceptions import HTTPException  # the router's own 404/405 too, not only FastAPI's subclass
+
+from smolforge.data.encode import render
+from smolforge.gate import Gate
+from smolforge.serve import openapi
+from smolforge.serve.engine import Engine, EngineStopped, PromptTooLong
+from smolforge.serve.intake import Lanes, char_bound, read_json, validate
+from smolforge.serve.model import ServedModel
+from smolforge.serve.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    gate_error_body,
+    new_id,
+    now,
+    usage,
+)
+from smolforge.serve.sampling import SamplingParams
+from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
+
+MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_SERVE_MAX_BODY_BYTES", str(4 * 2**20)))
+# A body must arrive whole within this (408 after); `http_limits` closes one that stalls, this bounds a trickle.
+BODY_TIMEOUT_S = float(os.environ.get("SMOLFORGE_SERVE_BODY_TIMEOUT_S", "30"))
+OPEN_PATHS = ("/", "/health", "/chat")
+TOKEN_FIX = "send the server's token as `Authorization: Bearer <token>` (openai.OpenAI(api_key=<token>)); " \
+            "`smolforge serve` prints the file that holds it"
+
+
+@lru_cache(maxsize=1)
+def chat_page() -> str:
+    return Path(__file__).with_name("chat.html").read_text(encoding="utf-8")
+
+
+@dataclass
+class Prepared:
+    """A request checked and tokenized (in a lane), ready for the engine."""
+
+    req: ChatRequest | CompletionRequest
+    ids: list[int]
+    params: SamplingParams
+
+
+def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: str | None = None,
+               lanes: Lanes | None = None) -> FastAPI:
+    name = model_name or served.name
+    created = now()
+    lanes = lanes or Lanes()
+    app = FastAPI(title="smolforge serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.state.lanes = lanes
+    app.add_middleware(Gate, token=lambda: token, open_paths=OPEN_PATHS, max_body=MAX_BODY_BYTES,
+                       token_fix=TOKEN_FIX, size_fix="send a shorter prompt", error_body=gate_error_body)
+    _error_handlers(app)
+    openapi.install(app, [ChatRequest, CompletionRequest], name)
+    ctx = Served(served, engine, name, char_bound(served.tokenizer, engine.max_positions))
+    authed = (400, 401, 404, 408, 413, 500, 503)
+
+    @app.get("/health", responses={200: {"model": openapi.Health}, 503: {"model": openapi.Health}})
+    async def health():
+        body = _health(engine, name)
+        return JSONResponse(body, status_code=200 if body["ok"] else 503)
+
+    @app.get("/", include_in_schema=False)
+    async def root():
+        return RedirectResponse("/chat")
+
+    @app.get("/chat", response_class=HTMLResponse)
+    async def chat():
+        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+    @app.get("/v1/models", responses=openapi.responses(openapi.ModelList, errors=(401,)))
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "smolforge",
+                                            "max_model_len": engine.max_positions}]}
+
+    @app.get("/v1/models/{model_id:path}", responses=openapi.responses(openapi.ModelCard, errors=(401, 404)))
+    async def model_info(model_id: str):
+        _check_model(model_id, name)
+        return {"id": name, "object": "model", "created": created, "owned_by": "smolforge"}
+
+    @app.post("/v1/chat/completions", responses=openapi.responses(openapi.ChatCompletion, stream=True, errors=authed),
+              openapi_extra=openapi.body(ChatRequest))
+    async def chat_completions(request: Request):
+        raw = await _body(request)
+        job = await lanes.run(len(raw), _prepare_chat, raw, ctx)
+        cid, stamp = new_id("chatcmpl"), now()
+        if job.req.stream:
+            return stream(engine, job.ids, job.params, ChatChunks(cid, stamp, name, _include_usage(job.req)))
+        done = await collect(engine, job.ids, job.params)
+        return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                             "logprobs": None, "finish_reason": reason(done)}],
+                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+
+    @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
+              openapi_extra=openapi.body(CompletionRequest))
+    async def completions(request: Request):
+        raw = await _body(request)
+        job = await lanes.run(len(raw), _prepare_completion, raw, ctx)
+        cid, stamp = new_id("cmpl"), now()
+        if job.req.stream:
+            return stream(engine, job.ids, job.params, CompletionChunks(cid, stamp, name, _include_usage(job.req)))
+        done = await collect(engine, job.ids, job.params)
+        return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
+                "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason(done)}],
+                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's shape: ours (ApiError), Starlette's (404, 405, 413) and the rest (500)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(EngineStopped)
+    async def _engine_stopped(request: Request, err: EngineStopped):
+        return JSONResponse(error_body(err.render().replace("\n  fix:", " Fix:"), "server_error", None,
+                                       "engine_stopped"), status_code=503)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(err.status_code)
+        return JSONResponse(error_body(str(err.detail), "invalid_request_error", None, code),
+                            status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, err: Exception):
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), status_code=500)
+
+
+def _health(engine: Engine, name: str) -> dict[str, Any]:
+    alive = engine.alive
+    return {"ok": alive, "service": "smolforge-serve", "model": name, "engine": "running" if alive else "stopped",
+            "restarts": engine.restarts, "batches": engine.batches, "largest_batch": engine.largest_batch,
+            "error": None if alive else f"the generation engine stopped: {engine.failure or 'not running'}; "
+                                        "restart the server"}
+
+
+async def _body(request: Request) -> bytes:
+    """The body, within BODY_TIMEOUT_S (a client that sends its body slowly holds a connection)."""
+    try:
+        return await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout") \
+            from None
+
+
+# -- in a lane: parse, check, render, tokenize --------------------------------------------------------
+
+@dataclass
+class Served:
+    """What the lanes need to prepare a request: the model, its engine, its name, the prompt bound."""
+
+    model: ServedModel
+    engine: Engine
+    name: str
+    max_chars: int | None  # `intake.char_bound`: longer prompts cannot fit the context
+
+
+def _prepare_chat(raw: bytes, s: Served) -> Prepared:
+    req = validate(ChatRequest, read_json(raw))
+    _check_model(req.model, s.name)
+    _refuse_unsupported(req, logprobs=bool(req.logprobs))
+    try:
+        text = render(s.model.tokenizer, req.conversation(), add_generation_prompt=True)
+    except _template_errors() as err:  # the template refuses this conversation (roles out of order)
+        raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
+                       code="invalid_value") from None
+    ids = _tokenize(s, text, "messages", add_special_tokens=False)
+    return Prepared(req, ids, _params(s.engine, req, len(ids), param="messages"))
+
+
+def _prepare_completion(raw: bytes, s: Served) -> Prepared:
+    req = validate(CompletionRequest, read_json(raw))
+    _check_model(req.model, s.name)
+    _refuse_unsupported(req, logprobs=req.logprobs is not None)
+    if req.echo:
+        raise ApiError(400, "echo is not supported by smolforge serve", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported by smolforge serve", param="suffix", code="unsupported_parameter")
+    ids = _prompt_ids(s, req.prompt)
+    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt"))
+
+
+def _tokenize(s: Served, text: str, param: str, **kw: Any) -> list[int]:
+    """The text's token ids; a text too long in characters to fit the context is refused untokenized."""
+    if s.max_chars is not None and len(text) > s.max_chars:
+        raise ApiError(400, f"the prompt has {len(text)} characters: more than the model's context of "
+                            f"{s.engine.max_positions} tokens can hold (at most {s.max_chars} with this tokenizer). "
+                            "Fix: shorten the prompt", param=param, code="context_length_exceeded")
+    return s.model.tokenizer(text, **kw)["input_ids"]
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    from jinja2 import TemplateError
+
+    return (TemplateError,)
+
+
+# -- request checks ---------------------------------------------------------------------------------
+
+def _check_model(asked: str, name: str) -> None:
+    if asked != name:
+        shown = asked if len(asked) <= 100 else asked[:100] + "..."
+        raise ApiError(404, f"The model `{shown}` does not exist: this server serves `{name}` (see GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _refuse_unsupported(req: ChatRequest | CompletionRequest, *, logprobs: bool) -> None:
+    if req.n != 1:
+        raise ApiError(400, "n > 1 is not supported by smolforge serve: send n requests", param="n",
+                       code="unsupported_parameter")
+    if logprobs:
+        raise ApiError(400, "logprobs are not supported by smolforge serve", param="logprobs",
+                       code="unsupported_parameter")
+
+
+def _prompt_ids(s: Served, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return _tokenize(s, prompt, "prompt")
+    if prompt and all(isinstance(p, int) for p in prompt):
+        vocab = len(s.model.tokenizer)
+        if any(not 0 <= p < vocab for p in prompt):  # type: ignore[operator]
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        return list(prompt)  # type: ignore[arg-type]
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return _tokenize(s, prompt[0], "prompt")
+    raise ApiError(400, "one prompt per request (a string, a list of one string, or token ids)", param="prompt",
+                   code="unsupported_parameter")
+
+
+def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str) -> SamplingParams:
+    asked = req.limit()
+    max_tokens = asked if asked is not None else max(1, min(DEFAULT_MAX_TOKENS, engine.room(prompt_tokens)))
+    try:
+        engine.check_length(prompt_tokens, max_tokens)
+    except PromptTooLong as err:
+        raise ApiError(400, err.render().replace("\n  fix:", " Fix:"), param=param,
+                       code="context_length_exceeded") from None
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          stop=req.stop_list(), seed=req.seed)
+
+
+def _include_usage(req: ChatRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,179 @@
+"""One static batch: requests that arrived together, generated together until each one is done.
+
+Why static batching with rows that leave: a CPU or small GPU spends most of a decode step reading
+the weights, so eight requests cost little more than one per step. Prompts are left-padded so
+every row's next token sits in the last column; each row keeps its own positions, so its tokens
+are the ones it would get alone. A finished row is cut out of the cache, the mask and the
+positions at once, so the batch shrinks instead of computing for requests nobody waits for.
+
+`step()` is the interface a multi-stage server keeps: a batch of active requests in, one new
+token for each out; only `model.forward` changes (stage actors instead of one module).
+
+Why failures are kept per request: one request whose settings cannot be turned into a random
+stream (a seed out of range), or whose row cannot be sampled, must fail alone. Such a request is
+left out of the batch (`failed`) or its row is reported (`row_errors`), and the others go on.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from smolforge.serve.sampling import SamplingParams, next_token
+from smolforge.serve.stops import TextStream
+
+
+class BatchModel(Protocol):
+    """What a batch needs from a model: one process (`ServedModel`) or, later, a chain of stages."""
+
+    device: torch.device
+    eos_ids: frozenset[int]
+    tokenizer: Any
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: Any) -> torch.Tensor: ...
+
+    def new_cache(self) -> Any: ...
+
+    def select_rows(self, cache: Any, rows: torch.Tensor, trim: int) -> bool:
+        """Keep only these rows of the cache; also drop its first `trim` columns (left padding no row
+        uses any more) when the cache allows it. True when the columns were dropped."""
+        ...
+
+    def release(self, cache: Any) -> None:
+        """The batch is over (finished or failed): whatever the cache holds may go."""
+        ...
+
+
+@dataclass
+class TokenEvent:
+    """New text for the client (may be empty while a stop string or half a character is held back)."""
+
+    text: str
+    token_id: int
+
+
+@dataclass
+class DoneEvent:
+    """The request ended: `finish_reason` is "stop" (EOS or a stop string), "length" or "cancelled"."""
+
+    finish_reason: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+
+
+@dataclass
+class ErrorEvent:
+    """The request failed: `status` 400 when its own settings caused it, 500 when the server did."""
+
+    message: str
+    status: int = 500
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@dataclass
+class Request:
+    """One generation: its prompt, its settings, where its events go, and its progress."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    token_ids: list[int] = field(default_factory=list)
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (the client went away)."""
+        self.cancelled.set()
+
+
+class Batch:
+    """The cache and masks of the requests generated together; rows leave as they finish."""
+
+    def __init__(self, model: BatchModel, requests: list[Request]):
+        self.model, self.active = model, []
+        self.failed: list[tuple[Request, Exception]] = []  # could not join: their settings are unusable
+        self.row_errors: dict[int, Exception] = {}  # rows of the last step() that got no token
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None  # real (unpadded) tokens in the cache, per row
+        self.last: torch.Tensor | None = None  # each row's newest token: the next step's input
+        for r in requests:
+            try:
+                r.stream = TextStream(model.tokenizer, r.params.stop)
+                r.generator = r.params.generator(model.device)
+            except Exception as err:  # noqa: BLE001 - this request fails alone (the engine tells it why)
+                self.failed.append((r, err))
+            else:
+                self.active.append(r)
+
+    def step(self) -> list[int | None]:
+        """One new token for each active request (the first call reads the prompts: prefill); None for a
+        row that could not be sampled (see `row_errors`): the caller drops it with `keep`."""
+        dev = self.model.device
+        if self.cache is None:
+            width = max(len(r.prompt_ids) for r in self.active)
+            ids = torch.full((len(self.active), width), self.model.pad_id, dtype=torch.long)
+            self.mask = torch.zeros((len(self.active), width), dtype=torch.long)
+            for i, r in enumerate(self.active):
+                ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+                self.mask[i, width - len(r.prompt_ids):] = 1
+            self.mask = self.mask.to(dev)
+            positions = (self.mask.cumsum(-1) - 1).clamp_min(0)
+            self.lengths = self.mask.sum(-1)
+            self.cache = self.model.new_cache()
+            logits = self.model.forward(ids.to(dev), self.mask, positions, self.cache)
+        else:
+            assert self.mask is not None and self.lengths is not None and self.last is not None
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+            logits = self.model.forward(self.last[:, None], self.mask, self.lengths[:, None], self.cache)
+            self.lengths = self.lengths + 1
+        tokens = self._sample(logits)
+        self.last = torch.tensor([self.model.pad_id if t is None else t for t in tokens], dtype=torch.long, device=dev)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor) -> list[int | None]:
+        """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
+        self.row_errors = {}
+        tokens: list[int | None] = []
+        for i, r in enumerate(self.active):
+            try:
+                tokens.append(next_token(logits[i], r.params, r.generator))
+            except Exception as err:  # noqa: BLE001 - that row fails, the others go on
+                self.row_errors[i] = err
+                tokens.append(None)
+        return tokens
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows go on: the others' cache, mask and positions are dropped."""
+        if len(rows) == len(self.active):
+            return
+        self.active = [self.active[i] for i in rows]
+        if not rows:
+            self.close()
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+        self.mask, self.lengths, self.last = self.mask[index], self.lengths[index], self.last[index]
+        pad = int((self.mask.sum(0) == 0).sum())  # columns no remaining row uses: left padding only
+        if self.model.select_rows(self.cache, index, pad) and pad:
+            self.mask = self.mask[:, pad:]
+
+    def close(self) -> None:
+        """Let the model free this batch's cache (a stage server holds it remotely)."""
+        if self.cache is not None:
+            cache, self.cache = self.cache, None
+            self.model.release(cache)

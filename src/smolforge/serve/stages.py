@@ -1,0 +1,230 @@
+"""Serving a model cut into stages: each stage server holds its layers and its slice of every batch's
+KV cache; a `StagedModel` chains them behind the `BatchModel` protocol, so `Batch` and `Engine`
+run unchanged on top of it.
+
+Why a cache per batch id on the stage: the KV cache is as large as the layers' share of the
+activations of every past token, and it lives where its layers run. The client (the engine's
+process) only names the batch; prefill opens a cache, `select` cuts it down to the rows that go on
+(and drops left padding no row uses, as `Batch.keep` does locally), `drop` frees it.
+
+Why numpy arrays at the boundary: a stage handle may be a remote actor, and nothing of ours
+pickles tensors over a network. bfloat16 has no numpy type: it travels as float32 (exact) and is
+cast back on arrival, so the chain computes what one process computes.
+
+A stage handle is any object with `forward`, `select`, `drop` and `info` as `StageServer` has them;
+`ready()`, when present, is called before every batch (a remote handle re-places a dead actor there).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from smolforge.errors import SmolforgeError
+from smolforge.serve.model import _with_adapter, eos_ids_of, max_positions_of, select_cache_rows
+
+
+class StageError(SmolforgeError):
+    """A stage could not run a batch's step (unknown batch, a stage that went away)."""
+
+
+def to_wire(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a numpy array (bfloat16 as float32: exact)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def from_wire(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # arrays out of Ray's object store are read-only
+        a = a.copy()
+    t = torch.from_numpy(a)
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.to(device)
+
+
+class StageServer:
+    """One stage of a model and the KV caches of the batches running through it."""
+
+    def __init__(self, stage: Any, index: int, count: int, *, device: torch.device | str = "cpu",
+                 eos_ids: frozenset[int] = frozenset(), max_positions: int = 2048, name: str = ""):
+        self.stage, self.index, self.count = stage, index, count
+        self.device = torch.device(device)
+        self.eos_ids, self.max_positions, self.name = eos_ids, max_positions, name
+        self.stage.eval()
+        for p in self.stage.parameters():
+            p.requires_grad_(False)
+        params = list(self.stage.parameters())
+        self.dtype = params[0].dtype if params else torch.float32
+        self.caches: dict[str, Any] = {}
+
+    @classmethod
+    def load(cls, model: str, bounds: Sequence[int], index: int, *, adapter: str | None = None,
+             device: str = "cpu", dtype: str = "fp32") -> "StageServer":
+        """Load the model with the project's loaders, merge the adapter (as `ServedModel.load` does),
+        cut it at `bounds` and keep stage `index`; the other stages' weights are freed."""
+        from smolforge.models.loading import load_model, pick_device
+        from smolforge.models.partition import cut
+
+        dev = pick_device(device)
+        net = load_model(model, device=dev, dtype=dtype)
+        if adapter:
+            net = _with_adapter(net, adapter, merge=True).to(dev)
+        eos, max_positions = eos_ids_of(net), max_positions_of(net.config)
+        stages = cut(net, bounds)
+        if not 0 <= index < len(stages):
+            raise SmolforgeError(f"stage {index} does not exist: the bounds {list(bounds)} make {len(stages)} stages",
+                                 fix="pick a stage index from 0 to the number of stages minus one")
+        stage = stages[index]
+        del stages, net  # the stage holds only its own modules: the rest goes with these references
+        gc.collect()
+        return cls(stage, index, len(bounds) - 1, device=dev, eos_ids=eos, max_positions=max_positions, name=model)
+
+    @property
+    def first(self) -> bool:
+        return self.stage.has_embeddings
+
+    @property
+    def last(self) -> bool:
+        return self.stage.has_head
+
+    @torch.inference_mode()
+    def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                start: bool = False) -> np.ndarray:
+        """Input ids (first stage) or hidden states -> hidden states, or last-position logits [batch, vocab]
+        on the last stage. `start` opens the batch's cache (prefill); later steps need it open."""
+        if start:
+            self.caches[batch_id] = self.stage.new_cache()
+        cache = self.caches.get(batch_id)
+        if cache is None:
+            raise StageError(f"stage {self.index} holds no cache for batch {batch_id}",
+                             fix="start the batch again: its cache was lost (the stage was restarted)")
+        h = from_wire(x, self.device, None if self.first else self.dtype)
+        mask = from_wire(attention_mask, self.device)
+        positions = from_wire(position_ids, self.device)
+        if self.first:
+            h = self.stage._embed(h, positions)
+        h = self.stage.run_layers(h, mask, positions, cache)
+        if self.last:  # as HF with logits_to_keep=1: norm and head of the last position only
+            h = self.stage.lm_head(self.stage.norm(h[:, -1:, :]))[:, -1, :]
+        return to_wire(h)
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
+        """Keep only `rows` of the batch's cache and drop its first `trim` columns if it can (True then)."""
+        cache = self.caches.get(batch_id)
+        if cache is None:
+            raise StageError(f"stage {self.index} holds no cache for batch {batch_id}")
+        return select_cache_rows(cache, torch.tensor(rows, dtype=torch.long, device=self.device), trim)
+
+    def drop(self, batch_id: str) -> None:
+        self.caches.pop(batch_id, None)
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "count": self.count, "layers": [self.stage.lo, self.stage.hi],
+                "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
+                "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
+                "model": self.name}
+
+
+class StageHandle(Protocol):
+    def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                start: bool = False) -> np.ndarray: ...
+
+    def select(self, batch_id: str, rows: list[int], trim: int) -> bool: ...
+
+    def drop(self, batch_id: str) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class StagedCache:
+    """What the batch holds of a staged cache: its name on the stages."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: bool = False
+
+
+class StagedModel:
+    """The `BatchModel` of a chain of stages; the tokenizer is local, the weights are on the stages."""
+
+    def __init__(self, stages: Sequence[StageHandle], tokenizer: Any, *, name: str,
+                 eos_ids: frozenset[int] | None = None, max_positions: int | None = None):
+        if not stages:
+            raise SmolforgeError("a staged model needs at least one stage", fix="give one stage handle per stage")
+        self.stages, self.tokenizer, self.name = list(stages), tokenizer, name
+        self.device = torch.device("cpu")  # where the batch's ids, masks and logits live
+        if eos_ids is None or max_positions is None:
+            info = self.stages[-1].info()
+            eos_ids = eos_ids if eos_ids is not None else frozenset(info["eos_ids"])
+            max_positions = max_positions or int(info["max_positions"])
+        self.eos_ids = frozenset(eos_ids) | eos_ids_of(None, tokenizer)
+        self.max_positions = max_positions
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else next(iter(self.eos_ids), 0))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: StagedCache) -> torch.Tensor:
+        start, cache.started = not cache.started, True
+        x, mask, positions = to_wire(input_ids), to_wire(attention_mask), to_wire(position_ids)
+        for stage in self.stages:
+            x = stage.forward(cache.id, x, mask, positions, start)
+        return from_wire(x, self.device)
+
+    def new_cache(self) -> StagedCache:
+        for stage in self.stages:
+            ready = getattr(stage, "ready", None)
+            if ready is not None:
+                ready()
+        return StagedCache()
+
+    def select_rows(self, cache: StagedCache, rows: torch.Tensor, trim: int) -> bool:
+        keep = [int(i) for i in rows.tolist()]
+        trimmed = {stage.select(cache.id, keep, trim) for stage in self.stages}
+        if len(trimmed) > 1:
+            raise StageError("the stages disagree on trimming the cache's left padding",
+                             fix="serve a model whose layers all use plain (not sliding-window) attention caches")
+        return trimmed.pop()
+
+    def release(self, cache: StagedCache) -> None:
+        errors = []
+        for stage in self.stages:
+            try:
+                stage.drop(cache.id)
+            except Exception as err:  # a dead stage's cache is gone anyway; free the others
+                errors.append(err)
+        if errors and len(errors) == len(self.stages):
+            raise errors[0]
+
+
+def even_bounds(num_layers: int, stages: int) -> list[int]:
+    """Layer bounds giving `stages` stages as equal as can be (every stage at least one layer)."""
+    if not 1 <= stages <= num_layers:
+        raise SmolforgeError(f"cannot cut a {num_layers}-layer model into {stages} stages",
+                             fix=f"ask for 1 to {num_layers} stages")
+    return [round(i * num_layers / stages) for i in range(stages + 1)]
+
+
+def local_stages(model: str, bounds: Sequence[int], *, adapter: str | None = None,
+                 device: str = "cpu") -> list[StageServer]:
+    """Every stage in this process (tests, and a check that the cut serves what the whole model does)."""
+    return [StageServer.load(model, bounds, i, adapter=adapter, device=device) for i in range(len(bounds) - 1)]
+
+
+def staged_model(model: str, stages: Sequence[StageHandle], *, name: str | None = None) -> StagedModel:
+    """A `StagedModel` over these handles with the model's tokenizer loaded here."""
+    from smolforge.models.loading import load_tokenizer
+
+    return StagedModel(stages, load_tokenizer(model), name=name or model)
