@@ -18,8 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACT = ROOT / "test-artifacts" / "family-matrix.json"
 README = ROOT / "README.md"
-CELLS = ("train", "serve", "export-hf", "export-gguf", "export-ollama")
-HEADERS = ("LoRA train", "serve", "export hf", "export gguf (f16)", "export ollama")
+CELLS = ("train", "ddp-2-ranks", "split", "serve", "serve-2-stages", "distill", "distill-cross", "export-hf",
+         "export-gguf", "export-ollama")
+HEADERS = ("LoRA train", "2-rank ddp", "split learning", "serve", "serve in 2 stages", "distill (same family)",
+           "distill (other family: text only)", "export hf", "export gguf (f16)", "export ollama")
 OK = "✔"
 ERROR = "error: "  # an outcome that is neither OK nor a refusal (the test fails on it)
 START, END = "<!-- family-matrix:start -->", "<!-- family-matrix:end -->"

@@ -86,3 +86,19 @@ def test_help_lists_the_other_registries():
     assert f"teacher_student/hybrid: {'|'.join(KD_LOSSES)}" in launch and f"{'|'.join(METHODS)} (default lora)" in launch
     assert f"{'|'.join(RUN_TARGETS)}: export the final adapter" in launch and "hf" not in RUN_TARGETS
     assert f"{' | '.join(TARGETS)}" in _help(["export"])
+
+
+def test_aggregate_and_quant_choices_come_from_their_registries(tmp_path):
+    """`distill --aggregate` and `export --quant`: the help names what `AGGREGATE_CHOICES`
+    (distill/settings.py) and `QUANTS` (models/export/targets.py) hold, and a name outside them is one
+    message naming them, before anything loads."""
+    from smolforge.distill.settings import AGGREGATE_CHOICES
+    from smolforge.models.export.targets import QUANTS
+
+    assert f"{'|'.join(AGGREGATE_CHOICES)}: merge the students" in _help(["distill"])
+    assert f"GGUF weights: {' | '.join(QUANTS)}" in _help(["export"])
+    res = _invoke(["export", "--model", "tiny-llama", "--to", "gguf", "--quant", "q3_bogus",
+                   "--output-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output[-2000:]
+    assert res.stderr.count("error:") == 1 and "unknown --quant 'q3_bogus'" in res.stderr, res.stderr
+    assert f"use one of {', '.join(QUANTS)}" in res.stderr, res.stderr

@@ -8,7 +8,7 @@ import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import cut, generation_positions, positions_for, run_stages, stage_state_to_hf, untie_head
-from smolforge.models.placement import (ModelInfo, NodeInfo, Workload, measure_node, model_info, plan_in_order,
+from smolforge.models.placement import (ModelInfo, NodeCapacity, Workload, measure_node, model_info, plan_in_order,
                                         plan_serving, plan_stages)
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
@@ -173,7 +173,7 @@ def test_model_info_counts_the_models_bytes(family):
     kv_heads = 2 if family == "llama" else 4
     assert info.kv_bytes_per_token == 2 * kv_heads * 8 * 4
     # A plan's bounds cut the model, and its memory per stage is what the stage holds (x headroom).
-    plan = plan_stages(info, [NodeInfo("a", 1e9, 10**9), NodeInfo("b", 1e9, info.total_bytes)], stages=2)
+    plan = plan_stages(info, [NodeCapacity("a", 1e9, 10**9), NodeCapacity("b", 1e9, info.total_bytes)], stages=2)
     for stage, need in zip(cut(model, plan.bounds), plan.stage_bytes):
         assert sum(p.numel() * 4 for p in stage.parameters()) * 1.2 == pytest.approx(need, abs=1)
 
@@ -197,14 +197,14 @@ def layers_on(plan, node: str) -> int:
 
 
 def test_layers_follow_throughput():
-    nodes = [NodeInfo("slow", 1e10, 100 * GB, **FAST_LINK), NodeInfo("fast", 2e10, 100 * GB, **FAST_LINK)]
+    nodes = [NodeCapacity("slow", 1e10, 100 * GB, **FAST_LINK), NodeCapacity("fast", 2e10, 100 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), nodes, stages=2)
     assert sorted(plan.nodes) == ["fast", "slow"] and plan.bounds[0] == 0 and plan.bounds[-1] == 24
     assert 1.6 <= layers_on(plan, "fast") / layers_on(plan, "slow") <= 2.5, plan.describe()
     assert plan.throughput_share[plan.nodes.index("fast")] == pytest.approx(2 / 3)
     # Three nodes at 4:2:1 share 24 layers about 4:2:1.
-    three = [NodeInfo("x4", 4e10, 100 * GB, **FAST_LINK), NodeInfo("x2", 2e10, 100 * GB, **FAST_LINK),
-             NodeInfo("x1", 1e10, 100 * GB, **FAST_LINK)]
+    three = [NodeCapacity("x4", 4e10, 100 * GB, **FAST_LINK), NodeCapacity("x2", 2e10, 100 * GB, **FAST_LINK),
+             NodeCapacity("x1", 1e10, 100 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), three, stages=3)
     counts = [layers_on(plan, n) for n in ("x4", "x2", "x1")]
     assert counts[0] > counts[1] > counts[2] >= 2, plan.describe()
@@ -214,13 +214,13 @@ def test_layers_follow_throughput():
 def test_stages_already_placed_keep_their_order_and_get_layers_by_throughput():
     """A data-parallel group's ranks are placed before the cut: stage i runs on rank i's node, and only
     the ranges are chosen (the slow node first here: it still gets the fewer layers)."""
-    nodes = [NodeInfo("slow", 1e10, 100 * GB, **FAST_LINK), NodeInfo("fast", 2e10, 100 * GB, **FAST_LINK)]
+    nodes = [NodeCapacity("slow", 1e10, 100 * GB, **FAST_LINK), NodeCapacity("fast", 2e10, 100 * GB, **FAST_LINK)]
     plan = plan_in_order(info24(), nodes, workload=Workload(training=True))
     assert plan.nodes == ["slow", "fast"] and plan.bounds[0] == 0 and plan.bounds[-1] == 24
     assert 1.5 <= layers_on(plan, "fast") / layers_on(plan, "slow") <= 2.5, plan.describe()
     assert "as placed" in plan.describe()
     with pytest.raises(SmolforgeError, match="does not fit in 2 stages"):
-        plan_in_order(info24(), [NodeInfo("a", 1e10, 10**6), NodeInfo("b", 1e10, 10**6)])
+        plan_in_order(info24(), [NodeCapacity("a", 1e10, 10**6), NodeCapacity("b", 1e10, 10**6)])
 
 
 def test_a_node_measures_its_own_flops_and_free_memory():
@@ -229,7 +229,7 @@ def test_a_node_measures_its_own_flops_and_free_memory():
 
 
 def test_memory_caps_a_fast_nodes_share():
-    nodes = [NodeInfo("fast", 2e10, 800_000_000, **FAST_LINK), NodeInfo("roomy", 1e10, 100 * GB, **FAST_LINK)]
+    nodes = [NodeCapacity("fast", 2e10, 800_000_000, **FAST_LINK), NodeCapacity("roomy", 1e10, 100 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), nodes, stages=2)
     assert all(need <= free for need, free in zip(plan.stage_bytes, plan.free_bytes))
     assert 1 <= layers_on(plan, "fast") <= 6  # throughput alone would give it 16
@@ -237,7 +237,7 @@ def test_memory_caps_a_fast_nodes_share():
 
 
 def test_keeps_the_model_on_one_node_when_the_link_is_slow():
-    slow_link = [NodeInfo("w1", 5e10, 8 * GB, link_bytes_per_s=125_000), NodeInfo("w2", 5e10, 8 * GB)]
+    slow_link = [NodeCapacity("w1", 5e10, 8 * GB, link_bytes_per_s=125_000), NodeCapacity("w2", 5e10, 8 * GB)]
     plan = plan_stages(info24(), slow_link)
     assert plan.num_stages == 1 and plan.nodes == ["w1"] and plan.bounds == [0, 24] and plan.kept_on_one_node
     assert plan.reason.startswith("kept on w1: it fits (3.0 GB of 8.0 GB free) and splitting would be slower "
@@ -248,7 +248,7 @@ def test_keeps_the_model_on_one_node_when_the_link_is_slow():
     text = plan.describe()
     assert "stage 0: layers 0-23 + embeddings + head on w1" in text and plan.reason in text
     # The same two nodes on a fast link: a full pipeline halves the time, so it splits evenly.
-    fast = [NodeInfo("w1", 5e10, 8 * GB, **FAST_LINK), NodeInfo("w2", 5e10, 8 * GB, **FAST_LINK)]
+    fast = [NodeCapacity("w1", 5e10, 8 * GB, **FAST_LINK), NodeCapacity("w2", 5e10, 8 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), fast)
     assert plan.num_stages == 2 and not plan.kept_on_one_node and plan.reason.startswith("split into 2 stages")
     assert abs(layers_on(plan, "w1") - layers_on(plan, "w2")) <= 1
@@ -259,8 +259,8 @@ def test_keeps_the_model_on_one_node_when_the_link_is_slow():
 
 
 def test_keeps_the_fastest_node_that_fits():
-    nodes = [NodeInfo("big-slow", 1e10, 64 * GB), NodeInfo("fast-small", 5e10, 1 * GB),
-             NodeInfo("mid", 2e10, 8 * GB, link_bytes_per_s=50_000)]
+    nodes = [NodeCapacity("big-slow", 1e10, 64 * GB), NodeCapacity("fast-small", 5e10, 1 * GB),
+             NodeCapacity("mid", 2e10, 8 * GB, link_bytes_per_s=50_000)]
     plan = plan_stages(info24(), nodes)
     # fast-small cannot hold it; mid is the fastest that can, and a split costs more than it saves.
     assert plan.nodes == ["mid"] and plan.kept_on_one_node, plan.describe()
@@ -272,7 +272,7 @@ def test_keeps_the_fastest_node_that_fits():
 
 
 def test_uses_two_stages_when_no_node_holds_it():
-    nodes = [NodeInfo("a", 2e10, 2 * GB), NodeInfo("b", 1e10, 2 * GB), NodeInfo("c", 1e10, 2 * GB)]
+    nodes = [NodeCapacity("a", 2e10, 2 * GB), NodeCapacity("b", 1e10, 2 * GB), NodeCapacity("c", 1e10, 2 * GB)]
     plan = plan_stages(info24(), nodes)
     assert plan.num_stages == 2 and "a" in plan.nodes, plan.describe()
     assert all(need <= free for need, free in zip(plan.stage_bytes, plan.free_bytes))
@@ -283,7 +283,7 @@ def test_uses_two_stages_when_no_node_holds_it():
 
 
 def test_nothing_fits_says_how_much_is_missing():
-    nodes = [NodeInfo("a", 2e10, 1 * GB), NodeInfo("b", 1e10, 1 * GB)]
+    nodes = [NodeCapacity("a", 2e10, 1 * GB), NodeCapacity("b", 1e10, 1 * GB)]
     with pytest.raises(SmolforgeError, match=r"needs 3\.0 GB .*the nodes have 2\.0 GB free: 1\.0 GB missing") as err:
         plan_stages(info24(), nodes)
     assert "bf16" in err.value.fix and "worker join" in err.value.fix
@@ -292,18 +292,18 @@ def test_nothing_fits_says_how_much_is_missing():
                           embed_bytes=3 * GB, head_bytes=1_000_000, head_flops=1e5, hidden_size=64, dtype_bytes=4)
     with pytest.raises(SmolforgeError, match="the embeddings alone need 3.6 GB, the most free on one node is "
                                              "2.0 GB: 1.6 GB missing there"):
-        plan_stages(big_embed, [NodeInfo(n, 1e10, 2 * GB) for n in "abc"])
+        plan_stages(big_embed, [NodeCapacity(n, 1e10, 2 * GB) for n in "abc"])
     # Enough in all (6 GB for 4.8 GB) and every piece fits somewhere, but each node holds one layer of four.
     lumpy = ModelInfo(model_type="llama", layer_bytes=(GB,) * 4, layer_flops=(1e6,) * 4, embed_bytes=1_000_000,
                       head_bytes=1_000_000, head_flops=1e5, hidden_size=64, dtype_bytes=4)
     with pytest.raises(SmolforgeError, match="whole layers do not pack"):
-        plan_stages(lumpy, [NodeInfo(n, 1e10, 2 * GB) for n in "abc"])
+        plan_stages(lumpy, [NodeCapacity(n, 1e10, 2 * GB) for n in "abc"])
     with pytest.raises(SmolforgeError, match="cannot place 3 stages on 2 node"):
         plan_stages(info24(), nodes, stages=3)
 
 
 def test_serving_reserves_the_kv_cache():
-    nodes = [NodeInfo("w1", 2e10, 4 * GB), NodeInfo("w2", 1e10, 4 * GB)]
+    nodes = [NodeCapacity("w1", 2e10, 4 * GB), NodeCapacity("w2", 1e10, 4 * GB)]
     one_user = Workload(in_flight=1)
     assert plan_stages(info24(), nodes, workload=one_user).num_stages == 1  # 3.0 GB fits on w1
     serving = Workload(in_flight=1, kv_tokens=4096)  # 4096 tokens x 16 KB x 24 layers = 1.6 GB of cache
@@ -315,7 +315,7 @@ def test_serving_auto_keeps_one_node_and_asked_stages_say_it_would_be_faster():
     """`serve --stages auto` plans for one stream (a batch walks the stages in turn): two equal nodes
     on a fast link still keep the model whole. Asked for 2 stages, it splits by throughput and the
     reason says one node would be faster."""
-    fast = [NodeInfo("w1", 5e10, 8 * GB, **FAST_LINK), NodeInfo("w2", 5e10, 8 * GB, **FAST_LINK)]
+    fast = [NodeCapacity("w1", 5e10, 8 * GB, **FAST_LINK), NodeCapacity("w2", 5e10, 8 * GB, **FAST_LINK)]
     auto, hosts = plan_serving(info24(), fast)
     assert auto.kept_on_one_node and auto.num_stages == 1 and hosts == auto.nodes and len(hosts) == 1
     assert "splitting would be slower" in auto.reason
@@ -323,22 +323,22 @@ def test_serving_auto_keeps_one_node_and_asked_stages_say_it_would_be_faster():
     assert two.num_stages == 2 and sorted(hosts) == ["w1", "w2"] and abs(layers_on(two, "w1") - 12) <= 1
     assert "note: kept on w1" in two.reason and "--stages auto keeps it there" in two.reason
     # A model no node holds alone: auto splits it, and the split is the plan asked for as well.
-    small = [NodeInfo("a", 5e10, 2 * GB, **FAST_LINK), NodeInfo("b", 5e10, 2 * GB, **FAST_LINK)]
+    small = [NodeCapacity("a", 5e10, 2 * GB, **FAST_LINK), NodeCapacity("b", 5e10, 2 * GB, **FAST_LINK)]
     auto, _ = plan_serving(info24(), small)
     assert auto.num_stages == 2 and not auto.kept_on_one_node and "no node holds it alone" in auto.reason
     assert "note:" not in plan_serving(info24(), small, stages=2)[0].reason
 
 
 def test_serving_more_stages_than_nodes_share_them_in_turn():
-    one = [NodeInfo("laptop", 5e10, 12 * GB)]
+    one = [NodeCapacity("laptop", 5e10, 12 * GB)]
     plan, hosts = plan_serving(info24(), one, stages=3)
     assert hosts == ["laptop"] * 3 and plan.nodes == ["laptop#1", "laptop#2", "laptop#3"]
     assert plan.bounds[0] == 0 and plan.bounds[-1] == 24 and plan.bounds == sorted(plan.bounds)
     assert all(free == 4 * GB for free in plan.free_bytes) and "stages share nodes" in plan.reason
-    two = [NodeInfo("a", 5e10, 12 * GB), NodeInfo("b", 5e10, 12 * GB)]
+    two = [NodeCapacity("a", 5e10, 12 * GB), NodeCapacity("b", 5e10, 12 * GB)]
     assert plan_serving(info24(), two, stages=3)[1] == ["a", "b", "a"]
     with pytest.raises(SmolforgeError, match="does not fit"):  # three slots of 1 GB cannot hold 2.5 GB
-        plan_serving(info24(), [NodeInfo("tiny", 5e10, 3 * GB)], stages=3)
+        plan_serving(info24(), [NodeCapacity("tiny", 5e10, 3 * GB)], stages=3)
 
 
 def test_stages_asked_for_each_hold_a_layer():
@@ -346,11 +346,11 @@ def test_stages_asked_for_each_hold_a_layer():
     the slow node only the embeddings (it was once planned so, a stage with layers [0, 0] on a cluster's
     coordinator); asked for by number, each stage computes. Where nothing else fits, an end stage may
     still hold only the embeddings."""
-    nodes = [NodeInfo("fast", 1e12, 100 * GB, **FAST_LINK), NodeInfo("slow", 1e9, 100 * GB, **FAST_LINK)]
+    nodes = [NodeCapacity("fast", 1e12, 100 * GB, **FAST_LINK), NodeCapacity("slow", 1e9, 100 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), nodes, stages=2)
     assert all(hi > lo for lo, hi in zip(plan.bounds, plan.bounds[1:])), plan.describe()
     assert layers_on(plan, "slow") == 1 and layers_on(plan, "fast") == 23, plan.describe()
     # "tiny" can hold the 50 MB embeddings but no 100 MB layer: the only plan leaves it none
-    tight = [NodeInfo("tiny", 1e10, 70_000_000, **FAST_LINK), NodeInfo("big", 1e10, 100 * GB, **FAST_LINK)]
+    tight = [NodeCapacity("tiny", 1e10, 70_000_000, **FAST_LINK), NodeCapacity("big", 1e10, 100 * GB, **FAST_LINK)]
     plan = plan_stages(info24(), tight, stages=2)
     assert layers_on(plan, "tiny") == 0 and layers_on(plan, "big") == 24, plan.describe()

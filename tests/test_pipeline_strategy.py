@@ -5,8 +5,10 @@ step, which is one process's step with batch_size B and grad_accum N x A: the we
 process's (fp32, dropout 0). Checked on 2 stages (LoRA with GPipe, paused and resumed; full fine-tuning
 with 1F1B, tied embeddings trained) and on 3 (LoRA with 1F1B, explicit bounds, two rows a micro-batch;
 then a first stage that only embeds, with the step's rows regrouped into fewer, larger micro-batches),
-with evaluation and generation in the middle of the runs (on whole weights). The results are ordinary
-HF/PEFT directories, and a pipeline checkpoint resumes in one process.
+with evaluation and generation in the middle of the runs (through the stages). The results are ordinary
+HF/PEFT directories, and a pipeline checkpoint resumes in one process. No rank loads the whole model
+(`_rank` forbids `from_pretrained`): each reads its stage's tensors and, at every forward of a run, holds
+its stage's parameters only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import multiprocessing as mp
 import queue as queues
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import tiny_train_cfg
+from smolforge.models.tiny import preset_dir
 
 pytestmark = [pytest.mark.timeout(300),  # peft reads transformers' deprecated name when it loads an adapter
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
@@ -61,7 +65,8 @@ def _two(rank: int, root: Path, out: mp.Queue) -> None:
 
     gpipe = {"schedule": "gpipe"}
     planned = make_strategy("pipeline", gpipe)  # no bounds: each rank measures its node, the plan sizes the stages
-    whole, norms = _train(_cfg(root, "pp-lora"), planned)
+    with _stored_at_every_forward(planned) as stored:  # training, evaluation and its greedy decoding
+        whole, norms = _train(_cfg(root, "pp-lora"), planned)
     plan = [n for n in planned.notes if n.get("event") == "pipeline_plan"]
     paused, _ = _train(_cfg(root, "pp-paused"), make_strategy("pipeline", gpipe), stop_after=3)
     if rank == 0:  # the paused run's checkpoint, for one process to resume
@@ -70,10 +75,52 @@ def _two(rank: int, root: Path, out: mp.Queue) -> None:
     resumed, _ = _train({**_cfg(root, "pp-paused"), "resume": True}, make_strategy("pipeline", gpipe))
     # bounds given: the memory check below needs the layers split (a measured plan may give a tiny
     # model's layers all to one stage: its cost model counts the hidden states' trip over the cut)
-    full, full_norms = _train(_cfg(root, "pp-full", **FULL), make_strategy("pipeline", {"schedule": "1f1b",
-                                                                                        "bounds": [0, 2, 4]}))
+    full_strategy = make_strategy("pipeline", {"schedule": "1f1b", "bounds": [0, 2, 4]})
+    full, full_norms = _train(_cfg(root, "pp-full", **FULL), full_strategy)
     out.put((rank, {"whole": whole.to_dict(), "norms": norms, "paused": paused.to_dict(), "plan": plan,
-                    "resumed": resumed.to_dict(), "full": full.to_dict(), "full_norms": full_norms}))
+                    "resumed": resumed.to_dict(), "full": full.to_dict(), "full_norms": full_norms,
+                    "held": _held(full_strategy), "stored": sorted(stored), "planned": _held(planned),
+                    "greedy": _greedy(full_strategy).tolist()}))
+
+
+PROMPTS = torch.tensor([[3, 3, 5, 17, 42], [9, 8, 7, 6, 5]])  # left-padded (3 is the pad), as generate takes them
+
+
+def _greedy(strategy) -> torch.Tensor:
+    """The stages' greedy tokens for PROMPTS (every rank gets them), with the weights training ended on."""
+    from smolforge.parallel.strategies.pipeline_eval import StageEval
+
+    runner = StageEval(strategy.runner.stage, strategy.rank, strategy.world, torch.device("cpu"),
+                       strategy.hidden_size, strategy.hidden_dtype)
+    with torch.no_grad():
+        return runner.greedy(PROMPTS, (PROMPTS != 3).long(), 8, eos_id=2, pad_id=3)
+
+
+@contextmanager
+def _stored_at_every_forward(strategy):
+    """The distinct sets of parameter names with storage on this rank, seen each time a stage runs."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from smolforge.models.partition import Stage
+
+    seen: set[tuple[str, ...]] = set()
+
+    def look(module, args):
+        if isinstance(module, Stage) and strategy.layout is not None:
+            seen.add(tuple(sorted(n for n, p in zip(strategy.layout.names, strategy.layout.params) if p.numel())))
+
+    handle = register_module_forward_pre_hook(look)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _held(strategy) -> dict[str, list[str]]:
+    """The parameters with storage on this rank, and those its stage uses (a tied matrix: both end stages)."""
+    lay = strategy.layout
+    return {"stored": sorted(n for n, p in zip(lay.names, lay.params) if p.numel()),
+            "stage": sorted(n for i, n in enumerate(lay.names) if strategy.rank in lay.owners[i])}
 
 
 def _three(rank: int, root: Path, out: mp.Queue) -> None:
@@ -89,6 +136,12 @@ def _three(rank: int, root: Path, out: mp.Queue) -> None:
 def _rank(job, rank: int, world: int, port: int, root: str, out: mp.Queue) -> None:
     from smolforge.parallel.rendezvous import init_group, leave_group
 
+    from transformers import AutoModelForCausalLM
+
+    def whole_model(*args, **kwargs):
+        raise AssertionError("a pipeline rank loaded the whole model (AutoModelForCausalLM.from_pretrained)")
+
+    AutoModelForCausalLM.from_pretrained = whole_model  # a rank reads its stage's tensors only (stage_load)
     torch.set_num_threads(1)
     init_group("gloo", "127.0.0.1", port, rank, world, 120, secret="test")
     try:
@@ -181,6 +234,23 @@ def test_two_stages_equal_one_process_lora_and_full_and_resume_exactly(data):
     # each rank's optimizer held its stage's parameters only
     held = [r0["full"]["optimizer_state_bytes"], r1["full"]["optimizer_state_bytes"]]
     assert max(held) < 0.8 * one_full.optimizer_state_bytes, (held, one_full.optimizer_state_bytes)
+    # no rank loaded the whole model (`_rank` forbids from_pretrained); each read its stage's tensors only,
+    # the tied embedding on both end stages, and holds its stage's parameters only
+    reads = [r["full"]["strategy_metrics"]["stage_read_bytes"] for r in (r0, r1)]
+    ckpt = load_file(str(Path(preset_dir("tiny-llama")) / "model.safetensors"))
+    whole_bytes = sum(t.numel() * t.element_size() for t in ckpt.values())
+    embed_bytes = ckpt["model.embed_tokens.weight"].numel() * ckpt["model.embed_tokens.weight"].element_size()
+    assert sum(reads) == whole_bytes + embed_bytes and max(reads) < whole_bytes, (reads, whole_bytes, embed_bytes)
+    for r in (r0, r1):
+        assert r["held"]["stored"] == r["held"]["stage"], r["held"]
+    assert set(r0["held"]["stored"]) & set(r1["held"]["stored"]) == {"model.embed_tokens.weight"}
+    # ... at every forward of a run (training, evaluation, its greedy decoding: through the stages)
+    for r in (r0, r1):
+        stage = r["planned"]["stage"]
+        assert [list(s) for s in r["stored"]] == [stage], [sorted(set(s) ^ set(stage)) for s in r["stored"]]
+    # the stages' greedy decoding is HF generate's on the same weights (left padding, pad after the end)
+    _generates_as_hf(Path(r0["full"]["adapter_dir"]), r0["greedy"])
+    assert r1["greedy"] == r0["greedy"]
     # (d) ordinary HF and PEFT directories
     _loads_as_hf(Path(r0["full"]["adapter_dir"]), whole)
     _loads_as_peft(Path(r0["whole"]["adapter_dir"]), Path(one.adapter_dir))
@@ -212,6 +282,16 @@ def _loads_as_hf(directory: Path, weights: dict[str, torch.Tensor]) -> None:
     for name, value in weights.items():
         torch.testing.assert_close(state[name], value, atol=0, rtol=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def _generates_as_hf(directory: Path, tokens: list[list[int]]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    with torch.no_grad():
+        gen = model.generate(input_ids=PROMPTS, attention_mask=(PROMPTS != 3).long(), max_new_tokens=8,
+                             do_sample=False, pad_token_id=3, eos_token_id=2)
+    assert gen[:, PROMPTS.shape[1]:].tolist() == tokens
 
 
 def _loads_as_peft(pipeline_dir: Path, single_dir: Path) -> None:

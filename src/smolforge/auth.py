@@ -3,7 +3,7 @@
 Why one module below the layers: the coordinator, the split-learning trunk server and `smolforge
 serve` all take the same `--token-file` / `$SMOLFORGE_TOKEN` / state-dir token, and a service that
 needs no cluster (serve) must not import `smolforge.cluster` to get it. Pure Python, no Ray: the
-Ray side of the cluster token (`RAY_AUTH_TOKEN_PATH`) stays in `cluster/auth.py`.
+Ray side of the cluster token (`RAY_AUTH_TOKEN_PATH`) is `cluster/nodes/ray_auth.py`.
 
 Why one token for a cluster: a worker joining needs both the API and Ray, and users should have to
 copy exactly one secret. It is generated once, kept with mode 0600, compared in constant time, and

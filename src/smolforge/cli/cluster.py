@@ -277,6 +277,24 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         code = node.run()
         raise typer.Exit(code)
 
+    @worker_app.command("rescan")
+    @run_cli
+    def worker_rescan(
+        state_dir: Optional[str] = typer.Option(None, help="the state dir the worker was joined with "
+                                                "(default $SMOLFORGE_HOME)"),
+    ):
+        """Ask the worker running on this machine to read its models again (--models-dir, HF cache, Ollama).
+
+        A model copied in after `worker join` is then advertised without a re-join: the worker
+        re-registers with the cluster as soon as it runs no task. It also does so on its own every
+        $SMOLFORGE_RESCAN_S seconds (30; 0 turns the timer off). Prints the worker's answer.
+
+        Example: smolforge worker rescan --state-dir ~/.smolforge-worker
+        """
+        from smolforge.cluster.nodes.worker import request_rescan
+
+        typer.echo(request_rescan(state_dir))
+
 
 def _register_overview(app: typer.Typer) -> None:
     """`dashboard` and `status`: the cluster at a glance, in a browser or a terminal."""

@@ -18,6 +18,7 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, 
                                   quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
 from smolforge.distill.kdconfig import KD_LOSSES
+from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
 from smolforge.models.export.targets import RUN_TARGETS
@@ -47,7 +48,10 @@ def register(app: typer.Typer) -> None:
                                               "on-policy one (GKD starts from a student that knows the format)"),
         top_k: int = typer.Option(32, help="teacher logits kept per token"),
         no_compress: bool = typer.Option(False, "--no-compress", help="keep fp32 values in the store"),
-        teacher_backend: str = typer.Option("hf", help="hf (transformers) or ollama (HTTP API)"),
+        teacher_backend: str = typer.Option("hf", help="hf (transformers), llamacpp (a GGUF in llama.cpp: --teacher "
+                                            "model.gguf, or the HF teacher exported once per node) or ollama (HTTP API)"),
+        teacher_quant: str = typer.Option("q8_0", help="llamacpp: the HF teacher's GGUF weights, f16|q8_0|q4_k_m "
+                                          "(q4_k_m by llama.cpp's quantizer)"),
         ollama_host: Optional[str] = typer.Option(None, help="Ollama URL (default $OLLAMA_HOST or 127.0.0.1:11434)"),
         gen_temperature: float = typer.Option(0.0, help="teacher sampling temperature (0: greedy)"),
         top_p: float = typer.Option(1.0, help="teacher nucleus sampling"),
@@ -65,7 +69,7 @@ def register(app: typer.Typer) -> None:
         save_every: int = typer.Option(50, help="student checkpoints every N steps (a student whose worker is "
                                        "lost restarts there; 0: none)"),
         max_length: int = typer.Option(256),
-        aggregate: str = typer.Option("mean", help="mean|ties|none: merge the students into merged_model/final_adapter"),
+        aggregate: str = typer.Option("mean", help=f"{'|'.join(AGGREGATE_CHOICES)}: merge the students into merged_model/final_adapter"),
         aggregate_rank: Optional[int] = typer.Option(None, help="LoRA rank of the merged adapter (default: the students')"),
         cpus_per_teacher: float = typer.Option(1.0),
         cpus_per_student: float = typer.Option(1.0),
@@ -112,12 +116,14 @@ def register(app: typer.Typer) -> None:
         Example (an ensemble of two student bases on one teacher's outputs): smolforge distill --teacher small-llama --student tiny-llama --student tiny-qwen2 --data bundled --max-steps 20
 
         Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
+
+        Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
         """
         distill = _distill_section(dict(locals()))
         check_run_export(export, peft)
         if export and aggregate == "none":
             raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
-                                 fix="use --aggregate mean or ties, or export one student's adapter with `smolforge export`")
+                                 fix=f"use --aggregate {' or '.join(AGGREGATE_METHODS)}, or export one student's adapter with `smolforge export`")
         spec = {"kind": "distill", "mode": mode, "priority": priority, "distill": distill, "tensorboard": tensorboard,
                 "wandb": wandb}
         summary = run_distill_job(spec, output_dir, resume=resume,
@@ -132,7 +138,8 @@ def _distill_section(o: dict[str, Any]) -> dict[str, Any]:
         "num_students": o["num_students"], "peft": o["peft"], "peft_config": peft_section(None, o["peft_config"], None, None, None),
         "kd_loss": o["kd_loss"], "kd_ratio": o["kd_ratio"], "temperature": o["temperature"], "beta": o["beta"], "top_k": o["top_k"],
         "on_policy_ratio": o["on_policy_ratio"], "on_policy_start": o["on_policy_start"],
-        "compress_outputs": not o["no_compress"], "teacher_backend": o["teacher_backend"], "ollama_host": o["ollama_host"],
+        "compress_outputs": not o["no_compress"], "teacher_backend": o["teacher_backend"],
+        "teacher_quant": o["teacher_quant"], "ollama_host": o["ollama_host"],
         "gen_temperature": o["gen_temperature"], "top_p": o["top_p"], "max_new_tokens": o["max_new_tokens"],
         "samples_per_prompt": o["samples_per_prompt"], "teacher_responses": o["teacher_responses"], "num_shards": o["num_shards"],
         "max_samples": o["max_samples"], "max_steps": o["max_steps"], "epochs": o["epochs"], "batch_size": o["batch_size"],

@@ -14,8 +14,9 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.common import cli_token, print_json, quiet_libraries, run_cli
+from smolforge.distill.settings import AGGREGATE_METHODS
 from smolforge.errors import SmolforgeError
-from smolforge.models.export.targets import RUN_TARGETS, TARGETS
+from smolforge.models.export.targets import QUANTS, RUN_TARGETS, TARGETS
 
 
 def _say(line: str) -> None:
@@ -71,7 +72,7 @@ def export_distill(summary: dict, output_dir: str | Path, target: str) -> dict:
     merged = {base: rep for base, rep in (summary.get("merged") or {}).items() if rep.get("output")}
     if not merged:
         raise SmolforgeError("--export: the run merged no adapter to export",
-                             fix="use --aggregate mean or ties (not none) with a mergeable --peft")
+                             fix=f"use --aggregate {' or '.join(AGGREGATE_METHODS)} (not none) with a mergeable --peft")
     done = {}
     for base, rep in merged.items():
         adapter = Path(rep["output"])
@@ -123,7 +124,7 @@ def register(app: typer.Typer) -> None:
         adapter: list[str] = typer.Option([], "--adapter", help="adapter directory to merge (repeat: merged in order)"),
         to: str = typer.Option(..., "--to", help=" | ".join(TARGETS)),
         output_dir: str = typer.Option(..., help="directory to write (replaced if it holds an earlier export)"),
-        quant: str = typer.Option("f16", help="GGUF weights: f16 | bf16 | q8_0"),
+        quant: str = typer.Option("f16", help=f"GGUF weights: {' | '.join(QUANTS)}"),
         dtype: str = typer.Option("auto", "--dtype", help="--to hf: the dtype the merged weights are written in: "
                                   "auto (the checkpoint's own) | bf16 | fp16 | fp32 (GGUF: use --quant)"),
         name: Optional[str] = typer.Option(None, help="model name in the GGUF and for `ollama create`"),
@@ -146,6 +147,8 @@ def register(app: typer.Typer) -> None:
 
         if to not in TARGETS:
             raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")
+        if quant not in QUANTS:
+            raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
         dtype = check_export_dtype(dtype, to)
         out = Path(output_dir).expanduser().resolve()
         check_output_dir(out)

@@ -362,7 +362,6 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
                  max_retries: int, cpus_per_worker: float, name: str | None, priority: str = "normal",
                  **opts: Any) -> dict:
     from smolforge.cluster.control.kinds import apply_job_overrides
-    from smolforge.cluster.control.specs import default_save_every
 
     strategy = opts.pop("strategy", "ddp")
     balance = opts.pop("balance", "auto")
@@ -379,8 +378,7 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
             peft[dest] = opts.pop(key)
     if peft:
         train["peft"] = peft
-    train.update(opts)
-    train.setdefault("save_every", default_save_every(train.get("max_steps")))
+    train.update(opts)  # no save_every given: the job spec gives the one default (specs.default_save_every)
     spec = {"kind": "data_parallel", "name": name, "priority": priority, "num_workers": num_workers, "cpus_per_worker": cpus_per_worker,
             "gpu": gpu, "max_retries": max_retries, "strategy": strategy, "balance": balance, "train": train}
     return apply_job_overrides(spec, sets)

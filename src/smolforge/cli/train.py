@@ -1,4 +1,12 @@
-"""`smolforge train`, `eval` and `generate`: the single-worker engine from the command line."""
+"""`smolforge train`, `eval` and `generate`: the single-worker engine from the command line.
+
+`smolforge train` is the one command that does not hand its spec to a backend: it is the laptop's
+one-process path, so it runs the one driver (`smolforge.train.engine.train`, the same run a
+data-parallel rank makes) in this process, with no Ray and no embedded cluster to start (seconds,
+not the tens of seconds a cluster of one takes). A job that needs the queue, pause and resume from
+another shell, or other machines is `smolforge launch` (`--workers 1` for one). docs/design.md
+records this shortcut.
+"""
 
 from __future__ import annotations
 
@@ -136,7 +144,7 @@ def _register_train(app: typer.Typer) -> None:
         quiet_libraries()
         from smolforge.train.engine import train as run_train
 
-        result = run_train(cfg, examples=examples)
+        result = run_train(cfg, examples=examples)  # here, no backend: the documented one-process shortcut
         exported = export_run(cfg.model, result.adapter_dir, cfg.output_dir, export) if export else None
         if json_out:
             print_json({**result.to_dict(), **({"export": exported} if exported else {})})

@@ -1,7 +1,7 @@
 """The coordinator's control service (FastAPI): REST API, /metrics, /health and the dashboard.
 
 Every route needs `Authorization: Bearer <token>`, checked before any body byte is read
-(`cluster/gate.py`, which also bounds bodies: 413), except two that carry no data: `/health` (for load
+(`gate.py`, which also bounds bodies: 413), except two that carry no data: `/health` (for load
 balancers and `worker join`'s reachability check) and the `/dashboard` page shell, which a browser
 loads before it has the token; the page then calls the API with the token it reads from the URL
 fragment (`/dashboard#token=…`, never sent to the server) or a login box. Its static files (script,
@@ -59,12 +59,14 @@ class CertificateRequest(BaseModel):
 
 
 def create_app(core: Any) -> FastAPI:
-    """`core` is a cluster.coordinator.CoordinatorCore (token, store, artifacts, manager, monitor, info)."""
+    """`core` is a cluster.coordinator.CoordinatorCore (token, store, artifacts, manager, monitor, info).
+
+    The routes are registered by group (what they serve), in the order they were always matched."""
     app = FastAPI(title="smolforge coordinator", docs_url=None, redoc_url=None, responses=ERRORS)  # /openapi.json: token
     app.router.route_class = BoundedJsonRoute  # JSON nesting counted before any parse
     document_errors(app)
     app.add_exception_handler(RequestValidationError, validation_error)
-    # The token and the size bound before any body byte is read (see cluster/gate.py); the
+    # The token and the size bound before any body byte is read (see gate.py); the
     # dependency below stays as a second check on every route.
     app.add_middleware(Gate, token=lambda: core.token, open_paths=OPEN_PATHS, max_body=MAX_BODY_BYTES,
                        stream_paths={"/api/v1/uploads": MAX_UPLOAD_BYTES})
@@ -75,6 +77,16 @@ def create_app(core: Any) -> FastAPI:
                                 headers={"WWW-Authenticate": "Bearer"})
 
     auth = [Depends(require_token)]
+    _error_handlers(app)
+    _open_routes(app, core)
+    _cluster_routes(app, core, auth)
+    _job_routes(app, core, auth)
+    _upload_routes(app, core, auth)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every refusal as `{"error", "where", "fix"}`: ours (SmolforgeError) and Starlette's own."""
 
     @app.exception_handler(SmolforgeError)
     def _smolforge_error(request: Request, err: SmolforgeError):
@@ -89,7 +101,9 @@ def create_app(core: Any) -> FastAPI:
         return JSONResponse({"error": str(err.detail), "where": None, "fix": fix}, status_code=err.status_code,
                             headers=getattr(err, "headers", None))
 
-    # -- open routes ------------------------------------------------------------------------------
+
+def _open_routes(app: FastAPI, core: Any) -> None:
+    """What answers without a token: /health and the dashboard's page shell and packaged files."""
 
     @app.get("/health")
     def health():
@@ -109,7 +123,9 @@ def create_app(core: Any) -> FastAPI:
         return Response(body, media_type=media_type,
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
-    # -- cluster ----------------------------------------------------------------------------------
+
+def _cluster_routes(app: FastAPI, core: Any, auth: list) -> None:
+    """The cluster as a whole: metrics, status, nodes (heartbeats, Ray TLS certificates), resources, events."""
 
     @app.get("/metrics", dependencies=auth, response_class=PlainTextResponse)
     def metrics():
@@ -154,7 +170,10 @@ def create_app(core: Any) -> FastAPI:
     def cluster_events(since: Since = 0, limit: int = rows(500)):
         return core.store.events(None, since_id=since, limit=limit)
 
-    # -- jobs -------------------------------------------------------------------------------------
+
+def _job_routes(app: FastAPI, core: Any, auth: list) -> None:
+    """Jobs: list, submit, show, their events, logs, metrics and artifacts, and the moves (pause, resume,
+    cancel, join) the manager makes."""
 
     @app.get("/api/v1/jobs", dependencies=auth)
     def list_jobs(state: StateList = None, limit: int = rows(200)):
@@ -220,7 +239,9 @@ def create_app(core: Any) -> FastAPI:
             raise SmolforgeError(f"no file {path} in {kind}/{name}", fix="list the artifact's files first")
         return FileResponse(target, media_type="application/octet-stream")
 
-    # -- uploads ----------------------------------------------------------------------------------
+
+def _upload_routes(app: FastAPI, core: Any, auth: list) -> None:
+    """Uploads: a raw body streamed to a content-addressed file within the size bound and the quota."""
 
     @app.post("/api/v1/uploads", dependencies=auth,
               responses={507: {"model": ApiError, "description": "the upload quota is full"}})
@@ -262,5 +283,3 @@ def create_app(core: Any) -> FastAPI:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return {"id": digest, "ref": f"upload:{digest}", "bytes": size}
-
-    return app

@@ -22,7 +22,7 @@ import psutil
 
 from smolforge.cluster.nodes import ray_glue, ray_session
 from smolforge.cluster.control.artifacts import ArtifactStore
-from smolforge.cluster.control.kinds import apply_job_overrides, kind_of, pin_local_models, stage_spec
+from smolforge.cluster.control.kinds import apply_job_overrides, pin_local_models, stage_spec
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.cluster.control.manager import JobManager
@@ -84,10 +84,7 @@ class EmbeddedCluster:
         for job in self.store.list_jobs(states=("running", "pending")):
             if self._owner_alive(job["id"]):
                 continue
-            where = kind_of(job["kind"]).resumes_from(self.manager, job["id"])
-            self.store.set_state(job["id"], "paused", f"interrupted: the command running it ended; "
-                                 f"`smolforge job resume {job['id']}` continues from {where}", force=True)
-            self.store.stop_tasks(job["id"], "stopped: the command running the job ended")
+            self.manager.mark_interrupted(job["id"])
             found.append(job["id"])
         return found
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from smolforge.distill.settings import AGGREGATE_METHODS as METHODS  # the names, one place (torch-free)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import resolve_model
 from smolforge.models.peft_methods import adapter_method
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 
-METHODS = ("mean", "ties")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "generation_config.json",
                     "base_model.json")  # and the base's shape (peft_methods.BASE_FILE): the merge keeps its base

@@ -106,7 +106,7 @@ def _loadable(node: Any, backend: str) -> str:
     return text
 
 
-TEACHER_BACKENDS = ("hf", "ollama", "reference")
+TEACHER_BACKENDS = ("hf", "llamacpp", "ollama", "reference")
 # What each backend loads, and the Ray resource prefix under which a node advertises what it can load
 # that way (ray_glue.model_resource): the weights (HF cache, --models-dir) or an Ollama tag.
 MODEL_PREFIXES = {"hf": "model:", "ollama": "ollama:"}
@@ -114,7 +114,7 @@ MODEL_PREFIXES = {"hf": "model:", "ollama": "ollama:"}
 
 def model_backend(teacher_backend: str) -> str:
     """How a task loads its model: `ollama` for an Ollama teacher, `hf` (the weights) for everything else
-    (students, `hf` and `reference` teachers)."""
+    (students, `hf`, `reference` and `llamacpp` teachers: the last exports the weights on its node)."""
     return "ollama" if teacher_backend == "ollama" else "hf"
 
 
@@ -150,7 +150,8 @@ def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_nod
                                  fix=f"put {model} in the coordinator's HF cache or models dir, or drop "
                                      "--teacher-on-coordinator to run the teachers on workers")
         how = "as an Ollama tag" if backend == "ollama" else "as weights (HF cache or --models-dir)"
-        fix = (f"`ollama pull {model}` on a worker and re-join it, or use --teacher-backend hf with weights a node holds"
+        fix = (f"`ollama pull {model}` on a worker and run `smolforge worker rescan` there, or use "
+               "--teacher-backend hf with weights a node holds"
                if backend == "ollama" else
                f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
                "model that a node lists under `smolforge nodes`")

@@ -23,6 +23,11 @@ from smolforge.config import DEFAULT_LR, ModelDtype, PeftSpec, Spec, default_lr,
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 
+# How the students of a base become one adapter (`--aggregate`), one place: `distill/aggregate.py`
+# implements them; the CLI's help and `check_run` read them here, without importing torch.
+AGGREGATE_METHODS: tuple[str, ...] = ("mean", "ties")
+AGGREGATE_CHOICES: tuple[str, ...] = (*AGGREGATE_METHODS, "none")  # none: the students' adapters stay apart
+
 
 class DistillSettings(Spec):
     """Everything a distillation run can set; defaults suit a small model on a CPU."""
@@ -46,6 +51,7 @@ class DistillSettings(Spec):
     top_k: int = Field(32, ge=0)
     compress_outputs: bool = True
     teacher_backend: str = "hf"
+    teacher_quant: str = "q8_0"  # the llamacpp backend's GGUF weights (models.export.cache.TEACHER_QUANTS)
     ollama_host: str | None = None
     gen_temperature: float = 0.0
     top_p: float = 1.0
@@ -72,7 +78,7 @@ class DistillSettings(Spec):
     students_sync: Literal["average", "ddp"] = "average"
     students_strategy: str | None = None
     teacher_on_coordinator: bool = False  # the teachers run on the coordinator node (the user lends it)
-    aggregate: str = "mean"  # mean | ties | none
+    aggregate: str = "mean"  # one of AGGREGATE_CHOICES
     aggregate_rank: int | None = Field(None, ge=1)
     cpus_per_teacher: float = Field(1.0, gt=0)
     cpus_per_student: float = Field(1.0, gt=0)
@@ -124,8 +130,8 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
 
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
-    if cfg.aggregate not in ("mean", "ties", "none"):
-        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix="use mean, ties or none")
+    if cfg.aggregate not in AGGREGATE_CHOICES:
+        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix=f"use one of {', '.join(AGGREGATE_CHOICES)}")
     if mode not in ("teacher_student", "hybrid"):
         raise SmolforgeError(f"unknown --mode {mode!r}", fix="use teacher_student or hybrid")
 
@@ -137,8 +143,16 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
         raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
                              f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
-    if cfg.teacher_backend not in ("hf", "ollama", "reference"):
-        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix="use hf, ollama or reference")
+    from smolforge.distill.planner import TEACHER_BACKENDS
+    from smolforge.models.export.cache import check_quant
+
+    if cfg.teacher_backend not in TEACHER_BACKENDS:
+        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
+    if cfg.teacher_backend == "llamacpp":
+        check_quant(cfg.teacher_quant)
+        if cfg.teacher_responses == "reference":
+            raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
+                                 "llamacpp backend generates its own", fix="use --teacher-backend hf for reference")
     if cfg.replace_timeout_s <= 0:
         raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
                              fix="give the seconds a student whose node died may wait for another (e.g. 300)")

@@ -5,10 +5,11 @@ Why this shape:
   token, only the teacher's top-k log-probabilities, their vocabulary ids, and the probability mass
   outside the top k (the tail), which the KD losses need to stay a proper distribution. VERSION 2
   shards (codec "sorted-rice-q8", see `topk_codec`) store ids sorted and Rice-coded, log-probs as
-  8-bit codes below the row's fp16 top one, and compress every stream with zlib: about 81 bytes
-  of top-k per token at k = 32, V = 32,000 against 126 (whole shard: ~93 against 140) for VERSION 1 (fp16 values, ids bit-packed to
-  ceil(log2 V) bits, fp16 tail), which readers still accept. `compress=False` writes codec "plain":
-  fp32 values, plain integer ids, fp32 tail.
+  8-bit codes below the row's fp16 top one, and compress every stream with zlib: 84.0 bytes per
+  response token for the whole shard (75.8 of them the top-k part) at k = 32, V = 32,000, against
+  142.9 for VERSION 1 (fp16 values, ids bit-packed to ceil(log2 V) bits, fp16 tail), which readers
+  still accept (measured on a synthetic Zipf teacher: `bench/distill_store.py`, BENCHMARKS.md).
+  `compress=False` writes codec "plain": fp32 values, plain integer ids, fp32 tail.
 - Each manifest records what the stored distribution costs in accuracy (`reconstruction`):
   KL(stored k+1 buckets ‖ the teacher's exact k+1 buckets), mean and max over every top-k row of
   the shard, and, when the teacher had the full logits, what top-k itself drops (truncation KL).

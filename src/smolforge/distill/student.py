@@ -1,10 +1,10 @@
 """Streaming students: train on teacher shards as they appear, with KD + CE, any PEFT method.
 
-A student is the one trainer (`smolforge.train.loop.Trainer`) with two parts of its own: its
-batches come from a stream of teacher shards that may still be being written (a student starts
-on the first shard while the teachers make the rest), and its loss is KD + CE
-(`smolforge.distill.losses.mixed_loss`). So it has the engine's AMP, clipping, accumulation,
-schedules, checkpoints and strategies, by construction.
+A student is the one driver around the one trainer (`smolforge.train.driver`, `train.loop.Trainer`)
+with two parameters of its own: its data source (`StreamSource`) is a stream of teacher shards that
+may still be being written (a student starts on the first shard while the teachers make the rest),
+and its loss is KD + CE (`smolforge.distill.losses.mixed_loss`). So it has the engine's AMP,
+clipping, accumulation, schedules, resume, checkpoints and strategies, by construction.
 
 Data order is deterministic given the order in which shards arrived (recorded in checkpoints):
 epoch 0 is each shard's seeded permutation in arrival order; later epochs are seeded
@@ -34,16 +34,11 @@ from smolforge.distill.rows import Row
 from smolforge.distill.shard_source import ShardSource
 from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
-from smolforge.models.loading import load_model, load_tokenizer, pick_device
-from smolforge.models.peft_methods import apply_peft, save_adapter, trainable_summary
-from smolforge.paths import atomic_write_json
-from smolforge.telemetry.progress import StepProgress
-from smolforge.train import checkpoint as ckpt
+from smolforge.models.loading import load_model, load_tokenizer
+from smolforge.models.peft_methods import apply_peft, trainable_summary
+from smolforge.train.driver import Outcome, Run, RunHooks, RunSettings, StepInfo, drive, prepare_process
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity
 from smolforge.train.faults import HoldAt, fault_hold_step, held_message, stay_held
-from smolforge.train.engine import available_cpus
-from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer
-from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Strategy
 
 IGNORE = -100
@@ -331,26 +326,104 @@ def _hold(who: str, step: int, at: int, emit: EventFn, should_stop: Callable[[],
     stay_held(who, step, at, asked)
 
 
-def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
-                  on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
-                  on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None,
-                  eval_examples: list[dict[str, Any]] | None = None,
-                  on_checkpoint: Callable[[Path, int], None] | None = None,
-                  strategy: Strategy | None = None) -> StudentResult:
-    """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json.
+class StreamSource:
+    """The student's data (a driver `Source`, `smolforge.train.driver`): each step's rows of a stream of
+    teacher shards (`RowStream`), rank r taking its slice; some steps rewritten on-policy.
 
-    `on_checkpoint(path, step)` follows every `save_every` checkpoint: on a cluster the worker ships
-    it to the driver, so a student whose worker dies restarts from it elsewhere. `strategy` shares
-    the student's steps with other ranks (each takes its slice of every step's rows of the stream).
+    It also decides logit versus sequence-level KD as shards arrive (a teacher whose tokenizer differs
+    from the student's gives text only), recording that, the shards and the first step in `result`.
     """
-    strategy = strategy or Strategy()
 
-    emit = on_event or (lambda *a, **k: None)
-    if hasattr(source, "attach_events"):
-        source.attach_events(emit)
-    t_start = time.time()
-    torch.set_num_threads(cfg.num_threads or available_cpus())
-    device = strategy.device_for(pick_device(cfg.device))
+    def __init__(self, cfg: StudentConfig, source: ShardSource, latest: Path | None, *, tokenizer,
+                 teacher_tokenizer_hash: str | None, result: StudentResult, emit: EventFn, strategy: Strategy,
+                 model: torch.nn.Module, device: torch.device):
+        self.cfg, self.tokenizer, self.result, self.emit = cfg, tokenizer, result, emit
+        self.strategy, self.model, self.device = strategy, model, device
+        self.my_hash = tokenizer_hash(tokenizer)
+        self.same = teacher_tokenizer_hash is None or teacher_tokenizer_hash == self.my_hash
+        self.k, self.teacher = 0, None  # top-k of the teacher's logits (0: none); its name (on-policy)
+        self.tail_ids = template_tail_ids(tokenizer)
+        self.sampler: OnPolicySampler | None = None  # built on the first on-policy step (loads the teacher)
+        # Resume: the shard order of the checkpoint is replayed exactly.
+        replay = list(json.loads((latest / "state.json").read_text()).get("shard_order", [])) if latest else []
+        self.stream = RowStream(source, self._to_rows, cfg.seed, on_shard=self._on_shard, replay_order=replay)
+        self.per_step = cfg.batch_size * cfg.grad_accum
+        self.rows_per_step = self.per_step * strategy.world
+        self.expected = source.expected_rows()
+        if cfg.max_steps:
+            self.steps = cfg.max_steps
+        elif self.expected:
+            self.steps = max(1, math.ceil(cfg.epochs * self.expected / self.rows_per_step))
+        else:
+            raise SmolforgeError("cannot tell how many steps to train: the teacher plan is unknown",
+                                 fix="pass max_steps")
+
+    def _to_rows(self, shard: Shard) -> list[Row]:
+        cfg, result = self.cfg, self.result
+        if shard.manifest.get("tokenizer_hash") != self.my_hash and self.same:
+            self.same = False
+        if not self.same and result.mode != "sequence":
+            result.mode = "sequence"
+            msg = (f"student {cfg.base_model} has a different tokenizer than teacher "
+                   f"{shard.manifest.get('teacher')} (vocab hash {self.my_hash} != {shard.manifest.get('tokenizer_hash')}): "
+                   "falling back to sequence-level KD (training on the teacher's text, no logits)")
+            warnings.warn(msg, stacklevel=2)
+            result.warnings.append(msg)
+            self.emit("student_sequence_kd", warning=msg)
+        if self.same and shard.manifest.get("has_logits", True):
+            self.k = int(shard.manifest.get("k", 0))
+        self.teacher = self.teacher or shard.manifest.get("teacher")
+        return rows_from_shard(shard, self.tokenizer, self.same, cfg.max_length, self.tail_ids)
+
+    def _on_shard(self, shard: Shard, n_rows: int) -> None:
+        info = {"shard": shard.shard_id, "sha256": shard.manifest["sha256"], "rows": n_rows, "time": time.time()}
+        self.result.shards.append(info)
+        self.emit("student_shard", **info)
+
+    def batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        # The global batch of a step is world × per_step rows of the stream; rank r takes its slice.
+        cfg, rank = self.cfg, self.strategy.rank
+        rows = self.stream.take((step * self.strategy.world + rank) * self.per_step, self.per_step)  # waits for shards
+        if self.result.first_step_at is None:
+            self.result.first_step_at = time.time()
+            self.emit("student_started", step=step, shards_ready=len(self.stream.arrival))
+        on_policy = is_on_policy_step(cfg.on_policy_ratio, cfg.seed, step, first=int(cfg.on_policy_start * self.steps))
+        if on_policy:
+            if self.sampler is None:
+                self.sampler = _on_policy_sampler(cfg, self.teacher, self.tokenizer, self.my_hash, self.device, self.k)
+            with self.strategy.whole_model(self.model):
+                rows = self.sampler.rewrite(rows, self.model, self.device, step, rank)
+            self.result.on_policy_steps += 1
+        k = self.sampler.s.top_k if on_policy and self.sampler else self.k
+        micro = [collate_rows(rows[j:j + cfg.batch_size], self.tokenizer.pad_token_id, k)
+                 for j in range(0, len(rows), cfg.batch_size)]
+        if on_policy:
+            for m in micro:
+                m["on_policy"] = torch.ones(())
+        return micro
+
+    def epoch(self, done: int) -> float:
+        return done * self.rows_per_step / self.expected if self.expected else 0.0
+
+    def note(self) -> str:
+        return f" · shards {len(self.stream.arrival)}"
+
+    def replay_state(self) -> dict[str, Any]:
+        return {"shard_order": self.stream.order}
+
+
+def student_settings(cfg: StudentConfig, strategy: Strategy) -> RunSettings:
+    """What the driver reads of a `StudentConfig`: no periodic eval, and no final checkpoint (a student's
+    product is its adapter; a checkpoint exists to resume or to move it to another node)."""
+    return RunSettings(output_dir=cfg.output_dir, peft_method=cfg.peft.method, lr=float(cfg.lr),
+                       weight_decay=cfg.weight_decay, scheduler=cfg.scheduler, warmup_steps=cfg.warmup_steps,
+                       min_lr_ratio=cfg.min_lr_ratio, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
+                       save_every=cfg.save_every, keep_last=cfg.keep_last, resume=cfg.resume,
+                       quiet=cfg.quiet or not strategy.is_main, label=f"student {Path(cfg.output_dir).name}",
+                       final_checkpoint=False, checkpoint_meta={"model": cfg.base_model})
+
+
+def _load_student(cfg: StudentConfig, device: torch.device, model, tokenizer) -> tuple[Any, torch.nn.Module]:
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.base_model)
     ensure_chat_template(tokenizer)
@@ -361,136 +434,67 @@ def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_
         model = load_model(cfg.base_model, device=device, dtype=cfg.dtype, training=True)
         model = apply_peft(model, cfg.peft)
     model.to(device)
+    return tokenizer, model
+
+
+def train_student(cfg: StudentConfig, source: ShardSource, *, teacher_tokenizer_hash: str | None = None,
+                  on_event: EventFn | None = None, should_stop: Callable[[], str | None] | None = None,
+                  on_step: Callable[[dict], None] | None = None, model=None, tokenizer=None,
+                  eval_examples: list[dict[str, Any]] | None = None,
+                  on_checkpoint: Callable[[Path, int], None] | None = None,
+                  strategy: Strategy | None = None) -> StudentResult:
+    """Train one student from a shard stream; writes `<output_dir>/<peft>_adapter/` and summary.json.
+
+    The run is the one driver's (`smolforge.train.driver`) with the shard stream as its data
+    (`StreamSource`) and KD + CE as its loss. `on_checkpoint(path, step)` follows every `save_every`
+    checkpoint (not a pause's, which goes back with the result): on a cluster the worker ships it to
+    the driver, so a student whose worker dies restarts from it elsewhere. `strategy` shares the
+    student's steps with other ranks (each takes its slice of every step's rows of the stream).
+    """
+    strategy = strategy or Strategy()
+    emit = on_event or (lambda *a, **k: None)
+    if hasattr(source, "attach_events"):
+        source.attach_events(emit)
+    t_start = time.time()
+    device = prepare_process(cfg.num_threads, cfg.device, strategy)
+    tokenizer, model = _load_student(cfg, device, model, tokenizer)
     trainable, total_params = trainable_summary(model)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = StudentResult(output_dir=str(out_dir), adapter_dir=None, steps=0, final_loss=None, mode="logit",
                            started_at=t_start, trainable_params=trainable, total_params=total_params)
-    my_hash = tokenizer_hash(tokenizer)
-    same = teacher_tokenizer_hash is None or teacher_tokenizer_hash == my_hash
-    k_holder: dict[str, Any] = {"k": 0}
-    tail_ids = template_tail_ids(tokenizer)
-
-    def to_rows(shard: Shard) -> list[Row]:
-        nonlocal same
-        if shard.manifest.get("tokenizer_hash") != my_hash and same:
-            same = False
-        if not same and result.mode != "sequence":
-            result.mode = "sequence"
-            msg = (f"student {cfg.base_model} has a different tokenizer than teacher "
-                   f"{shard.manifest.get('teacher')} (vocab hash {my_hash} != {shard.manifest.get('tokenizer_hash')}): "
-                   "falling back to sequence-level KD (training on the teacher's text, no logits)")
-            warnings.warn(msg, stacklevel=2)
-            result.warnings.append(msg)
-            emit("student_sequence_kd", warning=msg)
-        if same and shard.manifest.get("has_logits", True):
-            k_holder["k"] = int(shard.manifest.get("k", 0))
-        k_holder.setdefault("teacher", shard.manifest.get("teacher"))
-        return rows_from_shard(shard, tokenizer, same, cfg.max_length, tail_ids)
-
-    def on_shard(shard: Shard, n_rows: int) -> None:
-        info = {"shard": shard.shard_id, "sha256": shard.manifest["sha256"], "rows": n_rows, "time": time.time()}
-        result.shards.append(info)
-        emit("student_shard", **info)
-
-    # Resume: weights/optimizer from the newest valid checkpoint, shard order replayed exactly.
-    rank, world = strategy.rank, strategy.world
-    per_step = cfg.batch_size * cfg.grad_accum
-    latest = ckpt.latest_checkpoint(out_dir) if cfg.resume else None
-    replay: list[int] = []
-    if latest is not None:
-        replay = list(json.loads((latest / "state.json").read_text()).get("shard_order", []))
-    stream = RowStream(source, to_rows, cfg.seed, on_shard=on_shard, replay_order=replay)
-    expected = source.expected_rows()
-    if cfg.max_steps:
-        steps = cfg.max_steps
-    elif expected:
-        steps = max(1, math.ceil(cfg.epochs * expected / (per_step * world)))
-    else:
-        raise SmolforgeError("cannot tell how many steps to train: the teacher plan is unknown",
-                             fix="pass max_steps")
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy)
-    scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
-    start_step = 0
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, strategy=strategy)
-        start_step = int(state["step"])
-        emit("student_resumed", step=start_step, checkpoint=str(latest))
-
-    # The one trainer (smolforge.train.loop): AMP, clipping, accumulation, any strategy; KD + CE as the loss.
-    trainer = Trainer(model, optimizer, scheduler, device=device, strategy=strategy, precision=cfg.precision,
-                      max_grad_norm=cfg.max_grad_norm,
-                      loss_sum=lambda logits, m: mixed_loss(logits.float(), m, cfg.kd, 1.0).loss)
-    emit("student_waiting", steps=steps)
-    progress = StepProgress(steps, f"student {out_dir.name}", quiet=cfg.quiet or not strategy.is_main,
-                            completed=start_step)
-    last_loss = [float("nan")]
     hold = HoldAt(fault_hold_step())  # fault injection for tests (train/faults.py): read once, here
+    who = "student" if strategy.world == 1 else f"student rank {strategy.rank}"
 
-    sampler: list[OnPolicySampler | None] = [None]  # built on the first on-policy step (loads the teacher)
-
-    def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        # The global batch of a step is world × per_step rows of the stream; rank r takes its slice.
-        rows = stream.take((step * world + rank) * per_step, per_step)  # blocks until the shard(s) exist
-        if result.first_step_at is None:
-            result.first_step_at = time.time()
-            emit("student_started", step=step, shards_ready=len(stream.arrival))
-        on_policy = is_on_policy_step(cfg.on_policy_ratio, cfg.seed, step, first=int(cfg.on_policy_start * steps))
-        if on_policy:
-            if sampler[0] is None:
-                sampler[0] = _on_policy_sampler(cfg, k_holder.get("teacher"), tokenizer, my_hash, device,
-                                                k_holder["k"])
-            with strategy.whole_model(model):
-                rows = sampler[0].rewrite(rows, model, device, step, rank)
-            result.on_policy_steps += 1
-        micro = [collate_rows(rows[j:j + cfg.batch_size], tokenizer.pad_token_id, sampler[0].s.top_k if on_policy
-                              else k_holder["k"]) for j in range(0, len(rows), cfg.batch_size)]
-        if on_policy:
-            for m in micro:
-                m["on_policy"] = torch.ones(())
-        return micro
-
-    def after_step(done: int, stats: StepStats) -> None:
-        last_loss[0] = stats.loss
-        result.steps = done
-        tps = trainer.tokens_per_s()
-        progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s · shards {len(stream.arrival)}")
+    def step_hook(info: StepInfo) -> None:
         if on_step:
-            on_step({"step": done, "max_steps": steps, "loss": stats.loss, "lr": stats.lr, "tokens_per_s": tps,
-                     "samples_done": done * per_step * world, "samples_total": steps * per_step * world})
-        if hold.due(done):
-            _hold("student" if world == 1 else f"student rank {rank}", done, hold.step, emit, should_stop)
+            on_step({"step": info.step, "max_steps": info.max_steps, "loss": info.loss, "lr": info.lr,
+                     "tokens_per_s": info.tokens_per_s, "samples_done": info.samples_done,
+                     "samples_total": info.samples_total})
+        if hold.due(info.step):
+            _hold(who, info.step, hold.step, emit, should_stop)
 
-    def save(done: int, pausing: bool) -> None:
-        rngs = strategy.gather_rng()  # every rank takes part; the main rank writes
-        optim_state = strategy.optimizer_state(optimizer)
-        if strategy.is_main:
-            path = ckpt.save_checkpoint(out_dir, done, model, optimizer, scheduler, keep_last=cfg.keep_last,
-                                        extra={"shard_order": stream.order, "model": cfg.base_model},
-                                        rank_rng=rngs, strategy_state=strategy.state_dict(),
-                                        optimizer_state=optim_state)
-            if on_checkpoint and not pausing:  # a pause's checkpoint goes back with the result
-                on_checkpoint(path, done)
-        strategy.barrier()
+    def evaluate() -> dict[str, Any]:  # the main rank evaluates alone, on the whole weights
+        with strategy.whole_model(model):
+            return evaluate_student(model, tokenizer, cfg.eval_data, cfg, device, eval_examples) if strategy.is_main else {}
 
-    try:
-        _done, stopped = trainer.run(start_step, steps, batches,
-                                     LoopHooks(after_step=after_step, save=save, should_stop=should_stop),
-                                     save_every=cfg.save_every)
-    finally:
-        progress.close()
-    result.stopped = stopped
-    loss_val = last_loss[0]
-    result.final_loss = loss_val if loss_val == loss_val else None
-    result.tokens_per_s = trainer.tokens_per_s()
-    if stopped is None and strategy.is_main:
-        result.eval = evaluate_student(model, tokenizer, cfg.eval_data, cfg, device, eval_examples)
-        adapter = out_dir / f"{cfg.peft.method}_adapter"
-        save_adapter(model, adapter, tokenizer=tokenizer)
-        result.adapter_dir = str(adapter)
-        emit("student_finished", steps=result.steps, eval=result.eval, adapter=str(adapter))
-    strategy.barrier()
-    result.seconds = time.time() - t_start
-    if strategy.is_main:
-        atomic_write_json(out_dir / "summary.json", result.to_dict())
-    return result
+    def summarize(o: Outcome) -> StudentResult:
+        result.steps, result.final_loss, result.stopped = o.steps, o.final_loss, o.stopped
+        result.tokens_per_s, result.eval, result.adapter_dir = o.tokens_per_s, o.eval, o.adapter_dir
+        if o.stopped is None and strategy.is_main:
+            emit("student_finished", steps=result.steps, eval=result.eval, adapter=result.adapter_dir)
+        result.seconds = time.time() - t_start
+        return result
+
+    return drive(Run(
+        settings=student_settings(cfg, strategy), model=model, tokenizer=tokenizer, device=device, strategy=strategy,
+        source=lambda latest: StreamSource(cfg, source, latest, tokenizer=tokenizer, result=result, emit=emit,
+                                           teacher_tokenizer_hash=teacher_tokenizer_hash, strategy=strategy,
+                                           model=model, device=device),
+        loss_sum=lambda logits, m: mixed_loss(logits.float(), m, cfg.kd, 1.0).loss,
+        evaluate=evaluate, summarize=summarize,
+        hooks=RunHooks(on_step=step_hook, should_stop=should_stop,
+                       on_checkpoint=(lambda path, step, pausing: None if pausing else on_checkpoint(path, step))
+                       if on_checkpoint else None,
+                       on_resume=lambda path, step: emit("student_resumed", step=step, checkpoint=str(path)),
+                       on_start=lambda _start, steps: emit("student_waiting", steps=steps))))

@@ -10,7 +10,6 @@ model costs about one decode step per batch and keeps `generate` itself as fast 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +27,7 @@ from smolforge.distill.ollama import OllamaTeacher
 from smolforge.distill.planner import plan_shards
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash, write_shard_bytes
+from smolforge.distill.teacher_topk import topk_from_logits, truncation_kl  # noqa: F401 (re-export)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
@@ -61,35 +61,6 @@ def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
     if eos is not None and eos in response:  # the template tail after eos is re-added by students
         response = response[: response.index(eos) + 1]
     return ids[:first], response
-
-
-def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, V] logits → (top-k log-probs [N, k], indices [N, k], tail mass [N]) in fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    k = min(k, logp.shape[-1])
-    values, idx = logp.topk(k, dim=-1)
-    if k < logp.shape[-1]:
-        tail = torch.logsumexp(logp.scatter(-1, idx, -float("inf")), dim=-1).exp()
-    else:
-        tail = torch.zeros(logp.shape[0])
-    return values, idx, tail
-
-
-def truncation_kl(logits: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """Per row KL(P ‖ P̃) in nats, [N]: P = softmax(logits) over the whole vocabulary, P̃ its exact
-    top-k with the tail mass spread evenly over the other V - k ids (what the KD losses assume when
-    they temper the tail). What keeping only the top k loses, whatever the store's codec; 0 when
-    k ≥ V. Only the teacher can compute it (it has the full logits), so it travels on the record
-    into the shard manifest's `reconstruction`."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    n, v = logp.shape
-    k = idx.shape[-1]
-    if k >= v:
-        return torch.zeros(n)
-    plogp = (logp.exp() * logp).scatter(-1, idx, 0.0).nan_to_num(0.0)  # 0 · log 0 = 0
-    t = tail.float().clamp_min(0.0)
-    uniform = torch.where(t > 0, t * (t.clamp_min(1e-30).log() - math.log(v - k)), torch.zeros_like(t))
-    return (plogp.sum(-1) - uniform).clamp_min(0.0)
 
 
 class HFTeacher:
@@ -277,14 +248,20 @@ class ReferenceTeacher:
 
 
 def make_teacher(model: str, backend: str = "hf", **kwargs):
-    """The teacher object for a backend: 'hf' (transformers), 'ollama' (HTTP API) or 'reference'."""
+    """The teacher object for a backend: 'hf' (transformers), 'llamacpp' (a GGUF in llama.cpp), 'ollama'
+    (HTTP API) or 'reference'."""
     if backend == "hf":
         return HFTeacher(model, device=kwargs.get("device", "auto"), dtype=kwargs.get("dtype"))
     if backend == "reference":
         return ReferenceTeacher(model)
     if backend == "ollama":
         return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
-    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf, ollama or reference")
+    if backend == "llamacpp":
+        from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+
+        return LlamaCppTeacher(model, tokenizer=kwargs.get("tokenizer"), quant=kwargs.get("quant") or "q8_0",
+                               n_threads=kwargs.get("n_threads") or 1, say=print)  # a first export takes minutes
+    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf, llamacpp, ollama or reference")
 
 
 def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", shard_ranges: dict[int, tuple[int, int]],
@@ -311,6 +288,7 @@ def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", s
             extra={"teacher": teacher.name, "backend": teacher.backend, "example_range": [start, end],
                    "generation": asdict(settings), "seconds": seconds,
                    "has_logits": any(r.has_topk for r in records),
+                   **getattr(teacher, "manifest_extra", {}),  # e.g. llamacpp: its threads and GGUF
                    "generated_tokens_per_s": sum(len(r.response_ids) for r in records) / max(seconds, 1e-9)})
         yield manifest, data
 
@@ -318,12 +296,13 @@ def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", s
 def run_teacher_local(model: str, dataset: str, output_dir: str | Path, *, shard_ids: list[int] | None = None,
                       num_shards: int = 1, max_samples: int | None = None, settings: GenSettings | None = None,
                       compress: bool = True, backend: str = "hf", device: str = "auto",
-                      dtype: str = "fp32") -> list[dict[str, Any]]:
-    """Single-process teacher: plan shards, generate them, write each into `output_dir` as it finishes."""
+                      dtype: str = "fp32", **backend_kwargs: Any) -> list[dict[str, Any]]:
+    """Single-process teacher: plan shards, generate them, write each into `output_dir` as it finishes.
+    `backend_kwargs` go to `make_teacher` (e.g. llamacpp's tokenizer, quant, n_threads)."""
 
     settings = settings or GenSettings()
     items = prompts_from_dataset(dataset, max_samples)
-    teacher = make_teacher(model, backend, device=device, dtype=dtype)
+    teacher = make_teacher(model, backend, device=device, dtype=dtype, **backend_kwargs)
     plan = plan_shards(len(items), num_shards=num_shards, teacher=model, dataset=dataset,
                        tokenizer_hash=teacher.tok_hash, vocab_size=teacher.vocab_size, k=settings.top_k)
     plan.write(output_dir)

@@ -44,6 +44,7 @@ from smolforge.errors import SmolforgeError
 SUPPORTED: dict[str, tuple[str, str]] = {
     "llama": ("model.layers", "rope"),
     "qwen2": ("model.layers", "rope"),
+    "phi3": ("model.layers", "rope"),  # fused qkv_proj / gate_up_proj live inside the layers: the cut is Llama's
     "gpt2": ("transformer.h", "gpt2"),
 }
 

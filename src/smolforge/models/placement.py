@@ -51,8 +51,10 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class NodeInfo:
-    """A node as placement sees it. `throughput` is measured FLOP/s on this model's kind of work."""
+class NodeCapacity:
+    """A node's capacity as the stage planner sees it: measured, not advertised. `throughput` is
+    measured FLOP/s on this model's kind of work. (The node as Ray knows it, with its resources,
+    labels and models, is `cluster.nodes.ray_glue.NodeInfo`: `models/` imports no Ray.)"""
 
     name: str
     throughput: float
@@ -189,14 +191,14 @@ class _Costs:
         weights = self.bytes_upto[hi] - self.bytes_upto[lo] + self.end_bytes(first, last)
         return weights * self.workload.headroom + self.kv_per_layer * (hi - lo)
 
-    def seconds_per_flop(self, node: NodeInfo) -> float:
+    def seconds_per_flop(self, node: NodeCapacity) -> float:
         return self.compute_mult / node.throughput
 
-    def compute_s(self, node: NodeInfo, lo: int, hi: int, last: bool) -> float:
+    def compute_s(self, node: NodeCapacity, lo: int, hi: int, last: bool) -> float:
         flops = self.flops_upto[hi] - self.flops_upto[lo] + self.info.head_flops * last
         return flops * self.seconds_per_flop(node)
 
-    def link(self, a: NodeInfo, b: NodeInfo) -> tuple[float, float]:
+    def link(self, a: NodeCapacity, b: NodeCapacity) -> tuple[float, float]:
         """(bytes/s, latency s) of the cut a -> b: a measured pair, else the slower of the two links."""
         measured = self.links.get((a.name, b.name)) or self.links.get((b.name, a.name))
         rates = [n.link_bytes_per_s or DEFAULT_LINK_BYTES_PER_S for n in (a, b)]
@@ -206,7 +208,7 @@ class _Costs:
     def per_token_s(self, stage_seconds: Sequence[float]) -> float:
         return self.workload.per_token_s(stage_seconds)
 
-    def send_s(self, a: NodeInfo, b: NodeInfo) -> float:
+    def send_s(self, a: NodeCapacity, b: NodeCapacity) -> float:
         """Per token: the hidden state's bytes, plus the latency shared by the tokens of one message."""
         rate, latency = self.link(a, b)
         per_token = self.info.boundary_bytes_per_token / rate + latency / max(1, self.workload.tokens_per_message)
@@ -224,7 +226,7 @@ def _prefix(values: Sequence[float]) -> list[float]:
 class _Fit:
     """Bounds for one ordered choice of nodes, with their per-token estimate."""
 
-    order: tuple[NodeInfo, ...]
+    order: tuple[NodeCapacity, ...]
     bounds: list[int]
     seconds: list[float]
     per_token_s: float
@@ -234,14 +236,14 @@ class _Fit:
         return self.per_token_s, sum(self.seconds)
 
 
-def _stage_s(costs: _Costs, order: tuple[NodeInfo, ...], j: int, lo: int, hi: int) -> float:
+def _stage_s(costs: _Costs, order: tuple[NodeCapacity, ...], j: int, lo: int, hi: int) -> float:
     """Stage j's per-token time on order[j]: its compute plus sending its output to stage j+1."""
     last = j == len(order) - 1
     send = 0.0 if last else costs.send_s(order[j], order[j + 1])
     return costs.compute_s(order[j], lo, hi, last) + send
 
 
-def _fit(costs: _Costs, order: tuple[NodeInfo, ...], every_stage_works: bool = False) -> _Fit | None:
+def _fit(costs: _Costs, order: tuple[NodeCapacity, ...], every_stage_works: bool = False) -> _Fit | None:
     """The best contiguous layer ranges for stages on `order` (one per node), or None if none fit.
     `every_stage_works`: each stage holds at least one layer (stages a user asked for by number).
 
@@ -259,7 +261,7 @@ def _fit(costs: _Costs, order: tuple[NodeInfo, ...], every_stage_works: bool = F
     return min(fits, key=lambda f: f.key) if fits else None
 
 
-def _ranges(costs: _Costs, order: tuple[NodeInfo, ...], by_total: bool,
+def _ranges(costs: _Costs, order: tuple[NodeCapacity, ...], by_total: bool,
             every_stage_works: bool = False) -> list[int] | None:
     """DP over (stage, end layer), O(stages x layers^2): minimise (slowest, total), or (total, slowest).
 
@@ -302,7 +304,7 @@ def _ranges(costs: _Costs, order: tuple[NodeInfo, ...], by_total: bool,
 MAX_ORDERS = 64  # node orders tried per stage count: exhaustive up to 5 nodes, then the fastest subsets
 
 
-def _orders(costs: _Costs, nodes: Sequence[NodeInfo], k: int) -> list[tuple[NodeInfo, ...]]:
+def _orders(costs: _Costs, nodes: Sequence[NodeCapacity], k: int) -> list[tuple[NodeCapacity, ...]]:
     """Ordered choices of k nodes: subsets with enough memory in all, fastest first; every pair of ends.
 
     The ends matter (they hold the embeddings and the head, often the biggest pieces): roomiest
@@ -313,7 +315,7 @@ def _orders(costs: _Costs, nodes: Sequence[NodeInfo], k: int) -> list[tuple[Node
     need = costs.stage_bytes(0, costs.n, True, True) + costs.info.tied_bytes * costs.workload.headroom * (k > 1)
     subsets = [c for c in combinations(nodes, k) if sum(n.free_memory_bytes for n in c) >= need]
     subsets.sort(key=lambda c: -sum(n.throughput for n in c))
-    orders: list[tuple[NodeInfo, ...]] = []
+    orders: list[tuple[NodeCapacity, ...]] = []
     for subset in subsets:
         if k == 1:
             orders.append(subset)
@@ -328,12 +330,12 @@ def _orders(costs: _Costs, nodes: Sequence[NodeInfo], k: int) -> list[tuple[Node
     return orders[:MAX_ORDERS]
 
 
-def _best(costs: _Costs, nodes: Sequence[NodeInfo], k: int, every_stage_works: bool = False) -> _Fit | None:
+def _best(costs: _Costs, nodes: Sequence[NodeCapacity], k: int, every_stage_works: bool = False) -> _Fit | None:
     fits = [f for f in (_fit(costs, order, every_stage_works) for order in _orders(costs, nodes, k)) if f is not None]
     return min(fits, key=lambda f: f.key) if fits else None
 
 
-def plan_stages(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None = None, *,
+def plan_stages(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | None = None, *,
                 workload: Workload = Workload(), links: Mapping[tuple[str, str], float] | None = None,
                 min_gain: float = 0.1) -> Plan:
     """Choose stage bounds and a node per stage from measured throughput and free memory.
@@ -364,7 +366,7 @@ def plan_stages(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None =
     return _plan(costs, single, _kept_reason(costs, nodes, single, min_gain), kept=True)
 
 
-def plan_in_order(info: ModelInfo, nodes: Sequence[NodeInfo], *, workload: Workload = Workload(),
+def plan_in_order(info: ModelInfo, nodes: Sequence[NodeCapacity], *, workload: Workload = Workload(),
                   links: Mapping[tuple[str, str], float] | None = None) -> Plan:
     """Layer ranges for stages already placed: stage i runs on `nodes[i]` (a data-parallel group's
     ranks, in rank order). Only the ranges are chosen, as `plan_stages` sizes them: in proportion to
@@ -381,7 +383,7 @@ def plan_in_order(info: ModelInfo, nodes: Sequence[NodeInfo], *, workload: Workl
 LOOPBACK_BYTES_PER_S = 1e9  # between two stages on one node (a per-message latency stays: the RPC's)
 
 
-def plan_serving(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None = None) -> tuple[Plan, list[str]]:
+def plan_serving(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | None = None) -> tuple[Plan, list[str]]:
     """Where the stages of a served model go, and the node each stage runs on (`Plan.nodes` may name
     slots, `node#2`, when stages share a node).
 
@@ -405,15 +407,16 @@ def plan_serving(info: ModelInfo, nodes: Sequence[NodeInfo], stages: int | None 
     slots, hosts = [], []
     for i in range(stages):
         node = nodes[i % len(nodes)]
-        slots.append(NodeInfo(f"{node.name}#{i // len(nodes) + 1}", node.throughput,
-                              node.free_memory_bytes // shares[i % len(nodes)], link_bytes_per_s=LOOPBACK_BYTES_PER_S))
+        slots.append(NodeCapacity(f"{node.name}#{i // len(nodes) + 1}", node.throughput,
+                                  node.free_memory_bytes // shares[i % len(nodes)],
+                                  link_bytes_per_s=LOOPBACK_BYTES_PER_S))
         hosts.append(node.name)
     plan = plan_in_order(info, slots)
     plan.reason += f"; {stages} stages on {len(nodes)} node{'s' * (len(nodes) > 1)}: stages share nodes"
     return plan, hosts
 
 
-def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeInfo:
+def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeCapacity:
     """This process's node as placement sees it: FLOP/s of fp32 matmuls on `device` with this
     process's threads (a short timed loop, after a warm-up), and the memory free there now (the
     device's on a GPU, the machine's available RAM on a CPU)."""
@@ -437,10 +440,10 @@ def measure_node(name: str, device: torch.device | None = None, size: int = 512,
                 break
     flops = 2 * size ** 3 * done / (time.perf_counter() - t0)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    return NodeInfo(name, throughput=flops, free_memory_bytes=int(free))
+    return NodeCapacity(name, throughput=flops, free_memory_bytes=int(free))
 
 
-def _usable(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+def _usable(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
     usable = [n for n in nodes if n.throughput > 0 and n.free_memory_bytes > 0]
     if not usable:
         raise SmolforgeError("no node to place the model on: none reports throughput and free memory",
@@ -450,7 +453,7 @@ def _usable(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     return usable
 
 
-def _plan_fixed(costs: _Costs, nodes: list[NodeInfo], stages: int) -> Plan:
+def _plan_fixed(costs: _Costs, nodes: list[NodeCapacity], stages: int) -> Plan:
     if not 1 <= stages <= len(nodes):
         raise SmolforgeError(f"cannot place {stages} stages on {len(nodes)} node(s): one stage per node",
                              fix=f"ask for 1 to {len(nodes)} stages, or add nodes")
@@ -463,7 +466,7 @@ def _plan_fixed(costs: _Costs, nodes: list[NodeInfo], stages: int) -> Plan:
                              "node's throughput within its memory")
 
 
-def _plan_fewest(costs: _Costs, nodes: list[NodeInfo]) -> Plan:
+def _plan_fewest(costs: _Costs, nodes: list[NodeCapacity]) -> Plan:
     whole = costs.stage_bytes(0, costs.n, True, True)
     roomiest = max(nodes, key=lambda n: n.free_memory_bytes)
     for k in range(2, len(nodes) + 1):
@@ -475,7 +478,7 @@ def _plan_fewest(costs: _Costs, nodes: list[NodeInfo]) -> Plan:
     raise _no_fit(costs, nodes, None)
 
 
-def _best_split(costs: _Costs, nodes: list[NodeInfo], single: _Fit, min_gain: float) -> _Fit | None:
+def _best_split(costs: _Costs, nodes: list[NodeCapacity], single: _Fit, min_gain: float) -> _Fit | None:
     """The split to use instead of `single`, or None: more stages only when each pays `min_gain`."""
     chosen, bar = None, single.per_token_s
     for k in range(2, len(nodes) + 1):
@@ -486,7 +489,7 @@ def _best_split(costs: _Costs, nodes: list[NodeInfo], single: _Fit, min_gain: fl
     return chosen
 
 
-def _kept_reason(costs: _Costs, nodes: list[NodeInfo], single: _Fit, min_gain: float) -> str:
+def _kept_reason(costs: _Costs, nodes: list[NodeCapacity], single: _Fit, min_gain: float) -> str:
     node = single.order[0]
     head = (f"kept on {node.name}: it fits ({_size(costs.stage_bytes(0, costs.n, True, True))} of "
             f"{_size(node.free_memory_bytes)} free)")
@@ -518,7 +521,7 @@ def _plan(costs: _Costs, fit: _Fit, reason: str, kept: bool = False) -> Plan:
     )
 
 
-def _no_fit(costs: _Costs, nodes: list[NodeInfo], stages: int | None) -> SmolforgeError:
+def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> SmolforgeError:
     """How much memory is missing: in all, on one node for the biggest piece, or why the layers do not pack."""
     split = (stages or len(nodes)) > 1
     need = costs.stage_bytes(0, costs.n, True, True) + costs.info.tied_bytes * costs.workload.headroom * split

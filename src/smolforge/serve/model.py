@@ -114,14 +114,22 @@ def max_positions_of(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
 
 
-def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+def _check_servable(adapter: str):
+    """The adapter's directory, when the server can run its method (virtual tokens do not fit its cache)."""
     from smolforge.models.names import check_adapter_dir
-    from smolforge.models.peft_methods import adapter_method, load_adapter, merge_adapter
+    from smolforge.models.peft_methods import adapter_method
 
     path = check_adapter_dir(adapter)
     method = adapter_method(path)
     if method not in SERVABLE_METHODS:
         raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
                              where=str(path), fix="serve a lora, ia3 or adapter (Houlsby) adapter, or a merged model")
+    return path
+
+
+def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+    from smolforge.models.peft_methods import load_adapter, merge_adapter
+
+    path = _check_servable(adapter)
     net = load_adapter(net, path)
     return merge_adapter(net, plain=False) if merge else net

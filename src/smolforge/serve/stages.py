@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from smolforge.errors import SmolforgeError
-from smolforge.serve.model import _with_adapter, eos_ids_of, max_positions_of, select_cache_rows
+from smolforge.serve.model import _check_servable, _with_adapter, eos_ids_of, max_positions_of, select_cache_rows
+from smolforge.telemetry.memory import peak_rss_mb
 
 
 class StageError(SmolforgeError):
@@ -66,19 +67,39 @@ class StageServer:
         params = list(self.stage.parameters())
         self.dtype = params[0].dtype if params else torch.float32
         self.caches: dict[str, Any] = {}
+        self.read: dict[str, Any] = {}  # what loading read from the checkpoint (tensors, bytes), when known
 
     @classmethod
     def load(cls, model: str, bounds: Sequence[int], index: int, *, adapter: str | None = None,
              device: str = "cpu", dtype: str = "fp32") -> "StageServer":
-        """Load the model with the project's loaders, merge the adapter (as `ServedModel.load` does),
-        cut it at `bounds` and keep stage `index`; the other stages' weights are freed."""
-        from smolforge.models.loading import load_model, pick_device
-        from smolforge.models.partition import cut
+        """Stage `index` of the model cut at `bounds`, with the adapter merged.
+
+        A LoRA or IA3 adapter (or none): only the stage's own tensors are read, merged tensor by tensor
+        (`models/stage_load.py`), so the stage's machine never holds the rest of the model. A Houlsby
+        adapter adds layers no tensor merge makes: the model is loaded whole, cut, and the other stages
+        freed (the peak is the whole model, once)."""
+        from smolforge.models.loading import pick_device
+        from smolforge.models.stage_load import load_stage, mergeable
 
         dev = pick_device(device)
-        net = load_model(model, device=dev, dtype=dtype)
         if adapter:
-            net = _with_adapter(net, adapter, merge=True).to(dev)
+            _check_servable(adapter)
+        if not adapter or mergeable([adapter]):
+            stage, read = load_stage(model, bounds, index, adapters=[adapter] if adapter else [], device=dev,
+                                     dtype=dtype)
+            server = cls(stage, index, len(bounds) - 1, device=dev, eos_ids=eos_ids_of(stage),
+                         max_positions=max_positions_of(stage.config), name=model)
+            server.read = read
+            return server
+        return cls._load_whole(model, bounds, index, adapter, dev, dtype)
+
+    @classmethod
+    def _load_whole(cls, model: str, bounds: Sequence[int], index: int, adapter: str, dev: torch.device,
+                    dtype: str) -> "StageServer":
+        from smolforge.models.loading import load_model
+        from smolforge.models.partition import cut
+
+        net = _with_adapter(load_model(model, device=dev, dtype=dtype), adapter, merge=True).to(dev)
         eos, max_positions = eos_ids_of(net), max_positions_of(net.config)
         stages = cut(net, bounds)
         if not 0 <= index < len(stages):
@@ -87,7 +108,9 @@ class StageServer:
         stage = stages[index]
         del stages, net  # the stage holds only its own modules: the rest goes with these references
         gc.collect()
-        return cls(stage, index, len(bounds) - 1, device=dev, eos_ids=eos, max_positions=max_positions, name=model)
+        server = cls(stage, index, len(bounds) - 1, device=dev, eos_ids=eos, max_positions=max_positions, name=model)
+        server.read = {"tensors": None, "bytes": None, "whole_model": True}
+        return server
 
     @property
     def first(self) -> bool:
@@ -132,7 +155,7 @@ class StageServer:
         return {"index": self.index, "count": self.count, "layers": [self.stage.lo, self.stage.hi],
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
                 "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
-                "model": self.name}
+                "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
 class StageHandle(Protocol):

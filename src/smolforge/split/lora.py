@@ -32,6 +32,7 @@ ADAPTER = "default"
 TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused projections: one LoRA each
     "gpt2": ["c_attn", "c_proj", "c_fc"],
 }
 

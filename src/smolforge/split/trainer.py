@@ -7,15 +7,25 @@ One optimizer step, for each micro-batch j of step s:
     h1.backward(dL/dh1): bottom LoRA grads accumulate
 then the global gradient norm (client + trunk, the trunk's comes with the last Backward) gives one
 clip coefficient, and Step(s, lr, coef) moves the trunk while the client's AdamW moves bottom and
-top. The batches (`SampleOrder`), loss normalisation (summed token loss / the step's target
-tokens), schedule and clipping are those of `smolforge.train.engine`, so with the fp32 codec a
-split run reproduces a one-process run of the same model step for step.
+top. The batches (the engine's `SampleSource` over its `SampleOrder`, the same step count), loss
+normalisation (summed token loss / the step's target tokens), schedule and clipping are those of
+`smolforge.train.engine`, so with the fp32 codec a split run reproduces a one-process run of the
+same model step for step.
+
+Why this is not the one driver (`smolforge.train.driver`), which fine-tuning runs, ranks and
+distillation students share: its parts assume one process holds the whole trainable model. Here
+(1) an optimizer step spans two processes (the client's AdamW and the server's trunk step under one
+clip coefficient from both sides' gradient norms), where `Trainer.step` clips and steps locally;
+(2) a checkpoint is two-sided (client and trunk LoRA, resumed at the newest step both sides hold),
+not `train.checkpoint`'s; (3) a lost session rolls the loop back to that checkpoint mid-run, which
+`Trainer.run` has no notion of; (4) the learning rate is sent to the server each step (`lr_lambda`),
+not kept by a torch scheduler. What fits is shared: the data source, the step count, `StepInfo`,
+`TrainHooks`, the thread count.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -43,9 +53,11 @@ from smolforge.split.server import grad_norms
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
-from smolforge.train.engine import SampleOrder, StepInfo, TrainHooks, available_cpus
+from smolforge.train.driver import StepInfo, available_cpus
+from smolforge.train.engine import SampleOrder, SampleSource, TrainHooks, steps_for
 from smolforge.train.evaluate import perplexity, token_loss_sum
 from smolforge.train.schedule import lr_lambda
+from smolforge.train.strategy import Strategy
 
 Codec = Literal["fp32", "fp16", "bf16", "int8"]
 
@@ -182,7 +194,10 @@ class SplitTrainer:
         self.eval_rows = [] if cfg.max_eval_samples == 0 else list(self.splits.eval)
         self.per_step = cfg.batch_size * cfg.gradient_accumulation_steps
         self.order = SampleOrder(len(self.splits.train), self.per_step, cfg.seed)
-        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * self.order.steps_per_epoch))
+        self.total_steps = steps_for(cfg.max_steps, cfg.num_epochs, self.order)
+        # the engine's data source, one process: the same rows and micro-batches as `smolforge train`
+        self.data = SampleSource(self.splits.train, self.order, self.total_steps, cfg.batch_size,
+                                 self.tokenizer.pad_token_id, Strategy())
         self.session_name = cfg.default_session_name()
         self.out_dir = Path(cfg.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -300,12 +315,6 @@ class SplitTrainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batches(self, step0: int) -> list[dict[str, torch.Tensor]]:
-        rows = self.order.step_rows(step0)
-        pad = self.tokenizer.pad_token_id
-        bs = self.cfg.batch_size
-        return [collate([self.splits.train[i] for i in rows[j:j + bs]], pad) for j in range(0, len(rows), bs)]
-
     def _forward_remote(self, h1: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, step: int, micro: int,
                         train: bool) -> torch.Tensor:
         req = pb.ForwardRequest(session_id=self.session_id, step=step, micro_batch=micro, train=train,
@@ -320,7 +329,7 @@ class SplitTrainer:
     def run_step(self, step0: int) -> tuple[float, float, float]:
         """Optimizer step `step0 + 1`; returns (loss, grad norm, lr)."""
         s = step0 + 1
-        micro = self._micro_batches(step0)
+        micro = self.data.batches(step0)
         targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
         denom = float(max(1, targets))
         loss_total = 0.0
@@ -449,7 +458,7 @@ class SplitTrainer:
                                 tokens_per_s=(self.tokens_seen - tokens0) / max(elapsed, 1e-9),
                                 samples_done=step * self.per_step,
                                 samples_total=self.total_steps * self.per_step,
-                                epoch=step / self.order.steps_per_epoch)
+                                epoch=self.data.epoch(step))
                 writer.log("train", step, loss=loss, lr=lr, grad_norm=grad_norm, steps_per_s=rate)
                 if step % cfg.log_interval == 0 or step == self.total_steps:
                     self.log(step_log(step, loss, lr, grad_norm, rate))

@@ -1,4 +1,8 @@
-"""The training engine: one readable loop that is also each rank of a data-parallel group.
+"""The training engine: fine-tuning on a loaded dataset, which is also each rank of a data-parallel group.
+
+`train` loads the tokenizer, the data and the model, then hands the run to the one driver
+(`smolforge.train.driver`) with its data source (`SampleSource`) and its loss (token cross-entropy);
+a distillation student is the same driver with a shard stream and KD + CE.
 
 Why it looks like this:
 - The order of samples is a pure function of (seed, step), so resuming from a checkpoint at step N
@@ -12,9 +16,7 @@ Why it looks like this:
 from __future__ import annotations
 
 import math
-import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,37 +28,26 @@ from smolforge.data.collate import collate
 from smolforge.data.encode import IGNORE
 from smolforge.data.splits import Splits, load_splits
 from smolforge.errors import SmolforgeError
-from smolforge.models.loading import load_model, load_tokenizer, pick_device
-from smolforge.models.peft_methods import (
-    apply_peft,
-    enable_gradient_checkpointing,
-    save_adapter,
-    trainable_summary,
-)
-from smolforge.paths import atomic_write_json
+from smolforge.models.loading import load_model, load_tokenizer
+from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
 from smolforge.telemetry.memory import peak_rss_mb
-from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
+from smolforge.train.driver import (  # noqa: F401  (StepInfo, available_cpus: re-exported, callers import them here)
+    Outcome,
+    Run,
+    RunHooks,
+    RunSettings,
+    StepInfo,
+    available_cpus,
+    drive,
+    prepare_process,
+)
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
-from smolforge.train.loop import LoopHooks, StepStats, Trainer, make_optimizer, optimizer_state_bytes
-from smolforge.train.schedule import make_scheduler
+from smolforge.train.loop import optimizer_state_bytes
 from smolforge.train.step_loss import StepLoss
 from smolforge.train.strategy import Strategy
-
-
-@dataclass
-class StepInfo:
-    step: int
-    max_steps: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    samples_done: int
-    samples_total: int
-    epoch: float
 
 
 @dataclass
@@ -100,13 +91,6 @@ class TrainResult:
         return asdict(self)
 
 
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
 class SampleOrder:
     """Which rows each step uses: per-epoch seeded permutations, drop-last, sliced per rank."""
 
@@ -129,17 +113,23 @@ class SampleOrder:
         return perm[k * self.per_step:(k + 1) * self.per_step]
 
 
+def steps_for(max_steps: int | None, epochs: float, order: SampleOrder) -> int:
+    """A run's optimizer steps: `max_steps` when set, else `epochs` over the order (at least one)."""
+    if max_steps:
+        return max_steps
+    return max(1, math.ceil(epochs * order.steps_per_epoch))
+
+
 def total_steps(cfg: TrainConfig, order: SampleOrder) -> int:
-    if cfg.max_steps:
-        return cfg.max_steps
-    return max(1, math.ceil(cfg.epochs * order.steps_per_epoch))
+    return steps_for(cfg.max_steps, cfg.epochs, order)
 
 
-def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None):
-    """Tokenizer and the PEFT-wrapped model on device."""
+def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None, strategy: Strategy | None = None):
+    """Tokenizer and the PEFT-wrapped model on device (`strategy` loads it: a pipeline rank, its stage only)."""
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    model = load_model(cfg.model, device=device, dtype=cfg.dtype, training=True)
+    model = (strategy.load_model(cfg.model, device=device, dtype=cfg.dtype) if strategy is not None
+             else load_model(cfg.model, device=device, dtype=cfg.dtype, training=True))
     model = apply_peft(model, cfg.peft)  # peft keeps LoRA/IA3 weights in fp32 on a bf16/fp16 base
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -151,14 +141,12 @@ def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accurac
              strategy: Strategy | None = None) -> dict[str, Any]:
     """Eval loss/perplexity (and accuracy where answers exist), each rank doing its shard."""
     strategy = strategy or Strategy()
-    rows = strategy.shard(splits.eval)
-    with strategy.whole_model(model):  # ranks make different numbers of forwards: none may be a collective
-        loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
-        correct = total = 0
-        if accuracy and cfg.eval_accuracy and splits.eval_examples:
-            correct, total = exact_match_counts(model, tokenizer, strategy.shard(splits.eval_examples),
-                                                cfg.max_new_tokens, 64, device)
-    loss_sum, count, correct, total = strategy.reduce([loss_sum, count, correct, total], device)
+    examples = splits.eval_examples if accuracy and cfg.eval_accuracy else []
+    sums = strategy.eval_sums(model, splits.eval, examples or [], tokenizer, batch_size=cfg.batch_size * 2,
+                              max_new_tokens=cfg.max_new_tokens, device=device)  # a pipeline: through its stages
+    if sums is None:
+        sums = _eval_sums_whole(model, tokenizer, splits.eval, examples or [], cfg, device, strategy)
+    loss_sum, count, correct, total = sums
     out: dict[str, Any] = {}
     if count:
         out["eval_loss"] = loss_sum / count
@@ -166,6 +154,19 @@ def evaluate(model, tokenizer, splits: Splits, cfg: TrainConfig, device, accurac
     if total:
         out["accuracy"] = correct / total
     return out
+
+
+def _eval_sums_whole(model, tokenizer, rows: list, examples: list, cfg: TrainConfig, device,
+                     strategy: Strategy) -> list[float]:
+    """Each rank its shard, on whole weights; the sums over every rank."""
+    rows = strategy.shard(rows)
+    with strategy.whole_model(model):  # ranks make different numbers of forwards: none may be a collective
+        loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, cfg.batch_size * 2, device)
+        correct = total = 0
+        if examples:
+            correct, total = exact_match_counts(model, tokenizer, strategy.shard(examples), cfg.max_new_tokens, 64,
+                                                device)
+    return strategy.reduce([loss_sum, count, correct, total], device)
 
 
 def refuse_used_output_dir(cfg: TrainConfig) -> None:
@@ -182,26 +183,110 @@ def refuse_used_output_dir(cfg: TrainConfig) -> None:
                                  "(nothing was deleted)")
 
 
+class SampleSource:
+    """The engine's data (a driver `Source`): a seeded order over a loaded dataset, each step's rows
+    sliced per rank (equal slices unless a strategy balances them by speed)."""
+
+    def __init__(self, rows: list, order: SampleOrder, steps: int, batch_size: int, pad_id: int, strategy: Strategy):
+        self.rows, self.order, self.steps = rows, order, steps
+        self.batch_size, self.pad_id, self.strategy = batch_size, pad_id, strategy
+        self.rows_per_step = order.per_step
+
+    def batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        first, count = self.strategy.rows_for(step, self.rows_per_step)  # equal slices unless balanced by speed
+        mine = self.order.step_rows(step)[first:first + count]
+        return [collate([self.rows[i] for i in mine[j:j + self.batch_size]], self.pad_id)
+                for j in range(0, count, self.batch_size)]
+
+    def step_tokens(self, step: int) -> float:
+        """Loss tokens of the whole global step (what `target_tokens` counts on its collated rows)."""
+        return float(sum(sum(1 for t in self.rows[i]["labels"][1:] if t != IGNORE) for i in self.order.step_rows(step)))
+
+    def epoch(self, done: int) -> float:
+        return done / self.order.steps_per_epoch
+
+    def note(self) -> str:
+        return ""
+
+    def replay_state(self) -> dict[str, Any]:
+        return {}  # the order is a pure function of (seed, step)
+
+
+def run_settings(cfg: TrainConfig, strategy: Strategy) -> RunSettings:
+    """What the driver reads of a `TrainConfig`."""
+    return RunSettings(output_dir=cfg.output_dir, peft_method=cfg.peft.method, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                       scheduler=cfg.scheduler, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
+                       precision=cfg.precision, max_grad_norm=cfg.max_grad_norm, save_every=cfg.save_every,
+                       keep_last=cfg.keep_last, resume=cfg.resume, optimizer=cfg.optimizer, eval_every=cfg.eval_every,
+                       log_every=cfg.log_every, quiet=cfg.quiet or not strategy.is_main, label="train",
+                       checkpoint_meta={"model": cfg.model, "peft": cfg.peft.method, "strategy": strategy.name,
+                                        "world": strategy.world})
+
+
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
           model=None, tokenizer=None, strategy: Strategy | None = None, examples=None) -> TrainResult:
     """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones,
     or `examples` (read_spec(cfg.data), read by a caller that checked the data before loading torch).
 
     `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
+    The run itself is the one driver's (`smolforge.train.driver`): this loads, then hands it the data
+    source (`SampleSource`) and the loss (token cross-entropy).
     """
 
     hooks = hooks or TrainHooks()
     strategy = strategy or Strategy()
     t_start = time.perf_counter()
-    rank, world = strategy.rank, strategy.world
-    torch.set_num_threads(cfg.num_threads or available_cpus())
-
-    device = strategy.device_for(pick_device(cfg.device))
+    device = prepare_process(cfg.num_threads, cfg.device, strategy)
     torch.manual_seed(cfg.seed)
+    tokenizer, splits, model = _load(cfg, device, strategy, splits, model, tokenizer, examples)
+    if hooks.on_model:
+        hooks.on_model(model)
+    trainable, total_params = trainable_summary(model)
+    log = (lambda *a: None) if cfg.quiet or not strategy.is_main else _printer()
+    log(f"model {cfg.model}: trainable params: {trainable:,} || all params: {total_params:,} || "
+        f"trainable%: {100 * trainable / max(1, total_params):.2f}")
+    st = splits.stats
+    log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
+        f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
+    per_step = cfg.batch_size * cfg.grad_accum * strategy.world
+    order = SampleOrder(len(splits.train), per_step, cfg.seed)
+    source = SampleSource(splits.train, order, total_steps(cfg, order), cfg.batch_size, tokenizer.pad_token_id, strategy)
+    strategy.step_tokens = source.step_tokens
+
+    def summarize(o: Outcome) -> TrainResult:
+        result = TrainResult(output_dir=str(Path(cfg.output_dir)), adapter_dir=o.adapter_dir, steps=o.steps,
+                             final_loss=o.final_loss, eval=o.eval, tokens_per_s=o.tokens_per_s,
+                             trainable_params=trainable, total_params=total_params, stopped=o.stopped,
+                             checkpoint_dir=o.checkpoint_dir, data=splits.stats | {"resumed_from": o.resumed_from},
+                             samples=o.steps * source.rows_per_step)
+        _strategy_figures(result, strategy, o.optimizer)
+        result.seconds = time.perf_counter() - t_start
+        if result.eval:
+            log("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
+        return result
+
+    return drive(Run(
+        settings=run_settings(cfg, strategy), model=model, tokenizer=tokenizer, device=device, strategy=strategy,
+        source=lambda _latest: source, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
+        evaluate=lambda: evaluate(model, tokenizer, splits, cfg, device, strategy=strategy), summarize=summarize,
+        hooks=RunHooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop,
+                       on_checkpoint=(lambda path, step, _pausing: hooks.on_checkpoint(path, step))
+                       if hooks.on_checkpoint else None,
+                       on_resume=lambda path, step: log(f"resumed from {path} at step {step}")),
+        metrics=lambda start: MetricsWriter(Path(cfg.output_dir), tensorboard=cfg.tensorboard is not False,
+                                            append=start > 0, wandb=cfg.wandb,
+                                            run_name=run_name("single", "trainer", 0, cfg.lr, cfg.batch_size),
+                                            config=cfg.model_dump(mode="json")),
+        log=log))
+
+
+def _load(cfg: TrainConfig, device: torch.device, strategy: Strategy, splits: Splits | None, model, tokenizer,
+          examples) -> tuple[Any, Splits, torch.nn.Module]:
+    """Tokenizer, data, then the model: bad data fails in a second, not after a model load."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
     refuse_used_output_dir(cfg)
-    if splits is None:  # before the model: bad data should fail in a second, not after a load
+    if splits is None:
         splits = load_splits(cfg.data, tokenizer, read=examples)
     if not splits.train:  # every answer cut off by max_length: refuse, not a modulo by zero rows later
         raise SmolforgeError(
@@ -209,149 +294,19 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
             f"({splits.train_stats.dropped_no_target} dropped: the prompt, with the chat template, fills it)",
             where=str(cfg.data.path), fix="raise --max-length (data.max_length)")
     if model is None:
-        tokenizer, model = build_model(cfg, device, tokenizer)
-    if hooks.on_model:
-        hooks.on_model(model)
-    trainable, total_params = trainable_summary(model)
-    out_dir = Path(cfg.output_dir)
-    strategy.spool_dir = out_dir  # state a sharded strategy streams to disk (checkpoints) starts here
-    is_main = rank == 0
-    quiet = cfg.quiet or not is_main
-    log = (lambda *a: None) if quiet else _printer()
-    log(f"model {cfg.model}: trainable params: {trainable:,} || all params: {total_params:,} || "
-        f"trainable%: {100 * trainable / max(1, total_params):.2f}")
-    st = splits.stats
-    log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
-        f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
+        tokenizer, model = build_model(cfg, device, tokenizer, strategy)
+    return tokenizer, splits, model
 
-    per_rank = cfg.batch_size * cfg.grad_accum
-    order = SampleOrder(len(splits.train), per_rank * world, cfg.seed)
-    steps = total_steps(cfg, order)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device, strategy, cfg.optimizer)
-    scheduler = make_scheduler(optimizer, steps, cfg.warmup_steps, cfg.scheduler, cfg.min_lr_ratio)
 
-    start_step = 0
-    resumed_from = None
-    if cfg.resume:
-        latest = ckpt.latest_checkpoint(out_dir)
-        if latest is not None:
-            state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, strategy=strategy)
-            start_step, resumed_from = int(state["step"]), str(latest)
-            log(f"resumed from {latest} at step {start_step}")
-
-    trainer = Trainer(model, optimizer, scheduler, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
-                      device=device, strategy=strategy, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
-    begin = strategy.start_at(start_step)  # a member joining a running group starts where the others are
-    if begin != start_step:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
-            warnings.simplefilter("ignore")
-            for _ in range(begin - start_step):
-                scheduler.step()
-        log(f"joined the group at step {begin}")
-        start_step = begin
-    writer = MetricsWriter(out_dir, tensorboard=cfg.tensorboard is not False, append=start_step > 0, wandb=cfg.wandb,
-                           run_name=run_name("single", "trainer", 0, cfg.lr, cfg.batch_size),
-                           config=cfg.model_dump(mode="json")) if is_main else None
-    result = TrainResult(output_dir=str(out_dir), adapter_dir=None, steps=start_step, final_loss=None,
-                         trainable_params=trainable, total_params=total_params,
-                         data=splits.stats | {"resumed_from": resumed_from})
-    progress = StepProgress(steps, "train", quiet=quiet, completed=start_step)
-    last_loss = [float("nan")]
-
-    def step_tokens(step: int) -> float:
-        """Loss tokens of the whole global step (what `target_tokens` counts on its collated rows)."""
-        return float(sum(sum(1 for t in splits.train[i]["labels"][1:] if t != IGNORE) for i in order.step_rows(step)))
-
-    strategy.step_tokens = step_tokens
-
-    def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        first, count = strategy.rows_for(step, per_rank * world)  # equal slices unless balanced by speed
-        mine = order.step_rows(step)[first:first + count]
-        return [collate([splits.train[i] for i in mine[j:j + cfg.batch_size]], tokenizer.pad_token_id)
-                for j in range(0, count, cfg.batch_size)]
-
-    def after_step(done: int, stats: StepStats) -> None:
-        last_loss[0] = stats.loss
-        result.steps = done
-        tps = trainer.tokens_per_s()
-        info = StepInfo(step=done, max_steps=steps, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                        tokens_per_s=tps, samples_done=done * per_rank * world, samples_total=steps * per_rank * world,
-                        epoch=done / order.steps_per_epoch)
-        if hooks.on_step:
-            hooks.on_step(info)
-        progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s")
-        if writer and (done % cfg.log_every == 0 or done == steps):
-            writer.log("train", done, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=tps,
-                       epoch=info.epoch)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
-            metrics = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
-            if writer:
-                writer.log("eval", done, **metrics)
-            if hooks.on_eval:
-                hooks.on_eval({"step": done, **metrics})
-            log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-
-    def save(done: int, _pausing: bool) -> None:
-        _save(cfg, out_dir, done, model, optimizer, scheduler, hooks, result, strategy)
-
-    try:
-        _done, stopped = trainer.run(start_step, steps, batches,
-                                     LoopHooks(after_step=after_step, save=save, should_stop=hooks.should_stop),
-                                     save_every=cfg.save_every)
-    finally:
-        progress.close()
-    result.steps = strategy.progress(result.steps)  # a parameter server's steps, not this rank's last
-    loss_val = last_loss[0]
-    result.final_loss = loss_val if loss_val == loss_val else None
-    result.tokens_per_s = trainer.tokens_per_s()
-    result.stopped = stopped
+def _strategy_figures(result: TrainResult, strategy: Strategy, optimizer) -> None:
+    """What the strategy counted while training (bytes, waits, rows, rounds, its own metrics)."""
     result.strategy, result.optimizer_state_bytes = strategy.name, optimizer_state_bytes(optimizer)
-    result.samples = result.steps * per_rank * world
-    if stopped is None:
-        result.eval = evaluate(model, tokenizer, splits, cfg, device, strategy=strategy)
-        if writer:
-            writer.log("eval", result.steps, **result.eval)
-        if hooks.on_eval:
-            hooks.on_eval({"step": result.steps, **result.eval})
-        weights = strategy.model_state(model)  # every rank: a sharded model gathers its weights (None: unsharded)
-        with strategy.whole_model(model):  # and what a saver reads from the modules (prompt tuning) is whole
-            if is_main:
-                adapter_dir = out_dir / f"{cfg.peft.method}_adapter"
-                save_adapter(model, adapter_dir, tokenizer=tokenizer, weights=weights)
-                result.adapter_dir = str(adapter_dir)
-        # Every rank enters: the save ends in a barrier that all ranks must reach.
-        _save(cfg, out_dir, result.steps, model, optimizer, scheduler, hooks, result, strategy)
-    result.seconds = time.perf_counter() - t_start
     result.comm_bytes_sent, result.peak_rss_mb = strategy.bytes_sent, peak_rss_mb()
     result.checkpoint_bytes_sent = strategy.checkpoint_bytes_sent
     result.comm_wait_s, result.batch_rows = strategy.comm_wait_s, strategy.rows
     result.rounds = strategy.rounds
     result.strategy_metrics = strategy.metrics()
     result.last_step_loss = strategy.last_loss
-    if writer:
-        writer.close()
-    if is_main:
-        atomic_write_json(out_dir / "summary.json", result.to_dict())
-        if result.eval:
-            log("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
-    return result
-
-
-def _save(cfg, out_dir, step, model, optimizer, scheduler, hooks, result, strategy: Strategy) -> None:
-    step = strategy.checkpoint_step(step)  # a parameter server's consistent state may be behind this rank
-    rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
-    optim_state = strategy.optimizer_state(optimizer)  # likewise: a sharded optimizer gathers its parts
-    weights = strategy.model_state(model)  # and a sharded model its trainable weights (None: read the model)
-    if strategy.is_main:
-        path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler,
-                                    extra={"model": cfg.model, "peft": cfg.peft.method,
-                                           "strategy": strategy.name, "world": strategy.world},
-                                    keep_last=cfg.keep_last, rank_rng=rngs, strategy_state=strategy.state_dict(),
-                                    optimizer_state=optim_state, model_state=weights)
-        result.checkpoint_dir = str(path)
-        if hooks.on_checkpoint:
-            hooks.on_checkpoint(path, step)
-    strategy.barrier()
 
 
 def _printer():

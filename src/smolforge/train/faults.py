@@ -63,6 +63,22 @@ def fault_delay_s(name: str) -> float:
         return 0.0
 
 
+def fault_once(name: str) -> bool:
+    """Whether fault `name` fires here, once in the whole cluster: its setting (`fault_setting`) names
+    a ticket file, and the one task that removes it fires; every other, and every later one, goes on.
+    A test writes the setting into each node's directory and the ticket once, so exactly one attempt
+    fails wherever it lands (`export-fail`: an export task's process dies; `serve-start-fail`: a serve
+    job's stages fail to start)."""
+    ticket = fault_setting(name)
+    if not ticket:
+        return False
+    try:
+        Path(ticket).unlink()
+    except OSError:
+        return False
+    return True
+
+
 def fault_hold_step() -> int | None:
     """The step after which this node's tasks hold (fault `hold-step`, see `fault_setting`), if any."""
     try:

@@ -142,11 +142,9 @@ class Trainer:
         s.after_step(step + 1, self.model, self.optimizer, targets=my_targets)
         self.tokens_seen += tokens
         s.own_loss(step, loss_total, my_targets)  # this rank's part, for the job's final_loss (train.step_loss)
-        # the mean over the very tokens whose loss was summed: the whole step's where the ranks reduce it (DDP),
-        # this rank's rows' where it computes its part alone (a parameter server's worker: not the part's loss
-        # over the whole step's tokens, which is a fraction of the step's loss)
-        loss_sum, covered = s.step_reduce([loss_total, my_targets], self.device)
-        loss_mean = loss_sum / max(1.0, covered)
+        # the mean over the very tokens whose loss was summed: the whole step's where the ranks reduce it (DDP:
+        # global_targets is that count already), this rank's rows' where it computes its part alone
+        loss_mean = s.step_loss(loss_total, my_targets, global_targets, self.device)
         return StepStats(loss=loss_mean, lr=lr, grad_norm=grad_norm, tokens=tokens)
 
     def _clip(self) -> float:

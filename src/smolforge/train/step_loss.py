@@ -11,9 +11,8 @@ tokens (DDP's all-reduced step loss, whatever the strategy).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,8 @@ class StepLoss:
 
     def then(self, step: int, loss_sum: float, tokens: float) -> "StepLoss":
         """The latest step's part after another part of this rank's: a later step replaces it, another part
-        of the same step (a fast parameter-server worker takes several) adds to it, an earlier one is kept out."""
+        of the same step (a fast parameter-server worker takes several) adds to it, an earlier one is kept out.
+        A rank's first part is `NONE.then(...)`: one way to add a part."""
         if step > self.step:
             return StepLoss(step, loss_sum, tokens)
         if step == self.step:
@@ -34,16 +34,14 @@ class StepLoss:
         return self
 
 
-def later(last: StepLoss | None, step: int, loss_sum: float, tokens: float) -> StepLoss:
-    """`last.then(...)`, starting from nothing."""
-    return StepLoss(step, loss_sum, tokens) if last is None else last.then(step, loss_sum, tokens)
+NONE = StepLoss(-1, 0.0, 0.0)
+"""Before every step: the first part of a rank's is `NONE.then(...)`."""
 
 
-def final_loss(parts: Iterable[StepLoss | Mapping[str, Any] | None]) -> float | None:
+def final_loss(parts: Iterable[StepLoss | None]) -> float | None:
     """The mean token loss of the last global step any rank counted in, over the parts of that step (every
-    rank's `StepLoss`, or its `to_dict()` form as it comes back from a rank); None when no rank has one."""
-    got = [p if isinstance(p, StepLoss) else StepLoss(int(p["step"]), float(p["loss_sum"]), float(p["tokens"]))
-           for p in parts if p]
+    rank's `StepLoss`; None for a rank that counted none); None when no rank has one."""
+    got = [p for p in parts if p is not None]
     if not got:
         return None
     last = max(p.step for p in got)

@@ -7,6 +7,8 @@ needs from its peers goes through a `Strategy`:
 - `prepare(model)`: before the optimizer is made (FSDP shards the parameters here)
 - `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
 - `whole_model(model)`: a context in which every rank holds the whole weights (evaluation, generation)
+- `load_model(name)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only);
+  `eval_sums(...)`: evaluation the strategy runs itself (a pipeline: through its stages), else None
 - `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
   checkpoint or the final adapter, and back (FSDP gathers and scatters shards; others read the model)
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
@@ -18,6 +20,8 @@ needs from its peers goes through a `Strategy`:
 - `reduce(values)`: sum numbers over every rank (eval sums, anything global)
 - `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
   optimizer step's gradients (every rank for DDP; only itself for DiLoCo's local inner steps)
+- `step_targets(step, mine)` / `step_loss(loss_sum, targets, step_targets)`: the step's loss tokens (every
+  rank's rows), and the step's mean token loss as the loop logs it
 - `at_boundary(step)`: may the loop checkpoint or pause after this step (DiLoCo: at outer steps)
 - `start_at(step)`: where this process starts (a member joining a running elastic group: the others' step)
 - `finish(model, optimizer)`: the loop ended: bring every rank to the shared weights
@@ -55,7 +59,7 @@ from typing import Any, Callable, ClassVar, ContextManager
 import torch
 from pydantic import BaseModel
 
-from smolforge.train.step_loss import StepLoss, later
+from smolforge.train.step_loss import NONE, StepLoss
 
 Batch = dict[str, torch.Tensor]
 
@@ -161,6 +165,12 @@ class Strategy:
             tokens += int(m["attention_mask"].sum())
         return loss_total, tokens
 
+    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True):
+        """The model this rank trains, before PEFT: the whole model here (a pipeline rank reads its stage only)."""
+        from smolforge.models.loading import load_model
+
+        return load_model(name, device=device, dtype=dtype, training=training)
+
     def prepare(self, model: torch.nn.Module, device: torch.device) -> None:
         """Before the optimizer sees the parameters (`loop.make_optimizer`): FSDP replaces them with shards."""
 
@@ -168,6 +178,12 @@ class Strategy:
         """Inside, every rank holds the whole weights and may run the model alone (evaluation, generation:
         ranks make different numbers of forwards). Every rank enters (FSDP gathers its shards)."""
         return nullcontext()
+
+    def eval_sums(self, model: torch.nn.Module, rows: list, examples: list, tokenizer: Any, *, batch_size: int,
+                  max_new_tokens: int, device: torch.device) -> list[float] | None:
+        """(loss sum, tokens, correct, answered) over every rank's eval rows and examples, when the strategy
+        computes them itself (a pipeline: through its stages); None: the loop does, on `whole_model`."""
+        return None
 
     def make_optimizer(self, groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
                        **defaults: Any) -> torch.optim.Optimizer:
@@ -189,7 +205,7 @@ class Strategy:
         """This rank's rows of global step `step` are done: their summed token loss and loss tokens, kept as
         `last_loss`, from which the job's `final_loss` is merged (`smolforge.train.step_loss`). A parameter
         server's worker keeps a part only once the server says it applied it."""
-        self.last_loss = later(self.last_loss, step, loss_sum, targets)
+        self.last_loss = (self.last_loss or NONE).then(step, loss_sum, targets)
 
     def start_at(self, step: int) -> int:
         """The step this process starts at: `step` (from its checkpoint), or for a member joining a
@@ -215,6 +231,12 @@ class Strategy:
     def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
         """Sums over the ranks that average this step's gradients (the loss normalisation)."""
         return self.reduce(values, device)
+
+    def step_loss(self, loss_sum: float, targets: float, step_targets: float, device: torch.device) -> float:
+        """The step's mean token loss as this rank logs it, from its summed loss and loss tokens (`targets`) and
+        the step's loss tokens (`step_targets`, from `step_targets`: already summed, so only the loss is
+        reduced). A rank that computes its part alone (a parameter server's worker) overrides it: its rows' mean."""
+        return self.step_reduce([loss_sum], device)[0] / max(1.0, step_targets)
 
     @property
     def step_ranks(self) -> int:

@@ -4,7 +4,7 @@
 - `specs.py`     the specs users submit (YAML, `launch`, `Client.submit_job`), validated once
 - `manager.py`   accepts jobs, queues them, starts one runner per active job
 - `queue.py`     which waiting jobs start now, and why the others wait
-- `runner.py`    what every job runner shares: its thread, pause/cancel requests, crash recording
+- `runner.py`    the runner base: a job's lifecycle (attempts, outcomes, the policy, state moves)
 - `states.py`    a job's states and the moves it may make
 - `policy.py`    one failure policy for every kind: retry from the last checkpoint, or give up
 - `jobstore.py`  SQLite (WAL): jobs, events, metrics; survives a coordinator restart

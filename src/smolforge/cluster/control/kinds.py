@@ -5,11 +5,12 @@ uploads them to the coordinator before submitting, since workers share no filesy
 settings section `--set` routes unknown keys into, and its submit-time checks. `JobManager`,
 `Client`, the embedded cluster and the CLI look kinds up here; none of them branches on a kind.
 
-Adding a kind: write its spec and its runner (a `control.runner.JobRunner`, in its own package under
-`cluster/workloads/`), then add one `JobKind` line to `KINDS`, naming the runner with `runner_at`
-(with `demand`: what the job holds while it runs, which the queue in `JobManager`
-schedules by). Placement, retries (`policy.FailurePolicy`), pause/resume/cancel, events,
-artifacts and the queue come with the base runner and the manager.
+Adding a kind: write its spec and its runner (a `control.runner.JobRunner` that implements
+`start_attempt` and `poll -> Outcome`, in its own package under `cluster/workloads/`), then add one
+`JobKind` line to `KINDS`, naming the runner with `runner_at` (with `demand`: what the job holds
+while it runs, which the queue in `JobManager` schedules by). Retries (`policy.FailurePolicy`) and
+every state move come with the base runner; the queue, pause/resume/cancel and recovery with the
+manager. The runner is handed the spec `parse` validated, never the raw dict.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from smolforge.distill.settings import check_run
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
-    from smolforge.cluster.control.manager import JobManager
+    from smolforge.cluster.control.artifacts import ArtifactStore
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class JobKind:
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
     joinable: bool = False  # `job join` lends it nodes
-    resumes_from: Callable[["JobManager", str], str] = field(default=lambda mgr, job_id: "the start")
+    # where a resumed job starts from, as a sentence: (the artifact store, job id) -> "step-40" / "the start"
+    resumes_from: Callable[["ArtifactStore", str], str] = field(default=lambda artifacts, job_id: "the start")
     # what a job of the kind holds while it runs (spec, embedded?) -> Demand: the queue starts it when
     # that much is free, and a demand no set of nodes could ever hold fails at submit (check_capacity)
     demand: Callable[[Any, bool], Demand] | None = None
@@ -96,8 +98,8 @@ def _export_demand(job: ExportJob, embedded: bool) -> Demand:
     return Demand(1, Requirements(model=job.model if need_model else None, cpus=job.cpus), noun="task")
 
 
-def _dp_resumes_from(mgr: "JobManager", job_id: str) -> str:
-    return mgr.artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
+def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
+    return artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
 
 KINDS: dict[str, JobKind] = {k.name: k for k in (
@@ -109,12 +111,12 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
             check=lambda job: check_run(job.distill, job.mode),
-            resumes_from=lambda mgr, job_id: "its kept teacher shards and student checkpoints",
+            resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_demand),
     JobKind("serve", "serving", ServeJob, runner_at(f"{WORKLOADS}.serve.runner:ServeRunner"), section=None, models=("model",),
-            resumes_from=lambda mgr, job_id: "the start (stages load again)", demand=_serve_demand),
+            resumes_from=lambda artifacts, job_id: "the start (stages load again)", demand=_serve_demand),
     JobKind("export", "export", ExportJob, runner_at(f"{WORKLOADS}.export.runner:ExportRunner"), section=None, models=("model",),
-            resumes_from=lambda mgr, job_id: "the start (the export runs again)", demand=_export_demand),
+            resumes_from=lambda artifacts, job_id: "the start (the export runs again)", demand=_export_demand),
 )}
 
 

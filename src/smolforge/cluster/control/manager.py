@@ -11,6 +11,12 @@ submit and resume, whenever a job's runner ends (finished, paused, failed), and 
 (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming back.
 Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
 shows it then), so two jobs are never started into the same free slots.
+
+A spec is validated once: at submit (`kinds.parse`), or once when a job is loaded from the store
+after a restart. The manager keeps the typed spec (`specs`) and hands it to the job's runner;
+the queue reads each waiting job's demand from it, never parsing again. A runner sees this
+manager only through its `RunnerContext`, and the manager asks a runner only what the runner
+says itself (`join`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from smolforge.cluster.control import kinds, queue
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.control.artifacts import ArtifactStore
 from smolforge.cluster.control.jobstore import FINAL, JobStore
-from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
-from smolforge.cluster.control.runner import CANCEL_GRACE_S, JobRunner
-from smolforge.cluster.control.specs import DataParallelJob
+from smolforge.cluster.control.placement import COORDINATOR, slots_on
+from smolforge.cluster.control.runner import CANCEL_GRACE_S, JobRunner, RunnerContext
+from smolforge.cluster.control.states import JobState
+from smolforge.config import Spec
 from smolforge.errors import SmolforgeError
 
 log = logging.getLogger(__name__)
@@ -48,8 +55,14 @@ class JobManager:
         self.closed = False
         self.claims: dict[str, tuple[float, queue.Free]] = {}  # admitted, not yet placed: (expires, what)
         self.start_reasons: dict[str, str] = {}  # job id -> the runner's reason once it leaves the queue
+        self.specs: dict[str, Spec] = {}  # job id -> its validated spec (at submit, or once on load)
+        self.serve_token_file: str | None = None  # embedded `serve`: the token the user gave (cli/serve.py)
         self._wake = threading.Event()
         self._ticker: threading.Thread | None = None
+        self.context = RunnerContext(
+            store=store, artifacts=artifacts, embedded=embedded, healthy_nodes=self.healthy_nodes,
+            probe_node=self.probe_node, set_aside=self.set_aside, placed=self.placed, keep_spec=self.keep_spec,
+            done=self._runner_done, serve_token_file=lambda: self.serve_token_file)
 
     # -- submitting -------------------------------------------------------------------------------
 
@@ -81,6 +94,7 @@ class JobManager:
         if kinds.kind_of(job.kind).check_capacity:
             self.check_capacity(job)
         job_id = self.store.create_job(job.kind, job.model_dump(mode="json"), name=job.name)
+        self.specs[job_id] = job
         self.store.add_event(job_id, "queued", f"queued ({job.priority} priority)", {"priority": job.priority})
         self.schedule()
         return job_id
@@ -89,12 +103,31 @@ class JobManager:
         """Every file the job names is an upload this coordinator holds (or 'bundled')."""
         kinds.check_uploads(job, self.artifacts.has_upload)
 
+    def spec_of(self, job: dict) -> Spec:
+        """The job's validated spec: kept since submit, or parsed once as it is loaded from the store
+        (a job from before a restart). A stored spec that no longer parses raises."""
+        spec = self.specs.get(job["id"])
+        if spec is None:
+            spec = self.specs[job["id"]] = kinds.kind_of(job["kind"]).spec.model_validate(job["spec"])
+        return spec
+
+    def keep_spec(self, job_id: str, spec: Spec) -> None:
+        """A runner changed its job's spec (a data-parallel job's lent nodes): stored, and kept for the
+        job's next start."""
+        self.specs[job_id] = spec
+        self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
+
+    def set_aside(self, node_id: str) -> None:
+        """A node that stopped answering: kept out of placements until it answers again."""
+        self.suspects[node_id] = time.time()
+
     def _start(self, job_id: str, reason: str) -> JobRunner:
         with self.lock:
             old = self.runners.get(job_id)
             if old is not None and old.is_alive():
                 raise SmolforgeError(f"job {job_id} is already running", fix="pause or cancel it first")
-            runner = kinds.kind_of(self.store.get_job(job_id)["kind"]).runner()(self, job_id, reason)
+            job = self.store.get_job(job_id)
+            runner = kinds.kind_of(job["kind"]).runner()(self.context, job_id, self.spec_of(job), reason)
             self.on_start(job_id)
             self.runners[job_id] = runner
             runner.start()
@@ -105,6 +138,8 @@ class JobManager:
             if self.runners.get(job_id) is runner:
                 del self.runners[job_id]
             self.claims.pop(job_id, None)
+            if JobState(self.store.get_job(job_id)["state"]).final:
+                self.specs.pop(job_id, None)
         self._wake.set()  # what it held is free: the queue looks again (on its own thread)
 
     # -- the queue --------------------------------------------------------------------------------
@@ -120,18 +155,18 @@ class JobManager:
         """Pending jobs without a runner, with what each asks (None: its kind states no demand, so it
         never waits; a stored spec that no longer parses fails its job)."""
         out = []
-        for job in self.store.list_jobs(states=("pending",), limit=100_000):
+        for job in self.store.list_jobs(states=(JobState.PENDING.value,), limit=100_000):
             runner = self.runners.get(job["id"])
             if runner is not None and runner.is_alive():
                 continue
             kind = kinds.kind_of(job["kind"])
             try:
-                spec = kind.spec.model_validate(job["spec"])
-                demand = kind.demand(spec, self.embedded) if kind.demand else None
+                spec = self.spec_of(job)  # validated at submit (or once, on load): not again here
             except Exception as err:  # noqa: BLE001 - recorded on the job, never kills the queue
-                self.store.set_state(job["id"], "failed", f"failed: its spec no longer parses: {err}",
+                self.store.set_state(job["id"], JobState.FAILED.value, f"failed: its spec no longer parses: {err}",
                                      error=str(err)[:400])
                 continue
+            demand = kind.demand(spec, self.embedded) if kind.demand else None
             out.append((job, queue.Waiting(job["id"], spec.priority, job["created"], demand) if demand else None))
         return out
 
@@ -186,15 +221,15 @@ class JobManager:
         job = self._job(job_id)
         job_id = job["id"]
         runner = self.runners.get(job_id)
-        if job["state"] == "running" and runner is not None:
+        if job["state"] == JobState.RUNNING and runner is not None:
             runner.request("pause")
             self.store.add_event(job_id, "pause_requested", "pause requested: checkpoint, then release workers")
-        elif job["state"] == "pending":
+        elif job["state"] == JobState.PENDING:
             if runner is not None:
                 runner.request("pause")
             else:
-                self.store.set_state(job_id, "paused", "paused before it started")
-        elif job["state"] != "paused":
+                self.store.set_state(job_id, JobState.PAUSED.value, "paused before it started")
+        elif job["state"] != JobState.PAUSED:
             raise SmolforgeError(f"job {job_id} is {job['state']}; only running or pending jobs can be paused",
                                  fix=f"see `smolforge job show {job_id}`")
         return self._job(job_id)
@@ -202,15 +237,15 @@ class JobManager:
     def resume(self, job_id: str) -> dict:
         job = self._job(job_id)
         job_id = job["id"]
-        if job["state"] != "paused":
+        if job["state"] != JobState.PAUSED:
             raise SmolforgeError(f"job {job_id} is {job['state']}; only paused jobs can be resumed",
                                  fix=f"see `smolforge job show {job_id}`")
         runner = self.runners.get(job_id)
         if runner is not None and runner.is_alive():
             runner.join(timeout=30)
-        where = kinds.kind_of(job["kind"]).resumes_from(self, job_id)
+        where = kinds.kind_of(job["kind"]).resumes_from(self.artifacts, job_id)
         self.start_reasons[job_id] = f"resumed from {where}"
-        self.store.set_state(job_id, "pending", "resume requested: queued")
+        self.store.set_state(job_id, JobState.PENDING.value, "resume requested: queued")
         self.schedule()
         return self._job(job_id)
 
@@ -225,11 +260,13 @@ class JobManager:
             runner.finished.wait(timeout=CANCEL_GRACE_S + 6)
         job = self._job(job_id)
         if job["state"] not in FINAL:
-            self.store.set_state(job_id, "cancelled", "cancelled", force=True)
+            self.store.set_state(job_id, JobState.CANCELLED.value, "cancelled", force=True)
+        self.specs.pop(job_id, None)
         return self._job(job_id)
 
     def join(self, job_id: str, node: str | None = None) -> dict:
-        """Lend the coordinator node (default) or another node to a running data-parallel job."""
+        """Lend the coordinator node (default) or another node to a running job of a joinable kind;
+        the runner checks the node against its spec and says when it takes it in."""
         job = self._job(job_id)
         job_id = job["id"]
         runner = self.runners.get(job_id)
@@ -237,32 +274,11 @@ class JobManager:
         if not kind.joinable:
             raise SmolforgeError(f"job {job_id} is a {kind.label} job; `job join` lends nodes to data-parallel jobs",
                                  fix="it places its tasks on every eligible worker itself")
-        if job["state"] != "running" or runner is None:
+        if job["state"] != JobState.RUNNING or runner is None:
             raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",
                                  fix=f"resume it first (`smolforge job resume {job_id}`)")
-        spec = DataParallelJob.model_validate(job["spec"])
         target = node or COORDINATOR
-        nodes = ray_glue.nodes()
-        if target == COORDINATOR:
-            ray_glue.check_placeable(coordinator_requirements(spec, self.embedded), nodes)
-        else:
-            req = requirements_for(spec, self.embedded)
-            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
-                                                           allowed_nodes=[target]), nodes)
-        if target in spec.lent_nodes or target in runner.pending_joins:
-            raise SmolforgeError(f"{target} already joined job {job_id}", fix="nothing to do")
-        world = max(runner.world, 1) + len(runner.pending_joins) + 1
-        # an elastic group splits each global batch among whoever is a member, evenly or not
-        if spec.global_batch % world and not runner.elastic:
-            raise SmolforgeError(
-                f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
-                fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
-                    f"(e.g. {world * max(1, spec.global_batch // world)})")
-        runner.request("join", target)
-        when = ("the next checkpoint" if spec.train.save_every else "the next step") if runner.training \
-            else "the placement of its group"
-        if runner.elastic and runner.training:
-            when = "the group's next outer step (no restart)"
+        when = runner.join(target)
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
         return self._job(job_id)
 
@@ -271,17 +287,27 @@ class JobManager:
     def recover(self) -> list[str]:
         """After a (re)start: every job that was running or pending runs again from its checkpoint."""
         resumed = []
-        for job in self.store.list_jobs(states=("running", "pending")):
-            where = kinds.kind_of(job["kind"]).resumes_from(self, job["id"])
+        for job in self.store.list_jobs(states=(JobState.RUNNING.value, JobState.PENDING.value)):
+            where = kinds.kind_of(job["kind"]).resumes_from(self.artifacts, job["id"])
             self.start_reasons[job["id"]] = f"resumed after coordinator restart from {where}"
-            if job["state"] == "running":
-                self.store.set_state(job["id"], "pending", f"coordinator restarted; resuming from {where}", force=True)
+            if job["state"] == JobState.RUNNING:
+                self.store.set_state(job["id"], JobState.PENDING.value, f"coordinator restarted; resuming from {where}",
+                                     force=True)
             self.store.add_event(job["id"], "reattached", f"coordinator restarted; job resumes from {where}")
             resumed.append(job["id"])
         # through the queue like any job: the ones that ran hold their place (they were first in it),
         # and what Ray's table still shows of their old groups is gone once their actors are
         self.schedule()
         return resumed
+
+    def mark_interrupted(self, job_id: str) -> None:
+        """A job whose embedded command ended (its process is gone) becomes paused, never running
+        forever: `job resume` continues it from its last checkpoint."""
+        job = self._job(job_id)
+        where = kinds.kind_of(job["kind"]).resumes_from(self.artifacts, job["id"])
+        self.store.set_state(job["id"], JobState.PAUSED.value, f"interrupted: the command running it ended; "
+                             f"`smolforge job resume {job['id']}` continues from {where}", force=True)
+        self.store.stop_tasks(job["id"], "stopped: the command running the job ended")
 
     def active(self) -> list[str]:
         with self.lock:
@@ -306,7 +332,7 @@ class JobManager:
             if on_update:
                 on_update(job)
             runner = self.runners.get(job["id"])
-            if job["state"] in FINAL or (job["state"] == "paused" and (runner is None or not runner.is_alive())):
+            if job["state"] in FINAL or (job["state"] == JobState.PAUSED and (runner is None or not runner.is_alive())):
                 return job
             if deadline and time.time() > deadline:
                 return job
@@ -323,6 +349,6 @@ class JobManager:
         for nid, since in list(self.suspects.items()):
             if nid not in alive_ids:
                 continue  # Ray has caught up: it is gone from the live table
-            if time.time() - since > 20 and self.probe_node(nid, timeout=2):
+            if time.time() - since > 20 and self.probe_node(nid, 2):
                 del self.suspects[nid]
         return [n for n in nodes if n.node_id not in self.suspects]

@@ -14,8 +14,9 @@ COORDINATOR = "@coordinator"
 
 def holds_anywhere(model: str, embedded: bool) -> bool:
     """Every node can load this model: a preset or a twin (built from code), or, on an embedded cluster
-    (one machine), a local directory. Elsewhere a model is held by the nodes that advertise it."""
-    return built_from_code(model) or (embedded and Path(model).expanduser().is_dir())
+    (one machine), a local directory or file (a llamacpp teacher's GGUF). Elsewhere a model is held by
+    the nodes that advertise it."""
+    return built_from_code(model) or (embedded and Path(model).expanduser().exists())
 
 
 def requirements_for(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:

@@ -47,7 +47,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from smolforge.config import ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
 from smolforge.distill.settings import DistillSettings
 from smolforge.errors import SmolforgeError
-from smolforge.models.export.targets import ExportTarget
+from smolforge.models.export.targets import ExportTarget, QuantName
 
 
 PRIORITIES = ("high", "normal", "low")  # the queue's order, first to last
@@ -151,9 +151,11 @@ class JobSpec(Spec):
 
 
 def default_save_every(max_steps: int | None) -> int:
-    """A data-parallel job's checkpoints when nothing sets them (`launch`, the seeds' `checkpointing: true`):
+    """A data-parallel job's checkpoints when nothing sets them (every road: `launch`, `submit`, the
+    client, the seeds' calls and `checkpointing: true`; `DataParallelJob` applies it, nothing else):
     a dead worker then costs minutes, not the run. A tenth of the steps, at least 10 (a checkpoint
-    costs an upload to the coordinator) and at most 200; 50 when the step count comes from epochs."""
+    costs an upload to the coordinator) and at most 200; 50 when the step count comes from epochs.
+    (`smolforge train` alone keeps TrainConfig's 0: one process has no worker to lose.)"""
     return 50 if not max_steps else max(10, min(200, max_steps // 10))
 
 
@@ -186,7 +188,8 @@ class DataParallelJob(JobSpec):
     gpu_memory_gb: float = Field(0.0, ge=0, description="each worker's GPU has at least this much memory")
     gpu_ids: list[int] | None = Field(None, description="GPU indices a worker's node must have; one GPU per id")
     checkpointing: bool | None = Field(None, description="the seeds' flag: false sets train.save_every 0; true "
-                                       "sets it when unset as `launch` does (default_save_every)")
+                                       "sets default_save_every where it is unset or 0 (unset, it is the default "
+                                       "anyway)")
     allowed_nodes: list[str] | None = None
     require_model: bool | None = Field(
         None, description="place only on nodes that hold the model; default: yes unless it is a tiny preset")
@@ -216,7 +219,10 @@ class DataParallelJob(JobSpec):
         data = from_seed_task(data)
         if isinstance(data, dict) and isinstance(data.get("train"), dict):
             steps = data["train"].get("max_steps")
-            data = _checkpointing(data, "train.save_every", default_save_every(int(steps) if steps else None))
+            default = default_save_every(int(steps) if steps else None)
+            data = _checkpointing(data, "train.save_every", default)
+            if data["train"].get("save_every") is None:  # unset: the one default, whichever road the spec came by
+                data = {**data, "train": {**data["train"], "save_every": default}}
         return data
 
     @model_validator(mode="after")
@@ -350,7 +356,7 @@ class ExportJob(JobSpec):
     adapters: list[str] = Field(default_factory=list, description="adapter directories merged in order: on the "
                                 "embedded cluster only (they are read on this machine)")
     to: ExportTarget = "gguf"
-    quant: Literal["f16", "bf16", "q8_0"] = "f16"
+    quant: QuantName = "f16"
     dtype: ModelDtype = Field("auto", description="--to hf: the dtype the merged tensors are written in (auto: "
                               "the checkpoint's own); a GGUF's is quant")
     model_name: str | None = Field(None, description="the name in the GGUF and in `ollama create` (--name)")
@@ -365,6 +371,3 @@ class ExportJob(JobSpec):
         if self.dtype != "auto" and self.to != "hf":
             raise ValueError(f"dtype {self.dtype} applies to to: hf; a {self.to} export's weights dtype is quant")
         return self
-
-
-JOB_KINDS = {"data_parallel": DataParallelJob, "distill": DistillJob, "serve": ServeJob, "export": ExportJob}

@@ -210,6 +210,19 @@ def discover(name: str | None = None, *, models_dir: str | Path | None = None, c
     if gpus is not None:
         gpu_list = gpu_list[:gpus] if gpus <= len(gpu_list) else gpu_list + [
             GpuInfo(i, "unknown", 0.0) for i in range(len(gpu_list), gpus)]
+    return Inventory(
+        name=check_node_name(name or default_node_name()),
+        cpus=int(cpus) if cpus is not None else detect_cpus(),
+        ram_gb=float(memory_gb) if memory_gb is not None else round(detect_ram_gb(), 1),
+        gpus=gpu_list,
+        models=discover_models(models_dir, scan_cache=scan_cache, use_ollama=use_ollama),
+    )
+
+
+def discover_models(models_dir: str | Path | None = None, *, scan_cache: bool = True,
+                    use_ollama: bool = True) -> dict[str, str]:
+    """The models part of `discover` alone (name -> where, aliases included): what a running worker
+    reads again on every rescan, without asking the GPUs or RAM again."""
     models: dict[str, str] = {}
     if scan_cache:
         models.update(scan_hf_cache())
@@ -217,10 +230,16 @@ def discover(name: str | None = None, *, models_dir: str | Path | None = None, c
     if use_ollama:
         for n in scan_ollama():
             models.setdefault(n, "ollama")
-    return Inventory(
-        name=check_node_name(name or default_node_name()),
-        cpus=int(cpus) if cpus is not None else detect_cpus(),
-        ram_gb=float(memory_gb) if memory_gb is not None else round(detect_ram_gb(), 1),
-        gpus=gpu_list,
-        models=with_aliases(models),
-    )
+    return with_aliases(models)
+
+
+def model_changes(old: dict[str, str], new: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(found, gone): distinct model names (not alias spellings) that a rescan added or lost. A model
+    that moved (same name, another directory) counts as found, since its path must be advertised anew."""
+    def distinct(models: dict[str, str]) -> dict[str, str]:
+        return {n: where for n, where in models.items() if not where.startswith("alias:")}
+
+    before, after = distinct(old), distinct(new)
+    found = sorted(n for n, where in after.items() if before.get(n) != where)
+    gone = sorted(n for n in before if n not in after)
+    return found, gone

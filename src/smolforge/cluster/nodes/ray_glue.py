@@ -97,6 +97,10 @@ def advertised_models(models: dict[str, str]) -> dict[str, float]:
 
 @dataclass
 class NodeInfo:
+    """One row of the node table: a machine as Ray knows it (its advertised resources, labels and
+    models, live or dead), read by placement, the queue, the API and the CLI. The stage planner's
+    measured view of a node (FLOP/s, free memory, link) is `models.placement.NodeCapacity`."""
+
     node_id: str
     name: str
     address: str
@@ -279,7 +283,7 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
         wanted.append("the coordinator node")
     fix = "join a worker that has it (`smolforge worker join HOST:PORT --token-file F --models-dir DIR`)"
     if req.model:
-        fix = (f"put {req.model} on a worker (HF cache or --models-dir) and re-join it, "
+        fix = (f"put {req.model} on a worker (HF cache or --models-dir) and run `smolforge worker rescan` there, "
                "or pick a model some node holds (`smolforge nodes`)")
         if os.sep in req.model or req.model.startswith((".", "~")):
             name = Path(req.model).expanduser().name

@@ -116,11 +116,65 @@ def spawn(cmd: list[str], env: dict[str, str], log_path: Path, die_with_parent: 
         log.close()
 
 
+FOREIGN_GRACE_S = 10.0  # a listener not ours for this long: Ray lost the port to someone else
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """True when process `pid` or one of its descendants listens on TCP `port` (Ray's GCS server is a
+    grandchild of `ray start`). Only our own children are asked, which needs no privileges."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in tree:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="inet")):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def holder_of(port: int) -> str:
+    """Who listens on `port`, as far as this process may see ("pid 123 (nginx)"), for the error."""
+    import psutil
+
+    try:
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                try:
+                    return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+                except psutil.Error:
+                    return f"pid {c.pid}"
+    except psutil.Error:
+        pass
+    return "another process"
+
+
 def wait_for_port(host: str, port: int, proc: subprocess.Popen | None, timeout: float, log_path: Path) -> None:
+    """Wait until the Ray we started (`proc`) listens on host:port; any other listener is not enough.
+
+    A port picked free can be taken by another process before Ray binds it: then the port answers but
+    our Ray never will. Seen as a coordinator that "started" on someone else's port and then retried
+    its connection until the deadline. Ends in one of three clear states: ours is up (return), ours
+    died (its log), or the port stayed someone else's for FOREIGN_GRACE_S (who holds it)."""
     deadline = time.time() + timeout
+    foreign_since: float | None = None
     while time.time() < deadline:
         if port_open(host, port, timeout=0.5):
-            return
+            if proc is None or listens_on(proc.pid, port):
+                return
+            foreign_since = foreign_since or time.time()
+            if time.time() - foreign_since > FOREIGN_GRACE_S:
+                raise SmolforgeError(f"port {port} on {host} is held by {holder_of(port)}, not by the Ray node "
+                                     f"this command started (pid {proc.pid}):\n{tail(log_path)}",
+                                     fix="pick another --ray-port, or stop what holds it")
+        else:
+            foreign_since = None
         if proc is not None and proc.poll() is not None:
             break
         time.sleep(0.3)

@@ -7,6 +7,9 @@
    Ray resources and labels (see `ray_glue`), and wait until the coordinator sees the node.
 4. Stay in the foreground. Ctrl-C / SIGTERM leaves the cluster. If the Ray node ends on its own
    (the coordinator's machine went away), wait for the coordinator and join again.
+5. Read the models again every SMOLFORGE_RESCAN_S seconds (30) and on `smolforge worker rescan`. Ray
+   cannot change a running node's custom resources, so when the models changed the node re-joins (3.)
+   with the new `model:<name>` resources, at a moment it runs none of our tasks (all its CPUs free).
 """
 
 from __future__ import annotations
@@ -18,19 +21,39 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
 from smolforge.auth import check_token_format, resolve_token, write_token
 from smolforge.cluster.nodes.ray_auth import ray_auth_env
-from smolforge.cluster.nodes.discovery import discover
+from smolforge.cluster.nodes.discovery import discover, discover_models, model_changes
 from smolforge.cluster.nodes.statedir import StateDir
 from smolforge.cluster.nodes.tls import FINGERPRINT_ENV, pinned_context
 from smolforge.errors import SmolforgeError
 from smolforge.net import is_loopback
+from smolforge.paths import atomic_write_json, atomic_write_text, home
 
 REJECTED = "coordinator rejected the token"
+RESCAN_ENV = "SMOLFORGE_RESCAN_S"  # seconds between model rescans; 0 turns the timer off
+RESCAN_DEFAULT_S = 30.0
+POLL_S = 1.0  # how often the running worker looks for a `worker rescan` request and at its Ray node
+PID_FILE = "worker.json"  # in the worker's state dir: which process runs the worker (for `worker rescan`)
+RESCAN_FILE = "worker-rescan"  # in the worker's state dir: `worker rescan` asks, the worker removes it
+
+
+def rescan_interval() -> float:
+    """SMOLFORGE_RESCAN_S as seconds (0: no timer, only `worker rescan`), checked before joining."""
+    text = os.environ.get(RESCAN_ENV, "").strip()
+    try:
+        value = float(text) if text else RESCAN_DEFAULT_S
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise SmolforgeError(f"{RESCAN_ENV}={text!r} is not a number of seconds", where=RESCAN_ENV,
+                             fix="set it to e.g. 30 (0 rescans only on `smolforge worker rescan`), or unset it")
+    return value
 
 
 @dataclass
@@ -148,6 +171,8 @@ class WorkerNode:
         self.stopping = threading.Event()
         self.scheme, self.host, self.port = parse_coordinator(opts.coordinator)
         self.verify = tls_for(self.scheme, self.host, self.port, opts.tls_fingerprint)
+        self.rescan_s = rescan_interval()
+        self.token = ""
 
     def _nodes(self, token: str) -> list[dict]:
         r = httpx.get(f"{self.scheme}://{self.host}:{self.port}/api/v1/nodes",
@@ -177,7 +202,7 @@ class WorkerNode:
             if n["name"] == inv.name and n["state"] != "dead":
                 raise SmolforgeError(f"a node named {inv.name!r} is already in the cluster",
                                      fix="pick another --name")
-        self.inv = inv
+        self.inv, self.token = inv, token
         state = StateDir.at(self.opts.state_dir)
         write_token(state.node_token_path, token)
         res, labels = node_resources(inv, inv.cpus)
@@ -244,14 +269,26 @@ class WorkerNode:
             signal.signal(signal.SIGINT, _on_signal)
             signal.signal(signal.SIGTERM, _on_signal)
         self.announce(self.start())
+        state = StateDir.at(self.opts.state_dir)
+        pid_file = state.root / PID_FILE
+        atomic_write_json(pid_file, {"pid": os.getpid(), "name": self.inv.name})
+        try:
+            return self._serve(state)
+        finally:
+            _remove_if_ours(pid_file)
+
+    def _serve(self, state: StateDir) -> int:
+        """Until stopped: watch the Ray node; join again after it ended on its own or after a rescan
+        found other models."""
         while True:
-            code = self.proc.wait()
+            code = self._watch(state)
             if self.stopping.is_set():
                 self.stop()
                 return 0
-            self.announce(f"the Ray node stopped (exit {code}); waiting for the coordinator to re-join")
-            if not self.opts.rejoin:
-                return 1
+            if code is not None:
+                self.announce(f"the Ray node stopped (exit {code}); waiting for the coordinator to re-join")
+                if not self.opts.rejoin:
+                    return 1
             while not self.stopping.is_set():
                 try:
                     self.announce(self.start())
@@ -263,3 +300,114 @@ class WorkerNode:
             if self.stopping.is_set():
                 self.stop()
                 return 0
+
+    def _watch(self, state: StateDir) -> int | None:
+        """The Ray node's exit code once it ends, or None once a rescan stopped it to re-register.
+        Polls (POLL_S) rather than blocking in wait() so a `worker rescan` request is seen at once."""
+        request = state.root / RESCAN_FILE
+        next_scan = time.monotonic() + self.rescan_s if self.rescan_s else float("inf")
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            if self.stopping.wait(POLL_S):
+                return 0
+            asked = request.exists()
+            if not (asked or time.monotonic() >= next_scan):
+                continue
+            outcome = self._rescan(request if asked else None)
+            retry = min(self.rescan_s or BUSY_RETRY_S, BUSY_RETRY_S)
+            next_scan = time.monotonic() + (retry if outcome == "busy" else self.rescan_s or float("inf"))
+            if outcome == "changed":
+                ray_process.stop(self.proc, timeout=20)
+                return None
+
+    def _rescan(self, request: Path | None) -> str:
+        """Read the models again: "same", "busy" (changed, but a task of ours runs here: the next
+        check tries again) or "changed" (re-register now). Answers a `worker rescan` request."""
+        try:
+            found, gone = model_changes(self.inv.models, discover_models(self.opts.models_dir,
+                                                                         scan_cache=self.opts.scan_hf_cache))
+            unreadable = ""
+        except OSError as err:  # a folder removed or unreadable mid-scan: keep what is advertised
+            found, gone, unreadable = [], [], f"models not read again ({err}); keeping the ones advertised"
+        what = "; ".join([*(f"found model {m}" for m in found), *(f"model {m} is gone" for m in gone)])
+        busy = self._busy() if what else ""
+        if unreadable:
+            line, outcome = unreadable, "same"
+        elif not what:
+            line, outcome = f"models rescanned: no change ({len(self.inv.model_names())} models)", "same"
+        elif busy:
+            line, outcome = f"{what}; this node is busy ({busy}): re-registering when it is idle", "busy"
+        else:
+            line, outcome = f"{what}; re-registering", "changed"
+        if what or unreadable or request is not None:
+            self.announce(line)
+        if request is not None:
+            atomic_write_text(request.parent / (RESCAN_FILE + ".result"), line + "\n")
+            request.unlink(missing_ok=True)
+        return outcome
+
+    def _busy(self) -> str:
+        """Why this node should not leave Ray now ("" when idle): one of our tasks holds some of its
+        CPUs (Ray's available < total), or the coordinator cannot tell us."""
+        try:
+            nodes = self._nodes(self.token)
+        except (httpx.HTTPError, ValueError) as err:
+            return f"the coordinator did not answer ({type(err).__name__})"
+        for n in nodes:
+            if n.get("name") == self.inv.name and n.get("alive"):
+                total = float((n.get("ray_resources") or {}).get("CPU", 0.0))
+                free = float((n.get("available") or {}).get("CPU", 0.0))
+                return "" if free >= total else f"{total - free:g} of {total:g} CPUs in use"
+        return ""
+
+
+BUSY_RETRY_S = 10.0  # a busy node checks again this soon (or at its timer, when that is shorter)
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+def _remove_if_ours(pid_file: Path) -> None:
+    try:
+        if json.loads(pid_file.read_text()).get("pid") == os.getpid():
+            pid_file.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def request_rescan(state_dir: str | None, timeout: float = 60.0) -> str:
+    """`smolforge worker rescan`: ask the worker running with this state dir to read its models again,
+    and return its answer. A request file it polls (not a signal): no pid of another process is ever
+    signalled, and it works whichever thread runs the worker."""
+    root = Path(state_dir).expanduser().resolve() if state_dir else home().resolve()
+    pid_file = root / PID_FILE
+    fix = ("start one with `smolforge worker join HOST:PORT --token-file F`, and give this command the "
+           "same --state-dir")
+    try:
+        pid = int(json.loads(pid_file.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SmolforgeError(f"no worker runs with state dir {root}", where=str(pid_file), fix=fix) from None
+    if not _pid_alive(pid):
+        raise SmolforgeError(f"the worker that wrote {pid_file} (pid {pid}) is gone", where=str(pid_file), fix=fix)
+    result, request = root / (RESCAN_FILE + ".result"), root / RESCAN_FILE
+    result.unlink(missing_ok=True)
+    request.write_text(f"{time.time()}\n")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not request.exists():
+            try:
+                return result.read_text().strip()
+            except OSError:
+                return "the worker read its models again (see its output)"
+        if not _pid_alive(pid):
+            raise SmolforgeError(f"the worker (pid {pid}) exited before it read its models again",
+                                 where=str(pid_file), fix=fix)
+        time.sleep(0.2)
+    request.unlink(missing_ok=True)
+    raise SmolforgeError(f"the worker (pid {pid}) did not answer within {timeout:.0f} s", where=str(root),
+                         fix="it may be joining the cluster again; see its output and try once more")

@@ -1,11 +1,11 @@
-"""`--to gguf`: a merged Llama, Qwen2 or GPT-2 model as one GGUF file for llama.cpp and Ollama.
+"""`--to gguf`: a merged Llama, Qwen2, Phi-3 or GPT-2 model as one GGUF file for llama.cpp and Ollama.
 
 The `gguf` package (llama.cpp's own writer) does the format, the tensor names (TensorNameMap) and
 the q8_0/bf16 packing; this module is the glue no library ships as an importable function
 (llama.cpp's `convert_hf_to_gguf.py` is a script, not in the package):
 - hyper-parameters per family, and the tensor layout fixes llama.cpp expects: Llama's q/k rows
   permuted from HF's rotate-half rope to llama.cpp's interleaved (NORM) rope, Qwen2's left as
-  they are (NEOX rope), GPT-2's Conv1D weights transposed, tied embeddings (GPT-2 gets an explicit
+  they are (NEOX rope), Phi-3's fused qkv/gate_up kept fused (NEOX too), GPT-2's Conv1D weights transposed, tied embeddings (GPT-2 gets an explicit
   output tensor; Llama and Qwen2 fall back to the embedding in llama.cpp);
 - the tokenizer (gguf_vocab.py): byte-level BPE with the pre-tokenizer name read from what
   tokenizer.json actually does (not from a hash table), or SentencePiece-style byte-fallback BPE;
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Callable
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.gguf_vocab import pre_tokenizer_name, write_tokenizer  # noqa: F401 (re-export)
 from smolforge.models.export.merge import MergedModel
+from smolforge.models.export.targets import QUANTS  # the weight types' names, one place
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-QUANTS = ("f16", "bf16", "q8_0")
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
@@ -147,6 +147,26 @@ def _llama_fix(name: str, t: "torch.Tensor", cfg: dict) -> "torch.Tensor":
     return t
 
 
+def _phi3_hparams(w, cfg: dict) -> None:
+    """Phi-3 as convert_hf_to_gguf.py's Phi3MiniModel writes it: Llama's keys plus the original context
+    length and the sliding window (0: none). Its fused qkv_proj and gate_up_proj keep their layout
+    (llama.cpp's `attn_qkv` and `ffn_up` of twice the width); its rope is NEOX, so no permutation.
+    Long-context rope (`longrope`, the 128k models) is refused by `_rope_scaling`."""
+    heads = cfg["num_attention_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(int(cfg.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
+    w.add_rope_freq_base(float(_rope(cfg)["rope_theta"]))
+    w.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    _rope_scaling(w, cfg, "PHI3")
+
+
 def _gpt2_hparams(w, cfg: dict) -> None:
     w.add_context_length(cfg["n_positions"])
     w.add_embedding_length(cfg["n_embd"])
@@ -164,6 +184,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LLAMA", _llama_like_hparams, _llama_fix, untie=False),
     "qwen2": Family("QWEN2", _llama_like_hparams, lambda name, t, cfg: t, untie=False),
     "gpt2": Family("GPT2", _gpt2_hparams, _gpt2_fix, untie=True),
+    "phi3": Family("PHI3", _phi3_hparams, lambda name, t, cfg: t, untie=False),
 }
 
 

@@ -21,7 +21,7 @@ from smolforge.models.export import gguf as gguf_format
 from smolforge.models.export import hf as hf_format
 from smolforge.models.export import ollama as ollama_format
 from smolforge.models.export.merge import MergedModel
-from smolforge.models.export.targets import TARGETS
+from smolforge.models.export.targets import QUANTS, TARGETS
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 
 SUMMARY = "export.json"
@@ -85,8 +85,8 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     if to not in TARGETS:
         raise SmolforgeError(f"unknown --to {to!r}", fix=f"use one of {', '.join(TARGETS)}")
     dtype = check_export_dtype(dtype, to)
-    if quant not in gguf_format.QUANTS:
-        raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(gguf_format.QUANTS)}")
+    if quant not in QUANTS:
+        raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
     out = Path(output_dir).expanduser().resolve()
     check_output_dir(out)
     t0 = time.time()
@@ -141,7 +141,7 @@ def check_export_dtype(dtype: str | None, to: str) -> str:
     dtype = parse_dtype(dtype or "auto")
     if dtype != "auto" and to != "hf":
         raise SmolforgeError(f"--dtype {dtype} applies to --to hf; a {to} export's weights dtype is --quant",
-                             where="--dtype", fix="use --quant f16|bf16|q8_0 for GGUF/Ollama, or drop --dtype")
+                             where="--dtype", fix=f"use --quant {'|'.join(QUANTS)} for GGUF/Ollama, or drop --dtype")
     return dtype
 
 

@@ -1,5 +1,6 @@
 """The export targets, one place: `smolforge export --to`, the `export` job kind's `to`, and the
-`--export` of train, launch and distill (the targets a finished run may export to) all read them here.
+`--export` of train, launch and distill (the targets a finished run may export to) all read them here;
+so do `--quant` and the job's `quant` (the GGUF weight types, `QUANTS`).
 
 Apart from run.py, which writes them, because the CLI builds its help and checks its flags from this
 at start: no imports beyond the standard library.
@@ -30,3 +31,7 @@ RUN_TARGETS: tuple[str, ...] = tuple(name for name, target in TARGETS.items() if
 
 # the job spec's `to`: pydantic checks it and names the choices
 ExportTarget = Literal[tuple(TARGETS)]  # type: ignore[valid-type]
+
+# GGUF weight types (`--quant`, for gguf and ollama), written by gguf.py, each with its verify.py limits
+QUANTS: tuple[str, ...] = ("f16", "bf16", "q8_0")
+QuantName = Literal[QUANTS]  # type: ignore[valid-type]  # the job spec's `quant`

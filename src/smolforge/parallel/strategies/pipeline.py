@@ -18,11 +18,15 @@ the one-process result. Why it looks like this:
   states go forward over a cut and only their gradients come back. A step therefore holds
   batch_size x grad_accum x stages rows, like a ddp step: the global batch of a job does not depend on
   the strategy, and `samples` count as they do for ddp.
-- **The model is loaded whole, PEFT is applied to it as the loop does, then it is cut**: the stages share
-  the PEFT-wrapped modules, and each rank frees the parameters of the other stages (their storage, not
-  the `Parameter` objects: names, `requires_grad` and the parameter order stay the whole model's).
-  Loading reads the whole model on every rank first (the loader is shared); training holds one stage.
-  Each rank's optimizer holds only its stage's trainable parameters.
+- **Each rank reads only its stage** (`load_model`, `models.stage_load`): the whole model is built on the
+  meta device, the stages are planned and cut on it, and only this rank's stage's parameters are read
+  from the checkpoint's safetensors by key (a tied head: the embedding matrix, on the first and the last
+  rank); every other parameter gets a tensor with no elements. No rank ever loads the whole model. PEFT
+  is then applied to the whole (mostly empty) model as the loop does, so its seeded initialisation is
+  one process's, and the names, `requires_grad`, the parameter order and the optimizer's ids stay the
+  whole model's; `prepare` cuts it again and frees the other stages' adapter weights. Each rank's
+  optimizer holds only its stage's trainable parameters. (A model handed in already loaded is cut and
+  freed the same way.)
 - **Micro-batches are the loop's** (`microbatches` unset): batch_size rows each, grad_accum x stages of
   them per step, which 1F1B needs (at least one per stage). Each runs at its own width (its longest
   row), exactly as the loop runs it alone, so every micro-batch's gradient is the one-process gradient,
@@ -47,10 +51,11 @@ the one-process result. Why it looks like this:
   pipeline checkpoint resumes under pipeline (any stage count), single, ddp or fsdp, and the other way
   round. Rank 0 gathers them: each rank sends a JSON header (names, dtypes, shapes) as a byte tensor, then
   its tensors, which rank 0 writes as they come (the optimizer's into a safetensors file, as FSDP does).
-- **Evaluation and generation run on whole weights** (`whole_model`): every stage's parameters are
-  broadcast to every rank for the duration, and each rank evaluates its shard of the rows, as under every
-  other strategy. The simplest correct choice; it costs one whole model per rank while it lasts, as
-  FSDP's does.
+- **Evaluation runs through the stages** (`eval_sums`, `pipeline_eval.StageEval`): forward only, every
+  rank every eval row, hidden states over the cuts; the last stage computes the loss and the greedy
+  tokens of the accuracy check and shares the numbers, so no rank ever holds the whole model.
+  `whole_model` is therefore empty: the final adapter or model is written from the gathered weights
+  (`model_state`), never from the modules.
 - Not supported: prefix and prompt tuning (their virtual tokens are not layers), fp16 with loss scaling
   (a rank that skips a step on an overflow would leave the others behind), speed-balanced rows. With
   dropout the weights are not one process's: each rank draws random numbers for its own layers only.
@@ -62,7 +67,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Literal
@@ -75,7 +80,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import Stage, arch_of, check_bounds, cut
-from smolforge.models.placement import NodeInfo, Workload, measure_node, model_info, plan_in_order
+from smolforge.models.placement import NodeCapacity, Workload, measure_node, model_info, plan_in_order
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
@@ -155,15 +160,38 @@ class Pipeline(DDP):
         self._schedule = None
         self._schedule_key: tuple | None = None
         self._step: _Step | None = None
+        self.planned: list[int] | None = None  # the bounds `load_model` cut at
+        self.shapes: dict[int, torch.Size] = {}  # id(parameter) -> its shape, for those loaded without storage
+        self.read: dict[str, int] | None = None  # what `load_model` read from the checkpoint
 
     # -- cutting ------------------------------------------------------------------------------------
+
+    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True) -> nn.Module:
+        """The whole model with storage for this rank's stage only, read by key (see the module doc)."""
+        from smolforge.models.stage_load import materialize, skeleton
+
+        self._use(device)
+        net, merged, torch_dtype = skeleton(name, device=device, dtype=dtype or "fp32", training=training)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.planned = self._bounds(net)  # measuring draws random matrices: PEFT's seeded init must not see it
+        stages = cut(net, self.planned)
+        staged = {id(p) for stage in stages for p in stage.parameters()}
+        keep = {id(p) for p in stages[self.rank].parameters()}
+        if self.rank == 0:  # a parameter no stage uses is rank 0's (`_layout`)
+            keep |= {id(p) for p in net.parameters() if id(p) not in staged}
+        self.shapes = {id(p): p.shape for p in net.parameters()}
+        self.read = materialize(net, keep, merged, device, torch_dtype)
+        return net.eval()  # as from_pretrained returns it
+
+    def _use(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def prepare(self, model: nn.Module, device: torch.device) -> None:
         if self.layout is not None:
             return
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        self._use(device)
         method = model_method(model)
         if method in ("prefix", "prompt"):
             raise SmolforgeError(f"the pipeline strategy cannot train {method} tuning: its virtual tokens are "
@@ -171,12 +199,13 @@ class Pipeline(DDP):
                                  fix="use lora, ia3, adapter or full fine-tuning (peft none) with --strategy pipeline")
         self.full = method == "none"
         base = base_transformer(model)
-        stages = cut(base, self._bounds(base))
-        self.layout = _layout(model, stages)
+        stages = cut(base, self.planned or self._bounds(base))
+        self.layout = _layout(model, stages, self.shapes)
         stage = stages[self.rank]
         self.hidden_size = arch_of(base.config).hidden_size
         self.hidden_dtype = base.get_input_embeddings().weight.dtype
-        self.vocab = base.get_output_embeddings().weight.shape[0]
+        head = base.get_output_embeddings().weight
+        self.vocab = next(shape for p, shape in zip(self.layout.params, self.layout.shapes) if p is head)[0]
         self.runner = StageStep(stage, self.hidden_dtype)
         self._free_other_stages()
         self.ties = self._tie_groups()
@@ -199,7 +228,7 @@ class Pipeline(DDP):
                                  fix=f"give {self.world + 1} bounds, or leave them out to have them planned")
         return bounds
 
-    def _measure_nodes(self) -> list[NodeInfo]:
+    def _measure_nodes(self) -> list[NodeCapacity]:
         """Every rank's node (FLOP/s with its threads, free memory), in rank order, exchanged as tensors
         (names as fixed-width bytes: nothing pickled crosses the network). One rank: itself."""
         name = os.environ.get("SMOLFORGE_NODE_NAME", "")  # set on a cluster's nodes
@@ -215,8 +244,8 @@ class Pipeline(DDP):
         for rank, r in enumerate(rows):
             r = r.cpu()
             label = bytes(int(v) for v in r[2:]).rstrip(b"\0").decode(errors="replace")
-            nodes.append(NodeInfo(f"{label} (rank {rank})" if label else f"rank {rank}",
-                                  throughput=float(r[0]), free_memory_bytes=int(r[1])))
+            nodes.append(NodeCapacity(f"{label} (rank {rank})" if label else f"rank {rank}",
+                                      throughput=float(r[0]), free_memory_bytes=int(r[1])))
         return nodes
 
     def _holds(self, i: int) -> bool:
@@ -408,30 +437,29 @@ class Pipeline(DDP):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return float(total)
 
-    # -- whole weights ------------------------------------------------------------------------------
+    # -- evaluation ---------------------------------------------------------------------------------
 
     def whole_model(self, model: nn.Module) -> ContextManager:
-        return self._whole()
+        """Nothing here needs whole weights: evaluation runs through the stages, saving uses `model_state`."""
+        return nullcontext()
 
-    @contextmanager
-    def _whole(self) -> Iterator[None]:
-        """Every stage's parameters broadcast to every rank (by the rank that speaks for each), freed after."""
-        lay = self.layout
-        shared = [i for i in range(len(lay.params)) if len(lay.owners[i]) < self.world]
-        borrowed = [i for i in shared if not self._holds(i)]
-        for i in shared:
-            p = lay.params[i]
-            if not self._holds(i):
-                p.data = torch.empty(lay.shapes[i], dtype=lay.dtypes[i], device=self.device)
-            if lay.primary(i) == self.rank:
-                self._count(p.data)
-            with self.waiting():
-                dist.broadcast(p.data, src=lay.primary(i))
+    def eval_sums(self, model: nn.Module, rows: list, examples: list, tokenizer: Any, *, batch_size: int,
+                  max_new_tokens: int, device: torch.device) -> list[float]:
+        """(loss sum, tokens, correct, answered) over every eval row and example, through the stages (forward
+        only), computed on the last stage and the same on every rank (see `pipeline_eval`)."""
+        from smolforge.parallel.strategies.pipeline_eval import StageEval
+
+        runner = StageEval(self.runner.stage, self.rank, self.world, self.device, self.hidden_size,
+                           self.hidden_dtype, count=self._count)
+        was_training = model.training
+        model.eval()
         try:
-            yield
+            with torch.no_grad(), self.waiting():
+                loss_sum, count = runner.loss_sums(rows, tokenizer.pad_token_id, batch_size)
+                correct, total = runner.exact_match(tokenizer, examples, max_new_tokens, 64) if examples else (0, 0)
         finally:
-            for i in borrowed:
-                self._free(i)
+            model.train(was_training)
+        return runner.shared([loss_sum, count, correct, total])
 
     # -- checkpoints --------------------------------------------------------------------------------
 
@@ -546,10 +574,14 @@ class Pipeline(DDP):
 
     def metrics(self) -> dict[str, float]:
         stage = self.runner.stage if self.runner else None
-        return {"stage_layers": float(len(stage.layer_ids))} if stage is not None else {}
+        out = {"stage_layers": float(len(stage.layer_ids))} if stage is not None else {}
+        if self.read is not None:
+            out["stage_read_bytes"] = float(self.read["bytes"])
+        return out
 
 
-def _layout(model: nn.Module, stages: list[Stage]) -> _Layout:
+def _layout(model: nn.Module, stages: list[Stage], shapes: dict[int, torch.Size]) -> _Layout:
+    """`shapes`: the true shapes of the parameters `load_model` left without storage."""
     named = list(model.named_parameters())
     index = {id(p): i for i, (_, p) in enumerate(named)}
     owners: list[set[int]] = [set() for _ in named]
@@ -562,6 +594,7 @@ def _layout(model: nn.Module, stages: list[Stage]) -> _Layout:
         seen = seen or any(trainable[i] and rank in owners[i] for i in range(len(named)))
         grad_upto.append(seen)
     return _Layout(names=[n for n, _ in named], params=[p for _, p in named],
-                   owners=[tuple(sorted(o)) or (0,) for o in owners], shapes=[p.shape for _, p in named],
+                   owners=[tuple(sorted(o)) or (0,) for o in owners],
+                   shapes=[shapes.get(id(p), p.shape) for _, p in named],
                    dtypes=[p.dtype for _, p in named], trainable=trainable, grad_upto=grad_upto,
                    index={n: i for i, (n, _) in enumerate(named)})

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from smolforge.parallel.strategies.ps_base import PartQueue, PSStrategy, ServerCore
+from smolforge.parallel.strategies.ps_server import PartQueue, ServerCore
+from smolforge.parallel.strategies.ps_worker import PSStrategy
 
 
 class SSPSettings(BaseModel):

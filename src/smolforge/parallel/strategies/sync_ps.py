@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from smolforge.parallel.strategies.ps_base import PSStrategy, ServerCore, median_mad
+from smolforge.parallel.strategies.ps_server import ServerCore, median_mad
+from smolforge.parallel.strategies.ps_worker import PSStrategy
 
 
 class SyncPSSettings(BaseModel):

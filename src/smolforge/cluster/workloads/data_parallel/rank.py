@@ -1,8 +1,11 @@
 """One rank of a data-parallel job: a Ray actor that runs the ordinary training engine.
 
-The actor is deliberately thin. It pins its torch threads to the CPUs Ray gave it, fetches what the
-job needs onto its own disk (uploaded dataset, the checkpoint to resume from: there is no shared
-filesystem), joins the process group, and calls `smolforge.train.engine.train` with hooks:
+The actor is deliberately thin. It receives one typed `RankTask` (the train config validated at
+submit, the strategy and its settings, timeouts: `parallel.rank_task`) and where its group meets
+(`Seat`), pins its torch threads to the CPUs Ray gave it, fetches what the job needs onto its own
+disk (uploaded dataset, the checkpoint to resume from: there is no shared filesystem), joins the
+process group, and calls `smolforge.train.engine.train` with hooks (`RankReports`); it hands back a
+`RankResult` (the engine's `TrainResult` and where it ran), from which the runner's summary is made:
 
 - `should_stop` reads a flag that a background thread refreshes from the job's control actor every
   half second (pause / cancel / regroup), so checking costs nothing per step; the engine max-reduces
@@ -30,6 +33,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from smolforge.config import TrainConfig
+from smolforge.parallel.rank_task import RankResult, RankTask, Seat
 from smolforge.models.loading import resolve_model
 from smolforge.cluster.nodes.ray_glue import node_ip
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, pick_backend
@@ -39,9 +43,9 @@ from smolforge.paths import atomic_write_bytes
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
 from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, stay_held
+from smolforge.train.strategy import Strategy
 
 POLL_S = 0.5
-UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing, on top of the upload's own bound
 REGROUP_WAIT_S = 120.0  # a member waiting for the others to re-form the group (the control actor decides in 60)
 COMM_REPORT_EVERY = 5  # steps between a rank's communication reports (bytes, waits) to the job's metrics
 
@@ -335,12 +339,12 @@ class DPWorker:
 
     # -- the work ---------------------------------------------------------------------------------
 
-    def run(self, *args: Any, **kwargs: Any) -> dict:
+    def run(self, task: RankTask, seat: Seat, resume_from: str | None, server: Any = None) -> RankResult:
         """`_train`, with this process's output captured for the coordinator; a failure's traceback
         is one of the lines shipped (the runner records the failure itself as an event)."""
         with capture_output(self._log):
             try:
-                return self._train(*args, **kwargs)
+                return self._train(task, seat, resume_from, server)
             except BaseException:
                 logging.getLogger(TASK_LOGGER).exception("rank %d failed", self.rank)
                 raise
@@ -350,125 +354,30 @@ class DPWorker:
                 except RayError:
                     pass  # a lost control actor: the lines stay in the node's Ray log
 
-    def _train(self, cfg_dict: dict, world: int, master_addr: str, master_port: int, resume_from: str | None,
-            backend: str = "auto", timeout_s: float = 300.0, keep_last: int = 2, strategy: str = "ddp",
-            strategy_config: dict | None = None, upload_timeout_s: float = 600.0, group_secret: str = "",
-            balance: str = "off", join: bool = False, server: Any = None) -> dict:
+    def _train(self, task: RankTask, seat: Seat, resume_from: str | None, server: Any) -> RankResult:
+        """Stage what the task needs on this node, meet the group, train, hand back the result. The
+        poller runs from before the group forms until after the last report is flushed."""
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
         out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
-        cfg_dict = json.loads(json.dumps(cfg_dict))
-        data = cfg_dict["data"]
-        for key in ("path", "eval_path"):
-            if isinstance(data.get(key), str) and data[key].startswith("upload:"):
-                data[key] = self._stage_upload(data[key], job_root)
-        cfg_dict["model"] = local_model_path(cfg_dict["model"])
-        # TensorBoard and W&B are written by the job's runner from the reports (one run per rank, on
-        # the coordinator), not by the ranks on their nodes
-        cfg_dict.update(output_dir=str(out_dir), quiet=True, num_threads=self.cpus, tensorboard=False, wandb=None,
-                        resume=bool(resume_from))
-        cfg = TrainConfig.model_validate(cfg_dict)
+        cfg = self._local_config(task.train, job_root, out_dir, resume_from)
         prepare_model(cfg.model, node_dir())
         if resume_from:
             self._stage_checkpoint(resume_from, out_dir)
-        is_main = self.rank == 0
         delay = fault_delay_s("sample-delay")
-        hold = HoldAt(fault_hold_step())
-        strategy_obj = None  # made once the group exists (a distributed strategy needs it)
-        step_times: list[float] = []
-        cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
-
-        task_log = logging.getLogger(TASK_LOGGER)
-
-        def on_step(info) -> None:
-            step_times.append(time.time())
-            if info.step % cfg.log_every == 0 or info.step == info.max_steps:
-                task_log.info("rank %d step %d/%d: loss %.4f, %.0f tokens/s", self.rank, info.step, info.max_steps,
-                              info.loss, info.tokens_per_s or 0.0)
-            cpu_times.append(time.process_time())
-            s = strategy_obj
-            if s is not None and (info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps):
-                self._emit({"type": "comm", "step": info.step, "comm_bytes_sent": s.bytes_sent,
-                            "comm_wait_s": s.comm_wait_s, "rounds": s.rounds,
-                            "batch_rows": s.rows[s.rank] if s.rows else None, "metrics": s.metrics()})
-            while s is not None and s.notes:
-                note = s.notes.pop(0)
-                if is_main and note.get("event"):  # a decision the strategy states itself (a plan)
-                    self._emit({"type": "event", "kind": note["event"], "message": note["message"], "data": note})
-                if is_main and note.get("kind") == "regroup":
-                    joined = f"; joined: {', '.join(map(str, note['joined']))}" if note["joined"] else ""
-                    self._emit({"type": "event", "kind": "group_reformed",
-                                "message": f"step {note['step']}: the group re-formed with members "
-                                           f"{', '.join(map(str, note['members']))} ({note['why']}{joined}), "
-                                           "no restart", "data": note})
-                if is_main and note.get("kind") == "balance":
-                    rates = " / ".join(f"{r:.1f}" for r in note["rates"])
-                    self._emit({"type": "event", "kind": "balance",
-                                "message": f"step {info.step}: rows per rank {' / '.join(map(str, note['rows']))} "
-                                           f"(measured {rates} samples/s)", "data": note})
-            # every rank reports its own step (the runner keeps `<name>.rank<R>` series and one
-            # TensorBoard/W&B run per rank); rank 0's report is also the job's progress
-            recent = step_times[-20:]
-            per_step = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else None
-            eta = per_step * (info.max_steps - info.step) if per_step else None
-            self._emit({"type": "step", "step": info.step, "max_steps": info.max_steps, "loss": info.loss,
-                        "lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": info.tokens_per_s,
-                        "samples_done": info.samples_done, "samples_total": info.samples_total,
-                        "epoch": info.epoch, "eta_s": eta})
-            if hold.due(info.step):
-                self._hold(info.step, hold.step)
-
-        def on_eval(metrics: dict) -> None:
-            if is_main:
-                self._emit({"type": "eval", **metrics})
-
-        def on_checkpoint(path: Path, step: int) -> None:
-            meta = self._upload_dir("checkpoints", Path(path), upload_timeout_s, keep_last)
-            self._emit({"type": "event", "kind": "checkpoint",
-                        "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
-                        "data": {"step": step, "name": Path(path).name}})
-            if self._regroup:
-                self._stop = self._stop or "pause"
-
-        def should_stop() -> str | None:
-            return self._stop if is_main else None
-
-        hooks = TrainHooks(on_step=on_step, on_checkpoint=on_checkpoint, on_eval=on_eval, should_stop=should_stop,
-                           on_model=(lambda m: slow_down(m, delay)) if delay > 0 else None)
+        reports = RankReports(self, task, cfg.log_every)
         self._running = True
         poller = threading.Thread(target=self._poller, daemon=True, name="dp-control-poller")
         poller.start()
-        chosen = pick_backend(backend, cfg.device)
+        chosen = pick_backend(task.backend, cfg.device)
+        adapter_meta = None
         try:
-            collective_timeout = max(timeout_s, upload_timeout_s + UPLOAD_BARRIER_MARGIN_S)
-            grouped = STRATEGIES[strategy].uses_process_group  # not via a server
-            if world > 1 and not join and grouped:  # a joiner enters the group at its next re-formation
-                # The other ranks wait for rank 0's checkpoint upload at the save's barrier: their
-                # collective timeout must outlast the upload's, or a slow link fails every round.
-                listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
-                init_group(chosen, master_addr, master_port, self.rank, world, collective_timeout, group_secret,
-                           listen)
+            grouped = self._meet(task, seat, chosen)
             t_ready = time.time()
-            self._emit({"type": "event", "kind": "rank_started",
-                        "message": f"{'member' if join else 'rank'} {self.rank}/{world} "
-                                   f"{'waits to join' if join else 'started'} on {self.info()['node_name']} "
-                                   f"({(chosen if grouped else 'via the parameter server') if world > 1 else 'single'}, "
-                                   f"{self.cpus} threads"
-                                   f"{', resuming ' + resume_from if resume_from else ''}"
-                                   f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
-            task_log.info("rank %d/%d on %s: %s, %d threads, %s", self.rank, world, self._log.node, chosen,
-                          self.cpus, f"resuming {resume_from}" if resume_from else "from the start")
-            strategy_obj = make_strategy(strategy if world > 1 else "single", strategy_config)
-            strategy_obj.balance = balance
-            if strategy_obj.needs_server:  # every exchange goes through the job's server
-                strategy_obj.server = ServerClient(server)
-                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
-            elif strategy_obj.elastic and world > 1:  # members may leave or join
-                strategy_obj.membership = ControlMembership(self, chosen, collective_timeout, collective_timeout)
-                strategy_obj.member, strategy_obj.nominal_world = self.rank, world
-            result = train(cfg, hooks, strategy=strategy_obj)
-            adapter_meta = None
-            if is_main and not result.stopped and result.adapter_dir:
+            self._announce(task, seat, chosen if grouped else "via the parameter server", resume_from, delay)
+            reports.strategy = self._strategy(task, seat, chosen, server)
+            result = train(cfg, reports.hooks(delay), strategy=reports.strategy)
+            if self.rank == 0 and not result.stopped and result.adapter_dir:
                 adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)
         finally:
             self._running = False
@@ -478,11 +387,154 @@ class DPWorker:
                 self._flush()
             except RayError:
                 pass  # a lost control actor: the driver diagnoses the group, not this rank
-        out = result.to_dict()
-        out.update(rank=self.rank, world=world, node=self.info(), setup_s=t_ready - t0,
-                   adapter_artifact=adapter_meta["name"] if adapter_meta else None,
-                   first_step_ts=step_times[0] if step_times else None,
-                   cpu_step_s=(cpu_times[-1] - cpu_times[0]) / (len(cpu_times) - 1) if len(cpu_times) > 1 else None,
-                   step_times=step_times if is_main else None)
+        info = self.info()
+        out = RankResult(train=result, rank=self.rank, world=seat.world, node_name=info["node_name"],
+                         node_id=info["node_id"], setup_s=t_ready - t0,
+                         adapter_artifact=adapter_meta["name"] if adapter_meta else None,
+                         first_step_ts=reports.step_times[0] if reports.step_times else None,
+                         cpu_step_s=reports.cpu_step_s(), step_times=reports.step_times if self.rank == 0 else None)
         time.sleep(fault_delay_s("result-delay"))
         return out
+
+    def _local_config(self, cfg: TrainConfig, job_root: Path, out_dir: Path, resume_from: str | None) -> TrainConfig:
+        """The job's train config (validated at submit) as this rank runs it: uploaded data staged on this
+        node's disk, the node's own copy of the model, its own output directory and threads. TensorBoard and
+        W&B are written by the job's runner from the reports (one run per rank, on the coordinator), not by
+        the ranks on their nodes."""
+        staged = {key: self._stage_upload(where, job_root) for key in ("path", "eval_path")
+                  if isinstance(where := getattr(cfg.data, key), str) and where.startswith("upload:")}
+        return cfg.model_copy(update={
+            "data": cfg.data.model_copy(update=staged), "model": local_model_path(cfg.model),
+            "output_dir": str(out_dir), "quiet": True, "num_threads": self.cpus, "tensorboard": False,
+            "wandb": None, "resume": bool(resume_from)})
+
+    def _meet(self, task: RankTask, seat: Seat, backend: str) -> bool:
+        """Join the round's process group when the strategy's ranks form one; returns whether they do.
+
+        A joiner enters the group at its next re-formation (`ControlMembership`), not here; a
+        parameter server's workers never meet."""
+        grouped = STRATEGIES[task.strategy].uses_process_group
+        if seat.world > 1 and not seat.join and grouped:
+            listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
+            init_group(backend, seat.addr, seat.port, self.rank, seat.world, task.collective_timeout_s, seat.secret,
+                       listen)
+        return grouped
+
+    def _announce(self, task: RankTask, seat: Seat, how: str, resume_from: str | None, delay: float) -> None:
+        """The `rank_started` event and the task log's first line: where this rank runs and how."""
+        join = seat.join
+        self._emit({"type": "event", "kind": "rank_started",
+                    "message": f"{'member' if join else 'rank'} {self.rank}/{seat.world} "
+                               f"{'waits to join' if join else 'started'} on {self.info()['node_name']} "
+                               f"({how if seat.world > 1 else 'single'}, {self.cpus} threads"
+                               f"{', resuming ' + resume_from if resume_from else ''}"
+                               f"{f', slowed {delay} s per sample (fault injection)' if delay else ''})"})
+        logging.getLogger(TASK_LOGGER).info("rank %d/%d on %s: %s, %d threads, %s", self.rank, seat.world,
+                                            self._log.node, how, self.cpus,
+                                            f"resuming {resume_from}" if resume_from else "from the start")
+
+    def _strategy(self, task: RankTask, seat: Seat, backend: str, server: Any) -> Strategy:
+        """The task's strategy, made once the group exists (a distributed strategy needs it), with what
+        this rank's glue gives it: the job's parameter server, or the control actor for re-forming."""
+        strategy = make_strategy(task.strategy if seat.world > 1 else "single", task.strategy_config)
+        strategy.balance = task.balance
+        if strategy.needs_server:  # every exchange goes through the job's server
+            strategy.server = ServerClient(server)
+            strategy.member, strategy.nominal_world = self.rank, seat.world
+        elif strategy.elastic and seat.world > 1:  # members may leave or join
+            strategy.membership = ControlMembership(self, backend, task.collective_timeout_s,
+                                                    task.collective_timeout_s)
+            strategy.member, strategy.nominal_world = self.rank, seat.world
+        return strategy
+
+
+class RankReports:
+    """What a rank tells its job while it trains: the engine's hooks (`TrainHooks`).
+
+    Every rank reports its own steps (the runner keeps `<name>.rank<R>` series and one TensorBoard/W&B
+    run per rank; rank 0's report is also the job's progress) and, every few steps, its communication;
+    rank 0 turns the strategy's decisions into the job's events, uploads checkpoints and makes the stop
+    decision the engine shares with the others."""
+
+    def __init__(self, worker: DPWorker, task: RankTask, log_every: int):
+        self.worker, self.task, self.log_every = worker, task, log_every
+        self.is_main = worker.rank == 0
+        self.strategy: Strategy | None = None  # once the group exists
+        self.step_times: list[float] = []
+        self.cpu_times: list[float] = []  # this process's CPU time (all threads): overhead that waits hide
+        self.hold = HoldAt(fault_hold_step())
+
+    def hooks(self, delay: float) -> TrainHooks:
+        return TrainHooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, on_eval=self.on_eval,
+                          should_stop=self.should_stop,
+                          on_model=(lambda m: slow_down(m, delay)) if delay > 0 else None)
+
+    def cpu_step_s(self) -> float | None:
+        times = self.cpu_times
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    def on_step(self, info) -> None:
+        self.step_times.append(time.time())
+        if info.step % self.log_every == 0 or info.step == info.max_steps:
+            logging.getLogger(TASK_LOGGER).info("rank %d step %d/%d: loss %.4f, %.0f tokens/s", self.worker.rank,
+                                                info.step, info.max_steps, info.loss, info.tokens_per_s or 0.0)
+        self.cpu_times.append(time.process_time())
+        if self.strategy is not None:
+            self._comm(info)
+            self._decisions(info)
+        recent = self.step_times[-20:]
+        per_step = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else None
+        self.worker._emit({"type": "step", "step": info.step, "max_steps": info.max_steps, "loss": info.loss,
+                           "lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": info.tokens_per_s,
+                           "samples_done": info.samples_done, "samples_total": info.samples_total,
+                           "epoch": info.epoch,
+                           "eta_s": per_step * (info.max_steps - info.step) if per_step else None})
+        if self.hold.due(info.step):
+            self.worker._hold(info.step, self.hold.step)
+
+    def _comm(self, info) -> None:
+        """Bytes, waits and the strategy's own numbers, every COMM_REPORT_EVERY steps and at the last."""
+        s = self.strategy
+        if info.step % COMM_REPORT_EVERY == 0 or info.step == info.max_steps:
+            self.worker._emit({"type": "comm", "step": info.step, "comm_bytes_sent": s.bytes_sent,
+                               "comm_wait_s": s.comm_wait_s, "rounds": s.rounds,
+                               "batch_rows": s.rows[s.rank] if s.rows else None, "metrics": s.metrics()})
+
+    def _decisions(self, info) -> None:
+        """What the strategy decided (a plan, a re-formed group, a rebalance): rank 0 makes them job events."""
+        emit, notes = self.worker._emit, self.strategy.notes
+        while notes:
+            note = notes.pop(0)
+            if not self.is_main:
+                continue
+            if note.get("event"):  # a decision the strategy states itself (a plan)
+                emit({"type": "event", "kind": note["event"], "message": note["message"], "data": note})
+            if note.get("kind") == "regroup":
+                joined = f"; joined: {', '.join(map(str, note['joined']))}" if note["joined"] else ""
+                emit({"type": "event", "kind": "group_reformed",
+                      "message": f"step {note['step']}: the group re-formed with members "
+                                 f"{', '.join(map(str, note['members']))} ({note['why']}{joined}), no restart",
+                      "data": note})
+            if note.get("kind") == "balance":
+                rates = " / ".join(f"{r:.1f}" for r in note["rates"])
+                emit({"type": "event", "kind": "balance",
+                      "message": f"step {info.step}: rows per rank {' / '.join(map(str, note['rows']))} "
+                                 f"(measured {rates} samples/s)", "data": note})
+
+    def on_eval(self, metrics: dict) -> None:
+        if self.is_main:
+            self.worker._emit({"type": "eval", **metrics})
+
+    def on_checkpoint(self, path: Path, step: int) -> None:
+        """Upload it (checksummed) and wait for the store's acknowledgement; a requested regroup turns into a
+        pause at this checkpoint boundary."""
+        worker = self.worker
+        meta = worker._upload_dir("checkpoints", Path(path), self.task.upload_timeout_s, self.task.keep_last)
+        worker._emit({"type": "event", "kind": "checkpoint",
+                      "message": f"checkpoint step {step} stored ({meta['bytes']:,} bytes, sha256-checked)",
+                      "data": {"step": step, "name": Path(path).name}})
+        if worker._regroup:
+            worker._stop = worker._stop or "pause"
+
+    def should_stop(self) -> str | None:
+        return self.worker._stop if self.is_main else None

@@ -1,85 +1,139 @@
-"""The job manager: runs submitted jobs on the cluster and keeps the job store truthful.
+"""A data-parallel job's runner: rounds of one gang-scheduled worker group, from the last checkpoint.
 
 One runner thread per active job, in the coordinator process (or in the CLI process for the
-embedded cluster: same code). A data-parallel runner loops over *rounds*; each round places a worker
-group (gang-scheduled), starts every rank from the newest checkpoint in the artifact store, and
-watches it:
+embedded cluster: same code). Each attempt (`start_attempt`) is a *round*: it places a worker
+group, starts every rank from the newest checkpoint in the artifact store, and `poll` watches it.
+What a round comes to is an `Outcome`; the base runner applies it (the job's FailurePolicy, its
+state):
 
 - completed      → the final adapter is already in the artifact store; the job completes.
 - a rank failed  → the whole group is released at once (the others would block in all-reduce), the
-                   failed node is probed and set aside if it does not answer, and a new round starts
-                   on the remaining or replacement nodes from the last checkpoint, with each worker's
-                   batch resized so the global batch is unchanged. `max_retries` failures are
-                   survived; each failure and recovery is an event.
+                   failed node is probed and set aside if it does not answer, and, as the policy
+                   decides, a new round starts on the remaining or replacement nodes from the last
+                   checkpoint, with each worker's batch resized so the global batch is unchanged.
+                   Each failure and recovery is an event.
 - pause          → rank 0 checkpoints, every actor is released; resume is a new round.
 - cancel         → actors are killed (processes gone within seconds).
-- join           → at the next checkpoint boundary the group stops and re-forms with the new node;
-                   a join before the group is placed is in its first round, and one the job
-                   outlives (it finished first) is an event, never silently lost.
+- join           → at the next checkpoint boundary the group stops and re-forms with the new node
+                   (a `Regroup`); a join before the group is placed is in its first round, and one
+                   the job outlives (it finished first) is an event, never silently lost.
 
 Elastic strategies (`elastic = True` on the strategy class: DiLoCo) change two of these: a rank
 other than 0 that fails leaves the group (the control actor learns it, the others re-form their
 group and go on, no restart), and a join places one more member at once, which the others take in
 at their next outer step.
-
-Submitting checks placement at once: a job that no node (or not enough nodes) can run fails with a
-message that lists what each node has, instead of waiting forever as Ray alone would.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayError
 
+from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.job_control import create_control
-from smolforge.cluster.control.jobstore import FINAL
 from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
-from smolforge.cluster.control.runner import CANCEL_GRACE_S, POLL_S, JobRunner, ray_get, short_error
+from smolforge.cluster.control.runner import (
+    CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
+    ray_get, short_error,
+)
 from smolforge.cluster.workloads.data_parallel.reports import comm_summary, jsonable, sort_batch
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import STRATEGIES
 from smolforge.parallel.summary import job_summary
-from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup
+from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, rank_task
+from smolforge.parallel.rank_task import RankResult
 from smolforge.telemetry.sinks import run_name
 
-if TYPE_CHECKING:
-    from smolforge.cluster.control.manager import JobManager
+
+@dataclass
+class Round:
+    """One placed group being watched: its ranks' refs, the results back so far."""
+
+    no: int
+    gid: str  # its task id: `<job>-g<no>`
+    group: WorkerGroup
+    cfg: dict
+    refs: list
+    rank_of: dict = field(default_factory=dict)  # ref -> rank (or member id, for an elastic joiner)
+    pending: list = field(default_factory=list)
+    results: dict[int, RankResult] = field(default_factory=dict)
+    cancel_at: float | None = None
+    next_member: int = 0
+
+    def __post_init__(self) -> None:
+        self.rank_of = {ref: i for i, ref in enumerate(self.refs)}
+        self.pending = list(self.refs)
+        self.next_member = len(self.refs)
 
 
 class DPRunner(JobRunner):
     """Runs one data-parallel job until it is completed, failed, cancelled or paused."""
 
-    def __init__(self, mgr: JobManager, job_id: str, reason: str):
-        super().__init__(mgr, job_id, reason)
+    retry_words = "re-forming the group"
+
+    def __init__(self, ctx: RunnerContext, job_id: str, spec: DataParallelJob, reason: str):
+        super().__init__(ctx, job_id, spec, reason)
+        self.spec: DataParallelJob = spec
+        self.elastic = STRATEGIES[spec.strategy].elastic  # the strategy lets members leave and join a running group
         self.pending_joins: list[str] = []
         self.control = None
         self.group = None
+        self.round: Round | None = None
         self.world = 0
         self._comm: dict[int, dict] = {}  # each rank's latest communication report (this group)
-        self.elastic = False  # the strategy lets members leave and join a running group
         self.joiners: list[WorkerGroup] = []  # members placed to join the running (elastic) group
         self.server = None  # the round's parameter server (strategies that need one: ssp, sync-ps, async-ps)
+        self.server_stats: dict | None = None
         self._server_polled = 0.0
+        self._rank_nodes: dict[int, str] = {}
+        self.lost_rank = False  # the last round lost a rank: the next may start on fewer after a grace
         self.training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
 
+    def max_retries(self) -> int:
+        return self.spec.max_retries
+
     # -- requests from the API thread ---------------------------------------------------------
 
-    def request(self, what: str, node: str | None = None) -> None:
+    def request(self, what: str) -> None:
         with self._lock:
-            if what in ("pause", "cancel"):
-                if self.want != "cancel":
-                    self.want = what
-                if self.control is not None:
-                    self.control.set_stop.remote(self.want)
-            elif what == "join":
-                self.pending_joins.append(node or COORDINATOR)
-                if self.training and not self.elastic:  # an elastic group takes it in where it runs
-                    self._ask_regroup()
+            super().request(what)
+            if self.want and self.control is not None:
+                self.control.set_stop.remote(self.want)
+
+    def join(self, node: str) -> str:
+        """Take `node` in: checked against the job's spec (it can hold a rank, has not joined, and the
+        global batch splits over the new world), queued, and taken in at the returned moment."""
+        spec = self.spec
+        nodes = ray_glue.nodes()
+        if node == COORDINATOR:
+            ray_glue.check_placeable(coordinator_requirements(spec, self.ctx.embedded), nodes)
+        else:
+            req = requirements_for(spec, self.ctx.embedded)
+            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
+                                                           allowed_nodes=[node]), nodes)
+        with self._lock:
+            if node in self.spec.lent_nodes or node in self.pending_joins:
+                raise SmolforgeError(f"{node} already joined job {self.job_id}", fix="nothing to do")
+            world = max(self.world, 1) + len(self.pending_joins) + 1
+            # an elastic group splits each global batch among whoever is a member, evenly or not
+            if spec.global_batch % world and not self.elastic:
+                raise SmolforgeError(
+                    f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
+                    fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
+                        f"(e.g. {world * max(1, spec.global_batch // world)})")
+            self.pending_joins.append(node)
+            if self.training and not self.elastic:  # an elastic group takes it in where it runs
+                self._ask_regroup()
+            if not self.training:
+                return "the placement of its group"
+        if self.elastic:
+            return "the group's next outer step (no restart)"
+        return "the next checkpoint" if spec.train.save_every else "the next step"
 
     def _ask_regroup(self) -> None:
         """Have the running group stop at its next checkpoint (now, without checkpoints) and re-form.
@@ -88,33 +142,277 @@ class DPRunner(JobRunner):
         in (`_take_joins`). One that arrives while a group is being placed is asked for once the group
         runs, so no join is lost however it races the placement.
         """
-        spec = DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"])
-        self.control.set_regroup.remote(bool(spec.train.save_every))
+        self.control.set_regroup.remote(bool(self.spec.train.save_every))
 
     def _pop_joins(self) -> list[str]:
         with self._lock:
             joins, self.pending_joins = self.pending_joins, []
         return joins
 
-    def _take_joins(self, spec: DataParallelJob, why: str) -> DataParallelJob:
+    def _take_joins(self, why: str) -> None:
         """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
         joins = self._pop_joins()
         if not joins:
-            return spec
-        spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + joins})
-        self.store.update_job(self.job_id, spec=spec.model_dump(mode="json"))
+            return
+        self._lend(joins)
         self.store.add_event(self.job_id, "regrouped", f"{', '.join(joins)} joined {why}", {"nodes": joins})
-        return spec
 
-    # -- the loop ---------------------------------------------------------------------------------
+    def _lend(self, nodes: list[str]) -> None:
+        """Nodes lent to the job, kept in its spec: a resumed job places them from the start."""
+        self.spec = self.spec.model_copy(update={"lent_nodes": self.spec.lent_nodes + nodes})
+        self.ctx.keep_spec(self.job_id, self.spec)
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """What the job keeps across its rounds: the control actor and the metric sinks."""
+        spec = self.spec
+        self.control = create_control(self.job_id, str(self.ctx.artifacts.root.resolve()))
+        with self._lock:
+            if self.want:
+                self.control.set_stop.remote(self.want)
+        self.open_sinks(self.monitor_root(spec.output_dir), tensorboard=bool(spec.train.tensorboard),
+                        wandb=spec.train.wandb, config=spec.model_dump(mode="json"),
+                        name_for=lambda series: run_name(spec.strategy, "worker", int(series[4:]), spec.train.lr,
+                                                         spec.train.batch_size,
+                                                         host=self._rank_nodes.get(int(series[4:]), "node")))
+
+    def _round_no(self) -> int:
+        return sum(1 for t in self.store.tasks(self.job_id) if t["kind"] == "dp_group") + 1
+
+    def start_attempt(self) -> Outcome | None:
+        if self.control is None:
+            self._begin()
+        self._take_joins("before the group was placed")
+        round_no = self._round_no()
+        try:
+            bundles, world, _ = self._plan(self.spec, quick=self.lost_rank)
+        except SmolforgeError as err:
+            if self.want:
+                return Regroup("stopped while waiting for placement")  # the base sees the stop request
+            self.store.add_event(self.job_id, "placement_failed", err.render())
+            return Failed(f"no place to run: {err.what}", error=err.what)
+        infos = self._place(round_no, bundles, world)
+        if not isinstance(infos, list):
+            return infos
+        gid = f"{self.job_id}-g{round_no}"
+        resume, cfg = self._announce(round_no, gid, infos, world)
+        self.lost_rank = False
+        ray_get(self.control.start_members.remote(world))
+        if STRATEGIES[self.spec.strategy].needs_server:
+            try:
+                self._start_server(self.spec, infos, world, gid)
+            except Exception as err:  # noqa: BLE001 - its node went away while it was placed: a new round
+                self._release()
+                self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=short_error(err))
+                self.store.add_event(self.job_id, "placement_failed", f"parameter server: {short_error(err)}",
+                                     task_id=gid)
+                return Failed("could not start the parameter server", error=short_error(err))
+        with self._lock:
+            self.training = True
+            if self.pending_joins and not self.elastic:  # asked for while this group was being placed
+                self._ask_regroup()
+        self.round = Round(round_no, gid, self.group, cfg, self._launch(self.group, cfg, resume))
+        return None
+
+    def _place(self, round_no: int, bundles: list, world: int) -> list[dict] | Outcome:
+        """The round's group placed (each rank's placement info), or what came of trying."""
+        spec = self.spec
+        group = WorkerGroup(self.job_id, round_no, bundles, self.control)
+        self.group, self.world = group, world
+        self._comm = {}
+        gid = f"{self.job_id}-g{round_no}"
+        self.store.upsert_task(gid, self.job_id, "dp_group", "placing", attempt=round_no,
+                               max_retries=spec.max_retries,
+                               requirements=requirements_for(spec, self.ctx.embedded).to_dict())
+        try:
+            infos = group.start(spec.placement_timeout_s)
+        except Exception as err:  # noqa: BLE001 - Ray's placement errors and ours alike
+            self._release()
+            msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
+            self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=msg)
+            self.store.add_event(self.job_id, "placement_failed", msg, task_id=gid)
+            time.sleep(1.0)  # what held the slots may be going: a moment before the next round
+            return Failed("could not place the workers", error=msg)
+        self.ctx.placed(self.job_id)  # Ray's table shows the group now: the queue's claim can go
+        if self.want:  # paused or cancelled while the group was being placed
+            self._release()
+            self.store.upsert_task(gid, self.job_id, "dp_group", "released")
+            return Regroup("stopped while placing")
+        return infos
+
+    def _announce(self, round_no: int, gid: str, infos: list[dict], world: int) -> tuple[str | None, dict]:
+        """The placed group's task rows and `placed` event (and `recovered`, after a failure); returns
+        the checkpoint it starts from and the ranks' config."""
+        spec = self.spec
+        for info in infos:
+            self._rank_nodes[info["rank"]] = info["node_name"]
+            self.store.upsert_task(f"{gid}-r{info['rank']}", self.job_id, "dp_rank", "running",
+                                   rank=info["rank"], attempt=round_no, node_id=info["node_id"],
+                                   node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
+        self.store.upsert_task(gid, self.job_id, "dp_group", "running")
+        node_names = [i["node_name"] for i in infos]
+        self.store.update_job(self.job_id, world_size=world, nodes=node_names)
+        resume = self.ctx.artifacts.latest_checkpoint(self.job_id)
+        cfg = self._cfg(spec, world)
+        self.store.add_event(self.job_id, "placed",
+                             f"round {round_no}: {world} ranks on {', '.join(node_names)}"
+                             f" (batch {cfg['batch_size']} per rank, global {spec.global_batch})"
+                             + (f", from {resume}" if resume else ""),
+                             {"nodes": node_names, "world": world, "resume": resume}, task_id=gid)
+        self.recovered(f"group re-formed on {', '.join(node_names)} from {resume or 'the start'}",
+                       {"nodes": node_names, "resume": resume}, task_id=gid)
+        return resume, cfg
+
+    def _launch(self, group: WorkerGroup, cfg: dict, resume: str | None) -> list:
+        """Every rank of the placed group started; one ref per rank."""
+        spec = self.spec
+        return group.run(rank_task(spec, group.world), resume, server=self.server)
+
+    def _cfg(self, spec: DataParallelJob, world: int) -> dict:
+        cfg = spec.train.model_dump(mode="json")
+        cfg["batch_size"] = spec.global_batch // world
+        return cfg
+
+    # -- watching a round ----------------------------------------------------------------------
+
+    def poll(self) -> Outcome | None:
+        """One look at the running round: results and failures in, joiners placed, reports drained."""
+        import ray
+
+        r = self.round
+        ready, r.pending = ray.wait(r.pending, num_returns=len(r.pending), timeout=POLL_S)
+        failed = self._collect(r, ready)
+        if failed is not None:  # (a coordinator shutting down takes the ranks with it: no failure then)
+            return None if self.abandon else self._round_failed(r, failed)
+        if r.pending and self._joiners_left_behind(r):
+            r.pending = []
+        elif r.pending and self.elastic and self.pending_joins and not self.want and 0 not in r.results:
+            for member, ref in self._admit(self.spec, r.no, r.cfg, r.next_member, len(r.refs)):
+                r.rank_of[ref] = member
+                r.pending.append(ref)
+                r.next_member = member + 1
+        self._drain_quietly()
+        self._poll_server()
+        return self._cancel_due(r) if r.pending else self._round_done(r)
+
+    def _collect(self, r: Round, ready: list) -> dict | None:
+        """The ready ranks' results; the failure of one that failed (None: none did, or only an elastic
+        member that the others go on without)."""
+        import ray
+
+        for ref in ready:
+            rank = r.rank_of[ref]
+            try:
+                r.results[rank] = ray.get(ref, timeout=30)
+            except RayError as err:  # the rank's task failed, or its process or node died
+                self._drain_quietly()
+                if self.elastic and rank != 0 and 0 not in r.results and r.pending:
+                    self._member_left(r.group, r.no, rank, err)  # the others re-form and go on
+                    continue
+                return self._diagnose(r.group, rank, err)
+        return None
+
+    def _joiners_left_behind(self, r: Round) -> bool:
+        """The group finished before taking in the joiners still pending: they would wait for nothing
+        (an event says so). A joiner it did take in trains with it, and its result may come back after
+        rank 0's; a parameter server's joiner needs no group: it trains from the moment it is placed."""
+        waiting = [r.rank_of[ref] for ref in r.pending if r.rank_of[ref] >= len(r.refs)]
+        if not (0 in r.results and len(waiting) == len(r.pending) and self.server is None):
+            return False
+        if set(waiting) & set(ray_get(self.control.taken_in.remote()) or []):
+            return False
+        self.store.add_event(self.job_id, "join_dropped",
+                             f"the job finished before member(s) {', '.join(map(str, waiting))} could "
+                             "join (joins take effect at the next outer step)", {"members": waiting})
+        return True
+
+    def _cancel_due(self, r: Round) -> Outcome | None:
+        """A cancel the ranks have not acted on within CANCEL_GRACE_S: their actors are killed."""
+        if self.want != "cancel":
+            return None
+        r.cancel_at = r.cancel_at or time.time()
+        if time.time() - r.cancel_at > CANCEL_GRACE_S:
+            return self._round_stopped(r, "cancel", "(workers killed)")
+        return None
+
+    def _round_done(self, r: Round) -> Outcome:
+        """Every rank answered: stopped (cancel, pause, or a pause to take in a join), or completed."""
+        r0 = r.results.get(0)
+        stopped = r0.stopped if r0 else None
+        if stopped == "cancel":
+            return self._round_stopped(r, "cancel", "")
+        if stopped == "pause":
+            if self.want == "pause" or not self.pending_joins:
+                return self._round_stopped(r, "pause", f"at step {r0.steps}")
+            self._end_round(r)
+            self.store.upsert_task(r.gid, self.job_id, "dp_group", "released")
+            ray_get(self.control.reset.remote())
+            self._take_joins(f"at step {r0.steps}; re-forming the group")
+            return Regroup("a node joined")
+        summary = job_summary(r.results)  # each key one meaning for every strategy (final_loss: merged from the ranks)
+        if self.server is not None:
+            self._poll_server(force=True)
+            summary["server"] = jsonable(self.server_stats or {})
+        self._end_round(r)
+        self.store.upsert_task(r.gid, self.job_id, "dp_group", "completed")
+        late = self._pop_joins()
+        if late:
+            self.store.add_event(self.job_id, "join_dropped",
+                                 f"the job finished before {', '.join(late)} could join "
+                                 f"(joins take effect at the next checkpoint)", {"nodes": late})
+        return Completed(f"completed: {summary.get('steps')} steps", result=summary)
+
+    def _round_stopped(self, r: Round, what: str, where: str) -> Outcome:
+        self._end_round(r)
+        self.store.upsert_task(r.gid, self.job_id, "dp_group", "released")
+        return self.stopped(what, where)
+
+    def _round_failed(self, r: Round, detail: dict) -> Outcome:
+        """A rank failed: the group goes, and the failure (with the checkpoint a retry starts from) goes
+        to the base, whose FailurePolicy decides."""
+        self._end_round(r)
+        self.store.upsert_task(r.gid, self.job_id, "dp_group", "failed", error=detail.get("error"))
+        self.lost_rank = True
+        rank = detail.get("rank")
+        ckpt = self.ctx.artifacts.latest_checkpoint(self.job_id)
+        self.store.upsert_task(f"{r.gid}-r{rank}", self.job_id, "dp_rank", "failed", error=detail.get("error"))
+        self.store.add_event(self.job_id, "worker_failed",
+                             f"rank {rank} on {detail.get('node_name')} failed: {detail.get('error')}"
+                             + (f"; nodes set aside: {', '.join(detail['lost'])}" if detail.get("lost") else ""),
+                             detail, task_id=f"{r.gid}-r{rank}")
+        return Failed(f"rank {rank} failed on {detail.get('node_name')}", checkpoint=ckpt, error=detail.get("error"))
+
+    def _end_round(self, r: Round) -> None:
+        """Release the round's group (and its server, its joiners)."""
+        with self._lock:
+            self.training = False
+        self._release()
+        self.round = None
+
+    def stopped(self, what: str, where: str = "") -> Outcome:
+        if what != "pause":
+            return Cancelled("cancelled; workers released")
+        # a join asked for before the pause is kept: the resumed job places it
+        self._take_joins("while the job paused; placed when it resumes")
+        ckpt = self.ctx.artifacts.latest_checkpoint(self.job_id)
+        return Paused(f"paused{' ' + where if where else ''}" + (f" at {ckpt}" if ckpt else ""))
+
+    # -- releasing ------------------------------------------------------------------------------
+
+    def end_attempt(self) -> None:
+        with self._lock:
+            self.training = False
+        self._release()
+        self.round = None
 
     def _cleanup(self) -> None:
-        self._release()
-        if self.control is not None:
+        control, self.control = self.control, None
+        if control is not None:
             import ray
 
             try:
-                ray.kill(self.control, no_restart=True)
+                ray.kill(control, no_restart=True)
             except (RayError, ValueError):
                 pass  # already gone
 
@@ -129,180 +427,20 @@ class DPRunner(JobRunner):
             except (RayError, ValueError):
                 pass  # already gone (its node died)
         joiners, self.joiners = self.joiners, []
-        for g in joiners:
+        for g in [*joiners, *([self.group] if self.group is not None else [])]:
             members = list(g.members)
             g.release()
             for m in members:
                 self.store.upsert_task(f"{self.job_id}-g{g.attempt}-r{m.rank}", self.job_id, "dp_rank", "released")
-        group, self.group = self.group, None
-        if group is None:
-            return
-        members = list(group.members)
-        group.release()
-        for m in members:
-            tid = f"{self.job_id}-g{group.attempt}-r{m.rank}"
-            self.store.upsert_task(tid, self.job_id, "dp_rank", "released")
+        self.group = None
 
-    def _round_no(self) -> int:
-        return sum(1 for t in self.store.tasks(self.job_id) if t["kind"] == "dp_group") + 1
-
-    def _run(self) -> None:
-        job = self.store.get_job(self.job_id)
-        if job["state"] in FINAL:
-            return
-        spec = DataParallelJob.model_validate(job["spec"])
-        self.elastic = STRATEGIES[spec.strategy].elastic
-        if job["state"] != "running":
-            self.store.set_state(self.job_id, "running", f"running ({self.reason})")
-        self.control = create_control(self.job_id, str(self.mgr.artifacts.root.resolve()))
-        with self._lock:
-            if self.want:
-                self.control.set_stop.remote(self.want)
-        policy = self.failure_policy(spec.max_retries)
-        recovering: str | None = None
-        self._rank_nodes: dict[int, str] = {}
-        self.open_sinks(self.monitor_root(spec.output_dir), tensorboard=bool(spec.train.tensorboard),
-                        wandb=spec.train.wandb, config=spec.model_dump(mode="json"),
-                        name_for=lambda series: run_name(spec.strategy, "worker", int(series[4:]), spec.train.lr,
-                                                         spec.train.batch_size,
-                                                         host=self._rank_nodes.get(int(series[4:]), "node")))
-        while not self.abandon:
-            if self.want:
-                self._finish_stopped(self.want, "before the workers started")
-                return
-            round_no = self._round_no()
-            spec = self._take_joins(spec, "before the group was placed")
-            try:
-                bundles, world, names = self._plan(spec, quick=recovering is not None)
-            except SmolforgeError as err:
-                if self.want:
-                    continue  # paused or cancelled while waiting: handled at the top of the loop
-                decision = self.record_failure(policy, f"no place to run: {err.what}")
-                self.store.add_event(self.job_id, "placement_failed", err.render())
-                if not decision.retry:
-                    self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=err.what)
-                    return
-                continue
-
-            group = WorkerGroup(self.job_id, round_no, bundles, self.control)
-            self.group, self.world = group, world
-            self._comm = {}
-            gid = f"{self.job_id}-g{round_no}"
-            self.store.upsert_task(gid, self.job_id, "dp_group", "placing", attempt=round_no,
-                                   max_retries=spec.max_retries,
-                                   requirements=requirements_for(spec, self.mgr.embedded).to_dict())
-            try:
-                infos = group.start(spec.placement_timeout_s)
-            except Exception as err:
-                self._release()
-                msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
-                decision = self.record_failure(policy, "could not place the workers")
-                self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=msg)
-                self.store.add_event(self.job_id, "placement_failed", msg, task_id=gid)
-                if not decision.retry:
-                    self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=msg)
-                    return
-                time.sleep(max(1.0, decision.delay_s))
-                continue
-            self.mgr.placed(self.job_id)  # Ray's table shows the group now: the queue's claim can go
-            if self.want:  # paused or cancelled while the group was being placed
-                self._release()
-                self.store.upsert_task(gid, self.job_id, "dp_group", "released")
-                continue
-            for info in infos:
-                self._rank_nodes[info["rank"]] = info["node_name"]
-                self.store.upsert_task(f"{gid}-r{info['rank']}", self.job_id, "dp_rank", "running",
-                                       rank=info["rank"], attempt=round_no, node_id=info["node_id"],
-                                       node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
-            self.store.upsert_task(gid, self.job_id, "dp_group", "running")
-            node_names = [i["node_name"] for i in infos]
-            self.store.update_job(self.job_id, world_size=world, nodes=node_names)
-            resume = self.mgr.artifacts.latest_checkpoint(self.job_id)
-            cfg = self._cfg(spec, world)
-            self.store.add_event(self.job_id, "placed",
-                                 f"round {round_no}: {world} ranks on {', '.join(node_names)}"
-                                 f" (batch {cfg['batch_size']} per rank, global {spec.global_batch})"
-                                 + (f", from {resume}" if resume else ""),
-                                 {"nodes": node_names, "world": world, "resume": resume}, task_id=gid)
-            if recovering:
-                self.store.add_event(self.job_id, "recovered",
-                                     f"recovered after {recovering}: group re-formed on {', '.join(node_names)} "
-                                     f"from {resume or 'the start'}", {"nodes": node_names, "resume": resume},
-                                     task_id=gid)
-                recovering = None
-            ray_get(self.control.start_members.remote(world))
-            if STRATEGIES[spec.strategy].needs_server:
-                try:
-                    self._start_server(spec, infos, world, gid)
-                except Exception as err:  # its node went away while it was placed: a new round
-                    self._release()
-                    msg = short_error(err)
-                    decision = self.record_failure(policy, "could not start the parameter server")
-                    self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=msg)
-                    self.store.add_event(self.job_id, "placement_failed", f"parameter server: {msg}", task_id=gid)
-                    if not decision.retry:
-                        self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=msg)
-                        return
-                    continue
-            with self._lock:
-                self.training = True
-                if self.pending_joins and not self.elastic:  # asked for while this group was being placed
-                    self._ask_regroup()
-            refs = group.run(cfg, resume, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
-                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
-                             balance=spec.balance, server=self.server)
-            outcome, detail = self._watch(group, refs, spec, round_no, cfg)
-            with self._lock:
-                self.training = False
-            if self.abandon:
-                return
-            if outcome == "completed":
-                self._release()
-                self.store.upsert_task(gid, self.job_id, "dp_group", "completed")
-                late = self._pop_joins()
-                if late:
-                    self.store.add_event(self.job_id, "join_dropped",
-                                         f"the job finished before {', '.join(late)} could join "
-                                         f"(joins take effect at the next checkpoint)", {"nodes": late})
-                self.close_sinks()  # complete TensorBoard/W&B files before anyone sees "completed"
-                self.store.set_state(self.job_id, "completed", f"completed: {detail.get('steps')} steps",
-                                     result=detail)
-                return
-            if outcome in ("paused", "cancelled"):
-                self._release()
-                self.store.upsert_task(gid, self.job_id, "dp_group", "released")
-                self._finish_stopped("pause" if outcome == "paused" else "cancel", detail.get("where", ""))
-                return
-            if outcome == "regroup":
-                self._release()
-                self.store.upsert_task(gid, self.job_id, "dp_group", "released")
-                ray_get(self.control.reset.remote())
-                spec = self._take_joins(spec, f"at step {detail.get('steps')}; re-forming the group")
-                continue
-            # a rank failed
-            self._release()
-            rank = detail.get("rank")
-            ckpt = self.mgr.artifacts.latest_checkpoint(self.job_id)
-            decision = self.record_failure(policy, f"rank {rank} on {detail.get('node_name')} failed",
-                                           checkpoint=ckpt)
-            self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=detail.get("error"))
-            self.store.upsert_task(f"{gid}-r{rank}", self.job_id, "dp_rank", "failed", error=detail.get("error"))
-            self.store.add_event(self.job_id, "worker_failed",
-                                 f"rank {rank} on {detail.get('node_name')} failed: {detail.get('error')}"
-                                 + (f"; nodes set aside: {', '.join(detail['lost'])}" if detail.get("lost") else ""),
-                                 detail, task_id=f"{gid}-r{rank}")
-            if not decision.retry:
-                self.store.set_state(self.job_id, "failed", f"failed: {decision.reason}", error=detail.get("error"))
-                return
-            self.store.add_event(self.job_id, "recovering", f"re-forming the group: {decision.reason}",
-                                 {"checkpoint": ckpt})
-            recovering = f"rank {rank} failed on {detail.get('node_name')}"
+    # -- the parameter server, placement, reports ----------------------------------------------
 
     def _start_server(self, spec: DataParallelJob, infos: list[dict], world: int, gid: str) -> None:
         """The round's parameter server, on a rank's node (not the coordinator's unless it was lent)."""
         from smolforge.cluster.workloads.data_parallel.param_server import server_node, start_server
 
-        coordinators = {n.node_id for n in self.mgr.healthy_nodes() if n.role == "coordinator"}
+        coordinators = {n.node_id for n in self.ctx.healthy_nodes() if n.role == "coordinator"}
         where = server_node(infos, coordinators)
         self.server = start_server(self.job_id, spec.strategy, spec.strategy_config, world, where["node_id"])
         self.store.upsert_task(f"{gid}-ps", self.job_id, "param_server", "running", node_id=where["node_id"],
@@ -330,21 +468,6 @@ class DPRunner(JobRunner):
         self.store.update_job(self.job_id, comm={**(self.store.get_job(self.job_id).get("comm") or {}),
                                                  "server": jsonable(stats)})
 
-    def _finish_stopped(self, what: str, where: str) -> None:
-        if what == "pause":  # a join asked for before the pause is kept: the resumed job places it
-            self._take_joins(DataParallelJob.model_validate(self.store.get_job(self.job_id)["spec"]),
-                             "while the job paused; placed when it resumes")
-            ckpt = self.mgr.artifacts.latest_checkpoint(self.job_id)
-            self.store.set_state(self.job_id, "paused", f"paused{' ' + where if where else ''}"
-                                 + (f" at {ckpt}" if ckpt else ""))
-        else:
-            self.store.set_state(self.job_id, "cancelled", "cancelled; workers released", force=True)
-
-    def _cfg(self, spec: DataParallelJob, world: int) -> dict:
-        cfg = spec.train.model_dump(mode="json")
-        cfg["batch_size"] = spec.global_batch // world
-        return cfg
-
     def _plan(self, spec: DataParallelJob, quick: bool) -> tuple[list[tuple[dict, dict]], int, list[str]]:
         """Bundles for this round: the workers asked for, plus lent nodes.
 
@@ -352,13 +475,13 @@ class DPRunner(JobRunner):
         a pause or a join) waits for all of it, never starting on fewer. Only a round that recovers
         from a lost node (`quick`) takes fewer after a short grace: it re-forms on the nodes left,
         with the same global batch, instead of waiting for a replacement that may never come."""
-        req = requirements_for(spec, self.mgr.embedded)
+        req = requirements_for(spec, self.ctx.embedded)
         grace = 5.0
         t0 = time.time()
         while True:
             if self.want:
                 raise SmolforgeError("stopped while waiting for placement", fix="resume the job")
-            nodes = self.mgr.healthy_nodes()
+            nodes = self.ctx.healthy_nodes()
             lent_coord = COORDINATOR in spec.lent_nodes
             lent_other = [n for n in spec.lent_nodes if n != COORDINATOR]
             want = spec.num_workers + len(lent_other)
@@ -366,7 +489,7 @@ class DPRunner(JobRunner):
             n_workers = min(want, pool)
             n_coord = 0
             if lent_coord:
-                creq = coordinator_requirements(spec, self.mgr.embedded)
+                creq = coordinator_requirements(spec, self.ctx.embedded)
                 if creq.candidates(nodes) and sum(slots_on(n, creq, True) for n in creq.candidates(nodes)) >= 1:
                     n_coord = 1
             while n_workers > 0 and spec.global_batch % (n_workers + n_coord):
@@ -377,7 +500,7 @@ class DPRunner(JobRunner):
             if world >= 1 and spec.global_batch % world == 0 and (full or (quick and waited > grace)):
                 bundles = [req.bundle(nodes) for _ in range(n_workers)]
                 if n_coord:
-                    bundles.append(coordinator_requirements(spec, self.mgr.embedded).bundle(nodes))
+                    bundles.append(coordinator_requirements(spec, self.ctx.embedded).bundle(nodes))
                 names = [n.name for n in req.candidates(nodes)]
                 if not full:
                     self.store.add_event(self.job_id, "degraded",
@@ -405,7 +528,7 @@ class DPRunner(JobRunner):
         self.store.add_logs(self.job_id, batch.lines)
         if batch.comm:
             self._comm.update(batch.comm)
-            self.store.update_job(self.job_id, comm=comm_summary(self._comm, getattr(self, "server_stats", None)))
+            self.store.update_job(self.job_id, comm=comm_summary(self._comm, self.server_stats))
         last = batch.last_step
         if last is not None:
             self.store.update_job(self.job_id, step=last["step"], max_steps=last["max_steps"],
@@ -418,63 +541,6 @@ class DPRunner(JobRunner):
             self._drain()
         except RayError as err:
             self.store.add_event(self.job_id, "log", f"progress reports lost: {short_error(err)}")
-
-    def _watch(self, group, refs: list, spec: DataParallelJob, round_no: int, cfg: dict) -> tuple[str, dict]:
-        import ray
-
-        rank_of = {ref: i for i, ref in enumerate(refs)}
-        pending = list(refs)
-        results: dict[int, dict] = {}
-        cancel_at = None
-        next_member = len(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            for ref in ready:
-                rank = rank_of[ref]
-                try:
-                    results[rank] = ray.get(ref, timeout=30)
-                except RayError as err:  # the rank's task failed, or its process or node died
-                    self._drain_quietly()
-                    if self.elastic and rank != 0 and 0 not in results and pending:
-                        self._member_left(group, round_no, rank, err)  # the others re-form and go on
-                        continue
-                    return "failed", self._diagnose(group, rank, err)
-            waiting = [rank_of[r] for r in pending if rank_of[r] >= len(refs)]
-            if (0 in results and pending and len(waiting) == len(pending) and self.server is None
-                    and not set(waiting) & set(ray_get(self.control.taken_in.remote()))):
-                # (a parameter server's joiner needs no group: it trains from the moment it is placed)
-                # the group finished before taking these joiners in: they would wait for nothing (a joiner
-                # it did take in is training with it, and its result may come back after rank 0's)
-                self.store.add_event(self.job_id, "join_dropped",
-                                     f"the job finished before member(s) {', '.join(map(str, waiting))} could "
-                                     "join (joins take effect at the next outer step)", {"members": waiting})
-                break
-            if self.elastic and self.pending_joins and not self.want and 0 not in results:
-                for member, ref in self._admit(spec, round_no, cfg, next_member, len(refs)):
-                    rank_of[ref] = member
-                    pending.append(ref)
-                    next_member = member + 1
-            self._drain_quietly()
-            self._poll_server()
-            if self.abandon:
-                return "abandoned", {}
-            if self.want == "cancel":
-                cancel_at = cancel_at or time.time()
-                if time.time() - cancel_at > CANCEL_GRACE_S:
-                    return "cancelled", {"where": "(workers killed)"}
-        r0 = results.get(0, {})
-        stopped = r0.get("stopped")
-        if stopped == "cancel":
-            return "cancelled", {}
-        if stopped == "pause":
-            if self.want == "pause" or not self.pending_joins:
-                return "paused", {"where": f"at step {r0.get('steps')}"}
-            return "regroup", {"steps": r0.get("steps")}
-        summary = job_summary(results)  # each key one meaning for every strategy (final_loss: merged from the ranks)
-        if self.server is not None:
-            self._poll_server(force=True)
-            summary["server"] = jsonable(getattr(self, "server_stats", {}))
-        return "completed", summary
 
     def _member_left(self, group, round_no: int, rank: int, err: BaseException) -> None:
         """An elastic group's member died: the control actor lets the others re-form without it."""
@@ -495,9 +561,9 @@ class DPRunner(JobRunner):
         out = []
         for node in self._pop_joins():
             member = first + len(out)
-            req = (coordinator_requirements(spec, self.mgr.embedded) if node == COORDINATOR
-                   else requirements_for(spec, self.mgr.embedded))
-            joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.mgr.healthy_nodes())], self.control,
+            req = (coordinator_requirements(spec, self.ctx.embedded) if node == COORDINATOR
+                   else requirements_for(spec, self.ctx.embedded))
+            joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.ctx.healthy_nodes())], self.control,
                                  first_rank=member)
             try:
                 info = joiner.start(min(60.0, spec.placement_timeout_s))[0]
@@ -512,14 +578,11 @@ class DPRunner(JobRunner):
                                    rank=member, attempt=round_no, node_id=info["node_id"],
                                    node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
             # kept in the spec: a resumed job places it from the start
-            spec = spec.model_copy(update={"lent_nodes": spec.lent_nodes + [node]})
-            self.store.update_job(self.job_id, spec=spec.model_dump(mode="json"))
+            self._lend([node])
             self.store.add_event(self.job_id, "member_joining",
                                  f"{node} placed as member {member} on {info['node_name']}; the group takes it in at "
                                  "its next outer step", {"node": node, "member": member})
-            ref = joiner.run(cfg, None, spec.backend, spec.dist_timeout_s, spec.train.keep_last, spec.strategy,
-                             spec.strategy_config, upload_timeout_s=spec.checkpoint_upload_timeout_s,
-                             balance=spec.balance, join_world=world, server=self.server)[0]
+            ref = joiner.run(rank_task(spec, world), None, join_world=world, server=self.server)[0]
             out.append((member, ref))
         return out
 
@@ -540,8 +603,8 @@ class DPRunner(JobRunner):
                 continue  # the actor answers: its node is fine
             except RayError:
                 pass  # no answer: probe the node itself
-            if not self.mgr.probe_node(nid, timeout=4):
-                self.mgr.suspects[nid] = time.time()
+            if not self.ctx.probe_node(nid, 4):
+                self.ctx.set_aside(nid)
                 lost.append(m.info.get("node_name") or nid[:12])
         return {"rank": rank, "node_name": info.get("node_name"), "node_id": info.get("node_id"),
                 "error": short_error(err), "lost": lost}

@@ -16,8 +16,10 @@ from typing import Any
 
 from ray.exceptions import RayError
 
+from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.cluster.workloads.data_parallel.rank import DPWorker
+from smolforge.parallel.rank_task import RankTask, Seat
 
 
 @dataclass
@@ -79,26 +81,21 @@ class WorkerGroup:
             m.info = info
         return infos
 
-    def run(self, cfg: dict, resume_from: str | None, backend: str = "auto", timeout_s: float = 300.0,
-            keep_last: int = 2, strategy: str = "ddp", strategy_config: dict | None = None,
-            upload_timeout_s: float = 600.0, balance: str = "off", join_world: int | None = None,
+    def run(self, task: RankTask, resume_from: str | None, join_world: int | None = None,
             server: Any = None) -> list:
-        """Start every rank; returns one ObjectRef per rank (rank order).
+        """Start every rank on `task`; returns one ObjectRef per rank (rank order), each a `RankResult`.
 
         `join_world`: these are members joining a running elastic group of that many ranks; they get
         the rendezvous from the job's control actor when the group takes them in."""
         import ray
 
         if join_world or server is not None:  # a joiner meets the group later; a server's workers never do
-            addr, port, secret, world = "", 0, "", join_world or self.world
+            seat = Seat(world=join_world or self.world, join=bool(join_world))
         else:
             addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
-            secret = secrets.token_hex(16)  # this attempt's rendezvous keys; travels only through Ray
-            world = self.world
-        return [m.actor.run.remote(cfg, world, addr, port, resume_from, backend, timeout_s, keep_last,
-                                   strategy, strategy_config, upload_timeout_s, group_secret=secret,
-                                   balance=balance, join=bool(join_world), server=server)
-                for m in self.members]
+            # this attempt's rendezvous keys; travel only through Ray
+            seat = Seat(world=self.world, addr=addr, port=port, secret=secrets.token_hex(16))
+        return [m.actor.run.remote(task, seat, resume_from, server) for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:
         """Kill every actor and free the placement group; waits (briefly) for the processes to go."""
@@ -122,6 +119,15 @@ class WorkerGroup:
             while pid and time.time() < deadline and _pid_alive_local(pid, m.info):
                 time.sleep(0.1)
         self.members = []
+
+
+def rank_task(spec: DataParallelJob, world: int) -> RankTask:
+    """A round's task for its `world` ranks: the job's validated train config with each rank's share of the
+    global batch, and the spec's strategy, settings and timeouts (nothing validated again)."""
+    return RankTask(train=spec.train.model_copy(update={"batch_size": spec.global_batch // world}),
+                    strategy=spec.strategy, strategy_config=dict(spec.strategy_config), backend=spec.backend,
+                    timeout_s=spec.dist_timeout_s, keep_last=spec.train.keep_last,
+                    upload_timeout_s=spec.checkpoint_upload_timeout_s, balance=spec.balance)
 
 
 def _pid_alive_local(pid: int, info: dict) -> bool:

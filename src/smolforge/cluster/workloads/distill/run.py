@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.cluster.workloads.distill.sync import make_sync
+from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync, make_sync
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
@@ -89,47 +89,8 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
     stages: dict[str, float] = {}
     progress = _Progress(quiet)
     try:
-        teachers = orch.create_parallel_teacher_tasks(
-            cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,
-            num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
-            temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
-            cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, dtype=cfg.teacher_dtype,
-            ollama_host=cfg.ollama_host, seed=cfg.seed,
-            responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator)
-        students = orch.create_student_tasks(
-            cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
-            peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
-            kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
-            epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
-            warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed, save_every=cfg.save_every,
-            replace_timeout_s=cfg.replace_timeout_s, on_policy_ratio=cfg.on_policy_ratio,
-            on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
-            cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
-            max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
-            dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
-            resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
-        all_ids = teachers + students
-        teacher_done = None
-        while True:
-            statuses = orch.distill_tasks()
-            mine = [s for s in statuses if s["task_id"] in all_ids]
-            progress.update(mine)
-            if on_update is not None:
-                on_update(mine, list(orch.events))
-            stop = should_stop() if should_stop is not None else None
-            if stop:
-                if stop == "pause":
-                    orch.pause_distill_students(students)
-                    if on_update is not None:
-                        on_update(orch.distill_tasks(), list(orch.events))
-                raise DistillStopped(stop)  # `finally` below stops every task and actor
-            by_id = {s["task_id"]: s for s in statuses}
-            if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
-                teacher_done = time.time()
-            if all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in all_ids):
-                break
-            time.sleep(0.5)
+        teachers, students = _create_tasks(cfg, orch, out, resume)
+        by_id, teacher_done = _watch(orch, teachers, students, progress, on_update, should_stop)
         progress.close()
         # A failed teacher's shards go to another teacher (see _retry_shards), or the students that
         # need them fail saying why; so the students' states decide the run.
@@ -139,22 +100,8 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
                                  fix="see the error above; fix it and rerun (valid teacher shards are reused)")
         stages["teachers"] = (teacher_done or time.time()) - t0
         stages["students"] = time.time() - t0
-        merged: dict[str, Any] = {}
         t_agg = time.time()
-        if cfg.aggregate != "none":
-            for base in cfg.students:
-                mine = [t for t in students if orch.task_status(t).get("output_dir")
-                        and _base_of(orch, t) == base]
-                target = out / "merged_model" / ("final_adapter" if len(cfg.students) == 1 else f"{_slug(base)}/final_adapter")
-                try:
-                    merged[base] = {**orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
-                                                                     rank=cfg.aggregate_rank),
-                                    "students_sync": sync.name, "merge": sync.merges}
-                except SmolforgeError as err:
-                    if cfg.peft in ("prefix", "prompt"):
-                        merged[base] = {"skipped": err.what}
-                    else:
-                        raise
+        merged = _aggregate(cfg, orch, out, students, sync)
         stages["aggregate"] = time.time() - t_agg
         summary = {
             "output_dir": str(out),
@@ -175,6 +122,83 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
     finally:
         progress.close()
         orch.shutdown_distill()
+
+
+def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[list[str], list[str]]:
+    """The run's teacher tasks, then its student tasks (which stream the teachers' shards as they appear)."""
+    teachers = orch.create_parallel_teacher_tasks(
+        cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,
+        num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
+        temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
+        cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, dtype=cfg.teacher_dtype,
+        ollama_host=cfg.ollama_host, seed=cfg.seed,
+        responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator, quant=cfg.teacher_quant,
+        # a GGUF file's vocabulary must be the (first) student's; an HF teacher's export keeps its own tokenizer
+        tokenizer=cfg.students[0] if cfg.teacher_backend == "llamacpp" else None)
+    students = orch.create_student_tasks(
+        cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
+        peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
+        kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
+        epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps, max_length=cfg.max_length, seed=cfg.seed, save_every=cfg.save_every,
+        replace_timeout_s=cfg.replace_timeout_s, on_policy_ratio=cfg.on_policy_ratio,
+        on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
+        cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
+        max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
+        dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
+        resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
+    return teachers, students
+
+
+def _watch(orch, teachers: list[str], students: list[str], progress: _Progress,
+           on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None,
+           should_stop: Callable[[], str | None] | None) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Poll the tasks until every one has ended (or paused): their last statuses by id, and when the last
+    teacher ended. A stop asked through `should_stop` raises DistillStopped (a pause checkpoints first)."""
+    all_ids = teachers + students
+    teacher_done = None
+    while True:
+        statuses = orch.distill_tasks()
+        mine = [s for s in statuses if s["task_id"] in all_ids]
+        progress.update(mine)
+        if on_update is not None:
+            on_update(mine, list(orch.events))
+        stop = should_stop() if should_stop is not None else None
+        if stop:
+            if stop == "pause":
+                orch.pause_distill_students(students)
+                if on_update is not None:
+                    on_update(orch.distill_tasks(), list(orch.events))
+            raise DistillStopped(stop)  # run_distill's `finally` stops every task and actor
+        by_id = {s["task_id"]: s for s in statuses}
+        if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
+            teacher_done = time.time()
+        if all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in all_ids):
+            return by_id, teacher_done
+        time.sleep(0.5)
+
+
+def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],
+               sync: AverageSync | DataParallelSync) -> dict[str, Any]:
+    """Merge each student base's adapters into `merged_model/` (`cfg.aggregate`); prefix and prompt
+    adapters, which cannot be merged, are skipped saying why."""
+    merged: dict[str, Any] = {}
+    if cfg.aggregate == "none":
+        return merged
+    for base in cfg.students:
+        mine = [t for t in students if orch.task_status(t).get("output_dir") and _base_of(orch, t) == base]
+        target = out / "merged_model" / ("final_adapter" if len(cfg.students) == 1 else f"{_slug(base)}/final_adapter")
+        try:
+            merged[base] = {**orch.aggregate_student_outputs(mine, target, method=cfg.aggregate,
+                                                             rank=cfg.aggregate_rank),
+                            "students_sync": sync.name, "merge": sync.merges}
+        except SmolforgeError as err:
+            if cfg.peft in ("prefix", "prompt"):
+                merged[base] = {"skipped": err.what}
+            else:
+                raise
+    return merged
 
 
 def _base_of(orch, task_id: str) -> str | None:

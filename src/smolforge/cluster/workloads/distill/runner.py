@@ -16,6 +16,11 @@ directory: the teachers make only the missing shards, and each student continues
 checkpoint (shipped to whichever node runs it now). Cancel stops everything at once. A worker
 that dies mid-run costs its teacher's unfinished shards (regenerated elsewhere) and its student's
 steps since the last `save_every` checkpoint (see smolforge.cluster.workloads.distill).
+
+The run restarts its own teachers' shards and students inside it; what ends the run goes through the
+job's FailurePolicy like every kind's (the base runner's): an error of the run's own making (bad
+data, a student that failed after its restarts) is not retried; a lost Ray connection is, and the
+next attempt resumes in the same run dir.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayError
+
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.distill.run import DistillStopped, run_distill
 from smolforge.cluster.workloads.distill.session import DistillSession
-from smolforge.cluster.control.runner import JobRunner
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.runner import (
+    Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, short_error,
+)
 from smolforge.cluster.control.specs import DistillJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import sha256_bytes
@@ -42,16 +52,17 @@ def student_series(task_id: str) -> str:
     return task_id.replace("-", "")
 
 
-def run_dir(mgr, job_id: str) -> Path:
+def run_dir(artifacts: ArtifactStore, job_id: str) -> Path:
     """Where a distill job writes its run (teacher_outputs/, output/, merged_model/)."""
-    return mgr.artifacts.root.parent / "distill" / job_id
+    return artifacts.root.parent / "distill" / job_id
 
 
 class DistillRunner(JobRunner):
     """Runs one distill job until it is completed, failed, cancelled or paused."""
 
-    def __init__(self, mgr, job_id: str, reason: str):
-        super().__init__(mgr, job_id, reason)
+    def __init__(self, ctx: RunnerContext, job_id: str, spec: DistillJob, reason: str):
+        super().__init__(ctx, job_id, spec, reason)
+        self.spec: DistillJob = spec
         self.world = 0
         self._events_seen = 0
         self._task_rows: dict[str, tuple] = {}
@@ -59,46 +70,59 @@ class DistillRunner(JobRunner):
         self._steps: dict[str, Any] = {}
         self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
         self._session: DistillSession | None = None  # the running pipeline: its tasks' output lines
+        self.out = run_dir(ctx.artifacts, job_id)
 
     def _stop_requested(self) -> str | None:
         if self.abandon:
             return "abandon"
         return self.want
 
-    def _run(self) -> None:
-        spec = self._spec_to_run(DistillJob)
-        if spec is None:
-            return
-        if self.store.get_job(self.job_id)["state"] != "running":
-            self.store.set_state(self.job_id, "running", f"running ({self.reason})")
-        settings = spec.distill
+    def _settings(self):
+        """The run's settings, its dataset read from the coordinator's upload where it names one."""
+        settings = self.spec.distill
         if settings.data.startswith("upload:"):
-            settings = settings.model_copy(update={"data": str(self.mgr.artifacts.upload_path(settings.data.split(":", 1)[1]))})
-        out = Path(spec.output_dir) if spec.output_dir and self.mgr.embedded else run_dir(self.mgr, self.job_id)
-        orch = self._session = DistillSession(ray_glue.connect(), spec.mode)
-        self.open_sinks(out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
+            path = self.ctx.artifacts.upload_path(settings.data.split(":", 1)[1])
+            settings = settings.model_copy(update={"data": str(path)})
+        return settings
+
+    def start_attempt(self) -> Outcome | None:
+        spec, settings = self.spec, self._settings()
+        if spec.output_dir and self.ctx.embedded:
+            self.out = Path(spec.output_dir)
+        self._session, self._events_seen = DistillSession(ray_glue.connect(), spec.mode), 0
+        self.open_sinks(self.out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
                         name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
                                                          settings.lr, settings.batch_size,
                                                          host=self._nodes.get(series, "node")))
         self.store.add_event(self.job_id, "distill_started",
                              f"{spec.mode}: teacher {settings.teacher} → {', '.join(settings.students)} "
-                             f"({settings.num_students} per base, {settings.peft}); run dir {out}")
+                             f"({settings.num_students} per base, {settings.peft}); run dir {self.out}")
+        self.recovered(f"the run goes on in {self.out}")
+        return None
+
+    def poll(self) -> Outcome | None:
+        """The whole run: `run_distill` blocks here, minding stop requests through `should_stop`."""
+        orch = self._session
         try:
             # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
-            summary = run_distill(settings, orch, output_dir=out, mode=spec.mode, on_update=self._mirror,
-                                  should_stop=self._stop_requested, resume=True)
+            summary = run_distill(self._settings(), orch, output_dir=self.out, mode=self.spec.mode,
+                                  on_update=self._mirror, should_stop=self._stop_requested, resume=True)
         except DistillStopped as stop:
             self._mirror(orch.distill_tasks(), orch.events)
-            if stop.what != "abandon":
-                self._finish_stopped(stop.what)
-            return
-        except SmolforgeError as err:
+            return None if stop.what == "abandon" else self.stopped(stop.what)
+        except SmolforgeError as err:  # its own making, or its students' restarts spent: not again
             self._mirror(orch.distill_tasks(), orch.events)
-            self.store.set_state(self.job_id, "failed", f"failed: {err.what}", error=err.render())
-            return
+            return Failed(err.what, retryable=False, error=err.render())
+        except RayError as err:  # the Ray connection (or the driver's node) lost: the next attempt resumes
+            self._mirror(orch.distill_tasks(), orch.events)
+            return Failed(f"the run lost Ray: {short_error(err)}", error=short_error(err))
         self._mirror(orch.distill_tasks(), orch.events)
-        self.close_sinks()  # complete TensorBoard/W&B files before the job shows completed
-        self._publish(out, summary)
+        return self._publish(self.out, summary)
+
+    def stopped(self, what: str, where: str = "") -> Outcome:
+        if what == "pause":
+            return Paused("paused: every task stopped; teacher shards and student checkpoints kept for resume")
+        return Cancelled("cancelled; every task stopped")
 
     # -- mirroring into the job store ----------------------------------------------------------------
 
@@ -125,7 +149,7 @@ class DistillRunner(JobRunner):
                                        node_name=s.get("node"), error=s.get("error"))
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
-                self.mgr.placed(self.job_id)  # a task holds a node now: the queue's claim can go
+                self.ctx.placed(self.job_id)  # a task holds a node now: the queue's claim can go
             if s["kind"] == "student":
                 if s.get("node"):
                     self._nodes.setdefault(student_series(s["task_id"]), s["node"])
@@ -155,13 +179,14 @@ class DistillRunner(JobRunner):
                 fields["loss"] = sum(losses) / len(losses)
             self.store.update_job(self.job_id, **fields)
 
-    def _publish(self, out: Path, summary: dict[str, Any]) -> None:
+    def _publish(self, out: Path, summary: dict[str, Any]) -> Outcome:
+        """The merged adapter and the summary into the artifact store; the job's result."""
         merged = [Path(rep["output"]) for rep in summary.get("merged", {}).values() if rep.get("output")]
         if merged:
-            self.mgr.artifacts.put_dir(self.job_id, "adapter", merged[0].name, merged[0])
+            self.ctx.artifacts.put_dir(self.job_id, "adapter", merged[0].name, merged[0])
         data = (out / "distill_summary.json").read_bytes()
         payload = {"files": {"distill_summary.json": data}, "sha256": {"distill_summary.json": sha256_bytes(data)}}
-        self.mgr.artifacts.put(self.job_id, "summary", "distill", payload)
+        self.ctx.artifacts.put(self.job_id, "summary", "distill", payload)
         evals = [t.get("eval") or {} for t in summary["student_tasks"]]
         result = {"store": summary["store"], "stage_seconds": summary["stage_seconds"],
                   "students": [{k: t.get(k) for k in ("task_id", "node", "state", "output_dir")} | {"eval": ev}
@@ -174,14 +199,5 @@ class DistillRunner(JobRunner):
                               if all(k in ev for ev in ok)}
         total = sum(int(t.get("max_steps") or 0) for t in summary["student_tasks"])
         self.store.update_job(self.job_id, step=total, max_steps=total)
-        self.store.set_state(self.job_id, "completed",
-                             f"completed: {len(summary['student_tasks'])} students, "
-                             f"{summary['store']['bytes_per_token']:.1f} bytes/token store", result=result)
-
-    def _finish_stopped(self, what: str) -> None:
-        if what == "pause":
-            self.store.set_state(self.job_id, "paused", "paused: every task stopped; teacher shards and student "
-                                 "checkpoints kept for resume")
-        else:
-            self.store.set_state(self.job_id, "cancelled", "cancelled; every task stopped", force=True)
-
+        return Completed(f"completed: {len(summary['student_tasks'])} students, "
+                         f"{summary['store']['bytes_per_token']:.1f} bytes/token store", result=result)

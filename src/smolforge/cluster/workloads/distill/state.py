@@ -88,6 +88,7 @@ class StoreState:
     max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
     teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)
     dtype: str = "fp32"  # the teacher's weights (a --dtype choice, smolforge.models.dtypes)
+    quant: str = "q8_0"  # a llamacpp teacher's GGUF weights (--teacher-quant)
     written: set[int] = field(default_factory=set)
     regenerating: set[int] = field(default_factory=set)
     retries: dict[int, int] = field(default_factory=dict)

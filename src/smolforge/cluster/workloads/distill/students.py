@@ -95,6 +95,17 @@ class StudentTasks:
         split = (num_students > 1) if split_shards is None else split_shards
         sync = make_sync(students_sync, students_strategy)
         eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
+        common = {"peft": peft.model_dump(), "kd": asdict(kd), "max_steps": max_steps, "epochs": epochs,
+                  "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr, "warmup_steps": warmup_steps,
+                  "max_length": max_length, "seed": seed, "device": device,
+                  "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
+                  "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
+                  "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
+                  "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
+                  "on_policy_start": on_policy_start,
+                  "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None),
+                  "dtype": dtype, "teacher_dtype": teacher_dtype}
+        extra = {"eval_examples": eval_examples, "replace_timeout_s": replace_timeout_s}
         ids = []
         assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
         for base in bases:
@@ -102,42 +113,11 @@ class StudentTasks:
             assignment = sync.shards(store.plan.num_shards, num_students, split)
             of_base: list[str] = []
             for shards in assignment:
-                with st.lock:
-                    rank = store.next_rank
-                    store.next_rank += 1
-                    n = next(st.counters["student"])
-                store.assigned[str(rank)] = shards
-                assigned.append(store.broker.assign.remote(rank, shards))
-                task_id = f"student-{n}"
-                out = run_dir / "output" / f"student_{n}"
-                config = {"base_model": base, "output_dir": str(out), "peft": peft.model_dump(), "kd": asdict(kd),
-                          "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "grad_accum": grad_accum,
-                          "lr": lr, "warmup_steps": warmup_steps, "max_length": max_length, "seed": seed,
-                          "device": device, "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
-                          "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
-                          "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
-                          "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
-                          "on_policy_start": on_policy_start,
-                          "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None),
-                          "dtype": dtype, "teacher_dtype": teacher_dtype}
-                spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
-                        "eval_examples": eval_examples, "req_model": req_model, "replace_timeout_s": replace_timeout_s,
-                        "resume": self._resume_point(out, resume)}
-                rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
-                task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus_per_student,
-                                   shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
-                                   resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
-                                   samples_total=int(rows * epochs) if not max_steps else max_steps * batch_size * grad_accum,
-                                   max_steps=max_steps or max(1, -(-int(rows * epochs) // (batch_size * grad_accum))))
-                with st.lock:
-                    st.tasks[task_id] = task
-                ids.append(task_id)
-                of_base.append(task_id)
-                self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
-                             task_id=task_id, shards=shards, base=base)
-                if spec["resume"]:
-                    self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
-                                 f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+                task, ref = self._add_student(store, base, shards, run_dir, common, {**extra, "req_model": req_model},
+                                              cpus=cpus_per_student, resume=resume, peft_type=peft_type)
+                assigned.append(ref)
+                ids.append(task.task_id)
+                of_base.append(task.task_id)
             for members in sync.groups(of_base):
                 self._form_group(sync.group_spec(members, assignment[0]))
         # The broker's plan now knows every assignment (students read their row counts from it).
@@ -148,6 +128,39 @@ class StudentTasks:
             self._place_student(st.tasks[task_id])
         self._ensure_monitor()
         return ids
+
+    def _add_student(self, store: StoreState, base: str, shards: list[int], run_dir: Path, common: dict[str, Any],
+                     extra: dict[str, Any], *, cpus: float, resume: bool, peft_type: str) -> tuple[DistillTask, Any]:
+        """One student of `base` on `shards`: its number and rank, its spec, its task in the run's state, its
+        assignment sent to the broker (the returned ref) and its `student_created` event. Not placed yet."""
+        st = self._dstate()
+        with st.lock:
+            rank = store.next_rank
+            store.next_rank += 1
+            n = next(st.counters["student"])
+        store.assigned[str(rank)] = shards
+        ref = store.broker.assign.remote(rank, shards)
+        task_id = f"student-{n}"
+        out = run_dir / "output" / f"student_{n}"
+        config = {"base_model": base, "output_dir": str(out), **common}
+        spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
+                "eval_examples": extra["eval_examples"], "req_model": extra["req_model"],
+                "replace_timeout_s": extra["replace_timeout_s"], "resume": self._resume_point(out, resume)}
+        rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
+        epochs, max_steps, per_step = common["epochs"], common["max_steps"], common["batch_size"] * common["grad_accum"]
+        task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus,
+                           shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
+                           resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
+                           samples_total=int(rows * epochs) if not max_steps else max_steps * per_step,
+                           max_steps=max_steps or max(1, -(-int(rows * epochs) // per_step)))
+        with st.lock:
+            st.tasks[task_id] = task
+        self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
+                     task_id=task_id, shards=shards, base=base)
+        if spec["resume"]:
+            self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
+                         f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+        return task, ref
 
     def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
         # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval)

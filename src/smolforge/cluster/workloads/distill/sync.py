@@ -1,6 +1,6 @@
 """How the students of one base share what they learn (`--students-sync`): one small plug-in per mode.
 
-- `average` (today's): each student trains alone on its own part of the shards (the broker splits
+- `average` (the default): each student trains alone on its own part of the shards (the broker splits
   them) and their adapters are averaged at the end (`smolforge.distill.aggregate`).
 - `ddp`: the students are ONE data-parallel group (any strategy of `smolforge.parallel.strategies`,
   DDP by default). Every rank reads every shard in the same order (`InOrderShardSource`: not a
@@ -109,7 +109,7 @@ class DataParallelSync:
 SYNCS = {"average": AverageSync, "ddp": DataParallelSync}
 
 
-def make_sync(name: str, strategy: str | None = None):
+def make_sync(name: str, strategy: str | None = None) -> AverageSync | DataParallelSync:
     """The plug-in for `--students-sync NAME` (with `--students-strategy`, for ddp)."""
     if name not in SYNCS:
         raise SmolforgeError(f"unknown --students-sync {name!r}", fix=f"use one of {', '.join(SYNCS)}")

@@ -138,7 +138,7 @@ class TeacherTasks:
                                       tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
                                       responses: str = "generate", max_retries: int | None = None,
                                       task_config: TaskConfig | None = None,
-                                      teacher_on_coordinator: bool = False) -> list[str]:
+                                      teacher_on_coordinator: bool = False, quant: str = "q8_0") -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
         The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
@@ -150,6 +150,9 @@ class TeacherTasks:
         resources.cpu_cores and max_retries (see cluster/workloads/distill/seed_args.py).
         `teacher_on_coordinator`: the teachers run on the coordinator (head) node instead, which
         otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
+        `backend` llamacpp: each teacher runs a GGUF in llama.cpp with `cpus_per_teacher` threads (`quant`:
+        the weights its node exports the HF teacher to, once; `tokenizer`: the HF tokenizer whose ids a
+        given GGUF file must have, the student's).
         """
         opts = task_options(task_config, "teacher")
         cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
@@ -159,7 +162,7 @@ class TeacherTasks:
         store_dir.mkdir(parents=True, exist_ok=True)
         store_dir = store_dir.resolve()
         if backend not in TEACHER_BACKENDS:
-            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use hf, ollama or reference")
+            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
         eligible, req_model = self._model_nodes(model_path, "teacher", backend,
                                                 teacher_on_coordinator)  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
@@ -187,7 +190,7 @@ class TeacherTasks:
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
                            ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
-                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype)
+                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype, quant=quant)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -248,7 +251,7 @@ class TeacherTasks:
         spec = {"task_id": task_id, "model": store.teacher, "backend": store.backend, "items": items, "shards": shards,
                 "settings": asdict(store.settings), "compress": store.compress, "device": store.device, "dtype": store.dtype,
                 "num_threads": max(1, int(store.cpus_per_teacher)), "node_name": node.name,
-                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer}
+                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer, "quant": store.quant}
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))

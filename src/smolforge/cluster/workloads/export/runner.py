@@ -6,10 +6,13 @@ downloads it from there. No shared filesystem is assumed.
 Adapter directories are read where the task runs, so a job that names them runs only on the
 embedded cluster (this machine), like a serve job's adapter. Cancel (or pause) stops the task; a
 resumed export starts again (exports are minutes at most, and a half-written one is never stored).
+A task lost with its process or node is run again, as the job's FailurePolicy decides (the base
+runner's); an export error of the job's own making fails it at once.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -17,13 +20,16 @@ from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.control.placement import holds_anywhere
-from smolforge.cluster.control.runner import POLL_S, JobRunner, short_error
+from smolforge.cluster.control.runner import (
+    POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
+)
 from smolforge.cluster.control.specs import ExportJob
+from smolforge.train.faults import fault_once
 
 ARTIFACT_KIND = "export"
 
 
-def export_task(spec_dict: dict[str, Any], control: Any, upload_timeout_s: float) -> dict:
+def export_task(spec: ExportJob, control: Any, upload_timeout_s: float) -> dict:
     """Ray task body: export into scratch space on this node, then upload it to the control actor."""
     import ray
 
@@ -31,7 +37,8 @@ def export_task(spec_dict: dict[str, Any], control: Any, upload_timeout_s: float
     from smolforge.cluster.workloads.data_parallel.rank import local_model_path, node_dir
     from smolforge.parallel.transfer import send_dir
 
-    spec = ExportJob.model_validate(spec_dict)
+    if fault_once("export-fail"):  # fault injection (train/faults.py): this node's process dies, once
+        os._exit(1)
     scratch = node_dir() / "exports"
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch, prefix="export-") as tmp:
@@ -52,78 +59,81 @@ def export_task(spec_dict: dict[str, Any], control: Any, upload_timeout_s: float
 
 
 class ExportRunner(JobRunner):
-    def __init__(self, mgr, job_id: str, reason: str):
-        super().__init__(mgr, job_id, reason)
+    """One export job: an attempt is one task; a task whose node or process is lost is tried again
+    through the job's FailurePolicy (the base's), an export error of its own making is not."""
+
+    def __init__(self, ctx: RunnerContext, job_id: str, spec: ExportJob, reason: str):
+        super().__init__(ctx, job_id, spec, reason)
+        self.spec: ExportJob = spec
         self.control: Any = None
         self.ref: Any = None
+        self.deadline = 0.0
 
-    def _run(self) -> None:
+    def running_message(self) -> str:
+        return f"exporting {self.spec.model} to {self.spec.to} ({self.reason})"
+
+    def start_attempt(self) -> Outcome | None:
         import ray
 
-        spec = self._spec_to_run(ExportJob)
-        if spec is None:
-            return
-        if spec.adapters and not self.mgr.embedded:  # a coordinator never reads where a network peer tells it to
-            self.store.set_state(self.job_id, "failed", "failed: adapters are for the embedded cluster only",
-                                 error="an export job's adapter directories are read where it runs: only the "
-                                       "embedded cluster (this machine) takes them; export a merged or full model")
-            return
-        self.store.set_state(self.job_id, "running", f"exporting {spec.model} to {spec.to} ({self.reason})")
-        handle = ray_glue.connect()
-        need_model = spec.require_model if spec.require_model is not None else \
-            not holds_anywhere(spec.model, self.mgr.embedded)
-        req = ray_glue.Requirements(model=spec.model if need_model else None, cpus=spec.cpus)
         from smolforge.cluster.workloads.data_parallel.job_control import create_control
 
-        self.control = create_control(self.job_id, str(self.mgr.artifacts.root.resolve()))
+        spec = self.spec
+        if spec.adapters and not self.ctx.embedded:  # a coordinator never reads where a network peer tells it to
+            return Failed("adapters are for the embedded cluster only", retryable=False,
+                          error="an export job's adapter directories are read where it runs: only the embedded "
+                                "cluster (this machine) takes them; export a merged or full model")
+        handle = ray_glue.connect()
+        need_model = spec.require_model if spec.require_model is not None else \
+            not holds_anywhere(spec.model, self.ctx.embedded)
+        req = ray_glue.Requirements(model=spec.model if need_model else None, cpus=spec.cpus)
+        self.control = create_control(self.job_id, str(self.ctx.artifacts.root.resolve()))
         self.ref = ray.remote(export_task).options(**handle.ray_options(req), max_retries=0).remote(
-            spec.model_dump(mode="json"), self.control, spec.timeout_s)
-        deadline = time.monotonic() + spec.timeout_s + 60
-        while True:
-            ready, _ = ray.wait([self.ref], timeout=POLL_S)
-            if ready:
-                break
-            if self.abandon:
-                return
+            spec, self.control, spec.timeout_s)
+        self.deadline = time.monotonic() + spec.timeout_s + 60
+        self.recovered("the export runs again")
+        return None
+
+    def poll(self) -> Outcome | None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=POLL_S)
+        if not ready:
             if self.want:
-                self._finish_stopped(self.want)
-                return
-            if time.monotonic() > deadline:
-                self.store.set_state(self.job_id, "failed", "failed: the export did not finish in time",
-                                     error=f"the export did not finish within timeout_s={spec.timeout_s:g}")
-                return
+                return self.stopped(self.want)
+            if time.monotonic() > self.deadline:  # the same export would take as long again: not retried
+                return Failed("the export did not finish in time", retryable=False,
+                              error=f"the export did not finish within timeout_s={self.spec.timeout_s:g}")
+            return None
+        ref, self.ref = self.ref, None  # it ended: nothing to cancel (a cancel racing its end upsets Ray)
         try:
-            summary = ray.get(self.ref, timeout=30)
-        except Exception as err:
-            self.store.set_state(self.job_id, "failed", f"failed: {short_error(err)}", error=short_error(err))
-            return
+            summary = ray.get(ref, timeout=30)
+        except Exception as err:  # noqa: BLE001 - the task failed, or its process or node died
+            return Failed(f"the export task failed: {short_error(err)}", retryable=not own_making(err),
+                          error=short_error(err))
         verify = summary.get("verify")
         detail = (f"; llama.cpp: logits NMSE {verify['logits_nmse']:.2e}, greedy agreement "
                   f"{verify['greedy_agreement']:.0%}") if verify else ""
-        self.store.add_event(self.job_id, "exported", f"exported {spec.model} to {spec.to}{detail}",
+        self.store.add_event(self.job_id, "exported", f"exported {self.spec.model} to {self.spec.to}{detail}",
                              {k: v for k, v in summary.items() if k != "output_dir"})
-        self.store.set_state(self.job_id, "completed", f"completed: artifact {ARTIFACT_KIND}/{spec.to}")
+        return Completed(f"completed: artifact {ARTIFACT_KIND}/{self.spec.to}")
 
-    def _finish_stopped(self, what: str) -> None:
-        self._cleanup()
+    def stopped(self, what: str, where: str = "") -> Outcome:
         if what == "pause":
-            self.store.set_state(self.job_id, "paused", "paused: the export stopped (it starts again on resume)")
-        else:
-            self.store.set_state(self.job_id, "cancelled", "cancelled; the export stopped", force=True)
+            return Paused("paused: the export stopped (it starts again on resume)")
+        return Cancelled("cancelled; the export stopped")
 
-    def _cleanup(self) -> None:
+    def end_attempt(self) -> None:
         import ray
 
         ref, self.ref = self.ref, None
         if ref is not None:
             try:
                 ray.cancel(ref, force=True)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 pass  # finished already
         control, self.control = self.control, None
         if control is not None:
             try:
                 ray.kill(control, no_restart=True)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 pass
-

@@ -14,7 +14,8 @@ The job's events carry the placement plan (`plan`), the URL (`serving`) and ever
 and re-placement (`stage`); what the API actor and each stage print is the job's log (tasks `api`,
 `stage0`, `stage1`...); a stage that dies fails only the requests of its batch (see
 `stages.py`). Cancel (or pause) stops uvicorn, the engine and every actor. Resume starts them
-all again.
+all again. Stages that fail to start, or an API actor that goes away, cost an attempt: the job's
+FailurePolicy (the base runner's) starts them all again or fails the job with the reason.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import time
 from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.control.runner import POLL_S, JobRunner, short_error
+from smolforge.cluster.control.runner import (
+    POLL_S, Cancelled, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
+)
 from smolforge.cluster.control.specs import ServeJob
 from smolforge.errors import SmolforgeError
 from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
+from smolforge.train.faults import fault_once
 
 STATUS_EVERY_S = 2.0
 
@@ -36,11 +40,11 @@ STATUS_EVERY_S = 2.0
 class ServeApi:
     """Ray actor class: the stage group, the engine over it and the HTTP server, on the coordinator's node."""
 
-    def __init__(self, spec: dict[str, Any], token_file: str, embedded: bool):
+    def __init__(self, spec: ServeJob, token_file: str, embedded: bool):
         # what this process prints (uvicorn, the engine), task `api`, shipped with `status` with the stages'
         self.lines = LineBuffer("api", this_node())
         start_capture(self.lines)  # for the actor's life: its process is its own
-        self.spec = ServeJob.model_validate(spec)
+        self.spec = spec  # validated at submit; Ray ships the object
         self.token_file, self.embedded = token_file, embedded
         self.group = self.engine = self.server = self.sock = None
         self.thread: threading.Thread | None = None
@@ -58,6 +62,8 @@ class ServeApi:
         token = check_token_format(open(self.token_file).read().strip())
         self.lines.secrets.append(token)  # masked in every line this actor ships (the cluster token)
         stages = None if spec.stages == "auto" else spec.stages  # None: the placement plan chooses
+        if fault_once("serve-start-fail"):  # fault injection (train/faults.py): the stages fail to start, once
+            raise RuntimeError("fault injection: the stages failed to start")
         self.group = StageGroup(spec.model, stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
                                 device=spec.device, dtype=spec.dtype, step_timeout_s=spec.step_timeout_s,
                                 load_timeout_s=spec.load_timeout_s, embedded=self.embedded,
@@ -101,80 +107,89 @@ class ServeApi:
 
 
 class ServeRunner(JobRunner):
-    """Runs one serve job until it is cancelled (or paused), or its API actor dies."""
+    """Runs one serve job until it is cancelled (or paused); an attempt is one API actor and its stages."""
 
-    def __init__(self, mgr, job_id: str, reason: str):
-        super().__init__(mgr, job_id, reason)
+    def __init__(self, ctx: RunnerContext, job_id: str, spec: ServeJob, reason: str):
+        super().__init__(ctx, job_id, spec, reason)
+        self.spec: ServeJob = spec
         self.actor: Any = None
+        self.starting: Any = None  # the API actor's `start` call, until it answers
+        self.deadline = 0.0
+        self.url: str | None = None
+        self.last_status = 0.0
         self._events_seen = 0
 
-    def _stopping(self) -> bool:
-        return bool(self.want or self.abandon)
+    def running_message(self) -> str:
+        return f"starting {self.spec.stages} stages of {self.spec.model} ({self.reason})"
 
-    def _run(self) -> None:
+    def start_attempt(self) -> Outcome | None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        spec = self._spec_to_run(ServeJob)
-        if spec is None:
-            return
-        if spec.adapter and not self.mgr.embedded:  # a coordinator never reads where a network peer tells it to
-            self.store.set_state(self.job_id, "failed", "failed: adapter is for the embedded cluster only",
-                                 error="a serve job's adapter directory is read on the coordinator's machine: only "
-                                       "the embedded cluster (this machine) takes one; serve a merged model instead")
-            return
-        self.store.set_state(self.job_id, "running", f"starting {spec.stages} stages of {spec.model} ({self.reason})")
+        spec = self.spec
+        if spec.adapter and not self.ctx.embedded:  # a coordinator never reads where a network peer tells it to
+            return Failed("adapter is for the embedded cluster only", retryable=False,
+                          error="a serve job's adapter directory is read on the coordinator's machine: only the "
+                                "embedded cluster (this machine) takes one; serve a merged model instead")
         ray_glue.connect()
-        token_file = (self.mgr.embedded and getattr(self.mgr, "serve_token_file", None)) or \
-            os.environ.get("RAY_AUTH_TOKEN_PATH")
+        token_file = (self.ctx.embedded and self.ctx.serve_token_file()) or os.environ.get("RAY_AUTH_TOKEN_PATH")
         head = ray_glue.head_node_id()
         if not token_file or head is None:
-            raise SmolforgeError("the serve job runs only in a coordinator (or the embedded cluster)",
+            err = SmolforgeError("the serve job runs only in a coordinator (or the embedded cluster)",
                                  fix="submit it to a coordinator: smolforge serve --stages N --coordinator H:P")
+            return Failed(err.what, retryable=False, error=err.render())
+        self._events_seen, self.url = 0, None
         self.actor = ray.remote(ServeApi).options(
             num_cpus=0, max_concurrency=4, max_restarts=0, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
-        ).remote(spec.model_dump(mode="json"), token_file, self.mgr.embedded)
-        started = self.actor.start.remote()
-        deadline = time.monotonic() + spec.start_timeout_s()
-        while True:
-            ready, _ = ray.wait([started], timeout=POLL_S)
-            if ready:
-                break
+        ).remote(spec, token_file, self.ctx.embedded)
+        self.starting = self.actor.start.remote()
+        self.deadline = time.monotonic() + spec.start_timeout_s()
+        return None
+
+    def poll(self) -> Outcome | None:
+        return self._poll_start() if self.url is None else self._poll_serving()
+
+    def _poll_start(self) -> Outcome | None:
+        """Until the API answers its `start`: its URL, or why the stages did not start."""
+        import ray
+
+        ready, _ = ray.wait([self.starting], timeout=POLL_S)
+        if not ready:
             self._mirror()
-            if self._stopping():
-                if self.want:
-                    self._finish_stopped(self.want)
-                return
-            if time.monotonic() > deadline:
-                self.store.set_state(self.job_id, "failed", "failed: the stages did not start in time",
-                                     error="the stages did not start in time")
-                return
+            if self.want:
+                return self.stopped(self.want)
+            if time.monotonic() > self.deadline:
+                return Failed("the stages did not start in time")
+            return None
         try:
-            url = ray.get(started, timeout=30)
-        except Exception as err:
+            url = ray.get(self.starting, timeout=30)
+        except Exception as err:  # noqa: BLE001 - a stage (or its node) failed as it started
             self._mirror()
-            self.store.set_state(self.job_id, "failed", f"failed: {short_error(err)}", error=short_error(err))
-            return
+            return Failed(f"the stages did not start: {short_error(err)}", retryable=not own_making(err),
+                          error=short_error(err))
+        self.url, self.last_status = url, time.monotonic()
         stages = len(self._mirror()["stages"])
-        self.store.add_event(self.job_id, "serving", f"serving {spec.model_name or spec.model} at {url}/v1 "
-                             f"({stages} stage{'s' * (stages != 1)}; bearer token: the cluster token)",
+        self.store.add_event(self.job_id, "serving", f"serving {self.spec.model_name or self.spec.model} at "
+                             f"{url}/v1 ({stages} stage{'s' * (stages != 1)}; bearer token: the cluster token)",
                              {"url": url, "stages": stages})
-        self.mgr.placed(self.job_id)  # its stages hold their nodes now: the queue's claim can go
-        self.store.set_state(self.job_id, "running", f"serving at {url}/v1")
-        last = time.monotonic()
-        while not self._stopping():
-            time.sleep(POLL_S)
-            if time.monotonic() - last >= STATUS_EVERY_S:
-                last = time.monotonic()
-                try:
-                    self._mirror(raise_errors=True)
-                except Exception as err:  # the API actor (or its node) died
-                    self.store.set_state(self.job_id, "failed", f"failed: the API server went away: "
-                                         f"{short_error(err)}", error=short_error(err))
-                    return
+        self.ctx.placed(self.job_id)  # its stages hold their nodes now: the queue's claim can go
+        self.recovered(f"serving again at {url}/v1", {"url": url})
+        return None
+
+    def _poll_serving(self) -> Outcome | None:
+        """While it serves: a stop request, or an API actor (or its node) gone."""
         if self.want:
-            self._finish_stopped(self.want)
+            return self.stopped(self.want)
+        time.sleep(POLL_S)
+        if time.monotonic() - self.last_status >= STATUS_EVERY_S:
+            self.last_status = time.monotonic()
+            try:
+                self._mirror(raise_errors=True)
+            except Exception as err:  # noqa: BLE001 - the API actor (or its node) died
+                return Failed(f"the API server went away: {short_error(err)}", retryable=not own_making(err),
+                              error=short_error(err))
+        return None
 
     def _mirror(self, raise_errors: bool = False) -> dict[str, Any]:
         """The stage group's plan and placements as job events; the API actor's status."""
@@ -192,14 +207,12 @@ class ServeRunner(JobRunner):
         self.store.add_logs(self.job_id, st.get("lines") or [])
         return st
 
-    def _finish_stopped(self, what: str) -> None:
-        self._cleanup()
+    def stopped(self, what: str, where: str = "") -> Outcome:
         if what == "pause":
-            self.store.set_state(self.job_id, "paused", "paused: the API and every stage stopped")
-        else:
-            self.store.set_state(self.job_id, "cancelled", "cancelled; the API and every stage stopped", force=True)
+            return Paused("paused: the API and every stage stopped")
+        return Cancelled("cancelled; the API and every stage stopped")
 
-    def _cleanup(self) -> None:
+    def end_attempt(self) -> None:
         import ray
 
         if self.actor is None:
@@ -207,9 +220,9 @@ class ServeRunner(JobRunner):
         actor, self.actor = self.actor, None
         try:
             ray.get(actor.stop.remote(), timeout=20)
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass  # gone already, or stuck: the kill below ends it (and the stage actors it owns)
         try:
             ray.kill(actor, no_restart=True)
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass

@@ -1,8 +1,9 @@
 """Serving a model cut into stages on the cluster: one Ray actor per stage, on nodes that hold the model.
 
-Each `StageActor` wraps a `pipeline.serve.stages.StageServer`: it loads the node's own copy of the
-model (`SMOLFORGE_MODEL_PATHS`, as training ranks do), merges the adapter (its files travel through
-Ray, no shared filesystem), keeps one stage and uses as many torch threads as it reserved CPUs.
+Each `StageActor` wraps a `serve.stages.StageServer`: it loads the node's own copy of the
+model (`SMOLFORGE_MODEL_PATHS`, as training ranks do) and reads only its stage's tensors, the adapter
+merged into each (its files travel through Ray, no shared filesystem; `models/stage_load.py`), and uses
+as many torch threads as it reserved CPUs.
 Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
 
 `StageGroup` plans where the stages go (`plan()`: every candidate node probed where a stage would
@@ -109,24 +110,30 @@ class StageActor:
             return read_dir(tmp)
 
 
-def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool) -> dict[str, Any]:
+def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool,
+               dtype: str = "fp32") -> dict[str, Any]:
     """Run as a Ray task on a node: what placement needs of it (matmul FLOP/s with the threads a stage
     would have, free memory: `placement.measure_node`) and, from one node, the model's sizes and costs
-    (`placement.model_info`, from its config on the meta device: nothing loaded). Plain dicts go back."""
+    (`placement.model_info`, from its config on the meta device: nothing loaded), in the dtype the
+    stages will load (`--dtype`, resolved as the stages resolve it), not the checkpoint's. Plain dicts
+    go back."""
     import dataclasses
 
     import torch
     from transformers import AutoConfig
 
-    from smolforge.models.loading import resolve_model
-    from smolforge.models.placement import measure_node, model_info
     from smolforge.cluster.workloads.data_parallel.rank import local_model_path
+    from smolforge.models.dtypes import pick_dtype
+    from smolforge.models.loading import pick_device, resolve_model
+    from smolforge.models.placement import measure_node, model_info
 
     torch.set_num_threads(max(1, int(cpus)))
     node = measure_node(name, torch.device(device) if device == "cuda" else None)
     info = None
     if with_model:
-        info = dataclasses.asdict(model_info(AutoConfig.from_pretrained(resolve_model(local_model_path(model)))))
+        resolved = resolve_model(local_model_path(model))
+        held = pick_dtype(dtype, resolved, pick_device(device))
+        info = dataclasses.asdict(model_info(AutoConfig.from_pretrained(resolved), held))
     return {"node": dataclasses.asdict(node), "model": info}
 
 
@@ -233,7 +240,7 @@ class StageGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from smolforge.models.placement import ModelInfo, NodeInfo, plan_serving
+        from smolforge.models.placement import ModelInfo, NodeCapacity, plan_serving
 
         nodes = self.candidates()
         free = self._with_room(nodes)
@@ -242,10 +249,11 @@ class StageGroup:
         refs = [ray.remote(probe_node).options(
             num_cpus=0, max_retries=0, resources=self._model_resources(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == 0) for i, n in enumerate(free)]
+        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == 0, self.dtype)
+            for i, n in enumerate(free)]
         probes = ray.get(refs, timeout=self.load_timeout_s)
         info = ModelInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in probes[0]["model"].items()})
-        measured = [NodeInfo(**p["node"]) for p in probes]
+        measured = [NodeCapacity(**p["node"]) for p in probes]
         by_name = {names[n.node_id]: n for n in free}
         plan, hosts = plan_serving(info, measured, self.count)
         self.bounds = list(plan.bounds)

@@ -1,0 +1,109 @@
+"""Teacher backends side by side: the `hf` teacher in fp32 against the `llamacpp` teacher at f16 and q8_0.
+
+One process, the same prompts, model, greedy settings and thread count for every arm. Each arm's
+time covers what a teacher task does per shard: generate the responses, take every response token's
+top-k and tail mass, encode the shard (codec sorted-rice-q8) and write it into a store directory.
+The GGUF exports are made first (cached per node, as the backend does) and not timed; their
+seconds are printed. Best of --repeat runs per arm, after one warm-up prompt. Beside the speed,
+each llamacpp arm's agreement with the fp32 teacher: the share of prompts with the same greedy
+response, and over the response tokens the two share, the top-1 ids and the mean |Δ log-prob| of
+the top-1.
+
+    python bench/teacher_backends.py --model llama-100m --prompts 4 --max-new-tokens 32 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def timed_store(teacher, items, settings, repeat: int) -> tuple[float, list]:
+    """(best seconds, records) of generate + encode + write, every shard the whole prompt list."""
+    from smolforge.distill.teacher import produce_shards
+    from smolforge.distill.store import write_shard_bytes
+
+    best = float("inf")
+    teacher.generate(items[:1], settings)  # warm-up
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as out:
+            t0 = time.perf_counter()
+            for manifest, data in produce_shards(teacher, items, {0: (0, len(items))}, settings):
+                write_shard_bytes(out, manifest, data)
+            best = min(best, time.perf_counter() - t0)
+    records = teacher.generate(items, settings)
+    return best, records
+
+
+def agreement(got, want) -> tuple[float, float, float]:
+    """(share of equal responses, top-1 agreement, mean |Δ top-1 log-prob|) over shared prefixes."""
+    import numpy as np
+
+    same_resp = sum(a.response_ids == b.response_ids for a, b in zip(got, want)) / max(1, len(want))
+    hits = rows = 0
+    diffs = []
+    for a, b in zip(got, want):
+        n = 0
+        while n < min(len(a.response_ids), len(b.response_ids)) and a.response_ids[n] == b.response_ids[n]:
+            n += 1
+        n = min(n + 1, len(a.response_ids), len(b.response_ids))  # the first differing row still has the same prefix
+        hits += int((a.topk_indices[:n, 0] == b.topk_indices[:n, 0]).sum())
+        rows += n
+        diffs.extend(np.abs(a.topk_logprobs[:n, 0] - b.topk_logprobs[:n, 0]).tolist())
+    return same_resp, hits / max(1, rows), float(np.mean(diffs)) if diffs else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-100m")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4, help="the hf teacher's batch (llamacpp decodes one sequence)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--quants", default="f16,q8_0")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    from smolforge.distill.prompts import GenSettings
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset
+    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+    from smolforge.models.export.cache import cached_gguf
+
+    quants = [q for q in args.quants.split(",") if q]
+    for quant in quants:
+        t0 = time.perf_counter()
+        path = cached_gguf(args.model, quant, threads=args.threads)
+        print(f"GGUF {quant}: {path} ({path.stat().st_size / 2**20:.1f} MiB, ready in {time.perf_counter() - t0:.1f}s)")
+    items = prompts_from_dataset("bundled", max_samples=args.prompts)
+    settings = GenSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k, batch_size=args.batch_size)
+
+    hf = HFTeacher(args.model, device="cpu", dtype="fp32")
+    hf_s, hf_recs = timed_store(hf, items, settings, args.repeat)
+    hf_tokens = sum(len(r.response_ids) for r in hf_recs)
+    del hf
+    print(f"model {args.model}, {len(items)} prompts x {args.max_new_tokens} greedy tokens, top-{args.top_k}, "
+          f"{args.threads} thread(s), best of {args.repeat}, store writing included")
+    print(f"{f'hf fp32 (batch {args.batch_size})':<20}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s")
+    for quant in quants:
+        teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
+        s, recs = timed_store(teacher, items, settings, args.repeat)
+        tokens = sum(len(r.response_ids) for r in recs)
+        same, top1, dlp = agreement(recs, hf_recs)
+        print(f"{f'llamacpp {quant}':<20}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
+              f"({(tokens / s) / (hf_tokens / hf_s):.2f}x hf fp32); same response {same:.0%}, top-1 {top1:.1%}, "
+              f"mean |d logprob| {dlp:.1e}")
+        teacher.close()
+
+
+if __name__ == "__main__":
+    main()

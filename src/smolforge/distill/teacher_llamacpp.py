@@ -1,0 +1,266 @@
+"""Teacher generation in llama.cpp (llama-cpp-python): a GGUF teacher on CPU kernels, quantized.
+
+On a CPU, transformers' fp32 `generate` is the distillation's bottleneck; llama.cpp runs the same
+model faster (issue 32 measured the library alone at 4.2x/5.5x at f16/q8_0; this backend, store
+writing included, 2.0x/2.9x on a loaded machine: BENCHMARKS.md, teacher backends), with q8_0's
+weights about a quarter of fp32's. This backend writes the same records as `HFTeacher`, so the store, its shards and manifests, and every
+student are unchanged:
+- the model is a GGUF the user gives (`--teacher path/model.gguf`, an Ollama blob) or the HF
+  teacher exported once per node and cached (`models.export.cache`, `--teacher-quant`);
+- prompts are rendered and tokenized by an HF tokenizer (the HF teacher's own, or for a given
+  GGUF the student's), so the ids are exactly what the `hf` backend writes. Before the first
+  prompt the GGUF's vocabulary is compared with that tokenizer's, token string by token string:
+  when they differ, the GGUF's own tokenizer is used and the store gets the GGUF's vocabulary hash,
+  so students fall back to sequence-level KD with the warning they give any other tokenizer;
+- decoding is one sequence at a time with the KV cache: at each step llama.cpp's last-position
+  logits give both the next token (greedy, or the run's temperature/top-p) and that response
+  token's top-k and tail mass (`teacher_topk.topk_from_logits`, the same fp32 code as the HF teacher's,
+  and its truncation KL);
+- `n_threads` is the task's CPUs, so parallel teacher tasks on a node do not oversubscribe it;
+- each shard's manifest says so (`threads`) and names the GGUF (`gguf`: file, quantization and, for
+  our own export, its check against the HF fp32 model: logits NMSE and greedy agreement).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from smolforge.data.encode import ensure_chat_template, render
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import TeacherRecord, tokenizer_hash
+from smolforge.distill.teacher_topk import topk_from_logits, truncation_kl
+from smolforge.errors import SmolforgeError
+from smolforge.models.export.cache import cached_gguf, check_quant, is_gguf
+from smolforge.models.loading import load_tokenizer
+
+INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or use --teacher-backend hf"
+
+
+def gguf_tokens(llm) -> list[str]:
+    """The GGUF's vocabulary, token strings by id, as llama.cpp holds it."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    return [llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace") for i in range(llm.n_vocab())]
+
+
+def vocab_mismatch(llm, tokenizer) -> str | None:
+    """Why the GGUF's ids are not `tokenizer`'s (None: they are): every token string of the tokenizer
+    at its id, no real token past the tokenizer's last id (only the unused rows a vocabulary is padded
+    with), and the same end-of-sequence token: the conditions under which the store's tokenizer hash
+    may be the tokenizer's."""
+    import llama_cpp
+
+    tokens = gguf_tokens(llm)
+    want = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if len(tokens) < len(want):
+        return f"the GGUF has {len(tokens)} tokens, the tokenizer {len(want)}"
+    for i, (got, exp) in enumerate(zip(tokens, want)):
+        if exp is not None and got != exp:
+            return f"token {i} is {got!r} in the GGUF but {exp!r} in the tokenizer"
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    extra = [i for i in range(len(want), len(tokens))
+             if not llama_cpp.llama_vocab_get_attr(vocab, i) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED]
+    if extra:
+        return (f"the GGUF has {len(extra)} tokens past the tokenizer's {len(want)} (id {extra[0]}: "
+                f"{tokens[extra[0]]!r})")
+    if tokenizer.eos_token_id is not None and llm.token_eos() != tokenizer.eos_token_id:
+        return f"end-of-sequence id {llm.token_eos()} in the GGUF, {tokenizer.eos_token_id} in the tokenizer"
+    return None
+
+
+def trained_context(path: Path) -> int | None:
+    """The model's own context length from the GGUF's metadata (None when it does not say): a larger
+    llama.cpp context only costs KV-cache memory (and llama.cpp warns about it)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch = reader.get_field("general.architecture").contents()
+        return int(reader.get_field(f"{arch}.context_length").contents())
+    except Exception:  # an unreadable key is llama.cpp's to report when it loads the file
+        return None
+
+
+def gguf_summary(path: Path, quant: str | None) -> dict:
+    """What each shard's manifest says of the GGUF: its file and quantization and, for our own export,
+    the export's check against the HF fp32 model (logits NMSE, greedy agreement): what the
+    quantization cost, measured once per node."""
+    out: dict = {"file": path.name, "bytes": path.stat().st_size, "quant": quant or "given"}
+    summary = path.parent / "export.json"
+    if quant is not None and summary.is_file():
+        import json
+
+        report = json.loads(summary.read_text(encoding="utf-8"))
+        verify = report.get("verify") or {}
+        out.update(quantizer=report.get("quantizer", "smolforge"),
+                   verify={k: verify[k] for k in ("logits_nmse", "greedy_agreement", "prompts") if k in verify} or None)
+    return out
+
+
+def require_llama_cpp() -> None:
+    """Before any export: without llama-cpp-python there is nothing to run the GGUF in."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as err:
+        raise SmolforgeError("--teacher-backend llamacpp needs llama-cpp-python, which is not installed",
+                             fix=INSTALL_FIX) from err
+
+
+def load_gguf(path: Path, n_threads: int, n_ctx: int):
+    require_llama_cpp()
+    from llama_cpp import Llama
+
+    n_ctx = min(n_ctx, trained_context(path) or n_ctx)
+    try:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx), logits_all=False, verbose=False,
+                     n_gpu_layers=0, n_threads=n_threads, n_threads_batch=n_threads)
+    except (ValueError, RuntimeError) as err:
+        raise SmolforgeError(f"llama.cpp cannot load {path}: {err}",
+                             fix="pass a GGUF file llama.cpp reads (e.g. from `smolforge export --to gguf`)") from err
+
+
+class LlamaCppTeacher:
+    """A GGUF teacher in llama.cpp. Loaded once per process, reused for every shard."""
+
+    backend = "llamacpp"
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, quant: str = "q8_0", n_threads: int = 1,
+                 n_ctx: int = 2048, say=lambda line: None):
+        """`model`: a GGUF file, or an HF model (id, directory, preset) exported once per node at
+        `quant`. `tokenizer`: for a GGUF file, the HF tokenizer whose ids the store uses (the student's);
+        an HF model's export keeps the model's own (a student with another one falls back as with `hf`)."""
+        check_quant(quant)
+        require_llama_cpp()
+        self.name, self.quant, self.n_threads = model, quant, max(1, int(n_threads))
+        gguf_file = is_gguf(model)
+        if gguf_file:
+            path = Path(model).expanduser()
+            if not path.is_file():
+                raise SmolforgeError(f"GGUF file {model} does not exist", where="--teacher",
+                                     fix="give the path of a .gguf file on the teacher's node")
+            if tokenizer is None:
+                raise SmolforgeError(f"a GGUF teacher ({model}) needs the HF tokenizer whose ids the store uses",
+                                     fix="name the student's tokenizer (smolforge distill passes the first --student)")
+        else:
+            path = cached_gguf(model, quant, threads=self.n_threads, say=say)
+        self.gguf_path = path
+        self.manifest_extra = {"threads": self.n_threads, "gguf": gguf_summary(path, None if gguf_file else quant)}
+        self.tokenizer_name = tokenizer if gguf_file else model
+        self.tokenizer = load_tokenizer(self.tokenizer_name)
+        ensure_chat_template(self.tokenizer)
+        self.llm = load_gguf(path, self.n_threads, n_ctx)
+        self.vocab_size = int(self.llm.n_vocab())
+        self.mismatch = vocab_mismatch(self.llm, self.tokenizer)  # before the first shard
+        if self.mismatch is None:
+            self.tok_hash = tokenizer_hash(self.tokenizer)
+            self.eos_id = self.tokenizer.eos_token_id
+        else:
+            self.tok_hash = "gguf-" + hashlib.sha256("\n".join(gguf_tokens(self.llm)).encode("utf-8")).hexdigest()[:16]
+            self.eos_id = int(self.llm.token_eos())
+            msg = (f"teacher GGUF {path.name} has another vocabulary than tokenizer {self.tokenizer_name} "
+                   f"({self.mismatch}): its logits cannot train that student, which falls back to "
+                   "sequence-level KD (training on the teacher's text, no logits)")
+            warnings.warn(msg, stacklevel=2)  # stderr: a teacher task's log has it too
+
+    def prompt_ids(self, item: PromptItem) -> list[int]:
+        """The `hf` backend's ids for the prompt; with another vocabulary, the GGUF's own tokens of its
+        own chat template (the tokenizer's when the GGUF carries none)."""
+        if self.mismatch is None:
+            text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = self._gguf_render(item.prompt_messages)
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def _gguf_render(self, messages: list[dict[str, str]]) -> str:
+        template = (self.llm.metadata or {}).get("tokenizer.chat_template")
+        if not template:
+            return render(self.tokenizer, messages, add_generation_prompt=True)
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def text(tid: int) -> str:
+            return self.llm.detokenize([tid], special=True).decode("utf-8", errors="replace") if tid >= 0 else ""
+
+        fmt = Jinja2ChatFormatter(template, eos_token=text(self.llm.token_eos()), bos_token=text(self.llm.token_bos()),
+                                  add_generation_prompt=True)
+        return fmt(messages=messages).prompt
+
+    def decode(self, ids: list[int]) -> str:
+        if self.mismatch is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        body = [t for t in ids if t != self.eos_id]
+        return self.llm.detokenize(body).decode("utf-8", errors="replace")
+
+    def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
+        """Answer every prompt; records come back in the order of `items` (samples adjacent)."""
+        settings.check()
+        if settings.responses == "reference":
+            raise SmolforgeError("the llamacpp backend does not score given answers",
+                                 fix="use --teacher-responses generate with llamacpp, or the hf backend")
+        out = []
+        for item in items:
+            ids = self.prompt_ids(item)
+            if len(ids) + settings.max_new_tokens > self.llm.n_ctx():
+                raise SmolforgeError(f"example {item.example_id}: prompt ({len(ids)} tokens) + {settings.max_new_tokens} "
+                                     f"new tokens exceed the teacher's context of {self.llm.n_ctx()}",
+                                     fix="shorten the prompts or --max-new-tokens")
+            self.llm.reset()
+            self.llm.eval(ids)
+            first = self._last_logits()
+            for sample in range(settings.samples_per_prompt):
+                rng = np.random.default_rng([settings.seed, item.example_id, sample])
+                out.append(self._sample(item, ids, first, settings, rng, sample))
+        return out
+
+    def _last_logits(self) -> np.ndarray:
+        """The logits after the last evaluated token (a copy: llama.cpp reuses the buffer)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).astype(np.float32, copy=True)
+
+    def _sample(self, item: PromptItem, ids: list[int], first: np.ndarray, s: GenSettings,
+                rng: np.random.Generator, sample: int) -> TeacherRecord:
+        """One response from the evaluated prompt (its KV cache is kept: later samples rewind to it)."""
+        self.llm.n_tokens = len(ids)  # eval drops the cache past n_tokens: the next sample starts from the prompt
+        rows, resp = [first], []
+        while True:
+            tok = pick_token(rows[-1], s.temperature, s.top_p, rng)
+            resp.append(tok)
+            if tok == self.eos_id or len(resp) >= s.max_new_tokens:
+                break
+            self.llm.eval([tok])
+            rows.append(self._last_logits())
+        logits = torch.from_numpy(np.stack(rows))
+        values, idx, tail = topk_from_logits(logits, s.top_k)
+        return TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=list(ids),
+                             response_ids=resp, response_text=self.decode(resp), answer=item.answer, sample_id=sample,
+                             topk_logprobs=values.numpy(), topk_indices=idx.numpy().astype(np.int64),
+                             tail_mass=tail.numpy(), truncation_kl=truncation_kl(logits, idx, tail).numpy())
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+
+
+def pick_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy (temperature 0: the first argmax, as HF's) or temperature + nucleus sampling."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        keep = np.cumsum(p[order]) - p[order] < top_p  # the smallest head whose mass reaches top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(len(p), p=p))

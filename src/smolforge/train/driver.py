@@ -1,0 +1,283 @@
+"""The one driver around the `Trainer`: the sequence every run on this machine takes.
+
+A fine-tuning run (`smolforge train`), a data-parallel rank and a distillation student are the same
+run: optimizer → resume → the loop (progress, metrics, periodic eval, checkpoints) → eval → adapter
+(→ final checkpoint) → summary. They differ in two parameters and in what they record:
+
+- the data: a `Source` (`engine.SampleSource`: a seeded order over a loaded dataset;
+  `distill.student.StreamSource`: teacher shards still being written), which also says how many
+  steps the run has and what a checkpoint must keep to replay it (a student's shard order);
+- the loss (`LossSum`: token cross-entropy; KD + CE);
+- the settings a run reads (`RunSettings`, made from a `TrainConfig` or a `StudentConfig`), the
+  hooks it reports through (`RunHooks`) and the result it writes as `summary.json` (`summarize`).
+
+Loading stays with the callers (a fine-tuning run reads its data before the model, so bad data fails
+in a second; a student seeds only a model it builds itself). The split-learning client keeps its own
+loop (`smolforge.split.trainer`): its step and checkpoints span two processes; it shares `SampleSource`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Generic, Protocol, TypeVar
+
+import torch
+
+from smolforge.models.loading import pick_device
+from smolforge.models.peft_methods import save_adapter
+from smolforge.paths import atomic_write_json
+from smolforge.telemetry.progress import StepProgress
+from smolforge.telemetry.writers import MetricsWriter
+from smolforge.train import checkpoint as ckpt
+from smolforge.train.loop import LoopHooks, LossSum, StepStats, Trainer, make_optimizer
+from smolforge.train.schedule import make_scheduler
+from smolforge.train.strategy import Batch, Strategy
+
+R = TypeVar("R")
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def prepare_process(num_threads: int | None, device: str, strategy: Strategy) -> torch.device:
+    """Torch's threads (default: the CPUs this process may use) and the device this rank trains on."""
+    torch.set_num_threads(num_threads or available_cpus())
+    return strategy.device_for(pick_device(device))
+
+
+@dataclass
+class StepInfo:
+    step: int
+    max_steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    samples_done: int
+    samples_total: int
+    epoch: float
+
+
+class Source(Protocol):
+    """Where a run's micro-batches come from."""
+
+    steps: int  # the run's optimizer steps
+    rows_per_step: int  # every rank's rows of one step together
+
+    def batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of `step` (may raise `StopRequested` while it waits for data)."""
+
+    def epoch(self, done: int) -> float:
+        """Epochs done after `done` steps."""
+
+    def note(self) -> str:
+        """Appended to the progress line (a student: the shards arrived so far)."""
+
+    def replay_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run sees the same rows (a student: its shard order)."""
+
+
+@dataclass
+class RunSettings:
+    """What the driver reads of a run's config (`TrainConfig`, `StudentConfig`: each says how)."""
+
+    output_dir: str
+    peft_method: str
+    lr: float
+    weight_decay: float
+    scheduler: str
+    warmup_steps: int
+    min_lr_ratio: float
+    precision: str
+    max_grad_norm: float | None
+    save_every: int
+    keep_last: int
+    resume: bool
+    optimizer: str = "adamw"
+    eval_every: int = 0  # evaluate every N steps (0: at the end only)
+    log_every: int = 1  # metrics lines every N steps (and the last)
+    quiet: bool = True
+    label: str = "train"  # the progress bar's
+    final_checkpoint: bool = True  # a run saves its final state; a student's product is its adapter only
+    checkpoint_meta: dict[str, Any] = field(default_factory=dict)  # what every checkpoint's state.json names
+
+
+@dataclass
+class RunHooks:
+    on_step: Callable[[StepInfo], None] | None = None
+    on_eval: Callable[[dict], None] | None = None  # {"step": N, **metrics}, periodic and final
+    on_checkpoint: Callable[[Path, int, bool], None] | None = None  # (path, step, pausing)
+    should_stop: Callable[[], str | None] | None = None  # "pause" | "cancel" | None, asked on rank 0
+    on_resume: Callable[[Path, int], None] | None = None  # (checkpoint, step) restored
+    on_start: Callable[[int, int], None] | None = None  # (first step, steps): the loop starts
+
+
+@dataclass
+class Outcome:
+    """What the driver measured; `summarize` turns it into the run's result."""
+
+    steps: int
+    start_step: int = 0
+    final_loss: float | None = None
+    stopped: str | None = None
+    tokens_per_s: float = 0.0
+    eval: dict[str, Any] = field(default_factory=dict)
+    adapter_dir: str | None = None
+    checkpoint_dir: str | None = None
+    resumed_from: str | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+
+@dataclass
+class Run(Generic[R]):
+    """One run for the driver: the built model, the two parameters, and what the run records."""
+
+    settings: RunSettings
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    strategy: Strategy
+    source: Callable[[Path | None], Source]  # made once the resume point is known (a student replays its order)
+    loss_sum: LossSum
+    evaluate: Callable[[], dict[str, Any]]  # every rank calls it (a sharded eval reduces across them)
+    summarize: Callable[[Outcome], R]  # the result (with `to_dict()`), written as summary.json by the main rank
+    hooks: RunHooks = field(default_factory=RunHooks)
+    metrics: Callable[[int], MetricsWriter | None] = lambda start: None  # (first step) -> the main rank's writer
+    log: Callable[[str], None] = lambda msg: None
+
+
+class Driver(Generic[R]):
+    """Drives one `Run`: `run()` returns its result. Pieces are methods, in the order they happen."""
+
+    def __init__(self, run: Run[R]):
+        self.r, self.s = run, run.settings
+        self.strategy, self.model = run.strategy, run.model
+        self.out_dir = Path(self.s.output_dir)
+        self.writer: MetricsWriter | None = None
+        self.last_loss = float("nan")
+
+    def run(self) -> R:
+        self._prepare()
+        self.progress = StepProgress(self.source.steps, self.s.label, quiet=self.s.quiet or not self.strategy.is_main,
+                                     completed=self.outcome.start_step)
+        try:
+            _done, stopped = self.trainer.run(self.outcome.start_step, self.source.steps, self.source.batches,
+                                              LoopHooks(after_step=self._after_step, save=self._save,
+                                                        should_stop=self.r.hooks.should_stop),
+                                              save_every=self.s.save_every)
+        finally:
+            self.progress.close()
+        o = self.outcome
+        o.steps = self.strategy.progress(o.steps)  # a parameter server's steps, not this rank's last
+        o.final_loss = self.last_loss if self.last_loss == self.last_loss else None
+        o.tokens_per_s, o.stopped = self.trainer.tokens_per_s(), stopped
+        if stopped is None:
+            self._finish()
+        if self.writer:
+            self.writer.close()
+        result = self.r.summarize(o)
+        if self.strategy.is_main:
+            atomic_write_json(self.out_dir / "summary.json", result.to_dict())  # type: ignore[attr-defined]
+        return result
+
+    def _prepare(self) -> None:
+        """Source, optimizer and schedule; the newest valid checkpoint restored when resuming; the trainer."""
+        s, strategy = self.s, self.strategy
+        latest = ckpt.latest_checkpoint(self.out_dir) if s.resume else None
+        self.source = self.r.source(latest)
+        strategy.spool_dir = self.out_dir  # state a sharded strategy streams to disk (checkpoints) starts here
+        self.optimizer = make_optimizer(self.model, s.lr, s.weight_decay, self.r.device, strategy, s.optimizer)
+        self.scheduler = make_scheduler(self.optimizer, self.source.steps, s.warmup_steps, s.scheduler, s.min_lr_ratio)
+        start = 0
+        self.outcome = Outcome(steps=0, optimizer=self.optimizer)
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler, strategy=strategy)
+            start, self.outcome.resumed_from = int(state["step"]), str(latest)
+            if self.r.hooks.on_resume:
+                self.r.hooks.on_resume(latest, start)
+        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, loss_sum=self.r.loss_sum,
+                               device=self.r.device, strategy=strategy, precision=s.precision,
+                               max_grad_norm=s.max_grad_norm)
+        begin = strategy.start_at(start)  # a member joining a running group starts where the others are
+        if begin != start:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
+                warnings.simplefilter("ignore")
+                for _ in range(begin - start):
+                    self.scheduler.step()
+            self.r.log(f"joined the group at step {begin}")
+            start = begin
+        self.outcome.start_step = self.outcome.steps = start
+        self.writer = self.r.metrics(start) if strategy.is_main else None
+        if self.r.hooks.on_start:
+            self.r.hooks.on_start(start, self.source.steps)
+
+    def _after_step(self, done: int, stats: StepStats) -> None:
+        """Progress, the step hook, metrics lines and a periodic eval."""
+        self.last_loss, self.outcome.steps = stats.loss, done
+        steps, per_step = self.source.steps, self.source.rows_per_step
+        tps = self.trainer.tokens_per_s()
+        info = StepInfo(step=done, max_steps=steps, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                        tokens_per_s=tps, samples_done=done * per_step, samples_total=steps * per_step,
+                        epoch=self.source.epoch(done))
+        self.progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s{self.source.note()}")
+        if self.r.hooks.on_step:
+            self.r.hooks.on_step(info)
+        if self.writer and (done % self.s.log_every == 0 or done == steps):
+            self.writer.log("train", done, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=tps,
+                            epoch=info.epoch)
+        if self.s.eval_every and done % self.s.eval_every == 0 and done != steps:
+            metrics = self._evaluate(done)
+            self.r.log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        metrics = self.r.evaluate()
+        if self.writer:
+            self.writer.log("eval", step, **metrics)
+        if self.r.hooks.on_eval:
+            self.r.hooks.on_eval({"step": step, **metrics})
+        return metrics
+
+    def _save(self, step: int, pausing: bool) -> None:
+        """A checkpoint: every rank takes part (gathers), the main rank writes; ends in a barrier."""
+        strategy = self.strategy
+        step = strategy.checkpoint_step(step)  # a parameter server's consistent state may be behind this rank
+        rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
+        optim_state = strategy.optimizer_state(self.optimizer)  # likewise: a sharded optimizer gathers its parts
+        weights = strategy.model_state(self.model)  # and a sharded model its trainable weights (None: read the model)
+        if strategy.is_main:
+            path = ckpt.save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.scheduler,
+                                        extra={**self.source.replay_state(), **self.s.checkpoint_meta},
+                                        keep_last=self.s.keep_last, rank_rng=rngs,
+                                        strategy_state=strategy.state_dict(), optimizer_state=optim_state,
+                                        model_state=weights)
+            self.outcome.checkpoint_dir = str(path)
+            if self.r.hooks.on_checkpoint:
+                self.r.hooks.on_checkpoint(path, step, pausing)
+        strategy.barrier()
+
+    def _finish(self) -> None:
+        """Every step taken: the final eval, the adapter, and (a fine-tuning run) the final checkpoint."""
+        o, strategy = self.outcome, self.strategy
+        o.eval = self._evaluate(o.steps)
+        weights = strategy.model_state(self.model)  # every rank: a sharded model gathers its weights (None: unsharded)
+        with strategy.whole_model(self.model):  # and what a saver reads from the modules (prompt tuning) is whole
+            if strategy.is_main:
+                adapter_dir = self.out_dir / f"{self.s.peft_method}_adapter"
+                save_adapter(self.model, adapter_dir, tokenizer=self.r.tokenizer, weights=weights)
+                o.adapter_dir = str(adapter_dir)
+        if self.s.final_checkpoint:
+            self._save(o.steps, False)  # every rank enters: the save ends in a barrier that all must reach
+        else:
+            strategy.barrier()
+
+
+def drive(run: Run[R]) -> R:
+    """Run `run` to its end (or its pause or cancel); returns its result, also written as summary.json."""
+    return Driver(run).run()
