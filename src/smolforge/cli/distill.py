@@ -21,6 +21,7 @@ from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
+from smolforge.models.export.cache import TEACHER_QUANTS
 from smolforge.models.export.targets import RUN_TARGETS
 from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
@@ -50,8 +51,8 @@ def register(app: typer.Typer) -> None:
         no_compress: bool = typer.Option(False, "--no-compress", help="keep fp32 values in the store"),
         teacher_backend: str = typer.Option("hf", help="hf (transformers), llamacpp (a GGUF in llama.cpp: --teacher "
                                             "model.gguf, or the HF teacher exported once per node) or ollama (HTTP API)"),
-        teacher_quant: str = typer.Option("q8_0", help="llamacpp: the HF teacher's GGUF weights, f16|q8_0|q4_k_m "
-                                          "(q4_k_m by llama.cpp's quantizer)"),
+        teacher_quant: str = typer.Option("q8_0", help=f"llamacpp: the HF teacher's GGUF weights, "
+                                          f"{'|'.join(TEACHER_QUANTS)} (q4_k_m by llama.cpp's quantizer)"),
         ollama_host: Optional[str] = typer.Option(None, help="Ollama URL (default $OLLAMA_HOST or 127.0.0.1:11434)"),
         gen_temperature: float = typer.Option(0.0, help="teacher sampling temperature (0: greedy)"),
         top_p: float = typer.Option(1.0, help="teacher nucleus sampling"),
@@ -119,16 +120,22 @@ def register(app: typer.Typer) -> None:
 
         Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
         """
-        distill = _distill_section(dict(locals()))
-        check_run_export(export, peft)
-        if export and aggregate == "none":
-            raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
-                                 fix=f"use --aggregate {' or '.join(AGGREGATE_METHODS)}, or export one student's adapter with `smolforge export`")
-        spec = {"kind": "distill", "mode": mode, "priority": priority, "distill": distill, "tensorboard": tensorboard,
-                "wandb": wandb}
-        summary = run_distill_job(spec, output_dir, resume=resume,
-                                  coordinator=coordinator, token=cli_token(token, token_file), quiet=quiet or json_out)
-        _export_and_show(summary, output_dir, export, json_out)
+        _run_command(dict(locals()))
+
+
+def _run_command(o: dict[str, Any]) -> None:
+    """What `smolforge distill` does with its options: check, build the job spec, run it, export and show."""
+    distill = _distill_section(o)
+    check_run_export(o["export"], o["peft"])
+    if o["export"] and o["aggregate"] == "none":
+        raise SmolforgeError("--export needs a merged adapter, but --aggregate none merges none",
+                             fix=f"use --aggregate {' or '.join(AGGREGATE_METHODS)}, or export one student's adapter "
+                                 "with `smolforge export`")
+    spec = {"kind": "distill", "mode": o["mode"], "priority": o["priority"], "distill": distill,
+            "tensorboard": o["tensorboard"], "wandb": o["wandb"]}
+    summary = run_distill_job(spec, o["output_dir"], resume=o["resume"], coordinator=o["coordinator"],
+                              token=cli_token(o["token"], o["token_file"]), quiet=o["quiet"] or o["json_out"])
+    _export_and_show(summary, o["output_dir"], o["export"], o["json_out"])
 
 
 def _distill_section(o: dict[str, Any]) -> dict[str, Any]:

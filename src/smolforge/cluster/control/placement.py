@@ -46,3 +46,21 @@ def slots(req: ray_glue.Requirements, node: ray_glue.NodeInfo, free: dict[str, f
 
 def slots_on(node: ray_glue.NodeInfo, req: ray_glue.Requirements, use_available: bool) -> int:
     return slots(req, node, node.available if use_available else node.resources)
+
+
+def round_world(spec: DataParallelJob, nodes: list[ray_glue.NodeInfo], req: ray_glue.Requirements,
+                embedded: bool) -> tuple[int, int, int]:
+    """How big a data-parallel group fits now: (workers wanted, workers that fit, 1 if the lent
+    coordinator takes a rank else 0). The workers are cut down until the global batch divides
+    evenly among all ranks, so every round keeps the job's global batch."""
+    want = spec.num_workers + len([n for n in spec.lent_nodes if n != COORDINATOR])
+    candidates = req.candidates(nodes)
+    n_workers = min(want, sum(slots_on(n, req, use_available=True) for n in candidates) if candidates else 0)
+    n_coord = 0
+    if COORDINATOR in spec.lent_nodes:
+        creq = coordinator_requirements(spec, embedded)
+        if creq.candidates(nodes) and sum(slots_on(n, creq, True) for n in creq.candidates(nodes)) >= 1:
+            n_coord = 1
+    while n_workers > 0 and spec.global_batch % (n_workers + n_coord):
+        n_workers -= 1
+    return want, n_workers, n_coord

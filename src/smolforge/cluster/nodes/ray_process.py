@@ -51,6 +51,21 @@ def _labels(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
+def _node_options(node_ip: str | None, temp_dir: str | None, object_store_mb: int | None,
+                  memory_bytes: int | None) -> list[str]:
+    """The `ray start` flags a head and a worker share, each only when set."""
+    out: list[str] = []
+    if node_ip:
+        out += ["--node-ip-address", node_ip]
+    if temp_dir:
+        out += ["--temp-dir", temp_dir]
+    if object_store_mb:
+        out += ["--object-store-memory", str(int(object_store_mb) * 2**20)]
+    if memory_bytes:
+        out += ["--memory", str(int(memory_bytes))]
+    return out
+
+
 def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resources: dict[str, float],
                  labels: dict[str, str], temp_dir: str | None = None, object_store_mb: int | None = None,
                  memory_bytes: int | None = None) -> list[str]:
@@ -59,15 +74,7 @@ def head_command(port: int, *, cpus: int, node_ip: str | None, name: str, resour
            "--resources", json.dumps(resources), "--labels", _labels(labels), "--node-name", name,
            "--include-dashboard", "false", "--dashboard-port", str(dashboard),
            "--ray-client-server-port", str(client), "--disable-usage-stats", *_common_ports(common)]
-    if node_ip:
-        cmd += ["--node-ip-address", node_ip]
-    if temp_dir:
-        cmd += ["--temp-dir", temp_dir]
-    if object_store_mb:
-        cmd += ["--object-store-memory", str(int(object_store_mb) * 2**20)]
-    if memory_bytes:
-        cmd += ["--memory", str(int(memory_bytes))]
-    return cmd
+    return cmd + _node_options(node_ip, temp_dir, object_store_mb, memory_bytes)
 
 
 def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, name: str,
@@ -76,15 +83,7 @@ def worker_command(address: str, *, cpus: int, gpus: int, node_ip: str | None, n
     cmd = [*ray_start(bool(node_ip) and is_loopback(node_ip)), "--block", "--address", address, "--num-cpus", str(cpus),
            "--num-gpus", str(gpus), "--resources", json.dumps(resources), "--labels", _labels(labels),
            "--node-name", name, "--disable-usage-stats", *_common_ports(free_ports(4))]
-    if node_ip:
-        cmd += ["--node-ip-address", node_ip]
-    if temp_dir:
-        cmd += ["--temp-dir", temp_dir]
-    if object_store_mb:
-        cmd += ["--object-store-memory", str(int(object_store_mb) * 2**20)]
-    if memory_bytes:
-        cmd += ["--memory", str(int(memory_bytes))]
-    return cmd
+    return cmd + _node_options(node_ip, temp_dir, object_store_mb, memory_bytes)
 
 
 def metrics_port_env() -> dict[str, str]:

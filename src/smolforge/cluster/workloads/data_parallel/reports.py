@@ -68,6 +68,22 @@ def sort_batch(items: list[dict]) -> Batch:
     return out
 
 
+def record_batch(store: Any, job_id: str, batch: Batch, log_series: Any) -> None:
+    """Keep a sorted batch: series to the sinks (`log_series`), events, metric rows and log lines to the
+    job store, and the newest step's progress in the job's row. (Communication totals need the
+    runner's running view of every rank: the runner keeps those.)"""
+    for series, kind, step, values in batch.series:
+        log_series(series, kind, step, values)
+    for kind, message, data, ts in batch.events:
+        store.add_event(job_id, kind, message, data, ts=ts)
+    store.add_metrics(job_id, batch.rows)
+    store.add_logs(job_id, batch.lines)
+    last = batch.last_step
+    if last is not None:
+        store.update_job(job_id, step=last["step"], max_steps=last["max_steps"], samples_done=last["samples_done"],
+                         samples_total=last["samples_total"], loss=last["loss"], eta_s=last.get("eta_s"))
+
+
 def comm_summary(latest: dict[int, dict], server_stats: dict | None) -> dict:
     """The job's `comm` field from each rank's latest communication report (and its server's stats)."""
     ranks = sorted(latest)

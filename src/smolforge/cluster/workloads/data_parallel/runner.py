@@ -34,12 +34,12 @@ from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.job_control import create_control
-from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, slots_on
+from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, round_world
 from smolforge.cluster.control.runner import (
     CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
     ray_get, short_error,
 )
-from smolforge.cluster.workloads.data_parallel.reports import comm_summary, jsonable, sort_batch
+from smolforge.cluster.workloads.data_parallel.reports import comm_summary, jsonable, record_batch, sort_batch
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.strategies import STRATEGIES
@@ -483,17 +483,7 @@ class DPRunner(JobRunner):
                 raise SmolforgeError("stopped while waiting for placement", fix="resume the job")
             nodes = self.ctx.healthy_nodes()
             lent_coord = COORDINATOR in spec.lent_nodes
-            lent_other = [n for n in spec.lent_nodes if n != COORDINATOR]
-            want = spec.num_workers + len(lent_other)
-            pool = sum(slots_on(n, req, use_available=True) for n in req.candidates(nodes)) if req.candidates(nodes) else 0
-            n_workers = min(want, pool)
-            n_coord = 0
-            if lent_coord:
-                creq = coordinator_requirements(spec, self.ctx.embedded)
-                if creq.candidates(nodes) and sum(slots_on(n, creq, True) for n in creq.candidates(nodes)) >= 1:
-                    n_coord = 1
-            while n_workers > 0 and spec.global_batch % (n_workers + n_coord):
-                n_workers -= 1
+            want, n_workers, n_coord = round_world(spec, nodes, req, self.ctx.embedded)
             world = n_workers + n_coord
             full = n_workers == want and n_coord == int(lent_coord)
             waited = time.time() - t0
@@ -520,20 +510,10 @@ class DPRunner(JobRunner):
         if not items:
             return
         batch = sort_batch(items)
-        for series, kind, step, values in batch.series:
-            self.log_series(series, kind, step, values)
-        for kind, message, data, ts in batch.events:
-            self.store.add_event(self.job_id, kind, message, data, ts=ts)
-        self.store.add_metrics(self.job_id, batch.rows)
-        self.store.add_logs(self.job_id, batch.lines)
+        record_batch(self.store, self.job_id, batch, self.log_series)
         if batch.comm:
             self._comm.update(batch.comm)
             self.store.update_job(self.job_id, comm=comm_summary(self._comm, self.server_stats))
-        last = batch.last_step
-        if last is not None:
-            self.store.update_job(self.job_id, step=last["step"], max_steps=last["max_steps"],
-                                  samples_done=last["samples_done"], samples_total=last["samples_total"],
-                                  loss=last["loss"], eta_s=last.get("eta_s"))
 
     def _drain_quietly(self) -> None:
         """Drain the control actor's reports; a lost control actor costs the progress rows, nothing else."""
