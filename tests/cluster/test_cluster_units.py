@@ -362,3 +362,17 @@ def test_head_ports_are_distinct_and_never_the_gcs_port():
         cmd = head_command(promised, cpus=1, node_ip=None, name="h", resources={}, labels={})
         chosen = [int(cmd[i + 1]) for i, a in enumerate(cmd) if a.endswith("-port") and a != "--port"]
         assert len(chosen) == 6 and len(set(chosen)) == 6 and promised not in chosen, cmd
+
+
+# -- distill task status ----------------------------------------------------------------------------
+
+def test_a_student_that_ends_before_its_progress_is_drained_still_reports_its_last_step():
+    """Progress is taken only while a student runs; a quick one ends first (seen in CI: its TensorBoard
+    series never written). Its result carries the last step and loss, and the status shows them."""
+    from smolforge.cluster.workloads.distill.state import DistillTask
+
+    task = DistillTask(task_id="student-1", kind="student", store="s", state="completed", max_steps=3)
+    task.take_last_step({"steps": 3, "final_loss": 2.5})
+    assert (task.status()["step"], task.status()["loss"]) == (3, 2.5)
+    task.take_last_step({"steps": 1, "final_loss": 9.0})  # never back to an earlier step
+    assert (task.step, task.loss) == (3, 2.5)

@@ -53,6 +53,16 @@ class DistillTask:
     restarts: int = 0  # times a lost worker made this student start again
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def take_last_step(self, result: dict[str, Any]) -> None:
+        """A finished student's last step and loss, from its result.
+
+        A quick student can end before the broker's progress for its last steps is drained (only a
+        running task takes progress), so without this its curve, and its TensorBoard series, could be
+        missing altogether (seen once in CI: `tensorboard/student1` never written)."""
+        steps = int(result.get("steps") or 0)
+        if steps >= self.step and result.get("final_loss") is not None:
+            self.step, self.loss = steps, float(result["final_loss"])
+
     def status(self) -> dict[str, Any]:
         eta = None
         here = self.progress - (self.resumed_step / self.max_steps if self.max_steps else 0.0)

@@ -322,6 +322,7 @@ class StudentTasks:
                 if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
                     self._write_student_output(task, result, out["adapter"])
                 task.state, task.progress = "completed", 1.0
+                task.take_last_step(result)
             task.result = result
             task.finished = time.time()
             self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
