@@ -3,7 +3,8 @@
 What the cluster tests cannot reach cheaply: gradient accumulation, evaluation in the middle of a run
 with ranks making different numbers of forwards (uneven eval shards, generation), full fine-tuning
 with the unclipped global gradient norm, and an fsdp checkpoint resumed under fsdp, under ddp and by
-one process: a checkpoint holds the whole state, keyed as every strategy keys it.
+one process: a checkpoint holds the whole state, keyed as every strategy keys it, and a resuming rank
+reads only its shards of it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def _rank(rank: int, port: int, root: str, out: mp.Queue) -> None:
         resumed, _ = _train({**lora, "resume": True}, make_strategy("fsdp"))
         by_ddp, _ = _train({**_cfg(root_p, "from-fsdp-ddp"), "resume": True}, make_strategy("ddp"))
         full_ft = dict(peft={"method": "none"}, max_steps=3, max_grad_norm=None, eval_every=0)
-        full, norms = _train(_cfg(root_p, "full", **full_ft), make_strategy("fsdp"))
+        _, norms = _train(_cfg(root_p, "full", **full_ft), make_strategy("fsdp"), stop_after=2)
+        dist.barrier()  # rank 0's checkpoint of step 2 is written: both resume from it, each its shards
+        full, last = _train({**_cfg(root_p, "full", **full_ft), "resume": True}, make_strategy("fsdp"))
+        norms += last
         full_ddp, _ = _train(_cfg(root_p, "full-ddp", **full_ft), make_strategy("ddp"))
         out.put((rank, {"paused": paused.to_dict(), "resumed": resumed.to_dict(), "by_ddp": by_ddp.to_dict(),
                         "full": full.to_dict(), "full_norms": norms, "full_ddp": full_ddp.to_dict()}))
@@ -69,6 +73,10 @@ def _rank(rank: int, port: int, root: str, out: mp.Queue) -> None:
 
 def _adapter(result: dict, name: str = "adapter_model.safetensors") -> dict[str, torch.Tensor]:
     return load_file(str(Path(result["adapter_dir"]) / name))
+
+
+def _tensor_bytes(path: Path) -> int:
+    return sum(t.numel() * t.element_size() for t in load_file(str(path)).values())
 
 
 def _same(a: dict, b: dict, atol: float) -> None:
@@ -132,5 +140,12 @@ def test_two_fsdp_ranks_equal_one_process_and_their_checkpoints_resume_anywhere(
     for k, v in load_file(str(Path(full_one.adapter_dir) / "model.safetensors")).items():
         torch.testing.assert_close(whole[k], v, atol=1e-4, rtol=1e-3, msg=lambda m: f"{k}: {m}")
     assert r0["full"]["optimizer_state_bytes"] <= 0.6 * full_one.optimizer_state_bytes
+    # Resumed from step 2, each rank read its shards of the checkpoint, not the whole of it (weights and
+    # AdamW's moments: every tensor of both files but the step counters, in halves).
+    assert r0["full"]["data"]["resumed_from"].endswith("step-2")
+    ckpt = tmp_path / "full" / "checkpoints" / "step-2"
+    whole = sum(_tensor_bytes(ckpt / name) for name in ("trainable.safetensors", "optim_state.safetensors"))
+    for r in (r0, r1):
+        assert 0.4 * whole <= r["full"]["checkpoint_bytes_read"] <= 0.6 * whole, (r["full"]["checkpoint_bytes_read"], whole)
     assert r0["full_norms"] == r1["full_norms"] and len(full_norms) == 3
     torch.testing.assert_close(torch.tensor(r0["full_norms"]), torch.tensor(full_norms), rtol=1e-4, atol=0)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 from smolforge.train.strategy import Strategy
+from smolforge.train.tensor_reader import TensorReader
 
 MANIFEST = "manifest.json"
 OPTIM_TENSORS = "optim_state.safetensors"  # a streamed optimizer state (see optimizer_file_items)
@@ -112,18 +113,7 @@ def optimizer_file_metadata(param_groups: list[dict[str, Any]], scalars: dict[in
 
 def read_optimizer_file(path: str | Path) -> dict[str, Any]:
     """An `optim_state.safetensors` back as the `optimizer.state_dict()` it was streamed from."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in json.loads(meta.get("scalars", "{}")).items()}
-        for name in f.keys():
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = f.get_tensor(name)
-    # JSON has no tuples: torch keeps its pairs (AdamW's betas) as tuples, `params` is the one list
-    groups = [{k: v if k == "params" or not isinstance(v, list) else tuple(v) for k, v in g.items()}
-              for g in json.loads(meta["param_groups"])]
-    return {"state": state, "param_groups": groups}
+    return TensorReader(path).optimizer_state()
 
 
 def sha256_file(path: Path) -> str:
@@ -241,19 +231,22 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
     when the checkpoint holds one per rank of the same world size; otherwise every rank takes the main
     rank's (a resumed group of another size cannot replay the old dropout streams anyway).
     """
-    weights = load_file(str(path / "trainable.safetensors"))
+    weights = TensorReader(path / "trainable.safetensors")  # read per key: FSDP reads only its shards
     params = dict(model.named_parameters())
-    missing = [n for n in weights if n not in params]
+    missing = [n for n in weights.keys() if n not in params]
     if missing:
         raise RuntimeError(f"checkpoint {path} has weights the model lacks: {missing[:3]}")
-    (strategy or Strategy()).load_model_state(model, weights)  # FSDP: each rank keeps its shard
+    strategy = strategy or Strategy()
+    strategy.load_model_state(model, weights)
     blob = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    read = weights.bytes_read
     if blob["optimizer"] is None:
-        blob["optimizer"] = read_optimizer_file(path / OPTIM_TENSORS)
-    if strategy is not None:
-        strategy.load_optimizer_state(optimizer, blob["optimizer"])
+        tensors = TensorReader(path / OPTIM_TENSORS)
+        strategy.load_optimizer_file(optimizer, tensors)
+        read += tensors.bytes_read
     else:
-        optimizer.load_state_dict(blob["optimizer"])
+        strategy.load_optimizer_state(optimizer, blob["optimizer"])
+    strategy.checkpoint_bytes_read += read
     scheduler.load_state_dict(blob["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
     mine = None

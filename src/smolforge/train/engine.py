@@ -77,6 +77,7 @@ class TrainResult:
     optimizer_state_bytes: int = 0  # held by this process (a sharded optimizer: its own part)
     comm_bytes_sent: int = 0  # handed to collectives by this process while training (Strategy.bytes_sent)
     checkpoint_bytes_sent: int = 0  # ... and to gather checkpoints
+    checkpoint_bytes_read: int = 0  # read from the checkpoint it resumed from (a sharded strategy: its shards)
     comm_wait_s: float = 0.0  # time this process spent waiting in collectives
     batch_rows: list[int] | None = None  # rows per rank of the last step when balanced (None: equal slices)
     rounds: int | None = None  # outer steps, for strategies that have them (DiLoCo)
@@ -303,6 +304,7 @@ def _strategy_figures(result: TrainResult, strategy: Strategy, optimizer) -> Non
     result.strategy, result.optimizer_state_bytes = strategy.name, optimizer_state_bytes(optimizer)
     result.comm_bytes_sent, result.peak_rss_mb = strategy.bytes_sent, peak_rss_mb()
     result.checkpoint_bytes_sent = strategy.checkpoint_bytes_sent
+    result.checkpoint_bytes_read = strategy.checkpoint_bytes_read
     result.comm_wait_s, result.batch_rows = strategy.comm_wait_s, strategy.rows
     result.rounds = strategy.rounds
     result.strategy_metrics = strategy.metrics()

@@ -10,7 +10,8 @@ needs from its peers goes through a `Strategy`:
 - `load_model(name)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only);
   `eval_sums(...)`: evaluation the strategy runs itself (a pipeline: through its stages), else None
 - `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
-  checkpoint or the final adapter, and back (FSDP gathers and scatters shards; others read the model)
+  checkpoint or the final adapter, and back from a per-key reader (FSDP gathers shards, and reads back
+  only its own; others read the model); `load_optimizer_file`: a streamed optimizer state, likewise
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
 - `spool_dir`: where those two may stream state too big to hold in memory (a safetensors file whose
   path they return instead of a dict; FSDP does); the trainer sets it to its output directory
@@ -54,12 +55,15 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager
 
 import torch
 from pydantic import BaseModel
 
 from smolforge.train.step_loss import NONE, StepLoss
+
+if TYPE_CHECKING:
+    from smolforge.train.tensor_reader import TensorReader
 
 Batch = dict[str, torch.Tensor]
 
@@ -110,6 +114,7 @@ class Strategy:
         self.config = dict(config)
         self.bytes_sent = 0  # handed to collectives while training
         self.checkpoint_bytes_sent = 0  # handed to collectives to gather checkpoints
+        self.checkpoint_bytes_read = 0  # read from a checkpoint on resume (a sharded strategy: its shards)
         self.rounds: int | None = None  # outer steps taken, for strategies that have them (DiLoCo)
         self.comm_wait_s = 0.0  # time spent waiting in collectives (for peers, for the network)
         self.balance = "off"  # "auto": rows per rank in proportion to measured speed (synchronous strategies)
@@ -307,16 +312,22 @@ class Strategy:
         (or the path of a safetensors file they were streamed into). None: read them from the model."""
         return None
 
-    def load_model_state(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        """Put a checkpoint's trainable weights (whole, on every rank) into the model (FSDP: its shards)."""
+    def load_model_state(self, model: torch.nn.Module, weights: TensorReader) -> None:
+        """Put a checkpoint's trainable weights into the model, one tensor at a time (FSDP reads only its
+        shards, a pipeline rank only its stage's tensors)."""
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, value in weights.items():
-                params[name].copy_(value.to(params[name].device, params[name].dtype))
+            for name in weights.keys():
+                params[name].copy_(weights.get(name).to(params[name].device, params[name].dtype))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore what `optimizer_state` saved (strategies whose ranks differ keep one part per rank)."""
         optimizer.load_state_dict(state)
+
+    def load_optimizer_file(self, optimizer: torch.optim.Optimizer, tensors: TensorReader) -> None:
+        """Restore a streamed optimizer state (`optim_state.safetensors`); a sharded strategy reads only
+        its shards of it, the others read it whole."""
+        self.load_optimizer_state(optimizer, tensors.optimizer_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Strategies with state of their own (an outer optimizer, a staleness clock) restore it."""

@@ -25,9 +25,10 @@ its moments for that 1/N only. Why it looks like this:
   `get_model_state_dict(full_state_dict=True)` gathers the whole state onto rank 0 first: for a
   100M-parameter full fine-tune that took rank 0 from 1.7 to 2.9 GB.) It is keyed as the other
   strategies key it (parameter names; the optimizer by torch's integer ids), so a checkpoint moves
-  between fsdp, ddp, zero1 and world sizes. To resume, every rank (each staged the checkpoint)
-  hands the whole state to `set_model_state_dict` / `set_optimizer_state_dict`, which keep the
-  rank's shard.
+  between fsdp, ddp, zero1 and world sizes. To resume, every rank (each staged the checkpoint) reads
+  it one tensor at a time and, of a sharded weight or moment, only the rows of its own shard
+  (`safe_open`'s slices, `train.tensor_reader`): a rank never holds more of the checkpoint than it
+  keeps (`checkpoint_bytes_read` counts it).
 - The final adapter (or full model) is streamed the same way and written by rank 0 as ordinary HF
   files (`save_adapter(..., weights=path)`).
 - Freed memory goes back to the system: glibc keeps freed blocks under its dynamic mmap threshold
@@ -45,6 +46,7 @@ its moments for that 1/N only. Why it looks like this:
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 from contextlib import contextmanager, nullcontext
@@ -53,7 +55,7 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -62,6 +64,7 @@ from torch.distributed.tensor import DTensor, Shard
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.telemetry.memory import return_freed_memory
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
+from smolforge.train.tensor_reader import TensorReader, optimizer_file_groups
 from smolforge.train.loop import optimizer_state_bytes
 
 SCATTER = StateDictOptions(full_state_dict=True, strict=False)  # whole tensors on every rank; each keeps its shard
@@ -140,8 +143,17 @@ class FSDP(DDP):
         self.checkpoint_bytes_sent += sum(_local_bytes(p) for _, p in params)
         return self._stream(params, "trainable", {"format": "pt"})
 
-    def load_model_state(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(model, weights, options=SCATTER)
+    def load_model_state(self, model: torch.nn.Module, weights: TensorReader) -> None:
+        """Each weight in turn, and of a sharded one only this rank's rows: resuming never holds more
+        of the checkpoint than the rank keeps."""
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in weights.keys():
+                p = params[name]
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(weights.get(name, shard_index(p)).to(p.device, p.dtype))
+                else:
+                    p.copy_(weights.get(name).to(p.device, p.dtype))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
         """Streamed as `optimizer.state_dict()` would hold it (integer ids, same groups), tensors in the file."""
@@ -172,6 +184,27 @@ class FSDP(DDP):
         os.close(fd)
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in entries]  # a DTensor's shape is the whole one
         return write_tensor_file(name, whole, specs, metadata)
+
+    def load_optimizer_file(self, optimizer: torch.optim.Optimizer, tensors: TensorReader) -> None:
+        """A streamed optimizer state, each moment read as only this rank's shard of it (a moment has its
+        parameter's shape and sharding; `step` and other scalars are read whole)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        meta = tensors.metadata()
+        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in json.loads(meta.get("scalars", "{}")).items()}
+        for key in tensors.keys():
+            _, index, name = key.split(".", 2)
+            p = params[int(index)]
+            if isinstance(p, DTensor) and tensors.shape(key) == tuple(p.shape):
+                local = tensors.get(key, shard_index(p)).to(p.device, p.dtype)
+                value = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+            else:
+                value = tensors.get(key).to(p.device)
+            state.setdefault(int(index), {})[name] = value
+        for group, saved in zip(optimizer.param_groups, optimizer_file_groups(meta)):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, values in state.items():
+            optimizer.state[params[index]] = values
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         names = {i: name for name, i in self._ids(optimizer).items()}
@@ -207,6 +240,17 @@ def shard_dim(param: torch.nn.Parameter, world: int) -> Shard | None:
         return None
     dims = [d for d in sorted(range(param.ndim), key=lambda d: -param.shape[d]) if param.shape[d] % world == 0]
     return Shard(dims[0]) if dims else None
+
+
+def shard_index(param: DTensor) -> tuple[slice, ...]:
+    """The rows (or columns) of the whole tensor this rank's shard of `param` holds: FSDP2 places one
+    `Shard(dim)` on a one-dimensional mesh and splits as `torch.chunk` does (ceil(n / world) each, the
+    last ranks fewer or none)."""
+    (placement,) = param.placements
+    dim, n = placement.dim, param.shape[placement.dim]
+    size = -(-n // param.device_mesh.size())
+    start = min(n, param.device_mesh.get_local_rank() * size)
+    return tuple(slice(None) for _ in range(dim)) + (slice(start, min(n, start + size)),)
 
 
 def _local_bytes(t: torch.Tensor) -> int:

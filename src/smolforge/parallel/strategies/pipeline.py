@@ -86,6 +86,7 @@ from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
 from smolforge.train.strategy import Batch, StepPass
+from smolforge.train.tensor_reader import TensorReader
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -477,13 +478,14 @@ class Pipeline(DDP):
             return self._write("trainable", specs, tensors, {"format": "pt"})
         return {name: t.cpu() for name, t in tensors}
 
-    def load_model_state(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    def load_model_state(self, model: nn.Module, weights: TensorReader) -> None:
+        """Only this stage's tensors are read from the checkpoint."""
         lay = self.layout
         with torch.no_grad():
-            for name, value in weights.items():
+            for name in weights.keys():
                 i = lay.index[name]
                 if self._holds(i):
-                    lay.params[i].copy_(value.to(lay.params[i].device, lay.params[i].dtype))
+                    lay.params[i].copy_(weights.get(name).to(lay.params[i].device, lay.params[i].dtype))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
         """The whole model's optimizer state on rank 0, as `optimizer.state_dict()` of one process keys it
