@@ -6,8 +6,8 @@ tiny-llama is exported to GGUF once per module, through the node cache the backe
   hash of the HF tokenizer) and every row's top-1 id is the greedy token the text was made of;
 - at f16 its responses, top-1 ids and log-probabilities are the HF fp32 teacher's (logprobs within
   2e-2 nats: f16 rounding moves them by ~7e-3; logits one position off were 0.54 nats off);
-- a GGUF with another vocabulary than the student's tokenizer is found before the first shard, the
-  store gets the GGUF's vocabulary hash, and the student falls back to sequence-level KD with its warning;
+- a GGUF with another vocabulary than the student's tokenizer is refused: by `smolforge distill`
+  (exit 2, before anything starts) and by the teacher where it runs, before its first shard;
 - sampling follows the run's temperature, top-p and seed, and each sample of a prompt restarts from
   the prompt's KV cache (every stored row equals a fresh teacher-forced pass);
 - q4_k_m comes from llama.cpp's own quantizer (llama_model_quantize), smaller than the f16 file;
@@ -124,34 +124,34 @@ def test_f16_logprobs_are_the_hf_fp32_teachers(gguf_f16, items):
     assert same / (rows * GEN.top_k) >= 0.95, f"top-k ids shared: {same}/{rows * GEN.top_k}"
 
 
-def test_a_gguf_with_another_vocabulary_falls_back_to_sequence_kd(gguf_f16, tmp_path):
-    """Refused for logits before the first shard (the teacher's constructor), trained on as text."""
-    from smolforge.distill.shard_source import DirShardSource
-    from smolforge.distill.store import read_shard, tokenizer_hash
-    from smolforge.distill.student import train_student
+def test_a_gguf_with_another_vocabulary_is_refused_before_anything_runs(gguf_f16, tmp_path):
+    """Its logits cannot train the student: refused by `smolforge distill` before anything starts (exit
+    2, the reason, what to do), and by the teacher where it runs, before its first shard."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
     from smolforge.distill.teacher import run_teacher_local
-    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+    from smolforge.errors import SmolforgeError
     from smolforge.models.loading import load_model
     from smolforge.models.tiny import train_tokenizer
 
     other = tmp_path / "other-student"
     load_model("tiny-llama").save_pretrained(other)
-    tok = train_tokenizer(vocab_size=700)  # another vocabulary: the GGUF's ids are not this tokenizer's
-    tok.save_pretrained(other)
-    with pytest.warns(UserWarning, match="another vocabulary"):
-        teacher = LlamaCppTeacher(str(gguf_f16), tokenizer=str(other))
-    assert teacher.mismatch and "token" in teacher.mismatch
+    train_tokenizer(vocab_size=700).save_pretrained(other)  # another vocabulary: the GGUF's ids are not its
+    res = CliRunner().invoke(app, ["distill", "--teacher", str(gguf_f16), "--student", str(other), "--data", "bundled",
+                                   "--teacher-backend", "llamacpp", "--output-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2, (res.exit_code, res.stderr, res.exception)
+    assert res.stderr.startswith("error:") and "another vocabulary" in res.stderr and "Traceback" not in res.stderr
+    assert "--teacher-backend hf" in res.stderr and not (tmp_path / "o").exists()
     out = tmp_path / "teacher_outputs"
-    with pytest.warns(UserWarning, match="another vocabulary"):
+    with pytest.raises(SmolforgeError, match="another vocabulary .*tokens past the tokenizer"):
         run_teacher_local(str(gguf_f16), "bundled", out, num_shards=1, max_samples=4, settings=GEN,
                           backend="llamacpp", tokenizer=str(other))
-    shard = read_shard(out, 0)
-    assert shard.manifest["tokenizer_hash"].startswith("gguf-") and shard.manifest["tokenizer_hash"] != tokenizer_hash(tok)
-    assert all(r.response_text for r in shard.records)  # the GGUF's own tokens, decoded by llama.cpp
-    with pytest.warns(UserWarning, match="falling back to sequence-level KD"):
-        res = train_student(_student_cfg(str(other), tmp_path / "student"), DirShardSource(out, poll_s=0.05),
-                            teacher_tokenizer_hash=shard.manifest["tokenizer_hash"])
-    assert res.mode == "sequence" and res.steps == 2
+    assert not list(out.glob("batch_*"))
+    # the student's own tokenizer (the GGUF was exported from tiny-llama): no refusal
+    ok = CliRunner().invoke(app, ["distill", "--teacher", str(gguf_f16), "--student", "tiny-llama", "--data", "bundled",
+                                  "--teacher-backend", "llamacpp", "--kd-loss", "nope", "--output-dir", str(tmp_path / "o")])
+    assert ok.exit_code == 2 and "unknown KD loss" in ok.stderr and "vocabulary" not in ok.stderr
 
 
 def test_sampling_follows_the_runs_settings_and_rewinds_to_the_prompt(gguf_f16, items):

@@ -153,6 +153,7 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
         if cfg.teacher_responses == "reference":
             raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
                                  "llamacpp backend generates its own", fix="use --teacher-backend hf for reference")
+        _check_local_gguf(cfg)
     if cfg.replace_timeout_s <= 0:
         raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
                              fix="give the seconds a student whose node died may wait for another (e.g. 300)")
@@ -161,6 +162,18 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
     if output_dir is not None and ".." in Path(output_dir).parts:
         raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
+
+
+def _check_local_gguf(cfg: DistillSettings) -> None:
+    """A GGUF teacher given as a file here must share the student's vocabulary (its logits train the
+    student): refused now (exit 2) rather than by the teacher task on its node. (A path only a worker
+    has is checked there, still before the first shard.)"""
+    from smolforge.models.export.cache import is_gguf
+
+    if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
+        from smolforge.distill.teacher_llamacpp import check_gguf_vocab
+
+        check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
 
 
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:

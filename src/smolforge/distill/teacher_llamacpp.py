@@ -10,8 +10,10 @@ student are unchanged:
 - prompts are rendered and tokenized by an HF tokenizer (the HF teacher's own, or for a given
   GGUF the student's), so the ids are exactly what the `hf` backend writes. Before the first
   prompt the GGUF's vocabulary is compared with that tokenizer's, token string by token string:
-  when they differ, the GGUF's own tokenizer is used and the store gets the GGUF's vocabulary hash,
-  so students fall back to sequence-level KD with the warning they give any other tokenizer;
+  when they differ the GGUF's logits cannot train the student, and the run is refused: by `smolforge
+  distill` before anything starts (a local GGUF, exit 2) and by the teacher before its first shard.
+  (The `hf` backend's teacher of another tokenizer trains students on its text, sequence-level KD;
+  a GGUF's text alone is no reason to run llama.cpp's logits, so there is no such fallback here);
 - decoding is one sequence at a time with the KV cache: at each step llama.cpp's last-position
   logits give both the next token (greedy, or the run's temperature/top-p) and that response
   token's top-k and tail mass (`teacher_topk.topk_from_logits`, the same fp32 code as the HF teacher's,
@@ -23,8 +25,7 @@ student are unchanged:
 
 from __future__ import annotations
 
-import hashlib
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,29 +50,75 @@ def gguf_tokens(llm) -> list[str]:
     return [llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace") for i in range(llm.n_vocab())]
 
 
-def vocab_mismatch(llm, tokenizer) -> str | None:
+@dataclass
+class GGUFVocab:
+    """What decides whether a GGUF's ids are a tokenizer's: its token strings, which of them are unused
+    padding rows, and its end-of-sequence id."""
+
+    tokens: list[str]
+    unused: set[int]
+    eos: int | None
+
+    @classmethod
+    def of_llama(cls, llm) -> GGUFVocab:
+        """As llama.cpp loaded it (the teacher's own model)."""
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        tokens = gguf_tokens(llm)
+        unused = {i for i in range(len(tokens)) if llama_cpp.llama_vocab_get_attr(vocab, i) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED}
+        return cls(tokens, unused, int(llm.token_eos()))
+
+    @classmethod
+    def of_file(cls, path: str | Path) -> GGUFVocab:
+        """From the file's metadata alone, without loading the model (the CLI's check: quick and silent)."""
+        from gguf import GGUFReader, TokenType
+
+        reader = GGUFReader(str(path))
+        tokens = [str(t) for t in reader.get_field("tokenizer.ggml.tokens").contents()]
+        kinds = reader.get_field("tokenizer.ggml.token_type")
+        unused = {i for i, k in enumerate(kinds.contents() if kinds else []) if k == TokenType.UNUSED}
+        eos = reader.get_field("tokenizer.ggml.eos_token_id")
+        return cls(tokens, unused, int(eos.contents()) if eos else None)
+
+
+def vocab_mismatch(gguf: GGUFVocab, tokenizer) -> str | None:
     """Why the GGUF's ids are not `tokenizer`'s (None: they are): every token string of the tokenizer
     at its id, no real token past the tokenizer's last id (only the unused rows a vocabulary is padded
     with), and the same end-of-sequence token: the conditions under which the store's tokenizer hash
     may be the tokenizer's."""
-    import llama_cpp
-
-    tokens = gguf_tokens(llm)
+    tokens = gguf.tokens
     want = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if len(tokens) < len(want):
         return f"the GGUF has {len(tokens)} tokens, the tokenizer {len(want)}"
     for i, (got, exp) in enumerate(zip(tokens, want)):
         if exp is not None and got != exp:
             return f"token {i} is {got!r} in the GGUF but {exp!r} in the tokenizer"
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    extra = [i for i in range(len(want), len(tokens))
-             if not llama_cpp.llama_vocab_get_attr(vocab, i) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED]
+    extra = [i for i in range(len(want), len(tokens)) if i not in gguf.unused]
     if extra:
         return (f"the GGUF has {len(extra)} tokens past the tokenizer's {len(want)} (id {extra[0]}: "
                 f"{tokens[extra[0]]!r})")
-    if tokenizer.eos_token_id is not None and llm.token_eos() != tokenizer.eos_token_id:
-        return f"end-of-sequence id {llm.token_eos()} in the GGUF, {tokenizer.eos_token_id} in the tokenizer"
+    if tokenizer.eos_token_id is not None and gguf.eos != tokenizer.eos_token_id:
+        return f"end-of-sequence id {gguf.eos} in the GGUF, {tokenizer.eos_token_id} in the tokenizer"
     return None
+
+
+MISMATCH_FIX = ("give a GGUF of a model with the student's tokenizer (`smolforge export --to gguf` makes one), or "
+               "name the HF teacher with --teacher-backend hf (a teacher with another tokenizer then trains the "
+               "student on its text: sequence-level KD)")
+
+
+def mismatch_message(gguf: str, tokenizer: str, why: str) -> str:
+    return (f"teacher GGUF {gguf} has another vocabulary than the student's tokenizer {tokenizer} ({why}): its "
+            "logits cannot train that student")
+
+
+def check_gguf_vocab(path: str | Path, tokenizer_name: str) -> None:
+    """Refuse, before anything runs, a given GGUF whose vocabulary is not the student's tokenizer's (the
+    CLI's check, from the file's metadata; the teacher checks again where it runs, before its first shard)."""
+    why = vocab_mismatch(GGUFVocab.of_file(path), load_tokenizer(tokenizer_name))
+    if why is not None:
+        raise SmolforgeError(mismatch_message(Path(path).name, tokenizer_name, why), where="--teacher", fix=MISMATCH_FIX)
 
 
 def trained_context(path: Path) -> int | None:
@@ -156,45 +203,21 @@ class LlamaCppTeacher:
         ensure_chat_template(self.tokenizer)
         self.llm = load_gguf(path, self.n_threads, n_ctx)
         self.vocab_size = int(self.llm.n_vocab())
-        self.mismatch = vocab_mismatch(self.llm, self.tokenizer)  # before the first shard
-        if self.mismatch is None:
-            self.tok_hash = tokenizer_hash(self.tokenizer)
-            self.eos_id = self.tokenizer.eos_token_id
-        else:
-            self.tok_hash = "gguf-" + hashlib.sha256("\n".join(gguf_tokens(self.llm)).encode("utf-8")).hexdigest()[:16]
-            self.eos_id = int(self.llm.token_eos())
-            msg = (f"teacher GGUF {path.name} has another vocabulary than tokenizer {self.tokenizer_name} "
-                   f"({self.mismatch}): its logits cannot train that student, which falls back to "
-                   "sequence-level KD (training on the teacher's text, no logits)")
-            warnings.warn(msg, stacklevel=2)  # stderr: a teacher task's log has it too
+        why = vocab_mismatch(GGUFVocab.of_llama(self.llm), self.tokenizer)  # before the first shard
+        if why is not None:
+            self.close()
+            raise SmolforgeError(mismatch_message(path.name, self.tokenizer_name, why), where="--teacher",
+                                 fix=MISMATCH_FIX)
+        self.tok_hash = tokenizer_hash(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        """The `hf` backend's ids for the prompt; with another vocabulary, the GGUF's own tokens of its
-        own chat template (the tokenizer's when the GGUF carries none)."""
-        if self.mismatch is None:
-            text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        text = self._gguf_render(item.prompt_messages)
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-
-    def _gguf_render(self, messages: list[dict[str, str]]) -> str:
-        template = (self.llm.metadata or {}).get("tokenizer.chat_template")
-        if not template:
-            return render(self.tokenizer, messages, add_generation_prompt=True)
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        def text(tid: int) -> str:
-            return self.llm.detokenize([tid], special=True).decode("utf-8", errors="replace") if tid >= 0 else ""
-
-        fmt = Jinja2ChatFormatter(template, eos_token=text(self.llm.token_eos()), bos_token=text(self.llm.token_bos()),
-                                  add_generation_prompt=True)
-        return fmt(messages=messages).prompt
+        """The `hf` backend's ids for the prompt (the GGUF's vocabulary is the tokenizer's: checked)."""
+        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        if self.mismatch is None:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        body = [t for t in ids if t != self.eos_id]
-        return self.llm.detokenize(body).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
         """Answer every prompt; records come back in the order of `items` (samples adjacent)."""
