@@ -10,6 +10,8 @@ the base for the same steps and is scored on the 200 held-out bundled examples:
 
     sft        the labelled examples' reference answers, CE only (the `reference` backend: what `train` uses)
     kd         the teacher's own answers + its top-k over the prompt pool, the demo's KD settings (DemoSettings)
+    seqkd      sequence-level KD: the same store, CE on the teacher's answers only (kd_ratio 0: its text,
+               not its distribution), so kd - seqkd is what the logits add over the teacher's text
     kdsame     kd on the labelled prompts only (the same prompts as sft: what the teacher adds per prompt)
     onpolicy   kd, plus GKD: a fraction of the steps on the student's own samples scored by the teacher, JSD(β)
     ref        the labelled prompts' reference answers with the teacher's top-k over them (--teacher-responses reference)
@@ -41,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BASE_ARMS = {  # name: (store, overrides)
     "sft": ("sft", {}),
     "kd": ("gen", {}),
+    "seqkd": ("gen", {"ratio": 0.0}),
     "kdsame": ("gen-labelled", {}),
     "onpolicy": ("gen", {"onp": 0.5, "loss": "jsd"}),
     "ref": ("ref", {}),

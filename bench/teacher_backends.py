@@ -10,6 +10,11 @@ response, and over the response tokens the two share, the top-1 ids and the mean
 the top-1.
 
     python bench/teacher_backends.py --model llama-100m --prompts 4 --max-new-tokens 32 --threads 1
+    python bench/teacher_backends.py --model twin:qwen2.5-0.5b-instruct@full --prompts 16 --batch-size 16 --quants q8_0
+
+Each llamacpp quantization runs at batch 1 (one sequence at a time) and at --batch-size (batched
+decode, `distill/llamacpp_batch.py`); KL to hf fp32 is KL(HF fp32's exact distribution || the store's
+top-k with its tail spread evenly) over the llamacpp store's own responses, teacher-forced in HF.
 """
 
 from __future__ import annotations
@@ -57,13 +62,37 @@ def agreement(got, want) -> tuple[float, float, float]:
     return same_resp, hits / max(1, rows), float(np.mean(diffs)) if diffs else 0.0
 
 
+def kl_to_hf(model, recs) -> float:
+    """Mean KL(HF fp32 exact || stored top-k with the tail spread evenly), nats per response token: what
+    the quantized teacher's store costs against the fp32 teacher, measured on the store's own
+    responses (HF teacher-forced over prompt + response)."""
+    import math
+
+    import torch
+
+    total = rows = 0.0
+    with torch.no_grad():
+        for r in recs:
+            n, p = len(r.response_ids), len(r.prompt_ids)
+            logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, p - 1:p - 1 + n].float()
+            logp = torch.log_softmax(logits, -1)
+            v, k = logp.shape[-1], r.topk_indices.shape[-1]
+            tail = torch.from_numpy(r.tail_mass).clamp_min(1e-30)
+            approx = (tail.log() - math.log(v - k))[:, None].expand(n, v).clone()
+            approx.scatter_(-1, torch.from_numpy(r.topk_indices), torch.from_numpy(r.topk_logprobs))
+            total += float((logp.exp() * (logp - approx)).sum())
+            rows += n
+    return total / max(1.0, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-100m")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=4, help="the hf teacher's batch (llamacpp decodes one sequence)")
+    ap.add_argument("--batch-size", type=int, default=4,
+                    help="the hf teacher's batch, and the llamacpp teacher's batched decode (also run at 1)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quants", default="f16,q8_0")
@@ -90,18 +119,18 @@ def main() -> None:
     hf = HFTeacher(args.model, device="cpu", dtype="fp32")
     hf_s, hf_recs = timed_store(hf, items, settings, args.repeat)
     hf_tokens = sum(len(r.response_ids) for r in hf_recs)
-    del hf
     print(f"model {args.model}, {len(items)} prompts x {args.max_new_tokens} greedy tokens, top-{args.top_k}, "
           f"{args.threads} thread(s), best of {args.repeat}, store writing included")
     print(f"{f'hf fp32 (batch {args.batch_size})':<20}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s")
     for quant in quants:
         teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
-        s, recs = timed_store(teacher, items, settings, args.repeat)
-        tokens = sum(len(r.response_ids) for r in recs)
-        same, top1, dlp = agreement(recs, hf_recs)
-        print(f"{f'llamacpp {quant}':<20}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
-              f"({(tokens / s) / (hf_tokens / hf_s):.2f}x hf fp32); same response {same:.0%}, top-1 {top1:.1%}, "
-              f"mean |d logprob| {dlp:.1e}")
+        for batch in sorted({1, args.batch_size}):
+            s, recs = timed_store(teacher, items, GenSettings(**{**settings.__dict__, "batch_size": batch}), args.repeat)
+            tokens = sum(len(r.response_ids) for r in recs)
+            same, top1, dlp = agreement(recs, hf_recs)
+            print(f"{f'llamacpp {quant} (batch {batch})':<28}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
+                  f"({(tokens / s) / (hf_tokens / hf_s):.2f}x hf fp32); same response {same:.0%}, top-1 {top1:.1%}, "
+                  f"mean |d logprob| {dlp:.1e}, KL to hf fp32 {kl_to_hf(hf.model, recs):.1e} nats/token", flush=True)
         teacher.close()
 
 

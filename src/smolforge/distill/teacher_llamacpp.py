@@ -14,10 +14,12 @@ student are unchanged:
   distill` before anything starts (a local GGUF, exit 2) and by the teacher before its first shard.
   (The `hf` backend's teacher of another tokenizer trains students on its text, sequence-level KD;
   a GGUF's text alone is no reason to run llama.cpp's logits, so there is no such fallback here);
-- decoding is one sequence at a time with the KV cache: at each step llama.cpp's last-position
-  logits give both the next token (greedy, or the run's temperature/top-p) and that response
-  token's top-k and tail mass (`teacher_topk.topk_from_logits`, the same fp32 code as the HF teacher's,
-  and its truncation KL);
+- decoding runs up to `teacher_batch_size` sequences together in one llama.cpp context
+  (`llamacpp_batch`: one pass over the weights per step for the group, which is what a CPU's decode
+  is bound by), each with its KV cells; at each step a sequence's logits give both its next token
+  (greedy, or the run's temperature/top-p with its own seeded generator) and that response token's
+  top-k and tail mass (`teacher_topk.topk_from_logits`, the same fp32 code as the HF teacher's, and
+  its truncation KL). With a batch of 1 it decodes one sequence at a time in `Llama`'s own context;
 - `n_threads` is the task's CPUs, so parallel teacher tasks on a node do not oversubscribe it;
 - each shard's manifest says so (`threads`) and names the GGUF (`gguf`: file, quantization and, for
   our own export, its check against the HF fp32 model: logits NMSE and greedy agreement).
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from smolforge.data.encode import ensure_chat_template, render
+from smolforge.distill.llamacpp_batch import BatchDecoder
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.distill.teacher_topk import topk_from_logits, truncation_kl
@@ -225,13 +228,11 @@ class LlamaCppTeacher:
         if settings.responses == "reference":
             raise SmolforgeError("the llamacpp backend does not score given answers",
                                  fix="use --teacher-responses generate with llamacpp, or the hf backend")
+        prompts = [(item, self._fitting_ids(item, settings)) for item in items]
+        if settings.batch_size > 1 and len(prompts) * settings.samples_per_prompt > 1:
+            return self._generate_batched(prompts, settings)
         out = []
-        for item in items:
-            ids = self.prompt_ids(item)
-            if len(ids) + settings.max_new_tokens > self.llm.n_ctx():
-                raise SmolforgeError(f"example {item.example_id}: prompt ({len(ids)} tokens) + {settings.max_new_tokens} "
-                                     f"new tokens exceed the teacher's context of {self.llm.n_ctx()}",
-                                     fix="shorten the prompts or --max-new-tokens")
+        for item, ids in prompts:
             self.llm.reset()
             self.llm.eval(ids)
             first = self._last_logits()
@@ -239,6 +240,55 @@ class LlamaCppTeacher:
                 rng = np.random.default_rng([settings.seed, item.example_id, sample])
                 out.append(self._sample(item, ids, first, settings, rng, sample))
         return out
+
+    def _fitting_ids(self, item: PromptItem, s: GenSettings) -> list[int]:
+        ids = self.prompt_ids(item)
+        if len(ids) + s.max_new_tokens > self.llm.n_ctx():
+            raise SmolforgeError(f"example {item.example_id}: prompt ({len(ids)} tokens) + {s.max_new_tokens} "
+                                 f"new tokens exceed the teacher's context of {self.llm.n_ctx()}",
+                                 fix="shorten the prompts or --max-new-tokens")
+        return ids
+
+    def _generate_batched(self, prompts: list[tuple[PromptItem, list[int]]], s: GenSettings) -> list[TeacherRecord]:
+        """Up to `s.batch_size` responses decoded together (`llamacpp_batch`): one pass over the weights
+        per step for the whole group. Each sequence samples with its own seeded generator, as the
+        one-at-a-time path does, so a response depends only on its prompt, sample and the logits."""
+        seqs = [(item, ids, sample) for item, ids in prompts for sample in range(s.samples_per_prompt)]
+        width = min(s.batch_size, len(seqs))
+        n_ctx_seq = max(len(ids) for _, ids, _ in seqs) + s.max_new_tokens
+        dec = self._batch_decoder(width, n_ctx_seq)
+        out: list[TeacherRecord] = []
+        for start in range(0, len(seqs), width):
+            out.extend(self._decode_group(dec, seqs[start:start + width], s))
+        return out
+
+    def _batch_decoder(self, width: int, n_ctx_seq: int) -> BatchDecoder:
+        """One decoder kept for the process, replaced only when a group needs more than it has."""
+        dec = getattr(self, "_decoder", None)
+        if dec is None or dec.n_seq < width or dec.n_ctx_seq < n_ctx_seq:
+            if dec is not None:
+                dec.close()
+            dec = self._decoder = BatchDecoder(self.llm, width, max(n_ctx_seq, 256), self.n_threads)
+        return dec
+
+    def _decode_group(self, dec: BatchDecoder, group: list[tuple[PromptItem, list[int], int]],
+                      s: GenSettings) -> list[TeacherRecord]:
+        dec.reset()
+        rngs = [np.random.default_rng([s.seed, item.example_id, sample]) for item, _, sample in group]
+        rows = [[dec.prefill(j, ids)] for j, (_, ids, _) in enumerate(group)]
+        resp: list[list[int]] = [[] for _ in group]
+        active = list(range(len(group)))
+        while active:
+            feed: dict[int, tuple[int, int]] = {}
+            for j in active:
+                tok = pick_token(rows[j][-1], s.temperature, s.top_p, rngs[j])
+                resp[j].append(tok)
+                if tok != self.eos_id and len(resp[j]) < s.max_new_tokens:
+                    feed[j] = (tok, len(group[j][1]) + len(resp[j]) - 1)
+            for j, logits in dec.step(feed).items() if feed else ():
+                rows[j].append(logits)
+            active = list(feed)
+        return [self._record(item, ids, resp[j], rows[j], s, sample) for j, (item, ids, sample) in enumerate(group)]
 
     def _last_logits(self) -> np.ndarray:
         """The logits after the last evaluated token (a copy: llama.cpp reuses the buffer)."""
@@ -259,6 +309,11 @@ class LlamaCppTeacher:
                 break
             self.llm.eval([tok])
             rows.append(self._last_logits())
+        return self._record(item, ids, resp, rows, s, sample)
+
+    def _record(self, item: PromptItem, ids: list[int], resp: list[int], rows: list[np.ndarray], s: GenSettings,
+                sample: int) -> TeacherRecord:
+        """A response and its rows' top-k, tail mass and truncation KL (the HF teacher's fp32 code)."""
         logits = torch.from_numpy(np.stack(rows))
         values, idx, tail = topk_from_logits(logits, s.top_k)
         return TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=list(ids),
@@ -267,6 +322,9 @@ class LlamaCppTeacher:
                              tail_mass=tail.numpy(), truncation_kl=truncation_kl(logits, idx, tail).numpy())
 
     def close(self) -> None:
+        if getattr(self, "_decoder", None) is not None:
+            self._decoder.close()
+            self._decoder = None
         close = getattr(self.llm, "close", None)
         if close is not None:
             close()
