@@ -102,3 +102,12 @@ def test_aggregate_and_quant_choices_come_from_their_registries(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output[-2000:]
     assert res.stderr.count("error:") == 1 and "unknown --quant 'q3_bogus'" in res.stderr, res.stderr
     assert f"use one of {', '.join(QUANTS)}" in res.stderr, res.stderr
+
+
+def test_every_gguf_weight_type_has_its_verification_limits():
+    """`--quant` reads `QUANTS`; verification needs each one's bounds (NMSE, greedy agreement), or an
+    export of a new weight type would fail after writing with a KeyError."""
+    from smolforge.models.export.targets import QUANTS
+    from smolforge.models.export.verify import LIMITS
+
+    assert set(QUANTS) == set(LIMITS), (QUANTS, sorted(LIMITS))
