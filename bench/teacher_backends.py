@@ -14,7 +14,8 @@ the top-1.
 
 Each llamacpp quantization runs at batch 1 (one sequence at a time) and at --batch-size (batched
 decode, `distill/llamacpp_batch.py`); KL to hf fp32 is KL(HF fp32's exact distribution || the store's
-top-k with its tail spread evenly) over the llamacpp store's own responses, teacher-forced in HF.
+top-k with its tail spread evenly) over each store's own responses, teacher-forced in HF; the hf row's
+is what top-k truncation alone costs, so a llamacpp row's excess over it is the quantization's.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def main() -> None:
     hf_tokens = sum(len(r.response_ids) for r in hf_recs)
     print(f"model {args.model}, {len(items)} prompts x {args.max_new_tokens} greedy tokens, top-{args.top_k}, "
           f"{args.threads} thread(s), best of {args.repeat}, store writing included")
-    print(f"{f'hf fp32 (batch {args.batch_size})':<20}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s")
+    print(f"{f'hf fp32 (batch {args.batch_size})':<28}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s; "
+          f"KL to hf fp32 {kl_to_hf(hf.model, hf_recs):.1e} nats/token (its own top-k: the truncation alone)", flush=True)
     for quant in quants:
         teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
         for batch in sorted({1, args.batch_size}):

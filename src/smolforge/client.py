@@ -202,6 +202,10 @@ class Client:
         """Lend the coordinator node (or `node`) to a running data-parallel job."""
         return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/join", json={"node": node}))
 
+    def leave_job(self, job_id: str, node: str | None = None) -> dict:
+        """Give back the coordinator node (or `node`), lent with `join_job`, at the job's next boundary."""
+        return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/leave", json={"node": node}))
+
     def job_events(self, job_id: str, since: int = 0) -> list[dict]:
         return self._request("GET", f"/api/v1/jobs/{job_id}/events", params={"since": since})
 

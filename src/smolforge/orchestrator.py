@@ -11,28 +11,47 @@ With no coordinator given or configured, the orchestrator runs an embedded clust
 job id, and its status names every node of the group.
 
 The distillation tasks (`create_teacher_task`, `create_parallel_teacher_tasks`, `create_student_tasks`,
-`aggregate_student_outputs`, `reassign_idle_teacher_as_student`) are the cluster's
-`smolforge.cluster.workloads.distill.session.DistillTasks`: it gets `self.cluster` (a connected
-`ray_glue.ClusterHandle`) and `self.log_event(kind, message, **data)` / `self.events` from here, and its
-`_local_task_status` lets `monitor_tasks` report teacher and student tasks too.
+`aggregate_student_outputs`, `reassign_idle_teacher_as_student`) are jobs: each call submits one
+`distill_task` job (specs.DistillTaskJob: a teacher, students or aggregate stage) to the coordinator,
+or to the embedded cluster when none is configured, as every command does. So they show in
+`smolforge jobs` and on the dashboard, outlive the script on a coordinator (and its restart), and a
+task id is `<job>-teacher-N` / `<job>-student-N`: `monitor_tasks` follows it from any process. Students
+read a finished teacher job's store (their job waits for it); `create_student_tasks` without
+`teacher_outputs_dir` takes this orchestrator's last teacher task's, and says so. On a coordinator the
+results come back to the paths the calls named: a task's outputs are downloaded when `monitor_tasks`
+sees its job complete, the merged adapter when `aggregate_student_outputs` returns (the embedded
+cluster writes them there itself).
+
+On a bare Ray handle (a backend with no jobs: the distill tests' clusters) the same calls run the
+tasks in this process: `smolforge.cluster.workloads.distill.session.DistillTasks`, the building blocks
+the distill job runner drives, with `self.cluster` and `self.log_event` from here.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
+import sys
 import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.client import backend_for
+from smolforge.cluster.workloads.distill.runner import split_task_id
+from smolforge.cluster.workloads.distill.seed_args import student_args, task_options
 from smolforge.cluster.workloads.distill.session import DistillTasks
+from smolforge.cluster.workloads.distill.state import store_dir_of
+from smolforge.cluster.workloads.distill.students import StudentTasks
+from smolforge.cluster.workloads.distill.teachers import TeacherTasks
 from smolforge.cluster.control.specs import TaskConfig
+from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
 
 MODES = ("data_parallel", "teacher_student", "hybrid")
 FINAL_STATES = ("completed", "failed", "cancelled")
+UNREACHABLE_GRACE_S = 180.0  # monitor_tasks rides out a coordinator restart this long
 
 class Orchestrator(DistillTasks):
     def __init__(self, mode: str = "data_parallel", config: dict[str, Any] | None = None, *, backend: Any = None,
@@ -49,6 +68,16 @@ class Orchestrator(DistillTasks):
         self.events: list[dict[str, Any]] = []
         self._cluster = None
         self._token = token
+        # The seeds' tasks as jobs, unless the backend is a bare Ray handle (no job API): in-process
+        self._as_jobs = hasattr(self.backend, "submit_job")
+        self._mine: dict[str, dict[str, Any]] = {}  # task id -> {job, fetch: (kind, name, local dir) or None}
+        self._teacher_jobs: dict[str, str] = {}  # a teacher store's local path -> its job
+        self._student_dirs: dict[str, str] = {}  # a student's local output dir -> its task id
+        self._last_teacher: tuple[str, Path] | None = None  # (job, local store) of the last teacher call
+        self._next_student = 0  # student_N numbering across this orchestrator's calls (the seeds' layout)
+        self._fetched: set[tuple[str, str, str]] = set()
+        self._exit_hook = False
+        self._unreachable_since: float | None = None  # monitor_tasks: since when the coordinator is silent
 
     def __repr__(self) -> str:
         return f"Orchestrator(mode={self.mode!r}, backend={self.backend!r})"
@@ -140,35 +169,254 @@ class Orchestrator(DistillTasks):
         return [job_id]
 
     def task_status(self, task_id: str) -> dict[str, Any]:
-        st = self._local_task_status(task_id)
-        if st is not None:
-            return st
-        return self.backend.get_job_status(task_id)
+        """A task's status from any process: a job id, a job's task (`<job>-student-N`), or a task this
+        orchestrator runs in-process."""
+        return self._statuses([task_id])[task_id]
+
+    def _statuses(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Each task's status, asking each job once."""
+        jobs: dict[str, dict[str, Any]] = {}
+        out = {}
+        for tid in task_ids:
+            st = self._local_task_status(tid)
+            if st is not None:
+                out[tid] = st
+                continue
+            job_id, name = split_task_id(tid) or (tid, None)
+            if job_id not in jobs:
+                jobs[job_id] = self.backend.get_job_status(job_id)
+            out[tid] = jobs[job_id] if name is None else _job_task_status(jobs[job_id], f"{job_id}-{name}")
+        return out
 
     def monitor_tasks(self, task_ids: list[str], callback: Callable[[str, dict], None] | None = None,
                       poll: float = 1.0, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         """Watch tasks until each is completed, failed or cancelled (or paused).
 
         `callback(task_id, status)` runs whenever a task's state or progress changes; status holds
-        state, progress, node (and nodes), samples_done/total, eta_s and error.
+        state, progress, node (and nodes), samples_done/total, eta_s and error. Any process can follow
+        any task (ids are `<job>-<task>`); this orchestrator's own tasks also bring their outputs to the
+        paths their calls named when their job completes. A coordinator that is restarting is waited
+        for (UNREACHABLE_GRACE_S).
         """
         deadline = None if timeout is None else time.time() + timeout
         last: dict[str, tuple] = {}
         statuses: dict[str, dict] = {}
         while True:
-            for tid in task_ids:
-                st = self.task_status(tid)
-                statuses[tid] = st
+            got = self._poll_statuses(task_ids)
+            for tid in task_ids if got is not None else []:
+                st = statuses[tid] = got[tid]
+                self._fetch_outputs(tid, st)
                 key = (st.get("state"), round(float(st.get("progress") or 0.0), 4), st.get("node"))
                 if last.get(tid) != key:
                     last[tid] = key
                     if callback:
                         callback(tid, st)
-            if all(s.get("state") in FINAL_STATES + ("paused",) for s in statuses.values()):
+            if got is not None and all(s.get("state") in FINAL_STATES + ("paused",) for s in statuses.values()) \
+                    and not any(self._publishing(tid, st) for tid, st in statuses.items()):
                 return statuses
             if deadline and time.time() > deadline:
                 return statuses
             time.sleep(poll)
+
+    def _poll_statuses(self, task_ids: list[str]) -> dict[str, dict[str, Any]] | None:
+        """The tasks' statuses, or None while the coordinator does not answer (a restart), for a while."""
+        try:
+            got = self._statuses(task_ids)
+        except SmolforgeError as err:
+            if not err.what.startswith("cannot reach the coordinator"):
+                raise
+            self._unreachable_since = self._unreachable_since or time.time()
+            if time.time() - self._unreachable_since > UNREACHABLE_GRACE_S:
+                raise
+            return None
+        self._unreachable_since = None
+        return got
+
+    # -- the seeds' distillation tasks, as jobs ------------------------------------------------------
+
+    def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str, output_dir: str | Path,
+                                      num_teachers: int | None = None, batch_size: int = 8,
+                                      compress_outputs: bool = True, max_samples: int | None = None,
+                                      **kwargs: Any) -> list[str]:
+        """One teacher job: `num_teachers` teachers (None: one per node holding the model) write the
+        store `<output_dir>/teacher_outputs/` (see TeacherTasks.create_parallel_teacher_tasks for every
+        argument). Returns the teacher task ids, `<job>-teacher-N`; with `num_teachers` None they are
+        known once the job has started, so this waits for that."""
+        call = dict(model_path=model_path, dataset_path=dataset_path, output_dir=output_dir, num_teachers=num_teachers,
+                    batch_size=batch_size, compress_outputs=compress_outputs, max_samples=max_samples, **kwargs)
+        if not self._as_jobs:
+            return super().create_parallel_teacher_tasks(**call)
+        args = _call_args(TeacherTasks.create_parallel_teacher_tasks, call, drop=("output_dir",))
+        task_options(kwargs.get("task_config"), "teacher")  # what a teacher cannot honour fails here, at once
+        out = Path(output_dir).expanduser().resolve()
+        job_id = self._submit("teacher", args, name=f"teacher {model_path}", output_dir=out)
+        store = store_dir_of(out)
+        self._teacher_jobs[str(store)] = job_id
+        self._last_teacher = (job_id, store)
+        ids = ([f"{job_id}-teacher-{i}" for i in range(num_teachers)] if num_teachers
+               else self._started_tasks(job_id, "teacher"))
+        for tid in ids:
+            self._mine[tid] = {"job": job_id, "fetch": ("store", "teacher_outputs", store)}
+        self.log_event("submitted", f"teacher job {job_id}: {len(ids)} teachers of {model_path} into {store}",
+                       job_id=job_id, task_ids=ids)
+        return ids
+
+    def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path | None = None,
+                             num_students: int = 2, peft_type: str = "lora",
+                             peft_config: dict[str, Any] | None = None, **kwargs: Any) -> list[str]:
+        """One students job on a teacher's store (see StudentTasks.create_student_tasks for every
+        argument); returns the student task ids, `<job>-student-N`. `teacher_outputs_dir` is a store
+        this orchestrator's teacher calls wrote (or a teacher task or job id; on the embedded cluster,
+        any store); without it, this orchestrator's last teacher task's. The job starts training when
+        that teacher job has completed. Outputs: `<output_dir>/output/student_N/` (default: the store's
+        parent), N counting on across this orchestrator's calls."""
+        call = dict(base_model=base_model, teacher_outputs_dir=teacher_outputs_dir, num_students=num_students,
+                    peft_type=peft_type, peft_config=peft_config, **kwargs)
+        if not self._as_jobs:
+            return super().create_student_tasks(**call)
+        args = _call_args(StudentTasks.create_student_tasks, {**call, "teacher_outputs_dir": "-"},
+                          drop=("teacher_outputs_dir", "output_dir", "resume"))
+        student_args(peft_type, peft_config, kwargs.get("lora_config"), kwargs.get("task_config"),
+                     kwargs.get("cpus_per_student"), kwargs.get("save_every"), kwargs.get("max_retries"))
+        source, store = self._teacher_source(teacher_outputs_dir)
+        base = Path(kwargs.get("output_dir") or store.parent).expanduser().resolve()
+        n = (1 if isinstance(base_model, str) else len(base_model)) * num_students
+        first, self._next_student = self._next_student, self._next_student + n
+        job_id = self._submit("students", args, name=f"students {base_model}", first_student=first,
+                              output_dir=base, **source)
+        ids = [f"{job_id}-student-{k}" for k in range(first, first + n)]
+        for k, tid in zip(range(first, first + n), ids):
+            local = base / "output" / f"student_{k}"
+            self._mine[tid] = {"job": job_id, "fetch": ("student", f"student_{k}", local)}
+            self._student_dirs[str(local)] = tid
+        self.log_event("submitted", f"students job {job_id}: {n} students of {base_model} on {store}",
+                       job_id=job_id, task_ids=ids)
+        return ids
+
+    def aggregate_student_outputs(self, student_output_dirs: list[str | Path], output_path: str | Path,
+                                  method: str = "mean", **kwargs: Any) -> dict[str, Any]:
+        """Merge students' adapters into `<output_path>/final_adapter/` as an aggregate job, and wait
+        for it (the seeds' call returns the merge's report). Student task ids, or the output dirs of
+        this orchestrator's students (on the embedded cluster, any), wait for their jobs to complete."""
+        if not self._as_jobs:
+            return super().aggregate_student_outputs(student_output_dirs, output_path, method=method, **kwargs)
+        tasks, dirs = [], []
+        for d in student_output_dirs:
+            tid = str(d) if split_task_id(str(d)) else self._student_dirs.get(str(Path(d).expanduser().resolve()))
+            if tid is not None:
+                tasks.append(tid)
+            elif self._embedded:
+                dirs.append(str(Path(d).expanduser().resolve()))
+            else:
+                raise SmolforgeError(f"{d} is not a student of this orchestrator", where="aggregate_student_outputs",
+                                     fix="pass the task ids create_student_tasks returned, or their output dirs")
+        final = final_adapter_path(Path(output_path).expanduser().resolve())
+        job_id = self._submit("aggregate", {"method": method, **kwargs}, name="aggregate", student_tasks=tasks,
+                              student_dirs=dirs, output_dir=final)
+        self.log_event("submitted", f"aggregate job {job_id}: {len(tasks) + len(dirs)} students into {final}",
+                       job_id=job_id)
+        st = self.backend.wait_for_job(job_id)
+        if st["state"] != "completed":
+            raise SmolforgeError(f"aggregation job {job_id} {st['state']}: {st.get('error')}",
+                                 fix=f"see `smolforge job logs {job_id}`")
+        if not self._embedded:
+            self.backend.download_artifact(job_id, "adapter", final.name, final, overwrite=True)
+        return {**(st.get("result") or {}), "output": str(final), "task_id": f"{job_id}-aggregate-0", "job_id": job_id}
+
+    def reassign_idle_teacher_as_student(self, task_id: str) -> str | None:
+        """A finished teacher's node goes to the next waiting student: the cluster's queue does that as
+        soon as a node frees, so this checks the teacher has finished and returns the first of this
+        orchestrator's students still waiting for a node (which the queue places next), or None."""
+        if not self._as_jobs:
+            return super().reassign_idle_teacher_as_student(task_id)
+        parts = split_task_id(task_id)
+        if parts is None or not parts[1].startswith("teacher-"):
+            raise SmolforgeError(f"{task_id} is not a teacher task", fix="pass an id returned by create_parallel_teacher_tasks")
+        state = self.task_status(task_id)["state"]
+        if state not in FINAL_STATES:
+            raise SmolforgeError(f"teacher {task_id} is still {state}", fix="reassign it once it has finished its shards")
+        students = [t for t in self._mine if split_task_id(t)[1].startswith("student-")]
+        waiting = [t for t, st in self._statuses(students).items() if st["state"] == "pending"]
+        self.log_event("teacher_reassigned", f"{task_id} finished; the queue gives its node to "
+                       f"{waiting[0] if waiting else 'the next waiting job'}", teacher=task_id,
+                       student=waiting[0] if waiting else None)
+        return waiting[0] if waiting else None
+
+    @property
+    def _embedded(self) -> bool:
+        return bool(getattr(self.backend, "runs_in_process", False))
+
+    def _submit(self, stage: str, args: dict[str, Any], *, name: str, output_dir: Path, **fields: Any) -> str:
+        """One distill_task job; an embedded one writes where the call said, a coordinator's in its state dir."""
+        spec = {"kind": "distill_task", "stage": stage, "mode": _distill_mode(self.mode), "name": name,
+                "args": args, **{k: v for k, v in fields.items() if v}}
+        if self._embedded:
+            spec["output_dir"] = str(output_dir)
+        job_id = self.backend.submit_job(spec)
+        if self._embedded and not self._exit_hook:  # after the cluster started: our hook runs before Ray's
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._exit_hook = True
+        return job_id
+
+    def _teacher_source(self, teacher_outputs_dir: str | Path | None) -> tuple[dict[str, Any], Path]:
+        """(the spec fields naming the store a students job reads, its local path)."""
+        if teacher_outputs_dir is None:
+            if self._last_teacher is None:
+                raise SmolforgeError("no teacher_outputs_dir given and this orchestrator has created no teacher task",
+                                     where="create_student_tasks",
+                                     fix="call create_teacher_task first, or pass teacher_outputs_dir")
+            job_id, store = self._last_teacher
+            note = (f"create_student_tasks: no teacher_outputs_dir given; using the outputs of this orchestrator's "
+                    f"last teacher task (job {job_id}, {store})")
+            self.log_event("students_use_last_teacher", note, job_id=job_id, store=str(store))
+            print(f"[smolforge] {note}", file=sys.stderr)
+            return {"teacher_job": job_id}, store
+        text = str(teacher_outputs_dir)
+        parts = split_task_id(text)
+        if parts is not None or text.startswith("job-") and not Path(text).exists():
+            return {"teacher_job": parts[0] if parts else text}, Path.cwd() / "teacher_outputs"
+        store = store_dir_of(Path(text).expanduser()).resolve()
+        if str(store) in self._teacher_jobs:
+            return {"teacher_job": self._teacher_jobs[str(store)]}, store
+        if self._embedded:
+            return {"store_dir": str(store)}, store
+        raise SmolforgeError(f"{teacher_outputs_dir} was not written by a teacher task of this orchestrator",
+                             where="create_student_tasks", fix="pass the teacher task (or job) id, or leave "
+                             "teacher_outputs_dir out to use this orchestrator's last teacher task")
+
+    def _started_tasks(self, job_id: str, kind: str) -> list[str]:
+        """The job's `kind` task ids once it has started them (or it ended first: then none)."""
+        while True:
+            st = self.backend.get_job_status(job_id)
+            ids = [t["id"] for t in st.get("tasks", []) if t["kind"] == kind]
+            if ids or st["state"] in FINAL_STATES + ("paused",):
+                if st["state"] == "failed" and not ids:
+                    raise SmolforgeError(f"{kind} job {job_id} failed: {st.get('error')}",
+                                         fix=f"see `smolforge job logs {job_id}`")
+                return sorted(ids, key=lambda t: int(t.rsplit("-", 1)[1]))
+            time.sleep(0.5)
+
+    def _publishing(self, task_id: str, status: dict[str, Any]) -> bool:
+        """Our completed task whose job has not finished yet: its outputs are published as the job ends."""
+        return (task_id in self._mine and not self._embedded and status.get("state") == "completed"
+                and status.get("job_state") not in FINAL_STATES + ("paused",))
+
+    def _fetch_outputs(self, task_id: str, status: dict[str, Any]) -> None:
+        """On a coordinator, a completed job's outputs into the local paths this orchestrator's call named."""
+        mine = self._mine.get(task_id)
+        if mine is None or self._embedded or status.get("job_state") != "completed":
+            return
+        kind, name, local = mine["fetch"]
+        key = (mine["job"], kind, name)
+        if key in self._fetched:
+            return
+        self._fetched.add(key)
+        try:
+            self.backend.download_artifact(mine["job"], kind, name, local)
+            self.log_event("fetched", f"{task_id}'s outputs are in {local}", task_id=task_id, path=str(local))
+        except SmolforgeError as err:
+            self.log_event("fetch_failed", f"{task_id}'s outputs stay on the coordinator: {err.what}", task_id=task_id)
+            print(f"[smolforge] {task_id}'s outputs stay on the coordinator: {err.render()}", file=sys.stderr)
 
     def get_job_status(self, job_id: str) -> dict[str, Any]:
         return self.backend.get_job_status(job_id)
@@ -184,6 +432,55 @@ class Orchestrator(DistillTasks):
 
     def join(self, job_id: str, node: str | None = None) -> dict:
         return self.backend.join_job(job_id, node)
+
+    def leave(self, job_id: str, node: str | None = None) -> dict:
+        """Give back the coordinator node (or `node`), lent with `join`, at the job's next boundary."""
+        return self.backend.leave_job(job_id, node)
+
+
+def _job_task_status(job: dict[str, Any], row_id: str) -> dict[str, Any]:
+    """One task of a job as the seeds' callbacks read it: the job's status, with the task's state, node
+    and error from its row (a task not started yet is pending; a completed job's tasks all completed)."""
+    row = next((t for t in job.get("tasks", []) if t["id"] == row_id), None)
+    state, job_state = job["state"], job["state"]
+    if job_state != "completed" and row is not None:
+        if row["state"] in FINAL_STATES:
+            state = row["state"]
+        elif job_state not in FINAL_STATES + ("paused",):
+            state = "running" if row["state"] == "running" else "pending"
+    elif job_state != "completed" and job_state not in FINAL_STATES + ("paused",):
+        state = "pending"
+    node = (row or {}).get("node_name")
+    return {**job, "task_id": row_id, "job_state": job_state, "state": state,
+            "progress": 1.0 if state == "completed" else job.get("progress") or 0.0,
+            "node": node or job.get("node"), "nodes": [node] if node else job.get("nodes", []),
+            "error": (row or {}).get("error") or job.get("error")}
+
+
+def _call_args(method: Callable, call: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
+    """The call's arguments, checked against the in-process method's signature (a wrong name is Python's
+    own TypeError, here), as JSON for the job: a TaskConfig as its fields, paths as strings."""
+    inspect.signature(method).bind(None, **call)
+    out: dict[str, Any] = {}
+    for key, value in call.items():
+        if key in drop or value is None:
+            continue
+        if isinstance(value, TaskConfig):
+            value = value.model_dump(exclude_none=True)
+        out[key] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def _distill_mode(mode: str) -> str:
+    """The distill mode of the orchestrator's mode: hybrid stays, the others are teacher_student."""
+    return "hybrid" if mode == "hybrid" else "teacher_student"
+
+
+def _close_at_exit(ref: "weakref.ref[Orchestrator]") -> None:
+    """An embedded cluster's job threads stop before Ray's exit hook shuts Ray down (a script just ends)."""
+    orch = ref()
+    if orch is not None:
+        orch.close()
 
 
 def _shutdown_at_exit(ref: "weakref.ref[Orchestrator]") -> None:

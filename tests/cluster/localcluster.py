@@ -134,8 +134,9 @@ class LocalCluster:
         return f"{'https://' if self.tls_fingerprint else ''}{self.host}:{self.port}"
 
     def add_worker(self, name: str, cpus: int = 1, models_dir: Path | None = None, token: str | None = None,
-                   wait: bool = True, timeout: float = 120, tls_fingerprint: str | None = None) -> Proc:
-        args = ["worker", "join", self.hostport, "--name", name, "--cpus", str(cpus), "--memory", "4",
+                   wait: bool = True, timeout: float = 120, tls_fingerprint: str | None = None,
+                   memory_gb: float = 4) -> Proc:
+        args = ["worker", "join", self.hostport, "--name", name, "--cpus", str(cpus), "--memory-limit", f"{memory_gb:g}",
                 "--state-dir", str(self.base / f"node-{name}"), "--object-store-mb", "100"]
         if tls_fingerprint or self.tls_fingerprint:
             args += ["--tls-fingerprint", tls_fingerprint or self.tls_fingerprint]

@@ -895,6 +895,62 @@ def test_a_join_before_placement_is_never_lost(world):
     assert_same_weights(adapter_of(world, job_id), reference(world, 6))
 
 
+def test_a_lent_node_leaves_at_the_next_checkpoint_and_the_job_completes(world):
+    """The coordinator, lent with `job join`, is given back with `job leave`: the group stops at its next
+    checkpoint and re-forms without it, and the job completes with the same weights as one process (the
+    same global batch on 2, 3, then 2 ranks). The ranks hold at a known step before each move (after
+    step 2 for the join; the coordinator's rank, and the others blocked on it, after step 8 for the
+    leave), so neither races the job's end."""
+    steps = SHORT
+    c = world["c"]
+    client = c.client()
+    with held(world, 2), held(world, 8, nodes=("coordinator",)):
+        job_id = submit_held(world, job_spec(world, batch_size=3, max_steps=steps), 2)
+        client.join_job(job_id)  # the held ranks go on to the checkpoint of step 5: the group re-forms at 6
+        wait_event(client, job_id, "held", count=3)  # 2 ranks held after step 2, then the coordinator's after 8
+        r = c.cli("job", "leave", job_id, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["job_id"] == job_id, r.stderr
+        st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = render_timeline(events)
+    kinds = [e["kind"] for e in events]
+    left = [e["data"] for e in events if e["kind"] == "member_left"]
+    # asked for while held after step 8: the checkpoint of step 10 turns it into a pause at step 11
+    assert left == [{"node": "@coordinator", "boundary": "checkpoint", "step": 11}], timeline
+    assert kinds.index("regrouped") < kinds.index("leave_requested") < kinds.index("member_left"), timeline
+    assert "worker_failed" not in kinds and not st["attempts"], timeline  # never a failure
+    ranks = [t for t in st["tasks"] if t["kind"] == "dp_rank"]
+    by_round = {a: sorted(t["node_name"] for t in ranks if t["attempt"] == a) for a in {t["attempt"] for t in ranks}}
+    assert list(by_round.values()) == [["w1", "w2"], ["coordinator", "w1", "w2"], ["w1", "w2"]], (by_round, timeline)
+    assert st["result"]["world"] == 2 and st["result"]["steps"] == steps, st["result"]
+    assert_same_weights(adapter_of(world, job_id), reference(world, 6, max_steps=steps))
+
+
+def test_a_lent_diloco_member_leaves_at_its_next_outer_step_and_the_others_go_on(world):
+    """The coordinator joins a running diloco job as member 2, is taken in at the outer step of step 5 and
+    held after step 7; `leave_job` lets it go at its next outer step (10), as a lost member is let go:
+    the other two re-form their group there and finish, with no restart and no failure."""
+    steps = SHORT
+    client = world["c"].client()
+    with held(world, 2), held(world, 7, nodes=("coordinator",)):
+        job_id = submit_held(world, diloco_spec(world, steps), 2)
+        client.join_job(job_id)
+        wait_event(client, job_id, "held", count=3)  # w1, w2 after step 2; the taken-in coordinator after 7
+        client.leave_job(job_id)
+        st = wait_state(client, job_id, ("completed",))
+    events = client.job_events(job_id)
+    timeline = render_timeline(events)
+    kinds = [e["kind"] for e in events]
+    left = [e["data"] for e in events if e["kind"] == "member_left"]
+    assert left == [{"node": "@coordinator", "boundary": "outer step", "step": 10, "rank": 2,
+                     "node_name": "coordinator"}], timeline
+    reformed = [(e["data"]["members"], e["data"]["step"]) for e in events if e["kind"] == "group_reformed"]
+    assert reformed == [([0, 1, 2], 5), ([0, 1], 10)], timeline
+    assert "worker_failed" not in kinds and "recovering" not in kinds and not st["attempts"], timeline
+    assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1, timeline  # no restart
+    assert st["result"]["steps"] == steps and st["result"]["workers"] == 2, st["result"]
+
+
 # -- failures -------------------------------------------------------------------------------------
 
 def test_worker_sigkilled_mid_job_recovers_from_checkpoint(world):

@@ -45,7 +45,7 @@ def test_job_ids_exact_name_or_unique_prefix_never_a_guess(tmp_path):
 
 
 def test_every_kind_is_one_registry_entry():
-    assert set(kinds.KINDS) == {"data_parallel", "distill", "serve", "export"}
+    assert set(kinds.KINDS) == {"data_parallel", "distill", "distill_task", "serve", "export", "split"}
     for name, kind in kinds.KINDS.items():
         assert issubclass(kind.runner(), JobRunner)
         assert kind.demand is not None, f"{name}: the queue needs to know what a {name} job asks for"

@@ -278,6 +278,42 @@ def test_async_ps_takes_in_a_joiner_from_the_current_weights(world):
     assert sum(res["parts_done_per_rank"]) == 200, res
 
 
+@pytest.mark.soak  # the CI tier's proof of `job leave`: tests/cluster/test_cluster.py (ddp, and diloco's members)
+def test_async_ps_lets_a_lent_worker_leave_at_its_next_step(world):
+    """The coordinator, lent to a running async-ps job (member 2), is given back with `leave_job` once it
+    has started: it leaves after its next step, the server hands its unfinished parts to the others as
+    it does for a lost member, and the job completes on its two workers with no restart. Every member is
+    slowed (0.3 s per sample) so the job outlasts the joiner's start and the leave on a slow machine."""
+    c, client = world["c"], world["c"].client()
+    delays = [c.state.parent / f"node-{n}" / "node" / "fault-sample-delay-s" for n in ("w1", "w2")]
+    delays.append(c.state / "node" / "fault-sample-delay-s")
+    for f in delays:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("0.3")
+    try:
+        job = client.submit_job({**spec(world, "async-ps", {}, steps=100), "allowed_nodes": ["w1", "w2"]})
+        wait_step(client, job, 3)
+        client.join_job(job)
+        deadline = time.time() + 300  # the joiner says it started (it trains from then on)
+        while not any(e["kind"] == "rank_started" and "coordinator" in e["message"] for e in client.job_events(job)):
+            assert time.time() < deadline, timeline(client, job)
+            time.sleep(0.3)
+    finally:
+        for f in delays:  # read once, when a rank starts: the running ranks keep their delay
+            f.unlink(missing_ok=True)
+    client.leave_job(job)
+    st = wait_state(client, job, ("completed",))
+    events = client.job_events(job)
+    kinds = [e["kind"] for e in events]
+    left = [e["data"] for e in events if e["kind"] == "member_left"]
+    assert len(left) == 1 and isinstance(left[0].pop("step"), int), timeline(client, job)
+    assert left == [{"node": "@coordinator", "boundary": "step", "rank": 2, "node_name": "coordinator"}], left
+    assert "recovering" not in kinds and "worker_failed" not in kinds and not st["attempts"], timeline(client, job)
+    assert len([t for t in st["tasks"] if t["kind"] == "dp_group"]) == 1  # no restart
+    res = st["result"]
+    assert res["steps"] == 100 and res["workers"] == 2 and "coordinator" not in res["nodes"], res
+
+
 def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(world):
     """Three workers; the server sits with rank 2. Its whole node is SIGKILLed mid-job: the round fails,
     and the job resumes from the last checkpoint (which holds the server's state) with a new server on

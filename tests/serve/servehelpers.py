@@ -1,6 +1,6 @@
-"""Start a real `smolforge serve` process: a model dir, a token file, a free port, one torch thread
-(CI machines here have two cores). A uniquely named module, so tests import it without clashing
-with tests/conftest.py."""
+"""Start a real `smolforge serve` process: a model dir, a token file, a free port, one thread (CI
+machines here have two cores), the torch engine unless `extra` names another (the last --engine
+counts). A uniquely named module, so tests import it without clashing with tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123"
     env.pop("SMOLFORGE_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", "serve", "--model", str(model_dir),
                              "--model-name", "tiny", "--port", str(port), "--token-file", str(token_file),
-                             "--num-threads", "1", "--device", "cpu", *extra],
+                             "--num-threads", "1", "--device", "cpu", "--engine", "torch", *extra],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 90
     while True:

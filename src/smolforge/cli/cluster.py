@@ -1,10 +1,10 @@
 """Cluster commands: coordinator, workers, watching and controlling jobs, launching training.
 
     smolforge coordinator start [--host --port --ray-port --state-dir]
-    smolforge worker join HOST:PORT --token-file F [--name --models-dir --cpus --gpus --memory]
+    smolforge worker join HOST:PORT --token-file F [--name --models-dir --cpus --gpus --memory-limit]
     smolforge status | nodes | resources | jobs
     smolforge dashboard [--port]   (the embedded cluster's dashboard; a coordinator serves its own)
-    smolforge job show|logs|pause|resume|cancel|join ID
+    smolforge job show|logs|pause|resume|cancel|join|leave ID
     smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
     smolforge submit job.yaml [--set key=value]
 
@@ -248,7 +248,10 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         models_dir: Optional[str] = typer.Option(None, help="a folder of models (each with config.json)"),
         cpus: Optional[int] = typer.Option(None, help="CPUs to lend (default: all)"),
         gpus: Optional[int] = typer.Option(None, help="GPUs to lend (default: all found)"),
-        memory: Optional[float] = typer.Option(None, help="RAM to advertise, GB (default: all)"),
+        memory: Optional[float] = typer.Option(None, "--memory-limit", "--memory",
+                                               help="this node's memory, GB (default: all): placement and the "
+                                                    "stage planner count no more, and where cgroup v2 allows it "
+                                                    "the kernel caps the worker's processes at it (memory.max)"),
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         object_store_mb: Optional[int] = typer.Option(None, help="Ray object store size on this node"),
         no_hf_cache: bool = typer.Option(False, "--no-hf-cache", help="do not advertise models from the HF cache"),
@@ -410,7 +413,7 @@ def _register_listings(app: typer.Typer) -> None:
 
 
 def _register_job_control(job_app: typer.Typer) -> None:
-    """`job pause|resume|cancel|join`: the commands that change a job's course."""
+    """`job pause|resume|cancel|join|leave`: the commands that change a job's course."""
 
     def _job_cmd(action: str, doc: str):
         @run_cli
@@ -475,6 +478,37 @@ def _register_job_control(job_app: typer.Typer) -> None:
         else:
             typer.echo(f"job {st['job_id']}: {node or 'the coordinator'} joins at the next checkpoint")
 
+    @job_app.command("leave")
+    @run_cli
+    def job_leave(
+        job_id: str = typer.Argument(..., help="a running data-parallel job"),
+        node: Optional[str] = typer.Option(None, help="a worker node lent with `job join --node` (default: the "
+                                                      "coordinator node)"),
+        coordinator: Optional[str] = typer.Option(None, help=COORD_HELP),
+        token: Optional[str] = typer.Option(None, help=TOKEN_HELP),
+        token_file: Optional[str] = typer.Option(None, "--token-file", help=TOKEN_FILE_HELP),
+        state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
+        json_out: bool = typer.Option(False, "--json", help="print the job status as JSON"),
+    ):
+        """Give back the coordinator node (or --node), lent with `job join`, at the job's next boundary.
+
+        A ddp, zero1, fsdp or pipeline group stops at its next checkpoint (the next step without checkpoints) and re-forms without the node from there.
+
+        A diloco group, or a parameter server's workers, let the node's members go at their next outer step (or step), as they do a lost member, and go on without a restart.
+
+        The global batch stays the same and the job goes on to its end; `member_left` in `job logs` says where the node left.
+
+        Only a node lent to the job can leave, and never the job's last member: pause or cancel the job instead.
+
+        Example: smolforge job leave job-1a2b3c --node w3
+        """
+        st = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True).leave_job(job_id, node)
+        if json_out:
+            print_json(st)
+        else:
+            typer.echo(f"job {st['job_id']}: {node or 'the coordinator'} leaves at the job's next boundary "
+                       f"(`smolforge job logs {st['job_id']}` says when)")
+
 
 def _register_job_views(job_app: typer.Typer) -> None:
     """`job show` and `job logs`: what one job is doing and has said."""
@@ -506,6 +540,10 @@ def _register_job_views(job_app: typer.Typer) -> None:
             con.print(f"error: {job['error']}")
         if job.get("comm"):
             con.print(_comm_line(job["comm"]), markup=False)
+        from smolforge.cluster.control.jobview import memory_lines
+
+        for line in memory_lines(job):  # peak RSS per rank or stage
+            con.print(line, markup=False)
         from rich.table import Table
 
         t = Table(title="tasks")

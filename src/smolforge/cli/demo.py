@@ -84,12 +84,15 @@ def prepare_output_dir(output_dir: str, replaces: tuple[str, ...]) -> None:
 
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
+    from smolforge.cluster.workloads.distill.session import DistillSession
     from smolforge.distill.demo import run_demo
     from smolforge.orchestrator import Orchestrator
 
     t0 = time.perf_counter()
     with Orchestrator("teacher_student") as orch:  # the configured coordinator, else the embedded cluster
-        summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings, orchestrator=orch)
+        # the demo drives its tasks in this process (the building blocks of a distill job), on orch's cluster
+        session = DistillSession(orch.cluster, "teacher_student")
+        summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings, orchestrator=session)
     summary.setdefault("before_accuracy", summary.get("student_base_accuracy"))
     summary.setdefault("after_accuracy", summary.get("kd_accuracy"))
     summary.setdefault("eval_loss_before", summary.get("student_base_eval_loss"))

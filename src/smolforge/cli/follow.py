@@ -26,6 +26,7 @@ def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0
                         console=Console(stderr=True), refresh_per_second=4)
     task = progress.add_task(job_id, total=None, rate="", info="starting")
     first = None
+    seen: dict = {"id": 0, "line": ""}
 
     def update(st: dict) -> None:
         nonlocal first
@@ -41,12 +42,28 @@ def wait_with_progress(backend: Any, job_id: str, quiet: bool, poll: float = 1.0
             info += f" · loss {st['loss']:.4f}"
         if st.get("nodes"):
             info += f" · {len(st['nodes'])} workers"
+        if not done and st["state"] == "running" and model_transfer_line(backend, job_id, seen):
+            info += f" · {seen['line']}"
         progress.update(task, total=total, completed=done, rate=rate, info=info)
 
     with progress:
         final = backend.wait_for_job(job_id, poll=poll, callback=update)
         update(final)
     return final
+
+
+def model_transfer_line(backend: Any, job_id: str, seen: dict) -> str:
+    """The newest `model_transfer` event's message (workers fetching the job's model before its ranks
+    start: bytes, pieces, rate), from the events after `seen["id"]`; kept in `seen["line"]`."""
+    try:
+        events = backend.job_events(job_id, seen["id"])
+    except SmolforgeError:
+        return seen["line"]  # the coordinator is busy: the bar keeps what it showed
+    for e in events:
+        seen["id"] = max(seen["id"], int(e["id"]))
+        if e["kind"] == "model_transfer":
+            seen["line"] = e["message"]
+    return seen["line"]
 
 
 HEADLINE = ("strategy", "workers", "steps", "samples", "final_loss", "eval_loss", "comm_bytes_sent_per_rank",

@@ -47,8 +47,16 @@ def _register_launch(app: typer.Typer) -> None:
         balance: str = typer.Option("auto", help="data_parallel, synchronous strategies: rows per rank follow each "
                                     "rank's measured speed when speeds differ by >20% (auto), or equal (off)"),
         mode: str = typer.Option("data_parallel", help="data_parallel | model_parallel | teacher_student | hybrid "
-                                 "(distillation: --model is the teacher, --student the student, --workers the "
-                                 "students)"),
+                                 "| split (distillation: --model is the teacher, --student the student, --workers the "
+                                 "students; split: a trunk server the coordinator places, the client where "
+                                 "--client-node says)"),
+        split_point_1: Optional[int] = typer.Option(None, "--split-point-1", help="split: bottom = embeddings + "
+                                                    "layers [0, A), on the client"),
+        split_point_2: Optional[int] = typer.Option(None, "--split-point-2", help="split: trunk = layers [A, B), on "
+                                                    "a worker holding the model (a GPU first); top = the rest"),
+        client_node: Optional[str] = typer.Option(None, "--client-node", help="split: where the client (the data, "
+                                                  "bottom and top) runs: @coordinator (default: the coordinator's "
+                                                  "machine; embedded: this one) or a worker's name"),
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
         kd_loss: str = typer.Option("forward_kl", help=f"teacher_student/hybrid: {'|'.join(KD_LOSSES)}"),
         kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
@@ -69,7 +77,8 @@ def _register_launch(app: typer.Typer) -> None:
         seed: Optional[int] = typer.Option(None),
         dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP + " (distillation: teacher and students)"),
         cpus_per_worker: float = typer.Option(1.0, help="CPUs (and torch threads) per rank"),
-        gpu: str = typer.Option("no", help="no|preferred|required"),
+        gpu: Optional[str] = typer.Option(None, help="no|preferred|required (default no; --mode split: the trunk's "
+                                          "node, default preferred)"),
         max_retries: int = typer.Option(2, help="worker failures to survive"),
         name: Optional[str] = typer.Option(None, help="a name for the job"),
         priority: str = typer.Option("normal", help=PRIORITY_HELP),
@@ -119,9 +128,15 @@ def _register_launch(app: typer.Typer) -> None:
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
+
+        Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
         """
         flags = dict(locals())  # every option by name, as given
         after = _export_after(flags)
+        if mode == "split":
+            _launch_split_flags(flags, after)
+            return
+        _not_for({"--split-point-1": split_point_1, "--split-point-2": split_point_2, "--client-node": client_node})
         if mode in ("teacher_student", "hybrid"):
             _launch_distill_flags(flags, after)
         else:
@@ -134,7 +149,8 @@ def _register_submit(app: typer.Typer) -> None:
     @app.command()
     @run_cli
     def submit(
-        job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}) or distill (mode, distill: {...})"),
+        job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}), distill (mode, distill: {...}) "
+                                   "or split (client_node, split: {...})"),
         set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set num_workers=3"),
         priority: Optional[str] = typer.Option(None, help=PRIORITY_HELP + " (default: the file's, else normal)"),
         wait: bool = typer.Option(False, "--wait", help="follow the job to its end"),
@@ -199,7 +215,7 @@ def _launch_distill_flags(o: dict[str, Any], after: Callable[[Path], dict] | Non
                              "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {o['mode']}")
     _launch_distill(mode=o["mode"], teacher=o["model"], students=o["student"], dataset=o["dataset"], workers=workers,
                     token=cli_token(o["token"], o["token_file"]), sets=o["set_"],
-                    unsupported={"--gpu": None if o["gpu"] == "no" else o["gpu"]}, after=after,
+                    unsupported={"--gpu": None if o["gpu"] in (None, "no") else o["gpu"]}, after=after,
                     **{key: o[key] for key in _DISTILL_FLAGS})
 
 
@@ -208,7 +224,7 @@ def _launch_data_parallel_flags(o: dict[str, Any], after: Callable[[Path], dict]
     mode = o["mode"]
     if mode not in ("data_parallel", "model_parallel"):
         raise SmolforgeError(f"unknown --mode {mode!r}",
-                             fix="use data_parallel, model_parallel, teacher_student or hybrid")
+                             fix="use data_parallel, model_parallel, teacher_student, hybrid or split")
     if o["student"]:
         raise SmolforgeError("--student is for --mode teacher_student or hybrid",
                              fix="drop --student, or pick a distillation mode")
@@ -220,8 +236,57 @@ def _launch_data_parallel_flags(o: dict[str, Any], after: Callable[[Path], dict]
     for key in ("epochs", "max_steps", "lr", "save_every", "seed", "max_length", "lora_r", "lora_alpha", "peft", "dtype"):
         if o[key] is not None:
             kwargs[key] = o[key]
-    spec = _launch_spec(o["model"], o["dataset"], gpu=o["gpu"], sets=o["set_"], **kwargs)
+    spec = _launch_spec(o["model"], o["dataset"], gpu=o["gpu"] or "no", sets=o["set_"], **kwargs)
     _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers",
+                       coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
+                       state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
+                       output_dir=o["output_dir"], after=after)
+
+
+def _not_for(given: dict[str, Any]) -> None:
+    """Flags of --mode split given to another mode: one message naming them."""
+    named = [flag for flag, value in given.items() if value is not None]
+    if named:
+        raise SmolforgeError(f"{', '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to --mode split only",
+                             fix=f"drop {'them' if len(named) > 1 else 'it'}, or use --mode split")
+
+
+# `launch` flags a split job takes, and their names in `split:` (the seed's, as `smolforge split train` has them)
+_SPLIT_FLAGS = {"batch_size": "batch_size", "max_steps": "max_steps", "epochs": "num_epochs", "lr": "learning_rate",
+                "lora_r": "lora_rank", "lora_alpha": "lora_alpha", "max_length": "max_seq_length", "seed": "seed",
+                "save_every": "save_interval"}
+
+
+def _launch_split_flags(o: dict[str, Any], after: Callable[[Path], dict] | None) -> None:
+    """`launch --mode split`: a split job (the trunk placed by the coordinator, the client on
+    --client-node) from the flags, submitted and followed; other modes' flags are one message."""
+    from smolforge.cluster.control.kinds import apply_job_overrides
+
+    given = [flag for flag, value in (("--workers", o["workers"]), ("--stages", o["stages"]),
+                                      ("--strategy", o["strategy"]), ("--student", o["student"]),
+                                      ("--num-teachers", o["num_teachers"]), ("--dtype", o["dtype"]),
+                                      ("--tensorboard", o["tensorboard"]), ("--wandb", o["wandb"])) if value]
+    if o["peft"] not in (None, "lora"):
+        given.append(f"--peft {o['peft']}")
+    if given:
+        raise SmolforgeError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --mode split",
+                             fix=f"drop {'it' if len(given) == 1 else 'them'}: split learning trains LoRA on all "
+                                 "three parts (its other settings: "
+                                 "--set split.KEY=VALUE, as `smolforge split train` names them)")
+    if o["split_point_1"] is None or o["split_point_2"] is None:
+        raise SmolforgeError("--mode split needs --split-point-1 and --split-point-2",
+                             fix="e.g. --split-point-1 1 --split-point-2 3: the trunk is layers [1, 3)")
+    split: dict[str, Any] = {"model": o["model"], "dataset": o["dataset"], "split_point_1": o["split_point_1"],
+                             "split_point_2": o["split_point_2"]}
+    split.update({key: o[flag] for flag, key in _SPLIT_FLAGS.items() if o[flag] is not None})
+    spec: dict[str, Any] = {"kind": "split", "name": o["name"], "priority": o["priority"],
+                            "max_retries": o["max_retries"], "cpus": o["cpus_per_worker"], "split": split}
+    if o["client_node"] is not None:
+        spec["client_node"] = o["client_node"]
+    if o["gpu"] is not None:
+        spec["trunk_gpu"] = o["gpu"]
+    spec = apply_job_overrides(spec, o["set_"])
+    _submit_and_follow(spec, f"split: trunk layers [{o['split_point_1']}, {o['split_point_2']})",
                        coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
                        output_dir=o["output_dir"], after=after)

@@ -16,6 +16,8 @@ import typer
 from smolforge.cli.common import PRIORITY_HELP, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
+from smolforge.models.export.cache import TEACHER_QUANTS
+from smolforge.serve.engines import DEFAULT_QUANT, ENGINE_HELP, check_engine
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +36,12 @@ def register(app: typer.Typer) -> None:
         model_name: Optional[str] = typer.Option(None, help="the name clients use in `model` (default: --model as given)"),
         device: str = typer.Option("auto", help="auto|cpu|cuda"),
         dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP + "; fp16 serves on a CPU too"),
-        num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+        num_threads: Optional[int] = typer.Option(None, "--num-threads", "--threads",
+                                                  help="the engine's threads (default: the CPUs this process may use)"),
+        engine: str = typer.Option("auto", help="what computes the tokens: " + ENGINE_HELP),
+        quant: Optional[str] = typer.Option(None, help="the llamacpp engine's GGUF quantization: "
+                                            f"{' | '.join(TEACHER_QUANTS)} (default {DEFAULT_QUANT}); the model is "
+                                            "exported once per node and cached, as for --teacher-backend llamacpp"),
         stages: Optional[str] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
                                              "holding it: a `serve` job on the coordinator, or on an embedded "
                                              "cluster of this machine; auto: the placement plan chooses from "
@@ -62,14 +69,22 @@ def register(app: typer.Typer) -> None:
         Example: smolforge serve --model qwen2.5:0.5b --stages 2 --coordinator 192.168.1.10:8765
 
         Example: smolforge serve --model qwen2.5:0.5b --dtype bf16  (half the memory of fp32; auto: the checkpoint's own)
+
+        Example: smolforge serve --model qwen2.5:0.5b --engine llamacpp --quant q8_0 --threads 4
         """
         dtype = parse_dtype(dtype)  # one message before anything starts, staged or not
         quiet_libraries()
         from smolforge.cluster.nodes.statedir import check_port
 
         check_port(port, "--port", zero_picks=True)  # one message before anything starts, staged or not
+        check_engine(engine)
         if stages is not None:
             from smolforge.cli.common import cli_token
+
+            if engine == "llamacpp" or quant is not None:
+                raise SmolforgeError("--stages serves with the torch engine: stage actors hold torch layers",
+                                     where="--engine llamacpp" if engine == "llamacpp" else "--quant",
+                                     fix="drop --stages to serve with llama.cpp in one process, or drop --engine/--quant")
 
             spec = {"kind": "serve", "model": model, "stages": _stages(stages), "host": host, "port": port,
                     "max_batch": max_batch, "cpus_per_stage": cpus_per_stage, "priority": priority,
@@ -89,7 +104,7 @@ def register(app: typer.Typer) -> None:
 
         run(ServeOptions(model=model, adapter=adapter, host=host, port=port, token_file=token_file,
                          state_dir=state_dir, max_batch=max_batch, model_name=model_name, device=device,
-                         dtype=dtype, num_threads=num_threads), announce=announce)
+                         dtype=dtype, num_threads=num_threads, engine=engine, quant=quant), announce=announce)
 
 
 def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None,

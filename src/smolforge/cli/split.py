@@ -1,4 +1,4 @@
-"""`smolforge split serve | train | merge | info`: split learning from the command line.
+"""`smolforge split serve | train | merge | generate | info`: split learning from the command line.
 
 The flags are the seed project's (SplitLearn's `start_trunk_server.py` and
 `train_lora_distributed.py`), so its users' commands carry over. Run as
@@ -17,6 +17,7 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.common import check_port, cli_token, print_json, quiet_libraries, run_cli
+from smolforge.errors import SmolforgeError
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
 
@@ -58,6 +59,8 @@ def serve_cmd(
                                                  "(default $SMOLFORGE_HOME/split/server-checkpoints)"),
     session_timeout: float = typer.Option(900.0, help="free a session idle this many seconds (vanished client)"),
     max_sessions: int = typer.Option(8, help="most concurrent client sessions"),
+    generation_timeout: float = typer.Option(300.0, help="free a `split generate` session (and its KV cache) "
+                                             "idle this many seconds"),
     num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
 ):
     """Run the trunk server: layers [A, B) of MODEL, one LoRA and optimizer per client session.
@@ -81,7 +84,7 @@ def serve_cmd(
                       lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, device=device, host=host,
                       port=port, token=None if no_token else token, tls_cert=tls_cert, tls_key=tls_key,
                       checkpoint_dir=checkpoint_dir, session_timeout=session_timeout, max_sessions=max_sessions,
-                      num_threads=num_threads)
+                      num_threads=num_threads, generation_timeout=generation_timeout)
     if token_path:  # said before the port opens: a client that sees it open can already find the token
         typer.echo(f"token written to {token_path} (mode 0600); clients: --token-file {token_path} "
                    "(on another machine, a copy of it)", err=True)
@@ -214,6 +217,65 @@ def info_cmd(
 
     with TrunkClient(server_host, server_port, cli_token(token, token_file), tls_ca, reconnect_timeout=5.0) as client:
         print_json(MessageToDict(client.info(session_name), preserving_proto_field_name=True))
+
+
+def parse_server(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 host in brackets) -> (host, port); one message when it is anything else."""
+    from urllib.parse import urlsplit
+
+    fix = "pass the trunk server's address as HOST:PORT, e.g. --server 192.168.1.10:50051 ([::1]:50051 for IPv6)"
+    try:
+        parts = urlsplit(f"//{text.strip()}")
+        port = parts.port
+    except ValueError as err:  # '[::1' (no closing bracket), a port that is not a number or past 65535
+        raise SmolforgeError(f"--server {text!r} is not HOST:PORT ({err})", where="--server", fix=fix) from None
+    if not parts.hostname or port is None or parts.path or parts.query or parts.fragment \
+            or parts.username is not None:
+        raise SmolforgeError(f"--server {text!r} is not HOST:PORT", where="--server", fix=fix)
+    check_port(port, "--server")
+    return parts.netloc.rpartition(":")[0], port  # an IPv6 host keeps its brackets: gRPC targets need them
+
+
+@split_app.command("generate")
+@run_cli
+def generate_cmd(
+    server: str = typer.Option(..., "--server", help="the trunk server's HOST:PORT (same model and split points)"),
+    run_dir: str = typer.Option(..., "--run-dir", help="the --output-dir of `smolforge split train`"),
+    prompt: str = typer.Option(..., help="the user message"),
+    max_new_tokens: int = typer.Option(64, help="stop after this many new tokens (or at end of sequence)"),
+    temperature: float = typer.Option(0.0, help="0 = greedy (the merged model's tokens); > 0 samples"),
+    seed: int = typer.Option(0, help="sampling seed (with --temperature > 0)"),
+    step: Optional[int] = typer.Option(None, help="use this checkpoint of the run (default: the newest)"),
+    raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+    token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"the server's token (default: ${TOKEN_ENV})"),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token"),
+    tls_ca: Optional[str] = typer.Option(None, help="PEM CA bundle that signed the server's certificate: use TLS"),
+    tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
+    codec: str = typer.Option("fp32", help="hidden states on the wire: fp32|fp16|bf16|int8 (fp32 is exact)"),
+    device: str = typer.Option("cpu", help="cpu|cuda|auto"),
+    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+    json_out: bool = typer.Option(False, "--json", help="print the reply, its tokens and the cache counters as JSON"),
+):
+    """Reply to a prompt with a split-trained model, without merging it: bottom and top run here, the trunk
+    on the server, each side with its own KV cache.
+
+    Example: smolforge split generate --server 127.0.0.1:50051 --run-dir outputs/split --prompt "What is 2 + 3?"
+    --token-file split.token
+    """
+    host, port = parse_server(server)
+    quiet_libraries()
+    from smolforge.config import validate
+    from smolforge.split.generate import SplitGenerateConfig, generate
+
+    values: dict[str, Any] = dict(
+        run_dir=run_dir, prompt=prompt, server_host=host, server_port=port, token=cli_token(token, token_file),
+        tls_ca=tls_ca, tls_server_name=tls_server_name, step=step, max_new_tokens=max_new_tokens,
+        temperature=temperature, seed=seed, raw=raw, codec=codec, device=device, num_threads=num_threads)
+    result = generate(validate(SplitGenerateConfig, values, where="smolforge split generate"))
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        typer.echo(result.text)
 
 
 def register(app: typer.Typer) -> None:

@@ -27,8 +27,9 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, JobId, JoinRequest, NodeId, SeriesName,
-                                         Since, StateList, TaskName, document_errors, rows, validation_error)
+from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, JobId, JoinRequest, LeaveRequest, NodeId,
+                                         SeriesName, Since, StateList, TaskName, document_errors, rows,
+                                         validation_error)
 from smolforge.auth import bearer_of, tokens_match
 from smolforge.gate import Gate
 from smolforge.cluster.nodes.heartbeat import Heartbeat
@@ -173,7 +174,7 @@ def _cluster_routes(app: FastAPI, core: Any, auth: list) -> None:
 
 def _job_routes(app: FastAPI, core: Any, auth: list) -> None:
     """Jobs: list, submit, show, their events, logs, metrics and artifacts, and the moves (pause, resume,
-    cancel, join) the manager makes."""
+    cancel, join, leave) the manager makes."""
 
     @app.get("/api/v1/jobs", dependencies=auth)
     def list_jobs(state: StateList = None, limit: int = rows(200)):
@@ -220,6 +221,11 @@ def _job_routes(app: FastAPI, core: Any, auth: list) -> None:
     @app.post("/api/v1/jobs/{job_id}/join", dependencies=auth)
     def join(job_id: JobId, body: JoinRequest | None = None):
         return core.manager.join(job_id, body.node if body else None)
+
+    @app.post("/api/v1/jobs/{job_id}/leave", dependencies=auth)
+    def leave(job_id: JobId, body: LeaveRequest | None = None):
+        """Give back a node lent with `join` (default: the coordinator); it leaves at the job's next boundary."""
+        return core.manager.leave(job_id, body.node if body else None)
 
     @app.get("/api/v1/jobs/{job_id}/artifacts", dependencies=auth)
     def artifacts(job_id: JobId):

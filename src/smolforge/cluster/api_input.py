@@ -53,6 +53,11 @@ class JoinRequest(BaseModel):
                              description="a worker node's name (default: lend the coordinator node)")
 
 
+class LeaveRequest(BaseModel):
+    node: str | None = Field(None, max_length=63, pattern=r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?$",
+                             description="a worker node lent with `join` (default: the coordinator node)")
+
+
 ERRORS = {status: {"model": ApiError, "description": text} for status, text in (
     (400, "bad request: a parameter out of range, a body that is not JSON or nests too deep, a spec that does "
           "not validate"),

@@ -151,6 +151,9 @@ class EmbeddedCluster:
     def join_job(self, job_id: str, node: str | None = None) -> dict:
         return job_status(self.manager.join(job_id, node))
 
+    def leave_job(self, job_id: str, node: str | None = None) -> dict:
+        return job_status(self.manager.leave(job_id, node))
+
     def job_events(self, job_id: str, since: int = 0) -> list[dict]:
         return self.store.events(self.store.get_job(job_id)["id"], since_id=since)
 

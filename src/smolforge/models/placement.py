@@ -61,6 +61,7 @@ class NodeCapacity:
     free_memory_bytes: int
     link_bytes_per_s: float | None = None  # its network link; a cut between two nodes runs at the slower
     link_latency_s: float | None = None
+    limit_bytes: int | None = None  # its memory limit (`worker join --memory-limit`), when it has one
 
 
 @dataclass(frozen=True)
@@ -395,12 +396,13 @@ def plan_serving(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | N
     nodes: stages share nodes in turn, each with the node's speed and a share of its memory.
     """
     nodes = _usable(nodes)
-    auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1))
     if stages is None:
+        auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1))
         return auto, list(auto.nodes)
     if stages <= len(nodes):
-        plan = plan_stages(info, nodes, stages)
-        if auto.kept_on_one_node and stages > 1:
+        plan = plan_stages(info, nodes, stages)  # a count that does not fit is refused as that count
+        auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1)) if stages > 1 else None
+        if auto is not None and auto.kept_on_one_node:
             plan.reason += f"; note: {auto.reason} (--stages auto keeps it there)"
         return plan, list(plan.nodes)
     shares = [len(range(j, stages, len(nodes))) for j in range(len(nodes))]
@@ -409,7 +411,7 @@ def plan_serving(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | N
         node = nodes[i % len(nodes)]
         slots.append(NodeCapacity(f"{node.name}#{i // len(nodes) + 1}", node.throughput,
                                   node.free_memory_bytes // shares[i % len(nodes)],
-                                  link_bytes_per_s=LOOPBACK_BYTES_PER_S))
+                                  link_bytes_per_s=LOOPBACK_BYTES_PER_S, limit_bytes=node.limit_bytes))
         hosts.append(node.name)
     plan = plan_in_order(info, slots)
     plan.reason += f"; {stages} stages on {len(nodes)} node{'s' * (len(nodes) > 1)}: stages share nodes"
@@ -419,10 +421,13 @@ def plan_serving(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | N
 def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeCapacity:
     """This process's node as placement sees it: FLOP/s of fp32 matmuls on `device` with this
     process's threads (a short timed loop, after a warm-up), and the memory free there now (the
-    device's on a GPU, the machine's available RAM on a CPU)."""
+    device's on a GPU, the machine's available RAM on a CPU, within the node's memory limit and cgroup:
+    `telemetry.memory.memory_room_bytes`)."""
     import time
 
     import psutil
+
+    from smolforge.telemetry.memory import memory_limit_bytes, memory_room_bytes
 
     device = device or torch.device("cpu")
     a = torch.randn(size, size, device=device)
@@ -439,8 +444,10 @@ def measure_node(name: str, device: torch.device | None = None, size: int = 512,
             if time.perf_counter() - t0 >= seconds:
                 break
     flops = 2 * size ** 3 * done / (time.perf_counter() - t0)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    return NodeCapacity(name, throughput=flops, free_memory_bytes=int(free))
+    if device.type == "cuda":
+        return NodeCapacity(name, throughput=flops, free_memory_bytes=int(torch.cuda.mem_get_info(device)[0]))
+    return NodeCapacity(name, throughput=flops, free_memory_bytes=memory_room_bytes(psutil.virtual_memory().available),
+                        limit_bytes=memory_limit_bytes())
 
 
 def _usable(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
@@ -533,7 +540,12 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
     piece_name, piece = max(pieces.items(), key=lambda kv: kv[1])
     where = f"in {stages} stage{'s' if stages > 1 else ''}" if stages else f"split across all {len(nodes)} node(s)"
     what = f"the model does not fit {where}: "
-    if free < need:
+    if stages == 1:  # one node must hold it all: the roomiest is the one to compare with
+        best = max(nodes, key=lambda node: node.free_memory_bytes)
+        what += (f"it needs {_size(need)} (weights x {costs.workload.headroom:g} headroom"
+                 f"{' + KV cache' if costs.workload.kv_tokens else ''}), the most free on one node is "
+                 f"{_size(best.free_memory_bytes)} on {best.name}: {_size(need - best.free_memory_bytes)} missing")
+    elif free < need:
         what += (f"it needs {_size(need)} (weights x {costs.workload.headroom:g} headroom"
                  f"{' + KV cache' if costs.workload.kv_tokens else ''}), the nodes have {_size(free)} free: "
                  f"{_size(need - free)} missing")
@@ -543,9 +555,20 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
     else:
         what += (f"the nodes have {_size(free)} free of the {_size(need)} it needs, but whole layers do not "
                  "pack into what each node has free")
+    what += _caps(costs, nodes)
     fix = ("free memory on the nodes or join another (`smolforge worker join`), load the model in bf16 "
            "(half the bytes of fp32), or choose a smaller model")
     return SmolforgeError(what, fix=fix + ("; or allow more stages" if stages else ""))
+
+
+def _caps(costs: _Costs, nodes: list[NodeCapacity]) -> str:
+    """The nodes' memory limits, when some have one: the reason a capped node refuses what the machine could hold."""
+    capped = [n for n in nodes if n.limit_bytes]
+    if not capped:
+        return ""
+    each = ", ".join(f"{n.name} {_size(n.limit_bytes)} ({_size(n.free_memory_bytes)} free for a stage)" for n in capped)
+    return (f"; the model's weights are {_size(costs.info.total_bytes)} in {costs.info.dtype_bytes * 8}-bit, and "
+            f"the memory limit (worker join --memory-limit) is {each}")
 
 
 def _size(n: float) -> str:

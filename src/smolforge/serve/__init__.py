@@ -5,6 +5,8 @@
 - `batch.py`: one static batch: `step()` gives every active request one new token
 - `stops.py`: incremental detokenization and stop strings
 - `engine.py`: the thread that owns the model, the request queue and the token streams
+- `engines.py`: which engine computes the tokens (`--engine`: a name -> loader registry, and the `auto`
+  rule); `llamacpp.py`: a GGUF export in llama.cpp as a `BatchModel`, one llama.cpp sequence per row
 - `stages.py`: a model cut into stages: `StageServer` (one stage, a KV cache per batch) and `StagedModel`
   (the batch model over stage handles: local servers, or the Ray actors of `cluster/workloads/serve/stages.py`)
 - `api.py`, `protocol.py`, `chat.html`: the HTTP side; `intake.py`: a body to a checked, tokenized

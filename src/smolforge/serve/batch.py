@@ -28,7 +28,8 @@ from smolforge.serve.stops import TextStream
 
 
 class BatchModel(Protocol):
-    """What a batch needs from a model: one process (`ServedModel`) or, later, a chain of stages."""
+    """What a batch needs from a model: torch in one process (`ServedModel`), a chain of stages
+    (`StagedModel`) or a GGUF in llama.cpp (`LlamaCppModel`): the seam `--engine` chooses behind."""
 
     device: torch.device
     eos_ids: frozenset[int]

@@ -43,6 +43,8 @@ class ServeOptions:
     dtype: str = "fp32"  # the weights' dtype, a --dtype choice (smolforge.models.dtypes)
     num_threads: int | None = None
     batch_window_ms: float = 5.0
+    engine: str = "auto"  # a name of `engines.ENGINES`, or auto (`engines.AUTO_RULE`)
+    quant: str | None = None  # the llamacpp engine's GGUF quantization (None: engines.DEFAULT_QUANT)
 
 
 def given_token(token_file: str | None) -> str | None:
@@ -63,7 +65,12 @@ def server_token(opts: ServeOptions) -> tuple[str, Path | None]:
 
 
 def check_options(opts: ServeOptions) -> None:
-    """Refuse bad numbers before anything loads (a port out of range is a message, not a traceback)."""
+    """Refuse bad numbers and names before anything loads (a port out of range is a message, not a traceback)."""
+    from smolforge.serve.engines import check_engine, check_quant
+
+    check_engine(opts.engine)
+    if opts.quant is not None:
+        check_quant(opts.quant)
     if not 0 <= opts.port <= 65535:
         raise SmolforgeError(f"--port {opts.port} is not a port", fix="give a port from 1 to 65535 (0: any free port)")
     if not 1 <= opts.max_batch <= 1024:
@@ -103,7 +110,7 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     # loaded, so a client meanwhile is refused at once rather than left waiting.
     sock = bind(opts.host, opts.port)
     try:
-        served, engine, app = _load(opts, token)
+        served, label, engine, app = _load(opts, token, announce)
     except BaseException:
         sock.close()
         raise
@@ -111,7 +118,7 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
-    announce(f"serving {served.name} on {base} (max batch {opts.max_batch}, {served.device})")
+    announce(f"serving {served.name} on {base} (max batch {opts.max_batch}, {label})")
     announce(f"  API base:  {base}/v1   (openai.OpenAI(base_url=\"{base}/v1\", api_key=<token>))")
     announce(f"  chat page: {base}/chat#token=<token>")
     announce(f"  token:     in {token_path} (mode 0600)" if token_path else
@@ -152,17 +159,16 @@ def stop_when_engine_dies(engine: Any, server: Any) -> None:
     engine.on_death = died
 
 
-def _load(opts: ServeOptions, token: str):
-    """The model, its running engine and the app serving them."""
-    import torch
-
+def _load(opts: ServeOptions, token: str, say: Callable[[str], None] = lambda line: None):
+    """The model (from the engine `--engine` names: `engines.ENGINES`), its running engine thread
+    and the app serving them."""
     from smolforge.serve.api import create_app
     from smolforge.serve.engine import Engine
-    from smolforge.serve.model import ServedModel
+    from smolforge.serve.engines import EngineSpec, load_engine
 
-    if opts.num_threads:
-        torch.set_num_threads(opts.num_threads)
-    served = ServedModel.load(opts.model, opts.adapter, name=opts.model_name or opts.model, device=opts.device,
-                              dtype=opts.dtype)
+    spec = EngineSpec(model=opts.model, name=opts.model_name or opts.model, adapter=opts.adapter, device=opts.device,
+                      dtype=opts.dtype, quant=opts.quant, threads=opts.num_threads, max_batch=opts.max_batch)
+    loaded = load_engine(opts.engine, spec, say)
+    served = loaded.model
     engine = Engine(served, max_batch=opts.max_batch, window_s=opts.batch_window_ms / 1000).start()
-    return served, engine, create_app(served, engine, token=token, model_name=served.name)
+    return served, loaded.label, engine, create_app(served, engine, token=token, model_name=served.name)

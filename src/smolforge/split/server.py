@@ -14,6 +14,10 @@ Robustness rules:
 - a repeated Backward returns the cached answer and a repeated Step is a no-op, so a client may
   retry a call whose reply was lost without applying a gradient twice;
 - a session idle for longer than the timeout (a client that vanished) is freed.
+
+Generation sessions (inference through the split: `OpenGeneration`, `GenerateStep`,
+`CloseGeneration`) live in `trunk_generate`: a trained trunk LoRA sent by the client and a KV
+cache each, under the same token and the same rules.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from smolforge.net import is_loopback
 from smolforge.models.loading import pick_device
 from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
+from smolforge.split.calls import CallError, check_mask, check_positions, not_found
+from smolforge.split.calls import invalid as _invalid
+from smolforge.split.calls import precondition as _precondition
 from smolforge.split.codec import CODECS, CodecError, decode, encode
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, targets
 from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, load_full_model, partition
@@ -54,6 +61,7 @@ from smolforge.split.protocol import (
     server_credentials,
 )
 from smolforge.split.rng import seeded_rng
+from smolforge.split.trunk_generate import Generations
 from smolforge.train.engine import available_cpus
 
 log = logging.getLogger("smolforge.split.server")
@@ -85,27 +93,12 @@ class ServeConfig:
     keep_last: int = 3
     num_threads: int | None = None
     max_workers: int = 8
+    generation_timeout: float = 300.0  # free a generation (and its KV cache) idle this long
+    max_generations: int = 16
 
     def peft(self) -> PeftSpec:
         return PeftSpec(method="lora", r=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
                         target_modules=self.target_modules)
-
-
-class CallError(Exception):
-    """An error status for the caller; the server carries on."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _invalid(msg: str) -> CallError:
-    return CallError(grpc.StatusCode.INVALID_ARGUMENT, msg)
-
-
-def _precondition(msg: str) -> CallError:
-    return CallError(grpc.StatusCode.FAILED_PRECONDITION, msg)
 
 
 @dataclass
@@ -155,6 +148,8 @@ class TrunkService(pb_grpc.TrunkServicer):
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
         self.rng_lock = threading.Lock()  # dropout draws from the process-wide RNG
+        self.generations = Generations(self.arch, self.base.config, self.device, self._new_trunk,
+                                       timeout=cfg.generation_timeout, limit=cfg.max_generations)
 
     # ----------------------------------------------------------------- helpers
 
@@ -162,8 +157,7 @@ class TrunkService(pb_grpc.TrunkServicer):
         with self.lock:
             sess = self.sessions.get(session_id)
         if sess is None:
-            raise CallError(grpc.StatusCode.NOT_FOUND,
-                            f"no session {session_id[:8]}… on this server (it restarted, or the session timed out)")
+            raise not_found("session", session_id)
         sess.touch()
         return sess
 
@@ -179,18 +173,21 @@ class TrunkService(pb_grpc.TrunkServicer):
             num_layers=self.arch.num_layers, hidden_size=self.arch.hidden_size,
             split_point_1=self.cfg.split_point_1, split_point_2=self.cfg.split_point_2, codecs=list(CODECS),
             active_sessions=len(self.sessions), checkpoint_steps=steps, version=__version__,
-            device=str(self.device), lora=self._lora_msg(), max_message_bytes=MAX_MESSAGE_BYTES)
+            device=str(self.device), lora=self._lora_msg(), max_message_bytes=MAX_MESSAGE_BYTES,
+            active_generations=self.generations.active())
 
     def _lora_msg(self) -> pb.LoraSpec:
         return pb.LoraSpec(enabled=self.cfg.use_lora, r=self.peft.r, alpha=self.peft.alpha, dropout=self.peft.dropout,
                            target_modules=targets(self.peft, self.arch.model_type))
 
-    def _new_trunk(self, seed: int) -> tuple[Trunk, list[nn.Parameter]]:
+    def _new_trunk(self, seed: int, peft: PeftSpec | None | str = "server") -> tuple[Trunk, list[nn.Parameter]]:
+        """A session's trunk with this server's LoRA; a generation brings its own `peft` (None: no LoRA)."""
         # A structural copy whose frozen base weights are the shared tensors (the memo maps them to
         # themselves): each session adds only its LoRA and optimizer state.
         memo = {id(p): p for p in self.base.parameters()}
         trunk = copy.deepcopy(self.base, memo)
-        params = apply_lora(trunk, self.peft, seed, self.arch.canonical) if self.cfg.use_lora else []
+        spec = (self.peft if self.cfg.use_lora else None) if isinstance(peft, str) else peft
+        params = apply_lora(trunk, spec, seed, self.arch.canonical) if spec is not None else []
         trunk.to(self.device)
         return trunk, params
 
@@ -207,26 +204,16 @@ class TrunkService(pb_grpc.TrunkServicer):
         if not hidden.is_floating_point():
             raise _invalid("hidden must be a floating tensor")
         b, t = hidden.shape[:2]
-        mask = self._tensor(req.attention_mask, "attention_mask")
-        if tuple(mask.shape) != (b, t) or mask.is_floating_point():
-            raise _invalid(f"attention_mask must be an integer/bool tensor [{b}, {t}], "
-                           f"got {mask.dtype} {list(mask.shape)}")
-        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-            raise _invalid("attention_mask values must be 0 or 1")
-        pos = self._tensor(req.positions, "positions")
-        if pos.ndim != 2 or pos.shape[1] != t or pos.shape[0] not in (1, b) or pos.is_floating_point() \
-                or pos.dtype == torch.bool:
-            raise _invalid(f"positions must be an integer tensor [{b} or 1, {t}], got {pos.dtype} {list(pos.shape)}")
-        if pos.numel() and int(pos.min()) < 0:
-            raise _invalid("positions must be >= 0")
-        return hidden, mask.to(torch.long), pos.to(torch.long)
+        mask = check_mask(self._tensor(req.attention_mask, "attention_mask"), b, t)
+        return hidden, mask, check_positions(self._tensor(req.positions, "positions"), b, t)
 
     def _autocast(self, sess: Session):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=sess.mixed_precision)
 
     # ----------------------------------------------------------------- RPCs
 
-    def OpenSession(self, req: pb.OpenSessionRequest, context) -> pb.OpenSessionReply:
+    def _check_pairing(self, req) -> None:
+        """The client's model and split points must be this server's (OpenSession, OpenGeneration)."""
         cfg = self.cfg
         if (req.split_point_1, req.split_point_2) != (cfg.split_point_1, cfg.split_point_2):
             raise _precondition(
@@ -240,6 +227,10 @@ class TrunkService(pb_grpc.TrunkServicer):
                 "both sides need the same checkpoint")
         if req.codec not in CODECS:
             raise _invalid(f"unknown codec {req.codec!r}; use one of {', '.join(CODECS)}")
+
+    def OpenSession(self, req: pb.OpenSessionRequest, context) -> pb.OpenSessionReply:
+        cfg = self.cfg
+        self._check_pairing(req)
         if not (math.isfinite(req.weight_decay) and req.weight_decay >= 0):
             raise _invalid(f"weight_decay must be finite and >= 0, got {req.weight_decay}")
         root = self._session_root(req.session_name)
@@ -392,10 +383,21 @@ class TrunkService(pb_grpc.TrunkServicer):
             log.info("session %s closed (%s)", sess.name, sess.id[:8])
         return pb.CloseSessionReply(closed=sess is not None)
 
+    def OpenGeneration(self, req: pb.OpenGenerationRequest, context) -> pb.OpenGenerationReply:
+        self._check_pairing(req)
+        return self.generations.open(req)
+
+    def GenerateStep(self, req: pb.GenerateStepRequest, context) -> pb.GenerateStepReply:
+        return self.generations.step(req)
+
+    def CloseGeneration(self, req: pb.CloseGenerationRequest, context) -> pb.CloseGenerationReply:
+        return self.generations.close(req.generation_id)
+
     # ----------------------------------------------------------------- housekeeping
 
     def reap(self) -> list[str]:
-        """Free sessions idle for longer than the timeout; returns their names."""
+        """Free sessions (and generations) idle for longer than their timeouts; returns the sessions' names."""
+        self.generations.reap()
         now = time.monotonic()
         with self.lock:
             stale = [s for s in self.sessions.values()
@@ -441,11 +443,11 @@ def _guard(method):
 
 
 class _Guarded:
-    """Wraps every RPC of a servicer with `_guard`."""
+    """Wraps every RPC of a servicer with `_guard` (every one `split.proto` declares: none is missed)."""
 
     def __init__(self, service: TrunkService):
-        for name in ("OpenSession", "Forward", "Backward", "Step", "Health", "Info", "SaveCheckpoint", "CloseSession"):
-            setattr(self, name, _guard(getattr(service, name)))
+        for method in pb.DESCRIPTOR.services_by_name["Trunk"].methods:
+            setattr(self, method.name, _guard(getattr(service, method.name)))
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -512,7 +514,7 @@ class TrunkServer:
         return self
 
     def _reap_loop(self) -> None:
-        period = max(0.05, min(5.0, self.cfg.session_timeout / 4))
+        period = max(0.05, min(5.0, min(self.cfg.session_timeout, self.cfg.generation_timeout) / 4))
         while not self._stop.wait(period):
             self.service.reap()
 

@@ -164,7 +164,8 @@ def eval_log(val_loss: float, best: float) -> str:
 class SplitTrainer:
     """One client run. `train()` does the loop; the pieces are methods so tests can drive them."""
 
-    def __init__(self, cfg: SplitTrainConfig, hooks: TrainHooks | None = None, *, splits=None, tokenizer=None):
+    def __init__(self, cfg: SplitTrainConfig, hooks: TrainHooks | None = None, *, splits=None, tokenizer=None,
+                 client: TrunkClient | None = None):
         self.cfg = cfg
         self.hooks = hooks or TrainHooks()
         if cfg.codec not in CODECS:
@@ -202,8 +203,9 @@ class SplitTrainer:
         self.out_dir = Path(cfg.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         token = cfg.token if cfg.token is not None else (os.environ.get(TOKEN_ENV) or None)
-        self.client = TrunkClient(cfg.server_host, cfg.server_port, token, cfg.tls_ca, cfg.tls_server_name,
-                                  rpc_timeout=cfg.rpc_timeout, reconnect_timeout=cfg.reconnect_timeout)
+        # `client`: a connection made by the caller (a split job's follows its trunk when it is placed again)
+        self.client = client or TrunkClient(cfg.server_host, cfg.server_port, token, cfg.tls_ca, cfg.tls_server_name,
+                                            rpc_timeout=cfg.rpc_timeout, reconnect_timeout=cfg.reconnect_timeout)
         self.session_id = ""
         self.trunk_trainable = 0
         self.best_eval: float | None = None

@@ -19,6 +19,26 @@ def job_status(job: dict) -> dict:
     }
 
 
+def memory_lines(job: dict) -> list[str]:
+    """Peak RSS per rank (a data-parallel job's result) or per stage (a serve job's), with where it ran
+    and, for a stage, its node's memory limit: what `job show` prints under the job's line."""
+    res = job.get("result") or {}
+    if res.get("stages"):
+        return ["peak RSS: " + ", ".join(
+            f"stage {s['stage']} {_mb(s.get('peak_rss_mb'))} on {s.get('node') or '?'}"
+            + (f" (limit {_mb(s['memory_limit_mb'])})" if s.get("memory_limit_mb") else "") for s in res["stages"])]
+    peaks = res.get("peak_rss_mb_per_rank") or []
+    if not any(p is not None for p in peaks):
+        return []
+    nodes = res.get("nodes") or []
+    return ["peak RSS: " + ", ".join(f"rank {r} {_mb(p)}" + (f" on {nodes[r]}" if r < len(nodes) and nodes[r] else "")
+                                     for r, p in enumerate(peaks))]
+
+
+def _mb(value) -> str:
+    return "?" if value is None else f"{float(value):.0f} MB"
+
+
 def format_event(e: dict) -> str:
     ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
     return f"{ts} [{e['kind']}] {e['message']}"

@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from smolforge.cluster.control.placement import COORDINATOR, holds_anywhere, requirements_for
 from smolforge.cluster.control.queue import Demand
 from smolforge.cluster.nodes.ray_glue import Requirements
-from smolforge.cluster.control.specs import DataParallelJob, DistillJob, ExportJob, ServeJob, get_path, put_path
+from smolforge.cluster.control.specs import (
+    DataParallelJob, DistillJob, DistillTaskJob, ExportJob, ServeJob, get_path, put_path,
+)
+from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.distill.settings import check_run
@@ -48,8 +51,9 @@ class JobKind:
     # where a resumed job starts from, as a sentence: (the artifact store, job id) -> "step-40" / "the start"
     resumes_from: Callable[["ArtifactStore", str], str] = field(default=lambda artifacts, job_id: "the start")
     # what a job of the kind holds while it runs (spec, embedded?) -> Demand: the queue starts it when
-    # that much is free, and a demand no set of nodes could ever hold fails at submit (check_capacity)
-    demand: Callable[[Any, bool], Demand] | None = None
+    # that much is free, and a demand no set of nodes could ever hold fails at submit (check_capacity);
+    # a job it answers None for asks for nothing, and never waits
+    demand: Callable[[Any, bool], Demand | None] | None = None
 
 
 WORKLOADS = "smolforge.cluster.workloads"
@@ -85,6 +89,22 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
     return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
 
 
+def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
+    """A teacher or students stage: one worker free to start on, holding its model (its runner spreads
+    the tasks as `distill` does). An aggregate stage merges on the coordinator: it asks for no worker,
+    so it never waits in the queue (None)."""
+    if job.stage == "aggregate":
+        return None
+    a = job.args
+    model = a.get("model_path") if job.stage == "teacher" else a.get("base_model")
+    model = model[0] if isinstance(model, list) and model else model
+    if job.stage == "teacher" and a.get("teacher_on_coordinator"):
+        model = None
+    cpus = float(a.get("cpus_per_teacher" if job.stage == "teacher" else "cpus_per_student") or 1.0)
+    held = not isinstance(model, str) or holds_anywhere(model, embedded)
+    return Demand(1, Requirements(model=None if held else model, cpus=cpus), noun="task")
+
+
 def _serve_demand(job: ServeJob, embedded: bool) -> Demand:
     """One stage per node slot (auto: the plan may put the model on one node, so one)."""
     model = None if holds_anywhere(job.model, embedded) else job.model
@@ -96,6 +116,29 @@ def _export_demand(job: ExportJob, embedded: bool) -> Demand:
     """One task on a node that holds the model (as its runner places it)."""
     need_model = job.require_model if job.require_model is not None else not holds_anywhere(job.model, embedded)
     return Demand(1, Requirements(model=job.model if need_model else None, cpus=job.cpus), noun="task")
+
+
+def split_trunk_requirements(job: SplitJob, embedded: bool) -> Requirements:
+    """Where a split job's trunk may go (its runner places it by these, and the queue schedules by
+    them): a worker holding the model (unless every node can build it), a GPU node first."""
+    need_model = job.require_model if job.require_model is not None else not holds_anywhere(job.split.model, embedded)
+    return Requirements(model=job.split.model if need_model else None, cpus=job.cpus, gpu=job.trunk_gpu,
+                        allowed_nodes=job.trunk_nodes)
+
+
+def _split_demand(job: SplitJob, embedded: bool) -> Demand:
+    """The trunk: one worker slot (the client runs where `client_node` says, the coordinator's machine
+    by default, outside the worker pool)."""
+    return Demand(1, split_trunk_requirements(job, embedded), noun="trunk")
+
+
+TRUNK_CHECKPOINTS = "trunk-checkpoints"  # a split job's trunk checkpoints in the artifact store (step-N)
+
+
+def _split_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
+    """The newest trunk checkpoint the coordinator holds (the client keeps its own, on its node)."""
+    stored = artifacts.list(job_id, TRUNK_CHECKPOINTS)
+    return f"the shared checkpoint {stored[-1]}" if stored else "the start"
 
 
 def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
@@ -113,10 +156,18 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             check=lambda job: check_run(job.distill, job.mode),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_demand),
+    JobKind("distill_task", "distillation task", DistillTaskJob,
+            runner_at(f"{WORKLOADS}.distill.runner:DistillTaskRunner"), section="args",
+            uploads=("args.dataset_path", "args.eval_data"), models=("args.model_path", "args.base_model"),
+            resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
+            demand=_distill_task_demand),
     JobKind("serve", "serving", ServeJob, runner_at(f"{WORKLOADS}.serve.runner:ServeRunner"), section=None, models=("model",),
             resumes_from=lambda artifacts, job_id: "the start (stages load again)", demand=_serve_demand),
     JobKind("export", "export", ExportJob, runner_at(f"{WORKLOADS}.export.runner:ExportRunner"), section=None, models=("model",),
             resumes_from=lambda artifacts, job_id: "the start (the export runs again)", demand=_export_demand),
+    JobKind("split", "split-learning", SplitJob, runner_at(f"{WORKLOADS}.split.runner:SplitRunner"), section="split",
+            uploads=("split.dataset",), models=("split.model",),
+            resumes_from=_split_resumes_from, demand=_split_demand),
 )}
 
 

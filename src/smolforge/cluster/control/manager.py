@@ -1,5 +1,5 @@
 """The job manager: accepts jobs, queues them, starts one runner per active job,
-pause/resume/cancel/join, recovery.
+pause/resume/cancel/join/leave, recovery.
 
 What a job kind adds (its spec, runner, uploads, checks and demand) comes from the registry in
 `smolforge.cluster.control.kinds`; nothing here branches on a kind.
@@ -16,7 +16,7 @@ A spec is validated once: at submit (`kinds.parse`), or once when a job is loade
 after a restart. The manager keeps the typed spec (`specs`) and hands it to the job's runner;
 the queue reads each waiting job's demand from it, never parsing again. A runner sees this
 manager only through its `RunnerContext`, and the manager asks a runner only what the runner
-says itself (`join`).
+says itself (`join`, `leave`).
 """
 
 from __future__ import annotations
@@ -280,6 +280,27 @@ class JobManager:
         target = node or COORDINATOR
         when = runner.join(target)
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
+        return self._job(job_id)
+
+    def leave(self, job_id: str, node: str | None = None) -> dict:
+        """Give back the coordinator node (default) or another node lent to a running job with `join`;
+        the runner checks it is a member that can go and says when it leaves."""
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        kind = kinds.kind_of(job["kind"])
+        if not kind.joinable:
+            raise SmolforgeError(f"job {job_id} is a {kind.label} job (kind {kind.name}): it cannot shed a node "
+                                 "while it runs", where="job leave",
+                                 fix=f"`job leave` gives back nodes lent to data-parallel jobs; to free this "
+                                     f"job's nodes, cancel it (`smolforge job cancel {job_id}`)")
+        if job["state"] != JobState.RUNNING or runner is None:
+            raise SmolforgeError(f"job {job_id} is {job['state']}; nodes leave running jobs only", where="job leave",
+                                 fix=f"it holds no node now: resume it and leave then (`smolforge job resume "
+                                     f"{job_id}`), or cancel it (`smolforge job cancel {job_id}`)")
+        target = node or COORDINATOR
+        when = runner.leave(target)
+        self.store.add_event(job_id, "leave_requested", f"{target} will leave at {when}", {"node": target})
         return self._job(job_id)
 
     # -- lifecycle --------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -19,13 +20,49 @@ def holds_anywhere(model: str, embedded: bool) -> bool:
     return built_from_code(model) or (embedded and Path(model).expanduser().exists())
 
 
-def requirements_for(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:
+def model_holders(model: str, nodes: list[ray_glue.NodeInfo]) -> list[ray_glue.NodeInfo]:
+    """The live nodes that advertise `model` as weights, the coordinator's first (it runs no ranks):
+    where a worker that lacks the model fetches it from (`workloads.model_transfer`)."""
+    res = ray_glue.model_resource(model)
+    return sorted((n for n in nodes if n.alive and res in n.resources),
+                  key=lambda n: n.role not in ("coordinator", "embedded"))
+
+
+def travels(spec: DataParallelJob, embedded: bool, nodes: list[ray_glue.NodeInfo] | None = None) -> bool:
+    """The job's model is sent to the workers placed for it that lack it: `require_model` is unset and
+    some live node holds the model (its workers' models dirs, the coordinator's). `nodes` None: the
+    live node table when this process is connected to a cluster, else none (no holder known)."""
+    if spec.require_model is not None or holds_anywhere(spec.train.model, embedded):
+        return False
+    if nodes is None:
+        import ray
+
+        nodes = ray_glue.nodes() if ray.is_initialized() else []
+    return bool(model_holders(spec.train.model, nodes))
+
+
+def requirements_for(spec: DataParallelJob, embedded: bool = False,
+                     nodes: list[ray_glue.NodeInfo] | None = None) -> ray_glue.Requirements:
+    """What each rank needs of its node; the model only when it must be there already (require_model,
+    or no node holds it: the submit is refused with what to do), not when it travels (`travels`)."""
     need_model = spec.require_model if spec.require_model is not None else \
-        not holds_anywhere(spec.train.model, embedded)
+        not holds_anywhere(spec.train.model, embedded) and not travels(spec, embedded, nodes)
     return ray_glue.Requirements(model=spec.train.model if need_model else None, min_ram_gb=spec.min_ram_gb,
                                  reserve_ram_gb=spec.min_ram_gb, cpus=spec.cpus_per_worker, gpu=spec.gpu,
                                  allowed_nodes=spec.allowed_nodes, gpus=float(len(spec.gpu_ids or []) or 1),
                                  gpu_memory_gb=spec.gpu_memory_gb, gpu_ids=spec.gpu_ids)
+
+
+def worker_bundles(spec: DataParallelJob, req: ray_glue.Requirements, nodes: list[ray_glue.NodeInfo], n: int,
+                   embedded: bool) -> list[tuple[dict, dict]]:
+    """`n` bundles for a round's workers. When the model travels, as many as fit ask for nodes that
+    hold it already (first, so Ray places them first), and only the rest may land where it is fetched."""
+    if req.model is not None or not travels(spec, embedded, nodes):
+        return [req.bundle(nodes) for _ in range(n)]
+    held = dataclasses.replace(req, model=spec.train.model)
+    cands = held.candidates(nodes)
+    k = min(n, sum(slots_on(c, held, use_available=True) for c in cands)) if cands else 0
+    return [held.bundle(nodes) for _ in range(k)] + [req.bundle(nodes) for _ in range(n - k)]
 
 
 def coordinator_requirements(spec: DataParallelJob, embedded: bool = False) -> ray_glue.Requirements:

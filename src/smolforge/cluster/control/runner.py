@@ -172,6 +172,11 @@ class JobRunner(threading.Thread):
         registry marks `joinable` are asked."""
         raise SmolforgeError(f"job {self.job_id} takes no nodes while it runs", fix="nothing to join")
 
+    def leave(self, node: str) -> str:
+        """Give back `node`, lent with `join`; returns when it leaves (`job leave`). Only kinds the
+        registry marks `joinable` are asked."""
+        raise SmolforgeError(f"job {self.job_id} has no lent nodes to give back", fix="nothing to leave")
+
     # -- metric sinks ---------------------------------------------------------------------------
 
     def monitor_root(self, output_dir: str | None) -> Path:

@@ -310,6 +310,42 @@ class DistillJob(JobSpec):
         return _checkpointing(data, "distill.save_every", DistillSettings.model_fields["save_every"].default)
 
 
+class DistillTaskJob(JobSpec):
+    """One of the seeds' distillation calls as a job: `Orchestrator.create_teacher_task` and
+    `create_parallel_teacher_tasks` (stage teacher: writes a teacher store), `create_student_tasks`
+    (stage students: reads a finished teacher job's store), `aggregate_student_outputs` (stage
+    aggregate: merges finished students' adapters). A whole `distill` run is the three in one job; a
+    stage is the seeds' call, so its settings are the call's own keyword arguments (`args`), checked
+    against the call when the job starts. Task ids are `<job>-teacher-N` / `<job>-student-N`, the job's
+    task rows: any process resolves them."""
+
+    kind: Literal["distill_task"] = "distill_task"
+    stage: Literal["teacher", "students", "aggregate"]
+    mode: Literal["teacher_student", "hybrid"] = "teacher_student"
+    args: dict[str, Any] = Field(default_factory=dict, description="the call's keyword arguments, as the seeds "
+                                 "write them (paths where it writes are the job's: output_dir below)")
+    teacher_job: str | None = Field(None, description="students: the teacher (or distill) job whose store they read")
+    student_tasks: list[str] = Field(default_factory=list, description="aggregate: the student tasks "
+                                     "(`<job>-student-N`) whose adapters are merged")
+    first_student: int = Field(0, ge=0, description="students: their numbering (task ids, output/student_N) starts "
+                               "here, so one orchestrator's calls number their students as the seeds' layout does")
+    # embedded cluster only (absolute paths on this machine), as DistillJob's output_dir; a coordinator
+    # keeps each run in its state dir and reads only its own jobs' stores and adapters
+    output_dir: str | None = None
+    store_dir: str | None = Field(None, description="students, embedded only: a teacher store no job of this "
+                                  "cluster wrote")
+    student_dirs: list[str] = Field(default_factory=list, description="aggregate, embedded only: student output "
+                                    "directories no job of this cluster wrote")
+
+    @model_validator(mode="after")
+    def _inputs_for_the_stage(self) -> "DistillTaskJob":
+        if self.stage == "students" and (self.teacher_job is None) == (self.store_dir is None):
+            raise ValueError("a students stage reads one teacher store: give teacher_job (or, embedded, store_dir)")
+        if self.stage == "aggregate" and not (self.student_tasks or self.student_dirs):
+            raise ValueError("an aggregate stage merges students: give student_tasks (or, embedded, student_dirs)")
+        return self
+
+
 class ServeJob(JobSpec):
     """A model served from stage actors on the nodes that hold it, behind an OpenAI-compatible API on
     the coordinator's machine (`smolforge serve --stages N`). It runs until cancelled."""
@@ -371,3 +407,91 @@ class ExportJob(JobSpec):
         if self.dtype != "auto" and self.to != "hf":
             raise ValueError(f"dtype {self.dtype} applies to to: hf; a {self.to} export's weights dtype is quant")
         return self
+
+
+class SplitSettings(Spec):
+    """What a split job trains: `smolforge split train`'s settings (the seed's names, snake_cased) less
+    the ones the job owns (where the trunk is, its token, the output and session names, resume): the
+    runner places the trunk and hands the client its address. One LoRA for all three parts."""
+
+    model: str = Field(..., description="a model the trunk's node and the client's node hold, or a preset")
+    split_point_1: int = Field(..., ge=0, description="bottom = embeddings + layers [0, A) on the client")
+    split_point_2: int = Field(..., ge=1, description="trunk = layers [A, B) on the trunk's node; the top is the rest")
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | None = None
+    batch_size: int = Field(4, ge=1)
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    num_epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    dataset: str = Field("bundled", description="JSONL file (uploaded to the coordinator with the job), or 'bundled'")
+    data_format: Literal["auto", "alpaca", "chat", "prompt_completion", "text"] = "auto"
+    max_train_samples: int | None = Field(None, ge=1)
+    max_eval_samples: int | None = Field(64, ge=0)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    mixed_precision: bool = False
+    max_seq_length: int = Field(256, ge=8)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = 1.0
+    scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    save_interval: int | None = Field(None, ge=0, description="checkpoint both sides every N steps (the trunk's "
+                                      "copy goes to the coordinator); unset: default_save_every(max_steps); 0: none")
+    eval_interval: int = Field(0, ge=0)
+    log_interval: int = Field(10, ge=1)
+    codec: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    seed: int = 0
+    device: str = Field("cpu", description="the client's device (the trunk's follows its node: a GPU when it got one)")
+    keep_last: int = Field(2, ge=1)
+    rpc_timeout: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _trunk_not_empty(self) -> "SplitSettings":
+        if self.split_point_2 <= self.split_point_1:
+            raise ValueError(f"split_point_2 ({self.split_point_2}) must be above split_point_1 "
+                             f"({self.split_point_1}): the trunk is layers [split_point_1, split_point_2)")
+        return self
+
+
+class SplitJob(JobSpec):
+    """Split learning as a job (`smolforge launch --mode split`): the trunk server on a node the
+    coordinator picks (a GPU first, one holding the model), placed again from the last shared
+    checkpoint when its node dies; the client (data, labels, bottom and top) where `client_node` says.
+        kind: split
+        client_node: "@coordinator"   # or a worker's name
+        split: {model: tiny-llama, split_point_1: 1, split_point_2: 3, dataset: data.jsonl, max_steps: 100}
+    """
+
+    RESOURCE_PATHS: ClassVar[dict[str, str]] = {"cpu_cores": "cpus"}
+
+    kind: Literal["split"] = "split"
+    split: SplitSettings
+    checkpointing: bool | None = Field(None, description="the seeds' flag: false sets split.save_interval 0; true "
+                                       "sets default_save_every where it is unset or 0")
+    client_node: str = Field("@coordinator", description="where the client side runs, with the data: "
+                             "@coordinator (the coordinator's machine, which holds the uploaded data; on the "
+                             "embedded cluster, this machine) or a worker's name")
+    trunk_gpu: Literal["required", "preferred", "no"] = Field(
+        "preferred", description="the trunk's node: a GPU node first (preferred), only one (required), or any")
+    trunk_nodes: list[str] | None = Field(None, description="nodes the trunk may be placed on (default: any worker)")
+    require_model: bool | None = Field(
+        None, description="place the trunk only on nodes that hold the model; default: yes unless it is a preset")
+    cpus: float = Field(1.0, gt=0, description="CPUs (and torch threads) of each side")
+    max_retries: int = Field(2, ge=0, description="trunk losses (re-placed from the last shared checkpoint) and "
+                             "failed attempts survived")
+    replace_timeout_s: float = Field(300.0, gt=0, description="how long the trunk may have no node before the job "
+                                     "fails; also how long the client waits for a trunk placed again")
+    start_timeout_s: float = Field(600.0, gt=0, description="how long a trunk may take to load its layers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _save_interval(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("split"), dict):
+            return data
+        steps = data["split"].get("max_steps")
+        default = default_save_every(int(steps) if isinstance(steps, int) else None)
+        data = _checkpointing(data, "split.save_interval", default)
+        if data["split"].get("save_interval") is None:  # a job without checkpoints could not survive its trunk
+            data = {**data, "split": {**data["split"], "save_interval": default}}
+        return data

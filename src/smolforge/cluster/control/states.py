@@ -64,6 +64,17 @@ STATES = tuple(s.value for s in JobState)
 FINAL = tuple(s.value for s in JobState if s.final)
 
 
+def succeeded(state: str) -> bool:
+    """Another job, read by a kind that depends on it (a seeds' student stage on its teacher job), has
+    completed. Kinds ask this rather than name a job state (only control moves and names them)."""
+    return JobState(state) is JobState.COMPLETED
+
+
+def ended_unsuccessfully(state: str) -> bool:
+    """Another job ended without completing (failed or cancelled): what depends on it cannot run."""
+    return JobState(state).final and not succeeded(state)
+
+
 def parse_states(text: str | None) -> tuple[str, ...] | None:
     """A `--state` / `?state=` filter, `running,paused` -> ('running', 'paused'); None for none. An
     unknown state is refused (it matched nothing, silently)."""

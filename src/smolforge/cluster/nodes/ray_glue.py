@@ -283,9 +283,11 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
         wanted.append("the coordinator node")
     fix = "join a worker that has it (`smolforge worker join HOST:PORT --token-file F --models-dir DIR`)"
     if req.model:
-        fix = (f"put {req.model} on a worker (HF cache or --models-dir) and run `smolforge worker rescan` there, "
-               "or pick a model some node holds (`smolforge nodes`)")
-        if os.sep in req.model or req.model.startswith((".", "~")):
+        fix = (f"copy {req.model} into a worker's --models-dir (or its HF cache) and run `smolforge worker rescan` "
+               "there (a data-parallel job's model is then sent to the other workers it runs on), pick a model "
+               "some node holds (`smolforge nodes`), or set `require_model: false` in the job spec to let the "
+               "ranks download it from the Hugging Face Hub")
+        if req.model.startswith((".", "~", os.sep)) or Path(req.model).expanduser().exists():  # not an HF id
             name = Path(req.model).expanduser().name
             fix = (f"{req.model} is a directory on this machine, and workers share no filesystem with it: copy it "
                    f"into each worker's --models-dir as {name}/, re-join them and pass --model {name} "

@@ -2,7 +2,11 @@
 
 1. Ask the coordinator's API whether the token is right (a wrong or missing token is refused within
    seconds; Ray alone would wait ~20 s and then report a bare ConnectionError).
-2. Take stock of the machine (CPUs, RAM, GPUs, models) and refuse a name another live node has.
+2. Take stock of the machine (CPUs, RAM, GPUs, models) and refuse a name another live node has. With
+   `--memory-limit GB` the node's RAM is the smaller of the machine's and the limit: it is the Ray
+   `memory` resource and RAM label placement reads, it is in every process's environment
+   (`telemetry.memory`: the stage planner's free memory stays within it), and where cgroup v2 allows
+   it the worker's process tree runs under `memory.max` = the limit (`memcap`).
 3. Run `ray start --address … --block` as our child with the same token, advertising all of it as
    Ray resources and labels (see `ray_glue`), and wait until the coordinator sees the node.
 4. Stay in the foreground. Ctrl-C / SIGTERM leaves the cluster. If the Ray node ends on its own
@@ -26,14 +30,17 @@ from pathlib import Path
 import httpx
 
 from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
+from smolforge.cluster.nodes.memcap import MemoryCap, apply_memory_cap
 from smolforge.auth import check_token_format, resolve_token, write_token
 from smolforge.cluster.nodes.ray_auth import ray_auth_env
 from smolforge.cluster.nodes.discovery import discover, discover_models, model_changes
+from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, RESCAN_REQUEST_ENV
 from smolforge.cluster.nodes.statedir import StateDir
 from smolforge.cluster.nodes.tls import FINGERPRINT_ENV, pinned_context
 from smolforge.errors import SmolforgeError
 from smolforge.net import is_loopback
 from smolforge.paths import atomic_write_json, atomic_write_text, home
+from smolforge.telemetry.memory import LIMIT_ENV
 
 REJECTED = "coordinator rejected the token"
 RESCAN_ENV = "SMOLFORGE_RESCAN_S"  # seconds between model rescans; 0 turns the timer off
@@ -64,7 +71,7 @@ class WorkerOptions:
     models_dir: str | None = None
     cpus: int | None = None
     gpus: int | None = None
-    memory_gb: float | None = None
+    memory_gb: float | None = None  # --memory-limit: the node's memory for placement, and its cgroup's memory.max
     state_dir: str | None = None
     object_store_mb: int | None = None
     tls_fingerprint: str | None = None
@@ -73,7 +80,7 @@ class WorkerOptions:
 
     def check(self) -> "WorkerOptions":
         """What this machine lends, checked before the coordinator is asked anything."""
-        for flag, value, low in (("--cpus", self.cpus, 1), ("--gpus", self.gpus, 0), ("--memory", self.memory_gb, 0.1),
+        for flag, value, low in (("--cpus", self.cpus, 1), ("--gpus", self.gpus, 0), ("--memory-limit", self.memory_gb, 0.1),
                                  ("--object-store-mb", self.object_store_mb, 75)):
             if value is not None and not value >= low:  # `not >=`: NaN is refused too
                 raise SmolforgeError(f"{flag} {value} is below {low}", where=flag, fix=f"give {low} or more, or leave it out")
@@ -156,7 +163,7 @@ def _label_value(text: str) -> str:
 def node_resources(inv, cpus: int) -> tuple[dict[str, float], dict[str, str]]:
     res = {ray_glue.WORKER_RESOURCE: float(cpus), **ray_glue.advertised_models(inv.models)}
     labels = {ray_glue.NAME_LABEL: inv.name, ray_glue.ROLE_LABEL: "worker",
-              ray_glue.RAM_LABEL: f"{inv.ram_gb:.1f}", ray_glue.GPUS_LABEL: str(len(inv.gpus))}
+              ray_glue.RAM_LABEL: f"{inv.ram_gb:.2f}", ray_glue.GPUS_LABEL: str(len(inv.gpus))}
     if inv.gpus:
         labels[ray_glue.GPU_TYPE_LABEL] = _label_value(inv.gpus[0].name)
         labels[ray_glue.GPU_MEM_LABEL] = f"{inv.gpus[0].memory_gb:.0f}"
@@ -173,6 +180,8 @@ class WorkerNode:
         self.verify = tls_for(self.scheme, self.host, self.port, opts.tls_fingerprint)
         self.rescan_s = rescan_interval()
         self.token = ""
+        self.models_dir = opts.models_dir  # at join: --models-dir, else <state>/models (where fetched models go)
+        self.cap: MemoryCap | None = None  # --memory-limit: where it is enforced (applied once, at the first join)
 
     def _nodes(self, token: str) -> list[dict]:
         r = httpx.get(f"{self.scheme}://{self.host}:{self.port}/api/v1/nodes",
@@ -196,8 +205,9 @@ class WorkerNode:
         # Ask the coordinator even without a token: the answer ("rejected") is the useful message.
         info = check_coordinator(self.host, self.port, token, scheme=self.scheme, verify=self.verify)
         token = check_token_format(token)
-        inv = discover(self.opts.name, models_dir=self.opts.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
-                       memory_gb=self.opts.memory_gb, scan_cache=self.opts.scan_hf_cache)
+        self.models_dir = self.opts.models_dir or str(StateDir.at(self.opts.state_dir).root / "models")
+        inv = discover(self.opts.name, models_dir=self.models_dir, cpus=self.opts.cpus, gpus=self.opts.gpus,
+                       memory_gb=self._memory_gb(), scan_cache=self.opts.scan_hf_cache)
         for n in self._nodes(token):
             if n["name"] == inv.name and n["state"] != "dead":
                 raise SmolforgeError(f"a node named {inv.name!r} is already in the cluster",
@@ -212,8 +222,13 @@ class WorkerNode:
         models = {k: v for k, v in inv.models.items()}
         env = {**os.environ, **ray_auth_env(state.node_token_path), "RAY_USAGE_STATS_ENABLED": "0",
                "SMOLFORGE_NODE_DIR": str(state.node_dir), "SMOLFORGE_NODE_NAME": inv.name,
-               "SMOLFORGE_MODEL_PATHS": json.dumps(models)}
+               "SMOLFORGE_MODEL_PATHS": json.dumps(models), MODELS_DIR_ENV: self.models_dir,
+               RESCAN_REQUEST_ENV: str(state.root / RESCAN_FILE)}  # a model fetched for a job asks for a rescan
         env.pop("RAY_AUTH_TOKEN", None)
+        env.pop(LIMIT_ENV, None)
+        if self.opts.memory_gb is not None:
+            env[LIMIT_ENV] = f"{inv.ram_gb * 1000:.0f}"  # every stage and rank of this node plans within it
+            self._cap(inv.name, int(inv.ram_gb * 1e9))
         if info.get("ray_tls"):  # the coordinator's CA signs this node's certificate for Ray's own TLS
             env.update(ray_tls.request_node_env(lambda path, body: self._post(token, path, body),
                                                 state.root / "tls"))
@@ -250,6 +265,19 @@ class WorkerNode:
         raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
                              fix=f"see {self.log}")
 
+    def _memory_gb(self) -> float | None:
+        """--memory-limit, or the machine's RAM when that is less: what placement may count on here."""
+        from smolforge.cluster.nodes.discovery import detect_ram_gb
+
+        limit = self.opts.memory_gb
+        return None if limit is None else round(min(limit, detect_ram_gb()), 3)
+
+    def _cap(self, name: str, limit_bytes: int) -> None:
+        """The kernel's cap on this process tree, once (a re-join keeps the group it is in); says where."""
+        if self.cap is None:
+            self.cap = apply_memory_cap(limit_bytes, name)
+            self.announce(self.cap.describe())
+
     def stop(self) -> None:
         self.stopping.set()
         if self.proc is not None:
@@ -276,6 +304,8 @@ class WorkerNode:
             return self._serve(state)
         finally:
             _remove_if_ours(pid_file)
+            if self.cap is not None:
+                self.cap.release()
 
     def _serve(self, state: StateDir) -> int:
         """Until stopped: watch the Ray node; join again after it ended on its own or after a rescan
@@ -326,7 +356,7 @@ class WorkerNode:
         """Read the models again: "same", "busy" (changed, but a task of ours runs here: the next
         check tries again) or "changed" (re-register now). Answers a `worker rescan` request."""
         try:
-            found, gone = model_changes(self.inv.models, discover_models(self.opts.models_dir,
+            found, gone = model_changes(self.inv.models, discover_models(self.models_dir,
                                                                          scan_cache=self.opts.scan_hf_cache))
             unreadable = ""
         except OSError as err:  # a folder removed or unreadable mid-scan: keep what is advertised

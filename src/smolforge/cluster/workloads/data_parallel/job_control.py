@@ -15,6 +15,8 @@ For elastic strategies (DiLoCo) it is also the membership service: when ranks mu
 process group (a member died, one joins), each one `enter`s the next epoch with the address where it
 could host the rendezvous, and `view` returns the decision once every live member is in (or after
 a grace period, leaving out who never came): the members, the host's address and a fresh secret.
+A member asked to leave (`job leave`: `set_leaving`) reads so in `poll`, says `member_left` itself at
+its next boundary and goes; the others re-form without it as they do for a lost member.
 """
 
 from __future__ import annotations
@@ -53,12 +55,16 @@ class JobControl:
         else:
             self.regroup_now = True
 
+    def set_leaving(self, members: list[int]) -> None:
+        """The members that leave the group at their next boundary (a lent node given back)."""
+        self.leaving = set(members)
+
     def reset(self) -> None:
-        self.stop, self.regroup, self.regroup_now = None, False, False
+        self.stop, self.regroup, self.regroup_now, self.leaving = None, False, False, set()
 
     def poll(self) -> dict:
         return {"stop": self.stop, "regroup": self.regroup, "regroup_now": self.regroup_now,
-                "joiners": bool(self.joiners)}
+                "joiners": sorted(self.joiners), "leave": sorted(self.leaving)}
 
     # -- elastic membership -----------------------------------------------------------------------
 
@@ -72,9 +78,11 @@ class JobControl:
             self.decisions: dict[int, dict] = {}
             self.joiners: dict[int, tuple[str, int]] = {}  # waiting to be taken in at the next epoch
             self.admitting: set[int] = set()  # epochs the members re-form to take joiners in
+            self.leaving: set[int] = set()  # members asked to leave at their next boundary (`job leave`)
 
     def member_left(self, member: int) -> None:
-        """The runner saw the member's process or node die."""
+        """The runner saw the member's process or node die, or the member leaves as asked (it says so
+        itself before it goes, so the others' next epoch never waits for it)."""
         with self.lock:
             self.alive.discard(member)
             self.gone.add(member)

@@ -16,12 +16,14 @@ process group, and calls `smolforge.train.engine.train` with hooks (`RankReports
 - `on_checkpoint` (rank 0) uploads the checkpoint directory, checksummed, to the coordinator's
   artifact store and waits for the acknowledgement; a requested regroup (a node joining) then turns
   into a pause at this checkpoint boundary.
+- a member of an elastic group (DiLoCo, a parameter server's workers) asked to leave (`job leave`)
+  goes at its next boundary (`MemberLeaves`): it tells the control actor, leaves the process group,
+  and the others go on without it as they do for a lost member.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -35,6 +37,7 @@ from ray.exceptions import RayError
 from smolforge.config import TrainConfig
 from smolforge.parallel.rank_task import RankResult, RankTask, Seat
 from smolforge.models.loading import resolve_model
+from smolforge.cluster.nodes.model_fetch import held_model_dir
 from smolforge.cluster.nodes.ray_glue import node_ip
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, pick_backend
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
@@ -60,6 +63,18 @@ def _left(deadline: float) -> float:
     return left
 
 
+class MemberLeaves(Exception):
+    """Ends the task of an elastic group's member asked to leave (`job leave`), at its next boundary;
+    the runner records it as left (`member_left`), never as failed."""
+
+    def __init__(self, member: int, step: int, boundary: str):
+        super().__init__(member, step, boundary)  # the args rebuild it when Ray hands it to the runner
+        self.member, self.step, self.boundary = member, step, boundary
+
+    def __str__(self) -> str:
+        return f"member {self.member} left the group after step {self.step} (its next {self.boundary}), as asked"
+
+
 def slow_down(model, per_sample_s: float) -> None:
     """Make every forward of `model` take `per_sample_s` longer per row (see fault_delay_s)."""
 
@@ -71,17 +86,9 @@ def slow_down(model, per_sample_s: float) -> None:
 
 
 def local_model_path(name: str) -> str:
-    """The node's own copy of a model when `worker join` found one under that name."""
-    try:
-        table = json.loads(os.environ.get("SMOLFORGE_MODEL_PATHS") or "{}")
-    except ValueError:
-        table = {}
-    where = table.get(name)
-    if where and where.startswith("alias:"):
-        where = table.get(where[len("alias:"):])
-    if where and where != "ollama" and Path(where).is_dir():
-        return where
-    return name
+    """The node's own copy of a model when `worker join` found one under that name, or one fetched
+    into its models dir for this job (`nodes.model_fetch`)."""
+    return held_model_dir(name) or name
 
 
 def prepare_model(name: str, root: Path) -> None:
@@ -101,6 +108,23 @@ def prepare_model(name: str, root: Path) -> None:
             resolve_model(name)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def drop_broken_group() -> None:
+    """Leave the process group a lost peer broke now, before the next epoch is decided: a member still
+    blocked in a collective on this one (a ring passes through every member) then fails as well and
+    comes to the next epoch, instead of waiting there until the control actor leaves it out
+    (REGROUP_GRACE_S; seen with three members, one leaving). The failed collective's traceback keeps
+    the group alive (its frames hold the work and the group), so those frames are cleared first."""
+    import gc
+    import sys
+    import traceback
+
+    exc = sys.exc_info()[1]
+    if exc is not None and exc.__traceback__ is not None:
+        traceback.clear_frames(exc.__traceback__)
+    leave_group()
+    gc.collect()  # the group's sockets close with it
 
 
 class ControlMembership:
@@ -127,6 +151,8 @@ class ControlMembership:
         import ray
 
         control, member = self.worker.control, self.worker.rank
+        if epoch is not None and not admit:  # a peer was lost (every member re-forms on purpose to admit)
+            drop_broken_group()
         sock = listen_socket(node_ip())
         try:
             ray.get(control.enter.remote(epoch, member, sock.getsockname()[:2], admit), timeout=30)
@@ -197,6 +223,7 @@ class DPWorker:
         self._stop: str | None = None
         self._regroup = False
         self._joiners = False  # a member waits to join this (elastic) group
+        self._leave = False  # this member is asked to leave the (elastic) group at its next boundary
         self._buffer: list[dict] = []
         self._lock = threading.Lock()
         self._running = False
@@ -252,7 +279,10 @@ class DPWorker:
                 if state.get("stop"):
                     self._stop = state["stop"]
                 self._regroup = bool(state.get("regroup"))
-                self._joiners = bool(state.get("joiners"))
+                # a member waiting to join, not this one (a joiner's own wait, read just before the group
+                # took it in, would end its first hold at once)
+                self._joiners = bool(set(state.get("joiners") or ()) - {self.rank})
+                self._leave = self.rank in (state.get("leave") or ())
                 if state.get("regroup_now"):
                     self._stop = self._stop or "pause"
             except RayError:
@@ -274,8 +304,9 @@ class DPWorker:
     def _hold_interrupt(self) -> str | None:
         """What the job asks of a held rank (a stop, a regroup, a member waiting to join: the poller's
         flags, so asking costs nothing), which ends the hold; None while it asks nothing."""
-        if self._stop or self._regroup or self._joiners:
-            return "the job asked for " + (self._stop or ("a regroup" if self._regroup else "a member to join"))
+        if self._stop or self._regroup or self._joiners or self._leave:
+            return "the job asked for " + (self._stop or ("a regroup" if self._regroup else
+                                                          "this member to leave" if self._leave else "a member to join"))
         return None
 
     # -- staging ----------------------------------------------------------------------------------
@@ -345,6 +376,9 @@ class DPWorker:
         with capture_output(self._log):
             try:
                 return self._train(task, seat, resume_from, server)
+            except MemberLeaves as left:
+                logging.getLogger(TASK_LOGGER).info("%s", left)
+                raise
             except BaseException:
                 logging.getLogger(TASK_LOGGER).exception("rank %d failed", self.rank)
                 raise
@@ -491,6 +525,20 @@ class RankReports:
                            "eta_s": per_step * (info.max_steps - info.step) if per_step else None})
         if self.hold.due(info.step):
             self.worker._hold(info.step, self.hold.step)
+        self._leave_if_asked(info)
+
+    def _leave_if_asked(self, info) -> None:
+        """A member asked to leave goes at its next boundary (DiLoCo: an outer step; a parameter server's
+        worker: any step), never at the last step (the group ends together there) and never as rank 0
+        (the runner re-forms the group without the node instead). It tells the control actor first, so
+        the others' next group never waits for it."""
+        import ray
+
+        s, worker = self.strategy, self.worker
+        if not worker._leave or self.is_main or s is None or info.step >= info.max_steps or not s.at_boundary(info.step):
+            return
+        ray.get(worker.control.member_left.remote(worker.rank), timeout=30)
+        raise MemberLeaves(worker.rank, info.step, "outer step" if getattr(s, "inner_steps", None) else "step")
 
     def _comm(self, info) -> None:
         """Bytes, waits and the strategy's own numbers, every COMM_REPORT_EVERY steps and at the last."""

@@ -14,14 +14,16 @@ state):
                    Each failure and recovery is an event.
 - pause          → rank 0 checkpoints, every actor is released; resume is a new round.
 - cancel         → actors are killed (processes gone within seconds).
-- join           → at the next checkpoint boundary the group stops and re-forms with the new node
-                   (a `Regroup`); a join before the group is placed is in its first round, and one
+- join           → a node lent with `job join` (`joining.py`): at the next checkpoint boundary the group
+                   stops and re-forms with the new node (a `Regroup`); a join before the group is placed is in its first round, and one
                    the job outlives (it finished first) is an event, never silently lost.
+- leave          → a lent node given back (`job leave`, `leaving.py`): at the next checkpoint the group
+                   stops and re-forms without it (a `Regroup`); never a failure.
 
 Elastic strategies (`elastic = True` on the strategy class: DiLoCo) change two of these: a rank
 other than 0 that fails leaves the group (the control actor learns it, the others re-form their
 group and go on, no restart), and a join places one more member at once, which the others take in
-at their next outer step.
+at their next outer step; a leave takes the node's members out at their next boundary, as if lost.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import RayError
 
-from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.job_control import create_control
-from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for, round_world
+from smolforge.cluster.workloads.data_parallel.joining import NodeJoining
+from smolforge.cluster.workloads.data_parallel.leaving import NodeLeaving
+from smolforge.cluster.control.placement import (
+    COORDINATOR, coordinator_requirements, requirements_for, round_world, worker_bundles,
+)
+from smolforge.cluster.workloads.model_transfer import bring_model
 from smolforge.cluster.control.runner import (
     CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
     ray_get, short_error,
@@ -70,7 +76,7 @@ class Round:
         self.next_member = len(self.refs)
 
 
-class DPRunner(JobRunner):
+class DPRunner(NodeJoining, NodeLeaving, JobRunner):
     """Runs one data-parallel job until it is completed, failed, cancelled or paused."""
 
     retry_words = "re-forming the group"
@@ -93,6 +99,7 @@ class DPRunner(JobRunner):
         self.lost_rank = False  # the last round lost a rank: the next may start on fewer after a grace
         self.training = False  # a placed group is running: a join now waits for its next checkpoint
         self._lock = threading.Lock()
+        self.init_leaving()
 
     def max_retries(self) -> int:
         return self.spec.max_retries
@@ -104,63 +111,6 @@ class DPRunner(JobRunner):
             super().request(what)
             if self.want and self.control is not None:
                 self.control.set_stop.remote(self.want)
-
-    def join(self, node: str) -> str:
-        """Take `node` in: checked against the job's spec (it can hold a rank, has not joined, and the
-        global batch splits over the new world), queued, and taken in at the returned moment."""
-        spec = self.spec
-        nodes = ray_glue.nodes()
-        if node == COORDINATOR:
-            ray_glue.check_placeable(coordinator_requirements(spec, self.ctx.embedded), nodes)
-        else:
-            req = requirements_for(spec, self.ctx.embedded)
-            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
-                                                           allowed_nodes=[node]), nodes)
-        with self._lock:
-            if node in self.spec.lent_nodes or node in self.pending_joins:
-                raise SmolforgeError(f"{node} already joined job {self.job_id}", fix="nothing to do")
-            world = max(self.world, 1) + len(self.pending_joins) + 1
-            # an elastic group splits each global batch among whoever is a member, evenly or not
-            if spec.global_batch % world and not self.elastic:
-                raise SmolforgeError(
-                    f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
-                    fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
-                        f"(e.g. {world * max(1, spec.global_batch // world)})")
-            self.pending_joins.append(node)
-            if self.training and not self.elastic:  # an elastic group takes it in where it runs
-                self._ask_regroup()
-            if not self.training:
-                return "the placement of its group"
-        if self.elastic:
-            return "the group's next outer step (no restart)"
-        return "the next checkpoint" if spec.train.save_every else "the next step"
-
-    def _ask_regroup(self) -> None:
-        """Have the running group stop at its next checkpoint (now, without checkpoints) and re-form.
-
-        A join that arrives before a group is placed needs none of this: the next placement takes it
-        in (`_take_joins`). One that arrives while a group is being placed is asked for once the group
-        runs, so no join is lost however it races the placement.
-        """
-        self.control.set_regroup.remote(bool(self.spec.train.save_every))
-
-    def _pop_joins(self) -> list[str]:
-        with self._lock:
-            joins, self.pending_joins = self.pending_joins, []
-        return joins
-
-    def _take_joins(self, why: str) -> None:
-        """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
-        joins = self._pop_joins()
-        if not joins:
-            return
-        self._lend(joins)
-        self.store.add_event(self.job_id, "regrouped", f"{', '.join(joins)} joined {why}", {"nodes": joins})
-
-    def _lend(self, nodes: list[str]) -> None:
-        """Nodes lent to the job, kept in its spec: a resumed job places them from the start."""
-        self.spec = self.spec.model_copy(update={"lent_nodes": self.spec.lent_nodes + nodes})
-        self.ctx.keep_spec(self.job_id, self.spec)
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -184,9 +134,10 @@ class DPRunner(JobRunner):
         if self.control is None:
             self._begin()
         self._take_joins("before the group was placed")
+        self.take_leaves("placement", None, "before the group was placed; it is placed without it")
         round_no = self._round_no()
         try:
-            bundles, world, _ = self._plan(self.spec, quick=self.lost_rank)
+            bundles, world, n_coord = self._plan(self.spec, quick=self.lost_rank)
         except SmolforgeError as err:
             if self.want:
                 return Regroup("stopped while waiting for placement")  # the base sees the stop request
@@ -196,6 +147,14 @@ class DPRunner(JobRunner):
         if not isinstance(infos, list):
             return infos
         gid = f"{self.job_id}-g{round_no}"
+        moved = bring_model(self.store, self.job_id, self.spec, infos, self.ctx.healthy_nodes(), self.ctx.embedded,
+                            gid, stopping=lambda: bool(self.want))  # placed workers that lack the model fetch it
+        if moved is not None:
+            self._release()
+            return moved
+        # the lent coordinator's bundle is the last: its rank is world - 1
+        self.members = {i["rank"]: COORDINATOR if n_coord and i["rank"] == world - 1 else i["node_name"]
+                        for i in infos}
         resume, cfg = self._announce(round_no, gid, infos, world)
         self.lost_rank = False
         ray_get(self.control.start_members.remote(world))
@@ -211,6 +170,8 @@ class DPRunner(JobRunner):
         with self._lock:
             self.training = True
             if self.pending_joins and not self.elastic:  # asked for while this group was being placed
+                self._ask_regroup()
+            if self.pending_leaves:  # the same: it may hold a rank of this group, which re-forms without it
                 self._ask_regroup()
         self.round = Round(round_no, gid, self.group, cfg, self._launch(self.group, cfg, resume))
         return None
@@ -305,8 +266,12 @@ class DPRunner(JobRunner):
             rank = r.rank_of[ref]
             try:
                 r.results[rank] = ray.get(ref, timeout=30)
+                self.members.pop(rank, None)
             except RayError as err:  # the rank's task failed, or its process or node died
                 self._drain_quietly()
+                if rank in self.leaving:  # asked to leave (`job leave`): gone as asked, never a failure
+                    self.member_gone(r, rank, err)
+                    continue
                 if self.elastic and rank != 0 and 0 not in r.results and r.pending:
                     self._member_left(r.group, r.no, rank, err)  # the others re-form and go on
                     continue
@@ -337,19 +302,23 @@ class DPRunner(JobRunner):
         return None
 
     def _round_done(self, r: Round) -> Outcome:
-        """Every rank answered: stopped (cancel, pause, or a pause to take in a join), or completed."""
+        """Every rank answered: stopped (cancel, pause, or a pause to take in a join or let a node go), or
+        completed."""
         r0 = r.results.get(0)
         stopped = r0.stopped if r0 else None
         if stopped == "cancel":
             return self._round_stopped(r, "cancel", "")
         if stopped == "pause":
-            if self.want == "pause" or not self.pending_joins:
+            if self.want == "pause" or not (self.pending_joins or self.pending_leaves):
                 return self._round_stopped(r, "pause", f"at step {r0.steps}")
             self._end_round(r)
             self.store.upsert_task(r.gid, self.job_id, "dp_group", "released")
             ray_get(self.control.reset.remote())
+            at = "checkpoint" if self.spec.train.save_every else "step"
+            if self.take_leaves(at, r0.steps, f"at the {at} of step {r0.steps}; the group re-forms without it"):
+                self.lost_rank = True  # it may have held one of the job's own ranks: fewer, after a grace
             self._take_joins(f"at step {r0.steps}; re-forming the group")
-            return Regroup("a node joined")
+            return Regroup("a node joined or left")
         summary = job_summary(r.results)  # each key one meaning for every strategy (final_loss: merged from the ranks)
         if self.server is not None:
             self._poll_server(force=True)
@@ -361,6 +330,7 @@ class DPRunner(JobRunner):
             self.store.add_event(self.job_id, "join_dropped",
                                  f"the job finished before {', '.join(late)} could join "
                                  f"(joins take effect at the next checkpoint)", {"nodes": late})
+        self.take_leaves("end", r0.steps if r0 else None, "as the job finished, before its next boundary")
         return Completed(f"completed: {summary.get('steps')} steps", result=summary)
 
     def _round_stopped(self, r: Round, what: str, where: str) -> Outcome:
@@ -387,6 +357,7 @@ class DPRunner(JobRunner):
         """Release the round's group (and its server, its joiners)."""
         with self._lock:
             self.training = False
+            self.members = {}
         self._release()
         self.round = None
 
@@ -395,6 +366,7 @@ class DPRunner(JobRunner):
             return Cancelled("cancelled; workers released")
         # a join asked for before the pause is kept: the resumed job places it
         self._take_joins("while the job paused; placed when it resumes")
+        self.take_leaves("pause", None, "as the job paused; it resumes without it")
         ckpt = self.ctx.artifacts.latest_checkpoint(self.job_id)
         return Paused(f"paused{' ' + where if where else ''}" + (f" at {ckpt}" if ckpt else ""))
 
@@ -468,35 +440,37 @@ class DPRunner(JobRunner):
         self.store.update_job(self.job_id, comm={**(self.store.get_job(self.job_id).get("comm") or {}),
                                                  "server": jsonable(stats)})
 
-    def _plan(self, spec: DataParallelJob, quick: bool) -> tuple[list[tuple[dict, dict]], int, list[str]]:
-        """Bundles for this round: the workers asked for, plus lent nodes.
+    def _plan(self, spec: DataParallelJob, quick: bool) -> tuple[list[tuple[dict, dict]], int, int]:
+        """Bundles for this round: the workers asked for, plus lent nodes (the lent coordinator's bundle
+        last); returns (bundles, world, 1 if the coordinator takes a rank else 0). Worker nodes given
+        back with `job leave` are kept off.
 
         The manager's queue started the job when that much was free, so a first round (or one after
         a pause or a join) waits for all of it, never starting on fewer. Only a round that recovers
         from a lost node (`quick`) takes fewer after a short grace: it re-forms on the nodes left,
         with the same global batch, instead of waiting for a replacement that may never come."""
-        req = requirements_for(spec, self.ctx.embedded)
+        base = requirements_for(spec, self.ctx.embedded)
         grace = 5.0
         t0 = time.time()
         while True:
             if self.want:
                 raise SmolforgeError("stopped while waiting for placement", fix="resume the job")
             nodes = self.ctx.healthy_nodes()
+            req = self.without_left(base, nodes)
             lent_coord = COORDINATOR in spec.lent_nodes
             want, n_workers, n_coord = round_world(spec, nodes, req, self.ctx.embedded)
             world = n_workers + n_coord
             full = n_workers == want and n_coord == int(lent_coord)
             waited = time.time() - t0
             if world >= 1 and spec.global_batch % world == 0 and (full or (quick and waited > grace)):
-                bundles = [req.bundle(nodes) for _ in range(n_workers)]
+                bundles = worker_bundles(spec, req, nodes, n_workers, self.ctx.embedded)  # holders first
                 if n_coord:
                     bundles.append(coordinator_requirements(spec, self.ctx.embedded).bundle(nodes))
-                names = [n.name for n in req.candidates(nodes)]
                 if not full:
                     self.store.add_event(self.job_id, "degraded",
                                          f"only {world} of {want + int(lent_coord)} workers available; "
                                          f"continuing with {world} (same global batch)")
-                return bundles, world, names
+                return bundles, world, n_coord
             if waited > spec.placement_timeout_s:
                 listing = "\n".join(f"  - {n.describe()}" for n in nodes) or "  (no live nodes)"
                 raise SmolforgeError(f"no worker can take the job now; nodes:\n{listing}", where="placement",
@@ -525,6 +499,7 @@ class DPRunner(JobRunner):
     def _member_left(self, group, round_no: int, rank: int, err: BaseException) -> None:
         """An elastic group's member died: the control actor lets the others re-form without it."""
         ray_get(self.control.member_left.remote(rank))
+        self.members.pop(rank, None)
         if self.server is not None:
             self.server.member_left.remote(rank)  # its unfinished parts go to the others (fire and forget)
         info = next((m.info for g in [group, *self.joiners] for m in g.members if m.rank == rank), {})
@@ -534,37 +509,6 @@ class DPRunner(JobRunner):
                              f"rank {rank} on {info.get('node_name')} left the group ({short_error(err)}); the "
                              "others re-form their group and carry on, no restart",
                              {"rank": rank, "node_name": info.get("node_name")}, task_id=tid)
-
-    def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
-        """Place each node that asked to join as a new member of the running elastic group; returns
-        (member id, ref) per member started. The group takes each in at its next outer step."""
-        out = []
-        for node in self._pop_joins():
-            member = first + len(out)
-            req = (coordinator_requirements(spec, self.ctx.embedded) if node == COORDINATOR
-                   else requirements_for(spec, self.ctx.embedded))
-            joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.ctx.healthy_nodes())], self.control,
-                                 first_rank=member)
-            try:
-                info = joiner.start(min(60.0, spec.placement_timeout_s))[0]
-            except Exception as err:
-                joiner.release()
-                msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
-                self.store.add_event(self.job_id, "join_failed", f"{node} could not be placed to join: {msg}",
-                                     {"node": node})
-                continue
-            self.joiners.append(joiner)
-            self.store.upsert_task(f"{self.job_id}-g{round_no}-r{member}", self.job_id, "dp_rank", "running",
-                                   rank=member, attempt=round_no, node_id=info["node_id"],
-                                   node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
-            # kept in the spec: a resumed job places it from the start
-            self._lend([node])
-            self.store.add_event(self.job_id, "member_joining",
-                                 f"{node} placed as member {member} on {info['node_name']}; the group takes it in at "
-                                 "its next outer step", {"node": node, "member": member})
-            ref = joiner.run(rank_task(spec, world), None, join_world=world, server=self.server)[0]
-            out.append((member, ref))
-        return out
 
     def _diagnose(self, group, rank: int, err: BaseException) -> dict:
         """Which rank failed, where, and which nodes no longer answer (set aside for the next round)."""

@@ -23,8 +23,10 @@ How data moves (no shared filesystem is assumed):
 
 Failures: a teacher whose worker dies hands its unfinished shards to a new teacher on a node that
 holds the model (twice per shard at most); a student whose worker dies starts again from its last
-kept checkpoint on a free eligible node (MAX_STUDENT_RESTARTS). An error of the student's own
-(bad data, a model that will not load) is not retried: it would only repeat.
+kept checkpoint on a free eligible node (MAX_STUDENT_RESTARTS). A `--students-sync ddp` group that
+loses a rank restarts whole from its leader's last kept checkpoint, at its world size, on the nodes
+that can run it (groups.py: `group_restarted`; one budget for the group). An error of the student's
+own (bad data, a model that will not load) is not retried: it would only repeat.
 
 Placement and rotation: we count the CPUs our own teacher and student tasks hold on each node. A
 student that finds no free node is queued; when a teacher finishes, its node takes the next queued

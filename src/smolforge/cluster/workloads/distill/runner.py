@@ -25,8 +25,11 @@ next attempt resumes in the same run dir.
 
 from __future__ import annotations
 
+import itertools
+import re
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ray.exceptions import RayError
 
@@ -37,7 +40,10 @@ from smolforge.cluster.control.artifacts import ArtifactStore
 from smolforge.cluster.control.runner import (
     Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, short_error,
 )
-from smolforge.cluster.control.specs import DistillJob
+from smolforge.cluster.control.specs import DistillJob, DistillTaskJob, TaskConfig
+from smolforge.cluster.control.states import ended_unsuccessfully, succeeded
+from smolforge.cluster.workloads.distill.state import TASK_ENDED, store_dir_of
+from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import sha256_bytes
 from smolforge.telemetry.sinks import run_name
@@ -201,3 +207,225 @@ class DistillRunner(JobRunner):
         self.store.update_job(self.job_id, step=total, max_steps=total)
         return Completed(f"completed: {len(summary['student_tasks'])} students, "
                          f"{summary['store']['bytes_per_token']:.1f} bytes/token store", result=result)
+
+
+# -- the seeds' calls as jobs (specs.DistillTaskJob) ---------------------------------------------------
+
+TASK_ID = re.compile(r"^(?P<job>.+)-(?P<task>(?:teacher|student|aggregate)-\d+)$")
+STAGE_WAIT_S = 0.5  # how often a stage looks at its tasks (and at the jobs it waits for)
+TEACHERS_SETTLE_S = 5.0  # every teacher ended with shards missing: a retry may still be starting
+
+
+def split_task_id(task_id: str) -> tuple[str, str] | None:
+    """`job-1a2b3c4d5e-student-3` -> (`job-1a2b3c4d5e`, `student-3`); None for anything else."""
+    m = TASK_ID.match(task_id)
+    return (m.group("job"), m.group("task")) if m else None
+
+
+class StageSession(DistillSession):
+    """A stage's DistillSession: its tasks share the nodes with other jobs' (several stage jobs run at
+    once), so a node's busy CPUs are what Ray holds there, not only this session's own tasks; a
+    student placed on a node another job's student fills would wait there while another node idles."""
+
+    def _busy_cpus(self) -> dict[str, float]:
+        busy = super()._busy_cpus()
+        for n in self._nodes():
+            held = n.resources.get("CPU", n.cpus) - n.available.get("CPU", n.cpus)
+            busy[n.node_id] = max(busy.get(n.node_id, 0.0), held)
+        return busy
+
+
+class DistillTaskRunner(DistillRunner):
+    """One of the seeds' distillation calls as a job: a teacher stage writes a store, a students stage
+    trains on a finished teacher job's store, an aggregate stage merges finished students' adapters.
+
+    Each drives a DistillSession as `distill` does (so the tasks, their restarts and rotation are the
+    same), and mirrors it into the job store the same way: its tasks are the job's task rows,
+    `<job>-teacher-N` / `<job>-student-N`, which any process reads. What a stage writes is kept in its
+    run dir (`distill/<job>/`, or the embedded job's output_dir) and published as artifacts for the
+    client: the store (`store/teacher_outputs`), each student's output (`student/student_N`, without
+    its checkpoints) and the merged adapter (`adapter/final_adapter`). Stopped (pause, cancel, a
+    coordinator going down), a stage runs again in the same run dir: valid shards and student
+    checkpoints are reused.
+    """
+
+    def __init__(self, ctx: RunnerContext, job_id: str, spec: DistillTaskJob, reason: str):
+        super().__init__(ctx, job_id, spec, reason)  # type: ignore[arg-type]
+        self.spec: DistillTaskJob = spec  # type: ignore[assignment]
+        if spec.output_dir and ctx.embedded:
+            self.out = Path(spec.output_dir)
+
+    def start_attempt(self) -> Outcome | None:
+        spec = self.spec
+        if not self.ctx.embedded and (spec.store_dir or spec.student_dirs):
+            return Failed("store_dir and student_dirs name directories on the embedded cluster's machine",
+                          retryable=False, error="a coordinator reads only its own jobs' stores and adapters: "
+                          "give teacher_job / student_tasks")
+        self._session, self._events_seen = StageSession(ray_glue.connect(), spec.mode), 0
+        self.store.add_event(self.job_id, "distill_task_started", f"{spec.stage} stage; run dir {self.out}",
+                             {"stage": spec.stage})
+        self.recovered(f"the {spec.stage} stage goes on in {self.out}")
+        return None
+
+    def poll(self) -> Outcome | None:
+        stage = {"teacher": self._teacher_stage, "students": self._students_stage,
+                 "aggregate": self._aggregate_stage}[self.spec.stage]
+        try:
+            return stage()
+        except DistillStopped as stop:
+            return None if stop.what == "abandon" else self.stopped(stop.what)
+        except TypeError as err:  # the call's arguments, as the job file gave them
+            return Failed(f"the {self.spec.stage} call's arguments: {err}", retryable=False, error=str(err))
+        except SmolforgeError as err:
+            return Failed(err.what, retryable=False, error=err.render())
+        except RayError as err:
+            return Failed(f"the stage lost Ray: {short_error(err)}", error=short_error(err))
+        finally:
+            self._session.shutdown_distill()  # its tasks' last lines first, then the last mirror
+            self._sync()
+
+    def end_attempt(self) -> None:
+        if self._session is not None and not self._session._dstate().closing:
+            self._session.shutdown_distill()
+
+    # -- the stages --------------------------------------------------------------------------------
+
+    def _teacher_stage(self) -> Outcome:
+        s = self._session
+        s.create_parallel_teacher_tasks(**self._call_args("dataset_path"), output_dir=self.out)
+        store = next(iter(s._dstate().stores.values()))
+        settled = [0.0]
+
+        def done() -> bool:
+            teachers = [t for t in s.distill_tasks() if t["kind"] == "teacher"]
+            if any(t["state"] in ("pending", "running") for t in teachers):
+                settled[0] = 0.0
+                return False
+            if len(store.written) >= store.plan.num_shards:
+                return True
+            settled[0] = settled[0] or time.time()
+            return time.time() - settled[0] > TEACHERS_SETTLE_S
+
+        self._follow(done)
+        missing = sorted(set(range(store.plan.num_shards)) - store.written)
+        if missing:
+            errors = [t["error"] for t in s.distill_tasks() if t["kind"] == "teacher" and t.get("error")]
+            raise SmolforgeError(f"shards {missing} were not written: {errors[-1] if errors else 'teachers stopped'}",
+                                 fix="see the job's events; the shards written are kept and reused by a rerun")
+        self.ctx.artifacts.put_dir(self.job_id, "store", "teacher_outputs", store.dir)
+        n = store.plan.num_shards
+        self.store.update_job(self.job_id, step=n, max_steps=n)
+        return Completed(f"completed: {n} shards in {store.dir}",
+                         result={"store": str(store.dir), "shards": n, "teacher": store.plan.teacher,
+                                 "summary": store_summary(store.dir)})
+
+    def _students_stage(self) -> Outcome:
+        s = self._session
+        store_dir = Path(self.spec.store_dir) if self.spec.store_dir else self._teacher_store(self.spec.teacher_job)
+        s._dstate().counters["student"] = itertools.count(self.spec.first_student)
+        # resume: a stage that runs again continues its students from their kept checkpoints
+        ids = s.create_student_tasks(**self._call_args("eval_data"), teacher_outputs_dir=store_dir,
+                                     output_dir=self.out, resume=True)
+        self._follow(lambda: all(st["state"] in TASK_ENDED for st in map(s.task_status, ids)))
+        students = [s.task_status(t) for t in ids]
+        failed = [t for t in students if t["state"] != "completed"]
+        if failed:
+            raise SmolforgeError(f"{failed[0]['task_id']} {failed[0]['state']}: {failed[0].get('error')}",
+                                 fix="see the job's events; kept checkpoints are reused by a rerun")
+        for t in students:
+            if t.get("output_dir"):
+                self._publish_student(t["task_id"], Path(t["output_dir"]))
+        return Completed(f"completed: {len(ids)} students on {store_dir}",
+                         result={"store": str(store_dir),
+                                 "students": [{k: t.get(k) for k in ("task_id", "node", "output_dir", "loss", "step")}
+                                              for t in students]})
+
+    def _aggregate_stage(self) -> Outcome:
+        dirs = [d for d in (self._student_dir(t) for t in self.spec.student_tasks) if d] + list(self.spec.student_dirs)
+        target = self.out if self.spec.output_dir and self.ctx.embedded else self.out / "merged_model"
+        report = self._session.aggregate_student_outputs(dirs, target, **self.spec.args)
+        self._sync()
+        final = Path(report["output"])
+        self.ctx.artifacts.put_dir(self.job_id, "adapter", final.name, final)
+        report = {k: v for k, v in report.items() if k != "truncation_error"}
+        return Completed(f"completed: {len(dirs)} students merged into {final}", result=report)
+
+    # -- what the stages share -----------------------------------------------------------------------
+
+    def _call_args(self, data_key: str) -> dict[str, Any]:
+        """The call's keyword arguments: its dataset read from the coordinator's upload, its TaskConfig rebuilt."""
+        args = dict(self.spec.args)
+        value = args.get(data_key)
+        if isinstance(value, str) and value.startswith("upload:"):
+            args[data_key] = str(self.ctx.artifacts.upload_path(value.split(":", 1)[1]))
+        if isinstance(args.get("task_config"), dict):
+            args["task_config"] = TaskConfig(**args["task_config"])
+        return args
+
+    def _sync(self) -> None:
+        if self._session is not None:
+            self._mirror(self._session.distill_tasks(), self._session.events)
+            if self.spec.stage == "teacher":
+                teachers = [t for t in self._session.distill_tasks() if t["kind"] == "teacher"]
+                total = sum(len(t["shards"]) for t in teachers)
+                self.store.update_job(self.job_id, step=sum(len(t["done_shards"]) for t in teachers), max_steps=total)
+
+    def _follow(self, done: Callable[[], bool]) -> None:
+        """Mirror the session until `done()`; a pause, cancel or shutdown stops every task (DistillStopped)."""
+        while True:
+            self._sync()
+            stop = self._stop_requested()
+            if stop:
+                if stop == "pause":
+                    self._session.pause_distill_students([t["task_id"] for t in self._session.distill_tasks()])
+                raise DistillStopped(stop)
+            if done():
+                return
+            time.sleep(STAGE_WAIT_S)
+
+    def _await_job(self, job_id: str, why: str) -> dict[str, Any]:
+        """The job this stage reads from, once it has completed (said once in the events while it waits)."""
+        said = False
+        while True:
+            job = self.store.get_job(job_id)
+            if succeeded(job["state"]):
+                return job
+            if ended_unsuccessfully(job["state"]):
+                raise SmolforgeError(f"{why}: job {job_id} {job['state']}: {job.get('error') or ''}".rstrip(": "),
+                                     fix=f"see `smolforge job logs {job_id}`; run that task again, then this one")
+            if not said:
+                self.store.add_event(self.job_id, "waiting", f"waiting for job {job_id} ({why}; it is {job['state']})",
+                                     {"job": job_id})
+                said = True
+            stop = self._stop_requested()
+            if stop:
+                raise DistillStopped(stop)
+            time.sleep(STAGE_WAIT_S)
+
+    def _run_dir_of(self, job: dict[str, Any]) -> Path:
+        out = (job.get("spec") or {}).get("output_dir")
+        return Path(out) if out and self.ctx.embedded else run_dir(self.ctx.artifacts, job["id"])
+
+    def _teacher_store(self, job_id: str) -> Path:
+        job = self._await_job(job_id, "its teacher store")
+        return store_dir_of(self._run_dir_of(job))
+
+    def _student_dir(self, task_id: str) -> str | None:
+        """A student task's output dir, from its (completed) students job; None for a ddp group's other ranks."""
+        parts = split_task_id(task_id)
+        if parts is None or not parts[1].startswith("student-"):
+            raise SmolforgeError(f"{task_id} is not a student task id", where="student_tasks",
+                                 fix="give ids create_student_tasks returned (<job>-student-N)")
+        job = self._await_job(parts[0], f"the adapter of {task_id}")
+        rows = {t["task_id"]: t for t in (job.get("result") or {}).get("students", [])}
+        if parts[1] not in rows:
+            raise SmolforgeError(f"job {parts[0]} has no student {parts[1]}", where="student_tasks",
+                                 fix="give ids create_student_tasks returned")
+        return rows[parts[1]].get("output_dir")
+
+    def _publish_student(self, task_id: str, out: Path) -> None:
+        """A student's adapter and summary (not its checkpoints) as the job's `student/student_N` artifact."""
+        files = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+                 if p.is_file() and not p.is_symlink() and "checkpoints" not in p.relative_to(out).parts}
+        payload = {"files": files, "sha256": {k: sha256_bytes(v) for k, v in files.items()}}
+        self.ctx.artifacts.put(self.job_id, "student", out.name, payload)

@@ -122,9 +122,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
             if since is None or time.time() - since < limit:
                 continue
             t.queued, t.state, t.finished = False, "failed", time.time()
-            t.error = (f"no node could run it for {limit:.0f}s (it needs {t.cpus:g} free CPUs and model "
-                       f"{t.spec['config']['base_model']}): join a worker that holds the model, then rerun; "
-                       "its last checkpoint is kept")
+            t.error = self._unplaceable_why(t, limit)  # a group's members share `no_node_since`: they fail together
             self._devent("student_failed", f"{t.task_id} failed: {t.error}", task_id=t.task_id, error=t.error)
 
     def _absorb_broker(self, store: StoreState, news: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
 PLACEMENT_POLL_S = 2.0  # how often queued students look for a node (one that joined, one that freed up)
 BROKER_LOST_S = 60.0  # a broker silent this long is gone (it lives on the driver node, so this is rare)
-MAX_STUDENT_RESTARTS = 2  # per student, after its worker process or node was lost
+MAX_STUDENT_RESTARTS = 2  # per student (per group, for a ddp group), after a worker process or node was lost
+TASK_ENDED = ("completed", "failed", "cancelled")  # a teacher's or student's own states that end it
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.sync import DataParallelSync, make_sync
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
@@ -31,8 +32,8 @@ from smolforge.paths import atomic_write_json, safe_join
 from smolforge.train import checkpoint as ckpt
 
 
-class StudentTasks:
-    """The student tasks (a mixin of DistillTasks)."""
+class StudentTasks(StudentGroups):
+    """The student tasks (a mixin of DistillTasks); a ddp group's own rules are StudentGroups'."""
 
     # -- students ------------------------------------------------------------------------------------
 
@@ -206,39 +207,15 @@ class StudentTasks:
         gone = set(task.spec.get("lost_nodes") or ())
         return [n for n in nodes if n.node_id not in gone]
 
-    def _form_group(self, group: dict[str, Any] | None) -> None:
-        """Make the students named in `group` one data-parallel group (see `sync.py`): each member
-        knows its group rank; only the first writes the adapter (its `student_N/`), and every member
-        resumes from the first's checkpoint (all ranks hold the same weights)."""
-        if group is None:
-            return
-        st = self._dstate()
-        members = [st.tasks[t] for t in group["members"]]
-        leader = members[0]
-        for i, task in enumerate(members):
-            task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
-            if not task.spec["config"].get("max_steps"):  # steps from the rows: each step takes world × batch
-                task.max_steps = max(1, -(-task.max_steps // group["world"]))
-            if i:
-                task.output_dir = None  # one adapter for the group: the leader's
-                task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
-        self._devent("student_group", f"{', '.join(group['members'])} train as one {group['strategy']} group of "
-                     f"{group['world']} over shards {group['shards']}; one adapter in {leader.output_dir}",
-                     members=group["members"], strategy=group["strategy"], output_dir=leader.output_dir)
-
-    def _members(self, task: DistillTask) -> list[DistillTask]:
-        """The students that start and stop together with `task`: its group, or itself alone."""
-        group = task.spec.get("group")
-        return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
-
     def _place_student(self, task: DistillTask, node=None) -> bool:
         """Start the student on `node` (or the freest eligible node); queue it when all are busy.
 
         A group's members start together or not at all (each on a node of its own choosing, as a
         lone student would): a group half started would wait in its first collective. The group
         meets at rank 0's address (`DataParallelSync.rendezvous`) before any member starts training.
-        A student queued while no live node could run it at all (its only node died) records since
-        when (`no_node_since`); the monitor fails it after `replace_timeout_s` (a run never hangs)."""
+        A student queued while no live nodes could run it at all, were they idle (its only node died; too
+        few nodes left for its group: `_could_run`), records since when (`no_node_since`); the monitor
+        fails it after `replace_timeout_s` (a run never hangs)."""
         st = self._dstate()
         store = st.stores[task.store]
         members = self._members(task)
@@ -254,15 +231,17 @@ class StudentTasks:
                 pick = node if node is not None and len(members) == 1 else None
                 if pick is None:
                     eligible = self._student_nodes(m)
-                    m.spec["no_node_since"] = None if eligible else (m.spec.get("no_node_since") or time.time())
+                    since = None if self._could_run(members, eligible) else m.spec.get("no_node_since") or time.time()
+                    for q in members:  # one verdict for the group: its members fail together (`_fail_unplaceable`)
+                        q.spec["no_node_since"] = since
                     free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
                     pick = pick_student_node(free, m.cpus, teachers, hybrid=hybrid)
                 if pick is None:
                     for q in members:
                         if not q.queued:
                             q.queued = True
-                            why = ("no live node can run it; waiting for one to join" if not eligible else
-                                   "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
+                            why = ("no live node can run it; waiting for one to join" if m.spec["no_node_since"]
+                                   else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
                             if len(members) > 1:
                                 why = f"its group of {len(members)} cannot all start: " + why
                             self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
@@ -313,6 +292,8 @@ class StudentTasks:
                 if ready:
                     break
             out = ray.get(ref, timeout=GET_TIMEOUT_S)
+            if (self._dstate().handles.get(task.task_id) or (None, None))[1] is not ref:
+                return  # a run of its group that a lost rank ended already (`_group_member_failed`)
             result = out["result"]
             if result.get("stopped"):
                 task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
@@ -330,51 +311,35 @@ class StudentTasks:
                          task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
                          mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
         except Exception as err:
-            lost = self._worker_lost(err)
-            grouped = len(self._members(task)) > 1
-            error = short_error(err)
-            with self._dstate().lock:  # two ranks of a group may end at once: the first one's reason wins
-                if task.state == "failed":
-                    return  # its group failed already, saying why (`_fail_group`); `finally` kills its actor
-                if grouped:
-                    error = self._fail_group(task, f"lost its worker on {task.node}" if lost else "failed", error)
-            decision = self._dstate().failures.on_failure(
-                f"{task.task_id} lost its worker on {task.node} ({short_error(err)})" if lost
-                else f"{task.task_id} failed: {short_error(err)}", subject=task.task_id,
-                retryable=lost and not grouped)
-            if decision.retry and not self._dstate().closing:
-                try:
-                    self._restart_student(task, decision)
-                    return  # (`finally` still kills the lost actor's handle)
-                except Exception as again:  # the restart itself failed: the student ends, saying why
-                    error = f"{error}; restarting it failed: {short_error(again)}"
-            task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
-            self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
-                         node=task.node, error=task.error)
+            ended = (self._group_member_failed(task, ref, err) if len(self._members(task)) > 1
+                     else self._lone_student_failed(task, err))
+            if not ended:
+                return  # restarted (its group, or itself), or a stale end; `finally` still kills the lost actor
         finally:
             self._kill_quietly(actor)
         self._after_finish(task)
 
-    def _fail_group(self, task: DistillTask, what: str, error: str) -> str:
-        """One rank of a data-parallel group is gone or failed: the others would wait in their next
-        collective until it timed out, so they are stopped now and fail with the same reason. The
-        group's checkpoints (rank 0's, kept in its student_N/checkpoints/) stay: a rerun with
-        --resume continues the whole group from the newest."""
-        rank = task.spec["group"]["rank"]
-        why = (f"rank {rank} of its {task.spec['group']['strategy']} student group ({task.task_id}) {what}: {error}; "
-               "a data-parallel group cannot go on without a rank (rerun with --resume to continue from the "
-               "group's last checkpoint)")
-        st = self._dstate()
-        task.state = "failed"  # (its own event follows from the caller)
-        for m in self._members(task):
-            if m is task or m.state not in ("pending", "running"):
-                continue
-            m.queued, m.state, m.finished, m.error = False, "failed", time.time(), why
-            self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
-            handle = st.handles.get(m.task_id)
-            if handle is not None:
-                self._kill_quietly(handle[0])
-        return why
+    def _lone_student_failed(self, task: DistillTask, err: BaseException) -> bool:
+        """A student alone ended with `err`: restarted from its last checkpoint when its worker was lost
+        (within the policy's budget), else failed saying why. Returns whether it ended here."""
+        lost = self._worker_lost(err)
+        error = short_error(err)
+        with self._dstate().lock:
+            if task.state == "failed":
+                return False  # failed already, saying why (a lost broker)
+        decision = self._dstate().failures.on_failure(
+            f"{task.task_id} lost its worker on {task.node} ({error})" if lost
+            else f"{task.task_id} failed: {error}", subject=task.task_id, retryable=lost)
+        if decision.retry and not self._dstate().closing:
+            try:
+                self._restart_student(task, decision)
+                return False
+            except Exception as again:  # the restart itself failed: the student ends, saying why
+                error = f"{error}; restarting it failed: {short_error(again)}"
+        task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
+        self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
+                     node=task.node, error=task.error)
+        return True
 
     @staticmethod
     def _kill_quietly(actor) -> None:

@@ -25,7 +25,7 @@ from smolforge.distill.shard_source import InOrderShardSource, ShardSource
 from smolforge.errors import SmolforgeError
 from smolforge.train.strategy import Strategy
 
-GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then fails)
+GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then restarts: groups.py)
 
 
 class AverageSync:

@@ -11,10 +11,11 @@ token never travels through Ray. On the embedded cluster, a token the user gave 
 actor: killing it takes them too. Should the engine's thread end, `status()` raises: the job fails.
 
 The job's events carry the placement plan (`plan`), the URL (`serving`) and every stage placement
-and re-placement (`stage`); what the API actor and each stage print is the job's log (tasks `api`,
-`stage0`, `stage1`...); a stage that dies fails only the requests of its batch (see
-`stages.py`). Cancel (or pause) stops uvicorn, the engine and every actor. Resume starts them
-all again. Stages that fail to start, or an API actor that goes away, cost an attempt: the job's
+and re-placement (`stage`, with the stage's peak RSS); the job's `result.stages` is each stage's node,
+layers, peak RSS and its node's memory limit, kept current while it serves (`job show`); what the
+API actor and each stage print is the job's log (tasks `api`, `stage0`, `stage1`...); a stage that
+dies fails only the requests of its batch (see `stages.py`). Cancel (or pause) stops uvicorn, the
+engine and every actor. Resume starts them all again. Stages that fail to start, or an API actor that goes away, cost an attempt: the job's
 FailurePolicy (the base runner's) starts them all again or fails the job with the reason.
 """
 
@@ -118,6 +119,7 @@ class ServeRunner(JobRunner):
         self.url: str | None = None
         self.last_status = 0.0
         self._events_seen = 0
+        self._stages_kept: list[dict[str, Any]] = []  # the stages as the job's result last recorded them
 
     def running_message(self) -> str:
         return f"starting {self.spec.stages} stages of {self.spec.model} ({self.reason})"
@@ -205,6 +207,9 @@ class ServeRunner(JobRunner):
             self.store.add_event(self.job_id, event["kind"], event["message"], event["data"])
         self._events_seen = len(st["events"])
         self.store.add_logs(self.job_id, st.get("lines") or [])
+        if st["stages"] and st["stages"] != self._stages_kept:  # `job show`: each stage's node, layers, peak RSS
+            self._stages_kept = st["stages"]
+            self.store.update_job(self.job_id, result={"stages": st["stages"]})
         return st
 
     def stopped(self, what: str, where: str = "") -> Outcome:

@@ -93,10 +93,17 @@ class StageActor:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id()}
+        from smolforge.telemetry.memory import memory_limit_bytes
 
-    def take_lines(self) -> list[dict[str, Any]]:
-        return self.lines.drain()
+        limit = memory_limit_bytes()
+        return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id(),
+                "memory_limit_mb": None if limit is None else round(limit / 1e6, 1)}
+
+    def report(self) -> dict[str, Any]:
+        """What it printed since the last report, and its peak RSS so far (KV caches grow it after loading)."""
+        from smolforge.telemetry.memory import peak_rss_mb
+
+        return {"lines": self.lines.drain(), "peak_rss_mb": round(peak_rss_mb(), 1)}
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The model's tokenizer as files: the server loads it without holding the model itself."""
@@ -207,7 +214,7 @@ class StageGroup:
         self.targets: list[str] = []  # the node id the plan chose for each stage
         self._lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
-        self._line_calls: dict[int, Any] = {}  # stage index -> its pending `take_lines` call
+        self._line_calls: dict[int, Any] = {}  # stage index -> its pending `report` call
 
     # -- placement --------------------------------------------------------------------------------
 
@@ -299,11 +306,12 @@ class StageGroup:
             handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
             if again:
                 handle.replacements += 1
+            cap = f" of its {info['memory_limit_mb']:.0f} MB limit" if info.get("memory_limit_mb") else ""
             message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
-                       f"{'re-placed' if again else 'placed'} on {node.name}")
-            self.events.append({"kind": "stage", "message": message, "data": {"stage": handle.index, "node": node.name,
-                                                             "pid": info.get("pid"), "layers": info["layers"],
-                                                             "replaced": again}})
+                       f"{'re-placed' if again else 'placed'} on {node.name}, peak RSS {info['peak_rss_mb']:.0f} MB{cap}")
+            self.events.append({"kind": "stage", "message": message, "data": {
+                "stage": handle.index, "node": node.name, "pid": info.get("pid"), "layers": info["layers"],
+                "replaced": again, "peak_rss_mb": info["peak_rss_mb"], "memory_limit_mb": info.get("memory_limit_mb")}})
             log.info(message)
 
     def kill(self, handle: RemoteStage) -> None:
@@ -342,13 +350,14 @@ class StageGroup:
                            max_positions=int(last["max_positions"]))
 
     def take_lines(self, timeout: float = 2.0) -> list[dict[str, Any]]:
-        """What the stages printed since the last take. A stage busy past `timeout` answers at a later
-        take (its call stays pending, so no lines are lost); a dead one's stay in its node's Ray log."""
+        """What the stages printed since the last take (their peak RSS noted on the way, for `describe`).
+        A stage busy past `timeout` answers at a later take (its call stays pending, so no lines are
+        lost); a dead one's stay in its node's Ray log."""
         import ray
 
         for h in self.handles:
             if h.actor is not None and not h.broken and h.index not in self._line_calls:
-                self._line_calls[h.index] = h.actor.take_lines.remote()
+                self._line_calls[h.index] = h.actor.report.remote()
         refs = list(self._line_calls.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         out: list[dict[str, Any]] = []
@@ -357,14 +366,19 @@ class StageGroup:
                 continue
             del self._line_calls[index]
             try:
-                out.extend(ray.get(ref, timeout=timeout))
+                report = ray.get(ref, timeout=timeout)
             except Exception:  # noqa: BLE001  a stage that died: its re-placement is reported elsewhere
-                pass
+                continue
+            out.extend(report["lines"])
+            if index < len(self.handles):
+                self.handles[index].where["peak_rss_mb"] = report["peak_rss_mb"]
         return out
 
     def describe(self) -> list[dict[str, Any]]:
+        """Each stage: where it runs, its layers, and its process's peak RSS against its node's memory limit."""
         return [{"stage": h.index, "node": h.where.get("node"), "layers": h.where.get("layers"),
-                 "pid": h.where.get("pid"), "running": not h.broken, "replacements": h.replacements}
+                 "pid": h.where.get("pid"), "running": not h.broken, "replacements": h.replacements,
+                 "peak_rss_mb": h.where.get("peak_rss_mb"), "memory_limit_mb": h.where.get("memory_limit_mb")}
                 for h in self.handles]
 
     def close(self) -> None:

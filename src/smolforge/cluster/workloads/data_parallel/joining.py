@@ -1,0 +1,122 @@
+"""`job join`: a node lent to a running data-parallel job, taken into its group.
+
+The data-parallel runner's half that takes a node in (`DPRunner` inherits it, as it does `leaving.py`'s
+`NodeLeaving`): a join is checked against the job's spec (the node can hold a rank, has not joined,
+the global batch splits over the new world), queued, and taken in
+
+- by the next placement, when no group runs yet (`_take_joins` folds it into the spec's `lent_nodes`);
+- at the running group's next checkpoint (the next step without checkpoints), which stops and
+  re-forms with it (a `Regroup`), for ddp, zero1, fsdp and pipeline;
+- at once, as one more member placed beside the running group, which takes it in at its next outer
+  step (`_admit`), for an elastic strategy (DiLoCo, the parameter servers' workers).
+"""
+
+from __future__ import annotations
+
+from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for
+from smolforge.cluster.control.specs import DataParallelJob
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.data_parallel.leaving import named
+from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, rank_task
+from smolforge.cluster.control.runner import short_error
+from smolforge.errors import SmolforgeError
+
+
+class NodeJoining:
+    """`DPRunner.join` and what it needs. Its methods use the runner's own attributes (spec, store,
+    control, ctx, world, training, elastic, pending_joins, pending_leaves, left, members, joiners,
+    server, _lock); `runner.py` imports this module, never the other way round."""
+
+    def join(self, node: str) -> str:
+        """Take `node` in: checked against the job's spec (it can hold a rank, has not joined, and the
+        global batch splits over the new world), queued, and taken in at the returned moment."""
+        spec = self.spec
+        if node in self.pending_leaves:
+            raise SmolforgeError(f"{named(node)} is leaving job {self.job_id}",
+                                 fix=f"join it again once it has left (`member_left` in `smolforge job logs "
+                                     f"{self.job_id}`)")
+        nodes = ray_glue.nodes()
+        if node == COORDINATOR:
+            ray_glue.check_placeable(coordinator_requirements(spec, self.ctx.embedded), nodes)
+        else:
+            req = requirements_for(spec, self.ctx.embedded)
+            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
+                                                           allowed_nodes=[node]), nodes)
+        with self._lock:
+            if node in self.spec.lent_nodes or node in self.pending_joins:
+                raise SmolforgeError(f"{node} already joined job {self.job_id}", fix="nothing to do")
+            world = max(self.world, 1) + len(self.pending_joins) + 1
+            # an elastic group splits each global batch among whoever is a member, evenly or not
+            if spec.global_batch % world and not self.elastic:
+                raise SmolforgeError(
+                    f"the job's global batch ({spec.global_batch}) does not split over {world} workers",
+                    fix=f"jobs that should take extra nodes need a global batch divisible by the new worker count "
+                        f"(e.g. {world * max(1, spec.global_batch // world)})")
+            self.pending_joins.append(node)
+            self.left.discard(node)
+            if self.training and not self.elastic:  # an elastic group takes it in where it runs
+                self._ask_regroup()
+            if not self.training:
+                return "the placement of its group"
+        if self.elastic:
+            return "the group's next outer step (no restart)"
+        return "the next checkpoint" if spec.train.save_every else "the next step"
+
+    def _ask_regroup(self) -> None:
+        """Have the running group stop at its next checkpoint (now, without checkpoints) and re-form.
+
+        A join that arrives before a group is placed needs none of this: the next placement takes it
+        in (`_take_joins`). One that arrives while a group is being placed is asked for once the group
+        runs, so no join is lost however it races the placement.
+        """
+        self.control.set_regroup.remote(bool(self.spec.train.save_every))
+
+    def _pop_joins(self) -> list[str]:
+        with self._lock:
+            joins, self.pending_joins = self.pending_joins, []
+        return joins
+
+    def _take_joins(self, why: str) -> None:
+        """Fold the nodes that asked to join into the job's spec, so the next placement includes them."""
+        joins = self._pop_joins()
+        if not joins:
+            return
+        self._lend(joins)
+        self.store.add_event(self.job_id, "regrouped", f"{', '.join(joins)} joined {why}", {"nodes": joins})
+
+    def _lend(self, nodes: list[str]) -> None:
+        """Nodes lent to the job, kept in its spec: a resumed job places them from the start."""
+        self.spec = self.spec.model_copy(update={"lent_nodes": self.spec.lent_nodes + nodes})
+        self.ctx.keep_spec(self.job_id, self.spec)
+
+    def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
+        """Place each node that asked to join as a new member of the running elastic group; returns
+        (member id, ref) per member started. The group takes each in at its next outer step."""
+        out = []
+        for node in self._pop_joins():
+            member = first + len(out)
+            req = (coordinator_requirements(spec, self.ctx.embedded) if node == COORDINATOR
+                   else requirements_for(spec, self.ctx.embedded))
+            joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.ctx.healthy_nodes())], self.control,
+                                 first_rank=member)
+            try:
+                info = joiner.start(min(60.0, spec.placement_timeout_s))[0]
+            except Exception as err:
+                joiner.release()
+                msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
+                self.store.add_event(self.job_id, "join_failed", f"{node} could not be placed to join: {msg}",
+                                     {"node": node})
+                continue
+            self.joiners.append(joiner)
+            self.store.upsert_task(f"{self.job_id}-g{round_no}-r{member}", self.job_id, "dp_rank", "running",
+                                   rank=member, attempt=round_no, node_id=info["node_id"],
+                                   node_name=info["node_name"], pid=info["pid"], max_retries=spec.max_retries)
+            # kept in the spec: a resumed job places it from the start
+            self._lend([node])
+            self.members[member] = node  # `job leave` of this node takes this member out
+            self.store.add_event(self.job_id, "member_joining",
+                                 f"{node} placed as member {member} on {info['node_name']}; the group takes it in at "
+                                 "its next outer step", {"node": node, "member": member})
+            ref = joiner.run(rank_task(spec, world), None, join_world=world, server=self.server)[0]
+            out.append((member, ref))
+        return out

@@ -1,0 +1,185 @@
+"""A `--students-sync ddp` student group: how it forms, and how it heals when it loses a rank.
+
+A group that loses a rank (its process or its node died) restarts WHOLE, from the group's last kept
+checkpoint (its leader's, `student_N/checkpoints/`), at its own world size, on whichever nodes can run
+its members now, within the run's student restarts (`FailurePolicy`, one budget for the group).
+Why not re-form on the ranks left, as a `diloco` data-parallel job does: a ddp group's ranks share
+every step's rows (rank r takes slice r of the global batch) and every step's gradients, so a smaller
+group is a different run (another global batch, other rows per rank), and its ranks would have to
+agree on where to go on from inside a broken collective. The restart keeps the world, the rows and
+the optimizer state as they were at the checkpoint, so it ends where an undisturbed run ends; it
+costs the steps since that checkpoint and a model load per rank.
+
+A group whose members no live nodes could hold at once (too few nodes hold the model, or they have
+too few CPUs) waits for nodes to join, and fails, saying why, after `replace_timeout_s`
+(`_unplaceable_why`); one merely busy waits like any queued student.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.state import DistillTask, short_error
+from smolforge.train import checkpoint as ckpt
+
+LOST_PEER_GRACE_S = 10.0  # a rank whose collective broke: how long to look for the peer whose worker died
+
+
+def hosts(cpus: float, world: int, node_cpus: Iterable[float]) -> bool:
+    """Whether nodes with these CPUs (all of them, as if idle) could hold `world` ranks of `cpus` each
+    at once: the question that decides between waiting for busy nodes and waiting for new ones."""
+    if cpus <= 0:
+        return any(True for _ in node_cpus)
+    return sum(int((c + 1e-9) // cpus) for c in node_cpus) >= world
+
+
+class StudentGroups:
+    """The student groups (a mixin of StudentTasks): forming one, and what a lost rank does to it."""
+
+    def _form_group(self, group: dict[str, Any] | None) -> None:
+        """Make the students named in `group` one data-parallel group (see `sync.py`): each member
+        knows its group rank; only the first writes the adapter (its `student_N/`), and every member
+        resumes from the first's checkpoint (all ranks hold the same weights)."""
+        if group is None:
+            return
+        st = self._dstate()
+        members = [st.tasks[t] for t in group["members"]]
+        leader = members[0]
+        for i, task in enumerate(members):
+            task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
+            if not task.spec["config"].get("max_steps"):  # steps from the rows: each step takes world × batch
+                task.max_steps = max(1, -(-task.max_steps // group["world"]))
+            if i:
+                task.output_dir = None  # one adapter for the group: the leader's
+                task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
+        self._devent("student_group", f"{', '.join(group['members'])} train as one {group['strategy']} group of "
+                     f"{group['world']} over shards {group['shards']}; one adapter in {leader.output_dir}",
+                     members=group["members"], strategy=group["strategy"], output_dir=leader.output_dir)
+
+    def _members(self, task: DistillTask) -> list[DistillTask]:
+        """The students that start and stop together with `task`: its group, or itself alone."""
+        group = task.spec.get("group")
+        return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
+
+    def _could_run(self, members: list[DistillTask], eligible: list[Any]) -> bool:
+        """Whether the live nodes that may run these students could hold all of them at once, were
+        they idle (False: waiting for busy nodes is not enough; nodes must join)."""
+        return hosts(members[0].cpus, len(members), [n.cpus for n in eligible])
+
+    def _unplaceable_why(self, task: DistillTask, limit: float) -> str:
+        """Why a student that no live nodes could run for `limit` seconds fails (the monitor's verdict)."""
+        model = task.spec["config"]["base_model"]
+        members = self._members(task)
+        if len(members) == 1:
+            return (f"no node could run it for {limit:.0f}s (it needs {task.cpus:g} free CPUs and model "
+                    f"{model}): join a worker that holds the model, then rerun; its last checkpoint is kept")
+        group = task.spec["group"]
+        return (f"no nodes could run its {group['strategy']} student group ({', '.join(group['members'])}) for "
+                f"{limit:.0f}s: its {len(members)} ranks need {task.cpus:g} CPUs each at once on live nodes that "
+                f"hold {model}; join workers that hold the model, then rerun with --resume (the group's last "
+                "checkpoint is kept)")
+
+    def _group_member_failed(self, task: DistillTask, ref, err: BaseException) -> bool:
+        """A rank of a group ended with `err`: the group restarts whole from its last checkpoint when a
+        rank was lost (`_restart_group`), or fails at once, every member saying why (its other ranks
+        would only wait in their next collective). Returns whether `task` ended here (False: the
+        group restarted, or this is the stale end of a run of the group that is already over)."""
+        st = self._dstate()
+        members = self._members(task)
+        with st.lock:  # two ranks of a group may end at once: the first one's end decides
+            if (st.handles.get(task.task_id) or (None, None))[1] is not ref or task.state not in ("pending", "running"):
+                return False
+            actors = [st.handles[m.task_id][0] for m in members if m.task_id in st.handles]
+            refs = {m.task_id: st.handles[m.task_id][1] for m in members if m.task_id in st.handles}
+            for m in members:  # this run of the group is over: its members' later ends are stale
+                if m.task_id in st.handles:
+                    st.handles[m.task_id] = (st.handles[m.task_id][0], None)
+            if members[0].state == "completed":  # trained and written: this rank's part is in the adapter
+                task.state, task.progress, task.finished = "completed", 1.0, time.time()
+                self._devent("student_finished", f"{task.task_id} lost its worker after its group finished; the "
+                             f"group's adapter is {members[0].task_id}'s", task_id=task.task_id, node=task.node)
+                return True
+        lost = task if self._worker_lost(err) else self._lost_peer(task, members, refs)
+        for actor in actors:
+            self._kill_quietly(actor)
+        error = short_error(err)
+        if lost is not None:
+            what = f"lost its worker on {lost.node}" + ("" if lost is task else f" (rank {task.spec['group']['rank']}: {error})")
+        else:
+            what = f"failed: {error}"
+        who = lost or task
+        latest = ckpt.latest_checkpoint(members[0].output_dir)
+        decision = st.failures.on_failure(
+            f"rank {who.spec['group']['rank']} of the {who.spec['group']['strategy']} student group "
+            f"({who.task_id}) {what}", subject=f"group:{members[0].task_id}", retryable=lost is not None,
+            checkpoint=latest.name if latest else None)
+        why = decision.reason
+        if decision.retry and not st.closing:
+            try:
+                self._restart_group(members, who, decision)
+                return False
+            except Exception as again:  # the restart itself failed: the group ends, saying why
+                why = f"{why}; restarting the group failed: {short_error(again)}"
+        self._fail_group(members, f"{why}; a data-parallel group cannot go on without a rank (rerun with --resume "
+                                  "to continue from the group's last checkpoint)")
+        return True
+
+    def _lost_peer(self, me: DistillTask, members: list[DistillTask], refs: dict[str, Any]) -> DistillTask | None:
+        """`me` ended with an error of its own. In a group that is most often how a rank hears that a
+        peer died (its collective broke): the member whose worker or node is gone, if one is."""
+        import ray
+
+        others = [(m, refs[m.task_id]) for m in members if m is not me and refs.get(m.task_id) is not None]
+        if not others:
+            return None
+        ready, _ = ray.wait([r for _, r in others], num_returns=len(others), timeout=LOST_PEER_GRACE_S)
+        for m, r in others:
+            if r in ready:
+                try:
+                    ray.get(r, timeout=5)
+                except Exception as err:  # noqa: BLE001 (any end: only a lost worker counts)
+                    if self._worker_lost(err):
+                        return m
+        for m, _ in others:  # Ray takes ~15 s to call a silent node dead; a probe answers at once
+            if m.node_id and not ray_glue.probe_node(m.node_id, timeout=4):
+                return m
+        return None
+
+    def _restart_group(self, members: list[DistillTask], lost: DistillTask, decision) -> None:
+        """Start the whole group again from its last kept checkpoint (or the start), at its world
+        size, on whichever nodes can run its members now (a lost node never again); queued when
+        none can yet."""
+        import ray
+
+        st = self._dstate()
+        leader = members[0]
+        resume = self._resume_point(Path(leader.output_dir), True)
+        step = resume["step"] if resume else 0
+        gone = [lost.node_id] if lost.node_id and not ray_glue.probe_node(lost.node_id, timeout=4) else []
+        broker = st.stores[leader.store].broker
+        with st.lock:
+            for m in members:
+                m.restarts = decision.attempt
+                m.spec["resume"], m.resumed_step, m.step = resume, step, step
+                m.spec["lost_nodes"] = [*(m.spec.get("lost_nodes") or []), *gone]
+                m.started, m.finished, m.progress = None, None, step / max(1, m.max_steps)
+                m.state, m.node_id, m.queued, m.error = "pending", None, False, None  # their CPUs are not ours now
+        ray.get([broker.restart.remote(m.rank) for m in members], timeout=60)
+        ids = [m.task_id for m in members]
+        self._devent("group_restarted", f"{decision.reason}: its group ({', '.join(ids)}) starts again from "
+                     + (f"its checkpoint at step {step}" if resume else "the start"),
+                     task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
+                     members=ids, restarts=decision.attempt, node_gone=bool(gone))
+        self._place_student(leader)
+
+    def _fail_group(self, members: list[DistillTask], why: str) -> None:
+        """Every member of the group that has not ended fails with the group's one reason (their
+        actors are killed already). The group's checkpoints (its leader's) stay for --resume."""
+        for m in members:
+            if m.state in ("completed", "failed", "cancelled", "paused"):
+                continue
+            m.queued, m.state, m.finished, m.error = False, "failed", time.time(), why
+            self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)

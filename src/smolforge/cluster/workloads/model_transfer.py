@@ -1,0 +1,233 @@
+"""Bringing a job's model to the workers placed for it that lack it, before its ranks start.
+
+A placed round's nodes that do not advertise the model (`model:<name>`) each fetch it from one node
+that does (the coordinator's machine first: it runs no ranks), through `nodes.model_fetch`: a
+`ModelSource` actor on the holder, a `ModelFetcher` actor on each fetching node, in checksummed
+pieces. Every step is a `model_transfer` event of the job (what `job logs -f` shows): the nodes that
+hold it already (a cache hit: nothing sent), the plan, progress (bytes, pieces, rate) every few
+seconds, a cut fetch resumed, each node's result. A node whose disk cannot take the model is refused
+before anything is sent, and the round fails with the reason.
+
+Transport: Ray actors rather than the coordinator's HTTP API, because the holder may be any node
+(a worker's models dir), the pieces then go straight from holder to fetcher, and Ray's channel is
+already authenticated (the cluster token, Ray's TLS where on) between our own processes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ray.exceptions import RayError
+
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.placement import holds_anywhere, model_holders
+from smolforge.cluster.control.runner import Failed, Outcome, Regroup, short_error
+from smolforge.cluster.control.specs import DataParallelJob
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, piece_bytes
+
+MAX_ATTEMPTS = 3  # a fetch cut mid-way (its process killed, its node's link lost) resumes this often
+REPORT_S = 2.0  # seconds between a node's progress events
+MANIFEST_TIMEOUT_S = 600.0  # the holder reads (hashes) the whole model once: a 2 GB model on a slow disk
+
+
+@dataclass
+class Fetch:
+    """One node's fetch: its actor, the attempt, what it reported last."""
+
+    node_id: str
+    node: str
+    attempt: int = 0
+    actor: Any = None
+    ref: Any = None
+    resumed: int = 0
+    started: float = field(default_factory=time.time)
+    reported: float = 0.0
+    last: dict = field(default_factory=dict)
+
+
+class Transfer:
+    """The fetches of one round, reported as the job's `model_transfer` events."""
+
+    def __init__(self, store: JobStore, job_id: str, task_id: str, model: str):
+        self.store, self.job_id, self.task_id, self.model = store, job_id, task_id, model
+        self.source: Any = None
+        self.manifest: dict = {}
+        self.fetches: dict[str, Fetch] = {}
+
+    def event(self, message: str, **data: Any) -> None:
+        self.store.add_event(self.job_id, "model_transfer", f"model {self.model}: {message}",
+                             {"model": self.model, **data}, task_id=self.task_id)
+
+    def open_source(self, holder: ray_glue.NodeInfo) -> None:
+        import ray
+
+        self.source = _pinned(ModelSource, holder.node_id, 8).remote(self.model, piece_bytes())
+        self.manifest = ray.get(self.source.manifest.remote(), timeout=MANIFEST_TIMEOUT_S)
+
+    def start(self, f: Fetch) -> str | None:
+        """A fetcher on `f`'s node, prepared: None when it is fetching (or held the model already),
+        else why the node cannot take it."""
+        import ray
+
+        f.attempt += 1
+        f.actor = _pinned(ModelFetcher, f.node_id, 2).remote(self.model, self.manifest)
+        prep = ray.get(f.actor.prepare.remote(), timeout=MANIFEST_TIMEOUT_S)
+        if prep.get("refused"):
+            return f"{f.node} cannot take it: {prep['refused']}"
+        if prep.get("cache_hit"):
+            self.event(f"{f.node} holds a complete copy already (cache hit: nothing sent)", node=f.node,
+                       cache_hit=True, pieces=0, bytes=0)
+            return None
+        f.resumed, f.started = prep["resumed"], time.time()
+        if f.attempt > 1:
+            self.event(f"{f.node} resumes its cut fetch: {f.resumed} pieces kept, "
+                       f"{prep['missing_bytes'] / 1e6:.1f} MB to go", node=f.node, resumed=f.resumed,
+                       attempt=f.attempt, state="resumed")
+        f.ref = f.actor.fetch.remote(self.source)
+        return None
+
+    def progress(self, f: Fetch, final: dict | None = None) -> None:
+        """A progress event for `f` (at most every REPORT_S unless `final`)."""
+        import ray
+
+        if final is None:
+            if time.time() - f.reported < REPORT_S:
+                return
+            try:
+                final_or_now = ray.get(f.actor.progress.remote(), timeout=5)
+            except RayError:
+                return
+            if final_or_now == f.last:
+                return
+        else:
+            final_or_now = final
+        p, f.reported, f.last = final_or_now, time.time(), final_or_now
+        took = max(time.time() - f.started, 1e-6)
+        done = final is not None
+        self.event(f"{f.node} {'has it' if done else 'fetching'}: {p['bytes'] / 1e6:.2f} MB, "
+                   f"{p['pieces'] + f.resumed}/{p['pieces_total']} pieces ({f.resumed} resumed, "
+                   f"{p['refused']} refused and sent again), {p['bytes'] / 1e6 / took:.2f} MB/s",
+                   node=f.node, pieces=p["pieces"], resumed=f.resumed, refused=p["refused"],
+                   bytes=p["bytes"], pieces_total=p["pieces_total"], rate_mb_s=round(p["bytes"] / 1e6 / took, 3),
+                   attempt=f.attempt, state="done" if done else "progress", cache_hit=False)
+
+    def close(self) -> None:
+        import ray
+
+        for actor in [self.source, *(f.actor for f in self.fetches.values())]:
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except (RayError, ValueError):
+                    pass  # gone already (the fetch a test killed)
+
+
+def _pinned(cls: type, node_id: str, concurrency: int):
+    """`cls` as a Ray actor on `node_id` that takes no CPU (a round's ranks hold the node's CPUs)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(cls).options(num_cpus=0, max_restarts=0, max_concurrency=concurrency,
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def lacking(spec: DataParallelJob, infos: list[dict], nodes: list[ray_glue.NodeInfo],
+            embedded: bool) -> tuple[list[str], list[tuple[str, str]]]:
+    """(names of the round's nodes that hold the model, (node id, name) of those that must fetch it).
+    None must fetch when the job lets its ranks download (require_model false), or every node can
+    build or read the model itself (a preset, a local path on the embedded cluster)."""
+    model = spec.train.model
+    if spec.require_model is False or holds_anywhere(model, embedded):
+        return [], []
+    by_id = {n.node_id: n for n in nodes}
+    have, need = [], []
+    for info in {i["node_id"]: i for i in infos}.values():
+        node = by_id.get(info["node_id"])
+        if node is not None and ray_glue.model_resource(model) in node.resources:
+            have.append(info["node_name"])
+        else:
+            need.append((info["node_id"], info["node_name"]))
+    return have, need
+
+
+def bring_model(store: JobStore, job_id: str, spec: DataParallelJob, infos: list[dict],
+                nodes: list[ray_glue.NodeInfo], embedded: bool, task_id: str,
+                stopping: Callable[[], bool]) -> Outcome | None:
+    """Every placed node that lacks the job's model fetches it; None once each holds it, else what
+    came of the round (Failed with the reason, Regroup when the job was stopped meanwhile), its
+    group's task row marked so (the runner releases the group)."""
+    outcome = _bring(store, job_id, spec, infos, nodes, embedded, task_id, stopping)
+    if outcome is not None:
+        store.upsert_task(task_id, job_id, "dp_group", "released" if isinstance(outcome, Regroup) else "failed",
+                          error=getattr(outcome, "error", None))
+    return outcome
+
+
+def _bring(store: JobStore, job_id: str, spec: DataParallelJob, infos: list[dict], nodes: list[ray_glue.NodeInfo],
+           embedded: bool, task_id: str, stopping: Callable[[], bool]) -> Outcome | None:
+    """`bring_model`'s work: the cache hits said, a holder chosen (one that need not fetch), every
+    fetching node's disk checked before any piece moves, then the fetches watched to their end."""
+    have, need = lacking(spec, infos, nodes, embedded)
+    model = spec.train.model
+    t = Transfer(store, job_id, task_id, model)
+    if have:
+        t.event(f"on {', '.join(have)} already (cache hit: nothing sent)", nodes=have, cache_hit=True,
+                pieces=0, bytes=0)
+    if not need:
+        return None
+    holders = [n for n in model_holders(model, nodes) if n.node_id not in {nid for nid, _ in need}]
+    if not holders:
+        return Failed(f"no node holds model {model} to send to {', '.join(n for _, n in need)}",
+                      error=f"no node holds model {model} any more")
+    try:
+        t.open_source(holders[0])
+        t.event(f"sending {t.manifest['bytes'] / 1e6:.2f} MB ({t.manifest['pieces']} pieces) from "
+                f"{holders[0].name} to {', '.join(n for _, n in need)}", source=holders[0].name,
+                nodes=[n for _, n in need], bytes_total=t.manifest["bytes"], pieces_total=t.manifest["pieces"],
+                state="planned")
+        t.fetches = {nid: Fetch(nid, name) for nid, name in need}
+        for f in t.fetches.values():
+            why = t.start(f)
+            if why:
+                t.event(f"refused: {why}", node=f.node, state="refused")
+                return Failed(f"model {model}: {why}", retryable=False, error=f"model {model}: {why}")
+        return _watch(t, stopping)
+    except RayError as err:
+        t.event(f"transfer failed: {short_error(err)}", state="failed")
+        return Failed(f"could not send model {model}", error=short_error(err))
+    finally:
+        t.close()
+
+
+def _watch(t: Transfer, stopping: Callable[[], bool]) -> Outcome | None:
+    """Until every fetch is done: progress events, a cut fetch resumed (up to MAX_ATTEMPTS)."""
+    import ray
+
+    while True:
+        running = {f.ref: f for f in t.fetches.values() if f.ref is not None}
+        if not running:
+            return None
+        if stopping():
+            return Regroup("stopped while the model was fetched")
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+        for ref in ready:
+            f = running[ref]
+            f.ref = None
+            try:
+                t.progress(f, final=ray.get(ref))
+            except RayError as err:
+                if f.attempt >= MAX_ATTEMPTS:
+                    t.event(f"{f.node}'s fetch failed {f.attempt} times: {short_error(err)}", node=f.node,
+                            state="failed")
+                    return Failed(f"could not send model {t.model} to {f.node}", error=short_error(err))
+                t.event(f"{f.node}'s fetch was cut ({short_error(err)}); resuming", node=f.node,
+                        attempt=f.attempt, state="cut")
+                why = t.start(f)
+                if why:
+                    return Failed(f"model {t.model}: {why}", retryable=False, error=why)
+        for f in t.fetches.values():
+            if f.ref is not None:
+                t.progress(f)

@@ -1,0 +1,195 @@
+"""The `llamacpp` engine's model: a GGUF in llama.cpp behind the same `BatchModel` seam as torch's.
+
+Why a `BatchModel` and not a second server: everything above the forward (the engine thread and its
+batching, stop strings and incremental text, sampling, the chat template, the HTTP side) is the torch
+engine's, so the two engines answer alike by construction; only the logits come from llama.cpp's
+CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BENCHMARKS.md).
+
+- The GGUF is the node's cached export of the HF model (`models.export.cache.cached_gguf`, the one
+  the `llamacpp` teacher runs, verified against HF when first made); the HF tokenizer renders and
+  tokenizes, and its ids go to llama.cpp as they are (our own export keeps the vocabulary).
+- Rows of a batch are llama.cpp sequences: a batch's rows are decoded in one `llama_decode`, each
+  row with its own sequence id and KV cells, so eight streams share each read of the weights as the
+  torch engine's batch does. A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes
+  back to the pool; no column trimming is needed (llama.cpp keeps no padding).
+- `n_threads` is what the server was given (`--num-threads`, default the CPUs this process may use).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from smolforge.errors import SmolforgeError
+
+INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or serve with --engine torch"
+MAX_CONTEXT = 4096  # per sequence: a 32k-context model's KV cache times --max-batch would not fit a laptop
+
+
+def require_llama_cpp() -> Any:
+    """The bindings, or one message saying how to get them."""
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise SmolforgeError("--engine llamacpp needs llama-cpp-python, which is not installed",
+                             fix=INSTALL_FIX) from err
+    return llama_cpp
+
+
+def gguf_context(path: Path) -> int | None:
+    """The model's trained context from the GGUF's metadata (None when it does not say)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch = reader.get_field("general.architecture").contents()
+        return int(reader.get_field(f"{arch}.context_length").contents())
+    except Exception:  # noqa: BLE001 - llama.cpp reports an unreadable file when it loads it
+        return None
+
+
+@dataclass
+class SeqCache:
+    """One batch's cache: llama.cpp sequence ids, one per row (the KV cells live in the context)."""
+
+    seqs: list[int] = field(default_factory=list)
+
+
+class LlamaCppModel:
+    """A GGUF in llama.cpp as a `BatchModel`: `forward` decodes every row's new tokens in one call."""
+
+    def __init__(self, path: Path, tokenizer: Any, eos_ids: frozenset[int], *, name: str, quant: str,
+                 n_threads: int, max_batch: int):
+        lc = require_llama_cpp()
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)  # llama.cpp's errors only: its load and graph logs would fill the server's log
+        self.lc, self.name, self.quant, self.tokenizer, self.eos_ids = lc, name, quant, tokenizer, eos_ids
+        self.device = torch.device("cpu")
+        self.n_threads, self.n_seq = max(1, n_threads), max(1, max_batch)
+        self.max_positions = min(gguf_context(path) or MAX_CONTEXT, MAX_CONTEXT)
+        self.gguf_path = path
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self._model = lc.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
+        if not self._model:
+            raise SmolforgeError(f"llama.cpp cannot load {path}", where="--engine llamacpp",
+                                 fix="delete that cached export (it is made again) or serve with --engine torch")
+        self._ctx = lc.llama_init_from_model(self._model, self._context_params())
+        if not self._ctx:
+            lc.llama_model_free(self._model)
+            raise SmolforgeError(f"llama.cpp cannot make a context of {self.max_positions} x {self.n_seq} tokens",
+                                 fix="lower --max-batch, or serve with --engine torch")
+        self.max_positions = min(self.max_positions, lc.llama_n_ctx_seq(self._ctx))  # what each sequence got
+        self.n_batch = min(512, self.max_positions * self.n_seq)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self._free = list(range(self.n_seq))
+
+    def _context_params(self) -> Any:
+        p = self.lc.llama_context_default_params()
+        p.n_ctx = self.max_positions * self.n_seq  # split evenly: each sequence gets max_positions
+        p.n_batch = p.n_ubatch = min(512, p.n_ctx)
+        p.n_seq_max = self.n_seq
+        p.n_threads = p.n_threads_batch = self.n_threads
+        p.no_perf = True
+        return p
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else next(iter(self.eos_ids), 0))
+
+    def new_cache(self) -> SeqCache:
+        return SeqCache()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: SeqCache) -> torch.Tensor:
+        """Logits after each row's last new token, [rows, vocab]. The new tokens are those the mask's
+        last columns keep (a prefill's left padding is not sent); a first call takes a sequence per row."""
+        rows, width = input_ids.shape
+        if not cache.seqs:
+            if rows > len(self._free):
+                raise RuntimeError(f"{rows} rows but {len(self._free)} free llama.cpp sequences")
+            cache.seqs, self._free = self._free[:rows], self._free[rows:]
+        keep = attention_mask[:, -width:].bool()
+        work = [(cache.seqs[i], input_ids[i][keep[i]].tolist(), position_ids[i][keep[i]].tolist()) for i in range(rows)]
+        return torch.from_numpy(self._decode(work))
+
+    def _decode(self, work: list[tuple[int, list[int], list[int]]]) -> np.ndarray:
+        """Every row's tokens through llama_decode, `n_batch` tokens a call; each row's last logits."""
+        out = np.empty((len(work), self.n_vocab), dtype=np.float32)
+        flat = [(row, seq, tok, pos, j == len(toks) - 1)
+                for row, (seq, toks, poss) in enumerate(work) for j, (tok, pos) in enumerate(zip(toks, poss))]
+        b = self._batch
+        for start in range(0, len(flat), self.n_batch):
+            chunk = flat[start:start + self.n_batch]
+            for k, (_, seq, tok, pos, last) in enumerate(chunk):
+                b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, last
+                b.seq_id[k][0] = seq
+            b.n_tokens = len(chunk)
+            rc = self.lc.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} (the KV cache is full, or the batch was refused)")
+            for k, (row, _, _, _, last) in enumerate(chunk):
+                if last:
+                    ptr = self.lc.llama_get_logits_ith(self._ctx, k)
+                    out[row] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return out
+
+    def select_rows(self, cache: SeqCache, rows: torch.Tensor, trim: int) -> bool:
+        """Keep these rows' sequences; the others' cells are freed and their ids reused."""
+        kept = [cache.seqs[i] for i in rows.tolist()]
+        self._drop([s for s in cache.seqs if s not in kept])
+        cache.seqs = kept
+        return False
+
+    def release(self, cache: SeqCache) -> None:
+        self._drop(cache.seqs)
+        cache.seqs = []
+
+    def _drop(self, seqs: list[int]) -> None:
+        for s in seqs:
+            self.lc.llama_memory_seq_rm(self._mem, s, -1, -1)
+            self._free.append(s)
+
+    def close(self) -> None:
+        """Free llama.cpp's context and weights (the server's process ends soon after anyway)."""
+        if self._ctx:
+            self.lc.llama_batch_free(self._batch)
+            self.lc.llama_free(self._ctx)
+            self.lc.llama_model_free(self._model)
+            self._ctx = self._model = None
+
+
+def load_llamacpp(model: str, *, name: str, quant: str, n_threads: int, max_batch: int,
+                  say=lambda line: None) -> LlamaCppModel:
+    """The HF model's cached GGUF at `quant` (exported on first use) with the HF tokenizer."""
+    require_llama_cpp()
+    from smolforge.models.export.cache import cached_gguf
+    from smolforge.models.export.run import model_dir
+    from smolforge.models.loading import load_tokenizer
+
+    path = cached_gguf(model, quant, threads=n_threads, say=say)
+    tokenizer = load_tokenizer(model)
+    return LlamaCppModel(path, tokenizer, eos_ids(model_dir(model), tokenizer), name=name, quant=quant,
+                         n_threads=n_threads, max_batch=max_batch)
+
+
+def eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """The torch engine's end-of-sequence ids (tokenizer and generation config), without loading weights."""
+    from smolforge.serve.model import eos_ids_of
+
+    gen = model_dir / "generation_config.json"
+    config = json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {}
+
+    net = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=config.get("eos_token_id")))
+    return eos_ids_of(net, tokenizer)
+

@@ -1,0 +1,155 @@
+"""Models travel (issue 31 item 2), on a real multi-process cluster: a data-parallel job whose model
+only the coordinator's machine holds runs on two workers that lacked it; they fetch it in checksummed
+pieces (one fetch killed mid-way resumes, one damaged piece is refused and sent again), keep it in
+their models dirs and advertise it; a second job on the model sends nothing.
+
+A cluster of its own (a coordinator holding `tiny-far` in its models dir, two workers with empty
+ones), since the workers re-register with Ray once they hold the new model (the session's shared
+cluster must not see that). The workers' rescan timer is off (SMOLFORGE_RESCAN_S=0): what they
+advertise afterwards comes from the rescan the fetch asks for. The piece protocol, the disk-space
+refusal and placement's choices are tests/cluster/test_model_travel_units.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from localcluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "tiny-far"
+EXIT_AFTER = 3  # w1's first fetch dies after writing this many pieces
+DAMAGED = 4  # the holder sends the 4th piece it serves damaged, once
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from smolforge.cluster.nodes.model_fetch import PIECE_BYTES_ENV
+    from smolforge.models.tiny import preset_dir
+
+    base = tmp_path_factory.mktemp("model-travel")
+    shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / MODEL)
+    c = LocalCluster(base)
+    c.env["SMOLFORGE_RESCAN_S"] = "0"
+    c.env[PIECE_BYTES_ENV] = str(256 << 10)  # the 3.4 MB model in 19 pieces
+    try:
+        c.start_coordinator(models_dir=base / "coord-models")
+        for name in ("w1", "w2"):
+            (base / f"models-{name}").mkdir()
+            c.add_worker(name, models_dir=base / f"models-{name}", wait=False)
+        for name in ("w1", "w2"):
+            c.workers[name].wait_for(f"Registered as {name}", 120)
+        c.wait_nodes(["coordinator", "w1", "w2"])
+        yield c
+    finally:
+        c.close()
+
+
+def sums(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def job_spec(c: LocalCluster, model: str = MODEL) -> dict:
+    from smolforge.data.synthetic import generate
+
+    data = c.base / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(16, seed=5)))
+    train = {"model": model, "data": {"path": str(data), "max_eval_samples": 4, "max_length": 32},
+             "max_steps": 2, "batch_size": 2, "save_every": 0, "eval_accuracy": False, "log_every": 1,
+             "peft": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0}}
+    return {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "train": train}
+
+
+def run_job(c: LocalCluster, model: str = MODEL) -> tuple[dict, list[dict]]:
+    """Submit, wait (a bound against a hang only), and return the status and its model_transfer events."""
+    client = c.client()
+    job_id = client.submit_job(job_spec(c, model))
+    deadline = time.time() + 300
+    st = client.get_job_status(job_id)
+    while st["state"] not in ("completed", "failed", "cancelled") and time.time() < deadline:
+        time.sleep(0.5)
+        st = client.get_job_status(job_id)
+    events = [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+    assert st["state"] == "completed", (st.get("error"), [e["message"] for e in events], client.job_logs(job_id)[-30:])
+    assert sorted(t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank") == ["w1", "w2"]
+    return st, events
+
+
+def wait_listed(c: LocalCluster, names: list[str], timeout: float = 180, model: str = MODEL) -> None:
+    """Every node in `names` online and advertising `model` (a bound against a hang only)."""
+    deadline = time.time() + timeout
+    nodes: list[dict] = []
+    while time.time() < deadline:
+        nodes = c.client().list_nodes()
+        held = {n["name"] for n in nodes if n["state"] == "online" and model in n["models"]}
+        if set(names) <= held:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{model} not listed on {names} in {timeout}s: "
+                         f"{[(n['name'], n['state'], n['models']) for n in nodes]}")
+
+
+def data_of(e: dict) -> dict:
+    d = e.get("data")
+    return json.loads(d) if isinstance(d, str) else (d or {})
+
+
+def test_a_model_only_the_coordinator_holds_travels_to_both_workers(cluster):
+    c = cluster
+    (c.base / "node-w1" / "node").mkdir(parents=True, exist_ok=True)
+    (c.base / "node-w1" / "node" / "fault-fetch-exit-after").write_text(str(EXIT_AFTER))
+    (c.state / "node").mkdir(parents=True, exist_ok=True)
+    (c.state / "node" / "fault-fetch-corrupt-piece").write_text(str(DAMAGED))
+
+    _, events = run_job(c)
+    data = [data_of(e) for e in events]
+    total = next(d["pieces_total"] for d in data if d.get("state") == "planned")
+    done = {d["node"]: d for d in data if d.get("state") == "done"}
+    assert set(done) == {"w1", "w2"}, [e["message"] for e in events]
+    # w1's fetch died after EXIT_AFTER pieces; the next one kept them and asked only for the rest
+    assert [d["node"] for d in data if d.get("state") == "cut"] == ["w1"], [e["message"] for e in events]
+    assert (done["w1"]["resumed"], done["w1"]["pieces"]) == (EXIT_AFTER, total - EXIT_AFTER)
+    assert (done["w2"]["resumed"], done["w2"]["pieces"]) == (0, total)
+    assert done["w1"]["refused"] + done["w2"]["refused"] == 1  # the damaged piece, refused and sent again
+    want = sums(c.base / "coord-models" / MODEL)
+    for name in ("w1", "w2"):
+        assert sums(c.base / f"models-{name}" / MODEL) == want  # checksums equal
+
+
+def test_a_second_job_on_the_model_sends_nothing(cluster):
+    c = cluster
+    wait_listed(c, ["w1", "w2"])  # the first job's fetches asked each worker to rescan: both advertise it now
+    _, events = run_job(c)
+    data = [data_of(e) for e in events]
+    assert [d for d in data if d.get("pieces")] == [], [e["message"] for e in events]
+    hits = [d for d in data if d.get("cache_hit")]
+    assert hits and sorted(hits[0]["nodes"]) == ["w1", "w2"], [e["message"] for e in events]
+
+
+@pytest.mark.soak
+def test_a_model_one_worker_holds_goes_from_that_worker_to_the_other(cluster):
+    """The second instance: the holder is a worker, not the coordinator; placement puts one rank on it
+    (it holds the model) and the other worker fetches the model from it."""
+    from smolforge.models.tiny import preset_dir
+
+    c, near = cluster, "tiny-near"
+    shutil.copytree(preset_dir("tiny-llama"), c.base / "models-w1" / near)
+    r = c.cli("worker", "rescan", "--state-dir", str(c.base / "node-w1"))
+    assert r.returncode == 0 and f"found model {near}" in r.stdout, r.stdout + r.stderr
+    wait_listed(c, ["w1"], model=near)
+    _, events = run_job(c, near)
+    data = [data_of(e) for e in events]
+    planned = [d for d in data if d.get("state") == "planned"]
+    assert [(d["source"], d["nodes"]) for d in planned] == [("w1", ["w2"])], [e["message"] for e in events]
+    assert [d["nodes"] for d in data if d.get("cache_hit")] == [["w1"]]
+    done = [d for d in data if d.get("state") == "done"]
+    assert [(d["node"], d["pieces"], d["resumed"]) for d in done] == [("w2", planned[0]["pieces_total"], 0)]
+    assert sums(c.base / "models-w2" / near) == sums(c.base / "models-w1" / near)

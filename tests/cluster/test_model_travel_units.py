@@ -1,0 +1,190 @@
+"""Models that travel (issue 31 item 2), in process: the piece protocol, the disk-space refusal and
+where placement sends a job whose model only some nodes hold. The real multi-process proof is
+tests/cluster/test_model_travel.py."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from smolforge.cluster.control.placement import requirements_for, travels, worker_bundles
+from smolforge.cluster.control.specs import DataParallelJob
+from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.nodes.discovery import scan_models_dir
+from smolforge.cluster.nodes.model_fetch import (ModelFetcher, PieceReceiver, held_model_dir, model_manifest,
+                                                 read_piece, space_refusal)
+from smolforge.errors import SmolforgeError
+
+PIECE = 4096
+
+
+def sums(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """A model directory of a few files, one of them many pieces long."""
+    src = tmp_path / "holder" / "org" / "m"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 70)  # 17920 bytes: 5 pieces
+    (src / "sub" / "empty.txt").write_bytes(b"")
+    return src
+
+
+def send(receiver: PieceReceiver, src: Path, limit: int | None = None, damage: int | None = None) -> int:
+    """Pieces from `src` into `receiver` as `ModelFetcher.fetch` sends them: each wanted piece, asked
+    again when refused; `damage`: that piece (0-based, in sending order) goes out damaged once; `limit`:
+    the link is cut after that many pieces are in. Returns how many pieces were sent (refused ones too)."""
+    sent = written = 0
+    for rel, index in receiver.wanted():
+        while True:
+            data = read_piece(src, rel, index, PIECE)
+            if damage is not None and sent == damage:
+                data = b"\x00" + data[1:] if data[:1] != b"\x00" else b"\x01" + data[1:]
+            sent += 1
+            if receiver.write(rel, index, data):
+                break
+        written += 1
+        if limit is not None and written >= limit:
+            return sent
+    receiver.commit()
+    return sent
+
+
+def test_pieces_resume_after_a_cut_and_a_damaged_piece_is_refused_and_sent_again(model, tmp_path):
+    manifest = model_manifest(model, PIECE)
+    assert manifest["pieces"] == 5 + 1 + 1 and manifest["bytes"] == 17920 + 23
+    dest_root = tmp_path / "worker-models"
+
+    first = PieceReceiver(dest_root, "org/m", manifest)
+    assert not first.complete()
+    first.open()
+    assert send(first, model, limit=3) == 3  # the link is cut after 3 pieces
+    assert not (dest_root / "org" / "m").exists()  # nothing half-written at its final name
+    assert scan_models_dir(dest_root) == {}  # a partial fetch is never advertised as a model
+
+    again = PieceReceiver(dest_root, "org/m", manifest)  # a new process: only the journal and the files
+    again.open()
+    assert again.resumed == 3 and len(again.wanted()) == manifest["pieces"] - 3
+    assert send(again, model, damage=1) == manifest["pieces"] - 3 + 1  # one piece refused, sent again
+    assert again.refused == 1
+    assert sums(dest_root / "org" / "m") == sums(model)  # checksums equal
+    assert scan_models_dir(dest_root) == {"org/m": str((dest_root / "org" / "m").resolve())}
+    assert not (dest_root / ".partial").exists() or not any((dest_root / ".partial").iterdir())
+
+    hit = PieceReceiver(dest_root, "org/m", manifest)
+    assert hit.complete()  # a second fetch sends nothing
+
+
+def test_a_journal_of_another_version_or_damaged_pieces_is_not_trusted(model, tmp_path):
+    manifest = model_manifest(model, PIECE)
+    first = PieceReceiver(tmp_path / "w", "org/m", manifest)
+    first.open()
+    send(first, model, limit=4)
+    written = sorted(first.done)
+    rel, index = written[0]
+    with open(first.partial / rel, "r+b") as f:  # a piece torn on disk after it was journalled
+        f.seek(index * PIECE)
+        f.write(b"\xff\xfe")
+    resumed = PieceReceiver(tmp_path / "w", "org/m", manifest)
+    resumed.open()
+    assert resumed.resumed == 3 and (rel, index) in resumed.wanted()
+    (model / "config.json").write_text('{"model_type": "llama", "changed": true}')
+    changed = PieceReceiver(tmp_path / "w", "org/m", model_manifest(model, PIECE))
+    changed.open()
+    assert changed.resumed == 0  # another version of the model: its pieces start over
+
+
+def test_a_piece_that_is_not_the_manifest_s_is_never_written(model, tmp_path):
+    manifest = model_manifest(model, PIECE)
+    r = PieceReceiver(tmp_path / "w", "org/m", manifest)
+    r.open()
+    assert not r.write("model.safetensors", 0, b"not the piece") and r.refused == 1
+    assert r.partial.joinpath("model.safetensors").read_bytes()[:4] == b"\0\0\0\0"
+    assert ("model.safetensors", 0) in r.wanted()
+    with pytest.raises(SmolforgeError):
+        PieceReceiver(tmp_path / "w", "../escape", manifest)
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_a_node_without_the_disk_space_is_refused_before_anything_is_sent(model, tmp_path, monkeypatch):
+    manifest = model_manifest(model, PIECE)
+    monkeypatch.setenv("SMOLFORGE_MODELS_DIR", str(tmp_path / "small-disk"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 << 30, (10 << 30) - (100 << 20), 100 << 20))
+    fetcher = ModelFetcher("org/m", manifest)
+    prep = fetcher.prepare()
+    assert prep.keys() == {"refused"}, prep
+    assert "0.10 GB free in" in prep["refused"] and "the model needs 0.00 GB (+ 0.27 GB kept free)" in prep["refused"]
+    assert fetcher.receiver.done == set() and fetcher.progress()["pieces"] == 0
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 << 30, 0, 1 << 30))
+    assert ModelFetcher("org/m", manifest).prepare() == {"resumed": 0, "missing_bytes": manifest["bytes"]}
+    assert space_refusal(tmp_path, need=10, margin=0) is None
+
+
+def test_the_fetched_copy_is_what_the_node_loads(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("SMOLFORGE_MODELS_DIR", str(tmp_path / "w"))
+    monkeypatch.setenv("SMOLFORGE_MODEL_PATHS", "{}")
+    assert held_model_dir("org/m") is None
+    r = PieceReceiver(tmp_path / "w", "org/m", model_manifest(model, PIECE))
+    r.open()
+    send(r, model)
+    assert held_model_dir("org/m") == str(tmp_path / "w" / "org" / "m")
+
+
+def _node(name, role="worker", models=(), cpus=1):
+    res = {"CPU": float(cpus), "memory": 8e9}
+    if role == "worker":
+        res[ray_glue.WORKER_RESOURCE] = float(cpus)
+    for m in models:
+        res[ray_glue.model_resource(m)] = 1000.0
+    return ray_glue.NodeInfo(node_id=name * 8, name=name, address="127.0.0.1", alive=True, role=role, cpus=cpus,
+                             gpus=0, ram_gb=8.0, gpu_type=None, models=sorted(models), resources=res,
+                             available=dict(res), labels={ray_glue.NAME_LABEL: name, ray_glue.ROLE_LABEL: role})
+
+
+def test_placement_sends_the_model_and_prefers_the_nodes_that_hold_it():
+    job = DataParallelJob.model_validate({"num_workers": 2, "train": {"model": "org/m", "data": {"path": "bundled"}}})
+    only_coord = [_node("coord", "coordinator", ("org/m",)), _node("w1"), _node("w2")]
+    assert travels(job, False, only_coord) and requirements_for(job, False, only_coord).model is None
+    bundles = worker_bundles(job, requirements_for(job, False, only_coord), only_coord, 2, False)
+    assert all("model:org/m" not in b for b, _ in bundles)  # any worker: it fetches the model
+
+    one_holds = [_node("coord", "coordinator"), _node("w1"), _node("w2", models=("org/m",))]
+    bundles = worker_bundles(job, requirements_for(job, False, one_holds), one_holds, 2, False)
+    assert ["model:org/m" in b for b, _ in bundles] == [True, False]  # the holder's slot first
+
+    pinned = job.model_copy(update={"require_model": True})
+    assert not travels(pinned, False, only_coord) and requirements_for(pinned, False, only_coord).model == "org/m"
+    nobody = [_node("coord", "coordinator"), _node("w1")]
+    req = requirements_for(job, False, nobody)
+    assert req.model == "org/m"
+    with pytest.raises(SmolforgeError) as err:
+        ray_glue.check_placeable(req, nobody)
+    text = err.value.render()
+    assert "smolforge worker rescan" in text and "require_model: false" in text, text
+
+
+def test_the_follow_bar_shows_the_newest_transfer_event():
+    from types import SimpleNamespace
+
+    from smolforge.cli.follow import model_transfer_line
+
+    events = [{"id": 1, "kind": "placed", "message": "round 1"},
+              {"id": 2, "kind": "model_transfer", "message": "model m: w1 fetching: 1.00 MB, 4/19 pieces"},
+              {"id": 3, "kind": "model_transfer", "message": "model m: w1 has it: 3.50 MB, 19/19 pieces"}]
+    asked: list[int] = []
+    backend = SimpleNamespace(job_events=lambda job_id, since: asked.append(since)
+                              or [e for e in events if e["id"] > since])
+    seen = {"id": 0, "line": ""}
+    assert model_transfer_line(backend, "j1", seen) == "model m: w1 has it: 3.50 MB, 19/19 pieces"
+    assert model_transfer_line(backend, "j1", seen) == "model m: w1 has it: 3.50 MB, 19/19 pieces"
+    assert asked == [0, 3]  # only the new events are asked for

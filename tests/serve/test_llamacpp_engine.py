@@ -1,0 +1,227 @@
+"""`serve --engine llamacpp`: the same OpenAI API from the node's cached GGUF export in llama.cpp.
+
+Two in-process servers on loopback ports (the `served_tiny` model copy; the torch engine, and the
+llamacpp engine on its f16 export), both driven by the official `openai` client:
+- streamed and non-streamed greedy answers, completions and chat, are the torch engine's text, and
+  the chat prompt is the chat template's tokens (usage.prompt_tokens);
+- a stop string cuts both engines' answers at the same place, finish_reason "stop";
+- a seeded sampled answer repeats itself (the request's own generator, as on torch);
+- requests arriving together are one llama.cpp batch (one sequence per row) and each gets its own text;
+- the `auto` rule: llamacpp for a base model on a CPU, torch for an adapter, a --dtype or CUDA; `--help`
+  says so;
+- a bad `--engine` or `--quant`, and `--engine llamacpp` with `--stages` or `--dtype`, are one message
+  and exit 2.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from helpers import require_module
+
+pytestmark = pytest.mark.timeout(300)
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+TOKEN = "llamacpp-engine-test-token"
+
+
+def require_llama_cpp() -> None:
+    __tracebackhide__ = True
+    require_module("llama_cpp", "llama-cpp-python (smolforge[export])",
+                   "make install (pip install -e '.[export]' with the Makefile's CMAKE_ARGS; builds llama.cpp)")
+
+
+class Live:
+    """An engine thread and its app behind uvicorn on a free loopback port (test_hostile's Listener)."""
+
+    def __init__(self, model):
+        from test_hostile import Listener
+
+        from smolforge.serve.api import create_app
+        from smolforge.serve.engine import Engine
+
+        self.engine = Engine(model, max_batch=4).start()
+        self.listener = Listener(create_app(model, self.engine, token=TOKEN, model_name="tiny"))
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.listener.port}/v1", api_key=TOKEN, max_retries=0,
+                             timeout=120)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def lcpp_model(model_copy):
+    """The llamacpp engine's model of the `served_tiny` checkpoint, from its f16 export (made once)."""
+    require_llama_cpp()
+    from smolforge.serve.engines import EngineSpec, load_engine
+
+    loaded = load_engine("llamacpp", EngineSpec(model=str(model_copy), name="tiny", device="cpu", quant="f16",
+                                                threads=1, max_batch=4))
+    yield loaded.model
+    loaded.model.close()
+
+
+@pytest.fixture(scope="module")
+def servers(served_tiny, lcpp_model):
+    live = {"torch": Live(served_tiny), "llamacpp": Live(lcpp_model)}
+    try:
+        yield live
+    finally:
+        for s in live.values():
+            s.close()
+
+
+def both(servers, fn):
+    """`fn(client)` against each engine's server: {engine: result}."""
+    return {name: fn(s.client()) for name, s in servers.items()}
+
+
+def streamed_chat(client, **kw) -> tuple[str, str]:
+    chunks = list(client.chat.completions.create(model="tiny", stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+
+
+def streamed_completion(client, **kw) -> str:
+    return "".join(c.choices[0].text for c in client.completions.create(model="tiny", stream=True, **kw)
+                   if c.choices)
+
+
+def test_greedy_text_streamed_and_not_is_the_torch_engines(servers, served_tiny):
+    from smolforge.data.encode import render
+
+    def ask(client):
+        chat = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=24)
+        done = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24)
+        return {"chat": chat.choices[0].message.content, "chat_stream": streamed_chat(client, messages=QUESTION,
+                                                                                      temperature=0, max_tokens=24)[0],
+                "chat_usage": (chat.usage.prompt_tokens, chat.usage.completion_tokens),
+                "completion": done.choices[0].text,
+                "completion_stream": streamed_completion(client, prompt="Once upon a time", temperature=0,
+                                                         max_tokens=24)}
+
+    got = both(servers, ask)
+    lc, pt = got["llamacpp"], got["torch"]
+    assert lc == pt, (lc, pt)
+    assert lc["chat"] and lc["completion"] and lc["chat"] == lc["chat_stream"]
+    assert lc["completion"] == lc["completion_stream"]
+    templated = served_tiny.tokenizer(render(served_tiny.tokenizer, QUESTION, add_generation_prompt=True),
+                                      add_special_tokens=False)["input_ids"]
+    assert lc["chat_usage"][0] == len(templated)  # the chat template's tokens went in
+
+
+def test_a_stop_string_cuts_both_engines_alike(servers):
+    whole = servers["torch"].client().completions.create(model="tiny", prompt="Once upon a time", temperature=0,
+                                                           max_tokens=24).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    assert stop.strip(), whole
+
+    def ask(client):
+        done = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24,
+                                         stop=[stop])
+        return (done.choices[0].text, done.choices[0].finish_reason,
+                streamed_completion(client, prompt="Once upon a time", temperature=0, max_tokens=24, stop=[stop]))
+
+    got = both(servers, ask)
+    assert got["llamacpp"] == got["torch"], got
+    text, reason, streamed = got["llamacpp"]
+    assert reason == "stop" and stop not in text and whole.startswith(text) and streamed == text
+
+
+def test_a_seeded_sample_repeats_and_is_not_the_greedy_text(servers):
+    client = servers["llamacpp"].client()
+
+    def sample(seed: int) -> str:
+        return streamed_chat(client, messages=QUESTION, temperature=1.0, max_tokens=16, seed=seed)[0]
+
+    greedy = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0,
+                                            max_tokens=16).choices[0].message.content
+    assert sample(7) == sample(7)
+    assert {sample(7), sample(8), sample(9)} != {greedy}
+
+
+def test_requests_arriving_together_are_one_llama_batch(servers):
+    prompts = ["Hello there", "What is 2 + 3?", "The capital of a small country is", "def fibonacci(n):"]
+    live = servers["llamacpp"]
+    alone = [live.client().completions.create(model="tiny", prompt=p, temperature=0, max_tokens=12).choices[0].text
+             for p in prompts]
+    together: list[str | None] = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        gate.wait()
+        together[i] = streamed_completion(live.client(), prompt=prompts[i], temperature=0, max_tokens=12)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    batches = live.engine.batches
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    assert live.engine.largest_batch > 1 and live.engine.batches - batches < len(prompts)
+    assert sorted(live.engine.model._free) == list(range(4))  # every row's sequence went back to the pool
+
+
+def test_prompts_longer_than_a_llama_batch_are_decoded_in_pieces(lcpp_model, served_tiny, monkeypatch):
+    """Prefill in `n_batch` pieces (llama.cpp's bound on one decode), rows sharing a piece: each row's
+    tokens are the ones it gets in one piece, alone or batched."""
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.sampling import SamplingParams
+
+    prompts = [served_tiny.tokenizer(p)["input_ids"] for p in ("Hello there, how are you today?", "def fibonacci(n):")]
+
+    def run(*rows: list[int]) -> list[list[int]]:
+        done: list = []
+        Engine(lcpp_model).run_batch([Request(ids, SamplingParams(max_tokens=8, temperature=0), done.append)
+                                      for ids in rows])
+        return sorted(e.token_ids for e in done if hasattr(e, "finish_reason"))
+
+    whole = run(*prompts)
+    assert sorted(run(p)[0] for p in prompts) == whole
+    monkeypatch.setattr(lcpp_model, "n_batch", 3)
+    assert all(len(ids) > 3 for ids in prompts)
+    assert run(*prompts) == whole
+
+
+def test_the_auto_rule(model_copy, tmp_path):
+    from smolforge.serve.engines import AUTO_RULE, EngineSpec, auto_engine
+
+    require_llama_cpp()
+    base = EngineSpec(model=str(model_copy), name="tiny", device="cpu")
+    assert auto_engine(base) == "llamacpp"
+    assert auto_engine(EngineSpec(model=str(model_copy), name="tiny", device="cpu", adapter=str(tmp_path))) == "torch"
+    assert auto_engine(EngineSpec(model=str(model_copy), name="tiny", device="cuda")) == "torch"
+    assert auto_engine(EngineSpec(model=str(model_copy), name="tiny", device="cpu", dtype="bf16")) == "torch"
+    assert " ".join(AUTO_RULE.split()) in " ".join(_invoke(["serve", "--help"]).stdout.replace("│", " ").split())
+
+
+def _invoke(argv: list[str]):
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+
+    return CliRunner().invoke(app, argv, env={"SMOLFORGE_COORDINATOR": "", "SMOLFORGE_TOKEN": None, "COLUMNS": "400"})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "vllm"], "unknown engine 'vllm'"),
+    (["--engine", "llama"], "unknown engine 'llama' (did you mean 'llamacpp'?)"),
+    (["--quant", "q3"], "unknown --quant 'q3'"),
+    (["--engine", "llamacpp", "--stages", "2"], "--stages serves with the torch engine"),
+    (["--engine", "llamacpp", "--dtype", "bf16"], "--dtype bf16 is the torch engine's"),
+])
+def test_a_bad_engine_is_one_message_and_exit_2(model_copy, args, message):
+    res = _invoke(["serve", "--model", str(model_copy), "--port", "0", *args])
+    err = res.stderr
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (res.exception, res.output[-2000:])
+    assert err.startswith("error:") and err.count("error:") == 1 and "Traceback" not in res.output, err
+    assert message in err and "\n  fix:" in err, err
