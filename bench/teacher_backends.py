@@ -123,7 +123,7 @@ def main() -> None:
     print(f"model {args.model}, {len(items)} prompts x {args.max_new_tokens} greedy tokens, top-{args.top_k}, "
           f"{args.threads} thread(s), best of {args.repeat}, store writing included")
     print(f"{f'hf fp32 (batch {args.batch_size})':<28}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s; "
-          f"KL to hf fp32 {kl_to_hf(hf.model, hf_recs):.1e} nats/token (its own top-k: the truncation alone)", flush=True)
+          f"KL to hf fp32 {kl_to_hf(hf.model, hf_recs):.4e} nats/token (its own top-k: the truncation alone)", flush=True)
     for quant in quants:
         teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
         for batch in sorted({1, args.batch_size}):
@@ -132,7 +132,7 @@ def main() -> None:
             same, top1, dlp = agreement(recs, hf_recs)
             print(f"{f'llamacpp {quant} (batch {batch})':<28}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
                   f"({(tokens / s) / (hf_tokens / hf_s):.2f}x hf fp32); same response {same:.0%}, top-1 {top1:.1%}, "
-                  f"mean |d logprob| {dlp:.1e}, KL to hf fp32 {kl_to_hf(hf.model, recs):.1e} nats/token", flush=True)
+                  f"mean |d logprob| {dlp:.1e}, KL to hf fp32 {kl_to_hf(hf.model, recs):.4e} nats/token", flush=True)
         teacher.close()
 
 
