@@ -100,6 +100,17 @@ def write_tensor_file(path: str | Path, items: Iterable[tuple[str, torch.Tensor]
     return writer.close()
 
 
+def spool_tensor_file(spool_dir: str | Path | None, kind: str, tensors: Iterable[tuple[str, torch.Tensor]],
+                      specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> Path:
+    """A fresh safetensors file under `spool_dir` (the run's output dir; the system's temp dir without
+    one), written as the tensors arrive: a sharded strategy's whole state, never whole in memory."""
+    root = Path(spool_dir or tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=root, prefix=f".{kind}-", suffix=".safetensors")
+    os.close(fd)
+    return write_tensor_file(name, tensors, specs, metadata)
+
+
 def optimizer_file_key(index: int, key: str) -> str:
     """Where `state[index][key]` of an optimizer state dict lives in an `optim_state.safetensors`."""
     return f"state.{index}.{key}"

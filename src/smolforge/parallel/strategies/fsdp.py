@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ContextManager, Iterator
@@ -63,7 +61,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.telemetry.memory import return_freed_memory
-from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, write_tensor_file
+from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, spool_tensor_file
 from smolforge.train.tensor_reader import TensorReader, optimizer_file_groups
 from smolforge.train.loop import optimizer_state_bytes
 
@@ -178,12 +176,8 @@ class FSDP(DDP):
             for _ in whole:
                 pass
             return None
-        root = Path(self.spool_dir or tempfile.gettempdir())
-        root.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=root, prefix=f".{kind}-", suffix=".safetensors")
-        os.close(fd)
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in entries]  # a DTensor's shape is the whole one
-        return write_tensor_file(name, whole, specs, metadata)
+        return spool_tensor_file(self.spool_dir, kind, whole, specs, metadata)
 
     def load_optimizer_file(self, optimizer: torch.optim.Optimizer, tensors: TensorReader) -> None:
         """A streamed optimizer state, each moment read as only this rank's shard of it (a moment has its
