@@ -10,7 +10,7 @@ same workers); see smolforge.cli.cluster for how a coordinator is found.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -24,6 +24,42 @@ from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
 from smolforge.models.export.targets import RUN_TARGETS
 from smolforge.models.peft_spec import METHODS as PEFT_METHODS
+
+# `launch`'s options whose help runs over a line, named here so that its signature reads one line per
+# option (their defaults stay there).
+StrategyOpt = Annotated[Optional[str], typer.Option(help="data_parallel: how the ranks share learning: {strategies} "
+    "(settings: --set strategy_config.KEY=VALUE)")]
+StagesOpt = Annotated[Optional[int], typer.Option(help="model parallelism: split the model's layers into N stages, "
+    "one per worker (the pipeline strategy; implies --mode model_parallel)")]
+BalanceOpt = Annotated[str, typer.Option(help="data_parallel, synchronous strategies: rows per rank follow each "
+    "rank's measured speed when speeds differ by >20% (auto), or equal (off)")]
+ModeOpt = Annotated[str, typer.Option(help="data_parallel | model_parallel | teacher_student | hybrid "
+    "| split (distillation: --model is the teacher, --student the student, --workers the "
+    "students; split: a trunk server the coordinator places, the client where "
+    "--client-node says)")]
+SplitPoint1Opt = Annotated[Optional[int], typer.Option("--split-point-1", help="split: bottom = embeddings + "
+    "layers [0, A), on the client")]
+SplitPoint2Opt = Annotated[Optional[int], typer.Option("--split-point-2", help="split: trunk = layers [A, B), on "
+    "a worker holding the model (a GPU first); top = the rest")]
+ClientNodeOpt = Annotated[Optional[str], typer.Option("--client-node", help="split: where the client (the data, "
+    "bottom and top) runs: @coordinator (default: the coordinator's "
+    "machine; embedded: this one) or a worker's name")]
+NumTeachersOpt = Annotated[Optional[int], typer.Option(help="teacher_student/hybrid: teacher tasks "
+    "(default: one per node holding the teacher)")]
+SaveEveryOpt = Annotated[Optional[int], typer.Option(help="checkpoint every N steps (recovery resumes there; default: a tenth "
+    "of --max-steps within 10..200, 50 with --epochs; 0: none)")]
+GpuOpt = Annotated[Optional[str], typer.Option(help="no|preferred|required (default no; --mode split: the trunk's "
+    "node, default preferred)")]
+OutputDirOpt = Annotated[Optional[str], typer.Option(help="where the final adapter is downloaded (default outputs/<job>); "
+    "on the embedded cluster also where --tensorboard/--wandb write")]
+TensorboardOpt = Annotated[bool, typer.Option("--tensorboard", help="TensorBoard event files, one run dir per rank "
+    "(tensorboard/rank<R>) or student (tensorboard/student<N>), written by the "
+    "coordinator in <state dir>/runs/<job>/ (distill: distill/<job>/); on the "
+    "embedded cluster in --output-dir when given")]
+WandbOpt = Annotated[Optional[str], typer.Option("--wandb", metavar="PROJECT", help="one offline W&B run per rank/student next to the TensorBoard files "
+    "(wandb/; the package's wandb extra; upload later with `wandb sync`)")]
+ExportOpt = Annotated[Optional[str], typer.Option("--export", help=f"{'|'.join(RUN_TARGETS)}: export the final adapter, merged "
+    "and verified, into <output-dir>/export/")]
 
 
 def register(app: typer.Typer) -> None:
@@ -40,30 +76,19 @@ def _register_launch(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
-        strategy: Optional[str] = typer.Option(None, help="data_parallel: how the ranks share learning: {strategies} "
-                                               "(settings: --set strategy_config.KEY=VALUE)"),
-        stages: Optional[int] = typer.Option(None, help="model parallelism: split the model's layers into N stages, "
-                                             "one per worker (the pipeline strategy; implies --mode model_parallel)"),
-        balance: str = typer.Option("auto", help="data_parallel, synchronous strategies: rows per rank follow each "
-                                    "rank's measured speed when speeds differ by >20% (auto), or equal (off)"),
-        mode: str = typer.Option("data_parallel", help="data_parallel | model_parallel | teacher_student | hybrid "
-                                 "| split (distillation: --model is the teacher, --student the student, --workers the "
-                                 "students; split: a trunk server the coordinator places, the client where "
-                                 "--client-node says)"),
-        split_point_1: Optional[int] = typer.Option(None, "--split-point-1", help="split: bottom = embeddings + "
-                                                    "layers [0, A), on the client"),
-        split_point_2: Optional[int] = typer.Option(None, "--split-point-2", help="split: trunk = layers [A, B), on "
-                                                    "a worker holding the model (a GPU first); top = the rest"),
-        client_node: Optional[str] = typer.Option(None, "--client-node", help="split: where the client (the data, "
-                                                  "bottom and top) runs: @coordinator (default: the coordinator's "
-                                                  "machine; embedded: this one) or a worker's name"),
+        strategy: StrategyOpt = None,
+        stages: StagesOpt = None,
+        balance: BalanceOpt = "auto",
+        mode: ModeOpt = "data_parallel",
+        split_point_1: SplitPoint1Opt = None,
+        split_point_2: SplitPoint2Opt = None,
+        client_node: ClientNodeOpt = None,
         student: list[str] = typer.Option([], help="teacher_student/hybrid: student base model (repeatable)"),
         kd_loss: str = typer.Option("forward_kl", help=f"teacher_student/hybrid: {'|'.join(KD_LOSSES)}"),
         kd_ratio: float = typer.Option(0.5, help="teacher_student/hybrid: weight of the KD term"),
         temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
         top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
-        num_teachers: Optional[int] = typer.Option(None, help="teacher_student/hybrid: teacher tasks "
-                                                   "(default: one per node holding the teacher)"),
+        num_teachers: NumTeachersOpt = None,
         epochs: Optional[float] = typer.Option(None),
         batch_size: int = typer.Option(4, help="per worker; the global batch is batch size x workers"),
         max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
@@ -72,25 +97,17 @@ def _register_launch(app: typer.Typer) -> None:
         peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
         lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
         lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha"),
-        save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (recovery resumes there; default: a tenth "
-                                                "of --max-steps within 10..200, 50 with --epochs; 0: none)"),
+        save_every: SaveEveryOpt = None,
         seed: Optional[int] = typer.Option(None),
         dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP + " (distillation: teacher and students)"),
         cpus_per_worker: float = typer.Option(1.0, help="CPUs (and torch threads) per rank"),
-        gpu: Optional[str] = typer.Option(None, help="no|preferred|required (default no; --mode split: the trunk's "
-                                          "node, default preferred)"),
+        gpu: GpuOpt = None,
         max_retries: int = typer.Option(2, help="worker failures to survive"),
         name: Optional[str] = typer.Option(None, help="a name for the job"),
         priority: str = typer.Option("normal", help=PRIORITY_HELP),
-        output_dir: Optional[str] = typer.Option(None, help="where the final adapter is downloaded (default outputs/<job>); "
-                                                 "on the embedded cluster also where --tensorboard/--wandb write"),
-        tensorboard: bool = typer.Option(False, "--tensorboard", help="TensorBoard event files, one run dir per rank "
-                                         "(tensorboard/rank<R>) or student (tensorboard/student<N>), written by the "
-                                         "coordinator in <state dir>/runs/<job>/ (distill: distill/<job>/); on the "
-                                         "embedded cluster in --output-dir when given"),
-        wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
-                                            help="one offline W&B run per rank/student next to the TensorBoard files "
-                                            "(wandb/; the package's wandb extra; upload later with `wandb sync`)"),
+        output_dir: OutputDirOpt = None,
+        tensorboard: TensorboardOpt = False,
+        wandb: WandbOpt = None,
         set_: list[str] = typer.Option([], "--set", help="override any setting, e.g. --set training.warmup_steps=10"),
         detach: bool = typer.Option(False, "--detach", help="submit and return (coordinator only)"),
         coordinator: Optional[str] = typer.Option(None, help=COORD_HELP + "; none: embedded cluster"),
@@ -99,8 +116,7 @@ def _register_launch(app: typer.Typer) -> None:
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
-        export: Optional[str] = typer.Option(None, "--export", help=f"{'|'.join(RUN_TARGETS)}: export the final adapter, merged "
-                                             "and verified, into <output-dir>/export/"),
+        export: ExportOpt = None,
     ):
         """Launch distributed training: data-parallel, or teacher→student distillation.
 
