@@ -13,9 +13,15 @@ the top-1.
     python bench/teacher_backends.py --model twin:qwen2.5-0.5b-instruct@full --prompts 16 --batch-size 16 --quants q8_0
 
 Each llamacpp quantization runs at batch 1 (one sequence at a time) and at --batch-size (batched
-decode, `distill/llamacpp_batch.py`); KL to hf fp32 is KL(HF fp32's exact distribution || the store's
-top-k with its tail spread evenly) over each store's own responses, teacher-forced in HF; the hf row's
-is what top-k truncation alone costs, so a llamacpp row's excess over it is the quantization's.
+decode, `distill/llamacpp_batch.py`), or at each of --llamacpp-batch-sizes; the hf arm at --batch-size
+or each of --hf-batch-sizes, and every llamacpp row is compared with hf's best (each backend at its
+best batch setting). KL to hf fp32 is KL(HF fp32's exact distribution || the store's top-k with its tail
+spread evenly) over each store's own responses, teacher-forced in HF; the hf row's is what top-k
+truncation alone costs, so a llamacpp row's excess over it, printed as "of it the quantization's", is
+what the quantization costs (on a random twin's flat rows the truncation dominates the KL).
+
+    python bench/teacher_backends.py --model twin:qwen2.5-0.5b-instruct@full --prompts 32 --threads 2 \
+        --hf-batch-sizes 8,16,32 --llamacpp-batch-sizes 16,32 --quants q8_0
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from smolforge.distill.prompts import GenSettings  # noqa: E402 (after the offline switch)
 
 
 def timed_store(teacher, items, settings, repeat: int) -> tuple[float, list]:
@@ -86,6 +94,46 @@ def kl_to_hf(model, recs) -> float:
     return total / max(1.0, rows)
 
 
+def batch_sizes(text: str) -> list[int]:
+    return sorted({int(b) for b in text.split(",") if b.strip()})
+
+
+def run_hf(args, items, settings) -> tuple[float, list, object, float]:
+    """The hf fp32 arm at each of its batch sizes; (its best tokens/s, that run's records, the model)."""
+    from smolforge.distill.teacher import HFTeacher
+
+    hf = HFTeacher(args.model, device="cpu", dtype="fp32")
+    best = (0.0, None)
+    for batch in batch_sizes(args.hf_batch_sizes or str(args.batch_size)):
+        secs, recs = timed_store(hf, items, GenSettings(**{**settings.__dict__, "batch_size": batch}), args.repeat)
+        tokens = sum(len(r.response_ids) for r in recs)
+        print(f"{f'hf fp32 (batch {batch})':<28}: {tokens} tokens in {secs:.2f}s = {tokens / secs:7.1f} tokens/s", flush=True)
+        best = max(best, (tokens / secs, recs), key=lambda x: x[0])
+    hf_kl = kl_to_hf(hf.model, best[1])
+    print(f"{'hf fp32 (best)':<28}: {best[0]:7.1f} tokens/s; KL to hf fp32 {hf_kl:.4e} nats/token (its own top-k: "
+          "the truncation alone)", flush=True)
+    return best[0], best[1], hf.model, hf_kl
+
+
+def run_llamacpp(args, quant, items, settings, hf) -> None:
+    """One quantization at each batch size: tokens/s against hf's best, agreement, KL and the quantization's
+    own share of it (this row's KL minus the hf row's, which is what top-k truncation alone costs)."""
+    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+
+    hf_rate, hf_recs, hf_model, hf_kl = hf
+    teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
+    for batch in batch_sizes(args.llamacpp_batch_sizes or f"1,{args.batch_size}"):
+        s, recs = timed_store(teacher, items, GenSettings(**{**settings.__dict__, "batch_size": batch}), args.repeat)
+        tokens = sum(len(r.response_ids) for r in recs)
+        same, top1, dlp = agreement(recs, hf_recs)
+        kl = kl_to_hf(hf_model, recs)
+        print(f"{f'llamacpp {quant} (batch {batch})':<28}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
+              f"({(tokens / s) / hf_rate:.2f}x hf fp32's best); same response {same:.0%}, top-1 {top1:.1%}, "
+              f"mean |d logprob| {dlp:.1e}, KL to hf fp32 {kl:.4e} nats/token, of it the quantization's "
+              f"{kl - hf_kl:.4g}", flush=True)
+    teacher.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-100m")
@@ -94,6 +142,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=4,
                     help="the hf teacher's batch, and the llamacpp teacher's batched decode (also run at 1)")
+    ap.add_argument("--hf-batch-sizes", default="", help="comma list: the hf arm at each (default: --batch-size)")
+    ap.add_argument("--llamacpp-batch-sizes", default="",
+                    help="comma list: each llamacpp arm at each (default: 1 and --batch-size)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quants", default="f16,q8_0")
@@ -104,9 +155,7 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    from smolforge.distill.prompts import GenSettings
-    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset
-    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+    from smolforge.distill.teacher import prompts_from_dataset
     from smolforge.models.export.cache import cached_gguf
 
     quants = [q for q in args.quants.split(",") if q]
@@ -116,24 +165,11 @@ def main() -> None:
         print(f"GGUF {quant}: {path} ({path.stat().st_size / 2**20:.1f} MiB, ready in {time.perf_counter() - t0:.1f}s)")
     items = prompts_from_dataset("bundled", max_samples=args.prompts)
     settings = GenSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k, batch_size=args.batch_size)
-
-    hf = HFTeacher(args.model, device="cpu", dtype="fp32")
-    hf_s, hf_recs = timed_store(hf, items, settings, args.repeat)
-    hf_tokens = sum(len(r.response_ids) for r in hf_recs)
     print(f"model {args.model}, {len(items)} prompts x {args.max_new_tokens} greedy tokens, top-{args.top_k}, "
-          f"{args.threads} thread(s), best of {args.repeat}, store writing included")
-    print(f"{f'hf fp32 (batch {args.batch_size})':<28}: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tokens / hf_s:7.1f} tokens/s; "
-          f"KL to hf fp32 {kl_to_hf(hf.model, hf_recs):.4e} nats/token (its own top-k: the truncation alone)", flush=True)
+          f"{args.threads} thread(s), best of {args.repeat}, store writing included", flush=True)
+    hf = run_hf(args, items, settings)
     for quant in quants:
-        teacher = LlamaCppTeacher(args.model, quant=quant, n_threads=args.threads)
-        for batch in sorted({1, args.batch_size}):
-            s, recs = timed_store(teacher, items, GenSettings(**{**settings.__dict__, "batch_size": batch}), args.repeat)
-            tokens = sum(len(r.response_ids) for r in recs)
-            same, top1, dlp = agreement(recs, hf_recs)
-            print(f"{f'llamacpp {quant} (batch {batch})':<28}: {tokens} tokens in {s:.2f}s = {tokens / s:7.1f} tokens/s "
-                  f"({(tokens / s) / (hf_tokens / hf_s):.2f}x hf fp32); same response {same:.0%}, top-1 {top1:.1%}, "
-                  f"mean |d logprob| {dlp:.1e}, KL to hf fp32 {kl_to_hf(hf.model, recs):.4e} nats/token", flush=True)
-        teacher.close()
+        run_llamacpp(args, quant, items, settings, hf)
 
 
 if __name__ == "__main__":

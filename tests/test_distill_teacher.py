@@ -139,6 +139,25 @@ def test_truncation_kl_is_the_full_kl_against_top_k_plus_even_tail():
     assert torch.equal(truncation_kl(logits, logits.topk(50).indices, torch.zeros(5)), torch.zeros(5))
 
 
+def test_the_fused_topk_rows_are_the_two_functions():
+    """`topk_rows` (what both teachers run, one top-k and one exp pass) gives `topk_from_logits` and
+    `truncation_kl`'s numbers: at a real vocabulary's width, with a peaked row (tail ~1e-9, which
+    1 - head would lose), a row with -inf logits (0 log 0) and k ≥ V."""
+    from smolforge.distill.teacher_topk import topk_rows
+
+    logits = torch.randn(6, 151_936) * 2
+    logits[1, 7] = 40.0  # peaked: tail ~5e-12
+    with_inf = logits.clone()
+    with_inf[2, :100] = -float("inf")
+    for rows, k in ((logits, 32), (with_inf, 32), (logits[:, -20:], 32)):
+        values, idx, tail, kl = topk_rows(rows, k)
+        want_v, want_i, want_t = topk_from_logits(rows, k)
+        assert torch.equal(idx, want_i)
+        assert torch.allclose(values, want_v, atol=1e-5)
+        assert torch.allclose(tail, want_t, rtol=1e-4, atol=0)
+        assert torch.allclose(kl, truncation_kl(rows, want_i, want_t), rtol=1e-3, atol=1e-9)
+
+
 # --------------------------------------------------------------------------------------- Ollama
 
 def _entry(text: str, logprob: float, alts: list[tuple[str, float]]):

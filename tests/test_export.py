@@ -86,7 +86,20 @@ def test_gguf_in_llama_cpp_matches_hf(model, loras, tmp_path):
     q8 = export(model, "gguf", tmp_path / "q8", adapters=[str(loras[model])], quant="q8_0", threads=1)
     assert q8["verify"]["greedy_agreement"] >= 0.9, q8["verify"]  # exact, without the near-ties
     assert q8["gguf"]["bytes"] < 0.75 * f16["gguf"]["bytes"]
+    # what each format costs the logits, against HF fp32 on every verified position: q8_0 rounds more than f16
+    assert v["kl_positions"] > 16 and 0 <= v["kl_vs_fp32"] < q8["verify"]["kl_vs_fp32"], (v, q8["verify"])
     assert (tmp_path / "f16" / "model.gguf").is_file() and (tmp_path / "f16" / "export.json").is_file()
+
+
+def test_kl_to_fp32_is_zero_for_equal_logits_and_the_closed_form_otherwise():
+    import numpy as np
+    from smolforge.models.export.verify import _kl_sum
+
+    p = np.array([[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
+    assert _kl_sum(p, p + 3.0) == pytest.approx(0.0, abs=1e-12)  # a shift is the same distribution
+    q = np.array([[0.0, 0.0, 0.0]])
+    probs = np.exp(p[:1]) / np.exp(p[:1]).sum()
+    assert _kl_sum(p[:1], q) == pytest.approx(float((probs * np.log(probs * 3)).sum()), rel=1e-9)
 
 
 @pytest.mark.parametrize("model", FAMILIES)

@@ -75,6 +75,8 @@ def test_the_store_validates_and_its_top1_ids_are_the_greedy_text(gguf_f16, tmp_
         assert m["backend"] == "llamacpp" and m["tokenizer_hash"] == tokenizer_hash(tok) and m["k"] == 8
         assert m["codec"]["name"] == "sorted-rice-q8" and m["has_logits"] and m["threads"] == 1
         assert m["gguf"]["quant"] == "f16" and m["gguf"]["verify"]["logits_nmse"] < 1e-4  # the export's check
+        # what the format costs the teacher, measured against HF fp32 at the export's verified positions
+        assert m["gguf"]["verify"]["kl_positions"] > 0 and 0 <= m["gguf"]["verify"]["kl_vs_fp32"] < 1e-3, m["gguf"]
         assert m["num_examples"] == len(shard.records) == 3 and m["num_topk_rows"] == m["num_response_tokens"]
         for rec in shard.records:
             assert rec.has_topk and rec.topk_indices.shape == (len(rec.response_ids), 8)
@@ -269,3 +271,44 @@ def test_batched_decode_gives_the_one_at_a_time_records(gguf_f16, items):
         assert (a.topk_indices[:, 0] == b.topk_indices[:, 0]).all()
         # 7e-3 seen (HF fp32 against f16 itself: 2e-2)
         np.testing.assert_allclose(a.topk_logprobs[:, 0], b.topk_logprobs[:, 0], atol=1e-2)
+
+
+def test_batched_decode_shares_the_prefix_and_keeps_running_sequences_in_consecutive_slots(gguf_f16, items):
+    """`llamacpp_batch`: the prompts' shared prefix is read once and its KV cells copied to every sequence,
+    and when a sequence ends the highest running one moves into its slot (llama.cpp micro-batches only
+    consecutive sequence ids together). What each decision leaves must be what one sequence decoded alone
+    gives: the first rows and, after the move, the moved sequence's next row (its KV cells came along)."""
+    import torch
+
+    from smolforge.distill.llamacpp_batch import BatchDecoder, shared_prefix
+    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+
+    teacher = LlamaCppTeacher("tiny-llama", quant="f16")
+
+    def alone(ids: list[int]) -> torch.Tensor:
+        teacher.llm.reset()
+        teacher.llm.eval(ids)
+        return torch.log_softmax(torch.from_numpy(teacher._last_logits()), -1)
+
+    def close(row, ids) -> None:
+        want = alone(ids)
+        got = torch.log_softmax(torch.from_numpy(np.array(row)), -1)
+        assert int(got.argmax()) == int(want.argmax())
+        assert float((got - want).abs().max()) < 2e-2  # f16 kernels at another batch shape: ~7e-3
+
+    prompts = [teacher.prompt_ids(item) for item in items[:4]]
+    assert shared_prefix(prompts) > 0  # the chat template's head
+    dec = BatchDecoder(teacher.llm, 4, 64, 1)
+    first = dec.prefill(prompts)
+    for j, ids in enumerate(prompts):
+        close(first[j], ids)
+    by_slot = sorted(range(4), key=dec.slot.__getitem__)
+    leaving, last = by_slot[0], by_slot[3]  # slot 0 frees, the member in slot 3 must move into it
+    feed = {m: (int(first[m].argmax()), len(prompts[m])) for m in range(4) if m != leaving}
+    members, rows = dec.step(feed)
+    assert dec.moves == 1 and dec.slot[last] == 0 and sorted(dec.slot.values()) == [0, 1, 2]
+    assert members == [last, by_slot[1], by_slot[2]]  # rows in slot order
+    for r, m in enumerate(members):
+        close(rows[r], prompts[m] + [feed[m][0]])
+    dec.close()
+    teacher.close()

@@ -27,7 +27,7 @@ from smolforge.distill.ollama import OllamaTeacher
 from smolforge.distill.planner import plan_shards
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash, write_shard_bytes
-from smolforge.distill.teacher_topk import topk_from_logits, truncation_kl  # noqa: F401 (re-export)
+from smolforge.distill.teacher_topk import topk_from_logits, topk_rows, truncation_kl  # noqa: F401 (re-export)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
@@ -71,7 +71,7 @@ class HFTeacher:
     def __init__(self, model: str, device: str = "auto", dtype: torch.dtype | str | None = None, model_obj=None,
                  tokenizer=None):
         """`dtype`: a torch dtype or a --dtype choice (auto|bf16|fp16|fp32; default fp32). Top-k rows
-        are computed in fp32 from whatever dtype the logits come in (topk_from_logits)."""
+        are computed in fp32 from whatever dtype the logits come in (topk_rows)."""
 
         self.name = model
         self.device = pick_device(device)
@@ -138,8 +138,8 @@ class HFTeacher:
         if g > 0:
             logits = self._response_logits(full, mask, g)  # [rows, g, V]
             flat = logits.reshape(-1, logits.shape[-1])
-            values, idx, tail = topk_from_logits(flat, s.top_k)
-            trunc = truncation_kl(flat, idx, tail).view(rows, g).cpu()
+            values, idx, tail, trunc = topk_rows(flat, s.top_k)
+            trunc = trunc.view(rows, g).cpu()
             k = values.shape[-1]
             values, idx, tail = values.view(rows, g, k).cpu(), idx.view(rows, g, k).cpu(), tail.view(rows, g).cpu()
         for r in range(rows):
@@ -197,8 +197,8 @@ class HFTeacher:
                 continue
             logits = self._response_logits(full, mask, g)  # [rows, g, V]
             flat = logits.reshape(-1, logits.shape[-1])
-            values, idx, tail = topk_from_logits(flat, top_k)
-            trunc = truncation_kl(flat, idx, tail).view(len(rows), g).cpu()
+            values, idx, tail, trunc = topk_rows(flat, top_k)
+            trunc = trunc.view(len(rows), g).cpu()
             k = values.shape[-1]
             values, idx, tail = values.view(len(rows), g, k).cpu(), idx.view(len(rows), g, k).cpu(), tail.view(len(rows), g).cpu()
             for r, i in enumerate(rows):

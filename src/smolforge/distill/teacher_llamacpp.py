@@ -1,9 +1,9 @@
 """Teacher generation in llama.cpp (llama-cpp-python): a GGUF teacher on CPU kernels, quantized.
 
 On a CPU, transformers' fp32 `generate` is the distillation's bottleneck; llama.cpp runs the same
-model faster (issue 32 measured the library alone at 4.2x/5.5x at f16/q8_0; this backend, store
-writing included, 2.0x/2.9x on a loaded machine: BENCHMARKS.md, teacher backends), with q8_0's
-weights about a quarter of fp32's. This backend writes the same records as `HFTeacher`, so the store, its shards and manifests, and every
+model faster (issue 32 measured the library alone at 4.2x/5.5x at f16/q8_0; this backend at q8_0, store
+writing included, 4.3-4.8x the hf teacher's best at 0.5B on two threads: BENCHMARKS.md, teacher
+backends), with q8_0's weights about a quarter of fp32's. This backend writes the same records as `HFTeacher`, so the store, its shards and manifests, and every
 student are unchanged:
 - the model is a GGUF the user gives (`--teacher path/model.gguf`, an Ollama blob) or the HF
   teacher exported once per node and cached (`models.export.cache`, `--teacher-quant`);
@@ -16,10 +16,12 @@ student are unchanged:
   a GGUF's text alone is no reason to run llama.cpp's logits, so there is no such fallback here);
 - decoding runs up to `teacher_batch_size` sequences together in one llama.cpp context
   (`llamacpp_batch`: one pass over the weights per step for the group, which is what a CPU's decode
-  is bound by), each with its KV cells; at each step a sequence's logits give both its next token
-  (greedy, or the run's temperature/top-p with its own seeded generator) and that response token's
-  top-k and tail mass (`teacher_topk.topk_from_logits`, the same fp32 code as the HF teacher's, and
-  its truncation KL). With a batch of 1 it decodes one sequence at a time in `Llama`'s own context;
+  is bound by), each with its KV cells, the prompts' shared prefix read once; after each pass the
+  group's rows are one [n, V] view of llama.cpp's buffer, whose top-k, tail mass and truncation KL
+  (`teacher_topk.topk_rows`, the same fp32 code as the HF teacher's) are taken at once and only
+  those kept (not every row's V logits until the group ends: 2.5 GB for 16 x 256 tokens at V 152k),
+  and each row gives its sequence's next token (greedy, or the run's temperature/top-p with its own
+  seeded generator). With a batch of 1 it decodes one sequence at a time in `Llama`'s own context;
 - `n_threads` is the task's CPUs, so parallel teacher tasks on a node do not oversubscribe it;
 - each shard's manifest says so (`threads`) and names the GGUF (`gguf`: file, quantization and, for
   our own export, its check against the HF fp32 model: logits NMSE and greedy agreement).
@@ -37,13 +39,17 @@ from smolforge.data.encode import ensure_chat_template, render
 from smolforge.distill.llamacpp_batch import BatchDecoder
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
-from smolforge.distill.teacher_topk import topk_from_logits, truncation_kl
+from smolforge.distill.teacher_topk import topk_rows
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.cache import cached_gguf, check_quant, is_gguf
 from smolforge.models.loading import load_tokenizer
 
 INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or use --teacher-backend hf"
 
+
+# the export's checks a shard's manifest carries: logits NMSE, greedy agreement, and KL(HF fp32 || the GGUF)
+# per position over the verified positions, what the quantization costs the teacher's distribution
+VERIFY_KEYS = ("logits_nmse", "greedy_agreement", "prompts", "kl_vs_fp32", "kl_positions")
 
 def gguf_tokens(llm) -> list[str]:
     """The GGUF's vocabulary, token strings by id, as llama.cpp holds it."""
@@ -149,7 +155,7 @@ def gguf_summary(path: Path, quant: str | None) -> dict:
         report = json.loads(summary.read_text(encoding="utf-8"))
         verify = report.get("verify") or {}
         out.update(quantizer=report.get("quantizer", "smolforge"),
-                   verify={k: verify[k] for k in ("logits_nmse", "greedy_agreement", "prompts") if k in verify} or None)
+                   verify={k: verify[k] for k in VERIFY_KEYS if k in verify} or None)
     return out
 
 
@@ -273,22 +279,27 @@ class LlamaCppTeacher:
 
     def _decode_group(self, dec: BatchDecoder, group: list[tuple[PromptItem, list[int], int]],
                       s: GenSettings) -> list[TeacherRecord]:
+        """The group's responses: after every pass, the rows' top-k (one `topk_rows` over the [n, V] view
+        of llama.cpp's buffer: no copies, and only k numbers per row kept), then each one's next token."""
         dec.reset()
         rngs = [np.random.default_rng([s.seed, item.example_id, sample]) for item, _, sample in group]
-        rows = [[dec.prefill(j, ids)] for j, (_, ids, _) in enumerate(group)]
+        members, logits = list(range(len(group))), dec.prefill([ids for _, ids, _ in group])
         resp: list[list[int]] = [[] for _ in group]
-        active = list(range(len(group)))
-        while active:
+        kept: list[list[tuple]] = [[] for _ in group]
+        while True:
+            stats = [t.numpy() for t in topk_rows(torch.from_numpy(logits), s.top_k)]
             feed: dict[int, tuple[int, int]] = {}
-            for j in active:
-                tok = pick_token(rows[j][-1], s.temperature, s.top_p, rngs[j])
+            for r, j in enumerate(members):
+                kept[j].append(tuple(x[r] for x in stats))
+                tok = pick_token(logits[r], s.temperature, s.top_p, rngs[j])
                 resp[j].append(tok)
                 if tok != self.eos_id and len(resp[j]) < s.max_new_tokens:
                     feed[j] = (tok, len(group[j][1]) + len(resp[j]) - 1)
-            for j, logits in dec.step(feed).items() if feed else ():
-                rows[j].append(logits)
-            active = list(feed)
-        return [self._record(item, ids, resp[j], rows[j], s, sample) for j, (item, ids, sample) in enumerate(group)]
+            if not feed:
+                break
+            members, logits = dec.step(feed)
+        return [self._record(item, ids, resp[j], [np.stack(col) for col in zip(*kept[j])], sample)
+                for j, (item, ids, sample) in enumerate(group)]
 
     def _last_logits(self) -> np.ndarray:
         """The logits after the last evaluated token (a copy: llama.cpp reuses the buffer)."""
@@ -309,17 +320,18 @@ class LlamaCppTeacher:
                 break
             self.llm.eval([tok])
             rows.append(self._last_logits())
-        return self._record(item, ids, resp, rows, s, sample)
+        stats = topk_rows(torch.from_numpy(np.stack(rows)), s.top_k)
+        return self._record(item, ids, resp, [t.numpy() for t in stats], sample)
 
-    def _record(self, item: PromptItem, ids: list[int], resp: list[int], rows: list[np.ndarray], s: GenSettings,
+    def _record(self, item: PromptItem, ids: list[int], resp: list[int], stats: list[np.ndarray],
                 sample: int) -> TeacherRecord:
-        """A response and its rows' top-k, tail mass and truncation KL (the HF teacher's fp32 code)."""
-        logits = torch.from_numpy(np.stack(rows))
-        values, idx, tail = topk_from_logits(logits, s.top_k)
+        """A response and its rows' top-k log-probs, ids, tail mass and truncation KL (`topk_rows`: the
+        HF teacher's fp32 code)."""
+        values, idx, tail, trunc = stats
         return TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=list(ids),
                              response_ids=resp, response_text=self.decode(resp), answer=item.answer, sample_id=sample,
-                             topk_logprobs=values.numpy(), topk_indices=idx.numpy().astype(np.int64),
-                             tail_mass=tail.numpy(), truncation_kl=truncation_kl(logits, idx, tail).numpy())
+                             topk_logprobs=values, topk_indices=idx.astype(np.int64), tail_mass=tail,
+                             truncation_kl=trunc)
 
     def close(self) -> None:
         if getattr(self, "_decoder", None) is not None:

@@ -86,6 +86,10 @@ class VerifyReport:
     max_nmse: float
     min_agreement: float
     ok: bool
+    # KL(HF fp32's exact next-token distribution || llama.cpp's), nats per position, mean over every position
+    # of the prompts and their greedy continuations: what the format's rounding costs a teacher's logits
+    kl_vs_fp32: float = 0.0
+    kl_positions: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,8 +98,8 @@ class VerifyReport:
         return (f"llama.cpp vs HF on {self.prompts} prompts: logits NMSE {self.logits_nmse:.2e} (limit "
                 f"{self.max_nmse:.0e}), greedy agreement {self.greedy_agreement:.1%}"
                 f"{f' ({self.greedy_agreement_with_ties:.1%} counting {self.near_ties} near-tie(s))' if self.near_ties else ''}"
-                f" (limit {self.min_agreement:.0%}), "
-                f"tokenization {'equal' if self.tokenization_equal else 'DIFFERENT'}")
+                f" (limit {self.min_agreement:.0%}), KL to HF fp32 {self.kl_vs_fp32:.2e} nats/token over "
+                f"{self.kl_positions} positions, tokenization {'equal' if self.tokenization_equal else 'DIFFERENT'}")
 
 
 def prompts(tokenizer, count: int = 16) -> list[str]:
@@ -135,7 +139,7 @@ def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int
     max_nmse, min_agree = LIMITS[quant]
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
     tok_equal = all(same_tokens(llm, tokenizer, text) for text in tokenizer_texts(llm))
-    err, ref, same, ties, total = 0.0, 0.0, 0, 0, 0
+    err, ref, same, ties, total, kl, positions = 0.0, 0.0, 0, 0, 0, 0.0, 0
     for text in texts:
         hf_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         tok_equal &= sentencepiece_style(llm) or same_tokens(llm, tokenizer, text)  # see tokenizer_texts
@@ -151,6 +155,8 @@ def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int
         a, b = _centred(cpp_logits), _centred(hf_logits[:, :n])
         err += float(((a - b) ** 2).sum())
         ref += float((b ** 2).sum())
+        kl += _kl_sum(hf_logits[:, :n], cpp_logits)
+        positions += len(seq)
         # llama.cpp's greedy choice at each generated position, on the same prefix as HF's
         rows = slice(len(hf_ids) - 1, len(seq) - 1)
         picks = cpp_logits[rows].argmax(axis=-1)
@@ -164,7 +170,22 @@ def compare(llm, model, tokenizer, texts: list[str], quant: str, new_tokens: int
     agree = same / max(total, 1)
     with_ties = (same + ties) / max(total, 1)
     return VerifyReport(len(texts), new_tokens, tok_equal, nmse, agree, ties, with_ties, max_nmse, min_agree,
-                        ok=tok_equal and nmse <= max_nmse and with_ties >= min_agree)
+                        ok=tok_equal and nmse <= max_nmse and with_ties >= min_agree,
+                        kl_vs_fp32=kl / max(positions, 1), kl_positions=positions)
+
+
+def _kl_sum(p_logits, q_logits) -> float:
+    """Sum over rows of KL(softmax(p) || softmax(q)), in float64 (a quantization's KL is ~1e-4 nats:
+    float32's log-softmax rounding is of that order over 150k ids)."""
+    import numpy as np
+
+    def log_softmax(x):
+        x = np.asarray(x, dtype=np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return float((np.exp(lp) * (lp - lq)).sum())
 
 
 def verify_gguf(gguf_path: Path, model, tokenizer, quant: str, count: int = 16, new_tokens: int = 8,
