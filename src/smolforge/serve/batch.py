@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from smolforge.serve.sampling import SamplingParams, next_token
+from smolforge.serve.sampling import SamplingParams, is_greedy, next_token
 from smolforge.serve.stops import TextStream
 
 
@@ -151,9 +151,12 @@ class Batch:
         """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
         self.row_errors = {}
         tokens: list[int | None] = []
+        # Greedy rows share one argmax and one copy to Python: not a reduction and a sync per row.
+        best = logits.argmax(-1).tolist() if any(is_greedy(r.params, r.generator) for r in self.active) else []
         for i, r in enumerate(self.active):
             try:
-                tokens.append(next_token(logits[i], r.params, r.generator))
+                greedy = is_greedy(r.params, r.generator)
+                tokens.append(best[i] if greedy else next_token(logits[i], r.params, r.generator))
             except Exception as err:  # noqa: BLE001 - that row fails, the others go on
                 self.row_errors[i] = err
                 tokens.append(None)

@@ -32,9 +32,14 @@ class SamplingParams:
         return g
 
 
+def is_greedy(params: SamplingParams, generator: torch.Generator | None) -> bool:
+    """True when the next token is the argmax (nothing to draw)."""
+    return params.temperature <= 0 or generator is None
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from one row of logits (shape [vocab])."""
-    if params.temperature <= 0 or generator is None:
+    if is_greedy(params, generator):
         return int(torch.argmax(logits).item())
     # Shifted before dividing, by a temperature float32 can hold (1e-300 is a valid request but
     # rounds to 0 there): the best logit scales to 0, not inf, so softmax never sees inf - inf (NaN).

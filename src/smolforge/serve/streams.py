@@ -1,15 +1,27 @@
 """From the engine thread to the event loop: a whole answer, or its tokens as server-sent events.
 
 Why a bridge per request: the engine calls a request's sink on its own thread; the sink hands each
-event to the request's `asyncio.Queue` with `call_soon_threadsafe`, so no request holds a worker
-thread while it waits. An `ErrorEvent` carries its status: 400 when the request's own settings
-failed it, 500 when the server did, 503 when the engine stopped.
+event to the request's `asyncio.Queue`, so no request holds a worker thread while it waits. An
+`ErrorEvent` carries its status: 400 when the request's own settings failed it, 500 when the server
+did, 503 when the engine stopped.
+
+Why one `_Inbox` per event loop, and text chunks rendered from a template (issue 32): the event
+loop's Python runs under the GIL the engine's forward needs, so every microsecond it spends per
+token is a microsecond added to the engine's step. A `call_soon_threadsafe` per token per stream
+was a self-pipe write and a loop wake-up each (eight per step for eight streams); the inbox wakes
+the loop once for whatever the engine handed over since its last wake-up. A stream that finds
+several events waiting sends them as one write, and a text chunk is its request's fixed JSON
+around the new text (`_TextFrame`) instead of a dict serialized anew.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+import json
+import threading
+import weakref
+from collections import deque
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -26,15 +38,68 @@ from smolforge.serve.protocol import (
 from smolforge.serve.sampling import SamplingParams
 
 
+class _Inbox:
+    """Events from the engine thread for one event loop: queued at once, and the loop woken only when
+    no wake-up is already on its way (one per engine step, not one per token per stream)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+        self.wakeups = 0  # loop wake-ups asked for: the tests check they are fewer than the events
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        """On the engine thread: hand over one event."""
+        self.pending.append((queue, event))
+        with self.lock:
+            if self.scheduled:
+                return
+            self.scheduled = True
+            self.wakeups += 1
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed (the server is shutting down): nobody is left to tell
+            with self.lock:
+                self.scheduled = False
+
+    def _drain(self) -> None:
+        """On the loop: pass everything handed over so far to its request's queue. `scheduled` is
+        cleared first, so an event put while draining either is drained here or wakes the loop again."""
+        with self.lock:
+            self.scheduled = False
+        while self.pending:
+            queue, event = self.pending.popleft()
+            queue.put_nowait(event)
+
+
+_inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
+
+
+def inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    """The loop's one inbox (made on the loop's own thread, so no race makes two)."""
+    found = _inboxes.get(loop)
+    if found is None:
+        found = _inboxes[loop] = _Inbox(loop)
+    return found
+
+
 class _Bridge:
     """An engine sink that hands events to this event loop."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.inbox = inbox(asyncio.get_running_loop())
 
     def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.inbox.put(self.queue, event)
+
+    def waiting(self) -> list[Event]:
+        """The events already queued, without waiting."""
+        out = []
+        while not self.queue.empty():
+            out.append(self.queue.get_nowait())
+        return out
 
 
 def error_of(event: ErrorEvent) -> ApiError:
@@ -57,11 +122,26 @@ async def collect(engine: Engine, ids: list[int], params: SamplingParams) -> Don
         request.cancel()  # a no-op once done; frees the row if the client went away
 
 
+class _TextFrame:
+    """One request's text chunk as an SSE frame: the JSON of `make(SENTINEL)` split around the
+    sentinel, so a token's frame is two byte strings and its text's JSON string, not a dict dumped."""
+
+    SENTINEL = "\u0000smolforge-text\u0000"
+
+    def __init__(self, make: Callable[[str], dict[str, Any]]):
+        head, tail = sse(make(self.SENTINEL)).split(json.dumps(self.SENTINEL).encode(), 1)
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text).encode() + self.tail
+
+
 class ChatChunks:
     obj = "chat.completion.chunk"
 
     def __init__(self, cid: str, created: int, model: str, include_usage: bool):
         self.cid, self.created, self.model, self.include_usage = cid, created, model, include_usage
+        self.frame = _TextFrame(self.text)
 
     def first(self) -> dict[str, Any] | None:
         return chat_chunk(self.cid, self.created, self.model, {"role": "assistant", "content": ""}, None)
@@ -100,24 +180,34 @@ def stream(engine: Engine, ids: list[int], params: SamplingParams, chunks: ChatC
             first = chunks.first()
             if first:
                 yield sse(first)
-            while True:
-                event = await bridge.queue.get()
-                if isinstance(event, TokenEvent):
-                    if event.text:
-                        yield sse(chunks.text(event.text))
-                elif isinstance(event, DoneEvent):
-                    yield sse(chunks.last(reason(event)))
-                    if chunks.include_usage:
-                        yield sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
-                                              event.prompt_tokens, event.completion_tokens))
-                    break
-                else:
-                    err = error_of(event)
-                    yield sse(error_body(err.message, err.type))
-                    break
-            yield sse("[DONE]")
+            done = False
+            while not done:  # what waits is sent in one write: a stream that fell behind catches up
+                frames = []
+                for event in [await bridge.queue.get(), *bridge.waiting()]:
+                    frame, done = _frame(event, chunks)
+                    frames.append(frame)
+                    if done:
+                        frames.append(sse("[DONE]"))
+                        break
+                out = b"".join(frames)
+                if out:  # a token that released no text yet (half a character, a stop string's start)
+                    yield out
         finally:
             request.cancel()  # the client went away mid-stream: its row leaves the batch
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _frame(event: Event, chunks: ChatChunks) -> tuple[bytes, bool]:
+    """An event's SSE bytes, and True when it is the stream's last event."""
+    if isinstance(event, TokenEvent):
+        return (chunks.frame(event.text) if event.text else b""), False
+    if isinstance(event, DoneEvent):
+        out = sse(chunks.last(reason(event)))
+        if chunks.include_usage:
+            out += sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
+                                   event.prompt_tokens, event.completion_tokens))
+        return out, True
+    err = error_of(event)
+    return sse(error_body(err.message, err.type)), True
