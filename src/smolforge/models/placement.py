@@ -16,6 +16,7 @@ from torch import nn
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import arch_of, decoder_layers, final_norm
+from smolforge.models.stage_memory import Workload
 
 DEFAULT_LINK_BYTES_PER_S = 100e6 / 8  # 100 Mbit/s: home Wi-Fi or a busy LAN, when nothing was measured
 DEFAULT_LINK_LATENCY_S = 1e-3
@@ -64,24 +65,6 @@ class NodeCapacity:
     limit_bytes: int | None = None  # its memory limit (`worker join --memory-limit`), when it has one
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What the stages will run: it sets the memory to reserve and what a cut costs per token."""
-
-    training: bool = False        # forward + backward: ~3x the FLOPs; activations go forward, gradients back
-    tokens_per_message: int = 1   # tokens crossing a cut together (1: one sequence decoding; batch x seq in training)
-    kv_tokens: int = 0            # KV cache to reserve on every layer (serving: batch x context)
-    headroom: float = 1.2         # weights x headroom must fit: activations, allocator slack
-    # Sequences (or microbatches) in the pipeline at once. None: enough to keep every stage busy, so
-    # a token leaves every slowest-stage time. 1: one sequence decoding alone walks through every
-    # stage in turn, so it waits for the sum and a split only pays by reaching a faster node.
-    in_flight: int | None = None
-
-    def per_token_s(self, stage_seconds: Sequence[float]) -> float:
-        slowest = max(stage_seconds)
-        return slowest if self.in_flight is None else max(slowest, sum(stage_seconds) / self.in_flight)
-
-
 @dataclass
 class Plan:
     """Where the cuts go and who runs what, with the per-token estimate that chose it."""
@@ -89,13 +72,14 @@ class Plan:
     bounds: list[int]
     nodes: list[str]
     stage_seconds: list[float]     # per token: the stage's compute plus sending its output on
-    stage_bytes: list[int]         # memory each stage needs (weights x headroom + KV cache)
+    stage_bytes: list[int]         # memory each stage needs (weights x headroom + KV cache + activations)
     free_bytes: list[int]          # what its node has free
     throughput_share: list[float]  # its node's share of the plan's total throughput
     link_bytes_per_s: list[float]  # bandwidth of each cut (N-1 entries)
     per_token_s: float             # the estimate for the workload (see `Workload.in_flight`)
     reason: str
     kept_on_one_node: bool = False
+    counted: str = ""  # what `stage_bytes` count, when more than weights x headroom (a training stage's activations)
 
     @property
     def num_stages(self) -> int:
@@ -113,6 +97,7 @@ class Plan:
                          f"needs {_size(self.stage_bytes[i])}, {self.throughput_share[i]:.0%} of throughput), "
                          f"est. {_ms(self.stage_seconds[i])}/token{link}")
         lines.append(f"  {self.reason}")
+        lines += [f"  a stage needs {self.counted}"] * bool(self.counted)
         return "\n".join(lines)
 
 
@@ -188,9 +173,11 @@ class _Costs:
         info = self.info
         return info.embed_bytes * first + info.head_bytes * last - info.tied_bytes * (first and last)
 
-    def stage_bytes(self, lo: int, hi: int, first: bool, last: bool) -> float:
+    def stage_bytes(self, lo: int, hi: int, first: bool, last: bool, j: int = 0, k: int = 1) -> float:
+        """Stage j of k (default: the only one, which makes a lower bound for a piece of a longer pipeline)."""
         weights = self.bytes_upto[hi] - self.bytes_upto[lo] + self.end_bytes(first, last)
-        return weights * self.workload.headroom + self.kv_per_layer * (hi - lo)
+        return (weights * self.workload.headroom + self.kv_per_layer * (hi - lo)
+                + self.workload.activation_bytes(hi - lo, last, j, k))
 
     def seconds_per_flop(self, node: NodeCapacity) -> float:
         return self.compute_mult / node.throughput
@@ -272,7 +259,8 @@ def _ranges(costs: _Costs, order: tuple[NodeCapacity, ...], by_total: bool,
     """
     n, k = costs.n, len(order)
     bytes_upto, flops_upto = costs.bytes_upto, costs.flops_upto
-    headroom, kv = costs.workload.headroom, costs.kv_per_layer
+    work = costs.workload
+    headroom = work.headroom
     worst = (math.inf, math.inf)
     best = [[worst] * (n + 1) for _ in range(k)]
     start = [[-1] * (n + 1) for _ in range(k)]
@@ -281,10 +269,13 @@ def _ranges(costs: _Costs, order: tuple[NodeCapacity, ...], by_total: bool,
         first, last = j == 0, j == k - 1
         end_bytes, head_flops = costs.end_bytes(first, last), costs.info.head_flops * last
         per_flop, cap = costs.seconds_per_flop(node), node.free_memory_bytes
+        # per layer: KV cache (serving) or activations (training, as many micro-batches as this stage holds)
+        per_layer = costs.kv_per_layer + work.layer_bytes(j, k)
+        fixed = work.activation_bytes(0, last, j, k)
         send = 0.0 if last else costs.send_s(node, order[j + 1])
         for hi in ([n] if last else range(n + 1)):
             for lo in ([0] if first else range(hi, -1, -1)):  # downwards: once memory overflows it stays so
-                if (bytes_upto[hi] - bytes_upto[lo] + end_bytes) * headroom + kv * (hi - lo) > cap:
+                if (bytes_upto[hi] - bytes_upto[lo] + end_bytes) * headroom + per_layer * (hi - lo) + fixed > cap:
                     break
                 prev = (0.0, 0.0) if first else best[j - 1][lo]
                 if prev[0] == math.inf or (lo == hi and (every_stage_works or not (first or last))):
@@ -518,13 +509,14 @@ def _plan(costs: _Costs, fit: _Fit, reason: str, kept: bool = False) -> Plan:
         bounds=list(fit.bounds),
         nodes=[n.name for n in order],
         stage_seconds=list(fit.seconds),
-        stage_bytes=[int(costs.stage_bytes(lo, hi, i == 0, i == k - 1)) for i, (lo, hi) in enumerate(spans)],
+        stage_bytes=[int(costs.stage_bytes(lo, hi, i == 0, i == k - 1, i, k)) for i, (lo, hi) in enumerate(spans)],
         free_bytes=[n.free_memory_bytes for n in order],
         throughput_share=[n.throughput / total for n in order],
         link_bytes_per_s=[costs.link(a, b)[0] for a, b in zip(order, order[1:])],
         per_token_s=fit.per_token_s,
         reason=reason,
         kept_on_one_node=kept,
+        counted=costs.workload.counted if costs.workload.activation_bytes(1, True) else "",
     )
 
 
@@ -542,12 +534,10 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
     what = f"the model does not fit {where}: "
     if stages == 1:  # one node must hold it all: the roomiest is the one to compare with
         best = max(nodes, key=lambda node: node.free_memory_bytes)
-        what += (f"it needs {_size(need)} (weights x {costs.workload.headroom:g} headroom"
-                 f"{' + KV cache' if costs.workload.kv_tokens else ''}), the most free on one node is "
+        what += (f"it needs {_size(need)} ({costs.workload.counted}), the most free on one node is "
                  f"{_size(best.free_memory_bytes)} on {best.name}: {_size(need - best.free_memory_bytes)} missing")
     elif free < need:
-        what += (f"it needs {_size(need)} (weights x {costs.workload.headroom:g} headroom"
-                 f"{' + KV cache' if costs.workload.kv_tokens else ''}), the nodes have {_size(free)} free: "
+        what += (f"it needs {_size(need)} ({costs.workload.counted}), the nodes have {_size(free)} free: "
                  f"{_size(need - free)} missing")
     elif piece > roomiest:
         what += (f"{piece_name} alone need {_size(piece)}, the most free on one node is {_size(roomiest)}: "

@@ -129,6 +129,8 @@ def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None, strategy
     """Tokenizer and the PEFT-wrapped model on device (`strategy` loads it: a pipeline rank, its stage only)."""
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
+    if strategy is not None:
+        strategy.run_config = cfg  # a pipeline plans its stages' activations from the batch
     model = (strategy.load_model(cfg.model, device=device, dtype=cfg.dtype) if strategy is not None
              else load_model(cfg.model, device=device, dtype=cfg.dtype, training=True))
     model = apply_peft(model, cfg.peft)  # peft keeps LoRA/IA3 weights in fp32 on a bf16/fp16 base

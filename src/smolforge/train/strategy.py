@@ -63,6 +63,7 @@ from pydantic import BaseModel
 from smolforge.train.step_loss import NONE, StepLoss
 
 if TYPE_CHECKING:
+    from smolforge.config import TrainConfig
     from smolforge.train.tensor_reader import TensorReader
 
 Batch = dict[str, torch.Tensor]
@@ -124,6 +125,8 @@ class Strategy:
         # a rank that computes its part alone (a parameter server's worker) still normalises as DDP does
         self.step_tokens: Callable[[int], float] | None = None
         self.last_loss: StepLoss | None = None  # this rank's part of the latest step it counted in (`own_loss`)
+        # the run's config, set by the engine before `load_model`: a pipeline sizes its stages' activations from it
+        self.run_config: TrainConfig | None = None
 
     # -- who we are ---------------------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ the one-process result. Why it looks like this:
   runner's own processes, so the runner places a pipeline job as it places a ddp job (and restarts it
   from its last checkpoint when a stage's node dies). Unless `bounds` are given, every rank measures
   its node (matmul FLOP/s with its threads, free memory: `placement.measure_node`), the ranks exchange
-  that, and `placement.plan_in_order` sizes each stage's layers to its node; rank 0 states the plan
-  in the job's events (`pipeline_plan`).
+  that, and `placement.plan_in_order` sizes each stage's layers to its node, counting its weights and
+  the activations its in-flight micro-batches keep for the backward (`models.stage_memory`, from the
+  run's batch, max length, PEFT method and schedule); rank 0 states the plan in the job's events
+  (`pipeline_plan`).
 - **Every rank gets the whole step's rows** (`rows_for`). Only the first stage reads the input ids and
   only the last the labels, but every stage needs the attention mask: it builds its own causal/padding
   mask and position ids from it (right padding: positions 0..w-1, what HF builds), so only hidden
@@ -77,11 +79,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import Stage, arch_of, check_bounds, cut
-from smolforge.models.placement import NodeCapacity, Workload, measure_node, model_info, plan_in_order
+from smolforge.models.placement import NodeCapacity, measure_node, model_info, plan_in_order
+from smolforge.models.stage_memory import TrainShape, Workload, training_workload
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
 from smolforge.parallel.strategies.pipeline_state import PipelineCheckpoints
+from smolforge.train.precision import autocast_dtype
 from smolforge.train.strategy import Batch, StepPass
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -169,6 +173,8 @@ class Pipeline(PipelineCheckpoints, DDP):
 
         self._use(device)
         net, merged, torch_dtype = skeleton(name, device=device, dtype=dtype or "fp32", training=training)
+        import peft  # noqa: F401  (~25 MB the rank holds from its first step: in what it measures, not after)
+
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.planned = self._bounds(net)  # measuring draws random matrices: PEFT's seeded init must not see it
         stages = cut(net, self.planned)
@@ -212,7 +218,9 @@ class Pipeline(PipelineCheckpoints, DDP):
         layers = arch_of(base.config).num_layers
         if self.settings.bounds is None:
             nodes = self._measure_nodes()
-            plan = plan_in_order(model_info(base), nodes, workload=Workload(training=True))
+            info = model_info(base)
+            weights = next(base.parameters()).dtype
+            plan = plan_in_order(info, nodes, workload=self._workload(base.config, info, weights))
             if self.rank == 0:
                 self.notes.append({"event": "pipeline_plan", "message": plan.describe(), "bounds": plan.bounds,
                                    "nodes": plan.nodes, "throughput_share": plan.throughput_share})
@@ -224,6 +232,21 @@ class Pipeline(PipelineCheckpoints, DDP):
                                  f"has {self.world} ranks (one stage per rank)",
                                  fix=f"give {self.world + 1} bounds, or leave them out to have them planned")
         return bounds
+
+    def _workload(self, config, info, weights: torch.dtype) -> Workload:
+        """A training stage's memory: weights x 1.2, plus its micro-batches' activations when the run's
+        config is known (`Strategy.run_config`, set by the engine): `models.stage_memory`. Autocast copies
+        a weight only when its dtype differs (a bf16 model under bf16 autocast keeps no copies)."""
+        cfg = self.run_config
+        if cfg is None:
+            return Workload(training=True)
+        rows = cfg.batch_size * cfg.grad_accum * self.world  # a step's rows (`rows_for`: every rank all of them)
+        micro = self.settings.microbatches or cfg.grad_accum * self.world
+        shape = TrainShape(rows=max(1, rows // micro), length=cfg.data.max_length, microbatches=micro,
+                           schedule=self.settings.schedule, method=cfg.peft.method, dropout=cfg.peft.dropout,
+                           rank=cfg.peft.r, checkpointing=cfg.gradient_checkpointing,
+                           autocast_bytes=_element_bytes(_cast_to(autocast_dtype(cfg.precision, self.device), weights)))
+        return training_workload(config, info.dtype_bytes, shape, layer_bytes=max(info.layer_bytes, default=0))
 
     def _measure_nodes(self) -> list[NodeCapacity]:
         """Every rank's node (FLOP/s with its threads, free memory), in rank order, exchanged as tensors
@@ -464,6 +487,16 @@ class Pipeline(PipelineCheckpoints, DDP):
         if self.read is not None:
             out["stage_read_bytes"] = float(self.read["bytes"])
         return out
+
+
+def _cast_to(autocast: torch.dtype | None, weights: torch.dtype) -> torch.dtype | None:
+    """The dtype autocast copies the weights into, or None when it copies nothing (no autocast, or
+    weights already in its dtype)."""
+    return None if autocast is None or autocast == weights else autocast
+
+
+def _element_bytes(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
 
 
 def _layout(model: nn.Module, stages: list[Stage], shapes: dict[int, torch.Size]) -> _Layout:
