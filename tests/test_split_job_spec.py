@@ -61,6 +61,36 @@ def test_a_split_job_checkpoints_by_default_and_its_settings_are_split_trains():
         parse(_job(split_point_2=1))
 
 
+# what `split train` says itself and a job's runner decides (client_side.ClientActor._config)
+JOB_OWNED = {"server_host", "server_port", "token", "tls_ca", "tls_server_name", "output_dir", "resume",
+             "session_name", "quiet", "tensorboard", "wandb", "reconnect_timeout", "num_threads"}
+
+
+def _same(a, b) -> bool:
+    return (a.annotation, a.default, a.default_factory, a.metadata, a.description) == (
+        b.annotation, b.default, b.default_factory, b.metadata, b.description)
+
+
+def test_the_job_and_the_command_train_with_one_list_of_settings():
+    """`SplitSettings` (the job) and `SplitTrainConfig` (the command) both derive from
+    `split.settings.SplitTraining`: neither declares a training setting of its own, so a default or a
+    bound cannot differ between them. The job overrides only save_interval's default (unset: the jobs'
+    default; a job must checkpoint); the command adds only what a job owns."""
+    from smolforge.cluster.control.specs import SplitSettings
+    from smolforge.split.settings import SplitTraining
+    from smolforge.split.trainer import SplitTrainConfig
+
+    shared = SplitTraining.model_fields
+    job, command = SplitSettings.model_fields, SplitTrainConfig.model_fields
+    assert set(job) == set(shared), f"declare training settings in SplitTraining, not the job: {set(job) ^ set(shared)}"
+    assert set(command) == set(shared) | JOB_OWNED, (
+        f"a setting of `split train` only: put it in SplitTraining, or in JOB_OWNED if a job's runner decides it: "
+        f"{set(command) ^ (set(shared) | JOB_OWNED)}")
+    assert [k for k in shared if not _same(job[k], shared[k])] == ["save_interval"]
+    assert [k for k in shared if not _same(command[k], shared[k])] == []
+    assert not JOB_OWNED & set(shared)
+
+
 def _id(name: str) -> str:
     return hashlib.sha224(name.encode()).hexdigest()  # a node id as Ray writes it (56 hex digits)
 

@@ -25,6 +25,7 @@ from localcluster import LocalCluster
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "tiny-far"
+STAGED = "tiny-staged"  # served in 3 stages: the workers receive only their stages' parts
 EXIT_AFTER = 3  # w1's first fetch dies after writing this many pieces
 DAMAGED = 4  # the holder sends the 4th piece it serves damaged, once
 
@@ -36,6 +37,7 @@ def cluster(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("model-travel")
     shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / MODEL)
+    shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / STAGED)
     c = LocalCluster(base)
     c.env["SMOLFORGE_RESCAN_S"] = "0"
     c.env[PIECE_BYTES_ENV] = str(256 << 10)  # the 3.4 MB model in 19 pieces
@@ -153,3 +155,70 @@ def test_a_model_one_worker_holds_goes_from_that_worker_to_the_other(cluster):
     done = [d for d in data if d.get("state") == "done"]
     assert [(d["node"], d["pieces"], d["resumed"]) for d in done] == [("w2", planned[0]["pieces_total"], 0)]
     assert sums(c.base / "models-w2" / near) == sums(c.base / "models-w1" / near)
+
+
+def test_a_served_model_sends_each_stage_only_its_part(cluster):
+    """`serve --stages 2` on the two workers (`stage_nodes`) of a model only the coordinator holds:
+    each worker receives only its stage's part (fewer bytes than the whole model, never advertised as
+    the model), and greedy answers through the stages are the single-process tokens."""
+    import httpx
+
+    from smolforge.cluster.nodes.discovery import scan_models_dir
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.sampling import SamplingParams
+
+    c, client = cluster, cluster.client()
+    whole = sum(p.stat().st_size for p in (c.base / "coord-models" / STAGED).iterdir())
+    job_id = client.submit_job({"kind": "serve", "model": STAGED, "stages": 2, "port": 0, "model_name": "tiny",
+                                "stage_nodes": ["w1", "w2"]})
+    try:
+        deadline, url = time.time() + 300, None
+        while url is None and time.time() < deadline:
+            events = client.job_events(job_id)
+            url = next((data_of(e)["url"] for e in events if e["kind"] == "serving"), None)
+            st = client.get_job_status(job_id)
+            assert st["state"] in ("pending", "running"), (st.get("error"), [e["message"] for e in events])
+            time.sleep(0.5)
+        assert url, [e["message"] for e in client.job_events(job_id)]
+        events = client.job_events(job_id)
+        stages = {data_of(e)["stage"]: data_of(e)["node"] for e in events if e["kind"] == "stage"}
+        done = {d["node"]: d for d in map(data_of, (e for e in events if e["kind"] == "model_transfer"))
+                if d.get("state") == "done"}
+        assert sorted(stages.values()) == ["w1", "w2"], stages
+        plan = next(e for e in events if e["kind"] == "plan")  # each part's estimated transfer is in the plan
+        assert sorted(data_of(plan)["transfer_s"]) == ["w1", "w2"] and "model transfer" in plan["message"], plan
+        assert set(done) == {"w1", "w2"}, [e["message"] for e in events]
+        for node, d in done.items():
+            assert 0 < d["bytes"] < whole, (node, d["bytes"], whole)  # its stage's part, not the whole model
+            assert d["stage"] == next(i for i, n in stages.items() if n == node)
+            assert STAGED not in scan_models_dir(c.base / f"models-{node}")  # a part is never the model
+        single = Engine(ServedModel.load(str(c.base / "coord-models" / STAGED), device="cpu")).start()
+        try:
+            for prompt in ("What is 2 + 3?", "Reverse abc"):
+                ids = single.model.tokenizer(prompt)["input_ids"]
+                want = single.generate(ids, SamplingParams(max_tokens=12, temperature=0), timeout=120).text
+                r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {c.token}"}, timeout=120,
+                               json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (prompt, r.text)
+        finally:
+            single.stop()
+    finally:
+        client.cancel_job(job_id)
+
+
+def test_an_export_runs_on_a_worker_that_fetched_the_model(cluster):
+    """An export job whose model no worker holds whole (the serve test above left them only stage
+    parts): a worker fetches the whole model first, then the task runs there."""
+    c, client = cluster, cluster.client()
+    job_id = client.submit_job({"kind": "export", "model": STAGED, "to": "hf", "verify": False})
+    deadline = time.time() + 300
+    st = client.get_job_status(job_id)
+    while st["state"] not in ("completed", "failed", "cancelled") and time.time() < deadline:
+        time.sleep(0.5)
+        st = client.get_job_status(job_id)
+    events = [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+    assert st["state"] == "completed", (st.get("error"), [e["message"] for e in events])
+    done = [data_of(e) for e in events if data_of(e).get("state") == "done"]
+    assert len(done) == 1 and done[0]["node"] in ("w1", "w2"), [e["message"] for e in events]
+    assert sums(c.base / f"models-{done[0]['node']}" / STAGED) == sums(c.base / "coord-models" / STAGED)

@@ -188,3 +188,119 @@ def test_the_follow_bar_shows_the_newest_transfer_event():
     assert model_transfer_line(backend, "j1", seen) == "model m: w1 has it: 3.50 MB, 19/19 pieces"
     assert model_transfer_line(backend, "j1", seen) == "model m: w1 has it: 3.50 MB, 19/19 pieces"
     assert asked == [0, 3]  # only the new events are asked for
+
+
+def test_a_stage_part_holds_only_its_tensors_is_never_advertised_and_loads_as_the_whole(tmp_path, monkeypatch):
+    """What a stage's node receives (issue 31 item 2): the config and tokenizer, and only the tensors
+    `load_stage` reads for that stage (embeddings on the first, norm and tied head on the last); kept
+    under the models dir where `held_stage_dir` finds it and the inventory scan does not."""
+    import torch
+
+    from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, held_stage_dir, stage_part_name
+    from smolforge.models.stage_load import load_stage, stage_keys, write_stage_part
+    from smolforge.models.tiny import preset_dir
+
+    whole = Path(preset_dir("tiny-llama"))
+    models = tmp_path / "models"
+    monkeypatch.setenv(MODELS_DIR_ENV, str(models))
+    monkeypatch.delenv("SMOLFORGE_MODEL_PATHS", raising=False)
+    bounds = [0, 2, 4]
+    size = sum(p.stat().st_size for p in whole.glob("*.safetensors"))
+    keys = [stage_keys(whole, bounds, i) for i in (0, 1)]
+    assert "model.embed_tokens.weight" in keys[0] and "model.norm.weight" not in keys[0]
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(keys[1])  # tied head: the embeddings too
+    assert not any(".layers.2." in k for k in keys[0]) and not any(".layers.0." in k for k in keys[1])
+    for i in (0, 1):
+        part = write_stage_part(whole, bounds, i, models / stage_part_name("org/m", bounds, i))
+        assert (part / "config.json").is_file() and (part / "tokenizer.json").is_file()
+        assert (part / "model.safetensors").stat().st_size < size
+        assert held_stage_dir("org/m", bounds, i) == str(part)
+        got, _ = load_stage(str(part), bounds, i)
+        want, _ = load_stage(str(whole), bounds, i)
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+    assert scan_models_dir(models) == {}  # a part is never taken for the model
+    assert held_stage_dir("org/m", [0, 1, 4], 0) is None  # another cut's part is not this one
+
+
+def test_a_transfer_s_time_is_in_the_estimate_and_holders_come_first(monkeypatch):
+    """Issue 31 item 2, the transfer's time in the plan: bytes over the node's measured link, else the
+    configured rate, else the planner's default; a holder (0 s) is chosen before a node the model must
+    be sent to; every kind that runs a model asks no holder of a model that travels."""
+    from smolforge.cluster.control.placement import (LINK_ENV, fewest_transfer_seconds, model_need,
+                                                      transfer_note, transfer_seconds)
+
+    monkeypatch.delenv(LINK_ENV, raising=False)
+    assert transfer_seconds(25e6) == pytest.approx(2.0)  # 100 Mbit/s, nothing measured or configured
+    monkeypatch.setenv(LINK_ENV, "800")
+    assert transfer_seconds(25e6) == pytest.approx(0.25)
+    assert transfer_seconds(25e6, measured=5e6) == pytest.approx(5.0)  # measured beats configured
+    note, est = transfer_note([("w1", 10e6, None), ("w2", 10e6, 1e6)])
+    assert est == {"w1": pytest.approx(0.1), "w2": pytest.approx(10.0)}
+    assert "10.0 MB to w1 (est. 0.1 s at 800 Mbit/s)" in note and "est. 10.0 s in all" in note, note
+    assert transfer_note([]) == ("", {})
+
+    nodes = [_node("w1"), _node("w2", models=("org/m",)), _node("w3")]
+    assert [n.name for n in fewest_transfer_seconds(nodes, "org/m", 1e9)] == ["w2", "w1", "w3"]
+    slow = {nodes[0].node_id: 1e3}
+    assert [n.name for n in fewest_transfer_seconds(nodes, "org/m", 1e9, slow)] == ["w2", "w3", "w1"]
+
+    only_coord = [_node("coord", "coordinator", ("org/m",)), _node("w1")]
+    assert model_need("org/m", None, False, only_coord) is None  # it travels: any worker will do
+    assert model_need("org/m", None, False, [_node("w1")]) == "org/m"  # no holder: placement says what to do
+    assert model_need("org/m", True, False, only_coord) == "org/m" and model_need("org/m", False, False, []) is None
+    assert model_need("tiny-llama", None, False, []) is None  # a preset: built anywhere
+
+
+def test_a_node_joining_a_running_elastic_job_gets_the_model_before_its_rank_starts(monkeypatch):
+    """`_admit` (a node lent to a running DiLoCo/parameter-server group): the placed joiner's node is
+    handed to `bring_model` before its rank runs; a transfer that fails releases it, with the reason
+    in a `join_failed` event, and starts no rank."""
+    from types import SimpleNamespace
+
+    from smolforge.cluster.control.runner import Failed
+    from smolforge.cluster.workloads.data_parallel import joining
+
+    calls, events, started = [], [], []
+
+    class Group:
+        def __init__(self, *a, **kw):
+            self.released = False
+
+        def start(self, timeout):
+            return [{"node_id": "id-w3", "node_name": "w3", "pid": 1}]
+
+        def release(self):
+            self.released = True
+
+        def run(self, *a, **kw):
+            started.append(a)
+            return ["ref"]
+
+    def bring(report, model, placed, nodes, stopping, **kw):
+        calls.append((model, placed))
+        return outcome
+
+    monkeypatch.setattr(joining, "WorkerGroup", Group)
+    monkeypatch.setattr(joining, "bring_model", bring)
+    monkeypatch.setattr(joining, "requirements_for", lambda spec, embedded: ray_glue.Requirements(cpus=1))
+    monkeypatch.setattr(joining, "rank_task", lambda spec, world: "task")
+    job = DataParallelJob.model_validate({"num_workers": 2, "strategy": "diloco",
+                                          "train": {"model": "org/m", "data": {"path": "bundled"}}})
+    runner = SimpleNamespace(
+        spec=job, job_id="j", want=None, control=None, server=None, joiners=[], members={},
+        ctx=SimpleNamespace(embedded=False, healthy_nodes=lambda: [_node("w3")], keep_spec=lambda *a: None),
+        store=SimpleNamespace(add_event=lambda job_id, kind, message, data=None, **kw: events.append((kind, message)),
+                              upsert_task=lambda *a, **kw: None))
+    runner._pop_joins = lambda: ["w3"]
+    runner._lend = lambda nodes: None
+    runner._bring_model = lambda placed, task_id: joining.NodeJoining._bring_model(runner, placed, task_id)
+
+    outcome = Failed("model org/m: w3 cannot take it: 0.10 GB free", retryable=False)
+    assert joining.NodeJoining._admit(runner, job, 2, {}, 2, 3) == []
+    assert calls == [("org/m", [("id-w3", "w3")])] and not started and not runner.joiners
+    assert [k for k, _ in events] == ["join_failed"] and "0.10 GB free" in events[0][1], events
+
+    calls.clear(), events.clear()
+    outcome = None  # it fetched the model (or held it): the rank starts
+    assert joining.NodeJoining._admit(runner, job, 2, {}, 2, 3) == [(2, "ref")]
+    assert calls == [("org/m", [("id-w3", "w3")])] and len(started) == 1 and runner.members == {2: "w3"}

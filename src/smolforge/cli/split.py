@@ -204,7 +204,8 @@ def info_cmd(
     server_port: int = typer.Option(50051),
     token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV),
     token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token"),
-    tls_ca: Optional[str] = typer.Option(None),
+    tls_ca: Optional[str] = typer.Option(None, help="PEM CA bundle that signed the server's certificate: use TLS"),
+    tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
     session_name: str = typer.Option("", help="also list the server checkpoints of this session"),
 ):
     """Ask a trunk server what it serves (model, split points, sessions, checkpoints) as JSON.
@@ -215,7 +216,8 @@ def info_cmd(
 
     from smolforge.split.client import TrunkClient
 
-    with TrunkClient(server_host, server_port, cli_token(token, token_file), tls_ca, reconnect_timeout=5.0) as client:
+    with TrunkClient(server_host, server_port, cli_token(token, token_file), tls_ca, tls_server_name,
+                     reconnect_timeout=5.0) as client:
         print_json(MessageToDict(client.info(session_name), preserving_proto_field_name=True))
 
 

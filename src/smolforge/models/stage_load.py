@@ -171,3 +171,48 @@ def load_stage(model: str, bounds: Sequence[int], index: int, *, adapters: Seque
     if getattr(stage, "rotary_emb", None) is not None:  # in no checkpoint: rebuilt from the config, where it runs
         stage.rotary_emb = type(stage.rotary_emb)(config=config).to(dev)
     return stage.eval(), read
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf")
+
+
+def stage_keys(model_dir: str | Path, bounds: Sequence[int], index: int) -> list[str]:
+    """The checkpoint keys stage `index` of the model at `model_dir` reads (`load_stage`'s selection:
+    its layers, the embeddings on the first stage, the final norm and head on the last, a tied head's
+    embedding matrix there too), from the config and the safetensors headers: nothing loaded."""
+    from transformers import AutoConfig
+
+    from smolforge.models.export.merge import MergedModel
+
+    merged = MergedModel(model_dir)
+    config = AutoConfig.from_pretrained(merged.base_dir)
+    check_bounds(list(bounds), arch_of(config).num_layers)
+    if not 0 <= index < len(bounds) - 1:
+        raise SmolforgeError(f"stage {index} does not exist: the bounds {list(bounds)} make {len(bounds) - 1} stages",
+                             fix="pick a stage index from 0 to the number of stages minus one")
+    net = _meta_model(config, torch.float32)
+    stage = Stage(net, bounds[index], bounds[index + 1], embeddings=index == 0, head=index == len(bounds) - 2)
+    available, tied = set(merged.shapes()), bool(getattr(config, "tie_word_embeddings", False))
+    return sorted({_checkpoint_key(stage.hf_name(local), available, tied) for local in stage.state_dict(keep_vars=True)})
+
+
+def write_stage_part(model_dir: str | Path, bounds: Sequence[int], index: int, out: str | Path) -> Path:
+    """A model directory holding only what stage `index` loads: every file but the weights (config,
+    generation config, tokenizer), and one `model.safetensors` with only the stage's tensors, as the
+    checkpoint stores them. What a stage's node receives instead of the whole model (models that
+    travel), and what `load_stage` reads from there as from the whole checkpoint."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from smolforge.models.export.merge import MergedModel
+
+    src, out = Path(model_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and not path.name.startswith("."):
+            shutil.copyfile(path, out / path.name)
+    merged = MergedModel(src)
+    save_file({key: merged.tensor(key).contiguous() for key in stage_keys(src, bounds, index)},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

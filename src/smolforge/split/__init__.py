@@ -5,7 +5,8 @@ three parts train their LoRA in lockstep.
 Modules: `partition` (cut a model into bottom/trunk/top), `lora` (seeded LoRA on parts, peft
 adapter files), `codec` (tensors on the wire), `protocol` (+ `split.proto`, `gen_proto`),
 `server` (the trunk server; `calls`: its error statuses and input checks), `client` (connection,
-retries), `trainer` (the client loop), `checkpoint`, `merge`, `rng`, and inference through the
+retries), `settings` (the training settings `split train` and a `split` job share, torch-free),
+`trainer` (the client loop), `checkpoint`, `merge`, `rng`, and inference through the
 split: `generate` (the client: bottom and top with their KV caches) and `trunk_generate` (the
 server's generation sessions, a trunk KV cache each).
 

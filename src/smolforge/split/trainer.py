@@ -31,12 +31,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import Field
 
-from smolforge.config import DataSpec, PeftSpec, Spec
+from smolforge.config import DataSpec, PeftSpec
 from smolforge.data import load_splits
 from smolforge.data.collate import collate
 from smolforge.errors import SmolforgeError
@@ -50,6 +50,7 @@ from smolforge.split.partition import fingerprint, load_full_model, load_tokeniz
 from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.split.rng import seeded_rng
 from smolforge.split.server import grad_norms
+from smolforge.split.settings import SplitTraining
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
@@ -59,54 +60,23 @@ from smolforge.train.evaluate import perplexity, token_loss_sum
 from smolforge.train.schedule import lr_lambda
 from smolforge.train.strategy import Strategy
 
-Codec = Literal["fp32", "fp16", "bf16", "int8"]
+class SplitTrainConfig(SplitTraining):
+    """Everything `smolforge split train` takes (the seed's flag names, snake_cased): the training
+    settings a split job shares (`settings.SplitTraining`), and what the command says itself where a
+    job's runner decides it (the server's address, token and TLS, output and session, resume, sinks)."""
 
-
-class SplitTrainConfig(Spec):
-    """Everything `smolforge split train` takes (the seed's flag names, snake_cased)."""
-
-    model: str
-    split_point_1: int = Field(..., ge=0)
-    split_point_2: int = Field(..., ge=1)
     server_host: str = "127.0.0.1"
     server_port: int = Field(50051, ge=1, le=65535)
     token: str | None = Field(None, description=f"default: ${TOKEN_ENV}")
     tls_ca: str | None = None
     tls_server_name: str | None = None
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | None = None
-    batch_size: int = Field(4, ge=1)
-    learning_rate: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    num_epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    dataset: str = "bundled"
-    data_format: Literal["auto", "alpaca", "chat", "prompt_completion", "text"] = "auto"
-    max_train_samples: int | None = Field(None, ge=1)
-    max_eval_samples: int | None = Field(64, ge=0)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    mixed_precision: bool = False
-    max_seq_length: int = Field(256, ge=8)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = 1.0
-    scheduler: Literal["linear", "cosine", "constant"] = "linear"
-    save_interval: int = Field(0, ge=0, description="0: save at the end only")
-    eval_interval: int = Field(0, ge=0, description="0: evaluate at the end only")
-    log_interval: int = Field(10, ge=1)
     output_dir: str = "outputs/split"
     resume: bool = False
-    codec: Codec = "fp32"
-    seed: int = 0
-    device: str = "cpu"
     session_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    keep_last: int = Field(2, ge=1)
     quiet: bool = False
     tensorboard: bool = False
     wandb: str | None = Field(None, description="W&B project: an offline run under output_dir/wandb")
     reconnect_timeout: float = Field(300.0, gt=0)
-    rpc_timeout: float = Field(600.0, gt=0)
     num_threads: int | None = Field(None, ge=1)
 
     def peft(self) -> PeftSpec:

@@ -45,7 +45,11 @@ def fault_setting(name: str) -> str:
     gaps), says so in a `held` event, and waits there until released (`stay_held`), so a test acts on
     a job at a known step instead of on one made "long enough" to still be running. A task that
     resumes past N does not hold. Hold every node of a job (a file in each node's directory): a rank
-    that goes on would wait for the held ones at its next collective."""
+    that goes on would wait for the held ones at its next collective.
+
+    `hold-shard` (a count N, read as a distillation teacher task starts): the teacher holds after
+    handing over its N-th shard, until released, so a test sees two teachers running at once by the
+    order of their shards, not by a clock."""
     env = os.environ.get(f"SMOLFORGE_FAULT_{name.upper().replace('-', '_')}")
     if env:
         return env.strip()
@@ -79,10 +83,11 @@ def fault_once(name: str) -> bool:
     return True
 
 
-def fault_hold_step() -> int | None:
-    """The step after which this node's tasks hold (fault `hold-step`, see `fault_setting`), if any."""
+def fault_hold_step(fault: str = "hold-step") -> int | None:
+    """The step after which this node's tasks hold (fault `hold-step`, or a teacher's `hold-shard`:
+    see `fault_setting`), if any."""
     try:
-        return int(fault_setting("hold-step")) or None
+        return int(fault_setting(fault)) or None
     except ValueError:
         return None
 
@@ -100,13 +105,13 @@ class HoldAt:
         return self.step is not None and last < self.step <= step
 
 
-def held_message(who: str, step: int) -> str:
+def held_message(who: str, step: int, fault: str = "hold-step") -> str:
     """The `held` event's message: which task, after which step, and the file that releases it."""
-    return (f"{who} held after step {step} (fault injection: {node_dir() / 'fault-hold-step'}); "
-            "waiting for its release")
+    return (f"{who} held after {'shard' if fault == 'hold-shard' else 'step'} {step} (fault injection: "
+            f"{node_dir() / ('fault-' + fault)}); waiting for its release")
 
 
-def stay_held(who: str, step: int, at: int, interrupt: Callable[[], str | None]) -> str:
+def stay_held(who: str, step: int, at: int, interrupt: Callable[[], str | None], fault: str = "hold-step") -> str:
     """Fault `hold-step` N = `at`: stay after `step` (the caller has said so in its `held` event)
     until released; why the hold ended, which the task's log also says.
 
@@ -115,15 +120,16 @@ def stay_held(who: str, step: int, at: int, interrupt: Callable[[], str | None])
     lands at this step or the next boundary, never at one a race chose), or after HOLD_LIMIT_S.
     Holding costs one file read (and one `interrupt()`) per HOLD_POLL_S, and only while held."""
     deadline = time.time() + HOLD_LIMIT_S
-    while not (why := interrupt() or _hold_over(at, deadline)):
+    while not (why := interrupt() or _hold_over(at, deadline, fault)):
         time.sleep(HOLD_POLL_S)
-    logging.getLogger(TASK_LOGGER).info("%s goes on after step %d: %s", who, step, why)
+    logging.getLogger(TASK_LOGGER).info("%s goes on after %s %d: %s", who, "shard" if fault == "hold-shard" else "step",
+                                        step, why)
     return why
 
 
-def _hold_over(at: int, deadline: float) -> str | None:
-    """Why the hold of fault `hold-step` N = `at` ends now on its own (None: it goes on)."""
-    if fault_hold_step() != at:
+def _hold_over(at: int, deadline: float, fault: str = "hold-step") -> str | None:
+    """Why the hold of fault `fault` N = `at` ends now on its own (None: it goes on)."""
+    if fault_hold_step(fault) != at:
         return "released"
     if time.time() > deadline:
         return f"not released within {HOLD_LIMIT_S:.0f} s"

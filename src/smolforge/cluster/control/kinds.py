@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.control.placement import COORDINATOR, holds_anywhere, requirements_for
+from smolforge.cluster.control.placement import COORDINATOR, holds_anywhere, model_need, requirements_for
 from smolforge.cluster.control.queue import Demand
 from smolforge.cluster.nodes.ray_glue import Requirements
 from smolforge.cluster.control.specs import (
@@ -73,6 +73,13 @@ def runner_at(ref: str) -> Callable[[], type]:
     return load
 
 
+def check_at(ref: str) -> Callable[[Any], None]:
+    """A kind's submit-time check named `module:function` in its workload package, imported when a job
+    of the kind is checked (as `runner_at`, so the control plane imports no workload)."""
+    load = runner_at(ref)
+    return lambda job: load()(job)
+
+
 def _dp_demand(job: DataParallelJob, embedded: bool) -> Demand:
     """Its workers, plus the worker nodes lent with `job join` (the coordinator lends itself outside
     the worker pool)."""
@@ -106,16 +113,17 @@ def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
 
 
 def _serve_demand(job: ServeJob, embedded: bool) -> Demand:
-    """One stage per node slot (auto: the plan may put the model on one node, so one)."""
-    model = None if holds_anywhere(job.model, embedded) else job.model
-    return Demand(job.stages if isinstance(job.stages, int) else 1, Requirements(model=model, cpus=job.cpus_per_stage),
-                  noun="stage")
+    """One stage per node slot (auto: the plan may put the model on one node, so one); any worker when
+    the model travels to the stages' nodes (`placement.model_travels`)."""
+    model = model_need(job.model, None, embedded)
+    return Demand(job.stages if isinstance(job.stages, int) else 1,
+                  Requirements(model=model, cpus=job.cpus_per_stage, allowed_nodes=job.stage_nodes), noun="stage")
 
 
 def _export_demand(job: ExportJob, embedded: bool) -> Demand:
-    """One task on a node that holds the model (as its runner places it)."""
-    need_model = job.require_model if job.require_model is not None else not holds_anywhere(job.model, embedded)
-    return Demand(1, Requirements(model=job.model if need_model else None, cpus=job.cpus), noun="task")
+    """One task on a node that holds the model, or any worker when the model travels (as its runner places it)."""
+    return Demand(1, Requirements(model=model_need(job.model, job.require_model, embedded), cpus=job.cpus),
+                  noun="task")
 
 
 def split_trunk_requirements(job: SplitJob, embedded: bool) -> Requirements:
@@ -159,6 +167,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("distill_task", "distillation task", DistillTaskJob,
             runner_at(f"{WORKLOADS}.distill.runner:DistillTaskRunner"), section="args",
             uploads=("args.dataset_path", "args.eval_data"), models=("args.model_path", "args.base_model"),
+            check=check_at(f"{WORKLOADS}.distill.stage_args:check_task_args"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_task_demand),
     JobKind("serve", "serving", ServeJob, runner_at(f"{WORKLOADS}.serve.runner:ServeRunner"), section=None, models=("model",),

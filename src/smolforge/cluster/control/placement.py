@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from smolforge.cluster.nodes import ray_glue
@@ -11,6 +12,7 @@ from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.models.names import built_from_code
 
 COORDINATOR = "@coordinator"
+LINK_ENV = "SMOLFORGE_LINK_MBPS"  # the link rate (Mbit/s) a model's transfer is estimated at, where none was measured
 
 
 def holds_anywhere(model: str, embedded: bool) -> bool:
@@ -28,26 +30,84 @@ def model_holders(model: str, nodes: list[ray_glue.NodeInfo]) -> list[ray_glue.N
                   key=lambda n: n.role not in ("coordinator", "embedded"))
 
 
-def travels(spec: DataParallelJob, embedded: bool, nodes: list[ray_glue.NodeInfo] | None = None) -> bool:
-    """The job's model is sent to the workers placed for it that lack it: `require_model` is unset and
-    some live node holds the model (its workers' models dirs, the coordinator's). `nodes` None: the
-    live node table when this process is connected to a cluster, else none (no holder known)."""
-    if spec.require_model is not None or holds_anywhere(spec.train.model, embedded):
+def model_travels(model: str, require_model: bool | None, embedded: bool,
+                  nodes: list[ray_glue.NodeInfo] | None = None) -> bool:
+    """A job's model is sent to the nodes placed for it that lack it (`workloads.model_transfer`), for
+    every kind that runs a model on a worker: `require_model` is unset and some live node holds the
+    model (its workers' models dirs, the coordinator's). `nodes` None: the live node table when this
+    process is connected to a cluster, else none (no holder known)."""
+    if require_model is not None or holds_anywhere(model, embedded):
         return False
     if nodes is None:
         import ray
 
         nodes = ray_glue.nodes() if ray.is_initialized() else []
-    return bool(model_holders(spec.train.model, nodes))
+    return bool(model_holders(model, nodes))
+
+
+def link_bytes_per_s(measured: float | None = None) -> float:
+    """The rate a model is estimated to reach a node at: the node's measured link (the stage planner's
+    probe), else the configured $SMOLFORGE_LINK_MBPS, else the stage planner's default (100 Mbit/s)."""
+    from smolforge.models.placement import DEFAULT_LINK_BYTES_PER_S
+
+    if measured:
+        return float(measured)
+    try:
+        configured = float(os.environ.get(LINK_ENV) or 0)
+    except ValueError:
+        configured = 0.0
+    return configured * 1e6 / 8 if configured > 0 else DEFAULT_LINK_BYTES_PER_S
+
+
+def transfer_seconds(nbytes: float, measured: float | None = None) -> float:
+    """Estimated seconds to send `nbytes` of a model to a node (`link_bytes_per_s`): what choosing a
+    node that lacks the model adds before its work starts (nothing for a node that holds it)."""
+    return max(0.0, float(nbytes)) / link_bytes_per_s(measured)
+
+
+def transfer_note(sends: list[tuple[str, float, float | None]]) -> tuple[str, dict[str, float]]:
+    """(a line for a plan's description, seconds per node) for the transfers a plan implies, each
+    (node, bytes, its measured link or None); ("", {}) when nothing travels."""
+    if not sends:
+        return "", {}
+    est = {node: round(transfer_seconds(nbytes, rate), 3) for node, nbytes, rate in sends}
+    parts = [f"{nbytes / 1e6:.1f} MB to {node} (est. {est[node]:.1f} s at "
+             f"{link_bytes_per_s(rate) * 8 / 1e6:.0f} Mbit/s)" for node, nbytes, rate in sends]
+    return f"model transfer before the start: {'; '.join(parts)}; est. {max(est.values()):.1f} s in all", est
+
+
+def fewest_transfer_seconds(nodes: list[ray_glue.NodeInfo], model: str, nbytes: float,
+                            rates: dict[str, float] | None = None) -> list[ray_glue.NodeInfo]:
+    """`nodes` ordered by the transfer a stage or task placed there needs first: the nodes that hold
+    `model` (0 s) before those it must be sent to (`transfer_seconds` at each one's measured rate in
+    `rates`, by node id), the order otherwise kept."""
+    res = ray_glue.model_resource(model)
+    cost = {n.node_id: 0.0 if res in n.resources else transfer_seconds(nbytes, (rates or {}).get(n.node_id))
+            for n in nodes}
+    return sorted(nodes, key=lambda n: cost[n.node_id])
+
+
+def travels(spec: DataParallelJob, embedded: bool, nodes: list[ray_glue.NodeInfo] | None = None) -> bool:
+    """A data-parallel job's model travels (`model_travels`)."""
+    return model_travels(spec.train.model, spec.require_model, embedded, nodes)
+
+
+def model_need(model: str, require_model: bool | None, embedded: bool,
+               nodes: list[ray_glue.NodeInfo] | None = None) -> str | None:
+    """The model a task's node must advertise already, or None: none when every node can build or
+    read it, or it travels; else the model (`require_model`, or no node holds it: placement then
+    refuses with what to do, `ray_glue.check_placeable`)."""
+    if require_model is not None:
+        return model if require_model else None
+    return None if holds_anywhere(model, embedded) or model_travels(model, None, embedded, nodes) else model
 
 
 def requirements_for(spec: DataParallelJob, embedded: bool = False,
                      nodes: list[ray_glue.NodeInfo] | None = None) -> ray_glue.Requirements:
     """What each rank needs of its node; the model only when it must be there already (require_model,
     or no node holds it: the submit is refused with what to do), not when it travels (`travels`)."""
-    need_model = spec.require_model if spec.require_model is not None else \
-        not holds_anywhere(spec.train.model, embedded) and not travels(spec, embedded, nodes)
-    return ray_glue.Requirements(model=spec.train.model if need_model else None, min_ram_gb=spec.min_ram_gb,
+    return ray_glue.Requirements(model=model_need(spec.train.model, spec.require_model, embedded, nodes),
+                                 min_ram_gb=spec.min_ram_gb,
                                  reserve_ram_gb=spec.min_ram_gb, cpus=spec.cpus_per_worker, gpu=spec.gpu,
                                  allowed_nodes=spec.allowed_nodes, gpus=float(len(spec.gpu_ids or []) or 1),
                                  gpu_memory_gb=spec.gpu_memory_gb, gpu_ids=spec.gpu_ids)

@@ -43,8 +43,8 @@ def short_error(err: BaseException) -> str:
     cause = getattr(err, "cause", None)  # RayTaskError wraps the worker's own exception
     if isinstance(cause, BaseException) and cause is not err:
         err = cause
-    if isinstance(err, SmolforgeError):
-        return err.render().replace("\n", " ")[:400]
+    if isinstance(err, SmolforgeError):  # whole: a planner's refusal on capped nodes runs ~600 characters, its fix last
+        return err.render().replace("\n", " ")[:1200]
     text = str(err).strip().splitlines()
     first = next((t for t in text if t.strip()), "")
     return f"{type(err).__name__}: {first[:300]}"

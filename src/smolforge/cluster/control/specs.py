@@ -48,6 +48,7 @@ from smolforge.config import ModelDtype, Spec, TrainConfig, get_path, put_path, 
 from smolforge.distill.settings import DistillSettings
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.targets import ExportTarget, QuantName
+from smolforge.split.settings import SplitTraining
 
 
 PRIORITIES = ("high", "normal", "low")  # the queue's order, first to last
@@ -316,8 +317,8 @@ class DistillTaskJob(JobSpec):
     (stage students: reads a finished teacher job's store), `aggregate_student_outputs` (stage
     aggregate: merges finished students' adapters). A whole `distill` run is the three in one job; a
     stage is the seeds' call, so its settings are the call's own keyword arguments (`args`), checked
-    against the call when the job starts. Task ids are `<job>-teacher-N` / `<job>-student-N`, the job's
-    task rows: any process resolves them."""
+    against the call at submit (`workloads/distill/stage_args.py`). Task ids are `<job>-teacher-N` /
+    `<job>-student-N`, the job's task rows: any process resolves them."""
 
     kind: Literal["distill_task"] = "distill_task"
     stage: Literal["teacher", "students", "aggregate"]
@@ -368,6 +369,8 @@ class ServeJob(JobSpec):
                               "own where the device runs it well)")
     step_timeout_s: float = Field(120.0, gt=0, description="a stage that answers no step within this is replaced")
     load_timeout_s: float = Field(300.0, gt=0, description="how long a stage may take to load its layers")
+    stage_nodes: list[str] | None = Field(None, description="the nodes the stages may run on (default: every node "
+                                          "that holds the model and, when it travels there, every worker)")
 
     @field_validator("stages")
     @classmethod
@@ -409,49 +412,13 @@ class ExportJob(JobSpec):
         return self
 
 
-class SplitSettings(Spec):
-    """What a split job trains: `smolforge split train`'s settings (the seed's names, snake_cased) less
-    the ones the job owns (where the trunk is, its token, the output and session names, resume): the
-    runner places the trunk and hands the client its address. One LoRA for all three parts."""
+class SplitSettings(SplitTraining):
+    """What a split job trains: `smolforge split train`'s settings (`split.settings.SplitTraining`, the
+    one list both derive from) less the ones the job owns (where the trunk is, its token and TLS, the
+    output and session names, resume): the runner places the trunk and hands the client its address."""
 
-    model: str = Field(..., description="a model the trunk's node and the client's node hold, or a preset")
-    split_point_1: int = Field(..., ge=0, description="bottom = embeddings + layers [0, A) on the client")
-    split_point_2: int = Field(..., ge=1, description="trunk = layers [A, B) on the trunk's node; the top is the rest")
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | None = None
-    batch_size: int = Field(4, ge=1)
-    learning_rate: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    num_epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    dataset: str = Field("bundled", description="JSONL file (uploaded to the coordinator with the job), or 'bundled'")
-    data_format: Literal["auto", "alpaca", "chat", "prompt_completion", "text"] = "auto"
-    max_train_samples: int | None = Field(None, ge=1)
-    max_eval_samples: int | None = Field(64, ge=0)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    mixed_precision: bool = False
-    max_seq_length: int = Field(256, ge=8)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = 1.0
-    scheduler: Literal["linear", "cosine", "constant"] = "linear"
     save_interval: int | None = Field(None, ge=0, description="checkpoint both sides every N steps (the trunk's "
                                       "copy goes to the coordinator); unset: default_save_every(max_steps); 0: none")
-    eval_interval: int = Field(0, ge=0)
-    log_interval: int = Field(10, ge=1)
-    codec: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
-    seed: int = 0
-    device: str = Field("cpu", description="the client's device (the trunk's follows its node: a GPU when it got one)")
-    keep_last: int = Field(2, ge=1)
-    rpc_timeout: float = Field(600.0, gt=0)
-
-    @model_validator(mode="after")
-    def _trunk_not_empty(self) -> "SplitSettings":
-        if self.split_point_2 <= self.split_point_1:
-            raise ValueError(f"split_point_2 ({self.split_point_2}) must be above split_point_1 "
-                             f"({self.split_point_1}): the trunk is layers [split_point_1, split_point_2)")
-        return self
 
 
 class SplitJob(JobSpec):

@@ -84,6 +84,26 @@ def held_model_dir(name: str) -> str | None:
     return str(fetched) if (fetched / "config.json").is_file() else None
 
 
+STAGES_DIR = ".stages"  # <models>/.stages/<name>/<cut>/: a stage's own part, never scanned as a model
+
+
+def stage_part_name(name: str, bounds: list[int], index: int) -> str:
+    """Where (under the models dir) the part of `name` that stage `index` of the cut `bounds` loads is
+    kept: three levels down, under a dot, so `discovery.scan_models_dir` never advertises a partial
+    model as `model:<name>`."""
+    return f"{STAGES_DIR}/{_flat(name)}/{'-'.join(str(b) for b in bounds)}.{index}"
+
+
+def held_stage_dir(name: str, bounds: list[int], index: int) -> str | None:
+    """What stage `index` loads on this node: the node's whole copy of `name`, else its part fetched
+    for that stage (`stage_part_name`), else None."""
+    whole = held_model_dir(name)
+    if whole is not None:
+        return whole
+    part = models_dir() / stage_part_name(name, bounds, index)
+    return str(part) if (part / "config.json").is_file() else None
+
+
 def model_files(root: Path) -> dict[str, Path]:
     """The files of a model directory by relative path (an HF snapshot's symlinks followed)."""
     return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()
@@ -236,14 +256,26 @@ def _one_shot_fault(name: str) -> str:
 
 
 class ModelSource:
-    """Ray actor on the holder: the manifest and the pieces of one model it holds."""
+    """Ray actor on the holder: the manifest and the pieces of one model it holds, or of the part of it
+    one stage loads (`stage`: (bounds, index); written once per cut under this node's dir)."""
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, stage: tuple[list[int], int] | None = None):
         self.name, self.size = name, size
         where = held_model_dir(name)
         if where is None:
             raise SmolforgeError(f"this node does not hold model {name}", fix="pick a node that advertises it")
         self.root = Path(where)
+        if stage is not None:
+            from smolforge.models.stage_load import write_stage_part
+
+            part = node_dir() / "model-parts" / stage_part_name(name, *stage)
+            if not (part / "model.safetensors").is_file():  # a part is written whole, then renamed
+                tmp = part.with_name(part.name + f".tmp{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                write_stage_part(self.root, stage[0], stage[1], tmp)
+                shutil.rmtree(part, ignore_errors=True)
+                os.rename(tmp, part)
+            self.root = part
         self._manifest: dict | None = None
         self.served = 0
         corrupt = _one_shot_fault("fetch-corrupt-piece")  # tests: this piece number goes out damaged once
@@ -269,8 +301,11 @@ class ModelSource:
 class ModelFetcher:
     """Ray actor on the fetching node: checks its disk, then pulls the pieces it lacks from a source."""
 
-    def __init__(self, name: str, manifest: dict):
-        self.receiver = PieceReceiver(models_dir(), name, manifest)
+    def __init__(self, name: str, manifest: dict, dest: str | None = None, rescan: bool = True):
+        # dest: where under the models dir it goes (a stage's part: `stage_part_name`), else `name`;
+        # rescan False: a part is no model to advertise, so the worker is not asked to read its models
+        self.receiver = PieceReceiver(models_dir(), dest or name, manifest)
+        self.rescan = rescan
         self.progress_ = {"pieces": 0, "bytes": 0, "refused": 0, "resumed": 0, "state": "new",
                           "pieces_total": manifest["pieces"], "bytes_total": manifest["bytes"]}
         self._lock = threading.Lock()
@@ -311,7 +346,8 @@ class ModelFetcher:
             if exit_after.isdigit() and self.progress_["pieces"] >= int(exit_after):
                 os._exit(1)  # a killed transfer, as a test asked: the next fetch resumes from the journal
         r.commit()
-        _ask_rescan()
+        if self.rescan:
+            _ask_rescan()
         self._set(state="done")
         return self.progress()
 

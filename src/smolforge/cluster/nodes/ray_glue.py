@@ -284,7 +284,8 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
     fix = "join a worker that has it (`smolforge worker join HOST:PORT --token-file F --models-dir DIR`)"
     if req.model:
         fix = (f"copy {req.model} into a worker's --models-dir (or its HF cache) and run `smolforge worker rescan` "
-               "there (a data-parallel job's model is then sent to the other workers it runs on), pick a model "
+               "there (a job's model is then sent to the other workers it runs on: training, serving stages, "
+               "export), pick a model "
                "some node holds (`smolforge nodes`), or set `require_model: false` in the job spec to let the "
                "ranks download it from the Hugging Face Hub")
         if req.model.startswith((".", "~", os.sep)) or Path(req.model).expanduser().exists():  # not an HF id

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
+from typing import Mapping
 
 from smolforge.errors import SmolforgeError
 from smolforge.paths import atomic_write_bytes, private_dir
@@ -168,6 +170,28 @@ def _still_good(node_dir: Path, ca_cert: Path, addresses: list[str]) -> bool:
 def ray_tls_env(cert: Path, key: Path, ca: Path) -> dict[str, str]:
     return {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": str(cert), "RAY_TLS_SERVER_KEY": str(key),
             "RAY_TLS_CA_CERT": str(ca)}
+
+
+def node_files_from_env(env: Mapping[str, str] | None = None, required: bool = False) -> tuple[str, str, str] | None:
+    """(certificate, key, CA) of this node when the cluster runs Ray with TLS, else None (an error when
+    `required`: the cluster runs with TLS, so this node must too).
+
+    Why: a service a job starts beside Ray (a split job's trunk) must not be the one plaintext
+    channel of a `--tls` cluster. Every Ray process of such a node has these in its environment (the
+    node was started with them), and the certificate names every address of the machine, signed by
+    the cluster's CA: the service serves with it and its clients trust exactly that CA."""
+    env = os.environ if env is None else env
+    if env.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        if required:
+            raise SmolforgeError("the cluster runs with TLS but this node does not run Ray with TLS",
+                                 where="RAY_USE_TLS", fix="start the node again with `smolforge worker join`")
+        return None
+    files = tuple(env.get(k, "") for k in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT"))
+    if not all(files):
+        raise SmolforgeError("this node runs Ray with TLS but its certificate, key or CA is not named",
+                             where="RAY_TLS_SERVER_CERT / RAY_TLS_SERVER_KEY / RAY_TLS_CA_CERT",
+                             fix="start the node again with `smolforge worker join` (it fetches its certificate)")
+    return files  # type: ignore[return-value]
 
 
 def request_node_env(post, node_dir: Path) -> dict[str, str]:

@@ -1,6 +1,11 @@
-"""Bringing a job's model to the workers placed for it that lack it, before its ranks start.
+"""Bringing a job's model to the workers placed for it that lack it, before its work starts there.
 
-A placed round's nodes that do not advertise the model (`model:<name>`) each fetch it from one node
+Every kind that runs a model on a worker calls `bring_model` itself, with the nodes it placed, before
+it starts work on them: a data-parallel round (and a node joining a running elastic group, `_admit`),
+a serve job's stage (`serve/stages.py`: only that stage's part, `StagePart`), an export task. What
+comes back is the attempt's Outcome (Failed with the reason), so the job's FailurePolicy decides.
+
+The placed nodes that do not advertise the model (`model:<name>`) each fetch it from one node
 that does (the coordinator's machine first: it runs no ranks), through `nodes.model_fetch`: a
 `ModelSource` actor on the holder, a `ModelFetcher` actor on each fetching node, in checksummed
 pieces. Every step is a `model_transfer` event of the job (what `job logs -f` shows): the nodes that
@@ -22,11 +27,10 @@ from typing import Any, Callable
 from ray.exceptions import RayError
 
 from smolforge.cluster.control.jobstore import JobStore
-from smolforge.cluster.control.placement import holds_anywhere, model_holders
+from smolforge.cluster.control.placement import model_holders, transfer_seconds
 from smolforge.cluster.control.runner import Failed, Outcome, Regroup, short_error
-from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, piece_bytes
+from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, piece_bytes, stage_part_name
 
 MAX_ATTEMPTS = 3  # a fetch cut mid-way (its process killed, its node's link lost) resumes this often
 REPORT_S = 2.0  # seconds between a node's progress events
@@ -48,23 +52,46 @@ class Fetch:
     last: dict = field(default_factory=dict)
 
 
+Report = Callable[[str, dict], None]  # (message, data): one `model_transfer` event of the job
+
+
+def job_report(store: JobStore, job_id: str, task_id: str | None = None) -> Report:
+    """`model_transfer` events straight into the job store (a runner in the coordinator's process)."""
+    return lambda message, data: store.add_event(job_id, "model_transfer", message, data, task_id=task_id)
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """A stage's share of the model: what a node that runs stage `index` of the cut `bounds` receives
+    (its tensors, the config and tokenizer), kept apart from the whole models it advertises."""
+
+    bounds: tuple[int, ...]
+    index: int
+
+    def label(self) -> str:
+        return f"stage {self.index}'s part (layers {self.bounds[self.index]}-{self.bounds[self.index + 1]})"
+
+
 class Transfer:
     """The fetches of one round, reported as the job's `model_transfer` events."""
 
-    def __init__(self, store: JobStore, job_id: str, task_id: str, model: str):
-        self.store, self.job_id, self.task_id, self.model = store, job_id, task_id, model
+    def __init__(self, report: Report, model: str, part: StagePart | None = None, advertise: bool = True):
+        self.report, self.model, self.part = report, model, part
+        self.advertise = advertise and part is None  # a part is never advertised as the model
         self.source: Any = None
         self.manifest: dict = {}
         self.fetches: dict[str, Fetch] = {}
 
     def event(self, message: str, **data: Any) -> None:
-        self.store.add_event(self.job_id, "model_transfer", f"model {self.model}: {message}",
-                             {"model": self.model, **data}, task_id=self.task_id)
+        what = f"model {self.model}" + (f", {self.part.label()}" if self.part else "")
+        extra = {"stage": self.part.index} if self.part else {}
+        self.report(f"{what}: {message}", {"model": self.model, **extra, **data})
 
     def open_source(self, holder: ray_glue.NodeInfo) -> None:
         import ray
 
-        self.source = _pinned(ModelSource, holder.node_id, 8).remote(self.model, piece_bytes())
+        stage = (list(self.part.bounds), self.part.index) if self.part else None
+        self.source = _pinned(ModelSource, holder.node_id, 8).remote(self.model, piece_bytes(), stage)
         self.manifest = ray.get(self.source.manifest.remote(), timeout=MANIFEST_TIMEOUT_S)
 
     def start(self, f: Fetch) -> str | None:
@@ -73,7 +100,8 @@ class Transfer:
         import ray
 
         f.attempt += 1
-        f.actor = _pinned(ModelFetcher, f.node_id, 2).remote(self.model, self.manifest)
+        dest = stage_part_name(self.model, list(self.part.bounds), self.part.index) if self.part else None
+        f.actor = _pinned(ModelFetcher, f.node_id, 2).remote(self.model, self.manifest, dest, self.advertise)
         prep = ray.get(f.actor.prepare.remote(), timeout=MANIFEST_TIMEOUT_S)
         if prep.get("refused"):
             return f"{f.node} cannot take it: {prep['refused']}"
@@ -134,45 +162,39 @@ def _pinned(cls: type, node_id: str, concurrency: int):
                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
-def lacking(spec: DataParallelJob, infos: list[dict], nodes: list[ray_glue.NodeInfo],
-            embedded: bool) -> tuple[list[str], list[tuple[str, str]]]:
-    """(names of the round's nodes that hold the model, (node id, name) of those that must fetch it).
-    None must fetch when the job lets its ranks download (require_model false), or every node can
-    build or read the model itself (a preset, a local path on the embedded cluster)."""
-    model = spec.train.model
-    if spec.require_model is False or holds_anywhere(model, embedded):
-        return [], []
+def lacking(model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo]
+            ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(names of the placed nodes, given as (node id, name), that advertise the model; (node id, name)
+    of those that must fetch it)."""
     by_id = {n.node_id: n for n in nodes}
     have, need = [], []
-    for info in {i["node_id"]: i for i in infos}.values():
-        node = by_id.get(info["node_id"])
+    for node_id, name in dict(placed).items():
+        node = by_id.get(node_id)
         if node is not None and ray_glue.model_resource(model) in node.resources:
-            have.append(info["node_name"])
+            have.append(name)
         else:
-            need.append((info["node_id"], info["node_name"]))
+            need.append((node_id, name))
     return have, need
 
 
-def bring_model(store: JobStore, job_id: str, spec: DataParallelJob, infos: list[dict],
-                nodes: list[ray_glue.NodeInfo], embedded: bool, task_id: str,
-                stopping: Callable[[], bool]) -> Outcome | None:
-    """Every placed node that lacks the job's model fetches it; None once each holds it, else what
-    came of the round (Failed with the reason, Regroup when the job was stopped meanwhile), its
-    group's task row marked so (the runner releases the group)."""
-    outcome = _bring(store, job_id, spec, infos, nodes, embedded, task_id, stopping)
-    if outcome is not None:
-        store.upsert_task(task_id, job_id, "dp_group", "released" if isinstance(outcome, Regroup) else "failed",
-                          error=getattr(outcome, "error", None))
-    return outcome
+def bring_model(report: Report, model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo],
+                stopping: Callable[[], bool], part: StagePart | None = None, advertise: bool = True
+                ) -> Outcome | None:
+    """Every placed node ((node id, name) each) that does not advertise `model` fetches it (or, with
+    `part`, only the part that one stage loads) from a node that holds it; None once each has it,
+    else what came of trying: Failed with the reason (a node refused for its disk: not retried), or
+    Regroup when `stopping()` turned true meanwhile. Each step is reported (`report`, `job_report`).
 
+    The caller decides whether the model travels at all (`placement.model_travels`): a preset, a
+    local directory on the embedded cluster, or `require_model: false` needs nothing sent.
 
-def _bring(store: JobStore, job_id: str, spec: DataParallelJob, infos: list[dict], nodes: list[ray_glue.NodeInfo],
-           embedded: bool, task_id: str, stopping: Callable[[], bool]) -> Outcome | None:
-    """`bring_model`'s work: the cache hits said, a holder chosen (one that need not fetch), every
-    fetching node's disk checked before any piece moves, then the fetches watched to their end."""
-    have, need = lacking(spec, infos, nodes, embedded)
-    model = spec.train.model
-    t = Transfer(store, job_id, task_id, model)
+    `advertise` False: the fetching node is not asked to read its models at once. Ray cannot add a
+    resource to a running node, so a worker that advertises a new model leaves Ray and joins again
+    as soon as none of our tasks holds its CPUs; a caller whose task is not placed yet (export)
+    passes False so the node stays while the task lands (its timed rescan advertises the model
+    later, once idle). A data-parallel round's placement group holds the CPUs already."""
+    have, need = lacking(model, placed, nodes)
+    t = Transfer(report, model, part, advertise)
     if have:
         t.event(f"on {', '.join(have)} already (cache hit: nothing sent)", nodes=have, cache_hit=True,
                 pieces=0, bytes=0)
@@ -184,10 +206,11 @@ def _bring(store: JobStore, job_id: str, spec: DataParallelJob, infos: list[dict
                       error=f"no node holds model {model} any more")
     try:
         t.open_source(holders[0])
+        est = transfer_seconds(t.manifest["bytes"])  # the fetches run at once, each over its own link
         t.event(f"sending {t.manifest['bytes'] / 1e6:.2f} MB ({t.manifest['pieces']} pieces) from "
-                f"{holders[0].name} to {', '.join(n for _, n in need)}", source=holders[0].name,
+                f"{holders[0].name} to {', '.join(n for _, n in need)}, est. {est:.1f} s", source=holders[0].name,
                 nodes=[n for _, n in need], bytes_total=t.manifest["bytes"], pieces_total=t.manifest["pieces"],
-                state="planned")
+                state="planned", est_s=round(est, 3))
         t.fetches = {nid: Fetch(nid, name) for nid, name in need}
         for f in t.fetches.values():
             why = t.start(f)

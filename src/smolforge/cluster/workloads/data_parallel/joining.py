@@ -13,12 +13,15 @@ the global batch splits over the new world), queued, and taken in
 
 from __future__ import annotations
 
-from smolforge.cluster.control.placement import COORDINATOR, coordinator_requirements, requirements_for
+from smolforge.cluster.control.placement import (
+    COORDINATOR, coordinator_requirements, holds_anywhere, requirements_for,
+)
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.leaving import named
 from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, rank_task
-from smolforge.cluster.control.runner import short_error
+from smolforge.cluster.control.runner import Outcome, short_error
+from smolforge.cluster.workloads.model_transfer import bring_model, job_report
 from smolforge.errors import SmolforgeError
 
 
@@ -89,6 +92,17 @@ class NodeJoining:
         self.spec = self.spec.model_copy(update={"lent_nodes": self.spec.lent_nodes + nodes})
         self.ctx.keep_spec(self.job_id, self.spec)
 
+    def _bring_model(self, placed: list[tuple[str, str]], task_id: str) -> Outcome | None:
+        """The placed nodes ((node id, name) each) that lack the job's model fetch it before their ranks
+        start (`model_transfer`); None once each has it. Nothing travels when every node can build or
+        read it (a preset, a local path on the embedded cluster) or the ranks download it
+        (`require_model: false`)."""
+        spec = self.spec
+        if spec.require_model is False or holds_anywhere(spec.train.model, self.ctx.embedded):
+            return None
+        return bring_model(job_report(self.store, self.job_id, task_id), spec.train.model, placed,
+                           self.ctx.healthy_nodes(), stopping=lambda: bool(self.want))
+
     def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
         """Place each node that asked to join as a new member of the running elastic group; returns
         (member id, ref) per member started. The group takes each in at its next outer step."""
@@ -106,6 +120,13 @@ class NodeJoining:
                 msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)
                 self.store.add_event(self.job_id, "join_failed", f"{node} could not be placed to join: {msg}",
                                      {"node": node})
+                continue
+            # a node that lacks the model gets it before its rank starts (the group trains on meanwhile)
+            moved = self._bring_model([(info["node_id"], info["node_name"])], f"{self.job_id}-g{round_no}-r{member}")
+            if moved is not None:
+                joiner.release()
+                self.store.add_event(self.job_id, "join_failed", f"{node} could not be given the model: "
+                                     f"{getattr(moved, 'reason', None) or getattr(moved, 'why', '')}", {"node": node})
                 continue
             self.joiners.append(joiner)
             self.store.upsert_task(f"{self.job_id}-g{round_no}-r{member}", self.job_id, "dp_rank", "running",

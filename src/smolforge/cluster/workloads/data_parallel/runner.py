@@ -40,7 +40,6 @@ from smolforge.cluster.workloads.data_parallel.leaving import NodeLeaving
 from smolforge.cluster.control.placement import (
     COORDINATOR, coordinator_requirements, requirements_for, round_world, worker_bundles,
 )
-from smolforge.cluster.workloads.model_transfer import bring_model
 from smolforge.cluster.control.runner import (
     CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
     ray_get, short_error,
@@ -147,9 +146,10 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         if not isinstance(infos, list):
             return infos
         gid = f"{self.job_id}-g{round_no}"
-        moved = bring_model(self.store, self.job_id, self.spec, infos, self.ctx.healthy_nodes(), self.ctx.embedded,
-                            gid, stopping=lambda: bool(self.want))  # placed workers that lack the model fetch it
+        moved = self._bring_model([(i["node_id"], i["node_name"]) for i in infos], gid)  # placed workers lacking it fetch it
         if moved is not None:
+            self.store.upsert_task(gid, self.job_id, "dp_group", "released" if isinstance(moved, Regroup) else "failed",
+                                   error=getattr(moved, "error", None))
             self._release()
             return moved
         # the lent coordinator's bundle is the last: its rank is world - 1

@@ -19,6 +19,7 @@ from smolforge.cluster.workloads.distill.sync import make_sync
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.train.faults import fault_hold_step, held_message, stay_held
 from smolforge.train.loop import StopRequested
 from smolforge.distill.store import CorruptShardError, Shard, decode_shard
 from smolforge.distill.student import StudentConfig, train_student
@@ -62,12 +63,17 @@ def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
     items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
     ranges = {int(sid): (int(a), int(b)) for sid, (a, b) in spec["shards"].items()}
     settings = GenSettings(**spec["settings"])
-    for manifest, data in produce_shards(teacher, items, ranges, settings, compress=spec["compress"]):
+    hold = fault_hold_step("hold-shard")  # fault injection for tests (train/faults.py): read once, here
+    produced = produce_shards(teacher, items, ranges, settings, compress=spec["compress"])
+    for count, (manifest, data) in enumerate(produced, 1):
         manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
                         teacher=spec["model"], finished=time.time(), pid=os.getpid())
         logging.getLogger(TASK_LOGGER).info("%s: shard %s done", spec["task_id"], manifest.get("shard"))
         manifest["log"] = lines.drain()
         yield json.dumps(manifest), data
+        if hold == count:  # the shard is the driver's already (a streaming generator runs ahead)
+            logging.getLogger(TASK_LOGGER).info(held_message(spec["task_id"], count, "hold-shard"))
+            stay_held(spec["task_id"], count, hold, lambda: None, "hold-shard")
 
 
 class _ShardBroker:

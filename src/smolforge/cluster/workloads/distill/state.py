@@ -70,7 +70,7 @@ class DistillTask:
         if self.state == "running" and self.started and here > 0 and self.progress < 1:
             eta = (time.time() - self.started) * (1 - self.progress) / here
         return {"task_id": self.task_id, "kind": self.kind, "state": self.state, "progress": round(self.progress, 4),
-                "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued,
+                "node": self.node, "nodes": [self.node] if self.node else [], "queued": self.queued, "cpus": self.cpus,
                 "samples_done": self.samples_done, "samples_total": self.samples_total, "eta_s": eta,
                 "step": self.step, "max_steps": self.max_steps, "loss": self.loss,
                 "lr": self.lr, "tokens_per_s": self.tokens_per_s,

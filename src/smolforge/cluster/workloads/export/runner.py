@@ -12,6 +12,7 @@ runner's); an export error of the job's own making fails it at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -19,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.control.placement import holds_anywhere
+from smolforge.cluster.control.placement import model_need, model_travels
 from smolforge.cluster.control.runner import (
     POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
 )
 from smolforge.cluster.control.specs import ExportJob
+from smolforge.cluster.workloads.model_transfer import bring_model, job_report
 from smolforge.train.faults import fault_once
 
 ARTIFACT_KIND = "export"
@@ -83,15 +85,40 @@ class ExportRunner(JobRunner):
                           error="an export job's adapter directories are read where it runs: only the embedded "
                                 "cluster (this machine) takes them; export a merged or full model")
         handle = ray_glue.connect()
-        need_model = spec.require_model if spec.require_model is not None else \
-            not holds_anywhere(spec.model, self.ctx.embedded)
-        req = ray_glue.Requirements(model=spec.model if need_model else None, cpus=spec.cpus)
+        nodes = self.ctx.healthy_nodes()
+        req = ray_glue.Requirements(model=model_need(spec.model, spec.require_model, self.ctx.embedded, nodes),
+                                    cpus=spec.cpus)
+        options = handle.ray_options(req)
+        if model_travels(spec.model, spec.require_model, self.ctx.embedded, nodes):
+            options = self._travel(req, nodes, options)
+            if not isinstance(options, dict):
+                return options
         self.control = create_control(self.job_id, str(self.ctx.artifacts.root.resolve()))
-        self.ref = ray.remote(export_task).options(**handle.ray_options(req), max_retries=0).remote(
-            spec, self.control, spec.timeout_s)
+        self.ref = ray.remote(export_task).options(**options, max_retries=0).remote(spec, self.control, spec.timeout_s)
         self.deadline = time.monotonic() + spec.timeout_s + 60
         self.recovered("the export runs again")
         return None
+
+    def _travel(self, req: ray_glue.Requirements, nodes: list[ray_glue.NodeInfo],
+                options: dict[str, Any]) -> dict[str, Any] | Outcome:
+        """Where the task runs when its model travels: a worker that holds the model (nothing sent),
+        else the candidate worker with the most free CPUs, which fetches it first (`bring_model`);
+        the task is then pinned there. A transfer that fails is this attempt's Failed outcome."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        held = dataclasses.replace(req, model=self.spec.model)
+        if held.candidates(nodes):
+            return held.ray_options(nodes)
+        cands = req.candidates(nodes)
+        if not cands:  # the healthy view has none the live table had: Ray places it (or says why not)
+            return options
+        node = max(cands, key=lambda n: n.available.get("CPU", 0.0))
+        moved = bring_model(job_report(self.store, self.job_id), self.spec.model, [(node.node_id, node.name)], nodes,
+                            stopping=lambda: bool(self.want), advertise=False)
+        if moved is not None:
+            return moved
+        options.pop("label_selector", None)
+        return {**options, "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)}
 
     def poll(self) -> Outcome | None:
         import ray

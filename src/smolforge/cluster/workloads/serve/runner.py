@@ -68,7 +68,7 @@ class ServeApi:
         self.group = StageGroup(spec.model, stages, adapter=spec.adapter, cpus_per_stage=spec.cpus_per_stage,
                                 device=spec.device, dtype=spec.dtype, step_timeout_s=spec.step_timeout_s,
                                 load_timeout_s=spec.load_timeout_s, embedded=self.embedded,
-                                name=spec.model_name or spec.model)
+                                name=spec.model_name or spec.model, allowed=spec.stage_nodes)
         model = self.group.start()
         self.sock = bind(spec.host, spec.port)
         host, port = self.sock.getsockname()[:2]

@@ -15,6 +15,12 @@ requests of that batch only. The handle is then marked broken, and before the ne
 (`StagedModel.new_cache` calls `ready()`) it is placed again on a live node that holds the model.
 Ray does not restart the actors itself (`max_restarts=0`): a stage's KV caches die with it, so a
 silent restart would only turn the failure into wrong tokens.
+
+A model only some nodes hold travels (`placement.model_travels`): every worker is then a candidate,
+and before a stage starts on a node that lacks the model, that node receives only the stage's part
+(its tensors, the config and tokenizer: `model_transfer.StagePart`), kept under its models dir where
+`held_stage_dir` finds it and its inventory does not (a part is never advertised as the model). The
+plan event says what each such transfer is estimated to take; a re-placed stage prefers a holder.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.control.placement import holds_anywhere
+from smolforge.cluster.control.placement import (
+    fewest_transfer_seconds, holds_anywhere, model_holders, model_travels, transfer_note,
+)
 from smolforge.errors import SmolforgeError
 from smolforge.serve.stages import StagedModel, StageError
 from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
@@ -64,14 +72,15 @@ class StageActor:
                  num_cpus: float, device: str = "cpu", dtype: str = "fp32"):
         import torch
 
-        from smolforge.cluster.workloads.data_parallel.rank import local_model_path
+        from smolforge.cluster.nodes.model_fetch import held_stage_dir
         from smolforge.serve.stages import StageServer
 
         # what this process prints, task `stage<i>`: the API actor collects it with its status
         self.lines = LineBuffer(f"stage{index}", this_node())
         start_capture(self.lines)  # for the actor's life: its process is its own
         torch.set_num_threads(max(1, int(num_cpus)))
-        self.model = local_model_path(model)
+        # the node's whole copy, else the part fetched for this stage (a model that travels), else the name
+        self.model = held_stage_dir(model, list(bounds), index) or model
         # The adapter's files are needed only while loading: the actor is killed, never closed, so
         # nothing it keeps on disk would be removed.
         with tempfile.TemporaryDirectory(prefix="sf-stage-") as tmp:
@@ -202,8 +211,10 @@ class StageGroup:
 
     def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
                  cpus_per_stage: float = 1.0, device: str = "cpu", dtype: str = "fp32", step_timeout_s: float = 120.0,
-                 load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None):
+                 load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None,
+                 allowed: Sequence[str] | None = None):
         self.model, self.name = model, name or model
+        self.allowed = set(allowed) if allowed else None  # the job's stage_nodes: only these nodes run stages
         self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
         self.adapter_files = read_dir(adapter) if adapter else None
         self.bounds = list(bounds) if bounds else None
@@ -212,6 +223,7 @@ class StageGroup:
         self.embedded = embedded
         self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
         self.targets: list[str] = []  # the node id the plan chose for each stage
+        self.model_bytes = 0.0  # the stages' weights, as the plan sized them
         self._lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # placements ({message, data}), for the job's events
         self._line_calls: dict[int, Any] = {}  # stage index -> its pending `report` call
@@ -219,11 +231,18 @@ class StageGroup:
     # -- placement --------------------------------------------------------------------------------
 
     def candidates(self) -> list[ray_glue.NodeInfo]:
-        """Live nodes that hold the model, workers before the coordinator's own machine."""
+        """Live nodes that hold the model, workers before the coordinator's own machine; when the model
+        travels (some node holds it: `placement.model_travels`), every live worker too, a stage's
+        part then sent to it before the stage starts (`place`)."""
+        everyone = ray_glue.nodes()
         anywhere = holds_anywhere(self.model, self.embedded)
-        nodes = [n for n in ray_glue.nodes() if n.alive and (anywhere and n.cpus > 0 or self.model in n.models)]
+        travels = model_travels(self.model, None, self.embedded, everyone)
+        nodes = [n for n in everyone if n.alive and (anywhere and n.cpus > 0 or self.model in n.models
+                                                      or travels and n.takes_work and n.cpus > 0)
+                 and (self.allowed is None or n.name in self.allowed)]
         if not nodes:
-            ray_glue.check_placeable(ray_glue.Requirements(model=self.model))  # raises, listing every node
+            ray_glue.check_placeable(ray_glue.Requirements(  # raises, listing every node
+                model=None if travels else self.model, allowed_nodes=sorted(self.allowed or []) or None))
             raise SmolforgeError(f"no live node holds {self.model}", fix="join a worker that holds the model")
         return sorted(nodes, key=lambda n: (n.role in ("coordinator", "embedded"), n.name))
 
@@ -238,7 +257,9 @@ class StageGroup:
             if h is not handle and not h.broken and h.where.get("node_id"):
                 used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
         free = self._with_room(nodes)
-        return min(free, key=lambda n: (used.get(n.node_id, 0), nodes.index(n)))
+        # a node that holds the model before one it must be sent to (its transfer's estimated seconds)
+        order = fewest_transfer_seconds(free, self.model, self.model_bytes)
+        return min(free, key=lambda n: (used.get(n.node_id, 0), order.index(n)))
 
     def plan(self) -> Plan:
         """Layer ranges and a node per stage (`placement.plan_serving`) from every candidate node's
@@ -253,30 +274,65 @@ class StageGroup:
         free = self._with_room(nodes)
         names = {n.node_id: (n.name if [m.name for m in free].count(n.name) == 1 else f"{n.name}-{n.node_id[:6]}")
                  for n in free}
+        probed, source = list(free), next((i for i, n in enumerate(free) if self._holds(n)), None)
+        if source is None:  # no candidate with room holds the whole model: a node that does reads its sizes
+            holder = next(iter([n for n in nodes if self._holds(n)] + model_holders(self.model, ray_glue.nodes())))
+            probed, source = probed + [holder], len(probed)
+            names.setdefault(holder.node_id, holder.name)
         refs = [ray.remote(probe_node).options(
-            num_cpus=0, max_retries=0, resources=self._model_resources(),
+            num_cpus=0, max_retries=0, resources=self._model_resources(n),
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == 0, self.dtype)
-            for i, n in enumerate(free)]
+        ).remote(self.model, names[n.node_id], self.cpus, self.device, i == source, self.dtype)
+            for i, n in enumerate(probed)]
         probes = ray.get(refs, timeout=self.load_timeout_s)
-        info = ModelInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in probes[0]["model"].items()})
-        measured = [NodeCapacity(**p["node"]) for p in probes]
+        info = ModelInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in probes[source]["model"].items()})
+        measured = [NodeCapacity(**p["node"]) for p in probes[:len(free)]]  # the candidates only
         by_name = {names[n.node_id]: n for n in free}
         plan, hosts = plan_serving(info, measured, self.count)
         self.bounds = list(plan.bounds)
         self.targets = [by_name[name].node_id for name in hosts]
         self.handles = [RemoteStage(self, i) for i in range(plan.num_stages)]
-        self.events.append({"kind": "plan", "message": plan.describe(),
+        self.model_bytes = float(sum(plan.stage_bytes))
+        # the time to send each stage on a node that lacks the model its part, at that node's measured link
+        links = {names[n.node_id]: m.link_bytes_per_s for n, m in zip(free, measured)}
+        note, transfer_s = transfer_note([(by_name[name].name, plan.stage_bytes[i], links.get(name))
+                                          for i, name in enumerate(hosts) if not self._holds(by_name[name])])
+        message = plan.describe() + (f"\n  {note}" if note else "")
+        self.events.append({"kind": "plan", "message": message,
                             "data": {"bounds": plan.bounds, "nodes": [by_name[n].name for n in hosts],
                                      "per_token_s": plan.per_token_s, "kept_on_one_node": plan.kept_on_one_node,
-                                     "stages_asked": self.count or "auto"}})
-        log.info("%s", plan.describe())
+                                     "stages_asked": self.count or "auto", "transfer_s": transfer_s}})
+        log.info("%s", message)
         return plan
 
-    def _model_resources(self) -> dict[str, float] | None:
-        if holds_anywhere(self.model, self.embedded):
+    def _holds(self, node: ray_glue.NodeInfo) -> bool:
+        """Can `node` load the whole model itself (it advertises it, or every node can build or read it)?"""
+        return holds_anywhere(self.model, self.embedded) or ray_glue.model_resource(self.model) in node.resources
+
+    def _model_resources(self, node: ray_glue.NodeInfo) -> dict[str, float] | None:
+        """The model resource a task on `node` asks for: only where the node holds the whole model (a
+        node that received a stage's part does not advertise it)."""
+        if holds_anywhere(self.model, self.embedded) or not self._holds(node):
             return None
         return {ray_glue.model_resource(self.model): ray_glue.MODEL_REQUEST}
+
+    def _bring_part(self, handle: RemoteStage, node: ray_glue.NodeInfo) -> None:
+        """The part of the model stage `handle` loads, sent to `node` when it lacks the model
+        (`model_transfer.bring_model`, each step a `model_transfer` event of the job); raises with the
+        reason when it could not be (the stages then fail to start: an attempt of the job)."""
+        from smolforge.cluster.workloads.model_transfer import StagePart, bring_model
+
+        if self._holds(node):
+            return
+        part = StagePart(tuple(self.bounds or ()), handle.index)
+        report = lambda message, data: self.events.append(  # noqa: E731
+            {"kind": "model_transfer", "message": message, "data": data})
+        moved = bring_model(report, self.model, [(node.node_id, node.name)], ray_glue.nodes(),
+                            stopping=lambda: False, part=part)
+        if moved is not None:
+            why = getattr(moved, "error", None) or getattr(moved, "reason", None) or getattr(moved, "why", "")
+            raise StageError(f"stage {handle.index} could not be given its part of {self.model} on {node.name}: "
+                             f"{why}", fix=f"join a worker that holds {self.model}, or free disk space on {node.name}")
 
     def place(self, handle: RemoteStage) -> None:
         """A new actor for this stage on a live node that holds the model, answering before it returns."""
@@ -287,8 +343,9 @@ class StageGroup:
             self.kill(handle)
             planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
             node = next((n for n in self.candidates() if n.node_id == planned), None) or self._pick(handle)
+            self._bring_part(handle, node)
             actor = ray.remote(StageActor).options(
-                num_cpus=self.cpus, resources=self._model_resources(), max_restarts=0, max_task_retries=0,
+                num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,
                 max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
             try:

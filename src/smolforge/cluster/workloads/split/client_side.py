@@ -5,7 +5,9 @@ that follows the trunk (`FollowingTrunkClient`): while the trunk cannot be reach
 actor where the trunk is now (the runner tells it, `set_trunk`, each time it places one); once the
 trunk is elsewhere it reconnects there, the new server does not know the session, and the trainer
 rolls back to the newest checkpoint both sides hold (`SessionLost`, as after a server restart), so
-the client resumes instead of failing. After each checkpoint the trunk's half goes to the
+the client resumes instead of failing. On a `--tls` cluster it trusts exactly the cluster's CA (the
+trunk serves with its node's certificate, which that CA signed), so the hidden states, gradients and
+the job's token never cross the network in clear. After each checkpoint the trunk's half goes to the
 coordinator (`TrunkActor.ship`) before training goes on: the trunk placed next starts from it.
 
 What it did (steps with their loss, checkpoints, resumes, a hold) waits in `status()` for the runner,
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.cluster.control.specs import SplitJob
+from smolforge.cluster.nodes import ray_tls
 from smolforge.cluster.workloads.split.artifacts import upload_dir
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, start_capture, this_node
 from smolforge.train.faults import HoldAt, fault_hold_step, held_message, node_dir, stay_held
@@ -43,9 +46,10 @@ class FollowingTrunkClient:
     the trunk to wherever the runner placed it last (`locate`), for at most `patience_s` per call."""
 
     def __init__(self, locate: Callable[[], tuple[str, int] | None], token: str, *, rpc_timeout: float,
-                 patience_s: float):
+                 patience_s: float, tls_ca: str | None = None):
         self.locate, self.token, self.rpc_timeout, self.patience_s = locate, token, rpc_timeout, patience_s
-        self.tls = False
+        self.tls_ca = tls_ca  # the cluster's CA on a `--tls` cluster: the trunk's certificate must chain to it
+        self.tls = bool(tls_ca)
         self.moves = 0
         self.where: tuple[str, int] | None = None
         self._client: Any = None  # connected at the first call, once a trunk listens (the client loads meanwhile)
@@ -55,7 +59,7 @@ class FollowingTrunkClient:
         from smolforge.split.client import TrunkClient
 
         self.where = where
-        self._client = TrunkClient(where[0], where[1], self.token, rpc_timeout=self.rpc_timeout,
+        self._client = TrunkClient(where[0], where[1], self.token, tls_ca=self.tls_ca, rpc_timeout=self.rpc_timeout,
                                    reconnect_timeout=PROBE_S)
 
     @property
@@ -128,11 +132,12 @@ class ClientActor:
     """Ray actor class: the client of one split job (threaded: `status` and `set_trunk` answer while
     `train` runs)."""
 
-    def __init__(self, job_id: str, spec: SplitJob, control: Any, token: str):
+    def __init__(self, job_id: str, spec: SplitJob, control: Any, token: str, tls: bool = False):
         self.lines = LineBuffer("client", this_node())
         self.lines.secrets.append(token)
         start_capture(self.lines)
         self.job_id, self.spec, self.control, self.token = job_id, spec, control, token
+        self.tls = tls
         self.root = node_dir() / "split" / job_id
         self.lock = threading.Lock()
         self.where: tuple[str, int] | None = None
@@ -173,8 +178,10 @@ class ClientActor:
 
         self.session = session
         cfg = self._config(session)
+        files = ray_tls.node_files_from_env(required=True) if self.tls else None  # [2]: the cluster's CA
         client = FollowingTrunkClient(self._locate, self.token, rpc_timeout=cfg.rpc_timeout,
-                                      patience_s=self.spec.replace_timeout_s + self.spec.start_timeout_s)
+                                      patience_s=self.spec.replace_timeout_s + self.spec.start_timeout_s,
+                                      tls_ca=files[2] if files else None)
         hooks = TrainHooks(on_step=self._on_step, on_checkpoint=self._on_checkpoint,
                            should_stop=lambda: self.stop_code)
         trainer = SplitTrainer(cfg, hooks, client=client)

@@ -21,6 +21,10 @@ The job's step, loss and samples are the client's (its loss is the only one: the
 it); each side is a task row with its node and state, and `trunk_step` (the step the trunk's session
 stands at) is charted beside `loss`. Pause asks the client to checkpoint both sides and stop; cancel
 stops both at once.
+
+On a `--tls` cluster (Ray runs with the cluster's CA) the trunk's gRPC is TLS as well: the trunk
+serves with its node's certificate and the client trusts only the cluster's CA, keeping the job's
+token check (`trunk.serve_config`, `client_side.FollowingTrunkClient`); `trunk_placed` says which.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from smolforge.cluster.control.runner import (
     POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
 )
 from smolforge.cluster.control.specs import SplitJob
-from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.nodes import ray_glue, ray_tls
 from smolforge.cluster.workloads.split.client_side import ClientActor
 from smolforge.cluster.workloads.split.trunk import TrunkActor, choose_trunk_node
 from smolforge.errors import SmolforgeError
@@ -72,6 +76,7 @@ class SplitRunner(JobRunner):
         super().__init__(ctx, job_id, spec, reason)
         self.spec: SplitJob = spec
         self.token = secrets.token_urlsafe(24)  # the trunk's: travels to both sides over Ray's authenticated channel
+        self.tls = ray_tls.node_files_from_env() is not None  # a `--tls` cluster: the trunk's gRPC is TLS too
         self.trunk_failures = FailurePolicy(spec.max_retries)  # trunk losses inside a run (subject "trunk")
         self.placements = 0
         self.lost_on: set[str] = set()  # nodes where a trunk of this job was lost
@@ -119,7 +124,7 @@ class SplitRunner(JobRunner):
         self.control = create_control(self.job_id, str(self.ctx.artifacts.root.resolve()))
         self.client = ray.remote(ClientActor).options(**options, max_concurrency=4, max_restarts=0,
                                                        max_task_retries=0).remote(self.job_id, self.spec, self.control,
-                                                                                  self.token)
+                                                                                  self.token, self.tls)
         outcome = self._place_trunk()  # both actors start at once
         try:
             st = ray.get(self.client.status.remote(), timeout=self.spec.start_timeout_s)
@@ -213,7 +218,7 @@ class SplitRunner(JobRunner):
         stored = self.ctx.artifacts.list(self.job_id, TRUNK_CHECKPOINTS)
         actor = ray.remote(TrunkActor).options(**plan.options, max_concurrency=4, max_restarts=0,
                                                max_task_retries=0).remote(self.job_id, self.placements, self.control)
-        self.trunk = Trunk(actor, actor.start.remote(self.spec, self.token, self.job_id, stored), plan,
+        self.trunk = Trunk(actor, actor.start.remote(self.spec, self.token, self.job_id, stored, self.tls), plan,
                            self.placements, time.monotonic() + self.spec.start_timeout_s)
         self.store.upsert_task(f"{self.job_id}-{self.trunk.task_id}", self.job_id, "split_trunk", "placing",
                                node_name=plan.node.name, attempt=self.placements)
@@ -243,9 +248,9 @@ class SplitRunner(JobRunner):
         info = t.info
         again = f" again, from the stored checkpoints {info['stored']}" if t.number > 1 else ""
         self.store.add_event(self.job_id, "trunk_placed", f"trunk {t.number} placed{again} on {t.plan.node.name} "
-                             f"({t.plan.why}), listening at {info['host']}:{info['port']} on {info['device']}",
+                             f"({t.plan.why}), listening at {info['host']}:{info['port']} ({'TLS' if info['tls'] else 'plaintext'}) on {info['device']}",
                              {"node": t.plan.node.name, "placement": t.number, "address": f"{info['host']}:{info['port']}",
-                              "pid": info["pid"], "stored": info["stored"], "device": info["device"]})
+                              "pid": info["pid"], "stored": info["stored"], "device": info["device"], "tls": info["tls"]})
         self.store.upsert_task(f"{self.job_id}-{t.task_id}", self.job_id, "split_trunk", "running", pid=info["pid"])
         self.client.set_trunk.remote(info["host"], info["port"], t.actor)
         self.store.update_job(self.job_id, nodes=[self.client_node, t.plan.node.name], world_size=2)
