@@ -24,7 +24,9 @@ The gap closed is (arm - sft) / (teacher - sft) in accuracy, on the means, again
     python bench/distill_kd_vs_sft.py --arms sft-full,kd-full,kdsame-full --seeds 0,1,2
 
 An arm may override settings after a colon, ';'-separated: `kd:ratio=0.5;T=2;loss=reverse_kl;lr=1e-3;onp=0.5;beta=0.9;start=0.5` (start: the fraction of
-the steps before the first on-policy one).
+the steps before the first on-policy one; teacher: the backend that writes the arm's store, `hf` (fp32, the default)
+or a llama.cpp quantization of the same teacher, `f16`/`q8_0`/`q4_k_m`, exported once and cached: arms with
+different teachers get stores from the same prompts; `bench/distill_quant_store.py` compares them).
 Students train two at a time, one thread each, so a pair of arms shares the machine evenly.
 """
 
@@ -48,7 +50,19 @@ BASE_ARMS = {  # name: (store, overrides)
     "onpolicy": ("gen", {"onp": 0.5, "loss": "jsd"}),
     "ref": ("ref", {}),
 }
-KEYS = {"ratio": float, "T": float, "loss": str, "lr": float, "onp": float, "beta": float, "start": float}
+KEYS = {"ratio": float, "T": float, "loss": str, "lr": float, "onp": float, "beta": float, "start": float,
+        "teacher": str}
+
+from smolforge.models.export.cache import TEACHER_QUANTS as LLAMACPP_QUANTS  # noqa: E402  (`teacher=` values but hf)
+
+
+def teacher_backend(teacher: str) -> dict:
+    """An arm's `teacher=` value -> run_teacher_local's backend keywords."""
+    if teacher == "hf":
+        return {"backend": "hf"}
+    if teacher not in LLAMACPP_QUANTS:
+        raise SystemExit(f"unknown teacher {teacher!r}: use hf or a llama.cpp quantization ({', '.join(LLAMACPP_QUANTS)})")
+    return {"backend": "llamacpp", "quant": teacher, "n_threads": int(os.environ.get("TEACHER_THREADS", "2"))}
 
 
 def parse_arm(arm: str) -> tuple[str, str, dict]:
@@ -65,21 +79,24 @@ def parse_arm(arm: str) -> tuple[str, str, dict]:
         if key not in KEYS:
             raise SystemExit(f"unknown arm setting {key!r} in {arm!r}: use {', '.join(KEYS)}")
         over[key] = KEYS[key](value)
+    teacher_backend(over.get("teacher", "hf"))  # a bad teacher= fails before anything trains
     return kind, peft, over
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default="sft-full,kd-full,kdsame-full,sft,kd,onpolicy",
-                    help="comma-separated; settings after ':' separated by ';' (kd:ratio=0.5;T=2)")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--prompts", type=int, default=None, help="labelled examples (default: the demo's 512; 0: all)")
-    ap.add_argument("--steps", type=int, default=None, help="student steps (default: the demo's)")
-    ap.add_argument("--kd-data", default=None,
-                    help="prompts the teacher answers for the kd arms (JSONL or a built-in; default: the demo's pool)")
-    ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
-    args = ap.parse_args()
+def complete_store(d: Path) -> bool:
+    """Whether `d` holds a whole store already (its plan and every planned shard)."""
+    import json
 
+    from smolforge.distill.store import PLAN_FILE, ready_shards
+
+    plan = d / PLAN_FILE
+    return plan.is_file() and len(ready_shards(d)) == int(json.loads(plan.read_text())["num_shards"])
+
+
+def run(arms: list[str], seeds: list[int], *, steps: int | None = None, prompts: int | None = None,
+        kd_data: str | None = None, out: str | Path | None = None) -> dict:
+    """Train every arm for every seed; returns the accuracies and what they came from (stores by
+    (kind, teacher), the teacher's directory and accuracy, the base's), for main's table and other benches."""
     import torch
 
     torch.set_num_threads(1)
@@ -89,12 +106,10 @@ def main() -> None:
     from smolforge.distill.teacher import GenSettings, run_teacher_local
 
     s = DemoSettings()
-    if args.prompts is not None:
-        s.distill_samples = args.prompts or None
-    arms = args.arms.split(",")
+    if prompts is not None:
+        s.distill_samples = prompts or None
     parsed = {a: parse_arm(a) for a in arms}
-    seeds = [int(x) for x in args.seeds.split(",")]
-    out = Path(args.out or tempfile.mkdtemp(prefix="kd-vs-sft-"))
+    out = Path(out or tempfile.mkdtemp(prefix="kd-vs-sft-"))
     t0 = time.time()
     base_dir, _ = student_base(s)
     teacher_dir, info = train_teacher(s)
@@ -102,32 +117,41 @@ def main() -> None:
     teacher_acc = info["eval"]["accuracy"]
     print(f"teacher: accuracy {teacher_acc:.3f}, eval loss {info['eval']['eval_loss']:.3f}; student base: accuracy "
           f"{base_eval['accuracy']:.3f}, eval loss {base_eval['eval_loss']:.3f} ({time.time() - t0:.0f} s)", flush=True)
-    stores: dict[str, Path] = {}
+    stores: dict[tuple[str, str], Path] = {}
+    teacher_seconds: dict[tuple[str, str], float] = {}
 
-    def store(kind: str) -> Path:
-        if kind not in stores:
-            d = out / kind / "teacher_outputs"
+    def store(kind: str, teacher: str) -> Path:
+        if (kind, teacher) not in stores:
+            d = out / (kind if teacher == "hf" else f"{kind}-{teacher}") / "teacher_outputs"
             gen = GenSettings(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64,
                               responses="reference" if kind == "ref" else "generate")
-            common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen, device="cpu")
+            common = dict(num_shards=s.num_shards, max_samples=s.distill_samples, settings=gen, device="cpu",
+                          **teacher_backend(teacher))
+            started = time.time()
+            if complete_store(d):  # a greedy teacher writes the same store again: --out's is reused
+                stores[(kind, teacher)], teacher_seconds[(kind, teacher)] = d, time.time() - started
+                print(f"store {kind} ({teacher}): reused {d}", flush=True)
+                return d
             if kind == "sft":
-                run_teacher_local(str(base_dir), "bundled", d, backend="reference", **common)
+                run_teacher_local(str(base_dir), "bundled", d, **{**common, "backend": "reference"})
             elif kind == "gen":
-                run_teacher_local(str(teacher_dir), args.kd_data or s.kd_data, d,
-                                  **{**common, "max_samples": None if args.kd_data else s.kd_samples})
+                run_teacher_local(str(teacher_dir), kd_data or s.kd_data, d,
+                                  **{**common, "max_samples": None if kd_data else s.kd_samples})
             else:
                 run_teacher_local(str(teacher_dir), "bundled", d, **common)
-            stores[kind] = d
-        return stores[kind]
+            stores[(kind, teacher)], teacher_seconds[(kind, teacher)] = d, time.time() - started
+            print(f"store {kind} ({teacher}): {teacher_seconds[(kind, teacher)]:.0f} s", flush=True)
+        return stores[(kind, teacher)]
 
     def prepare(arm: str, seed: int):
         kind, peft, o = parsed[arm]
-        cfg, model = local_student(s, seed, out / f"{arm.replace(':', '_')}-{seed}", steps=args.steps, peft=peft,
+        name = arm.replace(":", "_").replace(";", "_").replace("=", "-")
+        cfg, model = local_student(s, seed, out / f"{name}-{seed}", steps=steps, peft=peft,
                                    kd_ratio=o.get("ratio"), temperature=o.get("T"), kd_loss=o.get("loss"),
                                    lr=o.get("lr"), on_policy_ratio=o.get("onp", 0.0), beta=o.get("beta"),
                                    on_policy_start=o.get("start", 0.0),
                                    teacher=teacher_dir)
-        return cfg, model, store(kind)
+        return cfg, model, store(kind, o.get("teacher", "hf"))
 
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
     # Every student is built before any trains: torch's RNG is process-wide (see local_student).
@@ -140,6 +164,25 @@ def main() -> None:
             results[arm].append((ev["accuracy"], ev["eval_loss"]))
             print(f"{arm:>12} seed {seed}: accuracy {ev['accuracy']:.3f}, eval loss {ev['eval_loss']:.4f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
+    return {"results": results, "parsed": parsed, "stores": stores, "teacher_seconds": teacher_seconds,
+            "teacher_dir": teacher_dir, "teacher_acc": teacher_acc, "base_acc": base_eval["accuracy"],
+            "settings": s, "seconds": time.time() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default="sft-full,kd-full,kdsame-full,sft,kd,onpolicy",
+                    help="comma-separated; settings after ':' separated by ';' (kd:ratio=0.5;T=2;teacher=q8_0)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--prompts", type=int, default=None, help="labelled examples (default: the demo's 512; 0: all)")
+    ap.add_argument("--steps", type=int, default=None, help="student steps (default: the demo's)")
+    ap.add_argument("--kd-data", default=None,
+                    help="prompts the teacher answers for the kd arms (JSONL or a built-in; default: the demo's pool)")
+    ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
+    args = ap.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",")]
+    r = run(args.arms.split(","), seeds, steps=args.steps, prompts=args.prompts, kd_data=args.kd_data, out=args.out)
+    results, parsed, s, teacher_acc = r["results"], r["parsed"], r["settings"], r["teacher_acc"]
 
     def sft_of(arm: str) -> str | None:
         ref = "sft-full" if parsed[arm][1] == "none" else "sft"
@@ -147,7 +190,7 @@ def main() -> None:
 
     print(f"\nlabelled {s.distill_samples or 'all'}, kd prompts {args.kd_data or s.kd_data}, "
           f"{args.steps or s.student_steps} steps, seeds {seeds}; teacher "
-          f"{teacher_acc:.3f}, student base {base_eval['accuracy']:.3f}")
+          f"{teacher_acc:.3f}, student base {r['base_acc']:.3f}")
     print("| arm | accuracy mean ± sd | per seed | eval loss mean ± sd | gap closed (of the means) | beats SFT |\n"
           "|---|---:|---|---:|---:|---:|")
     for arm, vals in results.items():
@@ -161,7 +204,7 @@ def main() -> None:
             wins = f"{sum(a > r[0] for a, r in zip(acc, results[ref]))}/{len(acc)}"
         print(f"| {arm} | {statistics.mean(acc):.3f} ± {statistics.pstdev(acc):.3f} | {', '.join(f'{a:.3f}' for a in acc)} "
               f"| {statistics.mean(loss):.3f} ± {statistics.pstdev(loss):.3f} | {gap} | {wins} |")
-    print(f"({time.time() - t0:.0f} s)")
+    print(f"({r['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

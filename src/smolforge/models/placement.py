@@ -546,8 +546,8 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
         what += (f"the nodes have {_size(free)} free of the {_size(need)} it needs, but whole layers do not "
                  "pack into what each node has free")
     what += _caps(costs, nodes)
-    fix = ("free memory on the nodes or join another (`smolforge worker join`), load the model in bf16 "
-           "(half the bytes of fp32), or choose a smaller model")
+    halve = ", load the model in bf16 (half the bytes of fp32)" if costs.info.dtype_bytes >= 4 else ""
+    fix = f"free memory on the nodes or join another (`smolforge worker join`){halve}, or choose a smaller model"
     return SmolforgeError(what, fix=fix + ("; or allow more stages" if stages else ""))
 
 
