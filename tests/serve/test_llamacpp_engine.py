@@ -16,10 +16,12 @@ llamacpp engine on its f16 export), both driven by the official `openai` client:
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from helpers import require_module
+from test_serve_engine import Held
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,20 +155,25 @@ def test_requests_arriving_together_are_one_llama_batch(servers):
     alone = [live.client().completions.create(model="tiny", prompt=p, temperature=0, max_tokens=12).choices[0].text
              for p in prompts]
     together: list[str | None] = [None] * len(prompts)
-    gate = threading.Barrier(len(prompts))
 
     def one(i: int) -> None:
-        gate.wait()
         together[i] = streamed_completion(live.client(), prompt=prompts[i], temperature=0, max_tokens=12)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    # the engine held inside a one-token request until all four wait in its queue: the next batch is what
+    # the queue holds, not what a clock let in (threads' clients arrived apart on a busy machine)
+    held = Held(live.engine, [1, 2, 3])
     batches = live.engine.batches
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
+    deadline = time.time() + 60
+    while live.engine._queue.qsize() < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    held.release()
     for t in threads:
         t.join(120)
     assert together == alone
-    assert live.engine.largest_batch > 1 and live.engine.batches - batches < len(prompts)
+    assert (live.engine.batches - batches, live.engine.largest_batch) == (1, len(prompts))
     assert sorted(live.engine.model._free) == list(range(4))  # every row's sequence went back to the pool
 
 
@@ -190,6 +197,33 @@ def test_prompts_longer_than_a_llama_batch_are_decoded_in_pieces(lcpp_model, ser
     monkeypatch.setattr(lcpp_model, "n_batch", 3)
     assert all(len(ids) > 3 for ids in prompts)
     assert run(*prompts) == whole
+
+
+def test_logits_are_read_in_place_not_copied(lcpp_model, served_tiny, monkeypatch):
+    """Every forward of a generation (prefill and each decode step) hands back rows of llama.cpp's own
+    output buffer, not a copy per token, and the view over it is not made again per step (`made`)."""
+    import ctypes
+
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.sampling import SamplingParams
+
+    forward, seen = lcpp_model.forward, []
+
+    def spy(*args):
+        out = forward(*args)
+        seen.append((out.data_ptr(), tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(lcpp_model, "forward", spy)
+    made = lcpp_model.logits.made
+    prompts = [served_tiny.tokenizer(p)["input_ids"] for p in ("Hello there", "def fibonacci(n):")]
+    Engine(lcpp_model).run_batch([Request(ids, SamplingParams(max_tokens=6, temperature=0, stop=[]), lambda e: None)
+                                  for ids in prompts])
+    buffer = ctypes.cast(lcpp_model.lc.llama_get_logits(lcpp_model._ctx), ctypes.c_void_p).value
+    assert len(seen) >= 6 and {ptr for ptr, _ in seen} == {buffer}, (seen, buffer)
+    assert seen[0][1] == (2, lcpp_model.n_vocab)
+    assert lcpp_model.logits.made - made <= 1
 
 
 def test_the_auto_rule(model_copy, tmp_path):
