@@ -113,6 +113,8 @@ class Batch:
         self.mask: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None  # real (unpadded) tokens in the cache, per row
         self.last: torch.Tensor | None = None  # each row's newest token: the next step's input
+        self._mask_all = torch.ones((0, 0), dtype=torch.long)  # `mask` is its first columns
+        self._greedy_ids: torch.Tensor | None = None  # the last step's argmax, when every row was greedy
         for r in requests:
             try:
                 r.stream = TextStream(model.tokenizer, r.params.stop)
@@ -129,22 +131,32 @@ class Batch:
         if self.cache is None:
             width = max(len(r.prompt_ids) for r in self.active)
             ids = torch.full((len(self.active), width), self.model.pad_id, dtype=torch.long)
-            self.mask = torch.zeros((len(self.active), width), dtype=torch.long)
+            # The mask of every step to come, made once: a step takes one more column (a view), not a cat.
+            self._mask_all = torch.ones((len(self.active), width + max(r.params.max_tokens for r in self.active)),
+                                        dtype=torch.long)
             for i, r in enumerate(self.active):
                 ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-                self.mask[i, width - len(r.prompt_ids):] = 1
-            self.mask = self.mask.to(dev)
+                self._mask_all[i, :width - len(r.prompt_ids)] = 0
+            self._mask_all = self._mask_all.to(dev)
+            self.mask = self._mask_all[:, :width]
             positions = (self.mask.cumsum(-1) - 1).clamp_min(0)
             self.lengths = self.mask.sum(-1)
             self.cache = self.model.new_cache()
             logits = self.model.forward(ids.to(dev), self.mask, positions, self.cache)
         else:
             assert self.mask is not None and self.lengths is not None and self.last is not None
-            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+            width = self.mask.shape[1] + 1
+            if width > self._mask_all.shape[1]:  # not reached: a row ends at its max_tokens
+                self._mask_all = torch.cat([self._mask_all, self._mask_all.new_ones((len(self.active), 1))], dim=1)
+            self.mask = self._mask_all[:, :width]
             logits = self.model.forward(self.last[:, None], self.mask, self.lengths[:, None], self.cache)
             self.lengths = self.lengths + 1
         tokens = self._sample(logits)
-        self.last = torch.tensor([self.model.pad_id if t is None else t for t in tokens], dtype=torch.long, device=dev)
+        if self._greedy_ids is not None and not self.row_errors and len(self._greedy_ids) == len(tokens):
+            self.last = self._greedy_ids  # every row greedy: the argmax is the next input as it is
+        else:
+            self.last = torch.tensor([self.model.pad_id if t is None else t for t in tokens], dtype=torch.long,
+                                     device=dev)
         return tokens
 
     def _sample(self, logits: torch.Tensor) -> list[int | None]:
@@ -152,10 +164,13 @@ class Batch:
         self.row_errors = {}
         tokens: list[int | None] = []
         # Greedy rows share one argmax and one copy to Python: not a reduction and a sync per row.
-        best = logits.argmax(-1).tolist() if any(is_greedy(r.params, r.generator) for r in self.active) else []
-        for i, r in enumerate(self.active):
+        greedy_rows = [is_greedy(r.params, r.generator) for r in self.active]
+        self._greedy_ids = logits.argmax(-1) if any(greedy_rows) else None
+        best = self._greedy_ids.tolist() if self._greedy_ids is not None else []
+        if not all(greedy_rows):
+            self._greedy_ids = None
+        for i, (r, greedy) in enumerate(zip(self.active, greedy_rows)):
             try:
-                greedy = is_greedy(r.params, r.generator)
                 tokens.append(best[i] if greedy else next_token(logits[i], r.params, r.generator))
             except Exception as err:  # noqa: BLE001 - that row fails, the others go on
                 self.row_errors[i] = err
@@ -171,10 +186,12 @@ class Batch:
             self.close()
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.model.device)
-        self.mask, self.lengths, self.last = self.mask[index], self.lengths[index], self.last[index]
-        pad = int((self.mask.sum(0) == 0).sum())  # columns no remaining row uses: left padding only
+        width = self.mask.shape[1]
+        self._mask_all, self.lengths, self.last = self._mask_all[index], self.lengths[index], self.last[index]
+        pad = int((self._mask_all[:, :width].sum(0) == 0).sum())  # columns no remaining row uses: left padding only
         if self.model.select_rows(self.cache, index, pad) and pad:
-            self.mask = self.mask[:, pad:]
+            self._mask_all, width = self._mask_all[:, pad:], width - pad
+        self.mask = self._mask_all[:, :width]
 
     def close(self) -> None:
         """Let the model free this batch's cache (a stage server holds it remotely)."""

@@ -12,16 +12,22 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
   row with its own sequence id and KV cells, so eight streams share each read of the weights as the
   torch engine's batch does. A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes
   back to the pool; no column trimming is needed (llama.cpp keeps no padding).
+- A step's cost outside llama.cpp is kept small (a small model's token takes a few hundred
+  microseconds, issue 32): a decode step sends each row's one token without reading the mask, into
+  a `llama_batch` made once, and its logits are llama.cpp's own output rows (`LogitsView`, no copy),
+  which the batch samples from before the next decode.
 - `n_threads` is what the server was given (`--num-threads`, default the CPUs this process may use).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -52,6 +58,31 @@ def gguf_context(path: Path) -> int | None:
         return int(reader.get_field(f"{arch}.context_length").contents())
     except Exception:  # noqa: BLE001 - llama.cpp reports an unreadable file when it loads it
         return None
+
+
+class LogitsView:
+    """The last decode's logits rows as a torch tensor over llama.cpp's own output buffer: no copy.
+
+    Why: at a few hundred microseconds a token (a small model on one thread), a fresh array, a copy
+    of every row and `np.ctypeslib.as_array`'s ctypes array type per step were a visible part of the
+    step (issue 32). The buffer stays where it is until llama.cpp grows it (for a batch with more
+    outputs than it holds), so the view is made again only when its address moves (`made` counts).
+    A view's rows are valid until the next `llama_decode`: the batch samples from them at once."""
+
+    def __init__(self, lc: Any, ctx: Any, rows: int, n_vocab: int):
+        self.lc, self.ctx, self.cap, self.n_vocab = lc, ctx, rows, n_vocab
+        self.address: int | None = None
+        self.tensor = torch.empty(0)
+        self.made = 0
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The first `n` rows (n <= the rows asked for at construction: only those llama.cpp wrote are read)."""
+        ptr = self.lc.llama_get_logits(self.ctx)  # also puts the rows back in batch order (output_reorder)
+        address = ctypes.cast(ptr, ctypes.c_void_p).value
+        if address != self.address:
+            self.tensor = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.cap, self.n_vocab)))
+            self.address, self.made = address, self.made + 1
+        return self.tensor[:n]
 
 
 @dataclass
@@ -89,8 +120,14 @@ class LlamaCppModel:
         self.max_positions = min(self.max_positions, lc.llama_n_ctx_seq(self._ctx))  # what each sequence got
         self.n_batch = min(512, self.max_positions * self.n_seq)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        for k in range(self.n_batch):  # every token is one sequence's: set once, not per token
+            b.n_seq_id[k] = 1
+        # The batch's arrays, read once: each read of a ctypes struct's field makes a new pointer object.
+        self._slots = (b.token, b.pos, b.logits, [b.seq_id[k] for k in range(self.n_batch)])
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self.logits = LogitsView(lc, self._ctx, self.n_seq, self.n_vocab)
         self._free = list(range(self.n_seq))
 
     def _context_params(self) -> Any:
@@ -113,36 +150,51 @@ class LlamaCppModel:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: SeqCache) -> torch.Tensor:
         """Logits after each row's last new token, [rows, vocab]. The new tokens are those the mask's
-        last columns keep (a prefill's left padding is not sent); a first call takes a sequence per row."""
+        last columns keep (a prefill's left padding is not sent); a first call takes a sequence per row.
+        The tensor is a view of llama.cpp's output buffer (`LogitsView`): valid until the next forward."""
         rows, width = input_ids.shape
         if not cache.seqs:
             if rows > len(self._free):
                 raise RuntimeError(f"{rows} rows but {len(self._free)} free llama.cpp sequences")
             cache.seqs, self._free = self._free[:rows], self._free[rows:]
+        if width == 1:  # a decode step: one token per row, none of it padding (no mask to read)
+            return self._step(cache.seqs, input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist())
         keep = attention_mask[:, -width:].bool()
         work = [(cache.seqs[i], input_ids[i][keep[i]].tolist(), position_ids[i][keep[i]].tolist()) for i in range(rows)]
-        return torch.from_numpy(self._decode(work))
+        return self._prefill(work)
 
-    def _decode(self, work: list[tuple[int, list[int], list[int]]]) -> np.ndarray:
-        """Every row's tokens through llama_decode, `n_batch` tokens a call; each row's last logits."""
-        out = np.empty((len(work), self.n_vocab), dtype=np.float32)
+    def _step(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per row in one llama_decode (rows <= n_seq <= n_batch); every row's logits, in row order."""
+        self._decode(zip(seqs, tokens, positions, repeat(True)))
+        return self.logits.rows(len(seqs))
+
+    def _prefill(self, work: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
+        """Every row's tokens through llama_decode, `n_batch` tokens a call; each row's last logits. In one
+        call they are the view's first rows, in row order; over several, each call's rows are copied out."""
         flat = [(row, seq, tok, pos, j == len(toks) - 1)
                 for row, (seq, toks, poss) in enumerate(work) for j, (tok, pos) in enumerate(zip(toks, poss))]
-        b = self._batch
+        out = torch.empty((len(work), self.n_vocab), dtype=torch.float32)
         for start in range(0, len(flat), self.n_batch):
             chunk = flat[start:start + self.n_batch]
-            for k, (_, seq, tok, pos, last) in enumerate(chunk):
-                b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, last
-                b.seq_id[k][0] = seq
-            b.n_tokens = len(chunk)
-            rc = self.lc.llama_decode(self._ctx, b)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc} (the KV cache is full, or the batch was refused)")
-            for k, (row, _, _, _, last) in enumerate(chunk):
-                if last:
-                    ptr = self.lc.llama_get_logits_ith(self._ctx, k)
-                    out[row] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            self._decode((seq, tok, pos, last) for _, seq, tok, pos, last in chunk)
+            if len(chunk) == len(flat):
+                return self.logits.rows(len(work))
+            done = [row for row, _, _, _, last in chunk if last]
+            if done:
+                out[done] = self.logits.rows(len(done))
         return out
+
+    def _decode(self, entries: Iterable[tuple[int, int, int, bool]]) -> None:
+        """(sequence, token, position, wants logits) entries, at most `n_batch`, in one llama_decode."""
+        tokens, positions, wants, seq_ids = self._slots
+        k = -1
+        for k, (seq, tok, pos, want) in enumerate(entries):
+            tokens[k], positions[k], wants[k] = tok, pos, want
+            seq_ids[k][0] = seq
+        self._batch.n_tokens = k + 1
+        rc = self.lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} (the KV cache is full, or the batch was refused)")
 
     def select_rows(self, cache: SeqCache, rows: torch.Tensor, trim: int) -> bool:
         """Keep these rows' sequences; the others' cells are freed and their ids reused."""

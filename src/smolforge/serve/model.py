@@ -67,7 +67,10 @@ class ServedModel:
                 cache: Any) -> torch.Tensor:
         """Logits of the last position of each row, [batch, vocab]; `cache` grows by the new tokens.
 
-        `attention_mask` covers the cache and the new tokens (0 on left padding)."""
+        `attention_mask` covers the cache and the new tokens (0 on left padding). Without padding it is
+        left out, as `generate` does: transformers then skips checking and slicing it at every step."""
+        if bool(attention_mask.all()):
+            attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
