@@ -4,7 +4,8 @@ pieces (one fetch killed mid-way resumes, one damaged piece is refused and sent 
 their models dirs and advertise it; a second job on the model sends nothing.
 
 A cluster of its own (a coordinator holding `tiny-far` in its models dir, two workers with empty
-ones), since the workers re-register with Ray once they hold the new model (the session's shared
+ones; a distill run's teacher and student, `tiny-teach` and `tiny-learn`, also only there), since the
+workers re-register with Ray once they hold the new model (the session's shared
 cluster must not see that). The workers' rescan timer is off (SMOLFORGE_RESCAN_S=0): what they
 advertise afterwards comes from the rescan the fetch asks for. The piece protocol, the disk-space
 refusal and placement's choices are tests/cluster/test_model_travel_units.py.
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MODEL = "tiny-far"
 STAGED = "tiny-staged"  # served in 3 stages: the workers receive only their stages' parts
+TEACHER, STUDENT = "tiny-teach", "tiny-learn"  # a distill run's models, only the coordinator holds them
 EXIT_AFTER = 3  # w1's first fetch dies after writing this many pieces
 DAMAGED = 4  # the holder sends the 4th piece it serves damaged, once
 
@@ -37,7 +39,8 @@ def cluster(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("model-travel")
     shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / MODEL)
-    shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / STAGED)
+    for name in (STAGED, TEACHER, STUDENT):
+        shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / name)
     c = LocalCluster(base)
     c.env["SMOLFORGE_RESCAN_S"] = "0"
     c.env[PIECE_BYTES_ENV] = str(256 << 10)  # the 3.4 MB model in 19 pieces
@@ -222,3 +225,49 @@ def test_an_export_runs_on_a_worker_that_fetched_the_model(cluster):
     done = [data_of(e) for e in events if data_of(e).get("state") == "done"]
     assert len(done) == 1 and done[0]["node"] in ("w1", "w2"), [e["message"] for e in events]
     assert sums(c.base / f"models-{done[0]['node']}" / STAGED) == sums(c.base / "coord-models" / STAGED)
+
+
+def run_distill(c: LocalCluster, out: Path) -> tuple[dict, list[dict]]:
+    """`smolforge distill` against the coordinator (tiny settings: 4 prompts, 1 teacher, 1 student of 2
+    steps, no eval, no merge), its teacher TEACHER and its student's base STUDENT; its run summary and
+    its model_transfer events."""
+    client = c.client()
+    before = {j["id"] for j in client.list_jobs()}
+    r = c.cli("distill", "--teacher", TEACHER, "--student", STUDENT, "--data", "bundled", "--max-samples", "4",
+              "--teacher-backend", "hf", "--num-teachers", "1", "--num-students", "1", "--max-steps", "2",
+              "--batch-size", "2", "--max-new-tokens", "4", "--top-k", "4", "--no-eval", "--save-every", "0",
+              "--aggregate", "none", "--device", "cpu", "--peft-config", '{"r": 4, "alpha": 8, "dropout": 0.0}',
+              "--output-dir", str(out), "--json", timeout=400)
+    [job_id] = [j["id"] for j in client.list_jobs() if j["id"] not in before]
+    events = [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:], [e["message"] for e in events])
+    return json.loads((out / "distill_summary.json").read_text()), events
+
+
+def test_a_distill_run_brings_its_teacher_and_student_to_the_workers(cluster, tmp_path):
+    """A distill job whose teacher and student only the coordinator's machine holds: before the run
+    places anything, both workers fetch both models (one rescan each, after the last), the run waits
+    until they joined Ray again advertising them, and the teacher and the student run on a worker; a
+    second run sends nothing (cache hits). Cost (the module's cluster up): 26 s at load 4, 34-39 s at load
+    6-10 on the 2-core machine: the two runs' teacher and student processes and the workers' re-join."""
+    c = cluster
+    summary, events = run_distill(c, tmp_path / "first")
+    data, said = [data_of(e) for e in events], "\n".join(e["message"] for e in events)
+    done = sorted((d["model"], d["node"]) for d in data if d.get("state") == "done")
+    assert done == [(STUDENT, "w1"), (STUDENT, "w2"), (TEACHER, "w1"), (TEACHER, "w2")], said
+    advertised = [d for d in data if d.get("state") == "advertised"]
+    assert [sorted(d["nodes"]) for d in advertised] == [["w1", "w2"]], said
+    assert not [d for d in data if d.get("state") == "left_out"], said
+    teachers = [(t["state"], t["node"] in ("w1", "w2")) for t in summary["teacher_tasks"]]
+    assert teachers == [("completed", True)], summary["teacher_tasks"]  # on a worker that fetched it
+    assert [(t["state"], t["node"] in ("w1", "w2")) for t in summary["student_tasks"]] == [("completed", True)]
+    for name in ("w1", "w2"):
+        for model in (TEACHER, STUDENT):
+            assert sums(c.base / f"models-{name}" / model) == sums(c.base / "coord-models" / model)
+
+    summary, events = run_distill(c, tmp_path / "second")
+    data = [data_of(e) for e in events]
+    assert [d for d in data if d.get("pieces") or d.get("state")] == [], [e["message"] for e in events]
+    hits = sorted((d["model"], sorted(d["nodes"])) for d in data if d.get("cache_hit"))
+    assert hits == [(STUDENT, ["w1", "w2"]), (TEACHER, ["w1", "w2"])], [e["message"] for e in events]
+    assert [t["state"] for t in summary["student_tasks"]] == ["completed"]

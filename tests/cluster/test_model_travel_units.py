@@ -304,3 +304,53 @@ def test_a_node_joining_a_running_elastic_job_gets_the_model_before_its_rank_sta
     outcome = None  # it fetched the model (or held it): the rank starts
     assert joining.NodeJoining._admit(runner, job, 2, {}, 2, 3) == [(2, "ref")]
     assert calls == [("org/m", [("id-w3", "w3")])] and len(started) == 1 and runner.members == {2: "w3"}
+
+
+def test_a_distill_run_waits_for_its_fetching_workers_to_advertise_its_models(monkeypatch):
+    """distill/travel.py: each model fetched with advertise=False by the workers that lack it, each such
+    node asked to read its models once, after the last; the run waits for them by name (a node re-joins
+    Ray under a new id); one that never comes back is left out with an event; no worker holding the
+    teacher then fails the attempt; a stop while waiting regroups. Presets, Ollama teachers and a
+    teacher on the coordinator do not travel."""
+    from smolforge.cluster.control.runner import Failed, Regroup
+    from smolforge.cluster.workloads.distill import travel
+
+    coord = _node("coord", "coordinator", ("org/t", "org/s"))
+    w1, w2 = _node("w1"), _node("w2")
+    back = _node("w1", models=("org/t", "org/s"))
+    back.node_id = "new-w1-id"
+    tables: list[list] = []
+    calls, asked, events = [], [], []
+
+    def bring(report, model, placed, nodes, stopping, part=None, advertise=True):
+        calls.append((model, [n for _, n in placed], advertise))
+
+    monkeypatch.setattr(travel, "bring_model", bring)
+    monkeypatch.setattr(travel, "ask_rescan", lambda placed: asked.append(sorted(n for _, n in placed))
+                        or ({n for _, n in placed}, {}))
+    monkeypatch.setattr(travel.ray_glue, "nodes", lambda: tables.pop(0) if len(tables) > 1 else tables[0])
+    monkeypatch.setattr(travel, "WAIT_POLL_S", 0.01)
+
+    def report(message, data):
+        events.append((data.get("state"), data.get("nodes"), message))
+
+    held = [coord, w1]
+    assert travel.travelling_models("org/t", ["org/s", "tiny-llama", "org/t"], False, nodes=held) == ["org/t", "org/s"]
+    assert travel.travelling_models("org/t", ["org/s"], False, backend="ollama", nodes=held) == ["org/s"]
+    assert travel.travelling_models("org/t", ["org/s"], False, on_coordinator=True, nodes=held) == ["org/s"]
+
+    tables[:] = [[coord, w1, w2], [coord, w1, w2], [coord, back, w2]]  # w1 re-joins, w2 never does
+    assert travel.bring_run_models(report, ["org/t", "org/s"], "org/t", lambda: False, wait_s=0.5) is None
+    assert calls == [("org/t", ["w1", "w2"], False), ("org/s", ["w1", "w2"], False)] and asked == [["w1", "w2"]]
+    left = [(nodes, m) for state, nodes, m in events if state == "left_out"]
+    assert [nodes for nodes, _ in left] == [["w2"]] and "left out" in left[0][1], events
+    assert "advertised" not in [state for state, _, _ in events]
+
+    events.clear()
+    tables[:] = [[coord, w1, w2]]  # nobody re-joins: no worker can run the teacher
+    got = travel.bring_run_models(report, ["org/t", "org/s"], "org/t", lambda: False, wait_s=0.05)
+    assert isinstance(got, Failed) and "teacher model org/t" in got.reason, got
+    assert [nodes for state, nodes, _ in events if state == "left_out"] == [["w1", "w2"]]
+
+    tables[:] = [[coord, w1, w2]]
+    assert isinstance(travel.bring_run_models(report, ["org/t"], "org/t", lambda: True, wait_s=60), Regroup)

@@ -91,15 +91,16 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
     """One worker free to start on: a distill run spreads its teachers and students over every
     eligible worker itself, and waits there for the busy ones (its runner places them as they free)."""
     d = job.distill
-    # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model
-    model = None if d.teacher_on_coordinator or holds_anywhere(d.teacher, embedded) else d.teacher
+    # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model,
+    # nor one that travels (its runner brings it to the workers first: workloads/distill/travel.py)
+    model = None if d.teacher_on_coordinator else model_need(d.teacher, None, embedded)
     return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
 
 
 def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
-    """A teacher or students stage: one worker free to start on, holding its model (its runner spreads
-    the tasks as `distill` does). An aggregate stage merges on the coordinator: it asks for no worker,
-    so it never waits in the queue (None)."""
+    """A teacher or students stage: one worker free to start on, holding its model unless it travels
+    (its runner spreads the tasks as `distill` does). An aggregate stage merges on the coordinator: it
+    asks for no worker, so it never waits in the queue (None)."""
     if job.stage == "aggregate":
         return None
     a = job.args
@@ -108,8 +109,8 @@ def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
     if job.stage == "teacher" and a.get("teacher_on_coordinator"):
         model = None
     cpus = float(a.get("cpus_per_teacher" if job.stage == "teacher" else "cpus_per_student") or 1.0)
-    held = not isinstance(model, str) or holds_anywhere(model, embedded)
-    return Demand(1, Requirements(model=None if held else model, cpus=cpus), noun="task")
+    return Demand(1, Requirements(model=model_need(model, None, embedded) if isinstance(model, str) else None,
+                                  cpus=cpus), noun="task")
 
 
 def _serve_demand(job: ServeJob, embedded: bool) -> Demand:

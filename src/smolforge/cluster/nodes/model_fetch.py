@@ -347,7 +347,7 @@ class ModelFetcher:
                 os._exit(1)  # a killed transfer, as a test asked: the next fetch resumes from the journal
         r.commit()
         if self.rescan:
-            _ask_rescan()
+            ask_rescan_here()
         self._set(state="done")
         return self.progress()
 
@@ -360,8 +360,9 @@ class ModelFetcher:
             return dict(self.progress_)
 
 
-def _ask_rescan() -> None:
-    """Ask this node's worker to read its models again, so it advertises the new one (once idle)."""
+def ask_rescan_here() -> None:
+    """Ask this node's worker to read its models again, so it advertises the new one (once idle); also
+    run as a Ray task on a node by `workloads.model_transfer.ask_rescan`."""
     request = os.environ.get(RESCAN_REQUEST_ENV)
     if request:
         try:

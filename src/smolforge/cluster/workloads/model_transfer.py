@@ -2,7 +2,9 @@
 
 Every kind that runs a model on a worker calls `bring_model` itself, with the nodes it placed, before
 it starts work on them: a data-parallel round (and a node joining a running elastic group, `_admit`),
-a serve job's stage (`serve/stages.py`: only that stage's part, `StagePart`), an export task. What
+a serve job's stage (`serve/stages.py`: only that stage's part, `StagePart`), an export task, a
+distill run's teacher and student bases (`distill/travel.py`: to every worker before the run places
+anything, then awaited until those workers advertise them, since distill places by `model:<name>`). What
 comes back is the attempt's Outcome (Failed with the reason), so the job's FailurePolicy decides.
 
 The placed nodes that do not advertise the model (`model:<name>`) each fetch it from one node
@@ -24,17 +26,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ray.exceptions import RayError
+from ray.exceptions import NodeDiedError, RayError
 
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.control.placement import model_holders, transfer_seconds
 from smolforge.cluster.control.runner import Failed, Outcome, Regroup, short_error
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, piece_bytes, stage_part_name
+from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, ask_rescan_here, piece_bytes, stage_part_name
 
 MAX_ATTEMPTS = 3  # a fetch cut mid-way (its process killed, its node's link lost) resumes this often
 REPORT_S = 2.0  # seconds between a node's progress events
 MANIFEST_TIMEOUT_S = 600.0  # the holder reads (hashes) the whole model once: a 2 GB model on a slow disk
+RESCAN_ASK_TIMEOUT_S = 60.0  # a node's answer to "read your models again" (a file written there)
 
 
 @dataclass
@@ -160,6 +163,31 @@ def _pinned(cls: type, node_id: str, concurrency: int):
 
     return ray.remote(cls).options(num_cpus=0, max_restarts=0, max_concurrency=concurrency,
                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def ask_rescan(placed: list[tuple[str, str]]) -> tuple[set[str], dict[str, str]]:
+    """Each placed node's ((node id, name) each) worker asked to read its models again, so it
+    advertises what was fetched there with `advertise=False` (it re-joins Ray once none of its CPUs
+    runs a task): a caller that brings several models asks once, after the last, so a node re-joins
+    once and never while another of its fetches runs (distill). (names asked, {name: why not}); a node
+    that left Ray before its answer came back counts as asked: it read the request and is re-joining
+    (the caller's wait for it to advertise the model decides)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ask = ray.remote(num_cpus=0, max_retries=0)(ask_rescan_here)
+    refs = {name: ask.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            for node_id, name in placed}
+    asked, failed = set(), {}
+    for name, ref in refs.items():
+        try:
+            ray.get(ref, timeout=RESCAN_ASK_TIMEOUT_S)
+            asked.add(name)
+        except NodeDiedError:
+            asked.add(name)
+        except RayError as err:
+            failed[name] = short_error(err)
+    return asked, failed
 
 
 def lacking(model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo]

@@ -17,6 +17,9 @@ checkpoint (shipped to whichever node runs it now). Cancel stops everything at o
 that dies mid-run costs its teacher's unfinished shards (regenerated elsewhere) and its student's
 steps since the last `save_every` checkpoint (see smolforge.cluster.workloads.distill).
 
+Before the run places anything, its teacher and student bases travel to the workers that lack them
+and the run waits until those workers advertise them (`travel.py`: distill places by `model:<name>`).
+
 The run restarts its own teachers' shards and students inside it; what ends the run goes through the
 job's FailurePolicy like every kind's (the base runner's): an error of the run's own making (bad
 data, a student that failed after its restarts) is not retried; a lost Ray connection is, and the
@@ -43,6 +46,8 @@ from smolforge.cluster.control.runner import (
 from smolforge.cluster.control.specs import DistillJob, DistillTaskJob, TaskConfig
 from smolforge.cluster.control.states import ended_unsuccessfully, succeeded
 from smolforge.cluster.workloads.distill.state import TASK_ENDED, store_dir_of
+from smolforge.cluster.workloads.distill.travel import bring_run_models, travelling_models
+from smolforge.cluster.workloads.model_transfer import job_report
 from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import sha256_bytes
@@ -95,7 +100,12 @@ class DistillRunner(JobRunner):
         spec, settings = self.spec, self._settings()
         if spec.output_dir and self.ctx.embedded:
             self.out = Path(spec.output_dir)
-        self._session, self._events_seen = DistillSession(ray_glue.connect(), spec.mode), 0
+        cluster = ray_glue.connect()
+        moved = self._bring_models(settings.teacher, settings.students, settings.teacher_backend,
+                                   settings.teacher_on_coordinator)
+        if moved is not None:
+            return moved
+        self._session, self._events_seen = DistillSession(cluster, spec.mode), 0
         self.open_sinks(self.out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
                         name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
                                                          settings.lr, settings.batch_size,
@@ -105,6 +115,14 @@ class DistillRunner(JobRunner):
                              f"({settings.num_students} per base, {settings.peft}); run dir {self.out}")
         self.recovered(f"the run goes on in {self.out}")
         return None
+
+    def _bring_models(self, teacher: str | None, students: list[str], backend: str = "hf",
+                      on_coordinator: bool = False) -> Outcome | None:
+        """The run's models to the workers that lack them, advertised there, before anything is placed
+        (`travel.bring_run_models`): None, or the attempt's Outcome."""
+        models = travelling_models(teacher, students, self.ctx.embedded, backend, on_coordinator)
+        return bring_run_models(job_report(self.store, self.job_id), models, teacher,
+                                stopping=lambda: bool(self.want or self.abandon))
 
     def poll(self) -> Outcome | None:
         """The whole run: `run_distill` blocks here, minding stop requests through `should_stop`."""
@@ -261,7 +279,15 @@ class DistillTaskRunner(DistillRunner):
             return Failed("store_dir and student_dirs name directories on the embedded cluster's machine",
                           retryable=False, error="a coordinator reads only its own jobs' stores and adapters: "
                           "give teacher_job / student_tasks")
-        self._session, self._events_seen = StageSession(ray_glue.connect(), spec.mode), 0
+        cluster, a = ray_glue.connect(), spec.args
+        if spec.stage != "aggregate":  # a stage's models travel as the whole run's do
+            teacher, bases = (a.get("model_path"), []) if spec.stage == "teacher" else (None, a.get("base_model"))
+            moved = self._bring_models(teacher if isinstance(teacher, str) else None,
+                                       bases if isinstance(bases, list) else [bases],
+                                       str(a.get("backend") or "hf"), bool(a.get("teacher_on_coordinator")))
+            if moved is not None:
+                return moved
+        self._session, self._events_seen = StageSession(cluster, spec.mode), 0
         self.store.add_event(self.job_id, "distill_task_started", f"{spec.stage} stage; run dir {self.out}",
                              {"stage": spec.stage})
         self.recovered(f"the {spec.stage} stage goes on in {self.out}")
