@@ -73,16 +73,21 @@ def job_spec(c: LocalCluster, model: str = MODEL) -> dict:
     return {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "train": train}
 
 
-def run_job(c: LocalCluster, model: str = MODEL) -> tuple[dict, list[dict]]:
-    """Submit, wait (a bound against a hang only), and return the status and its model_transfer events."""
-    client = c.client()
-    job_id = client.submit_job(job_spec(c, model))
+def job_end(client, job_id: str) -> tuple[dict, list[dict]]:
+    """The job's status once it ended (a bound against a hang only) and its model_transfer events."""
     deadline = time.time() + 300
     st = client.get_job_status(job_id)
     while st["state"] not in ("completed", "failed", "cancelled") and time.time() < deadline:
         time.sleep(0.5)
         st = client.get_job_status(job_id)
-    events = [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+    return st, [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+
+
+def run_job(c: LocalCluster, model: str = MODEL) -> tuple[dict, list[dict]]:
+    """Submit, wait (a bound against a hang only), and return the status and its model_transfer events."""
+    client = c.client()
+    job_id = client.submit_job(job_spec(c, model))
+    st, events = job_end(client, job_id)
     assert st["state"] == "completed", (st.get("error"), [e["message"] for e in events], client.job_logs(job_id)[-30:])
     assert sorted(t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank") == ["w1", "w2"]
     return st, events
@@ -215,12 +220,7 @@ def test_an_export_runs_on_a_worker_that_fetched_the_model(cluster):
     parts): a worker fetches the whole model first, then the task runs there."""
     c, client = cluster, cluster.client()
     job_id = client.submit_job({"kind": "export", "model": STAGED, "to": "hf", "verify": False})
-    deadline = time.time() + 300
-    st = client.get_job_status(job_id)
-    while st["state"] not in ("completed", "failed", "cancelled") and time.time() < deadline:
-        time.sleep(0.5)
-        st = client.get_job_status(job_id)
-    events = [e for e in client.job_events(job_id) if e["kind"] == "model_transfer"]
+    st, events = job_end(client, job_id)
     assert st["state"] == "completed", (st.get("error"), [e["message"] for e in events])
     done = [data_of(e) for e in events if data_of(e).get("state") == "done"]
     assert len(done) == 1 and done[0]["node"] in ("w1", "w2"), [e["message"] for e in events]
