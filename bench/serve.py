@@ -18,6 +18,10 @@ the server's home first (not timed), the same streams and threads.
 Goals (issue 13): serve >= 1.0x HF generate for one stream; >= 3x HF's one-stream rate in aggregate
 for eight streams; 2 stages on one machine >= 0.8x single-process serve. Issue 32: the llamacpp
 engine at q8_0 >= 4x HF generate (fp32) for one stream; the torch engine >= 0.95x.
+
+The serve columns run the HTTP side in a process of its own (`--front process`, the default);
+`--thread-front` (on by default) adds the torch engine with `--front thread`, both in one process,
+as the baseline that split is measured against in the same run.
 """
 
 from __future__ import annotations
@@ -254,6 +258,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (HF generate and single-process serve)")
     ap.add_argument("--stages", type=int, default=2, help="the staged column's stages (0: no staged column)")
     ap.add_argument("--quant", default="q8_0", help="the llama.cpp column's GGUF quantization (none: no such column)")
+    ap.add_argument("--thread-front", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the torch engine with --front thread (the HTTP side in the engine's process)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from smolforge.models.tiny import is_preset, preset_dir
@@ -262,18 +268,27 @@ def main() -> None:
     model_dir = printable(str(preset_dir(args.model)) if is_preset(args.model) else args.model, tmp)
     hf = hf_side(model_dir, args.max_tokens, args.threads, args.device)
     sv = serve_side(model_dir, args.max_tokens, args.threads, tmp / "torch", args.device)
+    th = (serve_side(model_dir, args.max_tokens, args.threads, tmp / "thread", args.device,
+                     ("--engine", "torch", "--front", "thread")) if args.thread_front else None)
     lc = (serve_side(model_dir, args.max_tokens, args.threads, tmp / "llamacpp", "cpu",
                      ("--engine", "llamacpp", "--quant", args.quant)) if args.quant != "none" else None)
     st = staged_side(model_dir, args.max_tokens, args.threads, tmp, args.stages) if args.stages else None
     print(f"{args.model} on {args.device}, greedy, {args.max_tokens} new tokens, {args.threads} thread(s) per process; "
           "tok/s = (n-1)/(t_last-t_first)")
     print_table(args, hf, sv, lc, st)
+    if th:
+        print(f"torch engine, --front thread (one process): 1 stream {th['one_stream_tok_s']:.3f} tok/s "
+              f"({th['one_stream_tok_s'] / hf['one_stream_tok_s']:.2f}x HF), 8 streams {th['eight_streams_tok_s']:.3f} "
+              f"({th['eight_streams_tok_s'] / hf['one_stream_tok_s']:.2f}x HF's one stream)")
     report = {"model": args.model, "device": args.device, "max_tokens": args.max_tokens, "threads": args.threads,
               "hf": hf, "serve": sv,
               "one_stream_ratio": sv["one_stream_tok_s"] / hf["one_stream_tok_s"],
               "eight_streams_vs_hf_one_stream": sv["eight_streams_tok_s"] / hf["one_stream_tok_s"],
               "goals": {"one_stream_ratio": ">= 0.95 (issue 32; issue 13: 1.0)", "eight_streams_vs_hf_one_stream": ">= 3",
                         "staged_one_stream_vs_serve": ">= 0.8", "llamacpp_one_stream_ratio": ">= 4 at q8_0"}}
+    if th:
+        report.update(thread_front=th, thread_front_one_stream_ratio=th["one_stream_tok_s"] / hf["one_stream_tok_s"],
+                      thread_front_eight_streams_vs_hf_one_stream=th["eight_streams_tok_s"] / hf["one_stream_tok_s"])
     if lc:
         report.update(llamacpp=lc, llamacpp_quant=args.quant,
                       llamacpp_one_stream_ratio=lc["one_stream_tok_s"] / hf["one_stream_tok_s"],

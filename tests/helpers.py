@@ -133,6 +133,13 @@ def rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+def tree_rss_mb(pid: int) -> float:
+    """A process's resident memory and its children's, in MiB: `smolforge serve` is two processes (the
+    engine's and, by default, the HTTP front that reads the bodies)."""
+    kids = [int(k) for t in os.listdir(f"/proc/{pid}/task") for k in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    return rss_mb(pid) + sum(tree_rss_mb(k) for k in kids)
+
+
 def tiny_train_cfg(root: Path, out: str, steps: int, **kw) -> dict:
     """A TrainConfig dict for tiny-llama on `root/data.jsonl`, fp32, one thread, LoRA without dropout:
     what the strategy tests train with one process and with spawned ranks, to compare the two."""

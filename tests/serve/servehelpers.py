@@ -33,6 +33,35 @@ class Server:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.token, max_retries=0, timeout=60)
 
 
+def until(check, what: str, bound: float = 60):
+    """`check()`'s first true value, polled; an AssertionError naming `what` after `bound` seconds (a hang)."""
+    deadline = time.monotonic() + bound
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what} did not happen within {bound} s"
+        time.sleep(0.05)
+    return got
+
+
+def front_of(pid: int) -> int:
+    """The pid of `smolforge serve`'s HTTP front (`--front process`): its child running `smolforge.serve.front`."""
+    def child() -> int | None:
+        for kid in open(f"/proc/{pid}/task/{pid}/children").read().split():
+            if b"smolforge.serve.front" in open(f"/proc/{kid}/cmdline", "rb").read():
+                return int(kid)
+        return None
+
+    return until(child, "the front process")
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` has ended (a zombie whose killed parent did not reap it counts as ended)."""
+    try:
+        os.kill(pid, 0)
+        return "\nState:\tZ" in open(f"/proc/{pid}/status").read()
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from helpers import MB, post_raw, rss_mb
+from helpers import MB, post_raw, tree_rss_mb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,12 +137,12 @@ def _post_raw(port: int, body_bytes: int, token: str | None = None, chunked: boo
 
 def test_a_50_mb_body_without_the_token_is_refused_unread(server):
     pid = server.proc.pid
-    before = rss_mb(pid)
+    before = tree_rss_mb(pid)
     for token in (None, "wrong"):
         status, sent = _post_raw(server.port, 50 * MB, token=token)
         assert status == 401
     assert _post_raw(server.port, 50 * MB, chunked=True)[0] == 401
-    grown = rss_mb(pid) - before
+    grown = tree_rss_mb(pid) - before
     assert grown < 20, f"the server grew by {grown:.0f} MB on bodies it should not have read"
     # with the token, a body over the 4 MiB bound is refused too (413), declared or streamed
     assert _post_raw(server.port, 50 * MB, token=server.token)[0] == 413

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import rss_mb
+from helpers import tree_rss_mb
 from servehelpers import hostile_bodies, start_server
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
@@ -63,7 +63,7 @@ def round_of(srv, hostile: bool) -> dict:
         for w in waits:
             w.result()
     return {"p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99), "statuses": statuses, "refusals": refusals,
-            "rss_mb": rss_mb(srv.proc.pid)}
+            "rss_mb": tree_rss_mb(srv.proc.pid)}
 
 
 def test_normal_requests_beside_hostile_ones(model_copy, tmp_path):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from servehelpers import free_port
+from servehelpers import free_port, front_of, gone, until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,10 +82,12 @@ def test_a_made_token_is_written_0600_and_only_its_path_printed(model_copy, tmp_
                 assert time.time() < deadline
                 time.sleep(0.3)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == str(model_copy)
+        front = front_of(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert token not in log.read_text()
+    assert proc.returncode == 0 and until(lambda: gone(front), "the HTTP front's exit")  # SIGTERM ends both
 
 
 def test_serve_with_an_adapter_answers_as_the_adapted_model(model_copy, tmp_path):

@@ -42,6 +42,9 @@ def register(app: typer.Typer) -> None:
         quant: Optional[str] = typer.Option(None, help="the llamacpp engine's GGUF quantization: "
                                             f"{' | '.join(TEACHER_QUANTS)} (default {DEFAULT_QUANT}); the model is "
                                             "exported once per node and cached, as for --teacher-backend llamacpp"),
+        front: str = typer.Option("process", help="where the HTTP side runs: process (its own, so the engine's "
+                                  "process keeps its GIL for the model: the faster one on a CPU) | thread "
+                                  "(beside the engine, one process)"),
         stages: Optional[str] = typer.Option(None, help="cut the model into N stages, one Ray actor each on nodes "
                                              "holding it: a `serve` job on the coordinator, or on an embedded "
                                              "cluster of this machine; auto: the placement plan chooses from "
@@ -104,7 +107,8 @@ def register(app: typer.Typer) -> None:
 
         run(ServeOptions(model=model, adapter=adapter, host=host, port=port, token_file=token_file,
                          state_dir=state_dir, max_batch=max_batch, model_name=model_name, device=device,
-                         dtype=dtype, num_threads=num_threads, engine=engine, quant=quant), announce=announce)
+                         dtype=dtype, num_threads=num_threads, engine=engine, quant=quant, front=front),
+            announce=announce)
 
 
 def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, state_dir: str | None,

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
@@ -29,9 +29,8 @@ from starlette.exceptions import HTTPException  # the router's own 404/405 too, 
 from smolforge.data.encode import render
 from smolforge.gate import Gate
 from smolforge.serve import openapi
-from smolforge.serve.engine import Engine, EngineStopped, PromptTooLong
+from smolforge.serve.events import EngineStopped, PromptTooLong
 from smolforge.serve.intake import Lanes, char_bound, read_json, validate
-from smolforge.serve.model import ServedModel
 from smolforge.serve.protocol import (
     DEFAULT_MAX_TOKENS,
     ApiError,
@@ -45,6 +44,11 @@ from smolforge.serve.protocol import (
 )
 from smolforge.serve.sampling import SamplingParams
 from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
+
+if TYPE_CHECKING:  # an Engine, or in the HTTP front process its handle (`channel.RemoteEngine`); a ServedModel,
+    # or there `front.FrontModel` (the name and the tokenizer: all the HTTP side reads of the model)
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
 
 MAX_BODY_BYTES = int(os.environ.get("SMOLFORGE_SERVE_MAX_BODY_BYTES", str(4 * 2**20)))
 # A body must arrive whole within this (408 after); `http_limits` closes one that stalls, this bounds a trickle.

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent  # noqa: F401  (the names' old home)
 from smolforge.serve.sampling import SamplingParams, is_greedy, next_token
 from smolforge.serve.stops import TextStream
 
@@ -51,36 +52,6 @@ class BatchModel(Protocol):
     def release(self, cache: Any) -> None:
         """The batch is over (finished or failed): whatever the cache holds may go."""
         ...
-
-
-@dataclass
-class TokenEvent:
-    """New text for the client (may be empty while a stop string or half a character is held back)."""
-
-    text: str
-    token_id: int
-
-
-@dataclass
-class DoneEvent:
-    """The request ended: `finish_reason` is "stop" (EOS or a stop string), "length" or "cancelled"."""
-
-    finish_reason: str
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-
-
-@dataclass
-class ErrorEvent:
-    """The request failed: `status` 400 when its own settings caused it, 500 when the server did."""
-
-    message: str
-    status: int = 500
-
-
-Event = TokenEvent | DoneEvent | ErrorEvent
 
 
 @dataclass

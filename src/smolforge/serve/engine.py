@@ -22,21 +22,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from smolforge.errors import SmolforgeError
-from smolforge.serve.batch import Batch, BatchModel, DoneEvent, ErrorEvent, Event, Request, TokenEvent
+from smolforge.serve.batch import Batch, BatchModel, Request
+from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStopped: their old home)
+    ContextLimits,
+    DoneEvent,
+    EngineStopped,
+    ErrorEvent,
+    Event,
+    PromptTooLong,
+    TokenEvent,
+)
 from smolforge.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class PromptTooLong(SmolforgeError):
-    """The prompt and the tokens asked for do not fit the model's context."""
-
-
-class EngineStopped(SmolforgeError):
-    """The engine's thread is not running: nothing can be generated (ours, not the caller's: exit 1)."""
-
-    exit_code = 1
 
 
 @dataclass
@@ -49,7 +47,7 @@ class Result:
     prompt_tokens: int
 
 
-class Engine:
+class Engine(ContextLimits):
     """Queue, batch and generate. `start()` it once; `stop()` ends the thread (queued requests fail)."""
 
     def __init__(self, model: BatchModel, *, max_batch: int = 8, window_s: float = 0.005, max_wait_s: float = 0.05,
@@ -71,20 +69,6 @@ class Engine:
         self.on_death: Callable[[str], None] | None = None
 
     # -- callers ----------------------------------------------------------------------------------
-
-    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse (PromptTooLong) a request whose prompt plus `max_tokens` exceeds the context."""
-        if prompt_tokens < 1:
-            raise PromptTooLong("the prompt is empty", fix="send at least one token of prompt")
-        if prompt_tokens + max_tokens > self.max_positions:
-            raise PromptTooLong(
-                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: together over the model's "
-                f"context of {self.max_positions} tokens",
-                fix=f"shorten the prompt or lower max_tokens to at most {max(0, self.max_positions - prompt_tokens)}")
-
-    def room(self, prompt_tokens: int) -> int:
-        """The most tokens a prompt of this length leaves room for."""
-        return max(0, self.max_positions - prompt_tokens)
 
     @property
     def alive(self) -> bool:

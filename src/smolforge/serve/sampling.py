@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a token is drawn: the HTTP front process makes params, never draws
+    import torch
 
 
 @dataclass
@@ -27,6 +29,8 @@ class SamplingParams:
         """The request's own random stream (None when greedy: nothing to draw)."""
         if self.temperature <= 0:
             return None
+        import torch
+
         g = torch.Generator(device=device)
         g.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return g
@@ -39,6 +43,8 @@ def is_greedy(params: SamplingParams, generator: torch.Generator | None) -> bool
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from one row of logits (shape [vocab])."""
+    import torch
+
     if is_greedy(params, generator):
         return int(torch.argmax(logits).item())
     # Shifted before dividing, by a temperature float32 can hold (1e-300 is a valid request but
@@ -52,6 +58,8 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches `top_p` (at least one)."""
+    import torch
+
     sorted_probs, order = torch.sort(probs, descending=True)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
     sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))

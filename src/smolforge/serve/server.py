@@ -11,12 +11,25 @@ path is ever printed, never the token.
 Why a watchdog on the engine: the engine restarts its own loop after an error, but should its
 thread end anyway, a server that goes on answering `/health` would hide it; instead uvicorn is
 told to stop and `serve` exits 1 with the reason (`EngineStopped`).
+
+Why the HTTP side runs in a process of its own by default (`--front process`; `channel.py` says
+why it pays): this process loads the model, runs the engine and starts `serve.front` on the bound
+socket, then only supervises. Either side's end ends both: the front's exit (a signal, a crash)
+stops the engine; the engine's death stops the front (its channel closes) and `serve` exits 1.
+`--front thread` keeps both in this process, as staged serving's API actor does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +58,18 @@ class ServeOptions:
     batch_window_ms: float = 5.0
     engine: str = "auto"  # a name of `engines.ENGINES`, or auto (`engines.AUTO_RULE`)
     quant: str | None = None  # the llamacpp engine's GGUF quantization (None: engines.DEFAULT_QUANT)
+    front: str = "process"  # where the HTTP side runs: a name of FRONTS
+
+
+FRONTS = {"process": "a process of its own (the engine's process keeps its GIL for the model)",
+          "thread": "a thread beside the engine, in one process"}
+FRONT_STOP_S = 10.0  # a front told to stop gets this long to finish its streams, then is killed
+
+
+class FrontStopped(SmolforgeError):
+    """The HTTP front process ended on its own (ours, not the caller's: exit 1)."""
+
+    exit_code = 1
 
 
 def given_token(token_file: str | None) -> str | None:
@@ -71,6 +96,9 @@ def check_options(opts: ServeOptions) -> None:
     check_engine(opts.engine)
     if opts.quant is not None:
         check_quant(opts.quant)
+    if opts.front not in FRONTS:
+        raise SmolforgeError(f"--front {opts.front!r} is not one of {', '.join(FRONTS)}",
+                             fix="give --front process (the default) or --front thread")
     if not 0 <= opts.port <= 65535:
         raise SmolforgeError(f"--port {opts.port} is not a port", fix="give a port from 1 to 65535 (0: any free port)")
     if not 1 <= opts.max_batch <= 1024:
@@ -110,7 +138,7 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     # loaded, so a client meanwhile is refused at once rather than left waiting.
     sock = bind(opts.host, opts.port)
     try:
-        served, label, engine, app = _load(opts, token, announce)
+        served, label, engine = _load(opts, announce)
     except BaseException:
         sock.close()
         raise
@@ -123,20 +151,92 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     announce(f"  chat page: {base}/chat#token=<token>")
     announce(f"  token:     in {token_path} (mode 0600)" if token_path else
              "  token:     the one you gave (--token-file / $SMOLFORGE_TOKEN)")
-    import uvicorn
-
-    server = uvicorn.Server(serve_config(app, sock))
-    stop_when_engine_dies(engine, server)
     try:
-        server.run(sockets=[sock])
+        if opts.front == "process":
+            run_front(served, engine, sock, token)
+        else:
+            _run_in_thread(served, engine, sock, token)
     finally:
         engine.stop()
         sock.close()
     if engine.failure:
-        from smolforge.serve.engine import EngineStopped
+        from smolforge.serve.events import EngineStopped
 
         raise EngineStopped(f"the generation engine stopped: {engine.failure}",
                             fix="the log above has its traceback; start `smolforge serve` again")
+
+
+def _run_in_thread(served: Any, engine: Any, sock: socket.socket, token: str) -> None:
+    """`--front thread`: uvicorn on this process's main thread, beside the engine's."""
+    import uvicorn
+
+    from smolforge.serve.api import create_app
+
+    app = create_app(served, engine, token=token, model_name=served.name)
+    server = uvicorn.Server(serve_config(app, sock))
+    stop_when_engine_dies(engine, server)
+    server.run(sockets=[sock])
+
+
+def run_front(served: Any, engine: Any, sock: socket.socket, token: str) -> None:
+    """`--front process`: `serve.front` on `sock` and one end of the engine channel; returns once
+    either side has ended (a signal to this process ends the front first, gracefully)."""
+    from smolforge.serve.channel import EngineHost
+
+    host_end, front_end = socket.socketpair()
+    tokenizer_dir = tempfile.mkdtemp(prefix="smolforge-front-")  # 0700: the model's tokenizer, for the front
+    proc = None
+    try:
+        served.tokenizer.save_pretrained(tokenizer_dir)
+        EngineHost(engine, host_end).start()
+        fds = (sock.fileno(), front_end.fileno())  # the same numbers in the child (`pass_fds`)
+        proc = subprocess.Popen([sys.executable, "-m", "smolforge.serve.front"], stdin=subprocess.PIPE, pass_fds=fds)
+        front_end.close()
+        settings = {"listen_fd": fds[0], "channel_fd": fds[1], "token": token,
+                    "name": served.name, "tokenizer_dir": tokenizer_dir, "max_positions": engine.max_positions,
+                    "log_level": logging.getLevelName(max(logging.WARNING, logging.getLogger().level))}
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(settings).encode())
+        proc.stdin.close()
+        _supervise(proc, engine)
+    finally:
+        if proc is not None and proc.poll() is None:
+            _stop_front(proc)
+        host_end.close()
+        front_end.close()
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+
+
+def _supervise(proc: subprocess.Popen, engine: Any) -> None:
+    """Wait until the front exits, the engine dies, or this process is told to stop (SIGINT, SIGTERM)."""
+    stop = threading.Event()
+    engine.on_death = lambda reason: stop.set()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled} if main else {}
+    try:
+        while not stop.is_set() and proc.poll() is None:
+            stop.wait(0.25)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    code = proc.poll()
+    if code not in (None, 0) and not stop.is_set() and not engine.failure:
+        from smolforge.serve.front import ENGINE_GONE_EXIT
+
+        raise FrontStopped(f"the HTTP front process ended with exit code {code}"
+                             + (" (it lost the engine's channel)" if code == ENGINE_GONE_EXIT else ""),
+                             fix="its log is above; start `smolforge serve` again (or try --front thread)")
+
+
+def _stop_front(proc: subprocess.Popen) -> None:
+    """SIGTERM (uvicorn ends its streams), then SIGKILL after FRONT_STOP_S."""
+    proc.terminate()
+    try:
+        proc.wait(FRONT_STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(FRONT_STOP_S)
 
 
 def serve_config(app: Any, sock: socket.socket) -> Any:
@@ -159,10 +259,8 @@ def stop_when_engine_dies(engine: Any, server: Any) -> None:
     engine.on_death = died
 
 
-def _load(opts: ServeOptions, token: str, say: Callable[[str], None] = lambda line: None):
-    """The model (from the engine `--engine` names: `engines.ENGINES`), its running engine thread
-    and the app serving them."""
-    from smolforge.serve.api import create_app
+def _load(opts: ServeOptions, say: Callable[[str], None] = lambda line: None):
+    """The model (from the engine `--engine` names: `engines.ENGINES`) and its running engine thread."""
     from smolforge.serve.engine import Engine
     from smolforge.serve.engines import EngineSpec, load_engine
 
@@ -171,4 +269,4 @@ def _load(opts: ServeOptions, token: str, say: Callable[[str], None] = lambda li
     loaded = load_engine(opts.engine, spec, say)
     served = loaded.model
     engine = Engine(served, max_batch=opts.max_batch, window_s=opts.batch_window_ms / 1000).start()
-    return served, loaded.label, engine, create_app(served, engine, token=token, model_name=served.name)
+    return served, loaded.label, engine

@@ -21,12 +21,11 @@ import json
 import threading
 import weakref
 from collections import deque
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from smolforge.serve.batch import DoneEvent, ErrorEvent, Event, TokenEvent
-from smolforge.serve.engine import Engine
+from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent
 from smolforge.serve.protocol import (
     ApiError,
     chat_chunk,
@@ -36,6 +35,9 @@ from smolforge.serve.protocol import (
     usage_chunk,
 )
 from smolforge.serve.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine itself, or its handle in the HTTP front process (`channel.RemoteEngine`)
+    from smolforge.serve.engine import Engine
 
 
 class _Inbox:
