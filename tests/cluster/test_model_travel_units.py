@@ -408,3 +408,40 @@ def test_a_pipeline_round_sends_the_config_part_and_each_rank_fetches_only_its_s
     assert local_model("org/m", False, 2, travels=True) == ("org/m", False)  # ddp: the runner sent the model whole
     shutil.copytree(preset_dir("tiny-llama"), models / "org" / "m")
     assert local_model("org/m", True, 2, travels=True) == (str(models / "org" / "m"), False)  # its own whole copy
+
+
+def test_a_rank_s_part_fetch_reports_as_the_job_s_events_and_fails_the_rank_with_the_reason(tmp_path, monkeypatch):
+    """`stage_parts.PartFetch` (a pipeline rank's `model_part`): its node asks `bring_model` for the rank's
+    `StagePart` of the planned cut; each step becomes a `model_transfer` event through the rank's reports;
+    it answers the part's local directory, or raises with the reason (the rank fails; the policy decides)."""
+    from smolforge.cluster.control.runner import Failed
+    from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, stage_part_name
+    from smolforge.cluster.workloads.data_parallel import stage_parts
+    from smolforge.cluster.workloads.model_transfer import StagePart
+
+    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("SMOLFORGE_MODEL_PATHS", "{}")
+    monkeypatch.setattr(ray_glue, "nodes", lambda: [_node("coord", "coordinator", ("org/m",)), _node("w2")])
+    asked, emitted = [], []
+
+    def bring(report, model, placed, nodes, stopping, part=None, **kw):
+        asked.append((model, placed, part, stopping()))
+        report("w2 has it: 1.00 MB", {"model": model, "node": "w2", "state": "done", **part.data()})
+        if outcome is None:
+            where = tmp_path / stage_part_name(model, list(part.bounds), part.index)
+            where.mkdir(parents=True)
+            (where / "config.json").write_text("{}")
+        return outcome
+
+    monkeypatch.setattr(stage_parts, "bring_model", bring)
+    fetch = stage_parts.PartFetch("org/m", ("id-w2", "w2"), 1, emitted.append)
+    outcome = None
+    assert fetch([0, 2, 4], 1) == str(tmp_path / stage_part_name("org/m", [0, 2, 4], 1))
+    assert asked == [("org/m", [("id-w2", "w2")], StagePart((0, 2, 4), 1), False)]
+    assert emitted == [{"type": "event", "kind": "model_transfer", "message": "rank 1: w2 has it: 1.00 MB",
+                        "data": {"model": "org/m", "node": "w2", "state": "done", "stage": 1, "bounds": [0, 2, 4],
+                                 "rank": 1}}]
+    outcome = Failed("model org/m: w2 cannot take it: 0.10 GB free", retryable=False)
+    with pytest.raises(SmolforgeError) as err:
+        fetch([0, 1, 4], 1)
+    assert "stage 1's part (layers 1-4)" in err.value.render() and "0.10 GB free" in err.value.render()

@@ -416,7 +416,7 @@ class DPWorker:
             if parts:  # this node lacks the model: the rank fetches its stage's part once it has cut it
                 info = self.info()
                 reports.strategy.model_part = PartFetch(task.train.model, (info["node_id"], info["node_name"]),
-                                                        self.rank, self._emit, lambda: bool(self._stop))
+                                                        self.rank, self._emit)
             result = train(cfg, reports.hooks(delay), strategy=reports.strategy)
             if self.rank == 0 and not result.stopped and result.adapter_dir:
                 adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)

@@ -62,13 +62,13 @@ class PartFetch:
 
     `node`: (node id, name) of the rank's node. Each step is one of the job's `model_transfer` events,
     handed to `emit` (the rank's reports to the job's control actor, which the runner drains into the
-    job's events); `stopping` is true once the job asked the rank to stop (the fetch then ends). A part
-    that could not be brought raises, so the rank fails and the job's FailurePolicy decides, as for a
-    round whose model could not be sent."""
+    job's events). A part that could not be brought raises, so the rank fails and the job's
+    FailurePolicy decides, as for a round whose model could not be sent. A pause or cancel asked
+    meanwhile is not a failure: the fetch goes on, as a slow load would, and the loop stops at its first
+    step, or the runner kills the rank after its grace (the fetch's actors, which the rank owns, with it)."""
 
-    def __init__(self, model: str, node: tuple[str, str], rank: int, emit: Callable[[dict], None],
-                 stopping: Callable[[], bool]):
-        self.model, self.node, self.rank, self.emit, self.stopping = model, node, rank, emit, stopping
+    def __init__(self, model: str, node: tuple[str, str], rank: int, emit: Callable[[dict], None]):
+        self.model, self.node, self.rank, self.emit = model, node, rank, emit
 
     def report(self, message: str, data: dict) -> None:
         self.emit({"type": "event", "kind": "model_transfer", "message": f"rank {self.rank}: {message}",
@@ -79,7 +79,7 @@ class PartFetch:
         from smolforge.cluster.nodes.model_fetch import held_stage_dir
 
         part = StagePart(tuple(bounds), index)
-        moved = bring_model(self.report, self.model, [self.node], ray_glue.nodes(), self.stopping, part=part)
+        moved = bring_model(self.report, self.model, [self.node], ray_glue.nodes(), lambda: False, part=part)
         if moved is not None:
             why = getattr(moved, "error", None) or getattr(moved, "reason", None) or getattr(moved, "why", "")
             raise SmolforgeError(f"{self.node[1]} could not be given {part.label()} of model {self.model}: {why}",
