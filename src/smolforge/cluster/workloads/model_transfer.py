@@ -240,9 +240,9 @@ def bring_model(report: Report, model: str, placed: list[tuple[str, str]], nodes
     later, once idle). A data-parallel round's placement group holds the CPUs already."""
     have, need = lacking(model, placed, nodes)
     t = Transfer(report, model, part, advertise)
-    if have:
-        t.event(f"on {', '.join(have)} already (cache hit: nothing sent)", nodes=have, cache_hit=True,
-                pieces=0, bytes=0)
+    if have:  # with a part asked for, such a node loads from its whole copy
+        t.event(f"on {', '.join(have)} already{' (the whole model)' if part else ''} (cache hit: nothing sent)",
+                nodes=have, cache_hit=True, pieces=0, bytes=0)
     if not need:
         return None
     holders = [n for n in model_holders(model, nodes) if n.node_id not in {nid for nid, _ in need}]
