@@ -253,6 +253,39 @@ def test_a_pipeline_job_sends_each_rank_only_its_stage_s_part(cluster):
     assert res["strategy"] == "pipeline" and res["steps"] == 2 and res["final_loss"] > 0, res
 
 
+@pytest.mark.soak
+def test_a_later_pipeline_job_fetches_only_the_parts_its_nodes_lack(cluster):
+    """The second instance, after the test above: another pipeline job on the same model, whose ranks may
+    land on the other worker (a re-placed stage): a node gets the config part and a stage's part again
+    only if it lacks them; one it holds is a cache hit (nothing sent). Each node still never holds the
+    whole model."""
+    from smolforge.cluster.nodes.model_fetch import stage_part_name
+
+    c, client, bounds = cluster, cluster.client(), [0, 2, 4]
+    had = {(node, i): (c.base / f"models-{node}" / stage_part_name(PIPED, bounds, i)).is_dir()
+           for node in ("w1", "w2") for i in (0, 1)}
+    assert sum(had.values()) == 2, had  # the test above left each worker its rank's part
+    spec = {**job_spec(c, PIPED), "stages": 2, "strategy_config": {"bounds": bounds}}
+    del spec["num_workers"]
+    job_id = client.submit_job(spec)
+    st, events = job_end(client, job_id)
+    said = [e["message"] for e in events]
+    assert st["state"] == "completed", (st.get("error"), said, client.job_logs(job_id)[-30:])
+    ranks = {t["rank"]: t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank"}
+    data = [data_of(e) for e in events]
+    config_hits = {d["node"] for d in data if d.get("part") == "config" and d.get("cache_hit") and d.get("node")}
+    assert config_hits == {"w1", "w2"} and not [d for d in data if d.get("part") == "config" and d.get("bytes")], said
+    for rank, node in ranks.items():
+        mine = [d for d in data if d.get("stage") == rank and d.get("node") == node]
+        print(f"\n{node} (rank {rank}): stage {rank}'s part {'held: a cache hit' if had[(node, rank)] else 'fetched'}")
+        if had[(node, rank)]:
+            assert [(d["cache_hit"], d["bytes"]) for d in mine] == [(True, 0)], (node, rank, said)
+        else:  # its stage moved to this node: it fetches that part now
+            assert [d["state"] for d in mine if d.get("state") == "done"] == ["done"], (node, rank, said)
+            assert 0 < next(d["bytes"] for d in mine if d.get("state") == "done"), said
+        assert not (c.base / f"models-{node}" / PIPED).exists()
+
+
 def test_an_export_runs_on_a_worker_that_fetched_the_model(cluster):
     """An export job whose model no worker holds whole (the serve test above left them only stage
     parts): a worker fetches the whole model first, then the task runs there."""
