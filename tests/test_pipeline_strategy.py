@@ -272,6 +272,70 @@ def test_three_stages_lora_1f1b_equal_one_process(data):
     assert [got[r]["regrouped"]["optimizer_state_bytes"] for r in range(3)][0] == 0  # the first stage trains nothing
 
 
+def test_a_rank_without_the_model_plans_on_the_config_part_then_reads_only_its_stage_s_part(tmp_path, monkeypatch):
+    """A pipeline rank on a node that lacks the model (issue 31): it builds the model on the meta device from
+    the config part (config and tokenizer, no tensor), plans its cut from the measured nodes, and only then
+    asks `model_part` (the rank glue's fetch) for its stage's part, with the planned bounds and its rank;
+    that part's one safetensors file is all it reads, and its stage's tensors are the checkpoint's."""
+    import safetensors
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from smolforge.models.partition import cut
+    from smolforge.models.placement import NodeCapacity
+    from smolforge.models.stage_load import stage_keys, write_stage_part
+    from smolforge.models.tiny import preset_dir
+    from smolforge.parallel.strategies.pipeline import Pipeline
+
+    whole = Path(preset_dir("tiny-llama"))
+    config = write_stage_part(whole, [], None, tmp_path / "config")  # what the runner sent the node
+    opened: list[Path] = []
+    asked: list[tuple[list[int], int]] = []
+    holder = [False]  # the holder's side of the fetch (it writes the part from the whole model) is not the rank's
+    real_open = safetensors.safe_open
+
+    def watched(path, *args, **kwargs):
+        if not holder[0]:
+            opened.append(Path(path))
+        return real_open(path, *args, **kwargs)
+
+    def model_part(bounds: list[int], index: int) -> str:  # `stage_parts.PartFetch`, without the network
+        asked.append((list(bounds), index))
+        holder[0] = True
+        try:
+            return str(write_stage_part(whole, bounds, index, tmp_path / "part"))
+        finally:
+            holder[0] = False
+
+    class SecondRank(Pipeline):  # rank 1 of 2, over a group of one: loading has no collective with bounds planned here
+        rank, world = 1, 2
+
+        def _measure_nodes(self) -> list[NodeCapacity]:
+            return [NodeCapacity(f"w{i}", throughput=1e9, free_memory_bytes=8 << 30) for i in (1, 2)]
+
+    monkeypatch.setattr(safetensors, "safe_open", watched)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded whole"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        rank = SecondRank()
+        rank.model_part = model_part
+        net = rank.load_model(str(config), device=torch.device("cpu"), dtype="fp32")
+    finally:
+        dist.destroy_process_group()
+    planned = rank.planned
+    assert len(planned) == 3 and planned[0] == 0 and planned[-1] == 4 and asked == [(planned, 1)], (planned, asked)
+    part = tmp_path / "part" / "model.safetensors"
+    assert part in opened and set(opened) <= {part, config / "model.safetensors"}, opened
+    ckpt = load_file(str(whole / "model.safetensors"))
+    stored = {n: p for n, p in net.named_parameters() if p.numel()}
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    assert {tied.get(n, n) for n in stored} == set(stage_keys(whole, planned, 1)), sorted(stored)
+    for name, p in stored.items():
+        assert torch.equal(p, ckpt[tied.get(name, name)]), name
+    assert {id(p) for p in cut(net, planned)[1].parameters()} == {id(p) for p in stored.values()}
+    assert rank.read["bytes"] == sum(ckpt[tied.get(n, n)].numel() * 4 for n in stored) <= part.stat().st_size
+
+
 def _loads_as_hf(directory: Path, weights: dict[str, torch.Tensor]) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MODEL = "tiny-far"
 STAGED = "tiny-staged"  # served in 3 stages: the workers receive only their stages' parts
+PIPED = "tiny-piped"  # trained in 2 pipeline stages: each worker receives the config part and its stage's part
 TEACHER, STUDENT = "tiny-teach", "tiny-learn"  # a distill run's models, only the coordinator holds them
 EXIT_AFTER = 3  # w1's first fetch dies after writing this many pieces
 DAMAGED = 4  # the holder sends the 4th piece it serves damaged, once
@@ -39,7 +40,7 @@ def cluster(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("model-travel")
     shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / MODEL)
-    for name in (STAGED, TEACHER, STUDENT):
+    for name in (STAGED, PIPED, TEACHER, STUDENT):
         shutil.copytree(preset_dir("tiny-llama"), base / "coord-models" / name)
     c = LocalCluster(base)
     c.env["SMOLFORGE_RESCAN_S"] = "0"
@@ -213,6 +214,76 @@ def test_a_served_model_sends_each_stage_only_its_part(cluster):
             single.stop()
     finally:
         client.cancel_job(job_id)
+
+
+def test_a_pipeline_job_sends_each_rank_only_its_stage_s_part(cluster):
+    """A 2-stage pipeline LoRA job (`launch --stages 2`) on the two workers of a model only the coordinator
+    holds: before the ranks start each worker receives the config part (config and tokenizer, no tensor),
+    and each rank, once it has cut the model, only its stage's part; the whole model reaches neither
+    worker, no part is advertised as the model, each worker received fewer bytes than the whole model,
+    each rank read no more than its part holds, and the job trains (completed, its loss reported)."""
+    from smolforge.cluster.nodes.discovery import scan_models_dir
+    from smolforge.cluster.nodes.model_fetch import stage_part_name
+
+    c, client, bounds = cluster, cluster.client(), [0, 2, 4]
+    whole = sum(p.stat().st_size for p in (c.base / "coord-models" / PIPED).iterdir())
+    spec = {**job_spec(c, PIPED), "stages": 2, "strategy_config": {"bounds": bounds}}
+    del spec["num_workers"]
+    job_id = client.submit_job(spec)
+    st, events = job_end(client, job_id)
+    said = [e["message"] for e in events]
+    assert st["state"] == "completed", (st.get("error"), said, client.job_logs(job_id)[-30:])
+    ranks = {t["rank"]: t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank"}
+    assert sorted(ranks.values()) == ["w1", "w2"], st["tasks"]
+    done = [d for d in map(data_of, events) if d.get("state") == "done"]
+    config = {d["node"]: d for d in done if d.get("part") == "config"}
+    stage = {d["node"]: d for d in done if "stage" in d}
+    assert set(config) == set(stage) == {"w1", "w2"} and len(done) == 4, said  # nothing else was sent
+    res = st["result"]
+    for rank, node in ranks.items():
+        assert (stage[node]["stage"], stage[node]["rank"], stage[node]["bounds"]) == (rank, rank, bounds), said
+        got = config[node]["bytes"] + stage[node]["bytes"]
+        print(f"\n{node} (rank {rank}): config part {config[node]['bytes']:,} + stage part {stage[node]['bytes']:,}"
+              f" = {got:,} bytes of the model's {whole:,}; read {res['stage_read_bytes_per_rank'][rank]:,.0f}")
+        assert 0 < got < whole, (node, got, whole)  # its stage's part and the config, not the whole model
+        models = c.base / f"models-{node}"
+        part = models / stage_part_name(PIPED, bounds, rank) / "model.safetensors"
+        assert 0 < res["stage_read_bytes_per_rank"][rank] <= part.stat().st_size, (rank, res)
+        assert PIPED not in scan_models_dir(models) and not (models / PIPED).exists()  # a part is never the model
+    assert res["strategy"] == "pipeline" and res["steps"] == 2 and res["final_loss"] > 0, res
+
+
+@pytest.mark.soak
+def test_a_later_pipeline_job_fetches_only_the_parts_its_nodes_lack(cluster):
+    """The second instance, after the test above: another pipeline job on the same model, whose ranks may
+    land on the other worker (a re-placed stage): a node gets the config part and a stage's part again
+    only if it lacks them; one it holds is a cache hit (nothing sent). Each node still never holds the
+    whole model."""
+    from smolforge.cluster.nodes.model_fetch import stage_part_name
+
+    c, client, bounds = cluster, cluster.client(), [0, 2, 4]
+    had = {(node, i): (c.base / f"models-{node}" / stage_part_name(PIPED, bounds, i)).is_dir()
+           for node in ("w1", "w2") for i in (0, 1)}
+    assert sum(had.values()) == 2, had  # the test above left each worker its rank's part
+    spec = {**job_spec(c, PIPED), "stages": 2, "strategy_config": {"bounds": bounds}}
+    del spec["num_workers"]
+    job_id = client.submit_job(spec)
+    st, events = job_end(client, job_id)
+    said = [e["message"] for e in events]
+    assert st["state"] == "completed", (st.get("error"), said, client.job_logs(job_id)[-30:])
+    ranks = {t["rank"]: t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank"}
+    data = [data_of(e) for e in events]
+    config_hits = {d["node"] for d in data if d.get("part") == "config" and d.get("cache_hit") and d.get("node")}
+    assert config_hits == {"w1", "w2"} and not [d for d in data if d.get("part") == "config" and d.get("bytes")], said
+    for rank, node in ranks.items():
+        mine = [d for d in data if d.get("stage") == rank and d.get("node") == node]
+        print(f"\n{node} (rank {rank}): stage {rank}'s part {'held: a cache hit' if had[(node, rank)] else 'fetched'}")
+        if had[(node, rank)]:
+            assert [(d["cache_hit"], d["bytes"]) for d in mine] == [(True, 0)], (node, rank, said)
+        else:  # its stage moved to this node: it fetches that part now
+            assert [d["state"] for d in mine if d.get("state") == "done"] == ["done"], (node, rank, said)
+            assert 0 < next(d["bytes"] for d in mine if d.get("state") == "done"), said
+        assert not (c.base / f"models-{node}" / PIPED).exists()
 
 
 def test_an_export_runs_on_a_worker_that_fetched_the_model(cluster):

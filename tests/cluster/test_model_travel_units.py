@@ -283,7 +283,7 @@ def test_a_node_joining_a_running_elastic_job_gets_the_model_before_its_rank_sta
     monkeypatch.setattr(joining, "WorkerGroup", Group)
     monkeypatch.setattr(joining, "bring_model", bring)
     monkeypatch.setattr(joining, "requirements_for", lambda spec, embedded: ray_glue.Requirements(cpus=1))
-    monkeypatch.setattr(joining, "rank_task", lambda spec, world: "task")
+    monkeypatch.setattr(joining, "rank_task", lambda spec, world, travels=False: "task")
     job = DataParallelJob.model_validate({"num_workers": 2, "strategy": "diloco",
                                           "train": {"model": "org/m", "data": {"path": "bundled"}}})
     runner = SimpleNamespace(
@@ -293,7 +293,9 @@ def test_a_node_joining_a_running_elastic_job_gets_the_model_before_its_rank_sta
                               upsert_task=lambda *a, **kw: None))
     runner._pop_joins = lambda: ["w3"]
     runner._lend = lambda nodes: None
-    runner._bring_model = lambda placed, task_id: joining.NodeJoining._bring_model(runner, placed, task_id)
+    runner._model_travels = lambda: joining.NodeJoining._model_travels(runner)
+    runner._bring_model = lambda placed, task_id, world: joining.NodeJoining._bring_model(runner, placed, task_id,
+                                                                                          world)
 
     outcome = Failed("model org/m: w3 cannot take it: 0.10 GB free", retryable=False)
     assert joining.NodeJoining._admit(runner, job, 2, {}, 2, 3) == []
@@ -354,3 +356,92 @@ def test_a_distill_run_waits_for_its_fetching_workers_to_advertise_its_models(mo
 
     tables[:] = [[coord, w1, w2]]
     assert isinstance(travel.bring_run_models(report, ["org/t"], "org/t", lambda: True, wait_s=60), Regroup)
+
+
+def test_a_pipeline_round_sends_the_config_part_and_each_rank_fetches_only_its_stage_s_part(tmp_path, monkeypatch):
+    """Issue 31, a pipeline rank's part: a node placed for a round of a strategy whose ranks read only their
+    stage (`stage_parts`: the pipeline) receives the config part (no tensor) instead of the model, and its
+    rank, once it has cut the model, fetches its stage's part; every other strategy, a one-rank round
+    (the single strategy loads the whole model), a model that does not travel, or a node with its own
+    whole copy: no part."""
+    from types import SimpleNamespace
+
+    from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, stage_part_name
+    from smolforge.cluster.workloads.data_parallel import joining
+    from smolforge.cluster.workloads.data_parallel.stage_parts import fetches_part, local_model, round_part
+    from smolforge.cluster.workloads.model_transfer import CONFIG_PART, StagePart
+    from smolforge.models.stage_load import write_stage_part
+    from smolforge.models.tiny import preset_dir
+    from smolforge.parallel.strategies import STRATEGIES
+
+    assert STRATEGIES["pipeline"].stage_parts and not any(STRATEGIES[n].stage_parts for n in STRATEGIES if n != "pipeline")
+    assert round_part(True, 2) == CONFIG_PART and round_part(True, 1) is None and round_part(False, 2) is None
+    assert fetches_part(True, 2, travels=True, whole_here=False)
+    assert not fetches_part(True, 2, travels=True, whole_here=True)  # it loads its whole copy: nothing sent
+    assert not fetches_part(True, 2, travels=False, whole_here=False)  # a preset, require_model false
+    assert not fetches_part(True, 1, travels=True, whole_here=False) and not fetches_part(False, 2, True, False)
+    assert CONFIG_PART.data() == {"part": "config"} and "no tensors" in CONFIG_PART.label()
+    assert StagePart((0, 2, 4), 1).data() == {"stage": 1, "bounds": [0, 2, 4]}
+    assert stage_part_name("org/m", [], None) == ".stages/org--m/config" != stage_part_name("org/m", [0, 2, 4], 0)
+
+    sent = []
+    monkeypatch.setattr(joining, "bring_model", lambda report, model, placed, nodes, stopping, part=None, **kw:
+                        sent.append((model, part)))
+    for strategy, world, part in (("pipeline", 2, CONFIG_PART), ("pipeline", 1, None), ("ddp", 2, None)):
+        job = DataParallelJob.model_validate({"num_workers": world, "strategy": strategy,
+                                              "train": {"model": "org/m", "data": {"path": "bundled"}}})
+        runner = SimpleNamespace(spec=job, job_id="j", want=None, ctx=SimpleNamespace(embedded=False,
+                                 healthy_nodes=lambda: []), store=None)
+        runner._model_travels = lambda: joining.NodeJoining._model_travels(runner)
+        assert joining.NodeJoining._bring_model(runner, [("id-w1", "w1")], "j-g1", world) is None
+        assert sent.pop() == ("org/m", part), strategy
+    runner.spec = job.model_copy(update={"train": job.train.model_copy(update={"model": "tiny-llama"})})
+    assert joining.NodeJoining._bring_model(runner, [("id-w1", "w1")], "j-g1", 2) is None and not sent  # a preset
+
+    models = tmp_path / "models"
+    monkeypatch.setenv(MODELS_DIR_ENV, str(models))
+    monkeypatch.setenv("SMOLFORGE_MODEL_PATHS", "{}")
+    config = write_stage_part(preset_dir("tiny-llama"), [], None, models / stage_part_name("org/m", [], None))
+    assert (config / "config.json").is_file() and (config / "tokenizer.json").is_file()
+    assert (config / "model.safetensors").stat().st_size < 100 and scan_models_dir(models) == {}  # no tensor
+    assert local_model("org/m", True, 2, travels=True) == (str(config), True)
+    assert local_model("org/m", False, 2, travels=True) == ("org/m", False)  # ddp: the runner sent the model whole
+    shutil.copytree(preset_dir("tiny-llama"), models / "org" / "m")
+    assert local_model("org/m", True, 2, travels=True) == (str(models / "org" / "m"), False)  # its own whole copy
+
+
+def test_a_rank_s_part_fetch_reports_as_the_job_s_events_and_fails_the_rank_with_the_reason(tmp_path, monkeypatch):
+    """`stage_parts.PartFetch` (a pipeline rank's `model_part`): its node asks `bring_model` for the rank's
+    `StagePart` of the planned cut; each step becomes a `model_transfer` event through the rank's reports;
+    it answers the part's local directory, or raises with the reason (the rank fails; the policy decides)."""
+    from smolforge.cluster.control.runner import Failed
+    from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, stage_part_name
+    from smolforge.cluster.workloads.data_parallel import stage_parts
+    from smolforge.cluster.workloads.model_transfer import StagePart
+
+    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("SMOLFORGE_MODEL_PATHS", "{}")
+    monkeypatch.setattr(ray_glue, "nodes", lambda: [_node("coord", "coordinator", ("org/m",)), _node("w2")])
+    asked, emitted = [], []
+
+    def bring(report, model, placed, nodes, stopping, part=None, **kw):
+        asked.append((model, placed, part, stopping()))
+        report("w2 has it: 1.00 MB", {"model": model, "node": "w2", "state": "done", **part.data()})
+        if outcome is None:
+            where = tmp_path / stage_part_name(model, list(part.bounds), part.index)
+            where.mkdir(parents=True)
+            (where / "config.json").write_text("{}")
+        return outcome
+
+    monkeypatch.setattr(stage_parts, "bring_model", bring)
+    fetch = stage_parts.PartFetch("org/m", ("id-w2", "w2"), 1, emitted.append)
+    outcome = None
+    assert fetch([0, 2, 4], 1) == str(tmp_path / stage_part_name("org/m", [0, 2, 4], 1))
+    assert asked == [("org/m", [("id-w2", "w2")], StagePart((0, 2, 4), 1), False)]
+    assert emitted == [{"type": "event", "kind": "model_transfer", "message": "rank 1: w2 has it: 1.00 MB",
+                        "data": {"model": "org/m", "node": "w2", "state": "done", "stage": 1, "bounds": [0, 2, 4],
+                                 "rank": 1}}]
+    outcome = Failed("model org/m: w2 cannot take it: 0.10 GB free", retryable=False)
+    with pytest.raises(SmolforgeError) as err:
+        fetch([0, 1, 4], 1)
+    assert "stage 1's part (layers 1-4)" in err.value.render() and "0.10 GB free" in err.value.render()

@@ -196,11 +196,13 @@ def stage_keys(model_dir: str | Path, bounds: Sequence[int], index: int) -> list
     return sorted({_checkpoint_key(stage.hf_name(local), available, tied) for local in stage.state_dict(keep_vars=True)})
 
 
-def write_stage_part(model_dir: str | Path, bounds: Sequence[int], index: int, out: str | Path) -> Path:
+def write_stage_part(model_dir: str | Path, bounds: Sequence[int], index: int | None, out: str | Path) -> Path:
     """A model directory holding only what stage `index` loads: every file but the weights (config,
     generation config, tokenizer), and one `model.safetensors` with only the stage's tensors, as the
     checkpoint stores them. What a stage's node receives instead of the whole model (models that
-    travel), and what `load_stage` reads from there as from the whole checkpoint."""
+    travel), and what `load_stage` reads from there as from the whole checkpoint. `index` None: no
+    tensor at all (an empty `model.safetensors`): the config part a pipeline rank builds its skeleton
+    and plans its cut with before it knows its stage (`skeleton` opens it as a model)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -213,6 +215,15 @@ def write_stage_part(model_dir: str | Path, bounds: Sequence[int], index: int, o
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and not path.name.startswith("."):
             shutil.copyfile(path, out / path.name)
     merged = MergedModel(src)
-    save_file({key: merged.tensor(key).contiguous() for key in stage_keys(src, bounds, index)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    keys = stage_keys(src, bounds, index) if index is not None else []
+    save_file({key: merged.tensor(key).contiguous() for key in keys}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return out
+
+
+def part_tensors(part_dir: str | Path):
+    """The tensors of a stage's part (`write_stage_part`), to `materialize` from: only the part's own
+    safetensors file is ever opened."""
+    from smolforge.models.export.merge import MergedModel
+
+    return MergedModel(part_dir)

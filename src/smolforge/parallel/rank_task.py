@@ -32,6 +32,9 @@ class RankTask:
     keep_last: int = 2  # checkpoints kept in the job's artifact store
     upload_timeout_s: float = 600.0  # rank 0's checkpoint upload to the coordinator
     balance: str = "off"  # "auto": rows per rank follow measured speed (synchronous strategies)
+    # the runner sends the model to placed nodes that lack it: a rank whose strategy reads only its stage
+    # (`Strategy.stage_parts`) got the config part there and fetches its stage's part once it has cut the model
+    model_travels: bool = False
 
     @property
     def collective_timeout_s(self) -> float:

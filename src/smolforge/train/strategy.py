@@ -7,7 +7,8 @@ needs from its peers goes through a `Strategy`:
 - `prepare(model)`: before the optimizer is made (FSDP shards the parameters here)
 - `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
 - `whole_model(model)`: a context in which every rank holds the whole weights (evaluation, generation)
-- `load_model(name)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only);
+- `load_model(name)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only,
+  from its stage's part of the model when its node lacks the whole: `model_part`);
   `eval_sums(...)`: evaluation the strategy runs itself (a pipeline: through its stages), else None
 - `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
   checkpoint or the final adapter, and back from a per-key reader (FSDP gathers shards, and reads back
@@ -102,6 +103,10 @@ class Strategy:
     # the students of one distill base may train as one group under it (`distill --students-sync ddp`): each
     # rank takes its own slice of every step's rows from the shards, and no parameter server runs
     distill_students: ClassVar[bool] = False
+    # each rank reads only its own stage's tensors (`load_model`): a node that lacks the job's model receives
+    # the config and tokenizer before the ranks start, and each rank its stage's part once it has planned
+    # the cut (`model_part`, which the rank glue sets), never the whole model
+    stage_parts: ClassVar[bool] = False
 
     @classmethod
     def check_settings(cls, config: dict[str, Any]) -> None:
@@ -127,6 +132,9 @@ class Strategy:
         self.last_loss: StepLoss | None = None  # this rank's part of the latest step it counted in (`own_loss`)
         # the run's config, set by the engine before `load_model`: a pipeline sizes its stages' activations from it
         self.run_config: TrainConfig | None = None
+        # set by the rank glue where this node lacks the job's model and the strategy reads stage parts:
+        # (bounds, stage index) -> a local model directory holding that stage's tensors, brought there now
+        self.model_part: Callable[[list[int], int], str] | None = None
 
     # -- who we are ---------------------------------------------------------------------------------
 

@@ -87,16 +87,19 @@ def held_model_dir(name: str) -> str | None:
 STAGES_DIR = ".stages"  # <models>/.stages/<name>/<cut>/: a stage's own part, never scanned as a model
 
 
-def stage_part_name(name: str, bounds: list[int], index: int) -> str:
+def stage_part_name(name: str, bounds: list[int], index: int | None) -> str:
     """Where (under the models dir) the part of `name` that stage `index` of the cut `bounds` loads is
     kept: three levels down, under a dot, so `discovery.scan_models_dir` never advertises a partial
-    model as `model:<name>`."""
+    model as `model:<name>`. `index` None: the config part (config and tokenizer, no tensor), one per
+    model whatever the cut."""
+    if index is None:
+        return f"{STAGES_DIR}/{_flat(name)}/config"
     return f"{STAGES_DIR}/{_flat(name)}/{'-'.join(str(b) for b in bounds)}.{index}"
 
 
-def held_stage_dir(name: str, bounds: list[int], index: int) -> str | None:
+def held_stage_dir(name: str, bounds: list[int], index: int | None) -> str | None:
     """What stage `index` loads on this node: the node's whole copy of `name`, else its part fetched
-    for that stage (`stage_part_name`), else None."""
+    for that stage (`stage_part_name`; `index` None: the config part), else None."""
     whole = held_model_dir(name)
     if whole is not None:
         return whole
@@ -257,9 +260,10 @@ def _one_shot_fault(name: str) -> str:
 
 class ModelSource:
     """Ray actor on the holder: the manifest and the pieces of one model it holds, or of the part of it
-    one stage loads (`stage`: (bounds, index); written once per cut under this node's dir)."""
+    one stage loads (`stage`: (bounds, index); written once per cut under this node's dir; index None:
+    the config part)."""
 
-    def __init__(self, name: str, size: int, stage: tuple[list[int], int] | None = None):
+    def __init__(self, name: str, size: int, stage: tuple[list[int], int | None] | None = None):
         self.name, self.size = name, size
         where = held_model_dir(name)
         if where is None:
@@ -269,7 +273,7 @@ class ModelSource:
             from smolforge.models.stage_load import write_stage_part
 
             part = node_dir() / "model-parts" / stage_part_name(name, *stage)
-            if not (part / "model.safetensors").is_file():  # a part is written whole, then renamed
+            if not (part / "config.json").is_file():  # a part is written whole, then renamed
                 tmp = part.with_name(part.name + f".tmp{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 write_stage_part(self.root, stage[0], stage[1], tmp)

@@ -2,7 +2,9 @@
 
 Every kind that runs a model on a worker calls `bring_model` itself, with the nodes it placed, before
 it starts work on them: a data-parallel round (and a node joining a running elastic group, `_admit`),
-a serve job's stage (`serve/stages.py`: only that stage's part, `StagePart`), an export task, a
+a serve job's stage (`serve/stages.py`: only that stage's part, `StagePart`), a pipeline rank (the
+round's nodes only the config and tokenizer, `CONFIG_PART`; each rank its stage's part once it has
+cut the model: `data_parallel/stage_parts.py`), an export task, a
 distill run's teacher and student bases (`distill/travel.py`: to every worker before the run places
 anything, then awaited until those workers advertise them, since distill places by `model:<name>`). What
 comes back is the attempt's Outcome (Failed with the reason), so the job's FailurePolicy decides.
@@ -66,13 +68,28 @@ def job_report(store: JobStore, job_id: str, task_id: str | None = None) -> Repo
 @dataclass(frozen=True)
 class StagePart:
     """A stage's share of the model: what a node that runs stage `index` of the cut `bounds` receives
-    (its tensors, the config and tokenizer), kept apart from the whole models it advertises."""
+    (its tensors, the config and tokenizer), kept apart from the whole models it advertises. `index`
+    None (`CONFIG_PART`): the config and tokenizer only, no tensor: what a pipeline rank builds the
+    model on the meta device and plans its cut with, before it knows its stage."""
 
-    bounds: tuple[int, ...]
-    index: int
+    bounds: tuple[int, ...] = ()
+    index: int | None = None
 
     def label(self) -> str:
+        if self.index is None:
+            return "its config and tokenizer (no tensors)"
         return f"stage {self.index}'s part (layers {self.bounds[self.index]}-{self.bounds[self.index + 1]})"
+
+    def stage(self) -> tuple[list[int], int | None]:
+        """(bounds, index) as `ModelSource` and `stage_part_name` take them."""
+        return list(self.bounds), self.index
+
+    def data(self) -> dict[str, Any]:
+        """What its events carry about it."""
+        return {"part": "config"} if self.index is None else {"stage": self.index, "bounds": list(self.bounds)}
+
+
+CONFIG_PART = StagePart()
 
 
 class Transfer:
@@ -87,13 +104,13 @@ class Transfer:
 
     def event(self, message: str, **data: Any) -> None:
         what = f"model {self.model}" + (f", {self.part.label()}" if self.part else "")
-        extra = {"stage": self.part.index} if self.part else {}
+        extra = self.part.data() if self.part else {}
         self.report(f"{what}: {message}", {"model": self.model, **extra, **data})
 
     def open_source(self, holder: ray_glue.NodeInfo) -> None:
         import ray
 
-        stage = (list(self.part.bounds), self.part.index) if self.part else None
+        stage = self.part.stage() if self.part else None
         self.source = _pinned(ModelSource, holder.node_id, 8).remote(self.model, piece_bytes(), stage)
         self.manifest = ray.get(self.source.manifest.remote(), timeout=MANIFEST_TIMEOUT_S)
 
@@ -103,7 +120,7 @@ class Transfer:
         import ray
 
         f.attempt += 1
-        dest = stage_part_name(self.model, list(self.part.bounds), self.part.index) if self.part else None
+        dest = stage_part_name(self.model, *self.part.stage()) if self.part else None
         f.actor = _pinned(ModelFetcher, f.node_id, 2).remote(self.model, self.manifest, dest, self.advertise)
         prep = ray.get(f.actor.prepare.remote(), timeout=MANIFEST_TIMEOUT_S)
         if prep.get("refused"):
@@ -223,9 +240,9 @@ def bring_model(report: Report, model: str, placed: list[tuple[str, str]], nodes
     later, once idle). A data-parallel round's placement group holds the CPUs already."""
     have, need = lacking(model, placed, nodes)
     t = Transfer(report, model, part, advertise)
-    if have:
-        t.event(f"on {', '.join(have)} already (cache hit: nothing sent)", nodes=have, cache_hit=True,
-                pieces=0, bytes=0)
+    if have:  # with a part asked for, such a node loads from its whole copy
+        t.event(f"on {', '.join(have)} already{' (the whole model)' if part else ''} (cache hit: nothing sent)",
+                nodes=have, cache_hit=True, pieces=0, bytes=0)
     if not need:
         return None
     holders = [n for n in model_holders(model, nodes) if n.node_id not in {nid for nid, _ in need}]

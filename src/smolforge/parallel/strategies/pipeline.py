@@ -23,7 +23,10 @@ the one-process result. Why it looks like this:
 - **Each rank reads only its stage** (`load_model`, `models.stage_load`): the whole model is built on the
   meta device, the stages are planned and cut on it, and only this rank's stage's parameters are read
   from the checkpoint's safetensors by key (a tied head: the embedding matrix, on the first and the last
-  rank); every other parameter gets a tensor with no elements. No rank ever loads the whole model. PEFT
+  rank); every other parameter gets a tensor with no elements. No rank ever loads the whole model. On a
+  node that lacks the model (it travels), the skeleton is built from the config and tokenizer the runner
+  sent there, and once the cut is planned `model_part` (set by the rank glue) brings this rank only its
+  stage's part, whose one safetensors file is then all it reads (`stage_load.part_tensors`). PEFT
   is then applied to the whole (mostly empty) model as the loop does, so its seeded initialisation is
   one process's, and the names, `requires_grad`, the parameter order and the optimizer's ids stay the
   whole model's; `prepare` cuts it again and frees the other stages' adapter weights. Each rank's
@@ -144,6 +147,7 @@ class _Step:
 
 class Pipeline(PipelineCheckpoints, DDP):
     name = "pipeline"
+    stage_parts = True  # each rank reads only its stage: a node without the model receives only that part
     balances = False  # every rank runs every row: there are no rows to move to a faster rank
     distill_students = False  # its stages need the same rows; a distill student takes its own slice
     Settings = PipelineSettings
@@ -169,7 +173,7 @@ class Pipeline(PipelineCheckpoints, DDP):
 
     def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True) -> nn.Module:
         """The whole model with storage for this rank's stage only, read by key (see the module doc)."""
-        from smolforge.models.stage_load import materialize, skeleton
+        from smolforge.models.stage_load import materialize, part_tensors, skeleton
 
         self._use(device)
         net, merged, torch_dtype = skeleton(name, device=device, dtype=dtype or "fp32", training=training)
@@ -183,6 +187,8 @@ class Pipeline(PipelineCheckpoints, DDP):
         if self.rank == 0:  # a parameter no stage uses is rank 0's (`_layout`)
             keep |= {id(p) for p in net.parameters() if id(p) not in staged}
         self.shapes = {id(p): p.shape for p in net.parameters()}
+        if self.model_part is not None:  # this node lacks the model: its stage's part is brought now
+            merged = part_tensors(self.model_part(list(self.planned), self.rank))
         self.read = materialize(net, keep, merged, device, torch_dtype)
         return net.eval()  # as from_pretrained returns it
 

@@ -19,10 +19,12 @@ from smolforge.cluster.control.placement import (
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.leaving import named
+from smolforge.cluster.workloads.data_parallel.stage_parts import round_part
 from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, rank_task
 from smolforge.cluster.control.runner import Outcome, short_error
 from smolforge.cluster.workloads.model_transfer import bring_model, job_report
 from smolforge.errors import SmolforgeError
+from smolforge.parallel.strategies import STRATEGIES
 
 
 class NodeJoining:
@@ -92,16 +94,23 @@ class NodeJoining:
         self.spec = self.spec.model_copy(update={"lent_nodes": self.spec.lent_nodes + nodes})
         self.ctx.keep_spec(self.job_id, self.spec)
 
-    def _bring_model(self, placed: list[tuple[str, str]], task_id: str) -> Outcome | None:
-        """The placed nodes ((node id, name) each) that lack the job's model fetch it before their ranks
-        start (`model_transfer`); None once each has it. Nothing travels when every node can build or
-        read it (a preset, a local path on the embedded cluster) or the ranks download it
-        (`require_model: false`)."""
+    def _model_travels(self) -> bool:
+        """Is the job's model sent to placed nodes that lack it? Not when every node can build or read it
+        (a preset, a local path on the embedded cluster) or the ranks download it (`require_model: false`)."""
         spec = self.spec
-        if spec.require_model is False or holds_anywhere(spec.train.model, self.ctx.embedded):
+        return not (spec.require_model is False or holds_anywhere(spec.train.model, self.ctx.embedded))
+
+    def _bring_model(self, placed: list[tuple[str, str]], task_id: str, world: int) -> Outcome | None:
+        """The placed nodes ((node id, name) each) that lack the job's model fetch it before the ranks of a
+        group of `world` start (`model_transfer`); None once each has it. Ranks that read only their stage
+        (the pipeline) get the config part now and their stage's part once they have cut the model
+        (`stage_parts`)."""
+        spec = self.spec
+        if not self._model_travels():
             return None
         return bring_model(job_report(self.store, self.job_id, task_id), spec.train.model, placed,
-                           self.ctx.healthy_nodes(), stopping=lambda: bool(self.want))
+                           self.ctx.healthy_nodes(), stopping=lambda: bool(self.want),
+                           part=round_part(STRATEGIES[spec.strategy].stage_parts, world))
 
     def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
         """Place each node that asked to join as a new member of the running elastic group; returns
@@ -122,7 +131,8 @@ class NodeJoining:
                                      {"node": node})
                 continue
             # a node that lacks the model gets it before its rank starts (the group trains on meanwhile)
-            moved = self._bring_model([(info["node_id"], info["node_name"])], f"{self.job_id}-g{round_no}-r{member}")
+            moved = self._bring_model([(info["node_id"], info["node_name"])], f"{self.job_id}-g{round_no}-r{member}",
+                                      world)
             if moved is not None:
                 joiner.release()
                 self.store.add_event(self.job_id, "join_failed", f"{node} could not be given the model: "
@@ -138,6 +148,7 @@ class NodeJoining:
             self.store.add_event(self.job_id, "member_joining",
                                  f"{node} placed as member {member} on {info['node_name']}; the group takes it in at "
                                  "its next outer step", {"node": node, "member": member})
-            ref = joiner.run(rank_task(spec, world), None, join_world=world, server=self.server)[0]
+            ref = joiner.run(rank_task(spec, world, self._model_travels()), None, join_world=world,
+                             server=self.server)[0]
             out.append((member, ref))
         return out

@@ -39,6 +39,7 @@ from smolforge.parallel.rank_task import RankResult, RankTask, Seat
 from smolforge.models.loading import resolve_model
 from smolforge.cluster.nodes.model_fetch import held_model_dir
 from smolforge.cluster.nodes.ray_glue import node_ip
+from smolforge.cluster.workloads.data_parallel.stage_parts import PartFetch, local_model
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, pick_backend
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
@@ -394,7 +395,9 @@ class DPWorker:
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
         out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
-        cfg = self._local_config(task.train, job_root, out_dir, resume_from)
+        model, parts = local_model(task.train.model, STRATEGIES[task.strategy].stage_parts, seat.world,
+                                   task.model_travels)  # the whole copy, else the config part (`stage_parts`)
+        cfg = self._local_config(task.train, model, job_root, out_dir, resume_from)
         prepare_model(cfg.model, node_dir())
         if resume_from:
             self._stage_checkpoint(resume_from, out_dir)
@@ -410,6 +413,10 @@ class DPWorker:
             t_ready = time.time()
             self._announce(task, seat, chosen if grouped else "via the parameter server", resume_from, delay)
             reports.strategy = self._strategy(task, seat, chosen, server)
+            if parts:  # this node lacks the model: the rank fetches its stage's part once it has cut it
+                info = self.info()
+                reports.strategy.model_part = PartFetch(task.train.model, (info["node_id"], info["node_name"]),
+                                                        self.rank, self._emit)
             result = train(cfg, reports.hooks(delay), strategy=reports.strategy)
             if self.rank == 0 and not result.stopped and result.adapter_dir:
                 adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)
@@ -430,15 +437,17 @@ class DPWorker:
         time.sleep(fault_delay_s("result-delay"))
         return out
 
-    def _local_config(self, cfg: TrainConfig, job_root: Path, out_dir: Path, resume_from: str | None) -> TrainConfig:
+    def _local_config(self, cfg: TrainConfig, model: str, job_root: Path, out_dir: Path,
+                      resume_from: str | None) -> TrainConfig:
         """The job's train config (validated at submit) as this rank runs it: uploaded data staged on this
-        node's disk, the node's own copy of the model, its own output directory and threads. TensorBoard and
+        node's disk, `model` (the node's own copy of the model, or the config part: `stage_parts.local_model`),
+        its own output directory and threads. TensorBoard and
         W&B are written by the job's runner from the reports (one run per rank, on the coordinator), not by
         the ranks on their nodes."""
         staged = {key: self._stage_upload(where, job_root) for key in ("path", "eval_path")
                   if isinstance(where := getattr(cfg.data, key), str) and where.startswith("upload:")}
         return cfg.model_copy(update={
-            "data": cfg.data.model_copy(update=staged), "model": local_model_path(cfg.model),
+            "data": cfg.data.model_copy(update=staged), "model": model,
             "output_dir": str(out_dir), "quiet": True, "num_threads": self.cpus, "tensorboard": False,
             "wandb": None, "resume": bool(resume_from)})
 

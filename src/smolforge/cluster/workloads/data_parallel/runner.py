@@ -146,7 +146,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         if not isinstance(infos, list):
             return infos
         gid = f"{self.job_id}-g{round_no}"
-        moved = self._bring_model([(i["node_id"], i["node_name"]) for i in infos], gid)  # placed workers lacking it fetch it
+        moved = self._bring_model([(i["node_id"], i["node_name"]) for i in infos], gid, world)  # placed workers lacking it fetch it
         if moved is not None:
             self.store.upsert_task(gid, self.job_id, "dp_group", "released" if isinstance(moved, Regroup) else "failed",
                                    error=getattr(moved, "error", None))
@@ -228,7 +228,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
     def _launch(self, group: WorkerGroup, cfg: dict, resume: str | None) -> list:
         """Every rank of the placed group started; one ref per rank."""
         spec = self.spec
-        return group.run(rank_task(spec, group.world), resume, server=self.server)
+        return group.run(rank_task(spec, group.world, self._model_travels()), resume, server=self.server)
 
     def _cfg(self, spec: DataParallelJob, world: int) -> dict:
         cfg = spec.train.model_dump(mode="json")

@@ -121,13 +121,15 @@ class WorkerGroup:
         self.members = []
 
 
-def rank_task(spec: DataParallelJob, world: int) -> RankTask:
+def rank_task(spec: DataParallelJob, world: int, model_travels: bool = False) -> RankTask:
     """A round's task for its `world` ranks: the job's validated train config with each rank's share of the
-    global batch, and the spec's strategy, settings and timeouts (nothing validated again)."""
+    global batch, and the spec's strategy, settings and timeouts (nothing validated again); `model_travels`:
+    the runner sends the model to placed nodes that lack it (a pipeline rank then fetches its stage's part)."""
     return RankTask(train=spec.train.model_copy(update={"batch_size": spec.global_batch // world}),
                     strategy=spec.strategy, strategy_config=dict(spec.strategy_config), backend=spec.backend,
                     timeout_s=spec.dist_timeout_s, keep_last=spec.train.keep_last,
-                    upload_timeout_s=spec.checkpoint_upload_timeout_s, balance=spec.balance)
+                    upload_timeout_s=spec.checkpoint_upload_timeout_s, balance=spec.balance,
+                    model_travels=model_travels)
 
 
 def _pid_alive_local(pid: int, info: dict) -> bool:
