@@ -17,7 +17,6 @@ import os
 import queue
 import signal
 import socket
-import time
 
 import pytest
 
