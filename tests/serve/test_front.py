@@ -7,7 +7,8 @@ request's last event; a cancel reaches the engine's row; the engine's death fail
 
 As processes (`smolforge serve`): the front is a child that holds neither the token on its argv nor
 in its environment; killing the front ends `serve` with one message (exit 1); killing the engine's
-process ends the front on its own; SIGTERM ends both (in `test_serve_cli.py`'s token test).
+process ends the front on its own (soak: the in-process test of the channel's end is the CI proof);
+SIGTERM ends both (in `test_serve_cli.py`'s token test).
 """
 
 from __future__ import annotations
@@ -126,6 +127,35 @@ def test_the_fronts_going_cancels_the_engines_rows(served_tiny):
         front_end.close()
 
 
+def test_the_engines_going_fails_what_waits_and_tells_the_front(served_tiny):
+    """The channel's end of file (the engine's process has gone, even SIGKILLed): what waits gets a 503,
+    `alive` is False, and `on_death` tells the front to stop serving (`front.run` then exits 3)."""
+    engine = Engine(served_tiny).start()
+    host_end, front_end = socket.socketpair()
+    host = EngineHost(engine, host_end).start()
+    remote = RemoteEngine(front_end, engine.max_positions)
+    died: queue.Queue = queue.Queue()
+    remote.on_death = died.put
+    remote.start()
+    try:
+        ids = served_tiny.tokenizer("the of and to")["input_ids"]
+        events: queue.Queue = queue.Queue()
+        remote.submit(ids, SamplingParams(max_tokens=400, temperature=0), events.put)
+        assert isinstance(events.get(timeout=WAIT_S), TokenEvent)
+        until(lambda: host.requests, "the engine's row")
+        host_end.shutdown(socket.SHUT_RDWR)  # the engine's process has gone
+        assert "gone" in died.get(timeout=WAIT_S)
+        last = drain(events)[-1]
+        assert isinstance(last, ErrorEvent) and last.status == 503
+        assert not remote.alive
+        with pytest.raises(EngineStopped):
+            remote.submit(ids, GREEDY, events.put)
+    finally:
+        engine.stop()
+        host_end.close()
+        front_end.close()
+
+
 def test_every_line_on_the_channel_is_json(served_tiny):
     """What the engine's process writes is JSON lines (nothing to unpickle on the front)."""
     engine = Engine(served_tiny).start()
@@ -172,6 +202,7 @@ def test_killing_the_front_ends_serve_with_one_message(model_copy, tmp_path):
     assert "the HTTP front process ended with exit code -9" in log and "Traceback" not in log
 
 
+@pytest.mark.soak  # the second instance: the channel's end of file is proven in-process above
 def test_killing_the_engines_process_ends_the_front(model_copy, tmp_path):
     from servehelpers import start_server
 

@@ -38,6 +38,7 @@ from smolforge.serve.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.5  # how often the engine's side looks for a restart or failure no request reported
+ENGINE_GONE_EXIT = 3  # the front's exit when the channel closed: the engine's process has gone (its own exit says why)
 MAX_LINE_BYTES = 64 * 2**20  # a submit carries the prompt's ids: the API's 4 MiB body is far below this
 
 

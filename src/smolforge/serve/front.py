@@ -23,9 +23,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+from smolforge.serve.channel import ENGINE_GONE_EXIT
 
-ENGINE_GONE_EXIT = 3  # the channel closed: the engine's process has gone (its own exit says why)
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -222,7 +222,7 @@ def _supervise(proc: subprocess.Popen, engine: Any) -> None:
             signal.signal(sig, handler)
     code = proc.poll()
     if code not in (None, 0) and not stop.is_set() and not engine.failure:
-        from smolforge.serve.front import ENGINE_GONE_EXIT
+        from smolforge.serve.channel import ENGINE_GONE_EXIT
 
         raise FrontStopped(f"the HTTP front process ended with exit code {code}"
                              + (" (it lost the engine's channel)" if code == ENGINE_GONE_EXIT else ""),
