@@ -45,8 +45,12 @@ def test_follow_returns_when_the_job_ends_with_every_ranks_lines(run):
     prefixes = set(re.findall(r"\[(r[01]) (w[12])\]", out.stdout))
     assert {p[0] for p in prefixes} == {"r0", "r1"}, out.stdout
     assert len({p[1] for p in prefixes}) == 2, out.stdout  # the two ranks on their two nodes
-    # each rank's own step lines (they log at info through the task logger), rank 1's too
-    assert re.search(r"\[r1 w[12]\] INFO smolforge.task: rank 1 step 4/4: loss \d", out.stdout), out.stdout
+    # each rank's own lines through the task logger (at info), rank 1's too. Not its step lines: under ssp
+    # the server hands parts to whichever rank asks, so on a loaded machine rank 0 may take every step
+    # (two CI runs on 2026-11-28 saw rank 1 log no "step 4/4", rank 0 log steps 2 and 4 twice each)
+    assert re.search(r"\[r1 w[12]\] INFO smolforge.task: rank 1/2 on w[12]: via the parameter server", out.stdout), \
+        out.stdout
+    assert re.search(r"\[r[01] w[12]\] INFO smolforge.task: rank [01] step 4/4: loss \d", out.stdout), out.stdout
     assert "[placed]" in out.stdout  # events and task lines in one stream
     assert run["c"].token not in out.stdout
 
