@@ -106,54 +106,37 @@ def test_a_stopped_engine_fails_what_waits_with_503_and_refuses_more(linked, ser
         remote.submit(ids, GREEDY, events.put)
 
 
-def test_the_fronts_going_cancels_the_engines_rows(served_tiny):
-    engine = Engine(served_tiny).start()
-    host_end, front_end = socket.socketpair()
-    host = EngineHost(engine, host_end).start()
-    remote = RemoteEngine(front_end, engine.max_positions).start()
-    try:
-        ids = served_tiny.tokenizer("the of and to")["input_ids"]
-        first: queue.Queue = queue.Queue()
-        remote.submit(ids, SamplingParams(max_tokens=400, temperature=0), first.put)
-        first.get(timeout=WAIT_S)
-        row = until(lambda: next(iter(host.requests.values()), None), "the engine's row")
-        front_end.shutdown(socket.SHUT_RDWR)  # the front's process has gone
-        until(host.gone.is_set, "the host seeing the front go")
-        until(lambda: row.finish_reason == "cancelled", "the row's cancel")
-        assert len(row.token_ids) < 400
-    finally:
-        engine.stop()
-        host_end.close()
-        front_end.close()
+def test_the_fronts_going_cancels_the_engines_rows(linked, served_tiny):
+    engine, host, remote = linked
+    ids = served_tiny.tokenizer("the of and to")["input_ids"]
+    first: queue.Queue = queue.Queue()
+    remote.submit(ids, SamplingParams(max_tokens=400, temperature=0), first.put)
+    first.get(timeout=WAIT_S)
+    row = until(lambda: next(iter(host.requests.values()), None), "the engine's row")
+    remote.sock.shutdown(socket.SHUT_RDWR)  # the front's process has gone
+    until(host.gone.is_set, "the host seeing the front go")
+    until(lambda: row.finish_reason == "cancelled", "the row's cancel")
+    assert len(row.token_ids) < 400
 
 
-def test_the_engines_going_fails_what_waits_and_tells_the_front(served_tiny):
+def test_the_engines_going_fails_what_waits_and_tells_the_front(linked, served_tiny):
     """The channel's end of file (the engine's process has gone, even SIGKILLed): what waits gets a 503,
     `alive` is False, and `on_death` tells the front to stop serving (`front.run` then exits 3)."""
-    engine = Engine(served_tiny).start()
-    host_end, front_end = socket.socketpair()
-    host = EngineHost(engine, host_end).start()
-    remote = RemoteEngine(front_end, engine.max_positions)
+    engine, host, remote = linked
     died: queue.Queue = queue.Queue()
     remote.on_death = died.put
-    remote.start()
-    try:
-        ids = served_tiny.tokenizer("the of and to")["input_ids"]
-        events: queue.Queue = queue.Queue()
-        remote.submit(ids, SamplingParams(max_tokens=400, temperature=0), events.put)
-        assert isinstance(events.get(timeout=WAIT_S), TokenEvent)
-        until(lambda: host.requests, "the engine's row")
-        host_end.shutdown(socket.SHUT_RDWR)  # the engine's process has gone
-        assert "gone" in died.get(timeout=WAIT_S)
-        last = drain(events)[-1]
-        assert isinstance(last, ErrorEvent) and last.status == 503
-        assert not remote.alive
-        with pytest.raises(EngineStopped):
-            remote.submit(ids, GREEDY, events.put)
-    finally:
-        engine.stop()
-        host_end.close()
-        front_end.close()
+    ids = served_tiny.tokenizer("the of and to")["input_ids"]
+    events: queue.Queue = queue.Queue()
+    remote.submit(ids, SamplingParams(max_tokens=400, temperature=0), events.put)
+    assert isinstance(events.get(timeout=WAIT_S), TokenEvent)
+    until(lambda: host.requests, "the engine's row")
+    host.sock.shutdown(socket.SHUT_RDWR)  # the engine's process has gone
+    assert "gone" in died.get(timeout=WAIT_S)
+    last = drain(events)[-1]
+    assert isinstance(last, ErrorEvent) and last.status == 503
+    assert not remote.alive
+    with pytest.raises(EngineStopped):
+        remote.submit(ids, GREEDY, events.put)
 
 
 def test_every_line_on_the_channel_is_json(served_tiny):
