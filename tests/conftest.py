@@ -20,13 +20,10 @@ if "SMOLFORGE_HOME" not in os.environ or not os.environ.get("SMOLFORGE_KEEP_HOME
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tiers import OFF_CI, TIERS, cap_timeouts, chosen_tier  # noqa: E402
 from workunits import SHARED_CLUSTER_ORDER, work_unit  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-TIERS = ("ci", "all")
-OFF_CI = ("soak", "bench")  # markers whose tests run in `make test-all` only
 
 
 def pytest_addoption(parser):
@@ -37,16 +34,6 @@ def pytest_addoption(parser):
              "claims), `make test-all`. auto (default): ci when pytest collects its testpaths with no -k "
              "or -m, all when you name files, folders or tests (`pytest tests/test_export.py` runs every "
              "test in it, `pytest -k kd_beats_sft` finds the bench test).")
-
-
-def chosen_tier(config) -> str:
-    """The tier this run selects: named, or `ci` when pytest collects its testpaths with nothing chosen
-    (no files, -k or -m): a person who names a test wants it run, whatever its tier."""
-    tier = config.getoption("--tier")
-    if tier != "auto":
-        return tier
-    chose = config.getoption("keyword") or config.getoption("markexpr")
-    return "ci" if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not chose else "all"
 
 
 def pytest_report_header(config):
@@ -66,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
+        cap_timeouts(items)
     if hasattr(config, "workerinput"):
         work_units(items)
     else:

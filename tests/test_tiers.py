@@ -102,3 +102,13 @@ def test_the_ci_tier_leaves_out_bench_tests_that_all_keeps():
     assert BENCH_TEST in listed["all"], f"--tier all does not list {BENCH_TEST}"
     assert BENCH_TEST not in listed["ci"], f"--tier ci lists {BENCH_TEST}, marked bench (make test-all only)"
     assert listed["ci"] < listed["all"], sorted(listed["ci"] - listed["all"])  # the ci tier only removes tests
+
+
+@pytest.mark.timeout(900)
+def test_the_ci_tier_bounds_every_test_below_what_its_module_allows(request):
+    """A module's bound for its soak tests (here 900 s) does not reach the CI tier, where no test may
+    take longer than CI_TEST_TIMEOUT_S (tests/tiers.py, `cap_timeouts`): a hang ends as a failure."""
+    from tiers import CI_TEST_TIMEOUT_S, chosen_tier
+
+    bound = request.node.get_closest_marker("timeout").args[0]
+    assert bound == (CI_TEST_TIMEOUT_S if chosen_tier(request.config) == "ci" else 900)

@@ -11,13 +11,18 @@ Token auth: the child gets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH pointing 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from smolforge.cluster.nodes.statedir import free_ports, port_open
@@ -113,6 +118,40 @@ def spawn(cmd: list[str], env: dict[str, str], log_path: Path, die_with_parent: 
                                 preexec_fn=_die_with_parent if die_with_parent else None)
     finally:
         log.close()
+
+
+START_LOCK_WAIT_S = 300.0  # longer than one worker's whole start (3 tries of Ray's 30 s check + ours)
+
+
+@contextlib.contextmanager
+def node_start_lock(temp_dir: str | None, say=print) -> Iterator[None]:
+    """Held while one node of this machine starts and registers: Ray names a node's sockets and logs
+    in the cluster's session dir by "the first index whose file does not exist yet", which is a race
+    between nodes that start at once on one machine. Seen in CI: three workers joining together, two
+    raylets took `plasma_store.1`, one died with "bind: Address already in use", and its `ray start`
+    then failed Ray's 30 s check three times. Nodes with another temp dir (another cluster's session)
+    do not wait. A lock not had in START_LOCK_WAIT_S is passed by, with a line saying so."""
+    root = os.path.realpath(temp_dir or os.environ.get("RAY_TMPDIR") or "/tmp/ray")
+    key = hashlib.sha256(root.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"smolforge-node-start-{key}.lock"
+    with open(path, "a+b") as fh:
+        deadline, held = time.time() + START_LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    say(f"another node on this machine is still starting after {START_LOCK_WAIT_S:.0f} s; "
+                        "starting anyway")
+                    break
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 FOREIGN_GRACE_S = 10.0  # a listener not ours for this long: Ray lost the port to someone else

@@ -238,19 +238,18 @@ class WorkerNode:
                                          object_store_mb=self.opts.object_store_mb,
                                          memory_bytes=int(inv.ram_gb * 1e9))
         self.log = state.root / "logs" / f"ray-worker-{inv.name}.log"
-        # A loaded machine can make Ray's own 30 s start-up check fail; starting again usually works.
+        return self._start_node(cmd, env, token, info['ray_port'])
+
+    def _start_node(self, cmd: list[str], env: dict[str, str], token: str, ray_port: int) -> str:
+        """`ray start` until the coordinator sees this node: a loaded machine can make Ray's own 30 s
+        start-up check fail, and starting again usually works. One node of this machine starts at a
+        time (`node_start_lock`)."""
+        inv = self.inv
         for attempt in range(3):
-            self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
-            deadline = time.time() + 90
-            while time.time() < deadline and not self.stopping.is_set():
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    if any(n["name"] == inv.name and n["alive"] for n in self._nodes(token)):
-                        return f"Registered as {inv.name}: {inv.summary()}"
-                except (httpx.HTTPError, ValueError):
-                    pass  # the coordinator is busy or restarting: ask again
-                time.sleep(0.5)
+            with ray_process.node_start_lock(env.get("RAY_TMPDIR"), say=self.announce):
+                self.proc = ray_process.spawn(cmd, env, self.log, die_with_parent=True)
+                if self._registered(inv.name, token):
+                    return f"Registered as {inv.name}: {inv.summary()}"
             if self.stopping.is_set():
                 break
             if self.proc.poll() is None:
@@ -258,12 +257,27 @@ class WorkerNode:
                 self.stopping.clear()
                 raise SmolforgeError(f"the coordinator did not see node {inv.name} within 90 s:\n"
                                      f"{ray_process.tail(self.log)}",
-                                     fix=f"check that this machine can reach {self.host}:{info['ray_port']} (Ray's port)")
+                                     fix=f"check that this machine can reach {self.host}:{ray_port} (Ray's port)")
             if attempt < 2:
                 self.announce(f"the Ray node exited during start-up (code {self.proc.returncode}); retrying")
                 time.sleep(2)
         raise SmolforgeError(f"the Ray node exited (code {self.proc.returncode}):\n{ray_process.tail(self.log)}",
                              fix=f"see {self.log}")
+
+    def _registered(self, name: str, token: str) -> bool:
+        """Wait (90 s at most) until the coordinator lists this node alive; False when our `ray start`
+        exited first or we are told to stop."""
+        deadline = time.time() + 90
+        while time.time() < deadline and not self.stopping.is_set():
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if any(n["name"] == name and n["alive"] for n in self._nodes(token)):
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass  # the coordinator is busy or restarting: ask again
+            time.sleep(0.5)
+        return False
 
     def _memory_gb(self) -> float | None:
         """--memory-limit, or the machine's RAM when that is less: what placement may count on here."""
