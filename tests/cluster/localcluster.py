@@ -243,9 +243,15 @@ class LocalCluster:
 def orchestrators_on(spawn, mode: str):
     """(handle, make) for Orchestrators on a cluster that `spawn(procs)` starts and returns as (handle,
     tmp dir): `make(mode)` builds one. Afterwards every orchestrator's threads are joined before Ray
-    goes away (even after a failed test), then the cluster, its processes and its tmp dir are stopped."""
+    goes away (even after a failed test), then the cluster, its processes and its tmp dir are stopped.
+
+    A `spawn` that fails after it connected (a node that never joined) returns no handle, but this
+    process is a Ray driver all the same: it is disconnected before the head is stopped. Left connected,
+    Ray ended the pytest process about a minute after its head went (stop 40's CI: `node down` two
+    tests later, in another module)."""
     from types import SimpleNamespace
 
+    from smolforge.cluster.nodes import ray_glue
     from smolforge.cluster.nodes.ray_process import stop
     from smolforge.orchestrator import Orchestrator
 
@@ -264,8 +270,9 @@ def orchestrators_on(spawn, mode: str):
     finally:
         for orch in made:
             orch.shutdown_distill()
-        if handle is not None:
-            handle.shutdown()
+        connected = handle if handle is not None else ray_glue.connected_handle()
+        if connected is not None:
+            connected.shutdown()
         for p in reversed(procs):
             stop(p)
         if tmp is not None:
