@@ -2,7 +2,7 @@
 
 Ray names a node's sockets in the cluster's session dir by "the first index whose file does not
 exist yet": two workers that joined at once took the same `plasma_store.1`, and one raylet died with
-"bind: Address already in use" (three CI runs lost test_param_server's cluster to it). Real processes,
+"bind: Address already in use" (a fresh-clone CI run lost test_param_server's cluster to it). Real processes,
 no Ray: a child holds the lock of one temp dir until the test lets it go.
 """
 

@@ -127,7 +127,7 @@ START_LOCK_WAIT_S = 300.0  # longer than one worker's whole start (3 tries of Ra
 def node_start_lock(temp_dir: str | None, say=print) -> Iterator[None]:
     """Held while one node of this machine starts and registers: Ray names a node's sockets and logs
     in the cluster's session dir by "the first index whose file does not exist yet", which is a race
-    between nodes that start at once on one machine. Seen in CI: three workers joining together, two
+    between nodes that start at once on one machine. Seen in a CI run: three workers joining together, two
     raylets took `plasma_store.1`, one died with "bind: Address already in use", and its `ray start`
     then failed Ray's 30 s check three times. Nodes with another temp dir (another cluster's session)
     do not wait. A lock not had in START_LOCK_WAIT_S is passed by, with a line saying so."""
