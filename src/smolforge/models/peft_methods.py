@@ -27,6 +27,7 @@ from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
 # Reading users' PEFT settings is its own module; these names stay importable from here.
+from smolforge.models.families import family_of
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
 from smolforge.paths import atomic_replace_dir
 
@@ -40,18 +41,7 @@ _PEFT_TYPES = {
     houlsby.PEFT_TYPE: "adapter",
 }
 
-# LoRA on GPT-2: its block projections are transformers' Conv1D (weights stored fan-in x fan-out).
-_LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
-
-# (IA)^3: scale keys, values and the MLP's input to the down projection.
-_IA3_TARGETS: dict[str, tuple[list[str], list[str]]] = {
-    "llama": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen2": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen3": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "mistral": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "gpt2": (["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
-}
-
+# Default LoRA and (IA)^3 targets are the family's (models/families: `lora_targets`, `ia3_targets`).
 
 
 # --------------------------------------------------------------------------- helpers
@@ -137,7 +127,7 @@ def _lora_config(model: nn.Module, spec: PeftSpec):
     targets: Any = spec.target_modules
     if targets is None:
         # peft's "all-linear" is every Linear/Conv1D except the output head.
-        targets = _LORA_TARGETS.get(_model_type(model) or "", "all-linear")
+        targets = list(family_of(_model_type(model)).lora_targets or ()) or "all-linear"
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=spec.r,
@@ -157,8 +147,9 @@ def _ia3_config(model: nn.Module, spec: PeftSpec):
     )
 
     mtype = _model_type(model) or ""
-    if mtype in _IA3_TARGETS:
-        targets, feedforward = _IA3_TARGETS[mtype]
+    known = family_of(mtype).ia3_targets
+    if known:
+        targets, feedforward = list(known[0]), list(known[1])
     elif mtype in PEFT_TARGETS:
         targets, feedforward = list(PEFT_TARGETS[mtype]), list(PEFT_FF.get(mtype, []))
     else:
