@@ -23,6 +23,7 @@ from smolforge.data.encode import ensure_chat_template, render
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import stop_ids, turn_end_id
 from smolforge.models.loading import load_tokenizer
 
 DEFAULT_HOST = "http://127.0.0.1:11434"
@@ -178,8 +179,9 @@ class OllamaTeacher:
                     got = self._logits(data.get("logprobs") or [], k) if isinstance(data.get("logprobs"), list) else None
                     if got is not None:
                         response_ids, vals, idxs, tails = got
-                        eos = self.tokenizer.eos_token_id
-                        if data.get("done_reason") == "stop" and eos is not None and response_ids[-1] != eos:
+                        eos = turn_end_id(self.tokenizer)  # the token a chat answer ends with
+                        if data.get("done_reason") == "stop" and eos is not None \
+                                and response_ids[-1] not in stop_ids(self.tokenizer):
                             # Ollama does not report the stop token; the student must still learn to stop.
                             response_ids = response_ids + [eos]
                             vals = np.concatenate([vals, np.array([[0.0] + [-65000.0] * (k - 1)], np.float32)])
