@@ -248,3 +248,44 @@ def test_every_stop_id_ends_eval_teacher_and_serve(twin):
         assert answers == [""], (token, answers)
         assert list(rec.response_ids) == [token], (token, rec.response_ids)
         assert (done.token_ids, done.text, done.finish_reason) == ([token], "", "stop"), (token, done)
+
+
+# ---------------------------------------------------------------------------------------------- export keys
+
+class _Keys:
+    """A GGUF writer's end-of-generation setters, recorded."""
+
+    def __init__(self):
+        self.got: dict[str, int] = {}
+
+    def add_eot_token_id(self, tid: int) -> None:
+        self.got["eot"] = tid
+
+    def add_eom_token_id(self, tid: int) -> None:
+        self.got["eom"] = tid
+
+
+@pytest.mark.parametrize("family, keys, stops", [
+    ("phi-3-mini-4k-instruct", {"eot": "<|end|>"}, ["<|end|>", "<|user|>", "<|assistant|>"]),
+    ("llama-3.2-1b-instruct", {"eot": "<|eot_id|>", "eom": "<|eom_id|>"},
+     ["<|eot_id|>", "<|start_header_id|>", "<|end_of_text|>", "<|eom_id|>"]),
+    ("qwen2.5-0.5b-instruct", {"eot": "<|im_end|>"}, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+])
+def test_gguf_end_of_turn_keys_and_modelfile_stops(family, keys, stops):
+    """The GGUF's EOT/EOM keys and the Modelfile's `PARAMETER stop` lines come from the stop set: every stop
+    text besides the eos (which Ollama stops on by itself) after the chat format's own."""
+    from smolforge.models.export import ollama
+    from smolforge.models.export.gguf import chat_template
+    from smolforge.models.export.gguf_vocab import write_stops
+    from smolforge.models.export.merge import MergedModel
+    from smolforge.models.export.run import modelfile_stops
+    from smolforge.models.loading import load_tokenizer, resolve_model
+
+    name = f"twin:{family}"
+    path, tok = Path(resolve_model(name)), load_tokenizer(name)
+    writer = _Keys()
+    write_stops(writer, path, path)
+    assert writer.got == {k: tok.convert_tokens_to_ids(v) for k, v in keys.items()}
+    text, chosen = ollama.modelfile(chat_template(path), ollama.tokens_of(path), stops=modelfile_stops(MergedModel(path)))
+    assert chosen["stops"] == stops and [line for line in text.splitlines() if line.startswith("PARAMETER")] == [
+        f'PARAMETER stop "{s}"' for s in stops]
