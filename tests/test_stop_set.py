@@ -200,6 +200,69 @@ def test_verified_gguf_export_stops_where_hf_stops(memorised):
     _llamacpp_cells(memorised, path, engine, batch_size=1)
 
 
+# ---------------------------------------------------------------------------------------------- split generate
+
+SPLIT_TOKEN = "stop-set-token"
+
+
+@pytest.fixture(scope="module")
+def split_server(tmp_path_factory):
+    from smolforge.split.server import ServeConfig, serve
+
+    srv = serve(ServeConfig(model=PHI3, split_point_1=1, split_point_2=2, lora_rank=4, lora_alpha=8, lora_dropout=0.0,
+                            port=0, token=SPLIT_TOKEN, num_threads=1,
+                            checkpoint_dir=str(tmp_path_factory.mktemp("split-ck"))))
+    yield srv
+    srv.stop(0)
+
+
+def _split_run(server, data: Path, out: Path, steps: int):
+    """A split run on the Phi-3 twin (bottom and top here, the trunk on `server`) and its generator."""
+    from smolforge.config import DataSpec
+    from smolforge.data import load_splits
+    from smolforge.models.loading import load_tokenizer
+    from smolforge.split.generate import SplitGenerateConfig, SplitGenerator
+    from smolforge.split.trainer import SplitTrainConfig, train_split
+
+    tok = load_tokenizer(PHI3)
+    cfg = SplitTrainConfig(model=PHI3, split_point_1=1, split_point_2=2, server_port=server.port, token=SPLIT_TOKEN,
+                           lora_rank=4, lora_alpha=8, lora_dropout=0.0, batch_size=4, learning_rate=1e-2,
+                           warmup_steps=0, max_steps=steps, max_eval_samples=0, output_dir=str(out), num_threads=1,
+                           quiet=True, seed=0)
+    train_split(cfg, splits=load_splits(DataSpec(path=str(data), max_length=32, max_eval_samples=0), tok), tokenizer=tok)
+    return SplitGenerator(SplitGenerateConfig(run_dir=str(out), prompt="ping", server_port=server.port, token=SPLIT_TOKEN,
+                                              max_new_tokens=12, num_threads=1), tokenizer=tok)
+
+
+def test_split_generate_stops_at_every_stop_id(memorised, split_server):
+    """`split generate` (its top part here decides the tokens) ends a reply at any id of the stop set: the top's
+    head rigged to emit each id first, the reply is that id alone, stopped as "eos"."""
+    gen = _split_run(split_server, memorised.data, memorised.work / "split-1", steps=1)
+    try:
+        for token in sorted(families.stop_ids(memorised.tok, memorised.merged)):
+            head = next(m for n, m in gen.top.named_modules() if n.endswith("lm_head"))
+            handle = head.register_forward_hook(lambda module, args, out, t=token: out.index_add(
+                -1, torch.tensor([t]), torch.full((*out.shape[:-1], 1), 1e4, dtype=out.dtype)))
+            try:
+                res = gen.reply("ping")
+            finally:
+                handle.remove()
+            assert (res.token_ids, res.text, res.stopped) == ([token], "", "eos"), (token, res)
+    finally:
+        gen.close()
+
+
+@pytest.mark.soak
+def test_split_generate_gives_the_memorised_answer(memorised, split_server):
+    """A split run that memorised the answer (40 steps): `split generate` replies with it and stops at `<|end|>`."""
+    gen = _split_run(split_server, memorised.data, memorised.work / "split-40", steps=40)
+    try:
+        res = gen.reply("ping")
+    finally:
+        gen.close()
+    assert (res.text, res.token_ids, res.stopped) == (ANSWER, memorised.answer_ids + [memorised.end], "eos"), res
+
+
 # ---------------------------------------------------------------------------------------------- every chat twin
 
 CHAT_TWINS = ("phi-3-mini-4k-instruct", "llama-3.2-1b-instruct", "qwen2.5-0.5b-instruct", "smollm2-360m-instruct",
