@@ -140,20 +140,18 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                 samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
                 responses=cfg.teacher_responses).check()
-    if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
-        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
-                             f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
-    from smolforge.distill.planner import TEACHER_BACKENDS
-    from smolforge.models.export.cache import check_quant
+    from smolforge.distill.backends import backends_that, teacher_backend
 
-    if cfg.teacher_backend not in TEACHER_BACKENDS:
-        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
-    if cfg.teacher_backend == "llamacpp":
-        check_quant(cfg.teacher_quant)
-        if cfg.teacher_responses == "reference":
-            raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
-                                 "llamacpp backend generates its own", fix="use --teacher-backend hf for reference")
-        _check_local_gguf(cfg)
+    backend = teacher_backend(cfg.teacher_backend)
+    if cfg.on_policy_ratio > 0 and not backend.on_policy:
+        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
+                             f"{backend.name} backend cannot",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('on_policy'))}, or --on-policy-ratio 0")
+    if cfg.teacher_responses == "reference" and not backend.scores_reference:
+        raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
+                             f"{backend.name} backend generates its own",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('scores_reference'))} for reference")
+    backend.check(cfg)
     if cfg.replace_timeout_s <= 0:
         raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
                              fix="give the seconds a student whose node died may wait for another (e.g. 300)")

@@ -6,7 +6,9 @@ Houlsby implementation (`smolforge.models.houlsby`), saved in the same layout. `
 fine-tuning; its "adapter" directory is a complete model written by `save_pretrained`.
 
 The engine, the distillation students and the split-learning client all call the same four
-functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`.
+functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`. Each asks the method's
+class (`smolforge.models.peft`: one class per method, what it can do and how); this module holds
+the helpers they share and the model-type tables of default targets.
 """
 
 from __future__ import annotations
@@ -26,19 +28,11 @@ from torch import nn
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
+from smolforge.models.peft import FULL, by_peft_type, peft_method, peft_types
 # Reading users' PEFT settings is its own module; these names stay importable from here.
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
 from smolforge.paths import atomic_replace_dir
 
-
-# peft's PeftType value -> our method name
-_PEFT_TYPES = {
-    "LORA": "lora",
-    "PREFIX_TUNING": "prefix",
-    "PROMPT_TUNING": "prompt",
-    "IA3": "ia3",
-    houlsby.PEFT_TYPE: "adapter",
-}
 
 # LoRA on GPT-2: its block projections are transformers' Conv1D (weights stored fan-in x fan-out).
 _LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
@@ -86,10 +80,23 @@ def model_method(model: nn.Module) -> str:
     if _is_peft_model(model):
         peft_type = str(getattr(model.peft_config[model.active_adapter].peft_type, "value",
                                 model.peft_config[model.active_adapter].peft_type))
-        return _PEFT_TYPES.get(peft_type, peft_type.lower())
+        known = by_peft_type(peft_type)
+        return known.name if known is not None else peft_type.lower()
     if houlsby.is_houlsby(model):
-        return "adapter"
-    return "none"
+        return peft_method_of_type(houlsby.PEFT_TYPE)
+    return FULL
+
+
+def peft_method_of_type(peft_type: str) -> str:
+    """The method name whose adapter_config.json says `peft_type`."""
+    known = by_peft_type(peft_type)
+    assert known is not None, peft_type
+    return known.name
+
+
+def carries_adapter(model: nn.Module) -> bool:
+    """Whether the model in memory carries an adapter (any method but full fine-tuning)."""
+    return not peft_method(model_method(model)).full_model
 
 
 def virtual_token_offset(model: nn.Module) -> int:
@@ -102,10 +109,7 @@ def virtual_token_offset(model: nn.Module) -> int:
     the last virtual position). Prefix tuning does not lengthen the logits.
     """
     model = _unwrap(model)
-    if model_method(model) != "prompt":
-        return 0
-    config = model.peft_config[model.active_adapter]
-    return int(config.num_virtual_tokens) * int(getattr(config, "num_transformer_submodules", 1) or 1)
+    return peft_method(model_method(model)).virtual_tokens(model)
 
 
 def adapter_dir(output_dir: str | Path, method: str) -> Path:
@@ -181,20 +185,6 @@ def _ia3_config(model: nn.Module, spec: PeftSpec):
     )
 
 
-def _peft_config(model: nn.Module, spec: PeftSpec):
-    from peft import PrefixTuningConfig
-
-    if spec.method == "lora":
-        return _lora_config(model, spec)
-    if spec.method == "ia3":
-        return _ia3_config(model, spec)
-    if spec.method == "prefix":
-        return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
-    if spec.method == "prompt":
-        return _prompt_config(model, spec)
-    raise AssertionError(spec.method)
-
-
 def _adapter_size(model: nn.Module, spec: PeftSpec) -> int:
     """Houlsby's bottleneck width: `adapter_size`, or hidden size / `reduction_factor` (how the seeds and
     AdapterHub size it, so one setting fits models of any width)."""
@@ -233,31 +223,12 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
     For peft methods the result is a `peft.PeftModel` around `model`; for `adapter` and `none`
     it is `model` itself (adapters added in place for `adapter`).
     """
-    if spec.method not in METHODS:
-        raise SmolforgeError(f"unknown PEFT method {spec.method!r}", fix=f"use one of {', '.join(METHODS)}")
+    kind = peft_method(spec.method)
     model = _unwrap(model)
-    if model_method(model) != "none":
+    if carries_adapter(model):
         raise SmolforgeError("this model already carries a PEFT adapter",
                              fix="apply PEFT to a freshly loaded base model")
-    if spec.method == "none":
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    if spec.method == "adapter":
-        return houlsby.apply_houlsby(model, _adapter_size(model, spec))
-    from peft import get_peft_model
-
-    # peft refuses prefix tuning on a checkpointing model; switch it off, apply, switch it back on
-    recheckpoint = spec.method == "prefix" and _is_checkpointing(model)
-    if recheckpoint:
-        _disable_checkpointing(model)
-    try:
-        with _quiet_peft():
-            peft_model = get_peft_model(model, _peft_config(model, spec))
-        return enable_gradient_checkpointing(peft_model) if recheckpoint else peft_model
-    except ValueError as err:  # e.g. target modules not found
-        raise SmolforgeError(f"cannot apply {spec.method}: {err}".splitlines()[0],
-                             fix="check target_modules in --peft-config against the model's module names") from err
+    return kind.apply(model, spec)
 
 
 def trainable_summary(model: nn.Module) -> tuple[int, int]:
@@ -322,43 +293,21 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        method = model_method(model)
-        if isinstance(weights, Path) and method != "none":  # an adapter's weights are small
+        kind = peft_method(model_method(model))
+        if isinstance(weights, Path) and not kind.full_model:  # an adapter's weights are small
             from safetensors.torch import load_file
 
             weights = load_file(str(weights))
-        if isinstance(weights, Path):
-            _save_full_model_file(model, weights, tmp)
-        elif method == "adapter":
-            houlsby.save_houlsby(model, tmp, state_dict=weights)
-        else:  # safetensors; peft models write only the adapter
-            model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
+        kind.save(model, tmp, weights)  # safetensors; peft models write only the adapter
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if method != "none":
+        if not kind.full_model:
             (tmp / BASE_FILE).write_text(json.dumps(base_shape(model)), encoding="utf-8")
         atomic_replace_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _save_full_model_file(model: nn.Module, weights_file: Path, out: Path) -> None:
-    """What `save_pretrained` writes for a full model, with its weights already in `weights_file`."""
-    config = model.config
-    # FSDP swaps the model's class for a subclass (FSDPLlamaForCausalLM); the file names the model's own
-    own = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
-    architectures = config.architectures
-    config.architectures = [own.__name__]
-    try:
-        config.save_pretrained(out)
-    finally:
-        config.architectures = architectures
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(out)
-    shutil.move(str(weights_file), out / "model.safetensors")
 
 
 def adapter_method(adapter_dir: str | Path) -> str:
@@ -370,12 +319,13 @@ def adapter_method(adapter_dir: str | Path) -> str:
             peft_type = json.loads(cfg.read_text(encoding="utf-8")).get("peft_type")
         except (json.JSONDecodeError, AttributeError) as err:
             raise SmolforgeError(f"{cfg} is not valid JSON", fix="re-save the adapter, or restore the file") from err
-        if peft_type in _PEFT_TYPES:
-            return _PEFT_TYPES[peft_type]
+        known = by_peft_type(peft_type) if isinstance(peft_type, str) else None
+        if known is not None:
+            return known.name
         raise SmolforgeError(f"{cfg}: unsupported peft_type {peft_type!r}",
-                             fix=f"smolforge reads {', '.join(sorted(_PEFT_TYPES))} adapters")
+                             fix=f"smolforge reads {', '.join(peft_types())} adapters")
     if (adapter_dir / "config.json").exists():
-        return "none"
+        return FULL
     if not adapter_dir.exists():
         raise SmolforgeError(f"adapter directory {adapter_dir} does not exist", fix="check the --adapter path")
     raise SmolforgeError(f"{adapter_dir} holds neither adapter_config.json nor config.json",
@@ -388,33 +338,11 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
     `is_trainable=True` leaves the adapter's parameters trainable, for resuming or further training.
     """
     adapter_dir = Path(adapter_dir)
-    method = adapter_method(adapter_dir)
+    kind = peft_method(adapter_method(adapter_dir))
     base_model = _unwrap(base_model)
-    if method != "none":
+    if not kind.full_model:
         check_base(base_model, adapter_dir)
-    if method == "none":
-        from transformers import AutoModelForCausalLM
-
-        ref = next(base_model.parameters())
-        model = AutoModelForCausalLM.from_pretrained(str(adapter_dir), dtype=ref.dtype).to(ref.device)
-        for p in model.parameters():
-            p.requires_grad_(is_trainable)
-        return model
-    if method == "adapter":
-        return houlsby.load_houlsby(base_model, adapter_dir, is_trainable=is_trainable)
-    from peft import PeftModel
-
-    try:
-        with _quiet_peft():
-            model = PeftModel.from_pretrained(base_model, str(adapter_dir), is_trainable=is_trainable)
-    except (RuntimeError, ValueError, KeyError) as err:
-        base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-        raise SmolforgeError(f"cannot load {method} adapter {adapter_dir}: {err}".splitlines()[0],
-                             fix=f"load it onto the base model it was trained on ({base})") from err
-    if not is_trainable:  # peft leaves prompt-learning encoders trainable even in inference mode
-        for p in model.parameters():
-            p.requires_grad_(False)
-    return model
+    return kind.load(base_model, adapter_dir, is_trainable=is_trainable)
 
 
 def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
@@ -426,22 +354,7 @@ def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
     silently lose the adapters when reloaded with `from_pretrained`.
     """
     model = _unwrap(model)
-    method = model_method(model)
-    if method == "none":
-        return model
-    if method in ("lora", "ia3"):
-        return model.merge_and_unload()
-    if method in ("prefix", "prompt"):
-        raise SmolforgeError(
-            f"cannot merge {method} tuning; keep the adapter",
-            fix="load the base model with --adapter <dir> instead of merging, or train with --peft lora to get a mergeable adapter",
-        )
-    if not plain:
-        return model
-    raise SmolforgeError(
-        "cannot merge Houlsby adapters into the base weights: they are extra layers, not weight deltas",
-        fix="keep the adapter and load it with --adapter <dir>, or train with --peft lora to get a mergeable adapter",
-    )
+    return peft_method(model_method(model)).merge(model, plain=plain)
 
 
 def _is_checkpointing(model: nn.Module) -> bool:
@@ -474,13 +387,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # transformers < 5.23
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if model_method(model) != "none" and hasattr(base, "enable_input_require_grads"):
+    if carries_adapter(model) and hasattr(base, "enable_input_require_grads"):
         if not getattr(base, "_require_grads_hooks", None) and not getattr(base, "_require_grads_hook", None):
             base.enable_input_require_grads()
     if getattr(base, "config", None) is not None:
         base.config.use_cache = False
-    if model_method(model) == "prefix":
-        _prefix_survives_checkpointing(_unwrap(model))
+    peft_method(model_method(model)).after_checkpointing(model)
     return model
 
 

@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from smolforge.errors import SmolforgeError
 
 # Prefix and prompt tuning put virtual tokens in front of the cache: not servable with our positions.
-SERVABLE_METHODS = ("none", "lora", "ia3", "adapter")
 
 
 @dataclass
@@ -117,16 +115,16 @@ def max_positions_of(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
 
 
-def _check_servable(adapter: str):
-    """The adapter's directory, when the server can run its method (virtual tokens do not fit its cache)."""
+def _check_servable(adapter: str, engine: str = "torch"):
+    """The adapter's directory, when `engine` (`peft.ENGINES`) can run its method (the method's class says)."""
     from smolforge.models.names import check_adapter_dir
+    from smolforge.models.peft import accepts, peft_method
     from smolforge.models.peft_methods import adapter_method
 
     path = check_adapter_dir(adapter)
-    method = adapter_method(path)
-    if method not in SERVABLE_METHODS:
-        raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
-                             where=str(path), fix="serve a lora, ia3 or adapter (Houlsby) adapter, or a merged model")
+    kind = peft_method(adapter_method(path))
+    if not accepts(kind, f"serve:{engine}"):
+        raise kind.refusal(f"serve:{engine}", where=str(path), adapter=str(path))
     return path
 
 

@@ -83,7 +83,7 @@ class StageServer:
 
         dev = pick_device(device)
         if adapter:
-            _check_servable(adapter)
+            _check_servable(adapter, "stages")
         if not adapter or mergeable([adapter]):
             stage, read = load_stage(model, bounds, index, adapters=[adapter] if adapter else [], device=dev,
                                      dtype=dtype)
