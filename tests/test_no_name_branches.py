@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "smolforge"
 
 PEFT_NAMES = {"method", "peft_method", "peft", "student_peft", "peft_type", "model_method", "adapter_method"}
@@ -36,7 +34,7 @@ ALLOWED = (
     ("distill/demo.py", "peft", {"lora"}),
     ("distill/demo.py", "student_peft", {"lora"}),
 )
-# model_type / "gpt2" branches still outside models/families/ (the lead migrates them there): meant to be empty
+# model_type / "gpt2" branches outside models/families/: empty since the families migration, and meant to stay so
 MODEL_TYPE_ALLOWED: tuple[tuple[str, str, set[str]], ...] = ()
 
 
@@ -118,7 +116,6 @@ def test_no_peft_method_or_teacher_backend_branches():
                      "(ask `smolforge.models.peft` / `smolforge.distill.backends`):\n" + "\n".join(bad))
 
 
-@pytest.mark.xfail(strict=False, reason="families migration on main")
 def test_no_model_type_branches():
     bad = _scan(MODEL_TYPE_NAMES, MODEL_TYPE_ALLOWED, MODEL_TYPE_CONSTANTS)
     assert not bad, ("branches on a model type outside models/families/ (ask the family class):\n" + "\n".join(bad))

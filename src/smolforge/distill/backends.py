@@ -12,13 +12,12 @@ What a backend needs from the node: a `Loader`, the way a task loads its model t
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 from smolforge.errors import SmolforgeError
-
-if TYPE_CHECKING:
-    from smolforge.distill.settings import DistillSettings
 
 
 @dataclass(frozen=True)
@@ -69,13 +68,21 @@ class TeacherBackend:
     on_policy: ClassVar[bool] = False  # scores the student's own samples (--on-policy-ratio > 0)
     scores_reference: ClassVar[bool] = False  # --teacher-responses reference: scores the dataset's answers
 
+    teacher: ClassVar[str]  # "module:Class" of its teacher, imported when first built (torch: not before)
+
+    def teacher_class(self) -> Any:
+        """The teacher's class (`generate(items, settings)` -> TeacherRecords), imported now."""
+        module, _, name = self.teacher.partition(":")
+        return getattr(importlib.import_module(module), name)
+
     def build(self, model: str, **kwargs: Any) -> Any:
-        """The teacher object (`generate(items, settings)` -> TeacherRecords) for `model`. kwargs: device,
-        dtype, ollama_host, tokenizer (the student's), quant, n_threads, as the backend uses them."""
+        """The teacher object for `model`. kwargs: device, dtype, ollama_host, tokenizer (the student's),
+        quant, n_threads, as the backend uses them."""
         raise NotImplementedError(self.name)
 
-    def check(self, cfg: "DistillSettings") -> None:
-        """This backend's own checks of a run's settings at submit (the shared ones are `check_run`'s)."""
+    def check(self, cfg: Any) -> None:
+        """This backend's own checks of a run's settings (a `DistillSettings`) at submit; the shared ones
+        are `settings.check_run`'s."""
 
     def tokenizer_for(self, students: list[str]) -> str | None:
         """The tokenizer the teacher task gets: the first student's where its vocabulary is checked."""
@@ -122,10 +129,10 @@ class HFBackend(TeacherBackend):
     on_policy = True
     scores_reference = True
 
-    def build(self, model: str, **kwargs: Any) -> Any:
-        from smolforge.distill.teacher import HFTeacher
+    teacher = "smolforge.distill.teacher:HFTeacher"
 
-        return HFTeacher(model, device=kwargs.get("device", "auto"), dtype=kwargs.get("dtype"))
+    def build(self, model: str, **kwargs: Any) -> Any:
+        return self.teacher_class()(model, device=kwargs.get("device", "auto"), dtype=kwargs.get("dtype"))
 
 
 @register
@@ -136,19 +143,23 @@ class LlamaCppBackend(TeacherBackend):
     student_tokenizer = True
     produces = frozenset({"text", "topk"})
 
+    teacher = "smolforge.distill.teacher_llamacpp:LlamaCppTeacher"
+
     def build(self, model: str, **kwargs: Any) -> Any:
-        from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+        return self.teacher_class()(model, tokenizer=kwargs.get("tokenizer"), quant=kwargs.get("quant") or "q8_0",
+                                    n_threads=kwargs.get("n_threads") or 1, say=print)  # a first export takes minutes
 
-        return LlamaCppTeacher(model, tokenizer=kwargs.get("tokenizer"), quant=kwargs.get("quant") or "q8_0",
-                               n_threads=kwargs.get("n_threads") or 1, say=print)  # a first export takes minutes
-
-    def check(self, cfg: "DistillSettings") -> None:
-        """The quantisation is one the export writes, and a GGUF file given here shares the student's vocabulary."""
-        from smolforge.distill.settings import _check_local_gguf
-        from smolforge.models.export.cache import check_quant
+    def check(self, cfg: Any) -> None:
+        """The quantisation is one the export writes, and a GGUF teacher given as a file here shares the
+        student's vocabulary (its logits train the student): refused now (exit 2) rather than by the
+        teacher task on its node. (A path only a worker has is checked there, still before the first shard.)"""
+        from smolforge.models.export.cache import check_quant, is_gguf
 
         check_quant(cfg.teacher_quant)
-        _check_local_gguf(cfg)
+        if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
+            from smolforge.distill.teacher_llamacpp import check_gguf_vocab
+
+            check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
 
 
 @register
@@ -159,10 +170,10 @@ class OllamaBackend(TeacherBackend):
     # top-k only when Ollama sends logprobs and the model's HF tokenizer is known (else text)
     produces = frozenset({"text", "topk"})
 
-    def build(self, model: str, **kwargs: Any) -> Any:
-        from smolforge.distill.ollama import OllamaTeacher
+    teacher = "smolforge.distill.ollama:OllamaTeacher"
 
-        return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
+    def build(self, model: str, **kwargs: Any) -> Any:
+        return self.teacher_class()(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
 
 
 @register
@@ -171,7 +182,7 @@ class ReferenceBackend(TeacherBackend):
     description = "the dataset's own answers (the SFT baseline; the model supplies the tokenizer)"
     scores_reference = True  # its responses are the references
 
-    def build(self, model: str, **kwargs: Any) -> Any:
-        from smolforge.distill.teacher import ReferenceTeacher
+    teacher = "smolforge.distill.teacher:ReferenceTeacher"
 
-        return ReferenceTeacher(model)
+    def build(self, model: str, **kwargs: Any) -> Any:
+        return self.teacher_class()(model)

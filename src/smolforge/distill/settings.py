@@ -162,18 +162,6 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
         raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
 
 
-def _check_local_gguf(cfg: DistillSettings) -> None:
-    """A GGUF teacher given as a file here must share the student's vocabulary (its logits train the
-    student): refused now (exit 2) rather than by the teacher task on its node. (A path only a worker
-    has is checked there, still before the first shard.)"""
-    from smolforge.models.export.cache import is_gguf
-
-    if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
-        from smolforge.distill.teacher_llamacpp import check_gguf_vocab
-
-        check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
-
-
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:
     """A distillation rerun into a run dir whose students left checkpoints either continues them
     (`resume`) or is refused: their steps are never deleted, nor continued by a run with other settings.

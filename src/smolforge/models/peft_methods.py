@@ -13,12 +13,9 @@ the helpers they share and the model-type tables of default targets.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,49 +26,13 @@ from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
 from smolforge.models.peft import FULL, by_peft_type, peft_method, peft_types
+from smolforge.models.peft._peftlib import base_transformer, is_peft_model as _is_peft_model, unwrap as _unwrap
 # Reading users' PEFT settings is its own module; these names stay importable from here.
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
 from smolforge.paths import atomic_replace_dir
 
 
-# LoRA on GPT-2: its block projections are transformers' Conv1D (weights stored fan-in x fan-out).
-_LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
-
-# (IA)^3: scale keys, values and the MLP's input to the down projection.
-_IA3_TARGETS: dict[str, tuple[list[str], list[str]]] = {
-    "llama": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen2": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen3": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "mistral": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "gpt2": (["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
-}
-
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP/FSDP-style `.module` wrappers so we see the model itself."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel) or (
-        type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module")
-    ):
-        model = model.module
-    return model
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
-def base_transformer(model: nn.Module) -> nn.Module:
-    """The underlying transformers model (below any peft wrapper)."""
-    model = _unwrap(model)
-    if _is_peft_model(model):
-        return model.get_base_model()
-    return model
 
 
 def model_method(model: nn.Module) -> str:
@@ -117,103 +78,6 @@ def adapter_dir(output_dir: str | Path, method: str) -> Path:
     return Path(output_dir) / f"{method}_adapter"
 
 
-@contextlib.contextmanager
-def _quiet_peft():
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
-
-
-def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
-
-
-def _has_conv1d(model: nn.Module) -> bool:
-    from transformers.pytorch_utils import Conv1D
-
-    return any(isinstance(m, Conv1D) for m in model.modules())
-
-
-def _lora_config(model: nn.Module, spec: PeftSpec):
-    from peft import LoraConfig
-
-    targets: Any = spec.target_modules
-    if targets is None:
-        # peft's "all-linear" is every Linear/Conv1D except the output head.
-        targets = _LORA_TARGETS.get(_model_type(model) or "", "all-linear")
-    return LoraConfig(
-        task_type="CAUSAL_LM",
-        r=spec.r,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
-        target_modules=targets,
-        fan_in_fan_out=_has_conv1d(model),
-        bias="none",
-    )
-
-
-def _ia3_config(model: nn.Module, spec: PeftSpec):
-    from peft import IA3Config
-    from peft.utils.constants import (
-        TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as PEFT_FF,
-        TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as PEFT_TARGETS,
-    )
-
-    mtype = _model_type(model) or ""
-    if mtype in _IA3_TARGETS:
-        targets, feedforward = _IA3_TARGETS[mtype]
-    elif mtype in PEFT_TARGETS:
-        targets, feedforward = list(PEFT_TARGETS[mtype]), list(PEFT_FF.get(mtype, []))
-    else:
-        targets, feedforward = None, None
-    if spec.target_modules is not None:
-        given = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
-        # feedforward modules must be a subset of the targets: keep the family's ones the user kept
-        feedforward = [m for m in (feedforward or []) if m in given]
-        targets = given
-    if targets is None:
-        raise SmolforgeError(
-            f"(IA)^3 has no default target modules for model type {mtype!r}",
-            fix='name them: --peft-config \'{"target_modules": ["k_proj", "v_proj", "down_proj"]}\'',
-        )
-    return IA3Config(
-        task_type="CAUSAL_LM",
-        target_modules=list(targets),
-        feedforward_modules=list(feedforward or []),
-        fan_in_fan_out=_has_conv1d(model),
-    )
-
-
-def _adapter_size(model: nn.Module, spec: PeftSpec) -> int:
-    """Houlsby's bottleneck width: `adapter_size`, or hidden size / `reduction_factor` (how the seeds and
-    AdapterHub size it, so one setting fits models of any width)."""
-    if not spec.reduction_factor:
-        return spec.adapter_size
-    cfg = base_transformer(model).config
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    return max(1, int(hidden) // spec.reduction_factor)
-
-
-def _prompt_config(model: nn.Module, spec: PeftSpec):
-    """Prompt tuning initialised as `spec.prompt_tuning_init` says (SAMPLE_VOCAB by default: see PeftSpec).
-
-    TEXT reads the tokenizer from where the model was loaded (`name_or_path`: a preset's or a local
-    model's directory, or a hub id already in the cache), so it needs nothing from the network.
-    """
-    from peft import PromptTuningConfig
-
-    kwargs: dict[str, Any] = {"prompt_tuning_init": spec.prompt_tuning_init}
-    if spec.prompt_tuning_init == "TEXT":
-        kwargs.update(prompt_tuning_init_text=spec.prompt_tuning_init_text,
-                      tokenizer_name_or_path=getattr(_unwrap(model), "name_or_path", None) or None)
-        if kwargs["tokenizer_name_or_path"] is None:
-            raise SmolforgeError("prompt_tuning_init TEXT needs the model's tokenizer, and this model does not say "
-                                 "where it was loaded from", fix="use prompt_tuning_init SAMPLE_VOCAB, or load the "
-                                 "model from a directory or hub id")
-    return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, **kwargs)
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -228,7 +92,12 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
     if carries_adapter(model):
         raise SmolforgeError("this model already carries a PEFT adapter",
                              fix="apply PEFT to a freshly loaded base model")
-    return kind.apply(model, spec)
+    # a method peft refuses on a checkpointing model (prefix): checkpointing off, apply, back on
+    recheckpoint = kind.recheckpoint and _is_checkpointing(model)
+    if recheckpoint:
+        _disable_checkpointing(model)
+    applied = kind.apply(model, spec)
+    return enable_gradient_checkpointing(applied) if recheckpoint else applied
 
 
 def trainable_summary(model: nn.Module) -> tuple[int, int]:
@@ -379,7 +248,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     block's inputs do not require grad; the embedding output is also made to require grad
     (transformers' `enable_input_require_grads`) for code paths that still checkpoint reentrantly.
     The KV cache is switched off: it is useless in training and conflicts with recomputation.
-    Prefix tuning needs more, see `_prefix_survives_checkpointing`.
+    A method may need more (`after_checkpointing`: prefix tuning's read-only prefix cache).
     """
     base = base_transformer(model)
     kwargs = {"use_reentrant": False}
@@ -394,80 +263,3 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
         base.config.use_cache = False
     peft_method(model_method(model)).after_checkpointing(model)
     return model
-
-
-def _read_only_prefix_cache(cache: Any) -> Any:
-    """Make each layer of peft's prefix cache return `cat(prefix, new)` without storing `new`.
-
-    A checkpointed block runs its forward twice (forward, then the recompute in backward). With
-    an ordinary DynamicCache the second run would append its keys again and see a longer
-    sequence. Read-only layers give both runs the same keys, and the attention mask (computed once
-    from the prefix length before any layer runs) is the same as without checkpointing.
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    read_only = _read_only_layer_class()
-    for layer in getattr(cache, "layers", []):
-        if type(layer) is DynamicLayer:
-            layer.__class__ = read_only
-        elif not isinstance(layer, read_only):
-            raise SmolforgeError(
-                f"prefix tuning with gradient checkpointing does not support {type(layer).__name__} cache layers",
-                fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
-            )
-    return cache
-
-
-def _prefix_survives_checkpointing(model: nn.Module) -> None:
-    """Let prefix tuning's KV prefix pass through checkpointed blocks.
-
-    peft hands the learned prefix to the model as a pre-filled KV cache, and transformers drops
-    any cache a checkpointed block receives (because a block that writes to the cache would write
-    twice). We make the training-time prefix cache read-only and tell the blocks it is safe to keep.
-    """
-    import types
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    if not layers:
-        raise SmolforgeError(
-            "prefix tuning with gradient checkpointing needs a model whose blocks checkpoint themselves "
-            "(transformers' GradientCheckpointingLayer)",
-            fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
-        )
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            module._can_checkpoint_with_cache = True
-        elif getattr(module, "gradient_checkpointing", False):
-            # Backbones such as GPT2Model drop the cache themselves when this flag is on; the
-            # blocks above do the checkpointing, so the backbone flag only has that effect.
-            module.gradient_checkpointing = False
-    if getattr(model, "_smolforge_prefix_ckpt", False):
-        return
-    original = model.get_prompt
-
-    def get_prompt(self, *args, **kwargs):
-        prompt = original(*args, **kwargs)
-        if self.training:
-            prompt = _read_only_prefix_cache(prompt)
-        return prompt
-
-    model.get_prompt = types.MethodType(get_prompt, model)
-    model._smolforge_prefix_ckpt = True
-
-
-@functools.cache
-def _read_only_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class ReadOnlyPrefixLayer(DynamicLayer):
-        """A DynamicLayer whose `update` returns prefix + new states and stores nothing."""
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                return key_states, value_states
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-    return ReadOnlyPrefixLayer
-

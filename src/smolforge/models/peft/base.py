@@ -53,6 +53,8 @@ class PeftMethodClass:
     # Houlsby's 0); None for methods aggregated otherwise (LoRA: re-factorised; a full model)
     neutral: ClassVar[float | None] = None
     low_rank: ClassVar[bool] = False  # its deltas are B @ A pairs (re-factorised when aggregated)
+    recheckpoint: ClassVar[bool] = False  # peft refuses it on a checkpointing model: `apply_peft` switches
+    # checkpointing off, applies it, and switches it back on
 
     # ------------------------------------------------------------------ in memory
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smolforge.models.peft import register
+from smolforge.models.peft._peftlib import base_transformer
 from smolforge.models.peft.base import PeftMethodClass
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ class Houlsby(PeftMethodClass):
 
     def apply(self, model: "nn.Module", spec: "PeftSpec") -> "nn.Module":
         from smolforge.models import houlsby
-        from smolforge.models.peft_methods import _adapter_size
 
         return houlsby.apply_houlsby(model, _adapter_size(model, spec))
 
@@ -41,3 +41,13 @@ class Houlsby(PeftMethodClass):
         from smolforge.models import houlsby
 
         houlsby.save_houlsby(model, out, state_dict=weights)
+
+
+def _adapter_size(model: "nn.Module", spec: "PeftSpec") -> int:
+    """Houlsby's bottleneck width: `adapter_size`, or hidden size / `reduction_factor` (how the seeds and
+    AdapterHub size it, so one setting fits models of any width)."""
+    if not spec.reduction_factor:
+        return spec.adapter_size
+    cfg = base_transformer(model).config
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    return max(1, int(hidden) // spec.reduction_factor)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from smolforge.models.peft import register
-from smolforge.models.peft._peftlib import PeftLibMethod
+from smolforge.errors import SmolforgeError
+from smolforge.models.peft._peftlib import PeftLibMethod, has_conv1d, model_type
 from smolforge.models.peft.base import EXPORT_TARGETS
 
 if TYPE_CHECKING:
@@ -27,9 +28,35 @@ class IA3(PeftLibMethod):
     neutral = 1.0  # a scale a student did not learn
 
     def peft_config(self, model: "nn.Module", spec: "PeftSpec") -> Any:
-        from smolforge.models.peft_methods import _ia3_config
+        """peft's IA3Config: the given targets, else the family's (`models/families`), else peft's table
+        for the model type; feed-forward modules (scaled on their input) kept where the user kept them."""
+        from peft import IA3Config
+        from peft.utils.constants import (
+            TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as PEFT_FF,
+            TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as PEFT_TARGETS,
+        )
 
-        return _ia3_config(model, spec)
+        from smolforge.models.families import family_of
+
+        mtype = model_type(model) or ""
+        known = family_of(mtype).ia3_targets
+        targets: list[str] | None
+        if known:
+            targets, feedforward = list(known[0]), list(known[1])
+        elif mtype in PEFT_TARGETS:
+            targets, feedforward = list(PEFT_TARGETS[mtype]), list(PEFT_FF.get(mtype, []))
+        else:
+            targets, feedforward = None, []
+        if spec.target_modules is not None:
+            given = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
+            # feedforward modules must be a subset of the targets: keep the family's ones the user kept
+            feedforward = [m for m in feedforward if m in given]
+            targets = given
+        if targets is None:
+            raise SmolforgeError(f"(IA)^3 has no default target modules for model type {mtype!r}",
+                                 fix='name them: --peft-config \'{"target_modules": ["k_proj", "v_proj", "down_proj"]}\'')
+        return IA3Config(task_type="CAUSAL_LM", target_modules=targets, feedforward_modules=feedforward,
+                         fan_in_fan_out=has_conv1d(model))
 
     def merge(self, model: "nn.Module", *, plain: bool) -> "nn.Module":
         return model.merge_and_unload()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.peft import register
-from smolforge.models.peft._peftlib import PeftLibMethod
+from smolforge.models.peft._peftlib import PeftLibMethod, has_conv1d, model_type
 from smolforge.models.peft.base import EXPORT_TARGETS
 
 if TYPE_CHECKING:
@@ -30,9 +30,17 @@ class LoRA(PeftLibMethod):
     split_trains = True
 
     def peft_config(self, model: "nn.Module", spec: "PeftSpec") -> Any:
-        from smolforge.models.peft_methods import _lora_config
+        """peft's LoraConfig: the given targets, else the family's (`models/families`), else peft's
+        "all-linear" (every Linear/Conv1D except the output head)."""
+        from peft import LoraConfig
 
-        return _lora_config(model, spec)
+        from smolforge.models.families import family_of
+
+        targets: Any = spec.target_modules
+        if targets is None:
+            targets = list(family_of(model_type(model)).lora_targets or ()) or "all-linear"
+        return LoraConfig(task_type="CAUSAL_LM", r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                          target_modules=targets, fan_in_fan_out=has_conv1d(model), bias="none")
 
     def merge(self, model: "nn.Module", *, plain: bool) -> "nn.Module":
         return model.merge_and_unload()
