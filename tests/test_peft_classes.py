@@ -90,3 +90,31 @@ def test_check_run_asks_the_backend_class(kw, match, fix):
     with pytest.raises(SmolforgeError, match=match) as err:
         check_run(_settings(**kw))
     assert fix in err.value.fix
+
+
+def _adapter(tmp_path, peft_type: str):
+    path = tmp_path / f"{peft_type.lower()}_adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(f'{{"peft_type": "{peft_type}"}}', encoding="utf-8")
+    return path
+
+
+def test_serve_asks_the_class(tmp_path):
+    """`serve` (torch engine, stages) and `serve --engine llamacpp` refuse from the adapter's class, and
+    the fix names only commands that take it: the prefix dead end of issue 41 is closed."""
+    from smolforge.serve.engines import _refuse_adapter
+    from smolforge.serve.model import _check_servable
+
+    prefix, lora = _adapter(tmp_path, "PREFIX_TUNING"), _adapter(tmp_path, "LORA")
+    assert _check_servable(str(lora)) == lora and _check_servable(str(lora), "stages") == lora
+    for engine in ("torch", "stages"):
+        with pytest.raises(SmolforgeError, match="cannot serve prefix tuning") as err:
+            _check_servable(str(prefix), engine)
+        assert f"smolforge generate --model BASE --adapter {prefix}" in err.value.fix
+        assert "smolforge serve" not in err.value.fix
+    with pytest.raises(SmolforgeError, match="GGUF cache holds no adapters") as err:
+        _refuse_adapter(str(lora))
+    assert f"smolforge serve --model BASE --adapter {lora}" in err.value.fix and "--to gguf" in err.value.fix
+    with pytest.raises(SmolforgeError, match="GGUF cache holds no adapters") as err:
+        _refuse_adapter(str(prefix))
+    assert "smolforge serve" not in err.value.fix and "smolforge export" not in err.value.fix

@@ -63,7 +63,8 @@ def read_adapter(path: str | Path) -> Adapter:
     method = adapter_method(path)
     kind = peft_method(method)
     if not kind.merges:
-        raise kind.refusal("export", where=str(path), adapter=str(path))
+        refused = kind.refusal("export", adapter=str(path))
+        raise SmolforgeError(f"{refused.what} ({path})", fix=refused.fix)
     if kind.full_model:
         return Adapter(path, method, json.loads((path / "config.json").read_text(encoding="utf-8")), kind)
     config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))

@@ -120,8 +120,8 @@ class PeftMethodClass:
         kind, _, arg = action.partition(":")
         why = self.what_it_adds or f"{self.label} is not a weight delta"
         what = {"merge": f"cannot merge {self.label}; keep the adapter: {why}",
-                "export": f"cannot export {self.label}{' to ' + arg if arg else ''}: {why}, so it cannot be merged "
-                          "into a plain Hugging Face, GGUF or Ollama model",
+                "export": f"cannot export {self.label}{' to ' + arg if arg else ''}: {why}, and a plain Hugging Face, "
+                          "GGUF or Ollama model holds only weights",
                 "aggregate": f"cannot aggregate {self.label} adapters: {why}, and averaging them does not give "
                              "a model that knows what each student learned",
                 "pipeline": f"the pipeline strategy cannot train {self.label}: what it learns is not layers a "
