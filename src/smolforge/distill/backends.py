@@ -113,6 +113,11 @@ def teacher_backend(name: str) -> TeacherBackend:
     return _REGISTRY[name]()
 
 
+def backends_help() -> str:
+    """`--teacher-backend`'s help: each backend's name and description, from the registry."""
+    return "; ".join(f"{name}: {cls.description}" for name, cls in _REGISTRY.items())
+
+
 def backends_that(capability: str) -> list[str]:
     """The backend names whose class says yes to `capability` (a boolean class attribute)."""
     return [name for name, cls in _REGISTRY.items() if getattr(cls, capability)]
@@ -124,7 +129,7 @@ def backends_that(capability: str) -> list[str]:
 @register
 class HFBackend(TeacherBackend):
     name = "hf"
-    description = "transformers on the node's weights"
+    description = "transformers"
     produces = frozenset({"text", "topk"})
     on_policy = True
     scores_reference = True
@@ -138,7 +143,7 @@ class HFBackend(TeacherBackend):
 @register
 class LlamaCppBackend(TeacherBackend):
     name = "llamacpp"
-    description = "a GGUF in llama.cpp (given, or exported from the weights once per node)"
+    description = "a GGUF in llama.cpp (--teacher model.gguf, or the HF teacher exported once per node)"
     needs_gguf = True
     student_tokenizer = True
     produces = frozenset({"text", "topk"})
@@ -165,7 +170,7 @@ class LlamaCppBackend(TeacherBackend):
 @register
 class OllamaBackend(TeacherBackend):
     name = "ollama"
-    description = "a model `ollama serve` holds, through its HTTP API"
+    description = "a model Ollama serves, through its HTTP API"
     loader = OLLAMA_TAG
     # top-k only when Ollama sends logprobs and the model's HF tokenizer is known (else text)
     produces = frozenset({"text", "topk"})
