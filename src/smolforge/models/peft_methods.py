@@ -7,8 +7,8 @@ fine-tuning; its "adapter" directory is a complete model written by `save_pretra
 
 The engine, the distillation students and the split-learning client all call the same four
 functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`. Each asks the method's
-class (`smolforge.models.peft`: one class per method, what it can do and how); this module holds
-the helpers they share and the model-type tables of default targets.
+class (`smolforge.models.peft`: one class per method, what it can do and how); this module is their
+public face, with what a model in memory carries (`model_method`) and activation checkpointing.
 """
 
 from __future__ import annotations
