@@ -140,20 +140,18 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                 samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
                 responses=cfg.teacher_responses).check()
-    if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
-        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
-                             f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
-    from smolforge.distill.planner import TEACHER_BACKENDS
-    from smolforge.models.export.cache import check_quant
+    from smolforge.distill.backends import backends_that, teacher_backend
 
-    if cfg.teacher_backend not in TEACHER_BACKENDS:
-        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
-    if cfg.teacher_backend == "llamacpp":
-        check_quant(cfg.teacher_quant)
-        if cfg.teacher_responses == "reference":
-            raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
-                                 "llamacpp backend generates its own", fix="use --teacher-backend hf for reference")
-        _check_local_gguf(cfg)
+    backend = teacher_backend(cfg.teacher_backend)
+    if cfg.on_policy_ratio > 0 and not backend.on_policy:
+        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
+                             f"{backend.name} backend cannot",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('on_policy'))}, or --on-policy-ratio 0")
+    if cfg.teacher_responses == "reference" and not backend.scores_reference:
+        raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
+                             f"{backend.name} backend generates its own",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('scores_reference'))} for reference")
+    backend.check(cfg)
     if cfg.replace_timeout_s <= 0:
         raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
                              fix="give the seconds a student whose node died may wait for another (e.g. 300)")
@@ -206,18 +204,6 @@ def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[
                 f"{len(teacher_tok)} and {len(student_tok)} tokens, ids that do not agree), and "
                 f"{' and '.join(what for what, _fix in needs)} need{'s' if len(needs) == 1 else ''} one vocabulary",
                 fix="; or ".join(fix for _what, fix in needs) + f"; or pick a student with {teacher}'s tokenizer")
-
-
-def _check_local_gguf(cfg: DistillSettings) -> None:
-    """A GGUF teacher given as a file here must share the student's vocabulary (its logits train the
-    student): refused now (exit 2) rather than by the teacher task on its node. (A path only a worker
-    has is checked there, still before the first shard.)"""
-    from smolforge.models.export.cache import is_gguf
-
-    if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
-        from smolforge.distill.teacher_llamacpp import check_gguf_vocab
-
-        check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
 
 
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:
