@@ -73,12 +73,15 @@ def _end_of_turn(tokenizer: Any) -> str | None:
 
 
 def abilities(tokenizer: Any) -> ChatAbilities:
-    """The tokenizer's chat template's abilities (cached per tokenizer object)."""
+    """The tokenizer's chat template's abilities (cached per tokenizer object and template: a template set
+    after a first probe, e.g. data/'s fallback for a tokenizer without one, is probed afresh)."""
+    template = getattr(tokenizer, "chat_template", None)
     try:
-        return _CACHE[tokenizer]
+        cached = _CACHE[tokenizer]
+        if cached.template == (template if isinstance(template, str) and template else None):
+            return cached
     except (KeyError, TypeError):
         pass
-    template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
         found = ChatAbilities(None, False, False, False, None)
     else:
