@@ -52,12 +52,13 @@ def check_run_export(target: str | None, method: str | None) -> None:
     if target not in RUN_TARGETS:
         raise SmolforgeError(f"unknown --export {target!r}", fix=f"use one of {', '.join(RUN_TARGETS)}")
     from smolforge.models.export.merge import MERGEABLE, unmergeable_reason
+    from smolforge.models.peft_spec import unmerged_command
 
     if method is not None and method not in MERGEABLE:
         raise SmolforgeError(f"--export {target} needs a mergeable adapter, but --peft {method}: "
                              f"{unmergeable_reason(method)}",
-                             fix="train with --peft lora (or ia3, none), or drop --export and serve the adapter "
-                                 "with --adapter")
+                             fix="train with --peft lora (or ia3, none), or drop --export and run the trained adapter "
+                                 f"unmerged: `{unmerged_command(method, 'MODEL', f'OUTPUT_DIR/{method}_adapter')}`")
 
 
 def export_run(model: str, adapter_dir: str | Path, output_dir: str | Path, target: str) -> dict:
@@ -137,7 +138,7 @@ def register(app: typer.Typer) -> None:
     ):
         """Merge adapters into a model and export it for Hugging Face, llama.cpp or Ollama.
 
-        LoRA, IA3 and full fine-tunes merge; Houlsby adapters and prefix/prompt tuning cannot (serve them with --adapter instead). GGUF exports are checked in llama.cpp unless --no-verify.
+        LoRA, IA3 and full fine-tunes merge; Houlsby adapters and prefix/prompt tuning cannot (run them unmerged: serve --adapter takes Houlsby adapters, generate --adapter every kind). GGUF exports are checked in llama.cpp unless --no-verify.
 
         Example: smolforge export --model tiny-llama --adapter outputs/run/lora_adapter --to ollama --output-dir outputs/run/ollama
 

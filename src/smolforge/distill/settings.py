@@ -162,6 +162,50 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
     if output_dir is not None and ".." in Path(output_dir).parts:
         raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
+    check_shared_tokenizer(cfg.teacher, cfg.students, shared_tokenizer_needs(cfg.on_policy_ratio,
+                                                                               cfg.teacher_responses))
+
+
+def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "generate") -> list[tuple[str, str]]:
+    """The settings of a run that only work when the teacher's and the students' token ids agree, as
+    (what needs it, the fix): on-policy steps (the teacher scores the student's own sampled ids), and
+    reference responses (the teacher's only product is its log-probs over the dataset's answers; a
+    student of another vocabulary drops them and trains on the answers alone, plain fine-tuning after a
+    whole teacher stage). Everything else works across tokenizers: the students fall back to
+    sequence-level KD on the teacher's text."""
+    needs = []
+    if on_policy_ratio > 0:
+        needs.append((f"--on-policy-ratio {on_policy_ratio} (the teacher scores the student's own token ids)",
+                      "pass --on-policy-ratio 0 (the student learns from the teacher's text: sequence-level KD)"))
+    if teacher_responses == "reference":
+        needs.append(("--teacher-responses reference (the teacher's log-probs over the dataset's answers are "
+                      "all it produces)", "pass --teacher-responses generate (sequence-level KD on the teacher's "
+                                          "own answers)"))
+    return needs
+
+
+def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[str, str]]) -> None:
+    """Refuse at submit (exit 2), from the tokenizers alone (their files, no weights), settings that
+    `shared_tokenizer_needs` says need one vocabulary when the teacher's and a student's differ, rather
+    than after the teacher stage ran. A model whose tokenizer this machine cannot load without a
+    download (a name only the workers hold, an Ollama tag, a GGUF: checked by `_check_local_gguf`) is
+    checked where it runs instead (distill/student.py refuses a mismatched on-policy teacher there)."""
+    if not needs:
+        return
+    from smolforge.distill.store import tokenizer_hash
+    from smolforge.models.loading import tokenizer_here
+
+    teacher_tok = tokenizer_here(teacher)
+    if teacher_tok is None:
+        return
+    for student in dict.fromkeys(students):
+        student_tok = tokenizer_here(student)
+        if student_tok is not None and tokenizer_hash(student_tok) != tokenizer_hash(teacher_tok):
+            raise SmolforgeError(
+                f"the teacher {teacher} and the student {student} have different tokenizers (vocabularies of "
+                f"{len(teacher_tok)} and {len(student_tok)} tokens, ids that do not agree), and "
+                f"{' and '.join(what for what, _fix in needs)} need{'s' if len(needs) == 1 else ''} one vocabulary",
+                fix="; or ".join(fix for _what, fix in needs) + f"; or pick a student with {teacher}'s tokenizer")
 
 
 def _check_local_gguf(cfg: DistillSettings) -> None:

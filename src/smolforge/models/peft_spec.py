@@ -8,12 +8,28 @@ and checking user input: no torch, so the CLI and job specs check PEFT flags in 
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any, get_args
 
 from smolforge.config import PeftMethod, PeftSpec, validate
 from smolforge.errors import SmolforgeError
 
 METHODS: tuple[str, ...] = get_args(PeftMethod)  # what --peft takes and its help names (config.PeftMethod)
+
+# The methods whose adapters `smolforge serve` runs unmerged (its KV cache holds the prompt's own
+# positions): weight deltas and Houlsby's extra layers. Prefix and prompt tuning put learned virtual
+# tokens in front of the cache, which peft's own generation does: `smolforge generate --adapter` runs
+# every method. Each refusal's fix names the command that takes the adapter (`unmerged_command`).
+SERVED_UNMERGED: tuple[str, ...] = ("none", "lora", "ia3", "adapter")
+
+
+def unmerged_command(method: str, model: str, adapter: str) -> str:
+    """The command that runs an adapter of `method` on `model` without merging it: serve where it can,
+    else generate (one reply per call)."""
+    model, adapter = shlex.quote(model), shlex.quote(adapter)
+    if method in SERVED_UNMERGED:
+        return f"smolforge serve --model {model} --adapter {adapter}"
+    return f"smolforge generate --model {model} --adapter {adapter} --prompt Hello"
 
 # --peft-config keys people write (peft's own names included) -> PeftSpec fields
 _CLI_ALIASES = {

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.peft_spec import SERVED_UNMERGED, unmerged_command
 
 # Prefix and prompt tuning put virtual tokens in front of the cache: not servable with our positions.
-SERVABLE_METHODS = ("none", "lora", "ia3", "adapter")
+SERVABLE_METHODS = SERVED_UNMERGED
 
 
 @dataclass
@@ -39,6 +40,8 @@ class ServedModel:
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         dev = pick_device(device)
+        if adapter:
+            _check_servable(adapter, model)  # before the weights load
         tokenizer = load_tokenizer(model)
         net = load_model(model, device=dev, dtype=dtype)
         if adapter:
@@ -117,8 +120,9 @@ def max_positions_of(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
 
 
-def _check_servable(adapter: str):
-    """The adapter's directory, when the server can run its method (virtual tokens do not fit its cache)."""
+def _check_servable(adapter: str, model: str = "BASE"):
+    """The adapter's directory, when the server can run its method (virtual tokens do not fit its cache);
+    else one SmolforgeError whose fix is the command that runs it on `model`."""
     from smolforge.models.names import check_adapter_dir
     from smolforge.models.peft_methods import adapter_method
 
@@ -126,13 +130,16 @@ def _check_servable(adapter: str):
     method = adapter_method(path)
     if method not in SERVABLE_METHODS:
         raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
-                             where=str(path), fix="serve a lora, ia3 or adapter (Houlsby) adapter, or a merged model")
+                             where=str(path),
+                             fix=f"chat with it unmerged: `{unmerged_command(method, model, str(path))}` (peft's own "
+                                 "generation puts the virtual tokens in front); or retrain with --peft lora (or ia3) "
+                                 "to serve it")
     return path
 
 
-def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+def _with_adapter(net: Any, adapter: str, *, merge: bool, model: str = "BASE") -> Any:
     from smolforge.models.peft_methods import load_adapter, merge_adapter
 
-    path = _check_servable(adapter)
+    path = _check_servable(adapter, model)
     net = load_adapter(net, path)
     return merge_adapter(net, plain=False) if merge else net

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.peft_methods import BASE_FILE, BASE_KEYS, adapter_method
+from smolforge.models.peft_spec import unmerged_command
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +65,9 @@ def unmergeable_reason(method: str) -> str:
     return _UNMERGEABLE_FIX.get(method, f"{method} is not a weight delta")
 
 
-def read_adapter(path: str | Path) -> Adapter:
-    """An adapter directory ready to merge; unmergeable methods are refused here, before any work."""
+def read_adapter(path: str | Path, model: str = "BASE") -> Adapter:
+    """An adapter directory ready to merge; unmergeable methods are refused here, before any work, with
+    the command that runs the adapter unmerged on `model` (the base's name as the user gave it)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -74,7 +76,7 @@ def read_adapter(path: str | Path) -> Adapter:
         raise SmolforgeError(
             f"cannot export {path}: it is a {method!r} adapter and {_UNMERGEABLE_FIX[method]}, so it cannot be "
             "merged into a plain Hugging Face, GGUF or Ollama model",
-            fix=f"serve it unmerged (smolforge serve --model BASE --adapter {path}), or retrain with --peft lora "
+            fix=f"run it unmerged: `{unmerged_command(method, model, str(path))}`; or retrain with --peft lora "
                 "(or ia3) and export that")
     if method == "none":
         return Adapter(path, method, json.loads((path / "config.json").read_text(encoding="utf-8")))
@@ -148,8 +150,8 @@ class MergedModel:
     Nothing is loaded up front; `tensors()` streams (name, merged tensor) pairs in file order.
     """
 
-    def __init__(self, base_dir: str | Path, adapters: list[str | Path] = ()):
-        read = [read_adapter(a) for a in adapters]
+    def __init__(self, base_dir: str | Path, adapters: list[str | Path] = (), model: str | None = None):
+        read = [read_adapter(a, model or str(base_dir)) for a in adapters]  # model: the name for messages
         full = [a for a in read if a.method == "none"]
         if len(full) > 1 or (full and read[0].method != "none"):
             raise SmolforgeError("a full fine-tune can only be the first --adapter (it replaces the base)",

@@ -73,8 +73,7 @@ def _end_of_turn(tokenizer: Any) -> str | None:
 
 
 def abilities(tokenizer: Any) -> ChatAbilities:
-    """The tokenizer's chat template's abilities (cached per tokenizer object and template: a template set
-    after a first probe, e.g. data/'s fallback for a tokenizer without one, is probed afresh)."""
+    """The tokenizer's chat template's abilities (cached per tokenizer object and template)."""
     template = getattr(tokenizer, "chat_template", None)
     try:
         cached = _CACHE[tokenizer]
