@@ -29,6 +29,7 @@ from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash,
 from smolforge.distill.teacher_topk import topk_from_logits, topk_rows, truncation_kl  # noqa: F401 (re-export)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
+from smolforge.train.rendering import system_role
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
@@ -53,7 +54,7 @@ def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
         raise SmolforgeError(f"example {item.example_id} has no reference answer",
                              fix="reference responses need data with answers (prompt/completion, alpaca, chat)")
     ex = Example("reference", messages=list(item.prompt_messages) + [{"role": "assistant", "content": item.answer}])
-    ids, labels = encode_example(tokenizer, ex)
+    ids, labels = encode_example(tokenizer, ex, system_role(tokenizer))  # folded as SFT folds it
     first = next(i for i, x in enumerate(labels) if x != -100)
     response = ids[first:]
     eos = tokenizer.eos_token_id
