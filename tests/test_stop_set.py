@@ -172,7 +172,7 @@ def _llamacpp_cells(memorised, path: Path, engine, batch_size: int) -> None:
     store = memorised.work / f"store-llamacpp-{path.parent.name}"
     run_teacher_local(str(path), str(memorised.data), store, max_samples=2, backend="llamacpp",
                       settings=GenSettings(max_new_tokens=12, top_k=4, batch_size=batch_size),
-                      tokenizer=str(memorised.merged), n_threads=1, n_ctx=64)
+                      tokenizer=str(memorised.merged), n_threads=1)
     records = _store_responses(store)
     assert len(records) == 2
     for rec in records:

@@ -27,6 +27,7 @@ from torch import nn
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import family_of, stage_families
+from smolforge.models.peft import peft_method
 from smolforge.paths import atomic_replace_dir
 
 ADAPTER = "default"
@@ -86,8 +87,9 @@ def apply_lora(part: nn.Module, spec: PeftSpec, seed: int, canonical: Callable[[
     model_type = part.arch.model_type
     for p in part.parameters():
         p.requires_grad_(False)
-    if spec.method != "lora":
-        raise SmolforgeError(f"split learning trains LoRA, not {spec.method}", fix="use LoRA (--lora-rank R)")
+    kind = peft_method(spec.method)
+    if not kind.split_trains:
+        raise kind.refusal("split", where="--peft")
     if not any(_is_target(n, targets(spec, model_type)) for n, _ in part.named_modules()):
         return []
     try:
