@@ -183,8 +183,9 @@ def test_gguf_llamacpp_engine_and_teacher_stop_where_hf_stops(memorised, gguf_fi
     from smolforge.models.export import cache
     from smolforge.serve.llamacpp import load_llamacpp
 
-    monkeypatch.setattr(cache, "cached_gguf", lambda model, quant, **kw: gguf_file)  # the export made above
-    engine = load_llamacpp(str(memorised.merged), name="phi3", quant="f16", n_threads=1, max_batch=1)
+    with monkeypatch.context() as patch:  # only while the engine loads: a module imported now would keep it
+        patch.setattr(cache, "cached_gguf", lambda model, quant, **kw: gguf_file)  # the export made above
+        engine = load_llamacpp(str(memorised.merged), name="phi3", quant="f16", n_threads=1, max_batch=1)
     _llamacpp_cells(memorised, gguf_file, engine, batch_size=2)
 
 
