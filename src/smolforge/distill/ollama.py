@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from smolforge.data.encode import ensure_chat_template, render
+from smolforge.data.encode import ensure_chat_template
+from smolforge.train.rendering import prompt_messages, render_prompt
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
@@ -160,7 +161,7 @@ class OllamaTeacher:
             for sample in range(settings.samples_per_prompt):
                 options = {"temperature": settings.temperature, "top_p": settings.top_p,
                            "num_predict": settings.max_new_tokens, "seed": settings.seed + sample}
-                payload: dict[str, Any] = {"model": self.name, "messages": item.prompt_messages, "stream": False,
+                payload: dict[str, Any] = {"model": self.name, "messages": prompt_messages(self.tokenizer, item.prompt_messages), "stream": False,
                                            "options": options}
                 if want_logits:
                     payload.update(logprobs=True, top_logprobs=k)
@@ -174,7 +175,7 @@ class OllamaTeacher:
                 rec = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=[],
                                     response_ids=[], response_text=text, answer=item.answer, sample_id=sample)
                 if want_logits:
-                    prompt_ids = self.tokenizer(render(self.tokenizer, item.prompt_messages, True),
+                    prompt_ids = self.tokenizer(render_prompt(self.tokenizer, item.prompt_messages),
                                                 add_special_tokens=False)["input_ids"]
                     got = self._logits(data.get("logprobs") or [], k) if isinstance(data.get("logprobs"), list) else None
                     if got is not None:

@@ -20,7 +20,7 @@ import torch
 
 from smolforge.config import DataSpec
 from smolforge.data.collate import left_pad
-from smolforge.data.encode import encode_example, ensure_chat_template, render
+from smolforge.data.encode import encode_example, ensure_chat_template
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
 from smolforge.distill.planner import plan_shards
@@ -30,7 +30,7 @@ from smolforge.distill.teacher_topk import topk_from_logits, topk_rows, truncati
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import cut_at_stop, stop_ids
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
-from smolforge.train.rendering import system_role
+from smolforge.train.rendering import render_prompt, system_role
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
@@ -85,7 +85,7 @@ class HFTeacher:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        text = render_prompt(self.tokenizer, item.prompt_messages)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.no_grad()

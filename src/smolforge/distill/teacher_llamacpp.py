@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from smolforge.data.encode import ensure_chat_template, render
+from smolforge.data.encode import ensure_chat_template
+from smolforge.train.rendering import render_prompt
 from smolforge.distill.llamacpp_batch import BatchDecoder
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
@@ -239,7 +240,7 @@ class LlamaCppTeacher:
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
         """The `hf` backend's ids for the prompt (the GGUF's vocabulary is the tokenizer's: checked)."""
-        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        text = render_prompt(self.tokenizer, item.prompt_messages)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
