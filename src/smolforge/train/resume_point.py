@@ -36,6 +36,10 @@ from smolforge.errors import SmolforgeError
 STATE_KEY = "step_meaning"  # where a checkpoint's state.json keeps its StepMeaning
 SAMPLES_KEY = "samples_done"  # ... and its data position: rows trained before the step, every rank together
 NEW_DATA_FLAG = "--resume-new-data"
+# the flag that sets each setting a refusal names, in the command that resumes (`smolforge train`'s here;
+# `split train` names its own); "new_data": the flag that accepts changed rows (None: the command has none)
+TRAIN_FLAGS = {"batch_size": "--batch-size", "grad_accum": "--grad-accum", "seed": "--seed",
+               "max_length": "--max-length", "packing": "--packing", "new_data": NEW_DATA_FLAG}
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,14 @@ def data_fingerprint(rows: Sequence[dict[str, Sequence[int]]]) -> str:
 
 
 def resume_point(state: dict[str, Any], now: StepMeaning | None, rows_per_step: int,
-                 allow_new_data: bool = False, where: str = "--resume") -> ResumePoint:
+                 allow_new_data: bool = False, where: str = "--resume",
+                 flags: dict[str, str | None] = TRAIN_FLAGS) -> ResumePoint:
     """Where a run with step meaning `now` continues from a checkpoint's `state` (its state.json).
 
     `rows_per_step`: the run's rows per step (`now.rows_per_step` when it has a meaning; a run without
-    one, a distillation student, replays its own order and is only told the step). Raises SmolforgeError
-    (exit 2) when the checkpoint's steps mean other samples under `now`; see the module's rules.
+    one, a distillation student, replays its own order and is only told the step); `flags`: the resuming
+    command's flag for each setting (`TRAIN_FLAGS`), for the fix. Raises SmolforgeError (exit 2) when
+    the checkpoint's steps mean other samples under `now`; see the module's rules.
     """
     step = int(state["step"])
     if now is None:
@@ -103,33 +109,36 @@ def resume_point(state: dict[str, Any], now: StepMeaning | None, rows_per_step: 
                            f"position is inferred from its step, sample {step * now.rows_per_step:,} at "
                            f"{now.rows_per_step} rows per step")
     samples = int(state.get(SAMPLES_KEY, step * saved.rows_per_step))
-    _refuse_other_steps(step, saved, now, where)
+    _refuse_other_steps(step, saved, now, where, flags)
     data = _data_changes(saved, now)
     if not data:
         return ResumePoint(step, samples)
-    if not allow_new_data:
+    new_data = flags.get("new_data")
+    if not (allow_new_data and new_data):
+        accept = f"pass {new_data} to continue from step {step} over the new data's order, or " if new_data else ""
         raise SmolforgeError(
             f"the training data changed since checkpoint step-{step} ({'; '.join(data)}): its step {step} "
             f"(sample {samples:,}) is a position in the old data's order", where=where,
-            fix=f"resume with the data it was trained on{_encoding_flags(saved, now)}, or pass {NEW_DATA_FLAG} to "
-                f"continue from step {step} over the new data's order, or choose a new --output-dir")
+            fix=f"resume with the data it was trained on{_encoding_flags(saved, now, flags)}, or "
+                f"{accept}choose a new --output-dir")
     return ResumePoint(step, samples, f"continuing at step {step} (sample {samples:,}) over changed training data "
-                                      f"({'; '.join(data)}), as {NEW_DATA_FLAG} asks")
+                                      f"({'; '.join(data)}), as {new_data} asks")
 
 
-def _refuse_other_steps(step: int, saved: StepMeaning, now: StepMeaning, where: str) -> None:
+def _refuse_other_steps(step: int, saved: StepMeaning, now: StepMeaning, where: str,
+                        flags: dict[str, str | None]) -> None:
     """Refuse (exit 2) when `now` reads the saved step as other samples: other rows per step or another seed."""
     changed, fixes = [], []
     if now.rows_per_step != saved.rows_per_step:
-        for name, flag in (("batch_size", "--batch-size"), ("grad_accum", "--grad-accum"), ("world", None)):
-            was, is_ = getattr(saved, name), getattr(now, name)
+        for name in ("batch_size", "grad_accum", "world"):
+            was, is_, flag = getattr(saved, name), getattr(now, name), flags.get(name)
             if was != is_:
                 changed.append(f"{name} {was} -> {is_}")
-                fixes.append(f"{flag} {was}" if flag else f"a world of {was}")
+                fixes.append(f"{flag} {was}" if flag else f"a {name.replace('_', ' ')} of {was}")
         changed.append(f"rows per step {saved.rows_per_step} -> {now.rows_per_step}")
     if now.seed != saved.seed:
         changed.append(f"seed {saved.seed} -> {now.seed}")
-        fixes.append(f"--seed {saved.seed}")
+        fixes.append(f"{flags.get('seed', '--seed')} {saved.seed}")
     if not changed:
         return
     raise SmolforgeError(
@@ -150,9 +159,9 @@ def _data_changes(saved: StepMeaning, now: StepMeaning) -> list[str]:
     return out
 
 
-def _encoding_flags(saved: StepMeaning, now: StepMeaning) -> str:
+def _encoding_flags(saved: StepMeaning, now: StepMeaning, flags: dict[str, str | None]) -> str:
     """The flags that give back the checkpoint's encoding of the rows, as words for a fix ("" when the same)."""
-    flags = [f"--max-length {saved.max_length}"] if saved.max_length != now.max_length else []
+    out = [f"{flags.get('max_length')} {saved.max_length}"] if saved.max_length != now.max_length else []
     if saved.packing != now.packing:
-        flags.append("--packing" if saved.packing else "no --packing")
-    return f" ({' '.join(flags)})" if flags else ""
+        out.append(f"{flags.get('packing')}" if saved.packing else f"no {flags.get('packing')}")
+    return f" ({' '.join(out)})" if out else ""
