@@ -26,6 +26,7 @@ from torch import nn
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
+from smolforge.models.tied import untie_for_merge
 # Reading users' PEFT settings is its own module; these names stay importable from here.
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
 from smolforge.paths import atomic_replace_dir
@@ -115,9 +116,12 @@ def adapter_dir(output_dir: str | Path, method: str) -> Path:
 
 @contextlib.contextmanager
 def _quiet_peft():
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users."""
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users.
+    Nor does its warning about a tied module in the adapter: merges untie it (`models/tied.py`)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # a tied module in the adapter: smolforge unties at merge and says so once (models/tied.py)
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
         yield
 
 
@@ -420,6 +424,9 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
 def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
     """A transformers model with the adapter folded into its weights (lora, ia3).
 
+    An adapter that changes a module tied to another (a LoRA on `lm_head` of a tied model) is folded
+    into an untied model (`models/tied.py`): the result gives the unmerged adapter's outputs.
+
     Houlsby adapters add layers and cannot be folded into the base weights: with `plain=False`
     the model is returned as is (adapter modules kept, fine for in-process inference); with the
     default `plain=True` that is an error, because a "merged" directory written from it would
@@ -430,6 +437,7 @@ def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
     if method == "none":
         return model
     if method in ("lora", "ia3"):
+        untie_for_merge(model)  # a delta on a tied head (or embedding) must not reach the other end
         return model.merge_and_unload()
     if method in ("prefix", "prompt"):
         raise SmolforgeError(

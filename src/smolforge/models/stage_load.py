@@ -7,7 +7,8 @@ Here the model is constructed on the meta device (shapes, no storage), cut to th
 and only the stage's modules get storage; each of their tensors is read from the checkpoint's
 safetensors by its HF name (one tensor in memory beyond the stage at a time), with the adapters
 merged into that one tensor as the export does (`models/export/merge.py`). The first stage reads
-the embeddings, the last the final norm and the head; a tied head reads the embedding matrix.
+the embeddings, the last the final norm and the head; a tied head reads the embedding matrix (and
+gets its own copy, with the head's delta, when an adapter changes it: `models/tied.py`).
 
 Buffers that are not in a checkpoint (the rotary embedding's inverse frequencies) are rebuilt from
 the config on the stage's device. What cannot merge tensor by tensor (Houlsby adapters, prefix and
@@ -144,6 +145,8 @@ def load_stage(model: str, bounds: Sequence[int], index: int, *, adapters: Seque
     dev = torch.device(device)
     merged = MergedModel(model_dir(model), list(adapters))
     config = AutoConfig.from_pretrained(merged.base_dir)
+    if merged.untie is not None:  # an adapter on a tied head: the merged model is untied (models/tied.py)
+        config.tie_word_embeddings = False
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, str(merged.base_dir), dev)
     arch = arch_of(config)
     check_bounds(list(bounds), arch.num_layers)
