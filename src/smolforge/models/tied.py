@@ -36,8 +36,8 @@ class Untie:
     def message(self) -> str:
         """The one line `train`, serve and export say about it."""
         what = " and ".join(n[: -len(".weight")] for n in self.changed)
-        return (f"{what} is tied ({self.head} = {self.embed}); the adapter changes only the side it targets, "
-                "so merging unties: the head gets its own matrix and the config says tie_word_embeddings: false")
+        return (f"{self.head} is tied to {self.embed} and the adapter changes {what}: merging unties them "
+                "(the head gets its own matrix, tie_word_embeddings: false)")
 
 
 def _config_object(config: Any) -> Any:
