@@ -156,6 +156,22 @@ def test_skip_bad_lines_counts(tmp_path):
     assert any(":6" in p for p in res.problems)
 
 
+def test_a_file_with_a_byte_order_mark_and_crlf_trains_on_every_record(tmp_path, tok):
+    """A JSONL saved by a Windows editor (UTF-8 BOM, CRLF line ends) is the same data as without them:
+    every record read (the first one too), the same token rows, file:line kept; --skip-bad-lines skips none."""
+    records = [{"prompt": f"q{i} \u00e9\r\nline two", "completion": f"a{i}"} for i in range(6)]
+    plain = write_jsonl(tmp_path / "plain.jsonl", records)
+    windows = tmp_path / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes().replace(b"\n", b"\r\n"))
+    spec = lambda p: DataSpec(path=str(p), eval_fraction=0.0, skip_bad_lines=True)  # noqa: E731
+    got, want = load_splits(spec(windows), tok), load_splits(spec(plain), tok)
+    assert got.skipped == 0 and len(got.train) == len(records)
+    assert [dict(r) for r in got.train] == [dict(r) for r in want.train]
+    res = read_examples(windows)
+    assert [e.messages for e in res.examples] == [e.messages for e in read_examples(plain).examples]
+    assert [e.source.rsplit(":", 1)[1] for e in res.examples] == [str(i) for i in range(1, 7)]
+
+
 def test_bundled_prompts_are_the_labelled_ones_then_new_questions_without_answers(tmp_path, monkeypatch):
     """`bundled-prompts` (the distill demo's pool): the first 512 training prompts, then prompts that are
     neither training nor held-out prompts (the teacher was fine-tuned on the first and is scored on

@@ -95,7 +95,7 @@ def test_ties_and_ia3_and_refusals(tmp_path):
         assert torch.allclose(merged[k], (vecs[0][k] + vecs[1][k]) / 2, atol=1e-7)
 
     prefix = [_student(tmp_path, f"prefix_{i}", PeftSpec(method="prefix"), seed=30 + i) for i in range(2)]
-    with pytest.raises(SmolforgeError, match="cannot aggregate prefix-tuning") as err:
+    with pytest.raises(SmolforgeError, match="cannot aggregate prefix tuning") as err:
         aggregate_student_outputs(prefix, tmp_path / "prefix")
     assert "--peft lora" in err.value.render()
     with pytest.raises(SmolforgeError, match="different PEFT methods"):

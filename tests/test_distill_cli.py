@@ -55,6 +55,40 @@ def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
+def test_settings_that_need_one_vocabulary_are_refused_at_submit_with_another_tokenizer(tmp_path):
+    """On-policy steps (the teacher scores the student's own ids) and reference responses (the teacher's
+    log-probs are all it makes) need the teacher's and the student's ids to agree. A teacher of another
+    family (the GPT-2 twin's tokenizer against the presets') is refused by `smolforge distill`, by a
+    `distill` job spec and by a seeds' students stage naming its teacher: exit 2, one message, before any
+    teacher work (nothing written). Read from the tokenizers' files; one vocabulary passes the same check."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+    from smolforge.cluster.control.kinds import parse
+    from smolforge.distill.settings import DistillSettings, check_run
+    from smolforge.errors import SmolforgeError
+    from smolforge.models.loading import resolve_model
+
+    for model in ("twin:gpt2", "tiny-llama", "tiny-qwen2"):
+        resolve_model(model)  # built once per session, as a user's models are on disk (no build output below)
+    other = ["distill", "--teacher", "twin:gpt2", "--student", "tiny-llama", "--data", "bundled"]
+    for flags, what in ((["--on-policy-ratio", "0.5"], "--on-policy-ratio 0.5"),
+                        (["--teacher-responses", "reference"], "--teacher-responses reference")):
+        res = CliRunner().invoke(app, [*other, "--output-dir", str(tmp_path / "o"), *flags])
+        assert res.exit_code == 2, (res.exit_code, res.stderr, res.exception)
+        assert res.stderr.startswith("error:") and "Traceback" not in res.stderr, res.stderr
+        assert "different tokenizers" in res.stderr and what in res.stderr and "fix:" in res.stderr
+        assert not (tmp_path / "o").exists()  # no store, no run dir: refused before the teacher stage
+    settings = {"teacher": "twin:gpt2", "students": ["tiny-llama"], "data": "bundled", "on_policy_ratio": 0.5}
+    with pytest.raises(SmolforgeError, match="different tokenizers"):
+        parse({"kind": "distill", "distill": settings})
+    with pytest.raises(SmolforgeError, match="different tokenizers"):
+        parse({"kind": "distill_task", "stage": "students", "store_dir": str(tmp_path / "store"),
+               "args": {"base_model": "tiny-llama", "teacher_model": "twin:gpt2", "on_policy_ratio": 0.5}})
+    check_run(DistillSettings(**{**settings, "teacher": "tiny-qwen2"}))  # the presets share one tokenizer
+    check_run(DistillSettings(**{**settings, "on_policy_ratio": 0.0}))  # sequence-level KD works across them
+
+
 def test_a_bad_flag_fails_fast_in_a_real_process(tmp_path):
     proc = smolforge(*DISTILL, "--output-dir", str(tmp_path / "o"), "--kd-loss", "kl", timeout=60)
     assert proc.returncode == 2, proc.stderr

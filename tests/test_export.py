@@ -7,7 +7,8 @@ every test reuses them:
 - `--to hf` loads with plain AutoModelForCausalLM and gives the peft model's logits;
 - `--to ollama`: the Modelfile's TEMPLATE rendered by Go's text/template equals the tokenizer's
   chat template for a two-turn conversation (needs `go`);
-- Houlsby/prefix/prompt adapters refused by the CLI with one message, exit 2;
+- Houlsby/prefix/prompt adapters refused by the CLI with one message, exit 2; for prefix/prompt tuning
+  (which `serve` refuses too) the command each refusal's fix names runs the adapter;
 - `train --export gguf`, and the `export` job kind on an embedded cluster (subprocesses).
 Without llama-cpp-python or `go` those tests skip, or fail under CI (CI=true): see helpers.require.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -196,6 +199,38 @@ def test_unmergeable_adapters_are_refused_before_any_work(method, unmergeable, t
         with pytest.raises(SmolforgeError) as err:
             export("tiny-llama", to, tmp_path / "out", adapters=[str(unmergeable[method])])
         assert "cannot export" in err.value.what and "--peft lora" in err.value.fix
+    assert not (tmp_path / "out").exists()
+
+
+def _advised_command(stderr: str) -> list[str]:
+    """The command a refusal's fix names (in backticks; the older wording put it in parentheses)."""
+    fix = stderr.split("fix:", 1)[1]
+    found = re.search(r"`(smolforge [^`]+)`|\((smolforge [^)]+)\)", fix)
+    assert found, fix
+    return shlex.split(found.group(1) or found.group(2))
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_each_refusal_of_a_virtual_token_adapter_names_a_command_that_runs_it(method, unmergeable, tmp_path):
+    """Prefix/prompt tuning can be neither merged (`export`) nor served (their virtual tokens do not fit the
+    server's KV cache): both refuse it, exit 2, and the command each refusal's fix names runs the adapter
+    (exit 0, a reply), never another refusal. In-process, as the CLI runs them."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+
+    adapter, runner = str(unmergeable[method]), CliRunner()
+    refusals = {
+        "export": runner.invoke(app, ["export", "--model", "tiny-llama", "--adapter", adapter, "--to", "gguf",
+                                      "--output-dir", str(tmp_path / "out")]),
+        "serve": runner.invoke(app, ["serve", "--model", "tiny-llama", "--adapter", adapter, "--port", "0",
+                                     "--device", "cpu"]),
+    }
+    for command, res in refusals.items():
+        assert res.exit_code == 2 and res.stderr.startswith("error:"), (command, res.stderr, res.exception)
+        advised = _advised_command(res.stderr)
+        ran = runner.invoke(app, [*advised[1:], "--max-new-tokens", "4", "--device", "cpu"])
+        assert ran.exit_code == 0, (command, advised, ran.stderr, ran.exception)
     assert not (tmp_path / "out").exists()
 
 

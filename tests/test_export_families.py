@@ -12,7 +12,8 @@ its tokenization compared with HF's on varied text (digits, runs of spaces, CJK,
 tabs and newlines) and its greedy tokens with HF's at f16 (export's own verification).
 Ollama: for the published Zephyr, Llama 3.2, ChatML (Qwen2.5) and Phi-3 templates
 (models/chat_templates.py), the Modelfile TEMPLATE rendered by Go's text/template equals the Jinja
-rendering of a multi-turn conversation with a system prompt, and without one.
+rendering of a multi-turn conversation with a system prompt, and without one (Llama 3.2's less its
+"Today Date" line: a TEMPLATE carries no date, so the export day is not told to every later chat).
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def test_gguf_tokenizes_and_generates_like_hf_in_llama_cpp(kind, tmp_path):
     assert v["greedy_agreement_with_ties"] == 1.0 and v["greedy_agreement"] >= 0.95, v
     reader = gguf.GGUFReader(str(tmp_path / "gguf" / "model.gguf"))
     assert ("rope_freqs.weight" in [t.name for t in reader.tensors]) == (kind == "llama-bpe")
+    # The GGUF carries the Jinja template as it is (no date rendered into it): llama.cpp renders Llama 3.2's
+    # "Today Date" with its own strftime_now when the chat happens (minja's chat_template_inputs.now).
+    field = reader.fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode("utf-8") == AutoTokenizer.from_pretrained(str(ckpt)).chat_template
     hf = AutoTokenizer.from_pretrained(str(ckpt))
     llm = load_llama(tmp_path / "gguf" / "model.gguf", threads=1)
     for text in TEXTS:  # export's verification checked these too; here each one names itself when it fails
@@ -167,21 +172,66 @@ def test_gguf_tokenizes_and_generates_like_hf_in_llama_cpp(kind, tmp_path):
 def test_unknown_pre_tokenizer_and_rope_are_refused_with_one_message():
     from smolforge.errors import SmolforgeError
     from smolforge.models.export.gguf import _rope_scaling
-    from smolforge.models.export.gguf_vocab import LLAMA3_REGEX, pre_tokenizer_name
+    from smolforge.models.export.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, pre_tokenizer_name
 
     odd = {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}
     with pytest.raises(SmolforgeError, match="no known llama.cpp equivalent") as err:
         pre_tokenizer_name(odd)
     assert "convert_hf_to_gguf.py" in err.value.fix
-    llama3_no_ignore = {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+    split = lambda rx: {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [  # noqa: E731
+        {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}}
-    with pytest.raises(SmolforgeError, match="ignore_merges"):
-        pre_tokenizer_name(llama3_no_ignore)
+    assert pre_tokenizer_name(split(LLAMA3_REGEX)) == "smaug-bpe"  # test_llama3_regex_without_ignore_merges_...
+    qwen2_ignoring = split(QWEN2_REGEX)
+    qwen2_ignoring["model"]["ignore_merges"] = True
+    with pytest.raises(SmolforgeError, match="ignore_merges"):  # llama.cpp's qwen2 applies the merges
+        pre_tokenizer_name(qwen2_ignoring)
     with pytest.raises(SmolforgeError, match="rope scaling 'dynamic'"):
         _rope_scaling(None, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "LLAMA")
     with pytest.raises(SmolforgeError, match="rope scaling 'llama3'"):
         _rope_scaling(None, {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "QWEN2")
+
+
+# Words the Llama 3.2 twin's vocabulary holds whole (its tokenizer is trained on a corpus with them)
+WHOLE_WORDS = ["Ġreturn", "Ġprint", "Ġletters", "Ġquestion", "Ġcharacter", "Ġreverse"]
+IGNORE_MERGES_TEXTS = [
+    "Please print the letters of each question, character by character, then return.",
+    " reverse return print\n letters question character",
+]
+
+
+def test_llama3_regex_without_ignore_merges_exports_as_smaug_bpe_and_tokenizes_like_hf(tmp_path):
+    """A Llama-3-regex tokenizer whose `ignore_merges` is false (some Llama 3 fine-tunes ship it) exports
+    under llama.cpp's `smaug-bpe` (the Llama 3 regex, merges applied) and llama.cpp tokenizes like HF.
+
+    The Llama 3.2 twin's tokenizer with the flag flipped; so that the flag decides something, the merges
+    that build a few whole-word tokens are dropped (the tokens stay: a word is in the vocabulary but the
+    merges do not reach it, as in tiktoken-converted vocabularies): HF then splits those words, and a
+    llama.cpp pre-tokenizer that ignores merges (`llama-bpe`) would take them whole."""
+    require_llama_cpp()
+    from transformers import AutoTokenizer
+
+    from smolforge.models.export.run import export
+    from smolforge.models.export.verify import TOKENIZER_TEXTS, load_llama, same_tokens
+    from smolforge.models.twins import twin_dir
+
+    ckpt = Path(shutil.copytree(twin_dir("twin:llama-3.2-1b-instruct"), tmp_path / "ckpt"))
+    tj = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
+    assert tj["model"]["ignore_merges"] is True and all(w in tj["model"]["vocab"] for w in WHOLE_WORDS)
+    tj["model"]["merges"] = [m for m in tj["model"]["merges"] if "".join(m) not in WHOLE_WORDS]
+    (ckpt / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    ignoring = AutoTokenizer.from_pretrained(str(ckpt))
+    tj["model"]["ignore_merges"] = False
+    (ckpt / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    for text in IGNORE_MERGES_TEXTS:  # the flag decides these texts' tokens
+        assert hf(text)["input_ids"] != ignoring(text)["input_ids"], text
+
+    summary = export(str(ckpt), "gguf", tmp_path / "gguf", quant="f16", threads=1, verify=False)
+    assert (summary["gguf"]["tokenizer"], summary["gguf"]["pre_tokenizer"]) == ("gpt2", "smaug-bpe"), summary["gguf"]
+    llm = load_llama(tmp_path / "gguf" / "model.gguf", threads=1)
+    for text in IGNORE_MERGES_TEXTS + TOKENIZER_TEXTS:
+        assert same_tokens(llm, hf, text), text
 
 
 CONVERSATION = [
@@ -214,18 +264,45 @@ PUBLISHED = {  # chat_templates key (or a template) -> (format smolforge recogni
 }
 
 
-def test_modelfile_templates_render_like_the_published_chat_templates(tmp_path):
-    from smolforge.models.chat_templates import TEMPLATES
-    from smolforge.models.export.ollama import modelfile, render_jinja, template_vars
-
+@pytest.fixture(scope="module")
+def go_render(tmp_path_factory):
+    """render(TEMPLATE text, messages) -> what Go's text/template writes for them (built once per module)."""
     go = shutil.which("go")
     require(go is not None, "go (Go's text/template renders the Modelfile's TEMPLATE)",
             "apt-get install golang-go (.ci/run does it as root)")
-    env = {**os.environ, "GOCACHE": str(tmp_path / "gocache"), "GOPATH": str(tmp_path / "gopath"), "GO111MODULE": "off"}
-    (tmp_path / "render.go").write_text(GO_RENDER)
-    build = subprocess.run([go, "build", "-o", str(tmp_path / "render"), str(tmp_path / "render.go")],
+    root = tmp_path_factory.mktemp("go")
+    env = {**os.environ, "GOCACHE": str(root / "gocache"), "GOPATH": str(root / "gopath"), "GO111MODULE": "off"}
+    (root / "render.go").write_text(GO_RENDER)
+    build = subprocess.run([go, "build", "-o", str(root / "render"), str(root / "render.go")],
                            capture_output=True, text=True, timeout=240, env=env)
     assert build.returncode == 0, build.stderr
+
+    def render(template: str, messages: list[dict]) -> str:
+        (root / "template.txt").write_text(template)
+        (root / "messages.json").write_text(json.dumps(messages))
+        proc = subprocess.run([str(root / "render"), str(root / "template.txt"), str(root / "messages.json")],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    return render
+
+
+def _template_of(modelfile_text: str) -> str:
+    start = modelfile_text.index('TEMPLATE """') + len('TEMPLATE """')
+    return modelfile_text[start: modelfile_text.index('"""', start)]
+
+
+def _undated(rendered: str, day: str) -> str:
+    """A Llama 3.2 rendering less its "Today Date" line: what Ollama's library template for llama3.2 writes."""
+    assert f"Today Date: {day}\n" in rendered
+    return rendered.replace(f"Today Date: {day}\n", "", 1)
+
+
+def test_modelfile_templates_render_like_the_published_chat_templates(go_render):
+    from smolforge.models.chat_templates import TEMPLATES
+    from smolforge.models.export.ollama import modelfile, render_jinja, template_vars
+
     want = {}
     for key, (fmt, bos, eos) in PUBLISHED.items():
         # llama.cpp adds the BOS (add_bos_token) for TinyLlama and, here, for Phi-3: the TEMPLATE leaves it out
@@ -234,19 +311,48 @@ def test_modelfile_templates_render_like_the_published_chat_templates(tmp_path):
         key = fmt if template == key else key
         text, chosen = modelfile(template, tokens)
         assert chosen["chat_format"] == fmt, (key, chosen)
-        start = text.index('TEMPLATE """') + len('TEMPLATE """')
-        (tmp_path / "template.txt").write_text(text[start: text.index('"""', start)])
         for case, msgs in (("system", CONVERSATION), ("bare", CONVERSATION[1:])):
-            (tmp_path / "messages.json").write_text(json.dumps(msgs))
-            proc = subprocess.run([str(tmp_path / "render"), str(tmp_path / "template.txt"),
-                                   str(tmp_path / "messages.json")], capture_output=True, text=True, timeout=60)
-            assert proc.returncode == 0, proc.stderr
             jinja = render_jinja(template, msgs, tokens)
             want[f"{key}-{case}"] = jinja.removeprefix(bos) if adds else jinja
-            assert proc.stdout == want[f"{key}-{case}"], f"{key}-{case}"
+            # no date in a TEMPLATE (test_the_ollama_template_does_not_depend_on_the_export_day)
+            expected = _undated(want[f"{key}-{case}"], "26 Nov 2026") if fmt == "llama3.2" else want[f"{key}-{case}"]
+            assert go_render(_template_of(text), msgs) == expected, f"{key}-{case}"
     assert "You are Qwen" in want["qwen2.5-bare"] and "named SmolLM" in want["smollm2-bare"]
     assert "26 Nov 2026" in want["llama-3.2-system"]
     assert want["llama-3.2-bare"].startswith("<|begin_of_text|>") and not want["phi-3-bare"].startswith("<s>")
+
+
+def test_the_ollama_template_does_not_depend_on_the_export_day(go_render, tmp_path, monkeypatch):
+    """Llama 3.2's template dates its system header ("Today Date: " + strftime_now at use). Exported on
+    two days (the clock faked, and the date given), the Modelfile is the same, and its TEMPLATE, rendered
+    by Go's text/template, prints no date: Jinja's rendering less the "Today Date" line, as Ollama's own
+    library template for llama3.2 writes it ("Cutting Knowledge Date: December 2023", then the system
+    prompt). The GGUF carries the Jinja template itself, which llama.cpp renders with its own
+    strftime_now at use (test_gguf_tokenizes_and_generates_like_hf_in_llama_cpp[llama-bpe] checks it
+    is carried unchanged)."""
+    import time
+
+    from smolforge.models.chat_templates import TEMPLATES
+    from smolforge.models.export.ollama import modelfile, render_jinja, template_vars, tokens_of
+
+    template, days = TEMPLATES["llama-3.2"], ("26 Nov 2026", "03 Mar 2031")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True}))
+    exported = []
+    for day in days:
+        monkeypatch.setattr(time, "strftime", lambda fmt, *when, day=day: day)  # the export's day, as it reads it
+        exported.append(modelfile(template, tokens_of(tmp_path))[0])
+    given = [modelfile(template, template_vars("<|begin_of_text|>", "<|eot_id|>", day, adds_bos=True))[0]
+             for day in days]
+    assert exported[0] == exported[1] == given[0] == given[1]
+    assert not any(day in exported[0] for day in days) and "Today Date" not in exported[0]
+    for msgs in (CONVERSATION, CONVERSATION[1:]):
+        jinja = [render_jinja(template, msgs, template_vars("<|begin_of_text|>", "<|eot_id|>", day)) for day in days]
+        assert jinja[0] != jinja[1]  # the Jinja template itself does print the day
+        rendered = go_render(_template_of(exported[0]), msgs)
+        assert rendered == _undated(jinja[0], days[0]).removeprefix("<|begin_of_text|>")
+        assert rendered.startswith("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                                   "December 2023\n\n")
 
 
 def test_a_template_no_format_reproduces_is_refused():

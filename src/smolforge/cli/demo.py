@@ -29,8 +29,8 @@ def sft_demo_config(output_dir: str, max_steps: int, seed: int, quiet: bool) -> 
 
 
 def run_sft_demo(output_dir: str = "outputs/demo", max_steps: int = 400, seed: int = 0, quiet: bool = False) -> dict:
-    from smolforge.data.splits import load_splits
     from smolforge.train.engine import build_model, evaluate, train
+    from smolforge.train.rendering import load_checked_splits
 
     from smolforge.distill.demo import claim_demo_dir
 
@@ -41,7 +41,7 @@ def run_sft_demo(output_dir: str = "outputs/demo", max_steps: int = 400, seed: i
 
     torch.manual_seed(seed)
     tokenizer, model = build_model(cfg, torch.device("cpu"))
-    splits = load_splits(cfg.data, tokenizer)
+    splits = load_checked_splits(cfg.data, tokenizer)
     before = evaluate(model, tokenizer, splits, cfg, torch.device("cpu"))
     result = train(cfg, splits=splits, model=model, tokenizer=tokenizer)
     return {

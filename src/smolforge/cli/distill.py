@@ -17,6 +17,7 @@ import typer
 from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, peft_section, print_json,
                                   quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
+from smolforge.distill.backends import backends_help
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
 from smolforge.errors import SmolforgeError
@@ -49,8 +50,7 @@ def register(app: typer.Typer) -> None:
                                               "on-policy one (GKD starts from a student that knows the format)"),
         top_k: int = typer.Option(32, help="teacher logits kept per token"),
         no_compress: bool = typer.Option(False, "--no-compress", help="keep fp32 values in the store"),
-        teacher_backend: str = typer.Option("hf", help="hf (transformers), llamacpp (a GGUF in llama.cpp: --teacher "
-                                            "model.gguf, or the HF teacher exported once per node) or ollama (HTTP API)"),
+        teacher_backend: str = typer.Option("hf", help=backends_help()),
         teacher_quant: str = typer.Option("q8_0", help=f"llamacpp: the HF teacher's GGUF weights, "
                                           f"{'|'.join(TEACHER_QUANTS)} (q4_k_m by llama.cpp's quantizer)"),
         ollama_host: Optional[str] = typer.Option(None, help="Ollama URL (default $OLLAMA_HOST or 127.0.0.1:11434)"),

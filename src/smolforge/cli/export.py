@@ -51,13 +51,13 @@ def check_run_export(target: str | None, method: str | None) -> None:
         return
     if target not in RUN_TARGETS:
         raise SmolforgeError(f"unknown --export {target!r}", fix=f"use one of {', '.join(RUN_TARGETS)}")
-    from smolforge.models.export.merge import MERGEABLE, unmergeable_reason
+    from smolforge.models.peft import accepts, peft_method
 
-    if method is not None and method not in MERGEABLE:
-        raise SmolforgeError(f"--export {target} needs a mergeable adapter, but --peft {method}: "
-                             f"{unmergeable_reason(method)}",
-                             fix="train with --peft lora (or ia3, none), or drop --export and serve the adapter "
-                                 "with --adapter")
+    kind = peft_method(method) if method is not None else None
+    if kind is not None and not accepts(kind, f"export:{target}"):
+        refused = kind.refusal(f"export:{target}", where=f"--export {target} with --peft {method}",
+                               adapter=f"<output-dir>/{method}_adapter")
+        raise SmolforgeError(refused.what, where=refused.where, fix=f"drop --export; {refused.fix}")
 
 
 def export_run(model: str, adapter_dir: str | Path, output_dir: str | Path, target: str) -> dict:

@@ -282,7 +282,9 @@ def _launch_split_flags(o: dict[str, Any], after: Callable[[Path], dict] | None)
                                       ("--strategy", o["strategy"]), ("--student", o["student"]),
                                       ("--num-teachers", o["num_teachers"]), ("--dtype", o["dtype"]),
                                       ("--tensorboard", o["tensorboard"]), ("--wandb", o["wandb"])) if value]
-    if o["peft"] not in (None, "lora"):
+    from smolforge.models.peft import peft_method
+
+    if o["peft"] is not None and not peft_method(o["peft"]).split_trains:
         given.append(f"--peft {o['peft']}")
     if given:
         raise SmolforgeError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --mode split",

@@ -185,9 +185,9 @@ def _register_eval(app: typer.Typer) -> None:
         dtype = parse_dtype(dtype)
         quiet_libraries()
         from smolforge.config import DataSpec
-        from smolforge.data.splits import load_splits
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
         from smolforge.train.engine import evaluate
+        from smolforge.train.rendering import load_checked_splits
 
         dev = pick_device(device)
         tok = load_tokenizer(model)
@@ -199,7 +199,7 @@ def _register_eval(app: typer.Typer) -> None:
         # A file given to eval is all held-out data; 'bundled' has its own held-out split.
         spec = DataSpec(path=data, format=format, max_length=max_length, max_eval_samples=max_samples,
                         eval_path=None if data == "bundled" else data, max_samples=1)
-        splits = load_splits(spec, tok)
+        splits = load_checked_splits(spec, tok)
         cfg = TrainConfig(model=model, data=spec, batch_size=batch_size, max_new_tokens=max_new_tokens)
         metrics = evaluate(net, tok, splits, cfg, dev)
         metrics["examples"] = len(splits.eval)

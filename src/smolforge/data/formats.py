@@ -11,7 +11,9 @@ Every problem names file:line and the fix; with `skip_bad_lines` bad lines are c
 
 from __future__ import annotations
 
+import codecs
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,41 +129,69 @@ def to_example(record: dict, fmt: str, source: str, prompts_only: bool = False) 
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False,
-                  prompts_only: bool = False) -> ReadResult:
-    """Every record of a JSONL file as an Example; `prompts_only` (a teacher's prompts): answers optional."""
+class BadLine(Exception):
+    """One line that is not a usable record: what is wrong with it and how to fix it."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.what, self.fix = what, fix
+
+
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
+    """Every non-blank line of a JSONL file as (line number from 1, its JSON object), or a `BadLine`
+    in place of a line that is not one (the caller decides: refuse with file:line, or skip and count).
+
+    The one reader of JSONL files: a UTF-8 byte-order mark at the start of the file (what Windows
+    editors and PowerShell's `Out-File -Encoding utf8` write) is not part of the first record (as
+    `encoding="utf-8-sig"` reads it), and CRLF line ends are LF ones; line numbers count the file's
+    own lines either way. Each line is decoded on its own, so one line of bad UTF-8 is one bad line.
+    Raises SmolforgeError at the call (not at the first record) for a missing path, a directory or a
+    file with nothing but blank lines."""
     path = Path(path)
     if not path.exists():
         raise SmolforgeError(f"data file {path} does not exist", fix="check the --data path (or use --data bundled)")
     if path.is_dir():
         raise SmolforgeError(f"{path} is a directory, not a JSONL file", fix="point --data at a .jsonl file")
-    if fmt != "auto" and fmt not in FORMATS:
-        raise SmolforgeError(f"unknown --format {fmt!r}", fix=f"use one of auto, {', '.join(FORMATS)}")
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     if not raw.strip():
         raise SmolforgeError("data file is empty", where=str(path), fix="add one JSON object per line")
+    lines = enumerate((line.removesuffix(b"\r") for line in raw.split(b"\n")), start=1)
+    return ((lineno, _record(line)) for lineno, line in lines if line.strip())
+
+
+def _record(line: bytes) -> dict | BadLine:
+    """One line's JSON object, or what is wrong with it."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return BadLine(f"not valid UTF-8 (byte {err.start})", "save the file as UTF-8 (e.g. iconv -t UTF-8)")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        return BadLine(f"malformed JSON: {err.msg} at column {err.colno}", "write one complete JSON object per line")
+    except RecursionError:  # e.g. [[[[...]]]] 100 000 deep: json recurses per level
+        return BadLine("JSON nested too deeply", "write flat records (messages are one list of objects)")
+    if not isinstance(record, dict):
+        return BadLine(f"expected a JSON object, got {type(record).__name__}", "write one JSON object per line")
+    return record
+
+
+def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False,
+                  prompts_only: bool = False) -> ReadResult:
+    """Every record of a JSONL file as an Example; `prompts_only` (a teacher's prompts): answers optional."""
+    records = jsonl_records(path)
+    if fmt != "auto" and fmt not in FORMATS:
+        raise SmolforgeError(f"unknown --format {fmt!r}", fix=f"use one of auto, {', '.join(FORMATS)}")
     result = ReadResult(examples=[], format=fmt)
-    for lineno, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
+    for lineno, record in records:
         where = f"{path}:{lineno}"
         try:
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise _Bad(f"not valid UTF-8 (byte {err.start})", "save the file as UTF-8 (e.g. iconv -t UTF-8)")
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise _Bad(f"malformed JSON: {err.msg} at column {err.colno}", "write one complete JSON object per line")
-            except RecursionError:  # e.g. [[[[...]]]] 100 000 deep: json recurses per level
-                raise _Bad("JSON nested too deeply", "write flat records (messages are one list of objects)") from None
-            if not isinstance(record, dict):
-                raise _Bad(f"expected a JSON object, got {type(record).__name__}", "write one JSON object per line")
+            if isinstance(record, BadLine):
+                raise record
             if result.format == "auto":
                 detected = detect_format(record)
                 if detected is None:
-                    raise _Bad(
+                    raise BadLine(
                         f"cannot tell the format from keys {sorted(record)}",
                         "use keys of one format (instruction/output, messages, prompt/completion or text) or pass --format",
                     )
@@ -169,8 +199,8 @@ def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = Fa
             try:
                 result.examples.append(to_example(record, result.format, where, prompts_only))
             except ValueError as err:
-                raise _Bad(str(err), _FIX[result.format])
-        except _Bad as bad:
+                raise BadLine(str(err), _FIX[result.format])
+        except BadLine as bad:
             if not skip_bad_lines:
                 raise SmolforgeError(bad.what, where=where,
                                      fix=f"{bad.fix}; or pass --skip-bad-lines to skip such lines") from None
@@ -182,8 +212,3 @@ def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = Fa
             fix="check the file's format; the first problems were: " + "; ".join(result.problems[:3]),
         )
     return result
-
-
-class _Bad(Exception):
-    def __init__(self, what: str, fix: str):
-        self.what, self.fix = what, fix

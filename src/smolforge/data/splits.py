@@ -9,6 +9,7 @@ from smolforge.config import DataSpec
 from smolforge.data.encode import EncodeStats, encode_all
 from smolforge.data.formats import Example, read_examples
 from smolforge.data.synthetic import BUNDLED_PROMPTS, bundled_paths, bundled_prompts_path
+from smolforge.errors import SmolforgeError
 
 
 class TokenRows(list):
@@ -33,11 +34,17 @@ class Splits:
             "train_sequences": len(self.train),
             "eval_sequences": len(self.eval),
             "skipped_lines": self.skipped,
+            "folded_system": self.folded,
             "truncated": self.train_stats.truncated + self.eval_stats.truncated,
             "dropped_no_target": self.train_stats.dropped_no_target + self.eval_stats.dropped_no_target,
             "train_tokens": self.train_stats.tokens,
             "train_target_tokens": self.train_stats.target_tokens,
         }
+
+    @property
+    def folded(self) -> int:
+        """Examples (train and eval) whose system turns were folded into the next user turn."""
+        return self.train_stats.folded + self.eval_stats.folded
 
 
 def read_spec(spec: DataSpec, prompts_only: bool = False) -> tuple[list[Example], list[Example], str, int]:
@@ -73,13 +80,25 @@ def read_spec(spec: DataSpec, prompts_only: bool = False) -> tuple[list[Example]
     return train, eval_ex, res.format, skipped
 
 
-def load_splits(spec: DataSpec, tokenizer, read: tuple[list[Example], list[Example], str, int] | None = None) -> Splits:
-    """`read`: what read_spec(spec) returned, when the caller has read (and so checked) the data already."""
+def load_splits(spec: DataSpec, tokenizer, read: tuple[list[Example], list[Example], str, int] | None = None, *,
+                system_role: bool = True) -> Splits:
+    """`read`: what read_spec(spec) returned, when the caller has read (and so checked) the data already.
+    `system_role`: whether the model's chat template renders a system turn (the family's answer, which
+    data/ cannot ask: the caller passes `abilities(tokenizer).system`); False folds system turns into the
+    next user turn. A record the template refuses is a bad line (SmolforgeError at file:line, or skipped
+    and counted under `spec.skip_bad_lines`)."""
     train_ex, eval_ex, fmt, skipped = read if read is not None else read_spec(spec)
-    train_rows, train_stats = encode_all(tokenizer, train_ex, spec.max_length, spec.packing)
-    eval_rows, eval_stats = encode_all(tokenizer, eval_ex, spec.max_length, packing=False)
+    train_rows, train_stats = encode_all(tokenizer, train_ex, spec.max_length, spec.packing,
+                                         system_role=system_role, skip_bad_lines=spec.skip_bad_lines)
+    if train_ex and train_stats.skipped == len(train_ex):
+        raise SmolforgeError(f"no usable examples ({train_stats.skipped} bad lines skipped)", where=str(spec.path),
+                             fix="check the records against the model's chat template; the first problems were: "
+                             + "; ".join(train_stats.problems[:3]))
+    eval_rows, eval_stats = encode_all(tokenizer, eval_ex, spec.max_length, packing=False,
+                                       system_role=system_role, skip_bad_lines=spec.skip_bad_lines)
     return Splits(
         train=TokenRows(train_rows), eval=TokenRows(eval_rows),
-        eval_examples=[e for e in eval_ex if e.messages], format=fmt, skipped=skipped,
+        eval_examples=[e for e in eval_stats.kept if e.messages], format=fmt,
+        skipped=skipped + train_stats.skipped + eval_stats.skipped,
         train_stats=train_stats, eval_stats=eval_stats,
     )

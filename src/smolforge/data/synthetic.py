@@ -11,6 +11,7 @@ import json
 import random
 from pathlib import Path
 
+from smolforge.data.formats import jsonl_records
 from smolforge.paths import atomic_write_text, home
 
 LETTERS = "abcdefghij"
@@ -89,8 +90,7 @@ def bundled_prompts_path(n: int = BUNDLED_PROMPTS_N, labelled: int = 512, seed: 
     if path.exists():
         return path
     train, eval_ = bundled_paths(seed=seed)
-    train_prompts, eval_prompts = ([json.loads(line)["prompt"] for line in f.read_text().splitlines() if line]
-                                   for f in (train, eval_))
+    train_prompts, eval_prompts = ([record["prompt"] for _line, record in jsonl_records(f)] for f in (train, eval_))
     taken = set(train_prompts) | set(eval_prompts)
     prompts = train_prompts[:labelled]
     rng = random.Random(seed + 7)

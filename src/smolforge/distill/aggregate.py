@@ -28,6 +28,7 @@ import torch
 from smolforge.distill.settings import AGGREGATE_METHODS as METHODS  # the names, one place (torch-free)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import resolve_model
+from smolforge.models.peft import peft_method
 from smolforge.models.peft_methods import adapter_method
 from smolforge.paths import atomic_replace_dir, atomic_write_json
 
@@ -227,11 +228,10 @@ def aggregate_student_outputs(student_output_dirs: list[str | Path], output_path
         raise SmolforgeError(f"students used different PEFT methods ({', '.join(sorted(kinds))})",
                              fix="aggregate students of one method at a time")
     kind = kinds.pop()
-    if kind in ("prefix", "prompt"):
-        raise SmolforgeError(
-            f"cannot aggregate {kind}-tuning adapters: they learn virtual tokens, not weight updates, and "
-            "averaging them does not give a model that knows what each student learned",
-            fix=f"keep one student's adapter (e.g. {adapters[0]}), or train the students with --peft lora to merge them")
+    method_class = peft_method(kind)
+    if not method_class.aggregates:
+        refused = method_class.refusal("aggregate", adapter=str(adapters[0]))
+        raise SmolforgeError(refused.what, fix=f"keep one student's adapter ({adapters[0]}); {refused.fix}")
     final = final_adapter_path(output_path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
@@ -242,13 +242,13 @@ def aggregate_student_outputs(student_output_dirs: list[str | Path], output_path
         for name in _TOKENIZER_FILES:
             if (first / name).exists():
                 shutil.copy2(first / name, tmp / name)
-        if kind == "lora":
+        if method_class.low_rank:
             tensors, config, errors = _aggregate_lora(adapters, method, rank, density)
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             report.update(rank=config["r"], truncation_error=errors,
                           max_truncation_error=max(errors.values()) if errors else 0.0)
-        elif kind == "none":
+        elif method_class.full_model:
             base = None
             if method == "ties":
                 if not base_model:
@@ -260,7 +260,8 @@ def aggregate_student_outputs(student_output_dirs: list[str | Path], output_path
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             shutil.copy2(first / "config.json", tmp / "config.json")
         else:  # ia3 (neutral 1) and Houlsby adapters (neutral 0)
-            tensors = _aggregate_tensors(adapters, method, density, None, 1.0 if kind == "ia3" else 0.0)
+            assert method_class.neutral is not None, kind
+            tensors = _aggregate_tensors(adapters, method, density, None, method_class.neutral)
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             shutil.copy2(first / "adapter_config.json", tmp / "adapter_config.json")
         atomic_write_json(tmp / "aggregation.json", report)

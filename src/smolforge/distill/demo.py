@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
-from smolforge.data.splits import load_splits
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.store import store_summary
 from smolforge.distill.student import StudentConfig
@@ -39,6 +38,7 @@ from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, load_adapter
 from smolforge.paths import atomic_write_json, home
 from smolforge.train.engine import evaluate, train
+from smolforge.train.rendering import load_checked_splits
 
 DEMO_STUDENT = "tiny-llama"  # the preset the student base is pretrained from (student_base)
 DEMO_MARK = ".smolforge-demo"  # in a demo's --output-dir: what a demo wrote there, the next demo replaces
@@ -198,7 +198,7 @@ def evaluate_adapter(adapter: str | Path | None, s: DemoSettings, base: str | Pa
         model = load_adapter(model, adapter)
     spec = DataSpec(path="bundled", max_length=s.max_length, max_eval_samples=s.max_eval_samples, max_samples=1)
     cfg = TrainConfig(model=base, data=spec, batch_size=32, max_new_tokens=s.max_new_tokens)
-    return evaluate(model, tok, load_splits(spec, tok), cfg, torch.device("cpu"))
+    return evaluate(model, tok, load_checked_splits(spec, tok), cfg, torch.device("cpu"))
 
 
 def _student_lr(s: DemoSettings, peft: str) -> float:

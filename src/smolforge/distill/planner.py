@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+from smolforge.distill.backends import LOADERS, backend_names, loader, teacher_backend
 from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
 
@@ -87,35 +88,34 @@ def model_key(name: str) -> str:
 
 
 def holds(node: Any, model: str, backend: str = "hf") -> bool:
-    """Whether a node can load `model` with `backend` (`hf`: its `.models`, `ollama`: its
-    `.ollama_models`), under any spelling or its dir name."""
+    """Whether a node can load `model` with the loader `backend` (`hf`: its `.models`, `ollama`: its
+    `.ollama_models`: `backends.Loader.node_attr`), under any spelling or its dir name."""
     keys = {model_key(m) for m in _loadable_list(node, backend)}
     return model_key(model) in keys or model_key(model.rstrip("/").split("/")[-1]) in keys
 
 
 def _loadable_list(node: Any, backend: str) -> list[str]:
-    return list(getattr(node, "ollama_models" if backend == "ollama" else "models", None) or [])
+    return list(getattr(node, loader(backend).node_attr, None) or [])
 
 
 def _loadable(node: Any, backend: str) -> str:
     names = _loadable_list(node, backend)
-    other = _loadable_list(node, "hf" if backend == "ollama" else "ollama")
-    text = ", ".join(names) or ("no Ollama models" if backend == "ollama" else "no models")
-    if other:
-        text += f" [{'weights' if backend == 'ollama' else 'Ollama'}: {', '.join(other)}]"
+    text = ", ".join(names) or loader(backend).none_held
+    for other in LOADERS.values():
+        held = _loadable_list(node, other.name) if other.name != loader(backend).name else []
+        if held:
+            text += f" [{other.label}: {', '.join(held)}]"
     return text
 
 
-TEACHER_BACKENDS = ("hf", "llamacpp", "ollama", "reference")
-# What each backend loads, and the Ray resource prefix under which a node advertises what it can load
-# that way (ray_glue.model_resource): the weights (HF cache, --models-dir) or an Ollama tag.
-MODEL_PREFIXES = {"hf": "model:", "ollama": "ollama:"}
+TEACHER_BACKENDS = backend_names()  # what --teacher-backend takes: the classes in `distill/backends.py`
 
 
-def model_backend(teacher_backend: str) -> str:
-    """How a task loads its model: `ollama` for an Ollama teacher, `hf` (the weights) for everything else
-    (students, `hf`, `reference` and `llamacpp` teachers: the last exports the weights on its node)."""
-    return "ollama" if teacher_backend == "ollama" else "hf"
+def model_backend(backend: str) -> str:
+    """How a task loads its model (a `backends.Loader` name): the teacher backend's loader (`ollama` for
+    an Ollama teacher), `hf` (the weights) for students and every other teacher (`llamacpp` exports the
+    weights on its node)."""
+    return teacher_backend(backend).loader.name
 
 
 def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_node_ok: bool = False,
@@ -137,7 +137,7 @@ def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_nod
     holding = [n for n in workers if holds(n, model, backend)]
     req_model = None
     if holding:
-        exact = [n for n in holding if f"{MODEL_PREFIXES[backend]}{model}" in n.resources]
+        exact = [n for n in holding if f"{loader(backend).resource_prefix}{model}" in n.resources]
         req_model = model if len(exact) == len(holding) else None
         chosen = holding
     elif any_node_ok and workers:
@@ -149,11 +149,7 @@ def model_nodes(nodes: Iterable[Any], model: str, role: str = "teacher", any_nod
                                  where="--teacher-on-coordinator",
                                  fix=f"put {model} in the coordinator's HF cache or models dir, or drop "
                                      "--teacher-on-coordinator to run the teachers on workers")
-        how = "as an Ollama tag" if backend == "ollama" else "as weights (HF cache or --models-dir)"
-        fix = (f"`ollama pull {model}` on a worker and run `smolforge worker rescan` there, or use "
-               "--teacher-backend hf with weights a node holds"
-               if backend == "ollama" else
-               f"put {model} on a worker (HF cache or `smolforge worker join --models-dir DIR`), or pick a "
-               "model that a node lists under `smolforge nodes`")
-        raise SmolforgeError(f"no node holds {role} model {model!r} {how} ({have})", where="placement", fix=fix)
+        how = loader(backend)
+        raise SmolforgeError(f"no node holds {role} model {model!r} {how.how} ({have})", where="placement",
+                             fix=how.missing_fix(model, role))
     return sorted(chosen, key=lambda n: (-(n.gpus >= 1), -n.gpus, -n.cpus, n.name)), req_model

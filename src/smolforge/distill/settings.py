@@ -140,20 +140,18 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                 samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
                 responses=cfg.teacher_responses).check()
-    if cfg.on_policy_ratio > 0 and cfg.teacher_backend != "hf":
-        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
-                             f"{cfg.teacher_backend} backend cannot", fix="use --teacher-backend hf, or --on-policy-ratio 0")
-    from smolforge.distill.planner import TEACHER_BACKENDS
-    from smolforge.models.export.cache import check_quant
+    from smolforge.distill.backends import backends_that, teacher_backend
 
-    if cfg.teacher_backend not in TEACHER_BACKENDS:
-        raise SmolforgeError(f"unknown --teacher-backend {cfg.teacher_backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
-    if cfg.teacher_backend == "llamacpp":
-        check_quant(cfg.teacher_quant)
-        if cfg.teacher_responses == "reference":
-            raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
-                                 "llamacpp backend generates its own", fix="use --teacher-backend hf for reference")
-        _check_local_gguf(cfg)
+    backend = teacher_backend(cfg.teacher_backend)
+    if cfg.on_policy_ratio > 0 and not backend.on_policy:
+        raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
+                             f"{backend.name} backend cannot",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('on_policy'))}, or --on-policy-ratio 0")
+    if cfg.teacher_responses == "reference" and not backend.scores_reference:
+        raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
+                             f"{backend.name} backend generates its own",
+                             fix=f"use --teacher-backend {' or '.join(backends_that('scores_reference'))} for reference")
+    backend.check(cfg)
     if cfg.replace_timeout_s <= 0:
         raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
                              fix="give the seconds a student whose node died may wait for another (e.g. 300)")
@@ -162,18 +160,50 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
     if output_dir is not None and ".." in Path(output_dir).parts:
         raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
+    check_shared_tokenizer(cfg.teacher, cfg.students, shared_tokenizer_needs(cfg.on_policy_ratio,
+                                                                               cfg.teacher_responses))
 
 
-def _check_local_gguf(cfg: DistillSettings) -> None:
-    """A GGUF teacher given as a file here must share the student's vocabulary (its logits train the
-    student): refused now (exit 2) rather than by the teacher task on its node. (A path only a worker
-    has is checked there, still before the first shard.)"""
-    from smolforge.models.export.cache import is_gguf
+def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "generate") -> list[tuple[str, str]]:
+    """The settings of a run that only work when the teacher's and the students' token ids agree, as
+    (what needs it, the fix): on-policy steps (the teacher scores the student's own sampled ids), and
+    reference responses (the teacher's only product is its log-probs over the dataset's answers; a
+    student of another vocabulary drops them and trains on the answers alone, plain fine-tuning after a
+    whole teacher stage). Everything else works across tokenizers: the students fall back to
+    sequence-level KD on the teacher's text."""
+    needs = []
+    if on_policy_ratio > 0:
+        needs.append((f"--on-policy-ratio {on_policy_ratio} (the teacher scores the student's own token ids)",
+                      "pass --on-policy-ratio 0 (the student learns from the teacher's text: sequence-level KD)"))
+    if teacher_responses == "reference":
+        needs.append(("--teacher-responses reference (the teacher's log-probs over the dataset's answers are "
+                      "all it produces)", "pass --teacher-responses generate (sequence-level KD on the teacher's "
+                                          "own answers)"))
+    return needs
 
-    if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
-        from smolforge.distill.teacher_llamacpp import check_gguf_vocab
 
-        check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
+def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[str, str]]) -> None:
+    """Refuse at submit (exit 2), from the tokenizers alone (their files, no weights), settings that
+    `shared_tokenizer_needs` says need one vocabulary when the teacher's and a student's differ, rather
+    than after the teacher stage ran. A model whose tokenizer this machine cannot load without a
+    download (a name only the workers hold, an Ollama tag, a GGUF: checked by `_check_local_gguf`) is
+    checked where it runs instead (distill/student.py refuses a mismatched on-policy teacher there)."""
+    if not needs:
+        return
+    from smolforge.distill.store import tokenizer_hash
+    from smolforge.models.loading import tokenizer_here
+
+    teacher_tok = tokenizer_here(teacher)
+    if teacher_tok is None:
+        return
+    for student in dict.fromkeys(students):
+        student_tok = tokenizer_here(student)
+        if student_tok is not None and tokenizer_hash(student_tok) != tokenizer_hash(teacher_tok):
+            raise SmolforgeError(
+                f"the teacher {teacher} and the student {student} have different tokenizers (vocabularies of "
+                f"{len(teacher_tok)} and {len(student_tok)} tokens, ids that do not agree), and "
+                f"{' and '.join(what for what, _fix in needs)} need{'s' if len(needs) == 1 else ''} one vocabulary",
+                fix="; or ".join(fix for _what, fix in needs) + f"; or pick a student with {teacher}'s tokenizer")
 
 
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:

@@ -39,6 +39,7 @@ from smolforge.models.peft_methods import apply_peft, trainable_summary
 from smolforge.train.driver import Outcome, Run, RunHooks, RunSettings, StepInfo, drive, prepare_process
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity
 from smolforge.train.faults import HoldAt, fault_hold_step, held_message, stay_held
+from smolforge.train.rendering import system_role
 from smolforge.train.strategy import Strategy
 
 IGNORE = -100
@@ -143,7 +144,7 @@ def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: i
         else:
             ex = Example(source=f"shard {shard.shard_id}",
                          messages=list(rec.prompt_messages) + [{"role": "assistant", "content": rec.response_text}])
-            ids, labels = encode_example(tokenizer, ex)
+            ids, labels = encode_example(tokenizer, ex, system_role(tokenizer))
             ids, labels = ids[:max_length], labels[:max_length]
             if all(x == IGNORE for x in labels[1:]):
                 continue
@@ -281,7 +282,8 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
                                                               max_samples=1), prompts_only=True)
     else:
         return {}
-    rows, _stats = encode_all(tokenizer, examples, cfg.max_length)
+    rows, stats = encode_all(tokenizer, examples, cfg.max_length, system_role=system_role(tokenizer))
+    examples = stats.kept  # as rendered: system turns folded where the template has no system role
     out: dict[str, Any] = {}
     loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, 32, device)
     if count:

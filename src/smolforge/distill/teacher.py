@@ -23,13 +23,13 @@ from smolforge.data.collate import left_pad
 from smolforge.data.encode import encode_example, ensure_chat_template, render
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
-from smolforge.distill.ollama import OllamaTeacher
 from smolforge.distill.planner import plan_shards
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash, write_shard_bytes
 from smolforge.distill.teacher_topk import topk_from_logits, topk_rows, truncation_kl  # noqa: F401 (re-export)
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
+from smolforge.train.rendering import system_role
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
@@ -54,7 +54,7 @@ def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
         raise SmolforgeError(f"example {item.example_id} has no reference answer",
                              fix="reference responses need data with answers (prompt/completion, alpaca, chat)")
     ex = Example("reference", messages=list(item.prompt_messages) + [{"role": "assistant", "content": item.answer}])
-    ids, labels = encode_example(tokenizer, ex)
+    ids, labels = encode_example(tokenizer, ex, system_role(tokenizer))  # folded as SFT folds it
     first = next(i for i, x in enumerate(labels) if x != -100)
     response = ids[first:]
     eos = tokenizer.eos_token_id
@@ -249,19 +249,10 @@ class ReferenceTeacher:
 
 def make_teacher(model: str, backend: str = "hf", **kwargs):
     """The teacher object for a backend: 'hf' (transformers), 'llamacpp' (a GGUF in llama.cpp), 'ollama'
-    (HTTP API) or 'reference'."""
-    if backend == "hf":
-        return HFTeacher(model, device=kwargs.get("device", "auto"), dtype=kwargs.get("dtype"))
-    if backend == "reference":
-        return ReferenceTeacher(model)
-    if backend == "ollama":
-        return OllamaTeacher(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
-    if backend == "llamacpp":
-        from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+    (HTTP API) or 'reference' (`distill/backends.py`: each backend's class builds its teacher)."""
+    from smolforge.distill.backends import teacher_backend
 
-        return LlamaCppTeacher(model, tokenizer=kwargs.get("tokenizer"), quant=kwargs.get("quant") or "q8_0",
-                               n_threads=kwargs.get("n_threads") or 1, say=print)  # a first export takes minutes
-    raise SmolforgeError(f"unknown teacher backend {backend!r}", fix="use --teacher-backend hf, llamacpp, ollama or reference")
+    return teacher_backend(backend).build(model, **kwargs)
 
 
 def produce_shards(teacher, items: "list[PromptItem] | dict[int, PromptItem]", shard_ranges: dict[int, tuple[int, int]],

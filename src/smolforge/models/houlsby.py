@@ -27,27 +27,23 @@ import torch
 from torch import nn
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import family_of, registered
 
 PEFT_TYPE = "HOULSBY"
 CHILD = "houlsby"
 FORMAT_VERSION = 1
 
-# Where the adapters go, by model family: suffixes of the attention-output and MLP-output
-# projections inside each block. Families not listed are tried with every pattern in turn.
-TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": ("self_attn.o_proj", "mlp.down_proj"),
-    "qwen2": ("self_attn.o_proj", "mlp.down_proj"),
-    "qwen3": ("self_attn.o_proj", "mlp.down_proj"),
-    "mistral": ("self_attn.o_proj", "mlp.down_proj"),
-    "gemma": ("self_attn.o_proj", "mlp.down_proj"),
-    "gemma2": ("self_attn.o_proj", "mlp.down_proj"),
-    "phi3": ("self_attn.o_proj", "mlp.down_proj"),
-    "gpt2": ("attn.c_proj", "mlp.c_proj"),
-}
+# Where the adapters go is the family's `houlsby_sites` (models/families); families without them are
+# tried with every pattern in turn.
 FALLBACK_PATTERNS: tuple[tuple[str, ...], ...] = (
     ("self_attn.o_proj", "mlp.down_proj"),
     ("attn.c_proj", "mlp.c_proj"),
 )
+
+
+def houlsby_families() -> list[str]:
+    """The model types whose families name the adapters' sites, sorted."""
+    return sorted(t for t, cls in registered().items() if cls.houlsby_sites)
 
 
 class BottleneckAdapter(nn.Module):
@@ -92,11 +88,12 @@ def _out_features(module: nn.Module) -> int:
 def find_targets(model: nn.Module, patterns: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], list[str]]:
     """The (suffix patterns, full module names) that get an adapter in this model."""
     names = [n for n, _ in model.named_modules()]
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = family_of(getattr(model, "config", None))
+    model_type = family.model_type
     if patterns is not None:
         candidates: tuple[tuple[str, ...], ...] = (tuple(patterns),)
-    elif model_type in TARGETS:
-        candidates = (TARGETS[model_type],)
+    elif family.houlsby_sites:
+        candidates = (family.houlsby_sites,)
     else:
         candidates = FALLBACK_PATTERNS
     for pats in candidates:
@@ -106,7 +103,7 @@ def find_targets(model: nn.Module, patterns: tuple[str, ...] | None = None) -> t
             return pats, found
     raise SmolforgeError(
         f"Houlsby adapters do not know where to go in model type {model_type!r}",
-        fix=f"use --peft lora (any family), or a model of the families {', '.join(sorted(TARGETS))}",
+        fix=f"use --peft lora (any family), or a model of the families {', '.join(houlsby_families())}",
     )
 
 

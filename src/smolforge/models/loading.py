@@ -61,17 +61,30 @@ def _hub_error(name: str, resolved: str, err: Exception) -> SmolforgeError:
     return SmolforgeError(f"cannot load model {name!r} ({resolved}): {type(err).__name__}: {err}".splitlines()[0], fix=fix)
 
 
-def load_tokenizer(name: str, aliases: dict[str, str] | None = None):
+def load_tokenizer(name: str, aliases: dict[str, str] | None = None, *, local_only: bool = False):
+    """The tokenizer of `name` (a pad token set to eos when it has none); `local_only`: from files this
+    machine has, never a download. Raises SmolforgeError when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     resolved = resolve_model(name, aliases)
     try:
-        tok = AutoTokenizer.from_pretrained(resolved)
+        tok = AutoTokenizer.from_pretrained(resolved, local_files_only=local_only)
     except (OSError, ValueError) as err:
         raise _hub_error(name, resolved, err) from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def tokenizer_here(name: str, aliases: dict[str, str] | None = None):
+    """The tokenizer `load_tokenizer` would give for `name` when this machine can tell without a
+    download (a preset or twin, built on first use; a local directory; an HF id in the local cache),
+    else None (an Ollama tag or HF id only the workers hold, a GGUF file). Reads tokenizer files, not
+    weights: what a submit-time check can afford."""
+    try:
+        return load_tokenizer(name, aliases, local_only=True)
+    except SmolforgeError:
+        return None
 
 
 def load_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,

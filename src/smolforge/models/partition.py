@@ -39,15 +39,7 @@ import torch
 from torch import nn
 
 from smolforge.errors import SmolforgeError
-
-# model_type -> (path of the decoder layer list in the *ForCausalLM model, family)
-SUPPORTED: dict[str, tuple[str, str]] = {
-    "llama": ("model.layers", "rope"),
-    "qwen2": ("model.layers", "rope"),
-    "phi3": ("model.layers", "rope"),  # fused qkv_proj / gate_up_proj live inside the layers: the cut is Llama's
-    "gpt2": ("transformer.h", "gpt2"),
-}
-
+from smolforge.models.families import Family, family_of
 
 @dataclass(frozen=True)
 class Arch:
@@ -57,7 +49,7 @@ class Arch:
     num_layers: int
     hidden_size: int
     layers_prefix: str
-    family: str
+    family: Family  # what the stage code asks (models/families)
 
     def canonical(self, local_name: str) -> str:
         """`layers.5.self_attn.q_proj` (a stage's name) -> `model.layers.5.self_attn.q_proj` (HF's)."""
@@ -68,15 +60,11 @@ class Arch:
 
 
 def arch_of(config) -> Arch:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise SmolforgeError(
-            f"cutting a model into stages does not support model type {model_type!r}",
-            fix=f"use a model of the {', '.join(sorted(SUPPORTED))} families (e.g. the tiny-llama preset)",
-        )
-    prefix, family = SUPPORTED[model_type]
-    return Arch(model_type=model_type, num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
-                layers_prefix=prefix, family=family)
+    """The model's stage-relevant shape; refused (SmolforgeError) for a family that cannot be cut."""
+    family = family_of(config)
+    family.check_stages()
+    return Arch(model_type=family.model_type, num_layers=int(config.num_hidden_layers),
+                hidden_size=int(config.hidden_size), layers_prefix=str(family.layers_prefix), family=family)
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -87,11 +75,11 @@ def decoder_layers(model) -> nn.ModuleList:
 
 
 def final_norm(model) -> nn.Module:
-    return model.transformer.ln_f if arch_of(model.config).family == "gpt2" else model.model.norm
+    return arch_of(model.config).family.final_norm(model)
 
 
 def rotary_of(model) -> nn.Module | None:
-    return None if arch_of(model.config).family == "gpt2" else model.model.rotary_emb
+    return arch_of(model.config).family.rotary(model)
 
 
 def fingerprint(model) -> str:
@@ -146,9 +134,8 @@ class Stage(nn.Module):
         self.rotary_emb = rotary_of(model) if self.layer_ids else None
         if embeddings:
             self.embed = model.get_input_embeddings()
-            if self.arch.family == "gpt2":
-                self.wpe = model.transformer.wpe
-                self.drop = model.transformer.drop
+            for name, module in self.arch.family.extra_embeddings(model).items():
+                setattr(self, name, module)
         if head:
             self.norm = final_norm(model)
             self.lm_head = model.get_output_embeddings()
@@ -170,10 +157,7 @@ class Stage(nn.Module):
         return self.lm_head(self.norm(h)) if self.has_head else h
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        if self.arch.family == "gpt2":
-            h = self.drop(h + self.wpe(position_ids).to(h.device))
-        return h
+        return self.arch.family.embed(self, input_ids, position_ids)
 
     def run_layers(self, h: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                    cache=None) -> torch.Tensor:
@@ -182,20 +166,9 @@ class Stage(nn.Module):
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(h.shape[0], -1)
         masks = self._masks(h, attention_mask, position_ids, cache)
-        use_cache = cache is not None
-        if self.arch.family == "gpt2":
-            for i in self.layer_ids:
-                h = self.layers[str(i)](h, cache, masks["full_attention"], None, encoder_attention_mask=None,
-                                        use_cache=use_cache, position_ids=position_ids)
-            return h
-        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
-        for i in self.layer_ids:
-            h = self.layers[str(i)](h, attention_mask=masks[self._layer_type(i)],
-                                    position_embeddings=position_embeddings, position_ids=position_ids,
-                                    past_key_values=cache, use_cache=use_cache)
-        return h
+        return self.arch.family.run_layers(self, h, masks, position_ids, cache)
 
-    def _layer_type(self, i: int) -> str:
+    def layer_type(self, i: int) -> str:
         layer_types = getattr(self.config, "layer_types", None)
         return layer_types[i] if layer_types else "full_attention"
 
@@ -211,7 +184,7 @@ class Stage(nn.Module):
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks: dict[str, torch.Tensor | None] = {}
         for i in self.layer_ids:
-            kind = self._layer_type(i)
+            kind = self.layer_type(i)
             if kind not in masks:
                 masks[kind] = builders[kind](config=self.config, inputs_embeds=h, attention_mask=attention_mask,
                                              past_key_values=cache, position_ids=position_ids, layer_idx=i)

@@ -6,17 +6,16 @@ Houlsby implementation (`smolforge.models.houlsby`), saved in the same layout. `
 fine-tuning; its "adapter" directory is a complete model written by `save_pretrained`.
 
 The engine, the distillation students and the split-learning client all call the same four
-functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`.
+functions: `apply_peft`, `save_adapter`, `load_adapter`, `merge_adapter`. Each asks the method's
+class (`smolforge.models.peft`: one class per method, what it can do and how); this module is their
+public face, with what a model in memory carries (`model_method`) and activation checkpointing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,59 +25,15 @@ from torch import nn
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
 from smolforge.models import houlsby
-from smolforge.models.tied import untie_for_merge
+from smolforge.models.peft import FULL, by_peft_type, peft_method, peft_types
+from smolforge.models.peft._peftlib import base_transformer, is_peft_model as _is_peft_model, unwrap as _unwrap
 # Reading users' PEFT settings is its own module; these names stay importable from here.
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
+from smolforge.models.tied import untie_for_merge
 from smolforge.paths import atomic_replace_dir
 
 
-# peft's PeftType value -> our method name
-_PEFT_TYPES = {
-    "LORA": "lora",
-    "PREFIX_TUNING": "prefix",
-    "PROMPT_TUNING": "prompt",
-    "IA3": "ia3",
-    houlsby.PEFT_TYPE: "adapter",
-}
-
-# LoRA on GPT-2: its block projections are transformers' Conv1D (weights stored fan-in x fan-out).
-_LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
-
-# (IA)^3: scale keys, values and the MLP's input to the down projection.
-_IA3_TARGETS: dict[str, tuple[list[str], list[str]]] = {
-    "llama": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen2": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "qwen3": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "mistral": (["k_proj", "v_proj", "down_proj"], ["down_proj"]),
-    "gpt2": (["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
-}
-
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP/FSDP-style `.module` wrappers so we see the model itself."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel) or (
-        type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module")
-    ):
-        model = model.module
-    return model
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
-def base_transformer(model: nn.Module) -> nn.Module:
-    """The underlying transformers model (below any peft wrapper)."""
-    model = _unwrap(model)
-    if _is_peft_model(model):
-        return model.get_base_model()
-    return model
 
 
 def model_method(model: nn.Module) -> str:
@@ -87,10 +42,23 @@ def model_method(model: nn.Module) -> str:
     if _is_peft_model(model):
         peft_type = str(getattr(model.peft_config[model.active_adapter].peft_type, "value",
                                 model.peft_config[model.active_adapter].peft_type))
-        return _PEFT_TYPES.get(peft_type, peft_type.lower())
+        known = by_peft_type(peft_type)
+        return known.name if known is not None else peft_type.lower()
     if houlsby.is_houlsby(model):
-        return "adapter"
-    return "none"
+        return peft_method_of_type(houlsby.PEFT_TYPE)
+    return FULL
+
+
+def peft_method_of_type(peft_type: str) -> str:
+    """The method name whose adapter_config.json says `peft_type`."""
+    known = by_peft_type(peft_type)
+    assert known is not None, peft_type
+    return known.name
+
+
+def carries_adapter(model: nn.Module) -> bool:
+    """Whether the model in memory carries an adapter (any method but full fine-tuning)."""
+    return not peft_method(model_method(model)).full_model
 
 
 def virtual_token_offset(model: nn.Module) -> int:
@@ -103,129 +71,12 @@ def virtual_token_offset(model: nn.Module) -> int:
     the last virtual position). Prefix tuning does not lengthen the logits.
     """
     model = _unwrap(model)
-    if model_method(model) != "prompt":
-        return 0
-    config = model.peft_config[model.active_adapter]
-    return int(config.num_virtual_tokens) * int(getattr(config, "num_transformer_submodules", 1) or 1)
+    return peft_method(model_method(model)).virtual_tokens(model)
 
 
 def adapter_dir(output_dir: str | Path, method: str) -> Path:
     """Where a run's adapter goes: `<output_dir>/<method>_adapter` (the seed projects' layout)."""
     return Path(output_dir) / f"{method}_adapter"
-
-
-@contextlib.contextmanager
-def _quiet_peft():
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users.
-    Nor does its warning about a tied module in the adapter: merges untie it (`models/tied.py`)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        # a tied module in the adapter: smolforge unties at merge and says so once (models/tied.py)
-        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
-        yield
-
-
-def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
-
-
-def _has_conv1d(model: nn.Module) -> bool:
-    from transformers.pytorch_utils import Conv1D
-
-    return any(isinstance(m, Conv1D) for m in model.modules())
-
-
-def _lora_config(model: nn.Module, spec: PeftSpec):
-    from peft import LoraConfig
-
-    targets: Any = spec.target_modules
-    if targets is None:
-        # peft's "all-linear" is every Linear/Conv1D except the output head.
-        targets = _LORA_TARGETS.get(_model_type(model) or "", "all-linear")
-    return LoraConfig(
-        task_type="CAUSAL_LM",
-        r=spec.r,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
-        target_modules=targets,
-        fan_in_fan_out=_has_conv1d(model),
-        bias="none",
-    )
-
-
-def _ia3_config(model: nn.Module, spec: PeftSpec):
-    from peft import IA3Config
-    from peft.utils.constants import (
-        TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as PEFT_FF,
-        TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as PEFT_TARGETS,
-    )
-
-    mtype = _model_type(model) or ""
-    if mtype in _IA3_TARGETS:
-        targets, feedforward = _IA3_TARGETS[mtype]
-    elif mtype in PEFT_TARGETS:
-        targets, feedforward = list(PEFT_TARGETS[mtype]), list(PEFT_FF.get(mtype, []))
-    else:
-        targets, feedforward = None, None
-    if spec.target_modules is not None:
-        given = [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
-        # feedforward modules must be a subset of the targets: keep the family's ones the user kept
-        feedforward = [m for m in (feedforward or []) if m in given]
-        targets = given
-    if targets is None:
-        raise SmolforgeError(
-            f"(IA)^3 has no default target modules for model type {mtype!r}",
-            fix='name them: --peft-config \'{"target_modules": ["k_proj", "v_proj", "down_proj"]}\'',
-        )
-    return IA3Config(
-        task_type="CAUSAL_LM",
-        target_modules=list(targets),
-        feedforward_modules=list(feedforward or []),
-        fan_in_fan_out=_has_conv1d(model),
-    )
-
-
-def _peft_config(model: nn.Module, spec: PeftSpec):
-    from peft import PrefixTuningConfig
-
-    if spec.method == "lora":
-        return _lora_config(model, spec)
-    if spec.method == "ia3":
-        return _ia3_config(model, spec)
-    if spec.method == "prefix":
-        return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens)
-    if spec.method == "prompt":
-        return _prompt_config(model, spec)
-    raise AssertionError(spec.method)
-
-
-def _adapter_size(model: nn.Module, spec: PeftSpec) -> int:
-    """Houlsby's bottleneck width: `adapter_size`, or hidden size / `reduction_factor` (how the seeds and
-    AdapterHub size it, so one setting fits models of any width)."""
-    if not spec.reduction_factor:
-        return spec.adapter_size
-    cfg = base_transformer(model).config
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    return max(1, int(hidden) // spec.reduction_factor)
-
-
-def _prompt_config(model: nn.Module, spec: PeftSpec):
-    """Prompt tuning initialised as `spec.prompt_tuning_init` says (SAMPLE_VOCAB by default: see PeftSpec).
-
-    TEXT reads the tokenizer from where the model was loaded (`name_or_path`: a preset's or a local
-    model's directory, or a hub id already in the cache), so it needs nothing from the network.
-    """
-    from peft import PromptTuningConfig
-
-    kwargs: dict[str, Any] = {"prompt_tuning_init": spec.prompt_tuning_init}
-    if spec.prompt_tuning_init == "TEXT":
-        kwargs.update(prompt_tuning_init_text=spec.prompt_tuning_init_text,
-                      tokenizer_name_or_path=getattr(_unwrap(model), "name_or_path", None) or None)
-        if kwargs["tokenizer_name_or_path"] is None:
-            raise SmolforgeError("prompt_tuning_init TEXT needs the model's tokenizer, and this model does not say "
-                                 "where it was loaded from", fix="use prompt_tuning_init SAMPLE_VOCAB, or load the "
-                                 "model from a directory or hub id")
-    return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, **kwargs)
 
 
 # --------------------------------------------------------------------------- public API
@@ -237,31 +88,17 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
     For peft methods the result is a `peft.PeftModel` around `model`; for `adapter` and `none`
     it is `model` itself (adapters added in place for `adapter`).
     """
-    if spec.method not in METHODS:
-        raise SmolforgeError(f"unknown PEFT method {spec.method!r}", fix=f"use one of {', '.join(METHODS)}")
+    kind = peft_method(spec.method)
     model = _unwrap(model)
-    if model_method(model) != "none":
+    if carries_adapter(model):
         raise SmolforgeError("this model already carries a PEFT adapter",
                              fix="apply PEFT to a freshly loaded base model")
-    if spec.method == "none":
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    if spec.method == "adapter":
-        return houlsby.apply_houlsby(model, _adapter_size(model, spec))
-    from peft import get_peft_model
-
-    # peft refuses prefix tuning on a checkpointing model; switch it off, apply, switch it back on
-    recheckpoint = spec.method == "prefix" and _is_checkpointing(model)
+    # a method peft refuses on a checkpointing model (prefix): checkpointing off, apply, back on
+    recheckpoint = kind.recheckpoint and _is_checkpointing(model)
     if recheckpoint:
         _disable_checkpointing(model)
-    try:
-        with _quiet_peft():
-            peft_model = get_peft_model(model, _peft_config(model, spec))
-        return enable_gradient_checkpointing(peft_model) if recheckpoint else peft_model
-    except ValueError as err:  # e.g. target modules not found
-        raise SmolforgeError(f"cannot apply {spec.method}: {err}".splitlines()[0],
-                             fix="check target_modules in --peft-config against the model's module names") from err
+    applied = kind.apply(model, spec)
+    return enable_gradient_checkpointing(applied) if recheckpoint else applied
 
 
 def trainable_summary(model: nn.Module) -> tuple[int, int]:
@@ -326,43 +163,21 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        method = model_method(model)
-        if isinstance(weights, Path) and method != "none":  # an adapter's weights are small
+        kind = peft_method(model_method(model))
+        if isinstance(weights, Path) and not kind.full_model:  # an adapter's weights are small
             from safetensors.torch import load_file
 
             weights = load_file(str(weights))
-        if isinstance(weights, Path):
-            _save_full_model_file(model, weights, tmp)
-        elif method == "adapter":
-            houlsby.save_houlsby(model, tmp, state_dict=weights)
-        else:  # safetensors; peft models write only the adapter
-            model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
+        kind.save(model, tmp, weights)  # safetensors; peft models write only the adapter
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if method != "none":
+        if not kind.full_model:
             (tmp / BASE_FILE).write_text(json.dumps(base_shape(model)), encoding="utf-8")
         atomic_replace_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _save_full_model_file(model: nn.Module, weights_file: Path, out: Path) -> None:
-    """What `save_pretrained` writes for a full model, with its weights already in `weights_file`."""
-    config = model.config
-    # FSDP swaps the model's class for a subclass (FSDPLlamaForCausalLM); the file names the model's own
-    own = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
-    architectures = config.architectures
-    config.architectures = [own.__name__]
-    try:
-        config.save_pretrained(out)
-    finally:
-        config.architectures = architectures
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(out)
-    shutil.move(str(weights_file), out / "model.safetensors")
 
 
 def adapter_method(adapter_dir: str | Path) -> str:
@@ -374,12 +189,13 @@ def adapter_method(adapter_dir: str | Path) -> str:
             peft_type = json.loads(cfg.read_text(encoding="utf-8")).get("peft_type")
         except (json.JSONDecodeError, AttributeError) as err:
             raise SmolforgeError(f"{cfg} is not valid JSON", fix="re-save the adapter, or restore the file") from err
-        if peft_type in _PEFT_TYPES:
-            return _PEFT_TYPES[peft_type]
+        known = by_peft_type(peft_type) if isinstance(peft_type, str) else None
+        if known is not None:
+            return known.name
         raise SmolforgeError(f"{cfg}: unsupported peft_type {peft_type!r}",
-                             fix=f"smolforge reads {', '.join(sorted(_PEFT_TYPES))} adapters")
+                             fix=f"smolforge reads {', '.join(peft_types())} adapters")
     if (adapter_dir / "config.json").exists():
-        return "none"
+        return FULL
     if not adapter_dir.exists():
         raise SmolforgeError(f"adapter directory {adapter_dir} does not exist", fix="check the --adapter path")
     raise SmolforgeError(f"{adapter_dir} holds neither adapter_config.json nor config.json",
@@ -392,33 +208,11 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
     `is_trainable=True` leaves the adapter's parameters trainable, for resuming or further training.
     """
     adapter_dir = Path(adapter_dir)
-    method = adapter_method(adapter_dir)
+    kind = peft_method(adapter_method(adapter_dir))
     base_model = _unwrap(base_model)
-    if method != "none":
+    if not kind.full_model:
         check_base(base_model, adapter_dir)
-    if method == "none":
-        from transformers import AutoModelForCausalLM
-
-        ref = next(base_model.parameters())
-        model = AutoModelForCausalLM.from_pretrained(str(adapter_dir), dtype=ref.dtype).to(ref.device)
-        for p in model.parameters():
-            p.requires_grad_(is_trainable)
-        return model
-    if method == "adapter":
-        return houlsby.load_houlsby(base_model, adapter_dir, is_trainable=is_trainable)
-    from peft import PeftModel
-
-    try:
-        with _quiet_peft():
-            model = PeftModel.from_pretrained(base_model, str(adapter_dir), is_trainable=is_trainable)
-    except (RuntimeError, ValueError, KeyError) as err:
-        base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-        raise SmolforgeError(f"cannot load {method} adapter {adapter_dir}: {err}".splitlines()[0],
-                             fix=f"load it onto the base model it was trained on ({base})") from err
-    if not is_trainable:  # peft leaves prompt-learning encoders trainable even in inference mode
-        for p in model.parameters():
-            p.requires_grad_(False)
-    return model
+    return kind.load(base_model, adapter_dir, is_trainable=is_trainable)
 
 
 def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
@@ -433,23 +227,10 @@ def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
     silently lose the adapters when reloaded with `from_pretrained`.
     """
     model = _unwrap(model)
-    method = model_method(model)
-    if method == "none":
-        return model
-    if method in ("lora", "ia3"):
+    kind = peft_method(model_method(model))
+    if kind.merges:
         untie_for_merge(model)  # a delta on a tied head (or embedding) must not reach the other end
-        return model.merge_and_unload()
-    if method in ("prefix", "prompt"):
-        raise SmolforgeError(
-            f"cannot merge {method} tuning; keep the adapter",
-            fix="load the base model with --adapter <dir> instead of merging, or train with --peft lora to get a mergeable adapter",
-        )
-    if not plain:
-        return model
-    raise SmolforgeError(
-        "cannot merge Houlsby adapters into the base weights: they are extra layers, not weight deltas",
-        fix="keep the adapter and load it with --adapter <dir>, or train with --peft lora to get a mergeable adapter",
-    )
+    return kind.merge(model, plain=plain)
 
 
 def _is_checkpointing(model: nn.Module) -> bool:
@@ -474,7 +255,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     block's inputs do not require grad; the embedding output is also made to require grad
     (transformers' `enable_input_require_grads`) for code paths that still checkpoint reentrantly.
     The KV cache is switched off: it is useless in training and conflicts with recomputation.
-    Prefix tuning needs more, see `_prefix_survives_checkpointing`.
+    A method may need more (`after_checkpointing`: prefix tuning's read-only prefix cache).
     """
     base = base_transformer(model)
     kwargs = {"use_reentrant": False}
@@ -482,88 +263,10 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # transformers < 5.23
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if model_method(model) != "none" and hasattr(base, "enable_input_require_grads"):
+    if carries_adapter(model) and hasattr(base, "enable_input_require_grads"):
         if not getattr(base, "_require_grads_hooks", None) and not getattr(base, "_require_grads_hook", None):
             base.enable_input_require_grads()
     if getattr(base, "config", None) is not None:
         base.config.use_cache = False
-    if model_method(model) == "prefix":
-        _prefix_survives_checkpointing(_unwrap(model))
+    peft_method(model_method(model)).after_checkpointing(model)
     return model
-
-
-def _read_only_prefix_cache(cache: Any) -> Any:
-    """Make each layer of peft's prefix cache return `cat(prefix, new)` without storing `new`.
-
-    A checkpointed block runs its forward twice (forward, then the recompute in backward). With
-    an ordinary DynamicCache the second run would append its keys again and see a longer
-    sequence. Read-only layers give both runs the same keys, and the attention mask (computed once
-    from the prefix length before any layer runs) is the same as without checkpointing.
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    read_only = _read_only_layer_class()
-    for layer in getattr(cache, "layers", []):
-        if type(layer) is DynamicLayer:
-            layer.__class__ = read_only
-        elif not isinstance(layer, read_only):
-            raise SmolforgeError(
-                f"prefix tuning with gradient checkpointing does not support {type(layer).__name__} cache layers",
-                fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
-            )
-    return cache
-
-
-def _prefix_survives_checkpointing(model: nn.Module) -> None:
-    """Let prefix tuning's KV prefix pass through checkpointed blocks.
-
-    peft hands the learned prefix to the model as a pre-filled KV cache, and transformers drops
-    any cache a checkpointed block receives (because a block that writes to the cache would write
-    twice). We make the training-time prefix cache read-only and tell the blocks it is safe to keep.
-    """
-    import types
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    if not layers:
-        raise SmolforgeError(
-            "prefix tuning with gradient checkpointing needs a model whose blocks checkpoint themselves "
-            "(transformers' GradientCheckpointingLayer)",
-            fix="turn gradient checkpointing off for this model, or use --peft lora / prompt",
-        )
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            module._can_checkpoint_with_cache = True
-        elif getattr(module, "gradient_checkpointing", False):
-            # Backbones such as GPT2Model drop the cache themselves when this flag is on; the
-            # blocks above do the checkpointing, so the backbone flag only has that effect.
-            module.gradient_checkpointing = False
-    if getattr(model, "_smolforge_prefix_ckpt", False):
-        return
-    original = model.get_prompt
-
-    def get_prompt(self, *args, **kwargs):
-        prompt = original(*args, **kwargs)
-        if self.training:
-            prompt = _read_only_prefix_cache(prompt)
-        return prompt
-
-    model.get_prompt = types.MethodType(get_prompt, model)
-    model._smolforge_prefix_ckpt = True
-
-
-@functools.cache
-def _read_only_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class ReadOnlyPrefixLayer(DynamicLayer):
-        """A DynamicLayer whose `update` returns prefix + new states and stores nothing."""
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                return key_states, value_states
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-    return ReadOnlyPrefixLayer
-

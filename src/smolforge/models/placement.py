@@ -112,7 +112,7 @@ def model_info(source, dtype: torch.dtype | None = None) -> ModelInfo:
     nbytes = _dtype_bytes(model, dtype)
     layers = decoder_layers(model)
     embed = model.get_input_embeddings()
-    embeds = [embed, model.transformer.wpe] if arch.family == "gpt2" else [embed]
+    embeds = [embed, *arch.family.position_parameters(model)]
     lm_head = model.get_output_embeddings()
     layer_params = [_numel(layer) for layer in layers]
     head_params = _numel(final_norm(model)) + _numel(lm_head)

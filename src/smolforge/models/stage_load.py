@@ -36,10 +36,10 @@ TIED_SOURCES = ("model.embed_tokens.weight", "transformer.wte.weight")  # where 
 
 def mergeable(adapters: Sequence[str | Path]) -> bool:
     """True when every adapter folds into the weights tensor by tensor (LoRA, IA3, a full fine-tune)."""
-    from smolforge.models.export.merge import MERGEABLE
+    from smolforge.models.peft import peft_method
     from smolforge.models.peft_methods import adapter_method
 
-    return all(adapter_method(Path(a)) in MERGEABLE for a in adapters)
+    return all(peft_method(adapter_method(Path(a))).merges for a in adapters)
 
 
 def _checkpoint_key(hf_name: str, available: set[str], tied: bool) -> str:

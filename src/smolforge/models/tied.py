@@ -14,7 +14,8 @@ One answer for every path that merges: `untie_plan` decides from the config and 
 adapters change (the tensor-by-tensor merge of export and the serve stages, `export/merge.py`);
 `untie_for_merge` asks it for a peft model in memory and unties it before `merge_and_unload` (serve's
 one-process model, `split merge`, export's reference model); `train` says the same line once.
-Which two tensors are tied is the model class's own answer (transformers' `_tied_weights_keys`).
+Whether a model ties them is its family's answer (`models/families`, `Family.tied`); which two
+tensors are tied is the model class's own (transformers' `_tied_weights_keys`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class Untie:
 
 
 def _config_object(config: Any) -> Any:
-    """A transformers config from a config object or a config.json dict (its defaults filled in: a
-    GPT-2 config.json often leaves `tie_word_embeddings` out, and the default is True)."""
+    """A transformers config from a config object or a config.json dict."""
     if not isinstance(config, Mapping):
         return config
     from transformers import AutoConfig
@@ -54,12 +54,13 @@ def _config_object(config: Any) -> Any:
 def tied_pair(config: Any) -> tuple[str, str] | None:
     """(input embedding weight, output head weight) when `config` ties them, else None.
 
-    `config`: a transformers config or a config.json dict. The names are the model class's own
+    `config`: a transformers config or a config.json dict. Whether they are tied is the family's answer
+    (`Family.tied`: the config's flag, else the family's default); the names are the model class's own
     (`_tied_weights_keys`, e.g. {"lm_head.weight": "model.embed_tokens.weight"}); None too when the
     class declares no such plain pair."""
-    conf = _config_object(config)
-    text = getattr(conf, "get_text_config", lambda: conf)()
-    return embedding_pair(conf) if getattr(text, "tie_word_embeddings", False) else None
+    from smolforge.models.families import family_of
+
+    return embedding_pair(config) if family_of(config).tied(config) else None
 
 
 def embedding_pair(config: Any) -> tuple[str, str] | None:
@@ -114,9 +115,11 @@ def untie_for_merge(model: nn.Module) -> Untie | None:
     `merge_and_unload` folds the head's delta into the head and the embedding's into the embedding,
     and `save_pretrained` writes both. Returns what was untied (None: nothing to do)."""
     plan = tied_change(model)
+    if plan is None:
+        return None
     base = model.get_base_model()
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
-    if plan is None or head is None or embed is None or head.weight is not embed.weight:
+    if head is None or embed is None or head.weight is not embed.weight:
         return None
     layer = head.get_base_layer() if hasattr(head, "get_base_layer") else head
     shared = layer.weight

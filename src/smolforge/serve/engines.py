@@ -67,15 +67,26 @@ def load_torch(spec: EngineSpec, say: Callable[[str], None]) -> Loaded:
     return Loaded(served, f"torch, {served.device}, {spec.dtype}")
 
 
+def _refuse_adapter(adapter: str) -> None:
+    """The llamacpp engine serves a base model (its GGUF cache holds no adapters): refused, with the
+    commands the adapter's method class says take it (the torch engine, stages, a merged GGUF export)."""
+    from smolforge.models.names import check_adapter_dir
+    from smolforge.models.peft import peft_method
+    from smolforge.models.peft_methods import adapter_method
+
+    path = check_adapter_dir(adapter)
+    refused = peft_method(adapter_method(path)).refusal("serve:llamacpp", adapter=str(path))
+    raise SmolforgeError("the llamacpp engine serves a base model: the GGUF cache holds no adapters",
+                         where="--engine llamacpp", fix=refused.fix)
+
+
 def load_llamacpp(spec: EngineSpec, say: Callable[[str], None]) -> Loaded:
     """The model's GGUF export (cached per node, as the llamacpp teacher's) in llama.cpp on the CPU."""
     from smolforge.serve.llamacpp import load_llamacpp as load
 
     quant = check_quant(spec.quant or DEFAULT_QUANT)
-    if spec.adapter:
-        raise SmolforgeError("the llamacpp engine serves a base model: the GGUF cache holds no adapters",
-                             where="--engine llamacpp", fix="serve the adapter with --engine torch, or merge it "
-                             "(`smolforge export --to hf`) and serve that directory")
+    if spec.adapter:  # the GGUF cache holds base models: the adapter's class names what takes it
+        _refuse_adapter(spec.adapter)
     if spec.dtype != "fp32":
         raise SmolforgeError(f"--dtype {spec.dtype} is the torch engine's; the llamacpp engine takes --quant",
                              where="--engine llamacpp", fix="drop --dtype (e.g. --quant f16), or use --engine torch")

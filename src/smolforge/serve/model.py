@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from smolforge.errors import SmolforgeError
 
 # Prefix and prompt tuning put virtual tokens in front of the cache: not servable with our positions.
-SERVABLE_METHODS = ("none", "lora", "ia3", "adapter")
 
 
 @dataclass
@@ -39,6 +37,8 @@ class ServedModel:
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         dev = pick_device(device)
+        if adapter:
+            _check_servable(adapter, model=model)  # before the weights load
         tokenizer = load_tokenizer(model)
         net = load_model(model, device=dev, dtype=dtype)
         if adapter:
@@ -117,22 +117,23 @@ def max_positions_of(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
 
 
-def _check_servable(adapter: str):
-    """The adapter's directory, when the server can run its method (virtual tokens do not fit its cache)."""
+def _check_servable(adapter: str, engine: str = "torch", model: str = "BASE"):
+    """The adapter's directory, when `engine` (`peft.ENGINES`) can run its method (the method's class says);
+    else the class's refusal, naming the commands that run it on `model` (the base as the user named it)."""
     from smolforge.models.names import check_adapter_dir
+    from smolforge.models.peft import accepts, peft_method
     from smolforge.models.peft_methods import adapter_method
 
     path = check_adapter_dir(adapter)
-    method = adapter_method(path)
-    if method not in SERVABLE_METHODS:
-        raise SmolforgeError(f"cannot serve a {method} adapter: its virtual tokens do not fit the server's KV cache",
-                             where=str(path), fix="serve a lora, ia3 or adapter (Houlsby) adapter, or a merged model")
+    kind = peft_method(adapter_method(path))
+    if not accepts(kind, f"serve:{engine}"):
+        raise kind.refusal(f"serve:{engine}", where=str(path), adapter=str(path), base=model)
     return path
 
 
-def _with_adapter(net: Any, adapter: str, *, merge: bool) -> Any:
+def _with_adapter(net: Any, adapter: str, *, merge: bool, model: str = "BASE", engine: str = "torch") -> Any:
     from smolforge.models.peft_methods import load_adapter, merge_adapter
 
-    path = _check_servable(adapter)
+    path = _check_servable(adapter, engine, model)
     net = load_adapter(net, path)
     return merge_adapter(net, plain=False) if merge else net

@@ -83,7 +83,7 @@ class StageServer:
 
         dev = pick_device(device)
         if adapter:
-            _check_servable(adapter)
+            _check_servable(adapter, "stages", model)
         if not adapter or mergeable([adapter]):
             stage, read = load_stage(model, bounds, index, adapters=[adapter] if adapter else [], device=dev,
                                      dtype=dtype)
@@ -99,7 +99,7 @@ class StageServer:
         from smolforge.models.loading import load_model
         from smolforge.models.partition import cut
 
-        net = _with_adapter(load_model(model, device=dev, dtype=dtype), adapter, merge=True).to(dev)
+        net = _with_adapter(load_model(model, device=dev, dtype=dtype), adapter, merge=True, model=model, engine="stages").to(dev)
         eos, max_positions = eos_ids_of(net), max_positions_of(net.config)
         stages = cut(net, bounds)
         if not 0 <= index < len(stages):

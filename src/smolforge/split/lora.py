@@ -26,28 +26,27 @@ from torch import nn
 
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import family_of, stage_families
+from smolforge.models.peft import peft_method
 from smolforge.paths import atomic_replace_dir
 
 ADAPTER = "default"
-TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused projections: one LoRA each
-    "gpt2": ["c_attn", "c_proj", "c_fc"],
-}
-
-
 def targets(spec: PeftSpec, model_type: str) -> list[str]:
     if spec.target_modules:
         return [spec.target_modules] if isinstance(spec.target_modules, str) else list(spec.target_modules)
-    return list(TARGETS[model_type])
+    found = family_of(model_type).split_lora_targets
+    if not found:
+        raise SmolforgeError(f"split learning has no default LoRA targets for model type {model_type!r}",
+                             fix="name them in the PEFT settings (target_modules), or use a model of the "
+                                 f"{', '.join(stage_families())} families")
+    return list(found)
 
 
 def lora_config(spec: PeftSpec, model_type: str):
     from peft import LoraConfig
 
     return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                      target_modules=targets(spec, model_type), fan_in_fan_out=model_type == "gpt2",
+                      target_modules=targets(spec, model_type), fan_in_fan_out=family_of(model_type).fan_in_fan_out,
                       bias="none", task_type="CAUSAL_LM")
 
 
@@ -88,8 +87,9 @@ def apply_lora(part: nn.Module, spec: PeftSpec, seed: int, canonical: Callable[[
     model_type = part.arch.model_type
     for p in part.parameters():
         p.requires_grad_(False)
-    if spec.method != "lora":
-        raise SmolforgeError(f"split learning trains LoRA, not {spec.method}", fix="use LoRA (--lora-rank R)")
+    kind = peft_method(spec.method)
+    if not kind.split_trains:
+        raise kind.refusal("split", where="--peft")
     if not any(_is_target(n, targets(spec, model_type)) for n, _ in part.named_modules()):
         return []
     try:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
-from smolforge.models.partition import (SUPPORTED, Arch, Stage, arch_of, decoder_layers, fingerprint,
+from smolforge.models.partition import (Arch, Stage, arch_of, decoder_layers, fingerprint,
                                         positions_for)
 
-__all__ = ["SUPPORTED", "Arch", "Bottom", "Parts", "Top", "Trunk", "arch_of", "check_split_points", "fingerprint",
+__all__ = ["Arch", "Bottom", "Parts", "Top", "Trunk", "arch_of", "check_split_points", "fingerprint",
            "load_full_model", "load_tokenizer_locked", "partition", "positions_for"]
 
 _LOAD_LOCK = threading.Lock()

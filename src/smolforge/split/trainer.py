@@ -37,7 +37,6 @@ import torch
 from pydantic import Field
 
 from smolforge.config import DataSpec, PeftSpec
-from smolforge.data import load_splits
 from smolforge.data.collate import collate
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import pick_device
@@ -57,6 +56,7 @@ from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train.driver import StepInfo, available_cpus
 from smolforge.train.engine import SampleOrder, SampleSource, TrainHooks, steps_for
 from smolforge.train.evaluate import perplexity, token_loss_sum
+from smolforge.train.rendering import load_checked_splits
 from smolforge.train.schedule import lr_lambda
 from smolforge.train.strategy import Strategy
 
@@ -511,7 +511,7 @@ class SplitTrainer:
 
 
 def _load_splits(cfg: SplitTrainConfig, tokenizer):
-    return load_splits(cfg.data_spec(), tokenizer)
+    return load_checked_splits(cfg.data_spec(), tokenizer)
 
 
 def _printer():

@@ -25,8 +25,8 @@ import torch
 
 from smolforge.config import TrainConfig
 from smolforge.data.collate import collate
-from smolforge.data.encode import IGNORE
-from smolforge.data.splits import Splits, load_splits
+from smolforge.data.encode import IGNORE, fold_note
+from smolforge.data.splits import Splits
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
@@ -47,6 +47,7 @@ from smolforge.train.driver import (  # noqa: F401  (StepInfo, available_cpus: r
 )
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
 from smolforge.train.loop import optimizer_state_bytes
+from smolforge.train.rendering import load_checked_splits
 from smolforge.train.step_loss import StepLoss
 from smolforge.train.strategy import Strategy
 
@@ -257,6 +258,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     st = splits.stats
     log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
         f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
+    if splits.folded:
+        log(fold_note(splits.folded, cfg.model))
     per_step = cfg.batch_size * cfg.grad_accum * strategy.world
     order = SampleOrder(len(splits.train), per_step, cfg.seed)
     source = SampleSource(splits.train, order, total_steps(cfg, order), cfg.batch_size, tokenizer.pad_token_id, strategy)
@@ -297,7 +300,7 @@ def _load(cfg: TrainConfig, device: torch.device, strategy: Strategy, splits: Sp
         tokenizer = load_tokenizer(cfg.model)
     refuse_used_output_dir(cfg)
     if splits is None:
-        splits = load_splits(cfg.data, tokenizer, read=examples)
+        splits = load_checked_splits(cfg.data, tokenizer, read=examples)
     if not splits.train:  # every answer cut off by max_length: refuse, not a modulo by zero rows later
         raise SmolforgeError(
             f"no training example keeps an answer token within max_length {cfg.data.max_length} "

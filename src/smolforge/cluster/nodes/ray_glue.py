@@ -54,14 +54,15 @@ from smolforge.cluster.nodes.discovery import (by_backend, default_node_name, de
 from smolforge.cluster.nodes.ray_loopback import keep_loopback
 from smolforge.cluster.nodes.ray_process import metrics_port_env
 from smolforge.cluster.nodes.statedir import StateDir, port_open
+from smolforge.distill.backends import OLLAMA_TAG, WEIGHTS, loader
 from smolforge.errors import SmolforgeError
 from smolforge.net import is_loopback
 
 NAMESPACE = "smolforge"
 WORKER_RESOURCE = "smolforge-worker"
 HEAD_RESOURCE = "smolforge-head"
-MODEL_PREFIX = "model:"  # a model the node can load as weights (HF cache, --models-dir)
-OLLAMA_PREFIX = "ollama:"  # a model the node's Ollama serves (`ollama list`)
+MODEL_PREFIX = WEIGHTS.resource_prefix  # a model the node can load as weights (HF cache, --models-dir)
+OLLAMA_PREFIX = OLLAMA_TAG.resource_prefix  # a model the node's Ollama serves (`ollama list`)
 NAME_LABEL = "smolforge.io/name"
 ROLE_LABEL = "smolforge.io/role"
 RAM_LABEL = "smolforge.io/ram-gb"
@@ -87,7 +88,7 @@ def node_ip() -> str:
 def model_resource(name: str, backend: str = "hf") -> str:
     """The Ray resource by which a node says it can load `name` with `backend` (`hf`: the weights,
     `ollama`: an Ollama tag). Separate, so a node holding only an Ollama tag never takes an `hf` task."""
-    return (OLLAMA_PREFIX if backend == "ollama" else MODEL_PREFIX) + name.strip()
+    return loader(backend).resource_prefix + name.strip()
 
 
 def advertised_models(models: dict[str, str]) -> dict[str, float]:
@@ -179,7 +180,7 @@ class Requirements:
         if self.allowed_nodes and node.name not in self.allowed_nodes:
             why.append(f"not in allowed nodes {self.allowed_nodes}")
         if self.model and not ignore_model and model_resource(self.model, self.model_backend) not in node.resources:
-            why.append(f"does not hold model {self.model}" + (" in Ollama" if self.model_backend == "ollama" else ""))
+            why.append(f"does not hold model {self.model}{loader(self.model_backend).where}")
         if node.cpus < self.cpus:
             why.append(f"has {node.cpus:g} CPUs < {self.cpus:g}")
         if node.ram_gb + 1e-9 < self.min_ram_gb:

@@ -9,7 +9,13 @@ regexes are llama.cpp's, src/llama-vocab.cpp (github.com/ggerganov/llama.cpp at 
 - `gpt-2`: ByteLevel with its built-in regex (openai-community/gpt2), or that regex as a Split;
 - `llama-bpe`: Llama 3's Split regex, llama-vocab.cpp l.281-282 "original regex from
   tokenizer.json" (meta-llama/Llama-3.2-1B-Instruct has the same pre_tokenizer); llama.cpp also
-  turns on `ignore_merges` for it, as Llama 3's tokenizer.json does: both must agree;
+  turns on `ignore_merges` for it (llama_vocab::impl::load), as Llama 3's tokenizer.json does;
+- `smaug-bpe`: the same Llama 3 regex with `ignore_merges` false, as some Llama 3 fine-tunes ship
+  it (convert_hf_to_gguf.py names abacusai/Smaug-Llama-3-70B-Instruct for it): llama.cpp's
+  LLAMA_VOCAB_PRE_TYPE_SMAUG splits with the Llama 3 regex ("same as llama3", beside DBRX in
+  llm_tokenizer_bpe) and its load leaves `ignore_merges` off, so a word that is a whole token is
+  still built by the merges, as HF does with ignore_merges false (checked against HF by
+  tests/test_export_families.py on the Llama 3.2 twin's tokenizer with the flag flipped);
 - `qwen2`: Qwen2's Split regex, llama-vocab.cpp l.351-352 (Qwen/Qwen2.5-0.5B-Instruct), NFC
   normalizer (text that is already NFC, the usual case, splits the same);
 - `starcoder`: single digits split first, then ByteLevel's regex (llama-vocab.cpp l.328-339:
@@ -30,15 +36,18 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# the pre_tokenizer steps (see _step) -> llama.cpp's pre-tokenizer name
+_LLAMA3_STEPS = (("Split", LLAMA3_REGEX), ("ByteLevel", False))
+
+# (the pre_tokenizer steps (see _step), tokenizer.json's model.ignore_merges) -> llama.cpp's pre-tokenizer
+# name; llama.cpp's llama_vocab load turns ignore_merges on for llama-bpe and leaves it off for the others
 BYTE_LEVEL_PRE = {
-    (("ByteLevel", True),): "gpt-2",
-    (("Split", GPT2_REGEX), ("ByteLevel", False)): "gpt-2",
-    (("Split", LLAMA3_REGEX), ("ByteLevel", False)): "llama-bpe",
-    (("Split", QWEN2_REGEX), ("ByteLevel", False)): "qwen2",
-    (("Digits", True), ("ByteLevel", True)): "starcoder",
+    ((("ByteLevel", True),), False): "gpt-2",
+    ((("Split", GPT2_REGEX), ("ByteLevel", False)), False): "gpt-2",
+    (_LLAMA3_STEPS, True): "llama-bpe",
+    (_LLAMA3_STEPS, False): "smaug-bpe",
+    ((("Split", QWEN2_REGEX), ("ByteLevel", False)), False): "qwen2",
+    ((("Digits", True), ("ByteLevel", True)), False): "starcoder",
 }
-IGNORES_MERGES = {"llama-bpe"}  # llama.cpp's llama_vocab::load sets ignore_merges for these
 
 
 def _refuse(what: str) -> SmolforgeError:
@@ -68,18 +77,22 @@ def _steps(node: dict | None) -> list[dict]:
 
 
 def pre_tokenizer_name(tokenizer_json: dict) -> str:
-    """The llama.cpp pre-tokenizer that splits text exactly as a byte-level tokenizer.json does."""
+    """The llama.cpp pre-tokenizer that tokenizes exactly as a byte-level tokenizer.json does: the same
+    split, and the same `ignore_merges` (a word that is a whole vocabulary token taken as it is, or
+    built by the merges). Raises SmolforgeError (with the converter to use instead) when none does."""
     pre = tokenizer_json.get("pre_tokenizer") or {}
-    name = BYTE_LEVEL_PRE.get(tuple(_step(s) for s in _steps(pre)))
-    if name is None:
+    steps = tuple(_step(s) for s in _steps(pre))
+    if not any(key[0] == steps for key in BYTE_LEVEL_PRE):
         raise _refuse(f"the tokenizer's pre-tokenizer {json.dumps(pre)[:300]} has no known llama.cpp equivalent")
     norm = [s.get("type") for s in _steps(tokenizer_json.get("normalizer"))]
     if norm not in ([], ["NFC"]):
         raise _refuse(f"the tokenizer's normalizer {norm} has no llama.cpp equivalent for byte-level BPE")
     ignore = bool(tokenizer_json["model"].get("ignore_merges", False))
-    if ignore != (name in IGNORES_MERGES):
-        raise _refuse(f"tokenizer.json has ignore_merges={ignore} but llama.cpp's {name!r} pre-tokenizer "
-                      f"{'ignores' if name in IGNORES_MERGES else 'applies'} the merges for whole-word tokens")
+    name = BYTE_LEVEL_PRE.get((steps, ignore))
+    if name is None:
+        other = BYTE_LEVEL_PRE[(steps, not ignore)]
+        raise _refuse(f"tokenizer.json has ignore_merges={ignore} but llama.cpp's {other!r} pre-tokenizer, the one "
+                      f"with its split, {'applies' if ignore else 'ignores'} the merges for whole-word tokens")
     return name
 
 

@@ -24,24 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.peft import PeftMethodClass, peft_method
 from smolforge.models.peft_methods import BASE_FILE, BASE_KEYS, adapter_method
 from smolforge.models.tied import embedding_pair, untie_plan
 
 if TYPE_CHECKING:
     import torch
 
-MERGEABLE = ("lora", "ia3", "none")
-# A LoRA's tensors per target: lora_A/lora_B (Linear, Conv1D) or lora_embedding_A/B (an Embedding)
-LORA_KINDS = ("A.weight", "B.weight", "embedding_A", "embedding_B")
+PEFT_PREFIX = "base_model.model."
 # peft's copy of a targeted embedding/head's base matrix (save_embedding_layers): checked, not merged
 BASE_COPY = "base_layer.weight"
-PEFT_PREFIX = "base_model.model."
-
-_UNMERGEABLE_FIX = {
-    "adapter": "Houlsby adapters are extra layers, not weight deltas",
-    "prefix": "prefix tuning adds learned key/value prefixes, not weight deltas",
-    "prompt": "prompt tuning adds learned virtual tokens, not weight deltas",
-}
 
 
 @dataclass
@@ -51,6 +43,7 @@ class Adapter:
     path: Path
     method: str
     config: dict
+    kind: PeftMethodClass  # the method's class: how its tensors fold
     # target weight name in the base (e.g. model.layers.0.self_attn.q_proj.weight) -> the tensors it needs
     targets: dict[str, dict[str, "torch.Tensor"]] = field(default_factory=dict)
 
@@ -69,24 +62,19 @@ def _weights_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def unmergeable_reason(method: str) -> str:
-    return _UNMERGEABLE_FIX.get(method, f"{method} is not a weight delta")
-
-
-def read_adapter(path: str | Path) -> Adapter:
-    """An adapter directory ready to merge; unmergeable methods are refused here, before any work."""
+def read_adapter(path: str | Path, model: str = "BASE") -> Adapter:
+    """An adapter directory ready to merge; unmergeable methods are refused here, before any work, with
+    the commands that run the adapter on `model` (the base's name as the user gave it)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     method = adapter_method(path)
-    if method not in MERGEABLE:
-        raise SmolforgeError(
-            f"cannot export {path}: it is a {method!r} adapter and {_UNMERGEABLE_FIX[method]}, so it cannot be "
-            "merged into a plain Hugging Face, GGUF or Ollama model",
-            fix=f"serve it unmerged (smolforge serve --model BASE --adapter {path}), or retrain with --peft lora "
-                "(or ia3) and export that")
-    if method == "none":
-        return Adapter(path, method, json.loads((path / "config.json").read_text(encoding="utf-8")))
+    kind = peft_method(method)
+    if not kind.merges:
+        refused = kind.refusal("export", adapter=str(path), base=model)
+        raise SmolforgeError(f"{refused.what} ({path})", fix=refused.fix)
+    if kind.full_model:
+        return Adapter(path, method, json.loads((path / "config.json").read_text(encoding="utf-8")), kind)
     config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
@@ -95,26 +83,25 @@ def read_adapter(path: str | Path) -> Adapter:
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
         raise SmolforgeError(f"{weights} is missing", fix="point --adapter at a complete adapter directory")
-    adapter = Adapter(path, method, config)
+    adapter = Adapter(path, method, config, kind)
     for key, tensor in load_file(str(weights)).items():
         if not key.startswith(PEFT_PREFIX):
             raise SmolforgeError(f"{weights}: unexpected tensor {key}", fix="re-save the adapter with peft")
-        module, kind = _split_key(key[len(PEFT_PREFIX):])
-        if method == "lora" and kind not in (*LORA_KINDS, BASE_COPY):
-            raise SmolforgeError(f"{weights}: {key} is a LoRA tensor export cannot merge",
-                                 fix="retrain with LoRA on linear or embedding layers (smolforge train --peft lora)")
-        adapter.targets.setdefault(module + ".weight", {})[kind] = tensor.float()
+        module, part = _split_key(key[len(PEFT_PREFIX):])
+        if part != BASE_COPY:
+            adapter.kind.check_tensor(key, part, weights)
+        adapter.targets.setdefault(module + ".weight", {})[part] = tensor.float()
     return adapter
 
 
 def _split_key(name: str) -> tuple[str, str]:
-    """An adapter tensor's (module, kind): `lm_head.lora_A.weight` -> ("lm_head", "A.weight"),
+    """An adapter tensor's (module, part): `lm_head.lora_A.weight` -> ("lm_head", "A.weight"),
     `model.layers.0.self_attn.k_proj.ia3_l` -> (..., "ia3_l"), `lm_head.base_layer.weight` ->
     ("lm_head", BASE_COPY): peft saves a targeted embedding or head's base matrix with the adapter."""
     if name.endswith("." + BASE_COPY):
         return name[: -len(BASE_COPY) - 1], BASE_COPY
-    module, _, kind = name.rpartition(".lora_") if ".lora_" in name else name.rpartition(".")
-    return module, kind
+    module, _, part = name.rpartition(".lora_") if ".lora_" in name else name.rpartition(".")
+    return module, part
 
 
 def check_base(adapter: Adapter, config: dict) -> None:
@@ -130,11 +117,6 @@ def check_base(adapter: Adapter, config: dict) -> None:
                              f"{', '.join(diff)}", fix="pass that base as --model")
 
 
-def _is_feedforward(module_weight: str, config: dict) -> bool:
-    module = module_weight[: -len(".weight")]
-    return any(module == f or module.endswith("." + f) for f in (config.get("feedforward_modules") or []))
-
-
 def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter, plain: bool = False) -> "torch.Tensor":
     """`tensor` (the base weight or bias `name`) with `adapter` folded in; float32 arithmetic.
 
@@ -144,27 +126,17 @@ def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter, plain: bool = Fa
     if name.endswith(".bias"):
         # (IA)^3 scales the bias of the modules it scales row-wise (peft's merge does the same).
         weight = name[: -len(".bias")] + ".weight"
-        parts = adapter.targets.get(weight)
-        if adapter.method == "ia3" and parts and not _is_feedforward(weight, adapter.config):
-            return (tensor.float() * parts["ia3_l"].reshape(tensor.shape)).to(tensor.dtype)
-        return tensor
+        return adapter.kind.fold_bias(tensor, adapter.targets.get(weight), weight, adapter.config)
     parts = adapter.targets.get(name)
     if not parts:
         return tensor
     w = tensor.float()
     _check_base_copy(name, w, parts, adapter)
-    if set(parts) == {BASE_COPY}:
+    parts = {k: v for k, v in parts.items() if k != BASE_COPY}
+    if not parts:
         return tensor
     w = w.T if fan_in_fan_out else w  # (out, in) from here on
-    if adapter.method == "lora":
-        r = adapter.config["r"]
-        scale = adapter.config["lora_alpha"] / (r ** 0.5 if adapter.config.get("use_rslora") else r)
-        if "embedding_A" in parts:  # peft's LoRA Embedding: (B @ A)^T, [vocab, dim] like the table
-            w = w + (parts["embedding_B"] @ parts["embedding_A"]).T * scale
-        else:
-            w = w + (parts["B.weight"] @ parts["A.weight"]) * scale
-    else:
-        w = w * parts["ia3_l"]
+    w = adapter.kind.fold(w, parts, adapter.config)
     w = w.T if fan_in_fan_out else w
     return w.contiguous().to(tensor.dtype)
 
@@ -187,15 +159,15 @@ class MergedModel:
     Nothing is loaded up front; `tensors()` streams (name, merged tensor) pairs in file order.
     """
 
-    def __init__(self, base_dir: str | Path, adapters: list[str | Path] = ()):
-        read = [read_adapter(a) for a in adapters]
-        full = [a for a in read if a.method == "none"]
-        if len(full) > 1 or (full and read[0].method != "none"):
+    def __init__(self, base_dir: str | Path, adapters: list[str | Path] = (), model: str | None = None):
+        read = [read_adapter(a, model or str(base_dir)) for a in adapters]  # model: the name for messages
+        full = [a for a in read if a.kind.full_model]
+        if len(full) > 1 or (full and not read[0].kind.full_model):
             raise SmolforgeError("a full fine-tune can only be the first --adapter (it replaces the base)",
                                  fix="give the full model first, then the LoRA/IA3 adapters trained on it")
         self.base_dir = Path(full[0].path if full else base_dir)
         self.tokenizer_dir = Path(base_dir) if not (self.base_dir / "tokenizer.json").exists() else self.base_dir
-        self.adapters = [a for a in read if a.method != "none"]
+        self.adapters = [a for a in read if not a.kind.full_model]
         self.config = json.loads((self.base_dir / "config.json").read_text(encoding="utf-8"))
         for adapter in self.adapters:
             check_base(adapter, self.config)

@@ -11,9 +11,19 @@ rendering it with Go's text/template (tests/test_export.py, tests/test_export_fa
 comparing it with the published Jinja templates (models/chat_templates.py).
 
 Formats: ChatML (with the default system prompt its template adds, as Qwen2.5's does), Zephyr
-(TinyLlama-Chat), Llama 3, Llama 3.2 (a dated system header: the date is fixed at export, as the
-Jinja template renders it that day) and Phi-3 (the template llama.cpp's tests name Phi-3-mini,
+(TinyLlama-Chat), Llama 3, Llama 3.2 and Phi-3 (the template llama.cpp's tests name Phi-3-mini,
 which drops system messages). Jinja's `| trim` has no Go builtin: contents are passed as they are.
+
+No frozen time. Llama 3.2's template writes "Today Date: <date_string>" (`strftime_now` at use, in
+transformers) into its system header. A TEMPLATE cannot carry that date: rendered at export it tells
+every later chat the export day. Its Go template leaves the line out, as Ollama's own library
+template for llama3.2 does (its system header is "Cutting Knowledge Date: December 2023" and the
+system prompt, no "Today Date"). Rendering it at use was not chosen: Ollama's `currentDate` exists
+only since 0.11 (an older Ollama refuses the Modelfile) and writes 2026-11-29, not Llama's
+"29 Nov 2026". The date the Jinja template is matched with is a fixed probe date (PROBE_DATE), so
+an export does not depend on the day it runs. The GGUF keeps the Jinja template itself
+(`tokenizer.chat_template`), whose date llama.cpp renders at use (its minja `strftime_now`, from
+the time of the request).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ PROBE = [
 @dataclass(frozen=True)
 class Params:
     """What a format needs from the tokenizer: its BOS/EOS text, the system prompt its template adds
-    when the conversation has none, and the date a dated template prints (fixed at export)."""
+    when the conversation has none, and the date a dated template is matched with (never written
+    into a TEMPLATE: see the module docstring)."""
     bos: str = ""
     eos: str = ""
     default_system: str | None = None
@@ -83,9 +94,17 @@ def _llama3(messages: list[dict], p: Params) -> str:
     ) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
+_LLAMA32_SYSTEM = "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+
+
 def _llama32_head(p: Params) -> str:
-    return (f"{p.bos}<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
-            f"Today Date: {p.date}\n\n")
+    """The system header as the Jinja template renders it (dated: what the format is matched with)."""
+    return f"{p.bos}{_LLAMA32_SYSTEM}Today Date: {p.date}\n\n"
+
+
+def _llama32_go_head(p: Params) -> str:
+    """The system header of the TEMPLATE: no date line, as Ollama's library template for llama3.2."""
+    return f"{p.bos}{_LLAMA32_SYSTEM}\n"
 
 
 def _llama32(messages: list[dict], p: Params) -> str:
@@ -117,7 +136,7 @@ FORMATS = (
         lambda p: ("<|eot_id|>", "<|start_header_id|>")),
     ChatFormat(
         "llama3.2", _llama32,
-        lambda p: (_llama32_head(p) + f"{{{{ if {_FIRST_IS_SYSTEM} }}}}"
+        lambda p: (_llama32_go_head(p) + f"{{{{ if {_FIRST_IS_SYSTEM} }}}}"
                    "{{ (index .Messages 0).Content }}{{ end }}"
                    "<|eot_id|>{{- range $i, $m := .Messages }}{{ if not (and (eq $i 0) (eq .Role \"system\")) }}"
                    f"{_LLAMA3_TURN}{{{{ end }}}}{{{{ end }}}}{_LLAMA3_PROMPT}"),
@@ -141,13 +160,15 @@ def render_jinja(template: str, messages: list[dict], tokens: dict | None = None
     return rendered[0]
 
 
-def template_vars(bos: str | None, eos: str | None, date: str | None = None, adds_bos: bool = False) -> dict:
-    """The variables the template is rendered with; the date is fixed (a dated template such as
-    Llama 3.2's prints it, and the Go TEMPLATE carries the same text). `add_bos_token`: llama.cpp
-    adds the BOS itself, so a TEMPLATE must not write it too (a doubled BOS degrades the model)."""
-    import time
+PROBE_DATE = "26 Jul 2024"  # the date Llama 3.x's template falls back to without strftime_now
 
-    return {"bos_token": bos or "", "eos_token": eos or "", "date_string": date or time.strftime("%d %b %Y"),
+
+def template_vars(bos: str | None, eos: str | None, date: str | None = None, adds_bos: bool = False) -> dict:
+    """The variables the template is rendered with to recognise its format. `date_string`: the date a
+    dated template (Llama 3.2's) is matched with, PROBE_DATE unless given, never the clock: no
+    TEMPLATE carries it. `add_bos_token`: llama.cpp adds the BOS itself, so a TEMPLATE must not write
+    it too (a doubled BOS degrades the model)."""
+    return {"bos_token": bos or "", "eos_token": eos or "", "date_string": date or PROBE_DATE,
             "add_bos_token": adds_bos}
 
 
@@ -177,7 +198,7 @@ def chat_format(template: str | None, tokens: dict | None = None) -> tuple[ChatF
 
 
 def tokens_of(tok_dir: Path) -> dict:
-    """The template variables for the tokenizer in `tok_dir` (its BOS/EOS text, today's date)."""
+    """The template variables for the tokenizer in `tok_dir` (its BOS/EOS text, the probe date)."""
     import json
 
     path = tok_dir / "tokenizer_config.json"

@@ -90,7 +90,7 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     out = Path(output_dir).expanduser().resolve()
     check_output_dir(out)
     t0 = time.time()
-    merged = MergedModel(model_dir(model), list(adapters))
+    merged = MergedModel(model_dir(model), list(adapters), model)
     name = name or default_name(model, adapters)
     template = gguf_format.chat_template(merged.tokenizer_dir)
     tokens = ollama_format.tokens_of(merged.tokenizer_dir)

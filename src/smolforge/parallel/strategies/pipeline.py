@@ -84,6 +84,7 @@ from smolforge.errors import SmolforgeError
 from smolforge.models.partition import Stage, arch_of, check_bounds, cut
 from smolforge.models.placement import NodeCapacity, measure_node, model_info, plan_in_order
 from smolforge.models.stage_memory import TrainShape, Workload, training_workload
+from smolforge.models.peft import peft_method
 from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
@@ -201,12 +202,10 @@ class Pipeline(PipelineCheckpoints, DDP):
         if self.layout is not None:
             return
         self._use(device)
-        method = model_method(model)
-        if method in ("prefix", "prompt"):
-            raise SmolforgeError(f"the pipeline strategy cannot train {method} tuning: its virtual tokens are "
-                                 "not layers a stage could hold",
-                                 fix="use lora, ia3, adapter or full fine-tuning (peft none) with --strategy pipeline")
-        self.full = method == "none"
+        kind = peft_method(model_method(model))
+        if not kind.pipeline_trains:
+            raise kind.refusal("pipeline", where="--strategy pipeline")
+        self.full = kind.full_model
         base = base_transformer(model)
         stages = cut(base, self.planned or self._bounds(base))
         self.layout = _layout(model, stages, self.shapes)

@@ -23,6 +23,7 @@ from smolforge.train.faults import fault_hold_step, held_message, stay_held
 from smolforge.train.loop import StopRequested
 from smolforge.distill.store import CorruptShardError, Shard, decode_shard
 from smolforge.distill.student import StudentConfig, train_student
+from smolforge.distill.backends import teacher_backend
 from smolforge.distill.teacher import make_teacher, produce_shards
 from smolforge.errors import SmolforgeError
 from smolforge.cluster.workloads.data_parallel.rank import local_model_path, node_dir, prepare_model
@@ -56,7 +57,7 @@ def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
 
     torch.set_num_threads(max(1, int(spec["num_threads"])))
     ctx = ray.get_runtime_context()
-    model = _node_model(spec["model"]) if spec["backend"] != "ollama" else spec["model"]
+    model = _node_model(spec["model"]) if teacher_backend(spec["backend"]).loader.weights else spec["model"]
     teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
                            tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "fp32"), quant=spec.get("quant"),
                            n_threads=max(1, int(spec["num_threads"])))  # llamacpp: the task's CPUs

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync, make_sync
+from smolforge.distill.backends import teacher_backend
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
 from smolforge.errors import SmolforgeError
@@ -135,7 +136,7 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
         ollama_host=cfg.ollama_host, seed=cfg.seed,
         responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator, quant=cfg.teacher_quant,
         # a GGUF file's vocabulary must be the (first) student's; an HF teacher's export keeps its own tokenizer
-        tokenizer=cfg.students[0] if cfg.teacher_backend == "llamacpp" else None)
+        tokenizer=teacher_backend(cfg.teacher_backend).tokenizer_for(cfg.students))
     students = orch.create_student_tasks(
         cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
         peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
@@ -194,7 +195,9 @@ def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],
                                                              rank=cfg.aggregate_rank),
                             "students_sync": sync.name, "merge": sync.merges}
         except SmolforgeError as err:
-            if cfg.peft in ("prefix", "prompt"):
+            from smolforge.models.peft import peft_method
+
+            if not peft_method(cfg.peft).aggregates:
                 merged[base] = {"skipped": err.what}
             else:
                 raise

@@ -70,7 +70,9 @@ def student_args(peft_type: str, peft_config: dict[str, Any] | None, lora_config
     config), `peft_config` with their keys, and a TaskConfig's cpu_cores, max_retries and
     checkpointing (false: no checkpoints; true: every 50 steps unless save_every is set)."""
     if lora_config is not None:
-        if peft_config is not None or peft_type != "lora":
+        from smolforge.models.peft.lora import LoRA
+
+        if peft_config is not None or peft_type != LoRA.name:  # the seeds' lora_config is LoRA's by its name
             raise SmolforgeError("lora_config is peft_type='lora' with that peft_config: give one of them",
                                  where="create_student_tasks", fix="pass either lora_config or peft_type + peft_config")
         peft_config = lora_config

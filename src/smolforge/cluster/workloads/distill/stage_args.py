@@ -17,6 +17,7 @@ from typing import Any, Callable
 from smolforge.cluster.workloads.distill.students import StudentTasks
 from smolforge.cluster.workloads.distill.teachers import TeacherTasks
 from smolforge.distill.aggregate import aggregate_student_outputs
+from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
 from smolforge.errors import SmolforgeError
 
 # stage -> the function whose keyword arguments its `args` are (the runner calls it; the aggregate
@@ -63,3 +64,15 @@ def check_task_args(job: Any) -> None:
     if missing:
         raise SmolforgeError(f"the {stage} stage needs args.{missing[0]}", where=where,
                              fix=f"give {', '.join(f'args.{m}' for m in missing)} (the call's required arguments)")
+    _check_students_tokenizer(args)
+
+
+def _check_students_tokenizer(args: dict[str, Any]) -> None:
+    """A students stage's on-policy steps need its teacher_model's tokenizer (when args name one: else
+    the store's teacher, checked when the students load it): refused at submit, as `smolforge distill`."""
+    teacher, on_policy = args.get("teacher_model"), args.get("on_policy_ratio") or 0.0
+    if not teacher or not isinstance(on_policy, (int, float)):
+        return
+    bases = args.get("base_model")
+    check_shared_tokenizer(teacher, [bases] if isinstance(bases, str) else list(bases or []),
+                           shared_tokenizer_needs(float(on_policy)))

@@ -23,7 +23,8 @@ from smolforge.cluster.workloads.distill.state import (
 from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
 from smolforge.cluster.nodes.ray_glue import Requirements
 from smolforge.cluster.control.specs import TaskConfig
-from smolforge.distill.planner import TEACHER_BACKENDS, model_backend, model_nodes, plan_shards, teacher_assignment
+from smolforge.distill import backends
+from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import (
     CorruptShardError,
@@ -87,7 +88,7 @@ class TeacherTasks:
         """
         loader = model_backend(backend)
         embedded = bool(getattr(self.cluster, "embedded", False))
-        any_ok = loader == "hf" and (built_from_code(model) or (embedded and is_local_model(model)))
+        any_ok = backends.loader(loader).weights and (built_from_code(model) or (embedded and is_local_model(model)))
         return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader,
                            on_coordinator=on_coordinator)
 
@@ -161,8 +162,7 @@ class TeacherTasks:
         store_dir = store_dir_of(output_dir)
         store_dir.mkdir(parents=True, exist_ok=True)
         store_dir = store_dir.resolve()
-        if backend not in TEACHER_BACKENDS:
-            raise SmolforgeError(f"unknown teacher backend {backend!r}", fix=f"use {', '.join(TEACHER_BACKENDS)}")
+        backends.teacher_backend(backend)  # an unknown name: the choices, before any work
         eligible, req_model = self._model_nodes(model_path, "teacher", backend,
                                                 teacher_on_coordinator)  # fails fast, before reading data
         settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,

@@ -26,6 +26,7 @@ from smolforge.cluster.control.placement import model_travels
 from smolforge.cluster.control.runner import Failed, Outcome, Regroup
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.model_transfer import Report, ask_rescan, bring_model, lacking
+from smolforge.distill.backends import loader
 from smolforge.distill.planner import model_backend
 
 REGISTER_WAIT_S = 120.0  # how long the run waits for the workers that fetched a model to advertise it
@@ -37,7 +38,8 @@ def travelling_models(teacher: str | None, students: list[str], embedded: bool, 
                       on_coordinator: bool = False, nodes: list[ray_glue.NodeInfo] | None = None) -> list[str]:
     """The run's models that travel to the workers (`placement.model_travels`), teacher first, each
     once: not a teacher the coordinator runs (it must hold it), nor an Ollama tag (never weights)."""
-    names = [] if teacher is None or on_coordinator or model_backend(backend) != "hf" else [teacher]
+    travels = teacher is not None and not on_coordinator and loader(model_backend(backend)).weights
+    names = [teacher] if travels else []
     names += [s for s in students if isinstance(s, str)]
     return [m for m in dict.fromkeys(names) if model_travels(m, None, embedded, nodes)]
 

@@ -1,0 +1,30 @@
+"""What training renders with, asked of the model family: the one place train/ and its callers learn
+whether a tokenizer's chat template has a system role, so data/ (which must not import models/) is
+told, not left to guess. Every path that encodes training rows (`smolforge train`, `eval`, `demo`,
+split learning, `smolforge data show`) goes through `load_checked_splits` or `system_role`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smolforge.config import DataSpec
+from smolforge.data.encode import ensure_chat_template
+from smolforge.data.formats import Example
+from smolforge.data.splits import Splits, load_splits
+from smolforge.models.families import abilities
+
+
+def system_role(tokenizer: Any) -> bool:
+    """Whether the chat template training renders with (the tokenizer's own, or data/'s fallback when it
+    has none, set here first) renders a system turn's text (models/families/chat.py probes it)."""
+    ensure_chat_template(tokenizer)
+    return abilities(tokenizer).system
+
+
+def load_checked_splits(spec: DataSpec, tokenizer: Any,
+                        read: tuple[list[Example], list[Example], str, int] | None = None) -> Splits:
+    """`load_splits` told the template's system role: system turns folded where it has none (counted in
+    `Splits.folded`), a record the template refuses or drops text of a bad line (file:line, exit 2, or
+    skipped and counted under `spec.skip_bad_lines`)."""
+    return load_splits(spec, tokenizer, read, system_role=system_role(tokenizer))
