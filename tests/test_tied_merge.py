@@ -9,7 +9,8 @@ unmerged peft model: logits within 1e-4 and the same greedy text.
 The adapters: one trained by `train` (a few steps, LoRA on lm_head of tiny-llama: also the proof that
 `train` says once that it unties, and that training changes the head only), and ones built in-process
 with nonzero LoRA matrices (an embedding target on tiny-llama; lm_head on tiny-gpt2, whose adapter
-config says fan_in_fan_out for its Conv1D blocks but whose head is a plain Linear).
+config says fan_in_fan_out for its Conv1D blocks but whose head is a plain Linear; lm_head and q_proj on
+the SmolLM2-360M twin: the published tied config and vocabulary, two narrow layers).
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def cases(tmp_path_factory, trained) -> dict[str, tuple[str, Path]]:
     root = tmp_path_factory.mktemp("tied-adapters")
     return {"llama-lm_head-trained": ("tiny-llama", trained[0]),
             "llama-embed_tokens": ("tiny-llama", _built_lora("tiny-llama", ["embed_tokens"], root / "embed")),
-            "gpt2-lm_head": ("tiny-gpt2", _built_lora("tiny-gpt2", ["lm_head"], root / "gpt2-head"))}
+            "gpt2-lm_head": ("tiny-gpt2", _built_lora("tiny-gpt2", ["lm_head"], root / "gpt2-head")),
+            "smollm2-lm_head": (SMOLLM2, _built_lora(SMOLLM2, ["lm_head", "q_proj"], root / "smollm2-head"))}
 
 
-CASES = ["llama-lm_head-trained", "llama-embed_tokens", "gpt2-lm_head"]
+SMOLLM2 = "twin:smollm2-360m-instruct"  # the published config (tied, 49152 tokens), 2 narrow layers
+CASES = ["llama-lm_head-trained", "llama-embed_tokens", "gpt2-lm_head", "smollm2-lm_head"]
 
 
 def _ids(model: str) -> torch.Tensor:
@@ -164,7 +167,7 @@ def test_hf_export_writes_the_untied_head_and_equals_the_unmerged_adapter(case, 
     from smolforge.models.export.run import export
 
     model, adapter = cases[case]
-    export(model, "hf", tmp_path / "hf", adapters=[str(adapter)])
+    export(model, "hf", tmp_path / "hf", adapters=[str(adapter)], dtype="fp32")  # the twin is stored in bf16
     net = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     _assert_same(case, model, lambda x: net(x).logits, unmerged)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -176,9 +179,12 @@ def test_hf_export_writes_the_untied_head_and_equals_the_unmerged_adapter(case, 
 def test_two_stages_merge_a_tied_module_adapter_like_the_unmerged_one(case, cases, unmerged):
     from smolforge.models.stage_load import load_stage
 
+    from smolforge.models.loading import load_model
+
     model, adapter = cases[case]
-    first, _ = load_stage(model, [0, 2, 4], 0, adapters=[str(adapter)])
-    last, _ = load_stage(model, [0, 2, 4], 1, adapters=[str(adapter)])
+    layers = load_model(model).config.num_hidden_layers
+    first, _ = load_stage(model, [0, layers // 2, layers], 0, adapters=[str(adapter)])
+    last, _ = load_stage(model, [0, layers // 2, layers], 1, adapters=[str(adapter)])
 
     def step(x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1])[None]

@@ -163,11 +163,10 @@ def load_stage(model: str, bounds: Sequence[int], index: int, *, adapters: Seque
     read = {"tensors": 0, "elements": 0, "bytes": 0}
     with torch.no_grad():
         for local, param in stage.state_dict(keep_vars=True).items():
-            value = merged.tensor(_checkpoint_key(stage.hf_name(local), available, tied))
+            # merged in the stage's dtype: rounded once (a bf16 checkpoint served in fp32 keeps its delta)
+            value = merged.tensor(_checkpoint_key(stage.hf_name(local), available, tied),
+                                  param.dtype if param.dtype.is_floating_point else None, count=read)
             param.copy_(value.to(param.dtype))
-            read["tensors"] += 1
-            read["elements"] += value.numel()
-            read["bytes"] += value.numel() * value.element_size()
             del value
     if stage.tied and stage.has_embeddings and stage.has_head:
         stage.lm_head.weight = stage.embed.weight  # to_empty gave the tied pair two storages: one again

@@ -68,9 +68,8 @@ def embedding_pair(config: Any) -> tuple[str, str] | None:
     ties them; None when the class declares no such plain pair."""
     from transformers import AutoModelForCausalLM
 
-    conf = _config_object(config)
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(conf)]
+    try:  # a model type transformers does not know (the generic family) has no class to ask
+        cls = AutoModelForCausalLM._model_mapping[type(_config_object(config))]
     except (KeyError, ValueError):
         return None
     keys = getattr(cls, "_tied_weights_keys", None)

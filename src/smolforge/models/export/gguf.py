@@ -90,9 +90,12 @@ def _pack(t: "torch.Tensor", qtype) -> "np.ndarray":
 
 
 def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | None = None) -> dict:
-    """Write `model` (merged) to the GGUF file `path`; returns what was written, for the report."""
+    """Write `model` (merged) to the GGUF file `path`; returns what was written, for the report.
+
+    Tensors are merged in fp32 and rounded once, to the GGUF's type."""
     import gguf
     import numpy as np
+    import torch
 
     if quant not in QUANTS:
         raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
@@ -136,7 +139,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for gname, hf_name, _ in plan:
-        tensor = extras[gname] if hf_name is None else family.gguf_fix(hf_name, model.tensor(hf_name), cfg)
+        tensor = extras[gname] if hf_name is None else family.gguf_fix(hf_name, model.tensor(hf_name, torch.float32), cfg)
         writer.write_tensor_data(_pack(tensor, qtypes[gname]))
         del tensor
     writer.close()

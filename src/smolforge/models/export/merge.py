@@ -217,13 +217,18 @@ class MergedModel:
             tensor = _apply(key, tensor, adapter, plain=key in self._plain)
         return tensor
 
-    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """(name, merged tensor) for every tensor, in file order."""
+    def tensors(self, dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """(name, merged tensor) for every tensor, in file order; `dtype` as `tensor` takes it."""
         for name in self.shapes():
-            yield name, self.tensor(name)
+            yield name, self.tensor(name, dtype)
 
-    def tensor(self, name: str) -> "torch.Tensor":
+    def tensor(self, name: str, dtype: "torch.dtype | None" = None, count: dict | None = None) -> "torch.Tensor":
         """One merged tensor by name (the GGUF writer's order is not the files' order).
+
+        `dtype`: a floating tensor is returned in it, the stored one cast before the adapters fold in
+        (in fp32), so the merge is rounded once, to `dtype` (a bf16 checkpoint served in fp32 keeps its
+        adapter's delta whole); None: in the stored dtype. `count` ({"tensors", "elements", "bytes"}),
+        when given, adds what was read from the checkpoint (bytes as stored).
 
         The file is opened for this one tensor: safe_open maps the whole file, and pages read through
         a mapping count as the process's memory until it is closed (a file kept open while every
@@ -239,4 +244,10 @@ class MergedModel:
         if self.untie is not None and name == self.untie.head and name not in self._where:
             stored = self.untie.embed  # the untied head starts from the shared matrix, then gets its own delta
         with safe_open(str(self._where[stored]), "pt") as f:
-            return self._merged(name, f.get_tensor(stored))
+            raw = f.get_tensor(stored)
+        if count is not None:
+            count.update(tensors=count["tensors"] + 1, elements=count["elements"] + raw.numel(),
+                         bytes=count["bytes"] + raw.numel() * raw.element_size())
+        if dtype is not None and raw.is_floating_point():
+            raw = raw.to(dtype)
+        return self._merged(name, raw)
