@@ -93,7 +93,7 @@ def _greedy(strategy) -> torch.Tensor:
     runner = StageEval(strategy.runner.stage, strategy.rank, strategy.world, torch.device("cpu"),
                        strategy.hidden_size, strategy.hidden_dtype)
     with torch.no_grad():
-        return runner.greedy(PROMPTS, (PROMPTS != 3).long(), 8, eos_id=2, pad_id=3)
+        return runner.greedy(PROMPTS, (PROMPTS != 3).long(), 8, stops={2}, pad_id=3)
 
 
 @contextmanager

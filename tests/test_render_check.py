@@ -131,3 +131,27 @@ def test_skip_bad_lines_skips_the_refused_line_and_trains(tmp_path, gemma_kind):
                       "has no system role") == 1
     assert "3 train / 0 eval sequences (chat); truncated 0, skipped lines 1" in said
     assert (tmp_path / "run" / "lora_adapter").is_dir()
+
+
+def test_teachers_and_the_server_ask_a_system_less_template_as_training_folds_it():
+    """A system prompt reaches a Phi-3 teacher and the server as it reaches training: folded into the first
+    user turn (before issue 41 the teachers and serve rendered it away silently). The teachers'
+    `prompt_ids` and serve's chat rendering share `train.rendering.render_prompt`; called here on the
+    tokenizer alone (no weights: the methods read only `self.tokenizer`)."""
+    from types import SimpleNamespace
+
+    from smolforge.distill.prompts import PromptItem
+    from smolforge.distill.teacher import HFTeacher
+    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
+    from smolforge.models.loading import load_tokenizer
+    from smolforge.train.rendering import render_prompt
+
+    tok = load_tokenizer(PHI3)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2"}]
+    text = render_prompt(tok, messages)
+    assert "be brief" in text and text.index("be brief") < text.index("what is 2+2")
+    assert "be brief" not in tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    item = PromptItem(0, messages, None)
+    for teacher in (HFTeacher, LlamaCppTeacher):
+        ids = teacher.prompt_ids(SimpleNamespace(tokenizer=tok), item)
+        assert "be brief" in tok.decode(ids), teacher.__name__

@@ -234,6 +234,7 @@ def _register_generate(app: typer.Typer) -> None:
         dtype = parse_dtype(dtype)
         quiet_libraries()
         from smolforge.data.encode import render
+        from smolforge.models.families import cut_at_stop, stop_ids
         from smolforge.models.loading import load_model, load_tokenizer, pick_device
 
         dev = pick_device(device)
@@ -244,6 +245,7 @@ def _register_generate(app: typer.Typer) -> None:
 
             net = load_adapter(net, adapter).to(dev)
         net.eval()
+        stops = stop_ids(tok, net)  # every token that ends a generation (the family's one answer)
         text = prompt if raw else render(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         enc = tok(text, return_tensors="pt", add_special_tokens=raw).to(dev)
         import torch
@@ -251,5 +253,6 @@ def _register_generate(app: typer.Typer) -> None:
         with torch.no_grad():
             out = net.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                temperature=temperature if temperature > 0 else None,
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+                               pad_token_id=tok.pad_token_id, eos_token_id=sorted(stops))
+        typer.echo(tok.decode(cut_at_stop(out[0, enc["input_ids"].shape[1]:].tolist(), stops, keep=False),
+                              skip_special_tokens=True))

@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from smolforge.data.encode import ensure_chat_template, render
+from smolforge.data.encode import ensure_chat_template
+from smolforge.train.rendering import prompt_messages, render_prompt
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import stop_ids, turn_end_id
 from smolforge.models.loading import load_tokenizer
 
 DEFAULT_HOST = "http://127.0.0.1:11434"
@@ -159,7 +161,7 @@ class OllamaTeacher:
             for sample in range(settings.samples_per_prompt):
                 options = {"temperature": settings.temperature, "top_p": settings.top_p,
                            "num_predict": settings.max_new_tokens, "seed": settings.seed + sample}
-                payload: dict[str, Any] = {"model": self.name, "messages": item.prompt_messages, "stream": False,
+                payload: dict[str, Any] = {"model": self.name, "messages": prompt_messages(self.tokenizer, item.prompt_messages), "stream": False,
                                            "options": options}
                 if want_logits:
                     payload.update(logprobs=True, top_logprobs=k)
@@ -173,13 +175,14 @@ class OllamaTeacher:
                 rec = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages, prompt_ids=[],
                                     response_ids=[], response_text=text, answer=item.answer, sample_id=sample)
                 if want_logits:
-                    prompt_ids = self.tokenizer(render(self.tokenizer, item.prompt_messages, True),
+                    prompt_ids = self.tokenizer(render_prompt(self.tokenizer, item.prompt_messages),
                                                 add_special_tokens=False)["input_ids"]
                     got = self._logits(data.get("logprobs") or [], k) if isinstance(data.get("logprobs"), list) else None
                     if got is not None:
                         response_ids, vals, idxs, tails = got
-                        eos = self.tokenizer.eos_token_id
-                        if data.get("done_reason") == "stop" and eos is not None and response_ids[-1] != eos:
+                        eos = turn_end_id(self.tokenizer)  # the token a chat answer ends with
+                        if data.get("done_reason") == "stop" and eos is not None \
+                                and response_ids[-1] not in stop_ids(self.tokenizer):
                             # Ollama does not report the stop token; the student must still learn to stop.
                             response_ids = response_ids + [eos]
                             vals = np.concatenate([vals, np.array([[0.0] + [-65000.0] * (k - 1)], np.float32)])

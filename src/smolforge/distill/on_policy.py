@@ -26,6 +26,7 @@ from smolforge.data.collate import left_pad
 from smolforge.data.encode import IGNORE
 from smolforge.distill.rows import Row
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import cut_at_stop, stop_ids
 
 
 
@@ -81,7 +82,9 @@ class OnPolicySampler:
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], device: torch.device, step: int, rank: int = 0) -> list[list[int]]:
-        """The student's sampled responses (ids up to and including eos) for left-padded prompts."""
+        """The student's sampled responses (ids up to and including their first stop token, `families.stop_ids`)
+        for left-padded prompts."""
+        stops = stop_ids(self.tokenizer, model)
         ids, mask = left_pad(prompts, self.pad_id)
         width = ids.shape[1]
         was_training = model.training
@@ -92,15 +95,11 @@ class OnPolicySampler:
                 out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
                                      temperature=self.s.temperature, top_p=1.0, top_k=0,
                                      max_new_tokens=self.s.max_new_tokens, pad_token_id=self.pad_id,
-                                     eos_token_id=self.eos_id, use_cache=True)
+                                     eos_token_id=sorted(stops), use_cache=True)
         finally:
             model.train(was_training)
         gen = out[:, width:].tolist()
-        responses = []
-        for toks in gen:
-            cut = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
-            responses.append(toks[:cut])
-        return responses
+        return [cut_at_stop(toks, stops) for toks in gen]
 
     def rewrite(self, rows: list[Row], model, device: torch.device, step: int, rank: int = 0) -> list[Row]:
         """Rows with the same prompts, the student's samples as responses and the teacher's top-k over them."""

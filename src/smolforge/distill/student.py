@@ -34,6 +34,7 @@ from smolforge.distill.rows import Row
 from smolforge.distill.shard_source import ShardSource
 from smolforge.distill.store import Shard, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import turn_end_id
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, trainable_summary
 from smolforge.train.driver import Outcome, Run, RunHooks, RunSettings, StepInfo, drive, prepare_process
@@ -96,13 +97,15 @@ class StudentConfig:
 # ------------------------------------------------------------------------------ rows from records
 
 def template_tail_ids(tokenizer) -> list[int]:
-    """Tokens the chat template puts after an assistant turn's eos (ChatML: a newline).
+    """Tokens the chat template puts after an assistant turn's end (`families.turn_end_id`: the template's
+    end-of-turn token, else eos; ChatML's `<|im_end|>` and Phi-3's `<|end|>` are followed by a newline).
 
     The data module trains on them (they are part of the assistant turn), so a student trained on
     teacher ids must see them too, or its held-out loss is not comparable with plain SFT.
     """
 
-    eos = tokenizer.eos_token
+    end = turn_end_id(tokenizer)
+    eos = tokenizer.convert_ids_to_tokens(end) if end is not None else None
     if not eos:
         return []
     text = render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "MARK"}], False)
@@ -118,12 +121,12 @@ def rows_from_shard(shard: Shard, tokenizer, same_tokenizer: bool, max_length: i
                     tail_ids: list[int] | None = None) -> list[Row]:
     """Student rows: teacher ids + top-k when tokenizers agree, else re-tokenized teacher text.
 
-    With the teacher's ids, a response that ended with eos also gets the template's tail tokens
-    (`template_tail_ids`) as CE-only targets (the teacher gave no logits for them).
+    With the teacher's ids, a response that ended its turn (`families.turn_end_id`) also gets the template's
+    tail tokens (`template_tail_ids`) as CE-only targets (the teacher gave no logits for them).
     """
 
     rows: list[Row] = []
-    eos = tokenizer.eos_token_id
+    eos = turn_end_id(tokenizer)
     tail_ids = list(tail_ids or [])
     for rec in shard.records:
         if same_tokenizer:

@@ -20,7 +20,7 @@ import torch
 
 from smolforge.config import DataSpec
 from smolforge.data.collate import left_pad
-from smolforge.data.encode import encode_example, ensure_chat_template, render
+from smolforge.data.encode import encode_example, ensure_chat_template
 from smolforge.data.formats import Example
 from smolforge.data.splits import read_spec
 from smolforge.distill.planner import plan_shards
@@ -28,8 +28,9 @@ from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, encode_shard, tokenizer_hash, write_shard_bytes
 from smolforge.distill.teacher_topk import topk_from_logits, topk_rows, truncation_kl  # noqa: F401 (re-export)
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import cut_at_stop, stop_ids
 from smolforge.models.loading import load_model, load_tokenizer, pick_device
-from smolforge.train.rendering import system_role
+from smolforge.train.rendering import render_prompt, system_role
 
 
 def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_format: str = "auto") -> list[PromptItem]:
@@ -47,7 +48,7 @@ def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_form
 
 
 def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids up to and including eos) of an item's reference answer: exactly
+    """(prompt ids, response ids up to and including its first stop token) of an item's reference answer: exactly
     the tokens plain SFT trains on, so KD on references and SFT see the same targets."""
 
     if item.answer is None:
@@ -57,10 +58,8 @@ def reference_ids(tokenizer, item: PromptItem) -> tuple[list[int], list[int]]:
     ids, labels = encode_example(tokenizer, ex, system_role(tokenizer))  # folded as SFT folds it
     first = next(i for i, x in enumerate(labels) if x != -100)
     response = ids[first:]
-    eos = tokenizer.eos_token_id
-    if eos is not None and eos in response:  # the template tail after eos is re-added by students
-        response = response[: response.index(eos) + 1]
-    return ids[:first], response
+    # the template tail after the end of turn is re-added by students (student.template_tail_ids)
+    return ids[:first], cut_at_stop(response, stop_ids(tokenizer))
 
 
 class HFTeacher:
@@ -81,11 +80,12 @@ class HFTeacher:
         self.model.eval()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.tok_hash = tokenizer_hash(self.tokenizer)
+        self.stops = stop_ids(self.tokenizer, self.model)  # every token that ends a response
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        text = render_prompt(self.tokenizer, item.prompt_messages)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.no_grad()
@@ -111,7 +111,7 @@ class HFTeacher:
         input_ids, attention = self._left_pad([ids for _, ids in chunk])
         width = input_ids.shape[1]
         gen_kwargs: dict[str, Any] = dict(
-            max_new_tokens=s.max_new_tokens, use_cache=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            max_new_tokens=s.max_new_tokens, use_cache=True, pad_token_id=self.pad_id, eos_token_id=sorted(self.stops),
             num_return_sequences=s.samples_per_prompt,
         )
         if s.temperature > 0:
@@ -122,12 +122,8 @@ class HFTeacher:
         seqs = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
         gen = seqs[:, width:]
         rows = gen.shape[0]
-        # Response = generated tokens up to and including the first eos.
-        lengths = []
-        for r in range(rows):
-            toks = gen[r].tolist()
-            cut = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
-            lengths.append(cut)
+        # Response = generated tokens up to and including the first stop token.
+        lengths = [len(cut_at_stop(gen[r].tolist(), self.stops)) for r in range(rows)]
         g = max(lengths) if lengths else 0
         prompt_mask = attention.repeat_interleave(s.samples_per_prompt, dim=0)
         gen_mask = (torch.arange(gen.shape[1], device=gen.device)[None, :] < torch.tensor(lengths, device=gen.device)[:, None]).long()

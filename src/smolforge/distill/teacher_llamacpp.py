@@ -35,13 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from smolforge.data.encode import ensure_chat_template, render
+from smolforge.data.encode import ensure_chat_template
+from smolforge.train.rendering import render_prompt
 from smolforge.distill.llamacpp_batch import BatchDecoder
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.distill.teacher_topk import topk_rows
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.cache import cached_gguf, check_quant, is_gguf
+from smolforge.models.families import stop_ids
 from smolforge.models.loading import load_tokenizer
 
 INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or use --teacher-backend hf"
@@ -91,11 +93,24 @@ class GGUFVocab:
         return cls(tokens, unused, int(eos.contents()) if eos else None)
 
 
-def vocab_mismatch(gguf: GGUFVocab, tokenizer) -> str | None:
+def stops_of(tokenizer_name: str, tokenizer) -> frozenset[int]:
+    """`families.stop_ids` for the HF model `tokenizer_name` names: its generation config read from its
+    directory (no weights loaded); the tokenizer's own answer when the model has no local directory."""
+    from smolforge.models.export.run import model_dir
+
+    try:
+        source = model_dir(tokenizer_name)
+    except SmolforgeError:
+        source = None
+    return stop_ids(tokenizer, source)
+
+
+def vocab_mismatch(gguf: GGUFVocab, tokenizer, stops: frozenset[int] | None = None) -> str | None:
     """Why the GGUF's ids are not `tokenizer`'s (None: they are): every token string of the tokenizer
     at its id, no real token past the tokenizer's last id (only the unused rows a vocabulary is padded
-    with), and the same end-of-sequence token: the conditions under which the store's tokenizer hash
-    may be the tokenizer's."""
+    with), and an end-of-sequence token that ends a generation for the tokenizer's model (one of `stops`,
+    the model's stop set; default: `families.stop_ids(tokenizer)`): the conditions under which the store's
+    tokenizer hash may be the tokenizer's."""
     tokens = gguf.tokens
     want = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if len(tokens) < len(want):
@@ -107,8 +122,10 @@ def vocab_mismatch(gguf: GGUFVocab, tokenizer) -> str | None:
     if extra:
         return (f"the GGUF has {len(extra)} tokens past the tokenizer's {len(want)} (id {extra[0]}: "
                 f"{tokens[extra[0]]!r})")
-    if tokenizer.eos_token_id is not None and gguf.eos != tokenizer.eos_token_id:
-        return f"end-of-sequence id {gguf.eos} in the GGUF, {tokenizer.eos_token_id} in the tokenizer"
+    stops = stop_ids(tokenizer) if stops is None else stops
+    if tokenizer.eos_token_id is not None and gguf.eos not in stops:
+        return (f"end-of-sequence id {gguf.eos} in the GGUF, which does not end a generation for the tokenizer "
+                f"(its stop ids: {sorted(stops)})")
     return None
 
 
@@ -125,7 +142,8 @@ def mismatch_message(gguf: str, tokenizer: str, why: str) -> str:
 def check_gguf_vocab(path: str | Path, tokenizer_name: str) -> None:
     """Refuse, before anything runs, a given GGUF whose vocabulary is not the student's tokenizer's (the
     CLI's check, from the file's metadata; the teacher checks again where it runs, before its first shard)."""
-    why = vocab_mismatch(GGUFVocab.of_file(path), load_tokenizer(tokenizer_name))
+    tokenizer = load_tokenizer(tokenizer_name)
+    why = vocab_mismatch(GGUFVocab.of_file(path), tokenizer, stops_of(tokenizer_name, tokenizer))
     if why is not None:
         raise SmolforgeError(mismatch_message(Path(path).name, tokenizer_name, why), where="--teacher", fix=MISMATCH_FIX)
 
@@ -212,17 +230,17 @@ class LlamaCppTeacher:
         ensure_chat_template(self.tokenizer)
         self.llm = load_gguf(path, self.n_threads, n_ctx)
         self.vocab_size = int(self.llm.n_vocab())
-        why = vocab_mismatch(GGUFVocab.of_llama(self.llm), self.tokenizer)  # before the first shard
+        self.stops = stops_of(self.tokenizer_name, self.tokenizer)  # every token that ends a response
+        why = vocab_mismatch(GGUFVocab.of_llama(self.llm), self.tokenizer, self.stops)  # before the first shard
         if why is not None:
             self.close()
             raise SmolforgeError(mismatch_message(path.name, self.tokenizer_name, why), where="--teacher",
                                  fix=MISMATCH_FIX)
         self.tok_hash = tokenizer_hash(self.tokenizer)
-        self.eos_id = self.tokenizer.eos_token_id
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
         """The `hf` backend's ids for the prompt (the GGUF's vocabulary is the tokenizer's: checked)."""
-        text = render(self.tokenizer, item.prompt_messages, add_generation_prompt=True)
+        text = render_prompt(self.tokenizer, item.prompt_messages)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
@@ -293,7 +311,7 @@ class LlamaCppTeacher:
                 kept[j].append(tuple(x[r] for x in stats))
                 tok = pick_token(logits[r], s.temperature, s.top_p, rngs[j])
                 resp[j].append(tok)
-                if tok != self.eos_id and len(resp[j]) < s.max_new_tokens:
+                if tok not in self.stops and len(resp[j]) < s.max_new_tokens:
                     feed[j] = (tok, len(group[j][1]) + len(resp[j]) - 1)
             if not feed:
                 break
@@ -316,7 +334,7 @@ class LlamaCppTeacher:
         while True:
             tok = pick_token(rows[-1], s.temperature, s.top_p, rng)
             resp.append(tok)
-            if tok == self.eos_id or len(resp) >= s.max_new_tokens:
+            if tok in self.stops or len(resp) >= s.max_new_tokens:
                 break
             self.llm.eval([tok])
             rows.append(self._last_logits())

@@ -125,6 +125,7 @@ class Stage(nn.Module):
     def __init__(self, model, lo: int, hi: int, *, embeddings: bool, head: bool):
         super().__init__()
         self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)  # its eos ids: families.stop_ids
         self.arch = arch_of(model.config)
         self.lo, self.hi = lo, hi
         self.has_embeddings, self.has_head = embeddings, head

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from starlette.exceptions import HTTPException  # the router's own 404/405 too, not only FastAPI's subclass
 
-from smolforge.data.encode import render
+from smolforge.train.rendering import render_prompt
 from smolforge.gate import Gate
 from smolforge.serve import openapi
 from smolforge.serve.events import EngineStopped, PromptTooLong
@@ -196,7 +196,7 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
     _check_model(req.model, s.name)
     _refuse_unsupported(req, logprobs=bool(req.logprobs))
     try:
-        text = render(s.model.tokenizer, req.conversation(), add_generation_prompt=True)
+        text = render_prompt(s.model.tokenizer, req.conversation())
     except _template_errors() as err:  # the template refuses this conversation (roles out of order)
         raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
                        code="invalid_value") from None

@@ -22,17 +22,16 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
 from __future__ import annotations
 
 import ctypes
-import json
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import stop_ids
 
 INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or serve with --engine torch"
 MAX_CONTEXT = 4096  # per sequence: a 32k-context model's KV cache times --max-batch would not fit a laptop
@@ -231,17 +230,6 @@ def load_llamacpp(model: str, *, name: str, quant: str, n_threads: int, max_batc
 
     path = cached_gguf(model, quant, threads=n_threads, say=say)
     tokenizer = load_tokenizer(model)
-    return LlamaCppModel(path, tokenizer, eos_ids(model_dir(model), tokenizer), name=name, quant=quant,
+    # the stop set from the checkpoint's generation config and the tokenizer, without loading weights
+    return LlamaCppModel(path, tokenizer, stop_ids(tokenizer, model_dir(model)), name=name, quant=quant,
                          n_threads=n_threads, max_batch=max_batch)
-
-
-def eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
-    """The torch engine's end-of-sequence ids (tokenizer and generation config), without loading weights."""
-    from smolforge.serve.model import eos_ids_of
-
-    gen = model_dir / "generation_config.json"
-    config = json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {}
-
-    net = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=config.get("eos_token_id")))
-    return eos_ids_of(net, tokenizer)
-

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from smolforge.models.families import stop_ids
 
 # Prefix and prompt tuning put virtual tokens in front of the cache: not servable with our positions.
 
@@ -52,7 +53,7 @@ class ServedModel:
         for p in net.parameters():
             p.requires_grad_(False)
         max_positions = max_positions_of(net.config)
-        eos = eos_ids_of(net, tokenizer)
+        eos = stop_ids(tokenizer, net)  # every token that ends a generation (the family's one answer)
         dev = torch.device(device) if device is not None else next(net.parameters()).device
         return cls(name=name, model=net, tokenizer=tokenizer, device=dev, max_positions=max_positions,
                    eos_ids=eos)
@@ -99,18 +100,6 @@ def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> bool:
                 layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
         return True
     return False
-
-
-def eos_ids_of(net: Any, tokenizer: Any = None) -> frozenset[int]:
-    """End-of-sequence ids from the tokenizer and the model's generation config."""
-    eos: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(net, "generation_config", None),
-                                                                      "eos_token_id", None)):
-        if isinstance(source, int):
-            eos.add(source)
-        elif source:
-            eos.update(int(i) for i in source)
-    return frozenset(eos)
 
 
 def max_positions_of(config: Any) -> int:

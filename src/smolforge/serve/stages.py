@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from smolforge.errors import SmolforgeError
-from smolforge.serve.model import _check_servable, _with_adapter, eos_ids_of, max_positions_of, select_cache_rows
+from smolforge.models.families import stop_ids
+from smolforge.serve.model import _check_servable, _with_adapter, max_positions_of, select_cache_rows
 from smolforge.telemetry.memory import peak_rss_mb
 
 
@@ -87,7 +88,7 @@ class StageServer:
         if not adapter or mergeable([adapter]):
             stage, read = load_stage(model, bounds, index, adapters=[adapter] if adapter else [], device=dev,
                                      dtype=dtype)
-            server = cls(stage, index, len(bounds) - 1, device=dev, eos_ids=eos_ids_of(stage),
+            server = cls(stage, index, len(bounds) - 1, device=dev, eos_ids=stop_ids(None, stage),
                          max_positions=max_positions_of(stage.config), name=model)
             server.read = read
             return server
@@ -100,7 +101,7 @@ class StageServer:
         from smolforge.models.partition import cut
 
         net = _with_adapter(load_model(model, device=dev, dtype=dtype), adapter, merge=True, model=model, engine="stages").to(dev)
-        eos, max_positions = eos_ids_of(net), max_positions_of(net.config)
+        eos, max_positions = stop_ids(None, net), max_positions_of(net.config)
         stages = cut(net, bounds)
         if not 0 <= index < len(stages):
             raise SmolforgeError(f"stage {index} does not exist: the bounds {list(bounds)} make {len(stages)} stages",
@@ -190,7 +191,8 @@ class StagedModel:
             info = self.stages[-1].info()
             eos_ids = eos_ids if eos_ids is not None else frozenset(info["eos_ids"])
             max_positions = max_positions or int(info["max_positions"])
-        self.eos_ids = frozenset(eos_ids) | eos_ids_of(None, tokenizer)
+        # the stages' generation config ids with the tokenizer's (its eos, the template's end of turn)
+        self.eos_ids = frozenset(eos_ids) | stop_ids(tokenizer)
         self.max_positions = max_positions
 
     @property

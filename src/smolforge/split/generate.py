@@ -27,6 +27,7 @@ from pydantic import Field
 
 from smolforge.config import PeftSpec, Spec
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import cut_at_stop, stop_ids
 from smolforge.models.loading import pick_device
 from smolforge.models.partition import generation_positions
 from smolforge.split import checkpoint as ckpt
@@ -129,6 +130,7 @@ class SplitGenerator:
         self.device = pick_device(cfg.device)
         self.tokenizer = tokenizer or load_tokenizer_locked(self.run.model)
         model = load_full_model(self.run.model, device=self.device)
+        self.stops = stop_ids(self.tokenizer, model)  # every token that ends a reply (the family's one answer)
         self.fingerprint = fingerprint(model)
         if self.fingerprint != self.run.fingerprint:
             raise SmolforgeError(f"the model {self.run.model!r} loaded here is not the one {cfg.run_dir} was trained "
@@ -196,9 +198,11 @@ class SplitGenerator:
 
     @torch.no_grad()
     def generate_ids(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                     seed: int = 0, eos_id: int | None = None, pad_id: int = 0,
+                     seed: int = 0, stops: frozenset[int] = frozenset(), pad_id: int = 0,
                      on_token: OnToken | None = None) -> torch.Tensor:
-        """The new tokens for left-padded prompts `ids` [rows, T]; rows that ended get `pad_id`."""
+        """The new tokens [rows, <= max_new_tokens] for left-padded prompts `ids` [rows, T]; a row ends at any
+        id of `stops` (the model's stop set), and rows that ended get `pad_id`."""
+        stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         ids, mask = ids.to(self.device), mask.to(self.device)
         rows = ids.shape[0]
         rng = torch.Generator(device=self.device).manual_seed(seed) if temperature > 0 else None
@@ -223,7 +227,7 @@ class SplitGenerator:
                 new.append(token)
                 if on_token:
                     on_token(len(new), token)
-                done |= token == (-1 if eos_id is None else eos_id)
+                done |= torch.isin(token, stop)
                 if bool(done.all()) or len(new) == max_new_tokens:
                     break
                 ids = torch.cat([ids, token[:, None]], dim=1)
@@ -242,11 +246,11 @@ class SplitGenerator:
         text = prompt if cfg.raw else render(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         enc = tok(text, return_tensors="pt", add_special_tokens=cfg.raw)
         new = self.generate_ids(enc["input_ids"], enc["attention_mask"], cfg.max_new_tokens,
-                                temperature=cfg.temperature, seed=cfg.seed, eos_id=tok.eos_token_id,
+                                temperature=cfg.temperature, seed=cfg.seed, stops=self.stops,
                                 pad_id=tok.pad_token_id or 0, on_token=on_token)[0].tolist()
-        stopped = "eos" if new and new[-1] == tok.eos_token_id else "max_new_tokens"
+        stopped = "eos" if new and new[-1] in self.stops else "max_new_tokens"
         return SplitGenerateResult(
-            text=tok.decode(new, skip_special_tokens=True), token_ids=new, prompt_tokens=enc["input_ids"].shape[1],
+            text=tok.decode(cut_at_stop(new, self.stops, keep=False), skip_special_tokens=True), token_ids=new, prompt_tokens=enc["input_ids"].shape[1],
             stopped=stopped, model=self.run.model, checkpoint_step=self.run.step, server=self.client.address,
             client_forward_positions=list(self.forward_positions), trunk_cache_lengths=list(self.trunk_cache_lengths),
             recoveries=self.recoveries, seconds=time.perf_counter() - t0, bytes_sent=self.client.bytes_sent,

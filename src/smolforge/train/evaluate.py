@@ -56,7 +56,14 @@ def normalise_answer(text: str) -> str:
 @torch.no_grad()
 def generate_answers(model, tokenizer, examples: list[Example], max_new_tokens: int = 16,
                      batch_size: int = 32, device="cpu") -> list[str]:
-    """Greedy answers, batched with left padding (right padding would put pads before new tokens)."""
+    """Greedy answers, batched with left padding (right padding would put pads before new tokens).
+
+    Generation stops at any id of the model's stop set (`families.stop_ids`: the generation config's
+    eos ids, the tokenizer's eos and the chat template's end of turn), and each answer is cut before its
+    first stop id, so an answer that ended its turn (Phi-3's `<|end|>`) scores as the text before it."""
+    from smolforge.models.families import cut_at_stop, stop_ids
+
+    stops = stop_ids(tokenizer, model)
     was_training = model.training
     model.eval()
     old_side = tokenizer.padding_side
@@ -67,8 +74,8 @@ def generate_answers(model, tokenizer, examples: list[Example], max_new_tokens: 
             prompts = [prompt_text(tokenizer, ex) for ex in examples[i:i + batch_size]]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            new = gen[:, enc["input_ids"].shape[1]:]
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(stops))
+            new = [cut_at_stop(row, stops, keep=False) for row in gen[:, enc["input_ids"].shape[1]:].tolist()]
             outputs += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = old_side

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from smolforge.config import DataSpec
-from smolforge.data.encode import ensure_chat_template
+from smolforge.data.encode import ensure_chat_template, fold_system, render
 from smolforge.data.formats import Example
 from smolforge.data.splits import Splits, load_splits
 from smolforge.models.families import abilities
@@ -28,3 +28,16 @@ def load_checked_splits(spec: DataSpec, tokenizer: Any,
     `Splits.folded`), a record the template refuses or drops text of a bad line (file:line, exit 2, or
     skipped and counted under `spec.skip_bad_lines`)."""
     return load_splits(spec, tokenizer, read, system_role=system_role(tokenizer))
+
+
+def prompt_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The prompt turns as the model is asked them: system turns folded into the next user turn when the
+    template has no system role, as training folds them (`data.encode.fold_system`), so a teacher, the
+    server and the trained model read one prompt the same way."""
+    return messages if system_role(tokenizer) else fold_system(messages)[0]
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """`messages` rendered for generation (the assistant header added), folded as `prompt_messages` says.
+    Raises what the template raises (jinja2's TemplateError for one it refuses)."""
+    return render(tokenizer, prompt_messages(tokenizer, messages), add_generation_prompt=True)

@@ -125,7 +125,8 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = cfg["vocab_size"]
-    tok = write_tokenizer(writer, model.tokenizer_dir, cfg, vocab_size, chat_template(model.tokenizer_dir))
+    tok = write_tokenizer(writer, model.tokenizer_dir, cfg, vocab_size, chat_template(model.tokenizer_dir),
+                          source=model.base_dir)
     qtypes = {}
     for gname, _, shape in plan:
         qtype = qtypes[gname] = _qtype(gname, shape, quant)

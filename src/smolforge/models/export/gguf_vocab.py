@@ -174,8 +174,26 @@ def adds_bos(tokenizer_config: dict) -> bool:
     return bool(tokenizer_config.get("add_bos_token", False)) and bool(tokenizer_config.get("bos_token"))
 
 
-def write_tokenizer(w, tok_dir: Path, cfg: dict, vocab_size: int, template: str | None) -> dict:
-    """The tokenizer keys; returns {tokenizer, pre_tokenizer, eos/bos/pad ids} for the report."""
+def write_stops(w, tok_dir: Path, source: Path | None) -> dict[str, int]:
+    """llama.cpp's end-of-turn (EOT) and end-of-message (EOM) keys from the model's stop set
+    (`families.gguf_stop_ids`: the generation config's eos ids, the tokenizer's eos, the chat template's end of
+    turn), so llama.cpp ends a generation where HF's `generate` does; returns what was written."""
+    from transformers import AutoTokenizer
+
+    from smolforge.models.families.stops import gguf_stop_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    found = gguf_stop_ids(tokenizer, source if source is not None else tok_dir)
+    for key, add in (("eot", w.add_eot_token_id), ("eom", w.add_eom_token_id)):
+        if key in found:
+            add(found[key])
+    return found
+
+
+def write_tokenizer(w, tok_dir: Path, cfg: dict, vocab_size: int, template: str | None,
+                    source: Path | None = None) -> dict:
+    """The tokenizer keys; returns {tokenizer, pre_tokenizer, eos/bos/pad/eot/eom ids} for the report.
+    `source`: the checkpoint directory whose generation_config.json names the eos ids (default `tok_dir`)."""
     tj = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
     if tj.get("model", {}).get("type") != "BPE":
         raise _refuse(f"{tok_dir}/tokenizer.json is not a BPE tokenizer")
@@ -204,8 +222,10 @@ def write_tokenizer(w, tok_dir: Path, cfg: dict, vocab_size: int, template: str 
                        (w.add_pad_token_id, ids["pad"])):
         if isinstance(value, int):
             add(value)
+    stops = write_stops(w, tok_dir, source)
     w.add_add_bos_token(adds_bos(tc))
     if template:
         w.add_chat_template(template)
     return {"tokenizer": "llama" if spm else "gpt2", "pre_tokenizer": pre, "eos_token_id": ids["eos"],
-            "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
+            "bos_token_id": ids["bos"], "pad_token_id": ids["pad"], "eot_token_id": stops.get("eot"),
+            "eom_token_id": stops.get("eom")}

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.gguf_vocab import adds_bos
@@ -208,18 +208,20 @@ def tokens_of(tok_dir: Path) -> dict:
     return template_vars(text.get("bos_token"), text.get("eos_token"), adds_bos=adds_bos(tc))
 
 
-def modelfile(template: str | None, tokens: dict | None = None, gguf_name: str = "model.gguf") -> tuple[str, dict]:
-    """The Modelfile text for a GGUF next to it, and what it chose (for the export summary)."""
+def modelfile(template: str | None, tokens: dict | None = None, gguf_name: str = "model.gguf",
+              stops: Sequence[str] = ()) -> tuple[str, dict]:
+    """The Modelfile text for a GGUF next to it, and what it chose (for the export summary). `stops`: the
+    model's stop texts besides its eos (`families.stop_texts`), each a `PARAMETER stop` after the format's own."""
     fmt, params = chat_format(template, tokens)
-    stops = fmt.stops(params)
+    stops = tuple(dict.fromkeys((*fmt.stops(params), *stops)))
     go = fmt.go(replace(params, bos="") if (tokens or {}).get("add_bos_token") else params)
     lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{go}"""'] + [f'PARAMETER stop "{s}"' for s in stops]
     return "\n".join(lines) + "\n", {"chat_format": fmt.name, "stops": list(stops)}
 
 
 def write_modelfile(out_dir: Path, template: str | None, tokens: dict | None = None,
-                    gguf_name: str = "model.gguf") -> dict:
-    text, chosen = modelfile(template, tokens, gguf_name)
+                    gguf_name: str = "model.gguf", stops: Sequence[str] = ()) -> dict:
+    text, chosen = modelfile(template, tokens, gguf_name, stops)
     (out_dir / "Modelfile").write_text(text, encoding="utf-8")
     return {"modelfile": "Modelfile", **chosen}
 

@@ -28,6 +28,17 @@ SUMMARY = "export.json"
 GGUF_NAME = "model.gguf"
 
 
+def modelfile_stops(merged) -> list[str]:
+    """The stop set's texts (`families.stop_texts`) besides the eos, which Ollama stops on by itself: the
+    Modelfile's `PARAMETER stop` lines, as Ollama's own library Modelfiles list them (Phi-3: `<|end|>`)."""
+    from transformers import AutoTokenizer
+
+    from smolforge.models.families import stop_texts
+
+    tok = AutoTokenizer.from_pretrained(str(merged.tokenizer_dir))
+    return [t for t in stop_texts(tok, merged.base_dir) if t != tok.eos_token]
+
+
 def model_dir(model: str) -> Path:
     """The base model as a local directory: a preset, a directory, or a hub id from the local cache."""
     from smolforge.models.loading import _hub_error, resolve_model
@@ -125,7 +136,8 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
                     raise SmolforgeError(f"the GGUF does not reproduce the model: {report.line()}",
                                          fix="report it with the model's config.json; --no-verify writes it anyway")
             if to == "ollama":
-                summary["ollama"] = ollama_format.write_modelfile(tmp, template, tokens, GGUF_NAME)
+                summary["ollama"] = ollama_format.write_modelfile(tmp, template, tokens, GGUF_NAME,
+                                                                  modelfile_stops(merged))
                 summary["ollama"]["create"] = ollama_format.create_command(name, out)
         summary["seconds"] = round(time.time() - t0, 2)
         summary["files"] = sorted(p.name for p in tmp.iterdir()) + [SUMMARY]

@@ -9,7 +9,7 @@ from typing import Any
 
 from smolforge.models.families.base import Family, Generic, config_get
 from smolforge.models.families.chat import ChatAbilities, abilities
-from smolforge.models.families.stops import stop_ids, stop_texts
+from smolforge.models.families.stops import cut_at_stop, stop_ids, stop_texts, turn_end_id
 
 _BY_TYPE: dict[str, type[Family]] = {}
 
@@ -51,5 +51,5 @@ def gguf_families() -> list[str]:
 # the families (each registers itself on import)
 from smolforge.models.families import gemma, gpt2, llama, phi3, qwen2  # noqa: E402,F401
 
-__all__ = ["ChatAbilities", "Family", "Generic", "abilities", "family_of", "gguf_families", "register",
-           "registered", "stage_families", "stop_ids", "stop_texts"]
+__all__ = ["ChatAbilities", "Family", "Generic", "abilities", "cut_at_stop", "family_of", "gguf_families", "register",
+           "registered", "stage_families", "stop_ids", "stop_texts", "turn_end_id"]

@@ -65,6 +65,14 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     return int(tid) if tid is not None and tid != getattr(tokenizer, "unk_token_id", None) else None
 
 
+def turn_end_id(tokenizer: Any) -> int | None:
+    """The token a chat answer ends with: the chat template's end of turn (Phi-3's `<|end|>`), else the
+    tokenizer's eos (None: neither). What a response that stopped is closed with, and what the template's
+    tail tokens follow (distill/student.py)."""
+    eot = end_of_turn_id(tokenizer)
+    return eot if eot is not None else getattr(tokenizer, "eos_token_id", None)
+
+
 def stop_ids(tokenizer: Any, source: Any = None) -> frozenset[int]:
     """Every token id that ends a generation for this model (see the module doc). `source` as for
     `generation_eos`; `tokenizer` may be None (then only the generation config's ids)."""
@@ -77,6 +85,35 @@ def stop_ids(tokenizer: Any, source: Any = None) -> frozenset[int]:
     return frozenset(ids)
 
 
+# The text llama.cpp's loader knows an end-of-message token by (llama-vocab.cpp: "find EOM token"; Llama 3.1's
+# `<|eom_id|>` ends a tool call): the stop set's token of that text is written as GGUF's EOM.
+EOM_TEXTS = ("<|eom_id|>",)
+
+
+def gguf_stop_ids(tokenizer: Any, source: Any = None) -> dict[str, int]:
+    """llama.cpp's end-of-generation keys from the stop set: `eot` (tokenizer.ggml.eot_token_id) the chat
+    template's end-of-turn token, `eom` (tokenizer.ggml.eom_token_id) the set's end-of-message token; a key is
+    absent when the set has no such token. llama.cpp stops on EOS, EOT and EOM (`llama_vocab_is_eog`)."""
+    stops = stop_ids(tokenizer, source)
+    out: dict[str, int] = {}
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None and eot in stops:
+        out["eot"] = eot
+    eom = [i for i in sorted(stops) if tokenizer.convert_ids_to_tokens(i) in EOM_TEXTS]
+    if eom:
+        out["eom"] = eom[0]
+    return out
+
+
 def stop_texts(tokenizer: Any, source: Any = None) -> list[str]:
     """The stop set as token texts (Ollama's `PARAMETER stop` lines, GGUF's EOT metadata), sorted by id."""
     return [tokenizer.convert_ids_to_tokens(i) for i in sorted(stop_ids(tokenizer, source))]
+
+
+def cut_at_stop(ids: list[int], stops: frozenset[int] | set[int], keep: bool = True) -> list[int]:
+    """`ids` up to the first id of `stops` (with it when `keep`, the teachers' "response up to and
+    including its end"; without it for the text a user reads); all of `ids` when none is a stop."""
+    for i, tid in enumerate(ids):
+        if tid in stops:
+            return list(ids[: i + 1 if keep else i])
+    return list(ids)

@@ -9,19 +9,20 @@ layers' slots only). The numbers are broadcast from the last rank: every rank re
 already the whole evaluation's (nothing to reduce).
 
 Greedy decoding follows HF `generate` (what one process's evaluation runs): left-padded prompts, the
-positions HF builds for them, a row that produced the end-of-sequence token gets the pad token after it,
+positions HF builds for them, a row that produced a stop token (`families.stop_ids`) gets the pad token after it,
 and decoding stops when every row has ended or after `max_new_tokens`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
 
 from smolforge.data.collate import collate
 from smolforge.data.encode import prompt_text
+from smolforge.models.families import cut_at_stop, stop_ids
 from smolforge.models.partition import Stage, generation_positions, positions_for
 from smolforge.train.evaluate import normalise_answer, token_loss_sum
 
@@ -63,10 +64,12 @@ class StageEval:
                 count += n
         return total, count
 
-    def greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos_id: int,
+    def greedy(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, stops: Collection[int],
                pad_id: int) -> torch.Tensor:
-        """The new tokens HF's greedy `generate` gives for left-padded `ids`, on every rank."""
+        """The new tokens [rows, <= max_new_tokens] HF's greedy `generate` gives for left-padded `ids` [rows, T],
+        on every rank; a row ends at any id of `stops` (the model's stop set, `families.stop_ids`)."""
         cache = self.stage.new_cache()
+        stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         rows = ids.shape[0]
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         x, positions, new = ids, generation_positions(mask), []
@@ -77,7 +80,7 @@ class StageEval:
             dist.broadcast(token, src=self.world - 1)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             new.append(token)
-            done |= token == eos_id
+            done |= torch.isin(token, stop)
             if bool(done.all()):
                 break
             x = token[:, None]
@@ -88,15 +91,17 @@ class StageEval:
     def exact_match(self, tokenizer: Any, examples: list, max_new_tokens: int, batch_size: int) -> tuple[int, int]:
         """(correct, total) over the examples with a reference answer, as `train.evaluate.exact_match_counts`."""
         usable = [ex for ex in examples if ex.answer is not None]
+        stops = stop_ids(tokenizer, self.stage)
         old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
         answers: list[str] = []
         try:
             for i in range(0, len(usable), batch_size):
                 prompts = [prompt_text(tokenizer, ex) for ex in usable[i:i + batch_size]]
                 enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-                new = self.greedy(enc["input_ids"], enc["attention_mask"], max_new_tokens, tokenizer.eos_token_id,
+                new = self.greedy(enc["input_ids"], enc["attention_mask"], max_new_tokens, stops,
                                   tokenizer.pad_token_id)
-                answers += tokenizer.batch_decode(new, skip_special_tokens=True)
+                answers += tokenizer.batch_decode([cut_at_stop(row, stops, keep=False) for row in new.tolist()],
+                                                  skip_special_tokens=True)
         finally:
             tokenizer.padding_side = old_side
         correct = sum(normalise_answer(a) == normalise_answer(ex.answer) for a, ex in zip(answers, usable))
