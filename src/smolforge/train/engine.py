@@ -30,6 +30,7 @@ from smolforge.data.splits import Splits
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
+from smolforge.models.tied import tied_change
 from smolforge.telemetry.memory import peak_rss_mb
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
@@ -89,6 +90,8 @@ class TrainResult:
     # this rank's raw part of the last global step it counted in: a job's final_loss merges every rank's
     # (`train.step_loss.final_loss`), where `final_loss` above is this rank's own view of its last step
     last_step_loss: StepLoss | None = None
+    # the tied weights the adapter changes (e.g. ["lm_head.weight"]): merging unties them (models/tied.py)
+    untied: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,6 +262,9 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     log = (lambda *a: None) if cfg.quiet or not strategy.is_main else _printer()
     log(f"model {cfg.model}: trainable params: {trainable:,} || all params: {total_params:,} || "
         f"trainable%: {100 * trainable / max(1, total_params):.2f}")
+    untie = tied_change(model)
+    if untie is not None:
+        log(untie.message())
     st = splits.stats
     log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
         f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
@@ -275,7 +281,8 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                              trainable_params=trainable, total_params=total_params, stopped=o.stopped,
                              checkpoint_dir=o.checkpoint_dir,
                              data=splits.stats | {"resumed_from": o.resumed_from, "resume_note": o.resume_note},
-                             samples=o.samples_at(o.steps))  # what was trained: the resumed position, then ours
+                             samples=o.samples_at(o.steps),  # what was trained: the resumed position, then ours
+                             untied=list(untie.changed) if untie is not None else [])
         _strategy_figures(result, strategy, o.optimizer)
         result.seconds = time.perf_counter() - t_start
         if result.eval:
