@@ -14,13 +14,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.errors import SmolforgeError
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.engine import TrainHooks, train
 from smolforge.train.resume_point import STATE_KEY, StepMeaning, resume_point
-from tests.helpers import smolforge, write_jsonl
+from tests.helpers import write_jsonl
 
 RECORDS = [{"prompt": f"What is {a} plus {a + 1}?", "completion": str(2 * a + 1)} for a in range(28)]
 COMMON = dict(model="tiny-llama", peft=PeftSpec(method="lora", r=4, alpha=8, dropout=0.1), epochs=1.0, batch_size=4,
@@ -102,12 +103,16 @@ def test_a_resume_under_the_same_rows_per_step_continues_at_the_same_sample(paus
 def test_a_changed_data_file_is_refused_exit_2_unless_the_flag_says_so(paused, tmp_path):
     out = copy_of(paused, tmp_path)
     changed = write_jsonl(tmp_path / "changed.jsonl", RECORDS[:-4] + [{"prompt": "Name a colour.", "completion": "red"}])
-    proc = smolforge("train", "--model", "tiny-llama", "--data", str(changed), "--output-dir", str(out), "--resume",
-                     "--batch-size", "4", "--seed", "3", "--max-length", "48", "--lora-r", "4", "--lora-alpha", "8",
-                     "--lora-dropout", "0.1", "--num-threads", "1", "--quiet", "--no-tensorboard")
-    assert proc.returncode == 2, proc.stderr
-    assert "training data changed" in proc.stderr and "--resume-new-data" in proc.stderr
-    assert "Traceback" not in proc.stderr and [p.name for p in ckpt.list_checkpoints(out)] == ["step-3"]
+    from smolforge.cli.main import app  # the command line, in this process (as tests/test_bad_input.py)
+
+    got = CliRunner().invoke(app, ["train", "--model", "tiny-llama", "--data", str(changed), "--output-dir", str(out),
+                                   "--resume", "--batch-size", "4", "--seed", "3", "--max-length", "48", "--lora-r", "4",
+                                   "--lora-alpha", "8", "--lora-dropout", "0.1", "--num-threads", "1", "--quiet",
+                                   "--no-tensorboard"], env={"SMOLFORGE_COORDINATOR": "", "SMOLFORGE_TOKEN": None})
+    assert got.exit_code == 2 and isinstance(got.exception, SystemExit), (got.exception, got.output[-2000:])
+    assert got.stderr.startswith("error:") and got.stderr.count("error:") == 1 and "\n  fix:" in got.stderr
+    assert "training data changed" in got.stderr and "--resume-new-data" in got.stderr.split("fix:")[1]
+    assert "Traceback" not in got.output and [p.name for p in ckpt.list_checkpoints(out)] == ["step-3"]
     after: list = []
     resumed = train(cfg(out, changed, resume=True, resume_new_data=True), recording(after))
     assert "changed training data" in resumed.data["resume_note"] and resumed.steps == 5  # 23 rows: 5 steps
