@@ -157,9 +157,13 @@ def _cluster_routes(app: FastAPI, core: Any, auth: list) -> None:
         ca_cert, ca_key = ensure_ca(core.state.root / "tls")
         return {"certificate": sign_request(req.csr, ca_cert, ca_key), "ca": ca_cert.read_text()}
 
-    @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
+    @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth,
+              responses={404: {"model": ApiError, "description": "no node of this id has joined the cluster"}})
     def heartbeat(node_id: NodeId, sample: Heartbeat):
-        core.monitor.heartbeat(node_id, sample.model_dump())
+        if not core.monitor.heartbeat(node_id, sample.model_dump()):  # kept for joined nodes only
+            return JSONResponse({"error": f"no node {node_id} has joined this cluster", "where": None,
+                                 "fix": "join the node first (`smolforge worker join`); its agent then reports by "
+                                        "itself"}, status_code=404)
         return {"ok": True}
 
     @app.get("/api/v1/resources", dependencies=auth)
