@@ -32,6 +32,7 @@ from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, Job
                                          validation_error)
 from smolforge.auth import bearer_of, tokens_match
 from smolforge.gate import Gate
+from smolforge.http_limits import page_headers
 from smolforge.cluster.nodes.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
 from smolforge.cluster.nodes.ray_tls import ensure_ca, sign_request
@@ -112,7 +113,7 @@ def _open_routes(app: FastAPI, core: Any) -> None:
 
     @app.get("/dashboard", response_class=HTMLResponse)
     def dashboard():
-        return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        return HTMLResponse(page(), headers=page_headers(page()))
 
     @app.get("/dashboard/assets/{name}", responses={200: {"description": "one packaged file", "content": {
         media.split(";")[0]: {} for _, media in ASSETS.values()}}})
