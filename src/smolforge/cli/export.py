@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="base model: HF id, local dir, Ollama name or preset"),
         adapter: list[str] = typer.Option([], "--adapter", help="adapter directory to merge (repeat: merged in order)"),
         to: str = typer.Option(..., "--to", help=" | ".join(TARGETS)),
-        output_dir: str = typer.Option(..., help="directory to write (replaced if it holds an earlier export)"),
+        output_dir: str = typer.Option(..., help="directory to write (an earlier export's files there are replaced; files you added are kept)"),
         quant: str = typer.Option("f16", help=f"GGUF weights: {' | '.join(QUANTS)}"),
         dtype: str = typer.Option("auto", "--dtype", help="--to hf: the dtype the merged weights are written in: "
                                   "auto (the checkpoint's own) | bf16 | fp16 | fp32 (GGUF: use --quant)"),

@@ -33,7 +33,6 @@ from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.store import store_summary
 from smolforge.distill.student import StudentConfig
-from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, load_adapter
 from smolforge.paths import atomic_write_json, home
