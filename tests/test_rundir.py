@@ -32,10 +32,19 @@ def _train_run(path, manifest: bool = True):
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "from-before-manifests"])
-def test_the_demo_chain_over_a_train_run_is_refused_and_deletes_nothing(tmp_path, manifest):
+def test_the_demo_chain_over_a_train_run_is_refused_and_deletes_nothing(tmp_path, monkeypatch, manifest):
     """`demo --output-dir run1` over a train run's directory, then `demo --workflow sft` there: both exit 2
     and every file of the run stays. A run from before manifests carrying the old demo mark
     (`.smolforge-demo`, which once let the sft demo delete its checkpoints) is refused the same way."""
+    import smolforge.cli.demo as demo_cli
+    import smolforge.distill.demo as distill_demo
+
+    def not_refused(*_a, **_k):  # a demo that was not refused would train for minutes: fail at once instead
+        raise AssertionError("the demo was not refused")
+
+    monkeypatch.setattr(demo_cli, "distill_summary", not_refused)
+    monkeypatch.setattr(distill_demo, "run_demo", not_refused)
+    monkeypatch.setattr("smolforge.train.engine.train", not_refused)
     run = tmp_path / "run1"
     before = _train_run(run, manifest)
     if not manifest:
