@@ -102,3 +102,42 @@ def test_a_re_export_replaces_only_its_own_files(tmp_path):
     res = _invoke(["export", "--model", "tiny-llama", "--to", "hf", "--output-dir", str(run)])
     assert res.exit_code == 2 and "holds a `train` run's outputs" in res.stderr, res.output
     assert sorted(p.relative_to(run) for p in run.rglob("*") if p.name != MANIFEST) == before
+
+
+def _claims():
+    """Each kind's own entry point that claims its --output-dir, called as its command calls it."""
+    from smolforge.config import DataSpec, TrainConfig
+    from smolforge.distill.demo import check_demo_dir
+    from smolforge.distill.settings import refuse_used_run_dir
+    from smolforge.models.export.run import check_output_dir
+    from smolforge.split.merge import merge_run
+    from smolforge.train.engine import refuse_used_output_dir
+
+    return {
+        "train": lambda d: refuse_used_output_dir(TrainConfig(model="tiny-llama", data=DataSpec(path="bundled"),
+                                                              output_dir=str(d))),
+        "demo": lambda d: check_demo_dir(d, ("checkpoints",)),
+        "distill": lambda d: refuse_used_run_dir(d, resume=False),
+        "export": lambda d: check_output_dir(d),
+        "split": lambda d: merge_run(d),
+    }
+
+
+@pytest.mark.parametrize("owner", ["train", "demo", "distill", "export", "split"])
+def test_every_kind_refuses_a_directory_of_another_kind(tmp_path, owner):
+    """The one rule at every entry point: a directory whose manifest names another kind of run is refused
+    (SmolforgeError: exit 2 from the CLI), before anything is written or deleted there."""
+    from smolforge.errors import SmolforgeError
+
+    claims = _claims()
+    for kind, claim in claims.items():
+        if kind == owner:
+            continue
+        d = tmp_path / f"{owner}-for-{kind}"
+        claim_run_dir(d, owner, ("checkpoints",))
+        (d / "checkpoints").mkdir()
+        (d / "checkpoints" / "kept").write_text("the owner's")
+        manifest = (d / MANIFEST).read_bytes()
+        with pytest.raises(SmolforgeError, match=f"holds a `{owner}` run's outputs"):
+            claim(d)
+        assert (d / MANIFEST).read_bytes() == manifest and (d / "checkpoints" / "kept").read_text() == "the owner's"
