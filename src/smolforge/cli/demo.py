@@ -85,7 +85,7 @@ def prepare_output_dir(output_dir: str, replaces: tuple[str, ...]) -> None:
 
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
-    from smolforge.cluster.workloads.distill.session import DistillSession
+    from smolforge.cluster.face import DistillSession
     from smolforge.distill.demo import run_demo
     from smolforge.orchestrator import Orchestrator
 

@@ -129,6 +129,9 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     summary: dict = {"to": to, "model": model, "adapters": [str(a) for a in adapters], "name": name,
                      "output_dir": str(out)}
+    if merged.untie is not None:  # an adapter on the tied head or embedding: written untied
+        say(merged.untie.message())
+        summary["untied"] = list(merged.untie.changed)
     try:
         if to == "hf":
             say(f"merging into an HF directory ({len(merged.adapters)} adapter(s))")
