@@ -505,28 +505,26 @@ class TrunkServer:
                                  where="--host", fix="keep --no-token for --host 127.0.0.1, or give the server a token")
         torch.set_num_threads(cfg.num_threads or _cpus())
         self.cfg = cfg
+        # a used port is one message in a second, before the model loads (asked of the OS: gRPC would log
+        # its own failure line); the listener itself opens only once the trunk is loaded, so a client that
+        # finds the port open finds the server ready
+        refused = bind_error(cfg.host, cfg.port, "--port") if cfg.port else None
+        if refused:
+            raise refused
+        self.service = TrunkService(cfg)
         interceptors = [TokenAuth(cfg.token)] if cfg.token else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
                                   options=SERVER_OPTIONS)
         address = f"{cfg.host}:{cfg.port}"
         creds = server_credentials(cfg.tls_cert, cfg.tls_key)
-        # the port first: a used one is one message in a second, before the model loads (asked of the OS
-        # before gRPC tries, which would log its own failure line)
-        refused = bind_error(cfg.host, cfg.port, "--port") if cfg.port else None
         try:
-            self.port = 0 if refused else (self.server.add_secure_port(address, creds) if creds
-                                           else self.server.add_insecure_port(address))
+            self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
-        if not self.port:
+        if not self.port:  # taken between the probe and now
             self.server.stop(None)
-            raise refused or bind_error(cfg.host, cfg.port, "--port") or SmolforgeError(
+            raise bind_error(cfg.host, cfg.port, "--port") or SmolforgeError(
                 f"cannot listen on {address}", where="--port", fix="pick a free --port")
-        try:
-            self.service = TrunkService(cfg)
-        except BaseException:
-            self.server.stop(None)
-            raise
         pb_grpc.add_TrunkServicer_to_server(_Guarded(self.service), self.server)
         self.tls = creds is not None
         self._stop = threading.Event()
