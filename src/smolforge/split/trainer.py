@@ -60,6 +60,11 @@ from smolforge.train.resume_point import SAMPLES_KEY, STATE_KEY, StepMeaning, da
 from smolforge.train.rendering import load_checked_splits
 from smolforge.train.schedule import lr_lambda
 from smolforge.train.strategy import Strategy
+from smolforge.rundir import check_run_dir, record
+
+# the top-level names a split client run writes in its --output-dir (its manifest: `rundir`)
+SPLIT_OUTPUTS = ("checkpoints", "lora_adapter", "split_run.json", "summary.json", "metrics.jsonl", "tensorboard",
+                 "wandb", "merged_model")
 
 class SplitTrainConfig(SplitTraining):
     """Everything `smolforge split train` takes (the seed's flag names, snake_cased): the training
@@ -403,6 +408,7 @@ class SplitTrainer:
         self.log(f"split training {cfg.model}: bottom [0, {cfg.split_point_1}) and top [{cfg.split_point_2}, "
                  f"{self.arch.num_layers}) here, trunk on {self.client.address} "
                  f"({'TLS' if self.client.tls else 'plaintext'}), codec {cfg.codec}")
+        record(check_run_dir(self.out_dir, "split"), SPLIT_OUTPUTS)  # never into another kind of run's dir
         start = self.connect(cfg.resume)
         resumed_from = start if start else None
         if start:

@@ -31,6 +31,7 @@ from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
 from smolforge.models.tied import tied_change
+from smolforge.rundir import check_run_dir, record
 from smolforge.telemetry.memory import peak_rss_mb
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
@@ -177,18 +178,25 @@ def _eval_sums_whole(model, tokenizer, rows: list, examples: list, cfg: TrainCon
     return strategy.reduce([loss_sum, count, correct, total], device)
 
 
-def refuse_used_output_dir(cfg: TrainConfig) -> None:
-    """A fresh run into a directory holding another run's checkpoints would lose either way: pruning
-    keeps the highest steps (the old run's), deleting the new checkpoints, and a later --resume would
-    continue the old run. So it is refused, and nothing is deleted."""
-    if cfg.resume:
-        return
-    old = ckpt.list_checkpoints(cfg.output_dir)
-    if old:
-        raise SmolforgeError(f"{cfg.output_dir} already holds checkpoints of a run (up to {old[-1].name})",
-                             where="--output-dir",
-                             fix="pass --resume to continue that run, or choose a new --output-dir "
-                                 "(nothing was deleted)")
+def run_outputs(cfg: TrainConfig) -> tuple[str, ...]:
+    """The top-level names a training run writes in its --output-dir (recorded in its manifest)."""
+    return ("checkpoints", f"{cfg.peft.method}_adapter", "summary.json", "metrics.jsonl", "tensorboard", "wandb")
+
+
+def refuse_used_output_dir(cfg: TrainConfig, run_kind: str = "train") -> None:
+    """Claim --output-dir for a `run_kind` run (`rundir`): a directory whose manifest names another kind
+    of run (a demo's, an export's) is refused, nothing deleted. A fresh run into a directory holding
+    another run's checkpoints would lose either way: pruning keeps the highest steps (the old run's),
+    deleting the new checkpoints, and a later --resume would continue the old run. So it is refused too."""
+    run = check_run_dir(cfg.output_dir, run_kind)
+    if not cfg.resume:
+        old = ckpt.list_checkpoints(cfg.output_dir)
+        if old:
+            raise SmolforgeError(f"{cfg.output_dir} already holds checkpoints of a run (up to {old[-1].name})",
+                                 where="--output-dir",
+                                 fix="pass --resume to continue that run, or choose a new --output-dir "
+                                     "(nothing was deleted)")
+    record(run, run_outputs(cfg))
 
 
 class SampleSource:
@@ -241,10 +249,12 @@ def run_settings(cfg: TrainConfig, strategy: Strategy, meaning: StepMeaning | No
 
 
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
-          model=None, tokenizer=None, strategy: Strategy | None = None, examples=None) -> TrainResult:
+          model=None, tokenizer=None, strategy: Strategy | None = None, examples=None,
+          run_kind: str = "train") -> TrainResult:
     """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones,
     or `examples` (read_spec(cfg.data), read by a caller that checked the data before loading torch).
 
+    `run_kind` is the kind its --output-dir's manifest records (`rundir`: `demo` for the fine-tune demo).
     `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
     The run itself is the one driver's (`smolforge.train.driver`): this loads, then hands it the data
     source (`SampleSource`) and the loss (token cross-entropy).
@@ -255,7 +265,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     t_start = time.perf_counter()
     device = prepare_process(cfg.num_threads, cfg.device, strategy)
     torch.manual_seed(cfg.seed)
-    tokenizer, splits, model = _load(cfg, device, strategy, splits, model, tokenizer, examples)
+    tokenizer, splits, model = _load(cfg, device, strategy, splits, model, tokenizer, examples, run_kind)
     if hooks.on_model:
         hooks.on_model(model)
     trainable, total_params = trainable_summary(model)
@@ -305,11 +315,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
 
 def _load(cfg: TrainConfig, device: torch.device, strategy: Strategy, splits: Splits | None, model, tokenizer,
-          examples) -> tuple[Any, Splits, torch.nn.Module]:
+          examples, run_kind: str = "train") -> tuple[Any, Splits, torch.nn.Module]:
     """Tokenizer, data, then the model: bad data fails in a second, not after a model load."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
-    refuse_used_output_dir(cfg)
+    refuse_used_output_dir(cfg, run_kind)
     if splits is None:
         splits = load_checked_splits(cfg.data, tokenizer, read=examples)
     if not splits.train:  # every answer cut off by max_length: refuse, not a modulo by zero rows later
