@@ -221,10 +221,23 @@ def test_a_port_in_use_is_named(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         proc = smolforge("coordinator", "start", "--port", str(port), "--state-dir", str(tmp_path / "s"), timeout=120)
-    assert proc.returncode == 2 and f"port {port} is already in use" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and f"{port}: address already in use" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "s" / "coordinator.json").exists() or not json.loads(
         (tmp_path / "s" / "coordinator.json").read_text()).get("head_pid")
+
+
+@pytest.mark.parametrize("command", [["coordinator", "start"], ["serve", "--model", "tiny-llama"]])
+def test_a_host_that_is_not_this_machine_s_is_named_not_called_a_port_in_use(command, tmp_path):
+    """Every listener asks the OS why it cannot bind (`net.bind_refusal`): `--host 8.8.8.8` used to say
+    "port ... is already in use" on the coordinator (issue 43)."""
+    (tmp_path / "token").write_text("a-token-of-32-characters-or-more-0123456789\n")
+    (tmp_path / "token").chmod(0o600)
+    proc = smolforge(*command, "--host", "8.8.8.8", "--port", "0" if command[0] == "serve" else "8799",
+                     "--state-dir" if command[0] == "coordinator" else "--token-file",
+                     str(tmp_path / "s") if command[0] == "coordinator" else str(tmp_path / "token"), timeout=120)
+    assert proc.returncode == 2 and "8.8.8.8 is not an address of this machine" in proc.stderr, proc.stderr[-2000:]
+    assert "in use" not in proc.stderr and "Traceback" not in proc.stderr and "--host" in proc.stderr
 
 
 def test_a_used_output_dir_is_refused_before_the_job_is_submitted(tmp_path):

@@ -1,8 +1,12 @@
-"""Small facts about addresses that every service needs (a leaf: imports nothing of ours)."""
+"""Small facts about addresses that every service needs (a leaf: imports only `errors`)."""
 
 from __future__ import annotations
 
 import ipaddress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smolforge.errors import SmolforgeError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -40,3 +44,20 @@ def why_unbindable(host: str, port: int) -> str | None:
         if err.errno == errno.EADDRNOTAVAIL:
             return f"{host} is not an address of this machine"
         return err.strerror or str(err)
+
+
+def bind_refusal(host: str, port: int, flag: str = "--port", what: str = "cannot listen") -> "SmolforgeError | None":
+    """The one message for a listener that cannot bind `host:port` (`why_unbindable`'s reason, never a
+    guess): "address already in use" names the port, an address that is not this machine's names --host.
+    None when it can bind. Every listener asks this (coordinator, dashboard, serve, the split trunk)."""
+    from smolforge.errors import SmolforgeError
+
+    why = why_unbindable(host or "0.0.0.0", port)
+    if why is None:
+        return None
+    if why == "address already in use":
+        return SmolforgeError(f"{what} on {host}:{port}: address already in use", where=flag,
+                              fix=f"pick a free {flag} (0 picks one where the command allows it), or stop what "
+                                  f"is listening on {port}")
+    return SmolforgeError(f"{what} on {host}:{port}: {why}", where="--host",
+                          fix="give --host an address of this machine (127.0.0.1, 0.0.0.0, or a LAN address it has)")

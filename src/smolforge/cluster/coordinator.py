@@ -34,7 +34,7 @@ from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.nodes.statedir import StateDir, check_port, check_ray_port, port_open
 from smolforge.cluster.nodes.tls import ensure_cert, fingerprint
 from smolforge.errors import SmolforgeError
-from smolforge.net import LOOPBACK
+from smolforge.net import LOOPBACK, bind_refusal
 
 
 def outward_ip() -> str:
@@ -160,8 +160,9 @@ class Coordinator:
             if alive and port_open(info.get("host_for_clients", "127.0.0.1"), int(info.get("port", 0)), 0.5):
                 raise SmolforgeError(f"a coordinator (pid {info['pid']}) already runs from {self.state.root}",
                                      fix="use it, or stop it first (Ctrl-C in its terminal)")
-        if port_open("127.0.0.1" if self.opts.host in ("0.0.0.0", "") else self.opts.host, self.opts.port, 0.5):
-            raise SmolforgeError(f"port {self.opts.port} is already in use", fix="pick another --port")
+        refused = bind_refusal(self.opts.host, self.opts.port)  # the OS's reason, never a guess
+        if refused is not None:
+            raise refused
 
     def _start_head(self, token_path: Path) -> None:
         ip = self._node_ip()

@@ -28,6 +28,7 @@ from smolforge.cluster.embedded import EmbeddedCluster
 from smolforge.cluster.nodes.node_agent import NodeMonitor
 from smolforge.cluster.nodes.statedir import StateDir, check_port, free_port, port_open
 from smolforge.errors import SmolforgeError
+from smolforge.net import bind_refusal
 
 HOST = "127.0.0.1"
 
@@ -65,8 +66,9 @@ def serve(port: int, announce: Callable[[str], None] = print, num_cpus: int | No
     check_port(port, "--port", zero_picks=True)  # before the cluster starts, not at bind()
     check_no_coordinator()
     port = port or free_port(HOST)
-    if port_open(HOST, port, 0.5):
-        raise SmolforgeError(f"port {port} is already in use on {HOST}", fix="pick another --port (0 picks a free one)")
+    refused = bind_refusal(HOST, port)
+    if refused is not None:
+        raise refused
     cluster = EmbeddedCluster(num_cpus=num_cpus)
     core = None
     try:

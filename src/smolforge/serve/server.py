@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from smolforge.auth import check_token_format, load_or_create_token, resolve_token
 from smolforge.errors import SmolforgeError
+from smolforge.net import bind_refusal
 from smolforge.models.names import check_adapter_dir, check_local_model
 from smolforge.paths import home
 
@@ -120,9 +121,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except (OSError, UnicodeError) as err:  # UnicodeError: a host name IDNA cannot encode
         sock.close()
-        why = getattr(err, "strerror", None) or str(err)
-        raise SmolforgeError(f"cannot listen on {host}:{port}: {why}",
-                             fix="pick another --port (0: any free port) or --host, or stop what uses this one") from None
+        refused = bind_refusal(host, port)  # the OS's reason, in the words every listener uses
+        if refused is None:  # it binds now: the first bind lost a race
+            refused = SmolforgeError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}",
+                                     fix="try again, or pick another --port (0: any free port)")
+        raise refused from None
     sock.set_inheritable(True)
     return sock
 

@@ -42,7 +42,7 @@ from torch import nn
 from smolforge import __version__
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
-from smolforge.net import is_loopback, why_unbindable
+from smolforge.net import is_loopback, bind_refusal
 from smolforge.models.loading import pick_device
 from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
@@ -556,17 +556,8 @@ class TrunkServer:
 
 
 def bind_error(host: str, port: int, flag: str) -> SmolforgeError | None:
-    """The one message for a trunk that cannot listen on `host:port` (`net.why_unbindable`); None: it can."""
-    why = why_unbindable(host, port)
-    if why is None:
-        return None
-    if why == "address already in use":
-        return SmolforgeError(f"cannot listen on {host}:{port}: address already in use", where=flag,
-                              fix=f"pick a free {flag} (another trunk server or program listens on {port}), "
-                                  "or stop what is listening there")
-    return SmolforgeError(f"cannot listen on {host}:{port}: {why}", where=flag,
-                          fix=f"give --host an address of this machine (127.0.0.1, or a LAN address it has) and a "
-                              f"free {flag}")
+    """The one message for a trunk that cannot listen on `host:port` (`net.bind_refusal`); None: it can."""
+    return bind_refusal(host, port, flag)
 
 
 def _cpus() -> int:
