@@ -38,6 +38,8 @@ def _files(tmp):
 TRAIN = ["train", "--model", "tiny-llama", "--data", "bundled"]
 CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
     ("config is a directory", ["train", "--config", "{t}/cfgdir"], "is a directory, not a YAML file"),
+    ("config is a device", ["train", "--config", "/dev/null"], "is not a regular file (a character device)"),
+    ("data is a device", [*TRAIN[:3], "--data", "/dev/null"], "/dev/null is not a regular file (a character device)"),
     ("config not UTF-8", ["train", "--config", "{t}/latin1.yaml"], "is not UTF-8 text"),
     ("empty config", ["train", "--config", "{t}/empty.yaml"], "missing --model and --data"),
     ("config is a list", ["train", "--config", "{t}/list.yaml"], "config must be a mapping"),

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from smolforge.errors import SmolforgeError
+from smolforge.paths import not_a_regular_file
 
 # The names of a model's weights dtype (`--dtype`, spec fields `dtype`); what each means at load time
 # is smolforge.models.dtypes. Here, at the bottom layer, so every spec and flag checks them alike.
@@ -242,10 +243,11 @@ def put_path(data: dict[str, Any], dotted: str, value: Any, where: str | None = 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.exists():
+    problem = not_a_regular_file(path)
+    if problem == "does not exist":
         raise SmolforgeError(f"config file {path} does not exist", fix="check the --config path")
-    if not path.is_file():
-        raise SmolforgeError(f"config file {path} is a directory, not a YAML file", where=str(path),
+    if problem:
+        raise SmolforgeError(f"config file {path} {problem}, not a YAML file", where=str(path),
                              fix="point --config at the YAML file itself")
     try:
         data = _safe_load(path.read_text(encoding="utf-8"), str(path)) or {}

@@ -134,3 +134,26 @@ def safe_join(root: str | Path, relative: str) -> Path:
             fix="send a path relative to the artifact root without '..' or a leading '/'",
         )
     return candidate
+
+
+def not_a_regular_file(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a user's file, in words for a message ("does not exist", "is a
+    directory", "is not a regular file (a character device)"); None for a regular file (or a link to one).
+    One answer for every reader of a file a user names (--config, --data): `/dev/null` used to be called
+    "a directory"."""
+    import stat
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is not a regular file ({kind})"

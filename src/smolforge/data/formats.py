@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from smolforge.errors import SmolforgeError
+from smolforge.paths import not_a_regular_file
 
 FORMATS = ("alpaca", "chat", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
@@ -148,10 +149,11 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
     Raises SmolforgeError at the call (not at the first record) for a missing path, a directory or a
     file with nothing but blank lines."""
     path = Path(path)
-    if not path.exists():
+    problem = not_a_regular_file(path)
+    if problem == "does not exist":
         raise SmolforgeError(f"data file {path} does not exist", fix="check the --data path (or use --data bundled)")
-    if path.is_dir():
-        raise SmolforgeError(f"{path} is a directory, not a JSONL file", fix="point --data at a .jsonl file")
+    if problem:
+        raise SmolforgeError(f"{path} {problem}, not a JSONL file", fix="point --data at a .jsonl file")
     raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     if not raw.strip():
         raise SmolforgeError("data file is empty", where=str(path), fix="add one JSON object per line")
