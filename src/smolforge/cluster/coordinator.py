@@ -29,7 +29,7 @@ from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
 from smolforge.cluster.control.artifacts import ArtifactStore, upload_refs
 from smolforge.auth import load_or_create_token
 from smolforge.cluster.nodes.ray_auth import apply_ray_auth, ray_auth_env
-from smolforge.cluster.nodes.discovery import detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
+from smolforge.cluster.nodes.discovery import check_models_dir, detect_cpus, detect_ram_gb, scan_hf_cache, scan_models_dir, with_aliases
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.nodes.statedir import StateDir, check_port, check_ray_port, port_open
 from smolforge.cluster.nodes.tls import ensure_cert, fingerprint
@@ -226,6 +226,7 @@ class Coordinator:
         from smolforge.cluster.control.manager import JobManager
         from smolforge.cluster.nodes.node_agent import NodeMonitor
 
+        check_models_dir(self.opts.models_dir)
         self._check_not_running()
         ip = self._node_ip()
         client_host = ip if self.opts.host in ("0.0.0.0", "", "::") else self.opts.host

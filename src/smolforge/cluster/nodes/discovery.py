@@ -127,6 +127,19 @@ def scan_hf_cache(cache: Path | None = None) -> dict[str, str]:
     return found
 
 
+def check_models_dir(path: str | None, flag: str = "--models-dir") -> None:
+    """A `--models-dir` a user named must be a folder that exists: a typo used to join a node that holds
+    no models, without a word. SmolforgeError (exit 2) before anything starts."""
+    if path is None:
+        return
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a folder"
+        raise SmolforgeError(f"{flag} {path} {what}", where=flag,
+                             fix="give the folder that holds your models (each in a folder with its config.json), "
+                                 "or leave the flag out")
+
+
 def scan_models_dir(root: Path | None) -> dict[str, str]:
     """Folders with a config.json: `root/name` or `root/org/name` (named `org/name`)."""
     found: dict[str, str] = {}

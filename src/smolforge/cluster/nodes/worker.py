@@ -33,7 +33,7 @@ from smolforge.cluster.nodes import ray_glue, ray_process, ray_tls
 from smolforge.cluster.nodes.memcap import MemoryCap, apply_memory_cap
 from smolforge.auth import check_token_format, resolve_token, write_token
 from smolforge.cluster.nodes.ray_auth import ray_auth_env
-from smolforge.cluster.nodes.discovery import discover, discover_models, model_changes
+from smolforge.cluster.nodes.discovery import check_models_dir, discover, discover_models, model_changes
 from smolforge.cluster.nodes.model_fetch import MODELS_DIR_ENV, RESCAN_REQUEST_ENV
 from smolforge.cluster.nodes.statedir import StateDir
 from smolforge.cluster.nodes.tls import FINGERPRINT_ENV, pinned_context
@@ -84,6 +84,7 @@ class WorkerOptions:
                                  ("--object-store-mb", self.object_store_mb, 75)):
             if value is not None and not value >= low:  # `not >=`: NaN is refused too
                 raise SmolforgeError(f"{flag} {value} is below {low}", where=flag, fix=f"give {low} or more, or leave it out")
+        check_models_dir(self.models_dir)
         return self
 
 
