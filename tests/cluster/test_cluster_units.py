@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -376,3 +377,19 @@ def test_a_student_that_ends_before_its_progress_is_drained_still_reports_its_la
     assert (task.status()["step"], task.status()["loss"]) == (3, 2.5)
     task.take_last_step({"steps": 1, "final_loss": 9.0})  # never back to an earlier step
     assert (task.step, task.loss) == (3, 2.5)
+
+
+def test_a_refusal_does_not_tell_whether_a_path_exists_on_the_coordinator(tmp_path, monkeypatch):
+    """A model a client names gets the same refusal whether or not a directory of that name exists where
+    the coordinator runs (issue 43: it was an existence oracle): the fix is chosen from the name's shape
+    (a path: `/`, `.`, `~`), never from the coordinator's filesystem."""
+    def fix(model: str) -> str:
+        with pytest.raises(SmolforgeError) as err:
+            ray_glue.check_placeable(ray_glue.Requirements(model=model), NODES)
+        return err.value.fix
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret-model").mkdir()
+    assert fix("secret-model").replace("secret-model", "M") == fix("other-model").replace("other-model", "M")
+    assert "directory on this machine" not in fix("secret-model")
+    assert "directory on this machine" in fix(str(tmp_path / "no-such-model"))

@@ -289,7 +289,8 @@ def _check(req: Requirements, nodes: list[NodeInfo]) -> list[NodeInfo]:
                "export), pick a model "
                "some node holds (`smolforge nodes`), or set `require_model: false` in the job spec to let the "
                "ranks download it from the Hugging Face Hub")
-        if req.model.startswith((".", "~", os.sep)) or Path(req.model).expanduser().exists():  # not an HF id
+        if req.model.startswith((".", "~", os.sep)):  # a path, not an HF id: read from the name alone, never
+            # from whether it exists here (a refusal must not tell a client which paths the coordinator has)
             name = Path(req.model).expanduser().name
             fix = (f"{req.model} is a directory on this machine, and workers share no filesystem with it: copy it "
                    f"into each worker's --models-dir as {name}/, re-join them and pass --model {name} "
