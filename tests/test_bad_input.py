@@ -144,7 +144,7 @@ HOSTILE = [  # the review's seven command lines, then more: bounds, encodings, n
     ("demo --max-steps 0", ["demo", "--workflow", "sft", "--max-steps", "0", "--output-dir", "{t}/d"],
      "--max-steps 0: give 1 or more"),
     ("demo over another run's checkpoints", ["demo", "--workflow", "sft", "--output-dir", "{t}/train-run"],
-     "already holds checkpoints of a run that is not a demo's"),
+     "holds files that no .smolforge-run.json records"),
     # issue 43's six, then their kinds (input_rules: every int 64-bit, every float finite, each count in its
     # flag's range with cli.common.bounded, every string UTF-8 without NUL), on other commands and flags
     ("--seed past 64 bits", [*TRAIN, "--seed", "99999999999999999999999"],
@@ -225,24 +225,24 @@ def test_the_real_command_prints_one_message_for_nested_yaml(tmp_path):
 
 
 def test_the_demo_deletes_nothing_of_another_run_and_replaces_its_own(tmp_path):
-    """`demo --output-dir D` over another run's checkpoints is refused with them untouched; over a
-    demo's own earlier outputs (its mark) it starts afresh, as it always did."""
-    from smolforge.distill.demo import DEMO_MARK, claim_demo_dir
+    """`demo --output-dir D` over another run's outputs is refused with them untouched; over a demo's own
+    earlier outputs (its manifest records them) it starts afresh, as it always did."""
+    from smolforge.distill.demo import claim_demo_dir
     from smolforge.errors import SmolforgeError
 
     _files(tmp_path)
     run = tmp_path / "train-run"
     (run / "distill" / "output").mkdir(parents=True)  # as a `smolforge distill --output-dir D/distill` leaves it
     refused = _invoke(["demo", "--workflow", "distill", "--output-dir", str(run)])
-    assert refused.exit_code == 2 and "already holds distill of a run that is not a demo's" in refused.stderr
-    with pytest.raises(SmolforgeError, match="already holds distill of a run that is not a demo's"):
+    assert refused.exit_code == 2 and "holds files that no .smolforge-run.json records" in refused.stderr
+    with pytest.raises(SmolforgeError, match="holds files that no .smolforge-run.json records"):
         claim_demo_dir(run, ("distill", "sft-baseline"))
     assert (run / "checkpoints" / "step-10").is_dir() and (run / "distill" / "output").is_dir()  # nothing deleted
     demo = tmp_path / "demo"
-    claim_demo_dir(demo, ("checkpoints",))  # a first demo marks its directory
+    claim_demo_dir(demo, ("checkpoints",))  # a first demo records its directory
     (demo / "checkpoints" / "step-400").mkdir(parents=True)
     claim_demo_dir(demo, ("checkpoints",))  # the next one replaces what the first left
-    assert (demo / DEMO_MARK).is_file() and not (demo / "checkpoints").exists()
+    assert not (demo / "checkpoints").exists()
 
 
 def test_a_port_in_use_is_named(tmp_path):

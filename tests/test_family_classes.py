@@ -103,3 +103,28 @@ def test_the_template_s_end_of_turn_stops_a_model_whose_generation_config_does_n
     tok.eos_token = "<|endoftext|>"
     stops = stop_ids(tok, {"eos_token_id": tok.convert_tokens_to_ids("<|endoftext|>")})
     assert stops == {tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")}
+
+
+CHAT_TWINS = sorted(t for t in EXPECTED if EXPECTED[t][4][3] is not None)
+
+
+@pytest.mark.parametrize("twin", CHAT_TWINS)
+def test_a_system_prompt_reaches_training_and_the_prompt_in_every_family(twin):
+    """The system-prompt cell of the family matrix (issue 41, item 7): whatever the template does with a
+    system turn, its text reaches the training row (native or folded into the first user turn, once) and the
+    prompt a teacher or the server renders, in that order, and the loss covers only the answer."""
+    from smolforge.data.encode import IGNORE, encode_rendered
+    from smolforge.data.formats import Example
+    from smolforge.models.loading import load_tokenizer
+    from smolforge.train.rendering import render_prompt, system_role
+
+    tok = load_tokenizer(f"twin:{twin}")
+    messages = [{"role": "system", "content": "answer in one word"}, {"role": "user", "content": "capital of France"},
+                {"role": "assistant", "content": "Paris"}]
+    row = encode_rendered(tok, Example("cell:1", messages=messages), system_role=system_role(tok))
+    assert row.folded == (not EXPECTED[twin][4][0])
+    assert row.text.count("answer in one word") == 1 and row.text.index("answer in one word") < row.text.index("capital")
+    trained = tok.decode([i for i, lab in zip(row.input_ids, row.labels) if lab != IGNORE])
+    assert "Paris" in trained and "answer in one word" not in trained and "capital" not in trained
+    prompt = render_prompt(tok, messages[:2])
+    assert "answer in one word" in prompt and prompt.index("answer in one word") < prompt.index("capital")

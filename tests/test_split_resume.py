@@ -20,6 +20,7 @@ import torch
 
 from smolforge.config import DataSpec
 from smolforge.data import load_splits
+from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_tokenizer
 from smolforge.split import checkpoint as ckpt
 from smolforge.split.server import ServeConfig, serve
@@ -80,7 +81,10 @@ def test_resume_both_sides_equals_uninterrupted_run(data, tmp_path):
 
     # a new server process state (same checkpoint directory), and the client resumes
     srv = in_process_server(tmp_path / "ck")
-    try:
+    try:  # under another batch its step 3 would be other rows (issue 43): refused, naming the flag
+        with pytest.raises(SmolforgeError) as err:
+            train_split(cfg(srv.port, tmp_path / "cut", resume=True, batch_size=8), splits=splits, tokenizer=tok)
+        assert "batch_size 4 -> 8" in err.value.what and "--batch-size 4" in err.value.fix
         resumed = train_split(cfg(srv.port, tmp_path / "cut", resume=True), splits=splits, tokenizer=tok)
     finally:
         srv.stop(0)

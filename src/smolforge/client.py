@@ -19,12 +19,16 @@ import hashlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
 from smolforge.cluster.control.specs import from_seed_task
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:
+    from smolforge.cluster.face import Backend
+    from smolforge.cluster.nodes.ray_glue import ClusterHandle
 
 
 class Client:
@@ -130,6 +134,16 @@ class Client:
         d = Path(node_dir) if node_dir else home() / "ray-tls" / f"{self.host}-{self.port}"
         return request_node_env(lambda path, body: self._request("POST", path, json=body), d)
 
+    def ray_cluster(self) -> "ClusterHandle":
+        """This process joined to the coordinator's Ray cluster as a driver (a `ray_glue.ClusterHandle`),
+        with a certificate from the cluster's CA first where it runs TLS."""
+        from smolforge.cluster.nodes import ray_glue
+
+        info = self.check_token()
+        if info.get("ray_tls"):  # this driver needs its own certificate from the cluster's CA
+            os.environ.update(self.ray_tls_env())
+        return ray_glue.connect(info["ray_address"], token=self.token)
+
     def list_nodes(self) -> list[dict]:
         return self._request("GET", "/api/v1/nodes")
 
@@ -176,6 +190,10 @@ class Client:
         apply_job_overrides(data, overrides or [])
         data = stage_spec(data, self.upload)
         return self._request("POST", "/api/v1/jobs", json=data)["job_id"]
+
+    def remember_output_dir(self, job_id: str, output_dir: str | Path) -> None:
+        """Nothing to remember: a coordinator's job outlives the command, and `job resume` of it
+        downloads nothing (`EmbeddedCluster.remember_output_dir` is where it matters)."""
 
     def list_jobs(self, state: str | None = None) -> list[dict]:
         return self._request("GET", "/api/v1/jobs", params={"state": state} if state else None)
@@ -269,7 +287,7 @@ class Client:
 
 
 def backend_for(coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None,
-                embedded_ok: bool = False, num_cpus: int | None = None, token_file: str | Path | None = None) -> Any:
+                embedded_ok: bool = False, num_cpus: int | None = None, token_file: str | Path | None = None) -> "Backend":
     """A Client for the given/configured coordinator, else (if allowed) the embedded cluster.
 
     Configured means: --coordinator / $SMOLFORGE_COORDINATOR, or a coordinator recorded in the state

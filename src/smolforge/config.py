@@ -151,6 +151,8 @@ class TrainConfig(Spec):
     save_every: int = Field(0, ge=0, description="0: save at the end only")
     keep_last: int = Field(2, ge=1)
     resume: bool = False
+    resume_new_data: bool = Field(False, description="resume over training rows that changed since the checkpoint "
+                                  "(another file, max_length or packing): continue at its step in the new order")
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs given")

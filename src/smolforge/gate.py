@@ -11,6 +11,10 @@ to 892 MB of RSS before the 401). Here a request without the right token is answ
 application sees it, so nothing reads its body; one with the token may send at most `max_body`
 bytes (413 beyond: told by Content-Length at once, or counted as a chunked body streams in). The
 upload route streams to disk and has its own, larger bound.
+
+A request that carries the token also tells its listener that its connection proved itself
+(`http_limits.admit`): until then the connection counts among the few unproven ones a listener
+holds, so slow clients without the token cannot take the slots of those with it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import HTTPException
 
 from smolforge.auth import bearer_of, tokens_match
+from smolforge.http_limits import admit
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -48,13 +53,14 @@ class Gate:
             return
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         path = scope.get("path", "")
-        if path not in self.open_paths:
-            given = bearer_of(headers.get(b"authorization", b"").decode("latin-1"))
-            if not tokens_match(given, self.token()):
-                await _drain_small(receive, headers.get(b"content-length"))
-                await _reply(send, 401, self.error_body(401, "missing or wrong token", self.token_fix),
-                             {"www-authenticate": "Bearer"})
-                return
+        given = bearer_of(headers.get(b"authorization", b"").decode("latin-1"))
+        if given is not None and tokens_match(given, self.token()):
+            admit(scope)  # the connection proved itself: the listener no longer counts it as unproven
+        elif path not in self.open_paths:
+            await _drain_small(receive, headers.get(b"content-length"))
+            await _reply(send, 401, self.error_body(401, "missing or wrong token", self.token_fix),
+                         {"www-authenticate": "Bearer"})
+            return
         limit = self.stream_paths.get(path, self.max_body)
         declared = headers.get(b"content-length")
         if declared is not None:

@@ -9,8 +9,21 @@ Why each bound (the README's "Limits" lists the numbers):
   `BoundedH11Protocol` closes a connection that has not sent a whole request head `HEADER_TIMEOUT_S`
   after it connected (or after the first byte of its next request), and one whose request body
   stalls for `BODY_IDLE_S` (a body may take long, an upload over Wi-Fi, but must keep coming).
-- **Connections per listener.** Each open connection costs memory and a file descriptor; beyond
-  `MAX_CONNECTIONS` a new one is closed as soon as it is accepted.
+- **Connections per listener, and the share of those not yet proven.** Each open connection costs
+  memory and a file descriptor, so a listener holds at most `MAX_CONNECTIONS`. A connection is
+  *unproven* until a request on it carries the token (the gate says so: `admit`); at most
+  `MAX_UNPROVEN` connections are. Why: with one cap only, 300 connections that each sent a header
+  byte every 2 s (no token needed) held all 256 slots, and the token holders' `/health` answered
+  1 time in 24. Now a connection that arrives when the unproven share (or the whole listener) is
+  full takes the slot of the oldest unproven connection still waiting for its client's bytes,
+  which is closed; a new one is refused only when no such connection is left (every slot held by
+  a client that proved itself, or by a request being answered). What we follow: nginx keeps idle
+  and still-unread connections "reusable" and, short of free connections, closes the oldest of
+  them to accept the new one (`ngx_reusable_connection`, `ngx_drain_connections`; "reusing
+  connections in advance", nginx 1.19.2; nginx frees only connections that sent no byte yet or
+  sit idle between requests, we also those still sending a head or that never sent the token); its `client_header_timeout` and Apache's
+  `mod_reqtimeout` are our header timeout. uvicorn's `limit_concurrency` (503 past a count) and
+  gunicorn's `worker_connections` count every connection alike, which is the lockout above.
 - **JSON nesting.** Python's parser (and pydantic, and `json.dumps` when the value is stored)
   recurse once per level: a body of 100 000 `[` raised RecursionError deep inside a handler.
   `json_depth` counts the nesting of the raw bytes, strings skipped, in linear time, before any
@@ -22,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import h11
@@ -31,6 +46,9 @@ HEADER_TIMEOUT_S = float(os.environ.get("SMOLFORGE_HEADER_TIMEOUT_S", "10"))
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this (uvicorn's own timer)
 BODY_IDLE_S = float(os.environ.get("SMOLFORGE_BODY_IDLE_S", "60"))  # a request body may not stall longer
 MAX_CONNECTIONS = int(os.environ.get("SMOLFORGE_MAX_CONNECTIONS", "256"))
+# connections no request with the token has come on yet: a quarter of the slots
+MAX_UNPROVEN = int(os.environ.get("SMOLFORGE_MAX_UNPROVEN", str(max(1, MAX_CONNECTIONS // 4))))
+ADMIT = "smolforge.admit"  # the scope extension the gate calls once a request carried the token
 MAX_JSON_DEPTH = 32  # job specs and chat requests nest 6 deep at most
 
 # A JSON string, escapes included; the closing quote is optional so a match never fails and
@@ -60,17 +78,84 @@ def too_deep_message(depth: int) -> str:
     return f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels" if depth > MAX_JSON_DEPTH else ""
 
 
+def admit(scope: dict[str, Any]) -> None:
+    """Tell the listener that this request's connection proved itself (it carried the token): it no
+    longer counts against `MAX_UNPROVEN` and is never evicted. The gate (`gate.py`) calls it; a scope
+    from another server (a test client) has no such extension and nothing happens."""
+    hook = (scope.get("extensions") or {}).get(ADMIT)
+    if hook is not None:
+        hook()
+
+
+class _Slots:
+    """One listener's unproven connections, oldest first, and what the rule decided (counters)."""
+
+    def __init__(self) -> None:
+        self.unproven: OrderedDict[BoundedH11Protocol, None] = OrderedDict()
+        self.leaving: set[BoundedH11Protocol] = set()  # closed by us, `connection_lost` not yet called
+        self.evicted = 0  # unproven connections closed to make room for a new one
+        self.refused = 0  # new connections closed at once: no slot could be freed
+        self.admitted = 0  # connections that proved themselves
+
+    def make_room(self, connections: int) -> bool:
+        """Whether a new connection (already counted in `connections`, unproven) may stay: it may when
+        the listener and its unproven share have room, or once the oldest unproven connection that waits
+        for its client's bytes (no request of it being answered) has been closed to give it its slot."""
+        if len(self.unproven) < MAX_UNPROVEN and connections - len(self.leaving) <= MAX_CONNECTIONS:
+            return True
+        for old in self.unproven:
+            if old.waiting_for_client():
+                del self.unproven[old]
+                self.leaving.add(old)
+                self.evicted += 1
+                old.transport.close()
+                return True
+        self.refused += 1
+        return False
+
+
+_SLOTS: weakref.WeakKeyDictionary[Any, _Slots] = weakref.WeakKeyDictionary()
+
+
+def slots_of(server_state: Any) -> _Slots:
+    """The slots of the listener whose uvicorn `ServerState` this is (`uvicorn.Server.server_state`)."""
+    slots = _SLOTS.get(server_state)
+    if slots is None:
+        slots = _SLOTS[server_state] = _Slots()
+    return slots
+
+
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with time limits on sending a request and a cap on connections."""
+    """uvicorn's HTTP/1.1 protocol with time limits on sending a request, a cap on connections and a
+    smaller one on connections that have not yet proven themselves (the module's docstring says why)."""
 
     _read_timer: asyncio.TimerHandle | None = None
+    _slots: _Slots | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > MAX_CONNECTIONS:
+        self._slots = slots_of(self.server_state)
+        if not self._slots.make_room(len(self.connections)):
+            self._slots.leaving.add(self)
             transport.close()  # connection_lost follows and forgets it
             return
+        self._slots.unproven[self] = None
         self._arm(HEADER_TIMEOUT_S)
+
+    def handle_events(self) -> None:
+        before = self.scope
+        super().handle_events()
+        if self.scope is not before and self.scope is not None:  # a new request: its task has not run yet
+            self.scope.setdefault("extensions", {})[ADMIT] = self._admitted  # type: ignore[typeddict-item]
+
+    def _admitted(self) -> None:
+        if self._slots is not None and self in self._slots.unproven:
+            del self._slots.unproven[self]
+            self._slots.admitted += 1
+
+    def waiting_for_client(self) -> bool:
+        """No request of this connection is being answered: what it lacks is its client's bytes."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
 
     def data_received(self, data: bytes) -> None:
         next_request = self.timeout_keep_alive_task is not None  # its first bytes, on a kept-alive connection
@@ -84,6 +169,9 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._slots is not None:
+            self._slots.unproven.pop(self, None)
+            self._slots.leaving.discard(self)
         super().connection_lost(exc)
 
     def _arm(self, seconds: float) -> None:
@@ -105,8 +193,31 @@ class BoundedH11Protocol(H11Protocol):
 def server_config(app: Any, host: str, port: int, **kwargs: Any):
     """A uvicorn.Config with the bounds above; `kwargs` as uvicorn's (TLS files, log level). No
     `limit_concurrency`: HTTP/1.1 runs one request per connection at a time, so the connection cap
-    bounds requests in flight too."""
+    bounds requests in flight too. No WebSocket: no smolforge route takes one, and an upgraded
+    connection would leave this protocol (and its slot accounting) before the gate saw a token."""
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, http=BoundedH11Protocol, timeout_keep_alive=KEEP_ALIVE_S,
-                          **kwargs)
+                          ws="none", **kwargs)
+
+
+def page_headers(html: str) -> dict[str, str]:
+    """The headers every HTML page smolforge serves (the dashboard, serve's chat page) is sent with.
+
+    A Content-Security-Policy that runs only the page's own scripts (its files from this origin, and each
+    inline `<script>` by its sha256: CSP level 2's hash source), talks only to this origin, and may not be
+    framed (`frame-ancestors 'none'`, with `X-Frame-Options: DENY` for browsers without CSP 2: no
+    click-jacking of a page that holds a token); no referrer (the address may hold `#token=`); no caching
+    of the shell. Inline styles stay allowed (`style-src 'unsafe-inline'`: the chart library sets element
+    styles). Follows OWASP's Secure Headers recommendations for an HTML application."""
+    import base64
+    import hashlib
+    import re
+
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in scripts)
+    csp = ("default-src 'none'; script-src 'self'" + (f" {hashes}" if hashes else "")
+           + "; style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; "
+             "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
+    return {"Content-Security-Policy": csp, "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}

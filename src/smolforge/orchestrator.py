@@ -23,7 +23,7 @@ sees its job complete, the merged adapter when `aggregate_student_outputs` retur
 cluster writes them there itself).
 
 On a bare Ray handle (a backend with no jobs: the distill tests' clusters) the same calls run the
-tasks in this process: `smolforge.cluster.workloads.distill.session.DistillTasks`, the building blocks
+tasks in this process: `smolforge.cluster.face.DistillTasks`, the building blocks
 the distill job runner drives, with `self.cluster` and `self.log_event` from here.
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import os
 import sys
 import time
 import weakref
@@ -39,13 +38,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.client import backend_for
-from smolforge.cluster.workloads.distill.runner import split_task_id
-from smolforge.cluster.workloads.distill.seed_args import student_args, task_options
-from smolforge.cluster.workloads.distill.session import DistillTasks
-from smolforge.cluster.workloads.distill.state import store_dir_of
-from smolforge.cluster.workloads.distill.students import StudentTasks
-from smolforge.cluster.workloads.distill.teachers import TeacherTasks
 from smolforge.cluster.control.specs import TaskConfig
+from smolforge.cluster.face import (DistillTasks, StudentTasks, TeacherTasks, holds_jobs, split_task_id, store_dir_of,
+                                    student_args, task_options)
 from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
 
@@ -69,7 +64,7 @@ class Orchestrator(DistillTasks):
         self._cluster = None
         self._token = token
         # The seeds' tasks as jobs, unless the backend is a bare Ray handle (no job API): in-process
-        self._as_jobs = hasattr(self.backend, "submit_job")
+        self._as_jobs = holds_jobs(self.backend)
         self._mine: dict[str, dict[str, Any]] = {}  # task id -> {job, fetch: (kind, name, local dir) or None}
         self._teacher_jobs: dict[str, str] = {}  # a teacher store's local path -> its job
         self._student_dirs: dict[str, str] = {}  # a student's local output dir -> its task id
@@ -88,16 +83,8 @@ class Orchestrator(DistillTasks):
     def cluster(self):
         """The Ray cluster behind the backend, connected on first use (ray_glue.ClusterHandle)."""
         if self._cluster is None:
-            from smolforge.cluster.nodes import ray_glue
-
-            handle = getattr(self.backend, "handle", None)
-            if handle is not None:
-                self._cluster = handle
-            else:
-                info = self.backend.check_token()
-                if info.get("ray_tls"):  # this driver needs its own certificate from the cluster's CA
-                    os.environ.update(self.backend.ray_tls_env())
-                self._cluster = ray_glue.connect(info["ray_address"], token=self.backend.token)
+            # a Backend's cluster (Client: joined as a driver; embedded: its own), or the bare handle held
+            self._cluster = self.backend.ray_cluster() if self._as_jobs else self.backend.handle
             # A seed script just ends: our driver threads must stop before Ray's own exit hook shuts
             # Ray down (a thread still calling Ray then kills the process with exit code 1). atexit runs
             # hooks last-registered first, and Ray registered its hook when this process connected.
@@ -108,9 +95,7 @@ class Orchestrator(DistillTasks):
         self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
 
     def close(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if close:
-            close()
+        self.backend.close()
 
     def __enter__(self):
         return self
@@ -344,7 +329,7 @@ class Orchestrator(DistillTasks):
 
     @property
     def _embedded(self) -> bool:
-        return bool(getattr(self.backend, "runs_in_process", False))
+        return self.backend.runs_in_process
 
     def _submit(self, stage: str, args: dict[str, Any], *, name: str, output_dir: Path, **fields: Any) -> str:
         """One distill_task job; an embedded one writes where the call said, a coordinator's in its state dir."""

@@ -137,8 +137,21 @@ def test_overview_lists_nodes_and_the_job(world, page):
         bare.goto(f"http://127.0.0.1:{world['c'].port}/dashboard")
         bare.wait_for_selector("#login", state="visible")
         assert bare.locator("tr[data-node]").count() == 0
+        # an in-page navigation to an address with the token (a pasted link): taken, and gone from the
+        # address bar at once, the page it names kept (issue 43: it stayed in the address bar)
+        bare.evaluate(f"location.hash = 'token={world['c'].token}&job={job_id}'")
+        bare.wait_for_function("() => !location.hash.includes('token=')")
+        assert "token=" not in bare.url and bare.url.endswith(f"#job={job_id}"), bare.url
+        assert world["c"].token not in bare.evaluate("location.href")
     finally:
         bare.close()
+    # the page shell: only its own scripts run, it talks only to its origin, and no other site may frame it
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{world['c'].port}/dashboard", timeout=30) as resp:
+        csp = resp.headers["Content-Security-Policy"]
+        assert resp.headers["X-Frame-Options"] == "DENY" and resp.headers["Referrer-Policy"] == "no-referrer"
+    assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp, csp
 
 
 def chart_series(page) -> dict[str, dict]:

@@ -150,6 +150,22 @@ def test_chat_page_streams_an_answer(server, tmp_path):
                                                     max_tokens=64).choices[0].message.content
 
 
+def test_the_chat_page_runs_only_its_own_script_and_cannot_be_framed(server):
+    """The shell's headers (`http_limits.page_headers`): its one inline script allowed by its hash, nothing
+    else; the streaming test above proves the page still works under that policy."""
+    import base64
+    import hashlib
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.base}/chat", timeout=30) as resp:
+        body, csp = resp.read().decode(), resp.headers["Content-Security-Policy"]
+        assert resp.headers["X-Frame-Options"] == "DENY" and resp.headers["Referrer-Policy"] == "no-referrer"
+    script = re.search(r"<script>(.*?)</script>", body, flags=re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert f"script-src 'self' 'sha256-{digest}';" in csp and "frame-ancestors 'none'" in csp, csp
+    assert "unsafe-inline" not in csp.split("script-src", 1)[1].split(";", 1)[0]
+
+
 def test_chat_page_without_a_token_asks_for_it(server, tmp_path):
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'p'}",

@@ -147,22 +147,39 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
         srv.close()
 
 
-def test_connections_over_the_bound_are_closed_until_some_close(monkeypatch):
+def test_unproven_connections_give_way_and_proven_ones_bound_the_listener(served_tiny, monkeypatch):
+    """serve's front (the real app and gate, serve's listener settings) at 2 connections: two that never
+    sent the token give way to one that does (the oldest is closed); once both slots hold clients that
+    sent the token, a third connection is closed as it is accepted, until one of them closes."""
     from smolforge import http_limits
+    from smolforge.serve import api
+    from smolforge.serve.engine import Engine
 
     monkeypatch.setattr(http_limits, "MAX_CONNECTIONS", 2)
-    srv = Listener()
+    app = api.create_app(served_tiny, Engine(served_tiny), token="t0k", model_name="tiny")
+    models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\n\r\n"
+    srv = Listener(app)
     idle = []
     try:
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
         srv.wait_connections(2)
+        proven = socket.create_connection(("127.0.0.1", srv.port))
+        proven.sendall(models)
+        assert read_response(proven).startswith(b"HTTP/1.1 200")  # served: the oldest idle one gave way
+        assert closed_by_server(idle[0])
+        idle[1].close()
+        srv.wait_connections(1)
+        second = socket.create_connection(("127.0.0.1", srv.port))
+        second.sendall(models)
+        assert read_response(second).startswith(b"HTTP/1.1 200")
         third = socket.create_connection(("127.0.0.1", srv.port))
-        third.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert closed_by_server(third)  # closed as it was accepted, unanswered
-        for s in idle:
-            s.close()
+        third.sendall(models)
+        assert closed_by_server(third)  # both slots proved themselves: closed as it was accepted, unanswered
+        assert http_limits.slots_of(srv.server.server_state).refused == 1
+        second.close()
+        proven.close()
         srv.wait_connections(0)
-        assert httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=60).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=60).status_code in (200, 503)
     finally:
         for s in idle:
             s.close()

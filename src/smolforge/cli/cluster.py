@@ -16,12 +16,15 @@ with none of those runs on an embedded cluster of this machine (same scheduler, 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, fmt_eta, print_json, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
+
+if TYPE_CHECKING:
+    from smolforge.cluster.face import Backend
 
 COORD_HELP = ("coordinator HOST:PORT or https://HOST:PORT (default: $SMOLFORGE_COORDINATOR or the one running from "
               "--state-dir; https needs $SMOLFORGE_TLS_FINGERPRINT unless it is that one)")
@@ -29,7 +32,8 @@ TOKEN_HELP = "cluster token (default: $SMOLFORGE_TOKEN or <state-dir>/token)"
 STATE_HELP = "state directory (default: $SMOLFORGE_HOME, ~/.smolforge)"
 
 
-def _backend(coordinator: str | None, token: str | None, state_dir: str | None, embedded_ok: bool = False):
+def _backend(coordinator: str | None, token: str | None, state_dir: str | None, embedded_ok: bool = False) -> Backend:
+    """The coordinator's `Client`, else (if allowed) the embedded cluster: `client.backend_for`."""
     from smolforge.client import backend_for
 
     return backend_for(coordinator, token, state_dir, embedded_ok=embedded_ok)
@@ -226,7 +230,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         Example: smolforge coordinator start --host 0.0.0.0 --port 5000 --tls
         """
         from smolforge.cluster.coordinator import Coordinator, CoordinatorOptions
-        from smolforge.cluster.nodes.discovery import check_node_name
+        from smolforge.cluster.face import check_node_name
 
         check_node_name(name)
         coord = Coordinator(CoordinatorOptions(host=host, port=port, ray_port=ray_port, state_dir=state_dir, name=name,
@@ -270,7 +274,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
         """
         import sys
 
-        from smolforge.cluster.nodes.worker import WorkerNode, WorkerOptions
+        from smolforge.cluster.face import WorkerNode, WorkerOptions
 
         node = WorkerNode(WorkerOptions(coordinator=coordinator, token=cli_token(token, token_file), name=name, models_dir=models_dir,
                                         cpus=cpus, gpus=gpus, memory_gb=memory, state_dir=state_dir,
@@ -295,7 +299,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
 
         Example: smolforge worker rescan --state-dir ~/.smolforge-worker
         """
-        from smolforge.cluster.nodes.worker import request_rescan
+        from smolforge.cluster.face import request_rescan
 
         typer.echo(request_rescan(state_dir))
 
@@ -428,7 +432,8 @@ def _register_job_control(job_app: typer.Typer) -> None:
         ):
             backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
             try:
-                st = getattr(backend, f"{action}_job")(job_id)
+                st = {"pause": backend.pause_job, "resume": backend.resume_job, "cancel": backend.cancel_job,
+                      "delete": backend.delete_job}[action](job_id)
                 if action == "resume" and backend.runs_in_process:  # the job runs in this command: follow it
                     finish_resumed(backend, wait_with_progress(backend, st["job_id"], quiet=json_out), json_out)
                     return

@@ -12,7 +12,7 @@ import click
 import typer
 from typer.core import TyperCommand
 
-from smolforge.cluster.nodes.statedir import check_port  # noqa: F401  (every command's port flags: before anything starts)
+from smolforge.cluster.face import check_port  # noqa: F401  (every command's port flags: before anything starts)
 from smolforge.errors import SmolforgeError
 
 

@@ -13,7 +13,8 @@ from smolforge.data.synthetic import BUNDLED_PROMPTS_N
 from smolforge.errors import SmolforgeError
 
 DEMO_MODEL = "tiny-llama"
-SFT_REPLACES = ("checkpoints",)  # what the fine-tune demo starts afresh in its --output-dir
+SFT_REPLACES = ("checkpoints", "lora_adapter", "summary.json", "metrics.jsonl", "tensorboard")  # what the
+# fine-tune demo starts afresh in its --output-dir (only as far as an earlier demo's manifest records them)
 
 
 def sft_demo_config(output_dir: str, max_steps: int, seed: int, quiet: bool) -> TrainConfig:
@@ -43,7 +44,7 @@ def run_sft_demo(output_dir: str = "outputs/demo", max_steps: int = 400, seed: i
     tokenizer, model = build_model(cfg, torch.device("cpu"))
     splits = load_checked_splits(cfg.data, tokenizer)
     before = evaluate(model, tokenizer, splits, cfg, torch.device("cpu"))
-    result = train(cfg, splits=splits, model=model, tokenizer=tokenizer)
+    result = train(cfg, splits=splits, model=model, tokenizer=tokenizer, run_kind="demo")
     return {
         "model": DEMO_MODEL,
         "peft": "lora",
@@ -84,7 +85,7 @@ def prepare_output_dir(output_dir: str, replaces: tuple[str, ...]) -> None:
 
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
-    from smolforge.cluster.workloads.distill.session import DistillSession
+    from smolforge.cluster.face import DistillSession
     from smolforge.distill.demo import run_demo
     from smolforge.orchestrator import Orchestrator
 

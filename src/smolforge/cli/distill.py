@@ -176,8 +176,8 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.cli.follow import finish_job, wait_with_progress
     from smolforge.cli.launch import fetch_distill_summary
     from smolforge.client import backend_for
-    from smolforge.cluster.workloads.distill.sync import make_sync
     from smolforge.cluster.control.specs import DistillJob
+    from smolforge.cluster.face import make_sync
     from smolforge.config import validate
     from smolforge.distill.settings import check_run, refuse_used_run_dir
 
@@ -188,7 +188,7 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     refuse_used_run_dir(out, resume)
     quiet_libraries()  # transformers (seconds): only once the flags are known to be good
     backend = backend_for(coordinator, token, None, embedded_ok=True)
-    embedded = getattr(backend, "base", "") == "embedded"
+    embedded = backend.runs_in_process
     try:
         if embedded:  # the job runs on this machine: it writes the run where the user said
             spec = {**spec, "output_dir": str(out.resolve())}
@@ -206,9 +206,7 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
             fetch_distill_summary(backend, job_id, out)
         return json.loads((out / "distill_summary.json").read_text())
     finally:
-        close = getattr(backend, "close", None)
-        if close:
-            close()
+        backend.close()
 
 
 def _print_summary(summary: dict) -> None:

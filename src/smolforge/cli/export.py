@@ -106,7 +106,7 @@ def _via_job(spec: dict, out: Path, coordinator: str, token: Optional[str], time
     if st["state"] != "completed":
         raise SmolforgeError(f"export job {job_id} {st['state']}: {st.get('error') or st.get('message')}",
                              fix=f"see `smolforge job events {job_id}`")
-    backend.download_artifact(job_id, "export", spec["to"], out, overwrite=True)
+    _download_export(backend, job_id, spec["to"], out)
     summary = read_summary(out)
     summary["output_dir"] = str(out)
     if "ollama" in summary:
@@ -116,6 +116,25 @@ def _via_job(spec: dict, out: Path, coordinator: str, token: Optional[str], time
     return summary
 
 
+def _download_export(backend: Any, job_id: str, to: str, out: Path) -> None:
+    """The job's export into `out` as a local export writes it: downloaded whole beside it, then swapped
+    in replacing only an earlier export's files (`rundir.replace_with`: files a user added are kept)."""
+    import shutil
+    import tempfile
+
+    from smolforge.models.export.run import check_output_dir
+    from smolforge.rundir import replace_with
+
+    run = check_output_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.download-", dir=out.parent))
+    try:
+        backend.download_artifact(job_id, "export", to, scratch / "export")
+        replace_with(run, scratch / "export")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("export")
     @run_cli
@@ -123,7 +142,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="base model: HF id, local dir, Ollama name or preset"),
         adapter: list[str] = typer.Option([], "--adapter", help="adapter directory to merge (repeat: merged in order)"),
         to: str = typer.Option(..., "--to", help=" | ".join(TARGETS)),
-        output_dir: str = typer.Option(..., help="directory to write (replaced if it holds an earlier export)"),
+        output_dir: str = typer.Option(..., help="directory to write (an earlier export's files there are replaced; files you added are kept)"),
         quant: str = typer.Option("f16", help=f"GGUF weights: {' | '.join(QUANTS)}"),
         dtype: str = typer.Option("auto", "--dtype", help="--to hf: the dtype the merged weights are written in: "
                                   "auto (the checkpoint's own) | bf16 | fp16 | fp32 (GGUF: use --quant)"),

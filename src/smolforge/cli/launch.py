@@ -186,7 +186,7 @@ def _register_submit(app: typer.Typer) -> None:
         """
         refuse_used_download_dir(output_dir)
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
-        embedded = getattr(backend, "base", "") == "embedded"
+        embedded = backend.runs_in_process
         try:
             job_id = backend.submit_job(job_file, [*set_, *([f"priority={priority}"] if priority else [])])
             if embedded:  # as launch: `job resume` downloads where this command would have
@@ -200,9 +200,7 @@ def _register_submit(app: typer.Typer) -> None:
             st = wait_with_progress(backend, job_id, quiet or json_out)
             finish_job(backend, st, output_dir or f"outputs/{job_id}", json_out)
         finally:
-            close = getattr(backend, "close", None)
-            if close:
-                close()
+            backend.close()
 
 
 def _export_after(o: dict[str, Any]) -> Callable[[Path], dict] | None:
@@ -393,7 +391,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
         raise SmolforgeError("--export needs the run's end: it cannot go with --detach",
                              fix="drop --detach, or export later with `smolforge export`")
     backend = _backend(coordinator, token, state_dir, embedded_ok=True)
-    embedded = getattr(backend, "base", "") == "embedded"
+    embedded = backend.runs_in_process
     try:
         if detach and embedded:
             raise SmolforgeError("--detach needs a coordinator (the embedded cluster ends with this command)",
@@ -416,9 +414,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
             say_monitoring(backend, job_id, embedded)
         finish_job(backend, st, out, json_out, after=after)
     finally:
-        close = getattr(backend, "close", None)
-        if close:
-            close()
+        backend.close()
 
 
 def say_monitoring(backend: Any, job_id: str, embedded: bool) -> None:

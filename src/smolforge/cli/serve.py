@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
         """
         dtype = parse_dtype(dtype)  # one message before anything starts, staged or not
         quiet_libraries()
-        from smolforge.cluster.nodes.statedir import check_port
+        from smolforge.cluster.face import check_port
 
         check_port(port, "--port", zero_picks=True)  # one message before anything starts, staged or not
         check_engine(engine)
@@ -122,7 +122,7 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
     job = parse(spec)  # a bad setting is a message now, not after a cluster has started
     given = given_token(token_file)  # an unreadable token file too
     backend = backend_for(coordinator, token, state_dir, embedded_ok=True)
-    embedded = getattr(backend, "base", "") == "embedded"
+    embedded = backend.runs_in_process
     job_id = None
     api_token = _embedded_api_token(backend, given) if embedded else None
     try:
@@ -149,14 +149,9 @@ def serve_staged(spec: dict, *, coordinator: str | None, token: str | None, stat
     finally:
         if api_token is not None:
             api_token.unlink(missing_ok=True)
-        if embedded:
-            if job_id is not None and backend.get_job_status(job_id)["state"] in ("pending", "running"):
-                backend.cancel_job(job_id)
-            backend.close()
-        else:
-            close = getattr(backend, "close", None)
-            if close:
-                close()
+        if embedded and job_id is not None and backend.get_job_status(job_id)["state"] in ("pending", "running"):
+            backend.cancel_job(job_id)
+        backend.close()
 
 
 def _embedded_api_token(backend: Any, given: str | None) -> Path | None:

@@ -29,7 +29,8 @@ FLAG_KEYS = {
     "max_samples": "data.max_samples", "output_dir": "output_dir", "max_steps": "max_steps",
     "epochs": "epochs", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
     "warmup_steps": "warmup_steps", "scheduler": "scheduler", "eval_every": "eval_every",
-    "save_every": "save_every", "keep_last": "keep_last", "resume": "resume", "seed": "seed",
+    "save_every": "save_every", "keep_last": "keep_last", "resume": "resume",
+    "resume_new_data": "resume_new_data", "seed": "seed",
     "device": "device", "precision": "precision", "dtype": "dtype", "gradient_checkpointing": "gradient_checkpointing",
     "num_threads": "num_threads", "quiet": "quiet", "wandb": "wandb",
 }
@@ -107,6 +108,8 @@ def _register_train(app: typer.Typer) -> None:
         save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (0: at the end)"),
         keep_last: Optional[int] = typer.Option(None, help="checkpoints to keep"),
         resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint"),
+        resume_new_data: bool = typer.Option(False, "--resume-new-data",
+                                             help="with --resume: continue although the training data changed"),
         seed: Optional[int] = typer.Option(None),
         device: Optional[str] = typer.Option(None, help="auto|cpu|cuda"),
         precision: Optional[str] = typer.Option(None, help="autocast: auto|fp32|bf16|fp16"),

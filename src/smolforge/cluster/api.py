@@ -32,6 +32,7 @@ from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, Job
                                          validation_error)
 from smolforge.auth import bearer_of, tokens_match
 from smolforge.gate import Gate
+from smolforge.http_limits import page_headers
 from smolforge.cluster.nodes.heartbeat import Heartbeat
 from smolforge.cluster.metrics import render
 from smolforge.cluster.nodes.ray_tls import ensure_ca, sign_request
@@ -126,7 +127,7 @@ def _open_routes(app: FastAPI, core: Any) -> None:
 
     @app.get("/dashboard", response_class=HTMLResponse)
     def dashboard():
-        return HTMLResponse(page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        return HTMLResponse(page(), headers=page_headers(page()))
 
     @app.get("/dashboard/assets/{name}", responses={200: {"description": "one packaged file", "content": {
         media.split(";")[0]: {} for _, media in ASSETS.values()}}})
@@ -171,9 +172,13 @@ def _cluster_routes(app: FastAPI, core: Any, auth: list) -> None:
         ca_cert, ca_key = ensure_ca(core.state.root / "tls")
         return {"certificate": sign_request(req.csr, ca_cert, ca_key), "ca": ca_cert.read_text()}
 
-    @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth)
+    @app.post("/api/v1/nodes/{node_id}/heartbeat", dependencies=auth,
+              responses={404: {"model": ApiError, "description": "no node of this id has joined the cluster"}})
     def heartbeat(node_id: NodeId, sample: Heartbeat):
-        core.monitor.heartbeat(node_id, sample.model_dump())
+        if not core.monitor.heartbeat(node_id, sample.model_dump()):  # kept for joined nodes only
+            return JSONResponse({"error": f"no node {node_id} has joined this cluster", "where": None,
+                                 "fix": "join the node first (`smolforge worker join`); its agent then reports by "
+                                        "itself"}, status_code=404)
         return {"ok": True}
 
     @app.get("/api/v1/resources", dependencies=auth)

@@ -2,8 +2,8 @@
 
 `ray_glue.connect()` starts an in-process Ray cluster of this machine (advertised as a worker), and
 the very same JobManager, worker group and control actor as on a real cluster run the job. The
-object has the `Client` methods the CLI and the Orchestrator use, so callers do not care which one
-they hold. State (job store, artifacts) lives in `$SMOLFORGE_HOME/embedded/`.
+object implements `cluster.face.Backend`, as `Client` does, so callers do not care which one they
+hold. State (job store, artifacts) lives in `$SMOLFORGE_HOME/embedded/`.
 
 Ray starts only when something must run (a submit, a resume, the node table): `smolforge jobs` and
 `job show` read the store. A job runs inside the command that started (or resumed) it, which
@@ -21,6 +21,7 @@ from typing import Callable
 import psutil
 
 from smolforge.cluster.nodes import ray_glue, ray_session
+from smolforge.cluster.nodes.ray_glue import ClusterHandle
 from smolforge.cluster.control.artifacts import ArtifactStore
 from smolforge.cluster.control.kinds import apply_job_overrides, pin_local_models, stage_spec
 from smolforge.cluster.control.jobstore import JobStore
@@ -103,7 +104,11 @@ class EmbeddedCluster:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the Client surface -----------------------------------------------------------------------
+    # -- the Client surface (cluster.face.Backend) -------------------------------------------------
+
+    def ray_cluster(self) -> ClusterHandle:
+        """The in-process Ray cluster (`handle`), started on first use."""
+        return self.handle
 
     def list_nodes(self) -> list[dict]:
         return [node_view(n, state="online", usage=None, heartbeat_age_s=None) for n in self.handle.nodes()]

@@ -18,12 +18,19 @@
     var m = new RegExp("(?:^|[#&])" + name + "=([^&]+)").exec(window.location.hash || "");
     return m ? decodeURIComponent(m[1]) : null;
   }
-  var token = fromHash("token");
-  if (token) {
-    try { sessionStorage.setItem(KEY, token); } catch (e) {}
-    var job0 = fromHash("job");  // keep the token out of the address bar, keep the page it names
+  var token = null;
+  // A `#token=` in the address (the first load, or any in-page navigation to such an address) is taken
+  // into sessionStorage and removed from the address bar at once, keeping the page it names.
+  function takeToken() {
+    var found = fromHash("token");
+    if (!found) return false;
+    token = found;
+    try { sessionStorage.setItem(KEY, found); } catch (e) {}
+    var job0 = fromHash("job");
     history.replaceState(null, "", window.location.pathname + (job0 ? "#job=" + encodeURIComponent(job0) : ""));
-  } else {
+    return true;
+  }
+  if (!takeToken()) {
     try { token = sessionStorage.getItem(KEY); } catch (e) { token = null; }
   }
 
@@ -382,7 +389,7 @@
       })
       .then(function () { busy = false; });
   }
-  window.addEventListener("hashchange", refresh);
+  window.addEventListener("hashchange", function () { takeToken(); refresh(); });
   refresh();
   setInterval(refresh, REFRESH_MS);
 })();

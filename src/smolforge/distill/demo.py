@@ -33,38 +33,29 @@ from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.store import store_summary
 from smolforge.distill.student import StudentConfig
-from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, load_adapter
 from smolforge.paths import atomic_write_json, home
+from smolforge.rundir import RunDir, check_run_dir, claim_run_dir, remove_recorded
 from smolforge.train.engine import evaluate, train
 from smolforge.train.rendering import load_checked_splits
 
 DEMO_STUDENT = "tiny-llama"  # the preset the student base is pretrained from (student_base)
-DEMO_MARK = ".smolforge-demo"  # in a demo's --output-dir: what a demo wrote there, the next demo replaces
-DISTILL_REPLACES = ("distill", "sft-baseline")  # what the distillation demo starts afresh in its --output-dir
+DISTILL_REPLACES = ("distill", "sft-baseline", "demo_summary.json")  # what the distillation demo starts afresh
 
 
-def check_demo_dir(out: str | Path, replaces: tuple[str, ...]) -> list[Path]:
-    """What a demo would replace in `out` (it starts fresh each time: its outputs are a showcase, not a
-    run to continue); refused, before anything runs or is deleted, when they are not a demo's: `out`
-    then holds another run (`train`, `distill`) that the demo would have deleted."""
-    out = Path(out)
-    found = [out / name for name in replaces if (out / name).exists()]
-    if found and not ((out / DEMO_MARK).is_file() or (out / "demo_summary.json").is_file()):
-        raise SmolforgeError(f"{out} already holds {', '.join(p.name for p in found)} of a run that is not a "
-                             "demo's", where="--output-dir",
-                             fix="choose another --output-dir, or move that run away (nothing was deleted)")
-    return found
+def check_demo_dir(out: str | Path, replaces: tuple[str, ...]) -> RunDir:
+    """Whether a demo may start afresh in `out` (its outputs are a showcase, not a run to continue),
+    replacing `replaces`: refused (exit 2), before anything runs or is deleted, when `out` holds another
+    kind of run (its manifest says so: `rundir`), any of `replaces` that no earlier demo recorded, or any
+    file without a manifest (a run from before manifests: the old demo mark proves nothing)."""
+    return check_run_dir(out, "demo", replaces, unrecorded_ok=False)
 
 
 def claim_demo_dir(out: str | Path, replaces: tuple[str, ...]) -> None:
-    """check_demo_dir, then mark `out` as a demo's and delete what an earlier demo left there."""
-    found = check_demo_dir(out, replaces)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / DEMO_MARK).write_text("written by `smolforge demo`: the next demo replaces its outputs here\n")
-    for path in found:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    """check_demo_dir, then record the demo in `out`'s manifest and delete what an earlier demo wrote of
+    `replaces` (only what its manifest records: a file a user added stays)."""
+    remove_recorded(claim_run_dir(out, "demo", replaces, unrecorded_ok=False), replaces)
 
 
 @dataclass
@@ -253,7 +244,7 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     teacher/base/SFT/KD metrics, store bytes/token and stage times."""
     s = settings or DemoSettings()
     out = Path(output_dir or "outputs/demo")
-    kd_dir, sft_dir = (out / name for name in DISTILL_REPLACES)
+    kd_dir, sft_dir = (out / name for name in DISTILL_REPLACES[:2])
     claim_demo_dir(out, DISTILL_REPLACES)
     stages: dict[str, float] = {}
     t_all = time.time()

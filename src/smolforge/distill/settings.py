@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from smolforge.config import DEFAULT_LR, ModelDtype, PeftSpec, Spec, default_lr, validate
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
+from smolforge.rundir import check_run_dir, record
 
 # How the students of a base become one adapter (`--aggregate`), one place: `distill/aggregate.py`
 # implements them; the CLI's help and `check_run` read them here, without importing torch.
@@ -206,12 +207,22 @@ def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[
                 fix="; or ".join(fix for _what, fix in needs) + f"; or pick a student with {teacher}'s tokenizer")
 
 
+# the top-level names a distillation run writes in its --output-dir (its manifest: `rundir`)
+DISTILL_OUTPUTS = ("teacher_outputs", "output", "merged_model", "distill_summary.json", "export")
+
+
 def refuse_used_run_dir(output_dir: str | Path, resume: bool) -> None:
     """A distillation rerun into a run dir whose students left checkpoints either continues them
     (`resume`) or is refused: their steps are never deleted, nor continued by a run with other settings.
-    Teacher shards are always reused (they are checked against the plan)."""
-    if resume:
-        return
+    Teacher shards are always reused (they are checked against the plan). A directory of another kind of
+    run (its manifest: `rundir`) is refused either way; the run's names are recorded in it."""
+    run = check_run_dir(output_dir, "distill")
+    if not resume:
+        _refuse_kept_checkpoints(output_dir)
+    record(run, DISTILL_OUTPUTS)
+
+
+def _refuse_kept_checkpoints(output_dir: str | Path) -> None:
     kept = sorted(Path(output_dir).glob("output/student_*/checkpoints/step-*"))
     if kept:
         raise SmolforgeError(f"{output_dir} holds student checkpoints of an earlier run ({kept[-1].parent.parent.name}: "

@@ -29,6 +29,7 @@ from smolforge.models.peft import FULL, by_peft_type, peft_method, peft_types
 from smolforge.models.peft._peftlib import base_transformer, is_peft_model as _is_peft_model, unwrap as _unwrap
 # Reading users' PEFT settings is its own module; these names stay importable from here.
 from smolforge.models.peft_spec import METHODS, peft_spec_from_cli, peft_spec_from_config  # noqa: F401
+from smolforge.models.tied import untie_for_merge
 from smolforge.paths import atomic_replace_dir
 
 
@@ -217,13 +218,19 @@ def load_adapter(base_model: nn.Module, adapter_dir: str | Path, *, is_trainable
 def merge_adapter(model: nn.Module, *, plain: bool = True) -> nn.Module:
     """A transformers model with the adapter folded into its weights (lora, ia3).
 
+    An adapter that changes a module tied to another (a LoRA on `lm_head` of a tied model) is folded
+    into an untied model (`models/tied.py`): the result gives the unmerged adapter's outputs.
+
     Houlsby adapters add layers and cannot be folded into the base weights: with `plain=False`
     the model is returned as is (adapter modules kept, fine for in-process inference); with the
     default `plain=True` that is an error, because a "merged" directory written from it would
     silently lose the adapters when reloaded with `from_pretrained`.
     """
     model = _unwrap(model)
-    return peft_method(model_method(model)).merge(model, plain=plain)
+    kind = peft_method(model_method(model))
+    if kind.merges:
+        untie_for_merge(model)  # a delta on a tied head (or embedding) must not reach the other end
+    return kind.merge(model, plain=plain)
 
 
 def _is_checkpointing(model: nn.Module) -> bool:

@@ -7,7 +7,8 @@ Here the model is constructed on the meta device (shapes, no storage), cut to th
 and only the stage's modules get storage; each of their tensors is read from the checkpoint's
 safetensors by its HF name (one tensor in memory beyond the stage at a time), with the adapters
 merged into that one tensor as the export does (`models/export/merge.py`). The first stage reads
-the embeddings, the last the final norm and the head; a tied head reads the embedding matrix.
+the embeddings, the last the final norm and the head; a tied head reads the embedding matrix (and
+gets its own copy, with the head's delta, when an adapter changes it: `models/tied.py`).
 
 Buffers that are not in a checkpoint (the rotary embedding's inverse frequencies) are rebuilt from
 the config on the stage's device. What cannot merge tensor by tensor (Houlsby adapters, prefix and
@@ -144,6 +145,8 @@ def load_stage(model: str, bounds: Sequence[int], index: int, *, adapters: Seque
     dev = torch.device(device)
     merged = MergedModel(model_dir(model), list(adapters))
     config = AutoConfig.from_pretrained(merged.base_dir)
+    if merged.untie is not None:  # an adapter on a tied head: the merged model is untied (models/tied.py)
+        config.tie_word_embeddings = False
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, str(merged.base_dir), dev)
     arch = arch_of(config)
     check_bounds(list(bounds), arch.num_layers)
@@ -160,11 +163,10 @@ def load_stage(model: str, bounds: Sequence[int], index: int, *, adapters: Seque
     read = {"tensors": 0, "elements": 0, "bytes": 0}
     with torch.no_grad():
         for local, param in stage.state_dict(keep_vars=True).items():
-            value = merged.tensor(_checkpoint_key(stage.hf_name(local), available, tied))
+            # merged in the stage's dtype: rounded once (a bf16 checkpoint served in fp32 keeps its delta)
+            value = merged.tensor(_checkpoint_key(stage.hf_name(local), available, tied),
+                                  param.dtype if param.dtype.is_floating_point else None, count=read)
             param.copy_(value.to(param.dtype))
-            read["tensors"] += 1
-            read["elements"] += value.numel()
-            read["bytes"] += value.numel() * value.element_size()
             del value
     if stage.tied and stage.has_embeddings and stage.has_head:
         stage.lm_head.weight = stage.embed.weight  # to_empty gave the tied pair two storages: one again

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException  # the router's own 404/405 too, 
 
 from smolforge.train.rendering import render_prompt
 from smolforge.gate import Gate
+from smolforge.http_limits import page_headers
 from smolforge.serve import openapi
 from smolforge.serve.events import EngineStopped, PromptTooLong
 from smolforge.serve.intake import Lanes, char_bound, read_json, validate
@@ -97,7 +98,7 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
 
     @app.get("/chat", response_class=HTMLResponse)
     async def chat():
-        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        return HTMLResponse(chat_page(), headers=page_headers(chat_page()))
 
     @app.get("/v1/models", responses=openapi.responses(openapi.ModelList, errors=(401,)))
     async def models():

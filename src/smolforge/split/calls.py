@@ -37,6 +37,21 @@ def not_found(what: str, ident: str) -> CallError:
                      f"no {what} {ident[:8]}… on this server (it restarted, or the {what} timed out)")
 
 
+def model_context(config) -> int:
+    """The positions a trunk's model can attend over (its config's `max_position_embeddings`; 65,536 when
+    it names none): the one bound every call checks, training and generation alike."""
+    return int(getattr(config, "max_position_embeddings", 0) or 1 << 16)
+
+
+def check_length(declared_shape, context: int, what: str = "hidden") -> None:
+    """A [batch, seq, ...] tensor's declared sequence length within `context`, checked from the message's
+    shape field before its bytes are decoded or anything is computed; INVALID_ARGUMENT otherwise."""
+    shape = [int(d) for d in declared_shape]
+    if len(shape) >= 2 and shape[1] > context:
+        raise invalid(f"{what} holds a sequence of {shape[1]} positions, longer than the model's context "
+                      f"({context}); send sequences of at most {context} positions")
+
+
 def check_mask(mask: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """An integer/bool [rows, width] mask of 0s and 1s, as long; INVALID_ARGUMENT otherwise."""
     if tuple(mask.shape) != (rows, width) or mask.is_floating_point():

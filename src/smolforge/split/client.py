@@ -10,7 +10,9 @@ Other failures become a `SmolforgeError` that says what to fix.
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from typing import Callable
 
 import grpc
 
@@ -22,6 +24,14 @@ RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Reconnect quickly after a server restart (gRPC's default backoff grows to two minutes).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+NOTIFY_EVERY = 30.0  # seconds between "still waiting" lines while the server cannot be reached
+
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class SessionLost(Exception):
@@ -46,7 +56,10 @@ _FIXES = {
 
 class TrunkClient:
     def __init__(self, host: str, port: int, token: str | None = None, tls_ca: str | None = None,
-                 server_name: str | None = None, rpc_timeout: float = 600.0, reconnect_timeout: float = 300.0):
+                 server_name: str | None = None, rpc_timeout: float = 600.0, reconnect_timeout: float = 300.0,
+                 notify: Callable[[str], None] | None = None):
+        """A channel to the trunk server at host:port. `notify(line)` hears that the server cannot be
+        reached, while the client retries (default: a line on stderr); seconds are wall-clock limits."""
         self.address = f"{host}:{port}"
         self.tls = bool(tls_ca)
         self._channel = channel(host, port, tls_ca, server_name, extra_options=RECONNECT_OPTIONS)
@@ -57,6 +70,9 @@ class TrunkClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.retries = 0
+        self.notify = notify or _to_stderr
+        self._unreachable_since: float | None = None
+        self._last_notice = 0.0
 
     def call(self, name: str, request, *, retry: bool = True, timeout: float | None = None):
         """Call RPC `name`; retries while the server is unreachable; raises SessionLost or TrunkCallError."""
@@ -70,7 +86,7 @@ class TrunkClient:
                 details = err.details() if hasattr(err, "details") else str(err)
                 if code in RETRY_CODES and retry and time.monotonic() + delay < deadline:
                     self.retries += 1
-                    log.warning("trunk server %s unreachable (%s); retrying in %.1f s", self.address, code.name, delay)
+                    self._waiting(name, code, details, deadline)
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
@@ -83,9 +99,27 @@ class TrunkClient:
                         "and use --tls-ca exactly when the server has TLS") from None
                 raise TrunkCallError(f"trunk server refused {name}: {code.name}: {details}", code,
                                      fix=_FIXES.get(code)) from None
+            if self._unreachable_since is not None:
+                self.notify(f"the trunk server at {self.address} answers again ({name})")
+                self._unreachable_since = None
             self.bytes_sent += request.ByteSize()
             self.bytes_received += reply.ByteSize()
             return reply
+
+    def _waiting(self, name: str, code: grpc.StatusCode, details: str, deadline: float) -> None:
+        """Say at once that the server cannot be reached and what the client waits for; then again every
+        NOTIFY_EVERY seconds while it waits (never silently for `reconnect_timeout`)."""
+        now = time.monotonic()
+        left = max(0.0, deadline - now)
+        if self._unreachable_since is None:
+            self._unreachable_since = self._last_notice = now
+            self.notify(f"cannot reach the trunk server at {self.address} ({code.name}: {details}); retrying "
+                        f"{name} for up to {left:.0f} s, waiting for `smolforge split serve` to listen there "
+                        "(check --server-host/--server-port; Ctrl-C stops)")
+        elif now - self._last_notice >= NOTIFY_EVERY:
+            self._last_notice = now
+            self.notify(f"still waiting for the trunk server at {self.address} ({code.name}), "
+                        f"{now - self._unreachable_since:.0f} s so far, {left:.0f} s left")
 
     def info(self, session_name: str = "", retry: bool = True) -> pb.InfoReply:
         return self.call("Info", pb.InfoRequest(session_name=session_name), retry=retry)

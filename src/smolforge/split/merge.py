@@ -20,6 +20,7 @@ from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer, resolve_model
 from smolforge.models.peft_methods import load_adapter, merge_adapter
 from smolforge.paths import atomic_replace_dir
+from smolforge.rundir import claim_run_dir
 from smolforge.split import checkpoint as ckpt
 from smolforge.split.lora import save_peft_adapter
 
@@ -62,6 +63,9 @@ def merge_run(output_dir: str | Path, merged_dir: str | Path | None = None, *, m
     run_dir = Path(output_dir)
     merged_dir = Path(merged_dir) if merged_dir else run_dir / "merged_model"
     info = _run_info(run_dir)
+    if merged_dir == run_dir / "merged_model":  # in the run's own dir: only a split run's merge is replaced
+        legacy = ("merged_model",) if (run_dir / "split_run.json").is_file() else ()
+        claim_run_dir(run_dir, "split", ("merged_model",), where="the run's directory", adopt=legacy)
     merged_dir.parent.mkdir(parents=True, exist_ok=True)
     # Scratch space next to the destination: the final rename must not cross filesystems.
     scratch = Path(tempfile.mkdtemp(prefix=f".{merged_dir.name}.merge-", dir=merged_dir.parent))

@@ -31,6 +31,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A server's: gRPC sets SO_REUSEPORT by default, so a second trunk on a used port would start and take a
+# share of the connections; without it, binding a used port fails ("address already in use").
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def bearer(token: str) -> tuple[tuple[str, str]]:

@@ -30,6 +30,7 @@ import re
 import secrets
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +42,11 @@ from torch import nn
 from smolforge import __version__
 from smolforge.config import PeftSpec
 from smolforge.errors import SmolforgeError
-from smolforge.net import is_loopback
+from smolforge.net import is_loopback, why_unbindable
 from smolforge.models.loading import pick_device
 from smolforge.paths import home, safe_join
 from smolforge.split import checkpoint as ckpt
-from smolforge.split.calls import CallError, check_mask, check_positions, not_found
+from smolforge.split.calls import CallError, check_length, check_mask, check_positions, model_context, not_found
 from smolforge.split.calls import invalid as _invalid
 from smolforge.split.calls import precondition as _precondition
 from smolforge.split.codec import CODECS, CodecError, decode, encode
@@ -53,7 +54,7 @@ from smolforge.split.lora import apply_lora, load_lora_state, lora_state, target
 from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, load_full_model, partition
 from smolforge.split.protocol import (
     AUTH_HEADER,
-    CHANNEL_OPTIONS,
+    SERVER_OPTIONS,
     MAX_MESSAGE_BYTES,
     OPEN_METHODS,
     pb,
@@ -148,6 +149,9 @@ class TrunkService(pb_grpc.TrunkServicer):
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
         self.rng_lock = threading.Lock()  # dropout draws from the process-wide RNG
+        self.max_positions = model_context(self.base.config)  # every Forward is checked against it
+        # what the trunk computed and what it refused before computing (tests and `describe` read it)
+        self.counts: Counter[str] = Counter()
         self.generations = Generations(self.arch, self.base.config, self.device, self._new_trunk,
                                        timeout=cfg.generation_timeout, limit=cfg.max_generations)
 
@@ -198,6 +202,17 @@ class TrunkService(pb_grpc.TrunkServicer):
             raise _invalid(f"{what}: {err}") from None
 
     def _inputs(self, req: pb.ForwardRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hidden states, mask and positions of a Forward, checked before anything is computed: the
+        sequence within the model's context (from the declared shape, before decoding), the shapes, the
+        positions below the context. INVALID_ARGUMENT otherwise (counted in `counts["refused"]`)."""
+        try:
+            return self._checked_inputs(req)
+        except CallError:
+            self.counts["refused"] += 1
+            raise
+
+    def _checked_inputs(self, req: pb.ForwardRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_length(req.hidden.shape, self.max_positions)
         hidden = self._tensor(req.hidden, "hidden")
         if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < 1 or hidden.shape[2] != self.arch.hidden_size:
             raise _invalid(f"hidden must be [batch, seq, {self.arch.hidden_size}], got {list(hidden.shape)}")
@@ -205,7 +220,7 @@ class TrunkService(pb_grpc.TrunkServicer):
             raise _invalid("hidden must be a floating tensor")
         b, t = hidden.shape[:2]
         mask = check_mask(self._tensor(req.attention_mask, "attention_mask"), b, t)
-        return hidden, mask, check_positions(self._tensor(req.positions, "positions"), b, t)
+        return hidden, mask, check_positions(self._tensor(req.positions, "positions"), b, t, limit=self.max_positions)
 
     def _autocast(self, sess: Session):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=sess.mixed_precision)
@@ -278,6 +293,7 @@ class TrunkService(pb_grpc.TrunkServicer):
         hidden, mask, pos = self._inputs(req)
         hidden, mask, pos = hidden.to(self.device), mask.to(self.device), pos.to(self.device)
         dtype = next(self.base.parameters()).dtype
+        self.counts["forwards"] += 1
         with sess.lock:
             if not req.train:
                 with torch.no_grad(), self._autocast(sess):
@@ -489,21 +505,27 @@ class TrunkServer:
                                  where="--host", fix="keep --no-token for --host 127.0.0.1, or give the server a token")
         torch.set_num_threads(cfg.num_threads or _cpus())
         self.cfg = cfg
+        # a used port is one message in a second, before the model loads (asked of the OS: gRPC would log
+        # its own failure line); the listener itself opens only once the trunk is loaded, so a client that
+        # finds the port open finds the server ready
+        refused = bind_error(cfg.host, cfg.port, "--port") if cfg.port else None
+        if refused:
+            raise refused
         self.service = TrunkService(cfg)
         interceptors = [TokenAuth(cfg.token)] if cfg.token else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
-                                  options=CHANNEL_OPTIONS)
-        pb_grpc.add_TrunkServicer_to_server(_Guarded(self.service), self.server)
+                                  options=SERVER_OPTIONS)
         address = f"{cfg.host}:{cfg.port}"
         creds = server_credentials(cfg.tls_cert, cfg.tls_key)
         try:
             self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
-        except RuntimeError as err:
-            raise SmolforgeError(f"cannot listen on {address}: {err}",
-                                 fix="pick a free --port, or stop what is listening there") from err
-        if not self.port:
-            raise SmolforgeError(f"cannot listen on {address}",
-                                 fix="pick a free --port, or stop what is listening there")
+        except RuntimeError:
+            self.port = 0
+        if not self.port:  # taken between the probe and now
+            self.server.stop(None)
+            raise bind_error(cfg.host, cfg.port, "--port") or SmolforgeError(
+                f"cannot listen on {address}", where="--port", fix="pick a free --port")
+        pb_grpc.add_TrunkServicer_to_server(_Guarded(self.service), self.server)
         self.tls = creds is not None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="split-session-reaper", daemon=True)
@@ -531,6 +553,20 @@ class TrunkServer:
                 f"{'token' if cfg.token else 'NO token'}): {cfg.model} ({a.model_type}, {a.num_layers} layers), "
                 f"trunk layers [{cfg.split_point_1}, {cfg.split_point_2}), "
                 f"LoRA {'r=' + str(cfg.lora_rank) if cfg.use_lora else 'off'}, device {self.service.device}")
+
+
+def bind_error(host: str, port: int, flag: str) -> SmolforgeError | None:
+    """The one message for a trunk that cannot listen on `host:port` (`net.why_unbindable`); None: it can."""
+    why = why_unbindable(host, port)
+    if why is None:
+        return None
+    if why == "address already in use":
+        return SmolforgeError(f"cannot listen on {host}:{port}: address already in use", where=flag,
+                              fix=f"pick a free {flag} (another trunk server or program listens on {port}), "
+                                  "or stop what is listening there")
+    return SmolforgeError(f"cannot listen on {host}:{port}: {why}", where=flag,
+                          fix=f"give --host an address of this machine (127.0.0.1, or a LAN address it has) and a "
+                              f"free {flag}")
 
 
 def _cpus() -> int:

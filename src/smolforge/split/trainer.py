@@ -56,9 +56,15 @@ from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train.driver import StepInfo, available_cpus
 from smolforge.train.engine import SampleOrder, SampleSource, TrainHooks, steps_for
 from smolforge.train.evaluate import perplexity, token_loss_sum
+from smolforge.train.resume_point import SAMPLES_KEY, STATE_KEY, StepMeaning, data_fingerprint, resume_point
 from smolforge.train.rendering import load_checked_splits
 from smolforge.train.schedule import lr_lambda
 from smolforge.train.strategy import Strategy
+from smolforge.rundir import check_run_dir, record
+
+# the top-level names a split client run writes in its --output-dir (its manifest: `rundir`)
+SPLIT_OUTPUTS = ("checkpoints", "lora_adapter", "split_run.json", "summary.json", "metrics.jsonl", "tensorboard",
+                 "wandb", "merged_model")
 
 class SplitTrainConfig(SplitTraining):
     """Everything `smolforge split train` takes (the seed's flag names, snake_cased): the training
@@ -165,6 +171,7 @@ class SplitTrainer:
         self.eval_rows = [] if cfg.max_eval_samples == 0 else list(self.splits.eval)
         self.per_step = cfg.batch_size * cfg.gradient_accumulation_steps
         self.order = SampleOrder(len(self.splits.train), self.per_step, cfg.seed)
+        self.step_meaning = split_step_meaning(cfg, self.splits.train)
         self.total_steps = steps_for(cfg.max_steps, cfg.num_epochs, self.order)
         # the engine's data source, one process: the same rows and micro-batches as `smolforge train`
         self.data = SampleSource(self.splits.train, self.order, self.total_steps, cfg.batch_size,
@@ -231,6 +238,9 @@ class SplitTrainer:
                 raise SmolforgeError(f"checkpoint {path} was made with another {key.replace('_', ' ')} "
                                      f"({state.get(key)} vs {run[key]})",
                                      fix="resume with the settings the run was started with, or use a new --output-dir")
+        note = resume_point(state, self.step_meaning, self.per_step, where=str(path), flags=SPLIT_FLAGS).note
+        if note:  # a step means the same rows as when it was saved (else refused, exit 2)
+            self.log(note)
         self._load_client_state(ckpt.load_tensors(path, "client_lora"))
         self.optimizer = self._new_optimizer()
         if self.optimizer is not None:
@@ -271,6 +281,7 @@ class SplitTrainer:
         epoch, k = divmod(step, self.order.steps_per_epoch)
         state = {**self._run_state(), "total_steps": self.total_steps, "best_eval_loss": self.best_eval,
                  "data_position": {"epoch": epoch, "step_in_epoch": k, "samples_done": step * self.per_step},
+                 SAMPLES_KEY: step * self.per_step, STATE_KEY: self.step_meaning.to_state(),  # `train.resume_point`
                  "codec": self.cfg.codec}
         blobs = {"optim": {"optimizer": self.optimizer.state_dict()}} if self.optimizer is not None else {}
         path = ckpt.write(self.ckpt_root, step, {"client_lora": self._client_state(), "trunk_lora": trunk, "rng": rng},
@@ -397,6 +408,7 @@ class SplitTrainer:
         self.log(f"split training {cfg.model}: bottom [0, {cfg.split_point_1}) and top [{cfg.split_point_2}, "
                  f"{self.arch.num_layers}) here, trunk on {self.client.address} "
                  f"({'TLS' if self.client.tls else 'plaintext'}), codec {cfg.codec}")
+        record(check_run_dir(self.out_dir, "split"), SPLIT_OUTPUTS)  # never into another kind of run's dir
         start = self.connect(cfg.resume)
         resumed_from = start if start else None
         if start:
@@ -508,6 +520,19 @@ class SplitTrainer:
 
     def close(self) -> None:
         self.client.close()
+
+
+# `split train`'s flags for the settings a refused resume names (`train.resume_point`); it has no --resume-new-data
+SPLIT_FLAGS = {"batch_size": "--batch-size", "grad_accum": "--gradient-accumulation-steps", "seed": "--seed",
+               "max_length": "--max-seq-length", "packing": None, "new_data": None}
+
+
+def split_step_meaning(cfg: SplitTrainConfig, rows: list) -> StepMeaning:
+    """What one step of a split run is (one process: the client's batch x accumulation; no packing)."""
+    return StepMeaning(rows_per_step=cfg.batch_size * cfg.gradient_accumulation_steps, batch_size=cfg.batch_size,
+                       grad_accum=cfg.gradient_accumulation_steps, world=1, seed=cfg.seed,
+                       max_length=cfg.max_seq_length, packing=False, data_rows=len(rows),
+                       data_sha256=data_fingerprint(rows))
 
 
 def _load_splits(cfg: SplitTrainConfig, tokenizer):

@@ -32,7 +32,8 @@ from pydantic import ValidationError
 
 from smolforge.config import PeftSpec
 from smolforge.models.partition import Arch
-from smolforge.split.calls import CallError, check_mask, check_positions, invalid, not_found, precondition
+from smolforge.split.calls import (CallError, check_length, check_mask, check_positions, invalid, model_context,
+                                   not_found, precondition)
 from smolforge.split.codec import CodecError, decode, encode
 from smolforge.split.lora import load_lora_state, lora_state
 from smolforge.split.partition import Trunk
@@ -77,7 +78,7 @@ class Generations:
         self.new_trunk = new_trunk
         self.timeout = timeout
         self.limit = limit
-        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 16)
+        self.max_positions = model_context(config)
         self.by_id: dict[str, Generation] = {}
         self.finished: deque[GenerationRecord] = deque(maxlen=64)
         self.lock = threading.Lock()
@@ -179,6 +180,7 @@ class Generations:
         return reply
 
     def _inputs(self, gen: Generation, req: pb.GenerateStepRequest) -> tuple[torch.Tensor, ...]:
+        check_length(req.hidden.shape, gen.max_positions - gen.length)  # before decoding or computing
         try:
             hidden, mask, pos = decode(req.hidden), decode(req.attention_mask), decode(req.positions)
         except CodecError as err:

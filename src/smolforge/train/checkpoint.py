@@ -235,6 +235,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     return final
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's `state.json` (its step, and what the run recorded with it), without loading a tensor."""
+    return json.loads((path / "state.json").read_text())
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, strategy=None) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG; returns state.json.
 
@@ -269,4 +274,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
     cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-    return json.loads((path / "state.json").read_text())
+    return read_state(path)

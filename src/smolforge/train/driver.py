@@ -33,6 +33,7 @@ from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.loop import LoopHooks, LossSum, StepStats, Trainer, make_optimizer
+from smolforge.train.resume_point import SAMPLES_KEY, STATE_KEY, StepMeaning, resume_point
 from smolforge.train.schedule import make_scheduler
 from smolforge.train.strategy import Batch, Strategy
 
@@ -107,6 +108,10 @@ class RunSettings:
     label: str = "train"  # the progress bar's
     final_checkpoint: bool = True  # a run saves its final state; a student's product is its adapter only
     checkpoint_meta: dict[str, Any] = field(default_factory=dict)  # what every checkpoint's state.json names
+    # what a step of this run is (recorded in every checkpoint, checked on resume: `train.resume_point`);
+    # None: a source that replays its own order (a student's shards) and is only told the step
+    step_meaning: StepMeaning | None = None
+    resume_new_data: bool = False  # continue a checkpoint over changed training rows (`--resume-new-data`)
 
 
 @dataclass
@@ -132,7 +137,14 @@ class Outcome:
     adapter_dir: str | None = None
     checkpoint_dir: str | None = None
     resumed_from: str | None = None
+    resume_note: str | None = None  # the one line a resume said about its position (None: nothing to say)
     optimizer: torch.optim.Optimizer | None = None
+    start_samples: int = 0  # rows trained before `start_step` (the checkpoint's data position), every rank
+    rows_per_step: int = 0  # every rank's rows of one step
+
+    def samples_at(self, step: int) -> int:
+        """Rows trained once `step` steps are done: the resumed position plus this process's steps."""
+        return self.start_samples + (step - self.start_step) * self.rows_per_step
 
 
 @dataclass
@@ -195,11 +207,15 @@ class Driver(Generic[R]):
         strategy.spool_dir = self.out_dir  # state a sharded strategy streams to disk (checkpoints) starts here
         self.optimizer = make_optimizer(self.model, s.lr, s.weight_decay, self.r.device, strategy, s.optimizer)
         self.scheduler = make_scheduler(self.optimizer, self.source.steps, s.warmup_steps, s.scheduler, s.min_lr_ratio)
-        start = 0
-        self.outcome = Outcome(steps=0, optimizer=self.optimizer)
+        start, rows = 0, self.source.rows_per_step
+        o = self.outcome = Outcome(steps=0, optimizer=self.optimizer, rows_per_step=rows)
         if latest is not None:
-            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler, strategy=strategy)
-            start, self.outcome.resumed_from = int(state["step"]), str(latest)
+            # asked before any tensor is read: a checkpoint whose steps mean other samples is refused at once
+            point = resume_point(ckpt.read_state(latest), s.step_meaning, rows, s.resume_new_data)
+            ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler, strategy=strategy)
+            start, o.start_samples, o.resumed_from, o.resume_note = point.step, point.samples, str(latest), point.note
+            if point.note:
+                self.r.log(point.note)
             if self.r.hooks.on_resume:
                 self.r.hooks.on_resume(latest, start)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, loss_sum=self.r.loss_sum,
@@ -212,8 +228,9 @@ class Driver(Generic[R]):
                 for _ in range(begin - start):
                     self.scheduler.step()
             self.r.log(f"joined the group at step {begin}")
+            o.start_samples += (begin - start) * rows
             start = begin
-        self.outcome.start_step = self.outcome.steps = start
+        o.start_step = o.steps = start
         self.writer = self.r.metrics(start) if strategy.is_main else None
         if self.r.hooks.on_start:
             self.r.hooks.on_start(start, self.source.steps)
@@ -221,10 +238,11 @@ class Driver(Generic[R]):
     def _after_step(self, done: int, stats: StepStats) -> None:
         """Progress, the step hook, metrics lines and a periodic eval."""
         self.last_loss, self.outcome.steps = stats.loss, done
-        steps, per_step = self.source.steps, self.source.rows_per_step
+        steps = self.source.steps
         tps = self.trainer.tokens_per_s()
         info = StepInfo(step=done, max_steps=steps, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                        tokens_per_s=tps, samples_done=done * per_step, samples_total=steps * per_step,
+                        tokens_per_s=tps, samples_done=self.outcome.samples_at(done),
+                        samples_total=self.outcome.samples_at(steps),
                         epoch=self.source.epoch(done))
         self.progress.update(done, f"loss {stats.loss:.4f} · {tps:,.0f} tok/s{self.source.note()}")
         if self.r.hooks.on_step:
@@ -253,7 +271,8 @@ class Driver(Generic[R]):
         weights = strategy.model_state(self.model)  # and a sharded model its trainable weights (None: read the model)
         if strategy.is_main:
             path = ckpt.save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.scheduler,
-                                        extra={**self.source.replay_state(), **self.s.checkpoint_meta},
+                                        extra={**self.source.replay_state(), **self.s.checkpoint_meta,
+                                               **self._position(step)},
                                         keep_last=self.s.keep_last, rank_rng=rngs,
                                         strategy_state=strategy.state_dict(), optimizer_state=optim_state,
                                         model_state=weights)
@@ -261,6 +280,12 @@ class Driver(Generic[R]):
             if self.r.hooks.on_checkpoint:
                 self.r.hooks.on_checkpoint(path, step, pausing)
         strategy.barrier()
+
+    def _position(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at `step` records of the data position and of what a step means."""
+        if self.s.step_meaning is None:
+            return {}
+        return {SAMPLES_KEY: self.outcome.samples_at(step), STATE_KEY: self.s.step_meaning.to_state()}
 
     def _finish(self) -> None:
         """Every step taken: the final eval, the adapter, and (a fine-tuning run) the final checkpoint."""

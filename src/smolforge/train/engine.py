@@ -30,6 +30,8 @@ from smolforge.data.splits import Splits
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
+from smolforge.models.tied import tied_change
+from smolforge.rundir import check_run_dir, record
 from smolforge.telemetry.memory import peak_rss_mb
 from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
@@ -47,6 +49,7 @@ from smolforge.train.driver import (  # noqa: F401  (StepInfo, available_cpus: r
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
 from smolforge.train.loop import optimizer_state_bytes
 from smolforge.train.rendering import load_checked_splits
+from smolforge.train.resume_point import StepMeaning, data_fingerprint
 from smolforge.train.step_loss import StepLoss
 from smolforge.train.strategy import Strategy
 
@@ -88,6 +91,8 @@ class TrainResult:
     # this rank's raw part of the last global step it counted in: a job's final_loss merges every rank's
     # (`train.step_loss.final_loss`), where `final_loss` above is this rank's own view of its last step
     last_step_loss: StepLoss | None = None
+    # the tied weights the adapter changes (e.g. ["lm_head.weight"]): merging unties them (models/tied.py)
+    untied: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -173,18 +178,25 @@ def _eval_sums_whole(model, tokenizer, rows: list, examples: list, cfg: TrainCon
     return strategy.reduce([loss_sum, count, correct, total], device)
 
 
-def refuse_used_output_dir(cfg: TrainConfig) -> None:
-    """A fresh run into a directory holding another run's checkpoints would lose either way: pruning
-    keeps the highest steps (the old run's), deleting the new checkpoints, and a later --resume would
-    continue the old run. So it is refused, and nothing is deleted."""
-    if cfg.resume:
-        return
-    old = ckpt.list_checkpoints(cfg.output_dir)
-    if old:
-        raise SmolforgeError(f"{cfg.output_dir} already holds checkpoints of a run (up to {old[-1].name})",
-                             where="--output-dir",
-                             fix="pass --resume to continue that run, or choose a new --output-dir "
-                                 "(nothing was deleted)")
+def run_outputs(cfg: TrainConfig) -> tuple[str, ...]:
+    """The top-level names a training run writes in its --output-dir (recorded in its manifest)."""
+    return ("checkpoints", f"{cfg.peft.method}_adapter", "summary.json", "metrics.jsonl", "tensorboard", "wandb")
+
+
+def refuse_used_output_dir(cfg: TrainConfig, run_kind: str = "train") -> None:
+    """Claim --output-dir for a `run_kind` run (`rundir`): a directory whose manifest names another kind
+    of run (a demo's, an export's) is refused, nothing deleted. A fresh run into a directory holding
+    another run's checkpoints would lose either way: pruning keeps the highest steps (the old run's),
+    deleting the new checkpoints, and a later --resume would continue the old run. So it is refused too."""
+    run = check_run_dir(cfg.output_dir, run_kind)
+    if not cfg.resume:
+        old = ckpt.list_checkpoints(cfg.output_dir)
+        if old:
+            raise SmolforgeError(f"{cfg.output_dir} already holds checkpoints of a run (up to {old[-1].name})",
+                                 where="--output-dir",
+                                 fix="pass --resume to continue that run, or choose a new --output-dir "
+                                     "(nothing was deleted)")
+    record(run, run_outputs(cfg))
 
 
 class SampleSource:
@@ -216,22 +228,33 @@ class SampleSource:
         return {}  # the order is a pure function of (seed, step)
 
 
-def run_settings(cfg: TrainConfig, strategy: Strategy) -> RunSettings:
-    """What the driver reads of a `TrainConfig`."""
+def step_meaning(cfg: TrainConfig, strategy: Strategy, rows: list) -> StepMeaning:
+    """What one step of this run is (`train.resume_point`): its rows per step and how they are made, the
+    order's seed, and the training rows as encoded."""
+    return StepMeaning(rows_per_step=cfg.batch_size * cfg.grad_accum * strategy.world, batch_size=cfg.batch_size,
+                       grad_accum=cfg.grad_accum, world=strategy.world, seed=cfg.seed, max_length=cfg.data.max_length,
+                       packing=cfg.data.packing, data_rows=len(rows), data_sha256=data_fingerprint(rows))
+
+
+def run_settings(cfg: TrainConfig, strategy: Strategy, meaning: StepMeaning | None = None) -> RunSettings:
+    """What the driver reads of a `TrainConfig` (`meaning`: what a step of it is, `step_meaning`)."""
     return RunSettings(output_dir=cfg.output_dir, peft_method=cfg.peft.method, lr=cfg.lr, weight_decay=cfg.weight_decay,
                        scheduler=cfg.scheduler, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
                        precision=cfg.precision, max_grad_norm=cfg.max_grad_norm, save_every=cfg.save_every,
                        keep_last=cfg.keep_last, resume=cfg.resume, optimizer=cfg.optimizer, eval_every=cfg.eval_every,
                        log_every=cfg.log_every, quiet=cfg.quiet or not strategy.is_main, label="train",
                        checkpoint_meta={"model": cfg.model, "peft": cfg.peft.method, "strategy": strategy.name,
-                                        "world": strategy.world})
+                                        "world": strategy.world},
+                       step_meaning=meaning, resume_new_data=cfg.resume_new_data)
 
 
 def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits | None = None,
-          model=None, tokenizer=None, strategy: Strategy | None = None, examples=None) -> TrainResult:
+          model=None, tokenizer=None, strategy: Strategy | None = None, examples=None,
+          run_kind: str = "train") -> TrainResult:
     """Run training as cfg says; returns the summary. Pass splits/model/tokenizer to reuse loaded ones,
     or `examples` (read_spec(cfg.data), read by a caller that checked the data before loading torch).
 
+    `run_kind` is the kind its --output-dir's manifest records (`rundir`: `demo` for the fine-tune demo).
     `strategy` shares the work with other ranks (smolforge.parallel.strategies); default: one process.
     The run itself is the one driver's (`smolforge.train.driver`): this loads, then hands it the data
     source (`SampleSource`) and the loss (token cross-entropy).
@@ -242,20 +265,23 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     t_start = time.perf_counter()
     device = prepare_process(cfg.num_threads, cfg.device, strategy)
     torch.manual_seed(cfg.seed)
-    tokenizer, splits, model = _load(cfg, device, strategy, splits, model, tokenizer, examples)
+    tokenizer, splits, model = _load(cfg, device, strategy, splits, model, tokenizer, examples, run_kind)
     if hooks.on_model:
         hooks.on_model(model)
     trainable, total_params = trainable_summary(model)
     log = (lambda *a: None) if cfg.quiet or not strategy.is_main else _printer()
     log(f"model {cfg.model}: trainable params: {trainable:,} || all params: {total_params:,} || "
         f"trainable%: {100 * trainable / max(1, total_params):.2f}")
+    untie = tied_change(model)
+    if untie is not None:
+        log(untie.message())
     st = splits.stats
     log(f"data: {st['train_sequences']} train / {st['eval_sequences']} eval sequences ({st['format']}); "
         f"truncated {st['truncated']}, skipped lines {st['skipped_lines']}, dropped {st['dropped_no_target']}")
     if splits.folded:
         log(fold_note(splits.folded, cfg.model))
-    per_step = cfg.batch_size * cfg.grad_accum * strategy.world
-    order = SampleOrder(len(splits.train), per_step, cfg.seed)
+    meaning = step_meaning(cfg, strategy, splits.train)
+    order = SampleOrder(len(splits.train), meaning.rows_per_step, cfg.seed)
     source = SampleSource(splits.train, order, total_steps(cfg, order), cfg.batch_size, tokenizer.pad_token_id, strategy)
     strategy.step_tokens = source.step_tokens
 
@@ -263,8 +289,10 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         result = TrainResult(output_dir=str(Path(cfg.output_dir)), adapter_dir=o.adapter_dir, steps=o.steps,
                              final_loss=o.final_loss, eval=o.eval, tokens_per_s=o.tokens_per_s,
                              trainable_params=trainable, total_params=total_params, stopped=o.stopped,
-                             checkpoint_dir=o.checkpoint_dir, data=splits.stats | {"resumed_from": o.resumed_from},
-                             samples=o.steps * source.rows_per_step)
+                             checkpoint_dir=o.checkpoint_dir,
+                             data=splits.stats | {"resumed_from": o.resumed_from, "resume_note": o.resume_note},
+                             samples=o.samples_at(o.steps),  # what was trained: the resumed position, then ours
+                             untied=list(untie.changed) if untie is not None else [])
         _strategy_figures(result, strategy, o.optimizer)
         result.seconds = time.perf_counter() - t_start
         if result.eval:
@@ -272,7 +300,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
         return result
 
     return drive(Run(
-        settings=run_settings(cfg, strategy), model=model, tokenizer=tokenizer, device=device, strategy=strategy,
+        settings=run_settings(cfg, strategy, meaning), model=model, tokenizer=tokenizer, device=device, strategy=strategy,
         source=lambda _latest: source, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
         evaluate=lambda: evaluate(model, tokenizer, splits, cfg, device, strategy=strategy), summarize=summarize,
         hooks=RunHooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop,
@@ -287,11 +315,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
 
 def _load(cfg: TrainConfig, device: torch.device, strategy: Strategy, splits: Splits | None, model, tokenizer,
-          examples) -> tuple[Any, Splits, torch.nn.Module]:
+          examples, run_kind: str = "train") -> tuple[Any, Splits, torch.nn.Module]:
     """Tokenizer, data, then the model: bad data fails in a second, not after a model load."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
-    refuse_used_output_dir(cfg)
+    refuse_used_output_dir(cfg, run_kind)
     if splits is None:
         splits = load_checked_splits(cfg.data, tokenizer, read=examples)
     if not splits.train:  # every answer cut off by max_length: refuse, not a modulo by zero rows later

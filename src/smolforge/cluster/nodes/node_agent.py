@@ -144,12 +144,31 @@ class NodeMonitor(threading.Thread):
         self.first_seen: dict[str, float] = {}
         self.agents: dict[str, Any] = {}
         self.known_alive: dict[str, str] = {}  # node_id -> name, for join/leave events
+        self.members: frozenset[str] = frozenset()  # the nodes alive in Ray's table at the last tick
+        self.refused = 0  # heartbeats from ids that are not members (kept nowhere)
         self.stopped = threading.Event()
         self.lock = threading.Lock()
 
-    def heartbeat(self, node_id: str, sample: dict[str, Any]) -> None:
+    def heartbeat(self, node_id: str, sample: dict[str, Any]) -> bool:
+        """Keep `sample` as `node_id`'s latest usage; False (and nothing kept) when no node of that id
+        has joined. Why: any token holder may post, and heartbeats from invented ids (1,024 GPU entries
+        each) grew the coordinator by 88 MB per 300; now what is kept is one sample per node Ray lists
+        (the schema, `heartbeat.py`, bounds each sample)."""
         with self.lock:
+            if node_id not in self.members:
+                self.refused += 1
+                return False
             self.heartbeats[node_id] = {**sample, "received": time.time()}
+            return True
+
+    def _set_members(self, alive: set[str], listed: set[str]) -> None:
+        """The nodes whose heartbeats are kept (`alive`), before their agents start; forget what is kept
+        of nodes Ray no longer lists at all (`listed`, dead ones included)."""
+        with self.lock:
+            self.members = frozenset(alive)
+            for table in (self.heartbeats, self.first_seen):
+                for gone in [nid for nid in table if nid not in listed]:
+                    del table[gone]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every node with its state and latest usage, coordinator first."""
@@ -173,6 +192,7 @@ class NodeMonitor(threading.Thread):
     def tick(self) -> None:
         nodes = ray_glue.nodes(include_dead=True)
         alive_now = {n.node_id: n.name for n in nodes if n.alive}
+        self._set_members(set(alive_now), {n.node_id for n in nodes})
         for nid, name in alive_now.items():
             self.first_seen.setdefault(nid, time.time())
             if nid not in self.agents:

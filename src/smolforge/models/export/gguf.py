@@ -6,7 +6,8 @@ the q8_0/bf16 packing; this module is the glue no library ships as an importable
 - hyper-parameters per family, and the tensor layout fixes llama.cpp expects: Llama's q/k rows
   permuted from HF's rotate-half rope to llama.cpp's interleaved (NORM) rope, Qwen2's left as
   they are (NEOX rope), Phi-3's fused qkv/gate_up kept fused (NEOX too), GPT-2's Conv1D weights transposed, tied embeddings (GPT-2 gets an explicit
-  output tensor; Llama and Qwen2 fall back to the embedding in llama.cpp);
+  output tensor; Llama and Qwen2 fall back to the embedding in llama.cpp; an adapter on the tied head
+  or embedding merges untied, `models/tied.py`, and the head is written as its own output.weight);
 - the tokenizer (gguf_vocab.py): byte-level BPE with the pre-tokenizer name read from what
   tokenizer.json actually does (not from a hash table), or SentencePiece-style byte-fallback BPE;
 - rope scaling as llama.cpp's converter carries it: Llama 3's as a `rope_freqs` tensor, linear
@@ -89,9 +90,12 @@ def _pack(t: "torch.Tensor", qtype) -> "np.ndarray":
 
 
 def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | None = None) -> dict:
-    """Write `model` (merged) to the GGUF file `path`; returns what was written, for the report."""
+    """Write `model` (merged) to the GGUF file `path`; returns what was written, for the report.
+
+    Tensors are merged in fp32 and rounded once, to the GGUF's type."""
     import gguf
     import numpy as np
+    import torch
 
     if quant not in QUANTS:
         raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
@@ -136,7 +140,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for gname, hf_name, _ in plan:
-        tensor = extras[gname] if hf_name is None else family.gguf_fix(hf_name, model.tensor(hf_name), cfg)
+        tensor = extras[gname] if hf_name is None else family.gguf_fix(hf_name, model.tensor(hf_name, torch.float32), cfg)
         writer.write_tensor_data(_pack(tensor, qtypes[gname]))
         del tensor
     writer.close()

@@ -46,7 +46,7 @@ def write_hf(model: MergedModel, out: Path, dtype: str = "auto") -> dict:
     shards: list[dict] = []
     current: dict = {}
     size = total = 0
-    for name, raw in model.tensors():
+    for name, raw in model.tensors(cast):  # merged, then rounded once to `cast`
         tensor = raw.to(cast) if cast is not None and raw.is_floating_point() else raw
         if current and size + tensor.numel() * tensor.element_size() > SHARD_BYTES:
             shards.append(current)

@@ -10,6 +10,10 @@ What merges: LoRA (W += B @ A * alpha / r, alpha / sqrt(r) with rsLoRA), (IA)^3 
 feed-forward modules, columns of W scaled by the learned vector) and full fine-tuning (its
 directory is the new base). Houlsby adapters and prefix/prompt tuning add layers or virtual tokens
 that no plain HF (or GGUF) architecture has: they are refused with what to do instead.
+
+An adapter on a tied head or input embedding (LoRA on `lm_head` of a SmolLM2-kind model) merges into
+an untied model (`models/tied.py`): `shapes()` and `tensors()` then hold the head as its own tensor
+(the shared matrix plus the head's delta), and `config` says `tie_word_embeddings: false`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from typing import TYPE_CHECKING, Iterator
 from smolforge.errors import SmolforgeError
 from smolforge.models.peft import PeftMethodClass, peft_method
 from smolforge.models.peft_methods import BASE_FILE, BASE_KEYS, adapter_method
+from smolforge.models.tied import embedding_pair, untie_plan
 
 if TYPE_CHECKING:
     import torch
 
 PEFT_PREFIX = "base_model.model."
+# peft's copy of a targeted embedding/head's base matrix (save_embedding_layers): checked, not merged
+BASE_COPY = "base_layer.weight"
 
 
 @dataclass
@@ -80,11 +87,21 @@ def read_adapter(path: str | Path, model: str = "BASE") -> Adapter:
     for key, tensor in load_file(str(weights)).items():
         if not key.startswith(PEFT_PREFIX):
             raise SmolforgeError(f"{weights}: unexpected tensor {key}", fix="re-save the adapter with peft")
-        module, _, part = key[len(PEFT_PREFIX):].rpartition(".lora_") if ".lora_" in key else \
-            key[len(PEFT_PREFIX):].rpartition(".")
-        adapter.kind.check_tensor(key, part, weights)
+        module, part = _split_key(key[len(PEFT_PREFIX):])
+        if part != BASE_COPY:
+            adapter.kind.check_tensor(key, part, weights)
         adapter.targets.setdefault(module + ".weight", {})[part] = tensor.float()
     return adapter
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """An adapter tensor's (module, part): `lm_head.lora_A.weight` -> ("lm_head", "A.weight"),
+    `model.layers.0.self_attn.k_proj.ia3_l` -> (..., "ia3_l"), `lm_head.base_layer.weight` ->
+    ("lm_head", BASE_COPY): peft saves a targeted embedding or head's base matrix with the adapter."""
+    if name.endswith("." + BASE_COPY):
+        return name[: -len(BASE_COPY) - 1], BASE_COPY
+    module, _, part = name.rpartition(".lora_") if ".lora_" in name else name.rpartition(".")
+    return module, part
 
 
 def check_base(adapter: Adapter, config: dict) -> None:
@@ -100,9 +117,12 @@ def check_base(adapter: Adapter, config: dict) -> None:
                              f"{', '.join(diff)}", fix="pass that base as --model")
 
 
-def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter) -> "torch.Tensor":
-    """`tensor` (the base weight or bias `name`) with `adapter` folded in; float32 arithmetic."""
-    fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out"))
+def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter, plain: bool = False) -> "torch.Tensor":
+    """`tensor` (the base weight or bias `name`) with `adapter` folded in; float32 arithmetic.
+
+    `plain`: the weight is an embedding or output head, never stored fan-in x fan-out (peft keeps
+    `fan_in_fan_out` for GPT-2's Conv1D blocks only)."""
+    fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out")) and not plain
     if name.endswith(".bias"):
         # (IA)^3 scales the bias of the modules it scales row-wise (peft's merge does the same).
         weight = name[: -len(".bias")] + ".weight"
@@ -111,10 +131,26 @@ def _apply(name: str, tensor: "torch.Tensor", adapter: Adapter) -> "torch.Tensor
     if not parts:
         return tensor
     w = tensor.float()
+    _check_base_copy(name, w, parts, adapter)
+    parts = {k: v for k, v in parts.items() if k != BASE_COPY}
+    if not parts:
+        return tensor
     w = w.T if fan_in_fan_out else w  # (out, in) from here on
     w = adapter.kind.fold(w, parts, adapter.config)
     w = w.T if fan_in_fan_out else w
     return w.contiguous().to(tensor.dtype)
+
+
+def _check_base_copy(name: str, w: "torch.Tensor", parts: dict, adapter: Adapter) -> None:
+    """The base matrix peft saved with the adapter is the one it is merged into (peft would load its
+    copy over the base: a resized vocabulary, or another base, would give other outputs)."""
+    import torch
+
+    copy = parts.get(BASE_COPY)
+    if copy is not None and (copy.shape != w.shape or not torch.equal(copy, w)):
+        raise SmolforgeError(f"{adapter.path} carries its own {name} (peft's saved embedding layer), and it differs "
+                             "from the base model's", fix="export with the base model the adapter was trained on "
+                             "(--model), the one whose vocabulary it has")
 
 
 class MergedModel:
@@ -137,6 +173,11 @@ class MergedModel:
             check_base(adapter, self.config)
         self.files = _weights_files(self.base_dir)
         self._where: dict[str, Path] | None = None
+        self._plain = set(embedding_pair(self.config) or ())  # never fan-in x fan-out
+        # an adapter on a tied head or embedding: the merged model is untied (models/tied.py)
+        self.untie = untie_plan(self.config, {t for a in self.adapters for t in a.targets})
+        if self.untie is not None:
+            self.config = {**self.config, "tie_word_embeddings": False}
         self._check_targets()
 
     def _check_targets(self) -> None:
@@ -146,14 +187,8 @@ class MergedModel:
             if missing:
                 raise SmolforgeError(f"{adapter.path} changes {missing[0]}, which the base model {self.base_dir} "
                                      "does not have", fix="pass the base model the adapter was trained on as --model")
-            tied = self.config.get("tie_word_embeddings") and any(
-                t.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) for t in adapter.targets)
-            if tied:
-                raise SmolforgeError(f"{adapter.path} changes the tied embedding/output head; merging it would change "
-                                     "both", fix="retrain with LoRA on the transformer blocks only (the default)")
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's name and shape, from the safetensors headers (no data read)."""
+    def _stored_shapes(self) -> dict[str, tuple[int, ...]]:
         from safetensors import safe_open
 
         out: dict[str, tuple[int, ...]] = {}
@@ -161,6 +196,14 @@ class MergedModel:
             with safe_open(str(path), "pt") as f:
                 for key in f.keys():
                     out[key] = tuple(f.get_slice(key).get_shape())
+        return out
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's name and shape, from the safetensors headers (no data read); an untied head
+        that the checkpoint stores only as the embedding comes last, with the embedding's shape."""
+        out = self._stored_shapes()
+        if self.untie is not None and self.untie.head not in out and self.untie.embed in out:
+            out[self.untie.head] = out[self.untie.embed]
         return out
 
     def dtype(self) -> "torch.dtype":
@@ -171,16 +214,21 @@ class MergedModel:
 
     def _merged(self, key: str, tensor: "torch.Tensor") -> "torch.Tensor":
         for adapter in self.adapters:
-            tensor = _apply(key, tensor, adapter)
+            tensor = _apply(key, tensor, adapter, plain=key in self._plain)
         return tensor
 
-    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """(name, merged tensor) for every tensor, in file order."""
+    def tensors(self, dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """(name, merged tensor) for every tensor, in file order; `dtype` as `tensor` takes it."""
         for name in self.shapes():
-            yield name, self.tensor(name)
+            yield name, self.tensor(name, dtype)
 
-    def tensor(self, name: str) -> "torch.Tensor":
+    def tensor(self, name: str, dtype: "torch.dtype | None" = None, count: dict | None = None) -> "torch.Tensor":
         """One merged tensor by name (the GGUF writer's order is not the files' order).
+
+        `dtype`: a floating tensor is returned in it, the stored one cast before the adapters fold in
+        (in fp32), so the merge is rounded once, to `dtype` (a bf16 checkpoint served in fp32 keeps its
+        adapter's delta whole); None: in the stored dtype. `count` ({"tensors", "elements", "bytes"}),
+        when given, adds what was read from the checkpoint (bytes as stored).
 
         The file is opened for this one tensor: safe_open maps the whole file, and pages read through
         a mapping count as the process's memory until it is closed (a file kept open while every
@@ -192,5 +240,14 @@ class MergedModel:
             for path in self.files:
                 with safe_open(str(path), "pt") as f:
                     self._where.update({key: path for key in f.keys()})
-        with safe_open(str(self._where[name]), "pt") as f:
-            return self._merged(name, f.get_tensor(name))
+        stored = name
+        if self.untie is not None and name == self.untie.head and name not in self._where:
+            stored = self.untie.embed  # the untied head starts from the shared matrix, then gets its own delta
+        with safe_open(str(self._where[stored]), "pt") as f:
+            raw = f.get_tensor(stored)
+        if count is not None:
+            count.update(tensors=count["tensors"] + 1, elements=count["elements"] + raw.numel(),
+                         bytes=count["bytes"] + raw.numel() * raw.element_size())
+        if dtype is not None and raw.is_floating_point():
+            raw = raw.to(dtype)
+        return self._merged(name, raw)

@@ -2,8 +2,10 @@
 
 `smolforge export`, the `export` job kind and `train/launch/distill --export` all call `export()`.
 The output directory is built in a temp directory next to it and swapped in whole
-(`paths.atomic_replace_dir`): a failed or refused export (verification off, a crash) leaves
-what was there before. It holds `export.json`, the summary this function returns.
+(`rundir.replace_with`, over `paths.atomic_replace_dir`): a failed or refused export (verification
+off, a crash) leaves what was there before; a re-export replaces only what the earlier export wrote
+(its manifest), so files a user added there survive. It holds `export.json`, the summary this
+function returns.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from smolforge.models.export import hf as hf_format
 from smolforge.models.export import ollama as ollama_format
 from smolforge.models.export.merge import MergedModel
 from smolforge.models.export.targets import QUANTS, TARGETS
-from smolforge.paths import atomic_replace_dir, atomic_write_json
+from smolforge.paths import atomic_write_json
+from smolforge.rundir import RunDir, check_run_dir, read_manifest, replace_with
 
 SUMMARY = "export.json"
 GGUF_NAME = "model.gguf"
@@ -66,11 +69,26 @@ def default_name(model: str, adapters) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-._") or "model"
 
 
-def check_output_dir(out: Path) -> None:
-    """Refuse to replace a directory that is not an earlier export: it may hold someone's work."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / SUMMARY).is_file())):
+def check_output_dir(out: Path) -> RunDir:
+    """Claimable by an export (`rundir`): new, empty, or an earlier export's (its manifest, or from before
+    manifests its summary, whose `files` are what it wrote). A directory of another kind of run, or one
+    that is neither empty nor an export's, is refused: it may hold someone's work. Nothing is deleted."""
+    if out.is_dir() and read_manifest(out) is None and any(out.iterdir()) and not (out / SUMMARY).is_file():
         raise SmolforgeError(f"--output-dir {out} exists and is not an earlier export (no {SUMMARY} in it)",
-                             fix="pass a new or empty directory; an earlier export's directory is replaced")
+                             fix="pass a new or empty directory; an earlier export's files are replaced "
+                                 "(files you added there are kept)")
+    return check_run_dir(out, "export", adopt=_legacy_files(out))
+
+
+def _legacy_files(out: Path) -> list[str]:
+    """What an export from before manifests wrote in `out` (its summary's `files`), else nothing."""
+    if read_manifest(out) is not None or not (out / SUMMARY).is_file():
+        return []
+    try:
+        files = json.loads((out / SUMMARY).read_text(encoding="utf-8")).get("files")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return [SUMMARY]
+    return [f for f in files if isinstance(f, str)] + [SUMMARY] if isinstance(files, list) else [SUMMARY]
 
 
 def reference_model(merged: MergedModel):
@@ -99,7 +117,7 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     if quant not in QUANTS:
         raise SmolforgeError(f"unknown --quant {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
     out = Path(output_dir).expanduser().resolve()
-    check_output_dir(out)
+    run = check_output_dir(out)
     t0 = time.time()
     merged = MergedModel(model_dir(model), list(adapters), model)
     name = name or default_name(model, adapters)
@@ -111,6 +129,9 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     summary: dict = {"to": to, "model": model, "adapters": [str(a) for a in adapters], "name": name,
                      "output_dir": str(out)}
+    if merged.untie is not None:  # an adapter on the tied head or embedding: written untied
+        say(merged.untie.message())
+        summary["untied"] = list(merged.untie.changed)
     try:
         if to == "hf":
             say(f"merging into an HF directory ({len(merged.adapters)} adapter(s))")
@@ -139,7 +160,7 @@ def export(model: str, to: str, output_dir: str | Path, *, adapters: list[str] |
         summary["seconds"] = round(time.time() - t0, 2)
         summary["files"] = sorted(p.name for p in tmp.iterdir()) + [SUMMARY]
         atomic_write_json(tmp / SUMMARY, summary)
-        atomic_replace_dir(tmp, out)
+        replace_with(run, tmp)  # only an earlier export's files go; the user's are carried over
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -46,9 +46,12 @@ def base_transformer(model: "nn.Module") -> "nn.Module":
 
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users."""
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; that warning means nothing to users.
+    Nor does its warning about a tied module in the adapter: merges untie it, and `train` says so once
+    (`models/tied.py`)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
         yield
 
 

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from smolforge.config import PeftSpec
 
 
+# A LoRA's tensors per target: lora_A/lora_B (Linear, Conv1D) or lora_embedding_A/B (an Embedding)
+LORA_PARTS = ("A.weight", "B.weight", "embedding_A", "embedding_B")
+
+
 @register
 class LoRA(PeftLibMethod):
     name = "lora"
@@ -46,11 +50,14 @@ class LoRA(PeftLibMethod):
         return model.merge_and_unload()
 
     def check_tensor(self, key: str, kind: str, weights: Path) -> None:
-        if kind not in ("A.weight", "B.weight"):
-            raise SmolforgeError(f"{weights}: {key} is a LoRA tensor export cannot merge (embedding LoRA?)",
-                                 fix="retrain with LoRA on linear layers only (the default targets)")
+        if kind not in LORA_PARTS:
+            raise SmolforgeError(f"{weights}: {key} is a LoRA tensor export cannot merge",
+                                 fix="retrain with LoRA on linear or embedding layers (smolforge train --peft lora)")
 
     def fold(self, w: "torch.Tensor", parts: "dict[str, torch.Tensor]", config: dict[str, Any]) -> "torch.Tensor":
+        """W + B @ A * scale; an Embedding's LoRA (peft's lora_embedding_A/B) as (B @ A)^T, [vocab, dim]."""
         r = config["r"]
         scale = config["lora_alpha"] / (r ** 0.5 if config.get("use_rslora") else r)
+        if "embedding_A" in parts:
+            return w + (parts["embedding_B"] @ parts["embedding_A"]).T * scale
         return w + (parts["B.weight"] @ parts["A.weight"]) * scale
