@@ -92,6 +92,8 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
 
 
 LAUNCH = ["launch", "--model", "tiny-llama", "--dataset", "bundled"]
+SPLIT_SERVE = ["split", "serve", "--model", "tiny-llama", "--split-point-1", "1", "--split-point-2", "2"]
+SPLIT_TRAIN = ["split", "train", "--model", "tiny-llama", "--split-point-1", "1", "--split-point-2", "2"]
 HOSTILE = [  # the review's seven command lines, then more: bounds, encodings, nesting, paths
     ("nested YAML in --config", ["train", "--config", "{t}/deep.yaml"], "deep.yaml: nests deeper than 32 levels"),
     ("nested YAML in submit", ["submit", "{t}/deep.yaml"], "deep.yaml: nests deeper than 32 levels"),
@@ -145,12 +147,40 @@ HOSTILE = [  # the review's seven command lines, then more: bounds, encodings, n
     ("a job id that is not UTF-8", ["job", "show", "\udcff"], "the job-id argument is not UTF-8 text (byte 0xff"),
     ("a --config name too long", ["train", "--config", "x" * 5000 + ".yaml"], "File name too long"),
     ("a --data name too long", ["train", "--model", "tiny-llama", "--data", "x" * 5000 + ".jsonl"],
-     "File name too long"),
+     "data.path: is 5,006 characters long (at most 4,096)"),  # the input rules' length, before any file is opened
     ("--output-dir that is a file", [*TRAIN, "--output-dir", "{t}/a-file"], "cannot make the directory"),
     ("demo --max-steps 0", ["demo", "--workflow", "sft", "--max-steps", "0", "--output-dir", "{t}/d"],
      "--max-steps 0: give 1 or more"),
     ("demo over another run's checkpoints", ["demo", "--workflow", "sft", "--output-dir", "{t}/train-run"],
      "holds files that no .smolforge-run.json records"),
+    # issue 43's six, then their kinds (input_rules: every int 64-bit, every float finite, each count in its
+    # flag's range with cli.common.bounded, every string UTF-8 without NUL), on other commands and flags
+    ("--seed past 64 bits", [*TRAIN, "--seed", "99999999999999999999999"],
+     "--seed 99999999999999999999999 is past the 64-bit range (23 digits)"),
+    ("launch --max-steps past 64 bits", [*LAUNCH, "--max-steps", str(2**70)], "--max-steps 1180591620717411303424 is past the 64-bit range (22 digits)"),
+    ("demo --seed past 64 bits", ["demo", "--seed", str(10**30), "--output-dir", "{t}/d"], "past the 64-bit range"),
+    ("--epochs inf", [*TRAIN, "--epochs", "inf"], "--epochs inf is not a finite number"),
+    ("--lr nan", [*TRAIN, "--lr", "nan"], "--lr nan is not a finite number"),
+    ("launch --epochs -inf", [*LAUNCH, "--epochs", "-inf"], "--epochs -inf is not a finite number"),
+    ("distill --temperature nan", ["distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+                                   "--temperature", "nan"], "--temperature nan is not a finite number"),
+    ("distill --temperature 0", ["distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+                                 "--temperature", "0"], "temperature: Input should be greater than 0"),
+    ("--max-new-tokens -1", ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "-1"],
+     "--max-new-tokens -1 is below 1"),
+    ("split train --batch-size 0", [*SPLIT_TRAIN, "--batch-size", "0"], "--batch-size 0 is below 1"),
+    ("split train --max-seq-length -5", [*SPLIT_TRAIN, "--max-seq-length", "-5"], "--max-seq-length -5 is below 1"),
+    ("split serve --lora-rank 0", [*SPLIT_SERVE, "--lora-rank", "0"], "--lora-rank 0 is below 1"),
+    ("split serve --max-sessions -1", [*SPLIT_SERVE, "--max-sessions", "-1"], "--max-sessions -1 is below 1"),
+    ("--lora-dropout 5", [*SPLIT_SERVE, "--lora-dropout", "5"], "--lora-dropout 5.0 is at or above 1"),
+    ("train --lora-dropout 5", [*TRAIN, "--lora-dropout", "5"], "dropout: Input should be less than 1"),
+    ("split serve --session-timeout nan", [*SPLIT_SERVE, "--session-timeout", "nan"], "is not a finite number"),
+    ("--temperature nan", ["generate", "--model", "tiny-llama", "--prompt", "hi", "--temperature", "nan"],
+     "--temperature nan is not a finite number"),
+    ("generate --temperature -1", ["generate", "--model", "tiny-llama", "--prompt", "hi", "--temperature", "-1"],
+     "--temperature -1.0 is below 0"),
+    ("a NUL byte in --model", ["train", "--model", "tiny\x00llama", "--data", "bundled"], "--model holds a NUL byte (at character 4)"),
+    ("a NUL byte in a --set value", [*TRAIN, "--set", "output_dir=a\x00b"], "holds a NUL byte"),
 ]
 
 

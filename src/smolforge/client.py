@@ -216,6 +216,10 @@ class Client:
     def cancel_job(self, job_id: str) -> dict:
         return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/cancel"))
 
+    def delete_job(self, job_id: str) -> dict:
+        """Remove a finished (or damaged) job and its artifacts: {"job_id", "deleted": True}."""
+        return self._request("DELETE", f"/api/v1/jobs/{job_id}")
+
     def join_job(self, job_id: str, node: str | None = None) -> dict:
         """Lend the coordinator node (or `node`) to a running data-parallel job."""
         return job_status(self._request("POST", f"/api/v1/jobs/{job_id}/join", json={"node": node}))

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from smolforge.errors import SmolforgeError
+from smolforge.input_rules import first_problem, shown
 from smolforge.paths import not_a_regular_file
 
 # The names of a model's weights dtype (`--dtype`, spec fields `dtype`); what each means at load time
@@ -66,7 +67,19 @@ def default_lr(method: str) -> float:
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    """Every spec: unknown keys refused, and what it is given held to the input rules (smolforge.input_rules:
+    UTF-8 text without NUL within a length, finite 64-bit numbers) whichever road it came by, a YAML file,
+    `--set`, the REST API or the Python API. NaN and infinity are refused for every float field."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_rules(cls, data: Any) -> Any:
+        found = first_problem(data) if isinstance(data, dict) else None
+        if found:
+            raise ValueError(f"{shown(found[0], 200)}: {found[1]}" if found[0] else found[1])
+        return data
 
 
 class PeftSpec(Spec):

@@ -4,7 +4,7 @@
     smolforge worker join HOST:PORT --token-file F [--name --models-dir --cpus --gpus --memory-limit]
     smolforge status | nodes | resources | jobs
     smolforge dashboard [--port]   (the embedded cluster's dashboard; a coordinator serves its own)
-    smolforge job show|logs|pause|resume|cancel|join|leave ID
+    smolforge job show|logs|pause|resume|cancel|delete|join|leave ID
     smolforge launch --model M --dataset D --workers N --mode data_parallel|teacher_student|hybrid [--student S ...]
     smolforge submit job.yaml [--set key=value]
 
@@ -132,7 +132,8 @@ def jobs_table(jobs: list[dict]):
         where = ", ".join(j.get("nodes") or []) or "–"
         if j["state"] == "pending" and j.get("pending_reason"):
             where = j["pending_reason"]  # why it is not running yet (the queue's reason)
-        _add_row(t, j["id"], j["name"] if j["name"] != j["id"] else "", j["kind"], j["state"],
+        state = f"{j['state']} (damaged: {j['damaged']})" if j.get("damaged") else j["state"]  # `job delete` removes it
+        _add_row(t, j["id"], j["name"] if j["name"] != j["id"] else "", j["kind"], state,
                   (j.get("spec") or {}).get("priority", "normal"),
                   f"{100 * (j.get('progress') or 0):.0f}% ({j['step']}/{j['max_steps'] or '?'})",
                   f"{j['samples_done']}/{j['samples_total'] or '?'}",
@@ -417,7 +418,7 @@ def _register_listings(app: typer.Typer) -> None:
 
 
 def _register_job_control(job_app: typer.Typer) -> None:
-    """`job pause|resume|cancel|join|leave`: the commands that change a job's course."""
+    """`job pause|resume|cancel|delete|join|leave`: the commands that change a job's course (or end its record)."""
 
     def _job_cmd(action: str, doc: str):
         @run_cli
@@ -431,7 +432,8 @@ def _register_job_control(job_app: typer.Typer) -> None:
         ):
             backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
             try:
-                st = {"pause": backend.pause_job, "resume": backend.resume_job, "cancel": backend.cancel_job}[action](job_id)
+                st = {"pause": backend.pause_job, "resume": backend.resume_job, "cancel": backend.cancel_job,
+                      "delete": backend.delete_job}[action](job_id)
                 if action == "resume" and backend.runs_in_process:  # the job runs in this command: follow it
                     finish_resumed(backend, wait_with_progress(backend, st["job_id"], quiet=json_out), json_out)
                     return
@@ -439,6 +441,8 @@ def _register_job_control(job_app: typer.Typer) -> None:
                 backend.close()
             if json_out:
                 print_json(st)
+            elif st.get("deleted"):
+                typer.echo(f"job {st['job_id']}: deleted")
             else:
                 typer.echo(f"job {st['job_id']}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
 
@@ -454,6 +458,9 @@ def _register_job_control(job_app: typer.Typer) -> None:
                                                   "Example: smolforge job resume job-1a2b3c"))
     job_app.command("cancel")(_job_cmd("cancel", "Cancel a job: its workers are stopped and released at once.\n\n"
                                                   "Example: smolforge job cancel job-1a2b3c"))
+    job_app.command("delete")(_job_cmd("delete", "Delete a finished job (or one listed as damaged) with its artifacts; "
+                                                  "a running or paused job is cancelled first.\n\n"
+                                                  "Example: smolforge job delete job-1a2b3c"))
 
     @job_app.command("join")
     @run_cli

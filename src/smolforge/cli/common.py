@@ -36,19 +36,79 @@ def quiet_libraries() -> None:
         transformers.utils.logging.disable_progress_bar()
 
 
+def bounded(default: Any, *param_decls: str, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, **kw: Any) -> Any:
+    """`typer.Option` for a number with bounds (a count, a rate, a probability): `run_cli` checks them
+    with the input rules (`smolforge.input_rules.number_problem`) before the command runs, and refuses
+    a value outside as one message, exit 2. Every float option is finite and every int 64-bit anyway;
+    this adds the flag's own range. E.g. `max_new_tokens: int = bounded(64, ge=1)`."""
+    option = typer.Option(default, *param_decls, **kw)
+    option.bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return option
+
+
+def _flags(fn: Callable) -> dict[str, tuple[str, dict[str, float]]]:
+    """Each parameter of a command: how the user writes it (`--max-new-tokens`, `the job-id argument`)
+    and the bounds `bounded` declared for it."""
+    import inspect
+
+    from typer.models import ArgumentInfo, ParameterInfo
+
+    out = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        info = param.default if isinstance(param.default, ParameterInfo) else None
+        decls = [d.split("/")[0] for d in (getattr(info, "param_decls", None) or ()) if d.startswith("--")]
+        flag = decls[0] if decls else f"--{name.rstrip('_').replace('_', '-')}"
+        if isinstance(info, ArgumentInfo):
+            flag = f"the {name.rstrip('_').replace('_', '-')} argument"
+        out[name] = (flag, getattr(info, "bounds", {}))
+    return out
+
+
+def check_options(options: dict[str, Any], flags: dict[str, tuple[str, dict[str, float]]]) -> None:
+    """The input rules on a command's options and arguments (smolforge.input_rules): text that is UTF-8
+    without NUL and at most MAX_ARGUMENT characters, numbers finite, 64-bit and within a `bounded`
+    flag's range. One message naming the flag, exit 2."""
+    from smolforge.input_rules import MAX_ARGUMENT, number_problem, text_problem
+
+    check_utf8(options)
+    for name, value in options.items():
+        flag, bounds = flags.get(name, (f"--{name.replace('_', '-')}", {}))
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, (int, float)):
+                what = number_problem(item, **bounds)
+                shown = str(item) if len(str(item)) <= 24 else f"{str(item)[:12]}…"
+                fix = f"give {flag} a value in its range (see --help)" if bounds else f"give {flag} a finite, 64-bit number"
+            elif isinstance(item, (str, os.PathLike)):
+                what, shown, fix = text_problem(os.fspath(item), MAX_ARGUMENT), "", "shorten it, or drop the NUL byte"
+            else:
+                continue
+            if what:
+                raise SmolforgeError(f"{flag} {shown} {what}".replace("  ", " "), fix=fix)
+
+
 def run_cli(fn: Callable) -> Callable:
     """Turn SmolforgeError into `error: ...` on stderr and exit 2, never a traceback; so too an
-    argument that is not UTF-8 and a file the system refuses (a name too long, a directory that
-    cannot be made), wherever in the command it is met."""
+    argument that breaks the input rules (check_options: not UTF-8, a NUL, NaN, a number out of its
+    flag's range) and a file the system refuses (a name too long, a directory that cannot be made),
+    wherever in the command it is met."""
+    flags = _flags(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            check_utf8(kwargs)
+            check_options(kwargs, flags)
             return fn(*args, **kwargs)
         except SmolforgeError as err:
             typer.echo(f"error: {err.render()}", err=True)
             raise typer.Exit(err.exit_code)
+        except ValueError as err:
+            if not _is_validation_error(err):
+                raise
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors())
+            typer.echo(f"error: invalid {err.title}: {problems}\n  fix: give values in the ranges `--help` states",
+                       err=True)
+            raise typer.Exit(2)
         except OSError as err:
             if err.filename is None:  # not about a path the user named: a bug to see whole
                 raise
@@ -62,6 +122,13 @@ def run_cli(fn: Callable) -> Callable:
             raise typer.Exit(130)
 
     return wrapper
+
+
+def _is_validation_error(err: BaseException) -> bool:
+    """A pydantic ValidationError (settings built from the flags refused a value), without importing
+    pydantic for commands that never load it."""
+    pydantic = sys.modules.get("pydantic")
+    return pydantic is not None and isinstance(err, pydantic.ValidationError)
 
 
 def check_utf8(options: dict[str, Any]) -> None:

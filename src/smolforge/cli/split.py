@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from smolforge.cli.common import check_port, cli_token, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import bounded, check_port, cli_token, print_json, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
@@ -43,9 +43,9 @@ def serve_cmd(
     split_point_1: int = SPLIT_POINT_1,
     split_point_2: int = SPLIT_POINT_2,
     use_lora: bool = typer.Option(True, "--use-lora/--no-lora", help="train a LoRA on the trunk (default on)"),
-    lora_rank: int = typer.Option(8, help="trunk LoRA rank"),
-    lora_alpha: float = typer.Option(16.0, help="trunk LoRA alpha"),
-    lora_dropout: float = typer.Option(0.05, help="trunk LoRA dropout"),
+    lora_rank: int = bounded(8, ge=1, help="trunk LoRA rank"),
+    lora_alpha: float = bounded(16.0, gt=0, help="trunk LoRA alpha"),
+    lora_dropout: float = bounded(0.05, ge=0, lt=1, help="trunk LoRA dropout"),
     device: str = typer.Option("cpu", help="cpu|cuda|auto"),
     host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes it to your network"),
     port: int = typer.Option(50051, help="port to listen on (0: any free port)"),
@@ -57,11 +57,11 @@ def serve_cmd(
     tls_key: Optional[str] = typer.Option(None, help="PEM private key of --tls-cert"),
     checkpoint_dir: Optional[str] = typer.Option(None, help="where per-session trunk checkpoints go "
                                                  "(default $SMOLFORGE_HOME/split/server-checkpoints)"),
-    session_timeout: float = typer.Option(900.0, help="free a session idle this many seconds (vanished client)"),
-    max_sessions: int = typer.Option(8, help="most concurrent client sessions"),
-    generation_timeout: float = typer.Option(300.0, help="free a `split generate` session (and its KV cache) "
+    session_timeout: float = bounded(900.0, gt=0, help="free a session idle this many seconds (vanished client)"),
+    max_sessions: int = bounded(8, ge=1, help="most concurrent client sessions"),
+    generation_timeout: float = bounded(300.0, gt=0, help="free a `split generate` session (and its KV cache) "
                                              "idle this many seconds"),
-    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+    num_threads: Optional[int] = bounded(None, ge=1, help="torch threads (default: CPUs available)"),
 ):
     """Run the trunk server: layers [A, B) of MODEL, one LoRA and optimizer per client session.
 
@@ -110,35 +110,35 @@ def train_cmd(
     token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token (never in `ps`)"),
     tls_ca: Optional[str] = typer.Option(None, help="PEM CA bundle that signed the server's certificate: use TLS"),
     tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
-    lora_rank: int = typer.Option(8, help="bottom/top LoRA rank"),
-    lora_alpha: float = typer.Option(16.0),
-    lora_dropout: float = typer.Option(0.05),
-    batch_size: int = typer.Option(4, help="micro-batch size"),
-    learning_rate: float = typer.Option(2e-4),
-    weight_decay: float = typer.Option(0.0),
-    num_epochs: float = typer.Option(1.0),
-    max_steps: Optional[int] = typer.Option(None, help="optimizer steps (overrides --num-epochs)"),
+    lora_rank: int = bounded(8, ge=1, help="bottom/top LoRA rank"),
+    lora_alpha: float = bounded(16.0, gt=0),
+    lora_dropout: float = bounded(0.05, ge=0, lt=1),
+    batch_size: int = bounded(4, ge=1, help="micro-batch size"),
+    learning_rate: float = bounded(2e-4, gt=0),
+    weight_decay: float = bounded(0.0, ge=0),
+    num_epochs: float = bounded(1.0, gt=0),
+    max_steps: Optional[int] = bounded(None, ge=1, help="optimizer steps (overrides --num-epochs)"),
     dataset: str = typer.Option("bundled", help="JSONL file, or 'bundled' for the generated task set"),
     data_format: str = typer.Option("auto", help="auto|alpaca|chat|prompt_completion|text"),
-    max_train_samples: Optional[int] = typer.Option(None, help="use only the first N training examples"),
-    max_eval_samples: int = typer.Option(64, help="held-out examples for Val Loss (0: no evaluation)"),
-    gradient_accumulation_steps: int = typer.Option(1, help="micro-batches per optimizer step"),
+    max_train_samples: Optional[int] = bounded(None, ge=1, help="use only the first N training examples"),
+    max_eval_samples: int = bounded(64, ge=0, help="held-out examples for Val Loss (0: no evaluation)"),
+    gradient_accumulation_steps: int = bounded(1, ge=1, help="micro-batches per optimizer step"),
     mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bf16 autocast on both sides"),
-    max_seq_length: int = typer.Option(256, help="truncate sequences to this many tokens"),
-    warmup_steps: int = typer.Option(0),
-    max_grad_norm: float = typer.Option(1.0, help="clip the global (client + trunk) gradient norm; 0: off"),
+    max_seq_length: int = bounded(256, ge=1, help="truncate sequences to this many tokens"),
+    warmup_steps: int = bounded(0, ge=0),
+    max_grad_norm: float = bounded(1.0, ge=0, help="clip the global (client + trunk) gradient norm; 0: off"),
     scheduler: str = typer.Option("linear", help="linear|cosine|constant"),
-    save_interval: int = typer.Option(0, help="checkpoint both sides every N steps (0: at the end)"),
-    eval_interval: int = typer.Option(0, help="evaluate every N steps (0: at the end)"),
-    log_interval: int = typer.Option(10, help="print a Step line every N steps"),
+    save_interval: int = bounded(0, ge=0, help="checkpoint both sides every N steps (0: at the end)"),
+    eval_interval: int = bounded(0, ge=0, help="evaluate every N steps (0: at the end)"),
+    log_interval: int = bounded(10, ge=1, help="print a Step line every N steps"),
     output_dir: str = typer.Option("outputs/split", help="checkpoints, metrics, lora_adapter/"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint both sides hold"),
     codec: str = typer.Option("fp32", help="activations/gradients on the wire: fp32|fp16|bf16|int8"),
-    seed: int = typer.Option(0),
+    seed: int = bounded(0, ge=0),
     device: str = typer.Option("cpu", help="cpu|cuda|auto"),
     session_name: Optional[str] = typer.Option(None, help="names this run on the server (default: from --output-dir)"),
-    reconnect_timeout: float = typer.Option(300.0, help="keep retrying an unreachable server this many seconds"),
-    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+    reconnect_timeout: float = bounded(300.0, gt=0, help="keep retrying an unreachable server this many seconds"),
+    num_threads: Optional[int] = bounded(None, ge=1, help="torch threads (default: CPUs available)"),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="also write TensorBoard logs (OUTPUT_DIR/tensorboard)"),
     wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
                                         help="also log to W&B, offline, in OUTPUT_DIR/wandb (the package's wandb extra)"),
@@ -184,7 +184,7 @@ def merge_cmd(
     merged_dir: Optional[str] = typer.Option(None, help="where the merged model goes "
                                              "(default <output-dir>/merged_model)"),
     model: Optional[str] = typer.Option(None, help="base model (default: the one the run used)"),
-    step: Optional[int] = typer.Option(None, help="merge this checkpoint instead of the final adapter"),
+    step: Optional[int] = bounded(None, ge=0, help="merge this checkpoint instead of the final adapter"),
 ):
     """Fold bottom + trunk + top LoRA into one full HF model directory (loads with `smolforge generate`).
 
@@ -244,10 +244,10 @@ def generate_cmd(
     server: str = typer.Option(..., "--server", help="the trunk server's HOST:PORT (same model and split points)"),
     run_dir: str = typer.Option(..., "--run-dir", help="the --output-dir of `smolforge split train`"),
     prompt: str = typer.Option(..., help="the user message"),
-    max_new_tokens: int = typer.Option(64, help="stop after this many new tokens (or at end of sequence)"),
-    temperature: float = typer.Option(0.0, help="0 = greedy (the merged model's tokens); > 0 samples"),
-    seed: int = typer.Option(0, help="sampling seed (with --temperature > 0)"),
-    step: Optional[int] = typer.Option(None, help="use this checkpoint of the run (default: the newest)"),
+    max_new_tokens: int = bounded(64, ge=1, help="stop after this many new tokens (or at end of sequence)"),
+    temperature: float = bounded(0.0, ge=0, help="0 = greedy (the merged model's tokens); > 0 samples"),
+    seed: int = bounded(0, ge=0, help="sampling seed (with --temperature > 0)"),
+    step: Optional[int] = bounded(None, ge=0, help="use this checkpoint of the run (default: the newest)"),
     raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
     token: Optional[str] = typer.Option(None, envvar=TOKEN_ENV, help=f"the server's token (default: ${TOKEN_ENV})"),
     token_file: Optional[str] = typer.Option(None, "--token-file", help="a file holding the server's token"),
@@ -255,7 +255,7 @@ def generate_cmd(
     tls_server_name: Optional[str] = typer.Option(None, help="expected name in the server certificate"),
     codec: str = typer.Option("fp32", help="hidden states on the wire: fp32|fp16|bf16|int8 (fp32 is exact)"),
     device: str = typer.Option("cpu", help="cpu|cuda|auto"),
-    num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
+    num_threads: Optional[int] = bounded(None, ge=1, help="torch threads (default: CPUs available)"),
     json_out: bool = typer.Option(False, "--json", help="print the reply, its tokens and the cache counters as JSON"),
 ):
     """Reply to a prompt with a split-trained model, without merging it: bottom and top run here, the trunk

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
-from smolforge.cli.common import make_output_dir, peft_section, print_json, quiet_libraries, run_cli
+from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, validate
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
@@ -174,7 +174,7 @@ def _register_eval(app: typer.Typer) -> None:
         max_length: int = typer.Option(256),
         batch_size: int = typer.Option(16),
         max_samples: Optional[int] = typer.Option(200, help="evaluate on at most N examples"),
-        max_new_tokens: int = typer.Option(16, help="for exact-match accuracy"),
+        max_new_tokens: int = bounded(16, ge=1, help="for exact-match accuracy"),
         device: str = typer.Option("auto"),
         dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
         json_out: bool = typer.Option(False, "--json"),
@@ -222,8 +222,8 @@ def _register_generate(app: typer.Typer) -> None:
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset"),
         prompt: str = typer.Option(..., help="the user message"),
         adapter: Optional[str] = typer.Option(None, help="a <peft>_adapter/ directory to apply"),
-        max_new_tokens: int = typer.Option(64),
-        temperature: float = typer.Option(0.0, help="0 = greedy"),
+        max_new_tokens: int = bounded(64, ge=1),
+        temperature: float = bounded(0.0, ge=0, help="0 = greedy"),
         raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
         device: str = typer.Option("auto"),
         dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),

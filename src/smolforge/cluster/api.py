@@ -39,6 +39,7 @@ from smolforge.cluster.nodes.ray_tls import ensure_ca, sign_request
 from smolforge.cluster.control.states import parse_states
 from smolforge.dashboard import ASSETS, asset, asset_paths, page
 from smolforge.errors import SmolforgeError
+from smolforge.input_rules import shown
 from smolforge.paths import safe_join
 
 MAX_UPLOAD_BYTES = int(os.environ.get("SMOLFORGE_MAX_UPLOAD_BYTES", str(20 * 2**30)))
@@ -93,7 +94,20 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SmolforgeError)
     def _smolforge_error(request: Request, err: SmolforgeError):
         status = 404 if err.what.startswith("no job") else 400
-        return JSONResponse({"error": err.what, "where": err.where, "fix": err.fix}, status_code=status)
+        # a message may echo what the client sent: escaped, so that rendering it never fails (a 500)
+        return JSONResponse({key: None if text is None else shown(text, 2000, controls=False) for key, text in
+                             (("error", err.what), ("where", err.where), ("fix", err.fix))}, status_code=status)
+
+    @app.exception_handler(OSError)
+    def _path_error(request: Request, err: OSError):
+        """A name from the request the file system refuses (too long, not a name): the client's to fix, a
+        400; never the path itself, which may be this machine's. Any other OSError is a bug (a 500)."""
+        if err.filename is None:
+            raise err
+        return JSONResponse({"error": f"a name in the request cannot be a path here: {err.strerror}",
+                             "where": None, "fix": "give a shorter name (each part of a path at most 255 "
+                                                   "bytes) of letters, digits, '-', '_', '.' and '/'"},
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body it cannot parse, an unknown path
     def _http_error(request: Request, err: StarletteHTTPException):
@@ -222,6 +236,11 @@ def _job_routes(app: FastAPI, core: Any, auth: list) -> None:
     @app.post("/api/v1/jobs/{job_id}/cancel", dependencies=auth)
     def cancel(job_id: JobId):
         return core.manager.cancel(job_id)
+
+    @app.delete("/api/v1/jobs/{job_id}", dependencies=auth)
+    def delete_job(job_id: JobId):
+        """Remove a finished (or damaged) job and its artifacts; a running or paused one is refused (400)."""
+        return core.manager.delete(job_id)
 
     @app.post("/api/v1/jobs/{job_id}/join", dependencies=auth)
     def join(job_id: JobId, body: JoinRequest | None = None):

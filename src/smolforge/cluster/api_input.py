@@ -23,9 +23,11 @@ from starlette.concurrency import run_in_threadpool
 
 from smolforge.errors import SmolforgeError
 from smolforge.http_limits import MAX_JSON_DEPTH, json_depth
+from smolforge.input_rules import check_input
 
 SQL_INT_MAX = 2**63 - 1  # SQLite's INTEGER: ids past it do not exist, and binding one overflows
 NAME = r"^[A-Za-z0-9_.:@-]+$"  # task, series and node names: what the runners write
+INPUT_FIX = "send UTF-8 text without NUL bytes, within the lengths and ranges this API's schema states"
 
 Since = Annotated[int, Query(ge=0, le=SQL_INT_MAX, description="only rows after this id")]
 JobId = Annotated[str, Path(min_length=1, max_length=200, description="job id, a unique prefix, or its name")]
@@ -66,20 +68,33 @@ ERRORS = {status: {"model": ApiError, "description": text} for status, text in (
 
 
 class BoundedJsonRoute(APIRoute):
-    """A route whose JSON body is refused (400) when it nests deeper than MAX_JSON_DEPTH, counted on
-    the raw bytes before FastAPI parses them (Starlette keeps the body for the parse that follows)."""
+    """A route whose input is checked before FastAPI parses it into the route's arguments: a JSON body
+    that nests deeper than MAX_JSON_DEPTH (counted on the raw bytes; Starlette keeps the body for the
+    parse that follows) and any path parameter, query value or JSON string or number that breaks the
+    input rules (`smolforge.input_rules`: UTF-8 without NUL, a bounded length, finite 64-bit numbers)
+    are a 400 naming where, before the route runs. (A lone surrogate in a spec was once stored, and
+    every listing that showed the job answered 500 from then on.)"""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
-        if self.body_field is None:
-            return handler
+        has_body = self.body_field is not None
 
         async def checked(request: Request):
+            check_input(request.path_params, "path", INPUT_FIX)
+            for key, value in request.query_params.multi_items():
+                check_input({key: value}, "query", INPUT_FIX)
+            if not has_body:
+                return await handler(request)
             # counted in a worker thread: a large body's count (linear, in Python) would stall the event
             # loop and every other request with it (the hostile load test's p99)
             if await run_in_threadpool(json_depth, await request.body()) > MAX_JSON_DEPTH:
                 raise SmolforgeError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels", where="body",
                                      fix="send the flat JSON this route documents")
+            try:
+                body = await request.json() if await request.body() else None  # Starlette keeps it for FastAPI
+            except ValueError:
+                body = None  # not JSON: FastAPI's own parse refuses it (400, "the body is not valid JSON")
+            await run_in_threadpool(check_input, body, "body", INPUT_FIX)
             return await handler(request)
 
         return checked

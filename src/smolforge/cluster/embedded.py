@@ -153,6 +153,9 @@ class EmbeddedCluster:
     def cancel_job(self, job_id: str) -> dict:
         return job_status(self.manager.cancel(job_id))
 
+    def delete_job(self, job_id: str) -> dict:
+        return self.manager.delete(job_id)
+
     def join_job(self, job_id: str, node: str | None = None) -> dict:
         return job_status(self.manager.join(job_id, node))
 

@@ -41,8 +41,8 @@ class DistillSettings(Spec):
     peft: str = "lora"
     peft_config: dict[str, Any] = Field(default_factory=dict)
     kd_loss: str = "forward_kl"
-    kd_ratio: float = 0.5
-    temperature: float = 1.0
+    kd_ratio: float = Field(0.5, ge=0, le=1)
+    temperature: float = Field(1.0, gt=0, description="KD softmax temperature")
     beta: float = 0.5
     # On-policy distillation (GKD): this fraction of student steps trains on the student's own samples,
     # scored by the teacher loaded in the student's process (same tokenizer). See distill/on_policy.py.
@@ -54,8 +54,8 @@ class DistillSettings(Spec):
     teacher_backend: str = "hf"
     teacher_quant: str = "q8_0"  # the llamacpp backend's GGUF weights (models.export.cache.TEACHER_QUANTS)
     ollama_host: str | None = None
-    gen_temperature: float = 0.0
-    top_p: float = 1.0
+    gen_temperature: float = Field(0.0, ge=0, description="teacher sampling (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
     samples_per_prompt: int = Field(1, ge=1)
     teacher_responses: str = "generate"  # or "reference": score the dataset's answers (word-level KD)

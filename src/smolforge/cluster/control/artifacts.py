@@ -155,6 +155,10 @@ class ArtifactStore:
         self._meta_path(job_id, kind, name).unlink(missing_ok=True)
         shutil.rmtree(self.path(job_id, kind, name), ignore_errors=True)
 
+    def delete_job(self, job_id: str) -> None:
+        """Every artifact of a job (`smolforge job delete`); uploads are shared and stay (collected when no job names them)."""
+        shutil.rmtree(self.root / _check(job_id, "job"), ignore_errors=True)
+
     def all_for_job(self, job_id: str) -> list[dict]:
         out = []
         base = self.root / _check(job_id, "job")

@@ -11,6 +11,7 @@ while a job runner writes.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any, Iterator
 
 from smolforge.cluster.control.states import FINAL, STATES, JobState  # noqa: F401  (FINAL: the stores' users)
 from smolforge.errors import SmolforgeError
+from smolforge.input_rules import escaped, first_problem, shown
 from smolforge.paths import private_file
 
 SCHEMA = """
@@ -129,6 +131,9 @@ class JobStore:
         if db is None:
             db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=True)
             db.row_factory = sqlite3.Row
+            # bytes that are not UTF-8 (a row written by hand) read as surrogates, which a row is then
+            # shown damaged for (`_job_row`), instead of an OperationalError on every listing
+            db.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA foreign_keys=ON")
@@ -162,15 +167,35 @@ class JobStore:
 
     @staticmethod
     def _job_row(row: sqlite3.Row | None) -> dict[str, Any] | None:
+        """A job row as the API and the CLI show it; one that cannot be shown (a spec that is not JSON, text
+        that is not UTF-8: written before the intake checked it, or by hand) comes back `damaged`."""
         if row is None:
             return None
         d = dict(row)
-        d["spec"] = json.loads(d["spec"])
-        d["nodes"] = json.loads(d["nodes"] or "[]")
-        d["result"] = json.loads(d["result"]) if d["result"] else None
-        d["comm"] = json.loads(d["comm"]) if d.get("comm") else None  # communication per rank (data-parallel)
-        d["progress"] = (d["step"] / d["max_steps"]) if d["max_steps"] else (1.0 if d["state"] == "completed" else 0.0)
-        return d
+        try:
+            d["spec"] = json.loads(d["spec"])
+            d["nodes"] = json.loads(d["nodes"] or "[]")
+            d["result"] = json.loads(d["result"]) if d["result"] else None
+            d["comm"] = json.loads(d["comm"]) if d.get("comm") else None  # communication per rank (data-parallel)
+            d["progress"] = ((d["step"] / d["max_steps"]) if d["max_steps"]
+                             else (1.0 if d["state"] == "completed" else 0.0))
+        except (ValueError, TypeError, ZeroDivisionError) as err:
+            return JobStore._damaged(dict(row), f"a column is not readable ({type(err).__name__})")
+        for key in JOB_PROGRESS_FIELDS:  # an infinite loss is a number JSON cannot carry: shown as unknown
+            if isinstance(d[key], float) and not math.isfinite(d[key]):
+                d[key] = None
+        found = first_problem(d, numbers=False)
+        return JobStore._damaged(dict(row), f"{found[0]} {found[1]}") if found else d
+
+    @staticmethod
+    def _damaged(d: dict[str, Any], why: str) -> dict[str, Any]:
+        """A row that cannot be shown as it is: its text columns escaped, its JSON columns dropped, and
+        `damaged` saying why. It lists, shows and can be deleted (`smolforge job delete ID`)."""
+        out = {k: shown(v, 200) if isinstance(v, str) else v for k, v in d.items()}
+        out.update(spec=None, nodes=[], result=None, comm=None, progress=0.0, damaged=shown(why, 300))
+        if out["state"] not in STATES:
+            out["state"] = "failed"
+        return out
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -213,6 +238,15 @@ class JobStore:
         else:
             rows = self._db().execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
         return [self._job_row(r) for r in rows]
+
+    def delete_job(self, job_id: str) -> None:
+        """Remove a job and everything stored of it (tasks, events, metrics, log lines). The caller
+        decides whether it may go (`JobManager.delete`: finished or damaged, never running)."""
+        with self._tx() as db:
+            for table in ("tasks", "events", "metrics", "logs"):
+                db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
+            if db.execute("DELETE FROM jobs WHERE id=?", (job_id,)).rowcount == 0:
+                raise SmolforgeError(f"no job {job_id!r}", fix="list jobs with `smolforge jobs`")
 
     def set_state(self, job_id: str, state: str, message: str = "", *, error: str | None = None,
                   result: dict | None = None, force: bool = False) -> str:
@@ -342,8 +376,11 @@ class JobStore:
         out = []
         for r in self._db().execute(q, args).fetchall():
             d = dict(r)
-            d["data"] = json.loads(d["data"]) if d["data"] else None
-            out.append(d)
+            try:
+                d["data"] = json.loads(d["data"]) if d["data"] else None
+            except ValueError:
+                d["data"] = None
+            out.append(escaped(d))  # an event of a job submitted before the intake checked its text
         return out
 
     def add_metrics(self, job_id: str, rows: list[tuple[int, str, float]], ts: float | None = None) -> None:
@@ -381,7 +418,7 @@ class JobStore:
             args.append(task)
         q += " ORDER BY id LIMIT ?"
         args.append(limit)
-        return [dict(r) for r in self._db().execute(q, args).fetchall()]
+        return [escaped(dict(r)) for r in self._db().execute(q, args).fetchall()]
 
     def metrics(self, job_id: str, name: str | None = None) -> list[dict[str, Any]]:
         if name:

@@ -16,6 +16,7 @@ def job_status(job: dict) -> dict:
         "world_size": job.get("world_size"), "attempts": job.get("attempts"), "error": job.get("error"),
         "result": job.get("result"), "comm": job.get("comm"),
         "priority": (job.get("spec") or {}).get("priority", "normal"), "pending_reason": job.get("pending_reason"),
+        **({"damaged": job["damaged"]} if job.get("damaged") else {}),  # a stored row that cannot be shown whole
     }
 
 

@@ -264,6 +264,22 @@ class JobManager:
         self.specs.pop(job_id, None)
         return self._job(job_id)
 
+    def delete(self, job_id: str) -> dict:
+        """Remove a finished job, or a damaged one that is not running, with its artifacts; returns
+        {"job_id", "deleted": True}. A live job is refused: it is cancelled first."""
+        job = self._job(job_id)
+        job_id = job["id"]
+        runner = self.runners.get(job_id)
+        live = (runner is not None and runner.is_alive()) or job["state"] in (JobState.RUNNING, JobState.PAUSED)
+        if live or not (job["state"] in FINAL or job.get("damaged")):
+            raise SmolforgeError(f"job {job_id} is {job['state']}: only a finished (or damaged) job can be deleted",
+                                 fix=f"cancel it first: smolforge job cancel {job_id}")
+        self.store.delete_job(job_id)
+        self.artifacts.delete_job(job_id)
+        self.specs.pop(job_id, None)
+        self.runners.pop(job_id, None)
+        return {"job_id": job_id, "deleted": True}
+
     def join(self, job_id: str, node: str | None = None) -> dict:
         """Lend the coordinator node (default) or another node to a running job of a joinable kind;
         the runner checks the node against its spec and says when it takes it in."""
