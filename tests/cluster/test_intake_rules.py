@@ -77,12 +77,14 @@ def test_bad_text_at_every_intake_is_400_naming_the_field_and_nothing_is_stored(
 
 
 def test_a_model_name_no_file_system_takes_is_400_without_the_path(http):
-    """256 characters pass the text rule but no file system takes the name: the capacity check's
-    OSError is the client's to fix, a 400 that does not echo a path (it was a plain-text 500)."""
+    """256 characters pass the text rule but no file system takes the name: a 400 in the error shape (it
+    was a plain-text 500 from the capacity check's OSError)."""
     spec = {"kind": "data_parallel", "num_workers": 1, "train": {"model": "a" * 256, "data": {"path": "bundled"}}}
     r = http.post("/api/v1/jobs", json=spec, headers=H)
     assert r.status_code == 400 and set(r.json()) == {"error", "where", "fix"}, r.text[:300]
-    assert "File name too long" in r.json()["error"] and "a" * 100 not in r.text
+    # placement reads the name as a name (never asks the file system whether such a path exists: that was
+    # an existence oracle), so no node holding it is the refusal
+    assert "no node can run this task" in r.json()["error"], r.text[:300]
     for bad in ({"model": "m", "data": {"path": "bundled"}, "epochs": "Infinity"},
                 {"model": "m", "data": {"path": "bundled"}, "seed": 2**80}):
         r = http.post("/api/v1/jobs", json={"kind": "data_parallel", "train": bad}, headers=H)
