@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, fmt_eta, print_json, run_cli
+from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, print_json, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
+from smolforge.cli.tables import add_row, comm_line, job_line, usage_text, jobs_table, nodes_table, status_tree
 
 if TYPE_CHECKING:
     from smolforge.cluster.face import Backend
@@ -37,145 +38,6 @@ def _backend(coordinator: str | None, token: str | None, state_dir: str | None, 
     from smolforge.client import backend_for
 
     return backend_for(coordinator, token, state_dir, embedded_ok=embedded_ok)
-
-
-def _usage(n: dict) -> str:
-    u = n.get("usage") or {}
-    if u.get("cpu_percent") is None:
-        return "–"
-    text = f"CPU {u['cpu_percent']:.0f}% · RAM {u.get('ram_percent', 0):.0f}%"
-    for g in u.get("gpus") or []:
-        text += f" · GPU{g['index']} {g['util_percent']}% {g['mem_used_gb']:.1f}/{g['mem_total_gb']:.0f} GB"
-    return text
-
-
-def _models(n: dict, limit: int = 6) -> str:
-    """The weights a node holds, then what its Ollama serves (`ollama: ...`): placement keeps them apart."""
-    parts = []
-    for prefix, models in (("", n.get("models") or []), ("ollama: ", n.get("ollama_models") or [])):
-        if models:
-            parts.append(prefix + ", ".join(models[:limit]) + (f" (+{len(models) - limit})" if len(models) > limit else ""))
-    return "; ".join(parts) or "–"
-
-
-def _job_line(j: dict) -> str:
-    pct = 100 * (j.get("progress") or 0)
-    text = f"{j['id']} ({j['kind']}) {j['state']} {pct:.0f}%"
-    if j.get("samples_total"):
-        text += f" · {j['samples_done']}/{j['samples_total']} samples"
-    if j.get("max_steps"):
-        text += f" · step {j['step']}/{j['max_steps']}"
-    if j.get("loss") is not None:
-        text += f" · loss {j['loss']:.4f}"
-    if j["state"] == "running":
-        text += f" · ETA {fmt_eta(j.get('eta_s'))}"
-    if j["state"] == "pending" and j.get("pending_reason"):
-        text += f" · {j['pending_reason']}"
-    return text
-
-
-def _comm_line(comm: dict) -> str:
-    """A data-parallel job's communication per rank: bytes handed to collectives, time waiting in them."""
-    sent = " / ".join(_mb(b) for b in comm.get("bytes_sent_per_rank") or [])
-    waits = " / ".join(f"{w:.1f} s" for w in comm.get("wait_s_per_rank") or [])
-    text = f"communication (per rank, step {comm.get('step')}): sent {sent} · waiting {waits}"
-    if comm.get("rounds") is not None:
-        text += f" · {comm['rounds']} outer steps"
-    if any(r is not None for r in comm.get("batch_rows_per_rank") or []):
-        text += " · rows per step " + " / ".join(str(r) for r in comm["batch_rows_per_rank"]) + " (balanced)"
-    per_rank = [m or {} for m in comm.get("metrics_per_rank") or []]
-    if any(per_rank):  # the strategy's own numbers (a parameter server's: parts, waits, staleness, dropped)
-        names = [k for k in per_rank[0] if isinstance(per_rank[0][k], (int, float))] if per_rank[0] else []
-        text += "".join(f"\n  {name}: " + " / ".join(_num(m.get(name)) for m in per_rank) for name in names)
-    server = comm.get("server") or {}
-    if server.get("max_step_s") is not None:
-        text += (f"\n  parameter server: step {server.get('version')}, longest step {server['max_step_s']:.2f} s, "
-                 f"stragglers {', '.join(map(str, server.get('stragglers') or [])) or 'none'}")
-    return text
-
-
-def _num(v) -> str:
-    return "–" if v is None else (f"{v:,.3g}" if isinstance(v, float) else f"{v:,}")
-
-
-def _mb(n: int | None) -> str:
-    return "–" if n is None else f"{n / 1e6:,.1f} MB"
-
-
-def _add_row(table, *cells) -> None:
-    """Cells hold user text (node, model and job names): never let rich read them as markup."""
-    from rich.markup import escape
-
-    table.add_row(*(escape(str(c)) for c in cells))
-
-
-def nodes_table(nodes: list[dict]):
-    from rich.table import Table
-
-    t = Table(title=f"nodes ({sum(1 for n in nodes if n['state'] == 'online')} online)")
-    for col in ("name", "role", "state", "CPUs", "RAM", "GPUs", "usage", "models"):
-        t.add_column(col)
-    for n in nodes:
-        gpus = f"{n['gpus']:g}" + (f" × {n['gpu_type']}" if n.get("gpu_type") and n["gpus"] else "")
-        _add_row(t, n["name"], n["role"], n["state"], f"{n['cpus']:g}", f"{n['ram_gb']:.1f} GB", gpus, _usage(n),
-                  _models(n, 10))
-    return t
-
-
-def jobs_table(jobs: list[dict]):
-    from rich.table import Table
-
-    t = Table(title=f"jobs ({len(jobs)})")
-    for col in ("id", "name", "kind", "state", "priority", "progress", "samples", "loss", "ETA", "workers / waiting for"):
-        t.add_column(col)
-    for j in jobs:
-        where = ", ".join(j.get("nodes") or []) or "–"
-        if j["state"] == "pending" and j.get("pending_reason"):
-            where = j["pending_reason"]  # why it is not running yet (the queue's reason)
-        state = f"{j['state']} (damaged: {j['damaged']})" if j.get("damaged") else j["state"]  # `job delete` removes it
-        _add_row(t, j["id"], j["name"] if j["name"] != j["id"] else "", j["kind"], state,
-                  (j.get("spec") or {}).get("priority", "normal"),
-                  f"{100 * (j.get('progress') or 0):.0f}% ({j['step']}/{j['max_steps'] or '?'})",
-                  f"{j['samples_done']}/{j['samples_total'] or '?'}",
-                  "–" if j.get("loss") is None else f"{j['loss']:.4f}",
-                  fmt_eta(j.get("eta_s")) if j["state"] == "running" else "–", where)
-    return t
-
-
-def status_tree(st: dict):
-    from rich.markup import escape
-    from rich.tree import Tree
-
-    c = st["coordinator"]
-    nodes = st["nodes"]
-    root = Tree(escape(f"Coordinator {c.get('name')} · API {c.get('api')} · Ray {c.get('ray_address')}"
-                       + (f" · up {fmt_eta(c.get('uptime_s'))}" if c.get("uptime_s") is not None else "")))
-    workers = [n for n in nodes if n["role"] == "worker"]
-    online = [n for n in workers if n["state"] == "online"]
-    wt = root.add(f"Workers online: {len(online)}/{len([w for w in workers if w['state'] != 'dead'])}")
-    for n in workers:
-        if n["state"] == "dead":
-            continue
-        wt.add(escape(f"{n['name']} [{n['state']}]: {n['cpus']:g} CPUs, {n['ram_gb']:.1f} GB RAM, {n['gpus']:g} GPUs; "
-                      f"{len(n.get('models') or [])} models · {_usage(n)}"))
-    jobs = st["jobs"]
-    jt = root.add(f"Active jobs: {len(jobs)}")
-    for j in jobs:
-        node = jt.add(escape(_job_line(j)))
-        if j.get("nodes"):
-            node.add(escape("workers: " + ", ".join(j["nodes"])))
-    rt = root.add("Resources")
-    for n in nodes:
-        if n["state"] == "dead":
-            continue
-        tot, av = n.get("ray_resources") or {}, n.get("available") or {}
-        line = f"{n['name']}: CPU {av.get('CPU', 0):g}/{tot.get('CPU', 0):g} free"
-        if tot.get("GPU"):
-            line += f", GPU {av.get('GPU', 0):g}/{tot.get('GPU', 0):g} free"
-        if tot.get("memory"):
-            line += f", memory {av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB"
-        rt.add(escape(line + (" (takes no training work)" if n["role"] == "coordinator" else "")))
-    return root
 
 
 def finish_resumed(backend, st: dict, json_out: bool) -> None:
@@ -200,6 +62,7 @@ def register(app: typer.Typer) -> None:
     _register_overview(app)
     _register_listings(app)
     _register_job_control(job_app)
+    _register_job_membership(job_app)
     _register_job_views(job_app)
 
 
@@ -391,9 +254,9 @@ def _register_listings(app: typer.Typer) -> None:
             t.add_column(col)
         for r in data:
             tot, av = r["total"] or {}, r["available"] or {}
-            _add_row(t, r["name"], r["role"], r["state"], f"{av.get('CPU', 0):g}/{tot.get('CPU', 0):g}",
+            add_row(t, r["name"], r["role"], r["state"], f"{av.get('CPU', 0):g}/{tot.get('CPU', 0):g}",
                       f"{av.get('GPU', 0):g}/{tot.get('GPU', 0):g}",
-                      f"{av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB", _usage(r))
+                      f"{av.get('memory', 0) / 1e9:.1f}/{tot.get('memory', 0) / 1e9:.1f} GB", usage_text(r))
         console().print(t)
 
     @app.command()
@@ -418,7 +281,7 @@ def _register_listings(app: typer.Typer) -> None:
 
 
 def _register_job_control(job_app: typer.Typer) -> None:
-    """`job pause|resume|cancel|delete|join|leave`: the commands that change a job's course (or end its record)."""
+    """`job pause|resume|cancel|delete`: the commands that change a job's course (or end its record)."""
 
     def _job_cmd(action: str, doc: str):
         @run_cli
@@ -459,8 +322,12 @@ def _register_job_control(job_app: typer.Typer) -> None:
     job_app.command("cancel")(_job_cmd("cancel", "Cancel a job: its workers are stopped and released at once.\n\n"
                                                   "Example: smolforge job cancel job-1a2b3c"))
     job_app.command("delete")(_job_cmd("delete", "Delete a finished job (or one listed as damaged) with its artifacts; "
-                                                  "a running or paused job is cancelled first.\n\n"
+                                                  "a running or paused job is refused: cancel it first.\n\n"
                                                   "Example: smolforge job delete job-1a2b3c"))
+
+
+def _register_job_membership(job_app: typer.Typer) -> None:
+    """`job join|leave`: a node lent to a running data-parallel job, and given back."""
 
     @job_app.command("join")
     @run_cli
@@ -545,12 +412,12 @@ def _register_job_views(job_app: typer.Typer) -> None:
             print_json({**job, "artifacts": arts})
             return
         con = console()
-        con.print(_job_line(job))
+        con.print(job_line(job))
         con.print(f"workers: {', '.join(job.get('nodes') or []) or '–'} · failures survived: {job.get('attempts') or 0}")
         if job.get("error"):
             con.print(f"error: {job['error']}")
         if job.get("comm"):
-            con.print(_comm_line(job["comm"]), markup=False)
+            con.print(comm_line(job["comm"]), markup=False)
         from smolforge.cluster.control.jobview import memory_lines
 
         for line in memory_lines(job):  # peak RSS per rank or stage
@@ -561,7 +428,7 @@ def _register_job_views(job_app: typer.Typer) -> None:
         for col in ("task", "kind", "rank", "state", "node", "pid", "error"):
             t.add_column(col)
         for task in job.get("tasks", []):
-            _add_row(t, task["id"], task["kind"], "" if task["rank"] is None else str(task["rank"]), task["state"],
+            add_row(t, task["id"], task["kind"], "" if task["rank"] is None else str(task["rank"]), task["state"],
                       task.get("node_name") or "", str(task.get("pid") or ""), (task.get("error") or "")[:80])
         con.print(t)
         for line in backend.job_logs(job["id"])[-10:]:

@@ -17,7 +17,7 @@ def permute_rope_rows(w: "torch.Tensor", n_head: int) -> "torch.Tensor":
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama_like_hparams(w: Any, cfg: dict, arch: str) -> None:
+def llama_like_hparams(w: Any, cfg: dict, arch: str, llama3_as_tensor: bool = False) -> None:
     """Llama's GGUF keys (Qwen2 writes the same ones), as convert_hf_to_gguf.py's LlamaModel."""
     heads = cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
@@ -29,7 +29,7 @@ def llama_like_hparams(w: Any, cfg: dict, arch: str) -> None:
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     w.add_rope_freq_base(float(rope_params(cfg)["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    write_rope_scaling(w, cfg, arch)
+    write_rope_scaling(w, cfg, arch, llama3_as_tensor)
 
 
 class LlamaLike(Family):
@@ -52,7 +52,7 @@ class Llama(LlamaLike):
     gguf_arch = "LLAMA"
 
     def gguf_hparams(self, writer: Any, config: dict) -> None:
-        llama_like_hparams(writer, config, "LLAMA")
+        llama_like_hparams(writer, config, "LLAMA", llama3_as_tensor=True)
 
     def gguf_fix(self, name: str, tensor: "torch.Tensor", config: dict) -> "torch.Tensor":
         heads = config["num_attention_heads"]

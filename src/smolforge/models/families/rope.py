@@ -25,17 +25,19 @@ YARN_DEFAULTS = {"attention_factor": None, "beta_fast": 32.0, "beta_slow": 1.0, 
                  "mscale_all_dim": None}  # what llama.cpp assumes (it derives the attention factor itself)
 
 
-def write_rope_scaling(w, cfg: dict, arch: str) -> None:
+def write_rope_scaling(w, cfg: dict, arch: str, llama3_as_tensor: bool = False) -> None:
     """Rope scaling keys as llama.cpp's convert_hf_to_gguf.py writes them; a kind llama.cpp would
-    run differently is refused, since a wrong rope only shows as a worse model."""
+    run differently is refused, since a wrong rope only shows as a worse model. `llama3_as_tensor`: the
+    family carries Llama 3's scaling as a `rope_freqs` tensor (`gguf_extra_tensors`), so no key is written;
+    `arch` names the architecture in the refusal."""
     import gguf
 
     rope = rope_params(cfg)
     kind = rope["kind"]
     if kind == "default":
         return
-    if kind == "llama3" and arch == "LLAMA":
-        return  # carried by the rope_freqs tensor (_extra_tensors); llama.cpp reads it per layer
+    if kind == "llama3" and llama3_as_tensor:
+        return  # carried by the rope_freqs tensor; llama.cpp reads it per layer
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
