@@ -193,7 +193,7 @@ def test_cli_split_generate_prints_json(server, run):
     (["--server", "127.0.0.1:70000", "--run-dir", "{t}"], "is not HOST:PORT"),
     (["--server", "127.0.0.1:50051", "--run-dir", "{t}"], "holds no split-training checkpoint"),
     (["--server", "127.0.0.1:50051", "--run-dir", "{t}", "--temperature", "-1"], "temperature"),
-    (["--server", "127.0.0.1:50051", "--run-dir", "{t}", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--server", "127.0.0.1:50051", "--run-dir", "{t}", "--max-new-tokens", "0"], "--max-new-tokens 0 is below 1"),
 ], ids=["no-port", "port-range", "not-a-run", "temperature", "max-new-tokens"])
 def test_cli_split_generate_bad_input_is_one_message_and_exit_2(tmp_path, args, needle):
     from smolforge.cli.main import app
