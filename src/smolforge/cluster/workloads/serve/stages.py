@@ -7,8 +7,9 @@ as many torch threads as it reserved CPUs.
 Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
 
 `StageGroup` plans where the stages go (`plan()`: every candidate node probed where a stage would
-run, then `cluster.control.stage_plan.plan_serving`; every node choice is `cluster.control.stage_plan`'s), places the actors (node affinity, hard: a stage never
-lands on a node without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
+run, then `cluster.control.stage_plan.plan_serving`; every node choice here is a pure function of
+`cluster.control.stage_plan`), places the actors (node affinity, hard: a stage never lands on a node
+without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
 `ray.get` bounded by a timeout. When an actor dies (its process or node went away) or does not
 answer in time, the call raises a `StageError`: the engine turns that into an error event for the
 requests of that batch only. The handle is then marked broken, and before the next batch

@@ -2,8 +2,8 @@
 
 The runner picks the node (`choose_trunk_node`; the choice is `cluster.control.placement.trunk_plan`'s:
 the kind's requirements, a GPU node first, one that has room, never where a trunk of this job was just
-lost while another can take it) and pins the actor there. The actor first fetches the trunk checkpoints the coordinator holds for the job (the
-ones the client's checkpoints were shipped with), then starts `smolforge.split.server` on its node's
+lost while another can take it) and pins the actor there. The actor first fetches the trunk
+checkpoints the coordinator holds for the job (the ones the client's checkpoints were shipped with), then starts `smolforge.split.server` on its node's
 address with a free port and the job's token (over TLS with the node's certificate, which the
 cluster's CA signed, when the cluster runs with TLS: `serve_config`), so a client that rolls back to the newest checkpoint
 both sides hold finds the trunk's half here, whichever node this is. `ship` sends one of its
