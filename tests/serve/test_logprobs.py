@@ -232,6 +232,16 @@ def test_every_openai_request_field_is_honoured_or_refused_by_name(app):
                   {**base["/v1/chat/completions"], "logprobs": True, "top_logprobs": 21}, 400))
     cases.append(("/v1/completions", "logprobs", {**base["/v1/completions"], "logprobs": 21}, 400))
     cases.append(("/v1/completions", "max_tokens", {**base["/v1/completions"], "max_tokens": 0}, 400))
+    hi = {"role": "user", "content": "hi"}
+    for field, value in (("name", "ann"), ("tool_call_id", "c1"), ("colour", "red")):  # a message's fields too
+        cases.append(("/v1/chat/completions", f"messages.1.{field}",
+                      {**base["/v1/chat/completions"], "messages": [hi, {**hi, field: value}]}, 400))
+    cases.append(("/v1/chat/completions", "messages.0.content.0.colour",
+                  {**base["/v1/chat/completions"], "messages": [{**hi, "content": [{"type": "text", "text": "hi",
+                                                                                    "colour": "red"}]}]}, 400))
+    assistant = {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": None, "name": None}
+    cases.append(("/v1/chat/completions", "messages", {**base["/v1/chat/completions"],
+                                                       "messages": [hi, assistant, hi]}, OK))  # nulls: not given
     cases.append(("/v1/chat/completions", "stream_options.include_obfuscation",
                   {**base["/v1/chat/completions"], "stream_options": {"include_obfuscation": True}}, 400))
     responses = post_all(app, [(path, body) for path, _, body, _ in cases])

@@ -266,7 +266,7 @@ def _check_model(asked: str, name: str) -> None:
 
 def _refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
     """A 400 naming the first field set to what this server cannot honour (`protocol` says which)."""
-    found = req.refusal()
+    found = req.refused()
     if found is not None:
         param, message = found
         raise ApiError(400, message, param=param, code="unsupported_parameter")

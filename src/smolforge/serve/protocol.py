@@ -55,7 +55,7 @@ class _Strict(BaseModel):
             return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
         return data
 
-    def refusal(self) -> tuple[str, str] | None:
+    def refused(self) -> tuple[str, str] | None:
         """(field, why) of the first field set to a value this server cannot honour, or None."""
         for name, (neutral, why) in self.REFUSED.items():
             value = getattr(self, name)
@@ -100,25 +100,39 @@ class _Sampling(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def refusal(self) -> tuple[str, str] | None:
-        found = super().refusal()
+    def refused(self) -> tuple[str, str] | None:
+        found = super().refused()
         if found is None and self.stream_options is not None:
-            inner = self.stream_options.refusal()
+            inner = self.stream_options.refused()
             if inner is not None:
                 return f"stream_options.{inner[0]}", f"stream_options.{inner[1]}"
         return found
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Strict):
     type: Literal["text"] = "text"
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
+    """One turn. OpenAI's other message fields are declared so that they are refused by name, not dropped:
+    the tool fields until tools are honoured, `name` (the chat templates have no place for it)."""
+
+    REFUSED = {
+        "tool_calls": (([],), NOT_YET), "tool_call_id": ((), NOT_YET), "function_call": ((), NOT_YET),
+        "name": ((), "message names are not supported by smolforge serve (the chat template has no place for them)"),
+        "refusal": ((), "an assistant turn's refusal is not supported by smolforge serve: send it as content"),
+        "audio": ((), "audio is not supported: smolforge serve serves text models"),
+    }
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -186,10 +200,14 @@ class ChatRequest(_Sampling):
         """True when the prompt's own log-probabilities are asked for (a completion's echo only)."""
         return False
 
-    def refusal(self) -> tuple[str, str] | None:
+    def refused(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs `logprobs: true`"
-        return super().refusal()
+        for i, m in enumerate(self.messages):
+            found = m.refused()
+            if found is not None:
+                return f"messages.{i}.{found[0]}", f"messages.{i}.{found[1]}"
+        return super().refused()
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -218,10 +236,10 @@ class CompletionRequest(_Sampling):
     def echoes_logprobs(self) -> bool:
         return self.echo and self.logprobs is not None
 
-    def refusal(self) -> tuple[str, str] | None:
+    def refused(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens: 0 asks for nothing: it is allowed with `echo: true` only"
-        return super().refusal()
+        return super().refused()
 
 
 class ApiError(Exception):
