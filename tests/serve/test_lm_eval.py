@@ -71,8 +71,9 @@ for kind, model, args in (
                                         "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1,
                                         "max_length": 512}),
         ("hf", "hf", {"pretrained": model_dir, "device": "cpu", "dtype": "float32", "max_length": 512})):
-    res = lm_eval.simple_evaluate(model=model, model_args=args, tasks=[task], task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
-                                  log_samples=True, batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+    tasks = TaskManager(include_path=tasks_dir, include_defaults=False)  # ours only: no scan of lm-eval's own
+    res = lm_eval.simple_evaluate(model=model, model_args=args, tasks=[task], task_manager=tasks, log_samples=True,
+                                  batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                   fewshot_random_seed=0)
     samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
     out[kind] = {"acc": res["results"][task]["acc,none"], "acc_norm": res["results"][task]["acc_norm,none"],
