@@ -22,7 +22,6 @@ import httpx
 import pytest
 import torch
 
-from smolforge.data.encode import ensure_chat_template
 from smolforge.serve.api import create_app
 from smolforge.serve.batch import Request
 from smolforge.serve.channel import event_message, message_event
@@ -78,23 +77,20 @@ def check_against(net, prompt: list[int], done: DoneEvent, eos: frozenset[int]) 
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir):
-    from smolforge.serve.model import ServedModel
-
-    m = ServedModel.load(str(tiny_llama_dir), name="tiny", device="cpu")
-    ensure_chat_template(m.tokenizer)
-    return m
+def served(served_tiny):
+    """The serve tests' shared in-process model (conftest), read-only here."""
+    return served_tiny
 
 
 @pytest.mark.parametrize("where", ["one process", "2 stages"])
-def test_logprobs_are_the_models_own_log_softmax(served, tiny_llama_dir, where):
+def test_logprobs_are_the_models_own_log_softmax(served, model_copy, where):
     """Greedy and sampled rows (temperature 0.7: the numbers are still the raw model's), prompts of three
     lengths in one left-padded batch, echo on every row."""
     model = served
     if where == "2 stages":
         from smolforge.serve.stages import local_stages, staged_model
 
-        model = staged_model(str(tiny_llama_dir), local_stages(str(tiny_llama_dir), [0, 2, 4]), name="tiny")
+        model = staged_model(str(model_copy), local_stages(str(model_copy), [0, 2, 4]), name="tiny")
     ps = [served.tokenizer(t)["input_ids"] for t in TEXTS]
     params = [SamplingParams(max_tokens=4, temperature=0, logprobs=K, prompt_logprobs=True),
               SamplingParams(max_tokens=4, temperature=0.7, seed=3, logprobs=K, prompt_logprobs=True),
