@@ -92,8 +92,8 @@ class StageActor:
         log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
                  self.lines.node)
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
-        return self.server.forward(batch_id, x, attention_mask, position_ids, start)
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
+        return self.server.forward(batch_id, x, attention_mask, position_ids, start, keep)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self.server.select(batch_id, rows, trim)
@@ -193,8 +193,8 @@ class RemoteStage:
             raise StageError(f"stage {self.index} on {self.where.get('node', '?')} {what} ({type(err).__name__})",
                              fix="the stage is placed again on a live node before the next batch") from None
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
-        return self._call("forward", batch_id, x, attention_mask, position_ids, start,
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
+        return self._call("forward", batch_id, x, attention_mask, position_ids, start, keep,
                           timeout=self.group.step_timeout_s)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
