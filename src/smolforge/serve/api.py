@@ -44,6 +44,7 @@ from smolforge.serve.protocol import (
     usage,
 )
 from smolforge.serve.sampling import SamplingParams
+from smolforge.serve.structured import response_grammar
 from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
 
 if TYPE_CHECKING:  # an Engine, or in the HTTP front process its handle (`channel.RemoteEngine`); a ServedModel,
@@ -202,7 +203,17 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
         raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
                        code="invalid_value") from None
     ids = _tokenize(s, text, "messages", add_special_tokens=False)
-    return Prepared(req, ids, _params(s.engine, req, len(ids), param="messages"))
+    params = _params(s.engine, req, len(ids), param="messages")
+    params.grammar = _grammar(req)
+    return Prepared(req, ids, params)
+
+
+def _grammar(req: ChatRequest) -> str | None:
+    """The grammar the answer must follow (`response_format`), checked here: a bad schema is a 400."""
+    try:
+        return response_grammar(req.response_format)
+    except (ValueError, RuntimeError) as err:
+        raise ApiError(400, f"{err}", param="response_format", code="invalid_value") from None
 
 
 def _prepare_completion(raw: bytes, s: Served) -> Prepared:

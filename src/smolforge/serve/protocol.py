@@ -73,10 +73,29 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer must follow (`strict` is always honoured)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: `text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
+    response_format: ResponseFormat | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -24,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    grammar: str | None = None  # llguidance's grammar text the answer must follow (serve/structured.py)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own random stream (None when greedy: nothing to draw)."""
