@@ -62,15 +62,92 @@ class TextPart(BaseModel):
     text: str
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionCall(BaseModel):
+    """A call the assistant made: `arguments` is a JSON object's text, as OpenAI sends it."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An assistant turn's `tool_calls` entry in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): `developer` is `system`, a call's
+        arguments a dict (templates write them with `tojson`). ValueError for arguments that are not a
+        JSON object."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"type": "function", **({"id": c.id} if c.id else {}),
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _arguments(call: FunctionCall) -> dict[str, Any]:
+    try:
+        args = json.loads(call.arguments or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise ValueError(f"tool call {call.name}: arguments must be a JSON object's text, got {call.arguments[:80]!r}")
+    return args
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: the answer is a call to it."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(BaseModel):
@@ -96,13 +173,17 @@ class ChatRequest(_Sampling):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for the chat template (`developer` is the newer name of `system`)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for the chat template (`ChatMessage.for_template`). ValueError for a call's arguments
+        that are not a JSON object."""
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Sampling):

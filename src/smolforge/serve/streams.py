@@ -154,6 +154,10 @@ class ChatChunks:
     def last(self, reason: str) -> dict[str, Any]:
         return chat_chunk(self.cid, self.created, self.model, {}, reason)
 
+    def closing(self, reason: str) -> list[dict[str, Any]]:
+        """The chunks that end the answer (serve/tools.py's send its held text and calls here)."""
+        return [self.last(reason)]
+
 
 class CompletionChunks(ChatChunks):
     obj = "text_completion"
@@ -206,7 +210,7 @@ def _frame(event: Event, chunks: ChatChunks) -> tuple[bytes, bool]:
     if isinstance(event, TokenEvent):
         return (chunks.frame(event.text) if event.text else b""), False
     if isinstance(event, DoneEvent):
-        out = sse(chunks.last(reason(event)))
+        out = b"".join(sse(c) for c in chunks.closing(reason(event)))
         if chunks.include_usage:
             out += sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
                                    event.prompt_tokens, event.completion_tokens))

@@ -159,3 +159,8 @@ def response_grammar(response_format: Any) -> str | None:
         return json_schema_grammar(spec.schema_)
     except (ValueError, TypeError) as err:
         raise ValueError(f"json_schema.schema cannot be used: {err}") from None
+
+
+def response_grammar_wanted(response_format: Any) -> bool:
+    """Whether `response_format` asks for a constraint (anything but absent or `text`)."""
+    return response_format is not None and response_format.type != "text"
