@@ -114,3 +114,19 @@ def test_an_unusable_schema_is_a_400_naming_response_format(live, fmt):
         live.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, response_format=fmt)
     assert err.value.status_code == 400 and err.value.body["param"] == "response_format", err.value.body
+
+
+def test_the_serve_process_constrains_across_its_front(server):
+    """The real `serve` (HTTP front in its own process): the grammar made on the front reaches the engine's
+    process with the request, and the answer validates; tools on a template that renders none is a 400."""
+    import openai
+
+    require_module("llguidance", "llguidance (smolforge[serve])", "pip install 'smolforge[serve]'")
+    client = server.client()
+    done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                          max_tokens=48, response_format=_schema_format())
+    assert _valid(done.choices[0].message.content), done
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.body["param"] == "tools", err.value.body
