@@ -122,3 +122,26 @@ def test_each_familys_format_parses_its_own_text():
     assert qwen.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert llama.parse('{"name": "get_time", "parameters": {}}') == (None, [ToolCall("get_time", {})])
     assert llama.parse("It is sunny.") == ("It is sunny.", [])
+
+
+@pytest.mark.soak  # a second family's format (the first is Qwen2.5's above); a 128k vocabulary to index
+def test_llama3_forced_call_is_its_json_and_parses():
+    require_module("llguidance", "llguidance (smolforge[serve])", "pip install 'smolforge[serve]'")
+    from smolforge.models.twins import twin_dir
+    from smolforge.serve.api import Served, _prepare_chat
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.tools import chat_choice
+
+    model = ServedModel.load(str(twin_dir("twin:llama-3.2-1b-instruct")), name="tiny", device="cpu")
+    engine = Engine(model).start()
+    try:
+        body = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40,
+                "temperature": 0}
+        job = _prepare_chat(json.dumps(body).encode(), Served(model, engine, "tiny", None))
+        done = engine.generate(job.ids, job.params, timeout=240)
+    finally:
+        engine.stop()
+    assert done.text.startswith('{"name":"get_'), done.text  # Llama 3's JSON call, no <tool_call> block
+    choice = chat_choice(done.text, done.finish_reason, job.tools)
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
