@@ -243,7 +243,7 @@ def _grammar(req: ChatRequest, plan: ToolPlan | None) -> str | None:
                        code="unsupported_parameter")
     try:
         return lark_grammar(lark) if lark is not None else response_grammar(req.response_format)
-    except (ValueError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001 - a client's schema the compiler refuses, or no llguidance: a 400
         raise ApiError(400, f"{err}", param=param, code="invalid_value") from None
 
 
