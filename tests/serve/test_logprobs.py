@@ -184,13 +184,14 @@ CHAT_FIELDS: dict[str, tuple[Any, int]] = {
     "function_call": ({"name": "f"}, 400), "functions": ([{"name": "f"}], 400), "logit_bias": ({"1": 5}, 400),
     "logprobs": (True, OK), "max_completion_tokens": (1, OK), "max_tokens": (1, OK),
     "metadata": ({"k": "v"}, 400), "modalities": (["text", "audio"], 400), "moderation": ({"model": "m"}, 400),
-    "n": (2, 400), "parallel_tool_calls": (False, 400), "prediction": ({"type": "content", "content": "x"}, 400),
+    "n": (2, 400), "parallel_tool_calls": (False, OK), "prediction": ({"type": "content", "content": "x"}, 400),
     "presence_penalty": (-0.5, 400), "prompt_cache_key": ("k", OK), "prompt_cache_options": ({"ttl": 1}, 400),
     "prompt_cache_retention": ("24h", 400), "reasoning_effort": ("low", 400),
-    "response_format": ({"type": "json_object"}, 400), "safety_identifier": ("u1", OK), "seed": (5, OK),
+    "response_format": ({"type": "json_object"}, OK), "safety_identifier": ("u1", OK), "seed": (5, OK),
     "service_tier": ("flex", 400), "stop": (["\n"], OK), "store": (True, 400),
-    "stream_options": ({"include_usage": True}, OK), "temperature": (0.5, OK), "tool_choice": ("required", 400),
-    "tools": ([TOOL], 400), "top_logprobs": (2, OK), "top_p": (0.5, OK), "user": ("u1", OK),
+    "stream_options": ({"include_usage": True}, OK), "temperature": (0.5, OK), "tool_choice": ("required", 400),  # no tools to call: a 400 naming it
+    "tools": ([TOOL], 400),  # tiny's template renders no tools: a 400 naming them (honoured: tests/serve/test_tools.py)
+    "top_logprobs": (2, OK), "top_p": (0.5, OK), "user": ("u1", OK),
     "verbosity": ("low", 400), "web_search_options": ({}, 400),
 }
 COMPLETION_FIELDS: dict[str, tuple[Any, int]] = {
@@ -228,8 +229,12 @@ def test_every_openai_request_field_is_honoured_or_refused_by_name(app):
                   {**base["/v1/chat/completions"], "logprobs": True, "top_logprobs": 21}, 400))
     cases.append(("/v1/completions", "logprobs", {**base["/v1/completions"], "logprobs": 21}, 400))
     cases.append(("/v1/completions", "max_tokens", {**base["/v1/completions"], "max_tokens": 0}, 400))
+    chat_base = base["/v1/chat/completions"]
+    cases.append(("/v1/chat/completions", "parallel_tool_calls", {**chat_base, "tools": [TOOL],
+                                                                  "parallel_tool_calls": False}, 400))  # auto: not enforced
+    cases.append(("/v1/chat/completions", "logprobs", {**chat_base, "tools": [TOOL], "logprobs": True}, 400))
     hi = {"role": "user", "content": "hi"}
-    for field, value in (("name", "ann"), ("tool_call_id", "c1"), ("colour", "red")):  # a message's fields too
+    for field, value in (("name", "ann"), ("tool_call_id", "c1"), ("tool_calls", []), ("colour", "red")):  # a message's fields too
         cases.append(("/v1/chat/completions", f"messages.1.{field}",
                       {**base["/v1/chat/completions"], "messages": [hi, {**hi, field: value}]}, 400))
     cases.append(("/v1/chat/completions", "messages.0.content.0.colour",

@@ -49,11 +49,13 @@ def ensure_chat_template(tokenizer) -> None:
         tokenizer.chat_template = FALLBACK_TEMPLATE
 
 
-def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool, **template_kwargs) -> str:
+    """`messages` through the chat template as text; `template_kwargs` (`tools=`) go to `apply_chat_template`."""
     ensure_chat_template(tokenizer)
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
 
 
 def prompt_text(tokenizer, example: Example) -> str:

@@ -45,6 +45,9 @@ from smolforge.serve.protocol import (
     usage,
 )
 from smolforge.serve.sampling import SamplingParams
+from smolforge.models.families import abilities, family_of
+from smolforge.serve.structured import lark_grammar, response_grammar, response_grammar_wanted
+from smolforge.serve.tools import ToolChunks, ToolPlan, chat_choice, plan_of
 from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
 
 if TYPE_CHECKING:  # an Engine, or in the HTTP front process its handle (`channel.RemoteEngine`); a ServedModel,
@@ -74,6 +77,7 @@ class Prepared:
     ids: list[int]
     params: SamplingParams
     echo_text: str | None = None
+    tools: ToolPlan | None = None  # the chat request's tools and tool_choice (serve/tools.py)
 
 
 def _names(served: ServedModel, job: Prepared) -> TokenText | None:
@@ -138,12 +142,14 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         cid, stamp = new_id("chatcmpl"), now()
         names = _names(served, job)
         if job.req.stream:
-            return stream(engine, job.ids, job.params, ChatChunks(cid, stamp, name, _include_usage(job.req), names))
+            held = job.tools is not None and job.tools.choice != "none"
+            chunks = ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools) if held else \
+                ChatChunks(cid, stamp, name, _include_usage(job.req), names)
+            return stream(engine, job.ids, job.params, chunks)
         done = await collect(engine, job.ids, job.params)
         logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
         return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "logprobs": logprobs, "finish_reason": reason(done)}],
+                "choices": [{**chat_choice(done.text, reason(done), job.tools), "logprobs": logprobs}],
                 "usage": usage(done.prompt_tokens, done.completion_tokens)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
@@ -222,13 +228,49 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
     req = validate(ChatRequest, read_json(raw))
     _check_model(req.model, s.name)
     _refuse_unsupported(req)
+    plan = _tool_plan(req, s)
     try:
-        text = render_prompt(s.model.tokenizer, req.conversation())
+        text = render_prompt(s.model.tokenizer, _conversation(req), tools=plan.tools if plan else None)
     except _template_errors() as err:  # the template refuses this conversation (roles out of order)
         raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
                        code="invalid_value") from None
     ids = _tokenize(s, text, "messages", add_special_tokens=False)
-    return Prepared(req, ids, _params(s.engine, req, len(ids), param="messages"))
+    params = _params(s.engine, req, len(ids), param="messages")
+    params.grammar = _grammar(req, plan)
+    return Prepared(req, ids, params, tools=plan)
+
+
+def _conversation(req: ChatRequest) -> list[dict[str, Any]]:
+    try:
+        return req.conversation()
+    except ValueError as err:  # a history call's arguments that are not a JSON object
+        raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+
+
+def _tool_plan(req: ChatRequest, s: Served) -> ToolPlan | None:
+    """`tools`/`tool_choice` as the family's format and the template's ability allow (400 naming the field)."""
+    try:
+        plan = plan_of(req, family_of(getattr(s.model, "model_type", None)).tool_calls, s.model.tokenizer)
+    except ValueError as err:
+        raise ApiError(400, str(err), param="tool_choice", code="invalid_value") from None
+    if plan is not None and not abilities(s.model.tokenizer).tools:
+        raise ApiError(400, "this model's chat template renders no tools, so it was never shown how to call one. "
+                            "Fix: serve a model whose template takes tools (Qwen2.5, Llama 3.1), or send no tools",
+                       param="tools", code="unsupported_parameter")
+    return plan
+
+
+def _grammar(req: ChatRequest, plan: ToolPlan | None) -> str | None:
+    """The grammar the answer must follow (a forced tool call, or `response_format`), checked here: 400."""
+    lark = plan.grammar_lark() if plan is not None else None
+    param = "tool_choice" if lark is not None else "response_format"
+    if lark is not None and response_grammar_wanted(req.response_format):
+        raise ApiError(400, "response_format and a forced tool_choice cannot both shape one answer", param=param,
+                       code="unsupported_parameter")
+    try:
+        return lark_grammar(lark) if lark is not None else response_grammar(req.response_format)
+    except Exception as err:  # noqa: BLE001 - a client's schema the compiler refuses, or no llguidance: a 400
+        raise ApiError(400, f"{err}", param=param, code="invalid_value") from None
 
 
 def _prepare_completion(raw: bytes, s: Served) -> Prepared:

@@ -26,6 +26,7 @@ import torch
 from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob  # noqa: F401
 from smolforge.serve.sampling import SamplingParams, is_greedy, next_token, token_logprobs
 from smolforge.serve.stops import TextStream
+from smolforge.serve.structured import Constraint, constraint_for, mask_rows
 
 
 class BatchModel(Protocol):
@@ -69,6 +70,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     stream: TextStream | None = None
     generator: torch.Generator | None = None
+    constraint: Constraint | None = None  # the grammar its tokens must follow (`params.grammar`)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each sampled token's, when asked for
     logprobs_sent: int = 0  # how many of `logprobs` went out with a TokenEvent
@@ -103,6 +105,7 @@ class Batch:
             try:
                 r.stream = TextStream(model.tokenizer, r.params.stop)
                 r.generator = r.params.generator(model.device)
+                r.constraint = constraint_for(r.params.grammar, model.tokenizer, model.eos_ids)
             except Exception as err:  # noqa: BLE001 - this request fails alone (the engine tells it why)
                 self.failed.append((r, err))
             else:
@@ -153,6 +156,7 @@ class Batch:
         """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
         self.row_errors = {}
         tokens: list[int | None] = []
+        logits = mask_rows(logits, [r.constraint for r in self.active], self.row_errors)
         # Greedy rows share one argmax and one copy to Python: not a reduction and a sync per row.
         greedy_rows = [is_greedy(r.params, r.generator) for r in self.active]
         self._greedy_ids = logits.argmax(-1) if any(greedy_rows) else None
@@ -160,10 +164,15 @@ class Batch:
         if not all(greedy_rows):
             self._greedy_ids = None
         for i, (r, greedy) in enumerate(zip(self.active, greedy_rows)):
+            if i in self.row_errors:  # its grammar failed (`mask_rows`)
+                tokens.append(None)
+                continue
             try:
                 token = best[i] if greedy else next_token(logits[i], r.params, r.generator)
                 if r.params.logprobs is not None and r.params.max_tokens > 0:  # the row's own, before its next step
                     r.logprobs.extend(token_logprobs(logits[i], [token], r.params.logprobs))
+                if r.constraint is not None:
+                    r.constraint.accept(token)
                 tokens.append(token)
             except Exception as err:  # noqa: BLE001 - that row fails, the others go on
                 self.row_errors[i] = err

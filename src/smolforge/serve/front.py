@@ -34,6 +34,7 @@ class FrontModel:
 
     name: str
     tokenizer: Any
+    model_type: str | None = None  # the family's answers (tool-call format) without the weights
 
 
 @dataclass
@@ -45,6 +46,7 @@ class FrontSettings:
     tokenizer_dir: str
     max_positions: int
     log_level: str = "WARNING"
+    model_type: str | None = None
 
 
 def run(settings: FrontSettings) -> int:
@@ -60,7 +62,7 @@ def run(settings: FrontSettings) -> int:
     channel = socket.socket(fileno=settings.channel_fd)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     engine = RemoteEngine(channel, settings.max_positions)
-    app = create_app(FrontModel(settings.name, tokenizer), engine, token=settings.token,  # type: ignore[arg-type]
+    app = create_app(FrontModel(settings.name, tokenizer, settings.model_type), engine, token=settings.token,  # type: ignore[arg-type]
                      model_name=settings.name)
     server = uvicorn.Server(serve_config(app, sock))
     gone: list[str] = []

@@ -105,6 +105,7 @@ class LlamaCppModel:
         self.n_threads, self.n_seq = max(1, n_threads), max(1, max_batch)
         self.max_positions = min(gguf_context(path) or MAX_CONTEXT, MAX_CONTEXT)
         self.gguf_path = path
+        self.model_type: str | None = None  # the HF config's (load_llamacpp sets it): the family's tool-call format
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self._model = lc.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
@@ -248,5 +249,17 @@ def load_llamacpp(model: str, *, name: str, quant: str, n_threads: int, max_batc
     path = cached_gguf(model, quant, threads=n_threads, say=say)
     tokenizer = load_tokenizer(model)
     # the stop set from the checkpoint's generation config and the tokenizer, without loading weights
-    return LlamaCppModel(path, tokenizer, stop_ids(tokenizer, model_dir(model)), name=name, quant=quant,
-                         n_threads=n_threads, max_batch=max_batch)
+    served = LlamaCppModel(path, tokenizer, stop_ids(tokenizer, model_dir(model)), name=name, quant=quant,
+                           n_threads=n_threads, max_batch=max_batch)
+    served.model_type = _model_type(model_dir(model))
+    return served
+
+
+def _model_type(directory: Path) -> str | None:
+    """The checkpoint's `model_type` (config.json), None when it cannot be read."""
+    import json
+
+    try:
+        return json.loads((Path(directory) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None

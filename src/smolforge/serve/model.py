@@ -59,6 +59,11 @@ class ServedModel:
                    eos_ids=eos)
 
     @property
+    def model_type(self) -> str | None:
+        """The config's model type: the family's answers (its tool-call format) for the HTTP side."""
+        return getattr(getattr(self.model, "config", None), "model_type", None)
+
+    @property
     def pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return int(pad if pad is not None else next(iter(self.eos_ids), 0))

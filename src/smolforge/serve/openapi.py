@@ -36,9 +36,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -63,7 +75,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

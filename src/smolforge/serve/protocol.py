@@ -114,38 +114,132 @@ class TextPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionCall(_Strict):
+    """A call the assistant made: `arguments` is a JSON object's text, as OpenAI sends it."""
+
+    name: FunctionName
+    arguments: str = "{}"
+
+
+class ToolCallIn(_Strict):
+    """An assistant turn's `tool_calls` entry in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One turn. OpenAI's other message fields are declared so that they are refused by name, not dropped:
-    the tool fields until tools are honoured, `name` (the chat templates have no place for it)."""
+    """One turn. OpenAI's other message fields are declared so that they are refused by name, not dropped.
+    `name` is passed to the template on a `tool` turn (the function that answered, as transformers'
+    templates read it) and refused on any other (the chat templates have no place for it)."""
 
     REFUSED = {
-        "tool_calls": (([],), NOT_YET), "tool_call_id": ((), NOT_YET), "function_call": ((), NOT_YET),
-        "name": ((), "message names are not supported by smolforge serve (the chat template has no place for them)"),
+        "function_call": ((), "deprecated by OpenAI and not supported by smolforge serve: send `tool_calls`"),
         "refusal": ((), "an assistant turn's refusal is not supported by smolforge serve: send it as content"),
         "audio": ((), "audio is not supported: smolforge serve serves text models"),
     }
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.tool_call_id is not None and self.role != "tool":
+            return "tool_call_id", f"tool_call_id: only a tool turn answers a call, not a {self.role} turn"
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls", f"tool_calls: only an assistant turn makes calls, not a {self.role} turn"
+        if self.name is not None and self.role != "tool":
+            return "name", ("name: message names are not supported by smolforge serve on a "
+                            f"{self.role} turn (the chat template has no place for them); only a tool turn's")
+        return super().refused()
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): `developer` is `system`, a call's
+        arguments a dict (templates write them with `tojson`). ValueError for arguments that are not a
+        JSON object."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"type": "function", **({"id": c.id} if c.id else {}),
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _arguments(call: FunctionCall) -> dict[str, Any]:
+    try:
+        args = json.loads(call.arguments or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise ValueError(f"tool call {call.name}: arguments must be a JSON object's text, got {call.arguments[:80]!r}")
+    return args
+
+
+class FunctionSpec(_Strict):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming one function: the answer is a call to it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the answer must follow (`strict` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: `text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
 
 class ChatRequest(_Sampling):
     REFUSED = {
         **_COMMON_REFUSED,
-        "tools": (([],), NOT_YET), "tool_choice": (("none",), NOT_YET), "parallel_tool_calls": ((), NOT_YET),
-        "functions": (([],), NOT_YET), "function_call": (("none",), NOT_YET),
-        "response_format": (({"type": "text"},), NOT_YET),
+        "functions": (([],), "deprecated by OpenAI and not supported by smolforge serve: send `tools`"),
+        "function_call": (("none",), "deprecated by OpenAI and not supported by smolforge serve: send `tool_choice`"),
         "audio": ((), "audio output is not supported: smolforge serve serves text models"),
         "modalities": ((["text"],), "only the text modality is served"),
         "prediction": ((), "predicted outputs are not supported by smolforge serve"),
@@ -166,12 +260,12 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     safety_identifier: str | None = None  # as `user`: changes no output
     prompt_cache_key: str | None = None  # a routing hint for a provider's cache: one server, one cache
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -188,9 +282,10 @@ class ChatRequest(_Sampling):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for the chat template (`developer` is the newer name of `system`)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for the chat template (`ChatMessage.for_template`). ValueError for a call's arguments
+        that are not a JSON object."""
+        return [m.for_template() for m in self.messages]
 
     def alternatives(self) -> int | None:
         """How many most likely tokens to return per position (None: no log-probabilities)."""
@@ -203,6 +298,12 @@ class ChatRequest(_Sampling):
     def refused(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs `logprobs: true`"
+        if self.logprobs and self.tools and self.tool_choice != "none":
+            return "logprobs", ("logprobs: not supported yet by smolforge serve together with `tools` (a tool answer "
+                                "is parsed whole at its end); send tool_choice none, or no logprobs")
+        if self.parallel_tool_calls is False and self.tools and self.tool_choice in (None, "auto"):
+            return "parallel_tool_calls", ("parallel_tool_calls: false is not enforced by smolforge serve with "
+                                           "tool_choice auto; a `required` or named tool_choice gives exactly one call")
         for i, m in enumerate(self.messages):
             found = m.refused()
             if found is not None:

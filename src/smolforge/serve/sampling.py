@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: each generated token's and the k most likely's
     prompt_logprobs: bool = False  # also the prompt's own (echo), with `logprobs` alternatives each;
     # with max_tokens 0 only those: the prompt is read and nothing generated
+    grammar: str | None = None  # llguidance's grammar text the answer must follow (serve/structured.py)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own random stream (None when greedy: nothing to draw)."""

@@ -166,6 +166,10 @@ class ChatChunks:
     def last(self, reason: str) -> dict[str, Any]:
         return chat_chunk(self.cid, self.created, self.model, {}, reason)
 
+    def closing(self, reason: str) -> list[dict[str, Any]]:
+        """The chunks that end the answer (serve/tools.py's send its held text and calls here)."""
+        return [self.last(reason)]
+
 
 class CompletionChunks(ChatChunks):
     """A legacy completion's chunks; with `echo`, the prompt's text (and its log-probabilities when
@@ -252,7 +256,7 @@ def _frame(event: Event, chunks: ChatChunks, opened: bool = True) -> tuple[bytes
             return head + (sse(chunks.text(event.text, event.logprobs)) if event.text or event.logprobs else b""), False
         return head + (chunks.frame(event.text) if event.text else b""), False
     if isinstance(event, DoneEvent):
-        out = head + sse(chunks.last(reason(event)))
+        out = head + b"".join(sse(c) for c in chunks.closing(reason(event)))
         if chunks.include_usage:
             out += sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
                                    event.prompt_tokens, event.completion_tokens))

@@ -37,7 +37,9 @@ def prompt_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[dict
     return messages if system_role(tokenizer) else fold_system(messages)[0]
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """`messages` rendered for generation (the assistant header added), folded as `prompt_messages` says.
-    Raises what the template raises (jinja2's TemplateError for one it refuses)."""
-    return render(tokenizer, prompt_messages(tokenizer, messages), add_generation_prompt=True)
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """`messages` rendered for generation (the assistant header added), folded as `prompt_messages` says;
+    `tools` (OpenAI tool objects) go to the template as transformers' `tools=`. Raises what the template
+    raises (jinja2's TemplateError for one it refuses)."""
+    extra = {"tools": tools} if tools else {}
+    return render(tokenizer, prompt_messages(tokenizer, messages), add_generation_prompt=True, **extra)

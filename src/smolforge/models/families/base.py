@@ -2,7 +2,8 @@
 
 A family class answers, for the model types it registers (`model_types`):
 - generation: the stop set (`stop_ids`: generation config EOS ids, tokenizer EOS, the chat template's
-  end of turn) and the chat template's abilities (`chat`: system role, tools, time, end of turn);
+  end of turn), the chat template's abilities (`chat`: system role, tools, time, end of turn) and the
+  tool-call text format (`tool_calls`: Hermes' `<tool_call>` JSON, Llama 3's JSON; toolcalls.py);
 - structure: where the decoder layers live and what surrounds them (`layers_prefix`, `final_norm`,
   `rotary`, the extra embeddings a first stage holds and how it embeds), whether the head is tied by
   default (`tied`), whether the model can be cut into stages (`stages`);
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import chat as _chat
 from smolforge.models.families import stops as _stops
+from smolforge.models.families.toolcalls import HERMES, ToolCallFormat
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +58,8 @@ class Family:
     # export
     gguf_arch: ClassVar[str | None] = None  # gguf.MODEL_ARCH member name
     gguf_untie: ClassVar[bool] = False  # write output.weight from the embedding when the head is tied
+    # chat: how the model writes a tool call (models/families/toolcalls.py); Hermes' `<tool_call>` by default
+    tool_calls: ClassVar[ToolCallFormat] = HERMES
 
     def __init__(self, model_type: str | None = None):
         self.model_type = model_type or (self.model_types[0] if self.model_types else None)

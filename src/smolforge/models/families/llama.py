@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from smolforge.models.families import register
 from smolforge.models.families.base import LLAMA_LIKE_LORA, Family
 from smolforge.models.families.rope import rope_params, llama3_rope_factors, write_rope_scaling
+from smolforge.models.families.toolcalls import LLAMA_JSON
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,7 @@ class Llama(LlamaLike):
     name = "llama"
     model_types = ("llama",)
     gguf_arch = "LLAMA"
+    tool_calls = LLAMA_JSON  # Llama 3.x's JSON tool calling: {"name": ..., "parameters": {...}}
 
     def gguf_hparams(self, writer: Any, config: dict) -> None:
         llama_like_hparams(writer, config, "LLAMA", llama3_as_tensor=True)

@@ -1,0 +1,147 @@
+"""Tool calling: `tools`/`tool_choice` in, `tool_calls` out, through the family's template and format.
+
+- a Qwen2.5-kind twin (random weights) served in-process, asked by the official `openai` client with
+  `tool_choice` required and named: the grammar forces one `<tool_call>` block, parsed into `tool_calls`
+  (finish_reason "tool_calls"), streamed as `delta.tool_calls` and equal to the non-streamed calls;
+- the follow-up (the assistant's call and the `tool` answer in the history) is tokenized exactly as
+  transformers' `apply_chat_template(..., tools=)` tokenizes it;
+- a named function not among the tools is a 400 naming `tool_choice`;
+- the families' formats parse their own text (Hermes blocks among text, Llama 3's JSON).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import require_module
+from test_llamacpp_engine import Live
+
+pytestmark = pytest.mark.timeout(300)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+                   "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time here"}}]  # no parameters
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_twin():
+    require_module("llguidance", "llguidance (a smolforge dependency)", "pip install -c constraints.txt llguidance==1.9.1")
+    from smolforge.models.twins import twin_dir
+    from smolforge.serve.model import ServedModel
+
+    return ServedModel.load(str(twin_dir("twin:qwen2.5-0.5b-instruct")), name="tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def live(qwen_twin):
+    server = Live(qwen_twin)
+    yield server
+    server.close()
+
+
+def _calls(message_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message_calls]
+
+
+def _streamed_calls(chunks) -> tuple[list[tuple[str, dict]], str]:
+    """The calls a client assembles from `delta.tool_calls` (by index: id and name first, then arguments)."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for d in choice.delta.tool_calls or []:
+                slot = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                slot["name"] += (d.function.name or "") if d.function else ""
+                slot["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_choice_returns_a_tool_call_streamed_and_not(live, choice):
+    client = live.client()
+    ask = dict(model="tiny", messages=QUESTION, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(**ask)
+    streamed, reason = _streamed_calls(client.chat.completions.create(stream=True, **ask))
+    got = _calls(whole.choices[0].message.tool_calls or [])
+    assert whole.choices[0].finish_reason == "tool_calls" and reason == "tool_calls", whole
+    assert len(got) == 1 and got == streamed, (got, streamed)
+    name, args = got[0]
+    assert name in {"get_weather", "get_time"} and (choice == "required" or name == "get_weather")
+    if name == "get_weather":
+        assert args["city"] in {"Paris", "Oslo"}
+    assert whole.usage.prompt_tokens > 100  # the tools went into the prompt (the template renders them)
+
+
+def test_the_follow_up_renders_as_transformers_renders_it(qwen_twin):
+    from smolforge.serve.api import Served, _prepare_chat
+    from smolforge.serve.events import ContextLimits
+
+    class _Room(ContextLimits):  # the engine's length checks, without an engine
+        max_positions = 32768
+
+    history = [*QUESTION,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    body = {"model": "tiny", "messages": history, "tools": TOOLS, "max_tokens": 8}
+    job = _prepare_chat(json.dumps(body).encode(), Served(qwen_twin, _Room(), "tiny", None))
+    reference = [*QUESTION,
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                 {"role": "tool", "content": "18 C and sunny"}]
+    text = qwen_twin.tokenizer.apply_chat_template(reference, tools=TOOLS, add_generation_prompt=True,
+                                                   tokenize=False)
+    want = qwen_twin.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert job.ids == want
+    assert "<tool_call>" in text and "18 C and sunny" in text and "get_time" in text
+
+
+def test_a_named_function_not_among_the_tools_is_a_400(live):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client().chat.completions.create(model="tiny", messages=QUESTION, tools=TOOLS, max_tokens=4,
+                                              tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.body["param"] == "tool_choice" and "nope" in err.value.body["message"]
+
+
+def test_each_familys_format_parses_its_own_text():
+    from smolforge.models.families import family_of
+    from smolforge.models.families.toolcalls import ToolCall
+
+    qwen, llama = family_of("qwen2").tool_calls, family_of("llama").tool_calls
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert qwen.parse(text) == ("Let me look.", [ToolCall("get_weather", {"city": "Oslo"})])
+    assert qwen.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert llama.parse('{"name": "get_time", "parameters": {}}') == (None, [ToolCall("get_time", {})])
+    assert llama.parse("It is sunny.") == ("It is sunny.", [])
+
+
+@pytest.mark.soak  # a second family's format (the first is Qwen2.5's above); a 128k vocabulary to index
+def test_llama3_forced_call_is_its_json_and_parses():
+    require_module("llguidance", "llguidance (a smolforge dependency)", "pip install -c constraints.txt llguidance==1.9.1")
+    from smolforge.models.twins import twin_dir
+    from smolforge.serve.api import Served, _prepare_chat
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.model import ServedModel
+    from smolforge.serve.tools import chat_choice
+
+    model = ServedModel.load(str(twin_dir("twin:llama-3.2-1b-instruct")), name="tiny", device="cpu")
+    engine = Engine(model).start()
+    try:
+        body = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40,
+                "temperature": 0}
+        job = _prepare_chat(json.dumps(body).encode(), Served(model, engine, "tiny", None))
+        done = engine.generate(job.ids, job.params, timeout=240)
+    finally:
+        engine.stop()
+    assert done.text.startswith('{"name":"get_'), done.text  # Llama 3's JSON call, no <tool_call> block
+    choice = chat_choice(done.text, done.finish_reason, job.tools)
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
