@@ -17,7 +17,7 @@ from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.engine import SampleOrder, TrainHooks, train
 from smolforge.train.schedule import lr_lambda
-from tests.helpers import ROOT, smolforge
+from tests.helpers import ROOT, smolforge, smolforge_here
 
 
 def cfg(tmp: Path, **kw) -> TrainConfig:
@@ -133,14 +133,16 @@ def test_a_rerun_into_a_used_output_dir_is_refused_and_deletes_nothing(tmp_path)
     args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "4", "--batch-size", "2",
             "--max-length", "48", "--save-every", "2", "--num-threads", "1", "--quiet", "--output-dir", str(tmp_path),
             "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
-    smolforge(*args, check=True)
+    first = smolforge_here(*args)  # in this process: the refusal is the command's decision, not a process's
+    assert first.exit_code == 0, first.output
     before = sorted(p.name for p in ckpt.list_checkpoints(tmp_path))
-    again = smolforge(*args)
-    assert again.returncode == 2, again.stderr
+    again = smolforge_here(*args)
+    assert again.exit_code == 2 and isinstance(again.exception, SystemExit), again.output
     assert "already holds checkpoints" in again.stderr and "--resume" in again.stderr
     assert "Traceback" not in again.stderr
     assert sorted(p.name for p in ckpt.list_checkpoints(tmp_path)) == before == ["step-2", "step-4"]
-    smolforge(*args, "--resume", check=True)  # continuing it is fine
+    resumed = smolforge_here(*args, "--resume")  # continuing it is fine
+    assert resumed.exit_code == 0, resumed.output
 
 
 @pytest.mark.parametrize("method", ["prefix", "prompt", "ia3", "adapter", "none"])
