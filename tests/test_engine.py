@@ -17,7 +17,7 @@ from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.engine import SampleOrder, TrainHooks, train
 from smolforge.train.schedule import lr_lambda
-from tests.helpers import ROOT, smolforge, smolforge_here
+from tests.helpers import ROOT, smolforge_here
 
 
 def cfg(tmp: Path, **kw) -> TrainConfig:
@@ -107,11 +107,14 @@ def test_schedule_warmup_then_decay():
 
 
 def test_killed_run_resumes_to_identical_weights(tmp_path):
-    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted."""
+    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted. The
+    uninterrupted run and the resume go through the same CLI in this process (`smolforge_here`): only the
+    run that is killed needs a process of its own."""
     args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "160", "--batch-size", "2",
             "--max-length", "48", "--save-every", "5", "--seed", "7", "--num-threads", "1", "--quiet",
             "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
-    smolforge(*args, "--output-dir", str(tmp_path / "ref"), check=True)
+    ref = smolforge_here(*args, "--output-dir", str(tmp_path / "ref"))
+    assert ref.exit_code == 0, ref.output[-3000:]
     out = tmp_path / "crash"
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", *args, "--output-dir", str(out)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -121,7 +124,8 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert not (out / "lora_adapter").exists(), "the run finished before it could be killed"
-    smolforge(*args, "--output-dir", str(out), "--resume", check=True)
+    resumed = smolforge_here(*args, "--output-dir", str(out), "--resume")
+    assert resumed.exit_code == 0, resumed.output[-3000:]
     ref = load_file(str(tmp_path / "ref" / "lora_adapter" / "adapter_model.safetensors"))
     got = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
     assert_same(ref, got)
