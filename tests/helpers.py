@@ -61,6 +61,24 @@ def smolforge(*args: str, timeout: float = 300, env: dict | None = None, check: 
     return proc
 
 
+def smolforge_here(*args: str):
+    """`smolforge ARGS` in this process (typer's runner: no interpreter to start, no torch to import again,
+    seconds each on the 2-core machine): a click `Result` with exit_code, stdout and stderr apart. For a
+    claim about what a command decides; a claim about a real process (a kill, a signal) needs `smolforge`.
+    torch's thread count is put back after it (a run without --num-threads takes every CPU), so the tests
+    after it in this process compute as before."""
+    import torch
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+
+    threads = torch.get_num_threads()
+    try:
+        return CliRunner().invoke(app, list(args), env={"SMOLFORGE_COORDINATOR": "", "SMOLFORGE_TOKEN": None})
+    finally:
+        torch.set_num_threads(threads)
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
     return path

@@ -1,4 +1,7 @@
-"""The commands as a user runs them: real subprocesses, --help examples, --json summaries."""
+"""The commands as a user runs them: --help examples and refusals in real subprocesses, --json summaries.
+The tiny train, eval and generate runs go through the same CLI in this process (`smolforge_here`):
+starting an interpreter that imports torch again is most of such a run's time. The demos keep their own
+process (the distill demo's embedded Ray cluster is the process's)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import os
 
 import pytest
 
-from tests.helpers import last_json, smolforge, write_jsonl
+from tests.helpers import last_json, smolforge, smolforge_here, write_jsonl
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "dashboard"])
@@ -20,28 +23,30 @@ def test_train_eval_generate_roundtrip(tmp_path):
     adapter prints it (the untrained model prints noise)."""
     data = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "What is 2 + 3?", "completion": "2 + 3 = 5"}] * 32)
     out = tmp_path / "run"
-    proc = smolforge("train", "--model", "tiny-llama", "--data", str(data), "--max-steps", "8", "--batch-size", "4",
-                     "--max-length", "48", "--output-dir", str(out), "--peft", "lora",
-                     "--peft-config", '{"r": 4, "alpha": 8, "dropout": 0.0}', "--set", "data.max_eval_samples=8",
-                     "--json", check=True)
+    proc = smolforge_here("train", "--model", "tiny-llama", "--data", str(data), "--max-steps", "8", "--batch-size",
+                          "4", "--max-length", "48", "--output-dir", str(out), "--peft", "lora",
+                          "--peft-config", '{"r": 4, "alpha": 8, "dropout": 0.0}', "--set", "data.max_eval_samples=8",
+                          "--json")
+    assert proc.exit_code == 0, proc.output[-3000:]
     summary = last_json(proc.stdout)
     assert summary["steps"] == 8 and summary["adapter_dir"].endswith("lora_adapter")
     assert {"eval_loss", "perplexity", "accuracy"} <= set(summary["eval"])
-    ev = last_json(smolforge("eval", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--data", str(data),
-                             "--max-samples", "8", "--json", check=True).stdout)
-    assert ev["eval_loss"] == pytest.approx(summary["eval"]["eval_loss"], rel=1e-4)
-    gen = smolforge("generate", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--prompt", "What is 2 + 3?",
-                    "--max-new-tokens", "12", check=True)
-    assert gen.stdout.strip() == "2 + 3 = 5", gen.stdout
+    ev = smolforge_here("eval", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--data", str(data),
+                        "--max-samples", "8", "--json")
+    assert ev.exit_code == 0, ev.output[-3000:]
+    assert last_json(ev.stdout)["eval_loss"] == pytest.approx(summary["eval"]["eval_loss"], rel=1e-4)
+    gen = smolforge_here("generate", "--model", "tiny-llama", "--adapter", summary["adapter_dir"], "--prompt",
+                         "What is 2 + 3?", "--max-new-tokens", "12")
+    assert gen.exit_code == 0 and gen.stdout.strip() == "2 + 3 = 5", gen.output
 
 
 def test_config_file_and_set_override(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("model: tiny-llama\ndata:\n  path: bundled\n  max_length: 48\n  max_eval_samples: 4\n"
                    "max_steps: 50\nbatch_size: 2\neval_accuracy: false\n")
-    proc = smolforge("train", "--config", str(cfg), "--set", "training.max_steps=3", "--output-dir", str(tmp_path / "o"),
-                     "--json", check=True)
-    assert last_json(proc.stdout)["steps"] == 3
+    proc = smolforge_here("train", "--config", str(cfg), "--set", "training.max_steps=3", "--output-dir",
+                          str(tmp_path / "o"), "--json")
+    assert proc.exit_code == 0 and last_json(proc.stdout)["steps"] == 3, proc.output[-3000:]
 
 
 @pytest.mark.parametrize("args,needle", [

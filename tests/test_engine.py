@@ -17,7 +17,7 @@ from smolforge.config import DataSpec, PeftSpec, TrainConfig
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.engine import SampleOrder, TrainHooks, train
 from smolforge.train.schedule import lr_lambda
-from tests.helpers import ROOT, smolforge
+from tests.helpers import ROOT, smolforge_here
 
 
 def cfg(tmp: Path, **kw) -> TrainConfig:
@@ -107,11 +107,14 @@ def test_schedule_warmup_then_decay():
 
 
 def test_killed_run_resumes_to_identical_weights(tmp_path):
-    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted."""
+    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted. The
+    uninterrupted run and the resume go through the same CLI in this process (`smolforge_here`): only the
+    run that is killed needs a process of its own."""
     args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "160", "--batch-size", "2",
             "--max-length", "48", "--save-every", "5", "--seed", "7", "--num-threads", "1", "--quiet",
             "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
-    smolforge(*args, "--output-dir", str(tmp_path / "ref"), check=True)
+    ref = smolforge_here(*args, "--output-dir", str(tmp_path / "ref"))
+    assert ref.exit_code == 0, ref.output[-3000:]
     out = tmp_path / "crash"
     proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", *args, "--output-dir", str(out)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -121,7 +124,8 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert not (out / "lora_adapter").exists(), "the run finished before it could be killed"
-    smolforge(*args, "--output-dir", str(out), "--resume", check=True)
+    resumed = smolforge_here(*args, "--output-dir", str(out), "--resume")
+    assert resumed.exit_code == 0, resumed.output[-3000:]
     ref = load_file(str(tmp_path / "ref" / "lora_adapter" / "adapter_model.safetensors"))
     got = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
     assert_same(ref, got)
@@ -133,14 +137,16 @@ def test_a_rerun_into_a_used_output_dir_is_refused_and_deletes_nothing(tmp_path)
     args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "4", "--batch-size", "2",
             "--max-length", "48", "--save-every", "2", "--num-threads", "1", "--quiet", "--output-dir", str(tmp_path),
             "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
-    smolforge(*args, check=True)
+    first = smolforge_here(*args)  # in this process: the refusal is the command's decision, not a process's
+    assert first.exit_code == 0, first.output
     before = sorted(p.name for p in ckpt.list_checkpoints(tmp_path))
-    again = smolforge(*args)
-    assert again.returncode == 2, again.stderr
+    again = smolforge_here(*args)
+    assert again.exit_code == 2 and isinstance(again.exception, SystemExit), again.output
     assert "already holds checkpoints" in again.stderr and "--resume" in again.stderr
     assert "Traceback" not in again.stderr
     assert sorted(p.name for p in ckpt.list_checkpoints(tmp_path)) == before == ["step-2", "step-4"]
-    smolforge(*args, "--resume", check=True)  # continuing it is fine
+    resumed = smolforge_here(*args, "--resume")  # continuing it is fine
+    assert resumed.exit_code == 0, resumed.output
 
 
 @pytest.mark.parametrize("method", ["prefix", "prompt", "ia3", "adapter", "none"])

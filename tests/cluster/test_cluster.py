@@ -668,6 +668,11 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole))
 
 
+# soak: the runner's recovery (a killed rank's round fails, the job resumes from its last checkpoint) is the
+# data-parallel runner's for every strategy, proven in CI by test_worker_sigkilled_mid_job_recovers_from_checkpoint;
+# a pipeline checkpoint resumed exactly, in process: tests/test_pipeline_strategy.py (resume_exactly); a pipeline
+# job's ranks planned and trained on two workers: tests/cluster/test_model_travel.py, test_memory_cap.py
+@pytest.mark.soak  # the same claim in CI: test_worker_sigkilled_mid_job_recovers_from_checkpoint + tests/test_pipeline_strategy.py
 def test_pipeline_across_two_workers_survives_a_killed_stage_with_one_process_weights(world):
     """Model parallelism in the cluster (a job file's `stages: 2`): each worker holds a stage, sized by
     the plan from both nodes' measurements (stated in the events). The second stage's process is

@@ -133,8 +133,12 @@ def test_a_model_only_the_coordinator_holds_travels_to_both_workers(cluster):
     want = sums(c.base / "coord-models" / MODEL)
     for name in ("w1", "w2"):
         assert sums(c.base / f"models-{name}" / MODEL) == want  # checksums equal
+    # the fetches asked each worker to rescan: both advertise it once they joined Ray again (and the next
+    # test's plan must not pick a node that is about to leave Ray for that)
+    wait_listed(c, ["w1", "w2"])
 
 
+@pytest.mark.soak  # the same claim in CI: the second run of test_a_distill_run_brings_its_teacher_and_student_to_the_workers (bring_model's cache hit)
 def test_a_second_job_on_the_model_sends_nothing(cluster):
     c = cluster
     wait_listed(c, ["w1", "w2"])  # the first job's fetches asked each worker to rescan: both advertise it now

@@ -227,7 +227,11 @@ def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
     assert res["final_loss"] < first_loss(client, job)
 
 
-def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world):
+# soak: what a worker sends is the codec's payload (ps_worker counts `payload_bytes` of it), int8 about a quarter
+# of fp32: tests/test_codecs.py::test_int8_sends_about_a_quarter_of_fp32; async-ps with int8 applies every part
+# and learns: tests/test_ps_inprocess.py::test_async_ps_applies_every_part_and_learns
+@pytest.mark.soak  # the same claim in CI: tests/test_codecs.py::test_int8_sends_about_a_quarter_of_fp32 + tests/test_ps_inprocess.py
+def test_async_ps_int8_sends_a_quarter_of_fp32s_bytes_and_both_learn(world):
     client = world["c"].client()
     fp32 = client.submit_job(spec(world, "async-ps", {"codec": "fp32"}, steps=30))
     a = wait_state(client, fp32, ("completed",))["result"]  # one at a time: two at once may start degraded
@@ -239,6 +243,9 @@ def test_async_ps_loses_a_worker_without_a_pause_and_int8_sends_a_quarter(world)
     assert sum(a["parts_done_per_rank"]) == sum(b["parts_done_per_rank"]) == 60
     assert b["final_loss"] < first_loss(client, int8) and a["final_loss"] < first_loss(client, fp32)
 
+
+def test_async_ps_loses_a_worker_without_a_pause(world):
+    client = world["c"].client()
     job = client.submit_job(spec(world, "async-ps", {}, steps=60))
     st = wait_step(client, job, 10)
     os.kill(rank_pid(st, 1), signal.SIGKILL)

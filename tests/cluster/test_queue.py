@@ -130,6 +130,10 @@ def test_a_ram_reservation_keeps_two_jobs_off_one_node(cluster):
     assert two["started"] >= one["finished"] and one["nodes"] == two["nodes"] == ["w1"]
 
 
+# soak: the capacity check is JobManager.check_capacity, its RAM message proven in process by
+# test_queue_units.py::test_no_node_could_ever_hold_it_fails_at_submit_listing_nodes, and its refusal through the
+# API at submit on a real cluster by test_cluster.py::test_unsatisfiable_requirement_fails_at_once
+@pytest.mark.soak  # the same claim in CI: tests/cluster/test_cluster.py::test_unsatisfiable_requirement_fails_at_once + test_queue_units.py
 def test_a_request_no_node_can_ever_meet_fails_at_submit(cluster):
     from smolforge.errors import SmolforgeError
 
