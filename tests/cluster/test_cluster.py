@@ -824,7 +824,7 @@ def test_distill_job_cancel_stops_every_task(world):
     assert free["w1"] == 1 and free["w2"] == 1, (free, time.time() - t0)
 
 
-# COST over the CI tier's ~40 s (see the docstring): CI tier, or @pytest.mark.soak? The lead decides.
+@pytest.mark.soak  # cost over the CI tier's ~40 s; in CI: a llamacpp teacher in tests/test_stop_set.py::test_gguf_llamacpp_engine_and_teacher_stop_where_hf_stops, teacher shards placed across workers in tests/cluster/test_distill_cluster.py::test_teacher_shards_land_only_on_nodes_holding_the_model
 def test_distill_with_llamacpp_teachers_runs_them_at_once_on_both_workers(world, tmp_path):
     """`smolforge distill --teacher-backend llamacpp` against the coordinator: one teacher task on each
     worker (both hold tiny-copy; the coordinator takes no work), each exporting tiny-copy to a q8_0

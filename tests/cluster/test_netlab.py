@@ -54,6 +54,7 @@ def within(measured: float, cap: float, tol: float = 0.20) -> bool:
     return abs(measured - cap) <= tol * cap
 
 
+@pytest.mark.soak  # a rate is a clock claim (none in the CI tier); the lab itself is proven in CI by test_a_data_parallel_job_across_capped_links
 def test_a_10mb_tensor_moves_at_the_cap():
     lab = Netlab(CAP)
     with lab:
