@@ -91,16 +91,8 @@ class ServedModel:
         return plain_layers(self.new_cache())
 
     def join_caches(self, cache: Any, other: Any, pad: int, other_pad: int) -> Any:
-        """`cache`'s rows then `other`'s in one `DynamicCache` (`JoiningModel.join_caches`): zero K/V
-        columns on the left of the narrower side (its mask is 0 there), concatenated on the batch axis."""
-        import torch.nn.functional as F
-
-        for mine, theirs in zip(cache.layers, other.layers):
-            if mine.keys is None or not mine.keys.numel():
-                continue
-            mine.keys = torch.cat([F.pad(mine.keys, (0, 0, pad, 0)), F.pad(theirs.keys, (0, 0, other_pad, 0))])
-            mine.values = torch.cat([F.pad(mine.values, (0, 0, pad, 0)), F.pad(theirs.values, (0, 0, other_pad, 0))])
-        return cache
+        """`cache`'s rows then `other`'s in one `DynamicCache` (`JoiningModel.join_caches`, `join_cache_rows`)."""
+        return join_cache_rows(cache, other, pad, other_pad)
 
     def snapshot(self, cache: Any, row: int, length: int) -> tuple[Any, int]:
         """Row `row`'s K/V for its last `length` columns, per layer ([1, heads, length, head_dim] each), and
@@ -133,6 +125,20 @@ def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> bool:
                 layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
         return True
     return False
+
+
+def join_cache_rows(cache: Any, other: Any, pad: int, other_pad: int) -> Any:
+    """`cache`'s rows then `other`'s, per layer of two `DynamicCache`s: zero K/V columns on the left of the
+    narrower side (its mask is 0 there), concatenated on the batch axis. A stage's cache fills only its
+    own layers' slots: the empty ones are left alone."""
+    import torch.nn.functional as F
+
+    for mine, theirs in zip(cache.layers, other.layers):
+        if mine.keys is None or not mine.keys.numel():
+            continue
+        mine.keys = torch.cat([F.pad(mine.keys, (0, 0, pad, 0)), F.pad(theirs.keys, (0, 0, other_pad, 0))])
+        mine.values = torch.cat([F.pad(mine.values, (0, 0, pad, 0)), F.pad(theirs.values, (0, 0, other_pad, 0))])
+    return cache
 
 
 def plain_layers(cache: Any) -> bool:
