@@ -153,3 +153,9 @@ def test_a_short_request_sent_during_a_long_one_ends_first_on_2_stages(tiny_llam
     assert long_done.token_ids == hf_greedy(served.model, ps[2], 40, served.pad_id)
     assert short_done.token_ids == hf_greedy(served.model, ps[1], 6, served.pad_id)
     assert all(not s.caches for s in stages)  # the joined batch's cache and the long one's are both gone
+    # a prompt over the step's budget is read in chunks through the stages' open caches: the same tokens
+    events: list = []
+    chunked = Engine(model, step_tokens=6)
+    chunked.run_batch([Request(ps[2], SamplingParams(max_tokens=8, temperature=0), events.append)])
+    assert len(ps[2]) > 2 * 6 and chunked.prefill_tokens == len(ps[2])
+    assert events[-1].token_ids == hf_greedy(served.model, ps[2], 8, served.pad_id)

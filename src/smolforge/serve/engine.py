@@ -64,7 +64,8 @@ class Engine(ContextLimits):
 
     def __init__(self, model: BatchModel, *, max_batch: int = 8, window_s: float = 0.005, max_wait_s: float = 0.05,
                  max_positions: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 step_tokens: int = 256, prefix_cache_bytes: int = 256 << 20, prefix_min_tokens: int = 16):
+                 step_tokens: int = 256, prefix_cache_bytes: int = 256 << 20, prefix_min_tokens: int = 16,
+                 continuous: bool = True):
         # A batch waits window_s after its latest arrival (a burst of clients is not cut after its
         # first request: the rest would wait a whole generation), never over max_wait_s after its first.
         self.model, self.max_batch, self.window_s = model, max(1, max_batch), window_s
@@ -82,7 +83,8 @@ class Engine(ContextLimits):
         self.on_death: Callable[[str], None] | None = None
         # per-step scheduling (`step`): what waits, the one-row batch still reading its prompt, the running batch
         self.step_tokens = max(1, step_tokens)
-        self.joins = bool(getattr(model, "joins", False))  # rows join a running batch (else: static batches)
+        # rows join a running batch (else: static batches; `continuous=False` asks for them: the benchmark's baseline)
+        self.joins = continuous and bool(getattr(model, "joins", False))
         keeps = self.joins and hasattr(model, "snapshot")  # a sliding window's cache is not the whole prompt's KV
         self.prefix = PrefixCache(prefix_cache_bytes if keeps else 0, prefix_min_tokens)
         self._waiting: deque[Request] = deque()
