@@ -451,3 +451,21 @@ def test_the_prefix_cache_is_bounded_and_evicts_the_least_recently_used():
     assert cache.lookup(a).length == 3  # one token of the prompt is always left to compute
     cache.store([7] * 10, "big", 300)  # over the bound alone: not kept, nothing evicted
     assert cache.evictions == 1 and cache.stats()["prefix_entries"] == 2
+
+
+def test_a_row_that_joined_goes_on_alone_after_the_first_rows_leave(served):
+    """The running batch began with a one-token prompt; a longer prompt joins it (after a chunked
+    prefill) and outlives it: alone in the batch, it decodes on (its prompt is not read again)."""
+    ps = prompts(served.tokenizer)
+    first, joined = ps[3], ps[2]
+    assert len(first) < 8 < len(joined)
+    got: dict[str, object] = {}
+    engine = Engine(served, step_tokens=8)
+    engine.run_batch([Request(first, SamplingParams(max_tokens=6, temperature=0), lambda e: got.setdefault("a", e)
+                              if not isinstance(e, TokenEvent) else None),
+                      Request(joined, SamplingParams(max_tokens=16, temperature=0), lambda e: got.setdefault("b", e)
+                              if not isinstance(e, TokenEvent) else None)])
+    assert (engine.batches, engine.largest_batch) == (1, 2)
+    assert engine.prefill_tokens == len(first) + len(joined)
+    assert got["a"].token_ids == hf_greedy(served.model, first, 6, served.pad_id)
+    assert got["b"].token_ids == hf_greedy(served.model, joined, 16, served.pad_id)

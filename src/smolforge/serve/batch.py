@@ -117,6 +117,7 @@ class Batch:
         self._mask_all = torch.ones((0, 0), dtype=torch.long)  # `mask` is its first columns
         self._greedy_ids: torch.Tensor | None = None  # the last step's argmax, when every row was greedy
         self.fed = 0  # a one-row batch's prompt tokens in the cache so far (chunked prefill, a resumed prefix)
+        self.prefilled = False  # every row's whole prompt is in the cache (rows joined later came prefilled)
         self.cost = 0  # tokens the last step computed (padding included): what it took of the step's budget
         for r in requests:
             try:
@@ -130,7 +131,7 @@ class Batch:
     @property
     def prefilling(self) -> bool:
         """True until every row's prompt is in the cache (the next `step` reads prompt tokens)."""
-        return self.cache is None or (len(self.active) == 1 and self.fed < len(self.active[0].prompt_ids))
+        return not self.prefilled
 
     def resume(self, cache: Any, length: int) -> None:
         """Start a one-row batch from a cache that already holds its prompt's first `length` tokens."""
@@ -175,7 +176,7 @@ class Batch:
         positions = (self.mask.cumsum(-1) - 1).clamp_min(0)
         self.lengths = self.mask.sum(-1)
         self.cache, self.cost = self.model.new_cache(), ids.numel()
-        self.fed = width
+        self.fed, self.prefilled = width, True
         return self.model.forward(ids.to(dev), self.mask, positions, self.cache)
 
     def _chunk(self, budget: int | None) -> torch.Tensor | None:
@@ -192,9 +193,9 @@ class Batch:
         self.mask = self._mask_all[:, :end]
         self.cost = end - self.fed
         logits = self.model.forward(ids, self.mask, positions, self.cache)
-        self.fed = end
+        self.fed, self.prefilled = end, end == len(prompt)
         self.lengths = torch.tensor([end], dtype=torch.long, device=dev)
-        return logits if end == len(prompt) else None
+        return logits if self.prefilled else None
 
     def _decode(self) -> torch.Tensor:
         """Every row's newest token through the model: one column more of the cache."""
