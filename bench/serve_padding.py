@@ -1,32 +1,57 @@
-#!/usr/bin/env python
-"""Usage: .venv/bin/python bench/serve_padding.py [small-llama] [400]
+"""What left padding costs a decode step: rows joining a running batch are padded to its widest row.
 
-Decode-step cost of a joined batch with left padding against the same rows without it (what a paged
-cache would attend over): 8 rows, 7 of `short` tokens and one of `long`; small-llama, 1 thread."""
-import sys, time, statistics, torch
-from smolforge.models.tiny import preset_dir
-from smolforge.serve.model import ServedModel
-torch.set_num_threads(1)
-name = sys.argv[1] if len(sys.argv) > 1 else "small-llama"
-m = ServedModel.load(str(preset_dir(name)), device="cpu")
-short, long_, rows = 40, int(sys.argv[2]) if len(sys.argv) > 2 else 400, 8
+Eight rows, seven of 40 tokens and one of --long tokens (the seven padded to it: the joined batch),
+against the seven short rows' width alone (the floor a paged cache could reach) and every row long.
+The median of 10 decode steps after 2 of warm-up, twice.
 
-def step_time(widths):
-    W = max(widths)
-    ids = torch.full((rows, W), 5); mask = torch.zeros((rows, W), dtype=torch.long)
-    for i, w in enumerate(widths): mask[i, W - w:] = 1
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache = m.new_cache(); m.forward(ids, mask, pos, cache)
-    last = torch.full((rows, 1), 7); lengths = mask.sum(-1)
-    times = []
-    for k in range(12):
+    .venv/bin/python bench/serve_padding.py [--model small-llama --long 400 --threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def step_ms(model, widths: list[int]) -> float:
+    """Median decode-step time (ms) of a batch whose rows hold `widths` tokens, left-padded to the widest."""
+    rows, width = len(widths), max(widths)
+    ids = torch.full((rows, width), 5)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, w in enumerate(widths):
+        mask[i, width - w:] = 1
+    cache = model.new_cache()
+    model.forward(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), cache)
+    last, lengths, times = torch.full((rows, 1), 7), mask.sum(-1), []
+    for _ in range(12):
         mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], 1)
-        t = time.perf_counter(); m.forward(last, mask, lengths[:, None], cache); times.append(time.perf_counter() - t)
+        t0 = time.perf_counter()
+        model.forward(last, mask, lengths[:, None], cache)
+        times.append(time.perf_counter() - t0)
         lengths = lengths + 1
-    return statistics.median(times[2:])
+    return 1e3 * statistics.median(times[2:])
 
-for _ in range(2):
-    padded = step_time([long_] + [short] * 7)   # the joined batch: 7 short rows padded to the long one
-    unpadded = step_time([short] * 8)           # what the 7 short rows cost without padding
-    alone_long = step_time([long_] * 1 + [long_] * 7)
-    print(f"{name}: step with padding {padded*1e3:.2f} ms, all rows {short} tokens {unpadded*1e3:.2f} ms, all rows {long_} {alone_long*1e3:.2f} ms")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--long", type=int, default=400)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    from smolforge.models.tiny import is_preset, preset_dir
+    from smolforge.serve.model import ServedModel
+
+    torch.set_num_threads(args.threads)
+    model = ServedModel.load(str(preset_dir(args.model)) if is_preset(args.model) else args.model, device="cpu")
+    for _ in range(2):
+        padded = step_ms(model, [args.long] + [40] * 7)
+        short = step_ms(model, [40] * 8)
+        long = step_ms(model, [args.long] * 8)
+        print(f"{args.model}: padded to {args.long} {padded:.2f} ms, all 40 {short:.2f} ms, all {args.long} {long:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
