@@ -50,7 +50,8 @@ def main() -> None:
         padded = step_ms(model, [args.long] + [40] * 7)
         short = step_ms(model, [40] * 8)
         long = step_ms(model, [args.long] * 8)
-        print(f"{args.model}: padded to {args.long} {padded:.2f} ms, all 40 {short:.2f} ms, all {args.long} {long:.2f} ms")
+        print(f"{args.model}: padded to {args.long} {padded:.2f} ms, all 40 {short:.2f} ms, "
+              f"all {args.long} {long:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from smolforge.telemetry.memory import LIMIT_ENV, cgroup_room_bytes, memory_room
 
 
 def test_the_room_under_a_limit_is_the_limit_less_what_the_process_holds(monkeypatch):
-    from smolforge.models.placement import measure_node
+    from smolforge.models.stage_costs import measure_node
 
     rss = psutil.Process().memory_info().rss
     monkeypatch.setenv(LIMIT_ENV, f"{(rss + 300e6) / 1e6:.0f}")
@@ -86,7 +86,7 @@ def test_without_cgroup_v2_memory_the_limit_is_placement_only_and_says_why(tmp_p
 
 
 def test_the_planner_refuses_a_model_no_capped_node_holds_naming_the_limit():
-    from smolforge.models.placement import ModelInfo, NodeCapacity, plan_serving
+    from smolforge.cluster.control.stage_plan import ModelInfo, NodeCapacity, plan_serving
 
     info = ModelInfo(model_type="llama", layer_bytes=(400_000_000,) * 4, layer_flops=(1e9,) * 4, embed_bytes=50_000_000,
                      head_bytes=50_000_000, head_flops=1e8, hidden_size=1024, dtype_bytes=4, tied_bytes=50_000_000)

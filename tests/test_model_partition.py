@@ -8,8 +8,9 @@ import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import cut, generation_positions, positions_for, run_stages, stage_state_to_hf, untie_head
-from smolforge.models.placement import (ModelInfo, NodeCapacity, Workload, measure_node, model_info, plan_in_order,
-                                        plan_serving, plan_stages)
+from smolforge.cluster.control.stage_plan import plan_serving, plan_stages
+from smolforge.models.stage_costs import (ModelInfo, NodeCapacity, Workload, measure_node, model_info,
+                                          plan_in_order)
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 BOUNDS = [[0, 2, 4], [0, 1, 3, 4], [0, 0, 4, 4]]  # 2 stages, 3 stages, embeddings and head alone

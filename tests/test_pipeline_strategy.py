@@ -282,7 +282,7 @@ def test_a_rank_without_the_model_plans_on_the_config_part_then_reads_only_its_s
     from transformers import AutoModelForCausalLM
 
     from smolforge.models.partition import cut
-    from smolforge.models.placement import NodeCapacity
+    from smolforge.models.stage_costs import NodeCapacity
     from smolforge.models.stage_load import stage_keys, write_stage_part
     from smolforge.models.tiny import preset_dir
     from smolforge.parallel.strategies.pipeline import Pipeline

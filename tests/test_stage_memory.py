@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smolforge.errors import SmolforgeError
-from smolforge.models.placement import ModelInfo, NodeCapacity, plan_in_order
+from smolforge.models.stage_costs import ModelInfo, NodeCapacity, plan_in_order
 from smolforge.models.stage_memory import TrainShape, Workload, layer_elements_per_token, training_workload
 
 MB = 10**6

@@ -2,7 +2,8 @@
 serves the model from two stage actors until SIGTERM (the adapter's files travel to the stage actors
 through Ray, merged on each); the bearer token is the one `$SMOLFORGE_TOKEN` gives, as for one-process
 `serve`, even where the embedded cluster has a token file of its own (issue 28: that one won), and
-the greedy answer equals the single-process engine's with the same adapter."""
+the greedy answer equals the single-process engine's with the same adapter, and its log-probabilities
+(echo: the prompt's too) are the single model's own log-softmax."""
 
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     single = Engine(ServedModel.load(str(model_copy), str(adapter), device="cpu")).start()
     try:
         ids = single.model.tokenizer(prompt)["input_ids"]
-        want = single.generate(ids, SamplingParams(max_tokens=12, temperature=0), timeout=120).text
+        result = single.generate(ids, SamplingParams(max_tokens=12, temperature=0), timeout=120)
+        want = result.text
+        seq = ids + [t for t in result.token_ids if t not in single.model.eos_ids]
+        with torch.no_grad():  # the single model's own log-softmax over prompt + answer (issue 44: through stages)
+            ref = torch.log_softmax(single.model.model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
+        want_lps = [float(ref[k - 1, t]) for k, t in enumerate(seq) if k >= 1]
     finally:
         single.stop()
 
@@ -70,6 +76,12 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=60)
         got = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert got.choices[0].text == want
+        echoed = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=3,
+                                        echo=True)  # the prompt's and the answer's, the last stage's head
+        assert echoed.choices[0].text == prompt + want
+        lps = echoed.choices[0].logprobs.token_logprobs
+        assert lps[0] is None and len(lps) == len(want_lps) + 1
+        assert max(abs(a - b) for a, b in zip(lps[1:], want_lps)) < 1e-4
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
         assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)

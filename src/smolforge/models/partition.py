@@ -23,7 +23,7 @@ processes each hold their own copy (`untie_head` makes one in-process); then the
 embedding is the sum of the first stage's embedding gradient and the last stage's head gradient,
 and a pipeline trainer must add them (and keep the copies equal) itself.
 
-`models.placement.plan_stages` chooses the layer ranges and the node for each stage.
+`cluster.control.stage_plan.plan_stages` chooses the layer ranges and the node for each stage.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What a stage must hold (`Workload`, which `models.placement` sizes stages with), and for a pipeline
+"""What a stage must hold (`Workload`, which `models.stage_costs` sizes stages with), and for a pipeline
 training stage what it holds besides its weights: the activations its micro-batches keep
 alive for the backward, sized from the model's config and the run's batch, so the stage planner
-(`models.placement`) keeps every training rank under its node's memory (issue 31).
+(`models.stage_costs`) keeps every training rank under its node's memory (issue 31).
 
 Where the numbers come from: autograd's saved tensors, counted. A Llama block run forward with
 `torch.autograd.graph.saved_tensors_hooks` summing every saved tensor's storage (each once, the

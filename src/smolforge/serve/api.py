@@ -30,8 +30,9 @@ from smolforge.train.rendering import render_prompt
 from smolforge.gate import Gate
 from smolforge.http_limits import page_headers
 from smolforge.serve import openapi
-from smolforge.serve.events import EngineStopped, PromptTooLong
+from smolforge.serve.events import DoneEvent, EngineStopped, PromptTooLong
 from smolforge.serve.intake import Lanes, char_bound, read_json, validate
+from smolforge.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from smolforge.serve.protocol import (
     DEFAULT_MAX_TOKENS,
     ApiError,
@@ -66,11 +67,30 @@ def chat_page() -> str:
 
 @dataclass
 class Prepared:
-    """A request checked and tokenized (in a lane), ready for the engine."""
+    """A request checked and tokenized (in a lane), ready for the engine; `echo_text`: the prompt's text
+    when a completion echoes it."""
 
     req: ChatRequest | CompletionRequest
     ids: list[int]
     params: SamplingParams
+    echo_text: str | None = None
+
+
+def _names(served: ServedModel, job: Prepared) -> TokenText | None:
+    """The token texts of this request's log-probabilities, after its prompt (None: none asked for).
+    A completion that echoes starts empty: its prompt's own log-probabilities come first."""
+    if job.params.logprobs is None:
+        return None
+    return TokenText(served.tokenizer, [] if job.params.prompt_logprobs else list(job.ids))
+
+
+def _completion_logprobs(names: TokenText | None, job: Prepared, done: DoneEvent) -> dict[str, Any] | None:
+    """A whole completion's legacy `logprobs` (with echo, the prompt's positions first)."""
+    if names is None:
+        return None
+    if job.params.prompt_logprobs:
+        return completion_logprobs(names, [*(done.prompt_logprobs or []), *(done.logprobs or [])], 0, job.ids[0])
+    return completion_logprobs(names, list(done.logprobs or []))
 
 
 def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: str | None = None,
@@ -120,12 +140,14 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_chat, raw, ctx)
         cid, stamp = new_id("chatcmpl"), now()
+        names = _names(served, job)
         if job.req.stream:
-            return stream(engine, job.ids, job.params, ChatChunks(cid, stamp, name, _include_usage(job.req)))
+            return stream(engine, job.ids, job.params, ChatChunks(cid, stamp, name, _include_usage(job.req), names))
         done = await collect(engine, job.ids, job.params)
+        logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
         return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "logprobs": None, "finish_reason": reason(done)}],
+                             "logprobs": logprobs, "finish_reason": reason(done)}],
                 "usage": usage(done.prompt_tokens, done.completion_tokens)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
@@ -134,11 +156,15 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_completion, raw, ctx)
         cid, stamp = new_id("cmpl"), now()
+        names = _names(served, job)
+        echo = (job.echo_text, job.ids) if job.echo_text is not None else None
         if job.req.stream:
-            return stream(engine, job.ids, job.params, CompletionChunks(cid, stamp, name, _include_usage(job.req)))
+            return stream(engine, job.ids, job.params,
+                          CompletionChunks(cid, stamp, name, _include_usage(job.req), names, echo))
         done = await collect(engine, job.ids, job.params)
         return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
-                "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason(done)}],
+                "choices": [{"index": 0, "text": (job.echo_text or "") + done.text,
+                             "logprobs": _completion_logprobs(names, job, done), "finish_reason": reason(done)}],
                 "usage": usage(done.prompt_tokens, done.completion_tokens)}
 
     return app
@@ -218,7 +244,7 @@ class Served:
 def _prepare_chat(raw: bytes, s: Served) -> Prepared:
     req = validate(ChatRequest, read_json(raw))
     _check_model(req.model, s.name)
-    _refuse_unsupported(req, logprobs=bool(req.logprobs))
+    _refuse_unsupported(req)
     try:
         text = render_prompt(s.model.tokenizer, req.conversation())
     except _template_errors() as err:  # the template refuses this conversation (roles out of order)
@@ -231,13 +257,10 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
 def _prepare_completion(raw: bytes, s: Served) -> Prepared:
     req = validate(CompletionRequest, read_json(raw))
     _check_model(req.model, s.name)
-    _refuse_unsupported(req, logprobs=req.logprobs is not None)
-    if req.echo:
-        raise ApiError(400, "echo is not supported by smolforge serve", param="echo", code="unsupported_parameter")
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported by smolforge serve", param="suffix", code="unsupported_parameter")
+    _refuse_unsupported(req)
     ids = _prompt_ids(s, req.prompt)
-    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt"))
+    echo = _prompt_text(s, req.prompt, ids) if req.echo else None
+    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt"), echo)
 
 
 def _tokenize(s: Served, text: str, param: str, **kw: Any) -> list[int]:
@@ -264,18 +287,28 @@ def _check_model(asked: str, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _refuse_unsupported(req: ChatRequest | CompletionRequest, *, logprobs: bool) -> None:
-    if req.n != 1:
-        raise ApiError(400, "n > 1 is not supported by smolforge serve: send n requests", param="n",
-                       code="unsupported_parameter")
-    if logprobs:
-        raise ApiError(400, "logprobs are not supported by smolforge serve", param="logprobs",
-                       code="unsupported_parameter")
+def _refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
+    """A 400 naming the first field set to what this server cannot honour (`protocol` says which)."""
+    found = req.refused()
+    if found is not None:
+        param, message = found
+        raise ApiError(400, message, param=param, code="unsupported_parameter")
 
 
-def _prompt_ids(s: Served, prompt: str | list[str] | list[int]) -> list[int]:
+def _prompt_text(s: Served, prompt: str | list[str] | list[int] | list[list[int]], ids: list[int]) -> str:
+    """The prompt as text, for echo: as sent, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return s.model.tokenizer.decode(ids)
+
+
+def _prompt_ids(s: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
     if isinstance(prompt, str):
         return _tokenize(s, prompt, "prompt")
+    if len(prompt) == 1 and isinstance(prompt[0], list):  # a batch of one tokenized prompt (lm-eval sends it)
+        prompt = prompt[0]
     if prompt and all(isinstance(p, int) for p in prompt):
         vocab = len(s.model.tokenizer)
         if any(not 0 <= p < vocab for p in prompt):  # type: ignore[operator]
@@ -296,7 +329,8 @@ def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens:
         raise ApiError(400, err.render().replace("\n  fix:", " Fix:"), param=param,
                        code="context_length_exceeded") from None
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          stop=req.stop_list(), seed=req.seed)
+                          stop=req.stop_list(), seed=req.seed, logprobs=req.alternatives(),
+                          prompt_logprobs=req.echoes_logprobs())
 
 
 def _include_usage(req: ChatRequest | CompletionRequest) -> bool:

@@ -31,8 +31,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent  # noqa: F401  (the names' old home)
-from smolforge.serve.sampling import SamplingParams, is_greedy, next_token
+from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob  # noqa: F401
+from smolforge.serve.sampling import SamplingParams, is_greedy, next_token, token_logprobs
 from smolforge.serve.stops import TextStream
 
 
@@ -48,7 +48,10 @@ class BatchModel(Protocol):
     def pad_id(self) -> int: ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: Any) -> torch.Tensor: ...
+                cache: Any, keep: int = 1) -> torch.Tensor:
+        """Logits after each row's last token, [rows, vocab]; with `keep` > 1 (a prefill whose prompts'
+        own log-probabilities are asked for: echo) of the last `keep` columns, [rows, keep, vocab]."""
+        ...
 
     def new_cache(self) -> Any: ...
 
@@ -97,10 +100,26 @@ class Request:
     stream: TextStream | None = None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # each sampled token's, when asked for
+    logprobs_sent: int = 0  # how many of `logprobs` went out with a TokenEvent
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: the prompt's own, the first None
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (the client went away)."""
         self.cancelled.set()
+
+    def unsent_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities not yet sent with a TokenEvent (None when the request asked for none)."""
+        if self.params.logprobs is None:
+            return None
+        out, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return out
+
+
+def wants_echo(r: Request) -> bool:
+    """True when the request asks for its prompt's own log-probabilities: its prompt is read whole, in
+    one forward that keeps every column's logits (not chunked, not started from a kept prefix)."""
+    return bool(r.params.prompt_logprobs and r.params.logprobs is not None)
 
 
 class Batch:
@@ -144,7 +163,9 @@ class Batch:
         batch reads at most `budget` prompt tokens a call (chunked prefill): None (no tokens at all)
         until its last chunk is in."""
         if self.prefilling:
-            if len(self.active) == 1 and (self.fed or (budget is not None and budget < len(self.active[0].prompt_ids))):
+            one = self.active[0]
+            if len(self.active) == 1 and not wants_echo(one) and (self.fed or (budget is not None
+                                                                          and budget < len(one.prompt_ids))):
                 logits = self._chunk(budget)
                 if logits is None:
                     return None
@@ -177,6 +198,11 @@ class Batch:
         self.lengths = self.mask.sum(-1)
         self.cache, self.cost = self.model.new_cache(), ids.numel()
         self.fed, self.prefilled = width, True
+        echo = [wants_echo(r) for r in self.active]
+        if any(echo):  # every column's logits: the prompts' own log-probabilities (echo)
+            every = self.model.forward(ids.to(dev), self.mask, positions, self.cache, keep=width)
+            self._prompt_logprobs(every, echo)
+            return every[:, -1, :]
         return self.model.forward(ids.to(dev), self.mask, positions, self.cache)
 
     def _chunk(self, budget: int | None) -> torch.Tensor | None:
@@ -220,11 +246,26 @@ class Batch:
             self._greedy_ids = None
         for i, (r, greedy) in enumerate(zip(self.active, greedy_rows)):
             try:
-                tokens.append(best[i] if greedy else next_token(logits[i], r.params, r.generator))
+                token = best[i] if greedy else next_token(logits[i], r.params, r.generator)
+                if r.params.logprobs is not None and r.params.max_tokens > 0:  # the row's own, before its next step
+                    r.logprobs.extend(token_logprobs(logits[i], [token], r.params.logprobs))
+                tokens.append(token)
             except Exception as err:  # noqa: BLE001 - that row fails, the others go on
                 self.row_errors[i] = err
                 tokens.append(None)
         return tokens
+
+    def _prompt_logprobs(self, every: torch.Tensor, echo: list[bool]) -> None:
+        """Each echo row's prompt tokens' log-probabilities from the prefill's logits [rows, width, vocab]
+        (left-padded: row i's prompt is its last columns; column c's logits give the token at c + 1)."""
+        width = every.shape[1]
+        for i, (r, wanted) in enumerate(zip(self.active, echo)):
+            if not wanted:
+                continue
+            n = len(r.prompt_ids)
+            rows = every[i, width - n:width - 1]
+            r.prompt_logprobs = [None, *token_logprobs(rows, r.prompt_ids[1:], r.params.logprobs or 0)] if n > 1 \
+                else [None]
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows go on: the others' cache, mask and positions are dropped."""

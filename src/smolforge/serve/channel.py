@@ -32,7 +32,7 @@ import threading
 from typing import Any, Callable
 
 from smolforge.errors import SmolforgeError
-from smolforge.serve.events import ContextLimits, DoneEvent, EngineStopped, ErrorEvent, Event, TokenEvent
+from smolforge.serve.events import ContextLimits, DoneEvent, EngineStopped, ErrorEvent, Event, TokenEvent, TokenLogprob
 from smolforge.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,18 +49,40 @@ def encode(message: dict[str, Any]) -> bytes:
 def event_message(rid: int, event: Event) -> dict[str, Any]:
     """One event as its line's object."""
     if isinstance(event, TokenEvent):
-        return {"rid": rid, "t": event.text, "id": event.token_id}
+        message = {"rid": rid, "t": event.text, "id": event.token_id}
+        return {**message, **_logprobs_wire(event)} if event.logprobs is not None else message
     if isinstance(event, DoneEvent):
-        return {"rid": rid, "done": dataclasses.asdict(event)}
+        done = {k: v for k, v in vars(event).items() if k not in ("logprobs", "prompt_logprobs")}
+        return {"rid": rid, "done": done, **_logprobs_wire(event)}
     return {"rid": rid, "err": event.message, "status": event.status}
+
+
+def _logprobs_wire(event: TokenEvent | DoneEvent) -> dict[str, Any]:
+    """An event's log-probabilities as JSON values (`TokenLogprob.wire`), under "lp" and "plp"."""
+    out: dict[str, Any] = {}
+    if event.logprobs is not None:
+        out["lp"] = [e.wire() for e in event.logprobs]
+    if event.prompt_logprobs is not None:
+        out["plp"] = [None if e is None else e.wire() for e in event.prompt_logprobs]
+    return out
+
+
+def _logprobs_of(message: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `_logprobs_wire`: keyword arguments of the event."""
+    out: dict[str, Any] = {}
+    if "lp" in message:
+        out["logprobs"] = [TokenLogprob.from_wire(e) for e in message["lp"]]
+    if "plp" in message:
+        out["prompt_logprobs"] = [None if e is None else TokenLogprob.from_wire(e) for e in message["plp"]]
+    return out
 
 
 def message_event(message: dict[str, Any]) -> Event:
     """The event a line carries (the inverse of `event_message`)."""
     if "t" in message:
-        return TokenEvent(message["t"], message["id"])
+        return TokenEvent(message["t"], message["id"], **_logprobs_of(message))
     if "done" in message:
-        return DoneEvent(**message["done"])
+        return DoneEvent(**message["done"], **_logprobs_of(message))
     return ErrorEvent(message["err"], message["status"])
 
 

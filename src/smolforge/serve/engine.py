@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from smolforge.serve.batch import Batch, BatchModel, Request
+from smolforge.serve.batch import Batch, BatchModel, Request, wants_echo
 from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStopped: their old home)
     ContextLimits,
     DoneEvent,
@@ -283,9 +283,10 @@ class Engine(ContextLimits):
         if not self._waiting or free <= 0:
             return None
         first = self._waiting.popleft()
-        hit = self.prefix.lookup(first.prompt_ids) if self.prefix.enabled else None
+        hit = self.prefix.lookup(first.prompt_ids) if self.prefix.enabled and not wants_echo(first) else None
         group, width = [first], len(first.prompt_ids)
-        while hit is None and (self.joins and width <= budget or not self.joins) and self._waiting and len(group) < free:
+        fits = not self.joins or width <= budget  # a prompt over the budget is chunked: alone
+        while hit is None and fits and self._waiting and len(group) < free:
             nxt = self._waiting[0]
             wider = max(width, len(nxt.prompt_ids))
             if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)):
@@ -345,13 +346,17 @@ class Engine(ContextLimits):
         assert r.stream is not None
         if r.cancelled.is_set():
             return self._finish(r, "cancelled")
+        if r.params.max_tokens <= 0:  # the prompt's log-probabilities only (echo): nothing generated
+            return self._finish(r, "length")
         if token in self.model.eos_ids:
             r.token_ids.append(token)
+            if r.params.logprobs is not None and r.logprobs:  # the end is no text: no entry of its own
+                r.logprobs.pop()
             return self._finish(r, "stop")
         r.token_ids.append(token)
         text = r.stream.push(token)
         if text:
-            _emit(r, TokenEvent(text, token))
+            _emit(r, _token_event(r, text, token))
         if r.stream.stopped:
             return self._finish(r, "stop")
         if len(r.token_ids) >= r.params.max_tokens:
@@ -361,9 +366,11 @@ class Engine(ContextLimits):
     def _finish(self, r: Request, reason: str) -> bool:
         assert r.stream is not None
         tail = r.stream.finish()
-        if tail:
-            _emit(r, TokenEvent(tail, r.token_ids[-1] if r.token_ids else -1))
-        return _end(r, DoneEvent(reason, r.stream.text, len(r.prompt_ids), len(r.token_ids), list(r.token_ids)))
+        if tail or r.logprobs_sent < len(r.logprobs):  # the held-back text, or the last tokens' logprobs
+            _emit(r, _token_event(r, tail, r.token_ids[-1] if r.token_ids else -1))
+        asked = r.params.logprobs is not None
+        return _end(r, DoneEvent(reason, r.stream.text, len(r.prompt_ids), len(r.token_ids), list(r.token_ids),
+                                 logprobs=list(r.logprobs) if asked else None, prompt_logprobs=r.prompt_logprobs))
 
     def _dropped(self, r: Request) -> bool:
         if r.cancelled.is_set():
@@ -398,6 +405,12 @@ def _end(r: Request, event: DoneEvent | ErrorEvent) -> bool:
         r.finish_reason = event.finish_reason if isinstance(event, DoneEvent) else "error"
         _emit(r, event)
     return True
+
+
+def _token_event(r: Request, text: str, token: int) -> TokenEvent:
+    """New text, with the log-probabilities not sent yet (and the prompt's with the first: echo)."""
+    prompt = r.prompt_logprobs if r.logprobs_sent == 0 else None
+    return TokenEvent(text, token, r.unsent_logprobs(), prompt)
 
 
 def _emit(r: Request, event: Event) -> None:

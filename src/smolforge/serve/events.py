@@ -8,17 +8,46 @@ model, and with `serve --front process` (the default) it runs in a process of it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from smolforge.errors import SmolforgeError
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for "very unlikely": -inf (a masked logit) is no JSON number
+
+
+@dataclass
+class TokenLogprob:
+    """One position's log-probabilities: of the token that stands there (`id`) and of the `top` most
+    likely tokens at that position, best first, as (id, logprob) pairs. Natural log, of the raw model
+    distribution (log-softmax of the logits, before temperature and top-p: see `sampling.token_logprobs`),
+    floored at LOGPROB_FLOOR. Ids, not text: the HTTP side turns them into strings and bytes."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def wire(self) -> list[Any]:
+        """As a JSON value: [id, logprob, [[id, logprob], ...]]."""
+        return [self.id, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, value: list[Any]) -> "TokenLogprob":
+        return cls(int(value[0]), float(value[1]), [(int(i), float(lp)) for i, lp in value[2]])
 
 
 @dataclass
 class TokenEvent:
-    """New text for the client (may be empty while a stop string or half a character is held back)."""
+    """New text for the client (may be empty while a stop string or half a character is held back).
+    `logprobs`: when the request asked for them, the positions generated since the last event that
+    carried some (text held back still has its tokens' log-probabilities sent with the text that
+    releases it); `prompt_logprobs` (echo) on a request's first event only: one per prompt token,
+    the first None."""
 
     text: str
     token_id: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -30,6 +59,8 @@ class DoneEvent:
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # every generated position's, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's, first None
 
 
 @dataclass

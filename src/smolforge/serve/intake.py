@@ -142,6 +142,10 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         errors = sorted(err.errors(), key=lambda e: e["type"].endswith("_type"))
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
+        if first["type"] == "extra_forbidden":  # refused, not dropped: a typo is no silent default
+            raise ApiError(400, f"{where}: unknown field: smolforge serve refuses the fields it does not know "
+                                "rather than ignore them (see /openapi.json)", param=where, code="unknown_parameter") \
+                from None
         raise ApiError(400, f"{where}: {first['msg']}", param=where or None, code="invalid_value") from None
 
 

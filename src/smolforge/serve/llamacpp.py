@@ -147,10 +147,11 @@ class LlamaCppModel:
         return SeqCache()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: SeqCache) -> torch.Tensor:
+                cache: SeqCache, keep: int = 1) -> torch.Tensor:
         """Logits after each row's last new token, [rows, vocab]. The new tokens are those the mask's
         last columns keep (a prefill's left padding is not sent); a first call takes a sequence per row.
-        The tensor is a view of llama.cpp's output buffer (`LogitsView`): valid until the next forward."""
+        The tensor is a view of llama.cpp's output buffer (`LogitsView`): valid until the next forward.
+        `keep` > 1 (a prefill for echo): every column's logits, [rows, width, vocab], a copy (padding 0)."""
         rows, width = input_ids.shape
         if not cache.seqs:
             if rows > len(self._free):
@@ -158,8 +159,10 @@ class LlamaCppModel:
             cache.seqs, self._free = self._free[:rows], self._free[rows:]
         if width == 1:  # a decode step: one token per row, none of it padding (no mask to read)
             return self._step(cache.seqs, input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist())
-        keep = attention_mask[:, -width:].bool()
-        work = [(cache.seqs[i], input_ids[i][keep[i]].tolist(), position_ids[i][keep[i]].tolist()) for i in range(rows)]
+        real = attention_mask[:, -width:].bool()
+        work = [(cache.seqs[i], input_ids[i][real[i]].tolist(), position_ids[i][real[i]].tolist()) for i in range(rows)]
+        if keep > 1:
+            return self._prefill_every(work, width)[:, -keep:, :]
         return self._prefill(work)
 
     def _step(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -181,6 +184,20 @@ class LlamaCppModel:
             done = [row for row, _, _, _, last in chunk if last]
             if done:
                 out[done] = self.logits.rows(len(done))
+        return out
+
+    def _prefill_every(self, work: list[tuple[int, list[int], list[int]]], width: int) -> torch.Tensor:
+        """`_prefill`, but with every token's logits, [rows, width, vocab] (row i's in its last columns)."""
+        flat = [(row, width - len(toks) + j, seq, tok, pos)
+                for row, (seq, toks, poss) in enumerate(work) for j, (tok, pos) in enumerate(zip(toks, poss))]
+        out = torch.zeros((len(work), width, self.n_vocab), dtype=torch.float32)
+        for start in range(0, len(flat), self.n_batch):
+            chunk = flat[start:start + self.n_batch]
+            self._decode((seq, tok, pos, True) for _, _, seq, tok, pos in chunk)
+            ptr = self.lc.llama_get_logits(self._ctx)
+            got = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
+            rows, cols = zip(*((row, col) for row, col, _, _, _ in chunk))
+            out[list(rows), list(cols)] = got
         return out
 
     def _decode(self, entries: Iterable[tuple[int, int, int, bool]]) -> None:

@@ -65,16 +65,18 @@ class ServedModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: Any) -> torch.Tensor:
+                cache: Any, keep: int = 1) -> torch.Tensor:
         """Logits of the last position of each row, [batch, vocab]; `cache` grows by the new tokens.
+        With `keep` > 1, of the last `keep` positions, [batch, keep, vocab] (a prompt's own
+        log-probabilities: echo).
 
         `attention_mask` covers the cache and the new tokens (0 on left padding). Without padding it is
         left out, as `generate` does: transformers then skips checking and slicing it at every step."""
         if bool(attention_mask.all()):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :]
+                         past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[:, -1, :] if keep == 1 else out.logits[:, -keep:, :]
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -41,10 +41,28 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """`logprobs: true`: each answer token's log-probability (natural log, of the model's own
+    distribution: before temperature and top-p) and its `top_logprobs` most likely alternatives."""
+
+    content: list[TokenLogprob]
+    refusal: None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"]
 
 
@@ -57,10 +75,21 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class CompletionLogprobs(BaseModel):
+    """`logprobs: k`, OpenAI's legacy shape: per token its text, log-probability, the `k` most likely
+    tokens' (and its own) by text, and where its text starts in `text`. With `echo`, the prompt's tokens
+    come first, the very first with nulls (nothing before it predicts it)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"]
 
 

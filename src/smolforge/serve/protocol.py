@@ -1,14 +1,21 @@
 """OpenAI's request and response shapes, as far as `smolforge serve` implements them.
 
-Why pydantic models that ignore unknown fields: clients (the official `openai` package, LangChain,
-curl scripts) send fields we do not use (`user`, `frequency_penalty`, ...); refusing them would
-break those clients, while the fields we do read are checked strictly, and the ones we cannot
-honour (`n` > 1, `logprobs`, `echo`) are refused by name rather than silently ignored.
+Why every field is honoured or refused by name (issue 44): a field dropped with a 200 is a setting
+the client believes applied (`logprobs` for an evaluation harness, `tools` for an agent). So each
+field of OpenAI's chat and completions requests is declared here: read and honoured, or accepted
+only at its neutral value (the one that asks for nothing: `frequency_penalty: 0`, `n: 1`,
+`tools: []`) and refused otherwise with a 400 whose `param` is the field (`REFUSED`); a field
+OpenAI does not define is refused too (`unknown_parameter`), so a typo (`max_token`) is not a
+silent default. A `null` means "not given", as in OpenAI's types. `user` and `safety_identifier`
+(who the end user is, for a provider's abuse monitoring) and `prompt_cache_key` (a routing hint for
+a provider's prompt cache; one server here has one cache) change no output: accepted as they are.
 
 Why every number has bounds here: the schema is the first check a request meets, and a number
 nothing bounds reaches code that cannot take it (`"seed": 2**64` overflowed the random generator
 on the engine thread). The bounds are OpenAI's where it states them (seed: a signed 64-bit integer;
 at most 4 stop strings) and generous elsewhere; the context length is checked per request.
+`logprobs`/`top_logprobs` allow up to 20 alternatives (OpenAI's chat bound; its legacy endpoint
+says 5, vLLM allows 20 on both).
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: OpenAI's chat default is "to the context", too long here
 MAX_TOKENS_LIMIT = 2**20  # over any context served here: the real bound is the context, checked per request
@@ -26,20 +33,54 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 512
 MAX_N = 128  # n > 1 is refused by name; beyond this it is not a number of choices at all
 MAX_TOKEN_ID = 2**31 - 1  # the vocabulary check gives the real bound
 INT64 = 2**63
+MAX_LOGPROBS = 20  # alternatives per position
+NOT_YET = "not supported yet by smolforge serve"
 
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    """A request part that refuses fields it does not declare; `null` is "not given" (its default)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # field -> (its neutral values: asking for nothing, accepted; why any other value is refused)
+    REFUSED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to a value this server cannot honour, or None."""
+        for name, (neutral, why) in self.REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                return name, f"{name}: {why}"
+        return None
+
+
+class StreamOptions(_Strict):
+    REFUSED = {"include_obfuscation": ((False,), "stream obfuscation is not supported by smolforge serve")}
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+_PENALTY = ((0, 0.0), "penalties are not supported by smolforge serve: send 0 or leave it out")
+_COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "n > 1 is not supported by smolforge serve: send n requests"),
+    "frequency_penalty": _PENALTY,
+    "presence_penalty": _PENALTY,
+    "logit_bias": (({},), "logit_bias is not supported by smolforge serve"),
+}
 
+
+class _Sampling(_Strict):
     model: str
     max_tokens: TokenCount | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -49,23 +90,49 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # the end user, for a provider's abuse monitoring: changes no output
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def refused(self) -> tuple[str, str] | None:
+        found = super().refused()
+        if found is None and self.stream_options is not None:
+            inner = self.stream_options.refused()
+            if inner is not None:
+                return f"stream_options.{inner[0]}", f"stream_options.{inner[1]}"
+        return found
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class TextPart(_Strict):
     type: Literal["text"] = "text"
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
+    """One turn. OpenAI's other message fields are declared so that they are refused by name, not dropped:
+    the tool fields until tools are honoured, `name` (the chat templates have no place for it)."""
+
+    REFUSED = {
+        "tool_calls": (([],), NOT_YET), "tool_call_id": ((), NOT_YET), "function_call": ((), NOT_YET),
+        "name": ((), "message names are not supported by smolforge serve (the chat template has no place for them)"),
+        "refusal": ((), "an assistant turn's refusal is not supported by smolforge serve: send it as content"),
+        "audio": ((), "audio is not supported: smolforge serve serves text models"),
+    }
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -74,9 +141,49 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Sampling):
+    REFUSED = {
+        **_COMMON_REFUSED,
+        "tools": (([],), NOT_YET), "tool_choice": (("none",), NOT_YET), "parallel_tool_calls": ((), NOT_YET),
+        "functions": (([],), NOT_YET), "function_call": (("none",), NOT_YET),
+        "response_format": (({"type": "text"},), NOT_YET),
+        "audio": ((), "audio output is not supported: smolforge serve serves text models"),
+        "modalities": ((["text"],), "only the text modality is served"),
+        "prediction": ((), "predicted outputs are not supported by smolforge serve"),
+        "reasoning_effort": ((), "not supported by smolforge serve (no reasoning budget to set)"),
+        "verbosity": ((), "not supported by smolforge serve"),
+        "web_search_options": ((), "web search is not supported by smolforge serve"),
+        "moderation": ((), "moderation is not supported by smolforge serve"),
+        "store": ((False,), "smolforge serve stores no completions"),
+        "metadata": (({},), "metadata is kept with stored completions, and smolforge serve stores none"),
+        "service_tier": (("auto", "default"), "smolforge serve has one service tier: `auto` or `default`"),
+        "prompt_cache_retention": (("in_memory",), "the prompt cache is in memory only"),
+        "prompt_cache_options": ((), "not supported by smolforge serve"),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
-    logprobs: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    safety_identifier: str | None = None  # as `user`: changes no output
+    prompt_cache_key: str | None = None  # a routing hint for a provider's cache: one server, one cache
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -85,15 +192,54 @@ class ChatRequest(_Sampling):
         """Messages for the chat template (`developer` is the newer name of `system`)."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to return per position (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def echoes_logprobs(self) -> bool:
+        """True when the prompt's own log-probabilities are asked for (a completion's echo only)."""
+        return False
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs: needs `logprobs: true`"
+        for i, m in enumerate(self.messages):
+            found = m.refused()
+            if found is not None:
+                return f"messages.{i}.{found[0]}", f"messages.{i}.{found[1]}"
+        return super().refused()
+
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[TokenId]]
+    REFUSED = {
+        **_COMMON_REFUSED,
+        "best_of": ((1,), "best_of > 1 is not supported by smolforge serve"),
+        "suffix": (("",), "suffix (insertion) is not supported by smolforge serve"),
+    }
+
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # 0: with echo only
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
+
+    def echoes_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 asks for nothing: it is allowed with `echo: true` only"
+        return super().refused()
 
 
 class ApiError(Exception):

@@ -11,6 +11,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from smolforge.serve.events import LOGPROB_FLOOR, TokenLogprob
+
 if TYPE_CHECKING:  # torch is imported where a token is drawn: the HTTP front process makes params, never draws
     import torch
 
@@ -24,6 +26,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: each generated token's and the k most likely's
+    prompt_logprobs: bool = False  # also the prompt's own (echo), with `logprobs` alternatives each;
+    # with max_tokens 0 only those: the prompt is read and nothing generated
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own random stream (None when greedy: nothing to draw)."""
@@ -66,3 +71,25 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs[0] = sorted_probs[0].clamp_min(1e-12)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum()
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its `chosen` token and its `k` most likely tokens (best first).
+
+    logits: [n, vocab], one row per position; chosen: n token ids; k: 0..20 alternatives.
+    Of the raw model distribution: log-softmax of the logits in float32, before temperature and
+    top-p (what vLLM returns by default, `logprobs_mode="raw_logprobs"`, and what a logit teacher or
+    an evaluation harness needs: the model's own likelihood, not the sampler's). A -inf (a masked
+    logit) is floored at LOGPROB_FLOOR, OpenAI's "very unlikely"."""
+    import torch
+
+    if logits.dim() == 1:
+        logits = logits[None]
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_min(LOGPROB_FLOOR)
+    picked = lp.gather(-1, torch.tensor(chosen, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if k > 0:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [TokenLogprob(int(c), float(p), top) for c, p, top in zip(chosen, picked, tops)]

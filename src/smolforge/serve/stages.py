@@ -127,9 +127,10 @@ class StageServer:
 
     @torch.inference_mode()
     def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                start: bool = False) -> np.ndarray:
+                start: bool = False, keep: int = 1) -> np.ndarray:
         """Input ids (first stage) or hidden states -> hidden states, or last-position logits [batch, vocab]
-        on the last stage. `start` opens the batch's cache (prefill); later steps need it open."""
+        on the last stage ([batch, keep, vocab] of the last `keep` positions when `keep` > 1: echo).
+        `start` opens the batch's cache (prefill); later steps need it open."""
         if start:
             self.caches[batch_id] = self.stage.new_cache()
         cache = self.caches.get(batch_id)
@@ -142,8 +143,9 @@ class StageServer:
         if self.first:
             h = self.stage._embed(h, positions)
         h = self.stage.run_layers(h, mask, positions, cache)
-        if self.last:  # as HF with logits_to_keep=1: norm and head of the last position only
-            h = self.stage.lm_head(self.stage.norm(h[:, -1:, :]))[:, -1, :]
+        if self.last:  # as HF with logits_to_keep: norm and head of the last `keep` positions only
+            h = self.stage.lm_head(self.stage.norm(h[:, -keep:, :]))
+            h = h[:, -1, :] if keep == 1 else h
         return to_wire(h)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
@@ -164,7 +166,8 @@ class StageServer:
         self.caches.pop(batch_id, None)
 
     def info(self) -> dict[str, Any]:
-        return {"joins": plain_layers(self.stage.new_cache()), "index": self.index, "count": self.count, "layers": [self.stage.lo, self.stage.hi],
+        return {"joins": plain_layers(self.stage.new_cache()), "index": self.index, "count": self.count,
+                "layers": [self.stage.lo, self.stage.hi],
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
                 "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
                 "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -172,7 +175,7 @@ class StageServer:
 
 class StageHandle(Protocol):
     def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                start: bool = False) -> np.ndarray: ...
+                start: bool = False, keep: int = 1) -> np.ndarray: ...
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool: ...
 
@@ -214,11 +217,13 @@ class StagedModel:
         return int(pad if pad is not None else next(iter(self.eos_ids), 0))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: StagedCache) -> torch.Tensor:
+                cache: StagedCache, keep: int = 1) -> torch.Tensor:
         start, cache.started = not cache.started, True
         x, mask, positions = to_wire(input_ids), to_wire(attention_mask), to_wire(position_ids)
-        for stage in self.stages:
-            x = stage.forward(cache.id, x, mask, positions, start)
+        last = len(self.stages) - 1
+        for k, stage in enumerate(self.stages):  # only the last stage is told `keep` (it has the head)
+            extra = (keep,) if keep != 1 and k == last else ()
+            x = stage.forward(cache.id, x, mask, positions, start, *extra)
         return from_wire(x, self.device)
 
     def new_cache(self) -> StagedCache:

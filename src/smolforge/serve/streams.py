@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent
+from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob
+from smolforge.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from smolforge.serve.protocol import (
     ApiError,
     chat_chunk,
@@ -139,30 +140,67 @@ class _TextFrame:
 
 
 class ChatChunks:
+    """A chat answer's chunks. `names` (a `logprobs.TokenText` after the prompt's ids) when the request
+    asked for log-probabilities: each chunk then carries its tokens' (no fast text frame)."""
+
     obj = "chat.completion.chunk"
 
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool):
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, names: TokenText | None = None):
         self.cid, self.created, self.model, self.include_usage = cid, created, model, include_usage
+        self.names = names
         self.frame = _TextFrame(self.text)
 
     def first(self) -> dict[str, Any] | None:
         return chat_chunk(self.cid, self.created, self.model, {"role": "assistant", "content": ""}, None)
 
-    def text(self, text: str) -> dict[str, Any]:
-        return chat_chunk(self.cid, self.created, self.model, {"content": text}, None)
+    def opening(self, event: TokenEvent | DoneEvent) -> dict[str, Any] | None:
+        """A chunk before the answer's first, made from its first event (echo: the prompt), or None."""
+        return None
+
+    def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        chunk = chat_chunk(self.cid, self.created, self.model, {"content": text}, None)
+        if logprobs is not None and self.names is not None:
+            chunk["choices"][0]["logprobs"] = chat_logprobs(self.names, logprobs)
+        return chunk
 
     def last(self, reason: str) -> dict[str, Any]:
         return chat_chunk(self.cid, self.created, self.model, {}, reason)
 
 
 class CompletionChunks(ChatChunks):
+    """A legacy completion's chunks; with `echo`, the prompt's text (and its log-probabilities when
+    asked for) is the first chunk; `text_offset` counts from the start of the whole text."""
+
     obj = "text_completion"
+
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, names: TokenText | None = None,
+                 echo: tuple[str, list[int]] | None = None):
+        super().__init__(cid, created, model, include_usage, names)
+        self.echo, self.offset = echo, 0
 
     def first(self) -> dict[str, Any] | None:
         return None
 
-    def text(self, text: str) -> dict[str, Any]:
-        return completion_chunk(self.cid, self.created, self.model, text, None)
+    def opening(self, event: TokenEvent | DoneEvent) -> dict[str, Any] | None:
+        if self.echo is None:
+            return None
+        text, ids = self.echo
+        chunk = completion_chunk(self.cid, self.created, self.model, text, None)
+        if self.names is not None and event.prompt_logprobs is not None:
+            lp = completion_logprobs(self.names, event.prompt_logprobs, 0, ids[0])
+            chunk["choices"][0]["logprobs"] = lp
+        elif self.names is not None:
+            self.names.seen = list(ids)
+        self.offset = len(text)
+        return chunk
+
+    def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        chunk = completion_chunk(self.cid, self.created, self.model, text, None)
+        if logprobs is not None and self.names is not None:
+            lp = completion_logprobs(self.names, list(logprobs), self.offset)
+            self.offset += sum(len(t) for t in lp["tokens"])
+            chunk["choices"][0]["logprobs"] = lp
+        return chunk
 
     def last(self, reason: str) -> dict[str, Any]:
         return completion_chunk(self.cid, self.created, self.model, "", reason)
@@ -182,11 +220,12 @@ def stream(engine: Engine, ids: list[int], params: SamplingParams, chunks: ChatC
             first = chunks.first()
             if first:
                 yield sse(first)
-            done = False
+            done = opened = False
             while not done:  # what waits is sent in one write: a stream that fell behind catches up
                 frames = []
                 for event in [await bridge.queue.get(), *bridge.waiting()]:
-                    frame, done = _frame(event, chunks)
+                    frame, done = _frame(event, chunks, opened)
+                    opened = True
                     frames.append(frame)
                     if done:
                         frames.append(sse("[DONE]"))
@@ -201,12 +240,19 @@ def stream(engine: Engine, ids: list[int], params: SamplingParams, chunks: ChatC
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _frame(event: Event, chunks: ChatChunks) -> tuple[bytes, bool]:
-    """An event's SSE bytes, and True when it is the stream's last event."""
+def _frame(event: Event, chunks: ChatChunks, opened: bool = True) -> tuple[bytes, bool]:
+    """An event's SSE bytes, and True when it is the stream's last event. Before the answer's first
+    event (`opened` False) comes the chunk it opens with, if any (echo)."""
+    head = b""
+    if not opened and isinstance(event, (TokenEvent, DoneEvent)):
+        opening = chunks.opening(event)
+        head = sse(opening) if opening else b""
     if isinstance(event, TokenEvent):
-        return (chunks.frame(event.text) if event.text else b""), False
+        if event.logprobs is not None and chunks.names is not None:
+            return head + (sse(chunks.text(event.text, event.logprobs)) if event.text or event.logprobs else b""), False
+        return head + (chunks.frame(event.text) if event.text else b""), False
     if isinstance(event, DoneEvent):
-        out = sse(chunks.last(reason(event)))
+        out = head + sse(chunks.last(reason(event)))
         if chunks.include_usage:
             out += sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
                                    event.prompt_tokens, event.completion_tokens))

@@ -1,11 +1,19 @@
-"""Where a data-parallel job's ranks may go: its requirements, and how many ranks fit on a node."""
+"""Which node: the cluster's placement decisions, as pure functions over the node table (`ray_glue.NodeInfo`
+rows, no Ray calls) that the kinds' runners call. Whether a model must be on a node already or travels
+to it (`model_need`, `model_travels`), where it is sent from (`lacking`, `transfer_source`) and what that
+costs (`transfer_seconds`); a data-parallel job's ranks (`requirements_for`, `slots`, `round_world`,
+`round_plan`, `joiner_requirements`); a split job's trunk and client (`trunk_plan`, `client_requirements`);
+an export task whose model travels (`travel_node`); a distillation's students (`pick_student_node`,
+`pick_group_nodes`). The queue's admission is `queue.py`; a model's stages, `stage_plan.py`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.control.specs import DataParallelJob
@@ -48,7 +56,7 @@ def model_travels(model: str, require_model: bool | None, embedded: bool,
 def link_bytes_per_s(measured: float | None = None) -> float:
     """The rate a model is estimated to reach a node at: the node's measured link (the stage planner's
     probe), else the configured $SMOLFORGE_LINK_MBPS, else the stage planner's default (100 Mbit/s)."""
-    from smolforge.models.placement import DEFAULT_LINK_BYTES_PER_S
+    from smolforge.models.stage_costs import DEFAULT_LINK_BYTES_PER_S
 
     if measured:
         return float(measured)
@@ -161,3 +169,179 @@ def round_world(spec: DataParallelJob, nodes: list[ray_glue.NodeInfo], req: ray_
     while n_workers > 0 and spec.global_batch % (n_workers + n_coord):
         n_workers -= 1
     return want, n_workers, n_coord
+
+
+def may_travel(model: str, require_model: bool | None, embedded: bool) -> bool:
+    """Could a job's model be sent to a placed node that lacks it: not when every node can build or
+    read it (`holds_anywhere`) or the tasks download it themselves (`require_model: false`). Whether it
+    does is the node table's answer (`model_travels`)."""
+    return not (require_model is False or holds_anywhere(model, embedded))
+
+
+# -- a data-parallel job: its round, its joiners ------------------------------------------------
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A data-parallel round that may start now: a bundle per rank (the workers', holders of the model
+    first, then the lent coordinator's), the world, whether the lent coordinator takes a rank, how
+    many ranks were asked for, and whether it has them all (else it runs `degraded`)."""
+
+    bundles: list[tuple[dict, dict]]
+    world: int
+    n_coord: int
+    asked: int
+    full: bool
+
+
+def round_plan(spec: DataParallelJob, nodes: list[ray_glue.NodeInfo], req: ray_glue.Requirements, embedded: bool,
+               quick: bool = False, waited_s: float = 0.0, grace_s: float = 5.0) -> RoundPlan | None:
+    """The round to start on `nodes` now, or None: wait. A round starts with every rank asked for
+    (`round_world`: the workers cut until the global batch divides evenly); with fewer only when it
+    recovers from a lost node (`quick`) and has waited past `grace_s`, and only on a world the global
+    batch divides. `req`: each worker's requirements, less the nodes given back (`job leave`)."""
+    lent_coord = COORDINATOR in spec.lent_nodes
+    want, n_workers, n_coord = round_world(spec, nodes, req, embedded)
+    world = n_workers + n_coord
+    full = n_workers == want and n_coord == int(lent_coord)
+    if world < 1 or spec.global_batch % world or not (full or (quick and waited_s > grace_s)):
+        return None
+    bundles = worker_bundles(spec, req, nodes, n_workers, embedded)  # holders first
+    if n_coord:
+        bundles.append(coordinator_requirements(spec, embedded).bundle(nodes))
+    return RoundPlan(bundles, world, n_coord, want + int(lent_coord), full)
+
+
+def joiner_requirements(spec: DataParallelJob, node: str, embedded: bool, worker: ray_glue.Requirements,
+                        only_there: bool = False) -> ray_glue.Requirements:
+    """What a node lent to a running job (`job join NODE`) needs: the coordinator's rank
+    (`coordinator_requirements`) for `@coordinator`, else a worker's rank, `worker` (the job's
+    `requirements_for`); `only_there`: on that named node alone, with the worker's model, CPUs and GPU
+    only (what `join` checks at once)."""
+    if node == COORDINATOR:
+        return coordinator_requirements(spec, embedded)
+    if only_there:
+        return ray_glue.Requirements(model=worker.model, cpus=worker.cpus, gpu=worker.gpu, allowed_nodes=[node])
+    return worker
+
+
+# -- one task's node: a split job's trunk and client, an export task whose model travels ----------------
+
+@dataclass
+class TrunkPlan:
+    """Where a split job's trunk goes and why (the `trunk_placed` event says it), and the Ray options
+    its actor takes there (the runner pins it to `node`)."""
+
+    node: ray_glue.NodeInfo
+    why: str
+    options: dict[str, Any]
+
+
+def trunk_plan(req: ray_glue.Requirements, nodes: list[ray_glue.NodeInfo], avoid: set[str]) -> TrunkPlan:
+    """A split job's trunk node among those that can run `req` (`Requirements.candidates`: with gpu
+    preferred, the GPU nodes when there are any): one with room first, then the most GPUs and free
+    CPUs, then by name; a node id in `avoid` (a trunk of this job was lost there) only when no other
+    can. SmolforgeError, listing every node and why not, when none can."""
+    options = req.ray_options(nodes)  # raises when no node can run it, saying why for each
+    cands = req.candidates(nodes)
+    fresh = [n for n in cands if n.node_id not in avoid] or cands
+    node = max(fresh, key=lambda n: (slots(req, n, n.available) > 0, n.gpus, n.available.get("CPU", 0.0), n.name))
+    options.pop("label_selector", None)  # the runner pins the actor to the node instead
+    gpu = "a GPU node" if options.get("num_gpus") else ("no GPU node can run it, so a CPU node"
+                                                       if req.gpu == "preferred" else "a CPU node")
+    held = f"holds {req.model}" if req.model else "every node can build the model"
+    again = "; not where the trunk was lost" if avoid and node.node_id not in avoid else ""
+    return TrunkPlan(node, f"{gpu}, {held}{again}", options)
+
+
+def client_requirements(model: str, client_node: str, cpus: float, embedded: bool) -> ray_glue.Requirements:
+    """A split job's client: on the coordinator's node (`@coordinator`: outside the worker pool; the
+    embedded cluster's one node) or the worker `client_node` names. It loads the whole model, so the
+    node must hold it, unless every node can build or read it (`holds_anywhere`)."""
+    need = None if holds_anywhere(model, embedded) else model
+    if client_node == COORDINATOR:
+        return ray_glue.Requirements(model=need, cpus=cpus, on_coordinator=True)
+    return ray_glue.Requirements(model=need, cpus=cpus, allowed_nodes=[client_node])
+
+
+def travel_node(req: ray_glue.Requirements, model: str, nodes: list[ray_glue.NodeInfo]
+                ) -> tuple[ray_glue.Requirements | None, ray_glue.NodeInfo | None]:
+    """Where one task whose model travels runs (an export): (`req` asking for the model, when a node
+    that holds it can run the task: nothing is sent; None, else); the node the model is sent to first,
+    the candidate with the most free CPUs (None when a holder runs it, or no candidate is in the table:
+    Ray places the task by `req`, or says why not)."""
+    held = dataclasses.replace(req, model=model)
+    if held.candidates(nodes):
+        return held, None
+    cands = req.candidates(nodes)
+    return None, (max(cands, key=lambda n: n.available.get("CPU", 0.0)) if cands else None)
+
+
+# -- where a model is sent from ---------------------------------------------------------------------
+
+def lacking(model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo]
+            ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(names of the placed nodes, given as (node id, name), that advertise the model; (node id, name)
+    of those that must fetch it). A placed node missing from the table `nodes` must fetch it."""
+    by_id = {n.node_id: n for n in nodes}
+    have, need = [], []
+    for node_id, name in dict(placed).items():
+        node = by_id.get(node_id)
+        if node is not None and ray_glue.model_resource(model) in node.resources:
+            have.append(name)
+        else:
+            need.append((node_id, name))
+    return have, need
+
+
+def transfer_source(model: str, need: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo]
+                    ) -> ray_glue.NodeInfo | None:
+    """The node a model is sent from to the nodes `need` ((node id, name) each): a live holder that is
+    not one of them, the coordinator's first (`model_holders`); None when none holds it any more."""
+    going = {node_id for node_id, _ in need}
+    return next((n for n in model_holders(model, nodes) if n.node_id not in going), None)
+
+
+# -- a distillation's students (the distill runner's session asks) ------------------------------------
+
+def pick_student_node(candidates: list[tuple[float, ray_glue.NodeInfo]], cpus: float, teacher_node_ids: set[str],
+                      hybrid: bool = False) -> ray_glue.NodeInfo | None:
+    """The node a student starts on, from (free CPUs, node) pairs; None: queue it.
+
+    teacher_student mode: the freest node with `cpus` free, GPU nodes first, then by name; a node whose
+    teacher left room takes a student too. hybrid mode: teachers and students keep to separate nodes,
+    so a node running a teacher (`teacher_node_ids`) is never chosen (it takes a student once its
+    teacher finishes, through rotation)."""
+    fits = [(f, n) for f, n in candidates if f >= cpus - 1e-9]
+    if hybrid:
+        fits = [(f, n) for f, n in fits if n.node_id not in teacher_node_ids]
+    if not fits:
+        return None
+    return min(fits, key=lambda fn: (-(fn[1].gpus >= 1), -fn[0], fn[1].name))[1]
+
+
+def pick_group_nodes(members: list[tuple[float, list[ray_glue.NodeInfo]]], busy: dict[str, float],
+                     teacher_node_ids: set[str], hybrid: bool = False) -> list[ray_glue.NodeInfo] | None:
+    """A node per member of a student group (a lone student is a group of one), each member given as
+    (its CPUs, its eligible nodes): each picked as `pick_student_node` picks, from each node's CPUs less
+    `busy` (node id -> CPUs taken) and less what the members before it took; None when a member has no
+    node, for a group starts whole or not at all (a group half started waits in its first collective)."""
+    taken = dict(busy)
+    picks: list[ray_glue.NodeInfo] = []
+    for cpus, eligible in members:
+        pick = pick_student_node([(n.cpus - taken.get(n.node_id, 0.0), n) for n in eligible], cpus,
+                                 teacher_node_ids, hybrid)
+        if pick is None:
+            return None
+        taken[pick.node_id] = taken.get(pick.node_id, 0.0) + cpus
+        picks.append(pick)
+    return picks
+
+
+def busy_cpus(own: dict[str, float], nodes: list[ray_glue.NodeInfo]) -> dict[str, float]:
+    """CPUs taken per node id when other jobs share the nodes: the larger of what this run's own tasks
+    hold (`own`) and what Ray holds there (its resources less its available)."""
+    busy = dict(own)
+    for n in nodes:
+        held = n.resources.get("CPU", n.cpus) - n.available.get("CPU", n.cpus)
+        busy[n.node_id] = max(busy.get(n.node_id, 0.0), held)
+    return busy

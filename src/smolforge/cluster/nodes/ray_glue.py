@@ -100,7 +100,7 @@ def advertised_models(models: dict[str, str]) -> dict[str, float]:
 class NodeInfo:
     """One row of the node table: a machine as Ray knows it (its advertised resources, labels and
     models, live or dead), read by placement, the queue, the API and the CLI. The stage planner's
-    measured view of a node (FLOP/s, free memory, link) is `models.placement.NodeCapacity`."""
+    measured view of a node (FLOP/s, free memory, link) is `models.stage_costs.NodeCapacity`."""
 
     node_id: str
     name: str

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from ray.exceptions import NodeDiedError, RayError
 
 from smolforge.cluster.control.jobstore import JobStore
-from smolforge.cluster.control.placement import model_holders, transfer_seconds
+from smolforge.cluster.control.placement import lacking, transfer_seconds, transfer_source
 from smolforge.cluster.control.runner import Failed, Outcome, Regroup, short_error
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.nodes.model_fetch import ModelFetcher, ModelSource, ask_rescan_here, piece_bytes, stage_part_name
@@ -207,21 +207,6 @@ def ask_rescan(placed: list[tuple[str, str]]) -> tuple[set[str], dict[str, str]]
     return asked, failed
 
 
-def lacking(model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo]
-            ) -> tuple[list[str], list[tuple[str, str]]]:
-    """(names of the placed nodes, given as (node id, name), that advertise the model; (node id, name)
-    of those that must fetch it)."""
-    by_id = {n.node_id: n for n in nodes}
-    have, need = [], []
-    for node_id, name in dict(placed).items():
-        node = by_id.get(node_id)
-        if node is not None and ray_glue.model_resource(model) in node.resources:
-            have.append(name)
-        else:
-            need.append((node_id, name))
-    return have, need
-
-
 def bring_model(report: Report, model: str, placed: list[tuple[str, str]], nodes: list[ray_glue.NodeInfo],
                 stopping: Callable[[], bool], part: StagePart | None = None, advertise: bool = True
                 ) -> Outcome | None:
@@ -245,15 +230,15 @@ def bring_model(report: Report, model: str, placed: list[tuple[str, str]], nodes
                 nodes=have, cache_hit=True, pieces=0, bytes=0)
     if not need:
         return None
-    holders = [n for n in model_holders(model, nodes) if n.node_id not in {nid for nid, _ in need}]
-    if not holders:
+    source = transfer_source(model, need, nodes)
+    if source is None:
         return Failed(f"no node holds model {model} to send to {', '.join(n for _, n in need)}",
                       error=f"no node holds model {model} any more")
     try:
-        t.open_source(holders[0])
+        t.open_source(source)
         est = transfer_seconds(t.manifest["bytes"])  # the fetches run at once, each over its own link
         t.event(f"sending {t.manifest['bytes'] / 1e6:.2f} MB ({t.manifest['pieces']} pieces) from "
-                f"{holders[0].name} to {', '.join(n for _, n in need)}, est. {est:.1f} s", source=holders[0].name,
+                f"{source.name} to {', '.join(n for _, n in need)}, est. {est:.1f} s", source=source.name,
                 nodes=[n for _, n in need], bytes_total=t.manifest["bytes"], pieces_total=t.manifest["pieces"],
                 state="planned", est_s=round(est, 3))
         t.fetches = {nid: Fetch(nid, name) for nid, name in need}

@@ -9,8 +9,8 @@ the one-process result. Why it looks like this:
   embeds, the last also normalises, projects and computes the loss). The ranks are the data-parallel
   runner's own processes, so the runner places a pipeline job as it places a ddp job (and restarts it
   from its last checkpoint when a stage's node dies). Unless `bounds` are given, every rank measures
-  its node (matmul FLOP/s with its threads, free memory: `placement.measure_node`), the ranks exchange
-  that, and `placement.plan_in_order` sizes each stage's layers to its node, counting its weights and
+  its node (matmul FLOP/s with its threads, free memory: `stage_costs.measure_node`), the ranks exchange
+  that, and `stage_costs.plan_in_order` sizes each stage's layers to its node, counting its weights and
   the activations its in-flight micro-batches keep for the backward (`models.stage_memory`, from the
   run's batch, max length, PEFT method and schedule); rank 0 states the plan in the job's events
   (`pipeline_plan`).
@@ -82,7 +82,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.partition import Stage, arch_of, check_bounds, cut
-from smolforge.models.placement import NodeCapacity, measure_node, model_info, plan_in_order
+from smolforge.models.stage_costs import NodeCapacity, measure_node, model_info, plan_in_order
 from smolforge.models.stage_memory import TrainShape, Workload, training_workload
 from smolforge.models.peft import peft_method
 from smolforge.models.peft_methods import base_transformer, model_method

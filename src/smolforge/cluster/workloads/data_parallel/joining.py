@@ -13,9 +13,7 @@ the global batch splits over the new world), queued, and taken in
 
 from __future__ import annotations
 
-from smolforge.cluster.control.placement import (
-    COORDINATOR, coordinator_requirements, holds_anywhere, requirements_for,
-)
+from smolforge.cluster.control.placement import joiner_requirements, may_travel, requirements_for
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.data_parallel.leaving import named
@@ -40,13 +38,9 @@ class NodeJoining:
             raise SmolforgeError(f"{named(node)} is leaving job {self.job_id}",
                                  fix=f"join it again once it has left (`member_left` in `smolforge job logs "
                                      f"{self.job_id}`)")
-        nodes = ray_glue.nodes()
-        if node == COORDINATOR:
-            ray_glue.check_placeable(coordinator_requirements(spec, self.ctx.embedded), nodes)
-        else:
-            req = requirements_for(spec, self.ctx.embedded)
-            ray_glue.check_placeable(ray_glue.Requirements(model=req.model, cpus=req.cpus, gpu=req.gpu,
-                                                           allowed_nodes=[node]), nodes)
+        worker = requirements_for(spec, self.ctx.embedded)
+        ray_glue.check_placeable(joiner_requirements(spec, node, self.ctx.embedded, worker, only_there=True),
+                                 ray_glue.nodes())
         with self._lock:
             if node in self.spec.lent_nodes or node in self.pending_joins:
                 raise SmolforgeError(f"{node} already joined job {self.job_id}", fix="nothing to do")
@@ -97,8 +91,7 @@ class NodeJoining:
     def _model_travels(self) -> bool:
         """Is the job's model sent to placed nodes that lack it? Not when every node can build or read it
         (a preset, a local path on the embedded cluster) or the ranks download it (`require_model: false`)."""
-        spec = self.spec
-        return not (spec.require_model is False or holds_anywhere(spec.train.model, self.ctx.embedded))
+        return may_travel(self.spec.train.model, self.spec.require_model, self.ctx.embedded)
 
     def _bring_model(self, placed: list[tuple[str, str]], task_id: str, world: int) -> Outcome | None:
         """The placed nodes ((node id, name) each) that lack the job's model fetch it before the ranks of a
@@ -118,8 +111,7 @@ class NodeJoining:
         out = []
         for node in self._pop_joins():
             member = first + len(out)
-            req = (coordinator_requirements(spec, self.ctx.embedded) if node == COORDINATOR
-                   else requirements_for(spec, self.ctx.embedded))
+            req = joiner_requirements(spec, node, self.ctx.embedded, requirements_for(spec, self.ctx.embedded))
             joiner = WorkerGroup(self.job_id, round_no, [req.bundle(self.ctx.healthy_nodes())], self.control,
                                  first_rank=member)
             try:

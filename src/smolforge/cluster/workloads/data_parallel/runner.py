@@ -37,9 +37,7 @@ from ray.exceptions import RayError
 from smolforge.cluster.workloads.data_parallel.job_control import create_control
 from smolforge.cluster.workloads.data_parallel.joining import NodeJoining
 from smolforge.cluster.workloads.data_parallel.leaving import NodeLeaving
-from smolforge.cluster.control.placement import (
-    COORDINATOR, coordinator_requirements, requirements_for, round_world, worker_bundles,
-)
+from smolforge.cluster.control.placement import COORDINATOR, requirements_for, round_plan
 from smolforge.cluster.control.runner import (
     CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
     ray_get, short_error,
@@ -448,7 +446,8 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         The manager's queue started the job when that much was free, so a first round (or one after
         a pause or a join) waits for all of it, never starting on fewer. Only a round that recovers
         from a lost node (`quick`) takes fewer after a short grace: it re-forms on the nodes left,
-        with the same global batch, instead of waiting for a replacement that may never come."""
+        with the same global batch, instead of waiting for a replacement that may never come. The
+        choice is `placement.round_plan`'s; this loop waits and asks again."""
         base = requirements_for(spec, self.ctx.embedded)
         grace = 5.0
         t0 = time.time()
@@ -456,21 +455,14 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
             if self.want:
                 raise SmolforgeError("stopped while waiting for placement", fix="resume the job")
             nodes = self.ctx.healthy_nodes()
-            req = self.without_left(base, nodes)
-            lent_coord = COORDINATOR in spec.lent_nodes
-            want, n_workers, n_coord = round_world(spec, nodes, req, self.ctx.embedded)
-            world = n_workers + n_coord
-            full = n_workers == want and n_coord == int(lent_coord)
             waited = time.time() - t0
-            if world >= 1 and spec.global_batch % world == 0 and (full or (quick and waited > grace)):
-                bundles = worker_bundles(spec, req, nodes, n_workers, self.ctx.embedded)  # holders first
-                if n_coord:
-                    bundles.append(coordinator_requirements(spec, self.ctx.embedded).bundle(nodes))
-                if not full:
+            plan = round_plan(spec, nodes, self.without_left(base, nodes), self.ctx.embedded, quick, waited, grace)
+            if plan is not None:
+                if not plan.full:
                     self.store.add_event(self.job_id, "degraded",
-                                         f"only {world} of {want + int(lent_coord)} workers available; "
-                                         f"continuing with {world} (same global batch)")
-                return bundles, world, n_coord
+                                         f"only {plan.world} of {plan.asked} workers available; "
+                                         f"continuing with {plan.world} (same global batch)")
+                return plan.bundles, plan.world, plan.n_coord
             if waited > spec.placement_timeout_s:
                 listing = "\n".join(f"  - {n.describe()}" for n in nodes) or "  (no live nodes)"
                 raise SmolforgeError(f"no worker can take the job now; nodes:\n{listing}", where="placement",

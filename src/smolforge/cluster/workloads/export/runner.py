@@ -12,7 +12,6 @@ runner's); an export error of the job's own making fails it at once.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.control.placement import model_need, model_travels
+from smolforge.cluster.control.placement import model_need, model_travels, travel_node
 from smolforge.cluster.control.runner import (
     POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
 )
@@ -106,13 +105,11 @@ class ExportRunner(JobRunner):
         the task is then pinned there. A transfer that fails is this attempt's Failed outcome."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        held = dataclasses.replace(req, model=self.spec.model)
-        if held.candidates(nodes):
+        held, node = travel_node(req, self.spec.model, nodes)  # the choice: `placement.travel_node`
+        if held is not None:
             return held.ray_options(nodes)
-        cands = req.candidates(nodes)
-        if not cands:  # the healthy view has none the live table had: Ray places it (or says why not)
+        if node is None:  # the healthy view has none the live table had: Ray places it (or says why not)
             return options
-        node = max(cands, key=lambda n: n.available.get("CPU", 0.0))
         moved = bring_model(job_report(self.store, self.job_id), self.spec.model, [(node.node_id, node.name)], nodes,
                             stopping=lambda: bool(self.want), advertise=False)
         if moved is not None:

@@ -7,8 +7,9 @@ as many torch threads as it reserved CPUs.
 Activations cross between actors as numpy arrays; nothing of ours pickles tensors.
 
 `StageGroup` plans where the stages go (`plan()`: every candidate node probed where a stage would
-run, then `models.placement.plan_serving`), places the actors (node affinity, hard: a stage never
-lands on a node without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
+run, then `cluster.control.stage_plan.plan_serving`; every node choice here is a pure function of
+`cluster.control.stage_plan`), places the actors (node affinity, hard: a stage never lands on a node
+without the model) and hands out a `StagedModel` whose stage handles are `RemoteStage`s. Every call is a
 `ray.get` bounded by a timeout. When an actor dies (its process or node went away) or does not
 answer in time, the call raises a `StageError`: the engine turns that into an error event for the
 requests of that batch only. The handle is then marked broken, and before the next batch
@@ -32,15 +33,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.control.placement import (
-    fewest_transfer_seconds, holds_anywhere, model_holders, model_travels, transfer_note,
+from smolforge.cluster.control.placement import transfer_note
+from smolforge.cluster.control.stage_plan import (
+    holds_whole, probe_plan, stage_candidates, stage_model_resources, stage_node, with_room,
 )
 from smolforge.errors import SmolforgeError
 from smolforge.serve.stages import StagedModel, StageError
 from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
 
 if TYPE_CHECKING:
-    from smolforge.models.placement import Plan
+    from smolforge.models.stage_costs import Plan
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,8 @@ class StageActor:
         log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
                  self.lines.node)
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
-        return self.server.forward(batch_id, x, attention_mask, position_ids, start)
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
+        return self.server.forward(batch_id, x, attention_mask, position_ids, start, keep)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self.server.select(batch_id, rows, trim)
@@ -132,8 +134,8 @@ class StageActor:
 def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool,
                dtype: str = "fp32") -> dict[str, Any]:
     """Run as a Ray task on a node: what placement needs of it (matmul FLOP/s with the threads a stage
-    would have, free memory: `placement.measure_node`) and, from one node, the model's sizes and costs
-    (`placement.model_info`, from its config on the meta device: nothing loaded), in the dtype the
+    would have, free memory: `stage_costs.measure_node`) and, from one node, the model's sizes and costs
+    (`stage_costs.model_info`, from its config on the meta device: nothing loaded), in the dtype the
     stages will load (`--dtype`, resolved as the stages resolve it), not the checkpoint's. Plain dicts
     go back."""
     import dataclasses
@@ -144,7 +146,7 @@ def probe_node(model: str, name: str, cpus: float, device: str, with_model: bool
     from smolforge.cluster.workloads.data_parallel.rank import local_model_path
     from smolforge.models.dtypes import pick_dtype
     from smolforge.models.loading import pick_device, resolve_model
-    from smolforge.models.placement import measure_node, model_info
+    from smolforge.models.stage_costs import measure_node, model_info
 
     torch.set_num_threads(max(1, int(cpus)))
     node = measure_node(name, torch.device(device) if device == "cuda" else None)
@@ -194,8 +196,8 @@ class RemoteStage:
             raise StageError(f"stage {self.index} on {self.where.get('node', '?')} {what} ({type(err).__name__})",
                              fix="the stage is placed again on a live node before the next batch") from None
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False):
-        return self._call("forward", batch_id, x, attention_mask, position_ids, start,
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
+        return self._call("forward", batch_id, x, attention_mask, position_ids, start, keep,
                           timeout=self.group.step_timeout_s)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
@@ -237,54 +239,31 @@ class StageGroup:
     # -- placement --------------------------------------------------------------------------------
 
     def candidates(self) -> list[ray_glue.NodeInfo]:
-        """Live nodes that hold the model, workers before the coordinator's own machine; when the model
-        travels (some node holds it: `placement.model_travels`), every live worker too, a stage's
-        part then sent to it before the stage starts (`place`)."""
-        everyone = ray_glue.nodes()
-        anywhere = holds_anywhere(self.model, self.embedded)
-        travels = model_travels(self.model, None, self.embedded, everyone)
-        nodes = [n for n in everyone if n.alive and (anywhere and n.cpus > 0 or self.model in n.models
-                                                      or travels and n.takes_work and n.cpus > 0)
-                 and (self.allowed is None or n.name in self.allowed)]
-        if not nodes:
-            ray_glue.check_placeable(ray_glue.Requirements(  # raises, listing every node
-                model=None if travels else self.model, allowed_nodes=sorted(self.allowed or []) or None))
-            raise SmolforgeError(f"no live node holds {self.model}", fix="join a worker that holds the model")
-        return sorted(nodes, key=lambda n: (n.role in ("coordinator", "embedded"), n.name))
+        """The live nodes that may run a stage now (`stage_plan.stage_candidates`): those that hold the
+        model, workers before the coordinator's own machine; when the model travels, every live worker
+        too, a stage's part then sent to it before the stage starts (`place`)."""
+        return stage_candidates(self.model, ray_glue.nodes(), self.embedded, self.allowed)
 
-    def _with_room(self, nodes: list[ray_glue.NodeInfo]) -> list[ray_glue.NodeInfo]:
-        """The nodes with a stage's CPUs free now; all of them if none has (the actor then waits for one)."""
-        return [n for n in nodes if n.available.get("CPU", n.cpus) >= self.cpus] or nodes
-
-    def _pick(self, handle: RemoteStage) -> ray_glue.NodeInfo:
-        nodes = self.candidates()
+    def _pick(self, handle: RemoteStage, cands: list[ray_glue.NodeInfo], planned: str | None) -> ray_glue.NodeInfo:
+        """Where `handle` (re)starts (`stage_plan.stage_node`), counting the other running stages' nodes."""
         used: dict[str, int] = {}
         for h in self.handles:
             if h is not handle and not h.broken and h.where.get("node_id"):
                 used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
-        free = self._with_room(nodes)
-        # a node that holds the model before one it must be sent to (its transfer's estimated seconds)
-        order = fewest_transfer_seconds(free, self.model, self.model_bytes)
-        return min(free, key=lambda n: (used.get(n.node_id, 0), order.index(n)))
+        return stage_node(cands, self.cpus, self.model, self.model_bytes, used, planned)
 
     def plan(self) -> Plan:
-        """Layer ranges and a node per stage (`placement.plan_serving`) from every candidate node's
+        """Layer ranges and a node per stage (`stage_plan.plan_serving`) from every candidate node's
         measured throughput and free memory, probed where a stage would run; the plan and its reason
         become a job event."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from smolforge.models.placement import ModelInfo, NodeCapacity, plan_serving
+        from smolforge.cluster.control.stage_plan import ModelInfo, NodeCapacity, plan_serving
 
         nodes = self.candidates()
-        free = self._with_room(nodes)
-        names = {n.node_id: (n.name if [m.name for m in free].count(n.name) == 1 else f"{n.name}-{n.node_id[:6]}")
-                 for n in free}
-        probed, source = list(free), next((i for i, n in enumerate(free) if self._holds(n)), None)
-        if source is None:  # no candidate with room holds the whole model: a node that does reads its sizes
-            holder = next(iter([n for n in nodes if self._holds(n)] + model_holders(self.model, ray_glue.nodes())))
-            probed, source = probed + [holder], len(probed)
-            names.setdefault(holder.node_id, holder.name)
+        free = with_room(nodes, self.cpus)
+        probed, source, names = probe_plan(self.model, nodes, ray_glue.nodes(), self.cpus, self.embedded)
         refs = [ray.remote(probe_node).options(
             num_cpus=0, max_retries=0, resources=self._model_resources(n),
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
@@ -312,15 +291,12 @@ class StageGroup:
         return plan
 
     def _holds(self, node: ray_glue.NodeInfo) -> bool:
-        """Can `node` load the whole model itself (it advertises it, or every node can build or read it)?"""
-        return holds_anywhere(self.model, self.embedded) or ray_glue.model_resource(self.model) in node.resources
+        """Can `node` load the whole model itself (`stage_plan.holds_whole`)?"""
+        return holds_whole(self.model, node, self.embedded)
 
     def _model_resources(self, node: ray_glue.NodeInfo) -> dict[str, float] | None:
-        """The model resource a task on `node` asks for: only where the node holds the whole model (a
-        node that received a stage's part does not advertise it)."""
-        if holds_anywhere(self.model, self.embedded) or not self._holds(node):
-            return None
-        return {ray_glue.model_resource(self.model): ray_glue.MODEL_REQUEST}
+        """The model resource a task on `node` asks for (`stage_plan.stage_model_resources`)."""
+        return stage_model_resources(self.model, node, self.embedded)
 
     def _bring_part(self, handle: RemoteStage, node: ray_glue.NodeInfo) -> None:
         """The part of the model stage `handle` loads, sent to `node` when it lacks the model
@@ -348,7 +324,7 @@ class StageGroup:
         with self._lock:
             self.kill(handle)
             planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
-            node = next((n for n in self.candidates() if n.node_id == planned), None) or self._pick(handle)
+            node = self._pick(handle, self.candidates(), planned)
             self._bring_part(handle, node)
             actor = ray.remote(StageActor).options(
                 num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,

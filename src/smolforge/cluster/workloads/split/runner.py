@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smolforge.cluster.control.kinds import TRUNK_CHECKPOINTS, split_trunk_requirements
-from smolforge.cluster.control.placement import COORDINATOR
+from smolforge.cluster.control.placement import client_requirements
 from smolforge.cluster.control.policy import FailurePolicy
 from smolforge.cluster.control.runner import (
     POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
@@ -139,13 +139,9 @@ class SplitRunner(JobRunner):
 
     def _client_requirements(self) -> ray_glue.Requirements:
         """The client's node: the coordinator's (outside the worker pool; the embedded cluster's one
-        node), or the worker `client_node` names. It loads the whole model, so it must hold it."""
-        from smolforge.cluster.control.placement import holds_anywhere
-
-        model = None if holds_anywhere(self.spec.split.model, self.ctx.embedded) else self.spec.split.model
-        if self.spec.client_node == COORDINATOR:
-            return ray_glue.Requirements(model=model, cpus=self.spec.cpus, on_coordinator=True)
-        return ray_glue.Requirements(model=model, cpus=self.spec.cpus, allowed_nodes=[self.spec.client_node])
+        node), or the worker `client_node` names. It loads the whole model, so it must hold it
+        (`placement.client_requirements`)."""
+        return client_requirements(self.spec.split.model, self.spec.client_node, self.spec.cpus, self.ctx.embedded)
 
     def poll(self) -> Outcome | None:
         import ray

@@ -1,9 +1,9 @@
 """The trunk server of a split job as a Ray actor, and which node it goes on.
 
-The runner picks the node (`choose_trunk_node`: the kind's requirements, a GPU node first, one that
-has room, never where a trunk of this job was just lost while another can take it) and pins the
-actor there. The actor first fetches the trunk checkpoints the coordinator holds for the job (the
-ones the client's checkpoints were shipped with), then starts `smolforge.split.server` on its node's
+The runner picks the node (`choose_trunk_node`; the choice is `cluster.control.placement.trunk_plan`'s:
+the kind's requirements, a GPU node first, one that has room, never where a trunk of this job was just
+lost while another can take it) and pins the actor there. The actor first fetches the trunk
+checkpoints the coordinator holds for the job (the ones the client's checkpoints were shipped with), then starts `smolforge.split.server` on its node's
 address with a free port and the job's token (over TLS with the node's certificate, which the
 cluster's CA signed, when the cluster runs with TLS: `serve_config`), so a client that rolls back to the newest checkpoint
 both sides hold finds the trunk's half here, whichever node this is. `ship` sends one of its
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.control.kinds import TRUNK_CHECKPOINTS
-from smolforge.cluster.control.placement import slots
+from smolforge.cluster.control.placement import TrunkPlan, trunk_plan
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.cluster.nodes import ray_glue, ray_tls
 from smolforge.cluster.workloads.split.artifacts import download_dir, upload_dir
@@ -30,33 +29,15 @@ TRANSFER_TIMEOUT_S = 600.0
 KEEP_STORED = 2  # trunk checkpoints the coordinator keeps per job (the client keeps its own keep_last)
 
 
-@dataclass
-class TrunkPlan:
-    """Where a trunk goes and why (the `trunk_placed` event says it)."""
-
-    node: ray_glue.NodeInfo
-    why: str
-    options: dict[str, Any]
-
-
 def choose_trunk_node(req: ray_glue.Requirements, nodes: list[ray_glue.NodeInfo], avoid: set[str]) -> TrunkPlan:
-    """The trunk's node among those that can run `req` (`Requirements.candidates`: with gpu preferred,
-    the GPU nodes when there are any): one with room first, then the most GPUs and free CPUs; a node
-    in `avoid` (a trunk of this job was lost there) only when no other can. SmolforgeError, listing
-    every node and why not, when none can."""
+    """The trunk's node (`placement.trunk_plan`: the kind's requirements, a node with room, a GPU node
+    first, not where a trunk of this job was lost while another can take it), its actor pinned there.
+    SmolforgeError, listing every node and why not, when none can run it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    options = req.ray_options(nodes)  # raises when no node can run it, saying why for each
-    cands = req.candidates(nodes)
-    fresh = [n for n in cands if n.node_id not in avoid] or cands
-    node = max(fresh, key=lambda n: (slots(req, n, n.available) > 0, n.gpus, n.available.get("CPU", 0.0), n.name))
-    options.pop("label_selector", None)
-    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    gpu = "a GPU node" if options.get("num_gpus") else ("no GPU node can run it, so a CPU node"
-                                                       if req.gpu == "preferred" else "a CPU node")
-    held = f"holds {req.model}" if req.model else "every node can build the model"
-    again = "; not where the trunk was lost" if avoid and node.node_id not in avoid else ""
-    return TrunkPlan(node, f"{gpu}, {held}{again}", options)
+    plan = trunk_plan(req, nodes, avoid)
+    plan.options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node.node_id, soft=False)
+    return plan
 
 
 def serve_config(spec: SplitJob, model: str, token: str, host: str, device: str, root: Path, tls: bool):

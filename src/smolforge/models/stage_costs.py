@@ -1,14 +1,17 @@
-"""Where the cuts go: `plan_stages` chooses the layer ranges of a model's stages (`models.partition`)
-and the node for each, from the nodes' measured throughput and free memory, counting the transfer
-over each cut, and keeps the model on one node when splitting would not pay (`Plan.reason` says why).
-Pure arithmetic over a `ModelInfo` (bytes and FLOPs per layer, from a model or its config alone).
+"""What a stage costs, and where the cuts go among nodes already chosen: a `ModelInfo` (bytes and FLOPs
+per layer, from a model or its config alone), a node's measured `NodeCapacity` (`measure_node`), the
+per-token cost model (`Costs`: compute, the transfer over each cut, memory within each node) and
+`plan_in_order`, the layer ranges for stages whose nodes are given (a pipeline's ranks, in rank order).
+Pure arithmetic, below the cluster: a pipeline rank sizes its stage with it inside its own process.
+
+Which node runs a stage is the cluster's decision (`cluster.control.stage_plan`: `plan_stages`,
+`plan_serving`), over these costs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import combinations, permutations
 from typing import Mapping, Sequence
 
 import torch
@@ -87,15 +90,15 @@ class Plan:
 
     def describe(self) -> str:
         lines = [f"plan: {self.num_stages} stage{'s' if self.num_stages > 1 else ''}, "
-                 f"est. {_ms(self.per_token_s)}/token"]
+                 f"est. {fmt_ms(self.per_token_s)}/token"]
         last = self.num_stages - 1
         for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])):
             what = [f"layers {lo}-{hi - 1}" if hi > lo else "no layers"]
             what += ["embeddings"] * (i == 0) + ["head"] * (i == last)
-            link = f", then {_rate(self.link_bytes_per_s[i])} to stage {i + 1}" if i < last else ""
-            lines.append(f"  stage {i}: {' + '.join(what)} on {self.nodes[i]} ({_size(self.free_bytes[i])} free, "
-                         f"needs {_size(self.stage_bytes[i])}, {self.throughput_share[i]:.0%} of throughput), "
-                         f"est. {_ms(self.stage_seconds[i])}/token{link}")
+            link = f", then {fmt_rate(self.link_bytes_per_s[i])} to stage {i + 1}" if i < last else ""
+            lines.append(f"  stage {i}: {' + '.join(what)} on {self.nodes[i]} ({fmt_size(self.free_bytes[i])} free, "
+                         f"needs {fmt_size(self.stage_bytes[i])}, {self.throughput_share[i]:.0%} of throughput), "
+                         f"est. {fmt_ms(self.stage_seconds[i])}/token{link}")
         lines.append(f"  {self.reason}")
         lines += [f"  a stage needs {self.counted}"] * bool(self.counted)
         return "\n".join(lines)
@@ -156,7 +159,7 @@ def _dtype_bytes(model, dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class _Costs:
+class Costs:
     """Per-token time and memory of a candidate stage, from prefix sums over the layers."""
 
     def __init__(self, info: ModelInfo, workload: Workload, links: Mapping[tuple[str, str], float] | None):
@@ -211,7 +214,7 @@ def _prefix(values: Sequence[float]) -> list[float]:
 
 
 @dataclass
-class _Fit:
+class Fit:
     """Bounds for one ordered choice of nodes, with their per-token estimate."""
 
     order: tuple[NodeCapacity, ...]
@@ -224,14 +227,14 @@ class _Fit:
         return self.per_token_s, sum(self.seconds)
 
 
-def _stage_s(costs: _Costs, order: tuple[NodeCapacity, ...], j: int, lo: int, hi: int) -> float:
+def _stage_s(costs: Costs, order: tuple[NodeCapacity, ...], j: int, lo: int, hi: int) -> float:
     """Stage j's per-token time on order[j]: its compute plus sending its output to stage j+1."""
     last = j == len(order) - 1
     send = 0.0 if last else costs.send_s(order[j], order[j + 1])
     return costs.compute_s(order[j], lo, hi, last) + send
 
 
-def _fit(costs: _Costs, order: tuple[NodeCapacity, ...], every_stage_works: bool = False) -> _Fit | None:
+def fit_order(costs: Costs, order: tuple[NodeCapacity, ...], every_stage_works: bool = False) -> Fit | None:
     """The best contiguous layer ranges for stages on `order` (one per node), or None if none fit.
     `every_stage_works`: each stage holds at least one layer (stages a user asked for by number).
 
@@ -245,11 +248,11 @@ def _fit(costs: _Costs, order: tuple[NodeCapacity, ...], every_stage_works: bool
     fits = []
     for b in filter(None, bounds):
         seconds = [_stage_s(costs, order, j, lo, hi) for j, (lo, hi) in enumerate(zip(b, b[1:]))]
-        fits.append(_Fit(order=order, bounds=b, seconds=seconds, per_token_s=costs.per_token_s(seconds)))
+        fits.append(Fit(order=order, bounds=b, seconds=seconds, per_token_s=costs.per_token_s(seconds)))
     return min(fits, key=lambda f: f.key) if fits else None
 
 
-def _ranges(costs: _Costs, order: tuple[NodeCapacity, ...], by_total: bool,
+def _ranges(costs: Costs, order: tuple[NodeCapacity, ...], by_total: bool,
             every_stage_works: bool = False) -> list[int] | None:
     """DP over (stage, end layer), O(stages x layers^2): minimise (slowest, total), or (total, slowest).
 
@@ -293,120 +296,19 @@ def _ranges(costs: _Costs, order: tuple[NodeCapacity, ...], by_total: bool,
     return bounds[::-1]
 
 
-MAX_ORDERS = 64  # node orders tried per stage count: exhaustive up to 5 nodes, then the fastest subsets
-
-
-def _orders(costs: _Costs, nodes: Sequence[NodeCapacity], k: int) -> list[tuple[NodeCapacity, ...]]:
-    """Ordered choices of k nodes: subsets with enough memory in all, fastest first; every pair of ends.
-
-    The ends matter (they hold the embeddings and the head, often the biggest pieces): roomiest
-    first when the list must be cut short. The middle goes fastest first, which only changes which
-    links the cuts cross.
-    """
-    # A necessary condition only; split apart, a tied head is stored twice (once per end).
-    need = costs.stage_bytes(0, costs.n, True, True) + costs.info.tied_bytes * costs.workload.headroom * (k > 1)
-    subsets = [c for c in combinations(nodes, k) if sum(n.free_memory_bytes for n in c) >= need]
-    subsets.sort(key=lambda c: -sum(n.throughput for n in c))
-    orders: list[tuple[NodeCapacity, ...]] = []
-    for subset in subsets:
-        if k == 1:
-            orders.append(subset)
-        ends = sorted(permutations(subset, 2) if k > 1 else (),
-                      key=lambda e: (-e[0].free_memory_bytes - e[1].free_memory_bytes, e[0].name, e[1].name))
-        for first, last in ends:
-            middle = sorted((n for n in subset if n is not first and n is not last),
-                            key=lambda n: (-n.throughput, n.name))
-            orders.append((first, *middle, last))
-        if len(orders) >= MAX_ORDERS:
-            break
-    return orders[:MAX_ORDERS]
-
-
-def _best(costs: _Costs, nodes: Sequence[NodeCapacity], k: int, every_stage_works: bool = False) -> _Fit | None:
-    fits = [f for f in (_fit(costs, order, every_stage_works) for order in _orders(costs, nodes, k)) if f is not None]
-    return min(fits, key=lambda f: f.key) if fits else None
-
-
-def plan_stages(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | None = None, *,
-                workload: Workload = Workload(), links: Mapping[tuple[str, str], float] | None = None,
-                min_gain: float = 0.1) -> Plan:
-    """Choose stage bounds and a node per stage from measured throughput and free memory.
-
-    Per-token time of a stage = its FLOPs / its node's FLOP/s + sending its output over the cut
-    (bytes / bandwidth + latency shared by a message's tokens). A plan's time is its slowest
-    stage's when the pipeline is kept full (the default workload), and at least the sum over the
-    stages divided by `workload.in_flight` when it is not. Ranges are sized to minimise that,
-    within each node's memory: on a full pipeline, in proportion to throughput.
-
-    With `stages` None: keep the model on the fastest node that holds it unless a split is faster
-    by more than `min_gain` once the cuts' transfer time is counted (each further stage must gain
-    that much again); if no node holds it alone, use the fewest stages that fit. `links` maps
-    (node, node) to a measured bandwidth in bytes/s.
-    """
-    nodes = _usable(nodes)
-    costs = _Costs(info, workload, links)
-    if stages is not None:
-        return _plan_fixed(costs, nodes, stages)
-    single = _best(costs, nodes, 1)
-    if single is None:
-        return _plan_fewest(costs, nodes)
-    split = _best_split(costs, nodes, single, min_gain)
-    if split is not None:
-        reason = (f"split into {len(split.order)} stages: est. {_ms(split.per_token_s)}/token vs "
-                  f"{_ms(single.per_token_s)}/token on {single.order[0].name} alone")
-        return _plan(costs, split, reason)
-    return _plan(costs, single, _kept_reason(costs, nodes, single, min_gain), kept=True)
-
-
 def plan_in_order(info: ModelInfo, nodes: Sequence[NodeCapacity], *, workload: Workload = Workload(),
                   links: Mapping[tuple[str, str], float] | None = None) -> Plan:
     """Layer ranges for stages already placed: stage i runs on `nodes[i]` (a data-parallel group's
-    ranks, in rank order). Only the ranges are chosen, as `plan_stages` sizes them: in proportion to
+    ranks, in rank order). Only the ranges are chosen, as
+    `cluster.control.stage_plan.plan_stages` sizes them: in proportion to
     each node's measured throughput, within its free memory."""
-    nodes = _usable(nodes)
-    costs = _Costs(info, workload, links)
-    fit = _fit(costs, tuple(nodes))
+    nodes = usable(nodes)
+    costs = Costs(info, workload, links)
+    fit = fit_order(costs, tuple(nodes))
     if fit is None:
-        raise _no_fit(costs, list(nodes), len(nodes))
-    return _plan(costs, fit, f"{len(nodes)} stage{'s' if len(nodes) > 1 else ''} on the nodes as placed: layers "
+        raise no_fit(costs, list(nodes), len(nodes))
+    return as_plan(costs, fit, f"{len(nodes)} stage{'s' if len(nodes) > 1 else ''} on the nodes as placed: layers "
                              "sized to each node's measured throughput within its free memory")
-
-
-LOOPBACK_BYTES_PER_S = 1e9  # between two stages on one node (a per-message latency stays: the RPC's)
-
-
-def plan_serving(info: ModelInfo, nodes: Sequence[NodeCapacity], stages: int | None = None) -> tuple[Plan, list[str]]:
-    """Where the stages of a served model go, and the node each stage runs on (`Plan.nodes` may name
-    slots, `node#2`, when stages share a node).
-
-    `stages` None (`serve --stages auto`): the planner decides for one stream decoding. A batch walks
-    the stages in turn, so a split pays only by reaching a faster node or by fitting at all: the
-    model stays on one node when that is faster and it fits, and the reason says so. N stages on at
-    least N nodes: one stage per node, ranges sized for a full pipeline (in proportion to each node's
-    throughput, within its memory); the reason adds when one node would be faster. More stages than
-    nodes: stages share nodes in turn, each with the node's speed and a share of its memory.
-    """
-    nodes = _usable(nodes)
-    if stages is None:
-        auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1))
-        return auto, list(auto.nodes)
-    if stages <= len(nodes):
-        plan = plan_stages(info, nodes, stages)  # a count that does not fit is refused as that count
-        auto = plan_stages(info, nodes, None, workload=Workload(in_flight=1)) if stages > 1 else None
-        if auto is not None and auto.kept_on_one_node:
-            plan.reason += f"; note: {auto.reason} (--stages auto keeps it there)"
-        return plan, list(plan.nodes)
-    shares = [len(range(j, stages, len(nodes))) for j in range(len(nodes))]
-    slots, hosts = [], []
-    for i in range(stages):
-        node = nodes[i % len(nodes)]
-        slots.append(NodeCapacity(f"{node.name}#{i // len(nodes) + 1}", node.throughput,
-                                  node.free_memory_bytes // shares[i % len(nodes)],
-                                  link_bytes_per_s=LOOPBACK_BYTES_PER_S, limit_bytes=node.limit_bytes))
-        hosts.append(node.name)
-    plan = plan_in_order(info, slots)
-    plan.reason += f"; {stages} stages on {len(nodes)} node{'s' * (len(nodes) > 1)}: stages share nodes"
-    return plan, hosts
 
 
 def measure_node(name: str, device: torch.device | None = None, size: int = 512, seconds: float = 0.2) -> NodeCapacity:
@@ -441,7 +343,8 @@ def measure_node(name: str, device: torch.device | None = None, size: int = 512,
                         limit_bytes=memory_limit_bytes())
 
 
-def _usable(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
+def usable(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
+    """The nodes that report throughput and free memory; SmolforgeError when none does or two share a name."""
     usable = [n for n in nodes if n.throughput > 0 and n.free_memory_bytes > 0]
     if not usable:
         raise SmolforgeError("no node to place the model on: none reports throughput and free memory",
@@ -451,57 +354,8 @@ def _usable(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
     return usable
 
 
-def _plan_fixed(costs: _Costs, nodes: list[NodeCapacity], stages: int) -> Plan:
-    if not 1 <= stages <= len(nodes):
-        raise SmolforgeError(f"cannot place {stages} stages on {len(nodes)} node(s): one stage per node",
-                             fix=f"ask for 1 to {len(nodes)} stages, or add nodes")
-    # each stage asked for holds a layer where that fits; else an end stage may hold none (embeddings only)
-    fit = _best(costs, nodes, stages, every_stage_works=True) if stages <= costs.n else None
-    fit = fit or _best(costs, nodes, stages)
-    if fit is None:
-        raise _no_fit(costs, nodes, stages)
-    return _plan(costs, fit, f"{stages} stage{'s' if stages > 1 else ''} as asked: layers sized to each "
-                             "node's throughput within its memory")
-
-
-def _plan_fewest(costs: _Costs, nodes: list[NodeCapacity]) -> Plan:
-    whole = costs.stage_bytes(0, costs.n, True, True)
-    roomiest = max(nodes, key=lambda n: n.free_memory_bytes)
-    for k in range(2, len(nodes) + 1):
-        fit = _best(costs, nodes, k)
-        if fit is not None:
-            return _plan(costs, fit, f"no node holds it alone (it needs {_size(whole)}; the most free is "
-                                     f"{_size(roomiest.free_memory_bytes)} on {roomiest.name}): {k} stages is "
-                                     "the fewest that fit")
-    raise _no_fit(costs, nodes, None)
-
-
-def _best_split(costs: _Costs, nodes: list[NodeCapacity], single: _Fit, min_gain: float) -> _Fit | None:
-    """The split to use instead of `single`, or None: more stages only when each pays `min_gain`."""
-    chosen, bar = None, single.per_token_s
-    for k in range(2, len(nodes) + 1):
-        fit = _best(costs, nodes, k)
-        if fit is None or fit.per_token_s > bar * (1 - min_gain):
-            break
-        chosen, bar = fit, fit.per_token_s
-    return chosen
-
-
-def _kept_reason(costs: _Costs, nodes: list[NodeCapacity], single: _Fit, min_gain: float) -> str:
-    node = single.order[0]
-    head = (f"kept on {node.name}: it fits ({_size(costs.stage_bytes(0, costs.n, True, True))} of "
-            f"{_size(node.free_memory_bytes)} free)")
-    alternative = _best(costs, nodes, 2) if len(nodes) > 1 else None
-    if alternative is None:
-        return head + (" and no split fits on the other nodes" if len(nodes) > 1 else " and it is the only node")
-    rate, _ = costs.link(*alternative.order)
-    verdict = ("splitting would be slower" if alternative.per_token_s >= single.per_token_s
-               else f"splitting would gain under {min_gain:.0%}")
-    return (f"{head} and {verdict} (est. {_ms(single.per_token_s)}/token vs {_ms(alternative.per_token_s)}/token "
-            f"with 2 stages over {_rate(rate)})")
-
-
-def _plan(costs: _Costs, fit: _Fit, reason: str, kept: bool = False) -> Plan:
+def as_plan(costs: Costs, fit: Fit, reason: str, kept: bool = False) -> Plan:
+    """The `Plan` of a fit: its bounds, nodes, per-stage seconds and bytes, with `reason`."""
     order, k = fit.order, len(fit.order)
     total = sum(n.throughput for n in order)
     spans = list(zip(fit.bounds, fit.bounds[1:]))
@@ -520,7 +374,7 @@ def _plan(costs: _Costs, fit: _Fit, reason: str, kept: bool = False) -> Plan:
     )
 
 
-def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> SmolforgeError:
+def no_fit(costs: Costs, nodes: list[NodeCapacity], stages: int | None) -> SmolforgeError:
     """How much memory is missing: in all, on one node for the biggest piece, or why the layers do not pack."""
     split = (stages or len(nodes)) > 1
     need = costs.stage_bytes(0, costs.n, True, True) + costs.info.tied_bytes * costs.workload.headroom * split
@@ -534,16 +388,16 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
     what = f"the model does not fit {where}: "
     if stages == 1:  # one node must hold it all: the roomiest is the one to compare with
         best = max(nodes, key=lambda node: node.free_memory_bytes)
-        what += (f"it needs {_size(need)} ({costs.workload.counted}), the most free on one node is "
-                 f"{_size(best.free_memory_bytes)} on {best.name}: {_size(need - best.free_memory_bytes)} missing")
+        what += (f"it needs {fmt_size(need)} ({costs.workload.counted}), the most free on one node is "
+                 f"{fmt_size(best.free_memory_bytes)} on {best.name}: {fmt_size(need - best.free_memory_bytes)} missing")
     elif free < need:
-        what += (f"it needs {_size(need)} ({costs.workload.counted}), the nodes have {_size(free)} free: "
-                 f"{_size(need - free)} missing")
+        what += (f"it needs {fmt_size(need)} ({costs.workload.counted}), the nodes have {fmt_size(free)} free: "
+                 f"{fmt_size(need - free)} missing")
     elif piece > roomiest:
-        what += (f"{piece_name} alone need {_size(piece)}, the most free on one node is {_size(roomiest)}: "
-                 f"{_size(piece - roomiest)} missing there")
+        what += (f"{piece_name} alone need {fmt_size(piece)}, the most free on one node is {fmt_size(roomiest)}: "
+                 f"{fmt_size(piece - roomiest)} missing there")
     else:
-        what += (f"the nodes have {_size(free)} free of the {_size(need)} it needs, but whole layers do not "
+        what += (f"the nodes have {fmt_size(free)} free of the {fmt_size(need)} it needs, but whole layers do not "
                  "pack into what each node has free")
     what += _caps(costs, nodes)
     halve = ", load the model in bf16 (half the bytes of fp32)" if costs.info.dtype_bytes >= 4 else ""
@@ -551,27 +405,27 @@ def _no_fit(costs: _Costs, nodes: list[NodeCapacity], stages: int | None) -> Smo
     return SmolforgeError(what, fix=fix + ("; or allow more stages" if stages else ""))
 
 
-def _caps(costs: _Costs, nodes: list[NodeCapacity]) -> str:
+def _caps(costs: Costs, nodes: list[NodeCapacity]) -> str:
     """The nodes' memory limits, when some have one: the reason a capped node refuses what the machine could hold."""
     capped = [n for n in nodes if n.limit_bytes]
     if not capped:
         return ""
-    each = ", ".join(f"{n.name} {_size(n.limit_bytes)} ({_size(n.free_memory_bytes)} free for a stage)" for n in capped)
-    return (f"; the model's weights are {_size(costs.info.total_bytes)} in {costs.info.dtype_bytes * 8}-bit, and "
+    each = ", ".join(f"{n.name} {fmt_size(n.limit_bytes)} ({fmt_size(n.free_memory_bytes)} free for a stage)" for n in capped)
+    return (f"; the model's weights are {fmt_size(costs.info.total_bytes)} in {costs.info.dtype_bytes * 8}-bit, and "
             f"the memory limit (worker join --memory-limit) is {each}")
 
 
-def _size(n: float) -> str:
+def fmt_size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
 
 
-def _ms(seconds: float) -> str:
+def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def _rate(bytes_per_s: float) -> str:
+def fmt_rate(bytes_per_s: float) -> str:
     bits = bytes_per_s * 8
     return f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
