@@ -136,7 +136,7 @@ def test_a_stopped_engine_is_503_on_health_and_requests(served_tiny, monkeypatch
     def boom(*_):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "run_batch", boom)
+    monkeypatch.setattr(engine, "step", boom)
     monkeypatch.setattr(engine, "_recover", boom)
     engine.start()
     app = create_app(served_tiny, engine, token=TOKEN, model_name="tiny")
@@ -195,3 +195,30 @@ def test_the_openapi_description_needs_the_token_and_names_the_model(served_tiny
     body = schema.json()["components"]["schemas"]
     assert body["ChatRequest"]["properties"]["model"]["enum"] == ["tiny"]
     assert body["ChatRequest"]["properties"]["seed"]["anyOf"][0]["maximum"] == 2**63 - 1
+
+
+def test_the_prefix_cache_is_counted_in_health_and_metrics(served_tiny):
+    """Two chats with one long system prompt: the second starts from the first's KV; /health and
+    /metrics (behind the token) count the hit and the tokens reused."""
+    system = ("You are a careful assistant. Answer briefly, in plain words, and say when you do not know the "
+              "answer; never guess a number you were not given.")
+    engine = Engine(served_tiny).start()
+    app = create_app(served_tiny, engine, token=TOKEN, model_name="tiny")
+
+    def turn(question: str) -> dict[str, Any]:
+        return {**chat(question), "messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": question}]}
+
+    async def scenario(c: httpx.AsyncClient):
+        for question in ("What is 2 + 3?", "Reverse abc"):
+            assert (await c.post("/v1/chat/completions", json=turn(question))).status_code == 200
+        return (await c.get("/health")).json(), await c.get("/metrics"), await c.get("/metrics", headers={
+            "Authorization": "Bearer wrong"})
+
+    try:
+        health, metrics, refused = run_client(app, scenario)
+    finally:
+        engine.stop()
+    assert health["prefix_hits"] == 1 and health["prefix_tokens_reused"] >= 30 and health["prefix_entries"] == 2
+    assert f"smolforge_serve_prefix_tokens_reused {health['prefix_tokens_reused']}\n" in metrics.text
+    assert "# TYPE smolforge_serve_prefix_hits counter" in metrics.text and refused.status_code == 401

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from helpers import require_module
-from test_serve_engine import Held
+from test_serve_engine import SYSTEM, Held, final, short_during_long
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -260,6 +260,58 @@ def test_a_bad_engine_is_one_message_and_exit_2(model_copy, args, message):
     assert err.startswith("error:") and err.count("error:") == 1 and "Traceback" not in res.output, err
     assert message in err and "\n  fix:" in err, err
 
+
+def _alone(model, ids: list[int], max_tokens: int, **engine_kw) -> tuple[list[int], int]:
+    """A request's greedy tokens generated alone (no prefix cache unless asked), and the tokens prefilled."""
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.sampling import SamplingParams
+
+    engine, events = Engine(model, **({"prefix_cache_bytes": 0} | engine_kw)), []
+    engine.run_batch([Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0), events.append)])
+    return final(events).token_ids, engine.prefill_tokens
+
+
+def test_a_short_request_sent_during_a_long_one_ends_first_on_llama_cpp(lcpp_model, served_tiny):
+    """Continuous batching on llama.cpp: the short request's sequence joins the running decode at the
+    next step and ends while the long one still runs; both get the tokens they get alone."""
+    from smolforge.serve.engine import Engine
+
+    tok = served_tiny.tokenizer
+    long_ids = tok("the of and to in is you that it he was for on are as with his")["input_ids"]
+    short_ids = tok("Reverse abc")["input_ids"]
+    engine = Engine(lcpp_model, max_batch=4).start()
+    try:
+        order, long_done, short_done = short_during_long(engine, long_ids, short_ids)
+    finally:
+        engine.stop()
+    assert long_done.finish_reason == "length" and long_done.completion_tokens == 40
+    assert order == ["short", "long"]
+    assert (engine.batches, engine.largest_batch) == (1, 2)
+    assert long_done.token_ids == _alone(lcpp_model, long_ids, 40)[0]
+    assert short_done.token_ids == _alone(lcpp_model, short_ids, 6)[0]
+    assert sorted(lcpp_model._free) == list(range(lcpp_model.n_seq))  # every sequence went back to the pool
+
+
+def test_a_shared_prefix_is_computed_once_on_llama_cpp(lcpp_model, served_tiny):
+    """The llama.cpp sequence state of a prompt is kept; a prompt beginning alike restores it into a free
+    sequence, cut to the shared prefix, and prefills only the rest: the tokens it gets without the cache."""
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.prefix import common_prefix
+    from smolforge.serve.sampling import SamplingParams
+
+    tok = served_tiny.tokenizer
+    first, second = tok(SYSTEM + " What is 2 + 3?")["input_ids"], tok(SYSTEM + " Reverse abc")["input_ids"]
+    shared = common_prefix(first, second)
+    engine, events = Engine(lcpp_model), []
+    engine.run_batch([Request(first, SamplingParams(max_tokens=4, temperature=0), lambda e: None)])
+    before = engine.prefill_tokens
+    engine.run_batch([Request(second, SamplingParams(max_tokens=12, temperature=0), events.append)])
+    assert engine.prefill_tokens - before == len(second) - shared
+    assert (engine.prefix.hits, engine.prefix.tokens_reused) == (1, shared)
+    assert final(events).token_ids == _alone(lcpp_model, second, 12)[0]
+    assert sorted(lcpp_model._free) == list(range(lcpp_model.n_seq))
 
 
 def test_logprobs_are_llama_cpps_own_log_softmax(lcpp_model, monkeypatch):

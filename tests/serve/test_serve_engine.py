@@ -232,16 +232,16 @@ def test_an_error_that_escapes_a_batch_restarts_the_loop(served, monkeypatch):
     loop starts again and the next request is answered."""
     ids = prompts(served.tokenizer)[0]
     engine = Engine(served).start()
-    real = engine.run_batch
+    real = engine.step
     calls = []
 
-    def broken_once(requests):
-        calls.append(len(requests))
+    def broken_once():
+        calls.append(len(engine._waiting))
         if len(calls) == 1:
             raise KeyError("a bug")
-        real(requests)
+        real()
 
-    monkeypatch.setattr(engine, "run_batch", broken_once)
+    monkeypatch.setattr(engine, "step", broken_once)
     try:
         with pytest.raises(RuntimeError, match="internal error in the generation engine: KeyError"):
             engine.generate(ids, GREEDY, timeout=60)
@@ -268,7 +268,7 @@ def test_an_engine_thread_that_ends_says_why(served, monkeypatch):
     def boom(*_):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "run_batch", boom)
+    monkeypatch.setattr(engine, "step", boom)
     monkeypatch.setattr(engine, "_recover", boom)
     engine.start()
     events: queue.Queue = queue.Queue()
@@ -336,3 +336,136 @@ def test_a_cancelled_request_leaves_the_batch(served):
     Engine(served).run_batch([gone, stay])
     assert events[-1].finish_reason == "cancelled" and events[-1].completion_tokens < 10
     assert keep[-1].token_ids == hf_greedy(served.model, ps[1], 10, served.pad_id)
+
+
+# -- per-step scheduling (continuous batching) and the prefix cache --------------------------------
+
+SYSTEM = ("You are a helpful assistant. Answer briefly and with care, in plain words, and say when you do not "
+          "know the answer. Question:")
+
+
+def final(events: list):
+    return next(e for e in events if not isinstance(e, TokenEvent))
+
+
+def short_during_long(engine: Engine, long_ids: list[int], short_ids: list[int], long_tokens: int = 40,
+                      short_tokens: int = 6) -> tuple[list[str], object, object]:
+    """A long request runs; once its first token is out (the engine held there until the short one is
+    queued) a short one is sent. The order the two final events came in, and both finals."""
+    order: list[str] = []
+    started, go = threading.Event(), threading.Event()
+    finals: dict[str, queue.Queue] = {"long": queue.Queue(), "short": queue.Queue()}
+
+    def sink(name: str):
+        def put(e) -> None:
+            if name == "long" and isinstance(e, TokenEvent) and not started.is_set():
+                started.set()
+                assert go.wait(60), "the test never let the long request go on"
+            if not isinstance(e, TokenEvent):
+                order.append(name)
+                finals[name].put(e)
+        return put
+
+    engine.submit(long_ids, SamplingParams(max_tokens=long_tokens, temperature=0), sink("long"))
+    assert started.wait(60), "the long request never started"
+    engine.submit(short_ids, SamplingParams(max_tokens=short_tokens, temperature=0), sink("short"))
+    go.set()
+    long_done, short_done = finals["long"].get(timeout=120), finals["short"].get(timeout=120)
+    return order, long_done, short_done
+
+
+def test_a_short_request_sent_during_a_long_one_ends_first(served):
+    """Continuous batching: the short request joins the running batch at the next step and ends while the
+    long one still runs; both get the tokens they get alone (HF `generate`)."""
+    ps = prompts(served.tokenizer)
+    engine = Engine(served, max_batch=4).start()
+    try:
+        order, long_done, short_done = short_during_long(engine, ps[2], ps[1])
+    finally:
+        engine.stop()
+    assert long_done.finish_reason == "length" and long_done.completion_tokens == 40  # it ran its whole length
+    assert order == ["short", "long"]
+    assert engine.batches == 1 and engine.largest_batch == 2  # joined, not a batch of its own after the long one
+    assert long_done.token_ids == hf_greedy(served.model, ps[2], 40, served.pad_id)
+    assert short_done.token_ids == hf_greedy(served.model, ps[1], 6, served.pad_id)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(served):
+    """A prompt over the step's token budget is read a budget's worth a step; a running row gets a token
+    each of those steps (it is not stalled for the whole prompt); both answers are the ones alone."""
+    tok = served.tokenizer
+    long_ids, short_ids = tok(SYSTEM + " What is 2 + 3?")["input_ids"], prompts(tok)[3]
+    seen: list[int] = []
+    short = Request(short_ids, SamplingParams(max_tokens=12, temperature=0), lambda e: None)
+    events: list = []
+
+    def long_sink(e) -> None:
+        if not seen:
+            seen.append(len(short.token_ids))  # the short row's tokens when the long one's first came
+        events.append(e)
+
+    engine = Engine(served, step_tokens=16)
+    engine.run_batch([short, Request(long_ids, SamplingParams(max_tokens=8, temperature=0), long_sink)])
+    assert len(long_ids) > 3 * 15 and seen[0] >= 3, seen  # >= 3 chunks of 15, a decode step each
+    assert final(events).token_ids == hf_greedy(served.model, long_ids, 8, served.pad_id)
+    assert short.token_ids == hf_greedy(served.model, short_ids, 12, served.pad_id)
+    assert engine.prefill_tokens == len(long_ids) + len(short_ids)
+
+
+def test_a_shared_prefix_is_computed_once(served):
+    """A prompt that begins like a kept one prefills only the rest (counted), with the tokens it gets
+    without the cache; a prompt shorter than `min_tokens` in common is no hit."""
+    tok = served.tokenizer
+    first, second = tok(SYSTEM + " What is 2 + 3?")["input_ids"], tok(SYSTEM + " Reverse abc")["input_ids"]
+    from smolforge.serve.prefix import common_prefix
+
+    shared = common_prefix(first, second)
+    assert shared >= 40 and shared < len(second) - 1
+    engine = Engine(served)
+    got = []
+    for ids in (first, second):
+        before = engine.prefill_tokens
+        events: list = []
+        engine.run_batch([Request(ids, GREEDY, events.append)])
+        got.append((engine.prefill_tokens - before, final(events).token_ids))
+    assert got[0][0] == len(first) and got[1][0] == len(second) - shared  # only the rest was computed
+    assert (engine.prefix.hits, engine.prefix.tokens_reused) == (1, shared)
+    assert got[1][1] == hf_greedy(served.model, second, GREEDY.max_tokens, served.pad_id)
+    engine.run_batch([Request(prompts(tok)[0], GREEDY, lambda e: None)])
+    assert engine.prefix.hits == 1  # nothing in common: no hit
+
+
+def test_the_prefix_cache_is_bounded_and_evicts_the_least_recently_used():
+    from smolforge.serve.prefix import PrefixCache
+
+    cache = PrefixCache(max_bytes=250, min_tokens=2)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    cache.store(a, "A", 100)
+    cache.store(b, "B", 100)
+    assert cache.lookup([1, 2, 3, 9]).snapshot == "A"  # a used: b is now the least recently used
+    cache.store(c, "C", 100)
+    assert (list(cache.entries), cache.evictions, cache.bytes) == ([tuple(a), tuple(c)], 1, 200)
+    assert cache.lookup([5, 6, 7, 8, 9]) is None
+    cache.store([1, 2, 3, 4, 5], "A+", 100)  # a longer prompt replaces the kept prefix of it
+    assert list(cache.entries) == [tuple(c), (1, 2, 3, 4, 5)] and not cache.wants(a)
+    assert cache.lookup(a).length == 3  # one token of the prompt is always left to compute
+    cache.store([7] * 10, "big", 300)  # over the bound alone: not kept, nothing evicted
+    assert cache.evictions == 1 and cache.stats()["prefix_entries"] == 2
+
+
+def test_a_row_that_joined_goes_on_alone_after_the_first_rows_leave(served):
+    """The running batch began with a one-token prompt; a longer prompt joins it (after a chunked
+    prefill) and outlives it: alone in the batch, it decodes on (its prompt is not read again)."""
+    ps = prompts(served.tokenizer)
+    first, joined = ps[3], ps[2]
+    assert len(first) < 8 < len(joined)
+    got: dict[str, object] = {}
+    engine = Engine(served, step_tokens=8)
+    engine.run_batch([Request(first, SamplingParams(max_tokens=6, temperature=0), lambda e: got.setdefault("a", e)
+                              if not isinstance(e, TokenEvent) else None),
+                      Request(joined, SamplingParams(max_tokens=16, temperature=0), lambda e: got.setdefault("b", e)
+                              if not isinstance(e, TokenEvent) else None)])
+    assert (engine.batches, engine.largest_batch) == (1, 2)
+    assert engine.prefill_tokens == len(first) + len(joined)
+    assert got["a"].token_ids == hf_greedy(served.model, first, 6, served.pad_id)
+    assert got["b"].token_ids == hf_greedy(served.model, joined, 16, served.pad_id)

@@ -132,3 +132,30 @@ def test_a_stage_without_the_batchs_cache_fails_that_batch_only(tiny_llama_dir, 
 def test_bad_stage_index_is_refused(tiny_llama_dir):
     with pytest.raises(SmolforgeError, match="stage 2 does not exist"):
         StageServer.load(str(tiny_llama_dir), [0, 2, 4], 2)
+
+
+def test_a_short_request_sent_during_a_long_one_ends_first_on_2_stages(tiny_llama_dir, served):
+    """Per-step scheduling through stages: the short request's rows join the long one's cache on every
+    stage (`StageServer.join`) at the next step; both get the tokens they get alone."""
+    from test_serve_engine import short_during_long
+
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    ps = prompts(served.tokenizer)
+    engine = Engine(model, max_batch=4).start()
+    try:
+        order, long_done, short_done = short_during_long(engine, ps[2], ps[1])
+    finally:
+        engine.stop()
+    assert engine.joins and long_done.finish_reason == "length" and long_done.completion_tokens == 40
+    assert order == ["short", "long"]
+    assert (engine.batches, engine.largest_batch) == (1, 2)
+    assert long_done.token_ids == hf_greedy(served.model, ps[2], 40, served.pad_id)
+    assert short_done.token_ids == hf_greedy(served.model, ps[1], 6, served.pad_id)
+    assert all(not s.caches for s in stages)  # the joined batch's cache and the long one's are both gone
+    # a prompt over the step's budget is read in chunks through the stages' open caches: the same tokens
+    events: list = []
+    chunked = Engine(model, step_tokens=6)
+    chunked.run_batch([Request(ps[2], SamplingParams(max_tokens=8, temperature=0), events.append)])
+    assert len(ps[2]) > 2 * 6 and chunked.prefill_tokens == len(ps[2])
+    assert events[-1].token_ids == hf_greedy(served.model, ps[2], 8, served.pad_id)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 from starlette.exceptions import HTTPException  # the router's own 404/405 too, not only FastAPI's subclass
 
 from smolforge.train.rendering import render_prompt
@@ -116,6 +116,10 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         body = _health(engine, name)
         return JSONResponse(body, status_code=200 if body["ok"] else 503)
 
+    @app.get("/metrics", response_class=PlainTextResponse, responses={401: {}})
+    async def metrics():
+        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
     @app.get("/", include_in_schema=False)
     async def root():
         return RedirectResponse("/chat")
@@ -198,9 +202,28 @@ def _error_handlers(app: FastAPI) -> None:
 def _health(engine: Engine, name: str) -> dict[str, Any]:
     alive = engine.alive
     return {"ok": alive, "service": "smolforge-serve", "model": name, "engine": "running" if alive else "stopped",
-            "restarts": engine.restarts, "batches": engine.batches, "largest_batch": engine.largest_batch,
+            "restarts": engine.restarts, **engine.counters(),
             "error": None if alive else f"the generation engine stopped: {engine.failure or 'not running'}; "
                                         "restart the server"}
+
+
+def metrics_text(engine: Engine) -> str:
+    """The engine's counters in Prometheus' text format (`smolforge_serve_<counter>`), one per line."""
+    lines = []
+    for key, value in {"up": int(engine.alive), "restarts": engine.restarts, **engine.counters()}.items():
+        kind = "gauge" if key in GAUGES else "counter"
+        lines += [f"# HELP smolforge_serve_{key} {METRIC_HELP.get(key, key.replace('_', ' '))}",
+                  f"# TYPE smolforge_serve_{key} {kind}", f"smolforge_serve_{key} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+GAUGES = ("up", "largest_batch", "prefix_entries", "prefix_bytes")
+METRIC_HELP = {"up": "1 while the generation engine runs", "batches": "batches started on an idle engine",
+               "largest_batch": "most rows generated together", "steps": "scheduling steps (prefill and decode)",
+               "prefill_tokens": "prompt tokens computed (padding included)",
+               "prefix_hits": "prompts started from a kept prefix", "prefix_tokens_reused": "prompt tokens restored, "
+               "not computed", "prefix_evictions": "kept prefixes evicted (least recently used)",
+               "prefix_entries": "prefixes kept now", "prefix_bytes": "bytes the kept prefixes hold"}
 
 
 async def _body(request: Request) -> bytes:

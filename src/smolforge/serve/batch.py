@@ -1,10 +1,18 @@
-"""One static batch: requests that arrived together, generated together until each one is done.
+"""A batch of rows generated together: rows join it (continuous batching) and leave it as they finish.
 
-Why static batching with rows that leave: a CPU or small GPU spends most of a decode step reading
+Why a batch with rows that join and leave: a CPU or small GPU spends most of a decode step reading
 the weights, so eight requests cost little more than one per step. Prompts are left-padded so
 every row's next token sits in the last column; each row keeps its own positions, so its tokens
 are the ones it would get alone. A finished row is cut out of the cache, the mask and the
 positions at once, so the batch shrinks instead of computing for requests nobody waits for.
+
+Why rows join by padding (`join`): the engine schedules per step (engine.py): a new request is
+prefilled as a batch of its own (a long prompt in chunks, `step(budget)`, so it does not stall the
+others' decode for its whole prompt; a prompt that shares a prefix with a recent one starts from
+that prefix's KV, `resume`) and then joins the running batch: the shorter side's cache and mask get
+left padding up to the longer side's width (`BatchModel.join_caches`), and each row keeps its own
+positions. A paged cache would save the padding columns' attention work, but on a CPU with small
+models the step's cost is reading the weights; the padding is cut again as the oldest rows leave.
 
 `step()` is the interface a multi-stage server keeps: a batch of active requests in, one new
 token for each out; only `model.forward` changes (stage actors instead of one module).
@@ -58,6 +66,28 @@ class BatchModel(Protocol):
         ...
 
 
+class JoiningModel(BatchModel, Protocol):
+    """A `BatchModel` whose batches can take new rows while they run (torch in one process, llama.cpp).
+    A model without `join_caches` is batched statically (a batch runs until its last row ends)."""
+
+    def join_caches(self, cache: Any, other: Any, pad: int, other_pad: int) -> Any:
+        """`cache`'s rows then `other`'s, as one cache (`other` is used up); the side with fewer columns
+        gets `pad`/`other_pad` columns of left padding so every row's newest column lines up."""
+        ...
+
+
+class SnapshotModel(BatchModel, Protocol):
+    """A `BatchModel` whose rows' KV can be kept and started from again: the prefix cache (prefix.py)."""
+
+    def snapshot(self, cache: Any, row: int, length: int) -> tuple[Any, int]:
+        """A copy of row `row`'s KV for its last `length` positions (its prompt), and its size in bytes."""
+        ...
+
+    def restore(self, snapshot: Any, length: int) -> Any:
+        """A new one-row cache holding the snapshot's first `length` positions."""
+        ...
+
+
 @dataclass
 class Request:
     """One generation: its prompt, its settings, where its events go, and its progress."""
@@ -88,6 +118,12 @@ class Request:
         return out
 
 
+def wants_echo(r: Request) -> bool:
+    """True when the request asks for its prompt's own log-probabilities: its prompt is read whole, in
+    one forward that keeps every column's logits (not chunked, not started from a kept prefix)."""
+    return bool(r.params.prompt_logprobs and r.params.logprobs is not None)
+
+
 class Batch:
     """The cache and masks of the requests generated together; rows leave as they finish."""
 
@@ -101,6 +137,9 @@ class Batch:
         self.last: torch.Tensor | None = None  # each row's newest token: the next step's input
         self._mask_all = torch.ones((0, 0), dtype=torch.long)  # `mask` is its first columns
         self._greedy_ids: torch.Tensor | None = None  # the last step's argmax, when every row was greedy
+        self.fed = 0  # a one-row batch's prompt tokens in the cache so far (chunked prefill, a resumed prefix)
+        self.prefilled = False  # every row's whole prompt is in the cache (rows joined later came prefilled)
+        self.cost = 0  # tokens the last step computed (padding included): what it took of the step's budget
         for r in requests:
             try:
                 r.stream = TextStream(model.tokenizer, r.params.stop)
@@ -111,46 +150,92 @@ class Batch:
             else:
                 self.active.append(r)
 
-    def step(self) -> list[int | None]:
+    @property
+    def prefilling(self) -> bool:
+        """True until every row's prompt is in the cache (the next `step` reads prompt tokens)."""
+        return not self.prefilled
+
+    def resume(self, cache: Any, length: int) -> None:
+        """Start a one-row batch from a cache that already holds its prompt's first `length` tokens."""
+        assert len(self.active) == 1 and self.cache is None and 0 < length < len(self.active[0].prompt_ids)
+        self.cache, self.fed = cache, length
+
+    def step(self, budget: int | None = None) -> list[int | None] | None:
         """One new token for each active request (the first call reads the prompts: prefill); None for a
-        row that could not be sampled (see `row_errors`): the caller drops it with `keep`."""
-        dev = self.model.device
-        if self.cache is None:
-            width = max(len(r.prompt_ids) for r in self.active)
-            ids = torch.full((len(self.active), width), self.model.pad_id, dtype=torch.long)
-            # The mask of every step to come, made once: a step takes one more column (a view), not a cat.
-            self._mask_all = torch.ones((len(self.active), width + max(r.params.max_tokens for r in self.active)),
-                                        dtype=torch.long)
-            for i, r in enumerate(self.active):
-                ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-                self._mask_all[i, :width - len(r.prompt_ids)] = 0
-            self._mask_all = self._mask_all.to(dev)
-            self.mask = self._mask_all[:, :width]
-            positions = (self.mask.cumsum(-1) - 1).clamp_min(0)
-            self.lengths = self.mask.sum(-1)
-            self.cache = self.model.new_cache()
-            echo = [r.params.prompt_logprobs and r.params.logprobs is not None for r in self.active]
-            if any(echo):  # every column's logits: the prompts' own log-probabilities (echo)
-                every = self.model.forward(ids.to(dev), self.mask, positions, self.cache, keep=width)
-                self._prompt_logprobs(every, echo)
-                logits = every[:, -1, :]
+        row that could not be sampled (see `row_errors`): the caller drops it with `keep`. A one-row
+        batch reads at most `budget` prompt tokens a call (chunked prefill): None (no tokens at all)
+        until its last chunk is in."""
+        if self.prefilling:
+            one = self.active[0]
+            if len(self.active) == 1 and not wants_echo(one) and (self.fed or (budget is not None
+                                                                          and budget < len(one.prompt_ids))):
+                logits = self._chunk(budget)
+                if logits is None:
+                    return None
             else:
-                logits = self.model.forward(ids.to(dev), self.mask, positions, self.cache)
+                logits = self._prefill()
         else:
-            assert self.mask is not None and self.lengths is not None and self.last is not None
-            width = self.mask.shape[1] + 1
-            if width > self._mask_all.shape[1]:  # not reached: a row ends at its max_tokens
-                self._mask_all = torch.cat([self._mask_all, self._mask_all.new_ones((len(self.active), 1))], dim=1)
-            self.mask = self._mask_all[:, :width]
-            logits = self.model.forward(self.last[:, None], self.mask, self.lengths[:, None], self.cache)
-            self.lengths = self.lengths + 1
+            logits = self._decode()
         tokens = self._sample(logits)
         if self._greedy_ids is not None and not self.row_errors and len(self._greedy_ids) == len(tokens):
             self.last = self._greedy_ids  # every row greedy: the argmax is the next input as it is
         else:
             self.last = torch.tensor([self.model.pad_id if t is None else t for t in tokens], dtype=torch.long,
-                                     device=dev)
+                                     device=self.model.device)
         return tokens
+
+    def _prefill(self) -> torch.Tensor:
+        """Every row's whole prompt in one forward, left-padded to the longest: the last column's logits."""
+        dev = self.model.device
+        width = max(len(r.prompt_ids) for r in self.active)
+        ids = torch.full((len(self.active), width), self.model.pad_id, dtype=torch.long)
+        # The mask of every step to come, made once: a step takes one more column (a view), not a cat.
+        self._mask_all = torch.ones((len(self.active), width + max(r.params.max_tokens for r in self.active)),
+                                    dtype=torch.long)
+        for i, r in enumerate(self.active):
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            self._mask_all[i, :width - len(r.prompt_ids)] = 0
+        self._mask_all = self._mask_all.to(dev)
+        self.mask = self._mask_all[:, :width]
+        positions = (self.mask.cumsum(-1) - 1).clamp_min(0)
+        self.lengths = self.mask.sum(-1)
+        self.cache, self.cost = self.model.new_cache(), ids.numel()
+        self.fed, self.prefilled = width, True
+        echo = [wants_echo(r) for r in self.active]
+        if any(echo):  # every column's logits: the prompts' own log-probabilities (echo)
+            every = self.model.forward(ids.to(dev), self.mask, positions, self.cache, keep=width)
+            self._prompt_logprobs(every, echo)
+            return every[:, -1, :]
+        return self.model.forward(ids.to(dev), self.mask, positions, self.cache)
+
+    def _chunk(self, budget: int | None) -> torch.Tensor | None:
+        """The one row's next prompt tokens (at most `budget`, at least one): its logits once the last is in."""
+        dev, prompt = self.model.device, self.active[0].prompt_ids
+        end = len(prompt) if budget is None else min(len(prompt), self.fed + max(1, budget))
+        if self.cache is None:
+            self.cache = self.model.new_cache()
+        if self._mask_all.shape[1] == 0:  # one row has no padding: its mask is all ones
+            self._mask_all = torch.ones((1, len(prompt) + self.active[0].params.max_tokens), dtype=torch.long,
+                                        device=dev)
+        ids = torch.tensor([prompt[self.fed:end]], dtype=torch.long, device=dev)
+        positions = torch.arange(self.fed, end, dtype=torch.long, device=dev)[None]
+        self.mask = self._mask_all[:, :end]
+        self.cost = end - self.fed
+        logits = self.model.forward(ids, self.mask, positions, self.cache)
+        self.fed, self.prefilled = end, end == len(prompt)
+        self.lengths = torch.tensor([end], dtype=torch.long, device=dev)
+        return logits if self.prefilled else None
+
+    def _decode(self) -> torch.Tensor:
+        """Every row's newest token through the model: one column more of the cache."""
+        assert self.mask is not None and self.lengths is not None and self.last is not None
+        width = self.mask.shape[1] + 1
+        if width > self._mask_all.shape[1]:  # not reached: a row ends at its max_tokens
+            self._mask_all = torch.cat([self._mask_all, self._mask_all.new_ones((len(self.active), 1))], dim=1)
+        self.mask = self._mask_all[:, :width]
+        logits = self.model.forward(self.last[:, None], self.mask, self.lengths[:, None], self.cache)
+        self.lengths, self.cost = self.lengths + 1, len(self.active)
+        return logits
 
     def _sample(self, logits: torch.Tensor) -> list[int | None]:
         """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
@@ -206,6 +291,24 @@ class Batch:
         if self.model.select_rows(self.cache, index, pad) and pad:
             self._mask_all, width = self._mask_all[:, pad:], width - pad
         self.mask = self._mask_all[:, :width]
+
+    def join(self, other: "Batch") -> None:
+        """`other`'s rows (prefilled, each with its first token) go on in this batch: the narrower side's
+        cache and mask get left padding; `other` is used up. Needs a `JoiningModel`."""
+        assert not self.prefilling and not other.prefilling and self.mask is not None and other.mask is not None
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        pads = (width - self.mask.shape[1], width - other.mask.shape[1])
+        self.cache = self.model.join_caches(self.cache, other.cache, *pads)
+        other.cache = None
+        self.active = self.active + other.active
+        reserve = max(r.params.max_tokens - len(r.token_ids) for r in self.active) + 1
+        mask_all = self._mask_all.new_ones((len(self.active), width + reserve))
+        mask_all[:len(self.lengths), :width] = torch.nn.functional.pad(self.mask, (pads[0], 0))
+        mask_all[len(self.lengths):, :width] = torch.nn.functional.pad(other.mask, (pads[1], 0))
+        self._mask_all, self.mask = mask_all, mask_all[:, :width]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.last = torch.cat([self.last, other.last])
+        self._greedy_ids = None
 
     def close(self) -> None:
         """Let the model free this batch's cache (a stage server holds it remotely)."""

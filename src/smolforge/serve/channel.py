@@ -123,8 +123,9 @@ class _Writer:
 
 
 def stats_of(engine: Any) -> dict[str, Any]:
-    return {"op": "stats", "alive": engine.alive, "restarts": engine.restarts, "batches": engine.batches,
-            "largest_batch": engine.largest_batch, "failure": engine.failure}
+    """The counters the front's `/health` and `/metrics` report (`Engine.counters`), as one line."""
+    return {"op": "stats", "alive": engine.alive, "restarts": engine.restarts, "failure": engine.failure,
+            **engine.counters()}
 
 
 class EngineHost:
@@ -239,6 +240,10 @@ class RemoteEngine(ContextLimits):
     @property
     def failure(self) -> str | None:
         return self.stats["failure"]
+
+    def counters(self) -> dict[str, Any]:
+        """The engine's last reported `Engine.counters` (batches, steps, prefill, prefix cache)."""
+        return {k: v for k, v in self.stats.items() if k not in ("alive", "restarts", "failure")}
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Event], None]) -> _RemoteRequest:
         self.check_length(len(prompt_ids), params.max_tokens)

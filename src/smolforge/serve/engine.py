@@ -1,10 +1,20 @@
 """The generation engine: one thread owns the model; requests queue up and are generated in batches.
 
 Why one thread: a model's forward is not safe to call from several threads at once, and one
-owner makes batching natural: whatever is waiting when the loop is free (after a short window
-for requests arriving together) becomes the next batch. Callers never touch the model; they get
-their tokens through the `sink` they passed to `submit`, called on the engine thread, so it must
-be quick (put on a queue, `loop.call_soon_threadsafe`).
+owner makes batching natural. Callers never touch the model; they get their tokens through the
+`sink` they passed to `submit`, called on the engine thread, so it must be quick (put on a queue,
+`loop.call_soon_threadsafe`).
+
+Why scheduling per step (continuous batching, `step`): a request that arrives while a batch runs
+is taken at the next step, not after the batch's longest answer. Each step prefills what waits,
+within a token budget (`step_tokens`, less the rows decoding; a prompt longer than that is read in
+chunks over several steps so it never stalls the others' decode for its whole length), and the
+prefilled rows join the running batch (`Batch.join`), which then decodes one token per row; a
+finished row leaves at once; `max_batch` bounds the rows. Requests waiting together when the
+engine is idle (after a short window for a burst) are prefilled as one padded batch. A prompt that
+begins like a recent one starts from that one's KV (the prefix cache, prefix.py). A model that
+cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a batch takes
+what waits and runs until its last row ends.
 
 Why failures are caught at three levels: a request whose settings cannot be used or whose row
 cannot be sampled fails alone (400 or 500 with the reason); a failed forward fails its batch; and
@@ -19,10 +29,11 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from smolforge.serve.batch import Batch, BatchModel, Request
+from smolforge.serve.batch import Batch, BatchModel, Request, wants_echo
 from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStopped: their old home)
     ContextLimits,
     DoneEvent,
@@ -32,6 +43,7 @@ from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStoppe
     PromptTooLong,
     TokenEvent,
 )
+from smolforge.serve.prefix import PrefixCache
 from smolforge.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,7 +63,9 @@ class Engine(ContextLimits):
     """Queue, batch and generate. `start()` it once; `stop()` ends the thread (queued requests fail)."""
 
     def __init__(self, model: BatchModel, *, max_batch: int = 8, window_s: float = 0.005, max_wait_s: float = 0.05,
-                 max_positions: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 max_positions: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 step_tokens: int = 256, prefix_cache_bytes: int = 256 << 20, prefix_min_tokens: int = 16,
+                 continuous: bool = True):
         # A batch waits window_s after its latest arrival (a burst of clients is not cut after its
         # first request: the rest would wait a whole generation), never over max_wait_s after its first.
         self.model, self.max_batch, self.window_s = model, max(1, max_batch), window_s
@@ -67,6 +81,17 @@ class Engine(ContextLimits):
         self.restarts = 0  # times the loop was restarted after an error that escaped a batch
         self.failure: str | None = None  # why the thread ended on its own (None while it runs, or stopped)
         self.on_death: Callable[[str], None] | None = None
+        # per-step scheduling (`step`): what waits, the one-row batch still reading its prompt, the running batch
+        self.step_tokens = max(1, step_tokens)
+        # rows join a running batch (else: static batches; `continuous=False` asks for them: the benchmark's baseline)
+        self.joins = continuous and bool(getattr(model, "joins", False))
+        keeps = self.joins and hasattr(model, "snapshot")  # a sliding window's cache is not the whole prompt's KV
+        self.prefix = PrefixCache(prefix_cache_bytes if keeps else 0, prefix_min_tokens)
+        self._waiting: deque[Request] = deque()
+        self._prefilling: Batch | None = None
+        self._running: Batch | None = None
+        self.prefill_tokens = 0  # prompt tokens computed (padding included); a prefix cache hit's are not
+        self.steps = 0
 
     # -- callers ----------------------------------------------------------------------------------
 
@@ -128,13 +153,38 @@ class Engine(ContextLimits):
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            first = self._queue.get()
-            if first is None:
+            if not self.busy:  # idle: wait for a request, then a short window for those arriving with it
+                first = self._queue.get()
+                if first is None:
+                    break
+                arrived = [first]
+                self._gather(arrived)
+                self._take(arrived)
+            self._pull()
+            self.step()
+
+    @property
+    def busy(self) -> bool:
+        """True while requests wait, prefill or decode on the engine thread."""
+        return bool(self._waiting or self._prefilling is not None or (self._running and self._running.active))
+
+    def _take(self, requests: list[Request]) -> None:
+        self._waiting.extend(requests)
+        self._taken.extend(requests)
+
+    def _pull(self) -> None:
+        """Whatever arrived since the last step waits for its prefill (taken without blocking)."""
+        arrived = []
+        while True:
+            try:
+                r = self._queue.get_nowait()
+            except queue.Empty:
                 break
-            self._taken = [first]
-            self._gather(self._taken)
-            self.run_batch(self._taken)
-            self._taken = []
+            if r is None:
+                self._stopping.set()
+                break
+            arrived.append(r)
+        self._take(arrived)
 
     def _gather(self, requests: list[Request]) -> None:
         """Add to `requests` those arriving together: each arrival extends the wait by `window_s`,
@@ -157,34 +207,128 @@ class Engine(ContextLimits):
         self.restarts += 1
         log.exception("the generation loop failed; restarting it (restart %d)", self.restarts)
         taken, self._taken = self._taken, []
+        self._reset()
         for r in taken:
             _end(r, ErrorEvent(f"internal error in the generation engine: {type(err).__name__}: {err}", 500))
 
+    def _reset(self) -> None:
+        """Forget what was waiting, prefilling and running (their requests are answered by the caller)."""
+        for batch in (self._prefilling, self._running):
+            if batch is not None:
+                _close(batch)
+        self._waiting.clear()
+        self._prefilling = self._running = None
+
     def run_batch(self, requests: list[Request]) -> None:
-        """Generate for these requests until each has finished; every one gets a DoneEvent or ErrorEvent."""
-        requests = [r for r in requests if not self._dropped(r)]
-        if not requests:
-            return
-        self.batches += 1
-        self.largest_batch = max(self.largest_batch, len(requests))
-        batch = Batch(self.model, requests)
-        for r, err in batch.failed:  # its own settings: it fails alone, the others go on
-            _end(r, ErrorEvent(f"cannot sample this request: {type(err).__name__}: {err}", 400))
+        """Generate for these requests (on the calling thread) until each has finished; every one gets a
+        DoneEvent or ErrorEvent. Those that fit `step_tokens` (and `max_batch`) are prefilled together."""
+        self._take(list(requests))
+        while self.busy:
+            self.step()
+
+    def step(self) -> None:
+        """One scheduling step: prefill what waits within the step's token budget (rows then join the
+        running batch, a long prompt takes the budget's worth of its tokens), then one decode step."""
+        self.steps += 1
+        self._taken = [r for r in self._taken if r.finish_reason is None]
+        decoding = len(self._running.active) if self._running is not None else 0
+        budget = max(self.step_tokens - decoding, self.step_tokens // 4)
+        while budget > 0:
+            group = self._prefilling or self._next_group(budget)
+            if group is None:
+                break
+            self._prefilling = None
+            tokens = self._guarded(group, budget if self.joins else None)
+            budget -= group.cost
+            self.prefill_tokens += group.cost
+            if tokens is None and group.active and group.prefilling:
+                self._prefilling = group  # its next chunk at the next step
+                break
+            if tokens is not None:
+                self._settle(group, tokens)
+        if self._running is not None and self._running.active:
+            tokens = self._guarded(self._running, None)
+            if tokens is not None:
+                self._advance_rows(self._running, tokens)
+
+    def _guarded(self, batch: Batch, budget: int | None) -> list[int | None] | None:
+        """`batch.step(budget)`; a failed forward fails that batch's requests (not the server): None."""
         try:
-            while batch.active:
-                tokens = batch.step()
-                rows = [i for i, (r, tok) in enumerate(zip(batch.active, tokens))
-                        if not self._advance_row(r, tok, batch.row_errors.get(i))]
-                batch.keep(rows)
-        except Exception as err:  # a failed forward ends this batch, not the server
+            return batch.step(budget)
+        except Exception as err:  # noqa: BLE001 - a failed forward ends this batch, not the server
             log.exception("generation failed")
             for r in batch.active:
                 _end(r, ErrorEvent(f"generation failed: {type(err).__name__}: {err}"))
-        finally:
+            batch.active = []
+            _close(batch)
+            return None
+
+    def _advance_rows(self, batch: Batch, tokens: list[int | None]) -> None:
+        """Each row's new token to its request; the finished rows leave the batch."""
+        rows = [i for i, (r, tok) in enumerate(zip(batch.active, tokens))
+                if not self._advance_row(r, tok, batch.row_errors.get(i))]
+        batch.keep(rows)
+
+    def _next_group(self, budget: int) -> Batch | None:
+        """The next requests to prefill, as a batch of their own: one whose prompt shares a kept prefix
+        (resumed from it) or is longer than `budget` (chunked) goes alone; else those waiting in order
+        while their padded prompts fit `budget`. Static (a model that cannot join): all that wait, once
+        the running batch is over. None when nothing waits or no row is free."""
+        running = len(self._running.active) if self._running is not None else 0
+        if not self.joins and running:
+            return None
+        while self._waiting and self._dropped(self._waiting[0]):
+            self._waiting.popleft()
+        free = self.max_batch - running
+        if not self._waiting or free <= 0:
+            return None
+        first = self._waiting.popleft()
+        hit = self.prefix.lookup(first.prompt_ids) if self.prefix.enabled and not wants_echo(first) else None
+        group, width = [first], len(first.prompt_ids)
+        fits = not self.joins or width <= budget  # a prompt over the budget is chunked: alone
+        while hit is None and fits and self._waiting and len(group) < free:
+            nxt = self._waiting[0]
+            wider = max(width, len(nxt.prompt_ids))
+            if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)):
+                break
+            group.append(self._waiting.popleft())
+            width = wider
+        if not running:
+            self.batches += 1
+        self.largest_batch = max(self.largest_batch, running + len(group))
+        batch = Batch(self.model, group)
+        for r, err in batch.failed:  # its own settings: it fails alone, the others go on
+            _end(r, ErrorEvent(f"cannot sample this request: {type(err).__name__}: {err}", 400))
+        if hit is not None and batch.active:
             try:
-                batch.close()
-            except Exception:  # freeing a failed stage's cache must not stop the server
-                log.exception("releasing the batch's cache failed")
+                batch.resume(self.model.restore(hit.snapshot, hit.length), hit.length)
+            except Exception:  # noqa: BLE001 - the prompt is then computed whole
+                log.exception("restoring a kept prefix failed")
+        return batch if batch.active else self._next_group(budget)
+
+    def _settle(self, group: Batch, tokens: list[int | None]) -> None:
+        """A prefilled group: its prompts' KV kept (prefix cache), its first tokens told, its finished
+        rows gone, the rest joined to the running batch (or it is the running batch)."""
+        for i, r in enumerate(group.active):
+            if self.prefix.wants(r.prompt_ids):
+                try:
+                    self.prefix.store(r.prompt_ids, *self.model.snapshot(group.cache, i, len(r.prompt_ids)))
+                except Exception:  # noqa: BLE001 - a prompt not kept is only a later miss
+                    log.exception("keeping a prompt's KV for the prefix cache failed")
+        self._advance_rows(group, tokens)
+        if not group.active:
+            return
+        if self._running is None or not self._running.active:
+            if self._running is not None:
+                _close(self._running)
+            self._running = group
+        else:
+            self._running.join(group)
+
+    def counters(self) -> dict[str, Any]:
+        """What /health and /metrics report of the scheduler: batches, steps, prefill and prefix cache."""
+        return {"batches": self.batches, "largest_batch": self.largest_batch, "steps": self.steps,
+                "prefill_tokens": self.prefill_tokens, **self.prefix.stats()}
 
     def _advance_row(self, r: Request, token: int | None, error: Exception | None) -> bool:
         """`_advance`, but a row that failed (sampling, decoding) fails its own request only."""
@@ -238,6 +382,7 @@ class Engine(ContextLimits):
         for r in self._taken:
             _end(r, ErrorEvent(message, 503))
         self._taken = []
+        self._reset()
         while True:
             try:
                 r = self._queue.get_nowait()
@@ -245,6 +390,13 @@ class Engine(ContextLimits):
                 return
             if r is not None:
                 _end(r, ErrorEvent(message, 503))
+
+
+def _close(batch: Batch) -> None:
+    try:
+        batch.close()
+    except Exception:  # freeing a failed stage's cache must not stop the server
+        log.exception("releasing the batch's cache failed")
 
 
 def _end(r: Request, event: DoneEvent | ErrorEvent) -> bool:

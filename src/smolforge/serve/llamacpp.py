@@ -214,11 +214,40 @@ class LlamaCppModel:
             raise RuntimeError(f"llama_decode returned {rc} (the KV cache is full, or the batch was refused)")
 
     def select_rows(self, cache: SeqCache, rows: torch.Tensor, trim: int) -> bool:
-        """Keep these rows' sequences; the others' cells are freed and their ids reused."""
+        """Keep these rows' sequences; the others' cells are freed and their ids reused. True: llama.cpp
+        holds no padding, so the batch's mask may drop the columns no row uses."""
         kept = [cache.seqs[i] for i in rows.tolist()]
         self._drop([s for s in cache.seqs if s not in kept])
         cache.seqs = kept
-        return False
+        return True
+
+    joins = True  # a running batch takes new rows: a new sequence id each (no padding to line up)
+
+    def join_caches(self, cache: SeqCache, other: SeqCache, pad: int, other_pad: int) -> SeqCache:
+        """`cache`'s sequences then `other`'s (`JoiningModel.join_caches`); positions are per sequence."""
+        cache.seqs, other.seqs = cache.seqs + other.seqs, []
+        return cache
+
+    def snapshot(self, cache: SeqCache, row: int, length: int) -> tuple[Any, int]:
+        """Row `row`'s sequence state (its KV cells) copied out of the context (`llama_state_seq_get_data`)."""
+        seq = cache.seqs[row]
+        size = self.lc.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = self.lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return buf, size
+
+    def restore(self, snapshot: Any, length: int) -> SeqCache:
+        """A free sequence holding the snapshot's first `length` positions (`llama_state_seq_set_data`)."""
+        if not self._free:
+            raise RuntimeError("no free llama.cpp sequence to restore a prefix into")
+        seq = self._free.pop(0)
+        if not self.lc.llama_state_seq_set_data(self._ctx, snapshot, len(snapshot), seq):
+            self._free.insert(0, seq)
+            raise RuntimeError("llama_state_seq_set_data refused a prefix snapshot")
+        self.lc.llama_memory_seq_rm(self._mem, seq, length, -1)
+        return SeqCache([seq])
 
     def release(self, cache: SeqCache) -> None:
         self._drop(cache.seqs)

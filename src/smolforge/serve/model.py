@@ -91,6 +91,31 @@ class ServedModel:
     def select_rows(self, cache: Any, rows: torch.Tensor, trim: int) -> bool:
         return select_cache_rows(cache, rows, trim)
 
+    @property
+    def joins(self) -> bool:
+        """True when a running batch can take new rows: every layer's cache is a plain K/V (a sliding
+        window's ring of columns cannot be padded on the left); else batches run statically."""
+        return plain_layers(self.new_cache())
+
+    def join_caches(self, cache: Any, other: Any, pad: int, other_pad: int) -> Any:
+        """`cache`'s rows then `other`'s in one `DynamicCache` (`JoiningModel.join_caches`, `join_cache_rows`)."""
+        return join_cache_rows(cache, other, pad, other_pad)
+
+    def snapshot(self, cache: Any, row: int, length: int) -> tuple[Any, int]:
+        """Row `row`'s K/V for its last `length` columns, per layer ([1, heads, length, head_dim] each), and
+        their bytes (`SnapshotModel.snapshot`)."""
+        kept = [(layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
+                for layer in cache.layers]
+        return kept, sum(k.numel() * k.element_size() * 2 for k, _ in kept)
+
+    def restore(self, snapshot: Any, length: int) -> Any:
+        """A one-row `DynamicCache` with the snapshot's first `length` positions (views: `update` copies on
+        its next growth, so the snapshot is never written)."""
+        cache = self.new_cache()
+        for index, (keys, values) in enumerate(snapshot):
+            cache.update(keys[:, :, :length], values[:, :, :length], index)
+        return cache
+
     def release(self, cache: Any) -> None:
         """A local cache goes with its last reference."""
 
@@ -101,12 +126,31 @@ def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> bool:
 
     A stage's cache fills only its own layers' slots: the empty ones are left alone."""
     cache.batch_select_indices(rows)
-    if trim and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+    if trim and plain_layers(cache):
         for layer in cache.layers:
             if layer.keys is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
         return True
     return False
+
+
+def join_cache_rows(cache: Any, other: Any, pad: int, other_pad: int) -> Any:
+    """`cache`'s rows then `other`'s, per layer of two `DynamicCache`s: zero K/V columns on the left of the
+    narrower side (its mask is 0 there), concatenated on the batch axis. A stage's cache fills only its
+    own layers' slots: the empty ones are left alone."""
+    import torch.nn.functional as F
+
+    for mine, theirs in zip(cache.layers, other.layers):
+        if mine.keys is None or not mine.keys.numel():
+            continue
+        mine.keys = torch.cat([F.pad(mine.keys, (0, 0, pad, 0)), F.pad(theirs.keys, (0, 0, other_pad, 0))])
+        mine.values = torch.cat([F.pad(mine.values, (0, 0, pad, 0)), F.pad(theirs.values, (0, 0, other_pad, 0))])
+    return cache
+
+
+def plain_layers(cache: Any) -> bool:
+    """True when every layer of a `DynamicCache` is a plain `DynamicLayer` (no sliding window)."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
 
 
 def max_positions_of(config: Any) -> int:

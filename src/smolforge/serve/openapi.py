@@ -137,6 +137,13 @@ class Health(BaseModel):
     restarts: int
     batches: int
     largest_batch: int
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    prefix_evictions: int = 0
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
     error: str | None = None
 
 

@@ -5,18 +5,21 @@ run unchanged on top of it.
 Why a cache per batch id on the stage: the KV cache is as large as the layers' share of the
 activations of every past token, and it lives where its layers run. The client (the engine's
 process) only names the batch; prefill opens a cache, `select` cuts it down to the rows that go on
-(and drops left padding no row uses, as `Batch.keep` does locally), `drop` frees it.
+(and drops left padding no row uses, as `Batch.keep` does locally), `join` moves a newly prefilled
+batch's rows into a running one (per-step scheduling, `Batch.join`), `drop` frees it.
 
 Why numpy arrays at the boundary: a stage handle may be a remote actor, and nothing of ours
 pickles tensors over a network. bfloat16 has no numpy type: it travels as float32 (exact) and is
 cast back on arrival, so the chain computes what one process computes.
 
-A stage handle is any object with `forward`, `select`, `drop` and `info` as `StageServer` has them;
+A stage handle is any object with `forward`, `select`, `join`, `drop` and `info` as `StageServer` has
+them (one whose `info` does not say `joins` is batched statically);
 `ready()`, when present, is called before every batch (a remote handle re-places a dead actor there).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import uuid
@@ -28,7 +31,8 @@ import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import stop_ids
-from smolforge.serve.model import _check_servable, _with_adapter, max_positions_of, select_cache_rows
+from smolforge.serve.model import (_check_servable, _with_adapter, join_cache_rows, max_positions_of, plain_layers,
+                                   select_cache_rows)
 from smolforge.telemetry.memory import peak_rss_mb
 
 
@@ -151,11 +155,19 @@ class StageServer:
             raise StageError(f"stage {self.index} holds no cache for batch {batch_id}")
         return select_cache_rows(cache, torch.tensor(rows, dtype=torch.long, device=self.device), trim)
 
+    def join(self, batch_id: str, other_id: str, pad: int, other_pad: int) -> None:
+        """Batch `other_id`'s rows go on in batch `batch_id`'s cache (`join_cache_rows`); `other_id` is gone."""
+        cache, other = self.caches.get(batch_id), self.caches.pop(other_id, None)
+        if cache is None or other is None:
+            raise StageError(f"stage {self.index} holds no cache for batch {batch_id if cache is None else other_id}")
+        join_cache_rows(cache, other, pad, other_pad)
+
     def drop(self, batch_id: str) -> None:
         self.caches.pop(batch_id, None)
 
     def info(self) -> dict[str, Any]:
-        return {"index": self.index, "count": self.count, "layers": [self.stage.lo, self.stage.hi],
+        return {"joins": plain_layers(self.stage.new_cache()), "index": self.index, "count": self.count,
+                "layers": [self.stage.lo, self.stage.hi],
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
                 "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
                 "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -166,6 +178,8 @@ class StageHandle(Protocol):
                 start: bool = False, keep: int = 1) -> np.ndarray: ...
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool: ...
+
+    def join(self, batch_id: str, other_id: str, pad: int, other_pad: int) -> None: ...
 
     def drop(self, batch_id: str) -> None: ...
 
@@ -226,6 +240,18 @@ class StagedModel:
             raise StageError("the stages disagree on trimming the cache's left padding",
                              fix="serve a model whose layers all use plain (not sliding-window) attention caches")
         return trimmed.pop()
+
+    @functools.cached_property
+    def joins(self) -> bool:
+        """True when every stage's cache takes new rows (plain K/V layers): the engine then schedules per step."""
+        return all(stage.info().get("joins", False) for stage in self.stages)
+
+    def join_caches(self, cache: StagedCache, other: StagedCache, pad: int, other_pad: int) -> StagedCache:
+        """`other`'s rows go on in `cache`'s on every stage (`StageServer.join`)."""
+        for stage in self.stages:
+            stage.join(cache.id, other.id, pad, other_pad)
+        other.started = False  # gone on the stages: nothing to release
+        return cache
 
     def release(self, cache: StagedCache) -> None:
         errors = []

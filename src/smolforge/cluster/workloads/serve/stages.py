@@ -98,6 +98,9 @@ class StageActor:
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self.server.select(batch_id, rows, trim)
 
+    def join(self, batch_id: str, other_id: str, pad: int, other_pad: int) -> None:
+        self.server.join(batch_id, other_id, pad, other_pad)
+
     def drop(self, batch_id: str) -> None:
         self.server.drop(batch_id)
 
@@ -199,6 +202,9 @@ class RemoteStage:
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self._call("select", batch_id, rows, trim, timeout=self.group.step_timeout_s)
+
+    def join(self, batch_id: str, other_id: str, pad: int, other_pad: int) -> None:
+        self._call("join", batch_id, other_id, pad, other_pad, timeout=self.group.step_timeout_s)
 
     def drop(self, batch_id: str) -> None:
         if not self.broken:
