@@ -14,8 +14,9 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from smolforge.cli.aliases import seed_command
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
-from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, print_json, quiet_libraries,
+from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries,
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
@@ -70,7 +71,7 @@ def register(app: typer.Typer) -> None:
 def _register_launch(app: typer.Typer) -> None:
     """`launch`: every option of a data-parallel, model-parallel or distill job, as flags."""
 
-    @app.command(cls=RegistryHelp)
+    @app.command(cls=seed_command("launch"))
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
@@ -162,7 +163,7 @@ def _register_launch(app: typer.Typer) -> None:
 def _register_submit(app: typer.Typer) -> None:
     """`submit`: a job file as it is (with --set overrides)."""
 
-    @app.command()
+    @app.command(cls=seed_command("submit"))
     @run_cli
     def submit(
         job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}), distill (mode, distill: {...}) "
