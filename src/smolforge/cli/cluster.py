@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from smolforge.cli import probe
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, print_json, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
@@ -60,6 +61,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(worker_app, name="worker")
     app.add_typer(job_app, name="job")
     _register_nodes(coordinator_app, worker_app)
+    probe.register(worker_app)
     _register_overview(app)
     _register_listings(app)
     _register_job_control(job_app)
