@@ -12,6 +12,7 @@ replaced by a recorder: the settings are what the command would have run with.""
 
 from __future__ import annotations
 
+import json
 import shlex
 from types import SimpleNamespace
 
@@ -67,7 +68,7 @@ SOLLOL = [
      "--lora-r 16", {"num_workers": 2, "train.peft.r": 16}),
     ("launch-teacher-student", "launch --model small-llama --dataset "
      "examples/datasets/claude_ultimate_with_tools_621k.jsonl --workers 4 --mode teacher_student",
-     "--mode teacher_student needs a student model"),
+     "--mode teacher_student needs a student model, and no node holds a smaller model of the family of small-llama"),
 ]
 SMOLCLUSTER = [
     ("override-learning-rate", "launch --model tiny-llama --dataset bundled --override training.learning_rate=3e-4",
@@ -83,7 +84,7 @@ class Recorded(Exception):
 
 
 @pytest.fixture
-def record(monkeypatch):
+def record(monkeypatch, tmp_path):
     """Replace each command's work with a recorder of its settings."""
     import smolforge.cli.launch as launch
     import smolforge.cluster.face as face
@@ -91,6 +92,8 @@ def record(monkeypatch):
     import smolforge.split.trainer as trainer
 
     seen: dict = {}
+    (tmp_path / "empty-hub").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))  # the machine's own models stay out
 
     def keep(**what):
         seen.update(what)
@@ -172,3 +175,51 @@ def test_the_trunk_line_as_written_runs_to_the_device_on_this_machine(tmp_path, 
     result = CliRunner().invoke(app, line, env=ENV)
     assert result.exit_code == 2 and "--device cuda asked for, but no CUDA GPU is visible" in result.stderr, \
         result.output[-2000:]
+
+
+def _cached(cache, name: str, config: dict) -> None:
+    """A model in a Hugging Face cache layout (models--org--name/snapshots/<rev>/config.json)."""
+    snap = cache / f"models--{name.replace('/', '--')}" / "snapshots" / "0"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.soak  # sizes build models on the meta device: importing the model classes costs ~20 s under load
+def test_teacher_student_without_student_takes_the_teacher_family_s_smallest_held_model(record, tmp_path, monkeypatch):
+    """SOLLOL's line names no student: the smallest model of the teacher's family that a node holds is the
+    student (here the embedded cluster's one node: this machine's HF cache), said as the plan's first line;
+    a smaller model of another family and a bigger one of the teacher's are passed over."""
+    from smolforge.cli.main import app
+
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024)
+    cache = tmp_path / "hub"
+    _cached(cache, "org/mini-llama", llama)
+    _cached(cache, "org/big-llama", {**llama, "hidden_size": 512, "num_hidden_layers": 8})
+    _cached(cache, "org/nano-gpt2", dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=1024))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    line = SOLLOL[-1][1]
+    (tmp_path / line.split("--dataset ")[1].split()[0]).parent.mkdir(parents=True)
+    (tmp_path / line.split("--dataset ")[1].split()[0]).write_text('{"text": "hello"}\n')
+    result = CliRunner().invoke(app, shlex.split(line), env={**ENV, "HF_HUB_CACHE": str(cache)})
+    assert result.exit_code == 0, (result.exception, result.output[-2000:])
+    assert record["spec"]["distill"]["students"] == ["org/mini-llama"]
+    assert "plan: student org/mini-llama" in result.stderr and "the smallest model of the teacher's family" in result.stderr
+
+
+def test_the_client_line_finds_the_token_the_trunk_line_wrote(record, tmp_path, monkeypatch):
+    """The seeds' two lines name no token: `split serve` writes one for its clients ($SMOLFORGE_HOME/
+    split/token), and `split train` to a server on this machine reads it; to another machine, not."""
+    from smolforge.cli.main import app
+
+    monkeypatch.setenv("SMOLFORGE_HOME", str(tmp_path))
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "token").write_text("t0ken-written-by-serve\n")
+    monkeypatch.chdir(tmp_path)
+    local = CliRunner().invoke(app, shlex.split(dict((r[0], r[1]) for r in SPLITLEARN)["client-qwen2"]), env=ENV)
+    assert local.exit_code == 0 and record["token"] == "t0ken-written-by-serve", local.output[-2000:]
+    assert "using the token `split serve` wrote" in local.stderr
+    record.clear()
+    remote = CliRunner().invoke(app, shlex.split(dict((r[0], r[1]) for r in SPLITLEARN)["client-ex3-remote"]), env=ENV)
+    assert remote.exit_code == 0 and record["token"] is None, remote.output[-2000:]

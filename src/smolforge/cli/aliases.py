@@ -221,6 +221,7 @@ def check_model_type(wanted: str, model: str | None) -> None:
     """SplitLearn's `--model-type T` against the model's own config: the family of T must be the
     family of the model (`models.families`); one that is not registered, or another, is refused."""
     from smolforge.cli.common import quiet_libraries
+    from smolforge.models.default_student import model_config
     from smolforge.models.families import family_of, registered
 
     quiet_libraries()  # a preset or twin named here is built now: no progress bars
@@ -237,30 +238,6 @@ def check_model_type(wanted: str, model: str | None) -> None:
     if config is not None and type(family_of(config)) is not type(family_of(wanted)):
         raise SmolforgeError(f"--model-type {wanted}, but {model} is a {config.get('model_type')} model",
                              fix=f"drop --model-type (the family is read from the model), or name a {wanted} model")
-
-
-def model_config(model: str) -> dict | None:
-    """The model's config.json as a dict: a preset's or twin's from the code that builds it (nothing is
-    built here), else from its directory or the local Hugging Face cache; None when it is not here (the
-    command's own load then says why)."""
-    from smolforge.models import tiny, twins
-    from smolforge.models.loading import resolve_model
-
-    if tiny.is_preset(model):
-        return {"model_type": tiny.PRESETS[model][0]}
-    if twins.is_twin(model):
-        return twins.twin_config(*twins.parse(model))
-    resolved = resolve_model(model)
-    path = Path(resolved) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(resolved, "config.json")
-        path = Path(cached) if isinstance(cached, str) else path
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def local_dataset(name: str | None, config: str | None) -> str:
