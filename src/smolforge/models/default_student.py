@@ -5,7 +5,7 @@ Llama-2-13b into TinyLlama students without naming them).
 A model's family and size come from its config: a preset's or twin's from the code that builds it,
 anything else from its directory or the local Hugging Face cache (`model_config`); a held model whose
 config is not on this machine is left out. Sizes are parameter counts of the model built on the meta
-device (`placement.model_info`: no memory used).
+device (`stage_costs.model_info`: no memory used).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def parameter_count(config: dict) -> int:
     import torch
     from transformers import AutoConfig
 
-    from smolforge.models.placement import model_info
+    from smolforge.models.stage_costs import model_info
 
     body = {k: v for k, v in config.items() if k != "model_type"}
     info = model_info(AutoConfig.for_model(config["model_type"], **body), torch.float32)
