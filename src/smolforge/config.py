@@ -281,8 +281,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# `--set`/`--override` keys as the seed documents (SmolCluster, SplitLearn, HF Trainer habits) name them ->
+# ours, where the meaning is the same: `cli/aliases.py` rewrites them, and `_did_you_mean` offers ours for
+# a key close to one of them (`learning_rat` -> `lr`)
+SEED_KEYS: dict[str, str] = {
+    "learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum", "max_seq_length": "data.max_length",
+    "max_train_samples": "data.max_samples", "lora_rank": "peft.r", "lora_r": "peft.r", "lora_alpha": "peft.alpha",
+    "lora_dropout": "peft.dropout", "eval_steps": "eval_every", "save_steps": "save_every",
+    "logging_steps": "log_every",
+}
+
+
 def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
-    """For an unknown key, the closest known one at that level (`bach_size` → `batch_size`)."""
+    """For an unknown key, the closest known one at that level (`bach_size` → `batch_size`), or ours for a
+    key close to a seed's name (`SEED_KEYS`: `learning_rat` → `lr`)."""
     if error.get("type") != "extra_forbidden":
         return ""
     model: Any = cls
@@ -292,7 +305,10 @@ def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return ""
     close = difflib.get_close_matches(str(error["loc"][-1]), list(model.model_fields), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    seed = difflib.get_close_matches(str(error["loc"][-1]), list(SEED_KEYS), n=1)
+    return f" (did you mean {SEED_KEYS[seed[0]]!r}? the seeds' {seed[0]!r})" if seed else ""
 
 
 def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):

@@ -178,11 +178,19 @@ class Orchestrator(DistillTasks):
         """Watch tasks until each is completed, failed or cancelled (or paused).
 
         `callback(task_id, status)` runs whenever a task's state or progress changes; status holds
-        state, progress, node (and nodes), samples_done/total, eta_s and error. Any process can follow
+        state, progress, node (and nodes), samples_done/total, eta_s and error. Without a callback the
+        seeds' progress lines are printed (`[⠋] Task ID - RUNNING (node)`, `[✓] All tasks completed`). Any process can follow
         any task (ids are `<job>-<task>`); this orchestrator's own tasks also bring their outputs to the
         paths their calls named when their job completes. A coordinator that is restarting is waited
         for (UNREACHABLE_GRACE_S).
         """
+        if callback is None:  # the seeds' lines (telemetry/task_lines.py), and theirs to close
+            from smolforge.telemetry.task_lines import SeedLines
+
+            lines = SeedLines()
+            statuses = self.monitor_tasks(task_ids, lines, poll, timeout)
+            lines.done(statuses)
+            return statuses
         deadline = None if timeout is None else time.time() + timeout
         last: dict[str, tuple] = {}
         statuses: dict[str, dict] = {}
@@ -194,8 +202,7 @@ class Orchestrator(DistillTasks):
                 key = (st.get("state"), round(float(st.get("progress") or 0.0), 4), st.get("node"))
                 if last.get(tid) != key:
                     last[tid] = key
-                    if callback:
-                        callback(tid, st)
+                    callback(tid, st)
             if got is not None and all(s.get("state") in FINAL_STATES + ("paused",) for s in statuses.values()) \
                     and not any(self._publishing(tid, st) for tid, st in statuses.items()):
                 return statuses

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from smolforge.cli import probe
+from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, console, print_json, run_cli
 from smolforge.cli.follow import finish_job, wait_with_progress
 from smolforge.cli.tables import add_row, comm_line, job_line, usage_text, jobs_table, nodes_table, status_tree
@@ -59,6 +61,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(worker_app, name="worker")
     app.add_typer(job_app, name="job")
     _register_nodes(coordinator_app, worker_app)
+    probe.register(worker_app)
     _register_overview(app)
     _register_listings(app)
     _register_job_control(job_app)
@@ -106,7 +109,7 @@ def _register_nodes(coordinator_app: typer.Typer, worker_app: typer.Typer) -> No
             raise
         coord.serve(announce=lambda text: typer.echo(text, err=False) or __import__("sys").stdout.flush())
 
-    @worker_app.command("join")
+    @worker_app.command("join", cls=seed_command("worker join"))
     @run_cli
     def worker_join(
         coordinator: str = typer.Argument(..., help="the coordinator's HOST:PORT, or https://HOST:PORT"),

@@ -14,8 +14,9 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from smolforge.cli.aliases import seed_command
 from smolforge.cli.cluster import COORD_HELP, STATE_HELP, TOKEN_HELP, _backend
-from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, print_json, quiet_libraries,
+from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, print_json, quiet_libraries,
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
@@ -70,7 +71,7 @@ def register(app: typer.Typer) -> None:
 def _register_launch(app: typer.Typer) -> None:
     """`launch`: every option of a data-parallel, model-parallel or distill job, as flags."""
 
-    @app.command(cls=RegistryHelp)
+    @app.command(cls=seed_command("launch"))
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
@@ -162,7 +163,7 @@ def _register_launch(app: typer.Typer) -> None:
 def _register_submit(app: typer.Typer) -> None:
     """`submit`: a job file as it is (with --set overrides)."""
 
-    @app.command()
+    @app.command(cls=seed_command("submit"))
     @run_cli
     def submit(
         job_file: Path = typer.Argument(..., help="a job YAML: kind data_parallel (num_workers, train: {...}), distill (mode, distill: {...}) "
@@ -207,6 +208,9 @@ def _export_after(o: dict[str, Any]) -> Callable[[Path], dict] | None:
     """`launch --export`, checked before anything starts: what exports the adapter once the job is done."""
     export, mode, student = o["export"], o["mode"], o["student"]
     check_run_export(export, o["peft"] or "lora")
+    if export and mode in ("teacher_student", "hybrid") and not student:
+        raise SmolforgeError("--export needs the student named: give --student (without it the student is "
+                             "picked when the job is planned)", fix="add --student NAME, or drop --export")
     if export and mode in ("teacher_student", "hybrid") and len(set(student)) > 1:
         raise SmolforgeError("--export with several student bases: use `smolforge distill --export`, which "
                              "exports each base's adapter", fix="give one --student, or drop --export")
@@ -338,9 +342,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     from smolforge.config import validate
     from smolforge.distill.settings import check_run
 
-    if not students:
-        raise SmolforgeError(f"--mode {mode} needs a student model",
-                             fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
+    if not students:  # the seeds name none: the teacher family's smallest model a node holds
+        students = [_default_student(teacher, mode, o["coordinator"], o["token"], o["state_dir"])]
     given = [flag for flag, value in unsupported.items() if value]
     if given:
         raise SmolforgeError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode data_parallel only",
@@ -367,6 +370,34 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
                        output_dir=o["output_dir"], on_completed=fetch_distill_summary, after=o.get("after"))
+
+
+def _default_student(teacher: str, mode: str, coordinator: str | None, token: str | None,
+                     state_dir: str | None) -> str:
+    """`--mode teacher_student|hybrid` without --student: the smallest model of the teacher's family that a
+    node holds (the coordinator's nodes; embedded: this machine's models), said as the plan's first line;
+    none is one message naming --student."""
+    from smolforge.client import backend_for
+    from smolforge.models.default_student import default_student
+
+    try:
+        backend = backend_for(coordinator, token, state_dir, embedded_ok=False)
+    except SmolforgeError:  # no coordinator: the embedded cluster is this machine
+        from smolforge.cluster import face
+
+        held = {name: where for name, where in face.discover_models(None, use_ollama=False).items()
+                if not where.startswith("alias:")}
+    else:
+        with backend:
+            held = {m: None for n in backend.list_nodes() if n.get("state") != "dead" for m in n.get("models") or []}
+    found = default_student(teacher, held)
+    if found is None:
+        raise SmolforgeError(f"--mode {mode} needs a student model, and no node holds a smaller model of the "
+                             f"family of {teacher}", fix="add --student NAME (e.g. --student tiny-llama); --model is the teacher")
+    name, size, teacher_size = found
+    typer.echo(f"plan: student {name} ({size / 1e6:.2f}M parameters), the smallest model of the teacher's family a "
+               f"node holds (teacher {teacher}: {teacher_size / 1e6:.2f}M); --student picks another", err=True)
+    return name
 
 
 def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import typer
 
+from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, check_port, cli_token, print_json, quiet_libraries, run_cli
 from smolforge.errors import SmolforgeError
 
@@ -36,7 +37,7 @@ SPLIT_POINT_1 = typer.Option(..., "--split-point-1", help="bottom = embeddings +
 SPLIT_POINT_2 = typer.Option(..., "--split-point-2", help="trunk = layers [A, B); top = layers [B, n) + norm + head")
 
 
-@split_app.command("serve")
+@split_app.command("serve", cls=seed_command("split serve"))
 @run_cli
 def serve_cmd(
     model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
@@ -98,7 +99,7 @@ def serve_cmd(
         server.stop(1.0)
 
 
-@split_app.command("train")
+@split_app.command("train", cls=seed_command("split train"))
 @run_cli
 def train_cmd(
     model: str = typer.Option(..., help="the same model the server was started with"),
@@ -157,7 +158,7 @@ def train_cmd(
 
     values: dict[str, Any] = dict(
         model=model, split_point_1=split_point_1, split_point_2=split_point_2, server_host=server_host,
-        server_port=server_port, token=cli_token(token, token_file), tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
+        server_port=server_port, token=cli_token(token, token_file) or local_token(server_host), tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
         lora_alpha=lora_alpha, lora_dropout=lora_dropout, batch_size=batch_size, learning_rate=learning_rate,
         weight_decay=weight_decay, num_epochs=num_epochs, max_steps=max_steps, dataset=dataset, data_format=data_format,
         max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
@@ -175,6 +176,22 @@ def train_cmd(
     elif not quiet:
         typer.echo(f"done: {result.steps} steps, final loss {result.final_loss}, adapter {result.adapter_dir}",
                    err=True)
+
+
+def local_token(server_host: str) -> str | None:
+    """For a trunk server on this machine given no token: the one `split serve` wrote for its clients
+    ($SMOLFORGE_HOME/split/token), so the seeds' two lines, which name no token, work as written; said
+    on stderr. None elsewhere (the client then says the server wants a token)."""
+    from smolforge.net import is_loopback
+    from smolforge.paths import home
+
+    path = home() / "split" / "token"
+    if os.environ.get(TOKEN_ENV) or not is_loopback(server_host) or not path.is_file():
+        return None
+    from smolforge.auth import read_token_file
+
+    typer.echo(f"using the token `split serve` wrote to {path} (the server is on this machine)", err=True)
+    return read_token_file(str(path))
 
 
 @split_app.command("merge")

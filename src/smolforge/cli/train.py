@@ -16,6 +16,7 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
+from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, validate
 from smolforge.errors import SmolforgeError
@@ -79,7 +80,7 @@ def register(app: typer.Typer) -> None:
 def _register_train(app: typer.Typer) -> None:
     """`train`: fine-tune on this machine (the single-worker engine)."""
 
-    @app.command()
+    @app.command(cls=seed_command("train"))
     @run_cli
     def train(
         model: Optional[str] = typer.Option(None, help="HF id, local dir, Ollama name or preset (tiny-llama)"),

@@ -89,6 +89,10 @@ def holds_jobs(given: object) -> bool:
 
 _LAZY = {
     "check_node_name": "smolforge.cluster.nodes.discovery",
+    "check_models_dir": "smolforge.cluster.nodes.discovery",
+    "discover": "smolforge.cluster.nodes.discovery",
+    "discover_models": "smolforge.cluster.nodes.discovery",
+    "by_backend": "smolforge.cluster.nodes.discovery",
     "check_port": "smolforge.cluster.nodes.statedir",
     "WorkerNode": "smolforge.cluster.nodes.worker",
     "WorkerOptions": "smolforge.cluster.nodes.worker",
