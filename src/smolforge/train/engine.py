@@ -28,6 +28,7 @@ from smolforge.data.collate import collate
 from smolforge.data.encode import IGNORE, fold_note
 from smolforge.data.splits import Splits
 from smolforge.errors import SmolforgeError
+from smolforge.models.kinds import model_kind
 from smolforge.models.loading import load_model, load_tokenizer
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
 from smolforge.models.tied import tied_change
@@ -260,6 +261,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     source (`SampleSource`) and the loss (token cross-entropy).
     """
 
+    kind = model_kind(cfg.model)  # a registered kind that is not a language model (`--model mlp`)
+    if kind is not None:
+        from smolforge.train.kind_run import train_kind  # it builds on this module's pieces
+
+        return train_kind(cfg, kind, hooks, strategy)
     hooks = hooks or TrainHooks()
     strategy = strategy or Strategy()
     t_start = time.perf_counter()
