@@ -49,7 +49,8 @@ class RowSource:
 
 def evaluate_rows(kind: ModelKind, model: torch.nn.Module, data: Tabular, batch_size: int, device: torch.device,
                   strategy: Strategy) -> dict[str, float]:
-    """Held-out mean loss and accuracy (fraction of rows classified right), every rank's shard summed."""
+    """Held-out mean loss and accuracy (fraction of rows classified right), every rank's shard summed;
+    {} where the strategy gives this rank no held-out rows to count."""
     idx = strategy.shard(list(range(len(data.eval_y))))
     loss_sum = correct = 0.0
     with strategy.whole_model(model), torch.no_grad():
@@ -62,4 +63,6 @@ def evaluate_rows(kind: ModelKind, model: torch.nn.Module, data: Tabular, batch_
             correct += kind.correct(logits, batch)
         model.train(was_training)
     loss_sum, correct, total = strategy.reduce([loss_sum, correct, float(len(idx))], device)
-    return {"eval_loss": loss_sum / max(1.0, total), "accuracy": correct / max(1.0, total)}
+    if not total:  # a rank the strategy leaves out of evaluation (a parameter server's worker but the first)
+        return {}
+    return {"eval_loss": loss_sum / total, "accuracy": correct / total}
