@@ -1,18 +1,20 @@
 """Feature-row datasets by name (`--dataset digits`): the data of the non-language model kinds (`models.kinds`).
 
 Each is (features float32 [rows, n_features], labels int64 [rows]), split once into train and held-out
-rows by a fixed seeded permutation, so every rank and every run holds out the same rows.
+rows by a fixed seeded permutation, so every rank and every run holds out the same rows. Every node
+resolves these names itself (`data.synthetic.BUILTIN_DATASETS`): a job uploads nothing for them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:
+    import torch
 
 HELD_OUT = 0.2  # fraction of rows held out for evaluation
 SPLIT_SEED = 0
@@ -44,6 +46,7 @@ class Tabular:
 
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 handwritten digits (1797 rows, shipped with the package: no download), pixels / 16."""
+    import torch
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -51,6 +54,8 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 DATASETS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {"digits": _digits}
+"""Name -> loader; importing this module loads neither torch nor scikit-learn (the job checks read the names)."""
+TABULAR_DATASETS = tuple(DATASETS)
 
 
 def load_tabular(name: str) -> Tabular:
@@ -58,6 +63,8 @@ def load_tabular(name: str) -> Tabular:
     if name not in DATASETS:
         raise SmolforgeError(f"no feature-row dataset named {name!r}", where="--dataset",
                              fix=f"use one of: {', '.join(sorted(DATASETS))}")
+    import torch
+
     x, y = DATASETS[name]()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
     n_eval = int(len(y) * HELD_OUT)

@@ -331,7 +331,7 @@ def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = Non
     device = prepare_process(cfg.num_threads, cfg.device, strategy)
     torch.manual_seed(cfg.seed)
     refuse_used_output_dir(cfg)
-    data = load_tabular(str(cfg.data.path) if cfg.data.path not in (None, "", "bundled") else kind.default_dataset)
+    data = load_tabular(str(cfg.data.path))  # `--dataset digits`: a name every node resolves (data.tabular)
     model = kind.build(data.n_features, data.n_classes).to(device)
     if hooks.on_model:
         hooks.on_model(model)

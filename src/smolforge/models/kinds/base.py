@@ -18,7 +18,6 @@ class ModelKind:
     """
 
     name: ClassVar[str] = ""
-    default_dataset: ClassVar[str] = ""
 
     def build(self, n_features: int, n_classes: int) -> nn.Module:
         """The untrained module (float32, on CPU), drawn from torch's global RNG."""

@@ -30,7 +30,6 @@ class Mlp(nn.Sequential):
 @register
 class MlpKind(ModelKind):
     name = "mlp"
-    default_dataset = "digits"
 
     def build(self, n_features: int, n_classes: int) -> nn.Module:
         return Mlp(n_features, n_classes)
