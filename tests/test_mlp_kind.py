@@ -84,3 +84,11 @@ def test_mlp_digits_under_a_parameter_server(tmp_path, name, config):
                                 peft=PeftSpec(method="none"), max_steps=STEPS, lr=1e-2, warmup_steps=0)
     assert server.progress() == STEPS
     assert results[0].eval["accuracy"] >= 0.90, [r.eval for r in results]
+
+
+def test_a_model_kind_is_built_from_code_on_every_node():
+    """Placement treats `--model mlp` as held everywhere (like a preset), and the names check loads nothing."""
+    from smolforge.models.names import built_from_code, check_local_model
+
+    assert built_from_code("mlp") and check_local_model("mlp") is None
+    assert not built_from_code("no-such-kind")

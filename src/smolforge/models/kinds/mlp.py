@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from smolforge.models.kinds import register
 from smolforge.models.kinds.base import ModelKind
 
 HIDDEN = 128
@@ -27,7 +26,6 @@ class Mlp(nn.Sequential):
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(Path(out) / "model.safetensors"))
 
 
-@register
 class MlpKind(ModelKind):
     name = "mlp"
 
