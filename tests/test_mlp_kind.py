@@ -24,7 +24,7 @@ DILOCO = {"inner_steps": 5, "outer_lr": 1.0, "outer_momentum": 0.5}
 def mlp_cfg(out: Path, world: int = 1, **kw) -> dict:
     base = {"model": "mlp", "data": {"path": "digits"}, "output_dir": str(out), "max_steps": STEPS,
             "batch_size": BATCH // world, "lr": 1e-2, "seed": 3, "device": "cpu", "precision": "fp32",
-            "num_threads": 1, "quiet": True, "tensorboard": False, "peft": {"method": "none"}}
+            "num_threads": 1, "quiet": True, "tensorboard": False}  # peft: the default (a kind trains whole)
     base.update(kw)
     return base
 
@@ -39,7 +39,8 @@ def _ranks(rank: int, root: Path, names: list[str]) -> dict:
     for name in names:
         strategy = make_strategy(name, DILOCO if name == "diloco" else {})
         r = train(TrainConfig.model_validate(mlp_cfg(root / name, world=2)), strategy=strategy)
-        got[name] = {"eval": r.eval, "steps": r.steps, "samples": r.samples, "last": r.last_step_loss}
+        got[name] = {"eval": r.eval, "steps": r.steps, "samples": r.samples, "last": r.last_step_loss,
+                     "adapter": r.adapter_dir}
     return got
 
 
@@ -50,6 +51,7 @@ def _check(by_rank: dict, name: str) -> None:
     assert by_rank[0][name]["steps"] == STEPS and by_rank[0][name]["samples"] == STEPS * BATCH
     # a classifier's loss is normalised by rows: each rank's part of the last step is its BATCH // 2 rows
     assert [by_rank[r][name]["last"].tokens for r in (0, 1)] == [BATCH // 2] * 2
+    assert (Path(by_rank[0][name]["adapter"]) / "model.safetensors").is_file()  # the whole module, written
 
 
 def test_mlp_digits_under_ddp_and_diloco(tmp_path):

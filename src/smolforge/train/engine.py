@@ -324,8 +324,11 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
 
 def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = None,
                strategy: Strategy | None = None) -> TrainResult:
-    """Train `kind` on the dataset `cfg.data.path` names (default: the kind's) under `strategy`; every
-    parameter trains (cfg.peft is not asked). Returns the summary, held-out accuracy in `eval`."""
+    """Train `kind` on the feature-row dataset `cfg.data.path` names (`data.tabular`: "digits") under
+    `strategy`; every parameter trains (whatever cfg.peft says: the run is a full one, its weights written
+    to `none_adapter/model.safetensors`). Returns the summary, held-out `accuracy` and `eval_loss` in `eval`.
+    Raises SmolforgeError for an unknown dataset name."""
+    cfg = cfg.model_copy(update={"peft": cfg.peft.model_copy(update={"method": FULL})})
     hooks, strategy = hooks or TrainHooks(), strategy or Strategy()
     t_start = time.perf_counter()
     device = prepare_process(cfg.num_threads, cfg.device, strategy)
@@ -343,7 +346,6 @@ def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = Non
     source = RowSource(data, order, total_steps(cfg, order), cfg.batch_size, strategy)
     strategy.step_tokens = source.step_tokens
     settings = run_settings(cfg, strategy, meaning)
-    settings.peft_method = FULL  # the whole module trains: its weights are what the run writes
 
     def summarize(o: Outcome) -> TrainResult:
         result = TrainResult(output_dir=str(Path(cfg.output_dir)), adapter_dir=o.adapter_dir, steps=o.steps,
