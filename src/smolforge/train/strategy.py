@@ -364,6 +364,10 @@ class Strategy:
         its shards of it, the others read it whole."""
         self.load_optimizer_state(optimizer, tensors.optimizer_state())
 
+    def count_checkpoint_read(self, nbytes: int) -> None:
+        """`nbytes` more were read from a checkpoint on resume (`checkpoint_bytes_read`; a sharded strategy: its shards)."""
+        self.checkpoint_bytes_read += nbytes
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Strategies with state of their own (an outer optimizer, a staleness clock) restore it."""
 
