@@ -38,8 +38,10 @@ def test_a_strategy_reads_its_rank_from_its_context():
 
 def _sets_from_outside(path: Path) -> list[str]:
     """`x.strategy.attr = ...` or `strategy.attr = ...` outside a strategy's own methods: 'line: target'."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    found, text = [], path.read_text()
+    if "strategy." not in text:  # nothing to find: not parsed (the scan stays cheap)
+        return found
+    for node in ast.walk(ast.parse(text)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) else []
         for t in (e for target in targets for e in (target.elts if isinstance(target, ast.Tuple) else [target])):
@@ -65,8 +67,8 @@ def test_a_round_plan_carries_the_settings_checked_at_submit_with_their_defaults
     from smolforge.cluster.control.specs import DataParallelJob
     from smolforge.cluster.workloads.data_parallel.worker_group import rank_task
 
-    job = DataParallelJob.model_validate({"train": {"model": "tiny-llama", "data": {"path": "bundled"}, "batch_size": 2},
-                                          "num_workers": 2, "strategy": "sync-ps",
+    train = {"model": "tiny-llama", "data": {"path": "bundled"}, "batch_size": 2}
+    job = DataParallelJob.model_validate({"train": train, "num_workers": 2, "strategy": "sync-ps",
                                           "strategy_config": {"pull_every": 3}})
     plan = rank_task(job, 2)
     defaults = strategy_class("sync-ps").Settings().model_dump()

@@ -1,4 +1,5 @@
-"""What a data-parallel rank is asked to do (`RankPlan`) and what it hands back (`RankResult`): one typed object each way.
+"""What a data-parallel rank is asked to do (`RankPlan`) and what it hands back (`RankResult`): one typed object
+each way.
 
 Why typed objects rather than a config dict and loose arguments: a job's spec is validated once, at
 submit; the rank receives the `TrainConfig` that validation made (this round's batch per rank in it)

@@ -365,7 +365,8 @@ class Strategy:
         self.load_optimizer_state(optimizer, tensors.optimizer_state())
 
     def count_checkpoint_read(self, nbytes: int) -> None:
-        """`nbytes` more were read from a checkpoint on resume (`checkpoint_bytes_read`; a sharded strategy: its shards)."""
+        """`nbytes` more were read from a checkpoint on resume (`checkpoint_bytes_read`; a sharded strategy: its
+        shards only)."""
         self.checkpoint_bytes_read += nbytes
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
