@@ -135,3 +135,14 @@ def test_the_seeds_split_train_line_reads_a_cached_wikitext(hub, offline, tmp_pa
     (jsonl,) = offline.glob("*.jsonl")
     assert seen and seen[0].dataset == str(jsonl)
     assert _rows(offline)[0] == {"text": " = Article 0 = \n"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--data", "bundled", "--dataset-name", "acme/tiny_notes"], "both --data bundled and --dataset-name acme/tiny_notes"),
+    (["--data", "bundled", "--dataset-split", "test"], "--dataset-split needs --dataset-name"),
+    (["--dataset-name", "bundled", "--dataset-column", "text"], "--dataset-column: bundled is a local dataset"),
+], ids=["both", "split-without-name", "column-of-a-file"])
+def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, offline, tmp_path):
+    proc = _train(tmp_path, *args)
+    assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]
+    assert proc.stderr.count("error:") == 1 and "\n  fix:" in proc.stderr and "Traceback" not in proc.output

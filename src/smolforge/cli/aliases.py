@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -241,16 +239,11 @@ def check_model_type(wanted: str, model: str | None) -> None:
 
 
 def local_dataset(name: str | None, config: str | None) -> str:
-    """SplitLearn's `--dataset-name N [--dataset-config C]` as our --dataset: 'bundled', a local file,
-    or a Hugging Face dataset (cache, save_to_disk or Hub-layout directory) written once as JSONL by
-    `smolforge.data.hub`; a name not cached is refused with the command that caches it."""
+    """SplitLearn's `--dataset-name N [--dataset-config C]` as our --dataset: what train's and launch's
+    --dataset-name read (`cli.hubdata.by_name`: 'bundled', a local file, or a Hugging Face dataset
+    read offline and written once as JSONL; a name not cached is refused with the command that caches it)."""
     if name is None:
         raise SmolforgeError(f"--dataset-config {config} needs --dataset-name", fix="add --dataset-name NAME")
-    if name == "bundled" or Path(os.path.expanduser(name)).is_file():
-        if config is not None:
-            raise SmolforgeError(f"--dataset-config {config}: {name} is a local dataset, which has no configs",
-                                 fix="drop --dataset-config")
-        return name
-    from smolforge.data.hub import dataset_to_jsonl
+    from smolforge.cli.hubdata import by_name
 
-    return str(dataset_to_jsonl(name, config))
+    return by_name(name, config)
