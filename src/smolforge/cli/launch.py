@@ -20,6 +20,7 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, pri
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
@@ -75,7 +76,11 @@ def _register_launch(app: typer.Typer) -> None:
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
-        dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
+        dataset: Optional[str] = typer.Option(None, help="JSONL file (uploaded to the coordinator), or 'bundled'"),
+        dataset_name: DatasetNameOpt = None,
+        dataset_config: DatasetConfigOpt = None,
+        dataset_split: DatasetSplitOpt = None,
+        dataset_column: DatasetColumnOpt = None,
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
         strategy: StrategyOpt = None,
         stages: StagesOpt = None,
@@ -148,6 +153,9 @@ def _register_launch(app: typer.Typer) -> None:
 
         Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
         """
+        dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset")
+        if dataset is None:
+            raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
         after = _export_after(flags)
         if mode == "split":
