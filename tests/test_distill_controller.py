@@ -146,6 +146,17 @@ def test_a_group_that_loses_a_rank_restarts_whole_on_one_budget():
     assert plan(run, [A], now=0) == [Place(("student-0", "student-1"), ("a", "a"), 1)]
 
 
+def test_a_rank_lost_after_its_group_finished_counts_as_completed_else_the_group_restarts_whole():
+    g = "student-0"
+    placed = [student("student-0", group=g), student("student-1", group=g),
+              TaskPlaced("student-0", "a", 0), TaskPlaced("student-1", "b", 0)]
+    run = run_of(*placed, TaskEnded("student-0", "completed", 0), TaskFailed("student-1", "gone", True, 0))
+    assert [run.tasks[t].state for t in ("student-0", "student-1")] == ["completed", "completed"]
+    assert run.failures == {}  # nothing to retry: the group's adapter is written
+    run = run_of(*placed, TaskEnded("student-1", "completed", 0), TaskFailed("student-0", "gone", True, 0))
+    assert [(run.tasks[t].state, run.tasks[t].attempt) for t in ("student-0", "student-1")] == [("waiting", 1)] * 2
+
+
 def test_a_lost_node_fails_its_teacher_and_restarts_its_student():
     run = run_of(teacher(shards=(0,)), student("student-0"), TaskPlaced("teacher-0", "a", 0),
                  TaskPlaced("student-0", "a", 0), NodeLost("a"), num_shards=1)
@@ -204,7 +215,7 @@ def test_no_event_sequence_leaves_a_task_both_running_and_restarted(events):
             old = before.tasks.get(tid)
             if old is not None and t.attempt > old.attempt:  # restarted by this event: not running, nowhere
                 assert t.state == "waiting" and t.node_id is None
-            if old is not None and old.state not in ACTIVE:  # an ended task never comes back
+            elif old is not None and old.state not in ACTIVE:  # an ended task comes back only restarted
                 assert t == old
         placing = [tid for a in plan(run, [A, N("b")], now=20) if isinstance(a, Place) for tid in a.task_ids]
         assert len(placing) == len(set(placing))  # one start per task per plan

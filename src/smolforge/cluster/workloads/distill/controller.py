@@ -13,7 +13,8 @@ The shape of a run:
 - a student task (or a ddp group of them, which start and stop together) is placed, starts,
   reports progress and ends `completed`, `paused` or `cancelled`. A student whose worker was lost
   restarts from its checkpoint under the run's one `FailurePolicy` (a group spends one budget); an
-  error of its own is not retried. Every start is an attempt; an event of an earlier attempt is
+  error of its own is not retried (a group restarts whole, a member that had ended too, unless its
+  leader has completed: then a rank lost after it counts as completed). Every start is an attempt; an event of an earlier attempt is
   stale and changes nothing, so a restarted task is never also running.
 - a student that finds no node waits (`Queued`); one that no live node could run at all, were
   they idle, fails after `replace_timeout_s` from `Queued(..., unplaceable=True)`.
@@ -279,6 +280,8 @@ def _failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRun:
     if task.kind == "teacher":
         return _teacher_failed(run, task, event)
     members = run.members(task.task_id)
+    if len(members) > 1 and members[0].state == "completed":  # trained and written: its part is in the adapter
+        return _put(run, replace(task, state="completed", node_id=None))
     subject = task.task_id if len(members) == 1 else f"group:{members[0].task_id}"
     policy = FailurePolicy(run.max_restarts, counts=dict(run.failures))
     decision = policy.on_failure(f"{task.task_id} " + ("lost its worker" if event.worker_lost else "failed")

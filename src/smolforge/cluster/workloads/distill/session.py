@@ -9,6 +9,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
+from smolforge.cluster.control.distill_placement import freest_node
 from smolforge.cluster.workloads.distill.state import BROKER_LOST_S, PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.students import StudentTasks
 from smolforge.cluster.workloads.distill.teachers import TeacherTasks
@@ -176,9 +177,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
                 if not store.items:
                     store.items = prompts_from_dataset(store.plan.dataset)
-                busy = self._busy_cpus()
-                nodes.sort(key=lambda n: busy.get(n.node_id, 0.0))
-                self._launch_teacher(store, [sid], nodes[0], note=" (regenerating a corrupt shard)")
+                self._launch_teacher(store, [sid], freest_node(nodes, self._busy_cpus()),
+                                     note=" (regenerating a corrupt shard)")
             except SmolforgeError as err:
                 store.broker.fail.remote(str(err))
 

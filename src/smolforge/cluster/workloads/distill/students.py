@@ -16,13 +16,13 @@ from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.sync import DataParallelSync, make_sync
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
+from smolforge.cluster.control.distill_placement import pick_group_nodes
 from smolforge.cluster.control.policy import Decision
 from smolforge.cluster.workloads.distill.seed_args import student_args
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import pick_student_node
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
@@ -207,6 +207,17 @@ class StudentTasks(StudentGroups):
         gone = set(task.spec.get("lost_nodes") or ())
         return [n for n in nodes if n.node_id not in gone]
 
+    def _pick_nodes(self, members: list[DistillTask], busy: dict[str, float], teachers: set[str],
+                    hybrid: bool) -> list[Any] | None:
+        """One node per member (`distill_placement.pick_group_nodes`), or None: the group waits. Records
+        on every member since when no live nodes could run the group at all, were they idle
+        (`no_node_since`, one verdict for the group: its members fail together, `_fail_unplaceable`)."""
+        eligible = [self._student_nodes(m) for m in members]
+        since = None if self._could_run(members, eligible[0]) else members[0].spec.get("no_node_since") or time.time()
+        for q in members:
+            q.spec["no_node_since"] = since
+        return pick_group_nodes([(m.cpus, e) for m, e in zip(members, eligible)], busy, teachers, hybrid=hybrid)
+
     def _place_student(self, task: DistillTask, node=None) -> bool:
         """Start the student on `node` (or the freest eligible node); queue it when all are busy.
 
@@ -226,28 +237,17 @@ class StudentTasks(StudentGroups):
             teachers = {t.node_id for t in st.tasks.values()
                         if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
             hybrid = getattr(self, "mode", "") == "hybrid"
-            picks = []
-            for m in members:
-                pick = node if node is not None and len(members) == 1 else None
-                if pick is None:
-                    eligible = self._student_nodes(m)
-                    since = None if self._could_run(members, eligible) else m.spec.get("no_node_since") or time.time()
-                    for q in members:  # one verdict for the group: its members fail together (`_fail_unplaceable`)
-                        q.spec["no_node_since"] = since
-                    free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
-                    pick = pick_student_node(free, m.cpus, teachers, hybrid=hybrid)
-                if pick is None:
-                    for q in members:
-                        if not q.queued:
-                            q.queued = True
-                            why = ("no live node can run it; waiting for one to join" if m.spec["no_node_since"]
-                                   else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
-                            if len(members) > 1:
-                                why = f"its group of {len(members)} cannot all start: " + why
-                            self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
-                    return False
-                busy[pick.node_id] = busy.get(pick.node_id, 0.0) + m.cpus
-                picks.append(pick)
+            picks = [node] if node is not None and len(members) == 1 else self._pick_nodes(members, busy, teachers, hybrid)
+            if picks is None:
+                for q in members:
+                    if not q.queued:
+                        q.queued = True
+                        why = ("no live node can run it; waiting for one to join" if q.spec["no_node_since"]
+                               else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
+                        if len(members) > 1:
+                            why = f"its group of {len(members)} cannot all start: " + why
+                        self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
+                return False
             actors = []
             for m, pick in zip(members, picks):
                 m.queued = False

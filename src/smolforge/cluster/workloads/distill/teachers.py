@@ -22,6 +22,7 @@ from smolforge.cluster.workloads.distill.state import (
 )
 from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
 from smolforge.cluster.nodes.ray_glue import Requirements
+from smolforge.cluster.control.distill_placement import busy_cpus, retry_teacher_node, teacher_nodes
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.distill import backends
 from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
@@ -69,11 +70,8 @@ class TeacherTasks:
         return nodes
 
     def _busy_cpus(self) -> dict[str, float]:
-        busy: dict[str, float] = {}
-        for t in self._dstate().tasks.values():
-            if t.kind in ("teacher", "student") and t.node_id and not t.queued and t.state in ("pending", "running"):
-                busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
-        return busy
+        return busy_cpus((t.node_id, t.cpus) for t in self._dstate().tasks.values()
+                         if t.kind in ("teacher", "student") and not t.queued and t.state in ("pending", "running"))
 
     def _model_nodes(self, model: str, role: str, backend: str = "hf",
                      on_coordinator: bool = False) -> tuple[list[Any], str | None]:
@@ -196,8 +194,7 @@ class TeacherTasks:
         todo = self._reuse_shards(store)
         assignment = teacher_assignment(len(todo), n_teachers) if todo else []
         ids = []
-        for t, positions in enumerate(assignment):
-            node = eligible[t % len(eligible)]
+        for positions, node in zip(assignment, teacher_nodes(eligible, len(assignment))):
             ids.append(self._launch_teacher(store, [todo[p] for p in positions], node))
         self._devent("teachers_planned", f"{plan.num_shards} shards of {len(items)} prompts over {len(ids)} teachers "
                      f"({len(todo)} to generate, {plan.num_shards - len(todo)} reused)", store=str(store_dir),
@@ -331,5 +328,4 @@ class TeacherTasks:
         except SmolforgeError as err:
             store.broker.fail.remote(str(err))
             return
-        others = [n for n in nodes if n.node_id != exclude] or nodes
-        self._launch_teacher(store, again, others[0], note=" (retry)")
+        self._launch_teacher(store, again, retry_teacher_node(nodes, exclude), note=" (retry)")
