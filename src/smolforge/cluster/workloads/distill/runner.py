@@ -1,8 +1,11 @@
 """A distillation run as a coordinator job: `smolforge jobs`, the dashboard, pause/resume/cancel.
 
-The runner drives `smolforge.cluster.workloads.distill.run.run_distill` from a thread of the coordinator (or
-of the embedded cluster) and mirrors it into the job store: job progress (the students' steps
-over their total, samples, mean loss, ETA), a loss curve per student, one task row per teacher
+The runner steps a `smolforge.cluster.workloads.distill.run.DistillFlow` from a thread of the coordinator (or
+of the embedded cluster): each `poll` is one step (the session's `step`: every teacher's and student's news
+collected at once, the brokers drained, queued students placed; then the mirror and a stop asked), so the
+base runner's loop is the run's one loop and its FailurePolicy decides what ends the run. It mirrors
+it into the job store: job progress (the students' steps over their total, samples, mean loss, ETA),
+a loss curve per student, one task row per teacher
 and student with its node and state, the pipeline's events, and what each teacher and student
 printed (the job's `logs`, labelled by task id: `teacher-0`, `student-1`). Outputs are written under the
 coordinator's state dir (`distill/<job>/`, the seed layout); when the run completes, the merged
@@ -37,7 +40,7 @@ from typing import Any, Callable
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.workloads.distill.run import DistillStopped, run_distill
+from smolforge.cluster.workloads.distill.run import DistillFlow, DistillStopped
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.control.artifacts import ArtifactStore
 from smolforge.cluster.control.runner import (
@@ -56,6 +59,7 @@ from smolforge.telemetry.sinks import run_name
 
 # What a student's progress report carries, as `<name>.student<N>` series (and its TensorBoard/W&B run)
 STUDENT_SERIES = ("loss", "lr", "tokens_per_s")
+STEP_S = 0.5  # one step waits at most this long for a teacher's or student's news (then drains, mirrors)
 
 
 def student_series(task_id: str) -> str:
@@ -81,6 +85,7 @@ class DistillRunner(JobRunner):
         self._steps: dict[str, Any] = {}
         self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
         self._session: DistillSession | None = None  # the running pipeline: its tasks' output lines
+        self._flow: DistillFlow | None = None  # the attempt's run, stepped by `poll`
         self.out = run_dir(ctx.artifacts, job_id)
 
     def _stop_requested(self) -> str | None:
@@ -105,7 +110,7 @@ class DistillRunner(JobRunner):
                                    settings.teacher_on_coordinator)
         if moved is not None:
             return moved
-        self._session, self._events_seen = DistillSession(cluster, spec.mode), 0
+        self._session, self._events_seen, self._flow = DistillSession(cluster, spec.mode, driven=True), 0, None
         self.open_sinks(self.out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
                         name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
                                                          settings.lr, settings.batch_size,
@@ -125,23 +130,42 @@ class DistillRunner(JobRunner):
                                 stopping=lambda: bool(self.want or self.abandon))
 
     def poll(self) -> Outcome | None:
-        """The whole run: `run_distill` blocks here, minding stop requests through `should_stop`."""
-        orch = self._session
+        """One step of the run (`DistillSession.step`: the teachers' and students' news, the brokers'
+        drain, placement; then `DistillFlow.step`: the mirror, a stop asked): None while it runs."""
         try:
-            # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
-            summary = run_distill(self._settings(), orch, output_dir=self.out, mode=self.spec.mode,
-                                  on_update=self._mirror, should_stop=self._stop_requested, resume=True)
+            if self._flow is None:  # the attempt's first step: its settings checked (`check_run`), its tasks made
+                # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
+                self._flow = DistillFlow(self._settings(), self._session, output_dir=self.out, mode=self.spec.mode,
+                                         on_update=self._mirror, should_stop=self._stop_requested, resume=True)
+                self._flow.start()
+            else:
+                self._session.step(STEP_S)
+            flow = self._flow
+            if not flow.step():
+                return None
+            summary = flow.finish()
         except DistillStopped as stop:
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return None if stop.what == "abandon" else self.stopped(stop.what)
         except SmolforgeError as err:  # its own making, or its students' restarts spent: not again
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return Failed(err.what, retryable=False, error=err.render())
         except RayError as err:  # the Ray connection (or the driver's node) lost: the next attempt resumes
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return Failed(f"the run lost Ray: {short_error(err)}", error=short_error(err))
-        self._mirror(orch.distill_tasks(), orch.events)
+        self._close()
         return self._publish(self.out, summary)
+
+    def end_attempt(self) -> None:
+        if self._flow is not None:  # (an abandoned attempt: the coordinator going down)
+            self._close()
+
+    def _close(self) -> None:
+        """Every task of the attempt stopped (their last lines taken first), then the last mirror."""
+        flow, self._flow = self._flow, None
+        if flow is not None:
+            flow.close()
+            self._mirror(self._session.distill_tasks(), self._session.events)
 
     def stopped(self, what: str, where: str = "") -> Outcome:
         if what == "pause":

@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -278,46 +279,59 @@ class StudentTasks(StudentGroups):
                 st.handles[m.task_id] = (actor, refs[-1])
         for m, actor, ref in zip(members, actors, refs):
             self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)
-            self._thread(self._await_student, (m, actor, ref), m.task_id)
+            with st.lock:
+                st.watch[m.task_id] = (ref, partial(self._student_ready, m, actor, ref))
         return True
 
-    def _await_student(self, task: DistillTask, actor, ref) -> None:
+    def _student_ready(self, task: DistillTask, actor, ref) -> bool:
+        """A student's run has ended (`step` waited on its result): its adapter written, or its
+        checkpoint kept on a pause; a failure is decided in a thread of its own (a lost rank's verdict
+        may wait for its peers, `LOST_PEER_GRACE_S`). Returns False: nothing more to wait on."""
         import ray
 
+        if self._dstate().closing or not ray.is_initialized():
+            return False
         try:
-            while True:
-                if self._dstate().closing or not ray.is_initialized():
-                    return
-                ready, _ = ray.wait([ref], timeout=1.0)
-                if ready:
-                    break
             out = ray.get(ref, timeout=GET_TIMEOUT_S)
             if (self._dstate().handles.get(task.task_id) or (None, None))[1] is not ref:
-                return  # a run of its group that a lost rank ended already (`_group_member_failed`)
-            result = out["result"]
-            if result.get("stopped"):
-                task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
-                if out.get("checkpoint"):
-                    self._keep_student_checkpoint(task, out["checkpoint"])
-            else:
-                if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
-                    self._write_student_output(task, result, out["adapter"])
-                task.state, task.progress = "completed", 1.0
-                task.take_last_step(result)
-            task.result = result
-            task.finished = time.time()
-            self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
-                         + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
-                         task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
-                         mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+                self._kill_quietly(actor)
+                return False  # a run of its group that a lost rank ended already (`_group_member_failed`)
+            self._take_student_result(task, out)
         except Exception as err:
+            self._thread(self._student_failed, (task, actor, ref, err), f"{task.task_id}-failed")
+            return False
+        self._kill_quietly(actor)
+        self._after_finish(task)
+        return False
+
+    def _take_student_result(self, task: DistillTask, out: dict[str, Any]) -> None:
+        """A student's result: stopped (its checkpoint kept) or completed (its adapter written)."""
+        result = out["result"]
+        if result.get("stopped"):
+            task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
+            if out.get("checkpoint"):
+                self._keep_student_checkpoint(task, out["checkpoint"])
+        else:
+            if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
+                self._write_student_output(task, result, out["adapter"])
+            task.state, task.progress = "completed", 1.0
+            task.take_last_step(result)
+        task.result = result
+        task.finished = time.time()
+        self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
+                     task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
+                     mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+
+    def _student_failed(self, task: DistillTask, actor, ref, err: BaseException) -> None:
+        """A student's run ended with `err` (its own thread): its group's or its own verdict, restart or fail."""
+        try:
             ended = (self._group_member_failed(task, ref, err) if len(self._members(task)) > 1
                      else self._lone_student_failed(task, err))
-            if not ended:
-                return  # restarted (its group, or itself), or a stale end; `finally` still kills the lost actor
         finally:
             self._kill_quietly(actor)
-        self._after_finish(task)
+        if ended:
+            self._after_finish(task)
 
     def _lone_student_failed(self, task: DistillTask, err: BaseException) -> bool:
         """A student alone ended with `err`: restarted from its last checkpoint when its worker was lost

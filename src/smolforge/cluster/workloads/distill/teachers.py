@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,8 @@ class TeacherTasks:
     def _ensure_monitor(self) -> None:
         st = self._dstate()
         with st.lock:
+            if st.driven:
+                return  # whoever drives the run calls `step`
             if st.monitor is None or not st.monitor.is_alive():
                 st.monitor = self._thread(self._monitor_loop, (), "distill-monitor")
 
@@ -260,52 +263,29 @@ class TeacherTasks:
             st.handles[task_id] = gen
         self._devent("teacher_submitted", f"{task_id} on {node.name}: shards {shard_ids}{note}", task_id=task_id,
                      node=node.name, shards=list(shard_ids))
-        self._thread(self._consume_teacher, (store, task, gen), task_id)
+        with st.lock:
+            st.watch[task_id] = (gen, partial(self._teacher_ready, store, task, gen))
         return task_id
 
-    def _consume_teacher(self, store: StoreState, task: DistillTask, gen) -> None:
+    def _teacher_ready(self, store: StoreState, task: DistillTask, gen) -> bool:
+        """A teacher's generator has news (`step` waited on it): its next shard, written and handed to the
+        broker; its end; or its failure, which gives its unfinished shards to another teacher. Returns
+        whether to go on waiting on it."""
         import ray
 
+        if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
+            return False  # (a Ray call after shutdown would start a fresh local Ray)
         try:
-            while True:
-                if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
-                    return  # (a Ray call after shutdown would start a fresh local Ray)
-                ready, _ = ray.wait([gen], timeout=1.0)
-                if not ready:
-                    continue
-                try:
-                    ref = next(gen)
-                except StopIteration:
-                    break
-                manifest_json, data = ray.get(ref, timeout=GET_TIMEOUT_S)
-                manifest = json.loads(manifest_json)
-                if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
-                    self._dlines(manifest.pop("log"))
-                    manifest_json = json.dumps(manifest)
-                sid = int(manifest["shard"])
-                if task.state == "pending":
-                    task.state, task.started = "running", task.started or time.time()
-                write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
-                # The driver's own copy: the teacher's object lives on the teacher's node, and a
-                # student restarted after that node died must still find the shard.
-                store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
-                self._absorb_manifest(store, manifest)
-                with self._dstate().lock:
-                    store.written.add(sid)
-                    task.done_shards.append(sid)
-                    task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
-                    task.progress = len(task.done_shards) / max(1, len(task.shards))
-                regen = sid in store.regenerating
-                store.regenerating.discard(sid)
-                self._devent("shard_regenerated" if regen else "shard_written",
-                             f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
-                             f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
-                             task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
-                             sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
-            task.state, task.finished, task.progress = "completed", time.time(), 1.0
-            self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
-                         node=task.node)
-            self._after_finish(task)
+            try:
+                ref = next(gen)
+            except StopIteration:
+                task.state, task.finished, task.progress = "completed", time.time(), 1.0
+                self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
+                             node=task.node)
+                self._after_finish(task)
+                return False
+            self._take_shard(store, task, ray.get(ref, timeout=GET_TIMEOUT_S))
+            return True
         except Exception as err:  # a dead node, a failing model load: the task fails, students are told
             task.state, task.finished = "failed", time.time()
             task.error = short_error(err)
@@ -314,6 +294,38 @@ class TeacherTasks:
             remaining = [s for s in task.shards if s not in task.done_shards]
             if remaining and not self._dstate().closing:
                 self._retry_shards(store, remaining, exclude=task.node_id, why=task.error)
+            return False
+
+    def _take_shard(self, store: StoreState, task: DistillTask, got: tuple[str, bytes]) -> None:
+        """One shard a teacher yielded: (manifest JSON, safetensors bytes) into `teacher_outputs/`
+        (checksum verified first) and, as the driver's own copy, to the store's broker."""
+        import ray
+
+        manifest_json, data = got
+        manifest = json.loads(manifest_json)
+        if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
+            self._dlines(manifest.pop("log"))
+            manifest_json = json.dumps(manifest)
+        sid = int(manifest["shard"])
+        if task.state == "pending":
+            task.state, task.started = "running", task.started or time.time()
+        write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
+        # The driver's own copy: the teacher's object lives on the teacher's node, and a
+        # student restarted after that node died must still find the shard.
+        store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
+        self._absorb_manifest(store, manifest)
+        with self._dstate().lock:
+            store.written.add(sid)
+            task.done_shards.append(sid)
+            task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
+            task.progress = len(task.done_shards) / max(1, len(task.shards))
+        regen = sid in store.regenerating
+        store.regenerating.discard(sid)
+        self._devent("shard_regenerated" if regen else "shard_written",
+                     f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
+                     f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
+                     task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
+                     sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
 
     def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
         """Give shards whose teacher failed to another eligible node (once), or fail the store."""
