@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync, make_sync
+from smolforge.cluster.workloads.distill.sync import SYNCS, AverageSync, DataParallelSync, make_sync
 from smolforge.distill.backends import teacher_backend
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
@@ -70,6 +70,15 @@ class DistillStopped(Exception):
         self.what = what
 
 
+def check_job(job: Any) -> None:
+    """A distill job's settings, checked once, when it is submitted (`kinds.KINDS["distill"].check`, which
+    `smolforge distill` and `launch` call through `kinds.parse` before any cluster starts): across
+    fields and into other modules' settings (`check_run`, its `output_dir` too), and the students' sync
+    plug-in with its strategy (`make_sync`). The runner takes the checked spec as it is."""
+    check_run(job.distill, job.mode, job.output_dir)
+    make_sync(job.distill.students_sync, job.distill.students_strategy)
+
+
 class DistillFlow:
     """One distillation run in steps: `start` (its teacher and student tasks), `step` (one look at
     them: None while they run), `finish` (aggregation and the summary), `close` (every task stopped).
@@ -84,8 +93,7 @@ class DistillFlow:
     def __init__(self, cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
                  quiet: bool = True, on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
                  should_stop: Callable[[], str | None] | None = None, resume: bool = False):
-        check_run(cfg, mode, output_dir)
-        self.sync = make_sync(cfg.students_sync, cfg.students_strategy)  # a bad name fails before the teachers start
+        self.sync = SYNCS[cfg.students_sync]  # its name and what aggregation does (the settings were checked at submit)
         self.cfg, self.orch, self.out, self.resume = cfg, orch, Path(output_dir), resume
         self.on_update, self.should_stop = on_update, should_stop
         self.t0, self.teacher_done = time.time(), None
@@ -199,7 +207,7 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
 
 
 def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],
-               sync: AverageSync | DataParallelSync) -> dict[str, Any]:
+               sync: type[AverageSync] | type[DataParallelSync]) -> dict[str, Any]:
     """Merge each student base's adapters into `merged_model/` (`cfg.aggregate`); prefix and prompt
     adapters, which cannot be merged, are skipped saying why."""
     merged: dict[str, Any] = {}
