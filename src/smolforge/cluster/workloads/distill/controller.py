@@ -297,16 +297,22 @@ def _failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRun:
     return _put(run, *ended)
 
 
+def shards_to_retry(shards: Sequence[int], retries: dict[int, int], max_retries: int) -> tuple[list[int], dict[int, int]]:
+    """A failed teacher's unfinished shards: those still within `max_retries` (each one's count so far
+    in `retries`), and the counts with theirs bumped. None left: the store fails."""
+    again = [s for s in shards if retries.get(s, 0) < max_retries]
+    return again, {**retries, **{s: retries.get(s, 0) + 1 for s in again}}
+
+
 def _teacher_failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRun:
     """The teacher ends failed; its unfinished shards go to a new teacher, each within its retries."""
     failed = replace(task, state="failed", node_id=None, error=event.error)
     left = [s for s in task.shards if s not in task.done]
     if not left or run.stop:
         return _put(run, failed)
-    again = [s for s in left if run.shard_retries.get(s, 0) < run.max_shard_retries]
+    again, retries = shards_to_retry(left, run.shard_retries, run.max_shard_retries)
     if not again:
         return _put(run, failed, store_failed=f"teacher failed on shards {left}: {event.error}")
-    retries = {**run.shard_retries, **{s: run.shard_retries.get(s, 0) + 1 for s in again}}
     retry = Task(task_id=f"teacher-{run.teachers_made}", kind="teacher", cpus=task.cpus, shards=tuple(again),
                  eligible=task.eligible, exclude=task.node_id)
     return _put(run, failed, retry, shard_retries=retries, teachers_made=run.teachers_made + 1)

@@ -311,7 +311,7 @@ class DistillTaskRunner(DistillRunner):
                                        str(a.get("backend") or "hf"), bool(a.get("teacher_on_coordinator")))
             if moved is not None:
                 return moved
-        self._session, self._events_seen = StageSession(cluster, spec.mode), 0
+        self._session, self._events_seen = StageSession(cluster, spec.mode, driven=True), 0
         self.store.add_event(self.job_id, "distill_task_started", f"{spec.stage} stage; run dir {self.out}",
                              {"stage": spec.stage})
         self.recovered(f"the {spec.stage} stage goes on in {self.out}")
@@ -431,7 +431,7 @@ class DistillTaskRunner(DistillRunner):
                 raise DistillStopped(stop)
             if done():
                 return
-            time.sleep(STAGE_WAIT_S)
+            self._session.tick(STAGE_WAIT_S)  # one step of its tasks (no monitor thread: this loop drives them)
 
     def _await_job(self, job_id: str, why: str) -> dict[str, Any]:
         """The job this stage reads from, once it has completed (said once in the events while it waits)."""

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from smolforge.cluster.workloads.distill.controller import shards_to_retry
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.state import (
     GET_TIMEOUT_S,
@@ -329,9 +330,7 @@ class TeacherTasks:
 
     def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
         """Give shards whose teacher failed to another eligible node (once), or fail the store."""
-        again = [s for s in shard_ids if store.retries.get(s, 0) < store.max_retries]
-        for s in again:
-            store.retries[s] = store.retries.get(s, 0) + 1
+        again, store.retries = shards_to_retry(shard_ids, store.retries, store.max_retries)
         if not again:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
