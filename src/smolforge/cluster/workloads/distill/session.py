@@ -80,7 +80,11 @@ class DistillTasks(TeacherTasks, StudentTasks):
 
         st = self._dstate()
         while not st.closing and ray.is_initialized():
-            self.step()
+            try:
+                self.step()
+            except Exception as err:  # keep stepping; say what went wrong
+                self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+                time.sleep(POLL_S)
 
     def tick(self, seconds: float) -> None:
         """Let `seconds` pass: in steps of the run when this caller drives it, else asleep (the monitor steps)."""
@@ -129,7 +133,15 @@ class DistillTasks(TeacherTasks, StudentTasks):
             return
         now_ready = {id(h) for h in ready}
         for task_id, entry in watch.items():
-            if id(entry[0]) in now_ready and not entry[1]():
+            if id(entry[0]) not in now_ready:
+                continue
+            try:
+                more = entry[1]()
+            except Exception as err:  # its own news is handled; what follows it (placement) said here
+                self._devent("monitor_error", f"distill monitor ({task_id}): {short_error(err)}",
+                             error=short_error(err), task_id=task_id)
+                more = False
+            if not more:
                 with st.lock:
                     if st.watch.get(task_id) is entry:  # (a restart may have put a new one there)
                         del st.watch[task_id]
