@@ -15,7 +15,7 @@ from functools import reduce
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smolforge.cluster.control.distill_placement import (busy_cpus, freest_node, hosts, pick_group_nodes,
+from smolforge.cluster.control.distill_placement import (own_cpus, freest_node, hosts, pick_group_nodes,
                                                          retry_teacher_node, teacher_nodes)
 from smolforge.cluster.workloads.distill.controller import (
     ACTIVE, CancelAsked, DistillRun, GiveUp, NodeLost, PauseAsked, Place, Queued, RunEnded, ShardCorrupt,
@@ -227,7 +227,7 @@ def test_no_event_sequence_leaves_a_task_both_running_and_restarted(events):
 
 
 def test_placement_rules_without_a_cluster():
-    assert busy_cpus([("a", 1.0), (None, 4.0), ("a", 0.5), ("b", 1.0)]) == {"a": 1.5, "b": 1.0}
+    assert own_cpus([("a", 1.0), (None, 4.0), ("a", 0.5), ("b", 1.0)]) == {"a": 1.5, "b": 1.0}
     assert hosts(1.0, 3, [2.0, 1.0]) and not hosts(1.5, 2, [2.0, 1.0])
     gpu = N("g", cpus=2.0, gpus=1.0)
     assert pick_group_nodes([(1.0, [A, gpu])], {}, set()) == [gpu]  # GPU nodes first

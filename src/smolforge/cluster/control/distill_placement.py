@@ -1,13 +1,13 @@
 """Which node a distillation's teachers and students run on: pure functions, no Ray, no clock.
 
 A node here is anything with `node_id`, `name`, `cpus` and `gpus` (a `ray_glue.NodeInfo`, or a test's
-stand-in). CPUs are counted as the run's own tasks hold them (`busy_cpus`); a stage that shares the
-nodes with other jobs passes what Ray holds there instead. The rules:
+stand-in). CPUs are counted as the run's own tasks hold them (`own_cpus`); a stage that shares the
+nodes with other jobs counts what Ray holds there too (`placement.busy_cpus`). The rules:
 
-- a student goes to the freest node that may run it, GPU nodes first (`planner.pick_student_node`);
-  in hybrid mode never to a node with a running teacher;
-- a ddp group's members start together or not at all (`pick_group_nodes`): each member picks as a
-  lone student would, the CPUs it takes counted before the next member picks;
+- a student goes to the freest node that may run it, GPU nodes first, in hybrid mode never to a node
+  with a running teacher; a ddp group's members start together or not at all, each picking as a lone
+  student would, the CPUs it takes counted before the next one picks (`placement.pick_student_node`,
+  `placement.pick_group_nodes`: the control plane's own, named here for the distill callers);
 - whether a group could run at all on the live nodes, were they idle (`hosts`), decides between
   waiting for busy nodes and waiting for new ones;
 - a failed teacher's shards go to another node that holds the teacher (`retry_teacher_node`), a corrupt
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol, Sequence
 
-from smolforge.distill.planner import pick_student_node
+from smolforge.cluster.control.placement import pick_group_nodes, pick_student_node
+
+__all__ = ["Node", "own_cpus", "hosts", "pick_group_nodes", "pick_student_node", "teacher_nodes",
+           "retry_teacher_node", "freest_node"]
 
 
 class Node(Protocol):
@@ -31,7 +34,7 @@ class Node(Protocol):
     gpus: float
 
 
-def busy_cpus(held: Iterable[tuple[str | None, float]]) -> dict[str, float]:
+def own_cpus(held: Iterable[tuple[str | None, float]]) -> dict[str, float]:
     """CPUs held per node id, from (node id, CPUs) of every task placed and not ended; None ids skipped."""
     busy: dict[str, float] = {}
     for node_id, cpus in held:
@@ -46,22 +49,6 @@ def hosts(cpus: float, world: int, node_cpus: Iterable[float]) -> bool:
     if cpus <= 0:
         return any(True for _ in node_cpus)
     return sum(int((c + 1e-9) // cpus) for c in node_cpus) >= world
-
-
-def pick_group_nodes(members: Sequence[tuple[float, Sequence[Any]]], busy: dict[str, float],
-                     teacher_node_ids: set[str], hybrid: bool = False) -> list[Any] | None:
-    """One node per member, from each member's (CPUs, eligible nodes); None when any member finds
-    none (the whole group waits). `busy` (CPUs held per node id) is not changed."""
-    taken = dict(busy)
-    picks = []
-    for cpus, eligible in members:
-        free = [(n.cpus - taken.get(n.node_id, 0.0), n) for n in eligible]
-        pick = pick_student_node(free, cpus, teacher_node_ids, hybrid=hybrid)
-        if pick is None:
-            return None
-        taken[pick.node_id] = taken.get(pick.node_id, 0.0) + cpus
-        picks.append(pick)
-    return picks
 
 
 def teacher_nodes(eligible: Sequence[Any], num_teachers: int) -> list[Any]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
-from smolforge.cluster.control.distill_placement import busy_cpus, hosts, pick_group_nodes, retry_teacher_node
+from smolforge.cluster.control.distill_placement import hosts, own_cpus, pick_group_nodes, retry_teacher_node
 from smolforge.cluster.control.policy import FailurePolicy
 
 ACTIVE = ("waiting", "placed", "running")  # a task that holds, or wants, a node
@@ -342,7 +342,7 @@ def plan(run: DistillRun, nodes: Sequence[Any], now: float) -> list[Action]:
     ended = _ended(run)
     if ended is not None:
         return [ended]
-    busy = busy_cpus((t.node_id, t.cpus) for t in active)
+    busy = own_cpus((t.node_id, t.cpus) for t in active)
     teachers = {t.node_id for t in active if t.kind == "teacher" and t.node_id}
     actions: list[Action] = []
     for t in (t for t in active if t.kind == "teacher" and t.state == "waiting"):

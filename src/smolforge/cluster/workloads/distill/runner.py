@@ -43,6 +43,7 @@ from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.distill.run import DistillFlow, DistillStopped
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.placement import busy_cpus
 from smolforge.cluster.control.runner import (
     Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, short_error,
 )
@@ -270,11 +271,7 @@ class StageSession(DistillSession):
     student placed on a node another job's student fills would wait there while another node idles."""
 
     def _busy_cpus(self) -> dict[str, float]:
-        busy = super()._busy_cpus()
-        for n in self._nodes():
-            held = n.resources.get("CPU", n.cpus) - n.available.get("CPU", n.cpus)
-            busy[n.node_id] = max(busy.get(n.node_id, 0.0), held)
-        return busy
+        return busy_cpus(super()._busy_cpus(), self._nodes())
 
 
 class DistillTaskRunner(DistillRunner):

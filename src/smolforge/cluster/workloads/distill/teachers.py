@@ -24,7 +24,7 @@ from smolforge.cluster.workloads.distill.state import (
 )
 from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
 from smolforge.cluster.nodes.ray_glue import Requirements
-from smolforge.cluster.control.distill_placement import busy_cpus, retry_teacher_node, teacher_nodes
+from smolforge.cluster.control.distill_placement import own_cpus, retry_teacher_node, teacher_nodes
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.distill import backends
 from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
@@ -72,7 +72,7 @@ class TeacherTasks:
         return nodes
 
     def _busy_cpus(self) -> dict[str, float]:
-        return busy_cpus((t.node_id, t.cpus) for t in self._dstate().tasks.values()
+        return own_cpus((t.node_id, t.cpus) for t in self._dstate().tasks.values()
                          if t.kind in ("teacher", "student") and not t.queued and t.state in ("pending", "running"))
 
     def _model_nodes(self, model: str, role: str, backend: str = "hf",
