@@ -345,10 +345,9 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                     unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cluster.control.kinds import apply_job_overrides
+    from smolforge.cluster.control.kinds import KINDS, apply_job_overrides
     from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
-    from smolforge.distill.settings import check_run
 
     if not students:  # the seeds name none: the teacher family's smallest model a node holds
         students = [_default_student(teacher, mode, o["coordinator"], o["token"], o["state_dir"])]
@@ -372,8 +371,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
         distill["split_shards"] = True
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,
                                 "distill": distill, "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
-    job = validate(DistillJob, spec, where="launch")
-    check_run(job.distill, job.mode)  # before any cluster starts
+    KINDS["distill"].check(validate(DistillJob, spec, where="launch"))  # the submit's own check, before any cluster starts
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],

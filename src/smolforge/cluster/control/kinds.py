@@ -29,7 +29,6 @@ from smolforge.cluster.control.specs import (
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
-from smolforge.distill.settings import check_run
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
@@ -162,7 +161,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
-            check=lambda job: check_run(job.distill, job.mode),
+            check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_demand),
     JobKind("distill_task", "distillation task", DistillTaskJob,
