@@ -20,6 +20,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "smolforge"
 MAX_PARAMS = 12
 EXEMPT_DIRS = ("cli",)  # relative to src/smolforge
 EXEMPT_FILES = ("orchestrator.py", "client.py")
+# The seeds' own distillation calls, which `Orchestrator` inherits from the distill mixins: their
+# signatures are the seeds' (façade), but they live below it. Issue 42 (open): a typed TeacherPlan /
+# StudentPlan behind a façade in orchestrator.py. Listed by name so that nothing new joins them, and the
+# test fails when one is fixed (the list must shrink with it).
+SEED_SHAPED = {"cluster/workloads/distill/students.py StudentTasks.create_student_tasks",
+               "cluster/workloads/distill/teachers.py TeacherTasks.create_parallel_teacher_tasks"}
 
 
 def param_count(args: ast.arguments) -> int:
@@ -57,8 +63,16 @@ def wide_functions(root: Path = SRC, limit: int = MAX_PARAMS) -> dict[str, int]:
     return found
 
 
+def _unlined(where: str) -> str:
+    """'file:line name' -> 'file name' (a line number moves with every edit)."""
+    path, name = where.split(" ", 1)
+    return f"{path.rsplit(':', 1)[0]} {name}"
+
+
 def test_no_function_takes_more_than_12_parameters_outside_the_facade():
-    wide = sorted(f"{where} ({count} parameters)" for where, count in wide_functions().items())
+    found = wide_functions()
+    assert SEED_SHAPED <= {_unlined(w) for w in found}, "a seed-shaped function was fixed: take it off SEED_SHAPED"
+    wide = sorted(f"{where} ({count} parameters)" for where, count in found.items() if _unlined(where) not in SEED_SHAPED)
     assert not wide, (f"functions over {MAX_PARAMS} parameters (pass a typed plan or context instead of loose "
                       f"arguments): {wide}")
 
