@@ -100,7 +100,8 @@ def run(arms: list[str], seeds: list[int], *, steps: int | None = None, prompts:
     import torch
 
     torch.set_num_threads(1)
-    from smolforge.distill.demo import DemoSettings, evaluate_adapter, local_student, student_base, train_teacher
+    from smolforge.distill.demo import (DemoSettings, StudentArm, evaluate_adapter, local_student, student_base,
+                                        train_teacher)
     from smolforge.distill.shard_source import DirShardSource
     from smolforge.distill.student import train_student
     from smolforge.distill.teacher import GenSettings, run_teacher_local
@@ -146,11 +147,10 @@ def run(arms: list[str], seeds: list[int], *, steps: int | None = None, prompts:
     def prepare(arm: str, seed: int):
         kind, peft, o = parsed[arm]
         name = arm.replace(":", "_").replace(";", "_").replace("=", "-")
-        cfg, model = local_student(s, seed, out / f"{name}-{seed}", steps=steps, peft=peft,
-                                   kd_ratio=o.get("ratio"), temperature=o.get("T"), kd_loss=o.get("loss"),
-                                   lr=o.get("lr"), on_policy_ratio=o.get("onp", 0.0), beta=o.get("beta"),
-                                   on_policy_start=o.get("start", 0.0),
-                                   teacher=teacher_dir)
+        arm_settings = StudentArm(steps=steps, peft=peft, kd_ratio=o.get("ratio"), temperature=o.get("T"),
+                                  kd_loss=o.get("loss"), lr=o.get("lr"), on_policy_ratio=o.get("onp", 0.0),
+                                  beta=o.get("beta"), on_policy_start=o.get("start", 0.0))
+        cfg, model = local_student(s, seed, out / f"{name}-{seed}", arm_settings, teacher=teacher_dir)
         return cfg, model, store(kind, o.get("teacher", "hf"))
 
     results: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}

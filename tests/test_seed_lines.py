@@ -37,7 +37,8 @@ SPLITLEARN = [
      "--server-host localhost --server-port 50051 --lora-rank 8 --batch-size 4 --learning-rate 1e-4 --num-epochs 3 "
      "--dataset-name wikitext --dataset-config wikitext-2-raw-v1 --max-train-samples 1000 --device cuda "
      "--output-dir ./checkpoints/gpt2_lora",
-     "--dataset-name wikitext --dataset-config wikitext-2-raw-v1 names a Hugging Face dataset"),
+     # not cached here: refused with the command that caches it (cached, it trains: test_hub_datasets.py)
+     "dataset wikitext (wikitext-2-raw-v1) split train is not in the local Hugging Face cache"),
     ("client-qwen2", "split train --model-type qwen2 --model-name tiny-qwen2 --split-point-1 0 --split-point-2 14 "
      "--server-host localhost --server-port 50051 --lora-rank 8 --batch-size 4 --learning-rate 1e-4 --num-epochs 3 "
      "--device cuda --output-dir ./checkpoints/qwen2_lora",

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -55,10 +53,10 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--lora-rank", SPLITLEARN, ("launch",), "--lora-r"),
     Alias("--device", SPLITLEARN, ("split serve", "split train"), "--device", "the same (cpu|cuda|auto)"),
     Alias("--max-train-samples", SPLITLEARN, ("split train",), "--max-train-samples", "the same"),
-    Alias("--dataset-name", SPLITLEARN, ("split train", "launch"), "--dataset",
-          "'bundled' or a local file; a Hugging Face dataset name is refused with how to save it as JSONL"),
-    Alias("--dataset-config", SPLITLEARN, ("split train", "launch"), "(with --dataset-name)",
-          "only with a Hub dataset name, refused with it"),
+    Alias("--dataset-name", SPLITLEARN, ("split train",), "--dataset",
+          "'bundled', a local file, or a Hugging Face dataset read offline from the local cache as JSONL"),
+    Alias("--dataset-config", SPLITLEARN, ("split train",), "(with --dataset-name)",
+          "the Hub dataset's config"),
     Alias("--sollol-host", SOLLOL, ("worker join", *CLUSTER_COMMANDS), "--coordinator HOST:PORT",
           "worker join: the HOST:PORT argument"),
     Alias("--sollol-port", SOLLOL, ("worker join", *CLUSTER_COMMANDS), "--coordinator HOST:PORT",
@@ -241,18 +239,11 @@ def check_model_type(wanted: str, model: str | None) -> None:
 
 
 def local_dataset(name: str | None, config: str | None) -> str:
-    """SplitLearn's `--dataset-name N [--dataset-config C]` as our --dataset: 'bundled' or a local file
-    or directory; a Hugging Face dataset name is refused, naming it, with how to make it a file."""
+    """SplitLearn's `--dataset-name N [--dataset-config C]` as our --dataset: what train's and launch's
+    --dataset-name read (`cli.hubdata.by_name`: 'bundled', a local file, or a Hugging Face dataset
+    read offline and written once as JSONL; a name not cached is refused with the command that caches it)."""
     if name is None:
         raise SmolforgeError(f"--dataset-config {config} needs --dataset-name", fix="add --dataset-name NAME")
-    local = name == "bundled" or Path(os.path.expanduser(name)).exists()
-    if local and config is None:
-        return name
-    if local:
-        raise SmolforgeError(f"--dataset-config {config}: {name} is a local dataset, which has no configs",
-                             fix="drop --dataset-config")
-    load = f"datasets.load_dataset({name!r}{f', {config!r}' if config else ''}, split='train')"
-    raise SmolforgeError(f"--dataset-name {name}" + (f" --dataset-config {config}" if config else "")
-                         + " names a Hugging Face dataset; this smolforge reads datasets from files",
-                         fix=f"save it once as JSONL (python -c \"import datasets; {load}.to_json('{Path(name).name}.jsonl')\")"
-                             f" and pass --dataset {Path(name).name}.jsonl, or use --dataset bundled")
+    from smolforge.cli.hubdata import by_name
+
+    return by_name(name, config)

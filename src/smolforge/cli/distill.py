@@ -176,15 +176,14 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.cli.follow import finish_job, wait_with_progress
     from smolforge.cli.launch import fetch_distill_summary
     from smolforge.client import backend_for
+    from smolforge.cluster.control.kinds import KINDS
     from smolforge.cluster.control.specs import DistillJob
-    from smolforge.cluster.face import make_sync
     from smolforge.config import validate
-    from smolforge.distill.settings import check_run, refuse_used_run_dir
+    from smolforge.distill.settings import refuse_used_run_dir
 
     out = Path(output_dir)
-    job = validate(DistillJob, spec, where="distill")
-    check_run(job.distill, job.mode, out)  # before any cluster starts
-    make_sync(job.distill.students_sync, job.distill.students_strategy)
+    # the submit's own check (the kind's), before any cluster starts; --output-dir is checked with it
+    KINDS["distill"].check(validate(DistillJob, {**spec, "output_dir": output_dir}, where="distill"))
     refuse_used_run_dir(out, resume)
     quiet_libraries()  # transformers (seconds): only once the flags are known to be good
     backend = backend_for(coordinator, token, None, embedded_ok=True)

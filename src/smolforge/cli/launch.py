@@ -20,6 +20,7 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, pri
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
@@ -75,7 +76,11 @@ def _register_launch(app: typer.Typer) -> None:
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
-        dataset: str = typer.Option(..., help="JSONL file (uploaded to the coordinator), or 'bundled'"),
+        dataset: Optional[str] = typer.Option(None, help="JSONL file (uploaded to the coordinator), or 'bundled'"),
+        dataset_name: DatasetNameOpt = None,
+        dataset_config: DatasetConfigOpt = None,
+        dataset_split: DatasetSplitOpt = None,
+        dataset_column: DatasetColumnOpt = None,
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
         strategy: StrategyOpt = None,
         stages: StagesOpt = None,
@@ -150,6 +155,9 @@ def _register_launch(app: typer.Typer) -> None:
 
         Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
         """
+        dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset")
+        if dataset is None:
+            raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
         after = _export_after(flags)
         if mode == "split":
@@ -339,10 +347,9 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                     unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cluster.control.kinds import apply_job_overrides
+    from smolforge.cluster.control.kinds import KINDS, apply_job_overrides
     from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
-    from smolforge.distill.settings import check_run
 
     if not students:  # the seeds name none: the teacher family's smallest model a node holds
         students = [_default_student(teacher, mode, o["coordinator"], o["token"], o["state_dir"])]
@@ -366,8 +373,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
         distill["split_shards"] = True
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,
                                 "distill": distill, "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
-    job = validate(DistillJob, spec, where="launch")
-    check_run(job.distill, job.mode)  # before any cluster starts
+    KINDS["distill"].check(validate(DistillJob, spec, where="launch"))  # the submit's own check, before any cluster starts
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, validate
@@ -85,6 +86,10 @@ def _register_train(app: typer.Typer) -> None:
     def train(
         model: Optional[str] = typer.Option(None, help="HF id, local dir, Ollama name or preset (tiny-llama)"),
         data: Optional[str] = typer.Option(None, help="JSONL file, or 'bundled' for the generated task set"),
+        dataset_name: DatasetNameOpt = None,
+        dataset_config: DatasetConfigOpt = None,
+        dataset_split: DatasetSplitOpt = None,
+        dataset_column: DatasetColumnOpt = None,
         format: Optional[str] = typer.Option(None, "--format", help="auto|alpaca|chat|prompt_completion|text"),
         eval_data: Optional[str] = typer.Option(None, help="held-out JSONL (default: a 10% split of --data)"),
         peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
@@ -135,7 +140,10 @@ def _register_train(app: typer.Typer) -> None:
         Example: smolforge train --model tiny-llama --data bundled --max-steps 50 --wandb my-project  (then: wandb sync outputs/run/wandb/offline-run-*)
 
         Example: smolforge train --model qwen2.5:0.5b --data bundled --dtype bf16  (frozen base in bf16: half the memory)
+
+        Example: smolforge train --model tiny-llama --dataset-name tatsu-lab/alpaca --max-steps 50  (offline, from the HF cache)
         """
+        data = named_dataset(data, dataset_name, dataset_config, dataset_split, dataset_column, "--data")
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
         if tensorboard is not None:

@@ -196,21 +196,36 @@ def _student_lr(s: DemoSettings, peft: str) -> float:
     return s.lora_lr if peft == "lora" else s.full_lr
 
 
-def local_student(s: DemoSettings, seed: int, output_dir: str | Path, *, steps: int | None = None,
-                  kd_ratio: float | None = None, peft: str | None = None, on_policy_ratio: float = 0.0, on_policy_start: float = 0.0,
-                  teacher: str | Path | None = None, kd_loss: str | None = None, beta: float | None = None,
-                  temperature: float | None = None, lr: float | None = None):
+@dataclass(frozen=True)
+class StudentArm:
+    """One demo student's departures from the demo's settings (None: the demo's value): its steps, KD
+    mix and loss, PEFT (`"lora"` at `lora_lr` or `"none"`, a full fine-tune at `full_lr`), on-policy share
+    and start, learning rate (the bench's arms, `bench/distill_kd_vs_sft.py`)."""
+
+    steps: int | None = None
+    kd_ratio: float | None = None
+    peft: str | None = None
+    on_policy_ratio: float = 0.0
+    on_policy_start: float = 0.0
+    kd_loss: str | None = None
+    beta: float | None = None
+    temperature: float | None = None
+    lr: float | None = None
+
+
+def local_student(s: DemoSettings, seed: int, output_dir: str | Path, arm: StudentArm = StudentArm(),
+                  teacher: str | Path | None = None):
     """(StudentConfig, model) of one demo student trained in this process (the KD test and bench).
 
-    `peft` "lora" (at `lora_lr`) or "none" (a full fine-tune at `full_lr`; the demo's `student_peft`
-    when not given). The model is built here,
-    under `seed`, by the caller's thread: torch's RNG (which initialises LoRA) is process-wide, so
-    students meant to train side by side in threads are all built first.
+    The model is built here, under `seed`, by the caller's thread: torch's RNG (which initialises LoRA)
+    is process-wide, so students meant to train side by side in threads are all built first.
     """
     import torch
 
     base = str(student_base(s)[0])
-    peft = peft or s.student_peft
+    steps, kd_ratio, lr, kd_loss = arm.steps, arm.kd_ratio, arm.lr, arm.kd_loss
+    temperature, beta, on_policy_ratio, on_policy_start = arm.temperature, arm.beta, arm.on_policy_ratio, arm.on_policy_start
+    peft = arm.peft or s.student_peft
     spec = (PeftSpec(method="lora", r=s.lora_r, alpha=s.lora_alpha, dropout=0.0) if peft == "lora"
             else PeftSpec(method=peft))
     cfg = StudentConfig(base_model=base, output_dir=str(output_dir), max_steps=steps or s.student_steps,

@@ -1,8 +1,10 @@
-"""What a data-parallel rank is asked to do (`RankTask`) and what it hands back (`RankResult`): one typed object each way.
+"""What a data-parallel rank is asked to do (`RankPlan`) and what it hands back (`RankResult`): one typed object
+each way.
 
 Why typed objects rather than a config dict and loose arguments: a job's spec is validated once, at
 submit; the rank receives the `TrainConfig` that validation made (this round's batch per rank in it)
-and the strategy's settings as checked there, and never parses them again. Ray pickles both between
+and the strategy's settings as checked there (with their defaults filled in), and never parses them
+again. The plan travels whole: to every rank actor, and to the round's parameter server. Ray pickles both between
 our own processes (the coordinator's runner and its rank actors), which is fine: the rule against
 unpickling applies to what a network peer sends our HTTP and gRPC services. On the way back the rank
 returns its `TrainResult` as is, with where and how it ran beside it, and `parallel.summary.job_summary`
@@ -12,21 +14,27 @@ derives the job's summary from those in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smolforge.config import TrainConfig
+from smolforge.parallel.strategies import strategy_class
 from smolforge.train.engine import TrainResult
+
+if TYPE_CHECKING:
+    from smolforge.train.strategy import Strategy
 
 UPLOAD_BARRIER_MARGIN_S = 60.0  # saving and packing a checkpoint, on top of its upload's own bound
 
 
 @dataclass(frozen=True)
-class RankTask:
-    """One round's work for every rank of a data-parallel job (the same object for each rank)."""
+class RankPlan:
+    """One round's work for every rank of a data-parallel job (the same object for each rank), made from
+    the job's spec validated at submit (`worker_group.rank_task`)."""
 
     train: TrainConfig  # validated at submit; batch_size is this round's rows per rank
     strategy: str = "ddp"  # a name in `parallel.strategies.STRATEGIES`
-    strategy_config: dict[str, Any] = field(default_factory=dict)  # checked at submit (`Strategy.check_settings`)
+    # checked at submit (`Strategy.check_settings`), its defaults filled in (`Strategy.settings_dict`)
+    strategy_config: dict[str, Any] = field(default_factory=dict)
     backend: str = "auto"  # "auto" | "gloo" | "nccl" (`parallel.rendezvous.pick_backend`)
     timeout_s: float = 300.0  # a collective's timeout (a peer lost without a TCP reset)
     keep_last: int = 2  # checkpoints kept in the job's artifact store
@@ -35,6 +43,11 @@ class RankTask:
     # the runner sends the model to placed nodes that lack it: a rank whose strategy reads only its stage
     # (`Strategy.stage_parts`) got the config part there and fetches its stage's part once it has cut the model
     model_travels: bool = False
+
+    @property
+    def strategy_class(self) -> "type[Strategy]":
+        """The plan's strategy class (`parallel.strategies.strategy_class`): its capabilities, its server."""
+        return strategy_class(self.strategy)
 
     @property
     def collective_timeout_s(self) -> float:

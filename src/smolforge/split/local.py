@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -50,17 +50,37 @@ def build(model_name: str, spec: PeftSpec, seed: int, device: str = "cpu"):
     return model
 
 
-def train_local(model, rows, pad_id: int, *, steps: int, batch_size: int, grad_accum: int = 1, lr: float = 2e-4,
-                weight_decay: float = 0.0, warmup_steps: int = 0, scheduler: str = "linear",
-                max_grad_norm: float | None = 1.0, seed: int = 0, total_steps: int | None = None,
-                device: str = "cpu", on_step: Callable[[int], None] | None = None) -> LocalResult:
-    """Train `model` for `steps` optimizer steps (of a `total_steps` schedule) on `rows`.
+@dataclass(frozen=True)
+class LocalRun:
+    """What `train_local` trains for: the settings a split run's client and trunk share (`SplitTrainConfig`'s)."""
+
+    steps: int  # optimizer steps taken now
+    batch_size: int  # rows per micro-batch
+    grad_accum: int = 1  # micro-batches per step
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    scheduler: str = "linear"
+    max_grad_norm: float | None = 1.0  # None or 0: no clipping (the norm is still measured)
+    seed: int = 0  # the sample order's
+    total_steps: int | None = None  # the schedule's length (default: `steps`)
+    device: str = "cpu"
+
+
+def train_local(model, rows, pad_id: int, run: LocalRun | None = None, *,
+                on_step: Callable[[int], None] | None = None, **settings: Any) -> LocalResult:
+    """Train `model` for `run.steps` optimizer steps (of a `run.total_steps` schedule) on `rows`; `settings`:
+    `LocalRun`'s fields by name instead of `run` (`train_local(model, rows, pad, steps=3, batch_size=4)`; an
+    unknown name is a TypeError).
 
     `on_step(step)` runs after each step (the benchmark reads CPU time there)."""
+    r = run or LocalRun(**settings)
+    steps, batch_size, grad_accum, lr, device = r.steps, r.batch_size, r.grad_accum, r.lr, r.device
+    max_grad_norm = r.max_grad_norm
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    order = SampleOrder(len(rows), batch_size * grad_accum, seed)
-    total = total_steps or steps
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=r.weight_decay)
+    order = SampleOrder(len(rows), batch_size * grad_accum, r.seed)
+    total = r.total_steps or steps
     out = LocalResult()
     t0 = time.perf_counter()
     for step0 in range(steps):
@@ -79,7 +99,7 @@ def train_local(model, rows, pad_id: int, *, steps: int, batch_size: int, grad_a
         else:
             norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
         for group in opt.param_groups:
-            group["lr"] = lr * lr_lambda(step0, total, warmup_steps, scheduler, 0.0)
+            group["lr"] = lr * lr_lambda(step0, total, r.warmup_steps, r.scheduler, 0.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.losses.append(loss_total / denom)

@@ -262,7 +262,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, st
         read += tensors.bytes_read
     else:
         strategy.load_optimizer_state(optimizer, blob["optimizer"])
-    strategy.checkpoint_bytes_read += read
+    strategy.count_checkpoint_read(read)
     scheduler.load_state_dict(blob["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
     mine = None

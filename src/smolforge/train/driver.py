@@ -160,6 +160,9 @@ class Run(Generic[R]):
     loss_sum: LossSum
     evaluate: Callable[[], dict[str, Any]]  # every rank calls it (a sharded eval reduces across them)
     summarize: Callable[[Outcome], R]  # the result (with `to_dict()`), written as summary.json by the main rank
+    # step -> its loss tokens, every rank's rows, when the data can count them (`engine.SampleSource`): a rank
+    # that computes its part alone (a parameter server's worker) normalises by them (`Strategy.step_targets`)
+    step_tokens: Callable[[int], float] | None = None
     hooks: RunHooks = field(default_factory=RunHooks)
     metrics: Callable[[int], MetricsWriter | None] = lambda start: None  # (first step) -> the main rank's writer
     log: Callable[[str], None] = lambda msg: None
@@ -206,7 +209,6 @@ class Driver(Generic[R]):
         s, strategy = self.s, self.strategy
         latest = ckpt.latest_checkpoint(self.out_dir) if s.resume else None
         self.source = self.r.source(latest)
-        strategy.spool_dir = self.out_dir  # state a sharded strategy streams to disk (checkpoints) starts here
         self.optimizer = make_optimizer(self.model, s.lr, s.weight_decay, self.r.device, strategy, s.optimizer)
         self.scheduler = make_scheduler(self.optimizer, self.source.steps, s.warmup_steps, s.scheduler, s.min_lr_ratio)
         start, rows = 0, self.source.rows_per_step
@@ -222,7 +224,8 @@ class Driver(Generic[R]):
                 self.r.hooks.on_resume(latest, start)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, loss_sum=self.r.loss_sum,
                                device=self.r.device, strategy=strategy, precision=s.precision,
-                               max_grad_norm=s.max_grad_norm, forward=self.r.forward, layout=self.r.layout)
+                               max_grad_norm=s.max_grad_norm, step_tokens=self.r.step_tokens,
+                               forward=self.r.forward, layout=self.r.layout)
         begin = strategy.start_at(start)  # a member joining a running group starts where the others are
         if begin != start:
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
@@ -269,8 +272,10 @@ class Driver(Generic[R]):
         strategy = self.strategy
         step = strategy.checkpoint_step(step)  # a parameter server's consistent state may be behind this rank
         rngs = strategy.gather_rng()  # every rank takes part; the main rank gets them all
-        optim_state = strategy.optimizer_state(self.optimizer)  # likewise: a sharded optimizer gathers its parts
-        weights = strategy.model_state(self.model)  # and a sharded model its trainable weights (None: read the model)
+        # likewise: a sharded optimizer gathers its parts (state it streams to disk starts in the output dir)
+        optim_state = strategy.optimizer_state(self.optimizer, spool_dir=self.out_dir)
+        # and a sharded model its trainable weights (None: read the model)
+        weights = strategy.model_state(self.model, spool_dir=self.out_dir)
         if strategy.is_main:
             path = ckpt.save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.scheduler,
                                         extra={**self.source.replay_state(), **self.s.checkpoint_meta,
@@ -293,7 +298,8 @@ class Driver(Generic[R]):
         """Every step taken: the final eval, the adapter, and (a fine-tuning run) the final checkpoint."""
         o, strategy = self.outcome, self.strategy
         o.eval = self._evaluate(o.steps)
-        weights = strategy.model_state(self.model)  # every rank: a sharded model gathers its weights (None: unsharded)
+        # every rank: a sharded model gathers its weights (None: unsharded)
+        weights = strategy.model_state(self.model, spool_dir=self.out_dir)
         with strategy.whole_model(self.model):  # and what a saver reads from the modules (prompt tuning) is whole
             if strategy.is_main:
                 adapter_dir = self.out_dir / f"{self.s.peft_method}_adapter"

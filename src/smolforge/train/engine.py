@@ -140,9 +140,8 @@ def build_model(cfg: TrainConfig, device: torch.device, tokenizer=None, strategy
     """Tokenizer and the PEFT-wrapped model on device (`strategy` loads it: a pipeline rank, its stage only)."""
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    if strategy is not None:
-        strategy.run_config = cfg  # a pipeline plans its stages' activations from the batch
-    model = (strategy.load_model(cfg.model, device=device, dtype=cfg.dtype) if strategy is not None
+    # a pipeline plans its stages' activations from the run's batch (`run`)
+    model = (strategy.load_model(cfg.model, device=device, dtype=cfg.dtype, run=cfg) if strategy is not None
              else load_model(cfg.model, device=device, dtype=cfg.dtype, training=True))
     model = apply_peft(model, cfg.peft)  # peft keeps LoRA/IA3 weights in fp32 on a bf16/fp16 base
     if cfg.gradient_checkpointing:
@@ -291,7 +290,6 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     meaning = step_meaning(cfg, strategy, splits.train)
     order = SampleOrder(len(splits.train), meaning.rows_per_step, cfg.seed)
     source = SampleSource(splits.train, order, total_steps(cfg, order), cfg.batch_size, tokenizer.pad_token_id, strategy)
-    strategy.step_tokens = source.step_tokens
 
     def summarize(o: Outcome) -> TrainResult:
         result = TrainResult(output_dir=str(Path(cfg.output_dir)), adapter_dir=o.adapter_dir, steps=o.steps,
@@ -310,6 +308,7 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     return drive(Run(
         settings=run_settings(cfg, strategy, meaning), model=model, tokenizer=tokenizer, device=device, strategy=strategy,
         source=lambda _latest: source, loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0],
+        step_tokens=source.step_tokens,
         evaluate=lambda: evaluate(model, tokenizer, splits, cfg, device, strategy=strategy), summarize=summarize,
         hooks=RunHooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop,
                        on_checkpoint=(lambda path, step, _pausing: hooks.on_checkpoint(path, step))
@@ -344,7 +343,6 @@ def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = Non
                           packing=False, data_rows=len(data.train_y), data_sha256=data.fingerprint())
     order = SampleOrder(len(data.train_y), meaning.rows_per_step, cfg.seed)
     source = RowSource(data, order, total_steps(cfg, order), cfg.batch_size, strategy)
-    strategy.step_tokens = source.step_tokens
     settings = run_settings(cfg, strategy, meaning)
 
     def summarize(o: Outcome) -> TrainResult:
@@ -359,7 +357,7 @@ def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = Non
 
     return drive(Run(
         settings=settings, model=model, tokenizer=None, device=device, strategy=strategy,
-        source=lambda _latest: source, loss_sum=kind.loss_sum, forward=kind.forward,
+        source=lambda _latest: source, loss_sum=kind.loss_sum, forward=kind.forward, step_tokens=source.step_tokens,
         layout=BatchLayout(targets=kind.targets, units=kind.units, rows=kind.rows),
         evaluate=lambda: evaluate_rows(kind, model, data, cfg.batch_size * 4, device, strategy), summarize=summarize,
         hooks=RunHooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop,

@@ -98,11 +98,15 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *,
                  loss_sum: LossSum, device: torch.device, strategy: Strategy | None = None,
                  forward: Forward = plain_forward, precision: str = "fp32",
-                 max_grad_norm: float | None = 1.0, layout: BatchLayout = TOKENS):
+                 max_grad_norm: float | None = 1.0, step_tokens: Callable[[int], float] | None = None,
+                 layout: BatchLayout = TOKENS):
+        """`step_tokens`: step -> its loss tokens, every rank's rows, where the data can count them
+        (`Strategy.step_targets`'s `counted`); None: the ranks sum their own."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_sum, self.forward, self.device = loss_sum, forward, device
         self.strategy = strategy or Strategy()
-        self.max_grad_norm, self.layout = max_grad_norm, layout  # layout: which units of a batch carry the loss
+        self.max_grad_norm, self.step_tokens = max_grad_norm, step_tokens
+        self.layout = layout  # which units of a batch carry the loss (tokens; a classifier's rows)
         self.amp = autocast_dtype(precision, device)  # measured on CPUs; bf16/fp16 on GPUs
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 and device.type == "cuda" else None
         self.wrapped = self.strategy.wrap(model, device)
@@ -116,7 +120,7 @@ class Trainer:
         if self.scheduler.last_epoch != step:  # steps handed out out of order (a parameter server)
             self._seek_schedule(step)
         my_targets = float(sum(self.layout.targets(m) for m in micro))
-        global_targets = s.step_targets(step, my_targets, self.device)
+        global_targets = s.step_targets(step, my_targets, self.device, self.step_tokens)
         scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
         started = time.perf_counter()
         how = StepPass(forward=self.forward, loss_sum=self.loss_sum, scale=scale, device=self.device, amp=self.amp,

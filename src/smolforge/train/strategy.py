@@ -7,23 +7,25 @@ needs from its peers goes through a `Strategy`:
 - `prepare(model)`: before the optimizer is made (FSDP shards the parameters here)
 - `make_optimizer(groups, cls, **defaults)`: the optimizer over the trainable groups (ZeRO shards it)
 - `whole_model(model)`: a context in which every rank holds the whole weights (evaluation, generation)
-- `load_model(name)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only,
-  from its stage's part of the model when its node lacks the whole: `model_part`);
+- `load_model(name, run=)`: the model this rank trains, before PEFT (a pipeline rank reads its stage only,
+  from its stage's part of the model when its node lacks the whole: the context's `model_part`; it sizes
+  its stages' activations from the run's config, `run`);
   `eval_sums(...)`: evaluation the strategy runs itself (a pipeline: through its stages), else None
 - `model_state(model)` / `load_model_state(model, weights)`: the trainable weights, whole, for a
   checkpoint or the final adapter, and back from a per-key reader (FSDP gathers shards, and reads back
   only its own; others read the model); `load_optimizer_file`: a streamed optimizer state, likewise
 - `optimizer_state(optimizer)`: its whole state for a checkpoint, on the main rank (collective)
-- `spool_dir`: where those two may stream state too big to hold in memory (a safetensors file whose
-  path they return instead of a dict; FSDP does); the trainer sets it to its output directory
+- `spool_dir=` (of those two): where they may stream state too big to hold in memory (a safetensors file
+  whose path they return instead of a dict; FSDP does); the driver passes its output directory
 - `accumulate(last)`: the context for one micro-batch's backward (skip gradient sync unless last)
 - `forward_backward(wrapped, micro, how)`: forward and backward over a step's micro-batches (one after
   another here, each under `accumulate`; a pipeline runs them through its stages on a schedule)
 - `reduce(values)`: sum numbers over every rank (eval sums, anything global)
 - `step_reduce(values)` / `step_ranks`: sums over, and the number of, the ranks that average this
   optimizer step's gradients (every rank for DDP; only itself for DiLoCo's local inner steps)
-- `step_targets(step, mine)` / `step_loss(loss_sum, targets, step_targets)`: the step's loss tokens (every
-  rank's rows), and the step's mean token loss as the loop logs it
+- `step_targets(step, mine, counted=)` / `step_loss(loss_sum, targets, step_targets)`: the step's loss tokens
+  (every rank's rows; `counted`: the data's own count of them, when it knows it), and the step's mean token
+  loss as the loop logs it
 - `at_boundary(step)`: may the loop checkpoint or pause after this step (DiLoCo: at outer steps)
 - `start_at(step)`: where this process starts (a member joining a running elastic group: the others' step)
 - `finish(model, optimizer)`: the loop ended: bring every rank to the shared weights
@@ -47,6 +49,10 @@ needs from its peers goes through a `Strategy`:
 - `metrics()`: the strategy's own numbers for the job summary (staleness, waits, dropped gradients)
 - `barrier()`, `bytes_sent`, `rank`, `world`, `is_main`
 
+A strategy is made from its settings (`strategy_config`) and a `RankContext` (`train.rank_context`:
+world, member, the parameter server, the membership service, balance, where a stage's part comes from),
+and nothing sets its attributes afterwards.
+
 This class is the single-process strategy: rank 0 of 1, every method the identity. The others live
 in `smolforge.parallel.strategies`, one file each, picked by name from its registry.
 """
@@ -61,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager
 import torch
 from pydantic import BaseModel
 
+from smolforge.train.rank_context import ALONE, RankContext
 from smolforge.train.step_loss import NONE, StepLoss
 
 if TYPE_CHECKING:
@@ -138,7 +145,7 @@ class Strategy:
     distill_students: ClassVar[bool] = False
     # each rank reads only its own stage's tensors (`load_model`): a node that lacks the job's model receives
     # the config and tokenizer before the ranks start, and each rank its stage's part once it has planned
-    # the cut (`model_part`, which the rank glue sets), never the whole model
+    # the cut (`RankContext.model_part`, which the rank glue gives), never the whole model
     stage_parts: ClassVar[bool] = False
 
     @classmethod
@@ -149,25 +156,32 @@ class Strategy:
         elif config:
             raise ValueError(f"the {cls.name} strategy takes no settings (got {', '.join(map(str, config))})")
 
-    def __init__(self, **config: Any):
+    @classmethod
+    def settings_dict(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The settings as `check_settings` accepts them, every default filled in: what a `RankPlan` carries
+        to the ranks and the parameter server. Raises as `check_settings` does."""
+        if cls.Settings is None:
+            cls.check_settings(config)
+            return {}
+        return cls.Settings(**config).model_dump()
+
+    def __init__(self, context: RankContext | None = None, **config: Any):
+        """`context`: this rank's facts (default: rank 0 of 1, `rank_context.ALONE`); `config`: the strategy's
+        settings (`strategy_config`, checked at submit by `check_settings`)."""
+        self.context = context or ALONE
         self.config = dict(config)
         self.bytes_sent = 0  # handed to collectives while training
         self.checkpoint_bytes_sent = 0  # handed to collectives to gather checkpoints
         self.checkpoint_bytes_read = 0  # read from a checkpoint on resume (a sharded strategy: its shards)
         self.rounds: int | None = None  # outer steps taken, for strategies that have them (DiLoCo)
         self.comm_wait_s = 0.0  # time spent waiting in collectives (for peers, for the network)
-        self.balance = "off"  # "auto": rows per rank in proportion to measured speed (synchronous strategies)
+        # "auto": rows per rank in proportion to measured speed (synchronous strategies); from the context
+        self.balance = self.context.balance
         self.notes: list[dict[str, Any]] = []  # what the strategy decided (a rebalance), for the job's events
-        self.spool_dir: Path | None = None  # where streamed state files go (the run's output dir)
-        # the loss tokens of global step s, every rank's rows (set by the engine, which knows the data):
-        # a rank that computes its part alone (a parameter server's worker) still normalises as DDP does
-        self.step_tokens: Callable[[int], float] | None = None
         self.last_loss: StepLoss | None = None  # this rank's part of the latest step it counted in (`own_loss`)
-        # the run's config, set by the engine before `load_model`: a pipeline sizes its stages' activations from it
-        self.run_config: TrainConfig | None = None
-        # set by the rank glue where this node lacks the job's model and the strategy reads stage parts:
+        # where this node lacks the job's model and the strategy reads stage parts (the context's):
         # (bounds, stage index) -> a local model directory holding that stage's tensors, brought there now
-        self.model_part: Callable[[list[int], int], str] | None = None
+        self.model_part: Callable[[list[int], int], str] | None = self.context.model_part
 
     # -- who we are ---------------------------------------------------------------------------------
 
@@ -214,8 +228,10 @@ class Strategy:
             tokens += how.layout.units(m)
         return loss_total, tokens
 
-    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True):
-        """The model this rank trains, before PEFT: the whole model here (a pipeline rank reads its stage only)."""
+    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True,
+                   run: TrainConfig | None = None):
+        """The model this rank trains, before PEFT: the whole model here (a pipeline rank reads its stage only,
+        and sizes its stages' activations from the run's config, `run`, when given)."""
         from smolforge.models.loading import load_model
 
         return load_model(name, device=device, dtype=dtype, training=training)
@@ -238,9 +254,11 @@ class Strategy:
                        **defaults: Any) -> torch.optim.Optimizer:
         return optimizer_class(groups, **defaults)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | Path | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer,
+                        spool_dir: Path | None = None) -> dict[str, Any] | Path | None:
         """The optimizer's whole state for a checkpoint: every rank calls it, the main rank gets it
-        (or the path of the safetensors file it was streamed into, `checkpoint.read_optimizer_file`).
+        (or the path of the safetensors file it was streamed into under `spool_dir`, the run's output
+        directory; the system's temp dir without one: `checkpoint.read_optimizer_file`).
 
         A checkpoint holds the whole state whatever the strategy, so that it resumes under any other
         strategy or world size (a sharded optimizer loads the whole state and keeps its own part)."""
@@ -273,8 +291,12 @@ class Strategy:
     def reduce(self, values: list[float], device: torch.device) -> list[float]:
         return list(values)
 
-    def step_targets(self, step: int, mine: float, device: torch.device) -> float:
-        """The loss tokens of the whole step (every rank's rows), which normalise its loss."""
+    def step_targets(self, step: int, mine: float, device: torch.device,
+                     counted: Callable[[int], float] | None = None) -> float:
+        """The loss tokens of the whole step (every rank's rows), which normalise its loss: summed over the
+        ranks here. `counted`: step -> those tokens as the data counts them (every rank's rows; the engine's
+        `SampleSource.step_tokens`), or None where the data cannot say (a rank that computes its part alone,
+        a parameter server's worker, reads it from there and still normalises as DDP does)."""
         return self.step_reduce([mine], device)[0]
 
     def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
@@ -350,10 +372,12 @@ class Strategy:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | Path | None:
+    def model_state(self, model: torch.nn.Module,
+                    spool_dir: Path | None = None) -> dict[str, torch.Tensor] | Path | None:
         """The trainable weights, whole, by parameter name, for a checkpoint or the final adapter, when the
         model cannot give them itself (FSDP holds shards): every rank calls it, the main rank gets them
-        (or the path of a safetensors file they were streamed into). None: read them from the model."""
+        (or the path of a safetensors file they were streamed into under `spool_dir`, the run's output
+        directory). None: read them from the model."""
         return None
 
     def load_model_state(self, model: torch.nn.Module, weights: TensorReader) -> None:
@@ -372,6 +396,11 @@ class Strategy:
         """Restore a streamed optimizer state (`optim_state.safetensors`); a sharded strategy reads only
         its shards of it, the others read it whole."""
         self.load_optimizer_state(optimizer, tensors.optimizer_state())
+
+    def count_checkpoint_read(self, nbytes: int) -> None:
+        """`nbytes` more were read from a checkpoint on resume (`checkpoint_bytes_read`; a sharded strategy: its
+        shards only)."""
+        self.checkpoint_bytes_read += nbytes
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Strategies with state of their own (an outer optimizer, a staleness clock) restore it."""

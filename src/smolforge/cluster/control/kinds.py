@@ -29,7 +29,6 @@ from smolforge.cluster.control.specs import (
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
-from smolforge.distill.settings import check_run
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
@@ -162,7 +161,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data",),
             models=("distill.teacher", "distill.students"),
-            check=lambda job: check_run(job.distill, job.mode),
+            check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_demand),
     JobKind("distill_task", "distillation task", DistillTaskJob,
@@ -218,9 +217,15 @@ def is_local_file(value: Any) -> bool:
 
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
-    """Replace the local files a job names by uploads (the workers share no filesystem with us)."""
+    """Replace the local files a job names by uploads (the workers share no filesystem with us).
+
+    A dataset given by name (`{dataset_name: N, dataset_config: C, dataset_split: S, dataset_column:
+    COL}` where a file path goes, as train's and launch's flags) is resolved here, on the submitting
+    machine, into one JSONL file (smolforge.data.hub) and uploaded as any JSONL."""
     for dotted in kind_of(spec).uploads:
         value = get_path(spec, dotted)
+        if isinstance(value, dict):
+            value = _named_dataset(value, dotted)
         if not is_local_file(value):
             continue
         path = Path(str(value)).expanduser()
@@ -230,6 +235,21 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
                                      f"{', '.join(BUILTIN_DATASETS)} ('bundled': the generated task set)")
         put_path(spec, dotted, upload(path))
     return spec
+
+
+_NAMED_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_column")
+
+
+def _named_dataset(value: dict, dotted: str) -> str:
+    """A spec's `{dataset_name: ...}` as the path of its JSONL file; SmolforgeError for other keys."""
+    from smolforge.data.hub import dataset_to_jsonl
+
+    unknown = sorted(set(value) - set(_NAMED_KEYS))
+    if unknown or not value.get("dataset_name"):
+        raise SmolforgeError(f"{dotted}: a dataset by name takes dataset_name and optionally dataset_config, "
+                             f"dataset_split, dataset_column; got {sorted(value)}", where="job spec",
+                             fix=f"write {dotted}: {{dataset_name: NAME}} or a JSONL path")
+    return str(dataset_to_jsonl(*(value.get(k) for k in _NAMED_KEYS)))
 
 
 def pin_local_models(spec: dict) -> dict:

@@ -262,10 +262,10 @@ class DataParallelJob(JobSpec):
 
     @model_validator(mode="after")
     def _strategy_settings(self) -> "DataParallelJob":
-        from smolforge.parallel.strategies import STRATEGIES
+        from smolforge.parallel.strategies import strategy_class
 
         try:
-            STRATEGIES[self.strategy].check_settings(self.strategy_config)
+            strategy_class(self.strategy).check_settings(self.strategy_config)
         except ValidationError as err:
             raise ValueError("; ".join(f"strategy_config.{'.'.join(map(str, e['loc']))}: {e['msg']} for "
                                        f"--strategy {self.strategy}" for e in err.errors())) from None

@@ -3,8 +3,12 @@
 A new strategy is one file in this package (a `smolforge.train.strategy.Strategy` subclass) and one
 line in `STRATEGIES` (a plug-in elsewhere sets `STRATEGIES[name] = its class`). The training loop, the
 job runner and the CLI only ever see the name; what a strategy can do they read from its class's
-capabilities (`needs_server`, `uses_process_group`, `elastic`, `distill_students`), and the CLI's
-help and errors list the names held here.
+capabilities (`needs_server`, `uses_process_group`, `elastic`, `distill_students`, `stage_parts`), and
+the CLI's help and errors list the names held here.
+
+One lookup answers every question about a name: `strategy_class(name)` (the class, or one message
+naming the closest name); `make_strategy` builds an instance from it, with its settings and its rank's
+`RankContext`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from smolforge.errors import SmolforgeError
 
 if TYPE_CHECKING:
+    from smolforge.train.rank_context import RankContext
     from smolforge.train.strategy import Strategy
 
 
@@ -74,12 +79,20 @@ def check_name(name: str, where: str | None = None) -> str:
                          where=where, fix=f"use one of {', '.join(STRATEGIES)}")
 
 
+def strategy_class(name: str, where: str | None = None) -> "type[Strategy]":
+    """The strategy class registered under `name`, its module imported now (one strategy's imports);
+    an unknown name raises `check_name`'s one message (`where`: the flag or field that gave it). Every
+    question about a strategy by name (its capabilities, its settings, an instance) starts here."""
+    return STRATEGIES[check_name(name, where)]
+
+
 def names_where(able: Callable[["type[Strategy]"], bool]) -> list[str]:
     """The names whose strategy has a capability, e.g. `names_where(lambda s: s.distill_students)`;
     it imports every strategy (seconds): for an error message or `--help`, not for every command."""
-    return [name for name in STRATEGIES if able(STRATEGIES[name])]
+    return [name for name in STRATEGIES if able(strategy_class(name))]
 
 
-def make_strategy(name: str, config: dict[str, Any] | None = None) -> Strategy:
-    """An instance of the named strategy with its settings (`strategy_config`)."""
-    return STRATEGIES[check_name(name)](**(config or {}))
+def make_strategy(name: str, config: dict[str, Any] | None = None, context: "RankContext | None" = None) -> Strategy:
+    """An instance of the named strategy with its settings (`strategy_config`, checked at submit) and its
+    rank's facts (`context`; default: rank 0 of 1, nothing shared)."""
+    return strategy_class(name)(context, **(config or {}))

@@ -25,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from smolforge.train import balance
+from smolforge.train.rank_context import RankContext
 from smolforge.train.strategy import Strategy
 
 
@@ -34,8 +35,8 @@ class DDP(Strategy):
     joins_later = False  # made before its process group exists (an elastic member joining a running job)
     distill_students = True  # its subclasses too, unless they say otherwise
 
-    def __init__(self, **config: Any):
-        super().__init__(**config)
+    def __init__(self, context: RankContext | None = None, **config: Any):
+        super().__init__(context, **config)
         if not (dist.is_available() and dist.is_initialized()) and not self.joins_later:
             raise RuntimeError(f"the {self.name} strategy needs a process group "
                                "(smolforge.parallel.rendezvous.init_group)")
@@ -141,6 +142,12 @@ class DDP(Strategy):
                                "rates": rates})
         self.shares = shares
 
+    def _handed(self, buffer: torch.Tensor) -> None:
+        """A gradient bucket goes to the all-reduce now: its bytes counted, and when (`observe` measures
+        this rank's own work up to the last one of a step)."""
+        self._count(buffer)
+        self.handed_at = time.perf_counter()
+
     def gather_rng(self) -> list[torch.Tensor] | None:
         mine = torch.get_rng_state()
         every = [torch.empty_like(mine) for _ in range(self.world)]
@@ -151,6 +158,5 @@ class DDP(Strategy):
 
 def _counted_allreduce(strategy, bucket):  # no annotations: DDP compares them to real types, and ours are strings
     """DDP's default gradient all-reduce (average over ranks), counting the bucket's bytes."""
-    strategy._count(bucket.buffer())
-    strategy.handed_at = time.perf_counter()  # the last call of a step: this rank's backward is done
+    strategy._handed(bucket.buffer())  # the last call of a step: this rank's backward is done
     return default_hooks.allreduce_hook(None, bucket)

@@ -28,6 +28,7 @@ next round from them. Gradients cross the network once per H steps instead of ev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from smolforge.parallel.codecs import dequantize_int8, quantize_int8
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.train import balance
+from smolforge.train.rank_context import Membership, RankContext
 from smolforge.train.strategy import Strategy
 
 T = TypeVar("T")
@@ -68,9 +70,9 @@ class DiLoCo(DDP):
 
     Settings = None  # set below: DiLoCoSettings
 
-    def __init__(self, **config: Any):
+    def __init__(self, context: RankContext | None = None, **config: Any):
         settings = DiLoCoSettings(**config)
-        super().__init__()
+        super().__init__(context)
         self.config = settings.model_dump()
         self.inner_steps, self.codec, self.block = settings.inner_steps, settings.codec, settings.block
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
@@ -78,10 +80,10 @@ class DiLoCo(DDP):
         self.rounds, self.round_steps, self.round_targets = 0, 0, 0.0
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
-        # elastic membership, set by the worker glue (smolforge.cluster.workloads.data_parallel.rank) before training
-        self.membership: Any = None  # .regroup(epoch) -> the next group; .joiners_waiting() -> bool
-        self.member = 0  # this rank's id in the job: its first rank, or a new id for a joiner
-        self.nominal_world = 1  # ranks the job started with (the global batch is per_rank times this)
+        # elastic membership, from the context the worker glue (smolforge.cluster.workloads.data_parallel.rank) gives
+        self.membership: Membership | None = self.context.membership  # .regroup(epoch), .joiners_waiting()
+        self.member = self.context.member  # this rank's id in the job: its first rank, or a new id for a joiner
+        self.nominal_world = self.context.world  # ranks the job started with (the global batch is per_rank times this)
         self.epoch = 0  # how many times the group was re-formed
         self.admit_next = False  # joiners wait: take them in as the next step starts
         self.last_step = 0
@@ -285,7 +287,7 @@ class DiLoCo(DDP):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> dict[str, Any] | None:
         """Every rank's own inner optimizer state, gathered as tensors (never pickled) onto rank 0."""
         return self._collective(lambda: self._gather_optimizer_state(optimizer))
 

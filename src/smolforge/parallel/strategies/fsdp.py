@@ -64,6 +64,7 @@ from smolforge.telemetry.memory import return_freed_memory
 from smolforge.train.checkpoint import optimizer_file_key, optimizer_file_metadata, spool_tensor_file
 from smolforge.train.tensor_reader import TensorReader, optimizer_file_groups
 from smolforge.train.loop import optimizer_state_bytes
+from smolforge.train.rank_context import RankContext
 
 SCATTER = StateDictOptions(full_state_dict=True, strict=False)  # whole tensors on every rank; each keeps its shard
 
@@ -72,8 +73,8 @@ class FSDP(DDP):
     name = "fsdp"
     balances = False  # see the module docstring: per-block collectives hide a rank's own speed
 
-    def __init__(self, **config: Any):
-        super().__init__(**config)
+    def __init__(self, context: RankContext | None = None, **config: Any):
+        super().__init__(context, **config)
         self.model: torch.nn.Module | None = None
 
     # -- sharding -----------------------------------------------------------------------------------
@@ -135,11 +136,11 @@ class FSDP(DDP):
     def _trainable_names(self, model: torch.nn.Module) -> list[str]:
         return [n for n, p in model.named_parameters() if p.requires_grad]
 
-    def model_state(self, model: torch.nn.Module) -> Path | None:
+    def model_state(self, model: torch.nn.Module, spool_dir: Path | None = None) -> Path | None:
         # The names `named_parameters` gives (a tied weight once), as a checkpoint of any strategy has them
         params = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
         self.checkpoint_bytes_sent += sum(_local_bytes(p) for _, p in params)
-        return self._stream(params, "trainable", {"format": "pt"})
+        return self._stream(params, "trainable", {"format": "pt"}, spool_dir)
 
     def load_model_state(self, model: torch.nn.Module, weights: TensorReader) -> None:
         """Each weight in turn, and of a sharded one only this rank's rows: resuming never holds more
@@ -153,7 +154,7 @@ class FSDP(DDP):
                 else:
                     p.copy_(weights.get(name).to(p.device, p.dtype))
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> Path | None:
         """Streamed as `optimizer.state_dict()` would hold it (integer ids, same groups), tensors in the file."""
         self.checkpoint_bytes_sent += optimizer_state_bytes(optimizer)  # this rank's shards
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -166,9 +167,10 @@ class FSDP(DDP):
                 else:
                     scalars.setdefault(i, {})[key] = value
         groups = optimizer.state_dict()["param_groups"]
-        return self._stream(tensors, "optim", optimizer_file_metadata(groups, scalars))
+        return self._stream(tensors, "optim", optimizer_file_metadata(groups, scalars), spool_dir)
 
-    def _stream(self, entries: list[tuple[str, torch.Tensor]], kind: str, metadata: dict[str, str]) -> Path | None:
+    def _stream(self, entries: list[tuple[str, torch.Tensor]], kind: str, metadata: dict[str, str],
+                spool_dir: Path | None) -> Path | None:
         """Every rank: each tensor gathered whole in turn (a collective for a sharded one); rank 0 writes
         it into a fresh safetensors file under `spool_dir` as it comes, and returns the file's path."""
         whole = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in entries)
@@ -177,7 +179,7 @@ class FSDP(DDP):
                 pass
             return None
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in entries]  # a DTensor's shape is the whole one
-        return spool_tensor_file(self.spool_dir, kind, whole, specs, metadata)
+        return spool_tensor_file(spool_dir, kind, whole, specs, metadata)
 
     def load_optimizer_file(self, optimizer: torch.optim.Optimizer, tensors: TensorReader) -> None:
         """A streamed optimizer state, each moment read as only this rank's shard of it (a moment has its

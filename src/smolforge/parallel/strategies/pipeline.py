@@ -89,7 +89,9 @@ from smolforge.models.peft_methods import base_transformer, model_method
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.pipeline_micro import StageStep, concat_micro_batches
 from smolforge.parallel.strategies.pipeline_state import PipelineCheckpoints
+from smolforge.config import TrainConfig
 from smolforge.train.precision import autocast_dtype
+from smolforge.train.rank_context import RankContext
 from smolforge.train.strategy import Batch, StepPass
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -153,9 +155,9 @@ class Pipeline(PipelineCheckpoints, DDP):
     distill_students = False  # its stages need the same rows; a distill student takes its own slice
     Settings = PipelineSettings
 
-    def __init__(self, **config: Any):
+    def __init__(self, context: RankContext | None = None, **config: Any):
         self.settings = PipelineSettings(**config)
-        super().__init__()
+        super().__init__(context)
         self.config = self.settings.model_dump()
         self.layout: _Layout | None = None
         self.runner: StageStep | None = None
@@ -169,14 +171,17 @@ class Pipeline(PipelineCheckpoints, DDP):
         self.planned: list[int] | None = None  # the bounds `load_model` cut at
         self.shapes: dict[int, torch.Size] = {}  # id(parameter) -> its shape, for those loaded without storage
         self.read: dict[str, int] | None = None  # what `load_model` read from the checkpoint
+        self.run: TrainConfig | None = None  # the run's config `load_model` was given (its stages' activations)
 
     # -- cutting ------------------------------------------------------------------------------------
 
-    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True) -> nn.Module:
+    def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True,
+                   run: TrainConfig | None = None) -> nn.Module:
         """The whole model with storage for this rank's stage only, read by key (see the module doc)."""
         from smolforge.models.stage_load import materialize, part_tensors, skeleton
 
         self._use(device)
+        self.run = run
         net, merged, torch_dtype = skeleton(name, device=device, dtype=dtype or "fp32", training=training)
         import peft  # noqa: F401  (~25 MB the rank holds from its first step: in what it measures, not after)
 
@@ -240,9 +245,9 @@ class Pipeline(PipelineCheckpoints, DDP):
 
     def _workload(self, config, info, weights: torch.dtype) -> Workload:
         """A training stage's memory: weights x 1.2, plus its micro-batches' activations when the run's
-        config is known (`Strategy.run_config`, set by the engine): `models.stage_memory`. Autocast copies
+        config is known (`load_model`'s `run`, from the engine): `models.stage_memory`. Autocast copies
         a weight only when its dtype differs (a bf16 model under bf16 autocast keeps no copies)."""
-        cfg = self.run_config
+        cfg = self.run
         if cfg is None:
             return Workload(training=True)
         rows = cfg.batch_size * cfg.grad_accum * self.world  # a step's rows (`rows_for`: every rank all of them)

@@ -26,7 +26,7 @@ class PipelineCheckpoints:
     """`Pipeline`'s checkpoint methods; they use its layout, rank, world, device, global ids and byte
     counting (`_count`)."""
 
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | Path | None:
+    def model_state(self, model: nn.Module, spool_dir: Path | None = None) -> dict[str, torch.Tensor] | Path | None:
         """The whole trainable weights on rank 0, by parameter name: a dict for an adapter (small), a
         safetensors file for a full model (written as the stages' tensors arrive, never whole in memory)."""
         lay = self.layout
@@ -37,7 +37,7 @@ class PipelineCheckpoints:
             return None
         specs, tensors, _ = gathered
         if self.full:
-            return spool_tensor_file(self.spool_dir, "trainable", tensors, specs, {"format": "pt"})
+            return spool_tensor_file(spool_dir, "trainable", tensors, specs, {"format": "pt"})
         return {name: t.cpu() for name, t in tensors}
 
     def load_model_state(self, model: nn.Module, weights: TensorReader) -> None:
@@ -49,7 +49,7 @@ class PipelineCheckpoints:
                 if self._holds(i):
                     lay.params[i].copy_(weights.get(name).to(lay.params[i].device, lay.params[i].dtype))
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Path | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> Path | None:
         """The whole model's optimizer state on rank 0, as `optimizer.state_dict()` of one process keys it
         (its integer ids, its groups), streamed into a safetensors file (`checkpoint.read_optimizer_file`)."""
         lay = self.layout
@@ -72,7 +72,7 @@ class PipelineCheckpoints:
         merged = {int(gid): values for extra in extras for gid, values in extra.items()}
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": ids}
                   for group, ids in zip(optimizer.state_dict()["param_groups"], self.global_groups)]
-        return spool_tensor_file(self.spool_dir, "optim", tensors, specs, optimizer_file_metadata(groups, merged))
+        return spool_tensor_file(spool_dir, "optim", tensors, specs, optimizer_file_metadata(groups, merged))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """A whole-model state (any strategy's checkpoint): this stage's parameters take their entries."""

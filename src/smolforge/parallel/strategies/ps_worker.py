@@ -14,7 +14,8 @@ a job whose server's node died resumes on another node from it.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from smolforge.parallel.codecs import ErrorFeedback, payload_bytes
 from smolforge.parallel.strategies.ps_server import OPTIMIZERS, ServerCore, to_numpy, to_torch
 from smolforge.train import balance
 from smolforge.train.loop import StopRequested
+from smolforge.train.rank_context import ParamServer, RankContext
 from smolforge.train.strategy import Strategy
 
 SETUP_WAIT_S = 600.0  # a worker waiting for rank 0 to start the server (rank 0 may still be loading)
@@ -53,12 +55,12 @@ class PSStrategy(Strategy):
     pull_every = 1
     wait_s = 1.0  # one claim's wait at the server before the worker looks again
 
-    def __init__(self, **config: Any):
+    def __init__(self, context: RankContext | None = None, **config: Any):
         settings = self.Settings(**config) if self.Settings else None
-        super().__init__()
+        super().__init__(context)
         self.config = settings.model_dump() if settings else {}
-        self.server: Any = None
-        self.member, self.nominal_world = 0, 1
+        self.server: ParamServer | None = self.context.server  # the job's server (the context's)
+        self.member, self.nominal_world = self.context.member, self.context.world
         self.codec = ErrorFeedback(self.config.get("codec", "fp32"), int(self.config.get("block", 256)))
         self.pull_every = int(self.config.get("pull_every", 1))
         self.final = self.config.get("final", "raw")
@@ -170,10 +172,11 @@ class PSStrategy(Strategy):
         self.max_norm = max_norm
         return Strategy.clip_grad_norm(self, params, None)
 
-    def step_targets(self, step: int, mine: float, device: torch.device) -> float:
-        """The whole step's loss tokens, counted from the data (every worker has it): a part's gradient is
-        then normalised exactly as DDP's rank's is, and the server's sum of the parts is the step's."""
-        self.step_total = float(self.step_tokens(step)) if self.step_tokens else mine
+    def step_targets(self, step: int, mine: float, device: torch.device,
+                     counted: Callable[[int], float] | None = None) -> float:
+        """The whole step's loss tokens, counted from the data (every worker has it: `counted`): a part's
+        gradient is then normalised exactly as DDP's rank's is, and the server's sum of the parts is the step's."""
+        self.step_total = float(counted(step)) if counted else mine
         return self.step_total
 
     def step_reduce(self, values: list[float], device: torch.device) -> list[float]:
@@ -266,14 +269,14 @@ class PSStrategy(Strategy):
         self._snap = self.server.snapshot()
         return int(self._snap["resume_step"])
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> dict[str, Any] | None:
         if not self.is_main:
             return None
         if self._snap is None:  # a pause before the server was set up: what was loaded, or nothing yet
             return self._resume_optim or optimizer.state_dict()
         return to_torch(self._snap["optim"])
 
-    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    def model_state(self, model: torch.nn.Module, spool_dir: Path | None = None) -> dict[str, torch.Tensor] | None:
         if self._snap is None:
             return None
         return {n: torch.from_numpy(np.array(w)) for n, w in self._snap["weights"].items()}

@@ -12,6 +12,7 @@ job saved under `zero1` resumes under any strategy or world size and the other w
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ class Zero1(DDP):
         for p in _owned(self.optimizer):
             self._count(p)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> dict[str, Any] | None:
         self.checkpoint_bytes_sent += optimizer_state_bytes(optimizer)  # what this rank's part weighs
         optimizer.consolidate_state_dict(to=0)  # a collective: every rank sends its part to rank 0
         return optimizer.state_dict() if self.is_main else None

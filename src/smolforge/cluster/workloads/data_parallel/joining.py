@@ -22,7 +22,7 @@ from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, 
 from smolforge.cluster.control.runner import Outcome, short_error
 from smolforge.cluster.workloads.model_transfer import bring_model, job_report
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.strategies import STRATEGIES
+from smolforge.parallel.strategies import strategy_class
 
 
 class NodeJoining:
@@ -103,7 +103,7 @@ class NodeJoining:
             return None
         return bring_model(job_report(self.store, self.job_id, task_id), spec.train.model, placed,
                            self.ctx.healthy_nodes(), stopping=lambda: bool(self.want),
-                           part=round_part(STRATEGIES[spec.strategy].stage_parts, world))
+                           part=round_part(strategy_class(spec.strategy).stage_parts, world))
 
     def _admit(self, spec: DataParallelJob, round_no: int, cfg: dict, first: int, world: int) -> list[tuple[int, object]]:
         """Place each node that asked to join as a new member of the running elastic group; returns

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from smolforge.parallel.strategies import STRATEGIES
+from smolforge.parallel.rank_task import RankPlan
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, start_capture, this_node
 
 SERVER_CONCURRENCY = 64  # calls at once: every worker's claim, push and pull, and the runner's stats
@@ -23,7 +23,8 @@ SERVER_CONCURRENCY = 64  # calls at once: every worker's claim, push and pull, a
 class ServerActor:
     """Ray actor class: the strategy's server core, method by method."""
 
-    def __init__(self, strategy: str, config: dict[str, Any], world: int):
+    def __init__(self, plan: RankPlan, world: int):
+        """The server of `plan`'s strategy for `world` members, with the plan's settings (checked at submit)."""
         import os
 
         import torch
@@ -32,9 +33,8 @@ class ServerActor:
         # what this process prints, task `ps`, handed to the runner with each `stats` (its poll)
         self.lines = LineBuffer("ps", this_node())
         start_capture(self.lines)  # for the actor's life: its process is its own
-        cls = STRATEGIES[strategy]
-        self.core = cls.Server(cls.Settings(**config).model_dump(), world)
-        logging.getLogger(TASK_LOGGER).info("parameter server (%s) for %d members on %s, pid %d", strategy, world,
+        self.core = plan.strategy_class.Server(plan.strategy_config, world)
+        logging.getLogger(TASK_LOGGER).info("parameter server (%s) for %d members on %s, pid %d", plan.strategy, world,
                                             self.lines.node, os.getpid())
 
     def where(self) -> dict:
@@ -73,16 +73,16 @@ class ServerActor:
         return {**self.core.stats(), "lines": self.lines.drain()}
 
 
-def start_server(job_id: str, strategy: str, config: dict[str, Any], world: int, node_id: str,
-                 timeout_s: float = 60.0) -> Any:
-    """The round's server on `node_id` (a node of one of its ranks), answering before it is returned."""
+def start_server(plan: RankPlan, world: int, node_id: str, timeout_s: float = 60.0) -> Any:
+    """The round's server for `plan` and its `world` ranks on `node_id` (a node of one of its ranks),
+    answering before it is returned."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(ServerActor).options(
         num_cpus=0, max_concurrency=SERVER_CONCURRENCY, max_restarts=0, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(strategy, config, world)
+    ).remote(plan, world)
     ray.get(actor.where.remote(), timeout=timeout_s)
     return actor
 

@@ -1,10 +1,11 @@
 """One rank of a data-parallel job: a Ray actor that runs the ordinary training engine.
 
-The actor is deliberately thin. It receives one typed `RankTask` (the train config validated at
+The actor is deliberately thin. It receives one typed `RankPlan` (the train config validated at
 submit, the strategy and its settings, timeouts: `parallel.rank_task`) and where its group meets
 (`Seat`), pins its torch threads to the CPUs Ray gave it, fetches what the job needs onto its own
 disk (uploaded dataset, the checkpoint to resume from: there is no shared filesystem), joins the
-process group, and calls `smolforge.train.engine.train` with hooks (`RankReports`); it hands back a
+process group, makes its strategy from a typed `RankContext` (nothing sets its attributes afterwards),
+and calls `smolforge.train.engine.train` with hooks (`RankReports`); it hands back a
 `RankResult` (the engine's `TrainResult` and where it ran), from which the runner's summary is made:
 
 - `should_stop` reads a flag that a background thread refreshes from the job's control actor every
@@ -35,18 +36,19 @@ from typing import Any
 from ray.exceptions import RayError
 
 from smolforge.config import TrainConfig
-from smolforge.parallel.rank_task import RankResult, RankTask, Seat
+from smolforge.parallel.rank_task import RankPlan, RankResult, Seat
 from smolforge.models.loading import resolve_model
 from smolforge.cluster.nodes.model_fetch import held_model_dir
 from smolforge.cluster.nodes.ray_glue import node_ip
 from smolforge.cluster.workloads.data_parallel.stage_parts import PartFetch, local_model
 from smolforge.parallel.rendezvous import init_group, leave_group, listen_socket, pick_backend
-from smolforge.parallel.strategies import STRATEGIES, make_strategy
+from smolforge.parallel.strategies import make_strategy
 from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
 from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, stay_held
+from smolforge.train.rank_context import RankContext
 from smolforge.train.strategy import Strategy
 
 POLL_S = 0.5
@@ -371,7 +373,7 @@ class DPWorker:
 
     # -- the work ---------------------------------------------------------------------------------
 
-    def run(self, task: RankTask, seat: Seat, resume_from: str | None, server: Any = None) -> RankResult:
+    def run(self, task: RankPlan, seat: Seat, resume_from: str | None, server: Any = None) -> RankResult:
         """`_train`, with this process's output captured for the coordinator; a failure's traceback
         is one of the lines shipped (the runner records the failure itself as an event)."""
         with capture_output(self._log):
@@ -389,13 +391,13 @@ class DPWorker:
                 except RayError:
                     pass  # a lost control actor: the lines stay in the node's Ray log
 
-    def _train(self, task: RankTask, seat: Seat, resume_from: str | None, server: Any) -> RankResult:
+    def _train(self, task: RankPlan, seat: Seat, resume_from: str | None, server: Any) -> RankResult:
         """Stage what the task needs on this node, meet the group, train, hand back the result. The
         poller runs from before the group forms until after the last report is flushed."""
         t0 = time.time()
         job_root = node_dir() / "jobs" / self.job_id
         out_dir = job_root / f"attempt-{self.attempt}-rank-{self.rank}"
-        model, parts = local_model(task.train.model, STRATEGIES[task.strategy].stage_parts, seat.world,
+        model, parts = local_model(task.train.model, task.strategy_class.stage_parts, seat.world,
                                    task.model_travels)  # the whole copy, else the config part (`stage_parts`)
         cfg = self._local_config(task.train, model, job_root, out_dir, resume_from)
         prepare_model(cfg.model, node_dir())
@@ -412,11 +414,7 @@ class DPWorker:
             grouped = self._meet(task, seat, chosen)
             t_ready = time.time()
             self._announce(task, seat, chosen if grouped else "via the parameter server", resume_from, delay)
-            reports.strategy = self._strategy(task, seat, chosen, server)
-            if parts:  # this node lacks the model: the rank fetches its stage's part once it has cut it
-                info = self.info()
-                reports.strategy.model_part = PartFetch(task.train.model, (info["node_id"], info["node_name"]),
-                                                        self.rank, self._emit)
+            reports.strategy = self._strategy(task, seat, chosen, server, parts)
             result = train(cfg, reports.hooks(delay), strategy=reports.strategy)
             if self.rank == 0 and not result.stopped and result.adapter_dir:
                 adapter_meta = self._upload_dir("adapter", Path(result.adapter_dir), 600.0)
@@ -451,19 +449,19 @@ class DPWorker:
             "output_dir": str(out_dir), "quiet": True, "num_threads": self.cpus, "tensorboard": False,
             "wandb": None, "resume": bool(resume_from)})
 
-    def _meet(self, task: RankTask, seat: Seat, backend: str) -> bool:
+    def _meet(self, task: RankPlan, seat: Seat, backend: str) -> bool:
         """Join the round's process group when the strategy's ranks form one; returns whether they do.
 
         A joiner enters the group at its next re-formation (`ControlMembership`), not here; a
         parameter server's workers never meet."""
-        grouped = STRATEGIES[task.strategy].uses_process_group
+        grouped = task.strategy_class.uses_process_group
         if seat.world > 1 and not seat.join and grouped:
             listen, self._listen = (self._listen, None) if self.rank == 0 else (None, None)
             init_group(backend, seat.addr, seat.port, self.rank, seat.world, task.collective_timeout_s, seat.secret,
                        listen)
         return grouped
 
-    def _announce(self, task: RankTask, seat: Seat, how: str, resume_from: str | None, delay: float) -> None:
+    def _announce(self, task: RankPlan, seat: Seat, how: str, resume_from: str | None, delay: float) -> None:
         """The `rank_started` event and the task log's first line: where this rank runs and how."""
         join = seat.join
         self._emit({"type": "event", "kind": "rank_started",
@@ -476,19 +474,21 @@ class DPWorker:
                                             self._log.node, how, self.cpus,
                                             f"resuming {resume_from}" if resume_from else "from the start")
 
-    def _strategy(self, task: RankTask, seat: Seat, backend: str, server: Any) -> Strategy:
-        """The task's strategy, made once the group exists (a distributed strategy needs it), with what
-        this rank's glue gives it: the job's parameter server, or the control actor for re-forming."""
-        strategy = make_strategy(task.strategy if seat.world > 1 else "single", task.strategy_config)
-        strategy.balance = task.balance
-        if strategy.needs_server:  # every exchange goes through the job's server
-            strategy.server = ServerClient(server)
-            strategy.member, strategy.nominal_world = self.rank, seat.world
-        elif strategy.elastic and seat.world > 1:  # members may leave or join
-            strategy.membership = ControlMembership(self, backend, task.collective_timeout_s,
-                                                    task.collective_timeout_s)
-            strategy.member, strategy.nominal_world = self.rank, seat.world
-        return strategy
+    def _strategy(self, task: RankPlan, seat: Seat, backend: str, server: Any, parts: bool) -> Strategy:
+        """The task's strategy, made once the group exists (a distributed strategy needs it) from this rank's
+        `RankContext`: its world and rank, the plan's balance, the job's parameter server (every exchange goes
+        through it), the control actor (an elastic group re-forms through it), and where its stage's part comes
+        from when this node lacks the model (`parts`: fetched once the rank has cut the model)."""
+        cls, alone = task.strategy_class, seat.world == 1  # alone: the single-process strategy, nothing shared
+        membership = (ControlMembership(self, backend, task.collective_timeout_s, task.collective_timeout_s)
+                      if cls.elastic and not cls.needs_server and not alone else None)
+        part = None
+        if parts:  # this node lacks the model: the rank fetches its stage's part once it has cut it
+            info = self.info()
+            part = PartFetch(task.train.model, (info["node_id"], info["node_name"]), self.rank, self._emit)
+        context = RankContext(world=seat.world, member=self.rank, balance=task.balance, membership=membership,
+                              server=ServerClient(server) if cls.needs_server and not alone else None, model_part=part)
+        return make_strategy("single" if alone else task.strategy, task.strategy_config, context)
 
 
 class RankReports:
@@ -499,7 +499,7 @@ class RankReports:
     rank 0 turns the strategy's decisions into the job's events, uploads checkpoints and makes the stop
     decision the engine shares with the others."""
 
-    def __init__(self, worker: DPWorker, task: RankTask, log_every: int):
+    def __init__(self, worker: DPWorker, task: RankPlan, log_every: int):
         self.worker, self.task, self.log_every = worker, task, log_every
         self.is_main = worker.rank == 0
         self.strategy: Strategy | None = None  # once the group exists

@@ -45,10 +45,10 @@ from smolforge.cluster.control.runner import (
 from smolforge.cluster.workloads.data_parallel.reports import comm_summary, jsonable, record_batch, sort_batch
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
-from smolforge.parallel.strategies import STRATEGIES
+from smolforge.parallel.strategies import strategy_class
 from smolforge.parallel.summary import job_summary
 from smolforge.cluster.workloads.data_parallel.worker_group import WorkerGroup, rank_task
-from smolforge.parallel.rank_task import RankResult
+from smolforge.parallel.rank_task import RankPlan, RankResult
 from smolforge.telemetry.sinks import run_name
 
 
@@ -81,7 +81,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
     def __init__(self, ctx: RunnerContext, job_id: str, spec: DataParallelJob, reason: str):
         super().__init__(ctx, job_id, spec, reason)
         self.spec: DataParallelJob = spec
-        self.elastic = STRATEGIES[spec.strategy].elastic  # the strategy lets members leave and join a running group
+        self.elastic = strategy_class(spec.strategy).elastic  # the strategy lets members leave and join a running group
         self.pending_joins: list[str] = []
         self.control = None
         self.group = None
@@ -156,9 +156,10 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         resume, cfg = self._announce(round_no, gid, infos, world)
         self.lost_rank = False
         ray_get(self.control.start_members.remote(world))
-        if STRATEGIES[self.spec.strategy].needs_server:
+        plan = rank_task(self.spec, world, self._model_travels())  # the round's, whole to its ranks and server
+        if plan.strategy_class.needs_server:
             try:
-                self._start_server(self.spec, infos, world, gid)
+                self._start_server(plan, infos, world, gid)
             except Exception as err:  # noqa: BLE001 - its node went away while it was placed: a new round
                 self._release()
                 self.store.upsert_task(gid, self.job_id, "dp_group", "failed", error=short_error(err))
@@ -171,7 +172,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
                 self._ask_regroup()
             if self.pending_leaves:  # the same: it may hold a rank of this group, which re-forms without it
                 self._ask_regroup()
-        self.round = Round(round_no, gid, self.group, cfg, self._launch(self.group, cfg, resume))
+        self.round = Round(round_no, gid, self.group, cfg, self._launch(self.group, plan, resume))
         return None
 
     def _place(self, round_no: int, bundles: list, world: int) -> list[dict] | Outcome:
@@ -223,10 +224,9 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
                        {"nodes": node_names, "resume": resume}, task_id=gid)
         return resume, cfg
 
-    def _launch(self, group: WorkerGroup, cfg: dict, resume: str | None) -> list:
-        """Every rank of the placed group started; one ref per rank."""
-        spec = self.spec
-        return group.run(rank_task(spec, group.world, self._model_travels()), resume, server=self.server)
+    def _launch(self, group: WorkerGroup, plan: RankPlan, resume: str | None) -> list:
+        """Every rank of the placed group started on the round's plan; one ref per rank."""
+        return group.run(plan, resume, server=self.server)
 
     def _cfg(self, spec: DataParallelJob, world: int) -> dict:
         cfg = spec.train.model_dump(mode="json")
@@ -406,17 +406,17 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
 
     # -- the parameter server, placement, reports ----------------------------------------------
 
-    def _start_server(self, spec: DataParallelJob, infos: list[dict], world: int, gid: str) -> None:
+    def _start_server(self, plan: RankPlan, infos: list[dict], world: int, gid: str) -> None:
         """The round's parameter server, on a rank's node (not the coordinator's unless it was lent)."""
         from smolforge.cluster.workloads.data_parallel.param_server import server_node, start_server
 
         coordinators = {n.node_id for n in self.ctx.healthy_nodes() if n.role == "coordinator"}
         where = server_node(infos, coordinators)
-        self.server = start_server(self.job_id, spec.strategy, spec.strategy_config, world, where["node_id"])
+        self.server = start_server(plan, world, where["node_id"])
         self.store.upsert_task(f"{gid}-ps", self.job_id, "param_server", "running", node_id=where["node_id"],
                                node_name=where["node_name"], attempt=self._round_no() - 1)
         self.store.add_event(self.job_id, "param_server",
-                             f"parameter server ({spec.strategy}) on {where['node_name']}",
+                             f"parameter server ({plan.strategy}) on {where['node_name']}",
                              {"node_name": where["node_name"], "node_id": where["node_id"]}, task_id=f"{gid}-ps")
 
     def _poll_server(self, server=None, force: bool = False) -> None:

@@ -19,7 +19,8 @@ from ray.exceptions import RayError
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.errors import SmolforgeError
 from smolforge.cluster.workloads.data_parallel.rank import DPWorker
-from smolforge.parallel.rank_task import RankTask, Seat
+from smolforge.parallel.rank_task import RankPlan, Seat
+from smolforge.parallel.strategies import strategy_class
 
 
 @dataclass
@@ -81,9 +82,9 @@ class WorkerGroup:
             m.info = info
         return infos
 
-    def run(self, task: RankTask, resume_from: str | None, join_world: int | None = None,
+    def run(self, plan: RankPlan, resume_from: str | None, join_world: int | None = None,
             server: Any = None) -> list:
-        """Start every rank on `task`; returns one ObjectRef per rank (rank order), each a `RankResult`.
+        """Start every rank on `plan`; returns one ObjectRef per rank (rank order), each a `RankResult`.
 
         `join_world`: these are members joining a running elastic group of that many ranks; they get
         the rendezvous from the job's control actor when the group takes them in."""
@@ -95,7 +96,7 @@ class WorkerGroup:
             addr, port = ray.get(self.members[0].actor.free_address.remote(), timeout=60)
             # this attempt's rendezvous keys; travel only through Ray
             seat = Seat(world=self.world, addr=addr, port=port, secret=secrets.token_hex(16))
-        return [m.actor.run.remote(task, seat, resume_from, server) for m in self.members]
+        return [m.actor.run.remote(plan, seat, resume_from, server) for m in self.members]
 
     def release(self, wait_s: float = 5.0) -> None:
         """Kill every actor and free the placement group; waits (briefly) for the processes to go."""
@@ -121,12 +122,14 @@ class WorkerGroup:
         self.members = []
 
 
-def rank_task(spec: DataParallelJob, world: int, model_travels: bool = False) -> RankTask:
-    """A round's task for its `world` ranks: the job's validated train config with each rank's share of the
-    global batch, and the spec's strategy, settings and timeouts (nothing validated again); `model_travels`:
-    the runner sends the model to placed nodes that lack it (a pipeline rank then fetches its stage's part)."""
-    return RankTask(train=spec.train.model_copy(update={"batch_size": spec.global_batch // world}),
-                    strategy=spec.strategy, strategy_config=dict(spec.strategy_config), backend=spec.backend,
+def rank_task(spec: DataParallelJob, world: int, model_travels: bool = False) -> RankPlan:
+    """A round's plan for its `world` ranks: the job's validated train config with each rank's share of the
+    global batch, and the spec's strategy, settings (checked at submit; here their defaults filled in) and
+    timeouts; `model_travels`: the runner sends the model to placed nodes that lack it (a pipeline rank then
+    fetches its stage's part)."""
+    settings = strategy_class(spec.strategy).settings_dict(spec.strategy_config)
+    return RankPlan(train=spec.train.model_copy(update={"batch_size": spec.global_batch // world}),
+                    strategy=spec.strategy, strategy_config=settings, backend=spec.backend,
                     timeout_s=spec.dist_timeout_s, keep_last=spec.train.keep_last,
                     upload_timeout_s=spec.checkpoint_upload_timeout_s, balance=spec.balance,
                     model_travels=model_travels)

@@ -19,21 +19,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+from smolforge.cluster.control.distill_placement import hosts
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.train import checkpoint as ckpt
 
 LOST_PEER_GRACE_S = 10.0  # a rank whose collective broke: how long to look for the peer whose worker died
-
-
-def hosts(cpus: float, world: int, node_cpus: Iterable[float]) -> bool:
-    """Whether nodes with these CPUs (all of them, as if idle) could hold `world` ranks of `cpus` each
-    at once: the question that decides between waiting for busy nodes and waiting for new ones."""
-    if cpus <= 0:
-        return any(True for _ in node_cpus)
-    return sum(int((c + 1e-9) // cpus) for c in node_cpus) >= world
 
 
 class StudentGroups:

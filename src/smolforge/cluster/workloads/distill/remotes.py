@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S
-from smolforge.cluster.workloads.distill.sync import make_sync
+from smolforge.cluster.workloads.distill.sync import SYNCS
 from smolforge.config import PeftSpec
 from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings, PromptItem
@@ -337,7 +337,7 @@ class _StudentWorker:
         # (as a data-parallel rank does: building inside a group writes the weights on rank 0 only).
         prepare_model(cfg.base_model, node_dir())
         group = spec.get("group")
-        sync = make_sync(group["sync"] if group else "average", group["strategy"] if group else None)
+        sync = SYNCS[group["sync"] if group else "average"]  # (its `join`: the strategy was checked when the group formed)
         listen, self._listen = self._listen, None
         try:
             eval_examples = spec.get("eval_examples")

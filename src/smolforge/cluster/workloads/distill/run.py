@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync, make_sync
+from smolforge.cluster.workloads.distill.sync import SYNCS, AverageSync, DataParallelSync, make_sync
 from smolforge.distill.backends import teacher_backend
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
@@ -70,59 +70,113 @@ class DistillStopped(Exception):
         self.what = what
 
 
-def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
-                quiet: bool = True,
-                on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
-                should_stop: Callable[[], str | None] | None = None, resume: bool = False) -> dict[str, Any]:
-    """Teachers, students, aggregation on `orch` (a DistillTasks session); returns (and writes) the summary.
+def check_job(job: Any) -> None:
+    """A distill job's settings, checked once, when it is submitted (`kinds.KINDS["distill"].check`, which
+    `smolforge distill` and `launch` call through `kinds.parse` before any cluster starts): across
+    fields and into other modules' settings (`check_run`, its `output_dir` too), and the students' sync
+    plug-in with its strategy (`make_sync`). The runner takes the checked spec as it is."""
+    check_run(job.distill, job.mode, job.output_dir)
+    make_sync(job.distill.students_sync, job.distill.students_strategy)
 
-    `on_update(task statuses, events so far)` is called every poll (the coordinator's job runner
+
+class DistillFlow:
+    """One distillation run in steps: `start` (its teacher and student tasks), `step` (one look at
+    them: None while they run), `finish` (aggregation and the summary), `close` (every task stopped).
+
+    `on_update(task statuses, events so far)` is called at every step (the coordinator's job runner
     mirrors them into its job store); when `should_stop()` returns "pause" or "cancel" every task
     is stopped and DistillStopped is raised. Shards already written stay valid: a rerun into the
     same output dir reuses them. On "pause" the students first checkpoint the steps they have
     done; a rerun with `resume=True` continues each student from its checkpoint.
     """
-    check_run(cfg, mode, output_dir)
-    sync = make_sync(cfg.students_sync, cfg.students_strategy)  # a bad name fails before the teachers start
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    stages: dict[str, float] = {}
-    progress = _Progress(quiet)
-    try:
-        teachers, students = _create_tasks(cfg, orch, out, resume)
-        by_id, teacher_done = _watch(orch, teachers, students, progress, on_update, should_stop)
-        progress.close()
-        # A failed teacher's shards go to another teacher (see _retry_shards), or the students that
-        # need them fail saying why; so the students' states decide the run.
-        failed = [by_id[t] for t in students if by_id[t]["state"] == "failed"]
+
+    def __init__(self, cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
+                 quiet: bool = True, on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
+                 should_stop: Callable[[], str | None] | None = None, resume: bool = False):
+        self.sync = SYNCS[cfg.students_sync]  # its name and what aggregation does (the settings were checked at submit)
+        self.cfg, self.orch, self.out, self.resume = cfg, orch, Path(output_dir), resume
+        self.on_update, self.should_stop = on_update, should_stop
+        self.t0, self.teacher_done = time.time(), None
+        self.progress = _Progress(quiet)
+        self.teachers: list[str] | None = None
+        self.students: list[str] = []
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.teachers, self.students = _create_tasks(self.cfg, self.orch, self.out, self.resume)
+
+    def step(self) -> bool:
+        """One look at the tasks: True once every one has ended (or paused). A stop asked through
+        `should_stop` raises DistillStopped (a pause checkpoints first)."""
+        orch, ids = self.orch, (self.teachers or []) + self.students
+        statuses = orch.distill_tasks()
+        mine = [s for s in statuses if s["task_id"] in ids]
+        self.progress.update(mine)
+        if self.on_update is not None:
+            self.on_update(mine, list(orch.events))
+        stop = self.should_stop() if self.should_stop is not None else None
+        if stop:
+            if stop == "pause":
+                orch.pause_distill_students(self.students)
+                if self.on_update is not None:
+                    self.on_update(orch.distill_tasks(), list(orch.events))
+            raise DistillStopped(stop)  # `close` stops every task and actor
+        by_id = {s["task_id"]: s for s in statuses}
+        if self.teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled")
+                                             for t in self.teachers or []):
+            self.teacher_done = time.time()
+        return all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in ids)
+
+    def finish(self) -> dict[str, Any]:
+        """Every task has ended: the students' states decide the run (a failed teacher's shards went to
+        another teacher, or the students that needed them failed saying why); aggregate; the summary."""
+        cfg, orch, out, students = self.cfg, self.orch, self.out, self.students
+        self.progress.close()
+        failed = [s for s in map(orch.task_status, students) if s["state"] == "failed"]
         if failed:
             raise SmolforgeError(f"{failed[0]['task_id']} failed: {failed[0]['error']}",
                                  fix="see the error above; fix it and rerun (valid teacher shards are reused)")
-        stages["teachers"] = (teacher_done or time.time()) - t0
-        stages["students"] = time.time() - t0
+        stages = {"teachers": (self.teacher_done or time.time()) - self.t0, "students": time.time() - self.t0}
         t_agg = time.time()
-        merged = _aggregate(cfg, orch, out, students, sync)
+        merged = _aggregate(cfg, orch, out, students, self.sync)
         stages["aggregate"] = time.time() - t_agg
         summary = {
             "output_dir": str(out),
             "teacher": cfg.teacher,
             "students": cfg.students,
             "store": store_summary(out / "teacher_outputs"),
-            "teacher_tasks": [orch.task_status(t) for t in teachers],
+            "teacher_tasks": [orch.task_status(t) for t in self.teachers or []],
             "student_tasks": [{**orch.task_status(t), "eval": _eval_of(orch, t)} for t in students],
-            "students_sync": sync.name,
+            "students_sync": self.sync.name,
             "per_student": [_student_line(orch, t) for t in students],
             "merged": merged,
             "stage_seconds": stages,
-            "seconds": time.time() - t0,
+            "seconds": time.time() - self.t0,
             "events": list(orch.events),
         }
         atomic_write_json(out / "distill_summary.json", _jsonable(summary))
         return summary
+
+    def close(self) -> None:
+        self.progress.close()
+        self.orch.shutdown_distill()
+
+
+def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
+                quiet: bool = True,
+                on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
+                should_stop: Callable[[], str | None] | None = None, resume: bool = False) -> dict[str, Any]:
+    """Teachers, students, aggregation on `orch` (a DistillTasks session); returns (and writes) the
+    summary: a `DistillFlow` stepped until its tasks end (see it for `on_update` and `should_stop`)."""
+    flow = DistillFlow(cfg, orch, output_dir=output_dir, mode=mode, quiet=quiet, on_update=on_update,
+                       should_stop=should_stop, resume=resume)
+    try:
+        flow.start()
+        while not flow.step():
+            orch.tick(0.5)
+        return flow.finish()
     finally:
-        progress.close()
-        orch.shutdown_distill()
+        flow.close()
 
 
 def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[list[str], list[str]]:
@@ -152,36 +206,8 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
     return teachers, students
 
 
-def _watch(orch, teachers: list[str], students: list[str], progress: _Progress,
-           on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None,
-           should_stop: Callable[[], str | None] | None) -> tuple[dict[str, dict[str, Any]], float | None]:
-    """Poll the tasks until every one has ended (or paused): their last statuses by id, and when the last
-    teacher ended. A stop asked through `should_stop` raises DistillStopped (a pause checkpoints first)."""
-    all_ids = teachers + students
-    teacher_done = None
-    while True:
-        statuses = orch.distill_tasks()
-        mine = [s for s in statuses if s["task_id"] in all_ids]
-        progress.update(mine)
-        if on_update is not None:
-            on_update(mine, list(orch.events))
-        stop = should_stop() if should_stop is not None else None
-        if stop:
-            if stop == "pause":
-                orch.pause_distill_students(students)
-                if on_update is not None:
-                    on_update(orch.distill_tasks(), list(orch.events))
-            raise DistillStopped(stop)  # run_distill's `finally` stops every task and actor
-        by_id = {s["task_id"]: s for s in statuses}
-        if teacher_done is None and all(by_id[t]["state"] in ("completed", "failed", "cancelled") for t in teachers):
-            teacher_done = time.time()
-        if all(by_id[t]["state"] in ("completed", "failed", "cancelled", "paused") for t in all_ids):
-            return by_id, teacher_done
-        time.sleep(0.5)
-
-
 def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],
-               sync: AverageSync | DataParallelSync) -> dict[str, Any]:
+               sync: type[AverageSync] | type[DataParallelSync]) -> dict[str, Any]:
     """Merge each student base's adapters into `merged_model/` (`cfg.aggregate`); prefix and prompt
     adapters, which cannot be merged, are skipped saying why."""
     merged: dict[str, Any] = {}

@@ -1,8 +1,11 @@
 """A distillation run as a coordinator job: `smolforge jobs`, the dashboard, pause/resume/cancel.
 
-The runner drives `smolforge.cluster.workloads.distill.run.run_distill` from a thread of the coordinator (or
-of the embedded cluster) and mirrors it into the job store: job progress (the students' steps
-over their total, samples, mean loss, ETA), a loss curve per student, one task row per teacher
+The runner steps a `smolforge.cluster.workloads.distill.run.DistillFlow` from a thread of the coordinator (or
+of the embedded cluster): each `poll` is one step (the session's `step`: every teacher's and student's news
+collected at once, the brokers drained, queued students placed; then the mirror and a stop asked), so the
+base runner's loop is the run's one loop and its FailurePolicy decides what ends the run. It mirrors
+it into the job store: job progress (the students' steps over their total, samples, mean loss, ETA),
+a loss curve per student, one task row per teacher
 and student with its node and state, the pipeline's events, and what each teacher and student
 printed (the job's `logs`, labelled by task id: `teacher-0`, `student-1`). Outputs are written under the
 coordinator's state dir (`distill/<job>/`, the seed layout); when the run completes, the merged
@@ -37,9 +40,10 @@ from typing import Any, Callable
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
-from smolforge.cluster.workloads.distill.run import DistillStopped, run_distill
+from smolforge.cluster.workloads.distill.run import DistillFlow, DistillStopped
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.placement import busy_cpus
 from smolforge.cluster.control.runner import (
     Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, short_error,
 )
@@ -56,6 +60,7 @@ from smolforge.telemetry.sinks import run_name
 
 # What a student's progress report carries, as `<name>.student<N>` series (and its TensorBoard/W&B run)
 STUDENT_SERIES = ("loss", "lr", "tokens_per_s")
+STEP_S = 0.5  # one step waits at most this long for a teacher's or student's news (then drains, mirrors)
 
 
 def student_series(task_id: str) -> str:
@@ -81,6 +86,7 @@ class DistillRunner(JobRunner):
         self._steps: dict[str, Any] = {}
         self._nodes: dict[str, str] = {}  # student series -> the node it last ran on (its W&B run's name)
         self._session: DistillSession | None = None  # the running pipeline: its tasks' output lines
+        self._flow: DistillFlow | None = None  # the attempt's run, stepped by `poll`
         self.out = run_dir(ctx.artifacts, job_id)
 
     def _stop_requested(self) -> str | None:
@@ -105,7 +111,7 @@ class DistillRunner(JobRunner):
                                    settings.teacher_on_coordinator)
         if moved is not None:
             return moved
-        self._session, self._events_seen = DistillSession(cluster, spec.mode), 0
+        self._session, self._events_seen, self._flow = DistillSession(cluster, spec.mode, driven=True), 0, None
         self.open_sinks(self.out, tensorboard=spec.tensorboard, wandb=spec.wandb, config=spec.model_dump(mode="json"),
                         name_for=lambda series: run_name(spec.mode, "student", int(series[len("student"):]),
                                                          settings.lr, settings.batch_size,
@@ -125,23 +131,42 @@ class DistillRunner(JobRunner):
                                 stopping=lambda: bool(self.want or self.abandon))
 
     def poll(self) -> Outcome | None:
-        """The whole run: `run_distill` blocks here, minding stop requests through `should_stop`."""
-        orch = self._session
+        """One step of the run (`DistillSession.step`: the teachers' and students' news, the brokers'
+        drain, placement; then `DistillFlow.step`: the mirror, a stop asked): None while it runs."""
         try:
-            # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
-            summary = run_distill(self._settings(), orch, output_dir=self.out, mode=self.spec.mode,
-                                  on_update=self._mirror, should_stop=self._stop_requested, resume=True)
+            if self._flow is None:  # the attempt's first step: its settings checked (`check_run`), its tasks made
+                # resume=True on a first run too: its run dir is new, so there is nothing to resume from.
+                self._flow = DistillFlow(self._settings(), self._session, output_dir=self.out, mode=self.spec.mode,
+                                         on_update=self._mirror, should_stop=self._stop_requested, resume=True)
+                self._flow.start()
+            else:
+                self._session.step(STEP_S)
+            flow = self._flow
+            if not flow.step():
+                return None
+            summary = flow.finish()
         except DistillStopped as stop:
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return None if stop.what == "abandon" else self.stopped(stop.what)
         except SmolforgeError as err:  # its own making, or its students' restarts spent: not again
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return Failed(err.what, retryable=False, error=err.render())
         except RayError as err:  # the Ray connection (or the driver's node) lost: the next attempt resumes
-            self._mirror(orch.distill_tasks(), orch.events)
+            self._close()
             return Failed(f"the run lost Ray: {short_error(err)}", error=short_error(err))
-        self._mirror(orch.distill_tasks(), orch.events)
+        self._close()
         return self._publish(self.out, summary)
+
+    def end_attempt(self) -> None:
+        if self._flow is not None:  # (an abandoned attempt: the coordinator going down)
+            self._close()
+
+    def _close(self) -> None:
+        """Every task of the attempt stopped (their last lines taken first), then the last mirror."""
+        flow, self._flow = self._flow, None
+        if flow is not None:
+            flow.close()
+            self._mirror(self._session.distill_tasks(), self._session.events)
 
     def stopped(self, what: str, where: str = "") -> Outcome:
         if what == "pause":
@@ -246,11 +271,7 @@ class StageSession(DistillSession):
     student placed on a node another job's student fills would wait there while another node idles."""
 
     def _busy_cpus(self) -> dict[str, float]:
-        busy = super()._busy_cpus()
-        for n in self._nodes():
-            held = n.resources.get("CPU", n.cpus) - n.available.get("CPU", n.cpus)
-            busy[n.node_id] = max(busy.get(n.node_id, 0.0), held)
-        return busy
+        return busy_cpus(super()._busy_cpus(), self._nodes())
 
 
 class DistillTaskRunner(DistillRunner):
@@ -287,7 +308,7 @@ class DistillTaskRunner(DistillRunner):
                                        str(a.get("backend") or "hf"), bool(a.get("teacher_on_coordinator")))
             if moved is not None:
                 return moved
-        self._session, self._events_seen = StageSession(cluster, spec.mode), 0
+        self._session, self._events_seen = StageSession(cluster, spec.mode, driven=True), 0
         self.store.add_event(self.job_id, "distill_task_started", f"{spec.stage} stage; run dir {self.out}",
                              {"stage": spec.stage})
         self.recovered(f"the {spec.stage} stage goes on in {self.out}")
@@ -407,7 +428,7 @@ class DistillTaskRunner(DistillRunner):
                 raise DistillStopped(stop)
             if done():
                 return
-            time.sleep(STAGE_WAIT_S)
+            self._session.tick(STAGE_WAIT_S)  # one step of its tasks (no monitor thread: this loop drives them)
 
     def _await_job(self, job_id: str, why: str) -> dict[str, Any]:
         """The job this stage reads from, once it has completed (said once in the events while it waits)."""

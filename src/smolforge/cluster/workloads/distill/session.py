@@ -9,6 +9,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
+from smolforge.cluster.control.distill_placement import freest_node
 from smolforge.cluster.workloads.distill.state import BROKER_LOST_S, PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.students import StudentTasks
 from smolforge.cluster.workloads.distill.teachers import TeacherTasks
@@ -74,35 +75,94 @@ class DistillTasks(TeacherTasks, StudentTasks):
     # -- monitoring ----------------------------------------------------------------------------------
 
     def _monitor_loop(self) -> None:
+        """The run's steps, for a session nobody drives (the Orchestrator's, a stage's)."""
         import ray
 
         st = self._dstate()
-        last_placement = 0.0
-        while not st.closing:
-            time.sleep(POLL_S)
-            if not ray.is_initialized():
-                return
-            if time.time() - last_placement > PLACEMENT_POLL_S:  # nodes come and go: queued students may fit now
-                last_placement = time.time()
-                try:
-                    self._place_queued()
-                    self._fail_unplaceable()
-                except Exception as err:  # keep monitoring; say what went wrong
-                    self._devent("monitor_error", f"distill placement: {short_error(err)}", error=short_error(err))
-            for store in list(st.stores.values()):
-                try:
-                    news = ray.get(store.broker.drain.remote(), timeout=5)
-                    store.broker_silent_since = None
-                except RayError as err:  # a busy broker: the next poll drains it; a gone one ends the run
-                    store.broker_silent_since = store.broker_silent_since or time.time()
-                    if time.time() - store.broker_silent_since > BROKER_LOST_S:
-                        self._broker_lost(store, err)
-                    continue
-                self._dlines(news.get("lines") or [])
-                try:
-                    self._absorb_broker(store, news)
-                except Exception as err:  # keep monitoring; say what went wrong
-                    self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+        while not st.closing and ray.is_initialized():
+            try:
+                self.step()
+            except Exception as err:  # keep stepping; say what went wrong
+                self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+                time.sleep(POLL_S)
+
+    def tick(self, seconds: float) -> None:
+        """Let `seconds` pass: in steps of the run when this caller drives it, else asleep (the monitor steps)."""
+        if self._dstate().driven:
+            self.step(seconds)
+        else:
+            time.sleep(seconds)
+
+    def step(self, timeout: float = POLL_S) -> None:
+        """One step of the run, waiting at most `timeout` s for news: every teacher's next shard and
+        every student's end collected at once (`ray.wait`), the brokers drained (students' progress,
+        checkpoints, lines), and every PLACEMENT_POLL_S queued students placed (nodes come and go)."""
+        import ray
+
+        st = self._dstate()
+        if st.closing or not ray.is_initialized():
+            return
+        self._collect(timeout)
+        if time.time() - st.last_placement > PLACEMENT_POLL_S:
+            st.last_placement = time.time()
+            try:
+                self._place_queued()
+                self._fail_unplaceable()
+            except Exception as err:  # keep going; say what went wrong
+                self._devent("monitor_error", f"distill placement: {short_error(err)}", error=short_error(err))
+        for store in list(st.stores.values()):
+            self._drain(store)
+
+    def _collect(self, timeout: float) -> None:
+        """Wait up to `timeout` s for any teacher's or student's news, then act on all that is ready."""
+        import ray
+
+        st = self._dstate()
+        with st.lock:
+            watch = dict(st.watch)
+        if not watch:
+            time.sleep(timeout)
+            return
+        handles = [w[0] for w in watch.values()]
+        try:
+            ready, rest = ray.wait(handles, num_returns=1, timeout=timeout)
+            if ready and rest:
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        except RayError as err:  # Ray going away: the run's end says why
+            self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
+            return
+        now_ready = {id(h) for h in ready}
+        for task_id, entry in watch.items():
+            if id(entry[0]) not in now_ready:
+                continue
+            try:
+                more = entry[1]()
+            except Exception as err:  # its own news is handled; what follows it (placement) said here
+                self._devent("monitor_error", f"distill monitor ({task_id}): {short_error(err)}",
+                             error=short_error(err), task_id=task_id)
+                more = False
+            if not more:
+                with st.lock:
+                    if st.watch.get(task_id) is entry:  # (a restart may have put a new one there)
+                        del st.watch[task_id]
+
+    def _drain(self, store: StoreState) -> None:
+        """The store's broker's news: the students' events, progress, checkpoints and output lines."""
+        import ray
+
+        try:
+            news = ray.get(store.broker.drain.remote(), timeout=5)
+            store.broker_silent_since = None
+        except RayError as err:  # a busy broker: the next step drains it; a gone one ends the run
+            store.broker_silent_since = store.broker_silent_since or time.time()
+            if time.time() - store.broker_silent_since > BROKER_LOST_S:
+                self._broker_lost(store, err)
+            return
+        self._dlines(news.get("lines") or [])
+        try:
+            self._absorb_broker(store, news)
+        except Exception as err:  # keep going; say what went wrong
+            self._devent("monitor_error", f"distill monitor: {short_error(err)}", error=short_error(err))
 
     def _broker_lost(self, store: StoreState, err: BaseException) -> None:
         """The store's broker has not answered for BROKER_LOST_S: its students cannot get shards or
@@ -176,9 +236,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
                 if not store.items:
                     store.items = prompts_from_dataset(store.plan.dataset)
-                busy = self._busy_cpus()
-                nodes.sort(key=lambda n: busy.get(n.node_id, 0.0))
-                self._launch_teacher(store, [sid], nodes[0], note=" (regenerating a corrupt shard)")
+                self._launch_teacher(store, [sid], freest_node(nodes, self._busy_cpus()),
+                                     note=" (regenerating a corrupt shard)")
             except SmolforgeError as err:
                 store.broker.fail.remote(str(err))
 
@@ -221,7 +280,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
             if deadline and time.time() > deadline:
                 raise SmolforgeError(f"distillation tasks did not finish within {timeout:.0f}s",
                                      fix="check `smolforge status`, or raise the timeout")
-            time.sleep(POLL_S)
+            self.tick(POLL_S)
 
     def cancel_distill_task(self, task_id: str) -> None:
         """Stop a teacher (cancel its generator) or a student (it stops after its current step)."""
@@ -273,7 +332,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         deadline = time.time() + timeout
         while waiting and time.time() < deadline:
             waiting = [t for t in waiting if t.state in ("pending", "running")]
-            time.sleep(POLL_S)
+            self.tick(POLL_S)
         for t in waiting:
             self._devent("pause_timeout", f"{t.task_id} did not pause within {timeout:.0f}s; it is stopped "
                          "and resumes from its last kept checkpoint", task_id=t.task_id)
@@ -348,8 +407,11 @@ class DistillSession(DistillTasks):
     (`smolforge.orchestrator.Orchestrator` is the other DistillTasks: the seed-named façade.)
     """
 
-    def __init__(self, cluster, mode: str = "teacher_student"):
+    def __init__(self, cluster, mode: str = "teacher_student", driven: bool = False):
+        """`driven`: the caller steps the run (`step`, `tick`: the distill job runner's poll); else a
+        monitor thread does."""
         self.cluster, self.mode = cluster, mode
+        self._dstate().driven = driven
         self.events: list[dict[str, Any]] = []
         self.lines: list[dict[str, Any]] = []
         self._lines_lock = threading.Lock()

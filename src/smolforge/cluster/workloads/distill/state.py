@@ -117,7 +117,12 @@ class SessionState:
         self.handles: dict[str, Any] = {}  # task id -> generator / (actor, ref)
         self.counters = {"teacher": itertools.count(), "student": itertools.count(), "aggregate": itertools.count()}
         self.monitor: threading.Thread | None = None
-        self.threads: list[threading.Thread] = []
+        self.threads: list[threading.Thread] = []  # the monitor, and a thread per failure being decided
+        # task id -> (what to wait on: a teacher's generator or a student's result ref, what to do when
+        # it is ready: returns whether to go on waiting on it); `step` waits on them all at once
+        self.watch: dict[str, tuple[Any, Any]] = {}
+        self.driven = False  # True: whoever drives the run calls `step` (a job runner's poll); no monitor thread
+        self.last_placement = 0.0
         self.closing = False
         self.node_names: dict[str, str] = {}
         self.failures = FailurePolicy(MAX_STUDENT_RESTARTS)  # per student: restarts after a lost worker

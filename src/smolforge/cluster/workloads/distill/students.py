@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,13 @@ from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.sync import DataParallelSync, make_sync
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
+from smolforge.cluster.control.distill_placement import pick_group_nodes
 from smolforge.cluster.control.policy import Decision
 from smolforge.cluster.workloads.distill.seed_args import student_args
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
 from smolforge.distill.losses import KDConfig
-from smolforge.distill.planner import pick_student_node
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
@@ -207,6 +208,17 @@ class StudentTasks(StudentGroups):
         gone = set(task.spec.get("lost_nodes") or ())
         return [n for n in nodes if n.node_id not in gone]
 
+    def _pick_nodes(self, members: list[DistillTask], busy: dict[str, float], teachers: set[str],
+                    hybrid: bool) -> list[Any] | None:
+        """One node per member (`distill_placement.pick_group_nodes`), or None: the group waits. Records
+        on every member since when no live nodes could run the group at all, were they idle
+        (`no_node_since`, one verdict for the group: its members fail together, `_fail_unplaceable`)."""
+        eligible = [self._student_nodes(m) for m in members]
+        since = None if self._could_run(members, eligible[0]) else members[0].spec.get("no_node_since") or time.time()
+        for q in members:
+            q.spec["no_node_since"] = since
+        return pick_group_nodes([(m.cpus, e) for m, e in zip(members, eligible)], busy, teachers, hybrid=hybrid)
+
     def _place_student(self, task: DistillTask, node=None) -> bool:
         """Start the student on `node` (or the freest eligible node); queue it when all are busy.
 
@@ -226,28 +238,17 @@ class StudentTasks(StudentGroups):
             teachers = {t.node_id for t in st.tasks.values()
                         if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
             hybrid = getattr(self, "mode", "") == "hybrid"
-            picks = []
-            for m in members:
-                pick = node if node is not None and len(members) == 1 else None
-                if pick is None:
-                    eligible = self._student_nodes(m)
-                    since = None if self._could_run(members, eligible) else m.spec.get("no_node_since") or time.time()
-                    for q in members:  # one verdict for the group: its members fail together (`_fail_unplaceable`)
-                        q.spec["no_node_since"] = since
-                    free = [(n.cpus - busy.get(n.node_id, 0.0), n) for n in eligible]
-                    pick = pick_student_node(free, m.cpus, teachers, hybrid=hybrid)
-                if pick is None:
-                    for q in members:
-                        if not q.queued:
-                            q.queued = True
-                            why = ("no live node can run it; waiting for one to join" if m.spec["no_node_since"]
-                                   else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
-                            if len(members) > 1:
-                                why = f"its group of {len(members)} cannot all start: " + why
-                            self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
-                    return False
-                busy[pick.node_id] = busy.get(pick.node_id, 0.0) + m.cpus
-                picks.append(pick)
+            picks = [node] if node is not None and len(members) == 1 else self._pick_nodes(members, busy, teachers, hybrid)
+            if picks is None:
+                for q in members:
+                    if not q.queued:
+                        q.queued = True
+                        why = ("no live node can run it; waiting for one to join" if q.spec["no_node_since"]
+                               else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
+                        if len(members) > 1:
+                            why = f"its group of {len(members)} cannot all start: " + why
+                        self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
+                return False
             actors = []
             for m, pick in zip(members, picks):
                 m.queued = False
@@ -278,46 +279,59 @@ class StudentTasks(StudentGroups):
                 st.handles[m.task_id] = (actor, refs[-1])
         for m, actor, ref in zip(members, actors, refs):
             self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)
-            self._thread(self._await_student, (m, actor, ref), m.task_id)
+            with st.lock:
+                st.watch[m.task_id] = (ref, partial(self._student_ready, m, actor, ref))
         return True
 
-    def _await_student(self, task: DistillTask, actor, ref) -> None:
+    def _student_ready(self, task: DistillTask, actor, ref) -> bool:
+        """A student's run has ended (`step` waited on its result): its adapter written, or its
+        checkpoint kept on a pause; a failure is decided in a thread of its own (a lost rank's verdict
+        may wait for its peers, `LOST_PEER_GRACE_S`). Returns False: nothing more to wait on."""
         import ray
 
+        if self._dstate().closing or not ray.is_initialized():
+            return False
         try:
-            while True:
-                if self._dstate().closing or not ray.is_initialized():
-                    return
-                ready, _ = ray.wait([ref], timeout=1.0)
-                if ready:
-                    break
             out = ray.get(ref, timeout=GET_TIMEOUT_S)
             if (self._dstate().handles.get(task.task_id) or (None, None))[1] is not ref:
-                return  # a run of its group that a lost rank ended already (`_group_member_failed`)
-            result = out["result"]
-            if result.get("stopped"):
-                task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
-                if out.get("checkpoint"):
-                    self._keep_student_checkpoint(task, out["checkpoint"])
-            else:
-                if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
-                    self._write_student_output(task, result, out["adapter"])
-                task.state, task.progress = "completed", 1.0
-                task.take_last_step(result)
-            task.result = result
-            task.finished = time.time()
-            self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
-                         + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
-                         task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
-                         mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+                self._kill_quietly(actor)
+                return False  # a run of its group that a lost rank ended already (`_group_member_failed`)
+            self._take_student_result(task, out)
         except Exception as err:
+            self._thread(self._student_failed, (task, actor, ref, err), f"{task.task_id}-failed")
+            return False
+        self._kill_quietly(actor)
+        self._after_finish(task)
+        return False
+
+    def _take_student_result(self, task: DistillTask, out: dict[str, Any]) -> None:
+        """A student's result: stopped (its checkpoint kept) or completed (its adapter written)."""
+        result = out["result"]
+        if result.get("stopped"):
+            task.state = "cancelled" if result["stopped"] == "cancel" else "paused"
+            if out.get("checkpoint"):
+                self._keep_student_checkpoint(task, out["checkpoint"])
+        else:
+            if out["adapter"] is not None:  # a group's other ranks write none: rank 0 holds the one adapter
+                self._write_student_output(task, result, out["adapter"])
+            task.state, task.progress = "completed", 1.0
+            task.take_last_step(result)
+        task.result = result
+        task.finished = time.time()
+        self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
+                     task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
+                     mode=result.get("mode"), shards=[s["shard"] for s in result.get("shards", [])])
+
+    def _student_failed(self, task: DistillTask, actor, ref, err: BaseException) -> None:
+        """A student's run ended with `err` (its own thread): its group's or its own verdict, restart or fail."""
+        try:
             ended = (self._group_member_failed(task, ref, err) if len(self._members(task)) > 1
                      else self._lone_student_failed(task, err))
-            if not ended:
-                return  # restarted (its group, or itself), or a stale end; `finally` still kills the lost actor
         finally:
             self._kill_quietly(actor)
-        self._after_finish(task)
+        if ended:
+            self._after_finish(task)
 
     def _lone_student_failed(self, task: DistillTask, err: BaseException) -> bool:
         """A student alone ended with `err`: restarted from its last checkpoint when its worker was lost

@@ -7,9 +7,11 @@ import json
 import threading
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from smolforge.cluster.workloads.distill.controller import shards_to_retry
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.state import (
     GET_TIMEOUT_S,
@@ -22,6 +24,7 @@ from smolforge.cluster.workloads.distill.state import (
 )
 from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
 from smolforge.cluster.nodes.ray_glue import Requirements
+from smolforge.cluster.control.distill_placement import own_cpus, retry_teacher_node, teacher_nodes
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.distill import backends
 from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
@@ -69,11 +72,8 @@ class TeacherTasks:
         return nodes
 
     def _busy_cpus(self) -> dict[str, float]:
-        busy: dict[str, float] = {}
-        for t in self._dstate().tasks.values():
-            if t.kind in ("teacher", "student") and t.node_id and not t.queued and t.state in ("pending", "running"):
-                busy[t.node_id] = busy.get(t.node_id, 0.0) + t.cpus
-        return busy
+        return own_cpus((t.node_id, t.cpus) for t in self._dstate().tasks.values()
+                         if t.kind in ("teacher", "student") and not t.queued and t.state in ("pending", "running"))
 
     def _model_nodes(self, model: str, role: str, backend: str = "hf",
                      on_coordinator: bool = False) -> tuple[list[Any], str | None]:
@@ -117,6 +117,8 @@ class TeacherTasks:
     def _ensure_monitor(self) -> None:
         st = self._dstate()
         with st.lock:
+            if st.driven:
+                return  # whoever drives the run calls `step`
             if st.monitor is None or not st.monitor.is_alive():
                 st.monitor = self._thread(self._monitor_loop, (), "distill-monitor")
 
@@ -196,8 +198,7 @@ class TeacherTasks:
         todo = self._reuse_shards(store)
         assignment = teacher_assignment(len(todo), n_teachers) if todo else []
         ids = []
-        for t, positions in enumerate(assignment):
-            node = eligible[t % len(eligible)]
+        for positions, node in zip(assignment, teacher_nodes(eligible, len(assignment))):
             ids.append(self._launch_teacher(store, [todo[p] for p in positions], node))
         self._devent("teachers_planned", f"{plan.num_shards} shards of {len(items)} prompts over {len(ids)} teachers "
                      f"({len(todo)} to generate, {plan.num_shards - len(todo)} reused)", store=str(store_dir),
@@ -263,52 +264,29 @@ class TeacherTasks:
             st.handles[task_id] = gen
         self._devent("teacher_submitted", f"{task_id} on {node.name}: shards {shard_ids}{note}", task_id=task_id,
                      node=node.name, shards=list(shard_ids))
-        self._thread(self._consume_teacher, (store, task, gen), task_id)
+        with st.lock:
+            st.watch[task_id] = (gen, partial(self._teacher_ready, store, task, gen))
         return task_id
 
-    def _consume_teacher(self, store: StoreState, task: DistillTask, gen) -> None:
+    def _teacher_ready(self, store: StoreState, task: DistillTask, gen) -> bool:
+        """A teacher's generator has news (`step` waited on it): its next shard, written and handed to the
+        broker; its end; or its failure, which gives its unfinished shards to another teacher. Returns
+        whether to go on waiting on it."""
         import ray
 
+        if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
+            return False  # (a Ray call after shutdown would start a fresh local Ray)
         try:
-            while True:
-                if self._dstate().closing or task.state == "cancelled" or not ray.is_initialized():
-                    return  # (a Ray call after shutdown would start a fresh local Ray)
-                ready, _ = ray.wait([gen], timeout=1.0)
-                if not ready:
-                    continue
-                try:
-                    ref = next(gen)
-                except StopIteration:
-                    break
-                manifest_json, data = ray.get(ref, timeout=GET_TIMEOUT_S)
-                manifest = json.loads(manifest_json)
-                if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
-                    self._dlines(manifest.pop("log"))
-                    manifest_json = json.dumps(manifest)
-                sid = int(manifest["shard"])
-                if task.state == "pending":
-                    task.state, task.started = "running", task.started or time.time()
-                write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
-                # The driver's own copy: the teacher's object lives on the teacher's node, and a
-                # student restarted after that node died must still find the shard.
-                store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
-                self._absorb_manifest(store, manifest)
-                with self._dstate().lock:
-                    store.written.add(sid)
-                    task.done_shards.append(sid)
-                    task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
-                    task.progress = len(task.done_shards) / max(1, len(task.shards))
-                regen = sid in store.regenerating
-                store.regenerating.discard(sid)
-                self._devent("shard_regenerated" if regen else "shard_written",
-                             f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
-                             f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
-                             task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
-                             sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
-            task.state, task.finished, task.progress = "completed", time.time(), 1.0
-            self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
-                         node=task.node)
-            self._after_finish(task)
+            try:
+                ref = next(gen)
+            except StopIteration:
+                task.state, task.finished, task.progress = "completed", time.time(), 1.0
+                self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
+                             node=task.node)
+                self._after_finish(task)
+                return False
+            self._take_shard(store, task, ray.get(ref, timeout=GET_TIMEOUT_S))
+            return True
         except Exception as err:  # a dead node, a failing model load: the task fails, students are told
             task.state, task.finished = "failed", time.time()
             task.error = short_error(err)
@@ -317,12 +295,42 @@ class TeacherTasks:
             remaining = [s for s in task.shards if s not in task.done_shards]
             if remaining and not self._dstate().closing:
                 self._retry_shards(store, remaining, exclude=task.node_id, why=task.error)
+            return False
+
+    def _take_shard(self, store: StoreState, task: DistillTask, got: tuple[str, bytes]) -> None:
+        """One shard a teacher yielded: (manifest JSON, safetensors bytes) into `teacher_outputs/`
+        (checksum verified first) and, as the driver's own copy, to the store's broker."""
+        import ray
+
+        manifest_json, data = got
+        manifest = json.loads(manifest_json)
+        if "log" in manifest:  # what the teacher printed, not part of the shard's manifest
+            self._dlines(manifest.pop("log"))
+            manifest_json = json.dumps(manifest)
+        sid = int(manifest["shard"])
+        if task.state == "pending":
+            task.state, task.started = "running", task.started or time.time()
+        write_shard_bytes(store.dir, manifest, data)  # verifies the checksum first
+        # The driver's own copy: the teacher's object lives on the teacher's node, and a
+        # student restarted after that node died must still find the shard.
+        store.broker.add.remote(sid, manifest_json, [ray.put((manifest_json, data))])
+        self._absorb_manifest(store, manifest)
+        with self._dstate().lock:
+            store.written.add(sid)
+            task.done_shards.append(sid)
+            task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
+            task.progress = len(task.done_shards) / max(1, len(task.shards))
+        regen = sid in store.regenerating
+        store.regenerating.discard(sid)
+        self._devent("shard_regenerated" if regen else "shard_written",
+                     f"shard {sid} written by {task.task_id} on {manifest.get('node')} "
+                     f"({manifest['num_response_tokens']} tokens, {manifest['bytes_per_token']:.1f} B/token)",
+                     task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
+                     sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
 
     def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
         """Give shards whose teacher failed to another eligible node (once), or fail the store."""
-        again = [s for s in shard_ids if store.retries.get(s, 0) < store.max_retries]
-        for s in again:
-            store.retries[s] = store.retries.get(s, 0) + 1
+        again, store.retries = shards_to_retry(shard_ids, store.retries, store.max_retries)
         if not again:
             store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
             return
@@ -331,5 +339,4 @@ class TeacherTasks:
         except SmolforgeError as err:
             store.broker.fail.remote(str(err))
             return
-        others = [n for n in nodes if n.node_id != exclude] or nodes
-        self._launch_teacher(store, again, others[0], note=" (retry)")
+        self._launch_teacher(store, again, retry_teacher_node(nodes, exclude), note=" (retry)")

@@ -1,0 +1,407 @@
+"""A distillation run as one frozen state, typed events and two pure functions (no Ray, no clock).
+
+`apply(event, run) -> run` folds what the teachers, students and the driver report into a new
+`DistillRun`; `plan(run, nodes, now) -> list[Action]` says what to do next: which teacher or student
+to place on which node, which to stop, which to give up on, and when the run is over. Both are pure,
+so every transition is tested without a cluster (tests/test_distill_controller.py), as exo does with
+`apply(event, state)` and Ray Train v2's controller with one poll and one failure decision.
+
+The shape of a run:
+- a teacher task holds shards; `ShardWritten` marks one done. A teacher that fails (`TaskFailed`,
+  or `NodeLost` under it) hands its unfinished shards to a new teacher task, each shard at most
+  `shard_retries` times; past that the store fails and so does every student still waiting on it.
+- a student task (or a ddp group of them, which start and stop together) is placed, starts,
+  reports progress and ends `completed`, `paused` or `cancelled`. A student whose worker was lost
+  restarts from its checkpoint under the run's one `FailurePolicy` (a group spends one budget); an
+  error of its own is not retried (a group restarts whole, a member that had ended too, unless its
+  leader has completed: then a rank lost after it counts as completed). Every start is an attempt; an event of an earlier attempt is
+  stale and changes nothing, so a restarted task is never also running.
+- a student that finds no node waits (`Queued`); one that no live node could run at all, were
+  they idle, fails after `replace_timeout_s` from `Queued(..., unplaceable=True)`.
+- `PauseAsked` / `CancelAsked` stop every task; the run ends once no task is active.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence, Union
+
+from smolforge.cluster.control.distill_placement import hosts, own_cpus, pick_group_nodes, retry_teacher_node
+from smolforge.cluster.control.policy import FailurePolicy
+
+ACTIVE = ("waiting", "placed", "running")  # a task that holds, or wants, a node
+ENDED = ("completed", "failed", "cancelled", "paused")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One teacher or student task. `state`: waiting (wants a node) | placed | running | an ENDED one."""
+
+    task_id: str
+    kind: str  # teacher | student
+    cpus: float = 1.0
+    state: str = "waiting"
+    node_id: str | None = None
+    attempt: int = 0  # bumped at every (re)start: events of an older attempt are stale
+    shards: tuple[int, ...] = ()
+    done: frozenset[int] = frozenset()
+    group: str | None = None  # a ddp group's leader task id (the leader's own id for the leader)
+    eligible: frozenset[str] | None = None  # node ids that may run it (None: any node)
+    lost_nodes: frozenset[str] = frozenset()
+    exclude: str | None = None  # a retry teacher: the node its shards failed on
+    step: int = 0
+    max_steps: int = 0
+    restarts: int = 0
+    error: str | None = None
+    no_node_since: float | None = None
+
+
+@dataclass(frozen=True)
+class DistillRun:
+    """The whole run: its tasks, the store's progress, the failure budget's counts, a stop asked for."""
+
+    tasks: dict[str, Task] = field(default_factory=dict)
+    num_shards: int = 0
+    written: frozenset[int] = frozenset()
+    shard_retries: dict[int, int] = field(default_factory=dict)
+    max_shard_retries: int = 2
+    max_restarts: int = 2
+    failures: dict[str, int] = field(default_factory=dict)  # FailurePolicy counts per subject
+    store_failed: str | None = None
+    stop: str | None = None  # pause | cancel
+    hybrid: bool = False
+    replace_timeout_s: float = 300.0
+    teachers_made: int = 0
+
+    def members(self, task_id: str) -> list[Task]:
+        """The tasks that start and stop with `task_id`: its group in rank order, or itself."""
+        group = self.tasks[task_id].group
+        if group is None:
+            return [self.tasks[task_id]]
+        return [t for t in self.tasks.values() if t.group == group]
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskAdded:
+    task: Task
+
+
+@dataclass(frozen=True)
+class TaskPlaced:
+    task_id: str
+    node_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class TaskStarted:
+    task_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    task_id: str
+    shard: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ShardCorrupt:
+    shard: int
+
+
+@dataclass(frozen=True)
+class StudentProgress:
+    task_id: str
+    step: int
+    max_steps: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class TaskEnded:
+    task_id: str
+    state: str  # completed | paused | cancelled
+    attempt: int
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    task_id: str
+    error: str
+    worker_lost: bool
+    attempt: int
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Queued:
+    task_ids: tuple[str, ...]
+    at: float
+    unplaceable: bool
+
+
+@dataclass(frozen=True)
+class PauseAsked:
+    pass
+
+
+@dataclass(frozen=True)
+class CancelAsked:
+    pass
+
+
+Event = Union[TaskAdded, TaskPlaced, TaskStarted, ShardWritten, ShardCorrupt, StudentProgress, TaskEnded,
+              TaskFailed, NodeLost, Queued, PauseAsked, CancelAsked]
+
+
+# -- actions ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Place:
+    """Start these tasks (a group's members together), each on its node, as their `attempt`."""
+
+    task_ids: tuple[str, ...]
+    node_ids: tuple[str, ...]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No node for these tasks now; `unplaceable`: none could run them even idle (nodes must join)."""
+
+    task_ids: tuple[str, ...]
+    unplaceable: bool
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """These tasks fail with this reason (their checkpoints stay for a rerun)."""
+
+    task_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ask these tasks to stop: pause (checkpoint first) or cancel."""
+
+    task_ids: tuple[str, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    """No task is active: the run is `completed`, `failed`, `paused` or `cancelled`."""
+
+    state: str
+    reason: str
+
+
+Action = Union[Place, Wait, GiveUp, Stop, RunEnded]
+
+
+# -- apply -----------------------------------------------------------------------------------------
+
+
+def _put(run: DistillRun, *tasks: Task, **fields: Any) -> DistillRun:
+    return replace(run, tasks={**run.tasks, **{t.task_id: t for t in tasks}}, **fields)
+
+
+def _current(run: DistillRun, task_id: str, attempt: int) -> Task | None:
+    """The task the event speaks of, if it is of the task's current attempt and the task is active."""
+    task = run.tasks.get(task_id)
+    if task is None or task.attempt != attempt or task.state not in ACTIVE:
+        return None
+    return task
+
+
+def apply(event: Event, run: DistillRun) -> DistillRun:
+    """The run after `event`; a stale or unknown event returns `run` unchanged (see the module docstring)."""
+    if isinstance(event, TaskAdded):
+        made = run.teachers_made + (event.task.kind == "teacher")
+        return _put(run, event.task, teachers_made=made)
+    if isinstance(event, (PauseAsked, CancelAsked)):
+        return run if run.stop else replace(run, stop="pause" if isinstance(event, PauseAsked) else "cancel")
+    if isinstance(event, ShardCorrupt):
+        return _shard_corrupt(run, event.shard)
+    if isinstance(event, NodeLost):
+        for task in [t for t in run.tasks.values() if t.node_id == event.node_id and t.state in ("placed", "running")]:
+            run = apply(TaskFailed(task.task_id, f"its node {event.node_id} was lost", True, task.attempt), run)
+        return run
+    if isinstance(event, Queued):
+        return _queued(run, event)
+    task = _current(run, event.task_id, event.attempt)
+    if task is None:
+        return run
+    if isinstance(event, TaskPlaced):
+        return _put(run, replace(task, state="placed", node_id=event.node_id, no_node_since=None))
+    if isinstance(event, TaskStarted):
+        return _put(run, replace(task, state="running"))
+    if isinstance(event, ShardWritten):
+        return _put(run, replace(task, state="running", done=task.done | {event.shard}),
+                    written=run.written | {event.shard})
+    if isinstance(event, StudentProgress):
+        return _put(run, replace(task, state="running", step=max(task.step, event.step), max_steps=event.max_steps))
+    if isinstance(event, TaskEnded):
+        return _put(run, replace(task, state=event.state, node_id=None))
+    return _failed(run, task, event)
+
+
+def _queued(run: DistillRun, event: Queued) -> DistillRun:
+    tasks = []
+    for tid in event.task_ids:
+        task = run.tasks.get(tid)
+        if task is not None and task.state == "waiting":
+            since = (task.no_node_since or event.at) if event.unplaceable else None
+            tasks.append(replace(task, no_node_since=since))
+    return _put(run, *tasks)
+
+
+def _shard_corrupt(run: DistillRun, shard: int) -> DistillRun:
+    """A shard that failed its checksum at a student: not written any more, regenerated by a new teacher."""
+    if shard not in run.written:
+        return run  # already being regenerated
+    teacher = Task(task_id=f"teacher-{run.teachers_made}", kind="teacher", shards=(shard,))
+    return _put(run, teacher, written=run.written - {shard}, teachers_made=run.teachers_made + 1)
+
+
+def _failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRun:
+    if task.kind == "teacher":
+        return _teacher_failed(run, task, event)
+    members = run.members(task.task_id)
+    if len(members) > 1 and members[0].state == "completed":  # trained and written: its part is in the adapter
+        return _put(run, replace(task, state="completed", node_id=None))
+    subject = task.task_id if len(members) == 1 else f"group:{members[0].task_id}"
+    policy = FailurePolicy(run.max_restarts, counts=dict(run.failures))
+    decision = policy.on_failure(f"{task.task_id} " + ("lost its worker" if event.worker_lost else "failed")
+                                 + f": {event.error}", subject=subject, retryable=event.worker_lost,
+                                 checkpoint=event.checkpoint)
+    run = replace(run, failures=policy.counts)
+    if decision.retry and not run.stop:
+        lost = frozenset({task.node_id}) if event.worker_lost and task.node_id else frozenset()
+        again = [replace(m, state="waiting", node_id=None, attempt=m.attempt + 1, restarts=decision.attempt,
+                         lost_nodes=m.lost_nodes | lost, error=None, no_node_since=None) for m in members]
+        return _put(run, *again)
+    ended = [replace(m, state="failed", node_id=None, error=decision.reason) for m in members if m.state in ACTIVE]
+    return _put(run, *ended)
+
+
+def shards_to_retry(shards: Sequence[int], retries: dict[int, int], max_retries: int) -> tuple[list[int], dict[int, int]]:
+    """A failed teacher's unfinished shards: those still within `max_retries` (each one's count so far
+    in `retries`), and the counts with theirs bumped. None left: the store fails."""
+    again = [s for s in shards if retries.get(s, 0) < max_retries]
+    return again, {**retries, **{s: retries.get(s, 0) + 1 for s in again}}
+
+
+def _teacher_failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRun:
+    """The teacher ends failed; its unfinished shards go to a new teacher, each within its retries."""
+    failed = replace(task, state="failed", node_id=None, error=event.error)
+    left = [s for s in task.shards if s not in task.done]
+    if not left or run.stop:
+        return _put(run, failed)
+    again, retries = shards_to_retry(left, run.shard_retries, run.max_shard_retries)
+    if not again:
+        return _put(run, failed, store_failed=f"teacher failed on shards {left}: {event.error}")
+    retry = Task(task_id=f"teacher-{run.teachers_made}", kind="teacher", cpus=task.cpus, shards=tuple(again),
+                 eligible=task.eligible, exclude=task.node_id)
+    return _put(run, failed, retry, shard_retries=retries, teachers_made=run.teachers_made + 1)
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+
+def plan(run: DistillRun, nodes: Sequence[Any], now: float) -> list[Action]:
+    """What to do now, given the live `nodes` (`distill_placement.Node`s) and the time `now` (s).
+
+    In order: once a pause or cancel is asked, stop every placed task and end the run when none is
+    left; give up on students whose store failed, or that no node could run for `replace_timeout_s`
+    (the driver answers a `GiveUp` with a `TaskFailed(worker_lost=False)` per task); place waiting
+    teachers, then waiting students and groups (all members or none), else `Wait`; end the run when
+    every student has ended (a run without students: when its teachers have).
+    """
+    active = [t for t in run.tasks.values() if t.state in ACTIVE]
+    if run.stop:
+        placed = tuple(t.task_id for t in active if t.state != "waiting")
+        if placed:
+            return [Stop(placed, run.stop)]
+        return [RunEnded("paused" if run.stop == "pause" else "cancelled", f"{run.stop} asked")]
+    doomed = _doomed(run, now)
+    if doomed is not None:
+        return [doomed]
+    ended = _ended(run)
+    if ended is not None:
+        return [ended]
+    busy = own_cpus((t.node_id, t.cpus) for t in active)
+    teachers = {t.node_id for t in active if t.kind == "teacher" and t.node_id}
+    actions: list[Action] = []
+    for t in (t for t in active if t.kind == "teacher" and t.state == "waiting"):
+        eligible = [n for n in nodes if t.eligible is None or n.node_id in t.eligible]
+        if eligible:
+            node = retry_teacher_node(eligible, t.exclude)
+            busy[node.node_id] = busy.get(node.node_id, 0.0) + t.cpus
+            actions.append(Place((t.task_id,), (node.node_id,), t.attempt))
+    seen: set[str] = set()
+    for t in (t for t in active if t.kind == "student" and t.state == "waiting"):
+        members = run.members(t.task_id)
+        if t.task_id in seen or any(m.state != "waiting" for m in members):
+            continue
+        seen.update(m.task_id for m in members)
+        actions.append(_place_students(run, members, nodes, busy, teachers))
+    return actions
+
+
+def _place_students(run: DistillRun, members: list[Task], nodes: Sequence[Any], busy: dict[str, float],
+                    teachers: set[str]) -> Action:
+    """A waiting student or group: `Place` on nodes (their CPUs added to `busy`), or `Wait`."""
+    eligible = [[n for n in nodes if (m.eligible is None or n.node_id in m.eligible) and n.node_id not in m.lost_nodes]
+                for m in members]
+    picks = pick_group_nodes([(m.cpus, e) for m, e in zip(members, eligible)], busy, teachers, run.hybrid)
+    ids = tuple(m.task_id for m in members)
+    if picks is None:
+        return Wait(ids, not hosts(members[0].cpus, len(members), [n.cpus for n in eligible[0]]))
+    for m, n in zip(members, picks):
+        busy[n.node_id] = busy.get(n.node_id, 0.0) + m.cpus
+    return Place(ids, tuple(n.node_id for n in picks), members[0].attempt)
+
+
+def _ended(run: DistillRun) -> RunEnded | None:
+    """The run's end, once every student has ended (without students: every teacher)."""
+    students = [t for t in run.tasks.values() if t.kind == "student"]
+    if students:
+        if any(t.state in ACTIVE for t in students):
+            return None
+        bad = [t for t in students if t.state != "completed"]
+        if bad:
+            return RunEnded("failed", f"{bad[0].task_id} {bad[0].state}: {bad[0].error}")
+        return RunEnded("completed", f"{len(students)} students completed")
+    if any(t.state in ACTIVE for t in run.tasks.values()) or not run.tasks:
+        return None
+    missing = sorted(set(range(run.num_shards)) - run.written)
+    if missing or run.store_failed:
+        return RunEnded("failed", run.store_failed or f"shards {missing} were not written")
+    return RunEnded("completed", f"{run.num_shards} shards written")
+
+
+def _doomed(run: DistillRun, now: float) -> GiveUp | None:
+    """Students that cannot go on: their store failed, or no node could run them for replace_timeout_s."""
+    active = [t for t in run.tasks.values() if t.kind == "student" and t.state in ACTIVE]
+    if run.store_failed and active:
+        return GiveUp(tuple(t.task_id for t in active), run.store_failed)
+    late = [t for t in active if t.state == "waiting" and t.no_node_since is not None
+            and now - t.no_node_since >= run.replace_timeout_s]
+    if not late:
+        return None
+    return GiveUp(tuple(t.task_id for t in late),
+                  f"no node could run it for {run.replace_timeout_s:.0f}s: join a worker that holds the model, "
+                  "then rerun; its last checkpoint is kept")

@@ -1,0 +1,128 @@
+"""Datasets by their Hugging Face Hub names, offline, as one JSONL file the rest of smolforge reads.
+
+`--dataset-name NAME [--dataset-config C] [--dataset-split S] [--dataset-column COL]` names one of:
+- a `datasets.Dataset.save_to_disk` directory (a Dataset or a DatasetDict: the split picks one);
+- a local directory laid out like a Hub dataset (data files `datasets.load_dataset` reads: parquet,
+  jsonl, csv, ... under `data/` or split-named files);
+- a Hub name (`wikitext`, `tatsu-lab/alpaca`) that `datasets.load_dataset` has already put in the
+  local Hugging Face cache: it is read offline (no network), so a name not cached fails at once.
+
+The rows are written once into `$SMOLFORGE_HOME/datasets/<name>-<fingerprint>.jsonl`; that file is
+what train reads and what launch uploads to the coordinator, as any JSONL. The row shapes
+(text/alpaca/chat/prompt_completion) are those of JSONL files: `formats.detect_format` decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from smolforge.data.formats import detect_format
+from smolforge.errors import SmolforgeError
+from smolforge.paths import home
+
+_OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+def _load_call(name: str, config: str | None, split: str) -> str:
+    """The `datasets` call that puts this dataset in the cache, as Python (for the fix line)."""
+    return f"datasets.load_dataset({name!r}{f', {config!r}' if config else ''}, split={split!r})"
+
+
+def _missing(name: str, config: str | None, split: str, why: str) -> SmolforgeError:
+    call = _load_call(name, config, split)
+    return SmolforgeError(
+        f"dataset {name}{f' ({config})' if config else ''} split {split} is not in the local Hugging Face cache"
+        f" and this smolforge reads datasets offline ({why})",
+        fix=f"on a machine with internet run: python -c \"import datasets; {call}\" and copy its "
+            "~/.cache/huggingface/datasets here (or .save_to_disk('DIR') there and pass --dataset-name DIR)")
+
+
+def _is_saved(path: Path) -> bool:
+    """A `save_to_disk` directory: a Dataset (state.json) or a DatasetDict (dataset_dict.json)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def load_rows(name: str, config: str | None = None, split: str = "train") -> Any:
+    """The `datasets.Dataset` that NAME names (see the module doc), read without network.
+
+    Raises SmolforgeError (exit 2): a name not cached (with the command that caches it), a split the
+    dataset lacks (naming those it has), a config given with a save_to_disk directory."""
+    import datasets  # heavy (pyarrow, pandas): only when a dataset is named
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()  # "Using the latest cached version ... (offline mode)": expected here
+
+    path = Path(name).expanduser()
+    if path.is_dir() and _is_saved(path):
+        if config:
+            raise SmolforgeError(f"--dataset-config {config}: {name} is a save_to_disk directory, which has no configs",
+                                 fix="drop --dataset-config")
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise SmolforgeError(f"{name} has no split {split!r}",
+                                     fix=f"pass --dataset-split one of {', '.join(loaded)}")
+            return loaded[split]
+        return loaded
+    saved = {k: os.environ.get(k) for k in _OFFLINE}
+    os.environ.update({k: "1" for k in _OFFLINE})
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True  # read at import: the environment alone is too late here
+    try:
+        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+    except ValueError as err:  # an unknown split, or a config not cached (naming those that are)
+        lines = str(err).splitlines()
+        if "split" in lines[0].lower() and "find cache" not in lines[0]:
+            raise SmolforgeError(f"dataset {name}: {lines[0]}", fix="pass --dataset-split SPLIT (e.g. train)") from None
+        raise _missing(name, config, split, "; ".join(lines)) from None
+    except Exception as err:  # not cached: datasets' own error types differ by version
+        raise _missing(name, config, split, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _shape(rows: Any, name: str, column: str | None) -> Any:
+    """The rows with a shape `detect_format` knows: COL renamed to `text` when given, else as they are."""
+    columns = list(rows.column_names)
+    if column is not None:
+        if column not in columns:
+            raise SmolforgeError(f"--dataset-column {column}: {name} has no such column",
+                                 fix=f"pass one of {', '.join(columns)}")
+        return rows.select_columns([column]).rename_column(column, "text") if column != "text" \
+            else rows.select_columns(["text"])
+    if len(rows) == 0:
+        raise SmolforgeError(f"dataset {name} has no rows", fix="pick another --dataset-split")
+    if detect_format(rows[0]) is None:
+        raise SmolforgeError(f"cannot tell the format of {name} from its columns {columns}",
+                             fix="pass --dataset-column COL (the text column), or use a dataset with "
+                                 "instruction/output, messages, prompt/completion or text columns")
+    return rows
+
+
+def dataset_to_jsonl(name: str, config: str | None = None, split: str | None = None,
+                     column: str | None = None, out_dir: str | Path | None = None) -> Path:
+    """NAME's rows as one JSONL file (made once per dataset fingerprint; see the module doc).
+
+    Returns the file's path (default under $SMOLFORGE_HOME/datasets/). Raises SmolforgeError as
+    `load_rows`, or for a column that is not there / rows of no known shape."""
+    split = split or "train"
+    rows = _shape(load_rows(name, config, split), name, column)
+    key = "|".join([name, config or "", split, column or "", rows._fingerprint])
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(name).name or name).strip("._") or "dataset"
+    out = Path(out_dir) if out_dir else home() / "datasets"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{slug}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.jsonl"
+    if not path.is_file():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        rows.to_json(str(tmp), lines=True, force_ascii=False)
+        tmp.replace(path)
+    return path
