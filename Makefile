@@ -29,7 +29,7 @@ $(BASE): pyproject.toml constraints.txt
 # The tests also need pytest and the real clients, llama-cpp-python (built from source: minutes, once)
 # and offline W&B.
 $(FULL): $(BASE)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -c constraints.txt -e '.[test,export,wandb,eval]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -c constraints.txt -e '.[test,export,wandb,eval,tabular]'
 	touch $(FULL)
 
 install-base: $(BASE)

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 from smolforge.data.formats import jsonl_records
+from smolforge.data.tabular import TABULAR_DATASETS
 from smolforge.paths import atomic_write_text, home
 
 LETTERS = "abcdefghij"
@@ -72,7 +73,8 @@ def bundled_paths(n_train: int = 4000, n_eval: int = 200, seed: int = 1234) -> t
 
 BUNDLED_PROMPTS = "bundled-prompts"
 BUNDLED_PROMPTS_N = 4000  # its prompts
-BUILTIN_DATASETS = ("bundled", BUNDLED_PROMPTS)  # names every node resolves itself: nothing to upload
+# names every node resolves itself: nothing to upload (the feature-row sets of `--model mlp` among them)
+BUILTIN_DATASETS = ("bundled", BUNDLED_PROMPTS, *TABULAR_DATASETS)
 
 
 def bundled_prompts_path(n: int = BUNDLED_PROMPTS_N, labelled: int = 512, seed: int = 1234) -> Path:

@@ -6,19 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from smolforge.errors import SmolforgeError
-from smolforge.models import tiny, twins
+from smolforge.models import kinds, tiny, twins
 
 
 def built_from_code(name: str) -> bool:
-    """A preset or a twin: every node builds it on first use from code (no files to hold or send), so
-    placement treats it as held everywhere."""
-    return tiny.is_preset(name) or twins.is_twin(name)
+    """A preset, a twin or a model kind (`--model mlp`): every node builds it on first use from code (no
+    files to hold or send), so placement treats it as held everywhere."""
+    return tiny.is_preset(name) or twins.is_twin(name) or kinds.is_kind(name)
 
 
 def check_local_model(name: str) -> Path | None:
     """The directory `name` names (None for a preset, an HF id or an Ollama name); a directory without
     config.json, or a path that does not exist, is a SmolforgeError."""
-    if tiny.is_preset(name):
+    if tiny.is_preset(name) or kinds.is_kind(name):
         return None
     if twins.is_twin(name):
         twins.parse(name)  # an unknown twin fails here, listing the known ones

@@ -32,10 +32,10 @@ from smolforge.paths import atomic_write_json
 from smolforge.telemetry.progress import StepProgress
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
-from smolforge.train.loop import LoopHooks, LossSum, StepStats, Trainer, make_optimizer
+from smolforge.train.loop import Forward, LoopHooks, LossSum, StepStats, Trainer, make_optimizer, plain_forward
 from smolforge.train.resume_point import SAMPLES_KEY, STATE_KEY, StepMeaning, resume_point
 from smolforge.train.schedule import make_scheduler
-from smolforge.train.strategy import Batch, Strategy
+from smolforge.train.strategy import TOKENS, Batch, BatchLayout, Strategy
 
 R = TypeVar("R")
 
@@ -166,6 +166,8 @@ class Run(Generic[R]):
     hooks: RunHooks = field(default_factory=RunHooks)
     metrics: Callable[[int], MetricsWriter | None] = lambda start: None  # (first step) -> the main rank's writer
     log: Callable[[str], None] = lambda msg: None
+    forward: Forward = plain_forward  # (model, batch) -> logits: a language model's, or a model kind's
+    layout: BatchLayout = TOKENS  # which units of a batch carry the loss (tokens; a classifier's rows)
 
 
 class Driver(Generic[R]):
@@ -222,7 +224,8 @@ class Driver(Generic[R]):
                 self.r.hooks.on_resume(latest, start)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, loss_sum=self.r.loss_sum,
                                device=self.r.device, strategy=strategy, precision=s.precision,
-                               max_grad_norm=s.max_grad_norm, step_tokens=self.r.step_tokens)
+                               max_grad_norm=s.max_grad_norm, step_tokens=self.r.step_tokens,
+                               forward=self.r.forward, layout=self.r.layout)
         begin = strategy.start_at(start)  # a member joining a running group starts where the others are
         if begin != start:
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here

@@ -27,8 +27,12 @@ from smolforge.config import TrainConfig
 from smolforge.data.collate import collate
 from smolforge.data.encode import IGNORE, fold_note
 from smolforge.data.splits import Splits
+from smolforge.data.tabular import load_tabular
 from smolforge.errors import SmolforgeError
+from smolforge.models.kinds import model_kind
+from smolforge.models.kinds.base import ModelKind
 from smolforge.models.loading import load_model, load_tokenizer
+from smolforge.models.peft import FULL
 from smolforge.models.peft_methods import apply_peft, enable_gradient_checkpointing, trainable_summary
 from smolforge.models.tied import tied_change
 from smolforge.rundir import check_run_dir, record
@@ -47,11 +51,12 @@ from smolforge.train.driver import (  # noqa: F401  (StepInfo, available_cpus: r
     prepare_process,
 )
 from smolforge.train.evaluate import eval_loss_sums, exact_match_counts, perplexity, token_loss_sum
+from smolforge.train.kind_run import RowSource, evaluate_rows
 from smolforge.train.loop import optimizer_state_bytes
 from smolforge.train.rendering import load_checked_splits
 from smolforge.train.resume_point import StepMeaning, data_fingerprint
 from smolforge.train.step_loss import StepLoss
-from smolforge.train.strategy import Strategy
+from smolforge.train.strategy import BatchLayout, Strategy
 
 
 @dataclass
@@ -259,6 +264,9 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
     source (`SampleSource`) and the loss (token cross-entropy).
     """
 
+    kind = model_kind(cfg.model)  # a registered kind that is not a language model (`--model mlp`)
+    if kind is not None:
+        return train_kind(cfg, kind, hooks, strategy)
     hooks = hooks or TrainHooks()
     strategy = strategy or Strategy()
     t_start = time.perf_counter()
@@ -311,6 +319,52 @@ def train(cfg: TrainConfig, hooks: TrainHooks | None = None, *, splits: Splits |
                                             run_name=run_name("single", "trainer", 0, cfg.lr, cfg.batch_size),
                                             config=cfg.model_dump(mode="json")),
         log=log))
+
+
+def train_kind(cfg: TrainConfig, kind: ModelKind, hooks: TrainHooks | None = None,
+               strategy: Strategy | None = None) -> TrainResult:
+    """Train `kind` on the feature-row dataset `cfg.data.path` names (`data.tabular`: "digits") under
+    `strategy`; every parameter trains (whatever cfg.peft says: the run is a full one, its weights written
+    to `none_adapter/model.safetensors`). Returns the summary, held-out `accuracy` and `eval_loss` in `eval`.
+    Raises SmolforgeError for an unknown dataset name."""
+    cfg = cfg.model_copy(update={"peft": cfg.peft.model_copy(update={"method": FULL})})
+    hooks, strategy = hooks or TrainHooks(), strategy or Strategy()
+    t_start = time.perf_counter()
+    device = prepare_process(cfg.num_threads, cfg.device, strategy)
+    torch.manual_seed(cfg.seed)
+    refuse_used_output_dir(cfg)
+    data = load_tabular(str(cfg.data.path))  # `--dataset digits`: a name every node resolves (data.tabular)
+    model = kind.build(data.n_features, data.n_classes).to(device)
+    if hooks.on_model:
+        hooks.on_model(model)
+    params = sum(p.numel() for p in model.parameters())
+    meaning = StepMeaning(rows_per_step=cfg.batch_size * cfg.grad_accum * strategy.world, batch_size=cfg.batch_size,
+                          grad_accum=cfg.grad_accum, world=strategy.world, seed=cfg.seed, max_length=data.n_features,
+                          packing=False, data_rows=len(data.train_y), data_sha256=data.fingerprint())
+    order = SampleOrder(len(data.train_y), meaning.rows_per_step, cfg.seed)
+    source = RowSource(data, order, total_steps(cfg, order), cfg.batch_size, strategy)
+    settings = run_settings(cfg, strategy, meaning)
+
+    def summarize(o: Outcome) -> TrainResult:
+        result = TrainResult(output_dir=str(Path(cfg.output_dir)), adapter_dir=o.adapter_dir, steps=o.steps,
+                             final_loss=o.final_loss, eval=o.eval, tokens_per_s=o.tokens_per_s,
+                             trainable_params=params, total_params=params, stopped=o.stopped,
+                             checkpoint_dir=o.checkpoint_dir, samples=o.samples_at(o.steps),
+                             data=data.stats() | {"resumed_from": o.resumed_from, "resume_note": o.resume_note})
+        _strategy_figures(result, strategy, o.optimizer)
+        result.seconds = time.perf_counter() - t_start
+        return result
+
+    return drive(Run(
+        settings=settings, model=model, tokenizer=None, device=device, strategy=strategy,
+        source=lambda _latest: source, loss_sum=kind.loss_sum, forward=kind.forward, step_tokens=source.step_tokens,
+        layout=BatchLayout(targets=kind.targets, units=kind.units, rows=kind.rows),
+        evaluate=lambda: evaluate_rows(kind, model, data, cfg.batch_size * 4, device, strategy), summarize=summarize,
+        hooks=RunHooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop,
+                       on_checkpoint=(lambda path, step, _pausing: hooks.on_checkpoint(path, step))
+                       if hooks.on_checkpoint else None),
+        metrics=lambda start: MetricsWriter(Path(cfg.output_dir), tensorboard=cfg.tensorboard is not False,
+                                            append=start > 0, wandb=cfg.wandb)))
 
 
 def _load(cfg: TrainConfig, device: torch.device, strategy: Strategy, splits: Splits | None, model, tokenizer,

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from smolforge.train.precision import autocast_dtype
-from smolforge.train.strategy import Batch, StepPass, Strategy
+from smolforge.train.strategy import TOKENS, Batch, BatchLayout, StepPass, Strategy, target_tokens  # noqa: F401
 
 Forward = Callable[[torch.nn.Module, Batch], torch.Tensor]
 """(model, batch) -> logits aligned with batch["input_ids"]; runs under autocast."""
@@ -68,11 +68,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def target_tokens(batch: Batch) -> int:
-    """Tokens that carry a loss: the shifted labels that are not -100."""
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
 def plain_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Logits aligned with input_ids (prompt tuning's virtual-token positions dropped)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -103,13 +98,15 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *,
                  loss_sum: LossSum, device: torch.device, strategy: Strategy | None = None,
                  forward: Forward = plain_forward, precision: str = "fp32",
-                 max_grad_norm: float | None = 1.0, step_tokens: Callable[[int], float] | None = None):
+                 max_grad_norm: float | None = 1.0, step_tokens: Callable[[int], float] | None = None,
+                 layout: BatchLayout = TOKENS):
         """`step_tokens`: step -> its loss tokens, every rank's rows, where the data can count them
         (`Strategy.step_targets`'s `counted`); None: the ranks sum their own."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_sum, self.forward, self.device = loss_sum, forward, device
         self.strategy = strategy or Strategy()
         self.max_grad_norm, self.step_tokens = max_grad_norm, step_tokens
+        self.layout = layout  # which units of a batch carry the loss (tokens; a classifier's rows)
         self.amp = autocast_dtype(precision, device)  # measured on CPUs; bf16/fp16 on GPUs
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 and device.type == "cuda" else None
         self.wrapped = self.strategy.wrap(model, device)
@@ -122,14 +119,14 @@ class Trainer:
         s = self.strategy
         if self.scheduler.last_epoch != step:  # steps handed out out of order (a parameter server)
             self._seek_schedule(step)
-        my_targets = float(sum(target_tokens(m) for m in micro))
+        my_targets = float(sum(self.layout.targets(m) for m in micro))
         global_targets = s.step_targets(step, my_targets, self.device, self.step_tokens)
         scale = s.step_ranks / max(1.0, global_targets)  # DDP averages over ranks; undo that
         started = time.perf_counter()
         how = StepPass(forward=self.forward, loss_sum=self.loss_sum, scale=scale, device=self.device, amp=self.amp,
-                       scaler=self.scaler)
+                       scaler=self.scaler, layout=self.layout)
         loss_total, tokens = s.forward_backward(self.wrapped, micro, how)  # each micro-batch in turn, or piped
-        s.observe(sum(int(m["input_ids"].shape[0]) for m in micro), started, time.perf_counter(), targets=my_targets)
+        s.observe(sum(self.layout.rows(m) for m in micro), started, time.perf_counter(), targets=my_targets)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()

@@ -77,6 +77,38 @@ if TYPE_CHECKING:
 Batch = dict[str, torch.Tensor]
 
 
+def target_tokens(batch: Batch) -> int:
+    """Tokens that carry a loss: the shifted labels that are not -100."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def mask_tokens(batch: Batch) -> int:
+    """Tokens a batch holds (its attention mask): what throughput counts."""
+    return int(batch["attention_mask"].sum())
+
+
+def batch_rows(batch: Batch) -> int:
+    """Rows (sequences, samples) in a batch: the first dimension of its labels."""
+    return int(batch["labels"].shape[0])
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """What a batch's loss is normalised by: the one answer to "which units of a batch carry a loss".
+
+    A language model's batch is token ids with shifted labels (`TOKENS`); another model kind (a classifier:
+    one label per row, `models.kinds`) gives its own functions. The loop and the strategies ask only this.
+    """
+
+    targets: Callable[[Batch], int] = target_tokens  # loss-carrying units: the divisor of the summed loss
+    units: Callable[[Batch], int] = mask_tokens  # units of work, for throughput (tokens; a classifier: rows)
+    rows: Callable[[Batch], int] = batch_rows  # rows, for balancing ranks by speed
+
+
+TOKENS = BatchLayout()
+"""A causal language model's batches: input_ids, attention_mask, labels (shifted in the loss)."""
+
+
 @dataclass
 class StepPass:
     """How the loop turns one step's micro-batches into gradients, handed to `Strategy.forward_backward`.
@@ -91,6 +123,7 @@ class StepPass:
     device: torch.device
     amp: torch.dtype | None = None  # autocast dtype (None: full precision)
     scaler: Any = None  # torch.amp.GradScaler for fp16 on CUDA, else None
+    layout: BatchLayout = TOKENS  # what a batch's units are (throughput counts `layout.units`)
 
     def autocast(self) -> ContextManager:
         return torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
@@ -192,7 +225,7 @@ class Strategy:
                 del logits  # autograd does not need it: freed before the backward, not after
                 how.backward(loss_sum * how.scale)
             loss_total += float(loss_sum.detach())
-            tokens += int(m["attention_mask"].sum())
+            tokens += how.layout.units(m)
         return loss_total, tokens
 
     def load_model(self, name: str, *, device: torch.device, dtype: str | None, training: bool = True,

@@ -231,7 +231,8 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
         path = Path(str(value)).expanduser()
         if not path.is_file():
             raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
-                                 fix="check the path (or use 'bundled' for the generated task set)")
+                                 fix="check the path, or name a dataset every node has: "
+                                     f"{', '.join(BUILTIN_DATASETS)} ('bundled': the generated task set)")
         put_path(spec, dotted, upload(path))
     return spec
 
