@@ -179,10 +179,11 @@ def run_distill_job(spec: dict[str, Any], output_dir: str, *, resume: bool, coor
     from smolforge.cluster.control.kinds import KINDS
     from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
-    from smolforge.distill.settings import refuse_used_run_dir
+    from smolforge.distill.settings import check_output_flag, refuse_used_run_dir
 
     out = Path(output_dir)
-    # the submit's own check (the kind's), before any cluster starts; --output-dir is checked with it
+    check_output_flag(output_dir)
+    # the submit's own check (the kind's), before any cluster starts
     KINDS["distill"].check(validate(DistillJob, {**spec, "output_dir": output_dir}, where="distill"))
     refuse_used_run_dir(out, resume)
     quiet_libraries()  # transformers (seconds): only once the flags are known to be good

@@ -124,7 +124,14 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name).name or name).strip("-") or "student"
 
 
-def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: str | Path | None = None) -> None:
+def check_output_flag(output_dir: str | Path) -> None:
+    """`smolforge distill --output-dir`: a path on this machine, relative or not, without '..' (a job
+    spec's `output_dir` has its own rule: `cluster/control/kinds.check_output_dir`)."""
+    if ".." in Path(output_dir).parts:
+        raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
+
+
+def check_run(cfg: DistillSettings, mode: str = "teacher_student") -> None:
     """The checks across fields and into other modules' settings, before a cluster starts: bad
     flags fail in a second, not after the teachers."""
     from smolforge.distill.kdconfig import KDConfig
@@ -159,8 +166,6 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student", output_dir: s
     if cfg.save_every < 0:
         raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
-    if output_dir is not None and ".." in Path(output_dir).parts:
-        raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
     check_shared_tokenizer(cfg.teacher, cfg.students, shared_tokenizer_needs(cfg.on_policy_ratio,
                                                                                cfg.teacher_responses))
 

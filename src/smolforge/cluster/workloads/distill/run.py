@@ -73,9 +73,10 @@ class DistillStopped(Exception):
 def check_job(job: Any) -> None:
     """A distill job's settings, checked once, when it is submitted (`kinds.KINDS["distill"].check`, which
     `smolforge distill` and `launch` call through `kinds.parse` before any cluster starts): across
-    fields and into other modules' settings (`check_run`, its `output_dir` too), and the students' sync
+    fields and into other modules' settings (`check_run`; a spec's `output_dir` is `kinds.check_output_dir`'s,
+    the CLI flag `settings.check_output_flag`'s), and the students' sync
     plug-in with its strategy (`make_sync`). The runner takes the checked spec as it is."""
-    check_run(job.distill, job.mode, job.output_dir)
+    check_run(job.distill, job.mode)
     make_sync(job.distill.students_sync, job.distill.students_strategy)
 
 
