@@ -124,7 +124,7 @@ def _diloco(m: Measured, numbers: dict, link: str, knobs: tuple) -> Decision:
     blocking_h = max(MIN_H, math.ceil(sync_s / (budget * m.step_s)))
     numbers.update(codec=codec["codec"], bytes_per_sync=int(payload), bytes_sent_per_sync=int(sent),
                    sync_s=round(sync_s, 4), sync_fraction_of_model=round(payload / max(1, params * 4), 5))
-    why = (f"ddp's all-reduce ({ddp_s:.3g} s per step) would be {ddp_s / m.step_s:.0%} of compute, over "
+    why = (f"diloco: ddp's all-reduce ({ddp_s:.3g} s per step) would be {ddp_s / m.step_s:.0%} of compute, over "
            f"{budget:.0%}; diloco {codec['codec']} sends {_mb(payload)} per sync "
            f"({payload / max(1, params * 4):.2%} of the fp32 model), {sync_s:.3g} s")
     if blocking_h <= min(prefer_h, cap) or "fragments" not in has:

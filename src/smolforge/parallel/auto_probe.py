@@ -6,7 +6,8 @@ What is measured, once per round (a regroup is a new round, so a node joining or
 - **every pair's link**, over the round's own process group (the channel training uses): rank i sends
   rank j a warm-up of 256 KB, then a payload sized to about half a second at the warm-up's rate (at most
   `probe_mb` MB), timed on the sender up to a 1-value acknowledgement (Mbit/s of payload); the round trip is
-  the median of 5 one-value ping-pongs. Pairs go one at a time, the others waiting at a barrier.
+  the least of 5 one-value ping-pongs (a busy machine's scheduling only ever adds to a round trip, as NTP's
+  minimum-delay filter assumes). Pairs go one at a time, the others waiting at a barrier.
 - **the step's compute**, from the model's FLOPs: 6 × parameters × tokens for full fine-tuning (4 × for
   an adapter: no weight gradients of the frozen base), tokens = rows per rank × grad_accum × max_length,
   at this rank's measured fp32/bf16 matmul rate × `MATMUL_EFFICIENCY` (a training step reaches about half
@@ -20,7 +21,6 @@ plan without a broadcast. Collective: every rank of the group calls `resolve` at
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -64,7 +64,7 @@ def _pair(me: int, src: int, dst: int, probe_mb: float) -> LinkSample | None:
     else:
         dist.recv(size, peer)
     rate = _timed_send(me == src, peer, torch.ones(int(size.item())))
-    return LinkSample(src, dst, rate * 8 / 1e6, statistics.median(rtts)) if me == src else None
+    return LinkSample(src, dst, rate * 8 / 1e6, min(rtts)) if me == src else None
 
 
 def _timed_send(sending: bool, peer: int, payload: "torch.Tensor") -> float | None:
