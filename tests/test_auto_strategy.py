@@ -114,3 +114,13 @@ def test_auto_picks_ddp_on_loopback():
     assert {(s["src"], s["dst"]) for s in data["links"]} == {(0, 1), (1, 0)}
     assert "within 10%" in data["reason"] and "Mbit/s" in data["reason"], data["reason"]
     assert data["numbers"]["ddp_comm_s"] <= 0.10 * data["numbers"]["step_s"]
+
+
+def test_job_show_says_what_auto_chose():
+    """The runner keeps rank 0's `strategy_plan` in the job's `comm` (`--json`: comm.plan); `job show` prints it."""
+    from smolforge.cli.tables import comm_line
+
+    d = decide(measured(20, 3.0))
+    text = comm_line({"plan": d.to_dict(), "bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
+    assert text.startswith(f"auto chose {d.reason}\n") and "communication (per rank, step 4)" in text
+    assert "auto chose" not in comm_line({"bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
