@@ -130,7 +130,7 @@ def row(workload: str, link: float, one: dict, target: float, runs: dict, ideal:
     picked = [r["seconds"] for k, r in runs.items() if k != "auto" and r["seconds"]]
     rounds = auto["rounds"] or auto["steps"]
     sent = max(auto["bytes_sent_per_rank"] or [0])
-    util = 1 - max(auto["wait_s_per_rank"] or [0]) / auto["train_s"] if auto["train_s"] else None
+    util = 1 - (auto["wait_s_per_rank"] or [0])[0] / auto["train_s"] if auto["train_s"] else None  # rank 0's
     return {"workload": workload, "link_mbit": link, "speedup": round(speed["auto"], 3),
             "ideal": round(ideal["ideal"], 3), "efficiency": round(speed["auto"] / ideal["ideal"], 3),
             "bytes_per_sync": int(sent / max(rounds, 1)), "model_bytes": int(one["total_params"]) * 4,
