@@ -151,7 +151,10 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
 
     from smolforge.models.dtypes import torch_dtype
 
-    sizes = model_sizes(cfg)
+    try:
+        sizes = model_sizes(cfg)
+    except Exception:  # noqa: BLE001 - a PEFT method or family the meta device cannot build: ddp, said so
+        sizes = None
     links = probe_links(probe_mb)
     flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
     mine = step_seconds(cfg, *sizes, flops) if sizes else 0.0
