@@ -141,6 +141,33 @@ def row(workload: str, link: float, one: dict, target: float, runs: dict, ideal:
                        "ideal": ideal, "runs": runs, "netem": False}}
 
 
+def plan_only(args, workloads: list[str]) -> None:
+    """What `auto` decides for each workload at each link, without training: two ranks in netlab namespaces
+    run the probe and the decision (tests/cluster/test_auto_netlab.py's worker); minutes, not hours."""
+    import subprocess
+
+    from netlab import IFACE, Netlab
+
+    worker = str(ROOT / "tests" / "cluster" / "test_auto_netlab.py")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    for link in [float(x) for x in args.links.split(",")]:
+        with Netlab(link, names=("w1", "w2")) as lab:
+            for i, workload in enumerate(workloads):
+                model, peft, dtype, _ = WORKLOADS[workload]
+                procs = [lab.popen(node, [sys.executable, worker, "auto-worker", str(rank), lab.addr("w1"),
+                                          str(29541 + i), model, peft["method"], dtype], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         for rank, node in enumerate(("w1", "w2"))]
+                outs = [p.communicate(timeout=900)[0] for p in procs]
+                line = [x for x in outs[0].splitlines() if x.startswith("{")]
+                if not line:
+                    raise SystemExit(f"{workload} at {link:g} Mbit/s: the probe failed:\n{outs[0][-3000:]}")
+                d = json.loads(line[-1])["decision"]
+                print(json.dumps({"workload": workload, "link_mbit": link, "auto": d["strategy"],
+                                  "config": d["config"], "reason": d["reason"], "numbers": d["numbers"]}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per line (else a table)")
@@ -155,6 +182,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=None, help="the hand-picked diloco's H (default 20; quick 3)")
     ap.add_argument("--ddp-steps", type=int, default=None, help="K: ddp runs K steps, its time extrapolated "
                     "(default 3; quick 0 = a full run)")
+    ap.add_argument("--plan-only", action="store_true", help="only what auto decides per workload and link "
+                    "(the probe and the decision, no training)")
     ap.add_argument("--ideal-steps", type=int, default=None, help="steps of the ideal's jobs (default 10; quick 6)")
     args = ap.parse_args()
     q = args.quick
@@ -170,6 +199,8 @@ def main() -> None:
     reason = netlab.available()
     if reason:
         raise SystemExit(f"netlab unavailable: {reason}")
+    if args.plan_only:
+        return plan_only(args, workloads)
     tmp, data = prepare("tiny-llama", "sfso")
     from smolforge.parallel.auto_probe import diloco_features
 

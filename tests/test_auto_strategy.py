@@ -124,3 +124,30 @@ def test_job_show_says_what_auto_chose():
     text = comm_line({"plan": d.to_dict(), "bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
     assert text.startswith(f"auto chose {d.reason}\n") and "communication (per rank, step 4)" in text
     assert "auto chose" not in comm_line({"bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
+
+
+@pytest.mark.soak  # a real embedded cluster (Ray) and a 2-rank job: a minute or two on the 2-core machine
+def test_a_launched_auto_job_runs_what_its_plan_says(tmp_path):
+    """The real job path on loopback: `launch --strategy auto` on the embedded cluster; the ranks measure, rank 0's
+    plan is the job's `strategy_plan` event and `comm.plan` (`job show --json`), and the job ran that strategy."""
+    import json
+    import os
+    import tempfile
+
+    from helpers import smolforge
+
+    ray_tmp = tempfile.mkdtemp(prefix="sfa", dir="/tmp")
+    env = {"RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "SMOLFORGE_COORDINATOR": "",
+           "HF_HUB_OFFLINE": "1"}
+    state = str(tmp_path / "state")
+    run = smolforge("launch", "--model", "tiny-llama", "--dataset", "bundled", "--workers", "2", "--strategy", "auto",
+                    "--max-steps", "6", "--max-length", "64", "--set", "data.max_eval_samples=4", "--set",
+                    "eval_accuracy=false", "--state-dir", state, "--output-dir", str(tmp_path / "out"), "--json",
+                    timeout=900, env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["state"] == "completed", out.get("error")
+    shown = smolforge("job", "show", out["job_id"], "--json", "--state-dir", state, env={**os.environ, **env})
+    plan = json.loads(shown.stdout)["comm"]["plan"]
+    assert plan["strategy"] == out["strategy"] and plan["strategy"] in ("ddp", "diloco"), plan
+    assert {(s["src"], s["dst"]) for s in plan["links"]} == {(0, 1), (1, 0)} and "10%" in plan["reason"]

@@ -38,8 +38,10 @@ def needs_netlab():
         require(False, f"netlab's {gap[0]}", gap[1])
 
 
-def _auto_worker(rank: int, master: str, port: int) -> None:
-    """One rank: a 2-rank gloo group through `master`, the auto probe over it, the decision as a JSON line."""
+def _auto_worker(rank: int, master: str, port: int, model: str = "tiny-llama", peft: str = "none",
+                 dtype: str = "fp32") -> None:
+    """One rank: a 2-rank gloo group through `master`, the auto probe over it, the decision as a JSON line
+    (`model`, `peft`, `dtype`: bench/scale_out.py --plan-only asks for its workloads' plans this way)."""
     from datetime import timedelta
 
     import torch
@@ -53,7 +55,7 @@ def _auto_worker(rank: int, master: str, port: int) -> None:
     timeout = timedelta(seconds=120)
     store = dist.TCPStore(master, port, 2, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-    cfg = TrainConfig(model="tiny-llama", data={"path": "bundled"}, peft={"method": "none"}, max_steps=200)
+    cfg = TrainConfig(model=model, data={"path": "bundled"}, peft={"method": peft}, dtype=dtype, max_steps=200)
     measured = measure(cfg, 4.0, 2)
     print(json.dumps({"rank": rank, "decision": decide(measured).to_dict(),
                       "links": [vars(s) for s in measured.links]}), flush=True)
@@ -86,4 +88,4 @@ def test_auto_picks_sparse_diloco_on_a_20_mbit_link():
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "auto-worker":
-    _auto_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    _auto_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:8])
