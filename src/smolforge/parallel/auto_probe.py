@@ -39,6 +39,15 @@ WARM_BYTES = 256 * 1024
 PROBE_SECONDS = 0.5
 
 
+def _device() -> "torch.device":
+    """Where the probe's tensors live: the GPU under NCCL (it moves only CUDA tensors), else the CPU (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == dist.Backend.NCCL and torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _pair(me: int, src: int, dst: int, probe_mb: float) -> LinkSample | None:
     """One timed exchange src → dst (collective between the two; others return None at once)."""
     import torch
@@ -46,7 +55,8 @@ def _pair(me: int, src: int, dst: int, probe_mb: float) -> LinkSample | None:
 
     if me not in (src, dst):
         return None
-    peer, ack, size = (dst if me == src else src), torch.zeros(1), torch.zeros(1)
+    dev = _device()
+    peer, ack, size = (dst if me == src else src), torch.zeros(1, device=dev), torch.zeros(1, device=dev)
     rtts = []
     for _ in range(5):  # round trips: one value there and back
         t0 = time.perf_counter()
@@ -56,14 +66,15 @@ def _pair(me: int, src: int, dst: int, probe_mb: float) -> LinkSample | None:
         else:
             dist.recv(ack, peer)
             dist.send(ack, peer)
+        ack.cpu()  # on a GPU (NCCL), the round trip ends when the value is on the host
         rtts.append(time.perf_counter() - t0)
-    rate = _timed_send(me == src, peer, torch.ones(WARM_BYTES // 4))
+    rate = _timed_send(me == src, peer, torch.ones(WARM_BYTES // 4, device=dev))
     if me == src:
         size[0] = max(WARM_BYTES, min(probe_mb * 1e6, (rate or 1e6) * PROBE_SECONDS)) // 4
         dist.send(size, peer)
     else:
         dist.recv(size, peer)
-    rate = _timed_send(me == src, peer, torch.ones(int(size.item())))
+    rate = _timed_send(me == src, peer, torch.ones(int(size.item()), device=dev))
     return LinkSample(src, dst, rate * 8 / 1e6, min(rtts)) if me == src else None
 
 
@@ -72,11 +83,12 @@ def _timed_send(sending: bool, peer: int, payload: "torch.Tensor") -> float | No
     import torch
     import torch.distributed as dist
 
-    ack = torch.zeros(1)
+    ack = torch.zeros(1, device=payload.device)
     t0 = time.perf_counter()
     if sending:
         dist.send(payload, peer)
         dist.recv(ack, peer)
+        ack.cpu()  # a GPU's send is asynchronous: the acknowledgement is here once it is on the host
         return payload.numel() * 4 / max(time.perf_counter() - t0, 1e-9)
     dist.recv(payload, peer)
     dist.send(ack, peer)
