@@ -128,6 +128,10 @@ def test_a_split_job_whose_trunk_node_dies_completes_from_the_last_shared_checkp
     c.workers[killed].wait_for(f"Registered as {killed}", 120)
 
 
+# soak: a second node death on the shared cluster (about 3 minutes on the 2-core runner, where the CI tier is over
+# its budget); the recovery it ends in is the trunk test's (stored checkpoints, the newest shared step), and the
+# client's "which node" is proven in the CI tier by the pure test below
+@pytest.mark.soak
 def test_a_split_job_whose_client_node_dies_completes_from_the_last_shared_checkpoint(module_cluster, tmp_path):
     """The client on w1 (`client_node`), the trunk on w2 (`trunk_nodes`); w1 dies while the client holds after
     step HOLD: the base runner's FailurePolicy starts another attempt, `placement.client_plan` places the

@@ -17,6 +17,14 @@ With no node for the trunk during `replace_timeout_s`, the job fails saying why.
 (or a trunk that cannot start: its own making) ends the attempt; the base runner's FailurePolicy
 decides on another, which resumes from the client's checkpoints and the stored trunk ones.
 
+When the client's node dies (its status call fails and the node does not answer a probe:
+`_client_lost`), the attempt ends as `Failed` from the newest stored client checkpoint, under the
+same base FailurePolicy (the job's `attempts`); the next attempt places the client by
+`placement.client_plan`: not on a node where a client of this job was lost, the coordinator's node
+first (it holds the uploaded data), said in a `client_placed` event. The client ships its half of
+every checkpoint to the coordinator after the trunk's (`client_side.CLIENT_CHECKPOINTS`); the new
+client fetches them, the new trunk the trunk's, and both resume from the newest step they share.
+
 The job's step, loss and samples are the client's (its loss is the only one: the labels never leave
 it); each side is a task row with its node and state, and `trunk_step` (the step the trunk's session
 stands at) is charted beside `loss`. Pause asks the client to checkpoint both sides and stop; cancel
@@ -370,7 +378,7 @@ class SplitRunner(JobRunner):
         kind, step = item["type"], item.get("step")
         if kind == "checkpoint":
             self.store.add_event(self.job_id, "checkpoint", f"shared checkpoint at step {step}: the client's on "
-                                 f"{self.client_node}, the trunk's stored on the coordinator", {"step": step})
+                                 f"{self.client_node}, both halves stored on the coordinator", {"step": step})
         elif kind == "checkpoint_not_shipped":
             self.store.add_event(self.job_id, "checkpoint_not_shipped", f"the trunk's checkpoint of step {step} did "
                                  f"not reach the coordinator: {item['error']}", {"step": step})
