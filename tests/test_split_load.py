@@ -87,7 +87,7 @@ def test_each_sides_peak_rss_is_below_the_whole_models(tmp_path):
     """small-llama (6 layers, 4.9 M parameters) stored in bf16, as published checkpoints are, loaded in
     fp32 (as both sides load), cut at 1/4: the client holds the embeddings, layers 0 and 4-5 and the
     tied head, the trunk layers 1-3. Each side's peak RSS while loading (one subprocess per side, the
-    peak reset after its imports and a warm-up load) is below the whole model's load peak. Stored in
+    peak reset after its imports and a warm-up load) is below four fifths of the whole model's load peak. Stored in
     the dtype it is loaded in, `from_pretrained` would map the file and never page in what a side
     does not touch; a conversion (bf16 to fp32 here, or any cast) makes the whole model resident."""
     bf16 = tmp_path / "small-llama-bf16"
@@ -101,5 +101,7 @@ def test_each_sides_peak_rss_is_below_the_whole_models(tmp_path):
         peaks[side] = json.loads(proc.stdout.strip().splitlines()[-1])
     print({side: (p["peak_kib"], p["elements"]) for side, p in peaks.items()})
     assert peaks["client"]["elements"] + peaks["trunk"]["elements"] == peaks["whole"]["elements"]
-    assert peaks["client"]["peak_kib"] < peaks["whole"]["peak_kib"]
-    assert peaks["trunk"]["peak_kib"] < peaks["whole"]["peak_kib"]
+    # below by a fifth at least: a side that loaded the whole model first peaks at about the whole's (measured
+    # 27.1 MiB against 26.9), these at 9.9 and 8.8 (they hold 55 % and 45 % of the parameters)
+    assert peaks["client"]["peak_kib"] < 0.8 * peaks["whole"]["peak_kib"]
+    assert peaks["trunk"]["peak_kib"] < 0.8 * peaks["whole"]["peak_kib"]
