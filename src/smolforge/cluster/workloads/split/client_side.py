@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.cluster.control.kinds import CLIENT_CHECKPOINTS
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.cluster.nodes import ray_tls
 from smolforge.cluster.workloads.split.artifacts import download_dir, upload_dir
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, start_capture, this_node
 from smolforge.train.faults import HoldAt, fault_hold_step, held_message, node_dir, stay_held
 
-CLIENT_CHECKPOINTS = "client-checkpoints"  # a split job's client checkpoints in the artifact store (step-N)
 KEEP_STORED = 2  # client checkpoints the coordinator keeps per job, as for the trunk's
 PROBE_S = 5.0  # how long one connection retries an unreachable trunk before asking where it is now
 SHIP_TIMEOUT_S = 600.0
