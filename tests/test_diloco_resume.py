@@ -66,4 +66,9 @@ def test_a_resumed_run_with_error_feedback_is_bitwise_the_undisturbed_one(runs, 
     a, b = adapter_weights(resumed), adapter_weights(whole)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight), and a few control scalars
+    from smolforge.parallel.codecs import make_codec
+
+    per_round = 8 + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
+    assert 0 <= whole["comm_bytes_sent"] - (STEPS // H) * per_round < 1024, (whole["comm_bytes_sent"], per_round)
     assert resumed["final_loss"] == whole["final_loss"] and runs[1][codec + "_resumed"]["final_loss"] == runs[1][codec]["final_loss"]

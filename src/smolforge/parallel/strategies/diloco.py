@@ -318,7 +318,8 @@ class DiLoCo(DDP):
         if self.feedback.coder.lossy:  # each rank's error-feedback buffer (zeros: none yet), for state_dict
             mine_error = self.feedback.residual
             mine_error = torch.zeros_like(self.shared) if mine_error is None else mine_error
-            self._residuals = self._gather(mine_error.contiguous(), checkpoint=True)
+            every = self._gather(mine_error.contiguous(), checkpoint=True)
+            self._residuals = every if self.is_main else None  # only the main rank writes them
         return {"per_rank": per_rank} if self.is_main else None
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
