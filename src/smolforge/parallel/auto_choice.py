@@ -72,15 +72,20 @@ class Decision:
 
 
 def sparse_bytes(params: int, chunk: int, topk: int, bits: int) -> int:
-    """Bytes of one sparse pseudo-gradient of `params` fp32 values: per chunk `topk` uint16 indices, `topk`
-    values at `bits` bits, one fp32 scale."""
-    chunks = math.ceil(params / chunk)
-    return chunks * (min(topk, chunk) * 2 + math.ceil(min(topk, chunk) * bits / 8) + 4)
+    """Bytes of one sparse pseudo-gradient of `params` fp32 values: the sparse codec's own formula
+    (`parallel/codecs.py` `Sparse.nbytes`: per chunk `topk` uint16 positions and an fp32 scale, the
+    values packed at `bits` bits)."""
+    from smolforge.parallel.codecs import make_codec
+
+    return make_codec("sparse", chunk=chunk, topk=topk, bits=bits).nbytes(params)
 
 
 def int8_bytes(params: int, block: int = INT8_BLOCK) -> int:
-    """Bytes of one blockwise-int8 pseudo-gradient: a byte per value and an fp32 scale per block."""
-    return params + 4 * math.ceil(params / block)
+    """Bytes of one blockwise-int8 pseudo-gradient: the int8 codec's own formula (`Int8.nbytes`: a byte
+    per value, the last block padded, and an fp32 scale per block)."""
+    from smolforge.parallel.codecs import make_codec
+
+    return make_codec("int8", block=block).nbytes(params)
 
 
 def _bottleneck(m: Measured) -> tuple[float, float]:
