@@ -178,6 +178,7 @@ class RunSettings:
     hybrid: bool
     replace_timeout_s: float
     max_restarts: int
+    max_shard_retries: int = 2
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ def apply(event: Event, run: DistillRun) -> DistillRun:
         return replace(run, written=run.written | {event.shard})
     if isinstance(event, RunSettings):
         return replace(run, hybrid=event.hybrid, replace_timeout_s=event.replace_timeout_s,
-                       max_restarts=event.max_restarts)
+                       max_restarts=event.max_restarts, max_shard_retries=event.max_shard_retries)
     if isinstance(event, Eligible):
         task = run.tasks.get(event.task_id)
         return run if task is None or task.state != "waiting" else _put(run, replace(task, eligible=event.node_ids))

@@ -110,8 +110,11 @@ class RunRecord:
                     self._record(TaskStarted(t.task_id, t.attempt))
             students = [t for t in st.tasks.values() if t.kind == "student"]
             timeout = float(students[-1].spec.get("replace_timeout_s") or 300.0) if students else st.run.replace_timeout_s
-            settings = RunSettings(getattr(self, "mode", "") == "hybrid", timeout, st.max_restarts)
-            if (st.run.hybrid, st.run.replace_timeout_s, st.run.max_restarts) != (settings.hybrid, timeout, st.max_restarts):
+            stores = list(st.stores.values())
+            retries = int(getattr(stores[-1], "max_retries", 2)) if stores else st.run.max_shard_retries
+            settings = RunSettings(getattr(self, "mode", "") == "hybrid", timeout, st.max_restarts, retries)
+            now = (st.run.hybrid, st.run.replace_timeout_s, st.run.max_restarts, st.run.max_shard_retries)
+            if now != (settings.hybrid, timeout, st.max_restarts, retries):
                 self._record(settings)
 
     def _plan(self, nodes: Sequence[Any], held: Mapping[str, float] | None,

@@ -35,7 +35,7 @@ from smolforge.train import checkpoint as ckpt
 MAX_BROKER_LINES = 20_000  # task lines a broker holds between two drains (it is drained every poll)
 SHIP_LINES_S = 1.0  # how often a student sends what it printed to its broker (fire and forget)
 WAIT_CALL_S = 5.0  # the longest one ask of a student waits inside its broker for news (then it asks again)
-BROKER_THREADS = 64  # the broker's concurrent calls: every student may be waiting in one at once
+BROKER_THREADS = 16  # the broker's concurrent calls: a student waits in one (each wait bounded by WAIT_CALL_S)
 
 # ------------------------------------------------------------------------------- remote definitions
 
