@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from smolforge.cluster.control.distill_placement import (own_cpus, freest_node, hosts, pick_group_nodes,
                                                          retry_teacher_node, teacher_nodes)
 from smolforge.cluster.workloads.distill.controller import (
-    ACTIVE, CancelAsked, DistillRun, GiveUp, NodeLost, PauseAsked, Place, Queued, RunEnded, ShardCorrupt,
-    ShardWritten, Stop, StudentProgress, Task, TaskAdded, TaskEnded, TaskFailed, TaskPlaced, TaskStarted, Wait,
+    ACTIVE, CancelAsked, DistillRun, Eligible, GiveUp, NodeLost, PauseAsked, Place, Queued, RunEnded, RunSettings,
+    ShardCorrupt, ShardFound, ShardWritten, Stop, StudentProgress, Task, TaskAdded, TaskEnded, TaskFailed, TaskPlaced, TaskStarted, Wait,
     apply, plan,
 )
 
@@ -236,3 +236,27 @@ def test_placement_rules_without_a_cluster():
     assert teacher_nodes([A, B], 3) == [A, B, A]
     assert retry_teacher_node([A, B], "a") is B and retry_teacher_node([A], "a") is A
     assert freest_node([A, B], {"a": 1.0}) is B
+
+
+# -- what the live session tells the run (decide.py) ---------------------------------------------------
+
+
+def test_what_the_session_tells_the_run_a_live_node_held_cpus_and_the_earliest_no_node():
+    run = run_of(student("student-0"), TaskPlaced("student-0", "a", 0),
+                 TaskFailed("student-0", "worker died", True, 0, node_gone=False))
+    assert run.tasks["student-0"].lost_nodes == frozenset()  # only its process died: a may take it again
+    assert plan(run, [A], now=0) == [Place(("student-0",), ("a",), 1)]
+    assert plan(run, [A, B], now=0, held={"a": 2.0}) == [Place(("student-0",), ("b",), 1)]  # a is full (another job)
+    run = apply(Eligible("student-0", frozenset({"b"})), run)
+    assert plan(run, [A, B], now=0) == [Place(("student-0",), ("b",), 1)]
+    run = run_of(student("student-0"), Queued(("student-0",), 50, True), Queued(("student-0",), 20, True),
+                 RunSettings(False, 30.0, 2))
+    assert run.tasks["student-0"].no_node_since == 20 and plan(run, [], now=50)[0] == GiveUp(
+        ("student-0",), plan(run, [], now=50)[0].reason)
+
+
+def test_a_corrupt_shard_found_on_disk_is_regenerated_by_a_teacher_on_the_least_busy_node():
+    run = run_of(teacher(shards=(1,)), TaskPlaced("teacher-0", "a", 0), ShardFound(0), ShardCorrupt(0),
+                 num_shards=2)
+    assert run.tasks["teacher-1"].shards == (0,) and 0 not in run.written
+    assert plan(run, [A, B], now=0)[0] == Place(("teacher-1",), ("b",), 0)  # a runs teacher-0

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smolforge.cluster.control.distill_placement import hosts
 from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.controller import TaskFailed
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.train import checkpoint as ckpt
 
@@ -57,11 +57,6 @@ class StudentGroups:
         group = task.spec.get("group")
         return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
 
-    def _could_run(self, members: list[DistillTask], eligible: list[Any]) -> bool:
-        """Whether the live nodes that may run these students could hold all of them at once, were
-        they idle (False: waiting for busy nodes is not enough; nodes must join)."""
-        return hosts(members[0].cpus, len(members), [n.cpus for n in eligible])
-
     def _unplaceable_why(self, task: DistillTask, limit: float) -> str:
         """Why a student that no live nodes could run for `limit` seconds fails (the monitor's verdict)."""
         model = task.spec["config"]["base_model"]
@@ -90,32 +85,33 @@ class StudentGroups:
             for m in members:  # this run of the group is over: its members' later ends are stale
                 if m.task_id in st.handles:
                     st.handles[m.task_id] = (st.handles[m.task_id][0], None)
-            if members[0].state == "completed":  # trained and written: this rank's part is in the adapter
-                task.state, task.progress, task.finished = "completed", 1.0, time.time()
-                self._devent("student_finished", f"{task.task_id} lost its worker after its group finished; the "
-                             f"group's adapter is {members[0].task_id}'s", task_id=task.task_id, node=task.node)
-                return True
         lost = task if self._worker_lost(err) else self._lost_peer(task, members, refs)
-        for actor in actors:
-            self._kill_quietly(actor)
         error = short_error(err)
         if lost is not None:
-            what = f"lost its worker on {lost.node}" + ("" if lost is task else f" (rank {task.spec['group']['rank']}: {error})")
+            what = f"on {lost.node}" + ("" if lost is task else f" (rank {task.spec['group']['rank']}: {error})")
         else:
-            what = f"failed: {error}"
+            what = error
         who = lost or task
         latest = ckpt.latest_checkpoint(members[0].output_dir)
-        decision = st.failures.on_failure(
-            f"rank {who.spec['group']['rank']} of the {who.spec['group']['strategy']} student group "
-            f"({who.task_id}) {what}", subject=f"group:{members[0].task_id}", retryable=lost is not None,
-            checkpoint=latest.name if latest else None)
-        why = decision.reason
-        if decision.retry and not st.closing:
+        gone = bool(lost is not None and lost.node_id and not ray_glue.probe_node(lost.node_id, timeout=4))
+        run = self._record(TaskFailed(who.task_id, what, lost is not None, who.attempt,
+                                      latest.name if latest else None, gone))
+        verdict = run.tasks[who.task_id]
+        if verdict.state == "completed":  # its leader had written the adapter: this rank's part is in it
+            task.state, task.progress, task.finished = "completed", 1.0, time.time()
+            self._devent("student_finished", f"{task.task_id} lost its worker after its group finished; the "
+                         f"group's adapter is {members[0].task_id}'s", task_id=task.task_id, node=task.node)
+            return True
+        for actor in actors:
+            self._kill_quietly(actor)
+        why = verdict.error or what
+        if verdict.state == "waiting" and not st.closing:
             try:
-                self._restart_group(members, who, decision)
+                self._restart_group(members, who, why, verdict.restarts, gone)
                 return False
             except Exception as again:  # the restart itself failed: the group ends, saying why
                 why = f"{why}; restarting the group failed: {short_error(again)}"
+                self._record(TaskFailed(who.task_id, why, False, verdict.attempt))
         self._fail_group(members, f"{why}; a data-parallel group cannot go on without a rank (rerun with --resume "
                                   "to continue from the group's last checkpoint)")
         return True
@@ -141,31 +137,30 @@ class StudentGroups:
                 return m
         return None
 
-    def _restart_group(self, members: list[DistillTask], lost: DistillTask, decision) -> None:
-        """Start the whole group again from its last kept checkpoint (or the start), at its world
-        size, on whichever nodes can run its members now (a lost node never again); queued when
-        none can yet."""
+    def _restart_group(self, members: list[DistillTask], lost: DistillTask, why: str, restarts: int,
+                       gone: bool) -> None:
+        """Start the whole group again (the run said so: `why`, its `restarts`th) from its last kept
+        checkpoint (or the start), at its world size, where the plan puts its members (a node that is
+        `gone` never again); queued when nowhere yet."""
         import ray
 
         st = self._dstate()
         leader = members[0]
         resume = self._resume_point(Path(leader.output_dir), True)
         step = resume["step"] if resume else 0
-        gone = [lost.node_id] if lost.node_id and not ray_glue.probe_node(lost.node_id, timeout=4) else []
         broker = st.stores[leader.store].broker
         with st.lock:
             for m in members:
-                m.restarts = decision.attempt
+                m.restarts = restarts
                 m.spec["resume"], m.resumed_step, m.step = resume, step, step
-                m.spec["lost_nodes"] = [*(m.spec.get("lost_nodes") or []), *gone]
                 m.started, m.finished, m.progress = None, None, step / max(1, m.max_steps)
                 m.state, m.node_id, m.queued, m.error = "pending", None, False, None  # their CPUs are not ours now
         ray.get([broker.restart.remote(m.rank) for m in members], timeout=60)
         ids = [m.task_id for m in members]
-        self._devent("group_restarted", f"{decision.reason}: its group ({', '.join(ids)}) starts again from "
+        self._devent("group_restarted", f"{why}: its group ({', '.join(ids)}) starts again from "
                      + (f"its checkpoint at step {step}" if resume else "the start"),
                      task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
-                     members=ids, restarts=decision.attempt, node_gone=bool(gone))
+                     members=ids, restarts=restarts, node_gone=gone)
         self._place_student(leader)
 
     def _fail_group(self, members: list[DistillTask], why: str) -> None:

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from smolforge.train import checkpoint as ckpt
 
 MAX_BROKER_LINES = 20_000  # task lines a broker holds between two drains (it is drained every poll)
 SHIP_LINES_S = 1.0  # how often a student sends what it printed to its broker (fire and forget)
+WAIT_CALL_S = 5.0  # the longest one ask of a student waits inside its broker for news (then it asks again)
+BROKER_THREADS = 16  # the broker's concurrent calls: a student waits in one (each wait bounded by WAIT_CALL_S)
 
 # ------------------------------------------------------------------------------- remote definitions
 
@@ -96,6 +99,14 @@ class _ShardBroker:
         self.failed: str | None = None
         self.lines: list[dict[str, Any]] = []  # what the students printed (telemetry.tasklog records)
         self.lines_dropped = 0
+        self._news = threading.Condition()  # a shard added, a stop or failure, an assignment: waiters wake
+        self.waiting = 0  # students waiting inside `_wait` now
+        self.woken = 0  # waits that news ended (the rest ended at their bound)
+
+    def _told(self) -> None:
+        """Wake the students waiting for news (`wait_next`, `wait_get`)."""
+        with self._news:
+            self._news.notify_all()
 
     def get_plan(self) -> dict[str, Any]:
         return self.plan
@@ -104,11 +115,38 @@ class _ShardBroker:
         self.plan.update(values)
 
     def add(self, shard_id: int, manifest_json: str, holder: list) -> None:
-        self.shards[int(shard_id)] = (manifest_json, holder)
+        with self._news:
+            self.shards[int(shard_id)] = (manifest_json, holder)
+            self._news.notify_all()
 
     def assign(self, rank: int, shard_ids: list[int]) -> None:
-        self.assigned[rank] = list(shard_ids)
-        self.delivered.setdefault(rank, set())
+        with self._news:
+            self.assigned[rank] = list(shard_ids)
+            self.delivered.setdefault(rank, set())
+            self._news.notify_all()
+
+    def wait_next(self, rank: int, wait_s: float) -> dict[str, Any]:
+        """`next`, held up to `wait_s` seconds (at most WAIT_CALL_S) until it is not "wait": a shard
+        added, a stop asked or the store failed wakes it at once (the broker's push, no polling)."""
+        return self._wait(lambda: self.next(rank), wait_s)
+
+    def wait_get(self, rank: int, shard_id: int, wait_s: float) -> dict[str, Any]:
+        """`get` of one shard, held as `wait_next` is."""
+        return self._wait(lambda: self.get(rank, shard_id), wait_s)
+
+    def _wait(self, ask, wait_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + min(max(0.0, wait_s), WAIT_CALL_S)
+        with self._news:
+            while True:
+                reply = ask()
+                left = deadline - time.monotonic()
+                if reply["kind"] != "wait" or left <= 0:
+                    return reply
+                self.waiting += 1
+                try:
+                    self.woken += bool(self._news.wait(left))
+                finally:
+                    self.waiting -= 1
 
     def next(self, rank: int) -> dict[str, Any]:
         if rank in self.stop:  # a student waiting for a shard hears a pause/cancel at once
@@ -135,8 +173,9 @@ class _ShardBroker:
         return {"kind": "failed", "error": self.failed} if self.failed else {"kind": "wait"}
 
     def report_corrupt(self, rank: int, shard_id: int, why: str) -> None:
-        self.shards.pop(shard_id, None)
-        self.delivered.get(rank, set()).discard(shard_id)
+        with self._news:  # (the shard's waiters wait on for the regenerated copy)
+            self.shards.pop(shard_id, None)
+            self.delivered.get(rank, set()).discard(shard_id)
         self.corrupt.append({"rank": rank, "shard": shard_id, "error": why, "at": time.time()})
 
     def record(self, rank: int, kind: str, data: dict[str, Any]) -> None:
@@ -161,9 +200,11 @@ class _ShardBroker:
 
     def restart(self, rank: int) -> None:
         """The student of `rank` starts again (its worker died): every shard is its to ask for again."""
-        self.delivered[rank] = set()
-        self.stop.pop(rank, None)
-        self.progress.pop(rank, None)
+        with self._news:
+            self.delivered[rank] = set()
+            self.stop.pop(rank, None)
+            self.progress.pop(rank, None)
+            self._news.notify_all()
 
     def drain(self) -> dict[str, Any]:
         out = {"events": self.events, "corrupt": self.corrupt, "progress": dict(self.progress),
@@ -180,13 +221,17 @@ class _ShardBroker:
         return lines
 
     def request_stop(self, rank: int, what: str) -> None:
-        self.stop[rank] = what
+        with self._news:  # a student waiting for a shard hears it at once
+            self.stop[rank] = what
+            self._news.notify_all()
 
     def should_stop(self, rank: int) -> str | None:
         return self.stop.get(rank)
 
     def fail(self, why: str) -> None:
-        self.failed = why
+        with self._news:
+            self.failed = why
+            self._news.notify_all()
 
     def node(self) -> str:
         """The Ray node this broker runs on (the driver checks it is its own)."""
@@ -196,11 +241,15 @@ class _ShardBroker:
 
 
 class BrokerShardSource:
-    """A student's shard source on the cluster: ask the broker, fetch bytes, verify, report corruption."""
+    """A student's shard source on the cluster: ask the broker, fetch bytes, verify, report corruption.
 
-    def __init__(self, broker, rank: int, timeout_s: float = 900.0, poll_s: float = 0.2):
+    Nothing here sleeps: each ask waits inside the broker (at most WAIT_CALL_S) until a shard, a stop or
+    the store's failure arrives (`_ShardBroker.wait_next`); `timeout_s` without a shard ends in a
+    SmolforgeError that says so."""
+
+    def __init__(self, broker, rank: int, timeout_s: float = 900.0):
         self.broker, self.rank = broker, rank
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s = timeout_s
 
     def _call(self, method: str, *args):
         import ray
@@ -225,9 +274,10 @@ class BrokerShardSource:
             return None
 
     def _loop(self, ask) -> Shard | None:
-        deadline = time.time() + self.timeout_s
+        """`ask(wait_s)` until the broker hands a shard (None: this student's shards are done)."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            reply = ask()
+            reply = ask(max(0.0, deadline - time.monotonic()))
             if reply["kind"] == "done":
                 return None
             if reply["kind"] == "stop":
@@ -239,18 +289,17 @@ class BrokerShardSource:
                 shard = self._fetch(reply)
                 if shard is not None:
                     return shard
-                deadline = time.time() + self.timeout_s  # regeneration takes a teacher's time
+                deadline = time.monotonic() + self.timeout_s  # regeneration takes a teacher's time
                 continue
-            if time.time() > deadline:
+            if time.monotonic() >= deadline:
                 raise SmolforgeError(f"waited {self.timeout_s:.0f}s for a teacher shard",
                                      fix="check that the teacher tasks are running (smolforge status)")
-            time.sleep(self.poll_s)
 
     def next_shard(self) -> Shard | None:
-        return self._loop(lambda: self._call("next", self.rank))
+        return self._loop(lambda wait_s: self._call("wait_next", self.rank, wait_s))
 
     def get_shard(self, shard_id: int) -> Shard:
-        shard = self._loop(lambda: self._call("get", self.rank, shard_id))
+        shard = self._loop(lambda wait_s: self._call("wait_get", self.rank, shard_id, wait_s))
         if shard is None:
             raise SmolforgeError(f"shard {shard_id} is gone", fix="start the student without resume")
         return shard
@@ -384,7 +433,7 @@ def new_broker(plan: dict[str, Any]):
     here = ray.get_runtime_context().get_node_id()
     # Hard affinity: a soft one was seen to land the broker on a worker (which then took the whole
     # run down with it when that worker left). The driver's own node always exists.
-    broker = remotes()["broker"].options(num_cpus=0, max_concurrency=4,
+    broker = remotes()["broker"].options(num_cpus=0, max_concurrency=BROKER_THREADS,
                                          scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(plan)
     try:  # its first answer waits for a new worker process (Python, torch): slow on a loaded laptop
         where = ray.get(broker.node.remote(), timeout=BROKER_START_S)

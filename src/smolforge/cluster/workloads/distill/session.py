@@ -9,13 +9,15 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from smolforge.cluster.control.distill_placement import freest_node
+from smolforge.cluster.workloads.distill.controller import (
+    Queued, ShardCorrupt, StudentProgress, TaskEnded, TaskFailed, TaskStarted,
+)
+from smolforge.cluster.workloads.distill.decide import shard_key
 from smolforge.cluster.workloads.distill.state import BROKER_LOST_S, PLACEMENT_POLL_S, POLL_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.students import StudentTasks
 from smolforge.cluster.workloads.distill.teachers import TeacherTasks
 from smolforge.distill.aggregate import aggregate_student_outputs as _aggregate
 from smolforge.distill.store import quarantine_shard
-from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
 
 MAX_HELD_LINES = 50_000  # task lines held for the job runner, which takes them at every poll
@@ -40,10 +42,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         self._place_queued()
 
     def _place_queued(self) -> None:
-        st = self._dstate()
-        for t in [t for t in st.tasks.values() if t.kind == "student" and t.queued]:
-            if not self._place_student(t):
-                break
+        self._place_waiting()
 
     def reassign_idle_teacher_as_student(self, task_id: str) -> str | None:
         """Give a finished teacher's node to the next queued student; returns that student's id (or None)."""
@@ -58,19 +57,15 @@ class DistillTasks(TeacherTasks, StudentTasks):
                                      fix="reassign it once it has finished its shards")
             queued = [t for t in st.tasks.values() if t.kind == "student" and t.queued
                       and teacher.node_id in {n.node_id for n in self._student_nodes(t)}]
-            if not queued:
-                return None
-            student = queued[0]
-            node = next((n for n in self._nodes() if n.node_id == teacher.node_id), None)
-            if node is None:
-                return None
-            busy = self._busy_cpus().get(node.node_id, 0.0)
-            if node.cpus - busy < student.cpus - 1e-9:
-                return None
-            self._devent("teacher_reassigned", f"{task_id}'s node {node.name} now runs {student.task_id}",
-                         teacher=task_id, student=student.task_id, node=node.name)
-            self._place_student(student, node)
-            return student.task_id
+        node = next((n for n in self._nodes() if n.node_id == teacher.node_id), None) if queued else None
+        if node is None:
+            return None
+        student = queued[0]  # the plan says whether the node can take it (its free CPUs)
+        if not (self._place_student(student, node) and student.node_id == node.node_id):
+            return None
+        self._devent("teacher_reassigned", f"{task_id}'s node {node.name} now runs {student.task_id}",
+                     teacher=task_id, student=student.task_id, node=node.name)
+        return student.task_id
 
     # -- monitoring ----------------------------------------------------------------------------------
 
@@ -106,8 +101,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         if time.time() - st.last_placement > PLACEMENT_POLL_S:
             st.last_placement = time.time()
             try:
-                self._place_queued()
-                self._fail_unplaceable()
+                self._fail_unplaceable()  # (and every waiting task placed where the plan says)
             except Exception as err:  # keep going; say what went wrong
                 self._devent("monitor_error", f"distill placement: {short_error(err)}", error=short_error(err))
         for store in list(st.stores.values()):
@@ -172,18 +166,18 @@ class DistillTasks(TeacherTasks, StudentTasks):
         for t in self._dstate().tasks.values():
             if t.kind == "student" and t.store == str(store.dir) and t.state in ("pending", "running"):
                 t.queued, t.state, t.finished, t.error = False, "failed", time.time(), why
+                self._record(TaskFailed(t.task_id, why, False, t.attempt))
                 self._devent("student_failed", f"{t.task_id} failed: {why}", task_id=t.task_id, error=why)
 
     def _fail_unplaceable(self) -> None:
-        """A queued student that no live node could run for `replace_timeout_s` fails, saying why."""
+        """Place the waiting tasks where the plan says; a queued student that no live node could run for
+        `replace_timeout_s` (since its `no_node_since`, told to the run first) fails, saying why."""
         st = self._dstate()
-        for t in [t for t in st.tasks.values() if t.kind == "student" and t.queued]:
-            since, limit = t.spec.get("no_node_since"), float(t.spec.get("replace_timeout_s") or 300.0)
-            if since is None or time.time() - since < limit:
-                continue
-            t.queued, t.state, t.finished = False, "failed", time.time()
-            t.error = self._unplaceable_why(t, limit)  # a group's members share `no_node_since`: they fail together
-            self._devent("student_failed", f"{t.task_id} failed: {t.error}", task_id=t.task_id, error=t.error)
+        self._synced()
+        for t in [t for t in st.tasks.values() if t.kind == "student" and t.queued and t.state == "pending"]:
+            if t.spec.get("no_node_since") is not None:
+                self._record(Queued((t.task_id,), t.spec["no_node_since"], True))
+        self._place_waiting()
 
     def _absorb_broker(self, store: StoreState, news: dict[str, Any]) -> None:
         st = self._dstate()
@@ -198,6 +192,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 # result awaited by another thread) before its "started" arrives; never go back.
                 if task.state == "pending":
                     task.state = "running"
+                    self._record(TaskStarted(task.task_id, task.attempt))
                 task.started = task.started or data.get("at", time.time())
                 self._devent("student_started", f"{task.task_id} started training on {task.node} "
                              f"({data.get('shards_ready')} shards in hand)", task_id=task.task_id, node=task.node, **data)
@@ -221,6 +216,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 task.max_steps = int(info.get("max_steps") or task.max_steps)
                 task.samples_done = info.get("samples_done", 0)
                 task.samples_total = info.get("samples_total", task.samples_total)
+                self._record(StudentProgress(task.task_id, task.step, task.max_steps, task.attempt))
         for bad in news["corrupt"]:
             sid = int(bad["shard"])
             task = by_rank.get(bad["rank"])
@@ -232,12 +228,9 @@ class DistillTasks(TeacherTasks, StudentTasks):
             store.regenerating.add(sid)
             store.written.discard(sid)
             quarantine_shard(store.dir, sid)
+            self._record(ShardCorrupt(shard_key(self._store_no(store), sid)))  # the run makes a teacher for it
             try:
-                nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
-                if not store.items:
-                    store.items = prompts_from_dataset(store.plan.dataset)
-                self._launch_teacher(store, [sid], freest_node(nodes, self._busy_cpus()),
-                                     note=" (regenerating a corrupt shard)")
+                self._place_waiting()
             except SmolforgeError as err:
                 store.broker.fail.remote(str(err))
 
@@ -293,6 +286,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         handle = st.handles.get(task_id)
         if task.kind == "teacher" and handle is not None:
             task.state = "cancelled"
+            self._record(TaskEnded(task_id, "cancelled", task.attempt))
             try:
                 ray.cancel(handle)
             except (RayError, ValueError):
@@ -300,6 +294,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         elif task.kind == "student":
             if task.queued:
                 task.queued, task.state = False, "cancelled"
+                self._record(TaskEnded(task_id, "cancelled", task.attempt))
             else:
                 st.stores[task.store].broker.request_stop.remote(task.rank, "cancel")
         self._devent("cancelled", f"{task_id} cancelled", task_id=task_id)
@@ -323,6 +318,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
                 continue
             if task.queued:
                 task.queued, task.state = False, "paused"
+                self._record(TaskEnded(tid, "paused", task.attempt))
                 continue
             try:
                 ray.get(st.stores[task.store].broker.request_stop.remote(task.rank, "pause"), timeout=10)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smolforge.cluster.control.policy import FailurePolicy
+from smolforge.cluster.workloads.distill.controller import DistillRun
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
@@ -52,6 +52,7 @@ class DistillTask:
     rank: int | None = None
     resumed_step: int = 0  # steps done before this run (a resumed student): not part of its rate
     restarts: int = 0  # times a lost worker made this student start again
+    attempt: int = 0  # the run's attempt of this task (`controller.Task.attempt`) it was last started as
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def take_last_step(self, result: dict[str, Any]) -> None:
@@ -125,7 +126,11 @@ class SessionState:
         self.last_placement = 0.0
         self.closing = False
         self.node_names: dict[str, str] = {}
-        self.failures = FailurePolicy(MAX_STUDENT_RESTARTS)  # per student: restarts after a lost worker
+        # the run as the controller keeps it (decide.py): every verdict and placement comes from it
+        self.run = DistillRun(max_restarts=MAX_STUDENT_RESTARTS)
+        self.max_restarts = MAX_STUDENT_RESTARTS  # per student (per group): restarts after a lost worker
+        self.journal: list[Any] | None = None  # a list: every event and plan kept (decide.replay)
+        self.store_nos: list[str] = []  # the stores' keys in the order they came (shard keys, decide.shard_key)
 
 
 def store_dir_of(output_dir: str | Path) -> Path:

@@ -6,19 +6,18 @@ import json
 import shutil
 import time
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.controller import TaskEnded, TaskFailed
 from smolforge.cluster.workloads.distill.groups import StudentGroups
-from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
-from smolforge.cluster.workloads.distill.sync import DataParallelSync, make_sync
+from smolforge.cluster.workloads.distill.placing import Placing
+from smolforge.cluster.workloads.distill.remotes import new_broker
+from smolforge.cluster.workloads.distill.sync import make_sync
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
-from smolforge.cluster.control.distill_placement import pick_group_nodes
-from smolforge.cluster.control.policy import Decision
 from smolforge.cluster.workloads.distill.seed_args import student_args
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec
@@ -33,7 +32,7 @@ from smolforge.paths import atomic_write_json, safe_join
 from smolforge.train import checkpoint as ckpt
 
 
-class StudentTasks(StudentGroups):
+class StudentTasks(StudentGroups, Placing):
     """The student tasks (a mixin of DistillTasks); a ddp group's own rules are StudentGroups'."""
 
     # -- students ------------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ class StudentTasks(StudentGroups):
         args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
         peft, cpus_per_student, save_every = args.peft, args.cpus, args.save_every
         if args.max_retries is not None:
-            st.failures.max_retries = args.max_retries
+            st.max_restarts = args.max_retries
         store = self._store_for(teacher_outputs_dir)
         bases = [base_model] if isinstance(base_model, str) else list(base_model)
         if not bases:
@@ -126,8 +125,7 @@ class StudentTasks(StudentGroups):
         import ray
 
         ray.get(assigned + [store.broker.update_plan.remote({"assigned": dict(store.assigned)})], timeout=60)
-        for task_id in ids:
-            self._place_student(st.tasks[task_id])
+        self._place_waiting()
         self._ensure_monitor()
         return ids
 
@@ -205,83 +203,16 @@ class StudentTasks(StudentGroups):
             nodes, task.spec["req_model"] = self._model_nodes(task.spec["config"]["base_model"], "student")
         except SmolforgeError:
             return []
-        gone = set(task.spec.get("lost_nodes") or ())
-        return [n for n in nodes if n.node_id not in gone]
-
-    def _pick_nodes(self, members: list[DistillTask], busy: dict[str, float], teachers: set[str],
-                    hybrid: bool) -> list[Any] | None:
-        """One node per member (`distill_placement.pick_group_nodes`), or None: the group waits. Records
-        on every member since when no live nodes could run the group at all, were they idle
-        (`no_node_since`, one verdict for the group: its members fail together, `_fail_unplaceable`)."""
-        eligible = [self._student_nodes(m) for m in members]
-        since = None if self._could_run(members, eligible[0]) else members[0].spec.get("no_node_since") or time.time()
-        for q in members:
-            q.spec["no_node_since"] = since
-        return pick_group_nodes([(m.cpus, e) for m, e in zip(members, eligible)], busy, teachers, hybrid=hybrid)
+        return nodes  # (the run leaves out the nodes it lost: `controller.Task.lost_nodes`)
 
     def _place_student(self, task: DistillTask, node=None) -> bool:
-        """Start the student on `node` (or the freest eligible node); queue it when all are busy.
-
-        A group's members start together or not at all (each on a node of its own choosing, as a
-        lone student would): a group half started would wait in its first collective. The group
-        meets at rank 0's address (`DataParallelSync.rendezvous`) before any member starts training.
-        A student queued while no live nodes could run it at all, were they idle (its only node died; too
-        few nodes left for its group: `_could_run`), records since when (`no_node_since`); the monitor
-        fails it after `replace_timeout_s` (a run never hangs)."""
-        st = self._dstate()
-        store = st.stores[task.store]
+        """Place the student (its group's members with it) where `plan` says (`Placing._place_waiting`),
+        offering `node` alone when given; queued when the plan says wait. Returns whether it was placed
+        (or has ended) rather than queued."""
         members = self._members(task)
-        with st.lock:
-            if any(m.node_id and m.state in ("pending", "running") for m in members):
-                return True  # its group was placed with another member (the queue lists every member)
-            busy = self._busy_cpus()
-            teachers = {t.node_id for t in st.tasks.values()
-                        if t.kind == "teacher" and t.state in ("pending", "running") and t.node_id}
-            hybrid = getattr(self, "mode", "") == "hybrid"
-            picks = [node] if node is not None and len(members) == 1 else self._pick_nodes(members, busy, teachers, hybrid)
-            if picks is None:
-                for q in members:
-                    if not q.queued:
-                        q.queued = True
-                        why = ("no live node can run it; waiting for one to join" if q.spec["no_node_since"]
-                               else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
-                        if len(members) > 1:
-                            why = f"its group of {len(members)} cannot all start: " + why
-                        self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
-                return False
-            actors = []
-            for m, pick in zip(members, picks):
-                m.queued = False
-                m.node, m.node_id = pick.name, pick.node_id
-                m.state = "pending"
-                opts = self._options(pick, m.spec["req_model"], m.cpus)
-                actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
-                st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
-        try:  # outside the lock: rank 0's process may take a while to start
-            meet = DataParallelSync.rendezvous(actors[0]) if len(members) > 1 else {}
-        except RayError as err:
-            why = (f"its student group could not meet: rank 0 ({members[0].task_id} on {members[0].node}) did not "
-                   f"start ({short_error(err)}); free CPUs on the workers, or rerun with --resume")
-            for m, actor in zip(members, actors):
-                self._kill_quietly(actor)
-                m.state, m.finished, m.error = "failed", time.time(), why
-                self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
-            return True  # ended, not queued
-        with st.lock:
-            refs = []
-            for m, actor in zip(members, actors):
-                spec = {k: v for k, v in m.spec.items()
-                        if k not in ("req_model", "no_node_since", "replace_timeout_s", "lost_nodes")}
-                spec.update(task_id=m.task_id, node_name=m.node)  # its log lines' label and node
-                if meet:
-                    spec["group"] = {**spec["group"], **meet}
-                refs.append(actor.run.remote(spec, store.broker, m.rank))
-                st.handles[m.task_id] = (actor, refs[-1])
-        for m, actor, ref in zip(members, actors, refs):
-            self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)
-            with st.lock:
-                st.watch[m.task_id] = (ref, partial(self._student_ready, m, actor, ref))
-        return True
+        if any(m.node_id and m.state in ("pending", "running") for m in members):
+            return True  # its group was placed with another member (the queue lists every member)
+        return self._place_waiting({m.task_id for m in members}, node).get(task.task_id, False)
 
     def _student_ready(self, task: DistillTask, actor, ref) -> bool:
         """A student's run has ended (`step` waited on its result): its adapter written, or its
@@ -290,6 +221,9 @@ class StudentTasks(StudentGroups):
         import ray
 
         if self._dstate().closing or not ray.is_initialized():
+            return False
+        if task.state == "failed":  # the run gave up on it already (its store failed)
+            self._kill_quietly(actor)
             return False
         try:
             out = ray.get(ref, timeout=GET_TIMEOUT_S)
@@ -318,6 +252,7 @@ class StudentTasks(StudentGroups):
             task.take_last_step(result)
         task.result = result
         task.finished = time.time()
+        self._record(TaskEnded(task.task_id, task.state, task.attempt))
         self._devent("student_finished", f"{task.task_id} {task.state} on {task.node}: "
                      + ", ".join(f"{k} {v:.4f}" for k, v in result.get("eval", {}).items()),
                      task_id=task.task_id, node=task.node, eval=result.get("eval", {}), steps=result.get("steps"),
@@ -334,22 +269,28 @@ class StudentTasks(StudentGroups):
             self._after_finish(task)
 
     def _lone_student_failed(self, task: DistillTask, err: BaseException) -> bool:
-        """A student alone ended with `err`: restarted from its last checkpoint when its worker was lost
-        (within the policy's budget), else failed saying why. Returns whether it ended here."""
+        """A student alone ended with `err`: the run's verdict (`controller.apply` of its `TaskFailed`,
+        under the one FailurePolicy): restarted from its last checkpoint when its worker was lost, within
+        the budget, else failed saying why. Returns whether it ended here."""
         lost = self._worker_lost(err)
         error = short_error(err)
         with self._dstate().lock:
             if task.state == "failed":
-                return False  # failed already, saying why (a lost broker)
-        decision = self._dstate().failures.on_failure(
-            f"{task.task_id} lost its worker on {task.node} ({error})" if lost
-            else f"{task.task_id} failed: {error}", subject=task.task_id, retryable=lost)
-        if decision.retry and not self._dstate().closing:
+                return False  # failed already, saying why (a lost broker, a store that failed)
+        # The node itself gone (Ray takes ~15 s to say so): the run never places the student there again.
+        gone = bool(lost and task.node_id and not ray_glue.probe_node(task.node_id, timeout=4))
+        latest = ckpt.latest_checkpoint(task.output_dir)
+        run = self._record(TaskFailed(task.task_id, f"on {task.node} ({error})" if lost else error, lost,
+                                      task.attempt, latest.name if latest else None, gone))
+        verdict = run.tasks[task.task_id]
+        error = verdict.error or error
+        if verdict.state == "waiting" and not self._dstate().closing:
             try:
-                self._restart_student(task, decision)
+                self._restart_student(task, verdict.error or error, verdict.restarts)
                 return False
             except Exception as again:  # the restart itself failed: the student ends, saying why
                 error = f"{error}; restarting it failed: {short_error(again)}"
+                self._record(TaskFailed(task.task_id, error, False, verdict.attempt))
         task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
         self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
                      node=task.node, error=task.error)
@@ -373,24 +314,21 @@ class StudentTasks(StudentGroups):
         return isinstance(err, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
                                 rex.ObjectLostError, rex.OwnerDiedError))
 
-    def _restart_student(self, task: DistillTask, decision: Decision) -> None:
-        """Start a student whose worker was lost again, from its last kept checkpoint (or the start),
-        on whichever eligible node is free; it is queued when none is."""
+    def _restart_student(self, task: DistillTask, why: str, restarts: int) -> None:
+        """Start a student whose worker was lost again (the run said so: `why`, its `restarts`th), from its
+        last kept checkpoint (or the start), where the plan puts it; it is queued when nowhere yet."""
         import ray
 
         st = self._dstate()
-        task.restarts = decision.attempt
+        task.restarts = restarts
         task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
         task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
         task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
         task.step = task.resumed_step
         lost_on = task.node
-        if task.node_id and not ray_glue.probe_node(task.node_id, timeout=4):
-            # The node itself is gone (Ray takes ~15 s to say so): never place the student there again.
-            task.spec["lost_nodes"] = [*(task.spec.get("lost_nodes") or []), task.node_id]
         task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
         ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
-        self._devent("student_restarted", f"{decision.reason} (from "
+        self._devent("student_restarted", f"{why} (from "
                      + (f"step {task.resumed_step})" if task.spec["resume"] else "the start)"),
                      task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
         self._place_student(task)

@@ -11,7 +11,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from smolforge.cluster.workloads.distill.controller import shards_to_retry
+from smolforge.cluster.workloads.distill.controller import (
+    ShardFound, ShardWritten, Task, TaskAdded, TaskEnded, TaskFailed, TaskPlaced,
+)
+from smolforge.cluster.workloads.distill.decide import shard_key
 from smolforge.cluster.workloads.distill.remotes import new_broker, remotes
 from smolforge.cluster.workloads.distill.state import (
     GET_TIMEOUT_S,
@@ -24,7 +27,7 @@ from smolforge.cluster.workloads.distill.state import (
 )
 from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
 from smolforge.cluster.nodes.ray_glue import Requirements
-from smolforge.cluster.control.distill_placement import own_cpus, retry_teacher_node, teacher_nodes
+from smolforge.cluster.control.distill_placement import own_cpus, teacher_nodes
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.distill import backends
 from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
@@ -228,6 +231,7 @@ class TeacherTasks:
             manifest, data = got
             store.broker.add.remote(sid, json.dumps(manifest), [ray.put((json.dumps(manifest), data))])
             store.written.add(sid)
+            self._record(ShardFound(shard_key(self._store_no(store), sid)))
             self._absorb_manifest(store, manifest)
         return todo
 
@@ -238,9 +242,18 @@ class TeacherTasks:
             store.plan.k = int(manifest.get("k", store.plan.k))
             store.plan.write(store.dir)
 
-    def _launch_teacher(self, store: StoreState, shard_ids: list[int], node, note: str = "") -> str:
+    def _launch_teacher(self, store: StoreState, shard_ids: list[int], node, note: str = "",
+                        task_id: str | None = None) -> str:
+        """Start a teacher on `node` over `shard_ids`: a new one (the run is told of it), or `task_id`, one
+        the run made and planned (a failed teacher's shards, a corrupt shard). Returns its task id."""
         st = self._dstate()
-        task_id = f"teacher-{next(st.counters['teacher'])}"
+        self._synced()
+        if task_id is None:
+            task_id = f"teacher-{st.run.teachers_made}"
+            eligible = frozenset(n.node_id for n in store.teacher_nodes) if store.teacher_nodes else None
+            no = self._store_no(store)
+            self._record(TaskAdded(Task(task_id=task_id, kind="teacher", cpus=store.cpus_per_teacher,
+                                        shards=tuple(shard_key(no, s) for s in shard_ids), eligible=eligible)))
         items = {}
         shards = {}
         for sid in shard_ids:
@@ -262,6 +275,7 @@ class TeacherTasks:
         with st.lock:
             st.tasks[task_id] = task
             st.handles[task_id] = gen
+            self._record(TaskPlaced(task_id, node.node_id, st.run.tasks[task_id].attempt))
         self._devent("teacher_submitted", f"{task_id} on {node.name}: shards {shard_ids}{note}", task_id=task_id,
                      node=node.name, shards=list(shard_ids))
         with st.lock:
@@ -281,6 +295,7 @@ class TeacherTasks:
                 ref = next(gen)
             except StopIteration:
                 task.state, task.finished, task.progress = "completed", time.time(), 1.0
+                self._record(TaskEnded(task.task_id, "completed", task.attempt))
                 self._devent("teacher_finished", f"{task.task_id} finished on {task.node}", task_id=task.task_id,
                              node=task.node)
                 self._after_finish(task)
@@ -292,9 +307,9 @@ class TeacherTasks:
             task.error = short_error(err)
             self._devent("teacher_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
                          node=task.node, error=task.error)
-            remaining = [s for s in task.shards if s not in task.done_shards]
-            if remaining and not self._dstate().closing:
-                self._retry_shards(store, remaining, exclude=task.node_id, why=task.error)
+            if not self._dstate().closing:
+                self._teacher_lost_shards(store, task.task_id, task.error)
+                self._place_waiting()
             return False
 
     def _take_shard(self, store: StoreState, task: DistillTask, got: tuple[str, bytes]) -> None:
@@ -317,6 +332,7 @@ class TeacherTasks:
         self._absorb_manifest(store, manifest)
         with self._dstate().lock:
             store.written.add(sid)
+            self._record(ShardWritten(task.task_id, shard_key(self._store_no(store), sid), task.attempt))
             task.done_shards.append(sid)
             task.samples_done += manifest["example_range"][1] - manifest["example_range"][0]
             task.progress = len(task.done_shards) / max(1, len(task.shards))
@@ -328,15 +344,21 @@ class TeacherTasks:
                      task_id=task.task_id, shard=sid, node=manifest.get("node"), node_id=manifest.get("node_id"),
                      sha256=manifest["sha256"], at=time.time(), pid=manifest.get("pid"))
 
-    def _retry_shards(self, store: StoreState, shard_ids: list[int], exclude: str | None = None, why: str = "") -> None:
-        """Give shards whose teacher failed to another eligible node (once), or fail the store."""
-        again, store.retries = shards_to_retry(shard_ids, store.retries, store.max_retries)
-        if not again:
-            store.broker.fail.remote(f"teacher failed on shards {shard_ids}: {why}")
-            return
-        try:
-            nodes, _ = self._model_nodes(store.teacher, "teacher", store.backend, store.teacher_on_coordinator)
-        except SmolforgeError as err:
-            store.broker.fail.remote(str(err))
-            return
-        self._launch_teacher(store, again, retry_teacher_node(nodes, exclude), note=" (retry)")
+    def _teacher_lost_shards(self, store: StoreState, task_id: str, error: str, worker_lost: bool = True) -> None:
+        """A teacher failed: the run gives its unfinished shards to a new teacher (which the next plan
+        places), each within its retries, or fails the store once they are spent (its students are told)."""
+        st = self._dstate()
+        before = st.run.store_failed
+        known = st.run.tasks.get(task_id)
+        run = self._record(TaskFailed(task_id, error, worker_lost, known.attempt if known else 0))
+        if run.store_failed and run.store_failed != before:
+            store.broker.fail.remote(run.store_failed)
+
+    def _store_no(self, store: StoreState) -> int:
+        """The store's number in this session (its shards' keys, `decide.shard_key`)."""
+        st = self._dstate()
+        with st.lock:
+            key = str(store.dir)
+            if key not in st.store_nos:
+                st.store_nos.append(key)
+            return st.store_nos.index(key)
