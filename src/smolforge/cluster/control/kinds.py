@@ -30,6 +30,7 @@ from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
+from smolforge.models.kinds import refuse_unused
 
 if TYPE_CHECKING:
     from smolforge.cluster.control.artifacts import ArtifactStore
@@ -156,7 +157,7 @@ def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
             uploads=("train.data.path", "train.data.eval_path"),
-            models=("train.model",),
+            models=("train.model",), check=lambda job: refuse_unused(job.train),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data",),
