@@ -77,7 +77,7 @@ class TeacherBackend:
 
     def build(self, model: str, **kwargs: Any) -> Any:
         """The teacher object for `model`. kwargs: device, dtype, ollama_host, tokenizer (the student's),
-        quant, n_threads, as the backend uses them."""
+        quant, n_threads, teacher_url, teacher_key_file, as the backend uses them."""
         raise NotImplementedError(self.name)
 
     def check(self, cfg: Any) -> None:
@@ -179,6 +179,30 @@ class OllamaBackend(TeacherBackend):
 
     def build(self, model: str, **kwargs: Any) -> Any:
         return self.teacher_class()(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
+
+
+@register
+class OpenAIBackend(TeacherBackend):
+    """A model behind any OpenAI-compatible endpoint (`--teacher-url`; `distill/teacher_openai.py`):
+    asked for completions with `logprobs`, its token texts mapped to the student's ids."""
+
+    name = "openai"
+    description = "a model behind an OpenAI-compatible endpoint (--teacher-url; key: $OPENAI_API_KEY or --teacher-key-file)"
+    student_tokenizer = True  # the store's ids are the student's: the endpoint's tokens are mapped into them
+    produces = frozenset({"text", "topk"})  # top-k where the endpoint's tokens map; else text (sequence-level KD)
+    scores_reference = True  # echo + logprobs, where the endpoint supports it
+
+    teacher = "smolforge.distill.teacher_openai:OpenAITeacher"
+
+    def build(self, model: str, **kwargs: Any) -> Any:
+        return self.teacher_class()(model, url=kwargs.get("teacher_url"), tokenizer=kwargs.get("tokenizer"),
+                                    key_file=kwargs.get("teacher_key_file"))
+
+    def check(self, cfg: Any) -> None:
+        """A URL is given (the key is read where the teacher runs: never in the spec)."""
+        if not getattr(cfg, "teacher_url", None):
+            raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
+                                 fix="add --teacher-url http://HOST:PORT/v1")
 
 
 @register

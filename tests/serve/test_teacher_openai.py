@@ -1,0 +1,126 @@
+"""`--teacher-backend openai`: a teacher behind an OpenAI-compatible endpoint (issue 46 item 4).
+
+Against the real `smolforge serve` of tiny-llama these serve tests share (loopback, one thread; here so
+that it starts no second server), the same model the `hf` teacher loads:
+- the store it writes validates, its tokens are the student's ids, and a student trains from it on the
+  logits (a few steps);
+- greedy, its answers are the hf teacher's and its top-k ids are the hf teacher's at >= 99 % of positions;
+- a wrong key (401) and a URL where nothing listens are each one SmolforgeError with its fix (exit 2);
+- a token text that no student id spells keeps that answer as text (sequence-level KD), said once;
+- (soak) the same against llama.cpp's `llama-server` (bench/llama_server.py), where the binary is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smolforge.distill.prompts import GenSettings
+from smolforge.errors import SmolforgeError
+
+from servehelpers import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+K = 8
+GEN = GenSettings(max_new_tokens=8, top_k=K)
+
+
+@pytest.fixture
+def served(server):
+    """The serve tests' one `smolforge serve` of tiny-llama (tests/serve/conftest.py): no second server."""
+    return server
+
+
+def _student_cfg(out: Path):
+    from smolforge.config import PeftSpec
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.student import StudentConfig
+
+    return StudentConfig(base_model="tiny-llama", output_dir=str(out), max_steps=2, batch_size=2, lr=1e-3,
+                         device="cpu", num_threads=1, peft=PeftSpec(method="lora", r=4, alpha=8, dropout=0.0),
+                         kd=KDConfig(kd_ratio=0.5), wait_timeout_s=120, poll_s=0.05)
+
+
+def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_from_it(served, tmp_path, monkeypatch):
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.store import read_shard, tokenizer_hash
+    from smolforge.distill.student import train_student
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset, run_teacher_local
+    from smolforge.distill.teacher_openai import TokenMap
+    from smolforge.models.loading import load_tokenizer
+
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    out = tmp_path / "teacher_outputs"
+    manifests = run_teacher_local(served.model, "bundled", out, num_shards=1, max_samples=6, settings=GEN,
+                                  backend="openai", teacher_url=f"{served.base}/v1", tokenizer="tiny-llama")
+    tok = load_tokenizer("tiny-llama")
+    m = manifests[0]
+    assert m["backend"] == "openai" and m["tokenizer_hash"] == tokenizer_hash(tok) and m["k"] == K
+    got = read_shard(out, 0).records  # checksum verified, then parsed
+    want = HFTeacher("tiny-llama", device="cpu").generate(prompts_from_dataset("bundled", max_samples=6), GEN)
+    # an answer with a token that is part of a character reaches the API as U+FFFD (its bytes lost): text only
+    lossy = [any("\ufffd" in tok.decode([i]) for i in w.response_ids) for w in want]
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == sum(lossy) < len(want), (m["endpoint"], lossy)
+    names = TokenMap(tok)
+    same = raw = total = 0
+    for g, w, text_only in zip(got, want, lossy):
+        assert g.prompt_ids == w.prompt_ids and g.has_topk == (not text_only)
+        assert g.response_text == w.response_text  # greedy: the hf teacher's answer
+        if text_only:
+            continue
+        assert g.response_ids == w.response_ids[:len(g.response_ids)]
+        assert all(t in row for t, row in zip(g.response_ids, g.topk_indices.tolist()))  # each token in its row
+        for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
+            # the endpoint names a token by its text: a byte of a multi-byte character is U+FFFD, which names
+            # no id, so it drops out of the row (into the tail); the rest must be the hf teacher's top-k
+            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
+            same += given == {i for i in row_w.tolist() if names(tok.decode([i])) == i}
+            raw += given == set(row_w.tolist())
+            total += 1
+        assert np.allclose(g.topk_logprobs[:, 0], w.topk_logprobs[:len(g.response_ids), 0], atol=1e-3)
+    print(f"top-{K} ids equal the hf teacher's at {same}/{total} positions ({raw} counting ids no text names)")
+    assert total >= 16 and same >= 0.99 * total, (same, raw, total)
+    res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
+                        teacher_tokenizer_hash=tokenizer_hash(tok))
+    assert res.mode == "logit" and res.steps == 2  # trained on the endpoint's logits
+
+
+def _teacher(url: str, **kw):
+    from smolforge.distill.teacher_openai import OpenAITeacher
+
+    return OpenAITeacher("tiny", url=url, tokenizer="tiny-llama", say=kw.pop("say", print), **kw)
+
+
+def test_a_wrong_key_and_an_unreachable_url_are_one_message_each(served, tmp_path, monkeypatch):
+    from smolforge.distill.teacher import prompts_from_dataset
+
+    items = prompts_from_dataset("bundled", max_samples=1)
+    key = tmp_path / "key"
+    key.write_text("not-the-token\n")
+    with pytest.raises(SmolforgeError) as err:
+        _teacher(f"{served.base}/v1", key_file=str(key)).generate(items, GEN)
+    assert err.value.exit_code == 2 and "refused the key (401)" in err.value.what and "--teacher-key-file" in err.value.fix
+    assert "not-the-token" not in str(err.value)  # the key is never repeated
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SmolforgeError) as err:
+        _teacher(f"http://127.0.0.1:{free_port()}/v1").generate(items, GEN)
+    assert "cannot reach the teacher endpoint" in err.value.what and err.value.where == "--teacher-url"
+
+
+def test_a_token_no_student_id_spells_keeps_the_answer_as_text(served):
+    """The vocabulary check: one unmappable token and the answer is text only (sequence-level KD), said once."""
+    from smolforge.distill.store import TeacherRecord
+
+    said: list[str] = []
+    teacher = _teacher(f"{served.base}/v1", say=said.append)
+    ok = [(" is", [(" is", -0.1), ("?", -2.5)])]
+    for pos in (ok, [*ok, ("\u2603\u2603-no-such-token", [])]):
+        text = "".join(t for t, _ in pos)
+        rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=text)
+        teacher._keep(rec, pos, K, text)
+        assert rec.has_topk == (pos is ok)
+        assert rec.response_ids == teacher.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert teacher.text_only == 1 and len(said) == 1 and "sequence-level KD" in said[0]
