@@ -94,20 +94,40 @@ def _teacher(url: str, **kw):
     return OpenAITeacher("tiny", url=url, tokenizer="tiny-llama", say=kw.pop("say", print), **kw)
 
 
+def _distill_cli(tmp_path, url: str, *extra: str, teacher: str = "tiny"):
+    """`smolforge distill` with the endpoint teacher, in this process: refused at submit or not at all."""
+    from helpers import smolforge_here
+
+    return smolforge_here("distill", "--teacher", teacher, "--teacher-backend", "openai", "--teacher-url", url,
+                          "--student", "tiny-llama", "--data", "bundled", "--max-steps", "1",
+                          "--output-dir", str(tmp_path / "run"), *extra)
+
+
+def _one_message(result, needle: str) -> str:
+    err = result.stderr
+    assert result.exit_code == 2 and err.count("error:") == 1 and "\n  fix:" in err and needle in err, err
+    assert "Traceback" not in result.output
+    return err
+
+
 def test_a_wrong_key_and_an_unreachable_url_are_one_message_each(served, tmp_path, monkeypatch):
+    """At submit (`OpenAIBackend.check` probes GET /models: nothing starts) and where the teacher runs."""
     from smolforge.distill.teacher import prompts_from_dataset
 
-    items = prompts_from_dataset("bundled", max_samples=1)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     key = tmp_path / "key"
     key.write_text("not-the-token\n")
-    with pytest.raises(SmolforgeError) as err:
+    err = _one_message(_distill_cli(tmp_path, f"{served.base}/v1", "--teacher-key-file", str(key)),
+                       "refused the key (401)")
+    assert "not-the-token" not in err and "--teacher-key-file" in err  # the key is never repeated
+    _one_message(_distill_cli(tmp_path, f"http://127.0.0.1:{free_port()}/v1"), "cannot reach the teacher endpoint")
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    _one_message(_distill_cli(tmp_path, f"{served.base}/v1", teacher="no-such-model"),  # the key is good now
+                 "does not serve 'no-such-model' (it serves tiny)")
+    items = prompts_from_dataset("bundled", max_samples=1)
+    with pytest.raises(SmolforgeError) as caught:  # the teacher itself, on its node
         _teacher(f"{served.base}/v1", key_file=str(key)).generate(items, GEN)
-    assert err.value.exit_code == 2 and "refused the key (401)" in err.value.what and "--teacher-key-file" in err.value.fix
-    assert "not-the-token" not in str(err.value)  # the key is never repeated
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    with pytest.raises(SmolforgeError) as err:
-        _teacher(f"http://127.0.0.1:{free_port()}/v1").generate(items, GEN)
-    assert "cannot reach the teacher endpoint" in err.value.what and err.value.where == "--teacher-url"
+    assert caught.value.exit_code == 2 and "refused the key (401)" in caught.value.what
 
 
 def test_a_token_no_student_id_spells_keeps_the_answer_as_text(served):

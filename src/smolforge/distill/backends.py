@@ -32,6 +32,7 @@ class Loader:
     none_held: str  # a node's list when empty
     where: str  # appended to "does not hold model M" ("" or " in Ollama")
     weights: bool  # the model's files: they can travel to a node, and presets build anywhere
+    anywhere: bool = False  # nothing to hold: every node may run the task (a model behind a URL)
 
     def missing_fix(self, model: str, role: str) -> str:
         """What to do when no node holds `model` this way."""
@@ -46,7 +47,8 @@ WEIGHTS = Loader("hf", "models", "model:", "weights", "as weights (HF cache or -
                  weights=True)
 OLLAMA_TAG = Loader("ollama", "ollama_models", "ollama:", "Ollama", "as an Ollama tag", "no Ollama models",
                     " in Ollama", weights=False)
-LOADERS: dict[str, Loader] = {loader.name: loader for loader in (WEIGHTS, OLLAMA_TAG)}
+ENDPOINT = Loader("endpoint", "", "", "endpoint", "behind a URL (--teacher-url)", "", "", weights=False, anywhere=True)
+LOADERS: dict[str, Loader] = {loader.name: loader for loader in (WEIGHTS, OLLAMA_TAG, ENDPOINT)}
 
 
 def loader(name: str) -> Loader:
@@ -187,6 +189,7 @@ class OpenAIBackend(TeacherBackend):
     asked for completions with `logprobs`, its token texts mapped to the student's ids."""
 
     name = "openai"
+    loader = ENDPOINT  # the model is a name the endpoint serves: any node may ask it
     description = "a model behind an OpenAI-compatible endpoint (--teacher-url; key: $OPENAI_API_KEY or --teacher-key-file)"
     student_tokenizer = True  # the store's ids are the student's: the endpoint's tokens are mapped into them
     produces = frozenset({"text", "topk"})  # top-k where the endpoint's tokens map; else text (sequence-level KD)
@@ -199,10 +202,15 @@ class OpenAIBackend(TeacherBackend):
                                     key_file=kwargs.get("teacher_key_file"))
 
     def check(self, cfg: Any) -> None:
-        """A URL is given (the key is read where the teacher runs: never in the spec)."""
+        """A URL is given, and the endpoint answers it with the key and lists the teacher (`probe`: an
+        unreachable URL, a refused key or an unknown model is exit 2 before anything starts). The key is read
+        here and where the teacher runs, and travels in no spec."""
         if not getattr(cfg, "teacher_url", None):
             raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
                                  fix="add --teacher-url http://HOST:PORT/v1")
+        from smolforge.distill.teacher_openai import probe
+
+        probe(cfg.teacher_url, cfg.teacher, cfg.teacher_key_file)
 
 
 @register

@@ -115,6 +115,47 @@ def positions(logprobs: Any) -> list[tuple[Any, list[tuple[Any, float]]]] | None
     return [(t, list(top.items()) if isinstance(top, dict) else []) for t, top in zip(tokens, tops)]
 
 
+def refuse_status(resp: Any, where: str, url: str) -> None:
+    """Nothing for a 200; else one SmolforgeError (exit 2) with the fix: 401/403 the key, 404 the URL or
+    model, anything else the endpoint's own words."""
+    status, said = resp.status_code, resp.text[:200]
+    if status in (401, 403):
+        raise SmolforgeError(f"the teacher endpoint refused the key ({status}): {said}", where="--teacher-url",
+                             fix=f"set ${KEY_ENV} or --teacher-key-file to a key the endpoint accepts")
+    if status == 404:
+        raise SmolforgeError(f"the teacher endpoint answered 404 at {where}: {said}", where="--teacher-url",
+                             fix=f"give the base URL ending in /v1, and --teacher as the model name it serves "
+                                 f"(GET {url}/models lists them)")
+    if status != 200:
+        raise SmolforgeError(f"the teacher endpoint answered {status}: {said}", where="--teacher-url",
+                             fix="check the endpoint's log; --top-k above what it allows (often 20, OpenAI 5) "
+                                 "is a common cause")
+
+
+def probe(url: str, model: str, key_file: str | None) -> None:
+    """At submit, before anything starts: the endpoint answers `GET {url}/models` with this key, and serves
+    `model` where it lists its models. A SmolforgeError (exit 2) for an unreachable URL, a refused key, or a
+    model it does not list. Asked from the submitting machine (the teachers ask from their nodes)."""
+    import httpx
+
+    key = read_key(key_file)
+    where = f"{url.rstrip('/')}/models"
+    try:
+        resp = httpx.get(where, headers={"Authorization": f"Bearer {key}"} if key else {},
+                         timeout=httpx.Timeout(30.0, connect=TIMEOUT[0]))
+    except httpx.HTTPError as err:
+        raise SmolforgeError(f"cannot reach the teacher endpoint {where}: {type(err).__name__}", where="--teacher-url",
+                             fix="check the URL (the base ending in /v1) and that the server is running") from None
+    refuse_status(resp, where, url.rstrip("/"))
+    try:
+        served = [m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)]
+    except (ValueError, AttributeError):
+        served = []
+    if served and model not in served:
+        raise SmolforgeError(f"the teacher endpoint does not serve {model!r} (it serves {', '.join(map(str, served[:8]))})",
+                             where="--teacher", fix="give --teacher as one of the names it serves")
+
+
 class OpenAITeacher:
     """A model behind an OpenAI-compatible endpoint; `model` is the name the endpoint serves it under.
     `tokenizer`: the HF tokenizer whose ids the store uses (the student's)."""
@@ -166,23 +207,12 @@ class OpenAITeacher:
 
     def _answer(self, resp: Any, where: str) -> dict[str, Any]:
         """The JSON object of a 200; one SmolforgeError naming the fix for anything else."""
-        status, said = resp.status_code, resp.text[:200]
-        if status in (401, 403):
-            raise SmolforgeError(f"the teacher endpoint refused the key ({status}): {said}", where="--teacher-url",
-                                 fix=f"set ${KEY_ENV} or --teacher-key-file to a key the endpoint accepts")
-        if status == 404:
-            raise SmolforgeError(f"the teacher endpoint answered 404 at {where}: {said}", where="--teacher-url",
-                                 fix=f"give the base URL ending in /v1, and --teacher as the model name it serves "
-                                     f"(GET {self.url}/models lists them)")
-        if status != 200:
-            raise SmolforgeError(f"the teacher endpoint answered {status}: {said}", where="--teacher-url",
-                                 fix="check the endpoint's log; --top-k above what it allows (often 20, OpenAI 5) "
-                                     "is a common cause")
+        refuse_status(resp, where, self.url)
         try:
             data = resp.json()
             return data["choices"][0] | {"_usage": data.get("usage")}
         except (ValueError, KeyError, IndexError, TypeError):
-            raise SmolforgeError(f"the teacher endpoint sent no completion: {said!r}", where="--teacher-url",
+            raise SmolforgeError(f"the teacher endpoint sent no completion: {resp.text[:200]!r}", where="--teacher-url",
                                  fix="check that the URL is an OpenAI-compatible /v1 base") from None
 
     # ---------------------------------------------------------------- rows

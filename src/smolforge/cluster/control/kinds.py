@@ -30,6 +30,7 @@ from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
+from smolforge.distill.backends import teacher_backend
 from smolforge.models.kinds import refuse_unused
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
     d = job.distill
     # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model,
     # nor one that travels (its runner brings it to the workers first: workloads/distill/travel.py)
-    model = None if d.teacher_on_coordinator else model_need(d.teacher, None, embedded)
+    anywhere = teacher_backend(d.teacher_backend).loader.anywhere  # a model behind a URL: nothing to hold
+    model = None if d.teacher_on_coordinator or anywhere else model_need(d.teacher, None, embedded)
     return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
 
 
