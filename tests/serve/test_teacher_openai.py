@@ -12,6 +12,7 @@ that it starts no second server), the same model the `hf` teacher loads:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,30 @@ def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_
     assert res.mode == "logit" and res.steps == 2  # trained on the endpoint's logits
 
 
+def test_reference_answers_are_scored_by_echo_as_the_hf_teacher_scores_them(served, monkeypatch):
+    """`--teacher-responses reference`: the prompt and the reference answer sent with `echo`, `max_tokens` 0;
+    the answer's positions are the hf teacher's ids (end of turn included), their top-k its top-k."""
+    from dataclasses import replace
+
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset
+    from smolforge.distill.teacher_openai import TokenMap
+
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    items, ref = prompts_from_dataset("bundled", max_samples=4), replace(GEN, responses="reference", batch_size=1)
+    teacher = _teacher(f"{served.base}/v1")
+    got, want = teacher.generate(items, ref), HFTeacher("tiny-llama", device="cpu").generate(items, ref)
+    names, same, total = TokenMap(teacher.tokenizer), 0, 0
+    for g, w in zip(got, want):
+        assert (g.prompt_ids, g.response_ids) == (w.prompt_ids, w.response_ids) and g.has_topk
+        for chosen, row_g, lp_g, row_w in zip(g.response_ids, g.topk_indices, g.topk_logprobs, w.topk_indices):
+            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
+            # OpenAI's legacy shape adds the chosen token when it is not among the top k: told apart from them
+            # unless two of those share the text U+FFFD (one dict key), when the row keeps it at its own logprob
+            same += given - {chosen} == {i for i in row_w.tolist() if names(teacher.tokenizer.decode([i])) == i} - {chosen}
+            total += 1
+    assert teacher.text_only == 0 and total >= 16 and same >= 0.99 * total, (same, total)
+
+
 def _teacher(url: str, **kw):
     from smolforge.distill.teacher_openai import OpenAITeacher
 
@@ -144,3 +169,66 @@ def test_a_token_no_student_id_spells_keeps_the_answer_as_text(served):
         assert rec.has_topk == (pos is ok)
         assert rec.response_ids == teacher.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert teacher.text_only == 1 and len(said) == 1 and "sequence-level KD" in said[0]
+
+
+@pytest.mark.soak  # the embedded cluster's and its task processes' starts: a minute or more here
+def test_distill_with_an_endpoint_teacher_on_the_embedded_cluster(served, tmp_path):
+    """`smolforge distill --teacher-backend openai`: through the job, the queue, the cluster and the teacher
+    task (placed on any node: nothing to hold), the key from the file, the student trained on the logits."""
+    import json
+
+    from helpers import last_json, smolforge
+
+    key = tmp_path / "key"
+    key.write_text(served.token)
+    out = tmp_path / "run"
+    env = {"RAY_TMPDIR": f"/tmp/sfoa{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
+           "OPENAI_API_KEY": ""}
+    proc = smolforge("distill", "--teacher", served.model, "--teacher-backend", "openai",
+                     "--teacher-url", f"{served.base}/v1", "--teacher-key-file", str(key),
+                     "--student", "tiny-llama", "--data", "bundled", "--max-samples", "8", "--max-steps", "2",
+                     "--batch-size", "4", "--max-new-tokens", "6", "--top-k", "8", "--num-students", "1",
+                     "--no-eval", "--save-every", "0", "--output-dir", str(out), "--json", timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert served.token not in proc.stdout + proc.stderr  # the key is in no output
+    summary = last_json(proc.stdout)
+    assert [s["state"] for s in summary["student_tasks"]] == ["completed"]
+    manifests = [json.loads(p.read_text()) for p in sorted((out / "teacher_outputs").glob("batch_*.json"))]
+    assert manifests and all(m["backend"] == "openai" and m["endpoint"]["k"] == 8 for m in manifests)
+    assert summary["per_student"][0]["kd"] == "logit", summary["per_student"][0]
+
+
+@pytest.mark.soak  # builds or needs llama.cpp's llama-server (bench/llama_server.py); minutes the first time
+def test_the_endpoint_teacher_against_llama_server(tmp_path):
+    """The same store from llama.cpp's `llama-server` serving tiny-llama's GGUF (f16): its completions'
+    `logprobs` (the chat shape, `content`) mapped into the student's ids, a student trained on them."""
+    llama_server = pytest.importorskip("bench.llama_server", reason="bench/llama_server.py is not on this branch yet")
+    binary = Path(os.environ.get("SMOLFORGE_LLAMA_SERVER_DIR", str(Path.home() / ".cache/smolforge/llama-server")))
+    if not (binary / "bin" / "llama-server").is_file():
+        pytest.skip(f"no llama-server at {binary}/bin (bench/llama_server.py builds it from the vendored llama.cpp)")
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.store import read_shard, tokenizer_hash
+    from smolforge.distill.student import train_student
+    from smolforge.distill.teacher import run_teacher_local
+    from smolforge.models.export.cache import cached_gguf
+    from smolforge.models.loading import load_tokenizer
+
+    port = free_port()
+    server = llama_server.start(cached_gguf("tiny-llama", "f16"), port)
+    try:
+        out = tmp_path / "teacher_outputs"
+        manifests = run_teacher_local("tiny-llama", "bundled", out, num_shards=1, max_samples=6, settings=GEN,
+                                      backend="openai", teacher_url=f"http://127.0.0.1:{port}/v1",
+                                      tokenizer="tiny-llama")
+    finally:
+        for stop in ("stop", "terminate", "close"):
+            if callable(getattr(server, stop, None)):
+                getattr(server, stop)()
+                break
+    m = manifests[0]
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] < 6, m["endpoint"]
+    assert any(r.has_topk for r in read_shard(out, 0).records)
+    tok = load_tokenizer("tiny-llama")
+    res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
+                        teacher_tokenizer_hash=tokenizer_hash(tok))
+    assert res.mode == "logit" and res.steps == 2

@@ -4,8 +4,9 @@ serve`, llama.cpp's `llama-server`, vLLM, LM Studio, Ollama's `/v1`.
 What it asks: `POST {url}/completions` (the legacy completions API: the prompt as text, rendered with the
 student's chat template, so the endpoint continues exactly what the student will be trained on), with
 `max_tokens`, the run's temperature/top_p/seed and `logprobs: k`, for the answer's positions. With
-`--teacher-responses reference` it sends the prompt and the reference answer with `echo: true`,
-`max_tokens: 0` and `logprobs: k`, and keeps the echoed answer's positions (an endpoint that cannot echo
+`--teacher-responses reference` it sends the prompt and the reference answer (its end of turn included,
+as plain SFT trains on it) with `echo: true`, `max_tokens: 0` and `logprobs: k`, and keeps the echoed
+answer's positions (an endpoint that cannot echo
 log-probabilities is a clear error: use `generate`).
 
 What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids. The
@@ -225,11 +226,13 @@ class OpenAITeacher:
             if tid is None:
                 return None, text
             row: dict[int, float] = {}
-            for alt, lp in alts:
+            # the k most likely as the endpoint named them (OpenAI's legacy shape adds the chosen token when
+            # it is not among them: not a top-k entry), then mapped; a text no id names drops to the tail
+            for alt, lp in sorted(((a, lp) for a, lp in alts if isinstance(lp, (int, float))), key=lambda a: -a[1])[:k]:
                 aid = self.map(alt)
-                if aid is not None and isinstance(lp, (int, float)) and aid not in row:
+                if aid is not None and aid not in row:
                     row[aid] = float(lp)
-            pairs = sorted(row.items(), key=lambda kv: -kv[1])[:k]
+            pairs = sorted(row.items(), key=lambda kv: -kv[1])
             self.given_k = max(self.given_k, len(pairs))
             mass = sum(math.exp(v) for _, v in pairs)
             used = {a for a, _ in pairs}
@@ -242,11 +245,14 @@ class OpenAITeacher:
         return (ids, np.array(vals, np.float32).reshape(len(ids), k).clip(-65000.0),
                 np.array(idxs, np.int64).reshape(len(ids), k), np.array(tails, np.float32)), None
 
-    def _keep(self, rec: TeacherRecord, pos, k: int, text: str) -> None:
-        """Put the answer's rows on `rec`, or keep it as text only (saying so the first time)."""
+    def _keep(self, rec: TeacherRecord, pos, k: int, text: str, expect: list[int] | None = None) -> None:
+        """Put the answer's rows on `rec`, or keep it as text only (saying so the first time). `expect`: the
+        ids the rows must be (a scored reference answer's); else the ids must spell `text`."""
         got, bad = self._rows(pos, k) if pos else (None, None)
+        if got is not None and expect is not None and got[0] != expect:
+            got, bad = None, f"ids {got[0][:6]}..., not the reference's {expect[:6]}..."
         spelled = self.tokenizer.decode(got[0], skip_special_tokens=True) if got is not None else text
-        if spelled != text:
+        if expect is None and spelled != text:
             got, bad = None, f"ids that spell {spelled[:40]!r}, not the answer's text"
         if got is None:
             if not self.text_only:
@@ -255,7 +261,7 @@ class OpenAITeacher:
                 self.say(f"teacher {self.name}: {why}: such answers train the student on their text "
                          "(sequence-level KD), not on logits")
             self.text_only += 1
-            rec.response_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            rec.response_ids = expect if expect is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return
         rec.response_ids, rec.topk_logprobs, rec.topk_indices, rec.tail_mass = got
 
@@ -272,7 +278,7 @@ class OpenAITeacher:
                                     prompt_ids=prompt_ids, response_ids=[], response_text="", answer=item.answer,
                                     sample_id=sample)
                 if settings.responses == "reference":
-                    self._score(rec, prompt, item.answer or "", k)
+                    self._score(rec, item, k)
                 else:
                     choice = self._post({"model": self.name, "prompt": prompt, "max_tokens": settings.max_new_tokens,
                                          "temperature": settings.temperature, "top_p": settings.top_p,
@@ -285,11 +291,15 @@ class OpenAITeacher:
                                             "text_only": self.text_only}}
         return records
 
-    def _score(self, rec: TeacherRecord, prompt: str, answer: str, k: int) -> None:
-        """The reference answer's positions, echoed (`echo`, `max_tokens` 0): those whose text starts at or
-        after the prompt's end (`text_offset`, else the tokens' joined length)."""
-        choice = self._post({"model": self.name, "prompt": prompt + answer, "max_tokens": 0, "echo": True,
-                             "logprobs": k, "temperature": 0})
+    def _score(self, rec: TeacherRecord, item: PromptItem, k: int) -> None:
+        """The reference answer's positions (`teacher.reference_ids`: the ids plain SFT trains on, its end of
+        turn included), echoed (`echo`, `max_tokens` 0): those whose text starts at or after the prompt's end."""
+        from smolforge.distill.teacher import reference_ids
+
+        prompt_ids, response_ids = reference_ids(self.tokenizer, item)
+        prompt = self.tokenizer.decode(prompt_ids)
+        choice = self._post({"model": self.name, "prompt": self.tokenizer.decode(prompt_ids + response_ids),
+                             "max_tokens": 0, "echo": True, "logprobs": k, "temperature": 0})
         pos = positions(choice.get("logprobs"))
         if not pos:
             raise SmolforgeError(f"the endpoint did not echo the prompt's log-probabilities ({self.url})",
@@ -301,5 +311,5 @@ class OpenAITeacher:
                 start = i
                 break
             at += len(text) if isinstance(text, str) else 0
-        rec.response_text = answer
-        self._keep(rec, [(t, alts) for t, alts in pos[start:] if t is not None], k, answer)
+        rec.prompt_ids, rec.response_text = prompt_ids, self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        self._keep(rec, pos[start:], k, rec.response_text, expect=response_ids)
