@@ -155,6 +155,19 @@ def test_a_wrong_key_and_an_unreachable_url_are_one_message_each(served, tmp_pat
     assert caught.value.exit_code == 2 and "refused the key (401)" in caught.value.what
 
 
+def test_launch_takes_the_teacher_flags_in_its_distillation_modes_only(tmp_path):
+    """`launch --mode teacher_student --teacher-backend openai --teacher-url URL` reaches the same submit check
+    (an unreachable URL: exit 2, nothing started); in another mode the flags are refused by name."""
+    from helpers import smolforge_here
+
+    base = ["launch", "--model", "tiny", "--dataset", "bundled", "--output-dir", str(tmp_path / "out")]
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    _one_message(smolforge_here(*base, "--mode", "teacher_student", "--student", "tiny-llama",
+                                "--teacher-backend", "openai", "--teacher-url", url), "cannot reach the teacher endpoint")
+    _one_message(smolforge_here(*base, "--teacher-url", url, "--teacher-key-file", "k"),
+                 "--teacher-url, --teacher-key-file apply to --mode teacher_student or hybrid, not data_parallel")
+
+
 def test_a_token_no_student_id_spells_keeps_the_answer_as_text(served):
     """The vocabulary check: one unmappable token and the answer is text only (sequence-level KD), said once."""
     from smolforge.distill.store import TeacherRecord
