@@ -208,9 +208,7 @@ class OpenAIBackend(TeacherBackend):
         if not getattr(cfg, "teacher_url", None):
             raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
                                  fix="add --teacher-url http://HOST:PORT/v1")
-        from smolforge.distill.teacher_openai import probe
-
-        probe(cfg.teacher_url, cfg.teacher, cfg.teacher_key_file)
+        self.teacher_class().probe(cfg.teacher_url, cfg.teacher, cfg.teacher_key_file)
 
 
 @register

@@ -162,9 +162,10 @@ class OpenAITeacher:
     `tokenizer`: the HF tokenizer whose ids the store uses (the student's)."""
 
     backend = "openai"
+    probe = staticmethod(probe)  # the submit's check (`backends.OpenAIBackend.check`), asked of the class
 
     def __init__(self, model: str, *, url: str | None, tokenizer: str | None, key_file: str | None = None,
-                 say=print):
+                 say: Any = print):
         if not url:
             raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
                                  fix="add --teacher-url http://HOST:PORT/v1 (the base URL the OpenAI client takes)")
@@ -217,7 +218,7 @@ class OpenAITeacher:
                                  fix="check that the URL is an OpenAI-compatible /v1 base") from None
 
     # ---------------------------------------------------------------- rows
-    def _rows(self, pos: list[tuple[Any, list[tuple[Any, float]]]], k: int):
+    def _rows(self, pos: list[tuple[Any, list[tuple[Any, float]]]], k: int) -> tuple[Any, Any]:
         """(ids, [n, k] log-probs, [n, k] ids, [n] tail mass) in the student's ids, or (None, bad text) when a
         token does not map."""
         ids, vals, idxs, tails = [], [], [], []
@@ -245,7 +246,8 @@ class OpenAITeacher:
         return (ids, np.array(vals, np.float32).reshape(len(ids), k).clip(-65000.0),
                 np.array(idxs, np.int64).reshape(len(ids), k), np.array(tails, np.float32)), None
 
-    def _keep(self, rec: TeacherRecord, pos, k: int, text: str, expect: list[int] | None = None) -> None:
+    def _keep(self, rec: TeacherRecord, pos: list[tuple[Any, list[tuple[Any, float]]]] | None, k: int, text: str,
+              expect: list[int] | None = None) -> None:
         """Put the answer's rows on `rec`, or keep it as text only (saying so the first time). `expect`: the
         ids the rows must be (a scored reference answer's); else the ids must spell `text`."""
         got, bad = self._rows(pos, k) if pos else (None, None)
