@@ -8,12 +8,16 @@ next round from them. Gradients cross the network once per H steps instead of ev
 
 - The average is weighted by each rank's loss tokens in the round, so with H = 1, outer lr 1.0, no
   momentum and a linear inner optimizer (SGD) the result is exactly DDP's step (a test checks it).
-- `codec`: how pseudo-gradients travel. `fp32` (an all-reduce), `fp16`, or `int8`: blockwise absmax
-  quantisation (one fp32 scale per `block` values) with error feedback: what a round's int8 could not
-  carry is added to the next round's pseudo-gradient, so nothing is lost, only delayed.
+- `codec`: how pseudo-gradients travel (`smolforge.parallel.codecs`). `fp32` (an all-reduce), or a lossy
+  codec whose parts every rank gathers and sums exactly as sent (`Codec.aggregate`): `fp16`, `int8`
+  (blockwise absmax, one fp32 scale per `block` values) or `sparse` (SparseLoCo: per `chunk` values the
+  `topk` largest at `bits` bits; ~0.9 % of fp32 at its defaults, and no outer momentum unless set).
+  Each rank keeps an error-feedback buffer: what a round's message could not carry is added to the
+  next round's pseudo-gradient, so nothing is lost, only delayed.
 - Checkpoints and pauses land on outer steps (`at_boundary`), where every rank holds the shared
-  weights; each rank's inner optimizer state is kept (gathered as tensors, never pickled), so a
-  resumed job continues exactly as an uninterrupted one (the int8 error buffers restart at zero).
+  weights; each rank's inner optimizer state and error-feedback buffer are kept (gathered as tensors,
+  never pickled), so a resumed job continues bitwise as an uninterrupted one (the same world size; a
+  resume with another one starts the buffers at zero).
 - Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
   gone (its process or machine died) re-forms the group with the members left, through the job's
   membership service (`membership`, given by the worker glue; see `cluster/workloads/data_parallel/job_control.py`), and is
@@ -33,9 +37,9 @@ from typing import Any, Callable, ContextManager, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smolforge.parallel.codecs import dequantize_int8, quantize_int8
+from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, unpack_payload
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.train import balance
@@ -55,12 +59,31 @@ class DiLoCoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inner_steps: int = Field(20, ge=1, description="H: local steps between outer steps")
     outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="0.9; 0 with codec sparse unless set")
     nesterov: bool = True
-    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how pseudo-gradients travel")
+    codec: str = Field("fp32", description="how pseudo-gradients travel: " + ", ".join(CODECS))
     # bounded like the parameter-server strategies: the codec pads every message to a whole block, so
     # an unbounded one made a pseudo-gradient of a few values cost megabytes
     block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
+    chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
+    topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
+    bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        if v not in CODECS:
+            raise ValueError(f"unknown codec {v!r} (one of {', '.join(CODECS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _codec_defaults(self) -> "DiLoCoSettings":
+        if self.topk > self.chunk:
+            raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
+        momentum = CODECS[self.codec].momentum  # sparse: error feedback in place of outer momentum
+        if momentum is not None and "outer_momentum" not in self.model_fields_set:
+            self.outer_momentum = momentum
+        return self
 
 
 class DiLoCo(DDP):
@@ -74,7 +97,9 @@ class DiLoCo(DDP):
         settings = DiLoCoSettings(**config)
         super().__init__(context)
         self.config = settings.model_dump()
-        self.inner_steps, self.codec, self.block = settings.inner_steps, settings.codec, settings.block
+        self.inner_steps, self.codec = settings.inner_steps, settings.codec
+        self.feedback = ErrorFeedback(make_codec(settings.codec, **self.config))  # this rank's residual
+        self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
         self.rounds, self.round_steps, self.round_targets = 0, 0, 0.0
@@ -118,7 +143,6 @@ class DiLoCo(DDP):
             self.shared = torch.nn.Parameter(self._flat(), requires_grad=False)
         self.outer = torch.optim.SGD([self.shared], lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.nesterov)
-        self.error = torch.zeros_like(self.shared) if self.codec == "int8" else None
         if self._pending:
             self._restore(self._pending)
         return model  # no DDP: gradients stay on this rank
@@ -157,11 +181,10 @@ class DiLoCo(DDP):
     def _outer_step(self) -> None:
         weight = max(self.round_targets, 1.0)
         delta = (self.shared - self._flat()) * weight  # this rank's pseudo-gradient, token-weighted
-        error = self.error.clone() if self.error is not None else None
+        residual = self.feedback.residual
 
         def average() -> tuple[float, torch.Tensor]:
-            if error is not None:
-                self.error = error.clone()  # a retry in a re-formed group starts from the same residual
+            self.feedback.load(residual)  # a retry in a re-formed group starts from the same residual
             return self._average(delta, weight)
 
         with self.waiting():
@@ -256,28 +279,21 @@ class DiLoCo(DDP):
         return self._collective(lambda: DDP.gather_rng(self))
 
     def _average(self, delta: torch.Tensor, weight: float) -> tuple[float, torch.Tensor]:
-        """(sum of the ranks' weights, sum of their weighted pseudo-gradients)."""
-        if self.codec == "fp32":
+        """(sum of the ranks' weights, sum of their weighted pseudo-gradients): an all-reduce for a codec
+        whose payloads sum in transit (fp32), else every rank's message gathered (one uint8 buffer each)
+        and summed by the codec, exactly as sent."""
+        coder = self.feedback.coder
+        if coder.summable:
             packed = torch.cat([delta, torch.tensor([weight])])
             self._count(packed)
             dist.all_reduce(packed)
             return float(packed[-1]), packed[:-1]
         weights = torch.tensor([weight], dtype=torch.float64)
-        every_w = [torch.zeros_like(weights) for _ in range(self.world)]
-        self._count(weights)
-        dist.all_gather(every_w, weights)
-        if self.codec == "fp16":
-            # fp16 overflows at 65504: send the unweighted pseudo-gradient, weight it after decoding
-            mine = (delta / weight).half()
-            every = self._gather(mine)
-            out = sum(t.float() * float(w) for t, w in zip(every, every_w))
-        else:
-            target = delta / weight + self.error
-            q, scales = quantize_int8(target, self.block)
-            self.error = target - dequantize_int8(q, scales, target.numel())
-            qs, ss = self._gather(q), self._gather(scales)
-            out = sum(dequantize_int8(a, b, target.numel()) * float(w) for a, b, w in zip(qs, ss, every_w))
-        return float(sum(float(w) for w in every_w)), out
+        every_w = [float(w) for w in self._gather(weights)]
+        # unweighted (fp16 overflows at 65504), and the residual is in the same units round after round
+        payload = self.feedback.encode(delta / weight)
+        parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload))]
+        return sum(every_w), coder.aggregate(parts, every_w, delta.numel())
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]
@@ -299,6 +315,11 @@ class DiLoCo(DDP):
                 value = mine["state"][idx][key]
                 for r, t in enumerate(self._gather(value.reshape(-1).contiguous(), checkpoint=True)):
                     per_rank[r]["state"].setdefault(idx, {})[key] = t.view(value.shape)
+        if self.feedback.coder.lossy:  # each rank's error-feedback buffer (zeros: none yet), for state_dict
+            mine_error = self.feedback.residual
+            mine_error = torch.zeros_like(self.shared) if mine_error is None else mine_error
+            every = self._gather(mine_error.contiguous(), checkpoint=True)
+            self._residuals = every if self.is_main else None  # only the main rank writes them
         return {"per_rank": per_rank} if self.is_main else None
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -312,6 +333,8 @@ class DiLoCo(DDP):
         momentum = self.outer.state.get(self.shared, {}).get("momentum_buffer")
         if momentum is not None:
             out["outer_momentum_buffer"] = momentum.clone()
+        if self._residuals is not None:  # gathered by optimizer_state, the collective before this call
+            out["error_feedback"], self._residuals = self._residuals, None
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,6 +344,9 @@ class DiLoCo(DDP):
         self.rounds = int(state.get("rounds", 0))
         if "outer_momentum_buffer" in state:
             self.outer.state[self.shared]["momentum_buffer"] = state["outer_momentum_buffer"].clone()
+        errors = state.get("error_feedback") or []
+        # each rank its own buffer; another world size cannot replay them: they start at zero
+        self.feedback.load(errors[self.rank] if len(errors) == self.world else None)
 
 
 DiLoCo.Settings = DiLoCoSettings
