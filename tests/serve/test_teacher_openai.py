@@ -245,3 +245,51 @@ def test_the_endpoint_teacher_against_llama_server(tmp_path):
     res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
                         teacher_tokenizer_hash=tokenizer_hash(tok))
     assert res.mode == "logit" and res.steps == 2
+
+
+def test_429_and_5xx_are_retried_with_backoff_then_the_answer_is_kept(monkeypatch):
+    """A loopback endpoint that answers 429, then 503, then a completion: three requests, two waits doubling
+    (the backoff asked of `time.sleep`), the third answer's rows kept; a 500 past the retries is one message."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from smolforge.distill import teacher_openai
+    from smolforge.distill.store import TeacherRecord
+
+    answers = [(429, {}), (503, {}), (200, {"choices": [{"text": " is", "logprobs": {
+        "tokens": [" is"], "token_logprobs": [-0.1], "top_logprobs": [{" is": -0.1, "?": -2.5}], "text_offset": [0]}}]})]
+    seen: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, body = answers[min(len(seen), len(answers) - 1)]
+            seen.append(status)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    waits: list[float] = []
+    monkeypatch.setattr(teacher_openai.time, "sleep", waits.append)
+    try:
+        teacher = _teacher(f"http://127.0.0.1:{httpd.server_port}/v1")
+        choice = teacher._post({"model": "tiny", "prompt": "x"})
+        rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=" is")
+        teacher._keep(rec, teacher_openai.positions(choice["logprobs"]), K, " is")
+        assert seen == [429, 503, 200] and waits == [teacher_openai.BACKOFF_S, 2 * teacher_openai.BACKOFF_S]
+        assert rec.has_topk and rec.response_ids == teacher.tokenizer(" is", add_special_tokens=False)["input_ids"]
+        answers[:] = [(500, {"error": "boom"})]
+        seen.clear()
+        with pytest.raises(SmolforgeError, match="answered 500"):
+            teacher._post({"model": "tiny", "prompt": "x"})
+        assert len(seen) == teacher_openai.RETRIES + 1
+    finally:
+        httpd.shutdown()
