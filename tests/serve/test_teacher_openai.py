@@ -293,3 +293,26 @@ def test_429_and_5xx_are_retried_with_backoff_then_the_answer_is_kept(monkeypatc
         assert len(seen) == teacher_openai.RETRIES + 1
     finally:
         httpd.shutdown()
+
+
+def test_the_chat_shape_names_tokens_by_bytes_and_a_stop_by_no_text():
+    """What llama-server sends for a completion's `logprobs` (seen from it serving tiny-llama's GGUF): the chat
+    shape with each token's `bytes` (a byte of a multi-byte character: text U+FFFD, its byte still names its
+    id), and a stop on the end of turn named '' with no bytes (kept as the end-of-turn id)."""
+    from smolforge.distill import teacher_openai
+    from smolforge.distill.store import TeacherRecord
+    from smolforge.models.families import turn_end_id
+
+    teacher = _teacher("http://127.0.0.1:9/v1")  # asked nothing: the answer is given
+    alt = {"token": "\ufffd", "bytes": [0xE2], "logprob": -4.6}
+    content = [{"token": "def", "bytes": [100, 101, 102], "logprob": -3.1,
+                "top_logprobs": [{"token": "def", "bytes": [100, 101, 102], "logprob": -3.1}, alt]},
+               {"token": "", "bytes": [], "logprob": -3.5, "top_logprobs": [{"token": "", "bytes": [], "logprob": -3.5}]}]
+    choice = {"text": "def", "finish_reason": "stop", "logprobs": {"content": content}}
+    rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text="def")
+    teacher._keep(rec, teacher._named_stop(teacher_openai.positions(choice["logprobs"]), choice), K, "def")
+    byte = teacher.map(("\ufffd", [0xE2]))
+    assert byte is not None and teacher.map("\ufffd") is None  # the text alone names no id; the byte does
+    end = turn_end_id(teacher.tokenizer)
+    assert rec.has_topk and rec.response_ids == [teacher.map("def"), end] and teacher.text_only == 0
+    assert rec.topk_indices[0, :2].tolist() == [teacher.map("def"), byte] and rec.topk_indices[1, 0] == end

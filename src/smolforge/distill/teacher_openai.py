@@ -46,6 +46,7 @@ from smolforge.data.encode import ensure_chat_template
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
+from smolforge.models.families import turn_end_id
 from smolforge.models.loading import load_tokenizer
 from smolforge.train.rendering import render_prompt
 
@@ -62,7 +63,9 @@ class TokenMap:
     Each id's text is what it adds after an ordinary token (`decode([a, id])` minus `decode([a])`), which
     is how an incremental detokenizer (vLLM's, `smolforge serve`'s) names a token mid-text: a
     SentencePiece token's leading space kept, a byte-level token's bytes decoded. A text several ids
-    share (a byte-fallback token and its character) maps to the id the tokenizer encodes it as, if one."""
+    share (a byte-fallback token and its character) maps to the id the tokenizer encodes it as, if one.
+    Where the endpoint also sends a token's `bytes` (the chat shape: llama-server, Ollama), those decide
+    first: a byte of a multi-byte character, whose text is only U+FFFD, still names its id."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -72,9 +75,21 @@ class TokenMap:
         self.ids: dict[str, list[int]] = {}
         for i, full in enumerate(texts):
             self.ids.setdefault(full[len(head):] if full.startswith(head) else full, []).append(i)
+        self.by_bytes: dict[bytes, list[int]] = {}
+        special = set(tokenizer.all_special_ids)
+        for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+            raw = None if i in special or tok is None else token_bytes(tok)
+            if raw:
+                self.by_bytes.setdefault(raw, []).append(i)
 
-    def __call__(self, text: Any) -> int | None:
-        """The id whose text is `text`, or None (no id, or several and the tokenizer picks none of them)."""
+    def __call__(self, name: Any) -> int | None:
+        """The id `name` names, or None (no id, or several and the tokenizer picks none of them). `name`:
+        the token's text, or (text, bytes) where the endpoint sends its bytes."""
+        text, raw = name if isinstance(name, tuple) else (name, None)
+        if isinstance(raw, list) and raw and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+            found = self.by_bytes.get(bytes(raw))
+            if found and len(found) == 1:
+                return found[0]
         if not isinstance(text, str):
             return None
         found = self.ids.get(text)
@@ -82,6 +97,19 @@ class TokenMap:
             return found[0]
         encoded = self.tokenizer.encode(text, add_special_tokens=False) if text else []
         return encoded[0] if len(encoded) == 1 and (not found or encoded[0] in found) else None
+
+
+def token_bytes(token: str) -> bytes | None:
+    """A vocabulary entry's bytes: byte-level BPE's printable alphabet (GPT-2's), a SentencePiece byte
+    (<0xAB>) or piece (▁ for a space); None for a spelling that is neither."""
+    from smolforge.distill.ollama import _byte_alphabet
+
+    inverse = {c: b for b, c in _byte_alphabet().items()}
+    if all(c in inverse for c in token):
+        return bytes(inverse[c] for c in token)
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    return token.replace("\u2581", " ").encode("utf-8") if "\u2581" in token else None
 
 
 def read_key(key_file: str | None) -> str | None:
@@ -106,9 +134,10 @@ def positions(logprobs: Any) -> list[tuple[Any, list[tuple[Any, float]]]] | None
     if not isinstance(logprobs, dict):
         return None
     content = logprobs.get("content")
-    if isinstance(content, list):  # the chat shape (llama-server's completions too)
-        return [(e.get("token"), [(a.get("token"), a.get("logprob")) for a in e.get("top_logprobs") or []
-                                  if isinstance(a, dict)] or [(e.get("token"), e.get("logprob"))])
+    if isinstance(content, list):  # the chat shape (llama-server's completions too): tokens with their bytes
+        return [((e.get("token"), e.get("bytes")),
+                 [((a.get("token"), a.get("bytes")), a.get("logprob")) for a in e.get("top_logprobs") or []
+                  if isinstance(a, dict)] or [((e.get("token"), e.get("bytes")), e.get("logprob"))])
                 for e in content if isinstance(e, dict)]
     tokens, tops = logprobs.get("tokens"), logprobs.get("top_logprobs")
     if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
@@ -267,6 +296,19 @@ class OpenAITeacher:
             return
         rec.response_ids, rec.topk_logprobs, rec.topk_indices, rec.tail_mass = got
 
+    def _named_stop(self, pos: list | None, choice: dict[str, Any]) -> list | None:
+        """An answer that stopped on a special token some endpoints name by no text (llama-server: '', no
+        bytes): that last token is the end of turn the student must learn (`families.turn_end_id`)."""
+        def empty(name: Any) -> bool:
+            text, raw = name if isinstance(name, tuple) else (name, None)
+            return text == "" and not raw
+
+        end = turn_end_id(self.tokenizer)
+        if not pos or choice.get("finish_reason") != "stop" or end is None or not empty(pos[-1][0]):
+            return pos
+        named = self.tokenizer.decode([end])
+        return [*pos[:-1], (named, [(named if empty(a) else a, lp) for a, lp in pos[-1][1]])]
+
     def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
         """One completion per prompt and sample, in the order of `items` (samples adjacent)."""
         settings.check()
@@ -287,7 +329,7 @@ class OpenAITeacher:
                                          "seed": settings.seed + sample, "logprobs": k})
                     text = choice.get("text") if isinstance(choice.get("text"), str) else ""
                     rec.response_text = text
-                    self._keep(rec, positions(choice.get("logprobs")), k, text)
+                    self._keep(rec, self._named_stop(positions(choice.get("logprobs")), choice), k, text)
                 records.append(rec)
         self.manifest_extra = {"endpoint": {"url": self.url, "k": self.given_k, "k_asked": k,
                                             "text_only": self.text_only}}
@@ -308,10 +350,11 @@ class OpenAITeacher:
                                  where="--teacher-responses",
                                  fix="use --teacher-responses generate with this endpoint")
         start, at = len(pos), 0
-        for i, (text, _) in enumerate(pos):
+        for i, (name, _) in enumerate(pos):
             if at >= len(prompt):
                 start = i
                 break
+            text = name[0] if isinstance(name, tuple) else name
             at += len(text) if isinstance(text, str) else 0
         rec.prompt_ids, rec.response_text = prompt_ids, self.tokenizer.decode(response_ids, skip_special_tokens=True)
         self._keep(rec, pos[start:], k, rec.response_text, expect=response_ids)
