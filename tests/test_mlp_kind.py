@@ -94,3 +94,30 @@ def test_a_model_kind_is_built_from_code_on_every_node():
 
     assert built_from_code("mlp") and check_local_model("mlp") is None
     assert not built_from_code("no-such-kind")
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--peft", "lora"], ["--peft/--lora-r/--lora-alpha (train.peft)"]),
+    (["--max-length", "64", "--lora-r", "4"], ["--peft/--lora-r/--lora-alpha (train.peft)",
+                                                "--max-length (train.data.max_length)"]),
+])
+def test_launch_refuses_the_settings_a_model_kind_cannot_use_by_name(tmp_path, flags, named):
+    """`launch --model mlp --dataset digits --peft lora` was run with --peft silently ignored: the kind's
+    declared capabilities (`ModelKind.adapters`, `.sequences`) refuse it at submit, before a cluster starts;
+    the same launch without them passes the same check, and a language model keeps taking them."""
+    from helpers import smolforge_here
+    from smolforge.cluster.control.kinds import parse
+    from smolforge.models.kinds import refuse_unused
+
+    result = smolforge_here("launch", "--model", "mlp", "--dataset", "digits", *flags,
+                            "--output-dir", str(tmp_path / "out"))
+    err = result.stderr
+    assert result.exit_code == 2 and err.count("error:") == 1 and "\n  fix: drop" in err, err
+    assert all(n in err for n in named) and "Traceback" not in result.output, err
+    spec = {"kind": "data_parallel", "train": {"model": "mlp", "data": {"path": "digits"}}}
+    parse(spec)  # nothing given that the kind cannot use: no refusal
+    parse({**spec, "train": {**spec["train"], "model": "tiny-llama", "peft": {"method": "lora"}}})
+    from smolforge.config import TrainConfig
+
+    refuse_unused(TrainConfig.model_validate({"model": "mlp", "data": {"path": "digits"},
+                                              "output_dir": str(tmp_path / "o")}), prefix="")

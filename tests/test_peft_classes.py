@@ -64,15 +64,15 @@ def test_prefix_adapter_is_not_a_dead_end():
 
 
 def test_teacher_backends_registry():
-    assert backend_names() == TEACHER_BACKENDS == ("hf", "llamacpp", "ollama", "reference")
+    assert backend_names() == TEACHER_BACKENDS == ("hf", "llamacpp", "ollama", "openai", "reference")
     assert {b: model_backend(b) for b in TEACHER_BACKENDS} == {"hf": "hf", "llamacpp": "hf", "ollama": "ollama",
-                                                              "reference": "hf"}
+                                                              "openai": "endpoint", "reference": "hf"}
     assert backends_that("on_policy") == ["hf"]
     assert teacher_backend("llamacpp").tokenizer_for(["s1", "s2"]) == "s1"
     assert teacher_backend("hf").tokenizer_for(["s1"]) is None
     with pytest.raises(SmolforgeError, match="unknown --teacher-backend 'vllm'") as err:
         teacher_backend("vllm")
-    assert "hf, llamacpp, ollama, reference" in err.value.fix
+    assert "hf, llamacpp, ollama, openai, reference" in err.value.fix
 
 
 def _settings(**kw) -> DistillSettings:
@@ -83,7 +83,7 @@ def _settings(**kw) -> DistillSettings:
     ({"teacher_backend": "ollama", "on_policy_ratio": 0.5}, "the ollama backend cannot", "--teacher-backend hf"),
     # refused at submit now (it was refused only when the Ollama teacher ran)
     ({"teacher_backend": "ollama", "teacher_responses": "reference"}, "the ollama backend generates its own",
-     "--teacher-backend hf or reference"),
+     "--teacher-backend hf or openai or reference"),
     ({"teacher_backend": "vllm"}, "unknown --teacher-backend", "hf, llamacpp"),
 ])
 def test_check_run_asks_the_backend_class(kw, match, fix):

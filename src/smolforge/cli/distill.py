@@ -54,6 +54,10 @@ def register(app: typer.Typer) -> None:
         teacher_quant: str = typer.Option("q8_0", help=f"llamacpp: the HF teacher's GGUF weights, "
                                           f"{'|'.join(TEACHER_QUANTS)} (q4_k_m by llama.cpp's quantizer)"),
         ollama_host: Optional[str] = typer.Option(None, help="Ollama URL (default $OLLAMA_HOST or 127.0.0.1:11434)"),
+        teacher_url: Optional[str] = typer.Option(None, help="openai: the endpoint's base URL, e.g. http://host:8000/v1 "
+                                                  "(--teacher: the model name it serves)"),
+        teacher_key_file: Optional[str] = typer.Option(None, help="openai: a file holding the endpoint's API key, read "
+                                                       "where the teacher runs (default: $OPENAI_API_KEY; never on argv)"),
         gen_temperature: float = typer.Option(0.0, help="teacher sampling temperature (0: greedy)"),
         top_p: float = typer.Option(1.0, help="teacher nucleus sampling"),
         max_new_tokens: int = typer.Option(32, help="teacher response length"),
@@ -147,6 +151,7 @@ def _distill_section(o: dict[str, Any]) -> dict[str, Any]:
         "on_policy_ratio": o["on_policy_ratio"], "on_policy_start": o["on_policy_start"],
         "compress_outputs": not o["no_compress"], "teacher_backend": o["teacher_backend"],
         "teacher_quant": o["teacher_quant"], "ollama_host": o["ollama_host"],
+        "teacher_url": o["teacher_url"], "teacher_key_file": o["teacher_key_file"],
         "gen_temperature": o["gen_temperature"], "top_p": o["top_p"], "max_new_tokens": o["max_new_tokens"],
         "samples_per_prompt": o["samples_per_prompt"], "teacher_responses": o["teacher_responses"], "num_shards": o["num_shards"],
         "max_samples": o["max_samples"], "max_steps": o["max_steps"], "epochs": o["epochs"], "batch_size": o["batch_size"],

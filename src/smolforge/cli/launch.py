@@ -95,6 +95,12 @@ def _register_launch(app: typer.Typer) -> None:
         temperature: float = typer.Option(1.0, help="teacher_student/hybrid: KD temperature"),
         top_k: int = typer.Option(32, help="teacher_student/hybrid: teacher logits kept per token"),
         num_teachers: NumTeachersOpt = None,
+        teacher_backend: Optional[str] = typer.Option(None, help="teacher_student/hybrid: how the teacher runs "
+                                                      "(default hf; `smolforge distill --help` lists them)"),
+        teacher_url: Optional[str] = typer.Option(None, help="--teacher-backend openai: the endpoint's base URL "
+                                                  "(e.g. http://host:8000/v1); --model: the name it serves"),
+        teacher_key_file: Optional[str] = typer.Option(None, help="--teacher-backend openai: a file holding the "
+                                                       "API key (default: $OPENAI_API_KEY; never on argv)"),
         epochs: Optional[float] = typer.Option(None),
         batch_size: int = typer.Option(4, help="per worker; the global batch is batch size x workers"),
         max_length: Optional[int] = typer.Option(None, help="truncate sequences to this many tokens"),
@@ -162,6 +168,8 @@ def _register_launch(app: typer.Typer) -> None:
             raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
         after = _export_after(flags)
+        if mode not in ("teacher_student", "hybrid"):
+            _only_distill({f"--{k.replace('_', '-')}": flags[k] for k in _TEACHER_FLAGS}, mode)
         if mode == "split":
             _launch_split_flags(flags, after)
             return
@@ -234,7 +242,8 @@ def _export_after(o: dict[str, Any]) -> Callable[[Path], dict] | None:
 _DISTILL_FLAGS = ("epochs", "batch_size", "max_length", "max_steps", "lr", "dtype", "peft", "lora_r", "lora_alpha",
                   "seed", "cpus_per_worker", "output_dir", "kd_loss", "kd_ratio", "temperature", "top_k",
                   "num_teachers", "coordinator", "state_dir", "quiet", "json_out", "tensorboard", "wandb", "name",
-                  "priority", "detach", "save_every")
+                  "priority", "detach", "save_every", "teacher_backend", "teacher_url", "teacher_key_file")
+_TEACHER_FLAGS = ("teacher_backend", "teacher_url", "teacher_key_file")  # distillation modes only
 
 
 def _launch_distill_flags(o: dict[str, Any], after: Callable[[Path], dict] | None) -> None:
@@ -279,6 +288,15 @@ def _not_for(given: dict[str, Any]) -> None:
     if named:
         raise SmolforgeError(f"{', '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to --mode split only",
                              fix=f"drop {'them' if len(named) > 1 else 'it'}, or use --mode split")
+
+
+def _only_distill(given: dict[str, Any], mode: str) -> None:
+    """Teacher flags given to a mode without a teacher: one message naming them."""
+    named = [flag for flag, value in given.items() if value is not None]
+    if named:
+        raise SmolforgeError(f"{', '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to --mode teacher_student "
+                             f"or hybrid, not {mode}", fix=f"drop {'them' if len(named) > 1 else 'it'}, or pick a "
+                                                           "distillation mode")
 
 
 # `launch` flags a split job takes, and their names in `split:` (the seed's, as `smolforge split train` has them)
@@ -366,7 +384,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     peft_config = {k: v for k, v in (("r", o["lora_r"]), ("alpha", o["lora_alpha"])) if v is not None}
     if peft_config:
         distill["peft_config"] = peft_config
-    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every"):
+    for key in ("num_teachers", "max_steps", "lr", "max_length", "seed", "epochs", "save_every", *_TEACHER_FLAGS):
         if o[key] is not None:
             distill[key] = o[key]
     if o["dtype"] is not None:  # one --dtype for both here; `smolforge distill` sets them apart

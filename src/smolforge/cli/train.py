@@ -23,6 +23,7 @@ from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, 
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
 from smolforge.models.export.targets import RUN_TARGETS
+from smolforge.models.kinds import refuse_unused
 from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
 FLAG_KEYS = {
@@ -150,6 +151,7 @@ def _register_train(app: typer.Typer) -> None:
             cfg = cfg.model_copy(update={"tensorboard": tensorboard})
         if json_out:
             cfg = cfg.model_copy(update={"quiet": True})
+        refuse_unused(cfg, prefix="")  # a model kind's unused settings (--peft for --model mlp), by name
         check_run_export(export, cfg.peft.method)
         examples = check_model_and_data(cfg)
         make_output_dir(cfg.output_dir)

@@ -32,6 +32,7 @@ class Loader:
     none_held: str  # a node's list when empty
     where: str  # appended to "does not hold model M" ("" or " in Ollama")
     weights: bool  # the model's files: they can travel to a node, and presets build anywhere
+    anywhere: bool = False  # nothing to hold: every node may run the task (a model behind a URL)
 
     def missing_fix(self, model: str, role: str) -> str:
         """What to do when no node holds `model` this way."""
@@ -46,7 +47,8 @@ WEIGHTS = Loader("hf", "models", "model:", "weights", "as weights (HF cache or -
                  weights=True)
 OLLAMA_TAG = Loader("ollama", "ollama_models", "ollama:", "Ollama", "as an Ollama tag", "no Ollama models",
                     " in Ollama", weights=False)
-LOADERS: dict[str, Loader] = {loader.name: loader for loader in (WEIGHTS, OLLAMA_TAG)}
+ENDPOINT = Loader("endpoint", "", "", "endpoint", "behind a URL (--teacher-url)", "", "", weights=False, anywhere=True)
+LOADERS: dict[str, Loader] = {loader.name: loader for loader in (WEIGHTS, OLLAMA_TAG, ENDPOINT)}
 
 
 def loader(name: str) -> Loader:
@@ -77,7 +79,7 @@ class TeacherBackend:
 
     def build(self, model: str, **kwargs: Any) -> Any:
         """The teacher object for `model`. kwargs: device, dtype, ollama_host, tokenizer (the student's),
-        quant, n_threads, as the backend uses them."""
+        quant, n_threads, teacher_url, teacher_key_file, as the backend uses them."""
         raise NotImplementedError(self.name)
 
     def check(self, cfg: Any) -> None:
@@ -179,6 +181,34 @@ class OllamaBackend(TeacherBackend):
 
     def build(self, model: str, **kwargs: Any) -> Any:
         return self.teacher_class()(model, host=kwargs.get("ollama_host"), tokenizer_name=kwargs.get("tokenizer"))
+
+
+@register
+class OpenAIBackend(TeacherBackend):
+    """A model behind any OpenAI-compatible endpoint (`--teacher-url`; `distill/teacher_openai.py`):
+    asked for completions with `logprobs`, its token texts mapped to the student's ids."""
+
+    name = "openai"
+    loader = ENDPOINT  # the model is a name the endpoint serves: any node may ask it
+    description = "a model behind an OpenAI-compatible endpoint (--teacher-url; key: $OPENAI_API_KEY or --teacher-key-file)"
+    student_tokenizer = True  # the store's ids are the student's: the endpoint's tokens are mapped into them
+    produces = frozenset({"text", "topk"})  # top-k where the endpoint's tokens map; else text (sequence-level KD)
+    scores_reference = True  # echo + logprobs, where the endpoint supports it
+
+    teacher = "smolforge.distill.teacher_openai:OpenAITeacher"
+
+    def build(self, model: str, **kwargs: Any) -> Any:
+        return self.teacher_class()(model, url=kwargs.get("teacher_url"), tokenizer=kwargs.get("tokenizer"),
+                                    key_file=kwargs.get("teacher_key_file"))
+
+    def check(self, cfg: Any) -> None:
+        """A URL is given, and the endpoint answers it with the key and lists the teacher (`probe`: an
+        unreachable URL, a refused key or an unknown model is exit 2 before anything starts). The key is read
+        here and where the teacher runs, and travels in no spec."""
+        if not getattr(cfg, "teacher_url", None):
+            raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
+                                 fix="add --teacher-url http://HOST:PORT/v1")
+        self.teacher_class().probe(cfg.teacher_url, cfg.teacher, cfg.teacher_key_file)
 
 
 @register

@@ -54,6 +54,8 @@ class DistillSettings(Spec):
     teacher_backend: str = "hf"
     teacher_quant: str = "q8_0"  # the llamacpp backend's GGUF weights (models.export.cache.TEACHER_QUANTS)
     ollama_host: str | None = None
+    teacher_url: str | None = None  # the openai backend's endpoint, e.g. http://host:8000/v1
+    teacher_key_file: str | None = None  # its API key's file, read on the teacher's node (else $OPENAI_API_KEY)
     gen_temperature: float = Field(0.0, ge=0, description="teacher sampling (0: greedy)")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)

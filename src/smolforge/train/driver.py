@@ -85,6 +85,30 @@ class Source(Protocol):
         """What a checkpoint keeps so that a resumed run sees the same rows (a student: its shard order)."""
 
 
+class OrderedSource:
+    """The base of a `Source` over a seeded row order (`engine.SampleOrder`: `per_step`, `step_rows`,
+    `steps_per_epoch`), each step's rows sliced per rank: the fine-tune's token rows (`engine.SampleSource`)
+    and a model kind's feature rows (`kind_run.RowSource`). A subclass makes `batches` from `my_rows`."""
+
+    def __init__(self, order: Any, steps: int, batch_size: int, strategy: Strategy):
+        self.order, self.steps, self.batch_size, self.strategy = order, steps, batch_size, strategy
+        self.rows_per_step = order.per_step
+
+    def my_rows(self, step: int) -> list[int]:
+        """This rank's row indices of `step` (equal slices unless a strategy balances them by speed)."""
+        first, count = self.strategy.rows_for(step, self.rows_per_step)
+        return self.order.step_rows(step)[first:first + count]
+
+    def epoch(self, done: int) -> float:
+        return done / self.order.steps_per_epoch
+
+    def note(self) -> str:
+        return ""
+
+    def replay_state(self) -> dict[str, Any]:
+        return {}  # the order is a pure function of (seed, step)
+
+
 @dataclass
 class RunSettings:
     """What the driver reads of a run's config (`TrainConfig`, `StudentConfig`: each says how)."""

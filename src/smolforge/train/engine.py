@@ -41,6 +41,7 @@ from smolforge.telemetry.sinks import run_name
 from smolforge.telemetry.writers import MetricsWriter
 from smolforge.train import checkpoint as ckpt
 from smolforge.train.driver import (  # noqa: F401  (StepInfo, available_cpus: re-exported, callers import them here)
+    OrderedSource,
     Outcome,
     Run,
     RunHooks,
@@ -203,33 +204,22 @@ def refuse_used_output_dir(cfg: TrainConfig, run_kind: str = "train") -> None:
     record(run, run_outputs(cfg))
 
 
-class SampleSource:
+class SampleSource(OrderedSource):
     """The engine's data (a driver `Source`): a seeded order over a loaded dataset, each step's rows
     sliced per rank (equal slices unless a strategy balances them by speed)."""
 
     def __init__(self, rows: list, order: SampleOrder, steps: int, batch_size: int, pad_id: int, strategy: Strategy):
-        self.rows, self.order, self.steps = rows, order, steps
-        self.batch_size, self.pad_id, self.strategy = batch_size, pad_id, strategy
-        self.rows_per_step = order.per_step
+        super().__init__(order, steps, batch_size, strategy)
+        self.rows, self.pad_id = rows, pad_id
 
     def batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        first, count = self.strategy.rows_for(step, self.rows_per_step)  # equal slices unless balanced by speed
-        mine = self.order.step_rows(step)[first:first + count]
+        mine = self.my_rows(step)
         return [collate([self.rows[i] for i in mine[j:j + self.batch_size]], self.pad_id)
-                for j in range(0, count, self.batch_size)]
+                for j in range(0, len(mine), self.batch_size)]
 
     def step_tokens(self, step: int) -> float:
         """Loss tokens of the whole global step (what `target_tokens` counts on its collated rows)."""
         return float(sum(sum(1 for t in self.rows[i]["labels"][1:] if t != IGNORE) for i in self.order.step_rows(step)))
-
-    def epoch(self, done: int) -> float:
-        return done / self.order.steps_per_epoch
-
-    def note(self) -> str:
-        return ""
-
-    def replay_state(self) -> dict[str, Any]:
-        return {}  # the order is a pure function of (seed, step)
 
 
 def step_meaning(cfg: TrainConfig, strategy: Strategy, rows: list) -> StepMeaning:

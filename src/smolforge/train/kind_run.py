@@ -15,36 +15,27 @@ import torch
 
 from smolforge.data.tabular import Tabular
 from smolforge.models.kinds.base import ModelKind
+from smolforge.train.driver import OrderedSource
 from smolforge.train.strategy import Strategy
 
 
-class RowSource:
+class RowSource(OrderedSource):
     """A driver `Source` over feature rows: the engine's seeded order, each step's rows sliced per rank."""
 
     def __init__(self, data: Tabular, order: Any, steps: int, batch_size: int, strategy: Strategy):
         """`order`: the engine's `SampleOrder` over the training rows (its `per_step`, `step_rows`)."""
-        self.data, self.order, self.steps, self.batch_size, self.strategy = data, order, steps, batch_size, strategy
-        self.rows_per_step = order.per_step
+        super().__init__(order, steps, batch_size, strategy)
+        self.data = data
 
     def batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of `step`: {"features": [rows, n_features], "labels": [rows]}."""
-        first, count = self.strategy.rows_for(step, self.rows_per_step)
-        mine = torch.tensor(self.order.step_rows(step)[first:first + count], dtype=torch.long)
+        mine = torch.tensor(self.my_rows(step), dtype=torch.long)
         return [{"features": self.data.train_x[idx], "labels": self.data.train_y[idx]}
                 for idx in mine.split(self.batch_size)]
 
     def step_tokens(self, step: int) -> float:
         """Loss-carrying units of the whole global step: its rows."""
         return float(self.rows_per_step)
-
-    def epoch(self, done: int) -> float:
-        return done / self.order.steps_per_epoch
-
-    def note(self) -> str:
-        return ""
-
-    def replay_state(self) -> dict[str, Any]:
-        return {}  # the order is a pure function of (seed, step)
 
 
 def evaluate_rows(kind: ModelKind, model: torch.nn.Module, data: Tabular, batch_size: int, device: torch.device,

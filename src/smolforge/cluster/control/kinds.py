@@ -30,6 +30,8 @@ from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import Spec, apply_overrides, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
+from smolforge.distill.backends import teacher_backend
+from smolforge.models.kinds import refuse_unused
 
 if TYPE_CHECKING:
     from smolforge.cluster.control.artifacts import ArtifactStore
@@ -92,7 +94,8 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
     d = job.distill
     # a teacher lent the coordinator (--teacher-on-coordinator) needs no worker that holds its model,
     # nor one that travels (its runner brings it to the workers first: workloads/distill/travel.py)
-    model = None if d.teacher_on_coordinator else model_need(d.teacher, None, embedded)
+    anywhere = teacher_backend(d.teacher_backend).loader.anywhere  # a model behind a URL: nothing to hold
+    model = None if d.teacher_on_coordinator or anywhere else model_need(d.teacher, None, embedded)
     return Demand(1, Requirements(model=model, cpus=max(d.cpus_per_teacher, d.cpus_per_student)), noun="task")
 
 
@@ -159,7 +162,7 @@ def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
             uploads=("train.data.path", "train.data.eval_path"),
-            models=("train.model",),
+            models=("train.model",), check=lambda job: refuse_unused(job.train),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data",),

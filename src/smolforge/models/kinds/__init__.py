@@ -15,7 +15,12 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel
+
+from smolforge.errors import SmolforgeError
+
 if TYPE_CHECKING:
+    from smolforge.config import TrainConfig
     from smolforge.models.kinds.base import ModelKind
 
 KINDS: dict[str, str] = {"mlp": "mlp:MlpKind"}
@@ -33,3 +38,45 @@ def model_kind(name: str | None) -> ModelKind | None:
         return None
     module, cls = KINDS[str(name)].split(":")
     return getattr(import_module(f"smolforge.models.kinds.{module}"), cls)()
+
+
+# The settings a kind's declared capability governs: (capability on ModelKind, setting path, flags, why not).
+GOVERNED: tuple[tuple[str, str, str, str], ...] = (
+    ("adapters", "peft", "--peft/--lora-r/--lora-alpha", "it trains every parameter (there is no adapter)"),
+    ("sequences", "data.max_length", "--max-length", "its rows are feature vectors, with no sequence to cut"),
+    ("sequences", "data.packing", "--packing", "its rows are feature vectors, with no sequence to pack"),
+)
+
+
+def given_settings(spec: BaseModel, prefix: str = "") -> set[str]:
+    """The dotted paths of the settings a validated spec was given (pydantic's `model_fields_set`, nested
+    sections walked), not those it took a default for: {"peft", "peft.method", "data.max_length", ...}."""
+    paths: set[str] = set()
+    for name in spec.model_fields_set:
+        paths.add(prefix + name)
+        value = getattr(spec, name)
+        if isinstance(value, BaseModel):
+            paths |= given_settings(value, f"{prefix}{name}.")
+    return paths
+
+
+def refuse_unused(cfg: TrainConfig, prefix: str = "train.") -> None:
+    """Refuse, by name, settings `cfg` was given that its model kind declares it cannot use (`GOVERNED`:
+    `--peft` for a kind without `adapters`, `--max-length` for one without `sequences`), rather than
+    ignore them. A language model (no registered kind) takes them all. Ask this of a spec as the user
+    gave it (submit, the CLI), not of one rebuilt from a dump (that names every default as given).
+
+    Raises SmolforgeError (exit 2) naming each flag and its setting path (under `prefix`: a job spec's)."""
+    kind = model_kind(cfg.model)
+    if kind is None:
+        return
+    given = given_settings(cfg)
+    unused = [(flags, prefix + path, why) for capability, path, flags, why in GOVERNED
+              if not getattr(kind, capability) and path in given]
+    if unused:
+        named = ", ".join(f"{flags} ({path})" for flags, path, _ in unused)
+        raise SmolforgeError(f"{named} do{'es' if len(unused) == 1 else ''} not apply: "
+                             + "; ".join(sorted({why for _, _, why in unused})),
+                             where=f"--model {cfg.model}",
+                             fix=f"drop {'it' if len(unused) == 1 else 'them'} (a model kind that is not a "
+                                 "language model trains whole, on feature rows)")

@@ -18,6 +18,10 @@ class ModelKind:
     """
 
     name: ClassVar[str] = ""
+    adapters: ClassVar[bool] = False
+    """Whether a PEFT method applies (`--peft`, `--lora-r`, `--lora-alpha`); False: every parameter trains."""
+    sequences: ClassVar[bool] = False
+    """Whether its rows are token sequences (`--max-length`, `--packing`); False: feature vectors."""
 
     def build(self, n_features: int, n_classes: int) -> nn.Module:
         """The untrained module (float32, on CPU), drawn from torch's global RNG."""

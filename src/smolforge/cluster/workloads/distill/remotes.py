@@ -63,7 +63,8 @@ def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
     model = _node_model(spec["model"]) if teacher_backend(spec["backend"]).loader.weights else spec["model"]
     teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
                            tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "fp32"), quant=spec.get("quant"),
-                           n_threads=max(1, int(spec["num_threads"])))  # llamacpp: the task's CPUs
+                           n_threads=max(1, int(spec["num_threads"])),  # llamacpp: the task's CPUs
+                           teacher_url=spec.get("teacher_url"), teacher_key_file=spec.get("teacher_key_file"))
     items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
     ranges = {int(sid): (int(a), int(b)) for sid, (a, b) in spec["shards"].items()}
     settings = GenSettings(**spec["settings"])

@@ -188,7 +188,7 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
         temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
         samples_per_prompt=cfg.samples_per_prompt, num_shards=cfg.num_shards, backend=cfg.teacher_backend,
         cpus_per_teacher=cfg.cpus_per_teacher, device=cfg.device, dtype=cfg.teacher_dtype,
-        ollama_host=cfg.ollama_host, seed=cfg.seed,
+        ollama_host=cfg.ollama_host, teacher_url=cfg.teacher_url, teacher_key_file=cfg.teacher_key_file, seed=cfg.seed,
         responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator, quant=cfg.teacher_quant,
         # a GGUF file's vocabulary must be the (first) student's; an HF teacher's export keeps its own tokenizer
         tokenizer=teacher_backend(cfg.teacher_backend).tokenizer_for(cfg.students))

@@ -96,6 +96,8 @@ class StoreState:
     cpus_per_teacher: float
     device: str
     ollama_host: str | None = None
+    teacher_url: str | None = None  # an openai teacher's endpoint
+    teacher_key_file: str | None = None  # and its key's file (a path on the teacher's node, never the key)
     teacher_tokenizer: str | None = None
     max_retries: int = 2  # per shard: how often a failed teacher's shard goes to another node
     teacher_on_coordinator: bool = False  # its teachers run on the coordinator node (lent by the user)

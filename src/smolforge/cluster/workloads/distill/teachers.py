@@ -91,7 +91,8 @@ class TeacherTasks:
         """
         loader = model_backend(backend)
         embedded = bool(getattr(self.cluster, "embedded", False))
-        any_ok = backends.loader(loader).weights and (built_from_code(model) or (embedded and is_local_model(model)))
+        how = backends.loader(loader)
+        any_ok = how.anywhere or how.weights and (built_from_code(model) or (embedded and is_local_model(model)))
         return model_nodes(self._nodes(), model, role, any_node_ok=any_ok, backend=loader,
                            on_coordinator=on_coordinator)
 
@@ -144,7 +145,8 @@ class TeacherTasks:
                                       tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
                                       responses: str = "generate", max_retries: int | None = None,
                                       task_config: TaskConfig | None = None,
-                                      teacher_on_coordinator: bool = False, quant: str = "q8_0") -> list[str]:
+                                      teacher_on_coordinator: bool = False, quant: str = "q8_0",
+                                      teacher_url: str | None = None, teacher_key_file: str | None = None) -> list[str]:
         """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
 
         The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
@@ -158,7 +160,8 @@ class TeacherTasks:
         otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
         `backend` llamacpp: each teacher runs a GGUF in llama.cpp with `cpus_per_teacher` threads (`quant`:
         the weights its node exports the HF teacher to, once; `tokenizer`: the HF tokenizer whose ids a
-        given GGUF file must have, the student's).
+        given GGUF file must have, the student's). `backend` openai: `model_path` is the name the endpoint
+        `teacher_url` serves, asked from any node (`teacher_key_file`: its key's file there).
         """
         opts = task_options(task_config, "teacher")
         cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
@@ -195,7 +198,8 @@ class TeacherTasks:
                            settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
                            teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
                            ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
-                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype, quant=quant)
+                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype, quant=quant,
+                           teacher_url=teacher_url, teacher_key_file=teacher_key_file)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -265,7 +269,8 @@ class TeacherTasks:
         spec = {"task_id": task_id, "model": store.teacher, "backend": store.backend, "items": items, "shards": shards,
                 "settings": asdict(store.settings), "compress": store.compress, "device": store.device, "dtype": store.dtype,
                 "num_threads": max(1, int(store.cpus_per_teacher)), "node_name": node.name,
-                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer, "quant": store.quant}
+                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer, "quant": store.quant,
+                "teacher_url": store.teacher_url, "teacher_key_file": store.teacher_key_file}
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))

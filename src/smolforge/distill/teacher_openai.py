@@ -1,0 +1,360 @@
+"""A teacher behind any OpenAI-compatible endpoint (`--teacher-backend openai --teacher-url URL`): `smolforge
+serve`, llama.cpp's `llama-server`, vLLM, LM Studio, Ollama's `/v1`.
+
+What it asks: `POST {url}/completions` (the legacy completions API: the prompt as text, rendered with the
+student's chat template, so the endpoint continues exactly what the student will be trained on), with
+`max_tokens`, the run's temperature/top_p/seed and `logprobs: k`, for the answer's positions. With
+`--teacher-responses reference` it sends the prompt and the reference answer (its end of turn included,
+as plain SFT trains on it) with `echo: true`, `max_tokens: 0` and `logprobs: k`, and keeps the echoed
+answer's positions (an endpoint that cannot echo
+log-probabilities is a clear error: use `generate`).
+
+What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids. The
+endpoint names tokens by their text; each is mapped to the student tokenizer's id whose text is exactly
+that (`TokenMap`: every id's text as it reads after another token, as an incremental detokenizer makes it;
+a text two ids share is the id the tokenizer itself encodes it as). A response with any token that does not
+map, or whose mapped ids do not spell its text, is kept as text only: students train on it sequence-level
+(the same fallback as a teacher of another tokenizer), and the run says so once and counts it in each
+shard's manifest (`endpoint.text_only`). A token that is part of a character (a byte-level token of a
+multi-byte UTF-8 character) reaches the API as U+FFFD, its bytes lost: such an answer is text only too. k is what the endpoint gives: rows with fewer alternatives than
+asked are padded with -inf (their mass is in the tail); the manifest says the most it gave (`endpoint.k`).
+Both response shapes are read: the legacy one (`tokens`, `top_logprobs` as {text: logprob}) and the chat
+one (`content: [{token, logprob, top_logprobs: [...]}]`) that llama-server also sends for completions.
+
+The key: `$OPENAI_API_KEY`, or the file `--teacher-key-file` names (read on the teacher's node, so the key
+travels in no spec, argv or log); none: no Authorization header (a local server). Requests have bounded
+timeouts; a 429 or 5xx, a timeout and a dropped connection are retried with exponential backoff (`RETRIES` times),
+a 401/403 (the key) and a 404 (URL or model name) are one SmolforgeError with the fix (exit 2).
+
+Ollama's `/v1`: its documentation (docs.ollama.com/api/openai-compatibility) lists "Logprobs" among the
+supported features of both `/v1/chat/completions` and `/v1/completions` (its native API returns up to 20
+`top_logprobs` since v0.12.11: `distill/ollama.py`); `/v1/completions` takes the prompt only as a string.
+Whether it echoes prompt log-probabilities is not documented, so use `generate` with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smolforge.data.encode import ensure_chat_template
+from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.distill.store import TeacherRecord, tokenizer_hash
+from smolforge.errors import SmolforgeError
+from smolforge.models.families import turn_end_id
+from smolforge.models.loading import load_tokenizer
+from smolforge.train.rendering import render_prompt
+
+MAX_TOP_LOGPROBS = 20  # what OpenAI's chat API, vLLM's default and `smolforge serve` allow
+RETRIES = 4  # a 429/5xx, a timeout or a dropped connection: tried again after BACKOFF_S x 1, 2, 4, 8
+BACKOFF_S = 0.5
+TIMEOUT = (10.0, 300.0)  # connect, read (a long answer from a big model on a CPU)
+KEY_ENV = "OPENAI_API_KEY"
+
+
+class TokenMap:
+    """Token text (as an endpoint names a token) -> the tokenizer's id, exactly.
+
+    Each id's text is what it adds after an ordinary token (`decode([a, id])` minus `decode([a])`), which
+    is how an incremental detokenizer (vLLM's, `smolforge serve`'s) names a token mid-text: a
+    SentencePiece token's leading space kept, a byte-level token's bytes decoded. A text several ids
+    share (a byte-fallback token and its character) maps to the id the tokenizer encodes it as, if one.
+    Where the endpoint also sends a token's `bytes` (the chat shape: llama-server, Ollama), those decide
+    first: a byte of a multi-byte character, whose text is only U+FFFD, still names its id."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        anchor = (tokenizer.encode("a", add_special_tokens=False) or [0])[-1]
+        head = tokenizer.decode([anchor])
+        texts = tokenizer.batch_decode([[anchor, i] for i in range(len(tokenizer))])
+        self.ids: dict[str, list[int]] = {}
+        for i, full in enumerate(texts):
+            self.ids.setdefault(full[len(head):] if full.startswith(head) else full, []).append(i)
+        self.by_bytes: dict[bytes, list[int]] = {}
+        special = set(tokenizer.all_special_ids)
+        for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+            raw = None if i in special or tok is None else token_bytes(tok)
+            if raw:
+                self.by_bytes.setdefault(raw, []).append(i)
+
+    def __call__(self, name: Any) -> int | None:
+        """The id `name` names, or None (no id, or several and the tokenizer picks none of them). `name`:
+        the token's text, or (text, bytes) where the endpoint sends its bytes."""
+        text, raw = name if isinstance(name, tuple) else (name, None)
+        if isinstance(raw, list) and raw and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+            found = self.by_bytes.get(bytes(raw))
+            if found and len(found) == 1:
+                return found[0]
+        if not isinstance(text, str):
+            return None
+        found = self.ids.get(text)
+        if found and len(found) == 1:
+            return found[0]
+        encoded = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return encoded[0] if len(encoded) == 1 and (not found or encoded[0] in found) else None
+
+
+def token_bytes(token: str) -> bytes | None:
+    """A vocabulary entry's bytes: byte-level BPE's printable alphabet (GPT-2's), a SentencePiece byte
+    (<0xAB>) or piece (▁ for a space); None for a spelling that is neither."""
+    from smolforge.distill.ollama import _byte_alphabet
+
+    inverse = {c: b for b, c in _byte_alphabet().items()}
+    if all(c in inverse for c in token):
+        return bytes(inverse[c] for c in token)
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    return token.replace("\u2581", " ").encode("utf-8") if "\u2581" in token else None
+
+
+def read_key(key_file: str | None) -> str | None:
+    """The API key: the file's first line, else $OPENAI_API_KEY, else None. Never logged."""
+    if key_file:
+        path = Path(key_file).expanduser()
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise SmolforgeError(f"cannot read the key file {key_file}: {err.strerror}", where="--teacher-key-file",
+                                 fix="give a readable file holding the endpoint's API key (on the teacher's node)") from None
+        if not key:
+            raise SmolforgeError(f"the key file {key_file} is empty", where="--teacher-key-file",
+                                 fix="write the API key into it, or drop --teacher-key-file")
+        return key
+    return os.environ.get(KEY_ENV) or None
+
+
+def positions(logprobs: Any) -> list[tuple[Any, list[tuple[Any, float]]]] | None:
+    """(token text, [(alternative text, logprob), ...]) per position, from either response shape; None
+    when the answer carries no log-probabilities."""
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if isinstance(content, list):  # the chat shape (llama-server's completions too): tokens with their bytes
+        return [((e.get("token"), e.get("bytes")),
+                 [((a.get("token"), a.get("bytes")), a.get("logprob")) for a in e.get("top_logprobs") or []
+                  if isinstance(a, dict)] or [((e.get("token"), e.get("bytes")), e.get("logprob"))])
+                for e in content if isinstance(e, dict)]
+    tokens, tops = logprobs.get("tokens"), logprobs.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
+        return None
+    return [(t, list(top.items()) if isinstance(top, dict) else []) for t, top in zip(tokens, tops)]
+
+
+def refuse_status(resp: Any, where: str, url: str) -> None:
+    """Nothing for a 200; else one SmolforgeError (exit 2) with the fix: 401/403 the key, 404 the URL or
+    model, anything else the endpoint's own words."""
+    status, said = resp.status_code, resp.text[:200]
+    if status in (401, 403):
+        raise SmolforgeError(f"the teacher endpoint refused the key ({status}): {said}", where="--teacher-url",
+                             fix=f"set ${KEY_ENV} or --teacher-key-file to a key the endpoint accepts")
+    if status == 404:
+        raise SmolforgeError(f"the teacher endpoint answered 404 at {where}: {said}", where="--teacher-url",
+                             fix=f"give the base URL ending in /v1, and --teacher as the model name it serves "
+                                 f"(GET {url}/models lists them)")
+    if status != 200:
+        raise SmolforgeError(f"the teacher endpoint answered {status}: {said}", where="--teacher-url",
+                             fix="check the endpoint's log; --top-k above what it allows (often 20, OpenAI 5) "
+                                 "is a common cause")
+
+
+def probe(url: str, model: str, key_file: str | None) -> None:
+    """At submit, before anything starts: the endpoint answers `GET {url}/models` with this key, and serves
+    `model` where it lists its models. A SmolforgeError (exit 2) for an unreachable URL, a refused key, or a
+    model it does not list. Asked from the submitting machine (the teachers ask from their nodes)."""
+    import httpx
+
+    key = read_key(key_file)
+    where = f"{url.rstrip('/')}/models"
+    try:
+        resp = httpx.get(where, headers={"Authorization": f"Bearer {key}"} if key else {},
+                         timeout=httpx.Timeout(30.0, connect=TIMEOUT[0]))
+    except httpx.HTTPError as err:
+        raise SmolforgeError(f"cannot reach the teacher endpoint {where}: {type(err).__name__}", where="--teacher-url",
+                             fix="check the URL (the base ending in /v1) and that the server is running") from None
+    refuse_status(resp, where, url.rstrip("/"))
+    try:
+        served = [m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)]
+    except (ValueError, AttributeError):
+        served = []
+    if served and model not in served:
+        raise SmolforgeError(f"the teacher endpoint does not serve {model!r} (it serves {', '.join(map(str, served[:8]))})",
+                             where="--teacher", fix="give --teacher as one of the names it serves")
+
+
+class OpenAITeacher:
+    """A model behind an OpenAI-compatible endpoint; `model` is the name the endpoint serves it under.
+    `tokenizer`: the HF tokenizer whose ids the store uses (the student's)."""
+
+    backend = "openai"
+    probe = staticmethod(probe)  # the submit's check (`backends.OpenAIBackend.check`), asked of the class
+
+    def __init__(self, model: str, *, url: str | None, tokenizer: str | None, key_file: str | None = None,
+                 say: Any = print):
+        if not url:
+            raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
+                                 fix="add --teacher-url http://HOST:PORT/v1 (the base URL the OpenAI client takes)")
+        if tokenizer is None:
+            raise SmolforgeError(f"the endpoint teacher ({model}) needs the tokenizer whose ids the store uses",
+                                 fix="name the student (smolforge distill passes the first --student)")
+        self.name, self.url, self.say = model, url.rstrip("/"), say
+        self._key = read_key(key_file)
+        self.tokenizer = load_tokenizer(tokenizer)
+        ensure_chat_template(self.tokenizer)
+        self.vocab_size, self.tok_hash = len(self.tokenizer), tokenizer_hash(self.tokenizer)
+        self.map = TokenMap(self.tokenizer)
+        self.given_k = 0
+        self.text_only = 0
+        self.manifest_extra: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- HTTP
+    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST /completions; retried on 429/5xx, timeouts and dropped connections (not a refused one: nothing
+        listens there); SmolforgeError for the rest."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        where = f"{self.url}/completions"
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = httpx.post(where, json=payload, headers=headers, timeout=httpx.Timeout(TIMEOUT[1], connect=TIMEOUT[0]))
+            except httpx.HTTPError as err:  # refused at once: nothing listens there, no point waiting
+                if attempt < RETRIES and not isinstance(err, httpx.ConnectError):
+                    time.sleep(BACKOFF_S * 2 ** attempt)
+                    continue
+                raise SmolforgeError(f"cannot reach the teacher endpoint {where}: {type(err).__name__}",
+                                     where="--teacher-url", fix="check the URL (it ends in /v1) and that the "
+                                     "server is running and reachable from the teacher's node") from None
+            if resp.status_code == 429 or resp.status_code >= 500:
+                if attempt < RETRIES:
+                    time.sleep(BACKOFF_S * 2 ** attempt)
+                    continue
+            return self._answer(resp, where)
+        raise AssertionError("unreachable")
+
+    def _answer(self, resp: Any, where: str) -> dict[str, Any]:
+        """The JSON object of a 200; one SmolforgeError naming the fix for anything else."""
+        refuse_status(resp, where, self.url)
+        try:
+            data = resp.json()
+            return data["choices"][0] | {"_usage": data.get("usage")}
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise SmolforgeError(f"the teacher endpoint sent no completion: {resp.text[:200]!r}", where="--teacher-url",
+                                 fix="check that the URL is an OpenAI-compatible /v1 base") from None
+
+    # ---------------------------------------------------------------- rows
+    def _rows(self, pos: list[tuple[Any, list[tuple[Any, float]]]], k: int) -> tuple[Any, Any]:
+        """(ids, [n, k] log-probs, [n, k] ids, [n] tail mass) in the student's ids, or (None, bad text) when a
+        token does not map."""
+        ids, vals, idxs, tails = [], [], [], []
+        for text, alts in pos:
+            tid = self.map(text)
+            if tid is None:
+                return None, text
+            row: dict[int, float] = {}
+            # the k most likely as the endpoint named them (OpenAI's legacy shape adds the chosen token when
+            # it is not among them: not a top-k entry), then mapped; a text no id names drops to the tail
+            for alt, lp in sorted(((a, lp) for a, lp in alts if isinstance(lp, (int, float))), key=lambda a: -a[1])[:k]:
+                aid = self.map(alt)
+                if aid is not None and aid not in row:
+                    row[aid] = float(lp)
+            pairs = sorted(row.items(), key=lambda kv: -kv[1])
+            self.given_k = max(self.given_k, len(pairs))
+            mass = sum(math.exp(v) for _, v in pairs)
+            used = {a for a, _ in pairs}
+            filler = (i for i in range(self.vocab_size) if i not in used)  # distinct ids at -inf: tail mass
+            pairs += [(next(filler), -math.inf) for _ in range(k - len(pairs))]
+            ids.append(tid)
+            vals.append([v for _, v in pairs])
+            idxs.append([a for a, _ in pairs])
+            tails.append(max(0.0, 1.0 - mass))
+        return (ids, np.array(vals, np.float32).reshape(len(ids), k).clip(-65000.0),
+                np.array(idxs, np.int64).reshape(len(ids), k), np.array(tails, np.float32)), None
+
+    def _keep(self, rec: TeacherRecord, pos: list[tuple[Any, list[tuple[Any, float]]]] | None, k: int, text: str,
+              expect: list[int] | None = None) -> None:
+        """Put the answer's rows on `rec`, or keep it as text only (saying so the first time). `expect`: the
+        ids the rows must be (a scored reference answer's); else the ids must spell `text`."""
+        got, bad = self._rows(pos, k) if pos else (None, None)
+        if got is not None and expect is not None and got[0] != expect:
+            got, bad = None, f"ids {got[0][:6]}..., not the reference's {expect[:6]}..."
+        spelled = self.tokenizer.decode(got[0], skip_special_tokens=True) if got is not None else text
+        if expect is None and spelled != text:
+            got, bad = None, f"ids that spell {spelled[:40]!r}, not the answer's text"
+        if got is None:
+            if not self.text_only:
+                why = f"token {bad!r} names no single token of the student's tokenizer" if bad is not None \
+                    else "the endpoint sent no log-probabilities"
+                self.say(f"teacher {self.name}: {why}: such answers train the student on their text "
+                         "(sequence-level KD), not on logits")
+            self.text_only += 1
+            rec.response_ids = expect if expect is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return
+        rec.response_ids, rec.topk_logprobs, rec.topk_indices, rec.tail_mass = got
+
+    def _named_stop(self, pos: list | None, choice: dict[str, Any]) -> list | None:
+        """An answer that stopped on a special token some endpoints name by no text (llama-server: '', no
+        bytes): that last token is the end of turn the student must learn (`families.turn_end_id`)."""
+        def empty(name: Any) -> bool:
+            text, raw = name if isinstance(name, tuple) else (name, None)
+            return text == "" and not raw
+
+        end = turn_end_id(self.tokenizer)
+        if not pos or choice.get("finish_reason") != "stop" or end is None or not empty(pos[-1][0]):
+            return pos
+        named = self.tokenizer.decode([end])
+        return [*pos[:-1], (named, [(named if empty(a) else a, lp) for a, lp in pos[-1][1]])]
+
+    def generate(self, items: list[PromptItem], settings: GenSettings) -> list[TeacherRecord]:
+        """One completion per prompt and sample, in the order of `items` (samples adjacent)."""
+        settings.check()
+        k = min(settings.top_k, MAX_TOP_LOGPROBS, self.vocab_size)
+        records = []
+        for item in items:
+            prompt = render_prompt(self.tokenizer, item.prompt_messages)
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            for sample in range(settings.samples_per_prompt):
+                rec = TeacherRecord(example_id=item.example_id, prompt_messages=item.prompt_messages,
+                                    prompt_ids=prompt_ids, response_ids=[], response_text="", answer=item.answer,
+                                    sample_id=sample)
+                if settings.responses == "reference":
+                    self._score(rec, item, k)
+                else:
+                    choice = self._post({"model": self.name, "prompt": prompt, "max_tokens": settings.max_new_tokens,
+                                         "temperature": settings.temperature, "top_p": settings.top_p,
+                                         "seed": settings.seed + sample, "logprobs": k})
+                    text = choice.get("text") if isinstance(choice.get("text"), str) else ""
+                    rec.response_text = text
+                    self._keep(rec, self._named_stop(positions(choice.get("logprobs")), choice), k, text)
+                records.append(rec)
+        self.manifest_extra = {"endpoint": {"url": self.url, "k": self.given_k, "k_asked": k,
+                                            "text_only": self.text_only}}
+        return records
+
+    def _score(self, rec: TeacherRecord, item: PromptItem, k: int) -> None:
+        """The reference answer's positions (`teacher.reference_ids`: the ids plain SFT trains on, its end of
+        turn included), echoed (`echo`, `max_tokens` 0): those whose text starts at or after the prompt's end."""
+        from smolforge.distill.teacher import reference_ids
+
+        prompt_ids, response_ids = reference_ids(self.tokenizer, item)
+        prompt = self.tokenizer.decode(prompt_ids)
+        choice = self._post({"model": self.name, "prompt": self.tokenizer.decode(prompt_ids + response_ids),
+                             "max_tokens": 0, "echo": True, "logprobs": k, "temperature": 0})
+        pos = positions(choice.get("logprobs"))
+        if not pos:
+            raise SmolforgeError(f"the endpoint did not echo the prompt's log-probabilities ({self.url})",
+                                 where="--teacher-responses",
+                                 fix="use --teacher-responses generate with this endpoint")
+        start, at = len(pos), 0
+        for i, (name, _) in enumerate(pos):
+            if at >= len(prompt):
+                start = i
+                break
+            text = name[0] if isinstance(name, tuple) else name
+            at += len(text) if isinstance(text, str) else 0
+        rec.prompt_ids, rec.response_text = prompt_ids, self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        self._keep(rec, pos[start:], k, rec.response_text, expect=response_ids)

@@ -1,0 +1,318 @@
+"""`--teacher-backend openai`: a teacher behind an OpenAI-compatible endpoint (issue 46 item 4).
+
+Against the real `smolforge serve` of tiny-llama these serve tests share (loopback, one thread; here so
+that it starts no second server), the same model the `hf` teacher loads:
+- the store it writes validates, its tokens are the student's ids, and a student trains from it on the
+  logits (a few steps);
+- greedy, its answers are the hf teacher's and its top-k ids are the hf teacher's at >= 99 % of positions;
+- a wrong key (401) and a URL where nothing listens are each one SmolforgeError with its fix (exit 2);
+- a token text that no student id spells keeps that answer as text (sequence-level KD), said once;
+- (soak) the same against llama.cpp's `llama-server` (bench/llama_server.py), where the binary is built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smolforge.distill.prompts import GenSettings
+from smolforge.errors import SmolforgeError
+
+from servehelpers import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+K = 8
+GEN = GenSettings(max_new_tokens=8, top_k=K)
+
+
+@pytest.fixture
+def served(server):
+    """The serve tests' one `smolforge serve` of tiny-llama (tests/serve/conftest.py): no second server."""
+    return server
+
+
+def _student_cfg(out: Path):
+    from smolforge.config import PeftSpec
+    from smolforge.distill.losses import KDConfig
+    from smolforge.distill.student import StudentConfig
+
+    return StudentConfig(base_model="tiny-llama", output_dir=str(out), max_steps=2, batch_size=2, lr=1e-3,
+                         device="cpu", num_threads=1, peft=PeftSpec(method="lora", r=4, alpha=8, dropout=0.0),
+                         kd=KDConfig(kd_ratio=0.5), wait_timeout_s=120, poll_s=0.05)
+
+
+def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_from_it(served, tmp_path, monkeypatch):
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.store import read_shard, tokenizer_hash
+    from smolforge.distill.student import train_student
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset, run_teacher_local
+    from smolforge.distill.teacher_openai import TokenMap
+    from smolforge.models.loading import load_tokenizer
+
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    out = tmp_path / "teacher_outputs"
+    manifests = run_teacher_local(served.model, "bundled", out, num_shards=1, max_samples=6, settings=GEN,
+                                  backend="openai", teacher_url=f"{served.base}/v1", tokenizer="tiny-llama")
+    tok = load_tokenizer("tiny-llama")
+    m = manifests[0]
+    assert m["backend"] == "openai" and m["tokenizer_hash"] == tokenizer_hash(tok) and m["k"] == K
+    got = read_shard(out, 0).records  # checksum verified, then parsed
+    want = HFTeacher("tiny-llama", device="cpu").generate(prompts_from_dataset("bundled", max_samples=6), GEN)
+    # an answer with a token that is part of a character reaches the API as U+FFFD (its bytes lost): text only
+    lossy = [any("\ufffd" in tok.decode([i]) for i in w.response_ids) for w in want]
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == sum(lossy) < len(want), (m["endpoint"], lossy)
+    names = TokenMap(tok)
+    same = raw = total = 0
+    for g, w, text_only in zip(got, want, lossy):
+        assert g.prompt_ids == w.prompt_ids and g.has_topk == (not text_only)
+        assert g.response_text == w.response_text  # greedy: the hf teacher's answer
+        if text_only:
+            continue
+        assert g.response_ids == w.response_ids[:len(g.response_ids)]
+        assert all(t in row for t, row in zip(g.response_ids, g.topk_indices.tolist()))  # each token in its row
+        for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
+            # the endpoint names a token by its text: a byte of a multi-byte character is U+FFFD, which names
+            # no id, so it drops out of the row (into the tail); the rest must be the hf teacher's top-k
+            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
+            same += given == {i for i in row_w.tolist() if names(tok.decode([i])) == i}
+            raw += given == set(row_w.tolist())
+            total += 1
+        assert np.allclose(g.topk_logprobs[:, 0], w.topk_logprobs[:len(g.response_ids), 0], atol=1e-3)
+    print(f"top-{K} ids equal the hf teacher's at {same}/{total} positions ({raw} counting ids no text names)")
+    assert total >= 16 and same >= 0.99 * total, (same, raw, total)
+    res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
+                        teacher_tokenizer_hash=tokenizer_hash(tok))
+    assert res.mode == "logit" and res.steps == 2  # trained on the endpoint's logits
+
+
+def test_reference_answers_are_scored_by_echo_as_the_hf_teacher_scores_them(served, monkeypatch):
+    """`--teacher-responses reference`: the prompt and the reference answer sent with `echo`, `max_tokens` 0;
+    the answer's positions are the hf teacher's ids (end of turn included), their top-k its top-k."""
+    from dataclasses import replace
+
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset
+    from smolforge.distill.teacher_openai import TokenMap
+
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    items, ref = prompts_from_dataset("bundled", max_samples=4), replace(GEN, responses="reference", batch_size=1)
+    teacher = _teacher(f"{served.base}/v1")
+    got, want = teacher.generate(items, ref), HFTeacher("tiny-llama", device="cpu").generate(items, ref)
+    names, same, total = TokenMap(teacher.tokenizer), 0, 0
+    for g, w in zip(got, want):
+        assert (g.prompt_ids, g.response_ids) == (w.prompt_ids, w.response_ids) and g.has_topk
+        for chosen, row_g, lp_g, row_w in zip(g.response_ids, g.topk_indices, g.topk_logprobs, w.topk_indices):
+            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
+            # OpenAI's legacy shape adds the chosen token when it is not among the top k: told apart from them
+            # unless two of those share the text U+FFFD (one dict key), when the row keeps it at its own logprob
+            same += given - {chosen} == {i for i in row_w.tolist() if names(teacher.tokenizer.decode([i])) == i} - {chosen}
+            total += 1
+    assert teacher.text_only == 0 and total >= 16 and same >= 0.99 * total, (same, total)
+
+
+def _teacher(url: str, **kw):
+    from smolforge.distill.teacher_openai import OpenAITeacher
+
+    return OpenAITeacher("tiny", url=url, tokenizer="tiny-llama", say=kw.pop("say", print), **kw)
+
+
+def _distill_cli(tmp_path, url: str, *extra: str, teacher: str = "tiny"):
+    """`smolforge distill` with the endpoint teacher, in this process: refused at submit or not at all."""
+    from helpers import smolforge_here
+
+    return smolforge_here("distill", "--teacher", teacher, "--teacher-backend", "openai", "--teacher-url", url,
+                          "--student", "tiny-llama", "--data", "bundled", "--max-steps", "1",
+                          "--output-dir", str(tmp_path / "run"), *extra)
+
+
+def _one_message(result, needle: str) -> str:
+    err = result.stderr
+    assert result.exit_code == 2 and err.count("error:") == 1 and "\n  fix:" in err and needle in err, err
+    assert "Traceback" not in result.output
+    return err
+
+
+def test_a_wrong_key_and_an_unreachable_url_are_one_message_each(served, tmp_path, monkeypatch):
+    """At submit (`OpenAIBackend.check` probes GET /models: nothing starts) and where the teacher runs."""
+    from smolforge.distill.teacher import prompts_from_dataset
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text("not-the-token\n")
+    err = _one_message(_distill_cli(tmp_path, f"{served.base}/v1", "--teacher-key-file", str(key)),
+                       "refused the key (401)")
+    assert "not-the-token" not in err and "--teacher-key-file" in err  # the key is never repeated
+    _one_message(_distill_cli(tmp_path, f"http://127.0.0.1:{free_port()}/v1"), "cannot reach the teacher endpoint")
+    monkeypatch.setenv("OPENAI_API_KEY", served.token)
+    _one_message(_distill_cli(tmp_path, f"{served.base}/v1", teacher="no-such-model"),  # the key is good now
+                 "does not serve 'no-such-model' (it serves tiny)")
+    items = prompts_from_dataset("bundled", max_samples=1)
+    with pytest.raises(SmolforgeError) as caught:  # the teacher itself, on its node
+        _teacher(f"{served.base}/v1", key_file=str(key)).generate(items, GEN)
+    assert caught.value.exit_code == 2 and "refused the key (401)" in caught.value.what
+
+
+def test_launch_takes_the_teacher_flags_in_its_distillation_modes_only(tmp_path):
+    """`launch --mode teacher_student --teacher-backend openai --teacher-url URL` reaches the same submit check
+    (an unreachable URL: exit 2, nothing started); in another mode the flags are refused by name."""
+    from helpers import smolforge_here
+
+    base = ["launch", "--model", "tiny", "--dataset", "bundled", "--output-dir", str(tmp_path / "out")]
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    _one_message(smolforge_here(*base, "--mode", "teacher_student", "--student", "tiny-llama",
+                                "--teacher-backend", "openai", "--teacher-url", url), "cannot reach the teacher endpoint")
+    _one_message(smolforge_here(*base, "--teacher-url", url, "--teacher-key-file", "k"),
+                 "--teacher-url, --teacher-key-file apply to --mode teacher_student or hybrid, not data_parallel")
+
+
+def test_a_token_no_student_id_spells_keeps_the_answer_as_text(served):
+    """The vocabulary check: one unmappable token and the answer is text only (sequence-level KD), said once."""
+    from smolforge.distill.store import TeacherRecord
+
+    said: list[str] = []
+    teacher = _teacher(f"{served.base}/v1", say=said.append)
+    ok = [(" is", [(" is", -0.1), ("?", -2.5)])]
+    for pos in (ok, [*ok, ("\u2603\u2603-no-such-token", [])]):
+        text = "".join(t for t, _ in pos)
+        rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=text)
+        teacher._keep(rec, pos, K, text)
+        assert rec.has_topk == (pos is ok)
+        assert rec.response_ids == teacher.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert teacher.text_only == 1 and len(said) == 1 and "sequence-level KD" in said[0]
+
+
+@pytest.mark.soak  # the embedded cluster's and its task processes' starts: a minute or more here
+def test_distill_with_an_endpoint_teacher_on_the_embedded_cluster(served, tmp_path):
+    """`smolforge distill --teacher-backend openai`: through the job, the queue, the cluster and the teacher
+    task (placed on any node: nothing to hold), the key from the file, the student trained on the logits."""
+    import json
+
+    from helpers import last_json, smolforge
+
+    key = tmp_path / "key"
+    key.write_text(served.token)
+    out = tmp_path / "run"
+    env = {"RAY_TMPDIR": f"/tmp/sfoa{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
+           "OPENAI_API_KEY": ""}
+    proc = smolforge("distill", "--teacher", served.model, "--teacher-backend", "openai",
+                     "--teacher-url", f"{served.base}/v1", "--teacher-key-file", str(key),
+                     "--student", "tiny-llama", "--data", "bundled", "--max-samples", "8", "--max-steps", "2",
+                     "--batch-size", "4", "--max-new-tokens", "6", "--top-k", "8", "--num-students", "1",
+                     "--no-eval", "--save-every", "0", "--output-dir", str(out), "--json", timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert served.token not in proc.stdout + proc.stderr  # the key is in no output
+    summary = last_json(proc.stdout)
+    assert [s["state"] for s in summary["student_tasks"]] == ["completed"]
+    manifests = [json.loads(p.read_text()) for p in sorted((out / "teacher_outputs").glob("batch_*.json"))]
+    assert manifests and all(m["backend"] == "openai" and m["endpoint"]["k"] == 8 for m in manifests)
+    assert summary["per_student"][0]["kd"] == "logit", summary["per_student"][0]
+
+
+@pytest.mark.soak  # builds or needs llama.cpp's llama-server (bench/llama_server.py); minutes the first time
+def test_the_endpoint_teacher_against_llama_server(tmp_path):
+    """The same store from llama.cpp's `llama-server` serving tiny-llama's GGUF (f16): its completions'
+    `logprobs` (the chat shape, `content`) mapped into the student's ids, a student trained on them."""
+    llama_server = pytest.importorskip("bench.llama_server", reason="bench/llama_server.py is not on this branch yet")
+    binary = Path(os.environ.get("SMOLFORGE_LLAMA_SERVER_DIR", str(Path.home() / ".cache/smolforge/llama-server")))
+    if not (binary / "bin" / "llama-server").is_file():
+        pytest.skip(f"no llama-server at {binary}/bin (bench/llama_server.py builds it from the vendored llama.cpp)")
+    from smolforge.distill.shard_source import DirShardSource
+    from smolforge.distill.store import read_shard, tokenizer_hash
+    from smolforge.distill.student import train_student
+    from smolforge.distill.teacher import run_teacher_local
+    from smolforge.models.export.cache import cached_gguf
+    from smolforge.models.loading import load_tokenizer
+
+    port = free_port()
+    server = llama_server.start(cached_gguf("tiny-llama", "f16"), port)
+    try:
+        out = tmp_path / "teacher_outputs"
+        manifests = run_teacher_local("tiny-llama", "bundled", out, num_shards=1, max_samples=6, settings=GEN,
+                                      backend="openai", teacher_url=f"http://127.0.0.1:{port}/v1",
+                                      tokenizer="tiny-llama")
+    finally:
+        for stop in ("stop", "terminate", "close"):
+            if callable(getattr(server, stop, None)):
+                getattr(server, stop)()
+                break
+    m = manifests[0]
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] < 6, m["endpoint"]
+    assert any(r.has_topk for r in read_shard(out, 0).records)
+    tok = load_tokenizer("tiny-llama")
+    res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
+                        teacher_tokenizer_hash=tokenizer_hash(tok))
+    assert res.mode == "logit" and res.steps == 2
+
+
+def test_429_and_5xx_are_retried_with_backoff_then_the_answer_is_kept(monkeypatch):
+    """A loopback endpoint that answers 429, then 503, then a completion: three requests, two waits doubling
+    (the backoff asked of `time.sleep`), the third answer's rows kept; a 500 past the retries is one message."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from smolforge.distill import teacher_openai
+    from smolforge.distill.store import TeacherRecord
+
+    answers = [(429, {}), (503, {}), (200, {"choices": [{"text": " is", "logprobs": {
+        "tokens": [" is"], "token_logprobs": [-0.1], "top_logprobs": [{" is": -0.1, "?": -2.5}], "text_offset": [0]}}]})]
+    seen: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, body = answers[min(len(seen), len(answers) - 1)]
+            seen.append(status)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    waits: list[float] = []
+    monkeypatch.setattr(teacher_openai.time, "sleep", waits.append)
+    try:
+        teacher = _teacher(f"http://127.0.0.1:{httpd.server_port}/v1")
+        choice = teacher._post({"model": "tiny", "prompt": "x"})
+        rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=" is")
+        teacher._keep(rec, teacher_openai.positions(choice["logprobs"]), K, " is")
+        assert seen == [429, 503, 200] and waits == [teacher_openai.BACKOFF_S, 2 * teacher_openai.BACKOFF_S]
+        assert rec.has_topk and rec.response_ids == teacher.tokenizer(" is", add_special_tokens=False)["input_ids"]
+        answers[:] = [(500, {"error": "boom"})]
+        seen.clear()
+        with pytest.raises(SmolforgeError, match="answered 500"):
+            teacher._post({"model": "tiny", "prompt": "x"})
+        assert len(seen) == teacher_openai.RETRIES + 1
+    finally:
+        httpd.shutdown()
+
+
+def test_the_chat_shape_names_tokens_by_bytes_and_a_stop_by_no_text():
+    """What llama-server sends for a completion's `logprobs` (seen from it serving tiny-llama's GGUF): the chat
+    shape with each token's `bytes` (a byte of a multi-byte character: text U+FFFD, its byte still names its
+    id), and a stop on the end of turn named '' with no bytes (kept as the end-of-turn id)."""
+    from smolforge.distill import teacher_openai
+    from smolforge.distill.store import TeacherRecord
+    from smolforge.models.families import turn_end_id
+
+    teacher = _teacher("http://127.0.0.1:9/v1")  # asked nothing: the answer is given
+    alt = {"token": "\ufffd", "bytes": [0xE2], "logprob": -4.6}
+    content = [{"token": "def", "bytes": [100, 101, 102], "logprob": -3.1,
+                "top_logprobs": [{"token": "def", "bytes": [100, 101, 102], "logprob": -3.1}, alt]},
+               {"token": "", "bytes": [], "logprob": -3.5, "top_logprobs": [{"token": "", "bytes": [], "logprob": -3.5}]}]
+    choice = {"text": "def", "finish_reason": "stop", "logprobs": {"content": content}}
+    rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text="def")
+    teacher._keep(rec, teacher._named_stop(teacher_openai.positions(choice["logprobs"]), choice), K, "def")
+    byte = teacher.map(("\ufffd", [0xE2]))
+    assert byte is not None and teacher.map("\ufffd") is None  # the text alone names no id; the byte does
+    end = turn_end_id(teacher.tokenizer)
+    assert rec.has_topk and rec.response_ids == [teacher.map("def"), end] and teacher.text_only == 0
+    assert rec.topk_indices[0, :2].tolist() == [teacher.map("def"), byte] and rec.topk_indices[1, 0] == end
