@@ -89,11 +89,13 @@ def test_demo_json_shows_accuracy_rising(tmp_path):
 
 
 def test_distill_demo_json_has_the_documented_keys(tmp_path):
-    """The distillation demo end to end, shrunk (a 20-step student base, a 40-step teacher, 6-step
-    students) to check its wiring and its JSON; the full-size numbers are in BENCHMARKS.md."""
+    """The distillation demo end to end, shrunk (a 5-step student base, a 10-step teacher, 6-step
+    students) to check its wiring and its JSON; the full-size numbers are in BENCHMARKS.md. The base's
+    and the teacher's training were 145 of its 233 s at 20 and 40 steps (stage_seconds, a loaded
+    2-core machine); the KD student still ends below the base's eval loss by a wide margin."""
     env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
-    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--pretrain-steps", "20",
-                     "--teacher-steps", "40", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
+    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--pretrain-steps", "5",
+                     "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
                      timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)

@@ -53,6 +53,11 @@ FORMATS = {"qwen2.5-0.5b-instruct": "chatml", "llama-3.2-1b-instruct": "llama3.2
            "tinyllama-1.1b-chat-v1.0": "zephyr", "smollm2-360m-instruct": "chatml",
            "phi-3-mini-4k-instruct": "phi3"}
 SECONDS = ARTIFACT.with_name("family-matrix-seconds.json")  # per cell, to watch the module's CI budget
+# The export's own llama.cpp check runs on this many chat prompts here (the product's default is 16, each
+# ~2-3 s on a 150k-vocabulary twin: 86 of the module's 155 s were export-gguf). Every family's tokenizer
+# texts are still compared, and 4 prompts x 8 greedy tokens still catch a wrongly written tensor or
+# template; the 16-prompt default is tests/test_export.py's.
+VERIFY_PROMPTS = 4
 
 
 def _cli(argv: list[str]):
@@ -313,7 +318,7 @@ def cell_export(family: str, adapter: Path, to: str, work: Path, gguf_verified: 
         assert AutoConfig.from_pretrained(merged).model_type == AutoConfig.from_pretrained(_twin_dir(family)).model_type
     elif to == "gguf":
         v = summary["verify"]
-        assert v["ok"] and v["tokenization_equal"] and v["greedy_agreement_with_ties"] == 1.0, v
+        assert v["prompts"] == VERIFY_PROMPTS and v["ok"] and v["tokenization_equal"] and v["greedy_agreement_with_ties"] == 1.0, v
     else:
         modelfile = (work / "export-ollama" / "Modelfile").read_text()
         assert 'TEMPLATE """' in modelfile and summary["ollama"]["chat_format"] == FORMATS[family], summary
@@ -366,6 +371,19 @@ def matrix(tmp_path_factory) -> dict[str, dict[str, str]]:
     from test_export import require_llama_cpp
 
     require_llama_cpp()
+    from functools import partial
+
+    from smolforge.models.export import verify
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(verify, "verify_gguf", partial(verify.verify_gguf, count=VERIFY_PROMPTS))  # see VERIFY_PROMPTS
+    try:
+        return _run_matrix(tmp_path_factory)
+    finally:
+        patch.undo()
+
+
+def _run_matrix(tmp_path_factory) -> dict[str, dict[str, str]]:
     seconds: dict[str, dict] = {f: {} for f in FAMILIES}
     works = {f: tmp_path_factory.mktemp(f.replace(".", "_")) for f in FAMILIES}
     t0 = time.perf_counter()

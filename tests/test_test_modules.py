@@ -139,4 +139,4 @@ def test_every_user_of_the_shared_cluster_is_in_its_work_unit():
     assert {p.rsplit("/", 1)[-1].removesuffix(".py") for p in users} == set(SHARED_CLUSTER_ORDER), users
     # tests/serve shares one session server; any other module is its own unit
     assert work_unit("tests/serve/test_api.py::test_x") == work_unit("tests/serve/test_load.py::test_y[1]")
-    assert work_unit("tests/cluster/test_queue.py::test_x") == "tests/cluster/test_queue.py"
+    assert work_unit("tests/cluster/test_tls.py::test_x") == "tests/cluster/test_tls.py"

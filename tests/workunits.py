@@ -10,8 +10,8 @@ from __future__ import annotations
 # The modules that share one coordinator + two workers (`shared_cluster`), in the order they run:
 # test_cluster last, because its failure tests kill a worker (w2, replaced by w3) and the coordinator;
 # test_split_job kills a worker too, and joins it again under its name before it ends.
-SHARED_CLUSTER_ORDER = ("test_task_logs", "test_seeds_api", "test_kind_retries", "test_dashboard", "test_split_job",
-                        "test_cluster")
+SHARED_CLUSTER_ORDER = ("test_task_logs", "test_monitoring", "test_queue", "test_seeds_api", "test_kind_retries",
+                        "test_dashboard", "test_split_job", "test_cluster")
 
 
 def work_unit(nodeid: str) -> str:

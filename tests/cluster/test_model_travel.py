@@ -9,6 +9,10 @@ workers re-register with Ray once they hold the new model (the session's shared
 cluster must not see that). The workers' rescan timer is off (SMOLFORGE_RESCAN_S=0): what they
 advertise afterwards comes from the rescan the fetch asks for. The piece protocol, the disk-space
 refusal and placement's choices are tests/cluster/test_model_travel_units.py.
+
+Last, on the same cluster, a model copied into a worker's models dir after it joined (issue 33 item 5;
+tests/cluster/test_model_rescan.py has its pieces in process): it had a cluster of its own, for the same
+reasons as this module's (~35 s of the CI tier).
 """
 
 from __future__ import annotations
@@ -349,3 +353,37 @@ def test_a_distill_run_brings_its_teacher_and_student_to_the_workers(cluster, tm
     hits = sorted((d["model"], sorted(d["nodes"])) for d in data if d.get("cache_hit"))
     assert hits == [(STUDENT, ["w1", "w2"]), (TEACHER, ["w1", "w2"])], [e["message"] for e in events]
     assert [t["state"] for t in summary["student_tasks"]] == ["completed"]
+
+
+# -- a model copied in after the worker joined (issue 33 item 5), last: it re-registers w1 once more ------
+
+LATE = "tiny-late"  # no node holds it until the test copies it into w1's models dir
+
+
+def test_a_model_copied_in_after_join_is_placed_on_without_a_rejoin(cluster):
+    """Before: no node holds LATE, a job on it is refused at submit. Copied into w1's models dir,
+    `worker rescan` finds it and re-registers w1 (no re-join by hand): w1 advertises it (its Ray resource
+    too) and a one-worker job on it runs there. A second rescan finds nothing new."""
+    from smolforge.errors import SmolforgeError
+    from smolforge.models.tiny import preset_dir
+
+    c, client = cluster, cluster.client()
+    spec = {**job_spec(c, LATE), "num_workers": 1}
+    with pytest.raises(SmolforgeError, match=f"does not hold model {LATE}"):
+        client.submit_job(spec)  # before: no node holds it, refused at once
+
+    shutil.copytree(preset_dir("tiny-llama"), c.base / "models-w1" / LATE)
+    r = c.cli("worker", "rescan", "--state-dir", str(c.base / "node-w1"))
+    assert r.returncode == 0 and f"found model {LATE}; re-registering" in r.stdout, r.stdout + r.stderr
+    wait_listed(c, ["w1"], model=LATE)
+    node = next(n for n in client.list_nodes() if n["name"] == "w1")
+    assert node["ray_resources"].get(f"model:{LATE}"), node["ray_resources"]
+    c.workers["w1"].wait_for(f"found model {LATE}; re-registering", 10)
+
+    job_id = client.submit_job(spec)
+    st, _ = job_end(client, job_id)
+    assert st["state"] == "completed", (st.get("error"), client.job_logs(job_id)[-30:])
+    assert [t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank"] == ["w1"]
+
+    r = c.cli("worker", "rescan", "--state-dir", str(c.base / "node-w1"))  # nothing new: no re-register
+    assert r.returncode == 0 and "no change (" in r.stdout and "re-registering" not in r.stdout, r.stdout + r.stderr

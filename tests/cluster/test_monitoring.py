@@ -1,8 +1,9 @@
 """Monitoring of a real data-parallel job: TensorBoard per rank, W&B offline per rank, the job store's
 per-rank series, and a real Prometheus server scraping the coordinator with (and without) the token.
 
-One cluster and one short 2-rank job for the whole module: a coordinator and one worker with 2 CPUs
-(both ranks on it). Prometheus (Debian's `prometheus` package, installed by .ci/run) runs as our
+One short 2-rank job for the whole module, on the session's shared cluster (tests/conftest.py
+`shared_cluster`: a coordinator that takes no training work, workers w1 and w2 of 1 CPU each, so one
+rank on each; it had a cluster of its own, ~30 s of the CI tier's time). Prometheus (Debian's `prometheus` package, installed by .ci/run) runs as our
 own child process on a free loopback port with its storage in tmp; only that process is stopped.
 """
 
@@ -97,14 +98,15 @@ def _not_failed(client, job_id: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    base = tmp_path_factory.mktemp("monitor")
-    cluster = LocalCluster(base)
+def world(module_cluster):
+    cluster = module_cluster.c
+    base = module_cluster.base / "monitor"
+    base.mkdir()
     prom = None
+    # Both ranks hold after step HOLD (fault `hold-step`, smolforge.train.faults) until Prometheus has
+    # scraped the job's loss and each rank's: the job is surely running then, on any machine.
+    holds = [cluster.base / f"node-{w}" / "node" / "fault-hold-step" for w in ("w1", "w2")]
     try:
-        cluster.start_coordinator(timeout=300)  # generous: the suite shares few cores
-        cluster.add_worker("w1", cpus=2, timeout=300)
-        cluster.wait_nodes(["coordinator", "w1"])
         prom_port = None
         if PROMETHEUS.exists():
             prom, prom_port = _start_prometheus(base, cluster)
@@ -112,11 +114,9 @@ def world(tmp_path_factory):
         train = {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
                  "max_steps": STEPS, "batch_size": 2, "lr": LR, "save_every": 0, "eval_accuracy": False,
                  "tensorboard": True, "wandb": "smolforge-test"}
-        # Both ranks hold after step HOLD (fault `hold-step`, smolforge.train.faults) until Prometheus has
-        # scraped the job's loss and each rank's: the job is surely running then, on any machine.
-        hold = base / "node-w1" / "node" / "fault-hold-step"
-        hold.parent.mkdir(parents=True, exist_ok=True)
-        hold.write_text(str(HOLD))
+        for hold in holds:
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.write_text(str(HOLD))
         job_id = client.submit_job({"kind": "data_parallel", "num_workers": 2, "cpus_per_worker": 1,
                                     "max_retries": 0, "train": train})
         seen_running: list[dict] = []
@@ -128,14 +128,18 @@ def world(tmp_path_factory):
                 ranks_running = _wait("both ranks' loss in Prometheus", lambda: r if len(r := _query(
                     prom_port, f'smolforge_rank_loss{{job="{job_id}"}}')) == 2 else [], 300, every=1.0)
         finally:
-            hold.unlink(missing_ok=True)
+            for hold in holds:  # the shared cluster's next modules must not hold
+                hold.unlink(missing_ok=True)
         st = _wait("job completed", lambda: (s := client.get_job_status(job_id))["state"] in
                    ("completed", "failed", "cancelled") and s, 300)
         assert st["state"] == "completed", st
+        nodes = {t["rank"]: t["node_name"] for t in st["tasks"] if t["kind"] == "dp_rank"}
         yield {"c": cluster, "client": client, "job": job_id, "status": st, "prom_port": prom_port,
                "prom_loss": seen_running, "prom_ranks": ranks_running if prom_port else [],
-               "runs": cluster.state / "runs" / job_id}
+               "runs": cluster.state / "runs" / job_id, "nodes": nodes}
     finally:
+        for hold in holds:
+            hold.unlink(missing_ok=True)
         if prom is not None:  # only the process this test started
             os.killpg(prom.pid, signal.SIGTERM)
             try:
@@ -143,7 +147,6 @@ def world(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(prom.pid, signal.SIGKILL)
                 prom.wait(timeout=10)
-        cluster.close()
 
 
 def test_store_has_job_and_per_rank_series(world):
@@ -179,7 +182,7 @@ def test_wandb_offline_run_per_rank_holds_the_loss_history(world):
         header = next(r["run"] for r in records if r["type"] == "run")
         history = {r["history"]["item"]["_step"]: r["history"]["item"] for r in records if r["type"] == "history"}
         rank = int(header["display_name"].split("_rank")[1].split("_")[0])
-        assert header["display_name"] == f"ddp-worker-w1_rank{rank}_lr{LR:g}_bs2"
+        assert header["display_name"] == f"ddp-worker-{world['nodes'][rank]}_rank{rank}_lr{LR:g}_bs2"
         assert header["project"] == "smolforge-test"
         assert header["config"]["update"]["train"]["lr"] == LR  # the job's config is logged
         by_rank[rank] = {step: item["train/loss"] for step, item in history.items() if "train/loss" in item}
@@ -195,10 +198,10 @@ def test_prometheus_scrapes_the_job_with_the_token_and_gets_401_without(world):
             "as root without starting its service)")
     job = world["job"]
     (sample,) = world["prom_loss"]
-    assert sample["metric"]["job"] == job and sample["metric"]["node"] == "w1"  # label node: rank 0's node
+    assert sample["metric"]["job"] == job and sample["metric"]["node"] == world["nodes"][0]  # label node: rank 0's
     assert 0 < float(sample["value"][1]) < 20
     ranks = {s["metric"]["rank"]: s["metric"]["node"] for s in world["prom_ranks"]}
-    assert ranks == {"0": "w1", "1": "w1"}
+    assert ranks == {str(r): n for r, n in world["nodes"].items()} and sorted(ranks.values()) == ["w1", "w2"]
     targets = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
     health = {t["labels"]["job"]: t for t in targets}
     assert health["smolforge"]["health"] == "up"

@@ -1,7 +1,8 @@
-"""Jobs that queue and run side by side, on a real cluster (one for the module).
+"""Jobs that queue and run side by side, on a real cluster: the session's shared one (tests/conftest.py
+`shared_cluster`; the module had a cluster of its own, ~30 s of the CI tier's time).
 
-coordinator (no work) + w1, w2 (2 CPUs and 4 GB of reservable RAM each). The queue's jobs take a
-whole worker each (2 CPUs); the RAM reservation's take 1 CPU and 3 GB, so two would fit one worker
+coordinator (no work) + w1, w2 (1 CPU and 4 GB of reservable RAM each). The queue's jobs take a
+whole worker each (1 CPU); the RAM reservation's take half a CPU and 3 GB, so two would fit one worker
 by CPUs but not by RAM. Every job is a one-worker tiny-llama LoRA run of a few steps on bundled data.
 """
 
@@ -12,24 +13,16 @@ import time
 import pytest
 import yaml
 
-from localcluster import LocalCluster
-
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("queue"))
-    try:
-        c.start_coordinator()
-        c.add_workers(["w1", "w2"], cpus=2)
-        c.wait_nodes(["w1", "w2"])
-        yield c
-    finally:
-        c.close()
+def cluster(module_cluster):
+    """The session's shared cluster (coordinator + w1, w2 of 1 CPU each), whole and idle."""
+    return module_cluster.c
 
 
-def spec(steps: int, nodes: list[str], cpus: float = 2, **extra) -> dict:
+def spec(steps: int, nodes: list[str], cpus: float = 1, **extra) -> dict:
     return {"kind": "data_parallel", "num_workers": 1, "allowed_nodes": nodes, "max_retries": 0, "cpus_per_worker": cpus,
             "train": {"model": "tiny-llama", "max_steps": steps, "batch_size": 2, "save_every": 0, "log_every": 5,
                       "eval_accuracy": False, "lr": 1e-3,
@@ -82,7 +75,7 @@ def test_two_jobs_side_by_side_a_third_waits_and_a_high_one_overtakes(cluster):
 
     # C and H wait, saying for what: both workers, each busy with its job
     for waiting in (c, h):
-        expected = (f"waiting for 1 worker with 2 CPUs: ", f"{where[a]} busy with {a}", f"{where[b]} busy with {b}")
+        expected = (f"waiting for 1 worker with 1 CPU: ", f"{where[a]} busy with {a}", f"{where[b]} busy with {b}")
         st = wait_for(f"{waiting} waiting for the busy workers", lambda: (
             lambda j: j if j["state"] == "pending" and all(x in (j["pending_reason"] or "") for x in expected)
             else None)(job(client, waiting)), timeout=60)
@@ -106,7 +99,7 @@ def test_two_jobs_side_by_side_a_third_waits_and_a_high_one_overtakes(cluster):
 
 
 def test_a_ram_reservation_keeps_two_jobs_off_one_node(cluster):
-    """w1 has 2 CPUs but 4 GB to reserve: two 1-CPU jobs of 3 GB each never share it; the second
+    """w1 has 1 CPU and 4 GB to reserve: two half-CPU jobs of 3 GB each never share it; the second
     waits, saying it is short of RAM there, not of CPUs, and runs once the first is done."""
     client = cluster.client()
     # ram-1 holds after its step 2 (fault injection: a file in w1's node directory) until the test has
@@ -115,10 +108,10 @@ def test_a_ram_reservation_keeps_two_jobs_off_one_node(cluster):
     hold.parent.mkdir(parents=True, exist_ok=True)
     hold.write_text("2")
     try:
-        first = client.submit_job(spec(6, ["w1"], cpus=1, name="ram-1", resources={"ram_gb": 3}))
-        second = client.submit_job(spec(2, ["w1"], cpus=1, name="ram-2", resources={"ram_gb": 3}))
+        first = client.submit_job(spec(6, ["w1"], cpus=0.5, name="ram-1", resources={"ram_gb": 3}))
+        second = client.submit_job(spec(2, ["w1"], cpus=0.5, name="ram-2", resources={"ram_gb": 3}))
         wait_for("ram-1 held", lambda: any(e["kind"] == "held" for e in client.job_events(first)))
-        expected = f"waiting for 1 worker with 1 CPU, 3 GB RAM: w1 busy with {first} (1 GB RAM free)"
+        expected = f"waiting for 1 worker with 0.5 CPUs, 3 GB RAM: w1 busy with {first} (1 GB RAM free)"
         st = wait_for("ram-2 waiting for RAM", lambda: (lambda j: j if j["pending_reason"] == expected
                                                         else None)(job(client, second)))
         assert st["state"] == "pending", st
