@@ -14,6 +14,12 @@ next round from them. Gradients cross the network once per H steps instead of ev
 - Checkpoints and pauses land on outer steps (`at_boundary`), where every rank holds the shared
   weights; each rank's inner optimizer state is kept (gathered as tensors, never pickled), so a
   resumed job continues exactly as an uninterrupted one (the int8 error buffers restart at zero).
+- `fragments` / `overlap` (Streaming DiLoCo, `diloco_stream.py`): the model synced one fragment at a
+  time on a staggered schedule, each merged `overlap` steps after its send while the ranks train on;
+  checkpoints land where no fragment is in flight and keep every rank's own weights. `fragments` 1 and
+  `overlap` 0 (the defaults) are the whole-model blocking sync above, bitwise (a test keeps it so).
+- `inner_steps_by_speed` (`diloco_speeds.py`): each rank's inner steps per round follow its measured
+  speed (a round is H global steps' rows, shared out by rate), so a slow node does not hold a fast one.
 - Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
   gone (its process or machine died) re-forms the group with the members left, through the job's
   membership service (`membership`, given by the worker glue; see `cluster/workloads/data_parallel/job_control.py`), and is
@@ -28,6 +34,7 @@ next round from them. Gradients cross the network once per H steps instead of ev
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, TypeVar
 
@@ -64,11 +71,11 @@ class DiLoCoSettings(BaseModel):
     # an unbounded one made a pseudo-gradient of a few values cost megabytes
     block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
     # Streaming DiLoCo (diloco_stream.py): fragments synced on a staggered schedule, overlapped with compute
-    fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model at once)")
-    overlap: int = Field(0, ge=0, description="tau: inner steps between a fragment's send and its merge (0: blocking)")
-    mix: float = Field(0.5, ge=0, lt=1, description="alpha of the merge when overlap > 0: local <- a local + (1-a) global")
-    background: bool = Field(True, description="overlap > 0: the transfer runs in a thread (False: at send, blocking)")
-    inner_steps_by_speed: bool = Field(False, description="each rank's inner steps per round follow its measured speed")
+    fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model)")
+    overlap: int = Field(0, ge=0, description="tau: inner steps from a fragment's send to its merge (0: blocking)")
+    mix: float = Field(0.5, ge=0, lt=1, description="overlap > 0: merge as local <- mix local + (1 - mix) global")
+    background: bool = Field(True, description="overlap > 0: send from a thread (False: at send time, blocking)")
+    inner_steps_by_speed: bool = Field(False, description="inner steps per round follow each rank's measured speed")
 
     @model_validator(mode="after")
     def _schedule(self) -> "DiLoCoSettings":
@@ -107,6 +114,7 @@ class DiLoCo(SpeedPlan, DDP):
         self.streamed = settings.fragments > 1 or self.overlap > 0  # ranks' local weights differ at checkpoints
         self.sync_group: Any = None  # a background transfer's own process group
         self.frags: list[Fragment] = []
+        self._count_lock = threading.Lock()  # a background transfer counts its bytes from its thread
         self.rounds, self.syncs, self.background_syncs = 0, 0, 0
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
@@ -197,7 +205,7 @@ class DiLoCo(SpeedPlan, DDP):
     def at_boundary(self, step: int) -> bool:
         """Where a checkpoint or pause may land: no fragment in flight and, for whole-model blocking syncs,
         right after one (every rank then holds the shared weights). Streamed syncs keep every rank's own
-        weights in the checkpoint instead (`_gather_local`), so any step with nothing in flight will do."""
+        weights in the checkpoint instead (`optimizer_state` gathers them): any step with nothing in flight."""
         if any(frag.flight is not None for frag in self.frags):
             return False
         return self.streamed or self.round_steps == 0
@@ -279,6 +287,10 @@ class DiLoCo(SpeedPlan, DDP):
     def metrics(self) -> dict[str, float]:
         """Fragment syncs sent, and how many of them ran in the background (streamed syncs)."""
         return {"fragment_syncs": float(self.syncs), "background_syncs": float(self.background_syncs)}
+
+    def _count(self, tensor: torch.Tensor, checkpoint: bool = False) -> None:
+        with self._count_lock:
+            super()._count(tensor, checkpoint)
 
     def _new_sync_group(self) -> None:
         """Background transfers get their own process group (made by every member at once: in `wrap`
