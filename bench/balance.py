@@ -38,26 +38,27 @@ def spec(args, data: Path, workers: int, batch: int, balance: str, nodes: list[s
                       "seed": 0, "lr": 1e-3, "peft": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0}}}
 
 
-def throughput(client, job: dict, timeout_s: float = 3600) -> dict:
-    """Samples per second over the steady steps (median step time), and the job's result."""
+def completed(client, job: dict, timeout_s: float = 3600) -> dict:
+    """The job's result, once it completed (exits with its state and error otherwise)."""
     job_id = client.submit_job(job)
     st = client.wait_for_job(job_id, timeout=timeout_s, poll=0.5)
     if st["state"] != "completed":
         raise SystemExit(f"job {job_id} {st['state']}: {st['error']}")
-    res = st["result"]
+    return st["result"]
+
+
+def throughput(client, job: dict) -> dict:
+    """Samples per second over the steady steps (median step time), and the job's result."""
+    res = completed(client, job)
     batch = job["train"]["batch_size"] * job["num_workers"]
     return {"samples_per_s": batch / res["median_step_s"], "median_step_s": res["median_step_s"],
             "rows": res.get("batch_rows_per_rank"), "nodes": res["nodes"],
             "wait_s": res.get("comm_wait_s_per_rank")}
 
 
-def whole_run(client, job: dict, timeout_s: float = 3600) -> dict:
+def whole_run(client, job: dict) -> dict:
     """Samples per second over the whole run (every step's rows over rank 0's first to last step)."""
-    job_id = client.submit_job(job)
-    st = client.wait_for_job(job_id, timeout=timeout_s, poll=0.5)
-    if st["state"] != "completed":
-        raise SystemExit(f"job {job_id} {st['state']}: {st['error']}")
-    res = st["result"]
+    res = completed(client, job)
     samples = job["train"]["batch_size"] * job["num_workers"] * res["steps"]
     return {"samples_per_s": samples / res["train_s"], "train_s": res["train_s"], "rounds": res.get("rounds"),
             "nodes": res["nodes"], "wait_s": res.get("comm_wait_s_per_rank")}
