@@ -141,6 +141,8 @@ def _register_launch(app: typer.Typer) -> None:
 
         Example: smolforge launch --model tiny-llama --dataset bundled --workers 3 --strategy async-ps --set strategy_config.codec=int8
 
+        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy auto  (the ranks measure their links and step time, then run ddp or diloco; `job show` says which and why)
+
         Example: smolforge launch --model mlp --dataset digits --workers 2 --strategy diloco --max-steps 150 --batch-size 16 --lr 1e-2  (not a language model: an MLP on scikit-learn's digits, held-out accuracy)
 
         Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe

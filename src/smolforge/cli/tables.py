@@ -46,6 +46,8 @@ def comm_line(comm: dict) -> str:
     sent = " / ".join(mb_text(b) for b in comm.get("bytes_sent_per_rank") or [])
     waits = " / ".join(f"{w:.1f} s" for w in comm.get("wait_s_per_rank") or [])
     text = f"communication (per rank, step {comm.get('step')}): sent {sent} · waiting {waits}"
+    if (comm.get("plan") or {}).get("reason"):  # `--strategy auto`: what it chose and why
+        text = f"auto chose {comm['plan']['reason']}\n" + text
     if comm.get("rounds") is not None:
         text += f" · {comm['rounds']} outer steps"
     if any(r is not None for r in comm.get("batch_rows_per_rank") or []):

@@ -87,14 +87,25 @@ def fingerprint(model) -> str:
 
     Every holder of a piece computes it from the full model before cutting it, so two processes
     that loaded different checkpoints of the same architecture disagree and can refuse to pair up.
+    A holder that never loads the embeddings hashes the same rows read from the checkpoint
+    (`fingerprint_of` with `fingerprint_rows`: models/stage_load.py `checkpoint_fingerprint`).
     """
-    cfg = model.config
+    weight = model.get_input_embeddings().weight.detach()
+    return fingerprint_of(model.config, weight[fingerprint_rows(weight.shape[0])])
+
+
+def fingerprint_rows(vocab_size: int) -> slice:
+    """The embedding rows the fingerprint samples: about 64, evenly spaced."""
+    return slice(None, None, max(1, vocab_size // 64))
+
+
+def fingerprint_of(config, rows: torch.Tensor) -> str:
+    """The fingerprint of a model with `config` whose embedding rows `fingerprint_rows` are `rows`
+    ([about 64, hidden], in the dtype the model is loaded in): 16 hex digits."""
     keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "n_inner", "max_position_embeddings", "rope_theta")
-    h = hashlib.sha256(json.dumps({k: getattr(cfg, k, None) for k in keys}, sort_keys=True, default=str).encode())
-    weight = model.get_input_embeddings().weight.detach()
-    step = max(1, weight.shape[0] // 64)
-    h.update(weight[::step].float().cpu().contiguous().numpy().tobytes())
+    h = hashlib.sha256(json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True, default=str).encode())
+    h.update(rows.float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

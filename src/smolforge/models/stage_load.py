@@ -229,3 +229,24 @@ def part_tensors(part_dir: str | Path):
     from smolforge.models.export.merge import MergedModel
 
     return MergedModel(part_dir)
+
+
+def checkpoint_fingerprint(net, merged, dtype: torch.dtype) -> str:
+    """`models.partition.fingerprint` of the model `net` (a `skeleton`, its embeddings loaded or not) as
+    `merged`'s checkpoint holds it: the sampled embedding rows (`fingerprint_rows`, about 64 rows)
+    are read from the safetensors alone, cast to `dtype`, so a holder without the embeddings (a split
+    trunk) gets the same hash as one that loaded them. Adapters are not folded in (a skeleton has none)."""
+    from safetensors import safe_open
+
+    from smolforge.models.partition import fingerprint_of, fingerprint_rows
+
+    owner = {id(m): name for name, m in net.named_modules()}
+    key = _checkpoint_key(f"{owner[id(net.get_input_embeddings())]}.weight", set(merged.shapes()), False)
+    for path in merged.files:
+        with safe_open(str(path), "pt") as f:
+            if key in f.keys():
+                sliced = f.get_slice(key)
+                rows = sliced[fingerprint_rows(sliced.get_shape()[0])]
+                return fingerprint_of(net.config, rows.to(dtype))
+    raise SmolforgeError(f"the checkpoint has no tensor {key}", where=str(merged.base_dir),
+                         fix="re-save the model with save_pretrained (safetensors)")

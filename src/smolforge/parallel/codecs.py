@@ -1,21 +1,111 @@
-"""How gradients and pseudo-gradients travel: fp32, fp16, or blockwise int8 with error feedback.
+"""How gradients and pseudo-gradients travel: fp32, fp16, blockwise int8, or sparse low-bit, with error feedback.
 
 Shared by DiLoCo (pseudo-gradients through collectives) and the parameter servers (gradients through
-Ray's object store, as numpy arrays: zero-copy buffers, never pickled tensors). int8 is blockwise
-absmax: one fp32 scale per `block` values, so one outlier costs precision only in its own block (a
-per-tensor min/max, as the seed has it, flattens every small value of a large tensor to zero).
-Error feedback keeps what a message could not carry and adds it to the next one: over many steps
-the sum of what arrived equals the sum of what was sent, up to one message's rounding.
+Ray's object store, as numpy arrays: zero-copy buffers, never pickled tensors). Each codec is one
+registered class (`CODECS`, by name) that encodes a flat fp32 tensor into named numpy arrays, decodes
+them, says what a payload costs (`nbytes`, a formula: every payload of `numel` values has the same
+arrays and sizes) and sums the ranks' parts (`aggregate`); what it can do is declared on it (`lossy`:
+keeps an error-feedback residual; `summable`: its payloads add up in transit, an all-reduce).
+
+- int8 is blockwise absmax: one fp32 scale per `block` values, so one outlier costs precision only in
+  its own block (a per-tensor min/max, as the seed has it, flattens every small value of a large tensor
+  to zero).
+- sparse follows SparseLoCo (Sarfi et al., arXiv 2508.15706): per chunk of `chunk` values (4096) only
+  the `topk` largest magnitudes (64, 1.6 %) travel, their positions as uint16 within the chunk and their
+  values at `bits` (2 or 4) on a per-chunk absmax scale; what was not sent stays in the sender's
+  error-feedback buffer (SparseLoCo's accumulator, which it runs in place of outer momentum: hence
+  `momentum = 0.0`, the outer momentum a DiLoCo job gets by default with this codec).
+Error feedback (EF-SGD, Karimireddy et al. 2019, arXiv 1901.09847; Deep Gradient Compression, Lin et al.
+2018, arXiv 1712.01887, keeps the unsent gradient locally the same way) adds what a message could not
+carry to the next one: over many steps the sum of what arrived equals the sum of what was sent, up to
+the last message's residual.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-CODECS = ("fp32", "fp16", "int8")
+CODECS: dict[str, type["Codec"]] = {}  # name -> class, filled by `Codec.__init_subclass__`
+
+
+def _tensor(a: Any, dtype: Any = None) -> torch.Tensor:
+    """A numpy array as a writable tensor, copying only where it must: a conversion (`dtype`) makes a
+    fresh array anyway; otherwise a writable array is shared and a read-only one (Ray's object store
+    hands those over) is copied, since `torch.from_numpy` on it warns and its tensor must not be written."""
+    a = np.asarray(a)
+    if dtype is not None and a.dtype != dtype:
+        return torch.from_numpy(a.astype(dtype))
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().reshape(-1).cpu()
+
+
+class Codec:
+    """One way to carry a flat fp32 tensor. Subclasses set `name` (registered under it), `options` (the
+    settings they read, e.g. `block`), `keys` (their payload's array names, by which `decode` knows a
+    payload), `lossy` and `summable`, and implement `encode`, `decode` and `nbytes`."""
+
+    name: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ()
+    keys: ClassVar[frozenset[str]] = frozenset()
+    lossy: ClassVar[bool] = True  # decode(encode(x)) != x: a sender keeps an error-feedback residual
+    summable: ClassVar[bool] = False  # payloads add up in transit (an all-reduce); else parts are gathered
+    momentum: ClassVar[float | None] = None  # the outer momentum a DiLoCo job defaults to with it (None: DiLoCo's)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            CODECS[cls.name] = cls
+
+    def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
+        """A tensor (flattened, as fp32) as the contiguous numpy arrays that carry it."""
+        raise NotImplementedError
+
+    def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
+        """The flat fp32 tensor of `numel` values a payload carries (read-only arrays are copied, not written)."""
+        raise NotImplementedError
+
+    def nbytes(self, numel: int) -> int:
+        """What a payload of `numel` values costs on the wire, in bytes (equals `payload_bytes(encode(x))`)."""
+        raise NotImplementedError
+
+    def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
+        """sum_r weights[r] * decode(parts[r]), in rank order: exactly what was sent, nothing re-quantised."""
+        return sum((self.decode(p, numel) * float(w) for p, w in zip(parts, weights)), torch.zeros(numel))
+
+
+class Fp32(Codec):
+    """Every value as it is: nothing lost, and payloads sum in an all-reduce."""
+
+    name, keys, lossy, summable = "fp32", frozenset({"values"}), False, True
+
+    def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
+        """fp32's array may share `x`'s memory."""
+        return {"values": np.ascontiguousarray(_flat(x).numpy())}
+
+    def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
+        """fp16 values too (the same key): widened to fp32 in one conversion; fp32 shared unless read-only."""
+        return _tensor(payload["values"], np.float32).reshape(-1)[:numel]
+
+    def nbytes(self, numel: int) -> int:
+        return 4 * numel
+
+
+class Fp16(Fp32):
+    """Half precision: 2 bytes a value, rounded; overflows past 65504 (DiLoCo sends unweighted values)."""
+
+    name, lossy, summable = "fp16", True, False
+
+    def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
+        return {"values": np.ascontiguousarray(_flat(x).half().numpy())}
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * numel
 
 
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,37 +122,133 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> to
     return (codes.view(scales.numel(), -1).float() * scales[:, None]).view(-1)[:numel]
 
 
-def encode(x: torch.Tensor, codec: str, block: int = 256) -> dict[str, np.ndarray]:
-    """A flat tensor as the contiguous numpy arrays that carry it (`decode` takes them back): numpy, not
-    tensors, so that Ray's object store holds them zero-copy. fp32's array may share `x`'s memory."""
-    x = x.detach().float().reshape(-1).cpu()
-    if codec == "fp32":
-        return {"values": np.ascontiguousarray(x.numpy())}
-    if codec == "fp16":
-        return {"values": np.ascontiguousarray(x.half().numpy())}
-    if codec == "int8":
-        codes, scales = quantize_int8(x, block)
+class Int8(Codec):
+    """Blockwise absmax int8: a byte a value (the last block padded) and an fp32 scale per `block` values."""
+
+    name, options, keys = "int8", ("block",), frozenset({"codes", "scales"})
+
+    def __init__(self, block: int = 256):
+        self.block = int(block)
+
+    def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
+        codes, scales = quantize_int8(_flat(x), self.block)
         return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
-    raise ValueError(f"unknown codec {codec!r} (one of {', '.join(CODECS)})")
 
-
-def _tensor(a: Any, dtype: Any = None) -> torch.Tensor:
-    """A numpy array as a writable tensor, copying only where it must: a conversion (`dtype`) makes a
-    fresh array anyway; otherwise a writable array is shared and a read-only one (Ray's object store
-    hands those over) is copied, since `torch.from_numpy` on it warns and its tensor must not be written."""
-    a = np.asarray(a)
-    if dtype is not None and a.dtype != dtype:
-        return torch.from_numpy(a.astype(dtype))
-    return torch.from_numpy(a if a.flags.writeable else a.copy())
-
-
-def decode(payload: dict[str, Any], numel: int) -> torch.Tensor:
-    """The flat fp32 tensor an `encode` payload carries (its codec read from its keys). fp16 and int8
-    codes are widened to fp32 in one conversion; fp32 values are shared unless read-only."""
-    if "codes" in payload:
+    def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
         # int8 codes are exact in fp32: widening them here is the one copy, read-only or not
         return dequantize_int8(_tensor(payload["codes"], np.float32), _tensor(payload["scales"]), numel)
-    return _tensor(payload["values"], np.float32).reshape(-1)[:numel]
+
+    def nbytes(self, numel: int) -> int:
+        blocks = -(-numel // self.block)
+        return blocks * (self.block + 4)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes in [0, 2**bits) (any integer dtype) as uint8 bytes, 8 // bits to a byte, low bits first;
+    the tail is zero-padded to a whole byte."""
+    per = 8 // bits
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, (-codes.numel()) % per)).view(-1, per)
+    out = torch.zeros(c.shape[0], dtype=torch.uint8)
+    for j in range(per):
+        out |= c[:, j] << (bits * j)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """`pack_bits`' inverse: the first `count` codes, as uint8."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed.view(-1, 1) >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+class Sparse(Codec):
+    """SparseLoCo's message: per chunk of `chunk` values the `topk` largest magnitudes, positions as uint16,
+    values at `bits` bits on `2**bits` uniform levels spanning [-scale, scale] (scale: the chunk's largest
+    sent magnitude, fp32). Payload: `idx` (uint16, chunks x topk), `q` (uint8, the packed codes), `scale`
+    (fp32, one per chunk); the last chunk is zero-padded. Aggregates by scattering each part's values."""
+
+    name, options, keys = "sparse", ("chunk", "topk", "bits"), frozenset({"idx", "q", "scale"})
+    momentum = 0.0  # error feedback in place of outer momentum (SparseLoCo, section 3)
+
+    def __init__(self, chunk: int = 4096, topk: int = 64, bits: int = 2):
+        if not (1 <= topk <= chunk <= 65536) or bits not in (2, 4):
+            raise ValueError(f"sparse codec: need 1 <= topk <= chunk <= 65536 and bits 2 or 4 "
+                             f"(got chunk {chunk}, topk {topk}, bits {bits})")
+        self.chunk, self.topk, self.bits = int(chunk), int(topk), int(bits)
+        self.levels = (1 << self.bits) - 1  # the largest code: levels + 1 values, symmetric about zero
+
+    def _chunks(self, numel: int) -> int:
+        return -(-numel // self.chunk)
+
+    def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
+        x = _flat(x)
+        rows = torch.nn.functional.pad(x, (0, (-x.numel()) % self.chunk)).view(-1, self.chunk)
+        idx = rows.abs().topk(self.topk, dim=1, sorted=False).indices
+        vals = rows.gather(1, idx)
+        scale = vals.abs().amax(dim=1).clamp_min(1e-30)
+        codes = torch.round((vals / scale[:, None] + 1) * (self.levels / 2)).clamp_(0, self.levels)
+        return {"idx": np.ascontiguousarray(idx.to(torch.int32).numpy().astype(np.uint16)),
+                "q": np.ascontiguousarray(pack_bits(codes.view(-1), self.bits).numpy()),
+                "scale": np.ascontiguousarray(scale.numpy())}
+
+    def _parts(self, payload: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in the padded flat tensor, int64; their fp32 values), chunk by chunk."""
+        scale = _tensor(payload["scale"], np.float32)
+        idx = _tensor(payload["idx"], np.int64).view(scale.numel(), self.topk)
+        codes = unpack_bits(_tensor(payload["q"]), self.bits, idx.numel()).view_as(idx)
+        vals = (codes.float() * (2.0 / self.levels) - 1.0) * scale[:, None]
+        rows = torch.arange(scale.numel(), dtype=torch.int64)[:, None] * self.chunk
+        return (idx + rows).view(-1), vals.view(-1)
+
+    def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
+        where, vals = self._parts(payload)
+        out = torch.zeros(np.asarray(payload["scale"]).size * self.chunk)
+        out[where] = vals
+        return out[:numel]
+
+    def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
+        """The weighted parts scattered into one dense tensor: the same sum as decoding each (a part's
+        positions are distinct, so each lands once), without a dense tensor per rank."""
+        out = torch.zeros(self._chunks(numel) * self.chunk)
+        for p, w in zip(parts, weights):
+            where, vals = self._parts(p)
+            out[where] += vals * float(w)
+        return out[:numel]
+
+    def nbytes(self, numel: int) -> int:
+        chunks = self._chunks(numel)
+        return chunks * (2 * self.topk + 4) + -(-chunks * self.topk * self.bits // 8)
+
+
+def make_codec(name: str, **settings: Any) -> Codec:
+    """The codec `name` with the settings it reads (`Codec.options`; others are ignored).
+
+    Raises ValueError for an unknown name or settings it refuses."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r} (one of {', '.join(CODECS)})")
+    cls = CODECS[name]
+    return cls(**{k: v for k, v in settings.items() if k in cls.options})
+
+
+def encode(x: torch.Tensor, codec: str, block: int = 256, **settings: Any) -> dict[str, np.ndarray]:
+    """A flat tensor as the contiguous numpy arrays that carry it (`decode` takes them back): numpy, not
+    tensors, so that Ray's object store holds them zero-copy. fp32's array may share `x`'s memory."""
+    return make_codec(codec, block=block, **settings).encode(x)
+
+
+def codec_of(payload: dict[str, Any], **settings: Any) -> Codec:
+    """The codec a payload was made by, told by its keys (sparse: its `chunk`/`topk`/`bits` from `settings`,
+    or its defaults: the sizes of its arrays do not say them)."""
+    keys = frozenset(payload)
+    for cls in CODECS.values():
+        if cls.keys == keys:
+            return cls(**{k: v for k, v in settings.items() if k in cls.options})
+    raise ValueError(f"no codec sends the arrays {sorted(keys)}")
+
+
+def decode(payload: dict[str, Any], numel: int, **settings: Any) -> torch.Tensor:
+    """The flat fp32 tensor an `encode` payload carries (its codec read from its keys). fp16 and int8
+    codes are widened to fp32 in one conversion; fp32 values are shared unless read-only."""
+    return codec_of(payload, **settings).decode(payload, numel)
 
 
 def payload_bytes(payload: dict[str, Any]) -> int:
@@ -70,16 +256,34 @@ def payload_bytes(payload: dict[str, Any]) -> int:
     return int(sum(np.asarray(a).nbytes for a in payload.values()))
 
 
+def pack_payload(payload: dict[str, np.ndarray]) -> torch.Tensor:
+    """A payload's arrays (by key order) as one flat uint8 tensor: one collective carries them all, and
+    its size is `payload_bytes`."""
+    return torch.cat([torch.from_numpy(np.ascontiguousarray(payload[k]).reshape(-1).view(np.uint8))
+                      for k in sorted(payload)])
+
+
+def unpack_payload(buf: torch.Tensor, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`pack_payload`'s inverse for a payload laid out as `like` (same codec, same `numel`: same arrays)."""
+    out, offset, raw = {}, 0, buf.numpy()
+    for k in sorted(like):
+        a = np.asarray(like[k])
+        out[k] = raw[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
+        offset += a.nbytes
+    return out
+
+
 class ErrorFeedback:
     """One stream's encoder that keeps its rounding residual and adds it to the next message, so that
     the sum of what arrived tracks the sum of what was sent (plain int8 drops a small, steady part of
     a gradient for ever; see `tests/test_codecs.py`). One per stream: residuals of different streams
-    must not mix. fp32 loses nothing and keeps no residual."""
+    must not mix. A codec that loses nothing (fp32) keeps no residual.
 
-    def __init__(self, codec: str = "fp32", block: int = 256):
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r} (one of {', '.join(CODECS)})")
-        self.codec, self.block = codec, block
+    `codec`: a name (with its `settings`, e.g. `block=256`) or a `Codec`. Raises ValueError for an unknown name."""
+
+    def __init__(self, codec: str | Codec = "fp32", **settings: Any):
+        self.coder = codec if isinstance(codec, Codec) else make_codec(codec, **settings)
+        self.codec = self.coder.name
         self._residual: torch.Tensor | None = None
 
     @property
@@ -87,17 +291,21 @@ class ErrorFeedback:
         """What the messages so far could not carry (flat fp32), or None (fp32, or nothing sent yet)."""
         return self._residual
 
+    def load(self, residual: torch.Tensor | None) -> None:
+        """Continue from a saved residual (a checkpoint's, or one kept for a retried collective)."""
+        self._residual = None if residual is None else residual.detach().float().reshape(-1).clone()
+
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
         """`x` plus the residual, encoded; the new residual is what this payload's rounding lost."""
-        if self.codec == "fp32":
-            return encode(x, "fp32")
-        target = x.detach().float().reshape(-1).cpu()
+        if not self.coder.lossy:
+            return self.coder.encode(x)
+        target = _flat(x)
         if self._residual is not None:
             target = target + self._residual
-        payload = encode(target, self.codec, self.block)
-        self._residual = target - decode(payload, target.numel())
+        payload = self.coder.encode(target)
+        self._residual = target - self.coder.decode(payload, target.numel())
         return payload
 
     def reset(self) -> None:
-        """Forget the residual (a new stream: e.g. after the weights were replaced or a resume)."""
+        """Forget the residual (a new stream: e.g. after the weights were replaced)."""
         self._residual = None

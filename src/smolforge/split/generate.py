@@ -34,7 +34,7 @@ from smolforge.split import checkpoint as ckpt
 from smolforge.split.client import SessionLost, TrunkClient
 from smolforge.split.codec import decode, encode, encode_raw
 from smolforge.split.lora import apply_lora, load_lora_state, targets
-from smolforge.split.partition import fingerprint, load_full_model, load_tokenizer_locked, partition
+from smolforge.split.partition import load_parts, load_tokenizer_locked
 from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.train.engine import available_cpus
 
@@ -129,15 +129,14 @@ class SplitGenerator:
         torch.set_num_threads(cfg.num_threads or available_cpus())
         self.device = pick_device(cfg.device)
         self.tokenizer = tokenizer or load_tokenizer_locked(self.run.model)
-        model = load_full_model(self.run.model, device=self.device)
-        self.stops = stop_ids(self.tokenizer, model)  # every token that ends a reply (the family's one answer)
-        self.fingerprint = fingerprint(model)
+        loaded = load_parts(self.run.model, *self.run.split_points, ("bottom", "top"), self.device)  # only its parts
+        self.stops = stop_ids(self.tokenizer, loaded.parts.top)  # every token that ends a reply (the family's answer)
+        self.fingerprint = loaded.fingerprint
         if self.fingerprint != self.run.fingerprint:
             raise SmolforgeError(f"the model {self.run.model!r} loaded here is not the one {cfg.run_dir} was trained "
                                  f"on (fingerprint {self.fingerprint}, the run's {self.run.fingerprint})",
                                  where="--run-dir", fix="load the same base model files the run was trained with")
-        parts = partition(model, *self.run.split_points, keep=("bottom", "top"))
-        del model  # the trunk's layers are freed: they run on the server
+        parts = loaded.parts
         self.arch, self.bottom, self.top = parts.arch, parts.bottom, parts.top
         for part in (self.bottom, self.top):
             apply_lora(part, self.run.lora, 0, self.arch.canonical)

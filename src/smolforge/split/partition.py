@@ -8,6 +8,10 @@ The parts are `smolforge.models.partition.Stage`s (see there for how a stage kee
 model's numerics); this module adds the split vocabulary, the split-point check with its CLI
 flags, and the model-loading helpers the client and server share.
 
+Each side loads only its parts (`load_parts`): the model is built on the meta device, cut, and only
+the kept parts' tensors are read from the checkpoint (`models/stage_load.py`); the client's peak
+memory is its bottom and top, the server's its trunk, never the whole model.
+
 Layers keep their original index as their name (`layers.5...`), so LoRA weights trained in a
 part map one-to-one onto the full model's module names (`model.layers.5...`, `transformer.h.5...`).
 """
@@ -15,7 +19,8 @@ part map one-to-one onto the full model's module names (`model.layers.5...`, `tr
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.loading import load_model, load_tokenizer
@@ -23,7 +28,7 @@ from smolforge.models.partition import (Arch, Stage, arch_of, decoder_layers, fi
                                         positions_for)
 
 __all__ = ["Arch", "Bottom", "Parts", "Top", "Trunk", "arch_of", "check_split_points", "fingerprint",
-           "load_full_model", "load_tokenizer_locked", "partition", "positions_for"]
+           "load_full_model", "load_parts", "load_tokenizer_locked", "partition", "positions_for"]
 
 _LOAD_LOCK = threading.Lock()
 
@@ -99,3 +104,43 @@ def partition(model, sp1: int, sp2: int, keep: tuple[str, ...] = ("bottom", "tru
         top=Top(model, sp2) if "top" in keep else None,
         arch=arch,
     )
+
+
+@dataclass
+class LoadedParts:
+    """What `load_parts` gives: the parts, the whole model's fingerprint and parameter count, its
+    generation config (its eos ids), and what was read from the checkpoint ({"tensors", "elements",
+    "bytes"}, bytes as stored: only the parts' tensors)."""
+
+    parts: Parts
+    fingerprint: str
+    total_params: int
+    generation_config: Any = None
+    read: dict[str, int] = field(default_factory=dict)
+
+
+def load_parts(name: str, sp1: int, sp2: int, keep: tuple[str, ...], device="cpu") -> LoadedParts:
+    """The parts in `keep` of model `name` cut at sp1/sp2, in fp32 on `device` (as `load_full_model`
+    loads it), holding only their own tensors.
+
+    The whole model is a skeleton on the meta device (`stage_load.skeleton`); the parts are cut from
+    it and only their parameters are read from the safetensors (`stage_load.materialize`: a tied
+    head stays the embedding's one matrix, as the model built it; rotary buffers are rebuilt). The
+    fingerprint is the whole model's, its embedding rows read from the checkpoint
+    (`stage_load.checkpoint_fingerprint`), so a trunk that never loads the embeddings computes the
+    client's. Errors: a model that is not found or whose family cannot be cut (SmolforgeError), split
+    points out of range (`check_split_points`)."""
+    from smolforge.models.stage_load import checkpoint_fingerprint, materialize, skeleton
+
+    with _LOAD_LOCK:  # the meta-device build, as `from_pretrained`, is not for two threads at once
+        net, merged, dtype = skeleton(name, device=device, dtype="fp32")
+        net.eval()  # as from_pretrained returns it (each side sets its parts' mode)
+        total = sum(p.numel() for p in net.parameters())  # the whole model's, before the rest is emptied
+        parts = partition(net, sp1, sp2, keep)
+        held = {id(p) for part in (parts.bottom, parts.trunk, parts.top) if part is not None
+                for p in part.parameters()}
+        read = materialize(net, held, merged, device, dtype)
+        loaded = LoadedParts(parts, checkpoint_fingerprint(net, merged, dtype), total, net.generation_config, read)
+    del net  # the parameters no part holds never had storage
+    return loaded
+

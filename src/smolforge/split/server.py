@@ -51,7 +51,7 @@ from smolforge.split.calls import invalid as _invalid
 from smolforge.split.calls import precondition as _precondition
 from smolforge.split.codec import CODECS, CodecError, decode, encode
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, targets
-from smolforge.split.partition import Trunk, arch_of, check_split_points, fingerprint, load_full_model, partition
+from smolforge.split.partition import Trunk, load_parts
 from smolforge.split.protocol import (
     AUTH_HEADER,
     SERVER_OPTIONS,
@@ -135,12 +135,9 @@ class TrunkService(pb_grpc.TrunkServicer):
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         self.device = pick_device(cfg.device)
-        model = load_full_model(cfg.model, device=self.device)
-        self.arch = arch_of(model.config)
-        check_split_points(cfg.split_point_1, cfg.split_point_2, self.arch.num_layers)
-        self.fingerprint = fingerprint(model)
-        self.base = partition(model, cfg.split_point_1, cfg.split_point_2, keep=("trunk",)).trunk
-        del model  # embeddings, head and the client's layers are freed: the server holds only the trunk
+        # only the trunk's tensors are read: embeddings, head and the client's layers never get storage here
+        loaded = load_parts(cfg.model, cfg.split_point_1, cfg.split_point_2, ("trunk",), self.device)
+        self.arch, self.fingerprint, self.base = loaded.parts.arch, loaded.fingerprint, loaded.parts.trunk
         for p in self.base.parameters():
             p.requires_grad_(False)
         self.base.train()

@@ -45,7 +45,7 @@ from smolforge.split import checkpoint as ckpt
 from smolforge.split.client import SessionLost, TrunkClient
 from smolforge.split.codec import CODECS, decode, encode, encode_raw
 from smolforge.split.lora import apply_lora, load_lora_state, lora_state, save_peft_adapter
-from smolforge.split.partition import fingerprint, load_full_model, load_tokenizer_locked, partition, positions_for
+from smolforge.split.partition import load_parts, load_tokenizer_locked, positions_for
 from smolforge.split.protocol import PROTOCOL_VERSION, TOKEN_ENV, pb
 from smolforge.split.rng import seeded_rng
 from smolforge.split.server import grad_norms
@@ -150,11 +150,9 @@ class SplitTrainer:
         self.device = pick_device(cfg.device)
         self.log = (lambda msg: None) if cfg.quiet else _printer()
         self.tokenizer = tokenizer or load_tokenizer_locked(cfg.model)
-        model = load_full_model(cfg.model, device=self.device)
-        self.fingerprint = fingerprint(model)
-        self.total_params = sum(p.numel() for p in model.parameters())
-        parts = partition(model, cfg.split_point_1, cfg.split_point_2, keep=("bottom", "top"))
-        del model  # the trunk's layers are not referenced any more and are freed
+        # only the bottom's and the top's tensors are read: the trunk's layers never get storage here
+        loaded = load_parts(cfg.model, cfg.split_point_1, cfg.split_point_2, ("bottom", "top"), self.device)
+        self.fingerprint, self.total_params, parts = loaded.fingerprint, loaded.total_params, loaded.parts
         self.arch = parts.arch
         self.bottom, self.top = parts.bottom, parts.top
         self.peft = cfg.peft()

@@ -141,12 +141,15 @@ def _split_demand(job: SplitJob, embedded: bool) -> Demand:
 
 
 TRUNK_CHECKPOINTS = "trunk-checkpoints"  # a split job's trunk checkpoints in the artifact store (step-N)
+CLIENT_CHECKPOINTS = "client-checkpoints"  # a split job's client checkpoints in the artifact store (step-N)
 
 
 def _split_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
-    """The newest trunk checkpoint the coordinator holds (the client keeps its own, on its node)."""
-    stored = artifacts.list(job_id, TRUNK_CHECKPOINTS)
-    return f"the shared checkpoint {stored[-1]}" if stored else "the start"
+    """The newest checkpoint step whose two halves the coordinator holds (trunk's and client's: a
+    client placed again on another node fetches its half too); names are `step-N`."""
+    shared = set(artifacts.list(job_id, TRUNK_CHECKPOINTS)) & set(artifacts.list(job_id, CLIENT_CHECKPOINTS))
+    newest = max(shared, key=lambda name: int(name.rsplit("-", 1)[-1]), default=None)
+    return f"the shared checkpoint {newest}" if newest else "the start"
 
 
 def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:

@@ -2,7 +2,7 @@
 rows, no Ray calls) that the kinds' runners call. Whether a model must be on a node already or travels
 to it (`model_need`, `model_travels`), where it is sent from (`lacking`, `transfer_source`) and what that
 costs (`transfer_seconds`); a data-parallel job's ranks (`requirements_for`, `slots`, `round_world`,
-`round_plan`, `joiner_requirements`); a split job's trunk and client (`trunk_plan`, `client_requirements`);
+`round_plan`, `joiner_requirements`); a split job's trunk and client (`trunk_plan`, `client_plan`);
 an export task whose model travels (`travel_node`); a distillation's students (`pick_student_node`,
 `pick_group_nodes`). The queue's admission is `queue.py`; a model's stages, `stage_plan.py`."""
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
+from smolforge.errors import SmolforgeError
 from smolforge.cluster.control.specs import DataParallelJob
 from smolforge.models.names import built_from_code
 
@@ -255,12 +256,51 @@ def trunk_plan(req: ray_glue.Requirements, nodes: list[ray_glue.NodeInfo], avoid
 
 def client_requirements(model: str, client_node: str, cpus: float, embedded: bool) -> ray_glue.Requirements:
     """A split job's client: on the coordinator's node (`@coordinator`: outside the worker pool; the
-    embedded cluster's one node) or the worker `client_node` names. It loads the whole model, so the
-    node must hold it, unless every node can build or read it (`holds_anywhere`)."""
+    embedded cluster's one node) or the worker `client_node` names. It reads the model's bottom and
+    top from the checkpoint, so the node must hold it, unless every node can build or read it
+    (`holds_anywhere`)."""
     need = None if holds_anywhere(model, embedded) else model
     if client_node == COORDINATOR:
         return ray_glue.Requirements(model=need, cpus=cpus, on_coordinator=True)
     return ray_glue.Requirements(model=need, cpus=cpus, allowed_nodes=[client_node])
+
+
+@dataclass
+class ClientPlan:
+    """Where a split job's client goes, and why (the `client_placed` event says it): `req` pins it
+    (the coordinator's node, or one worker by name); `again` when it is not where `client_node` says."""
+
+    req: ray_glue.Requirements
+    node: str
+    why: str
+    again: bool = False
+
+
+def client_plan(model: str, client_node: str, cpus: float, embedded: bool, nodes: list[ray_glue.NodeInfo],
+                avoid: set[str]) -> ClientPlan:
+    """A split job's client node. Where `client_node` says (`client_requirements`) unless a client of
+    this job was lost on every node that can run it there (node ids in `avoid`); then placed again:
+    the coordinator's node when it can run it (it holds the uploaded data), else the worker with the
+    most free CPUs (by name on a tie), never a node in `avoid`. SmolforgeError, listing every node and
+    why not, when none can (as `Requirements.ray_options` says it)."""
+    wanted = client_requirements(model, client_node, cpus, embedded)
+    here = [n for n in wanted.candidates(nodes) if n.node_id not in avoid]
+    if here or not avoid:
+        wanted.ray_options(nodes)  # raises, saying why for each node, when none can run it
+        return ClientPlan(wanted, here[0].name if len(here) == 1 else client_node, f"client_node {client_node}")
+    need = wanted.model
+    for req in (ray_glue.Requirements(model=need, cpus=cpus, on_coordinator=True),
+                ray_glue.Requirements(model=need, cpus=cpus)):
+        cands = [n for n in req.candidates(nodes) if n.node_id not in avoid]
+        if cands:
+            node = max(cands, key=lambda n: (n.available.get("CPU", 0.0), n.name))
+            pinned = req if req.on_coordinator else dataclasses.replace(req, allowed_nodes=[node.name])
+            return ClientPlan(pinned, node.name, f"placed again: the client was lost on {client_node}; "
+                              f"{'the coordinator holds the data' if req.on_coordinator else 'a worker that can run it'}",
+                              again=True)
+    left = [n for n in nodes if n.node_id not in avoid]
+    ray_glue.Requirements(model=need, cpus=cpus).ray_options(left)  # raises: every node and why not
+    raise SmolforgeError("no node can run the split client", fix="add a node that holds the model")
 
 
 def travel_node(req: ray_glue.Requirements, model: str, nodes: list[ray_glue.NodeInfo]

@@ -67,6 +67,7 @@ STRATEGIES: MutableMapping[str, "type[Strategy]"] = _Registry({
     "sync-ps": "sync_ps:SyncPS",
     "async-ps": "async_ps:AsyncPS",
     "pipeline": "pipeline:Pipeline",
+    "auto": "auto:Auto",  # resolved by the ranks to ddp or diloco (`parallel/auto_probe.py`)
 })
 
 

@@ -8,12 +8,16 @@ next round from them. Gradients cross the network once per H steps instead of ev
 
 - The average is weighted by each rank's loss tokens in the round, so with H = 1, outer lr 1.0, no
   momentum and a linear inner optimizer (SGD) the result is exactly DDP's step (a test checks it).
-- `codec`: how pseudo-gradients travel. `fp32` (an all-reduce), `fp16`, or `int8`: blockwise absmax
-  quantisation (one fp32 scale per `block` values) with error feedback: what a round's int8 could not
-  carry is added to the next round's pseudo-gradient, so nothing is lost, only delayed.
+- `codec`: how pseudo-gradients travel (`smolforge.parallel.codecs`). `fp32` (an all-reduce), or a lossy
+  codec whose parts every rank gathers and sums exactly as sent (`Codec.aggregate`): `fp16`, `int8`
+  (blockwise absmax, one fp32 scale per `block` values) or `sparse` (SparseLoCo: per `chunk` values the
+  `topk` largest at `bits` bits; ~0.9 % of fp32 at its defaults, and no outer momentum unless set).
+  Each rank keeps an error-feedback buffer: what a round's message could not carry is added to the
+  next round's pseudo-gradient, so nothing is lost, only delayed.
 - Checkpoints and pauses land on outer steps (`at_boundary`), where every rank holds the shared
-  weights; each rank's inner optimizer state is kept (gathered as tensors, never pickled), so a
-  resumed job continues exactly as an uninterrupted one (the int8 error buffers restart at zero).
+  weights; each rank's inner optimizer state and error-feedback buffer are kept (gathered as tensors,
+  never pickled), so a resumed job continues bitwise as an uninterrupted one (the same world size; a
+  resume with another one starts the buffers at zero).
 - `fragments` / `overlap` (Streaming DiLoCo, `diloco_stream.py`): the model synced one fragment at a
   time on a staggered schedule, each merged `overlap` steps after its send while the ranks train on;
   checkpoints land where no fragment is in flight and keep every rank's own weights. `fragments` 1 and
@@ -40,9 +44,9 @@ from typing import Any, Callable, ContextManager, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smolforge.parallel.codecs import dequantize_int8, quantize_int8
+from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, unpack_payload
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco_speeds import SpeedPlan
@@ -64,18 +68,38 @@ class DiLoCoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inner_steps: int = Field(20, ge=1, description="H: local steps between outer steps")
     outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="0.9; 0 with codec sparse unless set")
     nesterov: bool = True
-    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how pseudo-gradients travel")
+    codec: str = Field("fp32", description="how pseudo-gradients travel: " + ", ".join(CODECS))
     # bounded like the parameter-server strategies: the codec pads every message to a whole block, so
     # an unbounded one made a pseudo-gradient of a few values cost megabytes
     block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
+    chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
+    topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
+    bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
+
     # Streaming DiLoCo (diloco_stream.py): fragments synced on a staggered schedule, overlapped with compute
     fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model)")
     overlap: int = Field(0, ge=0, description="tau: inner steps from a fragment's send to its merge (0: blocking)")
     mix: float = Field(0.5, ge=0, lt=1, description="overlap > 0: merge as local <- mix local + (1 - mix) global")
     background: bool = Field(True, description="overlap > 0: send from a thread (False: at send time, blocking)")
     inner_steps_by_speed: bool = Field(False, description="inner steps per round follow each rank's measured speed")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        if v not in CODECS:
+            raise ValueError(f"unknown codec {v!r} (one of {', '.join(CODECS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _codec_defaults(self) -> "DiLoCoSettings":
+        if self.topk > self.chunk:
+            raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
+        momentum = CODECS[self.codec].momentum  # sparse: error feedback in place of outer momentum
+        if momentum is not None and "outer_momentum" not in self.model_fields_set:
+            self.outer_momentum = momentum
+        return self
 
     @model_validator(mode="after")
     def _schedule(self) -> "DiLoCoSettings":
@@ -102,7 +126,9 @@ class DiLoCo(SpeedPlan, DDP):
         settings = DiLoCoSettings(**config)
         super().__init__(context)
         self.config = settings.model_dump()
-        self.inner_steps, self.codec, self.block = settings.inner_steps, settings.codec, settings.block
+        self.inner_steps, self.codec = settings.inner_steps, settings.codec
+        self.feedback = ErrorFeedback(make_codec(settings.codec, **self.config))  # this rank's residual
+        self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
         self.overlap, self.mix, self.background = settings.overlap, settings.mix, settings.background
@@ -163,11 +189,13 @@ class DiLoCo(SpeedPlan, DDP):
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.frags = make_fragments(self.params, len(self.since), self.codec == "int8")
+        self.frags = make_fragments(self.params, len(self.since))
         # one outer optimizer over every fragment's shared weights: a step moves those that have a gradient
         self.outer = torch.optim.SGD([f.shared for f in self.frags], lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.nesterov)
-        self.error = self.frags[0].error
+        for frag in self.frags:  # each fragment its own error-feedback stream (one: the strategy's own)
+            frag.feedback = (self.feedback if len(self.frags) == 1
+                             else ErrorFeedback(make_codec(self.codec, **self.config)))
         self._new_sync_group()
         if self._pending:
             self._restore(self._pending)
@@ -243,15 +271,13 @@ class DiLoCo(SpeedPlan, DDP):
         frag = self.frags[f]
         weight = max(self.targets[f], 1.0)
         delta = (frag.shared - self._flat(frag)) * weight  # this rank's pseudo-gradient, token-weighted
-        error = frag.error.clone() if frag.error is not None else None
+        residual = frag.feedback.residual
         self.since[f], self.targets[f] = 0, 0.0
 
         def average() -> tuple[float, torch.Tensor]:
-            if error is not None:
-                self.error = error.clone()  # a retry in a re-formed group starts from the same residual
-            out = self._average(delta, weight)
-            frag.error = self.error
-            return out
+            frag.feedback.load(residual)  # a retry in a re-formed group starts from the same residual
+            self.feedback = frag.feedback  # the stream `_average` encodes through (one fragment in flight)
+            return self._average(delta, weight)
 
         now = now or not self.overlap
         self.syncs += 1
@@ -345,6 +371,11 @@ class DiLoCo(SpeedPlan, DDP):
             self.notes.append({"kind": "regroup", "members": members, "joined": view.get("joined", []),
                                "step": self.last_step, "why": why})
 
+    def _residual(self) -> torch.Tensor:
+        """This rank's error-feedback residuals, every fragment's in place (zeros where none yet)."""
+        return torch.cat([torch.zeros(frag.end - frag.start) if frag.feedback.residual is None
+                          else frag.feedback.residual for frag in self.frags])
+
     def _momentum(self, frag: Fragment) -> torch.Tensor | None:
         return self.outer.state.get(frag.shared, {}).get("momentum_buffer")
 
@@ -386,28 +417,21 @@ class DiLoCo(SpeedPlan, DDP):
         return self._collective(lambda: DDP.gather_rng(self))
 
     def _average(self, delta: torch.Tensor, weight: float) -> tuple[float, torch.Tensor]:
-        """(sum of the ranks' weights, sum of their weighted pseudo-gradients)."""
-        if self.codec == "fp32":
+        """(sum of the ranks' weights, sum of their weighted pseudo-gradients): an all-reduce for a codec
+        whose payloads sum in transit (fp32), else every rank's message gathered (one uint8 buffer each)
+        and summed by the codec, exactly as sent."""
+        coder = self.feedback.coder
+        if coder.summable:
             packed = torch.cat([delta, torch.tensor([weight])])
             self._count(packed)
             dist.all_reduce(packed, group=self.sync_group)
             return float(packed[-1]), packed[:-1]
         weights = torch.tensor([weight], dtype=torch.float64)
-        every_w = [torch.zeros_like(weights) for _ in range(self.world)]
-        self._count(weights)
-        dist.all_gather(every_w, weights, group=self.sync_group)
-        if self.codec == "fp16":
-            # fp16 overflows at 65504: send the unweighted pseudo-gradient, weight it after decoding
-            mine = (delta / weight).half()
-            every = self._gather(mine, group=self.sync_group)
-            out = sum(t.float() * float(w) for t, w in zip(every, every_w))
-        else:
-            target = delta / weight + self.error
-            q, scales = quantize_int8(target, self.block)
-            self.error = target - dequantize_int8(q, scales, target.numel())
-            qs, ss = self._gather(q, group=self.sync_group), self._gather(scales, group=self.sync_group)
-            out = sum(dequantize_int8(a, b, target.numel()) * float(w) for a, b, w in zip(qs, ss, every_w))
-        return float(sum(float(w) for w in every_w)), out
+        every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
+        # unweighted (fp16 overflows at 65504), and the residual is in the same units round after round
+        payload = self.feedback.encode(delta / weight)
+        parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload), group=self.sync_group)]
+        return sum(every_w), coder.aggregate(parts, every_w, delta.numel())
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]
@@ -433,6 +457,9 @@ class DiLoCo(SpeedPlan, DDP):
             targets = torch.tensor(self.targets, dtype=torch.float64, device=self.device)
             self._gathered = {"local": self._gather(self._flat(), checkpoint=True),
                               "targets": self._gather(targets, checkpoint=True)}
+        if self.feedback.coder.lossy:  # each rank's error-feedback buffers (zeros: none yet), for state_dict
+            every = self._gather(self._residual().contiguous(), checkpoint=True)
+            self._residuals = every if self.is_main else None  # only the main rank writes them
         return {"per_rank": per_rank} if self.is_main else None
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -455,6 +482,8 @@ class DiLoCo(SpeedPlan, DDP):
         if self.streamed:
             out.update(since=list(self.since), shared=[frag.shared.detach().clone() for frag in self.frags],
                        **getattr(self, "_gathered", {}))
+        if self._residuals is not None:  # gathered by optimizer_state, the collective before this call
+            out["error_feedback"], self._residuals = self._residuals, None
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -478,6 +507,11 @@ class DiLoCo(SpeedPlan, DDP):
                     p.copy_(local[offset:offset + p.numel()].view_as(p).to(p.dtype))
                     offset += p.numel()
                 self.targets = [float(v) for v in state["targets"][self.rank].tolist()]
+        errors = state.get("error_feedback") or []
+        # each rank its own buffers; another world size cannot replay them: they start at zero
+        mine = errors[self.rank] if len(errors) == self.world else None
+        for frag in self.frags:
+            frag.feedback.load(None if mine is None else mine[frag.start:frag.end])
 
 
 DiLoCo.Settings = DiLoCoSettings

@@ -92,28 +92,28 @@ class Flight:
 @dataclass
 class Fragment:
     """A slice of the trainable parameters synced together: params[first:last], values [start:end) of
-    the flat vector; `shared`: its outer (global) weights, fp32; `error`: the codec's error feedback."""
+    the flat vector; `shared`: its outer (global) weights, fp32; `feedback`: its codec stream's error
+    feedback (`parallel.codecs.ErrorFeedback`, set by the strategy)."""
 
     first: int
     last: int
     start: int
     end: int
     shared: torch.nn.Parameter
-    error: torch.Tensor | None = None
+    feedback: Any = None
     flight: Flight | None = None
     merge_at: int = 0  # the step after which its flight is merged
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def make_fragments(params: list[torch.nn.Parameter], fragments: int, with_error: bool) -> list[Fragment]:
+def make_fragments(params: list[torch.nn.Parameter], fragments: int) -> list[Fragment]:
     """The fragments over `params` (layer order), each holding its shared weights (a copy, fp32)."""
     out, start = [], 0
     for first, last in split([p.numel() for p in params], fragments):
         n = sum(p.numel() for p in params[first:last])
         with torch.no_grad():
             flat = torch.cat([p.detach().float().reshape(-1) for p in params[first:last]])
-        out.append(Fragment(first, last, start, start + n, torch.nn.Parameter(flat, requires_grad=False),
-                            torch.zeros_like(flat) if with_error else None))
+        out.append(Fragment(first, last, start, start + n, torch.nn.Parameter(flat, requires_grad=False)))
         start += n
     return out
 

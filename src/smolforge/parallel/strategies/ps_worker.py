@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 import torch
 
-from smolforge.parallel.codecs import ErrorFeedback, payload_bytes
+from smolforge.parallel.codecs import ErrorFeedback, make_codec, payload_bytes
 from smolforge.parallel.strategies.ps_server import OPTIMIZERS, ServerCore, to_numpy, to_torch
 from smolforge.train import balance
 from smolforge.train.loop import StopRequested
@@ -61,7 +61,7 @@ class PSStrategy(Strategy):
         self.config = settings.model_dump() if settings else {}
         self.server: ParamServer | None = self.context.server  # the job's server (the context's)
         self.member, self.nominal_world = self.context.member, self.context.world
-        self.codec = ErrorFeedback(self.config.get("codec", "fp32"), int(self.config.get("block", 256)))
+        self.codec = ErrorFeedback(make_codec(self.config.get("codec", "fp32"), **self.config))
         self.pull_every = int(self.config.get("pull_every", 1))
         self.final = self.config.get("final", "raw")
         self.named: list[tuple[str, torch.nn.Parameter]] = []

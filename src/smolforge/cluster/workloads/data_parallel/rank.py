@@ -36,6 +36,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from smolforge.config import TrainConfig
+from smolforge.parallel.auto_probe import resolve as resolve_auto
 from smolforge.parallel.rank_task import RankPlan, RankResult, Seat
 from smolforge.models.loading import resolve_model
 from smolforge.cluster.nodes.model_fetch import held_model_dir
@@ -411,7 +412,8 @@ class DPWorker:
         chosen = pick_backend(task.backend, cfg.device)
         adapter_meta = None
         try:
-            grouped = self._meet(task, seat, chosen)
+            grouped = self._meet(task, seat, chosen)  # then `auto` measures over the group and decides:
+            task = resolve_auto(task, seat.world, self._emit if self.rank == 0 else None, cfg)
             t_ready = time.time()
             self._announce(task, seat, chosen if grouped else "via the parameter server", resume_from, delay)
             reports.strategy = self._strategy(task, seat, chosen, server, parts)

@@ -88,6 +88,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         self.round: Round | None = None
         self.world = 0
         self._comm: dict[int, dict] = {}  # each rank's latest communication report (this group)
+        self._auto_plan: dict | None = None  # `--strategy auto`: the latest round's decision (its event's data)
         self.joiners: list[WorkerGroup] = []  # members placed to join the running (elastic) group
         self.server = None  # the round's parameter server (strategies that need one: ssp, sync-ps, async-ps)
         self.server_stats: dict | None = None
@@ -477,9 +478,12 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
             return
         batch = sort_batch(items)
         record_batch(self.store, self.job_id, batch, self.log_series)
-        if batch.comm:
+        plan = [data for kind, _, data, _ in batch.events if kind == "strategy_plan"]  # `auto`'s choice, this round
+        self._auto_plan = plan[-1] if plan else self._auto_plan
+        if batch.comm or plan:
             self._comm.update(batch.comm)
-            self.store.update_job(self.job_id, comm=comm_summary(self._comm, self.server_stats))
+            self.store.update_job(self.job_id, comm={**(comm_summary(self._comm, self.server_stats) if self._comm else {}),
+                                                     **({"plan": self._auto_plan} if self._auto_plan else {})})
 
     def _drain_quietly(self) -> None:
         """Drain the control actor's reports; a lost control actor costs the progress rows, nothing else."""

@@ -8,11 +8,14 @@ rolls back to the newest checkpoint both sides hold (`SessionLost`, as after a s
 the client resumes instead of failing. On a `--tls` cluster it trusts exactly the cluster's CA (the
 trunk serves with its node's certificate, which that CA signed), so the hidden states, gradients and
 the job's token never cross the network in clear. After each checkpoint the trunk's half goes to the
-coordinator (`TrunkActor.ship`) before training goes on: the trunk placed next starts from it.
+coordinator (`TrunkActor.ship`) before training goes on: the trunk placed next starts from it; then
+the client's own half goes there too (`CLIENT_CHECKPOINTS`), so a client placed again on another node
+after its node died (`runner.SplitRunner._client_lost`, `placement.client_plan`) fetches them first and
+both sides resume from the newest checkpoint they share.
 
 What it did (steps with their loss, checkpoints, resumes, a hold) waits in `status()` for the runner,
 with the lines this process printed. Its own checkpoints stay on its node (`<node dir>/split/<job>/`),
-with the data: a next attempt on that node resumes from them.
+with the data: a next attempt on that node resumes from them, one on another node from the stored ones.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from smolforge.cluster.control.kinds import CLIENT_CHECKPOINTS
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.cluster.nodes import ray_tls
-from smolforge.cluster.workloads.split.artifacts import upload_dir
+from smolforge.cluster.workloads.split.artifacts import download_dir, upload_dir
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, start_capture, this_node
 from smolforge.train.faults import HoldAt, fault_hold_step, held_message, node_dir, stay_held
 
+KEEP_STORED = 2  # client checkpoints the coordinator keeps per job, as for the trunk's
 PROBE_S = 5.0  # how long one connection retries an unreachable trunk before asking where it is now
 SHIP_TIMEOUT_S = 600.0
 log = logging.getLogger(TASK_LOGGER)
@@ -169,15 +174,17 @@ class ClientActor:
 
     # -- the run --------------------------------------------------------------------------------
 
-    def train(self, session: str) -> dict[str, Any]:
-        """The whole client run (resuming from this node's checkpoints); its summary. It starts as the
-        trunk is placed: the model and data load meanwhile, the first call waits for the trunk. The final
-        adapter goes to the coordinator as the job's `adapter` artifact."""
+    def train(self, session: str, stored: list[str] = ()) -> dict[str, Any]:
+        """The whole client run (resuming from this node's checkpoints, and the `stored` client
+        checkpoints the coordinator holds: step-N names, fetched first where this node lacks them); its
+        summary. It starts as the trunk is placed: the model and data load meanwhile, the first call
+        waits for the trunk. The final adapter goes to the coordinator as the job's `adapter` artifact."""
         from smolforge.split.trainer import SplitTrainer
         from smolforge.train.engine import TrainHooks
 
         self.session = session
         cfg = self._config(session)
+        self._fetch(Path(cfg.output_dir) / "checkpoints", stored)
         files = ray_tls.node_files_from_env(required=True) if self.tls else None  # [2]: the cluster's CA
         client = FollowingTrunkClient(self._locate, self.token, rpc_timeout=cfg.rpc_timeout,
                                       patience_s=self.spec.replace_timeout_s + self.spec.start_timeout_s,
@@ -208,6 +215,15 @@ class ClientActor:
                                 token=self.token, output_dir=str(self.root / "client"),
                                 resume=True, session_name=session, quiet=True, reconnect_timeout=PROBE_S,
                                 num_threads=max(1, int(self.spec.cpus)))
+
+    def _fetch(self, root: Path, stored: list[str]) -> None:
+        """The stored client checkpoints this node does not hold, into `root` (the trainer's)."""
+        from smolforge.split import checkpoint as ckpt
+
+        have = {ckpt.step_dir(root, step).name for step in ckpt.valid_steps(root)} if root.is_dir() else set()
+        for name in stored:
+            if name not in have:
+                download_dir(self.control, CLIENT_CHECKPOINTS, name, root / name, SHIP_TIMEOUT_S)
 
     def _locate(self) -> tuple[str, int] | None:
         with self.lock:
@@ -251,13 +267,16 @@ class ClientActor:
             stay_held("the split client", info.step, self.hold.step, lambda: self.stop_code)
 
     def _on_checkpoint(self, path: Path, step: int) -> None:
-        """Both sides hold step `step` now: the trunk's half goes to the coordinator before training on."""
+        """Both sides hold step `step` now: the trunk's half, then the client's, go to the coordinator
+        before training on."""
         import ray
 
         with self.lock:
             trunk = self.trunk
         try:
             meta = ray.get(trunk.ship.remote(self.session, step), timeout=SHIP_TIMEOUT_S)
+            upload_dir(self.control, CLIENT_CHECKPOINTS, Path(path).name, Path(path), SHIP_TIMEOUT_S,
+                       keep_last=KEEP_STORED)
         except Exception as err:  # noqa: BLE001 - the trunk (or its node) went away: the next call finds out
             self._say({"type": "checkpoint_not_shipped", "step": step, "error": f"{type(err).__name__}: {err}"[:300]})
             return

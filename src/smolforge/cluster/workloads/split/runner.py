@@ -17,6 +17,14 @@ With no node for the trunk during `replace_timeout_s`, the job fails saying why.
 (or a trunk that cannot start: its own making) ends the attempt; the base runner's FailurePolicy
 decides on another, which resumes from the client's checkpoints and the stored trunk ones.
 
+When the client's node dies (its status call fails and the node does not answer a probe:
+`_client_lost`), the attempt ends as `Failed` from the newest stored client checkpoint, under the
+same base FailurePolicy (the job's `attempts`); the next attempt places the client by
+`placement.client_plan`: not on a node where a client of this job was lost, the coordinator's node
+first (it holds the uploaded data), said in a `client_placed` event. The client ships its half of
+every checkpoint to the coordinator after the trunk's (`client_side.CLIENT_CHECKPOINTS`); the new
+client fetches them, the new trunk the trunk's, and both resume from the newest step they share.
+
 The job's step, loss and samples are the client's (its loss is the only one: the labels never leave
 it); each side is a task row with its node and state, and `trunk_step` (the step the trunk's session
 stands at) is charted beside `loss`. Pause asks the client to checkpoint both sides and stop; cancel
@@ -35,14 +43,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from smolforge.cluster.control.kinds import TRUNK_CHECKPOINTS, split_trunk_requirements
-from smolforge.cluster.control.placement import client_requirements
+from smolforge.cluster.control.placement import ClientPlan, client_plan
 from smolforge.cluster.control.policy import FailurePolicy
 from smolforge.cluster.control.runner import (
     POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, own_making, short_error,
 )
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.cluster.nodes import ray_glue, ray_tls
-from smolforge.cluster.workloads.split.client_side import ClientActor
+from smolforge.cluster.workloads.split.client_side import CLIENT_CHECKPOINTS, ClientActor
 from smolforge.cluster.workloads.split.trunk import TrunkActor, choose_trunk_node
 from smolforge.errors import SmolforgeError
 
@@ -80,12 +88,16 @@ class SplitRunner(JobRunner):
         self.trunk_failures = FailurePolicy(spec.max_retries)  # trunk losses inside a run (subject "trunk")
         self.placements = 0
         self.lost_on: set[str] = set()  # nodes where a trunk of this job was lost
+        self.client_lost_on: set[str] = set()  # nodes where a client of this job was lost
         self._reset()
 
     def _reset(self) -> None:
         self.control: Any = None
         self.client: Any = None
         self.client_node = ""
+        self.client_node_id = ""
+        self.client_task = f"{self.job_id}-client"  # `client-2`... once it was placed again
+        self.client_failed = False  # its node was lost: its task row says failed
         self.training: Any = None  # the client's `train` call
         self.trunk: Trunk | None = None
         self.status_ref: Any = None
@@ -116,11 +128,16 @@ class SplitRunner(JobRunner):
         from smolforge.cluster.workloads.data_parallel.job_control import create_control
 
         ray_glue.connect()
-        req = self._client_requirements()
         try:
-            options = req.ray_options(self.ctx.healthy_nodes())
+            plan = self._client_plan()
+            options = plan.req.ray_options(self.ctx.healthy_nodes())
         except SmolforgeError as err:
             return Failed(f"the client cannot run on {self.spec.client_node}", retryable=False, error=err.render())
+        stored = self.ctx.artifacts.list(self.job_id, CLIENT_CHECKPOINTS)
+        if plan.again:
+            self.client_task = f"{self.job_id}-client-{len(self.client_lost_on) + 1}"
+            self.store.add_event(self.job_id, "client_placed", f"the client placed again on {plan.node} ({plan.why}), "
+                                 f"from the stored checkpoints {stored}", {"node": plan.node, "stored": stored})
         self.control = create_control(self.job_id, str(self.ctx.artifacts.root.resolve()))
         self.client = ray.remote(ClientActor).options(**options, max_concurrency=4, max_restarts=0,
                                                        max_task_retries=0).remote(self.job_id, self.spec, self.control,
@@ -132,16 +149,19 @@ class SplitRunner(JobRunner):
             return Failed(f"the client did not start on {self.spec.client_node}: {short_error(err)}",
                           error=short_error(err))
         self.client_node = st["node"]
-        self.store.upsert_task(f"{self.job_id}-client", self.job_id, "split_client", "running", node_name=st["node"],
+        self.client_node_id = next((n.node_id for n in self.ctx.healthy_nodes() if n.name == st["node"]), "")
+        self.store.upsert_task(self.client_task, self.job_id, "split_client", "running", node_name=st["node"],
                                pid=st["pid"], attempt=int(self.store.get_job(self.job_id).get("attempts") or 0))
-        self.training = self.client.train.remote(self.job_id)  # it loads while the trunk does, then waits for it
+        self.training = self.client.train.remote(self.job_id, stored)  # it loads while the trunk does, then waits
         return outcome
 
-    def _client_requirements(self) -> ray_glue.Requirements:
-        """The client's node: the coordinator's (outside the worker pool; the embedded cluster's one
-        node), or the worker `client_node` names. It loads the whole model, so it must hold it
-        (`placement.client_requirements`)."""
-        return client_requirements(self.spec.split.model, self.spec.client_node, self.spec.cpus, self.ctx.embedded)
+    def _client_plan(self) -> ClientPlan:
+        """The client's node (`placement.client_plan`): the coordinator's (outside the worker pool; the
+        embedded cluster's one node) or the worker `client_node` names, holding the model; after a
+        client of this job was lost there, another node (the coordinator's first), from the stored
+        checkpoints."""
+        return client_plan(self.spec.split.model, self.spec.client_node, self.spec.cpus, self.ctx.embedded,
+                           self.ctx.healthy_nodes(), self.client_lost_on)
 
     def poll(self) -> Outcome | None:
         import ray
@@ -155,7 +175,9 @@ class SplitRunner(JobRunner):
         if outcome is not None:
             return outcome
         if time.monotonic() - self.mirrored >= STATUS_EVERY_S:
-            self._mirror_client()
+            lost = self._mirror_client()
+            if lost is not None:
+                return lost
         ready, _ = ray.wait([self.training], timeout=POLL_S)
         return self._finish() if ready else None
 
@@ -185,8 +207,8 @@ class SplitRunner(JobRunner):
             except Exception:  # noqa: BLE001
                 pass
         if self.client is not None:
-            self.store.upsert_task(f"{self.job_id}-client", self.job_id, "split_client",
-                                   "completed" if self.done_ok else "stopped")
+            self.store.upsert_task(self.client_task, self.job_id, "split_client",
+                                   "completed" if self.done_ok else "failed" if self.client_failed else "stopped")
         self._reset()
 
     # -- the trunk ----------------------------------------------------------------------------------
@@ -307,15 +329,16 @@ class SplitRunner(JobRunner):
 
     # -- the client ---------------------------------------------------------------------------------
 
-    def _mirror_client(self) -> None:
-        """What the client did since the last look: progress, loss curve, checkpoints, resumes, its lines."""
+    def _mirror_client(self) -> Outcome | None:
+        """What the client did since the last look: progress, loss curve, checkpoints, resumes, its lines.
+        A client that does not answer on a node that does not either is lost (`_client_lost`)."""
         import ray
 
         self.mirrored = time.monotonic()
         try:
-            st = ray.get(self.client.status.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - a dead client ends `train` too: _finish says why
-            return
+            st = ray.get(self.client.status.remote(), timeout=STATUS_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - its process died, or its node: a dead client ends `train` too
+            return self._client_lost(short_error(err))
         self.store.add_logs(self.job_id, st.get("lines") or [])
         metrics: list[tuple[int, str, float]] = []
         last: dict[str, Any] | None = None
@@ -334,12 +357,28 @@ class SplitRunner(JobRunner):
             eta = (last["max_steps"] - last["step"]) * (last["ts"] - self.since[0]) / done if done > 0 else None
             self.store.update_job(self.job_id, step=last["step"], max_steps=last["max_steps"], loss=last["loss"],
                                   samples_done=last["samples_done"], samples_total=last["samples_total"], eta_s=eta)
+        return None
+
+    def _client_lost(self, why: str) -> Outcome | None:
+        """The client's node stopped answering (or left the node table): a `Failed` outcome for the base
+        runner's FailurePolicy, from the newest stored client checkpoint; the next attempt places the
+        client elsewhere (`placement.client_plan`) and both sides resume from the newest checkpoint they
+        share. None while the node still answers (a slow client, or one whose `train` ended: `_finish`)."""
+        node = self.client_node_id
+        if not node or (any(n.node_id == node for n in self.ctx.healthy_nodes()) and self.ctx.probe_node(node, 4.0)):
+            return None
+        self.ctx.set_aside(node)
+        self.client_lost_on.add(node)
+        stored = self.ctx.artifacts.list(self.job_id, CLIENT_CHECKPOINTS)
+        self.store.upsert_task(self.client_task, self.job_id, "split_client", "failed", error=why)
+        self.client_failed = True
+        return Failed(f"the client on {self.client_node} was lost ({why})", checkpoint=stored[-1] if stored else None)
 
     def _client_event(self, item: dict[str, Any]) -> None:
         kind, step = item["type"], item.get("step")
         if kind == "checkpoint":
             self.store.add_event(self.job_id, "checkpoint", f"shared checkpoint at step {step}: the client's on "
-                                 f"{self.client_node}, the trunk's stored on the coordinator", {"step": step})
+                                 f"{self.client_node}, both halves stored on the coordinator", {"step": step})
         elif kind == "checkpoint_not_shipped":
             self.store.add_event(self.job_id, "checkpoint_not_shipped", f"the trunk's checkpoint of step {step} did "
                                  f"not reach the coordinator: {item['error']}", {"step": step})
@@ -361,7 +400,9 @@ class SplitRunner(JobRunner):
         try:
             result = ray.get(ref, timeout=60)
         except Exception as err:  # noqa: BLE001 - the client failed, or its process or node died
-            self._mirror_client()
+            lost = self._mirror_client()
+            if lost is not None:
+                return lost
             return Failed(f"the client failed: {short_error(err)}", retryable=not own_making(err),
                           error=short_error(err))
         self._mirror_client()

@@ -1,0 +1,153 @@
+"""`--strategy auto` (issue 45 item 4): the pure decision on tables of measurements, the name in the registry and
+a job spec, and the probe over a real gloo group on loopback (which picks ddp there).
+
+The decision is asserted, never a time: the tables give the measurements, and on loopback the assertion is
+what the mechanism decided and why (its reason names the rule and the measured numbers).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from smolforge.parallel.auto_choice import (
+    Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
+)
+
+LLAMA_100M = 109_529_856  # llama-100m's parameters (its config on the meta device)
+LORA_05B = 1_081_344  # trainable fp32 values of a LoRA r=8 on the Qwen2.5-0.5B twin (order of magnitude)
+
+
+def measured(mbit: float, step_s: float, params: int = LLAMA_100M, trainable: int | None = None,
+             world: int = 2, rtt_ms: float = 1.0, max_steps: int | None = 1000) -> Measured:
+    links = tuple(LinkSample(a, b, mbit, rtt_ms / 1e3) for a in range(world) for b in range(world) if a != b)
+    return Measured(world=world, links=links, step_s=step_s, params=params,
+                    trainable_bytes=4 * (params if trainable is None else trainable), max_steps=max_steps)
+
+
+# (what, measurements, what decide takes, strategy, codec, H, fragments)
+TABLE = [
+    ("loopback, tiny model", measured(8000, 0.5, params=1_000_000), {}, "ddp", None, None, None),
+    ("LoRA at 20 Mbit/s: the adapter's gradient fits", measured(20, 160.0, trainable=LORA_05B), {}, "ddp", None, None, None),
+    ("100M full at 1 Gbit/s", measured(1000, 3.0), {}, "diloco", "sparse", 5, None),
+    ("100M full at 20 Mbit/s", measured(20, 3.0), {}, "diloco", "sparse", 6, None),
+    ("100M full at 20 Mbit/s, no sparse codec: streamed int8", measured(20, 3.0), {"has": frozenset({"fragments"})},
+     "diloco", "int8", 16, 4),
+    ("the same without fragments: blocking, H capped by the run", measured(20, 3.0, max_steps=200),
+     {"has": frozenset()}, "diloco", "int8", 100, None),
+    ("three ranks, the slowest link counts", Measured(3, (LinkSample(0, 1, 1000, 1e-3), LinkSample(1, 2, 20, 1e-3),
+                                                           LinkSample(0, 2, 1000, 1e-3)), 3.0, LLAMA_100M,
+                                                      4 * LLAMA_100M, 1000), {}, "diloco", "sparse", 11, None),
+]
+
+
+@pytest.mark.parametrize("what,m,kw,strategy,codec,h,fragments", TABLE, ids=[row[0] for row in TABLE])
+def test_the_decision_on_a_table_of_measurements(what, m, kw, strategy, codec, h, fragments):
+    d = decide(m, **kw)
+    assert (d.strategy, d.config.get("codec"), d.config.get("inner_steps"), d.config.get("fragments")) == \
+        (strategy, codec, h, fragments), (what, d.reason)
+    assert f"{d.numbers['mbit_s']:g} Mbit/s" in d.reason and "10%" in d.reason, d.reason
+    if strategy == "ddp":  # its per-step all-reduce is within 10 % of a step's compute
+        assert d.numbers["ddp_comm_s"] <= 0.10 * m.step_s
+    else:  # ddp would not fit; a sync's transfer is ≤ 10 % of H steps' compute unless capped or overlapped
+        assert d.numbers["ddp_comm_s"] > 0.10 * m.step_s and "would be" in d.reason
+        assert d.config.get("fragments") or d.numbers["sync_s"] <= 0.10 * h * m.step_s or "over budget" in d.reason
+
+
+def test_sparse_bytes_per_sync_are_under_2_percent_of_the_fp32_model():
+    """The plan's bytes are the sparse codec's layout: per 4096-value chunk 64 uint16 indices, 64 2-bit values
+    and one fp32 scale (148 bytes against 16,384 in fp32, 0.9 %); int8 is a byte per value plus its scales."""
+    assert sparse_bytes(4096 * 10, 4096, 64, 2) == 10 * (128 + 16 + 4)
+    assert sparse_bytes(4097, 4096, 64, 4) == 2 * (128 + 32 + 4)
+    assert int8_bytes(512, 256) == 512 + 8
+    d = decide(measured(20, 3.0))
+    assert d.numbers["bytes_per_sync"] == sparse_bytes(LLAMA_100M, 4096, 64, 2)
+    assert d.numbers["sync_fraction_of_model"] <= 0.02
+
+
+def test_one_rank_shares_nothing_and_the_decision_is_deterministic():
+    assert decide(measured(20, 1.0, world=1)).strategy == "single"
+    m = measured(20, 3.0)
+    assert decide(m) == decide(m) and isinstance(decide(m), Decision)
+
+
+def test_auto_is_a_registered_name_with_checked_settings_that_never_trains_itself():
+    from smolforge.cluster.control.specs import DataParallelJob
+    from smolforge.parallel.strategies import make_strategy, strategy_class
+
+    cls = strategy_class("auto")
+    assert cls.uses_process_group and not cls.needs_server and not cls.elastic
+    train = {"model": "tiny-llama", "data": {"path": "bundled"}}
+    assert DataParallelJob(train=train, strategy="auto", strategy_config={"budget": 0.05}).strategy == "auto"
+    with pytest.raises(ValueError, match="strategy_config.budget"):
+        DataParallelJob(train=train, strategy="auto", strategy_config={"budget": 2})
+    with pytest.raises(RuntimeError, match="resolved by the ranks"):
+        make_strategy("auto")
+
+
+def _resolve_on_loopback(rank: int) -> dict:
+    """One spawned rank: `auto` resolved over the group (tiny-llama, LoRA), what it emitted, the plan it got."""
+    from smolforge.config import TrainConfig
+    from smolforge.parallel.auto_probe import resolve
+    from smolforge.parallel.rank_task import RankPlan
+    from smolforge.parallel.strategies import strategy_class
+
+    events: list[dict] = []
+    train = TrainConfig(model="tiny-llama", data={"path": "bundled"}, batch_size=8)  # 8 rows of 256 tokens
+    plan = RankPlan(train=train, strategy="auto",
+                    strategy_config=strategy_class("auto").settings_dict({"probe_mb": 1.0}))
+    got = resolve(plan, 2, events.append if rank == 0 else None)
+    return {"strategy": got.strategy, "config": got.strategy_config, "events": events}
+
+
+def test_auto_picks_ddp_on_loopback():
+    """Two gloo ranks on 127.0.0.1 measure both directions and their compute and pick ddp; only rank 0 states
+    it (one `strategy_plan` event whose reason gives the rule and the measured numbers)."""
+    from helpers import run_gloo_ranks
+
+    got, _ = run_gloo_ranks(_resolve_on_loopback, 2, timeout=300)
+    assert got[0]["strategy"] == got[1]["strategy"] == "ddp", got[0]["events"]
+    assert got[0]["config"] == got[1]["config"] == {}
+    (event,) = got[0]["events"]
+    assert not got[1]["events"]
+    data = event["data"]
+    assert event["kind"] == "strategy_plan" and data["strategy"] == "ddp"
+    assert {(s["src"], s["dst"]) for s in data["links"]} == {(0, 1), (1, 0)}
+    assert "within 10%" in data["reason"] and "Mbit/s" in data["reason"], data["reason"]
+    assert data["numbers"]["ddp_comm_s"] <= 0.10 * data["numbers"]["step_s"]
+
+
+def test_job_show_says_what_auto_chose():
+    """The runner keeps rank 0's `strategy_plan` in the job's `comm` (`--json`: comm.plan); `job show` prints it."""
+    from smolforge.cli.tables import comm_line
+
+    d = decide(measured(20, 3.0))
+    text = comm_line({"plan": d.to_dict(), "bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
+    assert text.startswith(f"auto chose {d.reason}\n") and "communication (per rank, step 4)" in text
+    assert "auto chose" not in comm_line({"bytes_sent_per_rank": [1000], "wait_s_per_rank": [0.5], "step": 4})
+
+
+@pytest.mark.soak  # a real embedded cluster (Ray) and a 2-rank job: a minute or two on the 2-core machine
+def test_a_launched_auto_job_runs_what_its_plan_says(tmp_path):
+    """The real job path on loopback: `launch --strategy auto` on the embedded cluster; the ranks measure, rank 0's
+    plan is the job's `strategy_plan` event and `comm.plan` (`job show --json`), and the job ran that strategy."""
+    import json
+    import os
+    import tempfile
+
+    from helpers import smolforge
+
+    ray_tmp = tempfile.mkdtemp(prefix="sfa", dir="/tmp")
+    env = {"RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "SMOLFORGE_COORDINATOR": "",
+           "HF_HUB_OFFLINE": "1"}
+    state = str(tmp_path / "state")
+    run = smolforge("launch", "--model", "tiny-llama", "--dataset", "bundled", "--workers", "2", "--strategy", "auto",
+                    "--max-steps", "6", "--max-length", "64", "--set", "data.max_eval_samples=4", "--set",
+                    "eval_accuracy=false", "--state-dir", state, "--output-dir", str(tmp_path / "out"), "--json",
+                    timeout=900, env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["state"] == "completed", out.get("error")
+    shown = smolforge("job", "show", out["job_id"], "--json", "--state-dir", state, env={**os.environ, **env})
+    plan = json.loads(shown.stdout)["comm"]["plan"]
+    assert plan["strategy"] == out["strategy"] and plan["strategy"] in ("ddp", "diloco"), plan
+    assert {(s["src"], s["dst"]) for s in plan["links"]} == {(0, 1), (1, 0)} and "10%" in plan["reason"]
