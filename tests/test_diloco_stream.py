@@ -78,8 +78,13 @@ def _runs(rank: int, root: Path) -> dict:
            "plain": train_dict(_cfg(root, "plain"), make_strategy("diloco", OUTER))[0]}
     for name, background in (("streamed", True), ("blocking", False)):
         out[name] = train_dict(_cfg(root, name), make_strategy("diloco", {**STREAM, "background": background}))[0]
-    out["paused"], _ = train_dict(_cfg(root, "paused"), make_strategy("diloco", STREAM), pause_after=5)
-    out["resumed"], _ = train_dict({**_cfg(root, "paused"), "resume": True}, make_strategy("diloco", STREAM))
+    for codec in ("fp32", "int8"):  # int8: each fragment's error-feedback residual goes into the checkpoint too
+        tag, config = ("" if codec == "fp32" else "_" + codec), {**STREAM, "codec": codec}
+        if codec != "fp32":
+            out["streamed" + tag] = train_dict(_cfg(root, "streamed" + tag), make_strategy("diloco", config))[0]
+        out["paused" + tag], _ = train_dict(_cfg(root, "paused" + tag), make_strategy("diloco", config), pause_after=5)
+        out["resumed" + tag], _ = train_dict({**_cfg(root, "paused" + tag), "resume": True},
+                                             make_strategy("diloco", config))
     return {k: v.to_dict() for k, v in out.items()}
 
 
@@ -121,14 +126,17 @@ def test_a_streamed_fragment_sync_gives_the_weights_of_a_blocking_one(runs):
     assert not _same(adapter_weights(streamed), adapter_weights(runs[0]["plain"]))
 
 
-def test_a_streamed_run_pauses_with_nothing_in_flight_and_resumes_exactly(runs):
+@pytest.mark.parametrize("tag", ["", "_int8"])
+def test_a_streamed_run_pauses_with_nothing_in_flight_and_resumes_exactly(runs, tag):
     """The pause asked after step 5 lands at 5 (fragment 0's flight merged there, fragment 1's not yet sent);
-    the checkpoint holds each rank's own weights and tokens; the resumed ranks end as the uninterrupted run."""
-    paused, resumed = runs[0]["paused"], runs[0]["resumed"]
+    the checkpoint holds each rank's own weights and tokens (int8: and every fragment's error-feedback
+    residual); the resumed ranks end as the uninterrupted run, bitwise."""
+    paused, resumed = runs[0]["paused" + tag], runs[0]["resumed" + tag]
     assert paused["stopped"] == "pause" and paused["steps"] == 5
     blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
     state = blob["strategy"]
     assert state["since"] == [1, 3] and len(state["local"]) == 2 and len(state["shared"]) == 2
     assert not torch.equal(state["local"][0], state["local"][1])  # the ranks' own weights differ mid-round
     assert resumed["steps"] == STEPS and resumed["stopped"] is None
-    assert _same(adapter_weights(resumed), adapter_weights(runs[0]["streamed"]))
+    assert ("error_feedback" in state) == bool(tag)
+    assert _same(adapter_weights(resumed), adapter_weights(runs[0]["streamed" + tag]))
