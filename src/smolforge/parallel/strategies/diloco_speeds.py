@@ -12,7 +12,8 @@ every rank ends the round at the same step, where the outer step, checkpoints an
 The rates are each rank's median rows per second of forward and backward since the last outer step
 (`balance.RateMeter`, fed by `observe`), exchanged at the outer step with the round's token weights
 (one small all-reduce), so every rank computes the same plan from the same numbers; the first round
-(nothing measured yet) and any round after a regroup split evenly. Between outer steps the ranks share
+(nothing measured yet: kept short, `balance.FIRST_AFTER` + 1 steps) and any round after a regroup split
+evenly. Between outer steps the ranks share
 no collective: a pause or cancel asked on rank 0 is agreed at the round's end, and evaluations are
 rank 0's alone (on every eval row), as a parameter server's are.
 """
@@ -66,9 +67,12 @@ class SpeedPlan:
     held_code: int = 0  # a stop code asked between outer steps, agreed at the round's end
 
     def _plan_round(self, done: int, steps: int) -> int | None:
-        """Plan the round that starts at step `done` (at most H steps, up to the job's `steps`); returns
-        the step of this rank's first slice, or None when no step is left."""
-        length = min(self.inner_steps, steps - done)
+        """Plan the round that starts at step `done` (at most H steps, up to the job's `steps`; the job's
+        first round at most `balance.FIRST_AFTER` + 1: split evenly, nothing measured yet, it runs at the
+        slowest rank's pace, so it is kept short); returns the step of this rank's first slice, or None
+        when no step is left."""
+        first_round = self.rounds == 0 and self.rates is None
+        length = min(min(self.inner_steps, balance.FIRST_AFTER + 1) if first_round else self.inner_steps, steps - done)
         if length <= 0:
             return None
         counts = balance.plan_inner_steps(self.rates, length, self.world)
