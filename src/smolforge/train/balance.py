@@ -67,3 +67,17 @@ class RateMeter:
         rate = statistics.median(self.samples)
         self.samples = []
         return rate
+
+
+def plan_inner_steps(rates: list[float] | None, steps: int, world: int) -> list[int]:
+    """Inner steps per rank for a DiLoCo round of `steps` global steps under mixed speeds: the round's
+    steps x world slices (a slice: one rank's rows of a step in plain DiLoCo, one inner step) split in
+    proportion to the ranks' measured rates (rows/s), at least one each (`split_rows`); `rates` None:
+    `steps` each, plain DiLoCo's round. Rates 3:1 over a round of 4 steps on 2 ranks: [6, 2].
+
+    Pure: every rank computes the same plan from the same exchanged rates."""
+    if not rates:
+        return [steps] * world
+    if len(rates) != world:
+        raise ValueError(f"{len(rates)} rates for {world} ranks")
+    return split_rows(rates, steps * world)

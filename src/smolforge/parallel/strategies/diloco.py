@@ -18,6 +18,12 @@ next round from them. Gradients cross the network once per H steps instead of ev
   weights; each rank's inner optimizer state and error-feedback buffer are kept (gathered as tensors,
   never pickled), so a resumed job continues bitwise as an uninterrupted one (the same world size; a
   resume with another one starts the buffers at zero).
+- `fragments` / `overlap` (Streaming DiLoCo, `diloco_stream.py`): the model synced one fragment at a
+  time on a staggered schedule, each merged `overlap` steps after its send while the ranks train on;
+  checkpoints land where no fragment is in flight and keep every rank's own weights. `fragments` 1 and
+  `overlap` 0 (the defaults) are the whole-model blocking sync above, bitwise (a test keeps it so).
+- `inner_steps_by_speed` (`diloco_speeds.py`): each rank's inner steps per round follow its measured
+  speed (a round is H global steps' rows, shared out by rate), so a slow node does not hold a fast one.
 - Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
   gone (its process or machine died) re-forms the group with the members left, through the job's
   membership service (`membership`, given by the worker glue; see `cluster/workloads/data_parallel/job_control.py`), and is
@@ -32,6 +38,7 @@ next round from them. Gradients cross the network once per H steps instead of ev
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, TypeVar
 
@@ -42,6 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, unpack_payload
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
+from smolforge.parallel.strategies.diloco_speeds import SpeedPlan
+from smolforge.parallel.strategies.diloco_stream import Flight, Fragment, make_fragments, merge_into, offsets
 from smolforge.train import balance
 from smolforge.train.rank_context import Membership, RankContext
 from smolforge.train.strategy import Strategy
@@ -69,6 +78,13 @@ class DiLoCoSettings(BaseModel):
     topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
     bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
 
+    # Streaming DiLoCo (diloco_stream.py): fragments synced on a staggered schedule, overlapped with compute
+    fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model)")
+    overlap: int = Field(0, ge=0, description="tau: inner steps from a fragment's send to its merge (0: blocking)")
+    mix: float = Field(0.5, ge=0, lt=1, description="overlap > 0: merge as local <- mix local + (1 - mix) global")
+    background: bool = Field(True, description="overlap > 0: send from a thread (False: at send time, blocking)")
+    inner_steps_by_speed: bool = Field(False, description="inner steps per round follow each rank's measured speed")
+
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, v: str) -> str:
@@ -85,8 +101,21 @@ class DiLoCoSettings(BaseModel):
             self.outer_momentum = momentum
         return self
 
+    @model_validator(mode="after")
+    def _schedule(self) -> "DiLoCoSettings":
+        if self.fragments > self.inner_steps:
+            raise ValueError(f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): "
+                             "each fragment needs its own step of the H-step cycle")
+        if self.overlap and self.overlap >= self.inner_steps // self.fragments:
+            raise ValueError(f"overlap ({self.overlap}) must be under inner_steps // fragments "
+                             f"({self.inner_steps // self.fragments}): a fragment lands before the next is sent, "
+                             "so checkpoints have steps with nothing in flight")
+        if self.inner_steps_by_speed and (self.fragments > 1 or self.overlap):
+            raise ValueError("inner_steps_by_speed takes whole-model blocking syncs (fragments 1, overlap 0)")
+        return self
 
-class DiLoCo(DDP):
+
+class DiLoCo(SpeedPlan, DDP):
     name = "diloco"
     balances = False  # inner steps are local; uneven rows would change each rank's own AdamW path
     elastic = True  # members may leave (a rank dies) or join (at an outer step) without a restart
@@ -102,7 +131,17 @@ class DiLoCo(DDP):
         self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
-        self.rounds, self.round_steps, self.round_targets = 0, 0, 0.0
+        self.overlap, self.mix, self.background = settings.overlap, settings.mix, settings.background
+        self.by_speed = settings.inner_steps_by_speed
+        # Fragment f's steps since its last send and its loss tokens since then (fragment 0: the whole model
+        # when fragments == 1, today's round); its first send comes after H - offset_f steps
+        self.since = [(self.inner_steps - o) % self.inner_steps for o in offsets(self.inner_steps, settings.fragments)]
+        self.targets = [0.0] * settings.fragments
+        self.streamed = settings.fragments > 1 or self.overlap > 0  # ranks' local weights differ at checkpoints
+        self.sync_group: Any = None  # a background transfer's own process group
+        self.frags: list[Fragment] = []
+        self._count_lock = threading.Lock()  # a background transfer counts its bytes from its thread
+        self.rounds, self.syncs, self.background_syncs = 0, 0, 0
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
         # elastic membership, from the context the worker glue (smolforge.cluster.workloads.data_parallel.rank) gives
@@ -114,6 +153,15 @@ class DiLoCo(DDP):
         self.last_step = 0
 
     joins_later = True  # read by DDP.__init__: a joiner has no process group yet
+
+    @property
+    def round_steps(self) -> int:
+        """Steps since the last (whole-model, or fragment 0's) sync."""
+        return self.since[0]
+
+    @property
+    def round_targets(self) -> float:
+        return self.targets[0]
 
     @property
     def rank(self) -> int:
@@ -128,6 +176,8 @@ class DiLoCo(DDP):
 
         Joiners are taken in here, as a step starts and before any of its collectives: a joiner's
         first step is then the others' next one, and every member runs the same collectives."""
+        if self.by_speed:
+            return self._speed_rows(total)
         if self.admit_next:
             self.admit_next = False
             self._regroup("a member joins", admit=True)
@@ -139,10 +189,14 @@ class DiLoCo(DDP):
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        with torch.no_grad():
-            self.shared = torch.nn.Parameter(self._flat(), requires_grad=False)
-        self.outer = torch.optim.SGD([self.shared], lr=self.outer_lr, momentum=self.outer_momentum,
+        self.frags = make_fragments(self.params, len(self.since))
+        # one outer optimizer over every fragment's shared weights: a step moves those that have a gradient
+        self.outer = torch.optim.SGD([f.shared for f in self.frags], lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.nesterov)
+        for frag in self.frags:  # each fragment its own error-feedback stream (one: the strategy's own)
+            frag.feedback = (self.feedback if len(self.frags) == 1
+                             else ErrorFeedback(make_codec(self.codec, **self.config)))
+        self._new_sync_group()
         if self._pending:
             self._restore(self._pending)
         return model  # no DDP: gradients stay on this rank
@@ -159,48 +213,116 @@ class DiLoCo(DDP):
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                    targets: float = 0.0) -> None:
+        """Count the step for every fragment; merge the flights due now, then send the fragments due now
+        (fragments 1 and overlap 0: the whole model, sent and merged at once every H steps, as before)."""
         self.last_step = step
-        self.round_steps += 1
-        self.round_targets += targets
-        if self.round_steps >= self.inner_steps:
-            self._outer_step()
+        for f in range(len(self.frags)):
+            self.since[f] += 1
+            self.targets[f] += targets
+        if self.by_speed:
+            if self._speed_after(targets):
+                self._send(0, step)
+            return
+        for f, frag in enumerate(self.frags):
+            if frag.flight is not None and frag.merge_at <= step:
+                self._merge(f)
+        for f in range(len(self.frags)):
+            if self.since[f] >= self.inner_steps:
+                self._send(f, step)
 
     def at_boundary(self, step: int) -> bool:
-        return self.round_steps == 0
+        """Where a checkpoint or pause may land: no fragment in flight and, for whole-model blocking syncs,
+        right after one (every rank then holds the shared weights). Streamed syncs keep every rank's own
+        weights in the checkpoint instead (`optimizer_state` gathers them): any step with nothing in flight."""
+        if any(frag.flight is not None for frag in self.frags):
+            return False
+        return self.streamed or self.round_steps == 0
+
+    def next_step(self, done: int, steps: int) -> int | None:
+        if self.by_speed:
+            return self._speed_next(done, steps)
+        return super().next_step(done, steps)
+
+    def agree(self, code: int, device: torch.device) -> int:
+        def agreed(c: int) -> int:
+            return self._collective(lambda: DDP.agree(self, c, device))
+        return self._speed_agree(code, agreed) if self.by_speed else agreed(code)
 
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self.round_steps:
-            self._outer_step()  # a short last round: every rank ends with the same weights
+        """Land what is in flight, then a short last round of every fragment not just synced, merged
+        whole (not mixed): every rank ends with the same weights."""
+        for f, frag in enumerate(self.frags):
+            if frag.flight is not None:  # no step since its send: replaced, so the ranks end equal
+                self._merge(f, mix=None if self.since[f] else 0.0)
+        for f in range(len(self.frags)):
+            if self.since[f]:
+                self._send(f, self.last_step, now=True)
 
     # -- the outer step -------------------------------------------------------------------------------
 
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().float().reshape(-1) for p in self.params])
+    def _flat(self, frag: Fragment | None = None) -> torch.Tensor:
+        params = self.params if frag is None else self.params[frag.first:frag.last]
+        return torch.cat([p.detach().float().reshape(-1) for p in params])
 
     @torch.no_grad()
-    def _outer_step(self) -> None:
-        weight = max(self.round_targets, 1.0)
-        delta = (self.shared - self._flat()) * weight  # this rank's pseudo-gradient, token-weighted
-        residual = self.feedback.residual
+    def _send(self, f: int, step: int, now: bool = False) -> None:
+        """Fragment f's token-weighted pseudo-gradient goes out (through the codec, `_average`): in the
+        background, or blocking; merged `overlap` steps later (`now`, or overlap 0: merged here)."""
+        frag = self.frags[f]
+        weight = max(self.targets[f], 1.0)
+        delta = (frag.shared - self._flat(frag)) * weight  # this rank's pseudo-gradient, token-weighted
+        residual = frag.feedback.residual
+        self.since[f], self.targets[f] = 0, 0.0
 
         def average() -> tuple[float, torch.Tensor]:
-            self.feedback.load(residual)  # a retry in a re-formed group starts from the same residual
+            frag.feedback.load(residual)  # a retry in a re-formed group starts from the same residual
+            self.feedback = frag.feedback  # the stream `_average` encodes through (one fragment in flight)
             return self._average(delta, weight)
 
+        now = now or not self.overlap
+        self.syncs += 1
+        if not now and self.background:
+            self.background_syncs += 1
+            frag.flight = Flight(average, background=True)
+        else:
+            with self.waiting():
+                frag.flight = Flight(average, background=False, done=self._collective(average))
+        frag.merge_at, frag.meta["weight"] = step + self.overlap, weight
+        if now:
+            self._merge(f, mix=0.0)
+
+    @torch.no_grad()
+    def _merge(self, f: int, mix: float | None = None) -> None:
+        """Fragment f's outer step from its averaged pseudo-gradient, then into the local weights."""
+        frag = self.frags[f]
         with self.waiting():
-            total, avg = self._collective(average)
-        self.shared.grad = avg / total
+            total, avg = self._collective(frag.flight.wait)
+        frag.flight = None
+        frag.shared.grad = avg / total
         self.outer.step()
-        self.shared.grad = None
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(self.shared[offset:offset + n].view_as(p).to(p.dtype))
-            offset += n
+        frag.shared.grad = None
+        merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
+        if f:
+            return
         self.rounds += 1
-        self.round_steps, self.round_targets = 0, 0.0
+        if self.by_speed:
+            self._replan(frag.meta["weight"])
         if self.membership is not None and self._collective(self._joiners_waiting):
             self.admit_next = True  # at the start of the next step (after a checkpoint or a pause here)
+
+    def metrics(self) -> dict[str, float]:
+        """Fragment syncs sent, and how many of them ran in the background (streamed syncs)."""
+        return {"fragment_syncs": float(self.syncs), "background_syncs": float(self.background_syncs)}
+
+    def _count(self, tensor: torch.Tensor, checkpoint: bool = False) -> None:
+        with self._count_lock:
+            super()._count(tensor, checkpoint)
+
+    def _new_sync_group(self) -> None:
+        """Background transfers get their own process group (made by every member at once: in `wrap`
+        and after a regroup), so they never interleave with the training thread's collectives."""
+        if self.overlap and self.background and dist.is_initialized():
+            self.sync_group = dist.new_group()
 
     # -- elastic membership -------------------------------------------------------------------------
 
@@ -233,6 +355,9 @@ class DiLoCo(DDP):
         """Re-form the group (`admit`: with the members waiting to join; a lost peer alone does not
         take them in, so nobody enters in the middle of a step's collectives)."""
         joining = not dist.is_initialized()
+        for frag in self.frags:
+            if frag.flight is not None:
+                frag.flight.drain()  # its thread fails or ends before its group is torn down
         view = self.membership.regroup(None if joining else self.epoch + 1, admit)
         leave_group()
         members = view["members"]
@@ -240,37 +365,50 @@ class DiLoCo(DDP):
                    view["timeout_s"], view["secret"], view.get("listen"))
         self.epoch = view["epoch"]
         self._sync(joining)
+        self._new_sync_group()
+        self.rates = None  # a new group: the next by-speed round splits evenly until measured again
         if self.is_main:
             self.notes.append({"kind": "regroup", "members": members, "joined": view.get("joined", []),
                                "step": self.last_step, "why": why})
 
+    def _residual(self) -> torch.Tensor:
+        """This rank's error-feedback residuals, every fragment's in place (zeros where none yet)."""
+        return torch.cat([torch.zeros(frag.end - frag.start) if frag.feedback.residual is None
+                          else frag.feedback.residual for frag in self.frags])
+
+    def _momentum(self, frag: Fragment) -> torch.Tensor | None:
+        return self.outer.state.get(frag.shared, {}).get("momentum_buffer")
+
     @torch.no_grad()
     def _sync(self, joining: bool) -> None:
-        """Rank 0's step, round position, shared weights and outer momentum to every member (a joiner
+        """Rank 0's step, round positions, shared weights and outer momentum to every member (a joiner
         starts from them; the others already hold the same)."""
-        momentum = self.outer.state.get(self.shared, {}).get("momentum_buffer")
-        header = torch.tensor([self.last_step, self.rounds, self.round_steps, momentum is not None],
+        moms = [self._momentum(frag) for frag in self.frags]
+        header = torch.tensor([self.last_step, self.rounds, *self.since, *(m is not None for m in moms)],
                               dtype=torch.float64, device=self.device)
         dist.broadcast(header, 0)
-        dist.broadcast(self.shared.data, 0)
-        if header[3]:
-            buf = momentum if momentum is not None else torch.zeros_like(self.shared)
-            dist.broadcast(buf, 0)
-            self.outer.state[self.shared]["momentum_buffer"] = buf
+        n = len(self.frags)
+        for f, frag in enumerate(self.frags):
+            dist.broadcast(frag.shared.data, 0)
+            if header[2 + n + f]:
+                buf = moms[f] if moms[f] is not None else torch.zeros_like(frag.shared)
+                dist.broadcast(buf, 0)
+                self.outer.state[frag.shared]["momentum_buffer"] = buf
         if joining:
-            self.last_step, self.rounds, self.round_steps = (int(v) for v in header[:3].tolist())
-            self.round_targets = 0.0
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.copy_(self.shared[offset:offset + n].view_as(p).to(p.dtype))
-                offset += n
+            self.last_step, self.rounds = int(header[0]), int(header[1])
+            self.since, self.targets = [int(v) for v in header[2:2 + n].tolist()], [0.0] * n
+            for frag in self.frags:
+                merge_into(self.params, frag, 0.0)
 
     def reduce(self, values: list[float], device: torch.device) -> list[float]:
+        if self.by_speed:  # no collective between outer steps: rank 0 evaluates on every row (`shard`)
+            return list(values)
         return self._collective(lambda: DDP.reduce(self, values, device))
 
-    def agree(self, code: int, device: torch.device) -> int:
-        return self._collective(lambda: DDP.agree(self, code, device))
+    def shard(self, items: list) -> list:
+        if self.by_speed:
+            return list(items) if self.is_main else []
+        return super().shard(items)
 
     def barrier(self) -> None:
         self._collective(lambda: DDP.barrier(self))
@@ -286,19 +424,19 @@ class DiLoCo(DDP):
         if coder.summable:
             packed = torch.cat([delta, torch.tensor([weight])])
             self._count(packed)
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=self.sync_group)
             return float(packed[-1]), packed[:-1]
         weights = torch.tensor([weight], dtype=torch.float64)
-        every_w = [float(w) for w in self._gather(weights)]
+        every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
         # unweighted (fp16 overflows at 65504), and the residual is in the same units round after round
         payload = self.feedback.encode(delta / weight)
-        parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload))]
+        parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload), group=self.sync_group)]
         return sum(every_w), coder.aggregate(parts, every_w, delta.numel())
 
-    def _gather(self, t: torch.Tensor, checkpoint: bool = False) -> list[torch.Tensor]:
+    def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]
         self._count(t, checkpoint)
-        dist.all_gather(every, t)
+        dist.all_gather(every, t, group=group)
         return every
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -315,10 +453,12 @@ class DiLoCo(DDP):
                 value = mine["state"][idx][key]
                 for r, t in enumerate(self._gather(value.reshape(-1).contiguous(), checkpoint=True)):
                     per_rank[r]["state"].setdefault(idx, {})[key] = t.view(value.shape)
-        if self.feedback.coder.lossy:  # each rank's error-feedback buffer (zeros: none yet), for state_dict
-            mine_error = self.feedback.residual
-            mine_error = torch.zeros_like(self.shared) if mine_error is None else mine_error
-            every = self._gather(mine_error.contiguous(), checkpoint=True)
+        if self.streamed:  # each rank's own weights and tokens since each fragment's send: for state_dict
+            targets = torch.tensor(self.targets, dtype=torch.float64, device=self.device)
+            self._gathered = {"local": self._gather(self._flat(), checkpoint=True),
+                              "targets": self._gather(targets, checkpoint=True)}
+        if self.feedback.coder.lossy:  # each rank's error-feedback buffers (zeros: none yet), for state_dict
+            every = self._gather(self._residual().contiguous(), checkpoint=True)
             self._residuals = every if self.is_main else None  # only the main rank writes them
         return {"per_rank": per_rank} if self.is_main else None
 
@@ -329,10 +469,19 @@ class DiLoCo(DDP):
         optimizer.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
+        """Rounds and outer momentum (per fragment); the by-speed rates; streamed syncs: the shared weights,
+        each fragment's position and every rank's own weights and tokens (gathered by `optimizer_state`,
+        which a checkpoint calls first), so a resume is exact."""
         out: dict[str, Any] = {"rounds": self.rounds}
-        momentum = self.outer.state.get(self.shared, {}).get("momentum_buffer")
-        if momentum is not None:
-            out["outer_momentum_buffer"] = momentum.clone()
+        for f, frag in enumerate(self.frags):
+            momentum = self._momentum(frag)
+            if momentum is not None:
+                out["outer_momentum_buffer" + (f".{f}" if f else "")] = momentum.clone()
+        if self.rates is not None:
+            out["rates"] = list(self.rates)
+        if self.streamed:
+            out.update(since=list(self.since), shared=[frag.shared.detach().clone() for frag in self.frags],
+                       **getattr(self, "_gathered", {}))
         if self._residuals is not None:  # gathered by optimizer_state, the collective before this call
             out["error_feedback"], self._residuals = self._residuals, None
         return out
@@ -340,13 +489,29 @@ class DiLoCo(DDP):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = dict(state)  # applied in wrap(), once the outer optimizer exists
 
+    @torch.no_grad()
     def _restore(self, state: dict[str, Any]) -> None:
         self.rounds = int(state.get("rounds", 0))
-        if "outer_momentum_buffer" in state:
-            self.outer.state[self.shared]["momentum_buffer"] = state["outer_momentum_buffer"].clone()
+        self.rates = state.get("rates")
+        for f, frag in enumerate(self.frags):
+            key = "outer_momentum_buffer" + (f".{f}" if f else "")
+            if key in state:
+                self.outer.state[frag.shared]["momentum_buffer"] = state[key].clone()
+        if self.streamed and "shared" in state and len(state["shared"]) == len(self.frags):
+            for frag, shared in zip(self.frags, state["shared"]):
+                frag.shared.copy_(shared)
+            self.since = [int(v) for v in state["since"]]
+            if len(state.get("local", [])) == self.world:  # the same ranks: each its own weights back
+                local, offset = state["local"][self.rank], 0
+                for p in self.params:
+                    p.copy_(local[offset:offset + p.numel()].view_as(p).to(p.dtype))
+                    offset += p.numel()
+                self.targets = [float(v) for v in state["targets"][self.rank].tolist()]
         errors = state.get("error_feedback") or []
-        # each rank its own buffer; another world size cannot replay them: they start at zero
-        self.feedback.load(errors[self.rank] if len(errors) == self.world else None)
+        # each rank its own buffers; another world size cannot replay them: they start at zero
+        mine = errors[self.rank] if len(errors) == self.world else None
+        for frag in self.frags:
+            frag.feedback.load(None if mine is None else mine[frag.start:frag.end])
 
 
 DiLoCo.Settings = DiLoCoSettings

@@ -1,0 +1,133 @@
+"""Streaming syncs for DiLoCo (Streaming DiLoCo, Douillard et al., arXiv 2501.18512): the model is synced
+one fragment at a time, each fragment's transfer overlapped with the next inner steps.
+
+What is taken from the paper (its section 2, "Streaming partial updates" and "Overlapping communication"):
+- The trainable parameters are split into `fragments` groups. Here contiguous groups in layer order
+  (`split`, balanced by values; the paper strides layers across fragments, which it reports as slightly
+  better: a possible follow-up), each with its own shared (outer) weights and outer momentum.
+- Fragment f is synced every H inner steps on a staggered schedule: after step t when
+  (t - offset_f) % H == 0, offset_f = f * H // fragments, so at most one fragment is on the wire at a time
+  and the peak bandwidth is 1/fragments of a whole-model sync.
+- Its pseudo-gradient (shared - local, token-weighted as in `DiLoCo._average`) is sent at t and its outer
+  step applied τ = `overlap` inner steps later, at t + τ; the ranks keep training meanwhile. The merge
+  mixes as the paper's Algorithm 2 does: local <- α local + (1 - α) global, with α = `mix` (the paper's
+  0.5 by default) when τ > 0; with τ = 0 the local weights are replaced (today's DiLoCo).
+- The next round's pseudo-gradient is taken against the new global weights (the paper's θ^(t)).
+
+`background`: the transfer runs in a thread on its own process group (`sync_group`), so the inner steps'
+own collectives (stop codes, evals) never interleave with it; without it the same average is computed at
+send time, blocking, and held until t + τ: the same numbers, only the waiting differs (a test checks it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+def split(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
+    """`fragments` contiguous ranges [first, last) of parameter indices, in layer order, each at least
+    one parameter, cut where the running count of values crosses k/fragments of the whole.
+
+    Raises ValueError when there are fewer parameters than fragments."""
+    if fragments > len(sizes):
+        raise ValueError(f"{fragments} fragments need at least as many trainable tensors (the model has "
+                         f"{len(sizes)})")
+    total, cuts = sum(sizes), [0]
+    running = list(itertools.accumulate(sizes))
+    for k in range(1, fragments):
+        cut = next(i for i, c in enumerate(running) if c * fragments >= k * total) + 1
+        cuts.append(min(max(cut, cuts[-1] + 1), len(sizes) - (fragments - k)))
+    cuts.append(len(sizes))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def offsets(inner_steps: int, fragments: int) -> list[int]:
+    """Each fragment's place in the H-step cycle (offset_f = f * H // fragments)."""
+    return [f * inner_steps // fragments for f in range(fragments)]
+
+
+class Flight:
+    """One fragment's average on its way: `fn` run in a daemon thread (`background`) or not at all until
+    `wait` (the caller has then run it blocking itself and passes `done`).
+
+    `wait()` returns fn's result; an error the thread met is raised once (so the caller's regroup-and-retry
+    can run), and a retry then runs fn again in the caller's thread."""
+
+    def __init__(self, fn: Callable[[], Any], background: bool, done: Any = None):
+        self.fn, self.result, self.error = fn, done, None
+        self.thread: threading.Thread | None = None
+        if background:
+            self.thread = threading.Thread(target=self._run, name="diloco-fragment-sync", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as err:  # handed to the training thread at the merge
+            self.error = err
+
+    def wait(self) -> Any:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err
+            return self.result
+        if self.result is None:  # a retry after a regroup: run again, here
+            self.result = self.fn()
+        return self.result
+
+    def drain(self) -> None:
+        """Wait for the thread to end (a regroup is about to tear its group down); its outcome is kept."""
+        if self.thread is not None:
+            self.thread.join()
+
+
+@dataclass
+class Fragment:
+    """A slice of the trainable parameters synced together: params[first:last], values [start:end) of
+    the flat vector; `shared`: its outer (global) weights, fp32; `feedback`: its codec stream's error
+    feedback (`parallel.codecs.ErrorFeedback`, set by the strategy)."""
+
+    first: int
+    last: int
+    start: int
+    end: int
+    shared: torch.nn.Parameter
+    feedback: Any = None
+    flight: Flight | None = None
+    merge_at: int = 0  # the step after which its flight is merged
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def make_fragments(params: list[torch.nn.Parameter], fragments: int) -> list[Fragment]:
+    """The fragments over `params` (layer order), each holding its shared weights (a copy, fp32)."""
+    out, start = [], 0
+    for first, last in split([p.numel() for p in params], fragments):
+        n = sum(p.numel() for p in params[first:last])
+        with torch.no_grad():
+            flat = torch.cat([p.detach().float().reshape(-1) for p in params[first:last]])
+        out.append(Fragment(first, last, start, start + n, torch.nn.Parameter(flat, requires_grad=False)))
+        start += n
+    return out
+
+
+@torch.no_grad()
+def merge_into(params: list[torch.nn.Parameter], frag: Fragment, mix: float) -> None:
+    """The fragment's shared weights into its local parameters: replaced (`mix` 0) or mixed,
+    local <- mix * local + (1 - mix) * shared (Streaming DiLoCo's merge)."""
+    offset = 0
+    for p in params[frag.first:frag.last]:
+        n = p.numel()
+        new = frag.shared[offset:offset + n].view_as(p).to(p.dtype)
+        if mix:
+            p.mul_(mix).add_(new, alpha=1 - mix)
+        else:
+            p.copy_(new)
+        offset += n
