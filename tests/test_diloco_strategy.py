@@ -7,8 +7,14 @@ sends, per outer step, exactly what the codec makes of one pseudo-gradient (fp32
 a code per value and a scale per block), about 1/H (1/4H) of DDP's gradients for the same steps, and
 the loss still falls about as DDP's does; (c) a pause lands on an outer step, and ranks resuming from
 its checkpoint with a fresh strategy, model and optimizer (the shared weights, the outer momentum and
-each rank's own inner AdamW state come from the files) end with the weights of the uninterrupted run. What needs real machines (a member killed or joining mid-job) stays
-in tests/cluster/test_cluster.py.
+each rank's own inner AdamW state come from the files) end with the weights of the uninterrupted run; (d)
+with a lossy codec (int8, sparse; issue 45 item 6) each rank's error-feedback buffer is in the checkpoint,
+so ranks resumed from a pause end bitwise equal to the undisturbed run. What needs real machines (a member
+killed or joining mid-job) stays in tests/cluster/test_cluster.py.
+
+The same two spawned ranks also resolve `--strategy auto` over their gloo group on loopback (issue 45 item 4,
+`test_auto_picks_ddp_on_loopback`; the decision's tables are tests/test_auto_strategy.py): two process starts
+and their imports less than a module each (they were 30 s and 48-75 s of the CI tier on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ PLAIN_OUTER = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 # steps the paper's 0.7/0.9 (made for thousands) overshoots. Momentum > 0: a checkpoint carries its buffer.
 OUTER = {"inner_steps": H, "outer_lr": 1.0, "outer_momentum": 0.5}
 CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: stop codes, eval sums
+# (d): two outer steps of H = 2; the paused run stops on the outer step at 2, its resume takes the second
+RH, RSTEPS = 2, 4
+CODECS = {"int8": {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.5},
+          "sparse": {"codec": "sparse", "outer_lr": 1.0, "chunk": 1024, "topk": 16}}  # sparse: no momentum
 
 
 def _cfg(root: Path, out: str, steps: int = STEPS, **kw) -> dict:
@@ -50,7 +60,43 @@ def _runs(rank: int, root: Path) -> dict:
         out[codec + "_evals"] = seen["evals"]
     out["paused"], _ = train_dict(_cfg(root, "paused"), make_strategy("diloco", OUTER), pause_after=5)
     out["resumed"], _ = train_dict({**_cfg(root, "paused"), "resume": True}, make_strategy("diloco", OUTER))
+    out.update(_error_feedback_runs(root))
+    out["auto"] = _resolve_on_loopback(rank)
     return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in out.items()}
+
+
+def _error_feedback_runs(root: Path) -> dict:
+    """(d) Per lossy codec: the undisturbed run, the run paused after step 1 (it lands on the outer step at
+    RH), and its resume by a fresh strategy, model and optimizer (nothing kept in memory)."""
+    from smolforge.parallel.strategies import make_strategy
+
+    def cfg(out: str) -> dict:
+        return tiny_train_cfg(root, "ef-" + out, RSTEPS, eval_every=0, eval_accuracy=False, save_every=0)
+
+    out = {}
+    for name, settings in CODECS.items():  # their keys "<codec>_ef...": (b) has an "int8" run of its own
+        def strategy():
+            return make_strategy("diloco", {"inner_steps": RH, **settings})
+
+        out[name + "_ef"], _ = train_dict(cfg(name), strategy())
+        out[name + "_ef_paused"], _ = train_dict(cfg(name + "_p"), strategy(), pause_after=1)
+        out[name + "_ef_resumed"], _ = train_dict({**cfg(name + "_p"), "resume": True}, strategy())
+    return out
+
+
+def _resolve_on_loopback(rank: int) -> dict:
+    """`auto` resolved over the ranks' group (tiny-llama, LoRA), what it emitted, the plan it got."""
+    from smolforge.config import TrainConfig
+    from smolforge.parallel.auto_probe import resolve
+    from smolforge.parallel.rank_task import RankPlan
+    from smolforge.parallel.strategies import strategy_class
+
+    events: list[dict] = []
+    train = TrainConfig(model="tiny-llama", data={"path": "bundled"}, batch_size=8)  # 8 rows of 256 tokens
+    plan = RankPlan(train=train, strategy="auto",
+                    strategy_config=strategy_class("auto").settings_dict({"probe_mb": 1.0}))
+    got = resolve(plan, 2, events.append if rank == 0 else None)
+    return {"strategy": got.strategy, "config": got.strategy_config, "events": events}
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +169,42 @@ def test_pause_lands_on_an_outer_step_and_a_resumed_run_ends_as_the_uninterrupte
     assert resumed["data"]["resumed_from"].endswith(f"step-{2 * H}") and resumed["stopped"] is None
     assert resumed["steps"] == STEPS and resumed["rounds"] == STEPS // H
     assert_same_weights(adapter_weights(resumed), adapter_weights(whole), atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_a_resumed_run_with_error_feedback_is_bitwise_the_undisturbed_one(runs, codec):
+    """(d) The paused run's checkpoint holds each rank's own error-feedback buffer; without it the resumed
+    run's next message lacks what the earlier ones could not carry, and its weights differ."""
+    from smolforge.parallel.codecs import make_codec
+
+    ranks = runs["ranks"]
+    paused, resumed, whole = (ranks[0][codec + s] for s in ("_ef_paused", "_ef_resumed", "_ef"))
+    assert paused["stopped"] == "pause" and paused["steps"] == RH
+    # the checkpoint holds each rank's own buffer (they saw different rows: different residuals)
+    blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
+    errors = blob["strategy"]["error_feedback"]
+    assert len(errors) == 2 and not torch.equal(errors[0], errors[1]) and float(errors[0].abs().max()) > 0
+    assert resumed["data"]["resumed_from"].endswith(f"step-{RH}") and resumed["steps"] == RSTEPS
+    a, b = adapter_weights(resumed), adapter_weights(whole)
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight), and a few control scalars
+    per_round = 8 + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
+    assert 0 <= whole["comm_bytes_sent"] - (RSTEPS // RH) * per_round < CONTROL, (whole["comm_bytes_sent"], per_round)
+    assert resumed["final_loss"] == whole["final_loss"]
+    assert ranks[1][codec + "_ef_resumed"]["final_loss"] == ranks[1][codec + "_ef"]["final_loss"]
+
+
+def test_auto_picks_ddp_on_loopback(runs):
+    """Two gloo ranks on 127.0.0.1 measure both directions and their compute and pick ddp; only rank 0 states
+    it (one `strategy_plan` event whose reason gives the rule and the measured numbers)."""
+    got = {r: runs["ranks"][r]["auto"] for r in (0, 1)}
+    assert got[0]["strategy"] == got[1]["strategy"] == "ddp", got[0]["events"]
+    assert got[0]["config"] == got[1]["config"] == {}
+    (event,) = got[0]["events"]
+    assert not got[1]["events"]
+    data = event["data"]
+    assert event["kind"] == "strategy_plan" and data["strategy"] == "ddp"
+    assert {(s["src"], s["dst"]) for s in data["links"]} == {(0, 1), (1, 0)}
+    assert "within 10%" in data["reason"] and "Mbit/s" in data["reason"], data["reason"]
+    assert data["numbers"]["ddp_comm_s"] <= 0.10 * data["numbers"]["step_s"]
