@@ -134,8 +134,8 @@ def shared_cluster(tmp_path_factory):
     """One real cluster for the modules of that topology (SHARED_CLUSTER_ORDER): a coordinator (1 CPU,
     takes no training work) and workers w1, w2 (1 CPU each); every node holds `tiny-copy` in its models
     dir. Starting one costs ~40 s on the 2-core machine; four modules used to start one each
-    (test_serve_job keeps its own: its stages must not be planned on a coordinator that holds the model). A module
-    takes it through `module_cluster`, which checks it is whole and ends what the module left running."""
+    (the serve job's tests run on test_model_travel's cluster: their stages must not be planned on a
+    coordinator that holds the model). A module takes it through `module_cluster`, which checks it is whole and ends what the module left running."""
     import shutil
     import sys
     from types import SimpleNamespace

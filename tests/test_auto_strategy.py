@@ -1,5 +1,6 @@
 """`--strategy auto` (issue 45 item 4): the pure decision on tables of measurements, the name in the registry and
-a job spec, and the probe over a real gloo group on loopback (which picks ddp there).
+a job spec; the probe over a real gloo group on loopback (which picks ddp there) is
+tests/test_diloco_strategy.py::test_auto_picks_ddp_on_loopback, in the ranks that module spawns already.
 
 The decision is asserted, never a time: the tables give the measurements, and on loopback the assertion is
 what the mechanism decided and why (its reason names the rule and the measured numbers).
@@ -82,38 +83,6 @@ def test_auto_is_a_registered_name_with_checked_settings_that_never_trains_itsel
         DataParallelJob(train=train, strategy="auto", strategy_config={"budget": 2})
     with pytest.raises(RuntimeError, match="resolved by the ranks"):
         make_strategy("auto")
-
-
-def _resolve_on_loopback(rank: int) -> dict:
-    """One spawned rank: `auto` resolved over the group (tiny-llama, LoRA), what it emitted, the plan it got."""
-    from smolforge.config import TrainConfig
-    from smolforge.parallel.auto_probe import resolve
-    from smolforge.parallel.rank_task import RankPlan
-    from smolforge.parallel.strategies import strategy_class
-
-    events: list[dict] = []
-    train = TrainConfig(model="tiny-llama", data={"path": "bundled"}, batch_size=8)  # 8 rows of 256 tokens
-    plan = RankPlan(train=train, strategy="auto",
-                    strategy_config=strategy_class("auto").settings_dict({"probe_mb": 1.0}))
-    got = resolve(plan, 2, events.append if rank == 0 else None)
-    return {"strategy": got.strategy, "config": got.strategy_config, "events": events}
-
-
-def test_auto_picks_ddp_on_loopback():
-    """Two gloo ranks on 127.0.0.1 measure both directions and their compute and pick ddp; only rank 0 states
-    it (one `strategy_plan` event whose reason gives the rule and the measured numbers)."""
-    from helpers import run_gloo_ranks
-
-    got, _ = run_gloo_ranks(_resolve_on_loopback, 2, timeout=300)
-    assert got[0]["strategy"] == got[1]["strategy"] == "ddp", got[0]["events"]
-    assert got[0]["config"] == got[1]["config"] == {}
-    (event,) = got[0]["events"]
-    assert not got[1]["events"]
-    data = event["data"]
-    assert event["kind"] == "strategy_plan" and data["strategy"] == "ddp"
-    assert {(s["src"], s["dst"]) for s in data["links"]} == {(0, 1), (1, 0)}
-    assert "within 10%" in data["reason"] and "Mbit/s" in data["reason"], data["reason"]
-    assert data["numbers"]["ddp_comm_s"] <= 0.10 * data["numbers"]["step_s"]
 
 
 def test_job_show_says_what_auto_chose():

@@ -7,8 +7,19 @@ sends, per outer step, exactly what the codec makes of one pseudo-gradient (fp32
 a code per value and a scale per block), about 1/H (1/4H) of DDP's gradients for the same steps, and
 the loss still falls about as DDP's does; (c) a pause lands on an outer step, and ranks resuming from
 its checkpoint with a fresh strategy, model and optimizer (the shared weights, the outer momentum and
-each rank's own inner AdamW state come from the files) end with the weights of the uninterrupted run. What needs real machines (a member killed or joining mid-job) stays
-in tests/cluster/test_cluster.py.
+each rank's own inner AdamW state come from the files) end with the weights of the uninterrupted run; (d)
+with a lossy codec (int8, sparse; issue 45 item 6) each rank's error-feedback buffer is in the checkpoint,
+so ranks resumed from a pause end bitwise equal to the undisturbed run. What needs real machines (a member
+killed or joining mid-job) stays in tests/cluster/test_cluster.py.
+
+(e) Streaming DiLoCo (was tests/test_diloco_stream.py; its own docstring below, `_stream_runs`) and (f) mixed
+speeds (`inner_steps_by_speed`, the gloo half of tests/test_diloco_speeds.py) run in the same ranks, each on
+its own data dir (`stream/`, `speeds/`: the rows those modules had).
+
+The same two spawned ranks also resolve `--strategy auto` over their gloo group on loopback (issue 45 item 4,
+`test_auto_picks_ddp_on_loopback`; the decision's tables are tests/test_auto_strategy.py): two process starts
+and their imports less than a module each (they were 30 s and 48-75 s of the CI tier on the 2-core machine;
+stream and speeds: two more).
 """
 
 from __future__ import annotations
@@ -30,6 +41,10 @@ PLAIN_OUTER = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 # steps the paper's 0.7/0.9 (made for thousands) overshoots. Momentum > 0: a checkpoint carries its buffer.
 OUTER = {"inner_steps": H, "outer_lr": 1.0, "outer_momentum": 0.5}
 CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: stop codes, eval sums
+# (d): two outer steps of H = 2; the paused run stops on the outer step at 2, its resume takes the second
+RH, RSTEPS = 2, 4
+CODECS = {"int8": {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.5},
+          "sparse": {"codec": "sparse", "outer_lr": 1.0, "chunk": 1024, "topk": 16}}  # sparse: no momentum
 
 
 def _cfg(root: Path, out: str, steps: int = STEPS, **kw) -> dict:
@@ -50,7 +65,45 @@ def _runs(rank: int, root: Path) -> dict:
         out[codec + "_evals"] = seen["evals"]
     out["paused"], _ = train_dict(_cfg(root, "paused"), make_strategy("diloco", OUTER), pause_after=5)
     out["resumed"], _ = train_dict({**_cfg(root, "paused"), "resume": True}, make_strategy("diloco", OUTER))
+    out.update(_error_feedback_runs(root))
+    out["auto"] = _resolve_on_loopback(rank)
+    out["stream"] = _stream_runs(rank, root / "stream")
+    out["speeds"] = _speeds_run(rank, root / "speeds")
     return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in out.items()}
+
+
+def _error_feedback_runs(root: Path) -> dict:
+    """(d) Per lossy codec: the undisturbed run, the run paused after step 1 (it lands on the outer step at
+    RH), and its resume by a fresh strategy, model and optimizer (nothing kept in memory)."""
+    from smolforge.parallel.strategies import make_strategy
+
+    def cfg(out: str) -> dict:
+        return tiny_train_cfg(root, "ef-" + out, RSTEPS, eval_every=0, eval_accuracy=False, save_every=0)
+
+    out = {}
+    for name, settings in CODECS.items():  # their keys "<codec>_ef...": (b) has an "int8" run of its own
+        def strategy():
+            return make_strategy("diloco", {"inner_steps": RH, **settings})
+
+        out[name + "_ef"], _ = train_dict(cfg(name), strategy())
+        out[name + "_ef_paused"], _ = train_dict(cfg(name + "_p"), strategy(), pause_after=1)
+        out[name + "_ef_resumed"], _ = train_dict({**cfg(name + "_p"), "resume": True}, strategy())
+    return out
+
+
+def _resolve_on_loopback(rank: int) -> dict:
+    """`auto` resolved over the ranks' group (tiny-llama, LoRA), what it emitted, the plan it got."""
+    from smolforge.config import TrainConfig
+    from smolforge.parallel.auto_probe import resolve
+    from smolforge.parallel.rank_task import RankPlan
+    from smolforge.parallel.strategies import strategy_class
+
+    events: list[dict] = []
+    train = TrainConfig(model="tiny-llama", data={"path": "bundled"}, batch_size=8)  # 8 rows of 256 tokens
+    plan = RankPlan(train=train, strategy="auto",
+                    strategy_config=strategy_class("auto").settings_dict({"probe_mb": 1.0}))
+    got = resolve(plan, 2, events.append if rank == 0 else None)
+    return {"strategy": got.strategy, "config": got.strategy_config, "events": events}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +115,9 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("diloco")
     preset_dir("tiny-llama")  # built here, not by two ranks at once inside their group
     (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in generate(60, seed=7)))
+    for sub in ("stream", "speeds"):  # (e), (f): the rows their modules had
+        (root / sub).mkdir()
+        (root / sub / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in generate(40, seed=7)))
 
     def one_process():  # the group's global batch (2 ranks x 1 row x 2 micro-batches): DDP's weights
         linear, _ = train_dict(_cfg(root, "one-h1", 6, batch_size=2, **LINEAR))
@@ -123,3 +179,210 @@ def test_pause_lands_on_an_outer_step_and_a_resumed_run_ends_as_the_uninterrupte
     assert resumed["data"]["resumed_from"].endswith(f"step-{2 * H}") and resumed["stopped"] is None
     assert resumed["steps"] == STEPS and resumed["rounds"] == STEPS // H
     assert_same_weights(adapter_weights(resumed), adapter_weights(whole), atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_a_resumed_run_with_error_feedback_is_bitwise_the_undisturbed_one(runs, codec):
+    """(d) The paused run's checkpoint holds each rank's own error-feedback buffer; without it the resumed
+    run's next message lacks what the earlier ones could not carry, and its weights differ."""
+    from smolforge.parallel.codecs import make_codec
+
+    ranks = runs["ranks"]
+    paused, resumed, whole = (ranks[0][codec + s] for s in ("_ef_paused", "_ef_resumed", "_ef"))
+    assert paused["stopped"] == "pause" and paused["steps"] == RH
+    # the checkpoint holds each rank's own buffer (they saw different rows: different residuals)
+    blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
+    errors = blob["strategy"]["error_feedback"]
+    assert len(errors) == 2 and not torch.equal(errors[0], errors[1]) and float(errors[0].abs().max()) > 0
+    assert resumed["data"]["resumed_from"].endswith(f"step-{RH}") and resumed["steps"] == RSTEPS
+    a, b = adapter_weights(resumed), adapter_weights(whole)
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight), and a few control scalars
+    per_round = 8 + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
+    assert 0 <= whole["comm_bytes_sent"] - (RSTEPS // RH) * per_round < CONTROL, (whole["comm_bytes_sent"], per_round)
+    assert resumed["final_loss"] == whole["final_loss"]
+    assert ranks[1][codec + "_ef_resumed"]["final_loss"] == ranks[1][codec + "_ef"]["final_loss"]
+
+
+def test_auto_picks_ddp_on_loopback(runs):
+    """Two gloo ranks on 127.0.0.1 measure both directions and their compute and pick ddp; only rank 0 states
+    it (one `strategy_plan` event whose reason gives the rule and the measured numbers)."""
+    got = {r: runs["ranks"][r]["auto"] for r in (0, 1)}
+    assert got[0]["strategy"] == got[1]["strategy"] == "ddp", got[0]["events"]
+    assert got[0]["config"] == got[1]["config"] == {}
+    (event,) = got[0]["events"]
+    assert not got[1]["events"]
+    data = event["data"]
+    assert event["kind"] == "strategy_plan" and data["strategy"] == "ddp"
+    assert {(s["src"], s["dst"]) for s in data["links"]} == {(0, 1), (1, 0)}
+    assert "within 10%" in data["reason"] and "Mbit/s" in data["reason"], data["reason"]
+    assert data["numbers"]["ddp_comm_s"] <= 0.10 * data["numbers"]["step_s"]
+
+
+# -- (e) Streaming DiLoCo (was tests/test_diloco_stream.py) ----------------------------------------
+#
+# Streaming DiLoCo (fragments synced on a staggered schedule, each merged `overlap` steps after its send):
+# two gloo ranks (spawned processes), tiny-llama, 8 steps, H = 4.
+#
+# Checked: (a) fragments 1, overlap 0 is bitwise the whole-model DiLoCo as it was before streaming (a frozen
+# copy of its outer step, `Before`); (b) two fragments with overlap 1 give the same weights, bitwise, whether
+# each transfer runs in a background thread on its own group or blocking at send time: the background
+# machinery changes no number; (c) a pause lands where no fragment is in flight, and ranks resumed from its
+# checkpoint (each rank's own weights and tokens since each fragment's send come from it) end with the
+# weights of the uninterrupted streamed run.
+
+SH, SSTEPS = 4, 8
+SOUTER = {"inner_steps": SH, "outer_lr": 1.0, "outer_momentum": 0.5}
+STREAM = {**SOUTER, "fragments": 2, "overlap": 1}  # fragment 1 sent at 2, 6 (merged 3, 7); fragment 0 at 4, 8
+
+
+def _before():
+    """DiLoCo's outer step as it was before fragments (main at 34efd3f), frozen here: one flat shared vector,
+    one outer SGD, the whole model sent and merged every H steps."""
+    from smolforge.parallel.strategies.diloco import DiLoCo
+
+    class Before(DiLoCo):
+        def wrap(self, model, device):
+            out = super().wrap(model, device)
+            with torch.no_grad():
+                self.flat_shared = torch.nn.Parameter(self._flat(), requires_grad=False)
+            self.flat_outer = torch.optim.SGD([self.flat_shared], lr=self.outer_lr, momentum=self.outer_momentum,
+                                              nesterov=self.nesterov)
+            self.steps_in, self.tokens_in = 0, 0.0
+            return out
+
+        def after_step(self, step, model, optimizer, *, targets=0.0):
+            self.last_step, self.steps_in, self.tokens_in = step, self.steps_in + 1, self.tokens_in + targets
+            if self.steps_in >= self.inner_steps:
+                self._outer_before()
+
+        def finish(self, model, optimizer):
+            if self.steps_in:
+                self._outer_before()
+
+        @torch.no_grad()
+        def _outer_before(self):
+            weight = max(self.tokens_in, 1.0)
+            total, avg = self._average((self.flat_shared - self._flat()) * weight, weight)
+            self.flat_shared.grad = avg / total
+            self.flat_outer.step()
+            self.flat_shared.grad = None
+            offset = 0
+            for p in self.params:
+                p.copy_(self.flat_shared[offset:offset + p.numel()].view_as(p).to(p.dtype))
+                offset += p.numel()
+            self.rounds, self.steps_in, self.tokens_in = self.rounds + 1, 0, 0.0
+
+    return Before(**SOUTER)
+
+
+def _stream_cfg(root: Path, out: str, **kw) -> dict:
+    return tiny_train_cfg(root, out, SSTEPS, **{"eval_every": 0, "eval_accuracy": False, "save_every": 0,
+                                                "max_new_tokens": 1, **kw})
+
+
+def _stream_runs(rank: int, root: Path) -> dict:
+    """(e) Streaming DiLoCo's runs, on `root`'s rows."""
+    from smolforge.parallel.strategies import make_strategy
+
+    out = {"before": train_dict(_stream_cfg(root, "before"), _before())[0],
+           "plain": train_dict(_stream_cfg(root, "plain"), make_strategy("diloco", SOUTER))[0]}
+    for name, background in (("streamed", True), ("blocking", False)):
+        out[name] = train_dict(_stream_cfg(root, name), make_strategy("diloco", {**STREAM, "background": background}))[0]
+    for codec in ("fp32", "int8"):  # int8: each fragment's error-feedback residual goes into the checkpoint too
+        tag, config = ("" if codec == "fp32" else "_" + codec), {**STREAM, "codec": codec}
+        if codec != "fp32":
+            out["streamed" + tag] = train_dict(_stream_cfg(root, "streamed" + tag), make_strategy("diloco", config))[0]
+        out["paused" + tag], _ = train_dict(_stream_cfg(root, "paused" + tag), make_strategy("diloco", config),
+                                            pause_after=5)
+        out["resumed" + tag], _ = train_dict({**_stream_cfg(root, "paused" + tag), "resume": True},
+                                             make_strategy("diloco", config))
+    return {k: v.to_dict() for k, v in out.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_fragment_without_overlap_is_bitwise_the_diloco_before_streaming(runs):
+    runs = {r: runs["ranks"][r]["stream"] for r in (0, 1)}
+    for r in (0, 1):
+        plain, before = runs[r]["plain"], runs[r]["before"]
+        assert plain["rounds"] == before["rounds"] == SSTEPS // SH
+        assert plain["strategy_metrics"] == {"fragment_syncs": SSTEPS // SH, "background_syncs": 0}
+        assert plain["comm_bytes_sent"] == before["comm_bytes_sent"]
+    assert _same(adapter_weights(runs[0]["plain"]), adapter_weights(runs[0]["before"]))
+
+
+def test_a_streamed_fragment_sync_gives_the_weights_of_a_blocking_one(runs):
+    """The same schedule and overlap: the transfer in a background thread (its own group) or at send time,
+    blocking, merged at the same step either way; and both differ from the whole-model sync (the schedule
+    did change what is merged when)."""
+    runs = {r: runs["ranks"][r]["stream"] for r in (0, 1)}
+    streamed, blocking = runs[0]["streamed"], runs[0]["blocking"]
+    # fragment 1 at 2 and 6, fragment 0 at 4 and 8 (landed in finish), fragment 1's last 2 steps in finish
+    assert streamed["strategy_metrics"] == {"fragment_syncs": 5, "background_syncs": 4}
+    assert blocking["strategy_metrics"] == {"fragment_syncs": 5, "background_syncs": 0}
+    assert streamed["comm_bytes_sent"] == blocking["comm_bytes_sent"]
+    assert _same(adapter_weights(streamed), adapter_weights(blocking))
+    assert not _same(adapter_weights(streamed), adapter_weights(runs[0]["plain"]))
+
+
+@pytest.mark.parametrize("tag", ["", "_int8"])
+def test_a_streamed_run_pauses_with_nothing_in_flight_and_resumes_exactly(runs, tag):
+    """The pause asked after step 5 lands at 5 (fragment 0's flight merged there, fragment 1's not yet sent);
+    the checkpoint holds each rank's own weights and tokens (int8: and every fragment's error-feedback
+    residual); the resumed ranks end as the uninterrupted run, bitwise."""
+    runs = {r: runs["ranks"][r]["stream"] for r in (0, 1)}
+    paused, resumed = runs[0]["paused" + tag], runs[0]["resumed" + tag]
+    assert paused["stopped"] == "pause" and paused["steps"] == 5
+    blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
+    state = blob["strategy"]
+    assert state["since"] == [1, 3] and len(state["local"]) == 2 and len(state["shared"]) == 2
+    assert not torch.equal(state["local"][0], state["local"][1])  # the ranks' own weights differ mid-round
+    assert resumed["steps"] == SSTEPS and resumed["stopped"] is None
+    assert ("error_feedback" in state) == bool(tag)
+    assert _same(adapter_weights(resumed), adapter_weights(runs[0]["streamed" + tag]))
+
+
+# -- (f) mixed speeds under DiLoCo, two gloo ranks (was tests/test_diloco_speeds.py's fixture) ----------
+
+FH, FSTEPS = 4, 12
+SPEED_SECONDS = [1.0, 3.0]  # injected seconds per inner step: rank 1 three times slower
+
+
+def _speeds_run(rank: int, root: Path) -> dict:
+    """(f) One rank of the mixed-speeds run, its step times injected (rank 1's 3x rank 0's)."""
+    from smolforge.parallel.strategies import make_strategy
+
+    s = make_strategy("diloco", {"inner_steps": FH, "outer_lr": 1.0, "outer_momentum": 0.5,
+                                 "inner_steps_by_speed": True})
+    s.observe = lambda rows, started, ended, targets=0.0: s.meter.add(rows, SPEED_SECONDS[rank])  # injected
+    taken, weights = [], []
+    rows_for, replan = s.rows_for, s._replan
+    s.rows_for = lambda step, total: taken.append((step, *rows_for(step, total))) or taken[-1][1:]
+    s._replan = lambda weight: weights.append(weight) or replan(weight)
+    cfg = tiny_train_cfg(root, "speeds", FSTEPS, eval_every=0, eval_accuracy=False, save_every=0, max_new_tokens=1)
+    result, seen = train_dict(cfg, s)
+    return {"result": result.to_dict(), "taken": taken, "weights": weights, "notes": s.notes,
+            "inner_steps": len(seen["steps"])}
+
+
+def test_a_three_times_slower_rank_runs_a_third_of_the_inner_steps_weighted_by_tokens(runs):
+    ranks = {r: runs["ranks"][r]["speeds"] for r in (0, 1)}
+    plans = [n for n in ranks[0]["notes"] if n["kind"] == "diloco_plan"]
+    assert [n["step"] for n in plans] == [4, 8, 12]  # one outer step per round, both ranks at the same step
+    assert plans[0]["rates"][0] == pytest.approx(3 * plans[0]["rates"][1])
+    assert [n["inner_steps"] for n in plans] == [[6, 2]] * 3  # decided at each outer step, from the rates
+    # round 1 even (nothing measured yet), then 6 and 2: rank 1 a third of rank 0's inner steps
+    assert ranks[0]["inner_steps"] == 4 + 6 + 6 and ranks[1]["inner_steps"] == 4 + 2 + 2
+    # every part of every global step trained once, by one rank: the global batch is the same
+    rows = sorted((step, first) for r in (0, 1) for step, first, _count in ranks[r]["taken"])
+    assert rows == sorted((step, first) for step in range(FSTEPS) for first in (0, 2))
+    # the average is token-weighted: the weights exchanged are the tokens each rank trained in the round
+    for i, note in enumerate(plans):
+        assert note["weights"] == [ranks[0]["weights"][i], ranks[1]["weights"][i]]
+    assert all(n["weights"][0] > 2 * n["weights"][1] for n in plans[1:])
+    for r in (0, 1):
+        assert ranks[r]["result"]["steps"] == FSTEPS and ranks[r]["result"]["rounds"] == 3

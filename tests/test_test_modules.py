@@ -39,7 +39,7 @@ OFF_CI_MARKERS = {"soak", "bench"}
 ALLOWED_HANG_GUARDS: dict[tuple[str, str], str] = {
     ("test_distill_student.py", "test_student_starts_before_the_last_shard_is_written"):
         "an order of two events (the student's start, the last shard's write), not a duration",
-    ("cluster/test_serve_job.py", "test_a_killed_stage_fails_its_stream_and_is_placed_again"):
+    ("cluster/test_model_travel.py", "test_a_killed_stage_fails_its_stream_and_is_placed_again"):
         "a hang guard (120 s against the stage's failure in about a second): without it a stream that never "
         "ends would hold the test until the module's timeout",
 }
