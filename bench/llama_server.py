@@ -146,7 +146,7 @@ def configure_flags(src: Path, base: Path) -> list[str]:
     (base / "lib").mkdir(parents=True, exist_ok=True)
     for so in lib.glob("lib*.so*"):  # the binary's rpath is $ORIGIN/../lib: the install does not follow the venv
         shutil.copy2(so, base / "lib" / so.name, follow_symlinks=True)
-    # only the server's HTTP/JSON side compiles here (the kernels are the imported -O3 libraries): -O1
+    # only the server's HTTP/JSON side compiles here (the kernels are the imported libraries, as built at install): -O1
     # compiles its template-heavy C++ (nlohmann json, httplib) in less time on a loaded box
     return [*CMAKE_FLAGS, f"-DCMAKE_PROJECT_INCLUDE={inject}", "-DLLAMA_USE_SYSTEM_GGML=OFF",
             "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG", "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG"]
