@@ -34,6 +34,7 @@ import random
 import statistics
 import threading
 import time
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -247,6 +248,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="only the JSON lines")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still stops its llama-server
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/llama_server.py
     from transformers import AutoTokenizer
 
