@@ -215,10 +215,15 @@ def test_distill_with_an_endpoint_teacher_on_the_embedded_cluster(served, tmp_pa
 def test_the_endpoint_teacher_against_llama_server(tmp_path):
     """The same store from llama.cpp's `llama-server` serving tiny-llama's GGUF (f16): its completions'
     `logprobs` (the chat shape, `content`) mapped into the student's ids, a student trained on them."""
-    llama_server = pytest.importorskip("bench.llama_server", reason="bench/llama_server.py is not on this branch yet")
-    binary = Path(os.environ.get("SMOLFORGE_LLAMA_SERVER_DIR", str(Path.home() / ".cache/smolforge/llama-server")))
-    if not (binary / "bin" / "llama-server").is_file():
-        pytest.skip(f"no llama-server at {binary}/bin (bench/llama_server.py builds it from the vendored llama.cpp)")
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import llama_server  # bench/llama_server.py: builds it once from the vendored llama.cpp, then finds it
+    finally:
+        sys.path.remove(str(bench))
+    llama_server.ensure_built()
     from smolforge.distill.shard_source import DirShardSource
     from smolforge.distill.store import read_shard, tokenizer_hash
     from smolforge.distill.student import train_student
@@ -229,15 +234,13 @@ def test_the_endpoint_teacher_against_llama_server(tmp_path):
     port = free_port()
     server = llama_server.start(cached_gguf("tiny-llama", "f16"), port)
     try:
+        llama_server.wait_ready(server, port, timeout_s=120)
         out = tmp_path / "teacher_outputs"
         manifests = run_teacher_local("tiny-llama", "bundled", out, num_shards=1, max_samples=6, settings=GEN,
                                       backend="openai", teacher_url=f"http://127.0.0.1:{port}/v1",
                                       tokenizer="tiny-llama")
     finally:
-        for stop in ("stop", "terminate", "close"):
-            if callable(getattr(server, stop, None)):
-                getattr(server, stop)()
-                break
+        llama_server.stop(server)
     m = manifests[0]
     assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] < 6, m["endpoint"]
     assert any(r.has_topk for r in read_shard(out, 0).records)
