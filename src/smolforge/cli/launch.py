@@ -64,6 +64,41 @@ ExportOpt = Annotated[Optional[str], typer.Option("--export", help=f"{'|'.join(R
     "and verified, into <output-dir>/export/")]
 
 
+LAUNCH_HELP = """Launch distributed training: data-parallel, or teacher→student distillation.
+
+data_parallel: N ranks with DDP, rendezvous through Ray. teacher_student: --model is the
+teacher, --student the student, --workers the number of students; hybrid: the same, with
+teachers and the data-parallel students kept on separate nodes. `smolforge distill` has
+every distillation setting.
+
+With no coordinator given or running, it runs on an embedded cluster of this machine.
+
+Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy zero1 --max-steps 100
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy diloco --set strategy_config.inner_steps=20 --set strategy_config.codec=int8
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 3 --strategy async-ps --set strategy_config.codec=int8
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy auto  (the ranks measure their links and step time, then run ddp or diloco; `job show` says which and why)
+
+Example: smolforge launch --model mlp --dataset digits --workers 2 --strategy diloco --max-steps 150 --batch-size 16 --lr 1e-2  (not a language model: an MLP on scikit-learn's digits, held-out accuracy)
+
+Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 1 --priority high --detach
+
+Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
+
+Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
+
+Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
+"""  # `launch --help`: what it does and an example per kind of job
+
+
 def register(app: typer.Typer) -> None:
     _register_launch(app)
     _register_submit(app)
@@ -72,7 +107,7 @@ def register(app: typer.Typer) -> None:
 def _register_launch(app: typer.Typer) -> None:
     """`launch`: every option of a data-parallel, model-parallel or distill job, as flags."""
 
-    @app.command(cls=seed_command("launch"))
+    @app.command(cls=seed_command("launch"), help=LAUNCH_HELP)
     @run_cli
     def launch(
         model: str = typer.Option(..., help="HF id, local dir, Ollama name or preset (tiny-llama)"),
@@ -130,39 +165,6 @@ def _register_launch(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
         export: ExportOpt = None,
     ):
-        """Launch distributed training: data-parallel, or teacher→student distillation.
-
-        data_parallel: N ranks with DDP, rendezvous through Ray. teacher_student: --model is the
-        teacher, --student the student, --workers the number of students; hybrid: the same, with
-        teachers and the data-parallel students kept on separate nodes. `smolforge distill` has
-        every distillation setting.
-
-        With no coordinator given or running, it runs on an embedded cluster of this machine.
-
-        Example: smolforge launch --model tiny-llama --dataset data.jsonl --workers 2 --mode data_parallel --max-steps 100
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy zero1 --max-steps 100
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy diloco --set strategy_config.inner_steps=20 --set strategy_config.codec=int8
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 3 --strategy async-ps --set strategy_config.codec=int8
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --strategy auto  (the ranks measure their links and step time, then run ddp or diloco; `job show` says which and why)
-
-        Example: smolforge launch --model mlp --dataset digits --workers 2 --strategy diloco --max-steps 150 --batch-size 16 --lr 1e-2  (not a language model: an MLP on scikit-learn's digits, held-out accuracy)
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --stages 2 --max-steps 100 --set strategy_config.schedule=gpipe
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 1 --priority high --detach
-
-        Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
-
-        Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
-
-        Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
-        """
         dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset")
         if dataset is None:
             raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
