@@ -170,6 +170,19 @@ def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, off
     assert proc.stderr.count("error:") == 1 and "\n  fix:" in proc.stderr and "Traceback" not in proc.output
 
 
+@pytest.mark.parametrize("kind", ["data_parallel", "distill", "split"])
+def test_a_coordinator_refuses_a_spec_whose_name_was_not_read_at_submit(kind):
+    """A spec posted straight to a coordinator (not through Client/submit, which read the name) still
+    naming a dataset: refused at its submit, naming the field (the coordinator has no such cache)."""
+    from smolforge.cluster.control.kinds import check_uploads, parse
+    from smolforge.errors import SmolforgeError
+
+    build, where = SPEC_SECTIONS[kind]
+    job = parse(build({"dataset_name": "wikitext"}))
+    with pytest.raises(SmolforgeError, match=rf"{where.rpartition('.')[0]}.dataset_name 'wikitext' was not read"):
+        check_uploads(job, lambda ref: True)
+
+
 ABSENT = ("--dataset-name", "acme/absent")
 EVERY_PATH = {  # every command and spec that reads a dataset, naming one that is not cached ({dir}: the test's)
     "train": ["train", "--model", "tiny-llama", *ABSENT, "--max-steps", "1"],

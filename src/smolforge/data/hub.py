@@ -7,8 +7,10 @@
 - a Hub name (`wikitext`, `tatsu-lab/alpaca`) that `datasets.load_dataset` has already put in the
   local Hugging Face cache: it is read offline (no network), so a name not cached fails at once.
 
-The rows are written once into `$SMOLFORGE_HOME/datasets/<name>-<fingerprint>.jsonl`; that file is
-what train reads and what launch uploads to the coordinator, as any JSONL. The row shapes
+`by_name` is the one answer every command (`--dataset-name` of train, eval, launch, distill, split
+train) and every spec (`dataset_name`: config.NamedDataset, read at submit) asks. The rows are written
+once into `$SMOLFORGE_HOME/datasets/<name>-<split>-<fingerprint>.jsonl`; that file is what a command
+reads and what a job uploads to the coordinator, as any JSONL. The row shapes
 (text/alpaca/chat/prompt_completion) are those of JSONL files: `formats.detect_format` decides.
 """
 
