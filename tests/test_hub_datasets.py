@@ -301,3 +301,12 @@ def test_help_shows_the_dataset_flags_with_an_example(command):
         assert flag in options, flag
     examples = [p for p in re.split(r"\n\s*\n", head) if p.strip().startswith("Example")]
     assert any(f"smolforge {' '.join(command)} " in p and "--dataset-name" in p for p in examples), examples
+
+
+def test_a_data_flag_replaces_the_config_file_s_dataset_by_name(tmp_path):
+    """Flags come after the --config file: --data there replaces the file's `data.dataset_name` (not both)."""
+    from smolforge.cli.train import build_train_config
+
+    (tmp_path / "c.yaml").write_text("model: tiny-llama\ndata: {dataset_name: acme/absent, max_length: 32}\n")
+    cfg = build_train_config(tmp_path / "c.yaml", [], {"data": "bundled"}, {})
+    assert (cfg.data.path, cfg.data.dataset_name, cfg.data.max_length) == ("bundled", None, 32)
