@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,11 +99,9 @@ def test_a_name_not_cached_fails_at_once_with_the_fix(hub, offline, tmp_path, mo
     assert not offline.exists()
 
 
-def test_launch_and_job_specs_send_the_named_dataset_as_jsonl(hub, offline, tmp_path, monkeypatch):
-    """launch resolves --dataset-name at submit into the JSONL path it uploads; a spec's
-    `{dataset_name: ...}` is resolved where local files are staged (both backends' submit_job)."""
+def test_launch_sends_the_named_dataset_as_jsonl(hub, offline, tmp_path, monkeypatch):
+    """launch resolves --dataset-name at submit into the JSONL path it uploads."""
     import smolforge.cli.launch as launch
-    from smolforge.cluster.control.kinds import stage_spec
 
     sent: list[dict] = []
     monkeypatch.setattr(launch, "_submit_and_follow", lambda spec, *_, **__: sent.append(spec))
@@ -111,12 +110,35 @@ def test_launch_and_job_specs_send_the_named_dataset_as_jsonl(hub, offline, tmp_
     assert proc.exit_code == 0, proc.output[-3000:]
     (jsonl,) = offline.glob("*.jsonl")
     assert sent[0]["train"]["data"]["path"] == str(jsonl)
+
+
+SPEC_SECTIONS = {  # kind: (the job spec around a dataset by name, where its file lands)
+    "data_parallel": (lambda named: {"kind": "data_parallel", "train": {"model": "tiny-llama", "data": named}},
+                      "train.data.path"),
+    "seed-task": (lambda named: {"model": "tiny-llama", **named}, "train.data.path"),
+    "distill": (lambda named: {"kind": "distill", "distill": {"teacher": "small-llama", "students": ["tiny-llama"],
+                                                              **named}}, "distill.data"),
+    "split": (lambda named: {"kind": "split", "split": {"model": "tiny-llama", "split_point_1": 1,
+                                                        "split_point_2": 3, **named}}, "split.dataset"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SPEC_SECTIONS))
+def test_every_job_kind_reads_its_dataset_by_name_at_submit(kind, hub, offline):
+    """A spec's `dataset_name` (config.NamedDataset, beside the kind's data file) is read where the job
+    is submitted (`stage_spec`, both backends' submit_job) into one JSONL upload; what the coordinator
+    then validates names the upload only."""
+    from smolforge.cluster.control.kinds import parse, stage_spec
+    from smolforge.config import get_path
+
+    build, where = SPEC_SECTIONS[kind]
     uploaded: list[Path] = []
-    spec = {"kind": "data_parallel", "train": {"model": "tiny-llama",
-                                               "data": {"path": {"dataset_name": str(hub["saved"])}}}}
-    staged = stage_spec(spec, lambda path: uploaded.append(path) or "upload:ab12")
-    assert staged["train"]["data"]["path"] == "upload:ab12"
+    staged = stage_spec(build({"dataset_name": str(hub["saved"]), "dataset_split": "train"}),
+                        lambda path: uploaded.append(path) or "upload:ab12")
+    assert get_path(staged, where) == "upload:ab12"
     assert [json.loads(line) for line in uploaded[0].read_text().splitlines()] == ALPACA
+    job = parse(staged)
+    assert get_path(job.model_dump(), where.rpartition(".")[0] + ".dataset_name") is None
 
 
 def test_the_seeds_split_train_line_reads_a_cached_wikitext(hub, offline, tmp_path, monkeypatch):
@@ -146,3 +168,145 @@ def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, off
     proc = _train(tmp_path, *args)
     assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]
     assert proc.stderr.count("error:") == 1 and "\n  fix:" in proc.stderr and "Traceback" not in proc.output
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "distill", "split"])
+def test_a_coordinator_refuses_a_spec_whose_name_was_not_read_at_submit(kind):
+    """A spec posted straight to a coordinator (not through Client/submit, which read the name) still
+    naming a dataset: refused at its submit, naming the field (the coordinator has no such cache)."""
+    from smolforge.cluster.control.kinds import check_uploads, parse
+    from smolforge.errors import SmolforgeError
+
+    build, where = SPEC_SECTIONS[kind]
+    job = parse(build({"dataset_name": "wikitext"}))
+    with pytest.raises(SmolforgeError, match=rf"{where.rpartition('.')[0]}.dataset_name 'wikitext' was not read"):
+        check_uploads(job, lambda ref: True)
+
+
+ABSENT = ("--dataset-name", "acme/absent")
+EVERY_PATH = {  # every command and spec that reads a dataset, naming one that is not cached ({dir}: the test's)
+    "train": ["train", "--model", "tiny-llama", *ABSENT, "--max-steps", "1"],
+    "train --set": ["train", "--model", "tiny-llama", "--set", "dataset_name=acme/absent", "--max-steps", "1"],
+    "train --config": ["train", "--config", "{dir}/train.yaml"],
+    "eval": ["eval", "--model", "tiny-llama", *ABSENT],
+    "launch": ["launch", "--model", "tiny-llama", *ABSENT, "--max-steps", "1"],
+    "launch --set": ["launch", "--model", "tiny-llama", "--set", "dataset_name=acme/absent", "--max-steps", "1"],
+    "launch teacher_student": ["launch", "--mode", "teacher_student", "--model", "small-llama", "--student",
+                               "tiny-llama", *ABSENT],
+    "launch split --set": ["launch", "--mode", "split", "--model", "tiny-llama", "--split-point-1", "1",
+                           "--split-point-2", "3", "--set", "split.dataset_name=acme/absent"],
+    "distill": ["distill", "--teacher", "small-llama", "--student", "tiny-llama", *ABSENT],
+    "split train": ["split", "train", "--model", "tiny-llama", "--split-point-1", "1", "--split-point-2", "3", *ABSENT],
+    "submit data_parallel": ["submit", "{dir}/dp.yaml"],
+    "submit seed task": ["submit", "{dir}/task.yaml"],
+    "submit distill": ["submit", "{dir}/distill.yaml"],
+    "submit split": ["submit", "{dir}/split.yaml"],
+    "submit --set": ["submit", "{dir}/bare.yaml", "--set", "dataset_name=acme/absent"],
+}
+SPEC_FILES = {
+    "train.yaml": "model: tiny-llama\ndata: {dataset_name: acme/absent}\nmax_steps: 1\n",
+    "dp.yaml": "kind: data_parallel\ntrain: {model: tiny-llama, data: {dataset_name: acme/absent}, max_steps: 1}\n",
+    "task.yaml": "model: tiny-llama\ndataset_name: acme/absent\n",
+    "distill.yaml": "kind: distill\ndistill: {teacher: small-llama, students: [tiny-llama], dataset_name: acme/absent}\n",
+    "split.yaml": "kind: split\nsplit: {model: tiny-llama, split_point_1: 1, split_point_2: 3, dataset_name: acme/absent}\n",
+    "bare.yaml": "kind: data_parallel\ntrain: {model: tiny-llama, max_steps: 1}\n",
+}
+
+
+@pytest.fixture
+def spec_files(tmp_path) -> Path:
+    for name, text in SPEC_FILES.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def _nothing_starts(monkeypatch) -> None:
+    """Any model load, training run or cluster start fails the test: the refusal comes first."""
+    import smolforge.cluster.embedded as embedded
+    import smolforge.models.loading as loading
+    import smolforge.train.engine as engine
+
+    for module, name in ((engine, "train"), (loading, "load_model"), (loading, "load_tokenizer")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("started before the dataset was read"))
+    monkeypatch.setattr(embedded.EmbeddedCluster, "handle", property(lambda self: pytest.fail("started a cluster")))
+
+
+@pytest.mark.parametrize("path", list(EVERY_PATH))
+def test_a_name_not_cached_fails_at_once_on_every_path(path, hub, offline, spec_files, monkeypatch):
+    """Flags, --set, --config and job specs of every command that reads a dataset: a Hub name that is not
+    in the local cache is one message, exit 2, with the `load_dataset` call that caches it, before any
+    model loads or cluster starts (data.hub.by_name, the one resolver every path asks)."""
+    _nothing_starts(monkeypatch)
+    monkeypatch.chdir(spec_files)
+    proc = smolforge_here(*(arg.format(dir=spec_files) for arg in EVERY_PATH[path]))
+    assert proc.exit_code == 2, proc.output[-3000:]
+    assert "dataset acme/absent split train is not in the local Hugging Face cache" in proc.stderr
+    assert "datasets.load_dataset('acme/absent', split='train')" in proc.stderr
+    assert proc.stderr.count("error:") == 1 and "\n  fix:" in proc.stderr and "Traceback" not in proc.output
+    assert not offline.exists()  # nothing written
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--config", "{dir}/both.yaml"], "data: Value error, both path bundled and dataset_name acme/tiny_notes"),
+    (["train", "--model", "tiny-llama", "--data", "bundled", "--set", "dataset_name=acme/tiny_notes"],
+     "both path bundled and dataset_name acme/tiny_notes"),
+    (["train", "--model", "tiny-llama", "--data", "bundled", "--set", "dataset_split=test"],
+     "dataset_split needs dataset_name"),
+    (["submit", "{dir}/both_job.yaml"], "job spec: both train.data.path bundled and train.data.dataset_name acme/tiny_notes"),
+    (["submit", "{dir}/split.yaml", "--set", "split.dataset=bundled"],
+     "job spec: both split.dataset bundled and split.dataset_name acme/absent"),
+    (["launch", "--model", "tiny-llama", "--dataset", "bundled", "--set", "dataset_name=acme/tiny_notes"],
+     "job spec: both train.data.path bundled and train.data.dataset_name acme/tiny_notes"),
+], ids=["train-config", "train-set", "train-set-split-alone", "submit", "submit-split-set", "launch-set"])
+def test_a_spec_with_a_file_and_a_name_is_refused_naming_both(args, needle, hub, offline, spec_files, monkeypatch):
+    _nothing_starts(monkeypatch)
+    (spec_files / "both.yaml").write_text("model: tiny-llama\ndata: {path: bundled, dataset_name: acme/tiny_notes}\n")
+    (spec_files / "both_job.yaml").write_text("train: {model: tiny-llama, data: {path: bundled, dataset_name: "
+                                              "acme/tiny_notes}}\n")
+    proc = smolforge_here(*(arg.format(dir=spec_files) for arg in args))
+    assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.output
+    assert not offline.exists()  # refused before the name was read
+
+
+def test_a_config_file_and_set_train_and_eval_by_name(hub, offline, tmp_path):
+    """`train --config` with `data: {dataset_name: ...}` and `--set dataset_column=...` trains from the
+    test's Hub cache; `eval --dataset-name` evaluates on the same rows (written once)."""
+    (tmp_path / "train.yaml").write_text("model: tiny-llama\ndata: {dataset_name: acme/tiny_notes, max_length: 32}\n")
+    proc = smolforge_here("train", "--config", str(tmp_path / "train.yaml"), "--set", "dataset_column=content",
+                          "--max-steps", "2", "--batch-size", "2", "--output-dir", str(tmp_path / "run"),
+                          "--num-threads", "1", "--set", "data.max_eval_samples=2", "--no-tensorboard", "--json")
+    assert proc.exit_code == 0, proc.output[-3000:]
+    assert last_json(proc.stdout)["steps"] == 2
+    assert _rows(offline)[3] == {"text": "note 3: the sky is blue."}
+    proc = smolforge_here("eval", "--model", "tiny-llama", "--dataset-name", "acme/tiny_notes", "--dataset-column",
+                          "content", "--max-samples", "2", "--max-length", "32", "--max-new-tokens", "1", "--json")
+    assert proc.exit_code == 0, proc.output[-3000:]
+    assert last_json(proc.stdout)["examples"] == 2
+    assert len(list(offline.glob("*.jsonl"))) == 1  # the same file, not written again
+
+
+HELP_LINES = [["train"], ["eval"], ["launch"], ["distill"], ["split", "train"]]
+
+
+@pytest.mark.parametrize("command", HELP_LINES, ids=" ".join)
+def test_help_shows_the_dataset_flags_with_an_example(command):
+    from typer.testing import CliRunner
+
+    from smolforge.cli.main import app
+
+    out = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"}).output
+    head, options = out.split("Options", 1)  # the command's text, then its flags
+    for flag in ("--dataset-name", "--dataset-config", "--dataset-split", "--dataset-column"):
+        assert flag in options, flag
+    examples = [p for p in re.split(r"\n\s*\n", head) if p.strip().startswith("Example")]
+    assert any(f"smolforge {' '.join(command)} " in p and "--dataset-name" in p for p in examples), examples
+
+
+def test_a_data_flag_replaces_the_config_file_s_dataset_by_name(tmp_path):
+    """Flags come after the --config file: --data there replaces the file's `data.dataset_name` (not both)."""
+    from smolforge.cli.train import build_train_config
+
+    (tmp_path / "c.yaml").write_text("model: tiny-llama\ndata: {dataset_name: acme/absent, max_length: 32}\n")
+    cfg = build_train_config(tmp_path / "c.yaml", [], {"data": "bundled"}, {})
+    assert (cfg.data.path, cfg.data.dataset_name, cfg.data.max_length) == ("bundled", None, 32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,8 +114,59 @@ class PeftSpec(Spec):
         return self
 
 
-class DataSpec(Spec):
-    path: str = Field(..., description="JSONL file, or 'bundled' for the generated task set")
+# A dataset by name (`--dataset-name` and its companions; the same keys in every spec that names a data
+# file): smolforge.data.hub.by_name reads it offline and writes it once as JSONL.
+NAMED_DATASET_KEYS: tuple[str, ...] = ("dataset_name", "dataset_config", "dataset_split", "dataset_column")
+
+
+def dataset_choice_problem(file_key: str, file: Any, named: dict[str, Any],
+                           spell: Callable[[str], str] = lambda key: key) -> str | None:
+    """What is wrong with a dataset given as a file (FILE_KEY = FILE) and/or by name (NAMED: the
+    NAMED_DATASET_KEYS given), as a sentence naming both spellings (SPELL: a key as the user wrote it,
+    a spec field or a flag); None when it is one or the other. The one rule for flags and specs."""
+    name = named.get("dataset_name")
+    if name is None:
+        extra = [key for key in NAMED_DATASET_KEYS[1:] if named.get(key) is not None]
+        return f"{spell(extra[0])} needs {spell('dataset_name')}" if extra else None
+    if file is not None:
+        return f"both {spell(file_key)} {file} and {spell('dataset_name')} {name}"
+    return None
+
+
+class NamedDataset(Spec):
+    """A spec section that names its data as a file (the field `DATASET_FILE`) or by name: `dataset_name`
+    [`dataset_config`, `dataset_split`, `dataset_column`], as the commands' `--dataset-name` flags. One or
+    the other (both, or a companion without the name, is refused naming the fields). The name is resolved
+    into a JSONL file where the spec is submitted (`smolforge.data.hub.resolved`; a job uploads it as any
+    JSONL), so what runs sees the file field only."""
+
+    DATASET_FILE: ClassVar[str] = "path"
+
+    dataset_name: str | None = Field(None, description="a Hugging Face dataset by name, read offline from the local "
+                                     "HF cache, or a save_to_disk / Hub-layout directory: written once as JSONL and "
+                                     "used in place of the data file (e.g. wikitext)")
+    dataset_config: str | None = Field(None, description="with dataset_name: its config (e.g. wikitext-2-raw-v1)")
+    dataset_split: str | None = Field(None, description="with dataset_name: its split (default train)")
+    dataset_column: str | None = Field(None, description="with dataset_name: the text column (default: rows shaped "
+                                       "as text/alpaca/chat)")
+
+    @model_validator(mode="after")
+    def _file_or_name(self) -> "NamedDataset":
+        file = getattr(self, self.DATASET_FILE) if self.DATASET_FILE in self.model_fields_set else None
+        problem = dataset_choice_problem(self.DATASET_FILE, file, self.named_dataset())
+        if problem:
+            raise ValueError(f"{problem}: give one of {self.DATASET_FILE} and dataset_name")
+        if file is None and self.dataset_name is None and getattr(self, self.DATASET_FILE) is None:
+            raise ValueError(f"no dataset: give {self.DATASET_FILE} (a JSONL file or 'bundled') or dataset_name")
+        return self
+
+    def named_dataset(self) -> dict[str, Any]:
+        """The NAMED_DATASET_KEYS given (not None)."""
+        return {key: getattr(self, key) for key in NAMED_DATASET_KEYS if getattr(self, key) is not None}
+
+
+class DataSpec(NamedDataset):
+    path: str | None = Field(None, description="JSONL file, or 'bundled' for the generated task set (or dataset_name)")
     format: DataFormat = "auto"
     eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path`")
     eval_fraction: float = Field(0.1, ge=0, lt=1)

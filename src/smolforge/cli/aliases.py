@@ -53,10 +53,6 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--lora-rank", SPLITLEARN, ("launch",), "--lora-r"),
     Alias("--device", SPLITLEARN, ("split serve", "split train"), "--device", "the same (cpu|cuda|auto)"),
     Alias("--max-train-samples", SPLITLEARN, ("split train",), "--max-train-samples", "the same"),
-    Alias("--dataset-name", SPLITLEARN, ("split train",), "--dataset",
-          "'bundled', a local file, or a Hugging Face dataset read offline from the local cache as JSONL"),
-    Alias("--dataset-config", SPLITLEARN, ("split train",), "(with --dataset-name)",
-          "the Hub dataset's config"),
     Alias("--sollol-host", SOLLOL, ("worker join", *CLUSTER_COMMANDS), "--coordinator HOST:PORT",
           "worker join: the HOST:PORT argument"),
     Alias("--sollol-port", SOLLOL, ("worker join", *CLUSTER_COMMANDS), "--coordinator HOST:PORT",
@@ -176,13 +172,6 @@ def _model_type(command: str, seed: str, values: list[str], args: list[str], tak
     return args
 
 
-def _dataset(command: str, seed: str, values: list[str], args: list[str], taken: dict, *_: Any) -> list[str]:
-    name, config = (taken.get("--dataset-name") or [None])[-1], (taken.get("--dataset-config") or [None])[-1]
-    if seed == "--dataset-config" and name is not None:
-        return args  # read with --dataset-name
-    return args + ["--dataset", local_dataset(name, config)]
-
-
 def _sollol(command: str, seed: str, values: list[str], args: list[str], taken: dict, *_: Any) -> list[str]:
     host, port = (taken.get("--sollol-host") or [None])[-1], (taken.get("--sollol-port") or [None])[-1]
     if seed == "--sollol-port" and host is not None:
@@ -192,7 +181,7 @@ def _sollol(command: str, seed: str, values: list[str], args: list[str], taken: 
 
 
 ALIAS_RULES: dict[str, Callable[..., list[str]]] = {
-    "--model-type": _model_type, "--dataset-name": _dataset, "--dataset-config": _dataset,
+    "--model-type": _model_type,
     "--sollol-host": _sollol, "--sollol-port": _sollol,
 }
 
@@ -236,14 +225,3 @@ def check_model_type(wanted: str, model: str | None) -> None:
     if config is not None and type(family_of(config)) is not type(family_of(wanted)):
         raise SmolforgeError(f"--model-type {wanted}, but {model} is a {config.get('model_type')} model",
                              fix=f"drop --model-type (the family is read from the model), or name a {wanted} model")
-
-
-def local_dataset(name: str | None, config: str | None) -> str:
-    """SplitLearn's `--dataset-name N [--dataset-config C]` as our --dataset: what train's and launch's
-    --dataset-name read (`cli.hubdata.by_name`: 'bundled', a local file, or a Hugging Face dataset
-    read offline and written once as JSONL; a name not cached is refused with the command that caches it)."""
-    if name is None:
-        raise SmolforgeError(f"--dataset-config {config} needs --dataset-name", fix="add --dataset-name NAME")
-    from smolforge.cli.hubdata import by_name
-
-    return by_name(name, config)

@@ -17,6 +17,7 @@ import typer
 from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, peft_section, print_json,
                                   quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.distill.backends import backends_help
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
@@ -33,8 +34,12 @@ def register(app: typer.Typer) -> None:
     def distill(
         teacher: str = typer.Option(..., help="teacher: HF id, local dir, Ollama name or preset"),
         student: list[str] = typer.Option(..., help="student base model; repeat for several bases (ensemble)"),
-        data: str = typer.Option(..., help="JSONL with prompts (alpaca / chat / prompt-completion; answers "
-                                 "optional), 'bundled', or 'bundled-prompts' (questions without answers)"),
+        data: Optional[str] = typer.Option(None, help="JSONL with prompts (alpaca / chat / prompt-completion; answers "
+                                           "optional), 'bundled', or 'bundled-prompts' (questions without answers)"),
+        dataset_name: DatasetNameOpt = None,
+        dataset_config: DatasetConfigOpt = None,
+        dataset_split: DatasetSplitOpt = None,
+        dataset_column: DatasetColumnOpt = None,
         output_dir: str = typer.Option("outputs/distill", help="run dir: teacher_outputs/, output/, merged_model/"),
         num_teachers: Optional[int] = typer.Option(None, help="teacher tasks (default: one per node holding the teacher)"),
         num_students: int = typer.Option(2, help="students per base; they split the shards (hybrid)"),
@@ -123,12 +128,18 @@ def register(app: typer.Typer) -> None:
         Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
 
         Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
+
+        Example (prompts from a Hugging Face dataset, read offline from the local cache): smolforge distill --teacher small-llama --student tiny-llama --dataset-name tatsu-lab/alpaca --max-samples 256 --max-steps 20
         """
         _run_command(dict(locals()))
 
 
 def _run_command(o: dict[str, Any]) -> None:
     """What `smolforge distill` does with its options: check, build the job spec, run it, export and show."""
+    o["data"] = named_dataset(o["data"], o["dataset_name"], o["dataset_config"], o["dataset_split"],
+                              o["dataset_column"], "--data")
+    if o["data"] is None:
+        raise SmolforgeError("no dataset given", fix="pass --data FILE|bundled|bundled-prompts or --dataset-name NAME")
     distill = _distill_section(o)
     check_run_export(o["export"], o["peft"])
     if o["export"] and o["aggregate"] == "none":

@@ -20,7 +20,8 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, pri
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
-from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
+from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset,
+                                   sets_a_dataset)
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
@@ -96,6 +97,8 @@ Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max
 Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
 
 Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
+
+Example: smolforge launch --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --workers 2 --max-steps 50  (a Hugging Face dataset, read offline from the local cache at submit, uploaded as JSONL; or --set dataset_name=wikitext)
 """  # `launch --help`: what it does and an example per kind of job
 
 
@@ -166,7 +169,7 @@ def _register_launch(app: typer.Typer) -> None:
         export: ExportOpt = None,
     ):
         dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset")
-        if dataset is None:
+        if dataset is None and not sets_a_dataset(set_):
             raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
         after = _export_after(flags)
@@ -201,11 +204,15 @@ def _register_submit(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
         json_out: bool = typer.Option(False, "--json"),
     ):
-        """Submit a job file. Local dataset paths are uploaded to the coordinator first.
+        """Submit a job file. Local dataset paths are uploaded to the coordinator first; a dataset by name
+        (`dataset_name: wikitext` [`dataset_config`, `dataset_split`, `dataset_column`] beside the data file's
+        key: in train.data, distill or split) is read offline from the local HF cache here and uploaded as JSONL.
 
         Example: smolforge submit job.yaml --set train.max_steps=200 --wait
 
         Example: smolforge submit job.yaml --priority high
+
+        Example: smolforge submit job.yaml --set dataset_name=wikitext --set dataset_config=wikitext-2-raw-v1
         """
         refuse_used_download_dir(output_dir)
         backend = _backend(coordinator, cli_token(token, token_file), state_dir, embedded_ok=True)
@@ -369,7 +376,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
                     unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
-    from smolforge.cluster.control.kinds import KINDS, apply_job_overrides
+    from smolforge.cluster.control.kinds import KINDS, apply_job_overrides, read_named
     from smolforge.cluster.control.specs import DistillJob
     from smolforge.config import validate
 
@@ -395,6 +402,7 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
         distill["split_shards"] = True
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,
                                 "distill": distill, "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
+    spec = read_named(spec)  # --set dataset_name=...: read here, once
     KINDS["distill"].check(validate(DistillJob, spec, where="launch"))  # the submit's own check, before any cluster starts
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
@@ -444,9 +452,9 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
     its end and fetch its adapter into `output_dir` (default outputs/<job>). The spec is checked
     first: a bad setting is a message in a second, not after an embedded cluster has started."""
-    from smolforge.cluster.control.kinds import parse
+    from smolforge.cluster.control.kinds import parse, read_named
 
-    parse(spec)
+    parse(read_named(spec))  # a dataset by name (--set dataset_name=...) read here, once
     refuse_used_download_dir(output_dir)
     if after is not None and detach:
         raise SmolforgeError("--export needs the run's end: it cannot go with --detach",

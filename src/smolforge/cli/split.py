@@ -18,6 +18,7 @@ import typer
 
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, check_port, cli_token, print_json, quiet_libraries, run_cli
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.errors import SmolforgeError
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
@@ -119,7 +120,11 @@ def train_cmd(
     weight_decay: float = bounded(0.0, ge=0),
     num_epochs: float = bounded(1.0, gt=0),
     max_steps: Optional[int] = bounded(None, ge=1, help="optimizer steps (overrides --num-epochs)"),
-    dataset: str = typer.Option("bundled", help="JSONL file, or 'bundled' for the generated task set"),
+    dataset: Optional[str] = typer.Option(None, help="JSONL file, or 'bundled' for the generated task set (default)"),
+    dataset_name: DatasetNameOpt = None,
+    dataset_config: DatasetConfigOpt = None,
+    dataset_split: DatasetSplitOpt = None,
+    dataset_column: DatasetColumnOpt = None,
     data_format: str = typer.Option("auto", help="auto|alpaca|chat|prompt_completion|text"),
     max_train_samples: Optional[int] = bounded(None, ge=1, help="use only the first N training examples"),
     max_eval_samples: int = bounded(64, ge=0, help="held-out examples for Val Loss (0: no evaluation)"),
@@ -150,8 +155,12 @@ def train_cmd(
 
     Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --server-port 50051
     --token-file split.token --dataset bundled --max-steps 50
+
+    Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --dataset-name wikitext
+    --dataset-config wikitext-2-raw-v1 --max-steps 50  (offline, from the HF cache)
     """
     check_port(server_port, "--server-port")
+    dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset") or "bundled"
     quiet_libraries()
     from smolforge.config import validate
     from smolforge.split.trainer import SplitTrainConfig, train_split

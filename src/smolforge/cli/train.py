@@ -19,7 +19,7 @@ from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
-from smolforge.config import TrainConfig, apply_overrides, load_yaml, put_path, validate
+from smolforge.config import NAMED_DATASET_KEYS, TrainConfig, apply_overrides, load_yaml, put_path, validate
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
 from smolforge.models.export.targets import RUN_TARGETS
@@ -40,21 +40,37 @@ FLAG_KEYS = {
 
 
 def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str, Any], peft: dict[str, Any]) -> TrainConfig:
-    """YAML file, then explicit flags, then --set overrides: later wins."""
+    """YAML file, then explicit flags, then --set overrides: later wins. A dataset by name (`data:
+    {dataset_name: ...}` in the file, `--set dataset_name=...`) is read into data.path here, once the
+    whole config is valid (`data.hub.resolved`); --data/--dataset-name (FLAGS' data) replace the file's."""
     data: dict[str, Any] = load_yaml(config) if config else {}
+    if flags.get("data") is not None and isinstance(data.get("data"), dict):
+        data["data"] = {k: v for k, v in data["data"].items() if k not in NAMED_DATASET_KEYS}
     for name, value in flags.items():
         if value is not None and value is not False:
             put_path(data, FLAG_KEYS[name], value, where=f"--{name.replace('_', '-')}")
     if peft:
         data.setdefault("peft", {}).update(peft)
-    apply_overrides(data, sets)
+    apply_overrides(data, [_data_key(item) for item in sets])
     missing = [k for k in ("model",) if k not in data]
-    if "data" not in data or "path" not in (data.get("data") or {}):
+    if not any(key in (data.get("data") or {}) for key in ("path", "dataset_name")):
         missing.append("data")
     if missing:
         raise SmolforgeError(f"missing {' and '.join('--' + m for m in missing)}",
                              fix="pass them as flags or in --config (e.g. --model tiny-llama --data bundled)")
-    return validate(TrainConfig, data, where=str(config) if config else "command line")
+    cfg = validate(TrainConfig, data, where=str(config) if config else "command line")
+    if cfg.data.dataset_name is None:
+        return cfg
+    from smolforge.data.hub import resolved
+
+    return cfg.model_copy(update={"data": resolved(cfg.data)})
+
+
+def _data_key(item: str) -> str:
+    """`--set dataset_name=wikitext` (or training.dataset_name=...) as the data section's key: data.dataset_name."""
+    key, sep, value = item.partition("=")
+    bare = key.strip().removeprefix("training.")
+    return f"data.{bare}{sep}{value}" if sep and bare in NAMED_DATASET_KEYS else item
 
 
 def check_model_and_data(cfg: TrainConfig):
@@ -123,8 +139,10 @@ def _register_train(app: typer.Typer) -> None:
         dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP + "; LoRA keeps its adapter in fp32"),
         gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing"),
         num_threads: Optional[int] = typer.Option(None, help="torch threads (default: CPUs available)"),
-        config: Optional[Path] = typer.Option(None, "--config", help="YAML file with any of these settings"),
-        set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set training.batch_size=16"),
+        config: Optional[Path] = typer.Option(None, "--config", help="YAML file with any of these settings (a dataset by "
+                                              "name: data: {dataset_name: wikitext, dataset_config: wikitext-2-raw-v1})"),
+        set_: list[str] = typer.Option([], "--set", help="override a setting, e.g. --set training.batch_size=16 or "
+                                       "--set dataset_name=wikitext"),
         tensorboard: Optional[bool] = typer.Option(None, "--tensorboard/--no-tensorboard",
                                                    help="TensorBoard event files in OUTPUT_DIR/tensorboard (default on)"),
         wandb: Optional[str] = typer.Option(None, "--wandb", metavar="PROJECT",
@@ -179,7 +197,11 @@ def _register_eval(app: typer.Typer) -> None:
     @run_cli
     def eval_cmd(
         model: str = typer.Option(..., help="base model: HF id, local dir, Ollama name or preset"),
-        data: str = typer.Option(..., help="JSONL file or 'bundled' (its held-out split)"),
+        data: Optional[str] = typer.Option(None, help="JSONL file or 'bundled' (its held-out split)"),
+        dataset_name: DatasetNameOpt = None,
+        dataset_config: DatasetConfigOpt = None,
+        dataset_split: DatasetSplitOpt = None,
+        dataset_column: DatasetColumnOpt = None,
         adapter: Optional[str] = typer.Option(None, help="a <peft>_adapter/ directory to apply"),
         format: str = typer.Option("auto", "--format"),
         max_length: int = typer.Option(256),
@@ -195,7 +217,12 @@ def _register_eval(app: typer.Typer) -> None:
         Example: smolforge eval --model tiny-llama --adapter outputs/run/lora_adapter --data bundled
 
         Example: smolforge eval --model tiny-llama --data bundled --dtype bf16 --json
+
+        Example: smolforge eval --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-split test  (offline, from the HF cache)
         """
+        data = named_dataset(data, dataset_name, dataset_config, dataset_split, dataset_column, "--data")
+        if data is None:
+            raise SmolforgeError("no dataset given", fix="pass --data FILE|bundled or --dataset-name NAME")
         dtype = parse_dtype(dtype)
         quiet_libraries()
         from smolforge.config import DataSpec

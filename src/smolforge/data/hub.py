@@ -7,8 +7,10 @@
 - a Hub name (`wikitext`, `tatsu-lab/alpaca`) that `datasets.load_dataset` has already put in the
   local Hugging Face cache: it is read offline (no network), so a name not cached fails at once.
 
-The rows are written once into `$SMOLFORGE_HOME/datasets/<name>-<fingerprint>.jsonl`; that file is
-what train reads and what launch uploads to the coordinator, as any JSONL. The row shapes
+`by_name` is the one answer every command (`--dataset-name` of train, eval, launch, distill, split
+train) and every spec (`dataset_name`: config.NamedDataset, read at submit) asks. The rows are written
+once into `$SMOLFORGE_HOME/datasets/<name>-<split>-<fingerprint>.jsonl`; that file is what a command
+reads and what a job uploads to the coordinator, as any JSONL. The row shapes
 (text/alpaca/chat/prompt_completion) are those of JSONL files: `formats.detect_format` decides.
 """
 
@@ -18,13 +20,27 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+from smolforge.config import NAMED_DATASET_KEYS, NamedDataset
 from smolforge.data.formats import detect_format
+from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
 from smolforge.paths import home
 
 _OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+Spell = Callable[[str], str]  # a NAMED_DATASET_KEYS key as the user wrote it: a flag, or a spec field
+
+
+def as_flag(key: str) -> str:
+    """`dataset_split` as the commands spell it: `--dataset-split`."""
+    return "--" + key.replace("_", "-")
+
+
+def as_field(key: str) -> str:
+    """`dataset_split` as a spec spells it: as it is."""
+    return key
 
 
 def _load_call(name: str, config: str | None, split: str) -> str:
@@ -32,13 +48,13 @@ def _load_call(name: str, config: str | None, split: str) -> str:
     return f"datasets.load_dataset({name!r}{f', {config!r}' if config else ''}, split={split!r})"
 
 
-def _missing(name: str, config: str | None, split: str, why: str) -> SmolforgeError:
+def _missing(name: str, config: str | None, split: str, why: str, spell: Spell) -> SmolforgeError:
     call = _load_call(name, config, split)
     return SmolforgeError(
         f"dataset {name}{f' ({config})' if config else ''} split {split} is not in the local Hugging Face cache"
         f" and this smolforge reads datasets offline ({why})",
         fix=f"on a machine with internet run: python -c \"import datasets; {call}\" and copy its "
-            "~/.cache/huggingface/datasets here (or .save_to_disk('DIR') there and pass --dataset-name DIR)")
+            f"~/.cache/huggingface/datasets here (or .save_to_disk('DIR') there and pass {spell('dataset_name')} DIR)")
 
 
 def _is_saved(path: Path) -> bool:
@@ -46,7 +62,7 @@ def _is_saved(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def load_rows(name: str, config: str | None = None, split: str = "train") -> Any:
+def load_rows(name: str, config: str | None = None, split: str = "train", spell: Spell = as_flag) -> Any:
     """The `datasets.Dataset` that NAME names (see the module doc), read without network.
 
     Raises SmolforgeError (exit 2): a name not cached (with the command that caches it), a split the
@@ -59,13 +75,13 @@ def load_rows(name: str, config: str | None = None, split: str = "train") -> Any
     path = Path(name).expanduser()
     if path.is_dir() and _is_saved(path):
         if config:
-            raise SmolforgeError(f"--dataset-config {config}: {name} is a save_to_disk directory, which has no configs",
-                                 fix="drop --dataset-config")
+            raise SmolforgeError(f"{spell('dataset_config')} {config}: {name} is a save_to_disk directory, which has "
+                                 "no configs", fix=f"drop {spell('dataset_config')}")
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise SmolforgeError(f"{name} has no split {split!r}",
-                                     fix=f"pass --dataset-split one of {', '.join(loaded)}")
+                                     fix=f"pass {spell('dataset_split')} one of {', '.join(loaded)}")
             return loaded[split]
         return loaded
     saved = {k: os.environ.get(k) for k in _OFFLINE}
@@ -77,10 +93,11 @@ def load_rows(name: str, config: str | None = None, split: str = "train") -> Any
     except ValueError as err:  # an unknown split, or a config not cached (naming those that are)
         lines = str(err).splitlines()
         if "split" in lines[0].lower() and "find cache" not in lines[0]:
-            raise SmolforgeError(f"dataset {name}: {lines[0]}", fix="pass --dataset-split SPLIT (e.g. train)") from None
-        raise _missing(name, config, split, "; ".join(lines)) from None
+            raise SmolforgeError(f"dataset {name}: {lines[0]}", fix=f"pass {spell('dataset_split')} SPLIT (e.g. train)") from None
+        raise _missing(name, config, split, "; ".join(lines), spell) from None
     except Exception as err:  # not cached: datasets' own error types differ by version
-        raise _missing(name, config, split, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        raise _missing(name, config, split, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                       spell) from None
     finally:
         datasets.config.HF_HUB_OFFLINE = offline
         for k, v in saved.items():
@@ -90,32 +107,32 @@ def load_rows(name: str, config: str | None = None, split: str = "train") -> Any
                 os.environ[k] = v
 
 
-def _shape(rows: Any, name: str, column: str | None) -> Any:
+def _shape(rows: Any, name: str, column: str | None, spell: Spell) -> Any:
     """The rows with a shape `detect_format` knows: COL renamed to `text` when given, else as they are."""
     columns = list(rows.column_names)
     if column is not None:
         if column not in columns:
-            raise SmolforgeError(f"--dataset-column {column}: {name} has no such column",
+            raise SmolforgeError(f"{spell('dataset_column')} {column}: {name} has no such column",
                                  fix=f"pass one of {', '.join(columns)}")
         return rows.select_columns([column]).rename_column(column, "text") if column != "text" \
             else rows.select_columns(["text"])
     if len(rows) == 0:
-        raise SmolforgeError(f"dataset {name} has no rows", fix="pick another --dataset-split")
+        raise SmolforgeError(f"dataset {name} has no rows", fix=f"pick another {spell('dataset_split')}")
     if detect_format(rows[0]) is None:
         raise SmolforgeError(f"cannot tell the format of {name} from its columns {columns}",
-                             fix="pass --dataset-column COL (the text column), or use a dataset with "
+                             fix=f"pass {spell('dataset_column')} COL (the text column), or use a dataset with "
                                  "instruction/output, messages, prompt/completion or text columns")
     return rows
 
 
 def dataset_to_jsonl(name: str, config: str | None = None, split: str | None = None,
-                     column: str | None = None, out_dir: str | Path | None = None) -> Path:
+                     column: str | None = None, out_dir: str | Path | None = None, spell: Spell = as_flag) -> Path:
     """NAME's rows as one JSONL file (made once per dataset fingerprint; see the module doc).
 
     Returns the file's path (default under $SMOLFORGE_HOME/datasets/). Raises SmolforgeError as
     `load_rows`, or for a column that is not there / rows of no known shape."""
     split = split or "train"
-    rows = _shape(load_rows(name, config, split), name, column)
+    rows = _shape(load_rows(name, config, split, spell), name, column, spell)
     key = "|".join([name, config or "", split, column or "", rows._fingerprint])
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(name).name or name).strip("._") or "dataset"
     out = Path(out_dir) if out_dir else home() / "datasets"
@@ -126,3 +143,44 @@ def dataset_to_jsonl(name: str, config: str | None = None, split: str | None = N
         rows.to_json(str(tmp), lines=True, force_ascii=False)
         tmp.replace(path)
     return path
+
+
+def by_name(name: str, config: str | None = None, split: str | None = None, column: str | None = None,
+            spell: Spell = as_flag) -> str:
+    """The one answer to "a dataset named by the user" (`--dataset-name` of every command, `dataset_name`
+    of every spec): a built-in set ('bundled', 'digits', ...) or a local JSONL file as it is (it has no
+    config, split or column); else a Hub name or dataset directory written once as JSONL
+    (`dataset_to_jsonl`), its path returned. SmolforgeError (exit 2) for a name not cached, with the
+    command that caches it; SPELL names the keys in messages as the user wrote them (flags or fields)."""
+    if name in BUILTIN_DATASETS or Path(name).expanduser().is_file():
+        given = [key for key, value in zip(NAMED_DATASET_KEYS[1:], (config, split, column)) if value is not None]
+        if given:
+            raise SmolforgeError(f"{spell(given[0])}: {name} is a local dataset, which has none",
+                                 fix=f"drop {spell(given[0])}")
+        return name
+    return str(dataset_to_jsonl(name, config, split, column, spell=spell))
+
+
+Section = TypeVar("Section", bound=NamedDataset)
+
+
+def resolved(section: Section) -> Section:
+    """SECTION (a spec's `NamedDataset` part) with its dataset by name read (`by_name`) into its file
+    field, the name fields cleared; as it is when it names a file."""
+    if section.dataset_name is None:
+        return section
+    path = by_name(section.dataset_name, section.dataset_config, section.dataset_split, section.dataset_column,
+                   spell=as_field)
+    return section.model_copy(update={section.DATASET_FILE: path, **{key: None for key in NAMED_DATASET_KEYS}})
+
+
+def resolve_in(section: dict[str, Any], file_key: str) -> dict[str, Any]:
+    """A spec section as a dict (a job spec before it is validated): its `dataset_name` [...] read into
+    FILE_KEY (`by_name`) when it names no file too; as it is otherwise (both, or a companion without a
+    name, are the spec's validation's to refuse: `NamedDataset`)."""
+    if section.get("dataset_name") is None or section.get(file_key) is not None:
+        return section
+    named = {key: section.get(key) for key in NAMED_DATASET_KEYS}
+    out = {k: v for k, v in section.items() if k not in NAMED_DATASET_KEYS}
+    out[file_key] = by_name(*(named[key] for key in NAMED_DATASET_KEYS), spell=as_field)
+    return out

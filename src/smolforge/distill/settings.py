@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from smolforge.config import DEFAULT_LR, ModelDtype, PeftSpec, Spec, default_lr, validate
+from smolforge.config import DEFAULT_LR, ModelDtype, NamedDataset, PeftSpec, default_lr, validate
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
 from smolforge.rundir import check_run_dir, record
@@ -30,12 +30,15 @@ AGGREGATE_METHODS: tuple[str, ...] = ("mean", "ties")
 AGGREGATE_CHOICES: tuple[str, ...] = (*AGGREGATE_METHODS, "none")  # none: the students' adapters stay apart
 
 
-class DistillSettings(Spec):
-    """Everything a distillation run can set; defaults suit a small model on a CPU."""
+class DistillSettings(NamedDataset):
+    """Everything a distillation run can set; defaults suit a small model on a CPU. The prompts are
+    `data` (a JSONL file or a built-in set) or a dataset by name (`dataset_name`: config.NamedDataset)."""
+
+    DATASET_FILE: ClassVar[str] = "data"
 
     teacher: str
     students: list[str]
-    data: str
+    data: str | None = None
     num_teachers: int | None = Field(None, ge=1)
     num_students: int = Field(2, ge=1)
     peft: str = "lora"
@@ -105,8 +108,8 @@ class DistillSettings(Spec):
         if unknown:
             raise ValueError(f"unknown distill setting(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.model_fields))}")
         for key in ("teacher", "students", "data"):
-            if key not in value:
-                raise ValueError(f"distill.{key} is required")
+            if key not in value and not (key == "data" and value.get("dataset_name") is not None):
+                raise ValueError(f"distill.{key} is required" + (" (or distill.dataset_name)" if key == "data" else ""))
         return value
 
     @field_validator("students", mode="before")

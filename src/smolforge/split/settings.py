@@ -11,18 +11,21 @@ resume, logging sinks).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from smolforge.config import Spec
+from smolforge.config import NamedDataset
 
 Codec = Literal["fp32", "fp16", "bf16", "int8"]
 
 
-class SplitTraining(Spec):
+class SplitTraining(NamedDataset):
     """The training settings of split learning (the seed's flag names, snake_cased). One LoRA for all
-    three parts: the bottom and top on the client, the trunk on the server."""
+    three parts: the bottom and top on the client, the trunk on the server. The data is `dataset` or a
+    dataset by name (`dataset_name`: config.NamedDataset)."""
+
+    DATASET_FILE: ClassVar[str] = "dataset"
 
     model: str = Field(..., description="a model both sides hold (a job: the trunk's node and the client's), "
                        "or a preset")

@@ -24,10 +24,10 @@ from smolforge.cluster.control.placement import COORDINATOR, holds_anywhere, mod
 from smolforge.cluster.control.queue import Demand
 from smolforge.cluster.nodes.ray_glue import Requirements
 from smolforge.cluster.control.specs import (
-    DataParallelJob, DistillJob, DistillTaskJob, ExportJob, ServeJob, get_path, put_path,
+    DataParallelJob, DistillJob, DistillTaskJob, ExportJob, ServeJob, from_seed_task, get_path, put_path,
 )
 from smolforge.cluster.control.specs import SplitJob
-from smolforge.config import Spec, apply_overrides, validate
+from smolforge.config import NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
 from smolforge.distill.backends import teacher_backend
@@ -45,6 +45,9 @@ class JobKind:
     runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
     section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    # the one of `uploads` a dataset by name may stand for: its section takes `dataset_name`, ... (config.
+    # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section
+    named: str | None = None
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
@@ -161,11 +164,11 @@ def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
 
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
-            uploads=("train.data.path", "train.data.eval_path"),
+            uploads=("train.data.path", "train.data.eval_path"), named="train.data.path",
             models=("train.model",), check=lambda job: refuse_unused(job.train),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
-            uploads=("distill.data",),
+            uploads=("distill.data",), named="distill.data",
             models=("distill.teacher", "distill.students"),
             check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
@@ -181,7 +184,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("export", "export", ExportJob, runner_at(f"{WORKLOADS}.export.runner:ExportRunner"), section=None, models=("model",),
             resumes_from=lambda artifacts, job_id: "the start (the export runs again)", demand=_export_demand),
     JobKind("split", "split-learning", SplitJob, runner_at(f"{WORKLOADS}.split.runner:SplitRunner"), section="split",
-            uploads=("split.dataset",), models=("split.model",),
+            uploads=("split.dataset",), named="split.dataset", models=("split.model",),
             resumes_from=_split_resumes_from, demand=_split_demand),
 )}
 
@@ -223,15 +226,11 @@ def is_local_file(value: Any) -> bool:
 
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
-    """Replace the local files a job names by uploads (the workers share no filesystem with us).
-
-    A dataset given by name (`{dataset_name: N, dataset_config: C, dataset_split: S, dataset_column:
-    COL}` where a file path goes, as train's and launch's flags) is resolved here, on the submitting
-    machine, into one JSONL file (smolforge.data.hub) and uploaded as any JSONL."""
+    """Replace the local files a job names by uploads (the workers share no filesystem with us); a
+    dataset by name is read into its file first (`read_named`) and uploaded as any JSONL."""
+    spec = read_named(spec)
     for dotted in kind_of(spec).uploads:
         value = get_path(spec, dotted)
-        if isinstance(value, dict):
-            value = _named_dataset(value, dotted)
         if not is_local_file(value):
             continue
         path = Path(str(value)).expanduser()
@@ -243,19 +242,27 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
     return spec
 
 
-_NAMED_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_column")
+def read_named(spec: dict) -> dict:
+    """A job spec (a dict, before validation) with its dataset by name (`dataset_name: N` [`dataset_config`,
+    `dataset_split`, `dataset_column`] in the section of the kind's `named` file: `train.data`, `distill`,
+    `split`) read into that file (`data.hub.resolve_in`: one JSONL file, written once), here, on the
+    submitting machine; a name not cached, or given with a file too, is refused here, before anything is
+    sent or starts (the rule of `config.NamedDataset`, which the spec's validation applies anyway). In
+    place; returned."""
+    spec = from_seed_task(spec)
+    named = kind_of(spec).named
+    where, _, key = (named or "").rpartition(".")
+    section = get_path(spec, where) if named else None
+    if not isinstance(section, dict):
+        return spec
+    problem = dataset_choice_problem(key, section.get(key), section, lambda k: f"{where}.{k}")
+    if problem:
+        raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{key} and {where}.dataset_name")
+    if section.get("dataset_name") is not None:
+        from smolforge.data.hub import resolve_in
 
-
-def _named_dataset(value: dict, dotted: str) -> str:
-    """A spec's `{dataset_name: ...}` as the path of its JSONL file; SmolforgeError for other keys."""
-    from smolforge.data.hub import dataset_to_jsonl
-
-    unknown = sorted(set(value) - set(_NAMED_KEYS))
-    if unknown or not value.get("dataset_name"):
-        raise SmolforgeError(f"{dotted}: a dataset by name takes dataset_name and optionally dataset_config, "
-                             f"dataset_split, dataset_column; got {sorted(value)}", where="job spec",
-                             fix=f"write {dotted}: {{dataset_name: NAME}} or a JSONL path")
-    return str(dataset_to_jsonl(*(value.get(k) for k in _NAMED_KEYS)))
+        put_path(spec, where, resolve_in(section, key))
+    return spec
 
 
 def pin_local_models(spec: dict) -> dict:
@@ -273,8 +280,15 @@ def pin_local_models(spec: dict) -> dict:
 
 
 def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
-    """Every file the job names is an upload the coordinator holds (or 'bundled')."""
+    """Every file the job names is an upload the coordinator holds (or 'bundled'), and no dataset by name
+    is left unread (`stage_spec` reads it where the job is submitted: this side has no such cache)."""
     data = job.model_dump(mode="json")
+    named = kind_of(job.kind).named
+    name = get_path(data, named.rpartition(".")[0] + ".dataset_name") if named else None
+    if name is not None:
+        raise SmolforgeError(f"{named.rpartition('.')[0]}.dataset_name {name!r} was not read into a file at submit",
+                             where="job spec", fix="submit with `smolforge submit`/`launch` or smolforge.Client, "
+                             "which read the dataset on the submitting machine and upload it")
     for dotted in kind_of(job.kind).uploads:
         value = get_path(data, dotted)
         if value is None or value in BUILTIN_DATASETS:
@@ -306,6 +320,9 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
                                      fix=f"use one of {', '.join(sorted(job_keys - {'kind'}))}")
             apply_overrides(data, [".".join(parts) + "=" + raw], strip_training=False)
             continue
+        if kind.named and parts[-1] in NAMED_DATASET_KEYS and (
+                len(parts) == 1 or len(parts) == 2 and parts[0] in ("training", "train", kind.section)):
+            parts = [*kind.named.rpartition(".")[0].split("."), parts[-1]]  # dataset_name=N: beside the data file
         if parts[0] in ("training", "train", kind.section):
             parts = parts[1:]
             target = data.setdefault(kind.section, {})

@@ -8,7 +8,9 @@ A data-parallel job is a TrainConfig plus how many workers and what each needs:
     max_retries: 2
     train:                      # exactly the `smolforge train` config
       model: tiny-llama
-      data: {path: data.jsonl}  # a local file is uploaded to the coordinator with the job
+      data: {path: data.jsonl}  # a local file is uploaded to the coordinator with the job; or by name:
+                                # {dataset_name: wikitext, dataset_config: wikitext-2-raw-v1} (read
+                                # offline at submit into one JSONL file, uploaded as any)
       batch_size: 4             # per worker: the global batch is batch_size x num_workers
       max_steps: 100
       save_every: 20
@@ -22,7 +24,7 @@ and cancelled like any job:
     distill:                    # the DistillSettings fields (`smolforge distill --help`)
       teacher: small-llama
       students: [tiny-llama]
-      data: data.jsonl          # uploaded like a data-parallel job's data
+      data: data.jsonl          # uploaded like a data-parallel job's data (or dataset_name: N)
       num_students: 2
       max_steps: 100
 
@@ -44,7 +46,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
+from smolforge.config import NAMED_DATASET_KEYS, ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
 from smolforge.distill.settings import DistillSettings
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.targets import ExportTarget, QuantName
@@ -278,7 +280,8 @@ class DataParallelJob(JobSpec):
 
 def from_seed_task(data: Any) -> Any:
     """The seeds' task shape, `{"model": M, "dataset": D, "resources": {...}, ...}`, as a data-parallel
-    job (`train: {model: M, data: {path: D}}`); a job spec with `train` passes unchanged."""
+    job (`train: {model: M, data: {path: D}}`; `dataset_name: N` and its companions go beside it, into
+    `train.data`); a job spec with `train` passes unchanged."""
     if (not isinstance(data, dict) or "train" in data or "model" not in data
             or data.get("kind", "data_parallel") != "data_parallel"):  # a serve job names its `model` too
         return data
@@ -286,6 +289,9 @@ def from_seed_task(data: Any) -> Any:
     train = {"model": data.pop("model")}
     if "dataset" in data:
         train["data"] = {"path": data.pop("dataset")}
+    named = {key: data.pop(key) for key in NAMED_DATASET_KEYS if key in data}  # a dataset by name, beside it
+    if named:
+        train["data"] = {**train.get("data", {}), **named}
     return {**data, "train": train}
 
 
