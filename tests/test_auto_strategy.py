@@ -115,6 +115,30 @@ def test_auto_is_a_registered_name_with_checked_settings_that_never_trains_itsel
         make_strategy("auto")
 
 
+def test_a_diloco_checkpoints_optimizer_state_resumes_under_a_replicated_strategy():
+    """A regroup measures and decides again, so auto can resume diloco's checkpoint (the inner optimizer's
+    state, one part per rank) under ddp: every rank takes rank 0's part (found by tests/cluster/test_cluster.py::
+    test_auto_decides_again_when_a_node_joins on a loaded box: round 1 diloco, round 2 ddp, `KeyError:
+    'param_groups'`)."""
+    import torch
+
+    from smolforge.train.strategy import Strategy
+
+    def adam_after(seed: int) -> torch.optim.Optimizer:
+        torch.manual_seed(seed)
+        net = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(net.parameters())
+        net(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        return opt
+
+    parts = [adam_after(1).state_dict(), adam_after(2).state_dict()]
+    fresh = adam_after(3)
+    Strategy().load_optimizer_state(fresh, {"per_rank": parts})
+    got = fresh.state_dict()["state"]
+    assert all(torch.equal(got[i][k], parts[0]["state"][i][k]) for i in got for k in ("exp_avg", "exp_avg_sq"))
+
+
 def test_job_show_says_what_auto_chose():
     """The runner keeps rank 0's `strategy_plan` in the job's `comm` (`--json`: comm.plan); `job show` prints it."""
     from smolforge.cli.tables import comm_line
