@@ -19,7 +19,7 @@ The rule (issue 45, item 4): communication stays under `budget` (10 %) of comput
     where int8 reached 3.36).
   - int8 whenever this build's diloco lacks `sparse`.
 - **streaming fragments** (`fragments`, `overlap` τ) when the blocking H would be longer than
-  `prefer_h` or than the run allows: each fragment's transfer then runs behind τ inner steps of compute,
+  `prefer_h` or than the run allows (and the run allows H ≥ 2 × fragments): each fragment's transfer then runs behind τ inner steps of compute,
   so it costs nothing while it fits in them (H = fragments × (τ + 1): diloco merges a fragment before the
   next is sent; τ steps' compute ≥ a fragment's transfer).
 
