@@ -156,7 +156,7 @@ def plan_only(args, workloads: list[str]) -> None:
             for i, workload in enumerate(workloads):
                 model, peft, dtype, _ = WORKLOADS[workload]
                 procs = [lab.popen(node, [sys.executable, worker, "auto-worker", str(rank), lab.addr("w1"),
-                                          str(29541 + i), model, peft["method"], dtype], env=env,
+                                          str(29541 + i), model, peft["method"], dtype, str(args.steps)], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                          for rank, node in enumerate(("w1", "w2"))]
                 outs = [p.communicate(timeout=900)[0] for p in procs]

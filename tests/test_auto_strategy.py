@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 
 from smolforge.parallel.auto_choice import (
-    Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
+    SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
 )
 
 LLAMA_100M = 109_529_856  # llama-100m's parameters (its config on the meta device)
 LORA_05B = 1_081_344  # trainable fp32 values of a LoRA r=8 on the Qwen2.5-0.5B twin (order of magnitude)
+TINY = 870_000  # tiny-llama's parameters, about (3.48 MB in fp32: bench/scale_out.py --quick)
 
 
 def measured(mbit: float, step_s: float, params: int = LLAMA_100M, trainable: int | None = None,
@@ -32,7 +33,15 @@ TABLE = [
     ("100M full at 1 Gbit/s", measured(1000, 3.0), {}, "diloco", "sparse", 5, None),
     ("100M full at 20 Mbit/s", measured(20, 3.0), {}, "diloco", "sparse", 6, None),
     ("100M full at 20 Mbit/s, no sparse codec: streamed int8", measured(20, 3.0), {"has": frozenset({"fragments"})},
-     "diloco", "int8", 16, 4),
+     "diloco", "int8", 20, 4),
+    ("100M full at 20 Mbit/s, 200 steps: 33 rounds of sparse < 64, so int8, streamed", measured(20, 3.0, max_steps=200),
+     {}, "diloco", "int8", 20, 4),
+    ("100M full at 1 Gbit/s, 200 steps: 40 rounds of sparse < 64, int8 fits at H 5", measured(1000, 3.0, max_steps=200),
+     {}, "diloco", "int8", 5, None),
+    ("the run's length unknown: counted as long, sparse", measured(20, 3.0, max_steps=None), {},
+     "diloco", "sparse", 6, None),
+    ("the quick bench's 12-step run: 2 rounds; int8 over budget, capped at 6, not sparse",
+     measured(20, 0.024, params=TINY, max_steps=12), {}, "diloco", "int8", 6, None),
     ("the same without fragments: blocking, H capped by the run", measured(20, 3.0, max_steps=200),
      {"has": frozenset()}, "diloco", "int8", 100, None),
     ("three ranks, the slowest link counts", Measured(3, (LinkSample(0, 1, 1000, 1e-3), LinkSample(1, 2, 20, 1e-3),
@@ -43,9 +52,17 @@ TABLE = [
 
 @pytest.mark.parametrize("what,m,kw,strategy,codec,h,fragments", TABLE, ids=[row[0] for row in TABLE])
 def test_the_decision_on_a_table_of_measurements(what, m, kw, strategy, codec, h, fragments):
+    from smolforge.parallel.strategies import strategy_class
+
     d = decide(m, **kw)
     assert (d.strategy, d.config.get("codec"), d.config.get("inner_steps"), d.config.get("fragments")) == \
         (strategy, codec, h, fragments), (what, d.reason)
+    strategy_class(strategy).settings_dict(d.config)  # the plan is one the chosen strategy takes (resolve builds it)
+    rounds = d.numbers.get("sparse_rounds")
+    if codec == "sparse":  # enough rounds for its error feedback, or a run of unknown length
+        assert rounds is None or rounds >= SPARSE_MIN_ROUNDS, d.reason
+    elif codec == "int8" and "sparse" in kw.get("has", {"sparse"}):  # sparse was there: too few rounds for it
+        assert rounds < SPARSE_MIN_ROUNDS and f"{rounds} rounds < {SPARSE_MIN_ROUNDS}" in d.reason, d.reason
     assert f"{d.numbers['mbit_s']:g} Mbit/s" in d.reason and "10%" in d.reason, d.reason
     if strategy == "ddp":  # its per-step all-reduce is within 10 % of a step's compute
         assert d.numbers["ddp_comm_s"] <= 0.10 * m.step_s
@@ -63,6 +80,19 @@ def test_sparse_bytes_per_sync_are_under_2_percent_of_the_fp32_model():
     d = decide(measured(20, 3.0))
     assert d.numbers["bytes_per_sync"] == sparse_bytes(LLAMA_100M, 4096, 64, 2)
     assert d.numbers["sync_fraction_of_model"] <= 0.02
+
+
+def test_the_same_link_picks_sparse_for_a_long_run_and_int8_for_a_short_one():
+    """Issue 45: the rule counts learning, not only bytes. At 20 Mbit/s llama-100m's sparse sync fits at H 6:
+    1,000 steps are 166 rounds, enough for sparse's error feedback; 200 steps are 33, too few, so int8 (the
+    less lossy codec), at the longer H its larger sync needs. The reason says which rule applied."""
+    long, short = decide(measured(20, 3.0, max_steps=1000)), decide(measured(20, 3.0, max_steps=200))
+    assert (long.config["codec"], long.config["inner_steps"], long.numbers["rounds"]) == ("sparse", 6, 166)
+    assert f"166 rounds ≥ {SPARSE_MIN_ROUNDS}: sparse sends" in long.reason, long.reason
+    assert (short.config["codec"], short.numbers["sparse_rounds"]) == ("int8", 33), short.reason
+    assert short.config["inner_steps"] > long.config["inner_steps"] and short.numbers["comm_fraction"] == 0
+    assert f"33 rounds < {SPARSE_MIN_ROUNDS}: too few for sparse's error feedback at H=6" in short.reason
+    assert short.numbers["bytes_per_sync"] == int8_bytes(LLAMA_100M)
 
 
 def test_one_rank_shares_nothing_and_the_decision_is_deterministic():
@@ -83,6 +113,31 @@ def test_auto_is_a_registered_name_with_checked_settings_that_never_trains_itsel
         DataParallelJob(train=train, strategy="auto", strategy_config={"budget": 2})
     with pytest.raises(RuntimeError, match="resolved by the ranks"):
         make_strategy("auto")
+
+
+def test_a_diloco_checkpoints_optimizer_state_resumes_under_a_replicated_strategy():
+    """A regroup measures and decides again, so auto can resume diloco's checkpoint (the inner optimizer's
+    state, one part per rank) under ddp: every rank takes rank 0's part (found by tests/cluster/test_cluster.py::
+    test_auto_decides_again_when_a_node_joins on a loaded box: round 1 diloco, round 2 ddp, `KeyError:
+    'param_groups'`)."""
+    import torch
+
+    from smolforge.train.strategy import Strategy
+
+    def stepped(seed: int) -> torch.optim.Optimizer:  # SGD with momentum: a state per parameter, no Adam start-up
+        torch.manual_seed(seed)
+        net = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        net(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        return opt
+
+    parts = [stepped(1).state_dict(), stepped(2).state_dict()]
+    fresh = stepped(3)
+    Strategy().load_optimizer_state(fresh, {"per_rank": parts})
+    got = fresh.state_dict()["state"]
+    assert len(got) == 2 and all(torch.equal(got[i]["momentum_buffer"], parts[0]["state"][i]["momentum_buffer"])
+                                 for i in got)
 
 
 def test_job_show_says_what_auto_chose():

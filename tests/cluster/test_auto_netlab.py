@@ -2,8 +2,9 @@
 node's upload capped at 20 Mbit/s, run the auto probe over their gloo group (every pair's Mbit/s and round
 trip, the step's compute from the model's FLOPs) and the pure decision. Full fine-tuning of tiny-llama
 moves 3.5 MB of gradient per step: ddp's all-reduce would take over 10 % of the compute there, so the plan is
-diloco with the sparse codec (SparseLoCo's layout) and an H that keeps a sync within 10 %. The decision and
-its reason are asserted, not a time. Needs root, `ip netns` and tc (skipped otherwise; failed under CI).
+diloco: for a run long enough for sparse's error feedback (`LONG` steps, hundreds of rounds) the sparse codec
+(SparseLoCo's layout) and an H that keeps a sync within 10 %; for a short run on the same measurements
+(`SHORT` steps, 2 rounds) int8, the less lossy codec. The decision and its reason are asserted, not a time. Needs root, `ip netns` and tc (skipped otherwise; failed under CI).
 
 The probe and the decision only, seconds: the settings it chooses are asserted as a dict (the sparse codec
 and streamed fragments are issue 45 items 2 and 3, merged beside this); a training run under them is
@@ -23,11 +24,13 @@ import pytest
 import netlab
 from helpers import require
 from netlab import IFACE, Netlab
+from smolforge.parallel.auto_choice import SPARSE_MIN_ROUNDS
 
 pytestmark = [pytest.mark.timeout(600)]
 
 CAP = 20  # Mbit/s out of each node: home Wi-Fi
 PORT = 29531
+LONG, SHORT = 5000, 12  # the run's steps: ≥ 64 rounds of sparse at any H up to 78; 2 rounds (the quick bench's)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,9 +42,11 @@ def needs_netlab():
 
 
 def _auto_worker(rank: int, master: str, port: int, model: str = "tiny-llama", peft: str = "none",
-                 dtype: str = "fp32") -> None:
-    """One rank: a 2-rank gloo group through `master`, the auto probe over it, the decision as a JSON line
-    (`model`, `peft`, `dtype`: bench/scale_out.py --plan-only asks for its workloads' plans this way)."""
+                 dtype: str = "fp32", max_steps: int = LONG) -> None:
+    """One rank: a 2-rank gloo group through `master`, the auto probe over it, the decision for a run of
+    `max_steps` and, on the same measurements, for a `SHORT` one, as a JSON line (`model`, `peft`, `dtype`,
+    `max_steps`: bench/scale_out.py --plan-only asks for its workloads' plans this way)."""
+    from dataclasses import replace
     from datetime import timedelta
 
     import torch
@@ -55,9 +60,11 @@ def _auto_worker(rank: int, master: str, port: int, model: str = "tiny-llama", p
     timeout = timedelta(seconds=120)
     store = dist.TCPStore(master, port, 2, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-    cfg = TrainConfig(model=model, data={"path": "bundled"}, peft={"method": peft}, dtype=dtype, max_steps=200)
+    cfg = TrainConfig(model=model, data={"path": "bundled"}, peft={"method": peft}, dtype=dtype,
+                      max_steps=int(max_steps))
     measured = measure(cfg, 4.0, 2)
     print(json.dumps({"rank": rank, "decision": decide(measured).to_dict(),
+                      "short": decide(replace(measured, max_steps=SHORT)).to_dict(),
                       "links": [vars(s) for s in measured.links]}), flush=True)
     dist.destroy_process_group()
 
@@ -85,7 +92,12 @@ def test_auto_picks_sparse_diloco_on_a_20_mbit_link():
     assert "would be" in d["reason"] and "over 10%" in d["reason"] and "Mbit/s" in d["reason"], d["reason"]
     assert n["sync_s"] <= 0.10 * d["config"]["inner_steps"] * n["step_s"] or d["config"].get("fragments"), n
     assert n["sync_fraction_of_model"] <= 0.02, n
+    assert n["rounds"] >= SPARSE_MIN_ROUNDS and f"{n['rounds']} rounds ≥ {SPARSE_MIN_ROUNDS}" in d["reason"], n
+    short = got[0]["short"]  # the same link and step, a 12-step run: too few rounds for sparse, so int8
+    assert short["strategy"] == "diloco" and short["config"]["codec"] == "int8", short["reason"]
+    rounds = short["numbers"]["sparse_rounds"]
+    assert rounds < SPARSE_MIN_ROUNDS and f"{rounds} rounds < {SPARSE_MIN_ROUNDS}: too few" in short["reason"]
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "auto-worker":
-    _auto_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:8])
+    _auto_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:9])

@@ -389,7 +389,12 @@ class Strategy:
                 params[name].copy_(weights.get(name).to(params[name].device, params[name].dtype))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Restore what `optimizer_state` saved (strategies whose ranks differ keep one part per rank)."""
+        """Restore what `optimizer_state` saved (strategies whose ranks differ keep one part per rank). A
+        checkpoint of such a strategy (diloco's `per_rank`) resumes here with rank 0's part on every rank:
+        `--strategy auto` decides again at a regroup and may move from diloco to a replicated strategy,
+        whose ranks must start equal."""
+        if "per_rank" in state:
+            state = state["per_rank"][0]
         optimizer.load_state_dict(state)
 
     def load_optimizer_file(self, optimizer: torch.optim.Optimizer, tensors: TensorReader) -> None:

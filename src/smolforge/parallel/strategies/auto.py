@@ -3,7 +3,9 @@
 `auto` is a name the ranks resolve before training, never a strategy that trains: once the round's
 group has met, every rank measures (every pair's Mbit/s and round trip over the group's own channel, its
 step's compute from the model's FLOPs), all gather the numbers and the pure `parallel.auto_choice.decide`
-picks the strategy, codec and sync interval (`parallel/auto_probe.py`, called by the rank glue). Rank 0
+picks the strategy, codec and sync interval (`parallel/auto_probe.py`, called by the rank glue): the sparse
+codec only for a run with enough outer rounds for its error feedback (`SPARSE_MIN_ROUNDS`), int8 for a
+shorter one. Rank 0
 states the decision and its numbers as the job's `strategy_plan` event. A regroup (a node joins or leaves)
 is a new round, so it measures and decides again; a checkpoint resumes under either strategy.
 
