@@ -20,6 +20,7 @@ def streamed_chat(client, model: str, messages, **kw) -> tuple[str, int, list]:
                                                  stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = [c.usage for c in chunks if c.usage]
+    streamed_chat.fingerprints = {c.system_fingerprint for c in chunks}  # type: ignore[attr-defined]
     return text, sum(1 for c in chunks if c.choices and c.choices[0].delta.content), usage
 
 
@@ -34,10 +35,18 @@ def test_openai_client_stream_equals_non_stream(server):
     u = whole.usage
     assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 24 and u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert usage and usage[-1].completion_tokens == u.completion_tokens and usage[-1].prompt_tokens == u.prompt_tokens
+    # counted exactly in test_llamacpp_engine.py (both engines); here: through the front process, streamed and not
+    assert u.prompt_tokens_details.cached_tokens >= 0 and usage[-1].prompt_tokens_details.cached_tokens >= 0
 
     done = client.completions.create(model=server.model, prompt="the of and to", temperature=0, max_tokens=12)
     assert done.object == "text_completion" and done.choices[0].text
     assert done.usage.completion_tokens <= 12
+    # serve's fingerprint (model, engine, version) reaches the front process: one string, on every answer and chunk
+    from smolforge.serve.protocol import system_fingerprint
+
+    assert streamed_chat.fingerprints == {whole.system_fingerprint} == {done.system_fingerprint}
+    assert whole.system_fingerprint.startswith("fp_") and whole.system_fingerprint != \
+        system_fingerprint(server.model, "FrontModel")  # not the front's own default
     stream = client.completions.create(model=server.model, prompt="the of and to", temperature=0, max_tokens=12,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == done.choices[0].text

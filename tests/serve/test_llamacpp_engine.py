@@ -364,3 +364,58 @@ def test_logprobs_are_llama_cpps_own_log_softmax(lcpp_model, monkeypatch):
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-2
     finally:
         llm.close()
+
+
+def test_bytes_cached_tokens_and_fingerprint_on_both_engines(servers, served_tiny):
+    """What llama-server and OpenAI return that we did not (issue 44/46), on both engines through the official
+    client: every log-probability's `bytes` are its token's own (each names one id, the answer's join into
+    its text: chat and the completions `content`), `usage.prompt_tokens_details.cached_tokens` is what the
+    prefix cache served (0, then the shared prefix, streamed and not), and `system_fingerprint` is on every
+    answer and chunk, one per server (the engines' differ)."""
+    import uuid
+
+    from smolforge.data.encode import render
+    from smolforge.distill.teacher_openai import TokenMap
+    from smolforge.serve.prefix import common_prefix
+
+    tok = served_tiny.tokenizer
+    names = TokenMap(tok)
+    system = f"{uuid.uuid4().hex}: you answer in one short sentence and never repeat the question."  # new: no hit
+    convs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is 2 + 3?", "Name a colour.")]
+    ids = [tok(render(tok, c, add_generation_prompt=True), add_special_tokens=False)["input_ids"] for c in convs]
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+
+    def ask(client):
+        kw = dict(model="tiny", temperature=0, max_tokens=6)
+        chat = client.chat.completions.create(messages=convs[0], logprobs=True, top_logprobs=5, **kw).model_dump()
+        chat2 = [c.model_dump() for c in client.chat.completions.create(messages=convs[1], logprobs=True,
+                                                                        top_logprobs=5, **kw, **stream)]
+        comp = client.completions.create(prompt=system, logprobs=5, **kw).model_dump()
+        comp2 = [c.model_dump() for c in client.completions.create(prompt=system, **kw, **stream)]
+        return chat, chat2, comp, comp2
+
+    got = both(servers, ask)
+    for engine, (chat, chat2, comp, comp2) in got.items():
+        content = chat["choices"][0]["logprobs"]["content"]
+        streamed = [c for ch in chat2 if ch["choices"] and ch["choices"][0]["logprobs"]
+                    for c in ch["choices"][0]["logprobs"]["content"]]
+        legacy = comp["choices"][0]["logprobs"]
+        for entries in (content, streamed, legacy["content"]):
+            assert entries and all(names((a["token"], a["bytes"])) is not None
+                                   for c in entries for a in [c, *c["top_logprobs"]]), engine
+        text = chat["choices"][0]["message"]["content"]
+        assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8", "replace") == text
+        assert [c["token"] for c in legacy["content"]] == legacy["tokens"]
+        cached = [chat["usage"]["prompt_tokens_details"]["cached_tokens"], chat2[-1]["usage"]["prompt_tokens_details"]
+                  ["cached_tokens"], comp["usage"]["prompt_tokens_details"]["cached_tokens"],
+                  comp2[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]]
+        # the same prompt again: all of it but its last token, whose logits give the first token
+        assert cached == [0, common_prefix(ids[1], ids[0]), 0, comp["usage"]["prompt_tokens"] - 1], (engine, cached)
+        assert cached[1] >= 16  # the shared system prompt (the cache's least)
+        prints = {chat["system_fingerprint"], comp["system_fingerprint"],
+                  *(c["system_fingerprint"] for c in chat2 + comp2)}
+        assert len(prints) == 1 and prints.pop().startswith("fp_"), (engine, prints)
+    assert got["torch"][0]["system_fingerprint"] != got["llamacpp"][0]["system_fingerprint"]
+    assert [c["bytes"] for c in got["torch"][0]["choices"][0]["logprobs"]["content"]] == \
+        [c["bytes"] for c in got["llamacpp"][0]["choices"][0]["logprobs"]["content"]]  # greedy: the same tokens

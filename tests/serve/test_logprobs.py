@@ -110,8 +110,42 @@ def test_a_row_without_logprobs_gets_none_and_max_tokens_0_reads_the_prompt_only
 def test_logprob_events_cross_the_front_process_channel_whole():
     entry = TokenLogprob(7, -1.25, [(7, -1.25), (3, -2.5)])
     for event in (TokenEvent("x", 7, [entry], [None, entry]), TokenEvent("y", 8),
-                  DoneEvent("stop", "xy", 2, 1, [7], [entry], [None, entry]), DoneEvent("length", "", 1, 0, [])):
+                  DoneEvent("stop", "xy", 2, 1, [7], [entry], [None, entry], cached_tokens=1),
+                  DoneEvent("length", "", 1, 0, [])):
         assert message_event(json.loads(json.dumps(event_message(1, event)))) == event
+
+
+BYTES_TEXT = "café 日本 🙂 ok ꙮ𝄞 ok"  # characters of 2, 3 and 4 bytes; the last two rare: byte tokens in every kind
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny-llama", "twin:tinyllama-1.1b-chat-v1.0",
+                                       pytest.param("twin:qwen2.5-0.5b-instruct", marks=pytest.mark.soak)])  # 150k ids: 20 s
+def test_each_token_is_named_by_its_own_bytes_even_a_byte_of_a_character(tokenizer):
+    """`bytes` (chat `content`, and the completions `content` llama-server sends) are each token's own: a byte of
+    a multi-byte character is that byte, not U+FFFD's three; the bytes join into the text's UTF-8 and the texts
+    into the text (a token that only starts a character adds ""). Byte-level BPE (tiny, Qwen2.5) and
+    SentencePiece with byte fallback (TinyLlama) alike."""
+    from smolforge.distill.teacher_openai import TokenMap
+    from smolforge.models.loading import load_tokenizer
+    from smolforge.models.twins import twin_dir
+    from smolforge.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
+
+    tok = load_tokenizer(str(twin_dir(tokenizer)) if tokenizer.startswith("twin:") else tokenizer)
+    ids = tok.encode(BYTES_TEXT, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    partial = [i for i, p in zip(ids, pieces) if "\ufffd" in p]
+    assert len(partial) >= 2, pieces  # the text does split characters into byte tokens here
+    entries = [TokenLogprob(i, -1.0, [(i, -1.0), (partial[0], -2.0)]) for i in ids]
+    content = chat_logprobs(TokenText(tok), entries)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content).lstrip(b" ") == BYTES_TEXT.encode()
+    assert "".join(c["token"] for c in content).lstrip(" ") == BYTES_TEXT
+    assert not any(bytes(c["bytes"]) == "\ufffd".encode() for c in content)
+    names = TokenMap(tok)  # the endpoint teacher names every token, and the byte alternative, by its bytes
+    assert [names((c["token"], c["bytes"])) for c in content] == ids
+    assert {names((a["token"], a["bytes"])) for c in content for a in c["top_logprobs"]} == set(ids) | {partial[0]}
+    legacy = completion_logprobs(TokenText(tok), entries)
+    assert legacy["content"] == content and legacy["tokens"] == [c["token"] for c in content]
+    assert legacy["text_offset"] == [sum(len(t) for t in legacy["tokens"][:i]) for i in range(len(ids))]
 
 
 # -- the HTTP API -----------------------------------------------------------------------------------------
@@ -151,7 +185,8 @@ def test_the_api_shapes_streamed_and_not(app, served):
     choice = whole_chat.json()["choices"][0]
     content = choice["logprobs"]["content"]
     assert "".join(c["token"] for c in content) == choice["message"]["content"] and len(content) >= 1
-    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8", "replace") == choice["message"]["content"]
+    assert all(len(c["top_logprobs"]) == 3 for c in content)
     assert all(c["logprob"] <= c["top_logprobs"][0]["logprob"] for c in content)
     got = [c for chunk in sse_chunks(streamed_chat) if chunk["choices"][0]["logprobs"]
            for c in chunk["choices"][0]["logprobs"]["content"]]

@@ -427,8 +427,9 @@ def test_a_shared_prefix_is_computed_once(served):
         before = engine.prefill_tokens
         events: list = []
         engine.run_batch([Request(ids, GREEDY, events.append)])
-        got.append((engine.prefill_tokens - before, final(events).token_ids))
+        got.append((engine.prefill_tokens - before, final(events).token_ids, final(events).cached_tokens))
     assert got[0][0] == len(first) and got[1][0] == len(second) - shared  # only the rest was computed
+    assert (got[0][2], got[1][2]) == (0, shared)  # each request's own count (`usage...cached_tokens`)
     assert (engine.prefix.hits, engine.prefix.tokens_reused) == (1, shared)
     assert got[1][1] == hf_greedy(served.model, second, GREEDY.max_tokens, served.pad_id)
     engine.run_batch([Request(prompts(tok)[0], GREEDY, lambda e: None)])

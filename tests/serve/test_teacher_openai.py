@@ -50,7 +50,6 @@ def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_
     from smolforge.distill.store import read_shard, tokenizer_hash
     from smolforge.distill.student import train_student
     from smolforge.distill.teacher import HFTeacher, prompts_from_dataset, run_teacher_local
-    from smolforge.distill.teacher_openai import TokenMap
     from smolforge.models.loading import load_tokenizer
 
     monkeypatch.setenv("OPENAI_API_KEY", served.token)
@@ -62,28 +61,23 @@ def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_
     assert m["backend"] == "openai" and m["tokenizer_hash"] == tokenizer_hash(tok) and m["k"] == K
     got = read_shard(out, 0).records  # checksum verified, then parsed
     want = HFTeacher("tiny-llama", device="cpu").generate(prompts_from_dataset("bundled", max_samples=6), GEN)
-    # an answer with a token that is part of a character reaches the API as U+FFFD (its bytes lost): text only
-    lossy = [any("\ufffd" in tok.decode([i]) for i in w.response_ids) for w in want]
-    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == sum(lossy) < len(want), (m["endpoint"], lossy)
-    names = TokenMap(tok)
-    same = raw = total = 0
-    for g, w, text_only in zip(got, want, lossy):
-        assert g.prompt_ids == w.prompt_ids and g.has_topk == (not text_only)
+    # a token that is part of a character (its text alone U+FFFD) is named by its `bytes`: no answer is text only
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == 0, m["endpoint"]
+    same = total = partial = 0
+    for g, w in zip(got, want):
+        assert g.prompt_ids == w.prompt_ids and g.has_topk
         assert g.response_text == w.response_text  # greedy: the hf teacher's answer
-        if text_only:
-            continue
         assert g.response_ids == w.response_ids[:len(g.response_ids)]
         assert all(t in row for t, row in zip(g.response_ids, g.topk_indices.tolist()))  # each token in its row
         for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
-            # the endpoint names a token by its text: a byte of a multi-byte character is U+FFFD, which names
-            # no id, so it drops out of the row (into the tail); the rest must be the hf teacher's top-k
             given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
-            same += given == {i for i in row_w.tolist() if names(tok.decode([i])) == i}
-            raw += given == set(row_w.tolist())
+            same += given == set(row_w.tolist())  # raw: every id, the bytes of a character's pieces included
+            partial += any("\ufffd" in tok.decode([i]) for i in row_w.tolist())
             total += 1
-        assert np.allclose(g.topk_logprobs[:, 0], w.topk_logprobs[:len(g.response_ids), 0], atol=1e-3)
-    print(f"top-{K} ids equal the hf teacher's at {same}/{total} positions ({raw} counting ids no text names)")
-    assert total >= 16 and same >= 0.99 * total, (same, raw, total)
+        # the store keeps log-probs as fp16 (spacing 1/256 between 4 and 8): relative tolerance as well
+        assert np.allclose(g.topk_logprobs[:, 0], w.topk_logprobs[:len(g.response_ids), 0], atol=1e-3, rtol=1e-3)
+    print(f"top-{K} ids equal the hf teacher's at {same}/{total} positions raw ({partial} rows hold a byte token)")
+    assert total >= 16 and partial >= 1 and same >= 0.99 * total, (same, partial, total)
     res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
                         teacher_tokenizer_hash=tokenizer_hash(tok))
     assert res.mode == "logit" and res.steps == 2  # trained on the endpoint's logits
@@ -95,20 +89,17 @@ def test_reference_answers_are_scored_by_echo_as_the_hf_teacher_scores_them(serv
     from dataclasses import replace
 
     from smolforge.distill.teacher import HFTeacher, prompts_from_dataset
-    from smolforge.distill.teacher_openai import TokenMap
 
     monkeypatch.setenv("OPENAI_API_KEY", served.token)
     items, ref = prompts_from_dataset("bundled", max_samples=4), replace(GEN, responses="reference", batch_size=1)
     teacher = _teacher(f"{served.base}/v1")
     got, want = teacher.generate(items, ref), HFTeacher("tiny-llama", device="cpu").generate(items, ref)
-    names, same, total = TokenMap(teacher.tokenizer), 0, 0
+    same, total = 0, 0
     for g, w in zip(got, want):
         assert (g.prompt_ids, g.response_ids) == (w.prompt_ids, w.response_ids) and g.has_topk
-        for chosen, row_g, lp_g, row_w in zip(g.response_ids, g.topk_indices, g.topk_logprobs, w.topk_indices):
+        for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
             given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
-            # OpenAI's legacy shape adds the chosen token when it is not among the top k: told apart from them
-            # unless two of those share the text U+FFFD (one dict key), when the row keeps it at its own logprob
-            same += given - {chosen} == {i for i in row_w.tolist() if names(teacher.tokenizer.decode([i])) == i} - {chosen}
+            same += given == set(row_w.tolist())  # raw: `content` names every alternative by its bytes
             total += 1
     assert teacher.text_only == 0 and total >= 16 and same >= 0.99 * total, (same, total)
 

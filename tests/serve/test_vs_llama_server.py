@@ -84,10 +84,20 @@ def paths(obj, prefix: str = "") -> set[str]:
     return {prefix}
 
 
+# what llama-server returns beyond OpenAI's fields (its timings, each log-probability's id): not ours
+THEIRS_ONLY = {".timings", ".choices[].logprobs.content[].id", ".choices[].logprobs.content[].top_logprobs[].id"}
+
+
 def test_chat_with_logprobs_same_answer_and_shape(pair):
     ours, theirs = both(pair, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
     print("only smolforge:", sorted(paths(ours) - paths(theirs)), "only llama-server:",
           sorted(paths(theirs) - paths(ours)))
+    # system_fingerprint and usage.prompt_tokens_details.cached_tokens on both (issue 44/46): the only paths
+    # llama-server has that we lack are its own extras; ours has none it lacks but the chat refusal field
+    assert {p for p in paths(theirs) - paths(ours) if not p.startswith(".timings")} <= THEIRS_ONLY, \
+        sorted(paths(theirs) - paths(ours))
+    for r in (ours, theirs):
+        assert r["system_fingerprint"] and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     for r in (ours, theirs):
         assert r["object"] == "chat.completion" and r["id"] and r["created"]
         assert r["choices"][0]["message"]["role"] == "assistant"
@@ -126,8 +136,25 @@ def test_streamed_usage_same(pair):
         usage = [ch.usage for ch in chunks if ch.usage]
         got.append((text, finish, usage[-1].completion_tokens if usage else None,
                     usage[-1].prompt_tokens if usage else None))
+        # on every chunk, and the usage chunk counts what the prompt cache served (issue 44/46)
+        assert all(ch.system_fingerprint for ch in chunks), chunks
+        assert usage[-1].prompt_tokens_details is not None and usage[-1].prompt_tokens_details.cached_tokens >= 0
     assert got[0] == got[1]
     assert got[0][1] == ["length"] and got[0][2] == 6
+
+
+def test_completions_logprobs_bytes_and_fields_on_both(pair):
+    """`/v1/completions` with `logprobs`: llama-server answers in the chat shape (`content`, with bytes), we
+    send that beside OpenAI's legacy keys; the same tokens and bytes; fingerprint and cached tokens on both."""
+    ours, theirs = (c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                         logprobs=3).model_dump() for c in pair)
+    a, b = ours["choices"][0], theirs["choices"][0]
+    assert a["text"] == b["text"]
+    la, lb = a["logprobs"]["content"], b["logprobs"]["content"]
+    assert [x["bytes"] for x in la] == [y["bytes"] for y in lb]
+    assert [x["token"] for x in la] == [y["token"] for y in lb]
+    for r in (ours, theirs):
+        assert r["system_fingerprint"] and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

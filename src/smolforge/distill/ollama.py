@@ -14,7 +14,6 @@ The response JSON is parsed field by field from plain JSON (never unpickled).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -26,23 +25,10 @@ from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import stop_ids, turn_end_id
 from smolforge.models.loading import load_tokenizer
+from smolforge.models.token_bytes import byte_alphabet
 
 DEFAULT_HOST = "http://127.0.0.1:11434"
 MAX_TOP_LOGPROBS = 20
-
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte → printable character table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 class OllamaTeacher:
@@ -101,7 +87,7 @@ class OllamaTeacher:
     def _token_id(self, entry: dict[str, Any]) -> int | None:
         raw = entry.get("bytes")
         if isinstance(raw, list) and raw and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
-            alpha = _byte_alphabet()
+            alpha = byte_alphabet()
             spelled = "".join(alpha[b] for b in raw)
             if spelled in self._vocab:
                 return self._vocab[spelled]

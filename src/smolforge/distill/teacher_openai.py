@@ -16,10 +16,13 @@ a text two ids share is the id the tokenizer itself encodes it as). A response w
 map, or whose mapped ids do not spell its text, is kept as text only: students train on it sequence-level
 (the same fallback as a teacher of another tokenizer), and the run says so once and counts it in each
 shard's manifest (`endpoint.text_only`). A token that is part of a character (a byte-level token of a
-multi-byte UTF-8 character) reaches the API as U+FFFD, its bytes lost: such an answer is text only too. k is what the endpoint gives: rows with fewer alternatives than
-asked are padded with -inf (their mass is in the tail); the manifest says the most it gave (`endpoint.k`).
-Both response shapes are read: the legacy one (`tokens`, `top_logprobs` as {text: logprob}) and the chat
-one (`content: [{token, logprob, top_logprobs: [...]}]`) that llama-server also sends for completions.
+multi-byte UTF-8 character) has no text of its own (U+FFFD, or nothing): where the endpoint sends each
+token's `bytes` (the chat shape), the bytes name it (`models.token_bytes`); where it sends text only (the
+legacy shape), such an answer is text only too. k is what the endpoint gives: rows with fewer alternatives
+than asked are padded with -inf (their mass is in the tail); the manifest says the most it gave
+(`endpoint.k`). Both response shapes are read; the chat one (`content: [{token, bytes, logprob,
+top_logprobs: [...]}]`, which llama-server sends for completions and `smolforge serve` sends beside the
+legacy keys) first, else the legacy one (`tokens`, `top_logprobs` as {text: logprob}).
 
 The key: `$OPENAI_API_KEY`, or the file `--teacher-key-file` names (read on the teacher's node, so the key
 travels in no spec, argv or log); none: no Authorization header (a local server). Requests have bounded
@@ -48,6 +51,7 @@ from smolforge.distill.store import TeacherRecord, tokenizer_hash
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import turn_end_id
 from smolforge.models.loading import load_tokenizer
+from smolforge.models.token_bytes import is_byte_piece, vocab_bytes
 from smolforge.train.rendering import render_prompt
 
 MAX_TOP_LOGPROBS = 20  # what OpenAI's chat API, vLLM's default and `smolforge serve` allow
@@ -64,8 +68,9 @@ class TokenMap:
     is how an incremental detokenizer (vLLM's, `smolforge serve`'s) names a token mid-text: a
     SentencePiece token's leading space kept, a byte-level token's bytes decoded. A text several ids
     share (a byte-fallback token and its character) maps to the id the tokenizer encodes it as, if one.
-    Where the endpoint also sends a token's `bytes` (the chat shape: llama-server, Ollama), those decide
-    first: a byte of a multi-byte character, whose text is only U+FFFD, still names its id."""
+    Where the endpoint also sends a token's `bytes` (the chat shape: llama-server, Ollama, `smolforge
+    serve`), those decide first (`models.token_bytes.vocab_bytes`: the tokenizer's one answer): a byte
+    of a multi-byte character, whose text is only U+FFFD or nothing, still names its id."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -76,11 +81,13 @@ class TokenMap:
         for i, full in enumerate(texts):
             self.ids.setdefault(full[len(head):] if full.startswith(head) else full, []).append(i)
         self.by_bytes: dict[bytes, list[int]] = {}
-        special = set(tokenizer.all_special_ids)
-        for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-            raw = None if i in special or tok is None else token_bytes(tok)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        for i, raw in enumerate(vocab_bytes(tokenizer)):
             if raw:
                 self.by_bytes.setdefault(raw, []).append(i)
+        for raw, ids in self.by_bytes.items():  # "k" and <0x6B>: the tokenizer makes the piece
+            if len(ids) > 1:
+                self.by_bytes[raw] = [i for i in ids if not is_byte_piece(pieces[i])] or ids
 
     def __call__(self, name: Any) -> int | None:
         """The id `name` names, or None (no id, or several and the tokenizer picks none of them). `name`:
@@ -97,19 +104,6 @@ class TokenMap:
             return found[0]
         encoded = self.tokenizer.encode(text, add_special_tokens=False) if text else []
         return encoded[0] if len(encoded) == 1 and (not found or encoded[0] in found) else None
-
-
-def token_bytes(token: str) -> bytes | None:
-    """A vocabulary entry's bytes: byte-level BPE's printable alphabet (GPT-2's), a SentencePiece byte
-    (<0xAB>) or piece (▁ for a space); None for a spelling that is neither."""
-    from smolforge.distill.ollama import _byte_alphabet
-
-    inverse = {c: b for b, c in _byte_alphabet().items()}
-    if all(c in inverse for c in token):
-        return bytes(inverse[c] for c in token)
-    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-        return bytes([int(token[3:5], 16)])
-    return token.replace("\u2581", " ").encode("utf-8") if "\u2581" in token else None
 
 
 def read_key(key_file: str | None) -> str | None:

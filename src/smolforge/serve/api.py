@@ -32,6 +32,7 @@ from smolforge.http_limits import page_headers
 from smolforge.serve import openapi
 from smolforge.serve.events import DoneEvent, EngineStopped, PromptTooLong
 from smolforge.serve.intake import Lanes, char_bound, read_json, validate
+from smolforge.models.token_bytes import vocab_bytes
 from smolforge.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from smolforge.serve.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -42,6 +43,7 @@ from smolforge.serve.protocol import (
     gate_error_body,
     new_id,
     now,
+    system_fingerprint,
     usage,
 )
 from smolforge.serve.sampling import SamplingParams
@@ -98,8 +100,12 @@ def _completion_logprobs(names: TokenText | None, job: Prepared, done: DoneEvent
 
 
 def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: str | None = None,
-               lanes: Lanes | None = None) -> FastAPI:
+               lanes: Lanes | None = None, fingerprint: str | None = None) -> FastAPI:
+    """The app serving `served` through `engine`. `fingerprint`: every answer's `system_fingerprint`
+    (`protocol.system_fingerprint` of what `serve` loaded; default: of the model's name and class)."""
     name = model_name or served.name
+    fingerprint = fingerprint or system_fingerprint(name, type(served).__name__)
+    vocab_bytes(served.tokenizer)  # each id's bytes made now (0.3 s for 150k ids), not on the event loop later
     created = now()
     lanes = lanes or Lanes()
     app = FastAPI(title="smolforge serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -147,14 +153,15 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         names = _names(served, job)
         if job.req.stream:
             held = job.tools is not None and job.tools.choice != "none"
-            chunks = ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools) if held else \
-                ChatChunks(cid, stamp, name, _include_usage(job.req), names)
+            chunks = ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools, fingerprint=fingerprint) \
+                if held else ChatChunks(cid, stamp, name, _include_usage(job.req), names, fingerprint=fingerprint)
             return stream(engine, job.ids, job.params, chunks)
         done = await collect(engine, job.ids, job.params)
         logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
         return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
+                "system_fingerprint": fingerprint,
                 "choices": [{**chat_choice(done.text, reason(done), job.tools), "logprobs": logprobs}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+                "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
               openapi_extra=openapi.body(CompletionRequest))
@@ -165,13 +172,14 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         names = _names(served, job)
         echo = (job.echo_text, job.ids) if job.echo_text is not None else None
         if job.req.stream:
-            return stream(engine, job.ids, job.params,
-                          CompletionChunks(cid, stamp, name, _include_usage(job.req), names, echo))
+            return stream(engine, job.ids, job.params, CompletionChunks(
+                cid, stamp, name, _include_usage(job.req), names, echo, fingerprint=fingerprint))
         done = await collect(engine, job.ids, job.params)
         return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
+                "system_fingerprint": fingerprint,
                 "choices": [{"index": 0, "text": (job.echo_text or "") + done.text,
                              "logprobs": _completion_logprobs(names, job, done), "finish_reason": reason(done)}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+                "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}
 
     return app
 

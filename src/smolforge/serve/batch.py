@@ -105,6 +105,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each sampled token's, when asked for
     logprobs_sent: int = 0  # how many of `logprobs` went out with a TokenEvent
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: the prompt's own, the first None
+    cached_tokens: int = 0  # its prompt's positions restored from the prefix cache (not computed)
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (the client went away)."""

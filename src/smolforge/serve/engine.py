@@ -302,6 +302,7 @@ class Engine(ContextLimits):
         if hit is not None and batch.active:
             try:
                 batch.resume(self.model.restore(hit.snapshot, hit.length), hit.length)
+                first.cached_tokens = hit.length
             except Exception:  # noqa: BLE001 - the prompt is then computed whole
                 log.exception("restoring a kept prefix failed")
         return batch if batch.active else self._next_group(budget)
@@ -370,7 +371,8 @@ class Engine(ContextLimits):
             _emit(r, _token_event(r, tail, r.token_ids[-1] if r.token_ids else -1))
         asked = r.params.logprobs is not None
         return _end(r, DoneEvent(reason, r.stream.text, len(r.prompt_ids), len(r.token_ids), list(r.token_ids),
-                                 logprobs=list(r.logprobs) if asked else None, prompt_logprobs=r.prompt_logprobs))
+                                 logprobs=list(r.logprobs) if asked else None, prompt_logprobs=r.prompt_logprobs,
+                                 cached_tokens=r.cached_tokens))
 
     def _dropped(self, r: Request) -> bool:
         if r.cancelled.is_set():

@@ -52,7 +52,8 @@ class TokenEvent:
 
 @dataclass
 class DoneEvent:
-    """The request ended: `finish_reason` is "stop" (EOS or a stop string), "length" or "cancelled"."""
+    """The request ended: `finish_reason` is "stop" (EOS or a stop string), "length" or "cancelled".
+    `cached_tokens`: how many of the prompt's tokens the prefix cache served (restored, not computed)."""
 
     finish_reason: str
     text: str
@@ -61,6 +62,7 @@ class DoneEvent:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # every generated position's, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's, first None
+    cached_tokens: int = 0
 
 
 @dataclass

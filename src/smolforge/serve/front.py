@@ -47,6 +47,7 @@ class FrontSettings:
     max_positions: int
     log_level: str = "WARNING"
     model_type: str | None = None
+    fingerprint: str | None = None  # `system_fingerprint`, made by `serve` from what it loaded
 
 
 def run(settings: FrontSettings) -> int:
@@ -63,7 +64,7 @@ def run(settings: FrontSettings) -> int:
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     engine = RemoteEngine(channel, settings.max_positions)
     app = create_app(FrontModel(settings.name, tokenizer, settings.model_type), engine, token=settings.token,  # type: ignore[arg-type]
-                     model_name=settings.name)
+                     model_name=settings.name, fingerprint=settings.fingerprint)
     server = uvicorn.Server(serve_config(app, sock))
     gone: list[str] = []
 

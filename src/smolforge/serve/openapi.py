@@ -30,10 +30,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # the prompt's tokens the prefix cache served (restored, not computed)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CalledFunction(BaseModel):
@@ -54,12 +59,13 @@ class AssistantMessage(BaseModel):
 
 
 class TopLogprob(BaseModel):
-    token: str
+    token: str  # what the token adds to the text ("" for a token that only starts a character)
     logprob: float
-    bytes: list[int] | None
+    bytes: list[int] | None  # the token's own UTF-8 bytes (a byte of a character: that byte)
 
 
 class TokenLogprob(TopLogprob):
+    logprob: float | None  # type: ignore[assignment]  # null: a completion's echoed first prompt token
     top_logprobs: list[TopLogprob]
 
 
@@ -83,6 +89,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str  # `protocol.system_fingerprint`: version, model, adapter, engine
     choices: list[ChatChoice]
     usage: Usage
 
@@ -96,6 +103,7 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    content: list[TokenLogprob]  # the same positions in the chat shape, with bytes (as llama-server answers)
 
 
 class CompletionChoice(BaseModel):
@@ -110,6 +118,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
 

@@ -368,9 +368,28 @@ def gate_error_body(status: int, error: str, fix: str | None) -> bytes:
     return json.dumps(error_body(message, type_, None, code)).encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's `usage`: token counts, and of the prompt's the ones the prefix cache served
+    (`prompt_tokens_details.cached_tokens`, as OpenAI and llama-server report them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def system_fingerprint(model: str, engine: str, adapter: str | None = None) -> str:
+    """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits of the SHA-256 of what decides the answers
+    besides the request: smolforge's version, the model as served from (its path or name), the adapter,
+    and the engine's description (engine, dtype or GGUF quantization, device, threads: `engines.Loaded.label`).
+    The same server started the same way gives the same string; a change to any of these changes it."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("smolforge")
+    except PackageNotFoundError:
+        ours = "unknown"
+    what = json.dumps({"smolforge": ours, "model": model, "adapter": adapter, "engine": engine}, sort_keys=True)
+    return "fp_" + hashlib.sha256(what.encode()).hexdigest()[:12]
 
 
 def new_id(prefix: str) -> str:
@@ -387,17 +406,26 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None,
+               fingerprint: str | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            **_fingerprint(fingerprint),
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def completion_chunk(cid: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
+def completion_chunk(cid: str, created: int, model: str, text: str, finish_reason: str | None,
+                     fingerprint: str | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            **_fingerprint(fingerprint),
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def usage_chunk(cid: str, created: int, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(cid: str, created: int, model: str, obj: str, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0, fingerprint: str | None = None) -> dict[str, Any]:
     """The last chunk when `stream_options.include_usage`: no choices, the usage."""
-    return {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {"id": cid, "object": obj, "created": created, "model": model, **_fingerprint(fingerprint),
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+
+
+def _fingerprint(fingerprint: str | None) -> dict[str, str]:
+    return {"system_fingerprint": fingerprint} if fingerprint else {}

@@ -154,11 +154,14 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     announce(f"  chat page: {base}/chat#token=<token>")
     announce(f"  token:     in {token_path} (mode 0600)" if token_path else
              "  token:     the one you gave (--token-file / $SMOLFORGE_TOKEN)")
+    from smolforge.serve.protocol import system_fingerprint
+
+    fingerprint = system_fingerprint(opts.model, label, opts.adapter)
     try:
         if opts.front == "process":
-            run_front(served, engine, sock, token)
+            run_front(served, engine, sock, token, fingerprint)
         else:
-            _run_in_thread(served, engine, sock, token)
+            _run_in_thread(served, engine, sock, token, fingerprint)
     finally:
         engine.stop()
         sock.close()
@@ -169,19 +172,19 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
                             fix="the log above has its traceback; start `smolforge serve` again")
 
 
-def _run_in_thread(served: Any, engine: Any, sock: socket.socket, token: str) -> None:
+def _run_in_thread(served: Any, engine: Any, sock: socket.socket, token: str, fingerprint: str | None = None) -> None:
     """`--front thread`: uvicorn on this process's main thread, beside the engine's."""
     import uvicorn
 
     from smolforge.serve.api import create_app
 
-    app = create_app(served, engine, token=token, model_name=served.name)
+    app = create_app(served, engine, token=token, model_name=served.name, fingerprint=fingerprint)
     server = uvicorn.Server(serve_config(app, sock))
     stop_when_engine_dies(engine, server)
     server.run(sockets=[sock])
 
 
-def run_front(served: Any, engine: Any, sock: socket.socket, token: str) -> None:
+def run_front(served: Any, engine: Any, sock: socket.socket, token: str, fingerprint: str | None = None) -> None:
     """`--front process`: `serve.front` on `sock` and one end of the engine channel; returns once
     either side has ended (a signal to this process ends the front first, gracefully)."""
     from smolforge.serve.channel import EngineHost
@@ -197,7 +200,7 @@ def run_front(served: Any, engine: Any, sock: socket.socket, token: str) -> None
         front_end.close()
         settings = {"listen_fd": fds[0], "channel_fd": fds[1], "token": token,
                     "name": served.name, "tokenizer_dir": tokenizer_dir, "max_positions": engine.max_positions,
-                    "model_type": getattr(served, "model_type", None),
+                    "model_type": getattr(served, "model_type", None), "fingerprint": fingerprint,
                     "log_level": logging.getLevelName(max(logging.WARNING, logging.getLogger().level))}
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(settings).encode())

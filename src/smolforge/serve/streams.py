@@ -141,30 +141,41 @@ class _TextFrame:
 
 class ChatChunks:
     """A chat answer's chunks. `names` (a `logprobs.TokenText` after the prompt's ids) when the request
-    asked for log-probabilities: each chunk then carries its tokens' (no fast text frame)."""
+    asked for log-probabilities: each chunk then carries its tokens' (no fast text frame). `fingerprint`:
+    the server's `system_fingerprint`, on every chunk (`protocol.system_fingerprint`)."""
 
     obj = "chat.completion.chunk"
 
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool, names: TokenText | None = None):
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, names: TokenText | None = None,
+                 *, fingerprint: str | None = None):
         self.cid, self.created, self.model, self.include_usage = cid, created, model, include_usage
-        self.names = names
+        self.names, self.fingerprint = names, fingerprint
         self.frame = _TextFrame(self.text)
 
+    def chunk(self, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        """One chunk of this answer with `delta`."""
+        return chat_chunk(self.cid, self.created, self.model, delta, reason, self.fingerprint)
+
+    def usage(self, done: DoneEvent) -> dict[str, Any]:
+        """The usage chunk (`stream_options.include_usage`) of a finished answer."""
+        return usage_chunk(self.cid, self.created, self.model, self.obj, done.prompt_tokens, done.completion_tokens,
+                           done.cached_tokens, self.fingerprint)
+
     def first(self) -> dict[str, Any] | None:
-        return chat_chunk(self.cid, self.created, self.model, {"role": "assistant", "content": ""}, None)
+        return self.chunk({"role": "assistant", "content": ""}, None)
 
     def opening(self, event: TokenEvent | DoneEvent) -> dict[str, Any] | None:
         """A chunk before the answer's first, made from its first event (echo: the prompt), or None."""
         return None
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        chunk = chat_chunk(self.cid, self.created, self.model, {"content": text}, None)
+        chunk = self.chunk({"content": text}, None)
         if logprobs is not None and self.names is not None:
             chunk["choices"][0]["logprobs"] = chat_logprobs(self.names, logprobs)
         return chunk
 
     def last(self, reason: str) -> dict[str, Any]:
-        return chat_chunk(self.cid, self.created, self.model, {}, reason)
+        return self.chunk({}, reason)
 
     def closing(self, reason: str) -> list[dict[str, Any]]:
         """The chunks that end the answer (serve/tools.py's send its held text and calls here)."""
@@ -178,9 +189,13 @@ class CompletionChunks(ChatChunks):
     obj = "text_completion"
 
     def __init__(self, cid: str, created: int, model: str, include_usage: bool, names: TokenText | None = None,
-                 echo: tuple[str, list[int]] | None = None):
-        super().__init__(cid, created, model, include_usage, names)
+                 echo: tuple[str, list[int]] | None = None, *, fingerprint: str | None = None):
+        super().__init__(cid, created, model, include_usage, names, fingerprint=fingerprint)
         self.echo, self.offset = echo, 0
+
+    def chunk(self, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        """One chunk with `delta["text"]`."""
+        return completion_chunk(self.cid, self.created, self.model, delta.get("text", ""), reason, self.fingerprint)
 
     def first(self) -> dict[str, Any] | None:
         return None
@@ -189,7 +204,7 @@ class CompletionChunks(ChatChunks):
         if self.echo is None:
             return None
         text, ids = self.echo
-        chunk = completion_chunk(self.cid, self.created, self.model, text, None)
+        chunk = self.chunk({"text": text}, None)
         if self.names is not None and event.prompt_logprobs is not None:
             lp = completion_logprobs(self.names, event.prompt_logprobs, 0, ids[0])
             chunk["choices"][0]["logprobs"] = lp
@@ -199,7 +214,7 @@ class CompletionChunks(ChatChunks):
         return chunk
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        chunk = completion_chunk(self.cid, self.created, self.model, text, None)
+        chunk = self.chunk({"text": text}, None)
         if logprobs is not None and self.names is not None:
             lp = completion_logprobs(self.names, list(logprobs), self.offset)
             self.offset += sum(len(t) for t in lp["tokens"])
@@ -207,7 +222,7 @@ class CompletionChunks(ChatChunks):
         return chunk
 
     def last(self, reason: str) -> dict[str, Any]:
-        return completion_chunk(self.cid, self.created, self.model, "", reason)
+        return self.chunk({"text": ""}, reason)
 
 
 def reason(done: DoneEvent) -> str:
@@ -258,8 +273,7 @@ def _frame(event: Event, chunks: ChatChunks, opened: bool = True) -> tuple[bytes
     if isinstance(event, DoneEvent):
         out = head + b"".join(sse(c) for c in chunks.closing(reason(event)))
         if chunks.include_usage:
-            out += sse(usage_chunk(chunks.cid, chunks.created, chunks.model, chunks.obj,
-                                   event.prompt_tokens, event.completion_tokens))
+            out += sse(chunks.usage(event))
         return out, True
     err = error_of(event)
     return sse(error_body(err.message, err.type)), True

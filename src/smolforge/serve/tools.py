@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smolforge.models.families.toolcalls import ToolCall, ToolCallFormat
-from smolforge.serve.protocol import ChatRequest, chat_chunk
+from smolforge.serve.protocol import ChatRequest
 from smolforge.serve.streams import ChatChunks
 
 
@@ -98,8 +98,9 @@ def chat_choice(text: str, reason: str, plan: ToolPlan | None) -> dict[str, Any]
 class ToolChunks(ChatChunks):
     """A tool request's stream: the text is held, and sent at the end as content and `delta.tool_calls`."""
 
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool, plan: ToolPlan):
-        super().__init__(cid, created, model, include_usage)
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, plan: ToolPlan, *,
+                 fingerprint: str | None = None):
+        super().__init__(cid, created, model, include_usage, fingerprint=fingerprint)
         self.plan, self.held = plan, []
         self.frame = self._hold  # type: ignore[assignment]
 
@@ -115,10 +116,9 @@ class ToolChunks(ChatChunks):
             out.append(self.text(content if calls else text))
         for i, call in enumerate(calls):
             fn = call["function"]
-            out.append(chat_chunk(self.cid, self.created, self.model, {"tool_calls": [
+            out.append(self.chunk({"tool_calls": [
                 {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]},
                 None))
-            out.append(chat_chunk(self.cid, self.created, self.model, {"tool_calls": [
-                {"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
+            out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
         out.append(self.last("tool_calls" if calls else reason))
         return out
