@@ -258,7 +258,7 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
         raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
                        code="invalid_value") from None
     ids = _tokenize(s, text, "messages", add_special_tokens=False)
-    params = _params(s.engine, req, len(ids), param="messages")
+    params = _params(s.engine, req, len(ids), param="messages", vocab=len(s.model.tokenizer))
     params.grammar = _grammar(req, plan)
     return Prepared(req, ids, params, tools=plan)
 
@@ -302,7 +302,7 @@ def _prepare_completion(raw: bytes, s: Served) -> Prepared:
     _refuse_unsupported(req)
     ids = _prompt_ids(s, req.prompt)
     echo = _prompt_text(s, req.prompt, ids) if req.echo else None
-    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt"), echo)
+    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt", vocab=len(s.model.tokenizer)), echo)
 
 
 def _tokenize(s: Served, text: str, param: str, **kw: Any) -> list[int]:
@@ -362,7 +362,10 @@ def _prompt_ids(s: Served, prompt: str | list[str] | list[int] | list[list[int]]
                    code="unsupported_parameter")
 
 
-def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str) -> SamplingParams:
+def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str,
+            vocab: int) -> SamplingParams:
+    """The engine's settings for this request; 400 for a prompt and answer over the context (naming
+    `param`) or a `logit_bias` id outside the `vocab` tokens."""
     asked = req.limit()
     max_tokens = asked if asked is not None else max(1, min(DEFAULT_MAX_TOKENS, engine.room(prompt_tokens)))
     try:
@@ -370,9 +373,14 @@ def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens:
     except PromptTooLong as err:
         raise ApiError(400, err.render().replace("\n  fix:", " Fix:"), param=param,
                        code="context_length_exceeded") from None
+    bias = req.bias()
+    if bias and max(bias) >= vocab:
+        raise ApiError(400, f"logit_bias names token {max(bias)}, but this model's vocabulary has {vocab} tokens "
+                            f"(ids 0..{vocab - 1})", param="logit_bias", code="invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           stop=req.stop_list(), seed=req.seed, logprobs=req.alternatives(),
-                          prompt_logprobs=req.echoes_logprobs())
+                          prompt_logprobs=req.echoes_logprobs(), frequency_penalty=req.frequency_penalty or 0.0,
+                          presence_penalty=req.presence_penalty or 0.0, logit_bias=bias)
 
 
 def _include_usage(req: ChatRequest | CompletionRequest) -> bool:
