@@ -109,3 +109,71 @@ def test_logit_bias_forces_and_bans_a_token(engine_model, served_tiny):
     assert generate(model, ids, SamplingParams(max_tokens=3, temperature=0, logit_bias={chosen: 100}))[0] == [chosen] * 3
     banned, _ = generate(model, ids, SamplingParams(max_tokens=3, temperature=0, logit_bias={plain[0]: -100}))
     assert plain[0] not in banned
+
+
+# -- over HTTP, through the official client ---------------------------------------------------------------
+
+TOKEN = "penalties-test-token"
+LONG_PROMPT = "Count the vowels of each word in this sentence and then say which word has the most of them"
+
+
+@pytest.fixture(scope="module")
+def live(served_tiny):
+    """The torch engine and its app behind uvicorn (test_llamacpp_engine's `Live`)."""
+    from test_llamacpp_engine import Live
+
+    server = Live(served_tiny)
+    yield server
+    server.close()
+
+
+def test_a_logit_bias_out_of_the_vocabulary_or_range_is_a_400_naming_it(live, served_tiny):
+    import openai
+
+    client = live.client()
+    for bias in ({str(len(served_tiny.tokenizer)): 1}, {"x": 1}, {"-1": 1}, {"5": 101}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           logit_bias=bias)
+        assert caught.value.body["param"] == "logit_bias", (bias, caught.value.body)
+    forced = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0,
+                                       logit_bias={"100": 100}, presence_penalty=0.5, frequency_penalty=-0.5)
+    assert forced.choices[0].text == served_tiny.tokenizer.decode([100, 100])
+
+
+def test_n_choices_with_a_seed_streamed_and_not_with_usage_summed(live):
+    client = live.client()
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 6,
+           "temperature": 1.0, "seed": 11}
+    before = dict(live.engine.counters())
+    whole = client.chat.completions.create(n=3, **ask)
+    after = dict(live.engine.counters())
+    alone = [client.chat.completions.create(**{**ask, "seed": 11 + k}) for k in range(3)]
+
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1  # sampled with their own seeds: not one text thrice
+    prompt = alone[0].usage.prompt_tokens
+    assert whole.usage.prompt_tokens == prompt >= 16  # the prompt once
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # The prompt was computed once: the other two choices started from its KV (the prefix cache).
+    assert after["prefill_tokens"] - before["prefill_tokens"] == prompt + 2
+    assert after["prefix_hits"] - before["prefix_hits"] == 2
+
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **ask):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert [texts[k] for k in range(3)] == [c.message.content for c in whole.choices]
+    assert [reasons[k] for k in range(3)] == [c.finish_reason for c in whole.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+    legacy = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=1.0, seed=5, n=2)
+    streamed = {}
+    for chunk in client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=1.0, seed=5, n=2,
+                                           stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [c.index for c in legacy.choices] == [0, 1] and [streamed[0], streamed[1]] == [c.text for c in legacy.choices]

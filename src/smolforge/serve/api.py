@@ -48,7 +48,15 @@ from smolforge.serve.sampling import SamplingParams
 from smolforge.models.families import abilities, family_of
 from smolforge.serve.structured import lark_grammar, response_grammar, response_grammar_wanted
 from smolforge.serve.tools import ToolChunks, ToolPlan, chat_choice, plan_of
-from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
+from smolforge.serve.streams import (
+    ChatChunks,
+    CompletionChunks,
+    choice_params,
+    collect_choices,
+    reason,
+    stream,
+    stream_choices,
+)
 
 if TYPE_CHECKING:  # an Engine, or in the HTTP front process its handle (`channel.RemoteEngine`); a ServedModel,
     # or there `front.FrontModel` (the name and the tokenizer: all the HTTP side reads of the model)
@@ -147,14 +155,22 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         names = _names(served, job)
         if job.req.stream:
             held = job.tools is not None and job.tools.choice != "none"
-            chunks = ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools) if held else \
-                ChatChunks(cid, stamp, name, _include_usage(job.req), names)
-            return stream(engine, job.ids, job.params, chunks)
-        done = await collect(engine, job.ids, job.params)
-        logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
-        return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
-                "choices": [{**chat_choice(done.text, reason(done), job.tools), "logprobs": logprobs}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+
+            def chunks(names: TokenText | None) -> ChatChunks:
+                return ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools) if held else \
+                    ChatChunks(cid, stamp, name, _include_usage(job.req), names)
+            if job.req.n == 1:
+                return stream(engine, job.ids, job.params, chunks(names))
+            return stream_choices(engine, job.ids, choice_params(job.params, job.req.n),
+                                  [chunks(_names(served, job)) for _ in range(job.req.n)], _include_usage(job.req))
+        dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
+        choices = []
+        for k, done in enumerate(dones):
+            names = _names(served, job)
+            logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
+            choices.append({**chat_choice(done.text, reason(done), job.tools), "index": k, "logprobs": logprobs})
+        return {"id": cid, "object": "chat.completion", "created": stamp, "model": name, "choices": choices,
+                "usage": _usage(dones)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
               openapi_extra=openapi.body(CompletionRequest))
@@ -165,15 +181,25 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         names = _names(served, job)
         echo = (job.echo_text, job.ids) if job.echo_text is not None else None
         if job.req.stream:
-            return stream(engine, job.ids, job.params,
-                          CompletionChunks(cid, stamp, name, _include_usage(job.req), names, echo))
-        done = await collect(engine, job.ids, job.params)
+            if job.req.n == 1:
+                return stream(engine, job.ids, job.params,
+                              CompletionChunks(cid, stamp, name, _include_usage(job.req), names, echo))
+            return stream_choices(engine, job.ids, choice_params(job.params, job.req.n),
+                                  [CompletionChunks(cid, stamp, name, False, _names(served, job), echo)
+                                   for _ in range(job.req.n)], _include_usage(job.req))
+        dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
         return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
-                "choices": [{"index": 0, "text": (job.echo_text or "") + done.text,
-                             "logprobs": _completion_logprobs(names, job, done), "finish_reason": reason(done)}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens)}
+                "choices": [{"index": k, "text": (job.echo_text or "") + done.text,
+                             "logprobs": _completion_logprobs(_names(served, job), job, done),
+                             "finish_reason": reason(done)} for k, done in enumerate(dones)],
+                "usage": _usage(dones)}
 
     return app
+
+
+def _usage(dones: list[DoneEvent]) -> dict[str, int]:
+    """A request's usage over its choices, as OpenAI counts it: the prompt once, every choice's tokens."""
+    return usage(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones))
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -43,7 +43,7 @@ from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStoppe
     PromptTooLong,
     TokenEvent,
 )
-from smolforge.serve.prefix import PrefixCache
+from smolforge.serve.prefix import PrefixCache, common_prefix
 from smolforge.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,8 @@ class Engine(ContextLimits):
         while hit is None and fits and self._waiting and len(group) < free:
             nxt = self._waiting[0]
             wider = max(width, len(nxt.prompt_ids))
-            if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)):
+            if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)
+                               or self._kept_soon(group, nxt)):
                 break
             group.append(self._waiting.popleft())
             width = wider
@@ -305,6 +306,14 @@ class Engine(ContextLimits):
             except Exception:  # noqa: BLE001 - the prompt is then computed whole
                 log.exception("restoring a kept prefix failed")
         return batch if batch.active else self._next_group(budget)
+
+    def _kept_soon(self, group: list[Request], nxt: Request) -> bool:
+        """True when `nxt` would start from the KV a request of `group` is about to leave in the prefix
+        cache (a request's `n` choices, a shared system prompt): `nxt` then waits for the next group,
+        which resumes from it, so a prompt the rows share is computed once, not once per row."""
+        return self.prefix.enabled and not wants_echo(nxt) and any(
+            self.prefix.wants(r.prompt_ids) and common_prefix(nxt.prompt_ids, r.prompt_ids) >= self.prefix.min_tokens
+            for r in group)
 
     def _settle(self, group: Batch, tokens: list[int | None]) -> None:
         """A prefilled group: its prompts' KV kept (prefix cache), its first tokens told, its finished
