@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
 from starlette.exceptions import HTTPException  # the router's own 404/405 too, not only FastAPI's subclass
 
 from smolforge.train.rendering import render_prompt
@@ -152,25 +152,13 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_chat, raw, ctx)
         cid, stamp = new_id("chatcmpl"), now()
-        names = _names(served, job)
         if job.req.stream:
             held = job.tools is not None and job.tools.choice != "none"
-
-            def chunks(names: TokenText | None) -> ChatChunks:
-                return ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools) if held else \
-                    ChatChunks(cid, stamp, name, _include_usage(job.req), names)
-            if job.req.n == 1:
-                return stream(engine, job.ids, job.params, chunks(names))
-            return stream_choices(engine, job.ids, choice_params(job.params, job.req.n),
-                                  [chunks(_names(served, job)) for _ in range(job.req.n)], _include_usage(job.req))
+            return _streamed(engine, job, lambda: ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools)
+                             if held else ChatChunks(cid, stamp, name, _include_usage(job.req), _names(served, job)))
         dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
-        choices = []
-        for k, done in enumerate(dones):
-            names = _names(served, job)
-            logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
-            choices.append({**chat_choice(done.text, reason(done), job.tools), "index": k, "logprobs": logprobs})
-        return {"id": cid, "object": "chat.completion", "created": stamp, "model": name, "choices": choices,
-                "usage": _usage(dones)}
+        return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
+                "choices": [_chat_choice(served, job, k, d) for k, d in enumerate(dones)], "usage": _usage(dones)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
               openapi_extra=openapi.body(CompletionRequest))
@@ -178,15 +166,10 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_completion, raw, ctx)
         cid, stamp = new_id("cmpl"), now()
-        names = _names(served, job)
         echo = (job.echo_text, job.ids) if job.echo_text is not None else None
         if job.req.stream:
-            if job.req.n == 1:
-                return stream(engine, job.ids, job.params,
-                              CompletionChunks(cid, stamp, name, _include_usage(job.req), names, echo))
-            return stream_choices(engine, job.ids, choice_params(job.params, job.req.n),
-                                  [CompletionChunks(cid, stamp, name, False, _names(served, job), echo)
-                                   for _ in range(job.req.n)], _include_usage(job.req))
+            return _streamed(engine, job, lambda: CompletionChunks(cid, stamp, name, _include_usage(job.req),
+                                                                   _names(served, job), echo))
         dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
         return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
                 "choices": [{"index": k, "text": (job.echo_text or "") + done.text,
@@ -195,6 +178,21 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
                 "usage": _usage(dones)}
 
     return app
+
+
+def _streamed(engine: Engine, job: Prepared, chunks: Callable[[], ChatChunks]) -> StreamingResponse:
+    """The answer's event stream: one choice (`stream`), or `n` (`stream_choices`, each its own `chunks()`)."""
+    if job.req.n == 1:
+        return stream(engine, job.ids, job.params, chunks())
+    return stream_choices(engine, job.ids, choice_params(job.params, job.req.n), [chunks() for _ in range(job.req.n)],
+                          _include_usage(job.req))
+
+
+def _chat_choice(served: ServedModel, job: Prepared, index: int, done: DoneEvent) -> dict[str, Any]:
+    """Choice `index` of a non-streamed chat answer (its tool calls parsed, its log-probabilities when asked)."""
+    names = _names(served, job)
+    logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
+    return {**chat_choice(done.text, reason(done), job.tools), "index": index, "logprobs": logprobs}
 
 
 def _usage(dones: list[DoneEvent]) -> dict[str, int]:

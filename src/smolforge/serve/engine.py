@@ -12,9 +12,11 @@ chunks over several steps so it never stalls the others' decode for its whole le
 prefilled rows join the running batch (`Batch.join`), which then decodes one token per row; a
 finished row leaves at once; `max_batch` bounds the rows. Requests waiting together when the
 engine is idle (after a short window for a burst) are prefilled as one padded batch. A prompt that
-begins like a recent one starts from that one's KV (the prefix cache, prefix.py). A model that
-cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a batch takes
-what waits and runs until its last row ends.
+begins like a recent one starts from that one's KV (the prefix cache, prefix.py); one that would
+start from the KV of a request in the group being formed (a request's `n` choices, a shared system
+prompt) waits for the next group (`_kept_soon`), so the prompt is computed once, not once per row.
+A model that cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a
+batch takes what waits and runs until its last row ends.
 
 Why failures are caught at three levels: a request whose settings cannot be used or whose row
 cannot be sampled fails alone (400 or 500 with the reason); a failed forward fails its batch; and
