@@ -29,20 +29,11 @@ REPETITIVE = "the the the the the the the the"
 
 
 @pytest.fixture(scope="module", params=["torch", "llamacpp"])
-def engine_model(request, served_tiny, model_copy):
-    """(engine name, its BatchModel) for the serve tests' tiny model; llamacpp from its f16 export."""
+def engine_model(request, served_tiny):
+    """(engine name, its BatchModel) for the serve tests' tiny model; llamacpp from its f16 export (conftest)."""
     if request.param == "torch":
-        yield "torch", served_tiny
-        return
-    from test_llamacpp_engine import require_llama_cpp
-
-    require_llama_cpp()
-    from smolforge.serve.engines import EngineSpec, load_engine
-
-    loaded = load_engine("llamacpp", EngineSpec(model=str(model_copy), name="tiny", device="cpu", quant="f16",
-                                                threads=1, max_batch=4))
-    yield "llamacpp", loaded.model
-    loaded.model.close()
+        return "torch", served_tiny
+    return "llamacpp", request.getfixturevalue("lcpp_model")
 
 
 def generate(model, ids: list[int], params: SamplingParams, monkeypatch=None) -> tuple[list[int], list[torch.Tensor]]:
