@@ -168,3 +168,23 @@ def test_n_choices_with_a_seed_streamed_and_not_with_usage_summed(live):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [c.index for c in legacy.choices] == [0, 1] and [streamed[0], streamed[1]] == [c.text for c in legacy.choices]
+
+
+def test_each_row_keeps_its_own_settings_as_rows_join_and_leave(engine_model, served_tiny):
+    """Rows with different penalties and biases, prefilled at different steps (a small step budget: each
+    joins the running batch) and leaving at different steps (max_tokens): each row's tokens are its own
+    alone, so each row's counts went with it, not with its place in the batch."""
+    _, model = engine_model
+    texts = ["the the the the the the the the", "What is 2 + 3? What is", "sum of the of and to in", "hello hello"]
+    ids = [served_tiny.tokenizer(t)["input_ids"] for t in texts]
+    params = [SamplingParams(max_tokens=10, temperature=0, frequency_penalty=FREQ, presence_penalty=PRES),
+              SamplingParams(max_tokens=3, temperature=0),
+              SamplingParams(max_tokens=5, temperature=0, logit_bias={150: 100}, frequency_penalty=2),
+              SamplingParams(max_tokens=8, temperature=0, presence_penalty=2)]
+    alone = [generate(model, i, p)[0] for i, p in zip(ids, params)]
+    done: dict[int, DoneEvent] = {}
+    engine = Engine(model, step_tokens=12)
+    engine.run_batch([Request(i, p, (lambda k: lambda e: done.__setitem__(k, e) if isinstance(e, DoneEvent)
+                                     else None)(k)) for k, (i, p) in enumerate(zip(ids, params))])
+    assert [done[k].token_ids for k in range(len(ids))] == alone
+    assert engine.largest_batch >= 3 and alone[2][0] == 150
