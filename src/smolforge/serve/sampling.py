@@ -110,6 +110,8 @@ def adjust_rows(logits: torch.Tensor, adjusts: list[LogitAdjust | None], errors:
                 errors[i] = err
     if not rows:
         return logits
+    if len(rows) == logits.shape[0]:  # every row: one add, no index
+        return logits.float() + torch.stack(offsets)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     return logits.float().index_add(0, index, torch.stack(offsets))
 
