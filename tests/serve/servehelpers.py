@@ -135,6 +135,7 @@ def hostile_bodies(mb_prompt: bool = True) -> list[Hostile]:
         Hostile("max_completion_tokens 0", _chat(max_completion_tokens=0), 400, "invalid_value"),
         Hostile("n 10**20", _chat(n=10**20), 400, "invalid_value"),
         Hostile("n 129", _chat(n=129), 400, "invalid_value"),
+        Hostile("n over --max-batch (8)", _chat(n=9), 400, "invalid_value"),
         Hostile("a logit_bias id past the vocabulary", _chat(logit_bias={"1000000": 1}), 400, "invalid_value"),
         Hostile("a logit_bias of 1e9", _chat(logit_bias={"1": 1e9}), 400, "invalid_value"),
         Hostile("temperature NaN", _chat()[:-1] + b', "temperature": NaN}', 400, "invalid_json"),

@@ -5,7 +5,8 @@
   hand from the logits the engine's model returned); the penalties change the answer of a repetitive
   prompt, and the prompt's own tokens are not counted;
 - `logit_bias` +100 on a token makes the greedy answer that token, -100 bans the greedy one;
-- over HTTP: a `logit_bias` id outside the vocabulary or out of range is a 400 naming `logit_bias`;
+- over HTTP: a `logit_bias` id outside the vocabulary or out of range is a 400 naming `logit_bias`, and
+  an `n` over the engine's `max_batch` one naming `n`;
   `n: 3` with a seed gives 3 choices (index 0..2, streamed and not alike) and usage summed as OpenAI
   sums it (the prompt once, every choice's tokens), through the official `openai` client.
 """
@@ -118,7 +119,7 @@ def live(served_tiny):
     server.close()
 
 
-def test_a_logit_bias_out_of_the_vocabulary_or_range_is_a_400_naming_it(live, served_tiny):
+def test_a_logit_bias_out_of_the_vocabulary_or_range_and_n_over_max_batch_are_400s_naming_them(live, served_tiny):
     import openai
 
     client = live.client()
@@ -127,6 +128,9 @@ def test_a_logit_bias_out_of_the_vocabulary_or_range_is_a_400_naming_it(live, se
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                            logit_bias=bias)
         assert caught.value.body["param"] == "logit_bias", (bias, caught.value.body)
+    with pytest.raises(openai.BadRequestError) as caught:  # more choices than the engine's rows (max_batch 4)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1, n=5)
+    assert caught.value.body["param"] == "n"
     forced = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0,
                                        logit_bias={"100": 100}, presence_penalty=0.5, frequency_penalty=-0.5)
     assert forced.choices[0].text == served_tiny.tokenizer.decode([100, 100])

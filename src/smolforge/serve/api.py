@@ -389,7 +389,7 @@ def _prompt_ids(s: Served, prompt: str | list[str] | list[int] | list[list[int]]
 def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str,
             vocab: int) -> SamplingParams:
     """The engine's settings for this request; 400 for a prompt and answer over the context (naming
-    `param`) or a `logit_bias` id outside the `vocab` tokens."""
+    `param`), more choices (`n`) than the engine's rows at once, or a `logit_bias` id outside the `vocab` tokens."""
     asked = req.limit()
     max_tokens = asked if asked is not None else max(1, min(DEFAULT_MAX_TOKENS, engine.room(prompt_tokens)))
     try:
@@ -397,6 +397,11 @@ def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens:
     except PromptTooLong as err:
         raise ApiError(400, err.render().replace("\n  fix:", " Fix:"), param=param,
                        code="context_length_exceeded") from None
+    rows = getattr(engine, "max_batch", None)  # the engine's rows at once (None: a handle that does not say)
+    if rows is not None and req.n > rows:
+        raise ApiError(400, f"n: {req.n} choices, but this server generates at most {rows} rows at once (--max-batch "
+                            f"{rows}). Fix: send n <= {rows} (or several requests), or serve with --max-batch {req.n}",
+                       param="n", code="invalid_value")
     bias = req.bias()
     if bias and max(bias) >= vocab:
         raise ApiError(400, f"logit_bias names token {max(bias)}, but this model's vocabulary has {vocab} tokens "
