@@ -40,3 +40,18 @@ def served_tiny(model_copy):
     from smolforge.serve.model import ServedModel
 
     return ServedModel.load(str(model_copy), name="tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def lcpp_model(model_copy):
+    """The llamacpp engine's model of the `served_tiny` checkpoint, from its f16 export (made once; loaded
+    once for the llamacpp engine's and the penalties' tests). Skipped without llama-cpp-python."""
+    from test_llamacpp_engine import require_llama_cpp
+
+    require_llama_cpp()
+    from smolforge.serve.engines import EngineSpec, load_engine
+
+    loaded = load_engine("llamacpp", EngineSpec(model=str(model_copy), name="tiny", device="cpu", quant="f16",
+                                                threads=1, max_batch=4))
+    yield loaded.model
+    loaded.model.close()

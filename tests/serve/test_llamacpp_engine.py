@@ -59,18 +59,6 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def lcpp_model(model_copy):
-    """The llamacpp engine's model of the `served_tiny` checkpoint, from its f16 export (made once)."""
-    require_llama_cpp()
-    from smolforge.serve.engines import EngineSpec, load_engine
-
-    loaded = load_engine("llamacpp", EngineSpec(model=str(model_copy), name="tiny", device="cpu", quant="f16",
-                                                threads=1, max_batch=4))
-    yield loaded.model
-    loaded.model.close()
-
-
-@pytest.fixture(scope="module")
 def servers(served_tiny, lcpp_model):
     live = {"torch": Live(served_tiny), "llamacpp": Live(lcpp_model)}
     try:

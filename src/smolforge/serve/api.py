@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
 from starlette.exceptions import HTTPException  # the router's own 404/405 too, not only FastAPI's subclass
 
 from smolforge.train.rendering import render_prompt
@@ -50,7 +50,15 @@ from smolforge.serve.sampling import SamplingParams
 from smolforge.models.families import abilities, family_of
 from smolforge.serve.structured import lark_grammar, response_grammar, response_grammar_wanted
 from smolforge.serve.tools import ToolChunks, ToolPlan, chat_choice, plan_of
-from smolforge.serve.streams import ChatChunks, CompletionChunks, collect, reason, stream
+from smolforge.serve.streams import (
+    ChatChunks,
+    CompletionChunks,
+    choice_params,
+    collect_choices,
+    reason,
+    stream,
+    stream_choices,
+)
 
 if TYPE_CHECKING:  # an Engine, or in the HTTP front process its handle (`channel.RemoteEngine`); a ServedModel,
     # or there `front.FrontModel` (the name and the tokenizer: all the HTTP side reads of the model)
@@ -150,18 +158,16 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_chat, raw, ctx)
         cid, stamp = new_id("chatcmpl"), now()
-        names = _names(served, job)
         if job.req.stream:
             held = job.tools is not None and job.tools.choice != "none"
-            chunks = ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools, fingerprint=fingerprint) \
-                if held else ChatChunks(cid, stamp, name, _include_usage(job.req), names, fingerprint=fingerprint)
-            return stream(engine, job.ids, job.params, chunks)
-        done = await collect(engine, job.ids, job.params)
-        logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
+            return _streamed(engine, job, lambda: ToolChunks(cid, stamp, name, _include_usage(job.req), job.tools,
+                                                             fingerprint=fingerprint)
+                             if held else ChatChunks(cid, stamp, name, _include_usage(job.req), _names(served, job),
+                                                     fingerprint=fingerprint))
+        dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
         return {"id": cid, "object": "chat.completion", "created": stamp, "model": name,
                 "system_fingerprint": fingerprint,
-                "choices": [{**chat_choice(done.text, reason(done), job.tools), "logprobs": logprobs}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}
+                "choices": [_chat_choice(served, job, k, d) for k, d in enumerate(dones)], "usage": _usage(dones)}
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, stream=True, errors=authed),
               openapi_extra=openapi.body(CompletionRequest))
@@ -169,19 +175,40 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
         raw = await _body(request)
         job = await lanes.run(len(raw), _prepare_completion, raw, ctx)
         cid, stamp = new_id("cmpl"), now()
-        names = _names(served, job)
         echo = (job.echo_text, job.ids) if job.echo_text is not None else None
         if job.req.stream:
-            return stream(engine, job.ids, job.params, CompletionChunks(
-                cid, stamp, name, _include_usage(job.req), names, echo, fingerprint=fingerprint))
-        done = await collect(engine, job.ids, job.params)
+            return _streamed(engine, job, lambda: CompletionChunks(cid, stamp, name, _include_usage(job.req),
+                                                                   _names(served, job), echo, fingerprint=fingerprint))
+        dones = await collect_choices(engine, job.ids, choice_params(job.params, job.req.n))
         return {"id": cid, "object": "text_completion", "created": stamp, "model": name,
                 "system_fingerprint": fingerprint,
-                "choices": [{"index": 0, "text": (job.echo_text or "") + done.text,
-                             "logprobs": _completion_logprobs(names, job, done), "finish_reason": reason(done)}],
-                "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}
+                "choices": [{"index": k, "text": (job.echo_text or "") + done.text,
+                             "logprobs": _completion_logprobs(_names(served, job), job, done),
+                             "finish_reason": reason(done)} for k, done in enumerate(dones)],
+                "usage": _usage(dones)}
 
     return app
+
+
+def _streamed(engine: Engine, job: Prepared, chunks: Callable[[], ChatChunks]) -> StreamingResponse:
+    """The answer's event stream: one choice (`stream`), or `n` (`stream_choices`, each its own `chunks()`)."""
+    if job.req.n == 1:
+        return stream(engine, job.ids, job.params, chunks())
+    return stream_choices(engine, job.ids, choice_params(job.params, job.req.n), [chunks() for _ in range(job.req.n)],
+                          _include_usage(job.req))
+
+
+def _chat_choice(served: ServedModel, job: Prepared, index: int, done: DoneEvent) -> dict[str, Any]:
+    """Choice `index` of a non-streamed chat answer (its tool calls parsed, its log-probabilities when asked)."""
+    names = _names(served, job)
+    logprobs = chat_logprobs(names, done.logprobs or []) if names is not None else None
+    return {**chat_choice(done.text, reason(done), job.tools), "index": index, "logprobs": logprobs}
+
+
+def _usage(dones: list[DoneEvent]) -> dict[str, Any]:
+    """A request's usage over its choices, as OpenAI counts it: the prompt once (its cached tokens the first
+    choice's), every choice's tokens."""
+    return usage(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones), dones[0].cached_tokens)
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -266,7 +293,7 @@ def _prepare_chat(raw: bytes, s: Served) -> Prepared:
         raise ApiError(400, f"the model's chat template refuses these messages: {err}", param="messages",
                        code="invalid_value") from None
     ids = _tokenize(s, text, "messages", add_special_tokens=False)
-    params = _params(s.engine, req, len(ids), param="messages")
+    params = _params(s.engine, req, len(ids), param="messages", vocab=len(s.model.tokenizer))
     params.grammar = _grammar(req, plan)
     return Prepared(req, ids, params, tools=plan)
 
@@ -310,7 +337,7 @@ def _prepare_completion(raw: bytes, s: Served) -> Prepared:
     _refuse_unsupported(req)
     ids = _prompt_ids(s, req.prompt)
     echo = _prompt_text(s, req.prompt, ids) if req.echo else None
-    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt"), echo)
+    return Prepared(req, ids, _params(s.engine, req, len(ids), param="prompt", vocab=len(s.model.tokenizer)), echo)
 
 
 def _tokenize(s: Served, text: str, param: str, **kw: Any) -> list[int]:
@@ -370,7 +397,10 @@ def _prompt_ids(s: Served, prompt: str | list[str] | list[int] | list[list[int]]
                    code="unsupported_parameter")
 
 
-def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str) -> SamplingParams:
+def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens: int, *, param: str,
+            vocab: int) -> SamplingParams:
+    """The engine's settings for this request; 400 for a prompt and answer over the context (naming
+    `param`), more choices (`n`) than the engine's rows at once, or a `logit_bias` id outside the `vocab` tokens."""
     asked = req.limit()
     max_tokens = asked if asked is not None else max(1, min(DEFAULT_MAX_TOKENS, engine.room(prompt_tokens)))
     try:
@@ -378,9 +408,19 @@ def _params(engine: Engine, req: ChatRequest | CompletionRequest, prompt_tokens:
     except PromptTooLong as err:
         raise ApiError(400, err.render().replace("\n  fix:", " Fix:"), param=param,
                        code="context_length_exceeded") from None
+    rows = getattr(engine, "max_batch", None)  # the engine's rows at once (None: a handle that does not say)
+    if rows is not None and req.n > rows:
+        raise ApiError(400, f"n: {req.n} choices, but this server generates at most {rows} rows at once (--max-batch "
+                            f"{rows}). Fix: send n <= {rows} (or several requests), or serve with --max-batch {req.n}",
+                       param="n", code="invalid_value")
+    bias = req.bias()
+    if bias and max(bias) >= vocab:
+        raise ApiError(400, f"logit_bias names token {max(bias)}, but this model's vocabulary has {vocab} tokens "
+                            f"(ids 0..{vocab - 1})", param="logit_bias", code="invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           stop=req.stop_list(), seed=req.seed, logprobs=req.alternatives(),
-                          prompt_logprobs=req.echoes_logprobs())
+                          prompt_logprobs=req.echoes_logprobs(), frequency_penalty=req.frequency_penalty or 0.0,
+                          presence_penalty=req.presence_penalty or 0.0, logit_bias=bias)
 
 
 def _include_usage(req: ChatRequest | CompletionRequest) -> bool:

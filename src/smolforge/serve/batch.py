@@ -32,7 +32,15 @@ from typing import Any, Callable, Protocol
 import torch
 
 from smolforge.serve.events import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob  # noqa: F401
-from smolforge.serve.sampling import SamplingParams, is_greedy, next_token, token_logprobs
+from smolforge.serve.sampling import (
+    LogitAdjust,
+    SamplingParams,
+    adjust_for,
+    adjust_rows,
+    is_greedy,
+    next_token,
+    token_logprobs,
+)
 from smolforge.serve.stops import TextStream
 from smolforge.serve.structured import Constraint, constraint_for, mask_rows
 
@@ -101,6 +109,7 @@ class Request:
     stream: TextStream | None = None
     generator: torch.Generator | None = None
     constraint: Constraint | None = None  # the grammar its tokens must follow (`params.grammar`)
+    adjust: LogitAdjust | None = None  # its logit_bias and penalties (`params`): the row's own state
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each sampled token's, when asked for
     logprobs_sent: int = 0  # how many of `logprobs` went out with a TokenEvent
@@ -146,6 +155,7 @@ class Batch:
                 r.stream = TextStream(model.tokenizer, r.params.stop)
                 r.generator = r.params.generator(model.device)
                 r.constraint = constraint_for(r.params.grammar, model.tokenizer, model.eos_ids)
+                r.adjust = adjust_for(r.params)
             except Exception as err:  # noqa: BLE001 - this request fails alone (the engine tells it why)
                 self.failed.append((r, err))
             else:
@@ -242,7 +252,8 @@ class Batch:
         """One token per row; None (and the error in `row_errors`) for a row that cannot be sampled."""
         self.row_errors = {}
         tokens: list[int | None] = []
-        logits = mask_rows(logits, [r.constraint for r in self.active], self.row_errors)
+        raw = logits = mask_rows(logits, [r.constraint for r in self.active], self.row_errors)
+        logits = adjust_rows(logits, [r.adjust for r in self.active], self.row_errors)  # bias, penalties
         # Greedy rows share one argmax and one copy to Python: not a reduction and a sync per row.
         greedy_rows = [is_greedy(r.params, r.generator) for r in self.active]
         self._greedy_ids = logits.argmax(-1) if any(greedy_rows) else None
@@ -256,9 +267,11 @@ class Batch:
             try:
                 token = best[i] if greedy else next_token(logits[i], r.params, r.generator)
                 if r.params.logprobs is not None and r.params.max_tokens > 0:  # the row's own, before its next step
-                    r.logprobs.extend(token_logprobs(logits[i], [token], r.params.logprobs))
+                    r.logprobs.extend(token_logprobs(raw[i], [token], r.params.logprobs))
                 if r.constraint is not None:
                     r.constraint.accept(token)
+                if r.adjust is not None:
+                    r.adjust.accept(token)
                 tokens.append(token)
             except Exception as err:  # noqa: BLE001 - that row fails, the others go on
                 self.row_errors[i] = err

@@ -208,8 +208,9 @@ class RemoteEngine(ContextLimits):
     """The front's handle on the engine in the other process: what `api.py` and `streams.py` use of an
     `Engine` (`submit`, the context rule, `alive` and the counters `/health` reports)."""
 
-    def __init__(self, sock: socket.socket, max_positions: int):
+    def __init__(self, sock: socket.socket, max_positions: int, max_batch: int | None = None):
         self.sock, self.out, self.max_positions = sock, _Writer(sock), max_positions
+        self.max_batch = max_batch  # the engine's rows at once: the bound on a request's `n` (api.py)
         self.sinks: dict[int, Callable[[Event], None]] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count(1)

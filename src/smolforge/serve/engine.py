@@ -12,9 +12,11 @@ chunks over several steps so it never stalls the others' decode for its whole le
 prefilled rows join the running batch (`Batch.join`), which then decodes one token per row; a
 finished row leaves at once; `max_batch` bounds the rows. Requests waiting together when the
 engine is idle (after a short window for a burst) are prefilled as one padded batch. A prompt that
-begins like a recent one starts from that one's KV (the prefix cache, prefix.py). A model that
-cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a batch takes
-what waits and runs until its last row ends.
+begins like a recent one starts from that one's KV (the prefix cache, prefix.py); one that would
+start from the KV of a request in the group being formed (a request's `n` choices, a shared system
+prompt) waits for the next group (`_kept_soon`), so the prompt is computed once, not once per row.
+A model that cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a
+batch takes what waits and runs until its last row ends.
 
 Why failures are caught at three levels: a request whose settings cannot be used or whose row
 cannot be sampled fails alone (400 or 500 with the reason); a failed forward fails its batch; and
@@ -43,7 +45,7 @@ from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStoppe
     PromptTooLong,
     TokenEvent,
 )
-from smolforge.serve.prefix import PrefixCache
+from smolforge.serve.prefix import PrefixCache, common_prefix
 from smolforge.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -289,7 +291,8 @@ class Engine(ContextLimits):
         while hit is None and fits and self._waiting and len(group) < free:
             nxt = self._waiting[0]
             wider = max(width, len(nxt.prompt_ids))
-            if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)):
+            if self.joins and (wider * (len(group) + 1) > budget or self.prefix.peek(nxt.prompt_ids)
+                               or self._kept_soon(group, nxt)):
                 break
             group.append(self._waiting.popleft())
             width = wider
@@ -306,6 +309,14 @@ class Engine(ContextLimits):
             except Exception:  # noqa: BLE001 - the prompt is then computed whole
                 log.exception("restoring a kept prefix failed")
         return batch if batch.active else self._next_group(budget)
+
+    def _kept_soon(self, group: list[Request], nxt: Request) -> bool:
+        """True when `nxt` would start from the KV a request of `group` is about to leave in the prefix
+        cache (a request's `n` choices, a shared system prompt): `nxt` then waits for the next group,
+        which resumes from it, so a prompt the rows share is computed once, not once per row."""
+        return self.prefix.enabled and not wants_echo(nxt) and any(
+            self.prefix.wants(r.prompt_ids) and common_prefix(nxt.prompt_ids, r.prompt_ids) >= self.prefix.min_tokens
+            for r in group)
 
     def _settle(self, group: Batch, tokens: list[int | None]) -> None:
         """A prefilled group: its prompts' KV kept (prefix cache), its first tokens told, its finished

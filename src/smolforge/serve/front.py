@@ -46,6 +46,7 @@ class FrontSettings:
     tokenizer_dir: str
     max_positions: int
     log_level: str = "WARNING"
+    max_batch: int | None = None  # the engine's rows at once
     model_type: str | None = None
     fingerprint: str | None = None  # `system_fingerprint`, made by `serve` from what it loaded
 
@@ -62,7 +63,7 @@ def run(settings: FrontSettings) -> int:
     sock = socket.socket(fileno=settings.listen_fd)
     channel = socket.socket(fileno=settings.channel_fd)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
-    engine = RemoteEngine(channel, settings.max_positions)
+    engine = RemoteEngine(channel, settings.max_positions, settings.max_batch)
     app = create_app(FrontModel(settings.name, tokenizer, settings.model_type), engine, token=settings.token,  # type: ignore[arg-type]
                      model_name=settings.name, fingerprint=settings.fingerprint)
     server = uvicorn.Server(serve_config(app, sock))

@@ -2,9 +2,10 @@
 
 Why every field is honoured or refused by name (issue 44): a field dropped with a 200 is a setting
 the client believes applied (`logprobs` for an evaluation harness, `tools` for an agent). So each
-field of OpenAI's chat and completions requests is declared here: read and honoured, or accepted
-only at its neutral value (the one that asks for nothing: `frequency_penalty: 0`, `n: 1`,
-`tools: []`) and refused otherwise with a 400 whose `param` is the field (`REFUSED`); a field
+field of OpenAI's chat and completions requests is declared here: read and honoured (`n`,
+`frequency_penalty`, `presence_penalty`, `logit_bias` among them: serve/sampling.py), or accepted
+only at its neutral value (the one that asks for nothing: `store: false`, `best_of: 1`) and
+refused otherwise with a 400 whose `param` is the field (`REFUSED`); a field
 OpenAI does not define is refused too (`unknown_parameter`), so a typo (`max_token`) is not a
 silent default. A `null` means "not given", as in OpenAI's types. `user` and `safety_identifier`
 (who the end user is, for a provider's abuse monitoring) and `prompt_cache_key` (a routing hint for
@@ -25,12 +26,13 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: OpenAI's chat default is "to the context", too long here
 MAX_TOKENS_LIMIT = 2**20  # over any context served here: the real bound is the context, checked per request
 MAX_STOPS, MAX_STOP_CHARS = 4, 512
-MAX_N = 128  # n > 1 is refused by name; beyond this it is not a number of choices at all
+MAX_N = 128  # choices per request (each a row of the batch, `n`)
+MAX_LOGIT_BIAS = 1024  # biased tokens per request: generous (each is one entry of the row's offset)
 MAX_TOKEN_ID = 2**31 - 1  # the vocabulary check gives the real bound
 INT64 = 2**63
 MAX_LOGPROBS = 20  # alternatives per position
@@ -71,13 +73,7 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
-_PENALTY = ((0, 0.0), "penalties are not supported by smolforge serve: send 0 or leave it out")
-_COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "n > 1 is not supported by smolforge serve: send n requests"),
-    "frequency_penalty": _PENALTY,
-    "presence_penalty": _PENALTY,
-    "logit_bias": (({},), "logit_bias is not supported by smolforge serve"),
-}
+_COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {}
 
 
 class _Sampling(_Strict):
@@ -92,8 +88,24 @@ class _Sampling(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None  # the end user, for a provider's abuse monitoring: changes no output
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids (decimal strings), values -100..100 (OpenAI's range); the vocabulary
+        bound is checked per model (api.py)."""
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (decimal integers), got {key[:40]!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"the bias of token {key} is {value}: biases go from -100 to 100")
+        return bias
+
+    def bias(self) -> dict[int, float]:
+        """`logit_bias` with int token ids (empty when not given)."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -1,4 +1,5 @@
-"""How one request picks its next token: greedy at temperature 0, else temperature and top-p sampling.
+"""How one request picks its next token: greedy at temperature 0, else temperature and top-p sampling,
+after its `logit_bias` and its frequency and presence penalties (`LogitAdjust`).
 
 Why a generator per request: requests batched together must not share a random stream, or a
 request's text would depend on who else was in its batch; with its own `torch.Generator` seeded
@@ -30,6 +31,18 @@ class SamplingParams:
     prompt_logprobs: bool = False  # also the prompt's own (echo), with `logprobs` alternatives each;
     # with max_tokens 0 only those: the prompt is read and nothing generated
     grammar: str | None = None  # llguidance's grammar text the answer must follow (serve/structured.py)
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated in this choice (OpenAI's)
+    presence_penalty: float = 0.0  # subtracted once from each token generated in this choice
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+
+    def __post_init__(self) -> None:
+        # ids as ints: params cross the front-to-engine channel as JSON, whose object keys are strings
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def adjusts(self) -> bool:
+        """True when the logits get an offset before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own random stream (None when greedy: nothing to draw)."""
@@ -40,6 +53,67 @@ class SamplingParams:
         g = torch.Generator(device=device)
         g.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return g
+
+
+class LogitAdjust:
+    """One choice's additive offset to its logits: `bias[j] - c[j] * frequency - (c[j] > 0) * presence`,
+    c[j] the times this choice generated token j so far (OpenAI's definition; the prompt does not count).
+
+    The offset is a float32 vector of the logits' width, made at the first `offset` call (when the
+    width is known); `accept(token)` moves one entry. ValueError for a biased id outside the logits."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.counts: dict[int, int] = {}  # token id -> times generated in this choice
+        self.vector: torch.Tensor | None = None
+
+    def offset(self, n_vocab: int, device: torch.device | str) -> torch.Tensor:
+        """The offset now, [n_vocab] float32 on `device`."""
+        if self.vector is None:
+            import torch
+
+            vector = torch.zeros(n_vocab, dtype=torch.float32)
+            bias = self.params.logit_bias
+            if bias:
+                if max(bias) >= n_vocab:
+                    raise ValueError(f"logit_bias names token {max(bias)}, but the model has {n_vocab} logits")
+                vector[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+            self.vector = vector.to(device)
+        return self.vector
+
+    def accept(self, token: int) -> None:
+        """`token` was generated: its penalty grows (once by `presence`, each time by `frequency`)."""
+        c = self.counts[token] = self.counts.get(token, 0) + 1
+        if self.vector is not None:
+            p = self.params
+            self.vector[token] = p.logit_bias.get(token, 0.0) - (c * p.frequency_penalty + p.presence_penalty)
+
+
+def adjust_for(params: SamplingParams) -> LogitAdjust | None:
+    """The request's logit offset, or None when it asks for none."""
+    return LogitAdjust(params) if params.adjusts else None
+
+
+def adjust_rows(logits: torch.Tensor, adjusts: list[LogitAdjust | None], errors: dict[int, Exception]) -> torch.Tensor:
+    """`logits` ([rows, vocab]) with each adjusted row's offset added, as a new float32 tensor (the
+    engines' logits may be inference tensors or llama.cpp's own buffer); `logits` itself when no row
+    is adjusted. A row whose offset cannot be made keeps its logits and gets its error in `errors`."""
+    import torch
+
+    rows, offsets = [], []
+    for i, a in enumerate(adjusts):
+        if a is not None and i not in errors:
+            try:
+                offsets.append(a.offset(logits.shape[-1], logits.device))
+                rows.append(i)
+            except Exception as err:  # noqa: BLE001 - that row fails, the others go on
+                errors[i] = err
+    if not rows:
+        return logits
+    if len(rows) == logits.shape[0]:  # every row: one add, no index
+        return logits.float() + torch.stack(offsets)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return logits.float().index_add(0, index, torch.stack(offsets))
 
 
 def is_greedy(params: SamplingParams, generator: torch.Generator | None) -> bool:

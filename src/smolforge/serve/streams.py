@@ -17,6 +17,7 @@ around the new text (`_TextFrame`) instead of a dict serialized anew.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import weakref
@@ -277,3 +278,121 @@ def _frame(event: Event, chunks: ChatChunks, opened: bool = True) -> tuple[bytes
         return out, True
     err = error_of(event)
     return sse(error_body(err.message, err.type)), True
+
+
+# -- n > 1: one request's choices, each a row of the batch ------------------------------------------------
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each of `n` choices' settings: the request's, choice k's seed `seed + k` (so the choices differ,
+    choice 0 is the answer `n: 1` gives, and each repeats with the seed); no seed: each its own random one."""
+    return [params if k == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+            for k in range(n)]
+
+
+async def collect_choices(engine: Engine, ids: list[int], params: list[SamplingParams]) -> list[DoneEvent]:
+    """Every choice's whole answer, in choice order; the first error is raised (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(collect(engine, ids, p)) for p in params]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class Indexed:
+    """One choice's chunks when a request has several (`n`): the inner chunks', with `index` set to the
+    choice's. The usage is sent once for all choices (`stream_choices`), not per choice."""
+
+    include_usage = False
+
+    def __init__(self, inner: ChatChunks, index: int):
+        self.inner, self.index = inner, index
+        self.frame = _TextFrame(self.text) if isinstance(inner.frame, _TextFrame) else inner.frame
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _mark(self, chunk: dict[str, Any] | None) -> dict[str, Any] | None:
+        for c in (chunk or {}).get("choices", []):
+            c["index"] = self.index
+        return chunk
+
+    def first(self) -> dict[str, Any] | None:
+        return self._mark(self.inner.first())
+
+    def opening(self, event: TokenEvent | DoneEvent) -> dict[str, Any] | None:
+        return self._mark(self.inner.opening(event))
+
+    def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return self._mark(self.inner.text(text, logprobs))  # type: ignore[return-value]
+
+    def closing(self, reason: str) -> list[dict[str, Any]]:
+        return [self._mark(c) for c in self.inner.closing(reason)]  # type: ignore[misc]
+
+
+class _Tagged:
+    """An engine sink that hands (choice, event) to one queue shared by a request's choices."""
+
+    def __init__(self, queue: asyncio.Queue[tuple[int, Event]], index: int):
+        self.queue, self.index, self.inbox = queue, index, inbox(asyncio.get_running_loop())
+
+    def __call__(self, event: Event) -> None:
+        self.inbox.put(self.queue, (self.index, event))  # type: ignore[arg-type]
+
+
+def stream_choices(engine: Engine, ids: list[int], params: list[SamplingParams], chunks: list[ChatChunks],
+                   include_usage: bool) -> StreamingResponse:
+    """Several choices of one prompt as one event stream (`n` > 1): each choice's chunks carry its
+    `index`, in the order their tokens come; then, when asked, one usage chunk summing every choice's
+    completion tokens (the prompt counted once, as OpenAI counts it); an error ends the whole stream."""
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    requests: list[Any] = []
+    try:
+        for k, p in enumerate(params):
+            requests.append(engine.submit(ids, p, _Tagged(queue, k)))
+    except BaseException:
+        for r in requests:
+            r.cancel()
+        raise
+    views = [Indexed(c, k) for k, c in enumerate(chunks)]
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            head = b"".join(sse(f) for f in (v.first() for v in views) if f)
+            if head:
+                yield head
+            opened, left, tokens, cached = [False] * len(views), len(views), [0, 0], 0
+            while left:
+                frames = []
+                for k, event in [await queue.get(), *_drain(queue)]:
+                    frame, done = _frame(event, views[k], opened[k])  # type: ignore[arg-type]
+                    opened[k] = True
+                    frames.append(frame)
+                    if isinstance(event, ErrorEvent):
+                        left = 0
+                        break
+                    if done:
+                        left -= 1
+                        tokens = [event.prompt_tokens, tokens[1] + event.completion_tokens]  # type: ignore[union-attr]
+                        cached = event.cached_tokens if k == 0 else cached  # type: ignore[union-attr]
+                if not left:
+                    if include_usage and not isinstance(event, ErrorEvent):
+                        frames.append(sse(usage_chunk(chunks[0].cid, chunks[0].created, chunks[0].model,
+                                                      chunks[0].obj, *tokens, cached, chunks[0].fingerprint)))
+                    frames.append(sse("[DONE]"))
+                out = b"".join(frames)
+                if out:
+                    yield out
+        finally:
+            for r in requests:
+                r.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
