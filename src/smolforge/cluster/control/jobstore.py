@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sqlite3
 import threading
 import time
@@ -495,6 +496,10 @@ class JobStore:
 
 
 REGEX_BUDGET_S = 2.0  # a `--regex` search's time on one request: a pattern that backtracks cannot hold a thread
+# The library has no time limit on compiling, which unrolls counted repeats (`a{100000000}` never ends,
+# `(?:a{1000}){1000}` takes seconds): a pattern is at most this long, its counts' product at most this.
+MAX_PATTERN_CHARS, MAX_PATTERN_REPEATS = 200, 1000
+_COUNTS = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def matching_lines(rows: Iterator[sqlite3.Row], pattern: str | None, limit: int) -> list[sqlite3.Row]:
@@ -505,6 +510,12 @@ def matching_lines(rows: Iterator[sqlite3.Row], pattern: str | None, limit: int)
         return [row for row, _ in zip(rows, range(limit))]
     import regex as re2  # the library's timeout bounds a pattern that backtracks (Python's re has none)
 
+    repeats = math.prod(max(int(n or 0) for n in counts) or 1 for counts in _COUNTS.findall(pattern))
+    if len(pattern) > MAX_PATTERN_CHARS or repeats > MAX_PATTERN_REPEATS:
+        raise SmolforgeError(f"the pattern is too large to search with (over {MAX_PATTERN_CHARS} characters, or "
+                             f"counted repeats {{n}} multiplying past {MAX_PATTERN_REPEATS})", where="grep",
+                             fix="give a shorter pattern with smaller counts (`+`, `*` are not limited), or a plain "
+                                 "text without --regex")
     try:
         compiled = re2.compile(pattern)
     except re2.error as err:
