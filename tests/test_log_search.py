@@ -134,7 +134,10 @@ def test_an_old_store_opens_with_its_lines_levelled(tmp_path):
         ("ERROR", "ERROR smolforge.task: old failure"), ("INFO", "ok")]
     plan = " ".join(str(tuple(r)) for r in store._db().execute(
         "EXPLAIN QUERY PLAN SELECT id FROM logs WHERE node = 'w2' ORDER BY id DESC"))
-    assert "logs_node" in plan, plan  # the cross-job index exists on a migrated store too
+    assert "logs_node" in plan, plan  # the cross-job indexes exist on a migrated store too
+    plan = " ".join(str(tuple(r)) for r in store._db().execute(
+        "EXPLAIN QUERY PLAN SELECT id FROM logs WHERE level IN (40, 50) ORDER BY id DESC"))
+    assert "logs_level" in plan, plan
     JobStore(path)  # opening it again changes nothing
 
 

@@ -106,11 +106,14 @@ CREATE INDEX IF NOT EXISTS logs_task ON logs(job_id, task, id);
 # coordinator's disk. Older lines stay in the nodes' own Ray logs (the tasks tee, see telemetry/tasklog).
 MAX_LOG_LINES_PER_JOB = 50_000
 MAX_LOG_ROWS = 5000  # the most lines one search answers (`search_logs`); follow with `since_id` for more
-# The searches across jobs (`search_logs`): by node, by level, by time, each newest first. Made after the
-# `level` column exists (`_add_missing_columns`): a store written before it has the table without it.
+# The searches across jobs (`search_logs`): one node's lines newest first, and the rare levels (WARNING and
+# above) without reading every INFO line (their node checked in the index: SQLite, left to itself, reads
+# all of a node's lines through logs_node rather than sort the few that match: 113 ms against 0.2 ms). Made after the `level` column exists (`_add_missing_columns`): a
+# store written before it has the table without it. (No index on ts: SQLite prefers reading ids newest
+# first, and a line's id orders it as well as its time does.)
 LOG_INDEXES = ("CREATE INDEX IF NOT EXISTS logs_node ON logs(node, id)",
-               "CREATE INDEX IF NOT EXISTS logs_level ON logs(level, id)",
-               "CREATE INDEX IF NOT EXISTS logs_ts ON logs(ts)")
+               "CREATE INDEX IF NOT EXISTS logs_level ON logs(level, node, id)")
+SPARSE_LEVEL = LEVELS["WARNING"]  # from here up, lines are few: the level index finds them
 
 JOB_PROGRESS_FIELDS = ("step", "max_steps", "samples_done", "samples_total", "loss", "eta_s", "world_size")
 
@@ -456,13 +459,18 @@ class JobStore:
         (follow a search by passing the last id seen). `limit` is bounded to 1..MAX_LOG_ROWS.
         Errors: SmolforgeError naming the filter (`where`: level, since, grep), or an unknown job."""
         where, args = ["1=1"], []
+        floor = None if level is None else parse_level(level)
+        sparse = floor is not None and floor >= SPARSE_LEVEL  # then the level index leads (`+`: no other index)
         for column, value in (("job_id", self.get_job(job)["id"] if job else None), ("node", node), ("task", task)):
             if value is not None:
-                where.append(f"{column} = ?")
+                where.append(f"{'+' if sparse else ''}{column} = ?")
                 args.append(value)
-        if level is not None:
-            where.append("level >= ?")
-            args.append(parse_level(level))
+        if floor is not None:
+            if sparse:  # an IN list the level index serves (SQLite reads no index for >=)
+                where.append(f"level IN ({', '.join(str(n) for n in LEVELS.values() if n >= floor)})")
+            else:  # most lines: read in id order, the level checked on each (`+`: not through the index)
+                where.append("+level >= ?")
+                args.append(floor)
         if since is not None:
             where.append("ts >= ?")
             args.append(parse_since(since, time.time() if now is None else now))
