@@ -169,10 +169,10 @@ def test_log_view_filters_by_node_level_job_and_text(world, page):
     wanted = [r["line"] for r in client.search_logs(node="w2", job=job_id, grep="smolforge.task: rank")]
     assert {(n, j) for n, j, _, _ in shown} == {("w2", job_id)}, shown
     assert [text.split("] ", 1)[1] for _, _, _, text in shown] == wanted, (shown, wanted)  # held: no new lines
+    page.screenshot(path=str(ARTIFACTS / "logs.png"), full_page=True)
     page.select_option("#log-level", "ERROR")
     page.wait_for_function("() => /level=ERROR/.test(document.body.dataset.logs || '')")
     assert page.locator("#logs li").count() == 0
-    page.screenshot(path=str(ARTIFACTS / "logs.png"), full_page=True)
     for select in ("#log-node", "#log-job", "#log-level"):
         page.select_option(select, "")
     page.fill("#log-text", "")
