@@ -185,6 +185,34 @@ def test_cli_logs_on_a_store(store, tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "error:" in bad.output and "fix:" in bad.output and "--level" in bad.output
 
 
+def test_cli_follow_prints_each_new_line_once(store, monkeypatch):
+    """--follow: the newest lines, then only what came after the last one shown (a line stored between two
+    polls is printed once), until Ctrl-C (exit 130)."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli import logs as logs_cli
+    from smolforge.cli.main import app
+
+    facade, calls = Facade(store), []
+
+    def search(**kw):
+        calls.append(kw.get("after"))
+        if len(calls) == 2:  # a line arrives between the first and the second poll
+            store.add_logs("job-bbb", [{"task": "r1", "node": "w2", "ts": NOW, "line": "ERROR: b again"}])
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return Facade.search_logs(facade, **kw)
+
+    monkeypatch.setattr(facade, "search_logs", search)
+    monkeypatch.setattr(logs_cli, "_backend", lambda *a, **k: facade)
+    monkeypatch.setattr(logs_cli, "FOLLOW_POLL_S", 0.0)
+    run = CliRunner().invoke(app, ["logs", "--node", "w2", "--level", "ERROR", "--follow"])
+    assert run.exit_code == 130
+    assert [ln.split("] ", 1)[1] for ln in run.output.splitlines() if "] " in ln] == [
+        "ERROR smolforge.task: a broke", "b: Epoch 1 died", "ERROR: b again"]
+    assert calls[0] is None and None not in calls[1:]  # the newest first, then only after the last id shown
+
+
 class Facade:
     """The one Backend method `smolforge logs` calls, on a store (as EmbeddedCluster does)."""
 
