@@ -181,8 +181,9 @@ def test_cli_logs_on_a_store(store, tmp_path, monkeypatch):
     assert "[job-aaa r1 w2 ERROR]" in run.output.splitlines()[0]
     run = CliRunner().invoke(app, ["logs", "--grep", "slow", "--json"])
     assert [json.loads(ln)["node"] for ln in run.output.splitlines()] == ["coordinator"]
-    bad = CliRunner().invoke(app, ["logs", "--level", "LOUD"])
-    assert bad.exit_code == 2 and "error:" in bad.output and "fix:" in bad.output and "--level" in bad.output
+    for flag, value in (("--level", "LOUD"), ("--since", "soon"), ("--grep", "a{99999999}")):
+        bad = CliRunner().invoke(app, ["logs", flag, value, "--regex"])
+        assert bad.exit_code == 2 and f"error: {flag}: " in bad.output and "fix:" in bad.output, bad.output
 
 
 def test_cli_follow_prints_each_new_line_once(store, monkeypatch):

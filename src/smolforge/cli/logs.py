@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from smolforge.cli.common import TOKEN_FILE_HELP, cli_token, run_cli
+from smolforge.errors import SmolforgeError
 from smolforge.telemetry.log_levels import parse_level, parse_since
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ def register(app: typer.Typer) -> None:
         try:
             _print_lines(backend, dict(job=job, node=node, task=task, level=level, grep=grep, regex=regex, since=since),
                          limit, follow, json_out)
+        except SmolforgeError as err:  # the store's (or the API's `query.grep`) name for a filter: this command's flag
+            name = (err.where or "").removeprefix("query.")
+            if name not in ("grep", "level", "since"):
+                raise
+            raise SmolforgeError(err.what, where=f"--{name}", fix=err.fix) from None
         finally:
             backend.close()
 
