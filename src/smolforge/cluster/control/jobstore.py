@@ -107,10 +107,11 @@ CREATE INDEX IF NOT EXISTS logs_task ON logs(job_id, task, id);
 MAX_LOG_LINES_PER_JOB = 50_000
 MAX_LOG_ROWS = 5000  # the most lines one search answers (`search_logs`); follow with `since_id` for more
 # The searches across jobs (`search_logs`): one node's lines newest first, and the rare levels (WARNING and
-# above) without reading every INFO line (their node checked in the index: SQLite, left to itself, reads
-# all of a node's lines through logs_node rather than sort the few that match: 113 ms against 0.2 ms). Made after the `level` column exists (`_add_missing_columns`): a
-# store written before it has the table without it. (No index on ts: SQLite prefers reading ids newest
-# first, and a line's id orders it as well as its time does.)
+# above) without reading every INFO line, their node checked in the index (left to itself, SQLite reads
+# all of a node's lines through logs_node rather than sort the few that match: 113 ms against 0.2 ms on
+# 200k lines). Made after the `level` column exists (`_add_missing_columns`): a store written before it
+# has the table without it. No index on ts: SQLite prefers reading ids newest first, whose order is the
+# lines' time order as far as a search needs it.
 LOG_INDEXES = ("CREATE INDEX IF NOT EXISTS logs_node ON logs(node, id)",
                "CREATE INDEX IF NOT EXISTS logs_level ON logs(level, node, id)")
 SPARSE_LEVEL = LEVELS["WARNING"]  # from here up, lines are few: the level index finds them
@@ -483,7 +484,8 @@ class JobStore:
         limit = max(1, min(int(limit), MAX_LOG_ROWS))
         order = "ASC" if since_id is not None else "DESC"
         rows = self._db().execute(f"SELECT id, job_id, task, node, ts, level, line FROM logs WHERE "
-                                  f"{' AND '.join(where)} ORDER BY id {order}", args)
+                                  f"{' AND '.join(where)} ORDER BY id {order}{'' if regex else ' LIMIT ?'}",
+                                  args if regex else [*args, limit])
         found = matching_lines(rows, grep if regex else None, limit)
         return [self._log_row(r) for r in (found if since_id is not None else reversed(found))]
 
