@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import last_json, smolforge, smolforge_here, write_jsonl
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "dashboard"])
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "dashboard", "logs"])
 def test_help_has_an_example(command):
     proc = smolforge(command, "--help", check=True)
     assert "Example: smolforge" in proc.stdout

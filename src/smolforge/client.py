@@ -241,6 +241,16 @@ class Client:
             params["task"] = task
         return self._request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
 
+    def search_logs(self, job: str | None = None, node: str | None = None, task: str | None = None,
+                    level: str | None = None, grep: str | None = None, regex: bool = False, since: str | None = None,
+                    after: int | None = None, limit: int = 1000) -> list[dict]:
+        """Task lines across jobs (`GET /api/v1/logs`; `JobStore.search_logs` says the filters), oldest first:
+        the newest `limit` that match, or the first `limit` after line id `after`."""
+        params = {k: v for k, v in (("job", job), ("node", node), ("task", task), ("level", level), ("grep", grep),
+                                    ("since", since), ("after", after)) if v is not None}
+        return self._request("GET", "/api/v1/logs", params={**params, "limit": limit, **({"regex": "true"} if regex
+                                                                                          else {})})
+
     def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
         return self._request("GET", f"/api/v1/jobs/{job_id}/metrics", params={"name": name} if name else None)
 

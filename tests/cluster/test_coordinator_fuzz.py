@@ -122,11 +122,13 @@ HOSTILE = [  # (method, path, body bytes or None, what the 400 says): the review
     ("POST", "/api/v1/jobs", b'{"a": ' + b"[" * 500 + b"]" * 500 + b"}", "nests deeper than 32 levels"),
     ("POST", "/api/v1/nodes/n1/heartbeat", b'{"ts": NaN}', "finite number"),
     ("POST", "/api/v1/jobs/fuzz-running/join", b'{"node": ["a"]}', "valid string"),
+    ("GET", "/api/v1/logs?grep=a%7B100000000%7D&regex=true", None, "too large to search with"),
 ]
 
 
 NAMES = ["limit -1", "limit 2**70", "since 2**64", "an unknown state", "a task name with a quote", "invalid JSON",
-         "JSON 100 000 deep", "JSON 500 deep", "NaN in a heartbeat", "a node name that is a list"]
+         "JSON 100 000 deep", "JSON 500 deep", "NaN in a heartbeat", "a node name that is a list",
+         "a log pattern whose compile never ends"]
 
 
 @pytest.mark.parametrize("method,path,body,needle", HOSTILE, ids=NAMES)

@@ -5,6 +5,10 @@
 both ranks' lines prefixed `[r0 wN]` / `[r1 wN]`; `--task r1` keeps only r1's; the API route takes the
 token like every other. The job's strategy is `ssp`, so its parameter server (task `ps`, its own
 process on a worker) is covered by the same run.
+
+Logs across jobs (issue 46 item 5): w2's rank logs a known line at ERROR (fault `say-error`, set in
+w2's node directory only), and `smolforge logs --level ERROR --node w2` finds it, on no other node; in
+soak, a second job's too, in one search.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,19 +26,70 @@ pytestmark = pytest.mark.timeout(600)
 STEPS = 4
 
 
+SAID = "w2 says: the disk is on fire (a test's line)"
+
+
+def say_on_w2(base: Path) -> Path:
+    """Fault `say-error` in w2's node directory alone (train/faults.py): w2's ranks log SAID at ERROR."""
+    said = base / "node-w2" / "node" / "fault-say-error"
+    said.parent.mkdir(parents=True, exist_ok=True)
+    said.write_text(SAID)
+    return said
+
+
 @pytest.fixture(scope="module")
 def run(module_cluster):
-    """The job on the session's shared cluster (coordinator + w1, w2; tests/conftest.py)."""
+    """The job on the session's shared cluster (coordinator + w1, w2; tests/conftest.py); w2's rank logs
+    SAID at ERROR as it starts."""
     cluster = module_cluster.c
     spec = {"kind": "data_parallel", "num_workers": 2, "max_retries": 0, "strategy": "ssp",
             "train": {"model": "tiny-llama", "data": {"path": "bundled", "max_samples": 32, "max_eval_samples": 4},
                       "max_steps": STEPS, "batch_size": 1, "log_every": 2, "eval_accuracy": False,
                       "peft": {"method": "lora", "r": 4, "alpha": 8}}}
-    job_id = cluster.client().submit_job(spec)
-    t0 = time.time()
-    follow = cluster.cli("job", "logs", job_id, "--follow", timeout=400)
+    said = say_on_w2(module_cluster.base)
+    try:
+        job_id = cluster.client().submit_job(spec)
+        t0 = time.time()
+        follow = cluster.cli("job", "logs", job_id, "--follow", timeout=400)
+    finally:
+        said.unlink(missing_ok=True)
     return {"c": cluster, "job": job_id, "follow": follow, "follow_s": time.time() - t0,
-            "ended": cluster.client().get_job_status(job_id)}
+            "ended": cluster.client().get_job_status(job_id), "spec": spec, "base": module_cluster.base}
+
+
+def w2_errors(c) -> list[dict]:
+    """`smolforge logs --level ERROR --node w2 --json`, every job's."""
+    out = c.cli("logs", "--level", "ERROR", "--node", "w2", "--json")
+    assert out.returncode == 0, out.stderr
+    found = [json.loads(ln) for ln in out.stdout.splitlines()]
+    assert all(r["node"] == "w2" and r["level"] in ("ERROR", "CRITICAL") for r in found), found
+    return found
+
+
+def test_logs_finds_the_error_line_of_w2s_rank(run):
+    """`smolforge logs --level ERROR --node w2` (no job named): the line w2's rank wrote, at ERROR, as the
+    tee shipped it; no other node wrote it (the API's own filters, token and all, agree)."""
+    c, client = run["c"], run["c"].client()
+    said = [r for r in w2_errors(c) if SAID in r["line"]]
+    assert [r["job_id"] for r in said] == [run["job"]], said
+    assert said[0]["line"] == f"ERROR smolforge.task: {SAID}" and said[0]["task"] in ("r0", "r1")
+    assert [r["id"] for r in client.search_logs(grep=SAID)] == [said[0]["id"]]  # every node's: w2's only
+    assert client.search_logs(grep=SAID, level="CRITICAL") == []
+    assert c.api("GET", "/api/v1/logs", token=None).status_code == 401
+
+
+@pytest.mark.soak
+def test_logs_finds_it_across_two_jobs(run):
+    """A second (one-step) job whose w2 rank says the same: one search, no job named, finds both jobs'
+    lines. Soak: the second job costs ~40 s on the CI machine; CI's test above searches every job too."""
+    c, spec = run["c"], run["spec"]
+    said = say_on_w2(run["base"])
+    try:
+        second = c.client().submit_job({**spec, "strategy": "ddp", "train": {**spec["train"], "max_steps": 1}})
+        assert c.client().wait_for_job(second, timeout=300)["state"] == "completed"
+    finally:
+        said.unlink(missing_ok=True)
+    assert [r["job_id"] for r in w2_errors(c) if SAID in r["line"]] == [run["job"], second]
 
 
 def test_follow_returns_when_the_job_ends_with_every_ranks_lines(run):

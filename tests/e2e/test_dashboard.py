@@ -154,6 +154,30 @@ def test_overview_lists_nodes_and_the_job(world, page):
     assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp, csp
 
 
+def test_log_view_filters_by_node_level_job_and_text(world, page):
+    """The overview's log view (GET /api/v1/logs): the held job's lines from w2 that contain a text, each
+    shown once and all of them; at ERROR, none (the job logged none)."""
+    job_id, client = world["job"], world["client"]
+    page.wait_for_selector('body[data-loaded="1"]')
+    page.select_option("#log-node", "w2")  # (the choices are the nodes and jobs the page lists)
+    page.select_option("#log-job", job_id)
+    page.fill("#log-text", "smolforge.task: rank")
+    page.wait_for_function("() => /node=w2.*job=.*grep=/.test(document.body.dataset.logs || '')"
+                           " && document.querySelectorAll('#logs li').length > 0")
+    shown = page.locator("#logs li").evaluate_all(
+        "els => els.map(e => [e.dataset.node, e.dataset.job, e.dataset.level, e.textContent])")
+    wanted = [r["line"] for r in client.search_logs(node="w2", job=job_id, grep="smolforge.task: rank")]
+    assert {(n, j) for n, j, _, _ in shown} == {("w2", job_id)}, shown
+    assert [text.split("] ", 1)[1] for _, _, _, text in shown] == wanted, (shown, wanted)  # held: no new lines
+    page.screenshot(path=str(ARTIFACTS / "logs.png"), full_page=True)
+    page.select_option("#log-level", "ERROR")
+    page.wait_for_function("() => /level=ERROR/.test(document.body.dataset.logs || '')")
+    assert page.locator("#logs li").count() == 0
+    for select in ("#log-node", "#log-job", "#log-level"):
+        page.select_option(select, "")
+    page.fill("#log-text", "")
+
+
 def chart_series(page) -> dict[str, dict]:
     """Every chart's series as uPlot holds them: {chart: {label: {step: value}}}."""
     return page.evaluate("""() => {

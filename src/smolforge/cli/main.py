@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from smolforge.cli import cluster, data, demo, distill, export, launch, serve, split, train
+from smolforge.cli import cluster, data, demo, distill, export, launch, logs, serve, split, train
 
 app = typer.Typer(
     name="smolforge",
@@ -15,7 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _group in (train, data, demo, cluster, launch, distill, split, serve, export):
+for _group in (train, data, demo, cluster, logs, launch, distill, split, serve, export):
     _group.register(app)
 
 

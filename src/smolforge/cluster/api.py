@@ -27,9 +27,9 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from smolforge.cluster.api_input import (ERRORS, ApiError, BoundedJsonRoute, JobId, JoinRequest, LeaveRequest, NodeId,
-                                         SeriesName, Since, StateList, TaskName, document_errors, rows,
-                                         validation_error)
+from smolforge.cluster.api_input import (ERRORS, After, ApiError, BoundedJsonRoute, GrepText, JobFilter, JobId,
+                                         JoinRequest, LeaveRequest, LevelWord, NodeId, NodeName, SeriesName, Since,
+                                         SinceTime, StateList, TaskName, document_errors, rows, validation_error)
 from smolforge.auth import bearer_of, tokens_match
 from smolforge.gate import Gate
 from smolforge.http_limits import page_headers
@@ -84,6 +84,7 @@ def create_app(core: Any) -> FastAPI:
     _open_routes(app, core)
     _cluster_routes(app, core, auth)
     _job_routes(app, core, auth)
+    _log_routes(app, core, auth)
     _upload_routes(app, core, auth)
     return app
 
@@ -268,6 +269,25 @@ def _job_routes(app: FastAPI, core: Any, auth: list) -> None:
         if not target.is_file():
             raise SmolforgeError(f"no file {path} in {kind}/{name}", fix="list the artifact's files first")
         return FileResponse(target, media_type="application/octet-stream")
+
+
+def _log_routes(app: FastAPI, core: Any, auth: list) -> None:
+    """Task lines across jobs and nodes: `smolforge logs` and the dashboard's log view."""
+
+    @app.get("/api/v1/logs", dependencies=auth)
+    def search_logs(job: JobFilter = None, node: NodeName = None, task: TaskName = None, level: LevelWord = None,
+                    grep: GrepText = None, regex: bool = False, since: SinceTime = None, after: After = None,
+                    limit: int = rows(1000)):
+        """What every job's tasks printed and logged, oldest first (`{"id", "job_id", "task", "node", "ts",
+        "level", "line"}`): the newest `limit` lines that match, or with `after` the first `limit` after
+        that line id. A level, time or pattern it cannot read is a 400 naming the parameter."""
+        try:
+            return core.store.search_logs(job=job, node=node, task=task, level=level, grep=grep, regex=regex,
+                                          since=since, since_id=after, limit=limit)
+        except SmolforgeError as err:
+            if err.where in ("level", "since", "grep"):
+                raise SmolforgeError(err.what, where=f"query.{err.where}", fix=err.fix) from None
+            raise
 
 
 def _upload_routes(app: FastAPI, core: Any, auth: list) -> None:

@@ -34,6 +34,16 @@ JobId = Annotated[str, Path(min_length=1, max_length=200, description="job id, a
 NodeId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="the node agent's id")]
 TaskName = Annotated[str | None, Query(max_length=64, pattern=NAME, description="one task's lines (r0, teacher0)")]
 SeriesName = Annotated[str | None, Query(max_length=200, pattern=NAME, description="one metric series")]
+NodeName = Annotated[str | None, Query(max_length=128, pattern=NAME, description="one node's lines (w2, coordinator)")]
+JobFilter = Annotated[str | None, Query(min_length=1, max_length=200, description="one job: id, unique prefix or name")]
+LevelWord = Annotated[str | None, Query(max_length=16, description="that level and above: DEBUG, INFO, WARNING, ERROR, "
+                                                                  "CRITICAL")]
+GrepText = Annotated[str | None, Query(min_length=1, max_length=1000, description="lines containing this text "
+                                                                                  "(case-sensitive); a pattern with regex")]
+SinceTime = Annotated[str | None, Query(max_length=64, description="lines from this time on: 30s, 10m, 2h, 1d or an "
+                                                                   "ISO time (UTC unless it carries an offset)")]
+After = Annotated[int | None, Query(ge=0, le=SQL_INT_MAX, description="only lines after this id, oldest first "
+                                                                      "(default: the newest lines)")]
 StateList = Annotated[str | None, Query(max_length=200, description="comma-separated states, e.g. running,paused")]
 
 

@@ -171,6 +171,13 @@ class EmbeddedCluster:
     def task_logs(self, job_id: str, since: int = 0, task: str | None = None) -> list[dict]:
         return self.store.logs(self.store.get_job(job_id)["id"], since_id=since, task=task)
 
+    def search_logs(self, job: str | None = None, node: str | None = None, task: str | None = None,
+                    level: str | None = None, grep: str | None = None, regex: bool = False, since: str | None = None,
+                    after: int | None = None, limit: int = 1000) -> list[dict]:
+        """Task lines across this machine's jobs (`JobStore.search_logs`; `after` is its `since_id`)."""
+        return self.store.search_logs(job=job, node=node, task=task, level=level, grep=grep, regex=regex, since=since,
+                                      since_id=after, limit=limit)
+
     def job_metrics(self, job_id: str, name: str | None = None) -> list[dict]:
         return self.store.metrics(self.store.get_job(job_id)["id"], name)
 

@@ -1,5 +1,6 @@
 // The smolforge dashboard: the overview (nodes, jobs) and a page per job (#job=<id>): state, ETA,
-// curves drawn with the vendored uPlot, tasks, events, pause/resume/cancel.
+// curves drawn with the vendored uPlot, tasks, events, pause/resume/cancel; on the overview, every job's
+// task lines filtered by node, level, job and text (GET /api/v1/logs, what `smolforge logs` reads).
 // The token comes from the URL fragment (#token=…, never sent to the server) or the login box and is
 // kept in sessionStorage; every API call carries it as a bearer token. All text from the API goes in
 // with textContent (node, model and job names are user input).
@@ -9,6 +10,8 @@
   var REFRESH_MS = 2000;
   var METRICS_EVERY_MS = 4000;   // a running job's curves: a little slower than the tables
   var MAX_EVENTS = 400;
+  var MAX_LOG_LINES = 500;       // the log view keeps the newest this many
+  var LOG_PAGE = 200;
   var COLORS = ["#2f81f7", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#0a7ea4", "#bc4c00", "#6e7781"];
   var TITLES = { loss: "loss (train and eval)", lr: "learning rate", tokens_per_s: "tokens/s",
                  comm_bytes_sent: "bytes sent", comm_wait_s: "seconds waiting in collectives", grad_norm: "gradient norm" };
@@ -106,6 +109,7 @@
       body.appendChild(tr);
     });
     $("node-count").textContent = online + " online / " + nodes.length;
+    fillChoices("log-node", nodes.map(function (n) { return n.name; }));
   }
   function fmtComm(c) {
     // bytes each rank handed to collectives, and the time it waited in them (data-parallel jobs)
@@ -153,6 +157,7 @@
       body.appendChild(tr);
     });
     $("job-count").textContent = jobs.length ? "(" + jobs.length + ")" : "(none yet)";
+    fillChoices("log-job", jobs.map(function (j) { return j.id; }));
   }
   function renderCoordinator(c) {
     $("coordinator").textContent = "coordinator " + (c.name || "") + " · " + (c.api || "") + " · Ray " +
@@ -165,8 +170,63 @@
       var seen = {}, jobs = [];
       (s.jobs || []).concat(s.recent_jobs || []).forEach(function (j) { if (!seen[j.id]) { seen[j.id] = 1; jobs.push(j); } });
       renderJobs(jobs);
+      return refreshLogs();
     });
   }
+
+  // -- logs: every job's task lines, filtered ----------------------------------------------------
+  // The filters make the query; while it stays the same, each refresh asks only for the lines after
+  // the last one shown (`after`), so a line is shown once. A changed filter starts again from the newest.
+  var logView = { key: null, after: null };
+  function fillChoices(id, values) {
+    var sel = $(id), keep = sel.value, have = [];
+    for (var i = 1; i < sel.options.length; i++) have.push(sel.options[i].value);
+    if (have.join("\n") === values.join("\n")) return;
+    while (sel.options.length > 1) sel.remove(1);
+    values.forEach(function (v) { var o = el("option", v); o.value = v; sel.appendChild(o); });
+    sel.value = values.indexOf(keep) >= 0 ? keep : "";
+  }
+  function logQuery() {
+    var parts = [];
+    [["node", "log-node"], ["level", "log-level"], ["job", "log-job"], ["grep", "log-text"]].forEach(function (f) {
+      var v = $(f[1]).value;
+      if (v) parts.push(f[0] + "=" + encodeURIComponent(v));
+    });
+    return parts.join("&");
+  }
+  function appendLogs(rows) {
+    var list = $("logs");
+    rows.forEach(function (r) {
+      var t = new Date(r.ts * 1000);
+      var li = el("li", t.toLocaleString() + " [" + r.job_id + " " + r.task + " " + (r.node || "?") + " " + r.level + "] " +
+        r.line, r.level);
+      li.setAttribute("data-node", r.node || "");
+      li.setAttribute("data-job", r.job_id);
+      li.setAttribute("data-level", r.level);
+      list.appendChild(li);
+    });
+    while (list.childNodes.length > MAX_LOG_LINES) list.removeChild(list.firstChild);
+    if (rows.length) list.scrollTop = list.scrollHeight;
+    $("log-count").textContent = "(" + list.childNodes.length + (list.childNodes.length >= MAX_LOG_LINES ? ", the newest" : "") + ")";
+  }
+  function refreshLogs() {
+    var key = logQuery();
+    if (key !== logView.key) {
+      logView = { key: key, after: null };
+      $("logs").textContent = "";
+    }
+    var q = (key ? key + "&" : "") + (logView.after === null ? "" : "after=" + logView.after + "&") + "limit=" + LOG_PAGE;
+    return api("GET", "/api/v1/logs?" + q).then(function (rows) {
+      if (logView.key !== key) return;
+      appendLogs(rows);
+      // none yet: every later match is new, from the first line on
+      logView.after = rows.length ? rows[rows.length - 1].id : (logView.after === null ? 0 : logView.after);
+      document.body.setAttribute("data-logs", key);
+    });
+  }
+  ["log-node", "log-level", "log-job"].forEach(function (id) { $(id).addEventListener("change", function () { refresh(); }); });
+  $("log-text").addEventListener("input", function () { refresh(); });
+  $("log-filters").addEventListener("submit", function (ev) { ev.preventDefault(); refresh(); });
 
   // -- curves ----------------------------------------------------------------------------------
   // Metric names: plain for the job (`loss`, `lr`), `<base>.rank<R>` per rank, `<base>.student<N>`

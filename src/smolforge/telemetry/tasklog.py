@@ -27,6 +27,8 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from smolforge.telemetry.log_levels import level_name, line_level
+
 MAX_BUFFERED_LINES = 2000  # between two drains (a DP rank drains every half second)
 MAX_LINE_CHARS = 2000  # a longer line (a dumped tensor) is cut: the node's log has all of it
 TASK_LOGGER = "smolforge.task"  # what a task says about itself (steps, phases), at INFO
@@ -36,18 +38,19 @@ SECRET_ENVS = ("SMOLFORGE_TOKEN",)  # values masked in every line, should a task
 class LineBuffer:
     """Lines of one task, oldest first, at most `limit` of them; thread-safe, never blocks for long.
 
-    `drain` returns the records to ship (`{"type": "log", "task", "node", "ts", "line"}`), led by a
-    marker record when lines were dropped since the last drain.
+    `drain` returns the records to ship (`{"type": "log", "task", "node", "ts", "level", "line"}`), led
+    by a WARNING marker record when lines were dropped since the last drain. A line's level is what its
+    logging record said (`level`), else what the line says (`log_levels.line_level`).
     """
 
     def __init__(self, task: str, node: str, limit: int = MAX_BUFFERED_LINES, secrets: list[str] | None = None):
         self.task, self.node, self.limit = task, node, max(1, limit)
         self.secrets = [s for s in (secrets if secrets is not None else _env_secrets()) if s]
-        self._lines: deque[tuple[float, str]] = deque()
+        self._lines: deque[tuple[float, str, str]] = deque()
         self._dropped = 0
         self._lock = threading.Lock()
 
-    def add(self, line: str, ts: float | None = None) -> None:
+    def add(self, line: str, ts: float | None = None, level: str | None = None) -> None:
         for secret in self.secrets:
             line = line.replace(secret, "***")
         if len(line) > MAX_LINE_CHARS:
@@ -56,7 +59,7 @@ class LineBuffer:
             if len(self._lines) >= self.limit:
                 self._lines.popleft()
                 self._dropped += 1
-            self._lines.append((ts or time.time(), line))
+            self._lines.append((ts or time.time(), line, level or line_level(line)))
 
     def drain(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -66,12 +69,12 @@ class LineBuffer:
         if dropped:
             ts = lines[0][0] if lines else time.time()
             out.append(self._record(ts, f"[{dropped} lines dropped: the task printed faster than they could be "
-                                        "sent; the node's Ray log has them]"))
-        out.extend(self._record(ts, line) for ts, line in lines)
+                                        "sent; the node's Ray log has them]", "WARNING"))
+        out.extend(self._record(ts, line, level) for ts, line, level in lines)
         return out
 
-    def _record(self, ts: float, line: str) -> dict[str, Any]:
-        return {"type": "log", "task": self.task, "node": self.node, "ts": ts, "line": line}
+    def _record(self, ts: float, line: str, level: str) -> dict[str, Any]:
+        return {"type": "log", "task": self.task, "node": self.node, "ts": ts, "level": level, "line": line}
 
 
 def this_node() -> str:
@@ -149,9 +152,9 @@ class _BufferHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            text = self.format(record)
-            for line in text.splitlines():
-                self.buffer.add(line, ts=record.created)
+            text, level = self.format(record), level_name(record.levelno)
+            for line in text.splitlines():  # a traceback's lines at its record's level
+                self.buffer.add(line, ts=record.created, level=level)
             self.original.write(text + "\n")
         except Exception:  # logging must never break the task
             self.handleError(record)

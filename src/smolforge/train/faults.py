@@ -49,7 +49,11 @@ def fault_setting(name: str) -> str:
 
     `hold-shard` (a count N, read as a distillation teacher task starts): the teacher holds after
     handing over its N-th shard, until released, so a test sees two teachers running at once by the
-    order of their shards, not by a clock."""
+    order of their shards, not by a clock.
+
+    `say-error` (a text, read as a data-parallel rank starts: `say_fault`): the rank logs it at ERROR
+    through the task logger, so a test finds a known line from a known node by its level
+    (`smolforge logs --level ERROR --node w2`)."""
     env = os.environ.get(f"SMOLFORGE_FAULT_{name.upper().replace('-', '_')}")
     if env:
         return env.strip()
@@ -81,6 +85,13 @@ def fault_once(name: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def say_fault() -> None:
+    """Fault `say-error`: log its text at ERROR through the task logger (see `fault_setting`); nothing if unset."""
+    said = fault_setting("say-error")
+    if said:
+        logging.getLogger(TASK_LOGGER).error("%s", said)
 
 
 def fault_hold_step(fault: str = "hold-step") -> int | None:

@@ -48,7 +48,7 @@ from smolforge.parallel.transfer import CHUNK_BYTES, DirReceiver, send_dir
 from smolforge.paths import atomic_write_bytes
 from smolforge.telemetry.tasklog import TASK_LOGGER, LineBuffer, capture_output, this_node
 from smolforge.train.engine import TrainHooks, train
-from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, stay_held
+from smolforge.train.faults import HoldAt, fault_delay_s, fault_hold_step, held_message, node_dir, say_fault, stay_held
 from smolforge.train.rank_context import RankContext
 from smolforge.train.strategy import Strategy
 
@@ -375,10 +375,10 @@ class DPWorker:
     # -- the work ---------------------------------------------------------------------------------
 
     def run(self, task: RankPlan, seat: Seat, resume_from: str | None, server: Any = None) -> RankResult:
-        """`_train`, with this process's output captured for the coordinator; a failure's traceback
-        is one of the lines shipped (the runner records the failure itself as an event)."""
+        """`_train`, this process's output (a traceback too) captured; after fault `say-error`'s line if set."""
         with capture_output(self._log):
             try:
+                say_fault()
                 return self._train(task, seat, resume_from, server)
             except MemberLeaves as left:
                 logging.getLogger(TASK_LOGGER).info("%s", left)
