@@ -30,7 +30,6 @@ the distill job runner drives, with `self.cluster` and `self.log_event` from her
 from __future__ import annotations
 
 import atexit
-import inspect
 import sys
 import time
 import weakref
@@ -39,8 +38,7 @@ from typing import Any, Callable
 
 from smolforge.client import backend_for
 from smolforge.cluster.control.specs import TaskConfig
-from smolforge.cluster.face import (DistillTasks, StudentTasks, TeacherTasks, holds_jobs, split_task_id, store_dir_of,
-                                    student_args, task_options)
+from smolforge.cluster.face import DistillTasks, holds_jobs, split_task_id, store_dir_of
 from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
 
@@ -231,15 +229,16 @@ class Orchestrator(DistillTasks):
                                       compress_outputs: bool = True, max_samples: int | None = None,
                                       **kwargs: Any) -> list[str]:
         """One teacher job: `num_teachers` teachers (None: one per node holding the model) write the
-        store `<output_dir>/teacher_outputs/` (see TeacherTasks.create_parallel_teacher_tasks for every
-        argument). Returns the teacher task ids, `<job>-teacher-N`; with `num_teachers` None they are
-        known once the job has started, so this waits for that."""
+        store `<output_dir>/teacher_outputs/` (every argument: `cluster/workloads/distill/plans.py`
+        TeacherCall; checked here, into its TeacherPlan). Returns the teacher task ids,
+        `<job>-teacher-N`; with `num_teachers` None they are known once the job has started, so this
+        waits for that. On a bare Ray handle the plan's teachers start in this process."""
         call = dict(model_path=model_path, dataset_path=dataset_path, output_dir=output_dir, num_teachers=num_teachers,
                     batch_size=batch_size, compress_outputs=compress_outputs, max_samples=max_samples, **kwargs)
+        plan = self.teacher_plan(**call)  # the call checked here, at once: a wrong name, what a teacher cannot honour
         if not self._as_jobs:
-            return super().create_parallel_teacher_tasks(**call)
-        args = _call_args(TeacherTasks.create_parallel_teacher_tasks, call, drop=("output_dir",))
-        task_options(kwargs.get("task_config"), "teacher")  # what a teacher cannot honour fails here, at once
+            return self.start_teachers(plan)
+        args = _call_args(call, drop=("output_dir",))
         out = Path(output_dir).expanduser().resolve()
         job_id = self._submit("teacher", args, name=f"teacher {model_path}", output_dir=out)
         store = store_dir_of(out)
@@ -256,8 +255,9 @@ class Orchestrator(DistillTasks):
     def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path | None = None,
                              num_students: int = 2, peft_type: str = "lora",
                              peft_config: dict[str, Any] | None = None, **kwargs: Any) -> list[str]:
-        """One students job on a teacher's store (see StudentTasks.create_student_tasks for every
-        argument); returns the student task ids, `<job>-student-N`. `teacher_outputs_dir` is a store
+        """One students job on a teacher's store (every argument: `cluster/workloads/distill/plans.py`
+        StudentCall; checked here, into its StudentPlan); returns the student task ids,
+        `<job>-student-N`. `teacher_outputs_dir` is a store
         this orchestrator's teacher calls wrote (or a teacher task or job id; on the embedded cluster,
         any store); without it, this orchestrator's last teacher task's. The job starts training when
         that teacher job has completed. Outputs: `<output_dir>/output/student_N/` (default: the store's
@@ -265,11 +265,10 @@ class Orchestrator(DistillTasks):
         call = dict(base_model=base_model, teacher_outputs_dir=teacher_outputs_dir, num_students=num_students,
                     peft_type=peft_type, peft_config=peft_config, **kwargs)
         if not self._as_jobs:
-            return super().create_student_tasks(**call)
-        args = _call_args(StudentTasks.create_student_tasks, {**call, "teacher_outputs_dir": "-"},
-                          drop=("teacher_outputs_dir", "output_dir", "resume"))
-        student_args(peft_type, peft_config, kwargs.get("lora_config"), kwargs.get("task_config"),
-                     kwargs.get("cpus_per_student"), kwargs.get("save_every"), kwargs.get("max_retries"))
+            return self.start_students(self.student_plan(**call))
+        # the call checked here, at once (its store is the job's to find: the seeds may name a job, or none)
+        self.student_plan(**{**call, "teacher_outputs_dir": "-"})
+        args = _call_args(call, drop=("teacher_outputs_dir", "output_dir", "resume"))
         source, store = self._teacher_source(teacher_outputs_dir)
         base = Path(kwargs.get("output_dir") or store.parent).expanduser().resolve()
         n = (1 if isinstance(base_model, str) else len(base_model)) * num_students
@@ -449,10 +448,9 @@ def _job_task_status(job: dict[str, Any], row_id: str) -> dict[str, Any]:
             "error": (row or {}).get("error") or job.get("error")}
 
 
-def _call_args(method: Callable, call: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
-    """The call's arguments, checked against the in-process method's signature (a wrong name is Python's
-    own TypeError, here), as JSON for the job: a TaskConfig as its fields, paths as strings."""
-    inspect.signature(method).bind(None, **call)
+def _call_args(call: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
+    """The call's arguments (checked already, by its plan) as JSON for the job: a TaskConfig as its
+    fields, paths as strings."""
     out: dict[str, Any] = {}
     for key, value in call.items():
         if key in drop or value is None:

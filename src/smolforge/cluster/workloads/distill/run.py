@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from smolforge.cluster.workloads.distill.sync import SYNCS, AverageSync, DataParallelSync, make_sync
+from smolforge.cluster.workloads.distill.plans import (
+    StudentCall, StudentPlan, TeacherCall, TeacherPlan, plan_students, plan_teachers,
+)
+from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync
 from smolforge.distill.backends import teacher_backend
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
@@ -74,10 +77,11 @@ def check_job(job: Any) -> None:
     """A distill job's settings, checked once, when it is submitted (`kinds.KINDS["distill"].check`, which
     `smolforge distill` and `launch` call through `kinds.parse` before any cluster starts): across
     fields and into other modules' settings (`check_run`; a spec's `output_dir` is `kinds.check_output_dir`'s,
-    the CLI flag `settings.check_output_flag`'s), and the students' sync
-    plug-in with its strategy (`make_sync`). The runner takes the checked spec as it is."""
+    the CLI flag `settings.check_output_flag`'s), and the run's two plans (`distill_plans`: the PEFT
+    config, the students' sync plug-in with its strategy, ...). The runner takes the checked spec as
+    it is and builds the same plans from it."""
     check_run(job.distill, job.mode)
-    make_sync(job.distill.students_sync, job.distill.students_strategy)
+    distill_plans(job.distill, job.mode, Path(job.output_dir or "."))
 
 
 class DistillFlow:
@@ -94,8 +98,10 @@ class DistillFlow:
     def __init__(self, cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str = "teacher_student",
                  quiet: bool = True, on_update: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
                  should_stop: Callable[[], str | None] | None = None, resume: bool = False):
-        self.sync = SYNCS[cfg.students_sync]  # its name and what aggregation does (the settings were checked at submit)
-        self.cfg, self.orch, self.out, self.resume = cfg, orch, Path(output_dir), resume
+        self.cfg, self.orch, self.out = cfg, orch, Path(output_dir)
+        # the settings were checked at submit (`check_job`): built once here, the plans travel whole
+        self.teacher_plan, self.student_plan = distill_plans(cfg, mode, self.out, resume)
+        self.sync = self.student_plan.sync  # its name and what aggregation does
         self.on_update, self.should_stop = on_update, should_stop
         self.t0, self.teacher_done = time.time(), None
         self.progress = _Progress(quiet)
@@ -104,7 +110,9 @@ class DistillFlow:
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.teachers, self.students = _create_tasks(self.cfg, self.orch, self.out, self.resume)
+        self.teachers = self.orch.start_teachers(self.teacher_plan)
+        # (the students stream the teachers' shards as they appear)
+        self.students = self.orch.start_students(self.student_plan)
 
     def step(self) -> bool:
         """One look at the tasks: True once every one has ended (or paused). A stop asked through
@@ -180,9 +188,11 @@ def run_distill(cfg: DistillSettings, orch, *, output_dir: str | Path, mode: str
         flow.close()
 
 
-def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[list[str], list[str]]:
-    """The run's teacher tasks, then its student tasks (which stream the teachers' shards as they appear)."""
-    teachers = orch.create_parallel_teacher_tasks(
+def distill_plans(cfg: DistillSettings, mode: str, out: Path, resume: bool = False) -> tuple[TeacherPlan, StudentPlan]:
+    """The run's teacher and student plans from its settings: the seeds' two calls a run is (into
+    `out/teacher_outputs/`, its students reading that store), checked by the builders the seeds' calls
+    ask (`plans.plan_teachers`, `plans.plan_students`). SmolforgeError for what they refuse."""
+    teachers = TeacherCall(
         cfg.teacher, cfg.data, out, batch_size=cfg.teacher_batch_size, max_samples=cfg.max_samples,
         num_teachers=cfg.num_teachers, compress_outputs=cfg.compress_outputs, top_k=cfg.top_k,
         temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
@@ -192,7 +202,7 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
         responses=cfg.teacher_responses, teacher_on_coordinator=cfg.teacher_on_coordinator, quant=cfg.teacher_quant,
         # a GGUF file's vocabulary must be the (first) student's; an HF teacher's export keeps its own tokenizer
         tokenizer=teacher_backend(cfg.teacher_backend).tokenizer_for(cfg.students))
-    students = orch.create_student_tasks(
+    students = StudentCall(
         cfg.students, out / "teacher_outputs", num_students=cfg.num_students, peft_type=cfg.peft,
         peft_config=cfg.peft_config, output_dir=out, split_shards=cfg.split_shards, kd_loss=cfg.kd_loss,
         kd_ratio=cfg.kd_ratio, temperature=cfg.temperature, beta=cfg.beta, max_steps=cfg.max_steps,
@@ -204,7 +214,7 @@ def _create_tasks(cfg: DistillSettings, orch, out: Path, resume: bool) -> tuple[
         max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
         dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
         resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)
-    return teachers, students
+    return plan_teachers(teachers), plan_students(students, mode)
 
 
 def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],

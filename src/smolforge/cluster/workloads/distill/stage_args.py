@@ -14,17 +14,17 @@ import difflib
 import inspect
 from typing import Any, Callable
 
-from smolforge.cluster.workloads.distill.students import StudentTasks
-from smolforge.cluster.workloads.distill.teachers import TeacherTasks
+from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall
 from smolforge.distill.aggregate import aggregate_student_outputs
 from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
 from smolforge.errors import SmolforgeError
 
-# stage -> the function whose keyword arguments its `args` are (the runner calls it; the aggregate
-# stage's session call passes them on to smolforge.distill.aggregate's)
+# stage -> the callable whose keyword arguments its `args` are: the seeds' teacher and students calls'
+# arguments (`plans.TeacherCall` / `StudentCall`, which the runner's session call builds its plan from);
+# the aggregate stage's session call passes them on to smolforge.distill.aggregate's
 CALLS: dict[str, Callable[..., Any]] = {
-    "teacher": TeacherTasks.create_parallel_teacher_tasks,
-    "students": StudentTasks.create_student_tasks,
+    "teacher": TeacherCall,
+    "students": StudentCall,
     "aggregate": aggregate_student_outputs,
 }
 # stage -> {argument the runner passes itself: where the spec says it instead}

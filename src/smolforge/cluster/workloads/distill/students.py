@@ -16,13 +16,11 @@ from smolforge.cluster.workloads.distill.controller import TaskEnded, TaskFailed
 from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.placing import Placing
 from smolforge.cluster.workloads.distill.remotes import new_broker
-from smolforge.cluster.workloads.distill.sync import make_sync
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
-from smolforge.cluster.workloads.distill.seed_args import student_args
+from smolforge.cluster.workloads.distill.plans import StudentCall, StudentPlan, plan_students
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
-from smolforge.distill.losses import KDConfig
 from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import StorePlan
 from smolforge.distill.teacher import prompts_from_dataset
@@ -41,86 +39,47 @@ class StudentTasks(StudentGroups, Placing):
                              num_students: int = 2, peft_type: str = "lora",
                              peft_config: dict[str, Any] | None = None, *,
                              lora_config: dict[str, Any] | None = None, task_config: TaskConfig | None = None,
-                             max_retries: int | None = None, output_dir: str | Path | None = None,
-                             split_shards: bool | None = None, kd_loss: str = "forward_kl", kd_ratio: float = 0.5,
-                             temperature: float = 1.0, beta: float = 0.5, max_steps: int | None = None,
-                             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float | None = None,
-                             warmup_steps: int = 0, max_length: int = 256, seed: int = 0,
-                             cpus_per_student: float | None = None, eval_data: str | None = None,
-                             max_eval_samples: int | None = 200, eval_accuracy: bool = True,
-                             max_new_tokens: int = 16, device: str = "auto", save_every: int | None = None,
-                             wait_timeout_s: float = 900.0, resume: bool = False,
-                             replace_timeout_s: float = 300.0, students_sync: str = "average",
-                             students_strategy: str | None = None, on_policy_ratio: float = 0.0,
-                             on_policy_temperature: float = 1.0, on_policy_start: float = 0.0,
-                             teacher_model: str | None = None, dtype: str = "fp32",
-                             teacher_dtype: str = "fp32") -> list[str]:
-        """Students that stream the teacher's shards as they appear; returns their task ids.
+                             **kwargs: Any) -> list[str]:
+        """The seeds' call: students that stream the teacher's shards as they appear; returns their task
+        ids. Every argument, its default and meaning: `plans.StudentCall` (a name it does not hold is
+        Python's TypeError); checked once into a `StudentPlan` (`student_plan`), then `start_students`."""
+        return self.start_students(self.student_plan(
+            base_model=base_model, teacher_outputs_dir=teacher_outputs_dir, num_students=num_students,
+            peft_type=peft_type, peft_config=peft_config, lora_config=lora_config, task_config=task_config, **kwargs))
 
-        `base_model` may be a list (several student bases learn from one teacher output). With
-        several students per base, the shards are split so no two of them train on the same one
-        (hybrid / data-parallel students); `split_shards=False` gives each the whole set.
-        Outputs: `<output_dir>/output/student_N/<peft>_adapter/` (default output_dir: the run dir
-        holding teacher_outputs/). With `resume`, a student that was paused (see
-        `pause_distill_students`) continues from the checkpoint in `student_N/checkpoints/`;
-        without it, such checkpoints are stale and removed.
+    def student_plan(self, **call: Any) -> StudentPlan:
+        """The seeds' `create_student_tasks` keyword arguments (`plans.StudentCall`) as a checked plan for
+        this session's mode: the one place a seed call's students are validated (`plans.plan_students`)."""
+        return plan_students(StudentCall(**call), getattr(self, "mode", "teacher_student"))
 
-        The seeds' arguments: `peft_config` takes each method's keys as they write them (LoRA
-        r/alpha/dropout, prefix/prompt num_virtual_tokens, prompt prompt_tuning_init TEXT|RANDOM with
-        prompt_tuning_init_text, adapter reduction_factor, IA3 {}); `lora_config={"r": 8, "alpha": 16}`
-        is `peft_type="lora"` with that peft_config. `task_config` (a TaskConfig) may give
-        resources.cpu_cores, max_retries (restarts after a lost worker, for this orchestrator's
-        students) and checkpointing (false: none; true: every 50 steps unless save_every is set).
-        `students_sync` (see `smolforge.cluster.workloads.distill.sync`): "average" is the above; "ddp" makes
-        the students of each base one data-parallel group (`students_strategy`, DDP by default) that
-        reads every shard in order and writes ONE adapter, to the first member's `student_N/`.
-        `on_policy_ratio` > 0: that fraction of each student's steps (after the first
-        `on_policy_start` of them) trains on its own samples scored by `teacher_model` (default: the
-        store's teacher), which the student's node loads (distill/on_policy.py).
-        """
+    def start_students(self, plan: StudentPlan) -> list[str]:
+        """The plan's students, streaming its store's shards as they appear; returns their task ids.
+
+        Each base gets `plan.num_students` students on the shards `plan.sync` assigns (split, or all);
+        a ddp sync makes each base's students one group. Outputs: `<run_dir>/output/student_N/`. With
+        `plan.resume` a paused student continues from `student_N/checkpoints/`; without, those go."""
         st = self._dstate()
-        args = student_args(peft_type, peft_config, lora_config, task_config, cpus_per_student, save_every, max_retries)
-        peft, cpus_per_student, save_every = args.peft, args.cpus, args.save_every
-        if args.max_retries is not None:
-            st.max_restarts = args.max_retries
-        store = self._store_for(teacher_outputs_dir)
-        bases = [base_model] if isinstance(base_model, str) else list(base_model)
-        if not bases:
-            raise SmolforgeError("no student base model given", fix="pass --student NAME")
-
-        kd = KDConfig(loss=kd_loss, temperature=temperature, kd_ratio=kd_ratio, beta=beta)
-        run_dir = Path(output_dir) if output_dir else store.dir.parent
-        if getattr(self, "mode", "") == "hybrid" and split_shards is False:
-            raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
-                                 fix="drop split_shards=False, or use mode teacher_student for an ensemble")
-        split = (num_students > 1) if split_shards is None else split_shards
-        sync = make_sync(students_sync, students_strategy)
-        eval_examples = self._eval_examples(eval_data, max_eval_samples) if eval_data else None
-        common = {"peft": peft.model_dump(), "kd": asdict(kd), "max_steps": max_steps, "epochs": epochs,
-                  "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr, "warmup_steps": warmup_steps,
-                  "max_length": max_length, "seed": seed, "device": device,
-                  "num_threads": max(1, int(cpus_per_student)), "save_every": save_every,
-                  "max_eval_samples": max_eval_samples, "eval_accuracy": eval_accuracy,
-                  "max_new_tokens": max_new_tokens, "wait_timeout_s": wait_timeout_s,
-                  "on_policy_ratio": on_policy_ratio, "on_policy_temperature": on_policy_temperature,
-                  "on_policy_start": on_policy_start,
-                  "teacher_model": teacher_model or (store.plan.teacher if on_policy_ratio > 0 else None),
-                  "dtype": dtype, "teacher_dtype": teacher_dtype}
-        extra = {"eval_examples": eval_examples, "replace_timeout_s": replace_timeout_s}
+        if plan.max_retries is not None:
+            st.max_restarts = plan.max_retries
+        store = self._store_for(plan.store_dir)
+        run_dir = plan.run_dir or store.dir.parent
+        eval_examples = self._eval_examples(plan.eval_data, plan.training.max_eval_samples) if plan.eval_data else None
+        common = plan.student_config(store.plan.teacher)
+        extra = {"eval_examples": eval_examples, "replace_timeout_s": plan.replace_timeout_s}
         ids = []
         assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
-        for base in bases:
+        for base in plan.bases:
             nodes, req_model = self._model_nodes(base, "student")
-            assignment = sync.shards(store.plan.num_shards, num_students, split)
+            assignment = plan.sync.shards(store.plan.num_shards, plan.num_students, plan.split)
             of_base: list[str] = []
             for shards in assignment:
-                task, ref = self._add_student(store, base, shards, run_dir, common, {**extra, "req_model": req_model},
-                                              cpus=cpus_per_student, resume=resume, peft_type=peft_type)
+                task, ref = self._add_student(plan, store, base, shards, run_dir, common,
+                                              {**extra, "req_model": req_model})
                 assigned.append(ref)
                 ids.append(task.task_id)
                 of_base.append(task.task_id)
-            for members in sync.groups(of_base):
-                self._form_group(sync.group_spec(members, assignment[0]))
+            for members in plan.sync.groups(of_base):
+                self._form_group(plan.sync.group_spec(members, assignment[0]))
         # The broker's plan now knows every assignment (students read their row counts from it).
         import ray
 
@@ -129,8 +88,8 @@ class StudentTasks(StudentGroups, Placing):
         self._ensure_monitor()
         return ids
 
-    def _add_student(self, store: StoreState, base: str, shards: list[int], run_dir: Path, common: dict[str, Any],
-                     extra: dict[str, Any], *, cpus: float, resume: bool, peft_type: str) -> tuple[DistillTask, Any]:
+    def _add_student(self, plan: StudentPlan, store: StoreState, base: str, shards: list[int], run_dir: Path,
+                     common: dict[str, Any], extra: dict[str, Any]) -> tuple[DistillTask, Any]:
         """One student of `base` on `shards`: its number and rank, its spec, its task in the run's state, its
         assignment sent to the broker (the returned ref) and its `student_created` event. Not placed yet."""
         st = self._dstate()
@@ -145,17 +104,17 @@ class StudentTasks(StudentGroups, Placing):
         config = {"base_model": base, "output_dir": str(out), **common}
         spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
                 "eval_examples": extra["eval_examples"], "req_model": extra["req_model"],
-                "replace_timeout_s": extra["replace_timeout_s"], "resume": self._resume_point(out, resume)}
+                "replace_timeout_s": extra["replace_timeout_s"], "resume": self._resume_point(out, plan.resume)}
         rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
         epochs, max_steps, per_step = common["epochs"], common["max_steps"], common["batch_size"] * common["grad_accum"]
-        task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=cpus,
+        task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=plan.cpus,
                            shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
                            resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
                            samples_total=int(rows * epochs) if not max_steps else max_steps * per_step,
                            max_steps=max_steps or max(1, -(-int(rows * epochs) // per_step)))
         with st.lock:
             st.tasks[task_id] = task
-        self._devent("student_created", f"{task_id} ({base}, {peft_type}) on shards {shards}",
+        self._devent("student_created", f"{task_id} ({base}, {plan.peft.method}) on shards {shards}",
                      task_id=task_id, shards=shards, base=base)
         if spec["resume"]:
             self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "

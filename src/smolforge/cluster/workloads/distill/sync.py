@@ -18,17 +18,37 @@ from __future__ import annotations
 
 import secrets
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from smolforge.distill.planner import student_assignment
-from smolforge.distill.shard_source import InOrderShardSource, ShardSource
 from smolforge.errors import SmolforgeError
-from smolforge.train.strategy import Strategy
+
+if TYPE_CHECKING:  # (torch: imported where a student joins, not where a plan is checked)
+    from smolforge.distill.shard_source import ShardSource
+    from smolforge.train.strategy import Strategy
 
 GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then restarts: groups.py)
 
 
-class AverageSync:
+class _Sync:
+    """What the plug-ins share: two are equal when they are the same mode with the same strategy (a
+    `StudentPlan` holds one, and plans compare by value)."""
+
+    def _key(self) -> tuple[str, str | None]:
+        return type(self).__name__, getattr(self, "strategy", None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Sync) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        strategy = getattr(self, "strategy", None)
+        return f"{type(self).__name__}({strategy!r})" if strategy else f"{type(self).__name__}()"
+
+
+class AverageSync(_Sync):
     """Independent students, each on its own shards; averaged afterwards."""
 
     name = "average"
@@ -51,10 +71,12 @@ class AverageSync:
     @staticmethod
     @contextmanager
     def join(group: dict[str, Any] | None, source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+        from smolforge.train.strategy import Strategy
+
         yield Strategy(), source
 
 
-class DataParallelSync:
+class DataParallelSync(_Sync):
     """The students of one base as one data-parallel group over the whole store."""
 
     name = "ddp"
@@ -95,6 +117,7 @@ class DataParallelSync:
     @staticmethod
     @contextmanager
     def join(group: dict[str, Any], source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+        from smolforge.distill.shard_source import InOrderShardSource
         from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
         from smolforge.parallel.strategies import make_strategy
 
@@ -110,7 +133,8 @@ SYNCS = {"average": AverageSync, "ddp": DataParallelSync}
 
 
 def make_sync(name: str, strategy: str | None = None) -> AverageSync | DataParallelSync:
-    """The plug-in for `--students-sync NAME` (with `--students-strategy`, for ddp)."""
+    """The plug-in for `--students-sync NAME` (with `--students-strategy`, for ddp). Asked once per
+    students stage, by its plan (`plans.plan_students`); the rest take it from the plan."""
     if name not in SYNCS:
         raise SmolforgeError(f"unknown --students-sync {name!r}", fix=f"use one of {', '.join(SYNCS)}")
     return SYNCS[name](strategy)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,12 @@ from smolforge.cluster.workloads.distill.state import (
     StoreState,
     is_local_model,
     short_error,
-    store_dir_of,
 )
-from smolforge.cluster.workloads.distill.seed_args import resolve, task_options
+from smolforge.cluster.workloads.distill.plans import TeacherCall, TeacherPlan, plan_teachers
 from smolforge.cluster.nodes.ray_glue import Requirements
 from smolforge.cluster.control.distill_placement import own_cpus, teacher_nodes
-from smolforge.cluster.control.specs import TaskConfig
 from smolforge.distill import backends
 from smolforge.distill.planner import model_backend, model_nodes, plan_shards, teacher_assignment
-from smolforge.distill.prompts import GenSettings
 from smolforge.distill.store import (
     CorruptShardError,
     StorePlan,
@@ -136,70 +133,49 @@ class TeacherTasks:
 
     def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str, output_dir: str | Path,
                                       num_teachers: int | None = None, batch_size: int = 8,
-                                      compress_outputs: bool = True, max_samples: int | None = None, *,
-                                      top_k: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                                      max_new_tokens: int = 32, samples_per_prompt: int = 1,
-                                      num_shards: int | None = None, shard_size: int | None = None,
-                                      backend: str = "hf", cpus_per_teacher: float | None = None,
-                                      device: str = "auto", dtype: str = "fp32", ollama_host: str | None = None,
-                                      tokenizer: str | None = None, data_format: str = "auto", seed: int = 0,
-                                      responses: str = "generate", max_retries: int | None = None,
-                                      task_config: TaskConfig | None = None,
-                                      teacher_on_coordinator: bool = False, quant: str = "q8_0",
-                                      teacher_url: str | None = None, teacher_key_file: str | None = None) -> list[str]:
-        """Shard the dataset's prompts over `num_teachers` teachers (None: one per eligible node).
+                                      compress_outputs: bool = True, max_samples: int | None = None,
+                                      **kwargs: Any) -> list[str]:
+        """The seeds' call: shard the dataset's prompts over `num_teachers` teachers (None: one per
+        eligible node); returns their task ids. Every argument, its default and meaning:
+        `plans.TeacherCall` (a name it does not hold is Python's TypeError); checked once into a
+        `TeacherPlan` (`teacher_plan`), then `start_teachers`."""
+        return self.start_teachers(self.teacher_plan(
+            model_path=model_path, dataset_path=dataset_path, output_dir=output_dir, num_teachers=num_teachers,
+            batch_size=batch_size, compress_outputs=compress_outputs, max_samples=max_samples, **kwargs))
 
-        The positional order is the seeds' (`model_path, dataset_path, output_dir, num_teachers`).
-        Teachers run only on nodes that can load `model_path` with `backend` (an `hf` or `reference`
-        teacher needs the weights, an `ollama` one the Ollama tag), GPU nodes first; if none can, this
-        raises at once. Shards go to `<output_dir>/teacher_outputs/` as they finish (an output_dir
-        named teacher_outputs is used as is). A failed teacher's shards go to another eligible node,
-        `max_retries` times per shard (default 2). `task_config` (the seeds' TaskConfig) may give
-        resources.cpu_cores and max_retries (see cluster/workloads/distill/seed_args.py).
-        `teacher_on_coordinator`: the teachers run on the coordinator (head) node instead, which
-        otherwise takes no work: the seeds' hybrid, teacher on the coordinator and students on workers.
-        `backend` llamacpp: each teacher runs a GGUF in llama.cpp with `cpus_per_teacher` threads (`quant`:
-        the weights its node exports the HF teacher to, once; `tokenizer`: the HF tokenizer whose ids a
-        given GGUF file must have, the student's). `backend` openai: `model_path` is the name the endpoint
-        `teacher_url` serves, asked from any node (`teacher_key_file`: its key's file there).
-        """
-        opts = task_options(task_config, "teacher")
-        cpus_per_teacher = resolve("cpus_per_teacher", cpus_per_teacher, opts.get("cpus"), 1.0)
-        max_retries = resolve("max_retries", max_retries, opts.get("max_retries"), 2)
+    @staticmethod
+    def teacher_plan(**call: Any) -> TeacherPlan:
+        """The seeds' `create_parallel_teacher_tasks` keyword arguments (`plans.TeacherCall`) as a checked
+        plan: the one place a seed call's teachers are validated (`plans.plan_teachers`)."""
+        return plan_teachers(TeacherCall(**call))
+
+    def start_teachers(self, plan: TeacherPlan) -> list[str]:
+        """The plan's teachers on the nodes that can load its model (GPU nodes first; this raises at once
+        when none can), over the shards of its dataset not already valid in `plan.store_dir`, which they
+        fill as they finish. A failed teacher's shards go to another eligible node, `plan.max_retries`
+        times per shard. Returns the teacher task ids."""
         st = self._dstate()
-        store_dir = store_dir_of(output_dir)
+        store_dir = plan.store_dir
         store_dir.mkdir(parents=True, exist_ok=True)
         store_dir = store_dir.resolve()
-        backends.teacher_backend(backend)  # an unknown name: the choices, before any work
-        eligible, req_model = self._model_nodes(model_path, "teacher", backend,
-                                                teacher_on_coordinator)  # fails fast, before reading data
-        settings = GenSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               samples_per_prompt=samples_per_prompt, top_k=top_k, batch_size=batch_size, seed=seed,
-                               responses=responses)
-        settings.check()
-        items = prompts_from_dataset(dataset_path, max_samples, data_format)
-        n_teachers = len(eligible) if num_teachers is None else int(num_teachers)
-        if n_teachers < 1:
-            raise SmolforgeError("num_teachers must be ≥ 1", fix="pass --num-teachers 1 or more (or leave it unset)")
-        plan = plan_shards(len(items), num_shards=num_shards, shard_size=shard_size, min_shards=2 * n_teachers,
-                           teacher=model_path, dataset=str(dataset_path), k=top_k, samples_per_prompt=samples_per_prompt)
-        plan.generation, plan.compress, plan.backend = asdict(settings), compress_outputs, backend
-        old = StorePlan.read(store_dir)
-        if old is not None:
-            same = (old.teacher, old.dataset, old.num_examples, old.shards) == (plan.teacher, plan.dataset,
-                                                                                  plan.num_examples, plan.shards)
-            if not same and ready_shards(store_dir):
-                raise SmolforgeError(f"{store_dir} holds shards of a different teacher run",
-                                     fix="use a new --output-dir, or delete that teacher_outputs/ directory")
-        plan.write(store_dir)
-        broker = new_broker(
-            {**asdict(plan), "assigned": {}})
-        store = StoreState(dir=store_dir, plan=plan, items=items, teacher=model_path, backend=backend,
-                           settings=settings, compress=compress_outputs, broker=broker, teacher_nodes=eligible,
-                           teacher_req_model=req_model, cpus_per_teacher=cpus_per_teacher, device=device,
-                           ollama_host=ollama_host, teacher_tokenizer=tokenizer, max_retries=max_retries,
-                           teacher_on_coordinator=teacher_on_coordinator, dtype=dtype, quant=quant,
-                           teacher_url=teacher_url, teacher_key_file=teacher_key_file)
+        eligible, req_model = self._model_nodes(plan.model, "teacher", plan.backend,
+                                                plan.on_coordinator)  # fails fast, before reading data
+        items = prompts_from_dataset(plan.dataset, plan.max_samples, plan.data_format)
+        n_teachers = len(eligible) if plan.num_teachers is None else plan.num_teachers
+        settings = plan.settings
+        shards = plan_shards(len(items), num_shards=plan.num_shards, shard_size=plan.shard_size,
+                             min_shards=2 * n_teachers, teacher=plan.model, dataset=plan.dataset, k=settings.top_k,
+                             samples_per_prompt=settings.samples_per_prompt)
+        shards.generation, shards.compress, shards.backend = asdict(settings), plan.compress, plan.backend
+        self._check_store(store_dir, shards)
+        shards.write(store_dir)
+        broker = new_broker({**asdict(shards), "assigned": {}})
+        store = StoreState(dir=store_dir, plan=shards, items=items, teacher=plan.model, backend=plan.backend,
+                           settings=replace(settings), compress=plan.compress, broker=broker, teacher_nodes=eligible,
+                           teacher_req_model=req_model, cpus_per_teacher=plan.cpus, device=plan.device,
+                           ollama_host=plan.ollama_host, teacher_tokenizer=plan.tokenizer, max_retries=plan.max_retries,
+                           teacher_on_coordinator=plan.on_coordinator, dtype=plan.dtype, quant=plan.quant,
+                           teacher_url=plan.teacher_url, teacher_key_file=plan.teacher_key_file)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -207,11 +183,22 @@ class TeacherTasks:
         ids = []
         for positions, node in zip(assignment, teacher_nodes(eligible, len(assignment))):
             ids.append(self._launch_teacher(store, [todo[p] for p in positions], node))
-        self._devent("teachers_planned", f"{plan.num_shards} shards of {len(items)} prompts over {len(ids)} teachers "
-                     f"({len(todo)} to generate, {plan.num_shards - len(todo)} reused)", store=str(store_dir),
-                     shards=plan.num_shards, teachers=ids, reused=plan.num_shards - len(todo))
+        self._devent("teachers_planned", f"{shards.num_shards} shards of {len(items)} prompts over {len(ids)} teachers "
+                     f"({len(todo)} to generate, {shards.num_shards - len(todo)} reused)", store=str(store_dir),
+                     shards=shards.num_shards, teachers=ids, reused=shards.num_shards - len(todo))
         self._ensure_monitor()
         return ids
+
+    @staticmethod
+    def _check_store(store_dir: Path, plan: StorePlan) -> None:
+        """Refuse a store that holds shards of another teacher run (another teacher, dataset or sharding)."""
+        old = StorePlan.read(store_dir)
+        if old is not None:
+            same = (old.teacher, old.dataset, old.num_examples, old.shards) == (plan.teacher, plan.dataset,
+                                                                                  plan.num_examples, plan.shards)
+            if not same and ready_shards(store_dir):
+                raise SmolforgeError(f"{store_dir} holds shards of a different teacher run",
+                                     fix="use a new --output-dir, or delete that teacher_outputs/ directory")
 
     def _reuse_shards(self, store: StoreState) -> list[int]:
         """Register valid shards already on disk; quarantine corrupt ones. Returns the shards to generate."""
