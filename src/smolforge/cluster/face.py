@@ -24,16 +24,11 @@ if TYPE_CHECKING:
     from smolforge.cluster.nodes.statedir import check_port
     from smolforge.cluster.nodes.worker import WorkerNode, WorkerOptions, request_rescan
     from smolforge.cluster.workloads.distill.runner import split_task_id
-    from smolforge.cluster.workloads.distill.seed_args import student_args, task_options
     from smolforge.cluster.workloads.distill.session import DistillSession, DistillTasks
     from smolforge.cluster.workloads.distill.state import store_dir_of
-    from smolforge.cluster.workloads.distill.students import StudentTasks
-    from smolforge.cluster.workloads.distill.sync import make_sync
-    from smolforge.cluster.workloads.distill.teachers import TeacherTasks
 
 __all__ = ["Backend", "holds_jobs", "check_node_name", "check_port", "WorkerNode", "WorkerOptions", "request_rescan",
-           "split_task_id", "student_args", "task_options", "DistillSession", "DistillTasks", "store_dir_of",
-           "StudentTasks", "make_sync", "TeacherTasks"]
+           "split_task_id", "DistillSession", "DistillTasks", "store_dir_of"]
 
 
 @runtime_checkable
@@ -101,14 +96,9 @@ _LAZY = {
     "WorkerOptions": "smolforge.cluster.nodes.worker",
     "request_rescan": "smolforge.cluster.nodes.worker",
     "split_task_id": "smolforge.cluster.workloads.distill.runner",
-    "student_args": "smolforge.cluster.workloads.distill.seed_args",
-    "task_options": "smolforge.cluster.workloads.distill.seed_args",
     "DistillSession": "smolforge.cluster.workloads.distill.session",
     "DistillTasks": "smolforge.cluster.workloads.distill.session",
     "store_dir_of": "smolforge.cluster.workloads.distill.state",
-    "StudentTasks": "smolforge.cluster.workloads.distill.students",
-    "make_sync": "smolforge.cluster.workloads.distill.sync",
-    "TeacherTasks": "smolforge.cluster.workloads.distill.teachers",
 }
 
 
