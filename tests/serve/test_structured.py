@@ -16,7 +16,7 @@ import queue
 import pytest
 
 from helpers import require_module
-from test_llamacpp_engine import TOKEN, Live, lcpp_model, require_llama_cpp  # noqa: F401  (a fixture)
+from test_llamacpp_engine import TOKEN, Live, require_llama_cpp  # lcpp_model: a fixture of conftest.py
 
 pytestmark = pytest.mark.timeout(300)
 
