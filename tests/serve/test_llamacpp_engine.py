@@ -407,3 +407,62 @@ def test_bytes_cached_tokens_and_fingerprint_on_both_engines(servers, served_tin
     assert got["torch"][0]["system_fingerprint"] != got["llamacpp"][0]["system_fingerprint"]
     assert [c["bytes"] for c in got["torch"][0]["choices"][0]["logprobs"]["content"]] == \
         [c["bytes"] for c in got["llamacpp"][0]["choices"][0]["logprobs"]["content"]]  # greedy: the same tokens
+
+
+def test_a_step_of_rows_in_any_sequence_order_is_one_ubatch(lcpp_model, served_tiny):
+    """Issue 44 (first-token time): the pool hands sequence ids out in any order as rows come and go, so a
+    running batch's rows hold e.g. ids 2, 0, 3, 1. Each llama_decode of the generation (the rows' prefill
+    and every decode step) is still one ubatch, one pass over the weights: llama.cpp's own eval callback
+    sees the graph's output node once per call (a KV stream per sequence split such a call into a ubatch
+    per run of consecutive ids). The tokens are those of the same requests in the fixture's model."""
+    import ctypes
+    from pathlib import Path
+
+    import llama_cpp
+
+    from smolforge.serve.batch import Request
+    from smolforge.serve.engine import Engine
+    from smolforge.serve.llamacpp import LlamaCppModel
+    from smolforge.serve.sampling import SamplingParams
+
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_get_name.restype, ggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    ubatches = [0]
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def seen(tensor, ask, _data):  # asked once per graph node; no node's data is wanted
+        if ask and ggml.ggml_get_name(tensor) == b"result_output":
+            ubatches[0] += 1
+        return False
+
+    class Counted(LlamaCppModel):
+        def _context_params(self):
+            p = super()._context_params()
+            p.cb_eval = seen
+            return p
+
+    model = Counted(lcpp_model.gguf_path, lcpp_model.tokenizer, lcpp_model.eos_ids, name="tiny", quant="f16",
+                    n_threads=1, max_batch=4)
+    decode, calls = model._decode, [0]
+
+    def counted(entries):
+        calls[0] += 1
+        decode(entries)
+
+    model._decode = counted
+    prompts = [served_tiny.tokenizer(p)["input_ids"] for p in
+               ("Hello there", "What is 2 + 3?", "The capital of a small country is", "def fibonacci(n):")]
+
+    def run(m):
+        done: list = []
+        Engine(m, prefix_cache_bytes=0).run_batch(
+            [Request(ids, SamplingParams(max_tokens=6, temperature=0, stop=[]), done.append) for ids in prompts])
+        return sorted(e.token_ids for e in done if hasattr(e, "finish_reason"))
+
+    try:
+        model._free = [2, 0, 3, 1]  # as rows leave and join: the batch's rows hold these ids in this order
+        tokens = run(model)
+        assert calls[0] >= 2 and ubatches[0] == calls[0], (calls, ubatches)  # the prefill, then each decode step
+        assert tokens == run(lcpp_model)
+    finally:
+        model.close()

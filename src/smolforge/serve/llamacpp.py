@@ -10,8 +10,9 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
   tokenizes, and its ids go to llama.cpp as they are (our own export keeps the vocabulary).
 - Rows of a batch are llama.cpp sequences: a batch's rows are decoded in one `llama_decode`, each
   row with its own sequence id and KV cells, so eight streams share each read of the weights as the
-  torch engine's batch does. A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes
-  back to the pool; no column trimming is needed (llama.cpp keeps no padding).
+  torch engine's batch does (one unified KV stream, `kv_unified`: one ubatch whatever the ids'
+  order). A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes back to the
+  pool; no column trimming is needed (llama.cpp keeps no padding).
 - A step's cost outside llama.cpp is kept small (a small model's token takes a few hundred
   microseconds, issue 32): a decode step sends each row's one token without reading the mask, into
   a `llama_batch` made once, and its logits are llama.cpp's own output rows (`LogitsView`, no copy),
@@ -135,6 +136,13 @@ class LlamaCppModel:
         p.n_ctx = self.max_positions * self.n_seq  # split evenly: each sequence gets max_positions
         p.n_batch = p.n_ubatch = min(512, p.n_ctx)
         p.n_seq_max = self.n_seq
+        # One KV stream for every sequence: a decode of rows in any order of sequence ids is one ubatch,
+        # one pass over the weights. With a stream per sequence (llama.cpp's default) a batch is split
+        # into ubatches of runs of consecutive ids (`split_equal`), and the pool hands ids out in any
+        # order: a decode step of 8 rows was up to 8 passes (issue 44: 3.5 s a step against 1.6 s for a
+        # 90-token prefill chunk, BENCHMARKS.md). The flash-attention CPU kernel skips the other
+        # sequences' masked cells, so sharing the stream costs a step little.
+        p.kv_unified = True
         p.n_threads = p.n_threads_batch = self.n_threads
         p.no_perf = True
         return p
