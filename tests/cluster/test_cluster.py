@@ -397,6 +397,7 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     assert all(b > 0 for b in res["peak_rss_mb_per_rank"])
 
 
+@pytest.mark.soak  # the same claim, in process: tests/test_fsdp_strategy.py::test_two_fsdp_ranks_equal_one_process_and_their_checkpoints_resume_anywhere
 def test_fsdp_equals_ddp_with_a_shard_of_the_state_per_rank(world):
     """FSDP2 shards every block's parameters (the frozen base too), gradients and AdamW's state; its
     reduce-scatter averages over the ranks as DDP's all-reduce does, so the weights are DDP's. The
