@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tiers import OFF_CI, TIERS, cap_timeouts, chosen_tier  # noqa: E402
-from workunits import SHARED_CLUSTER_ORDER, work_unit  # noqa: E402
+from workunits import SHARED_CLUSTER_ORDER, end_after_last_user, work_unit  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -104,6 +104,14 @@ def work_units(items: list) -> None:
     shared = [item for item in items if "shared_cluster" in item.fixturenames]
     shared_cluster_last(shared)
     items[:] = shared + [item for item in items if "shared_cluster" not in item.fixturenames]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own teardown (its module's fixtures included): the shared cluster ends once its last
+    user is done (`end_after_last_user`), not with the session."""
+    yield
+    end_after_last_user(item, nextitem)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's (the `test` extra installs it)

@@ -140,3 +140,61 @@ def test_every_user_of_the_shared_cluster_is_in_its_work_unit():
     # tests/serve shares one session server; any other module is its own unit
     assert work_unit("tests/serve/test_api.py::test_x") == work_unit("tests/serve/test_load.py::test_y[1]")
     assert work_unit("tests/cluster/test_tls.py::test_x") == "tests/cluster/test_tls.py"
+
+
+# -- the shared cluster ends after its last user ---------------------------------------------------------
+#
+# Why: under pytest-xdist the process that runs the shared cluster's users first then takes other modules
+# for the rest of the run, and a session fixture only ends with the session: the cluster (coordinator, two
+# workers, their Ray processes) idled beside every later module on the two cores (tests/workunits.py,
+# `end_after_last_user`).
+
+HOOK_CONFTEST = '''
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, {tests!r})
+from workunits import end_after_last_user  # noqa: E402
+
+LOG = Path(__file__).parent / "log.txt"
+
+
+def say(what):
+    with LOG.open("a") as f:
+        f.write(what + "\\n")
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    say("start")
+    yield
+    say("end")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):  # tests/conftest.py's hook, as written there
+    yield
+    end_after_last_user(item, nextitem)
+'''
+
+
+def test_the_shared_cluster_ends_after_its_last_user_and_a_later_one_starts_it_again(tmp_path):
+    """A real pytest run (one process, the modules in the order given): the session fixture ends right
+    after test_a's last test, before test_b runs; test_c, a later user, starts it anew."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(HOOK_CONFTEST.format(tests=str(TESTS)))
+    use = "from conftest import say\n\n\ndef test_{n}(shared_cluster):\n    say('{m} {n}')\n"
+    (tmp_path / "test_a.py").write_text(use.format(m="a", n=1) + "\n\n" + use.format(m="a", n=2))
+    (tmp_path / "test_b.py").write_text("from conftest import say\n\n\ndef test_b():\n    say('b')\n")
+    (tmp_path / "test_c.py").write_text(use.format(m="c", n=1))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "test_a.py", "test_b.py", "test_c.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # seconds, not 15
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "log.txt").read_text().split("\n")[:-1] == [
+        "start", "a 1", "a 2", "end", "b", "start", "c 1", "end"], proc.stdout

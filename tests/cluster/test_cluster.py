@@ -397,6 +397,7 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state_per_rank(world):
     assert all(b > 0 for b in res["peak_rss_mb_per_rank"])
 
 
+@pytest.mark.soak  # the same claim, in process: tests/test_fsdp_strategy.py::test_two_fsdp_ranks_equal_one_process_and_their_checkpoints_resume_anywhere
 def test_fsdp_equals_ddp_with_a_shard_of_the_state_per_rank(world):
     """FSDP2 shards every block's parameters (the frozen base too), gradients and AdamW's state; its
     reduce-scatter averages over the ranks as DDP's all-reduce does, so the weights are DDP's. The
@@ -472,10 +473,10 @@ def test_diloco_pause_then_resume_equals_uninterrupted(world):
 def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     """w2 sleeps 30 ms per sample in every forward (fault injection: a file in its node directory).
     With `balance: auto` the ranks measure their rates (rows per second of forward and backward) and
-    each takes rows of every global batch in proportion, which the `balance` event states; with `off`
-    the slices stay equal. The loss is normalised over the whole step, so both end with the weights
-    of one process with the global batch. (How much time balancing saves is a benchmark's claim:
-    bench/balance.py, BENCHMARKS.md.)"""
+    each takes rows of every global batch in proportion, which the `balance` event states. The loss is
+    normalised over the whole step, so it ends with the weights of one process with the global batch.
+    (`off` measures nothing and keeps the slices equal: test_pause_then_resume_with_lora_dropout_equals_uninterrupted;
+    how much time balancing saves is a benchmark's claim: bench/balance.py, BENCHMARKS.md.)"""
     from smolforge.train.balance import split_rows
 
     client = world["c"].client()
@@ -484,20 +485,15 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     slow.parent.mkdir(parents=True, exist_ok=True)
     slow.write_text(str(delay))
     steps = 16
-    try:
-        res = {}
-        for mode in ("off", "auto"):
-            job_id = client.submit_job({**job_spec(world, batch_size=4, max_steps=steps, save_every=0),
-                                        "balance": mode})
-            res[mode] = wait_state(client, job_id, ("completed",))
+    try:  # (auto is the job's default)
+        job_id = client.submit_job({**job_spec(world, batch_size=4, max_steps=steps, save_every=0), "balance": "auto"})
+        auto = wait_state(client, job_id, ("completed",))["result"]
     finally:
         slow.unlink()
-    off, auto = res["off"]["result"], res["auto"]["result"]
     slow_rank = auto["nodes"].index("w2")
-    assert off["batch_rows_per_rank"] is None  # equal slices: 4 and 4
     rows = auto["batch_rows_per_rank"]
     assert sum(rows) == 8 and rows[slow_rank] < 4 < rows[1 - slow_rank], auto
-    events = client.job_events(res["auto"]["job_id"])
+    events = client.job_events(job_id)
     decided = [e["data"] for e in events if e["kind"] == "balance"]
     assert decided, render_timeline(events)
     rates = decided[-1]["rates"]  # what each rank measured, samples/s
@@ -506,18 +502,17 @@ def test_balance_gives_a_slow_worker_fewer_rows_with_the_same_weights(world):
     assert 0 < rates[slow_rank] <= 1 / delay and rates[1 - slow_rank] > rates[slow_rank], decided
     assert decided[-1]["rows"] == split_rows(rates, 8) == rows, (decided, rows)
     ref = reference(world, 8, max_steps=steps, save_every=0)
-    for mode in ("off", "auto"):
-        assert_same_weights(adapter_of(world, res[mode]["job_id"]), ref)
+    assert_same_weights(adapter_of(world, job_id), ref)
     # communication lands in the job's metrics: the job row (job show, dashboard) and Prometheus
-    comm = client.get_job_status(res["auto"]["job_id"])["comm"]
+    comm = client.get_job_status(job_id)["comm"]
     assert comm["step"] == steps and comm["batch_rows_per_rank"] == rows
     for reported, total in zip(comm["bytes_sent_per_rank"], auto["comm_bytes_sent_per_rank"]):
         assert 0.99 * total <= reported <= total  # the last report is before the final eval's reduce
-    shown = world["c"].cli("job", "show", res["auto"]["job_id"])
+    shown = world["c"].cli("job", "show", job_id)
     assert shown.returncode == 0 and f"communication (per rank, step {steps}): sent" in shown.stdout, shown.stdout
     assert f"rows per step {rows[0]} / {rows[1]} (balanced)" in shown.stdout, shown.stdout
     scrape = world["c"].api("GET", "/metrics").text
-    assert f'smolforge_job_comm_bytes_sent{{job="{res["auto"]["job_id"]}",rank="{slow_rank}"}}' in scrape
+    assert f'smolforge_job_comm_bytes_sent{{job="{job_id}",rank="{slow_rank}"}}' in scrape
     assert "smolforge_job_comm_wait_seconds{" in scrape
 
 
@@ -665,6 +660,7 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
     assert st["result"]["steps"] == steps
+    assert st["result"]["batch_rows_per_rank"] is None  # balance off: never measured, equal slices (auto: a list)
     assert_same_weights(adapter_of(world, job_id), adapter_of(world, whole))
 
 

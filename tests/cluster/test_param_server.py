@@ -162,7 +162,9 @@ def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
     back (the event) and contributes again. Then a second job loses rank 1 to SIGKILL and finishes."""
     client = world["c"].client()
     cfg = {"deadline_max_s": 5.0, "deadline_min_s": 0.2}  # straggler_after: 3 deadlines missed in a row
-    job = client.submit_job(spec(world, "sync-ps", cfg, steps=100))
+    # 50 steps: stopped at step 10 it misses ~3 deadlines; the ~35 steps after SIGCONT give rank 1 far more
+    # than the 5 contributed parts asked below (100 steps proved the same at twice the worker time)
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=50))
     st = wait_step(client, job, 10)  # past the first arrivals: the deadline adapts
     pid = rank_pid(st, 1)
     os.kill(pid, signal.SIGSTOP)
@@ -173,7 +175,7 @@ def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
         os.kill(pid, signal.SIGCONT)
     res = wait_state(client, job, ("completed",))["result"]
     kinds = [e["kind"] for e in client.job_events(job)]
-    assert res["steps"] == 100, res
+    assert res["steps"] == 50, res
     assert res["server"]["closed_at_deadline"] >= 3, res["server"]  # the steps it missed closed without it
     assert "straggler_back" in kinds, timeline(client, job)
     assert res["dropped_per_rank"][1] >= 1 and res["server"]["dropped"]["1"] == res["dropped_per_rank"][1], res
@@ -181,13 +183,13 @@ def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
     assert res["parts_done_per_rank"][1] - res["dropped_per_rank"][1] > parts_then + 5, (res, parts_then)
     assert res["final_loss"] < first_loss(client, job)
 
-    job = client.submit_job(spec(world, "sync-ps", cfg, steps=60))
+    job = client.submit_job(spec(world, "sync-ps", cfg, steps=30))
     st = wait_step(client, job, 10)
     os.kill(rank_pid(st, 1), signal.SIGKILL)
     st = wait_state(client, job, ("completed",))
     kinds = [e["kind"] for e in client.job_events(job)]
     assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
-    assert st["result"]["steps"] == 60 and st["result"]["workers"] == 1
+    assert st["result"]["steps"] == 30 and st["result"]["workers"] == 1
 
 
 @pytest.mark.soak  # the CI tier's proof: the in-process test of the same name (tests/test_ps_inprocess.py)
@@ -326,7 +328,7 @@ def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(w
     and the job resumes from the last checkpoint (which holds the server's state) with a new server on
     another node, and completes."""
     c, client = world["c"], world["c"].client()
-    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=120, save_every=10))
+    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=80, save_every=10))  # killed at 25: 55 after
     st = wait_step(client, job, 25)
     ps = next(t for t in st["tasks"] if t["kind"] == "param_server")
     c.kill_worker(ps["node_name"])
@@ -337,5 +339,5 @@ def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(w
     assert len(servers) == 2 and servers[-1]["node_name"] != ps["node_name"], servers
     recovered = next(e for e in client.job_events(job) if e["kind"] == "recovered")
     assert "checkpoints" in recovered["message"] or "step-" in recovered["message"], recovered
-    assert st["result"]["steps"] == 120
+    assert st["result"]["steps"] == 80
     assert st["result"]["final_loss"] < first_loss(client, job)  # it learned (three workers, then the two left)
