@@ -28,8 +28,27 @@ from smolforge.models.export.targets import RUN_TARGETS
 from smolforge.models.peft_spec import METHODS as PEFT_METHODS
 
 
+# `smolforge distill --help`: a module constant handed to app.command, so the command function stays short
+DISTILL_HELP = """Distill a teacher into PEFT students: parallel teacher shards, streaming students, merged adapter.
+
+Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
+
+Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --tensorboard  (then: tensorboard --logdir outputs/distill/tensorboard)
+
+Example (the seeds' hybrid: teacher on the coordinator, two students as one DDP group on the workers): smolforge distill --teacher small-llama --student tiny-llama --data bundled --mode hybrid --teacher-on-coordinator --students-sync ddp --num-students 2
+
+Example (an ensemble of two student bases on one teacher's outputs): smolforge distill --teacher small-llama --student tiny-llama --student tiny-qwen2 --data bundled --max-steps 20
+
+Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
+
+Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
+
+Example (prompts from a Hugging Face dataset, read offline from the local cache): smolforge distill --teacher small-llama --student tiny-llama --dataset-name tatsu-lab/alpaca --max-samples 256 --max-steps 20
+"""
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(cls=RegistryHelp)
+    @app.command(cls=RegistryHelp, help=DISTILL_HELP)
     @run_cli
     def distill(
         teacher: str = typer.Option(..., help="teacher: HF id, local dir, Ollama name or preset"),
@@ -115,22 +134,6 @@ def register(app: typer.Typer) -> None:
         export: Optional[str] = typer.Option(None, "--export", help=f"{'|'.join(RUN_TARGETS)}: export the merged adapter (each "
                                              "student base's), verified, into <output-dir>/export/"),
     ):
-        """Distill a teacher into PEFT students: parallel teacher shards, streaming students, merged adapter.
-
-        Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-samples 256 --max-steps 20
-
-        Example: smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --tensorboard  (then: tensorboard --logdir outputs/distill/tensorboard)
-
-        Example (the seeds' hybrid: teacher on the coordinator, two students as one DDP group on the workers): smolforge distill --teacher small-llama --student tiny-llama --data bundled --mode hybrid --teacher-on-coordinator --students-sync ddp --num-students 2
-
-        Example (an ensemble of two student bases on one teacher's outputs): smolforge distill --teacher small-llama --student tiny-llama --student tiny-qwen2 --data bundled --max-steps 20
-
-        Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp32): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-dtype bf16 --student-dtype bf16
-
-        Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
-
-        Example (prompts from a Hugging Face dataset, read offline from the local cache): smolforge distill --teacher small-llama --student tiny-llama --dataset-name tatsu-lab/alpaca --max-samples 256 --max-steps 20
-        """
         _run_command(dict(locals()))
 
 
