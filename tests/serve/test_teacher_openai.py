@@ -63,17 +63,8 @@ def test_the_endpoint_teacher_writes_the_hf_teachers_store_and_a_student_trains_
     want = HFTeacher("tiny-llama", device="cpu").generate(prompts_from_dataset("bundled", max_samples=6), GEN)
     # a token that is part of a character (its text alone U+FFFD) is named by its `bytes`: no answer is text only
     assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == 0, m["endpoint"]
-    same = total = partial = 0
+    same, partial, total = _topk_agreement(got, want, tok)
     for g, w in zip(got, want):
-        assert g.prompt_ids == w.prompt_ids and g.has_topk
-        assert g.response_text == w.response_text  # greedy: the hf teacher's answer
-        assert g.response_ids == w.response_ids[:len(g.response_ids)]
-        assert all(t in row for t, row in zip(g.response_ids, g.topk_indices.tolist()))  # each token in its row
-        for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
-            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
-            same += given == set(row_w.tolist())  # raw: every id, the bytes of a character's pieces included
-            partial += any("\ufffd" in tok.decode([i]) for i in row_w.tolist())
-            total += 1
         # the store keeps log-probs as fp16 (spacing 1/256 between 4 and 8): relative tolerance as well
         assert np.allclose(g.topk_logprobs[:, 0], w.topk_logprobs[:len(g.response_ids), 0], atol=1e-3, rtol=1e-3)
     print(f"top-{K} ids equal the hf teacher's at {same}/{total} positions raw ({partial} rows hold a byte token)")
@@ -102,6 +93,24 @@ def test_reference_answers_are_scored_by_echo_as_the_hf_teacher_scores_them(serv
             same += given == set(row_w.tolist())  # raw: `content` names every alternative by its bytes
             total += 1
     assert teacher.text_only == 0 and total >= 16 and same >= 0.99 * total, (same, total)
+
+
+def _topk_agreement(got: list, want: list, tok) -> tuple[int, int, int]:
+    """(positions whose top-k id set equals the hf teacher's, of them rows holding a byte token, positions),
+    raw: every id, the bytes of a character's pieces included. Asserts the greedy answers are the hf
+    teacher's and each answer token is in its own row."""
+    same = total = partial = 0
+    for g, w in zip(got, want):
+        assert g.prompt_ids == w.prompt_ids and g.has_topk
+        assert g.response_text == w.response_text  # greedy: the hf teacher's answer
+        assert g.response_ids == w.response_ids[:len(g.response_ids)]
+        assert all(t in row for t, row in zip(g.response_ids, g.topk_indices.tolist()))  # each token in its row
+        for row_g, lp_g, row_w in zip(g.topk_indices, g.topk_logprobs, w.topk_indices):
+            given = {i for i, lp in zip(row_g.tolist(), lp_g.tolist()) if lp > -60000}
+            same += given == set(row_w.tolist())
+            partial += any("\ufffd" in tok.decode([i]) for i in row_w.tolist())
+            total += 1
+    return same, partial, total
 
 
 def _teacher(url: str, **kw):
@@ -218,7 +227,8 @@ def test_the_endpoint_teacher_against_llama_server(tmp_path):
     from smolforge.distill.shard_source import DirShardSource
     from smolforge.distill.store import read_shard, tokenizer_hash
     from smolforge.distill.student import train_student
-    from smolforge.distill.teacher import run_teacher_local
+    from smolforge.distill.teacher import HFTeacher, prompts_from_dataset, run_teacher_local
+    from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
     from smolforge.models.export.cache import cached_gguf
     from smolforge.models.loading import load_tokenizer
 
@@ -233,9 +243,21 @@ def test_the_endpoint_teacher_against_llama_server(tmp_path):
     finally:
         llama_server.stop(server)
     m = manifests[0]
-    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] < 6, m["endpoint"]
-    assert any(r.has_topk for r in read_shard(out, 0).records)
+    assert m["endpoint"]["k"] == K and m["endpoint"]["text_only"] == 0, m["endpoint"]
     tok = load_tokenizer("tiny-llama")
+    items, got = prompts_from_dataset("bundled", max_samples=6), read_shard(out, 0).records
+    # the same model's weights as llama-server holds them (the f16 GGUF), in our llamacpp teacher: what the
+    # endpoint path must keep; the hf teacher (fp32) differs by the GGUF's rounding (printed, not held)
+    same, partial, total = _topk_agreement(got, LlamaCppTeacher("tiny-llama", tokenizer="tiny-llama",
+                                                                quant="f16").generate(items, GEN), tok)
+    hf_same, _, hf_total = _topk_agreement(got, HFTeacher("tiny-llama", device="cpu").generate(items, GEN), tok)
+    print(f"llama-server (f16 GGUF): top-{K} ids equal the llamacpp teacher's on that GGUF at {same}/{total} "
+          f"positions raw ({partial} rows hold a byte token), the fp32 hf teacher's at {hf_same}/{hf_total}")
+    # measured 40/43 against both (2026-11-29): the 3 rows differ on the endpoint's side of the path, not in
+    # the weights. Suspected, not yet shown: a byte-fallback id and a piece with the same bytes both map to the
+    # piece (`TokenMap`); llama-server's own per-candidate `id` would settle it (issue 46, left open). To be
+    # held at >= 0.99 of positions once found.
+    assert total >= 16, (same, partial, total)
     res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
                         teacher_tokenizer_hash=tokenizer_hash(tok))
     assert res.mode == "logit" and res.steps == 2
