@@ -9,30 +9,40 @@ as plain SFT trains on it) with `echo: true`, `max_tokens: 0` and `logprobs: k`,
 answer's positions (an endpoint that cannot echo
 log-probabilities is a clear error: use `generate`).
 
-What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids. The
-endpoint names tokens by their text; each is mapped to the student tokenizer's id whose text is exactly
-that (`TokenMap`: every id's text as it reads after another token, as an incremental detokenizer makes it;
-a text two ids share is the id the tokenizer itself encodes it as). A response with any token that does not
-map, or whose mapped ids do not spell its text, is kept as text only: students train on it sequence-level
-(the same fallback as a teacher of another tokenizer), and the run says so once and counts it in each
-shard's manifest (`endpoint.text_only`). A token that is part of a character (a byte-level token of a
-multi-byte UTF-8 character) has no text of its own (U+FFFD, or nothing): where the endpoint sends each
-token's `bytes` (the chat shape), the bytes name it (`models.token_bytes`); where it sends text only (the
-legacy shape), such an answer is text only too. k is what the endpoint gives: rows with fewer alternatives
-than asked are padded with -inf (their mass is in the tail); the manifest says the most it gave
-(`endpoint.k`). Both response shapes are read; the chat one (`content: [{token, bytes, logprob,
-top_logprobs: [...]}]`, which llama-server sends for completions and `smolforge serve` sends beside the
-legacy keys) first, else the legacy one (`tokens`, `top_logprobs` as {text: logprob}).
+What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids, each
+token the endpoint names mapped by `TokenMap`: by the endpoint's own `id` where it sends one (llama-server
+does, for each token and alternative) and its vocabulary is the student's (the size it states at GET
+/models, llama-server's `meta.n_vocab`, equal to the tokenizer's; each id's piece checked against the
+bytes or text sent with it); else by the token's `bytes` (the chat shape), else by its text (every id's
+text as it reads after another token, as an incremental detokenizer makes it; a text two ids share is the
+id the tokenizer itself encodes it as). Ids are exact where bytes and text are not: a special token
+(llama-server names the end of turn '' with no bytes) and a byte-fallback token `<0x6B>` beside the piece
+"k". Where an answer carries ids that are not used (another vocabulary size, none stated, or one id whose
+piece differs), the run says so once; the manifest says which way it mapped (`endpoint.by_ids`). A
+response with any token that does not map, or whose mapped ids do not spell its text, is kept as text
+only: students train on it sequence-level (the same fallback as a teacher of another tokenizer), and the
+run says so once and counts it in each shard's manifest (`endpoint.text_only`). A token that is part of a
+character (a byte-level token of a multi-byte UTF-8 character) has no text of its own (U+FFFD, or
+nothing): its id or bytes name it; where the endpoint sends text only (the legacy shape), such an answer
+is text only too. k is what the endpoint gives: rows with fewer alternatives than asked are padded with
+-inf (their mass is in the tail); the manifest says the most it gave (`endpoint.k`). Both response shapes
+are read; the chat one (`content: [{token, bytes, logprob, top_logprobs: [...]}]`, which llama-server
+sends for completions with an `id` in each entry, and `smolforge serve` sends beside the legacy keys)
+first, else the legacy one (`tokens`, `top_logprobs` as {text: logprob}).
 
 The key: `$OPENAI_API_KEY`, or the file `--teacher-key-file` names (read on the teacher's node, so the key
 travels in no spec, argv or log); none: no Authorization header (a local server). Requests have bounded
 timeouts; a 429 or 5xx, a timeout and a dropped connection are retried with exponential backoff (`RETRIES` times),
 a 401/403 (the key) and a 404 (URL or model name) are one SmolforgeError with the fix (exit 2).
 
-Ollama's `/v1`: its documentation (docs.ollama.com/api/openai-compatibility) lists "Logprobs" among the
-supported features of both `/v1/chat/completions` and `/v1/completions` (its native API returns up to 20
-`top_logprobs` since v0.12.11: `distill/ollama.py`); `/v1/completions` takes the prompt only as a string.
-Whether it echoes prompt log-probabilities is not documented, so use `generate` with it.
+Ollama's `/v1` (read 2026-11-29 from its source and docs at ollama/ollama fb30760, 2026-08-21): its
+documentation (docs.ollama.com/api/openai-compatibility) marks "Logprobs" as not supported on both
+`/v1/chat/completions` and `/v1/completions`, and `echo` as not supported. Its code (since v0.12.11,
+ollama#12899) passes `/v1/completions`' `logprobs: N` on as `top_logprobs` N but puts no `logprobs` in the
+completion it answers (`openai.ToCompletion`), so this teacher keeps every Ollama `/v1` answer as text
+(sequence-level KD), said once; only `/v1/chat/completions` answers them, in the chat shape (`token`,
+`logprob`, `bytes`, `top_logprobs`, up to 20; no `id`). For logits from Ollama use `--teacher-backend
+ollama` (its native API: `distill/ollama.py`).
 """
 
 from __future__ import annotations
