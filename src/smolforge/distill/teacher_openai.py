@@ -94,7 +94,7 @@ class TokenMap:
     /models) equal to `len(tokenizer)`, and each id's piece checked as it comes (its bytes, else its text,
     equal to this id's). Ids are exact where bytes and text are not: a byte-fallback token `<0x6B>` and
     the piece "k" are the same bytes, and a special token (`<|im_end|>`) is named by no text and no bytes.
-    One id whose piece differs turns ids off for the rest of the run (`off` says why).
+    One id whose piece differs turns ids off for the rest of the run (`why_not` says why).
 
     Else by bytes, where the endpoint sends each token's `bytes` (the chat shape: llama-server, Ollama,
     `smolforge serve`; `models.token_bytes.vocab_bytes`, the tokenizer's one answer): a byte of a
@@ -133,11 +133,12 @@ class TokenMap:
         None: it states none) is `len(tokenizer)`; each id's piece is still checked as it comes. Sets
         `why_not` when not."""
         n = len(self.tokenizer)
-        ok = isinstance(n_vocab, int) and not isinstance(n_vocab, bool) and n_vocab == n
-        if n_vocab is None or isinstance(n_vocab, bool) or not isinstance(n_vocab, int):
+        stated = isinstance(n_vocab, int) and not isinstance(n_vocab, bool)
+        if not stated:
             self.why_not = "the endpoint states no vocabulary size (GET /models: meta.n_vocab)"
-        elif not ok:
+        elif n_vocab != n:
             self.why_not = f"the endpoint's vocabulary has {n_vocab} tokens, the student's tokenizer {n}"
+        ok = stated and n_vocab == n
         self.by_id = ok
         return self.by_id
 
