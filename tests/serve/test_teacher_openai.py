@@ -7,7 +7,10 @@ that it starts no second server), the same model the `hf` teacher loads:
 - greedy, its answers are the hf teacher's and its top-k ids are the hf teacher's at >= 99 % of positions;
 - a wrong key (401) and a URL where nothing listens are each one SmolforgeError with its fix (exit 2);
 - a token text that no student id spells keeps that answer as text (sequence-level KD), said once;
-- (soak) the same against llama.cpp's `llama-server` (bench/llama_server.py), where the binary is built.
+- the endpoint's own token ids decide where it sends them and its vocabulary is the student's (a byte-
+  fallback token and the piece of the same bytes, the end of turn named by no text); else bytes/text, said;
+- (soak) the same against llama.cpp's `llama-server` (bench/llama_server.py), where the binary is built:
+  mapped by its ids, top-k ids equal at >= 99 % of positions (a tie at the k-th place aside, counted).
 """
 
 from __future__ import annotations
@@ -111,6 +114,24 @@ def _topk_agreement(got: list, want: list, tok) -> tuple[int, int, int]:
             partial += any("\ufffd" in tok.decode([i]) for i in row_w.tolist())
             total += 1
     return same, partial, total
+
+
+TIE = 0.01  # nats: two engines' log-probs of one id on one model differ by a few thousandths
+
+
+def _cut_ties(got: list, want: list) -> int:
+    """Positions whose top-k id sets differ, but only by ids whose log-probs sit within TIE of the k-th
+    (the smallest given) on their own side: a tie at the cut that two engines break differently."""
+    ties = 0
+    for g, w in zip(got, want):
+        for ig, lg, iw, lw in zip(g.topk_indices, g.topk_logprobs, w.topk_indices, w.topk_logprobs):
+            side_g = {i: float(v) for i, v in zip(ig.tolist(), lg.tolist()) if v > -60000}
+            side_w = {i: float(v) for i, v in zip(iw.tolist(), lw.tolist()) if v > -60000}
+            if side_g.keys() == side_w.keys():
+                continue
+            ties += all(side[i] <= min(side.values()) + TIE
+                        for side, other in ((side_g, side_w), (side_w, side_g)) for i in side.keys() - other.keys())
+    return ties
 
 
 def _teacher(url: str, **kw):
@@ -247,17 +268,20 @@ def test_the_endpoint_teacher_against_llama_server(tmp_path):
     tok = load_tokenizer("tiny-llama")
     items, got = prompts_from_dataset("bundled", max_samples=6), read_shard(out, 0).records
     # the same model's weights as llama-server holds them (the f16 GGUF), in our llamacpp teacher: what the
-    # endpoint path must keep; the hf teacher (fp32) differs by the GGUF's rounding (printed, not held)
-    same, partial, total = _topk_agreement(got, LlamaCppTeacher("tiny-llama", tokenizer="tiny-llama",
-                                                                quant="f16").generate(items, GEN), tok)
-    hf_same, _, hf_total = _topk_agreement(got, HFTeacher("tiny-llama", device="cpu").generate(items, GEN), tok)
+    # endpoint path must keep; and the hf teacher (fp32), apart from the GGUF's rounding
+    want = LlamaCppTeacher("tiny-llama", tokenizer="tiny-llama", quant="f16").generate(items, GEN)
+    same, partial, total = _topk_agreement(got, want, tok)
+    hf_same, _, hf_total = _topk_agreement(got, hf := HFTeacher("tiny-llama", device="cpu").generate(items, GEN), tok)
+    ties, hf_ties = _cut_ties(got, want), _cut_ties(got, hf)
     print(f"llama-server (f16 GGUF): top-{K} ids equal the llamacpp teacher's on that GGUF at {same}/{total} "
-          f"positions raw ({partial} rows hold a byte token), the fp32 hf teacher's at {hf_same}/{hf_total}")
-    # measured 40/43 against both (2026-11-29): the 3 rows differ on the endpoint's side of the path, not in
-    # the weights. Suspected, not yet shown: a byte-fallback id and a piece with the same bytes both map to the
-    # piece (`TokenMap`); llama-server's own per-candidate `id` would settle it (issue 46, left open). To be
-    # held at >= 0.99 of positions once found.
-    assert total >= 16, (same, partial, total)
+          f"positions raw ({partial} rows hold a byte token; {ties} more differ only in a tie at the k-th place), "
+          f"the fp32 hf teacher's at {hf_same}/{hf_total} (+{hf_ties} ties at the k-th place)")
+    # mapped by llama-server's own ids (its vocabulary is the student's): the end of turn, named '' with no
+    # bytes among the alternatives, keeps its id (40/43 before, 2026-11-29). What is left is a tie at the k-th
+    # place (two ids within 0.002 nats) that the two engines break differently: not the mapping's to settle.
+    assert m["endpoint"]["by_ids"] is True, m["endpoint"]
+    assert total >= 16 and same + ties >= 0.99 * total and ties <= 0.03 * total, (same, ties, total)
+    assert hf_same + hf_ties >= 0.99 * hf_total and hf_ties <= 0.03 * hf_total, (hf_same, hf_ties, hf_total)
     res = train_student(_student_cfg(tmp_path / "student"), DirShardSource(out, poll_s=0.05),
                         teacher_tokenizer_hash=tokenizer_hash(tok))
     assert res.mode == "logit" and res.steps == 2
@@ -332,3 +356,64 @@ def test_the_chat_shape_names_tokens_by_bytes_and_a_stop_by_no_text():
     end = turn_end_id(teacher.tokenizer)
     assert rec.has_topk and rec.response_ids == [teacher.map("def"), end] and teacher.text_only == 0
     assert rec.topk_indices[0, :2].tolist() == [teacher.map("def"), byte] and rec.topk_indices[1, 0] == end
+
+
+@pytest.fixture(scope="module")
+def byte_fallback():
+    """A Llama-2-style tokenizer (SentencePiece pieces, <0xNN> byte fallback): "k" is both a piece and the
+    byte token <0x6B>. Built from a vocabulary, no download."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "k", "\u2581k", "ing"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+    return fast, {p: i for i, p in enumerate(pieces)}
+
+
+def test_the_endpoints_own_ids_decide_where_its_vocabulary_is_the_students(byte_fallback):
+    """`TokenMap`: by bytes, <0x6B> and "k" are one name (the piece wins) and the end of turn named '' with no
+    bytes is none; with the vocabulary stated equal, each id the endpoint sends is kept, its piece checked;
+    a size that differs, or one id whose piece differs, and it is bytes/text again, with the reason."""
+    from smolforge.distill.teacher_openai import TokenMap
+
+    tok, v = byte_fallback
+    piece, byte, eos = v["k"], v["<0x6B>"], v["</s>"]
+    m = TokenMap(tok)
+    assert m(("k", [0x6B], byte)) == piece and m(("", [], eos)) is None and m.saw_id and not m.by_id
+    assert not m.use_ids(len(tok) + 1) and m(("k", [0x6B], byte)) == piece and str(len(tok) + 1) in m.why_not
+    assert not m.use_ids(None) and "states no vocabulary size" in m.why_not
+    assert m.use_ids(len(tok))
+    assert [m(("k", [0x6B], byte)), m(("k", [0x6B], piece)), m(("", [], eos)), m("ing")] == [byte, piece, eos, v["ing"]]
+    assert m(("k", [0x6B], eos)) == piece and not m.by_id and f"id {eos}" in m.why_not  # not eos's piece: off
+    assert m(("k", [0x6B], byte)) == piece  # and off it stays
+
+
+def test_an_end_of_turn_named_by_its_id_keeps_its_place_in_the_row(monkeypatch):
+    """The llama-server rows that differed (issue 46): an alternative named '' with no bytes, only its `id`,
+    is the end of turn, kept in the row where ids are used; where they are not (the endpoint states another
+    vocabulary size) it drops to the tail, and the run says once why ids are not used."""
+    from smolforge.distill import teacher_openai
+    from smolforge.distill.store import TeacherRecord
+    from smolforge.models.families import turn_end_id
+
+    said: list[str] = []
+    teacher = _teacher("http://127.0.0.1:9/v1", say=said.append)  # asked nothing: the answer is given
+    end, is_ = turn_end_id(teacher.tokenizer), teacher.map(" is")
+    alts = [{"id": is_, "token": " is", "bytes": list(b" is"), "logprob": -0.1},
+            {"id": end, "token": "", "bytes": [], "logprob": -2.5}]
+    content = [{"id": is_, "token": " is", "bytes": list(b" is"), "logprob": -0.1, "top_logprobs": alts}]
+    rows = []
+    for n_vocab in (teacher.vocab_size, teacher.vocab_size + 1):
+        monkeypatch.setattr(teacher, "_stated_vocab", lambda n=n_vocab: n)
+        teacher.map.use_ids(teacher._stated_vocab())
+        rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=" is")
+        teacher._keep(rec, teacher_openai.positions({"content": content}), K, " is")
+        rows.append([i for i, lp in zip(rec.topk_indices[0].tolist(), rec.topk_logprobs[0].tolist()) if lp > -60000])
+    assert rows == [[is_, end], [is_]] and teacher.text_only == 0
+    assert len(said) == 1 and "not mapped by the endpoint's token ids" in said[0] and "tokenizer" in said[0]

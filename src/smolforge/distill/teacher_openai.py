@@ -9,30 +9,40 @@ as plain SFT trains on it) with `echo: true`, `max_tokens: 0` and `logprobs: k`,
 answer's positions (an endpoint that cannot echo
 log-probabilities is a clear error: use `generate`).
 
-What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids. The
-endpoint names tokens by their text; each is mapped to the student tokenizer's id whose text is exactly
-that (`TokenMap`: every id's text as it reads after another token, as an incremental detokenizer makes it;
-a text two ids share is the id the tokenizer itself encodes it as). A response with any token that does not
-map, or whose mapped ids do not spell its text, is kept as text only: students train on it sequence-level
-(the same fallback as a teacher of another tokenizer), and the run says so once and counts it in each
-shard's manifest (`endpoint.text_only`). A token that is part of a character (a byte-level token of a
-multi-byte UTF-8 character) has no text of its own (U+FFFD, or nothing): where the endpoint sends each
-token's `bytes` (the chat shape), the bytes name it (`models.token_bytes`); where it sends text only (the
-legacy shape), such an answer is text only too. k is what the endpoint gives: rows with fewer alternatives
-than asked are padded with -inf (their mass is in the tail); the manifest says the most it gave
-(`endpoint.k`). Both response shapes are read; the chat one (`content: [{token, bytes, logprob,
-top_logprobs: [...]}]`, which llama-server sends for completions and `smolforge serve` sends beside the
-legacy keys) first, else the legacy one (`tokens`, `top_logprobs` as {text: logprob}).
+What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids, each
+token the endpoint names mapped by `TokenMap`: by the endpoint's own `id` where it sends one (llama-server
+does, for each token and alternative) and its vocabulary is the student's (the size it states at GET
+/models, llama-server's `meta.n_vocab`, equal to the tokenizer's; each id's piece checked against the
+bytes or text sent with it); else by the token's `bytes` (the chat shape), else by its text (every id's
+text as it reads after another token, as an incremental detokenizer makes it; a text two ids share is the
+id the tokenizer itself encodes it as). Ids are exact where bytes and text are not: a special token
+(llama-server names the end of turn '' with no bytes) and a byte-fallback token `<0x6B>` beside the piece
+"k". Where an answer carries ids that are not used (another vocabulary size, none stated, or one id whose
+piece differs), the run says so once; the manifest says which way it mapped (`endpoint.by_ids`). A
+response with any token that does not map, or whose mapped ids do not spell its text, is kept as text
+only: students train on it sequence-level (the same fallback as a teacher of another tokenizer), and the
+run says so once and counts it in each shard's manifest (`endpoint.text_only`). A token that is part of a
+character (a byte-level token of a multi-byte UTF-8 character) has no text of its own (U+FFFD, or
+nothing): its id or bytes name it; where the endpoint sends text only (the legacy shape), such an answer
+is text only too. k is what the endpoint gives: rows with fewer alternatives than asked are padded with
+-inf (their mass is in the tail); the manifest says the most it gave (`endpoint.k`). Both response shapes
+are read; the chat one (`content: [{token, bytes, logprob, top_logprobs: [...]}]`, which llama-server
+sends for completions with an `id` in each entry, and `smolforge serve` sends beside the legacy keys)
+first, else the legacy one (`tokens`, `top_logprobs` as {text: logprob}).
 
 The key: `$OPENAI_API_KEY`, or the file `--teacher-key-file` names (read on the teacher's node, so the key
 travels in no spec, argv or log); none: no Authorization header (a local server). Requests have bounded
 timeouts; a 429 or 5xx, a timeout and a dropped connection are retried with exponential backoff (`RETRIES` times),
 a 401/403 (the key) and a 404 (URL or model name) are one SmolforgeError with the fix (exit 2).
 
-Ollama's `/v1`: its documentation (docs.ollama.com/api/openai-compatibility) lists "Logprobs" among the
-supported features of both `/v1/chat/completions` and `/v1/completions` (its native API returns up to 20
-`top_logprobs` since v0.12.11: `distill/ollama.py`); `/v1/completions` takes the prompt only as a string.
-Whether it echoes prompt log-probabilities is not documented, so use `generate` with it.
+Ollama's `/v1` (read 2026-11-29 from its source and docs at ollama/ollama fb30760, 2026-08-21): its
+documentation (docs.ollama.com/api/openai-compatibility) marks "Logprobs" as not supported on both
+`/v1/chat/completions` and `/v1/completions`, and `echo` as not supported. Its code (since v0.12.11,
+ollama#12899) passes `/v1/completions`' `logprobs: N` on as `top_logprobs` N but puts no `logprobs` in the
+completion it answers (`openai.ToCompletion`), so this teacher keeps every Ollama `/v1` answer as text
+(sequence-level KD), said once; only `/v1/chat/completions` answers them, in the chat shape (`token`,
+`logprob`, `bytes`, `top_logprobs`, up to 20; no `id`). For logits from Ollama use `--teacher-backend
+ollama` (its native API: `distill/ollama.py`).
 """
 
 from __future__ import annotations
@@ -61,42 +71,105 @@ TIMEOUT = (10.0, 300.0)  # connect, read (a long answer from a big model on a CP
 KEY_ENV = "OPENAI_API_KEY"
 
 
-class TokenMap:
-    """Token text (as an endpoint names a token) -> the tokenizer's id, exactly.
+def token_name(name: Any) -> tuple[Any, Any, Any]:
+    """(text, bytes, id) of a token as an endpoint names it: its text alone (the legacy shape), (text, bytes)
+    or (text, bytes, id) (the chat shape; llama-server adds each token's own `id`). Absent parts are None."""
+    if isinstance(name, tuple):
+        return (name + (None, None, None))[:3]
+    return name, None, None
 
-    Each id's text is what it adds after an ordinary token (`decode([a, id])` minus `decode([a])`), which
-    is how an incremental detokenizer (vLLM's, `smolforge serve`'s) names a token mid-text: a
-    SentencePiece token's leading space kept, a byte-level token's bytes decoded. A text several ids
-    share (a byte-fallback token and its character) maps to the id the tokenizer encodes it as, if one.
-    Where the endpoint also sends a token's `bytes` (the chat shape: llama-server, Ollama, `smolforge
-    serve`), those decide first (`models.token_bytes.vocab_bytes`: the tokenizer's one answer): a byte
-    of a multi-byte character, whose text is only U+FFFD or nothing, still names its id."""
+
+def _as_bytes(raw: Any) -> bytes | None:
+    """An endpoint's `bytes` list as bytes, or None when it is not a list of byte values."""
+    if isinstance(raw, list) and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in raw):
+        return bytes(raw)
+    return None
+
+
+class TokenMap:
+    """An endpoint's token name (its text, its `bytes`, its own `id`) -> the tokenizer's id, exactly.
+
+    By the endpoint's own ids first, where it sends them (llama-server: each candidate's `id`) and its
+    vocabulary is this tokenizer's: the size it states (`use_ids`, llama-server's `meta.n_vocab` at GET
+    /models) equal to `len(tokenizer)`, and each id's piece checked as it comes (its bytes, else its text,
+    equal to this id's). Ids are exact where bytes and text are not: a byte-fallback token `<0x6B>` and
+    the piece "k" are the same bytes, and a special token (`<|im_end|>`) is named by no text and no bytes.
+    One id whose piece differs turns ids off for the rest of the run (`why_not` says why).
+
+    Else by bytes, where the endpoint sends each token's `bytes` (the chat shape: llama-server, Ollama,
+    `smolforge serve`; `models.token_bytes.vocab_bytes`, the tokenizer's one answer): a byte of a
+    multi-byte character, whose text is only U+FFFD or nothing, still names its id; bytes two ids share
+    ("k" and <0x6B>) name the piece, as the tokenizer makes it.
+
+    Else by text: each id's text is what it adds after an ordinary token (`decode([a, id])` minus
+    `decode([a])`), which is how an incremental detokenizer (vLLM's, `smolforge serve`'s) names a token
+    mid-text: a SentencePiece token's leading space kept, a byte-level token's bytes decoded. A text
+    several ids share maps to the id the tokenizer encodes it as, if one."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         anchor = (tokenizer.encode("a", add_special_tokens=False) or [0])[-1]
         head = tokenizer.decode([anchor])
         texts = tokenizer.batch_decode([[anchor, i] for i in range(len(tokenizer))])
+        self.texts = [full[len(head):] if full.startswith(head) else full for full in texts]
         self.ids: dict[str, list[int]] = {}
-        for i, full in enumerate(texts):
-            self.ids.setdefault(full[len(head):] if full.startswith(head) else full, []).append(i)
+        for i, text in enumerate(self.texts):
+            self.ids.setdefault(text, []).append(i)
+        self.raw = vocab_bytes(tokenizer)
         self.by_bytes: dict[bytes, list[int]] = {}
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        for i, raw in enumerate(vocab_bytes(tokenizer)):
+        for i, raw in enumerate(self.raw):
             if raw:
                 self.by_bytes.setdefault(raw, []).append(i)
         for raw, ids in self.by_bytes.items():  # "k" and <0x6B>: the tokenizer makes the piece
             if len(ids) > 1:
                 self.by_bytes[raw] = [i for i in ids if not is_byte_piece(pieces[i])] or ids
+        self.by_id = False  # the endpoint's own ids are used (`use_ids`)
+        self.why_not = "the endpoint's vocabulary was not checked"  # why they are not, while not
+        self.saw_id = False  # some name carried an id
+
+    def use_ids(self, n_vocab: Any) -> bool:
+        """Map by the endpoint's own ids from now on iff `n_vocab` (the vocabulary size the endpoint states;
+        None: it states none) is `len(tokenizer)`; each id's piece is still checked as it comes. Sets
+        `why_not` when not."""
+        n = len(self.tokenizer)
+        stated = isinstance(n_vocab, int) and not isinstance(n_vocab, bool)
+        if not stated:
+            self.why_not = "the endpoint states no vocabulary size (GET /models: meta.n_vocab)"
+        elif n_vocab != n:
+            self.why_not = f"the endpoint's vocabulary has {n_vocab} tokens, the student's tokenizer {n}"
+        ok = stated and n_vocab == n
+        self.by_id = ok
+        return self.by_id
+
+    def same_piece(self, tid: int, text: Any, raw: Any) -> bool:
+        """Whether id `tid` is, in this tokenizer, the piece the endpoint names by `text` and `raw` (bytes):
+        the bytes equal where both sides know them; a special token (no bytes here) named by no bytes and
+        no text or its own text; else the texts equal."""
+        if not (isinstance(tid, int) and 0 <= tid < len(self.texts)):
+            return False
+        got, ours = _as_bytes(raw), self.raw[tid]
+        if got and ours is not None:
+            return got == ours
+        if got == b"" and ours is None:
+            return text in ("", None, self.texts[tid])
+        return text == self.texts[tid]
 
     def __call__(self, name: Any) -> int | None:
         """The id `name` names, or None (no id, or several and the tokenizer picks none of them). `name`:
-        the token's text, or (text, bytes) where the endpoint sends its bytes."""
-        text, raw = name if isinstance(name, tuple) else (name, None)
-        if isinstance(raw, list) and raw and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
-            found = self.by_bytes.get(bytes(raw))
-            if found and len(found) == 1:
-                return found[0]
+        the token's text, (text, bytes), or (text, bytes, id) (`token_name`)."""
+        text, raw, tid = token_name(name)
+        if isinstance(tid, int) and not isinstance(tid, bool):
+            self.saw_id = True
+            if self.by_id:
+                if self.same_piece(tid, text, raw):
+                    return tid
+                ours = self.texts[tid] if 0 <= tid < len(self.texts) else "no such id"
+                self.by_id = False
+                self.why_not = f"the endpoint's id {tid} is {text!r} {raw}, the student's tokenizer's {ours!r}"
+        found = self.by_bytes.get(_as_bytes(raw) or b"")
+        if found and len(found) == 1:
+            return found[0]
         if not isinstance(text, str):
             return None
         found = self.ids.get(text)
@@ -123,15 +196,16 @@ def read_key(key_file: str | None) -> str | None:
 
 
 def positions(logprobs: Any) -> list[tuple[Any, list[tuple[Any, float]]]] | None:
-    """(token text, [(alternative text, logprob), ...]) per position, from either response shape; None
-    when the answer carries no log-probabilities."""
+    """(token name, [(alternative's name, logprob), ...]) per position, from either response shape (a
+    name: the text in the legacy shape, (text, bytes, id) in the chat one: `token_name`); None when the
+    answer carries no log-probabilities."""
     if not isinstance(logprobs, dict):
         return None
     content = logprobs.get("content")
     if isinstance(content, list):  # the chat shape (llama-server's completions too): tokens with their bytes
-        return [((e.get("token"), e.get("bytes")),
-                 [((a.get("token"), a.get("bytes")), a.get("logprob")) for a in e.get("top_logprobs") or []
-                  if isinstance(a, dict)] or [((e.get("token"), e.get("bytes")), e.get("logprob"))])
+        return [((e.get("token"), e.get("bytes"), e.get("id")),
+                 [((a.get("token"), a.get("bytes"), a.get("id")), a.get("logprob")) for a in e.get("top_logprobs")
+                  or [] if isinstance(a, dict)] or [((e.get("token"), e.get("bytes"), e.get("id")), e.get("logprob"))])
                 for e in content if isinstance(e, dict)]
     tokens, tops = logprobs.get("tokens"), logprobs.get("top_logprobs")
     if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
@@ -203,9 +277,27 @@ class OpenAITeacher:
         self.map = TokenMap(self.tokenizer)
         self.given_k = 0
         self.text_only = 0
+        self._ids_checked = self._said_ids = False
         self.manifest_extra: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- HTTP
+    def _stated_vocab(self) -> int | None:
+        """The vocabulary size the endpoint states for this model at GET /models (llama-server:
+        `data[i].meta.n_vocab`), or None: it states none, or the request fails (the completions that follow
+        say why, if it matters)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        try:
+            resp = httpx.get(f"{self.url}/models", headers=headers, timeout=httpx.Timeout(30.0, connect=TIMEOUT[0]))
+            listed = resp.json().get("data") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            listed = None
+        models = [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+        mine = [m for m in models if m.get("id") == self.name] or (models if len(models) == 1 else [])
+        meta = mine[0].get("meta") if mine else None
+        return meta.get("n_vocab") if isinstance(meta, dict) else None
+
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /completions; retried on 429/5xx, timeouts and dropped connections (not a refused one: nothing
         listens there); SmolforgeError for the rest."""
@@ -269,11 +361,26 @@ class OpenAITeacher:
         return (ids, np.array(vals, np.float32).reshape(len(ids), k).clip(-65000.0),
                 np.array(idxs, np.int64).reshape(len(ids), k), np.array(tails, np.float32)), None
 
+    def _mapped(self, pos: list[tuple[Any, list[tuple[Any, float]]]] | None, k: int) -> tuple[Any, Any]:
+        """`_rows` of an answer. An answer whose tokens carry ids that are not used (the vocabulary differs, or
+        one id's piece did, mid-answer: mapped again) is mapped by bytes/text, said once."""
+        if not pos:
+            return None, None
+        was = self.map.by_id
+        got = self._rows(pos, k)
+        if was and not self.map.by_id:
+            got = self._rows(pos, k)
+        if self.map.saw_id and not self.map.by_id and not self._said_ids:
+            self._said_ids = True
+            self.say(f"teacher {self.name}: not mapped by the endpoint's token ids ({self.map.why_not}): "
+                     "by their bytes and text instead")
+        return got
+
     def _keep(self, rec: TeacherRecord, pos: list[tuple[Any, list[tuple[Any, float]]]] | None, k: int, text: str,
               expect: list[int] | None = None) -> None:
         """Put the answer's rows on `rec`, or keep it as text only (saying so the first time). `expect`: the
         ids the rows must be (a scored reference answer's); else the ids must spell `text`."""
-        got, bad = self._rows(pos, k) if pos else (None, None)
+        got, bad = self._mapped(pos, k)
         if got is not None and expect is not None and got[0] != expect:
             got, bad = None, f"ids {got[0][:6]}..., not the reference's {expect[:6]}..."
         spelled = self.tokenizer.decode(got[0], skip_special_tokens=True) if got is not None else text
@@ -294,8 +401,8 @@ class OpenAITeacher:
         """An answer that stopped on a special token some endpoints name by no text (llama-server: '', no
         bytes): that last token is the end of turn the student must learn (`families.turn_end_id`)."""
         def empty(name: Any) -> bool:
-            text, raw = name if isinstance(name, tuple) else (name, None)
-            return text == "" and not raw
+            text, raw, tid = token_name(name)
+            return text == "" and not raw and tid is None  # an id names it (`TokenMap`)
 
         end = turn_end_id(self.tokenizer)
         if not pos or choice.get("finish_reason") != "stop" or end is None or not empty(pos[-1][0]):
@@ -307,6 +414,9 @@ class OpenAITeacher:
         """One completion per prompt and sample, in the order of `items` (samples adjacent)."""
         settings.check()
         k = min(settings.top_k, MAX_TOP_LOGPROBS, self.vocab_size)
+        if not self._ids_checked:
+            self._ids_checked = True
+            self.map.use_ids(self._stated_vocab())
         records = []
         for item in items:
             prompt = render_prompt(self.tokenizer, item.prompt_messages)
@@ -326,7 +436,7 @@ class OpenAITeacher:
                     self._keep(rec, self._named_stop(positions(choice.get("logprobs")), choice), k, text)
                 records.append(rec)
         self.manifest_extra = {"endpoint": {"url": self.url, "k": self.given_k, "k_asked": k,
-                                            "text_only": self.text_only}}
+                                            "text_only": self.text_only, "by_ids": self.map.by_id}}
         return records
 
     def _score(self, rec: TeacherRecord, item: PromptItem, k: int) -> None:
@@ -348,7 +458,7 @@ class OpenAITeacher:
             if at >= len(prompt):
                 start = i
                 break
-            text = name[0] if isinstance(name, tuple) else name
+            text = token_name(name)[0]
             at += len(text) if isinstance(text, str) else 0
         rec.prompt_ids, rec.response_text = prompt_ids, self.tokenizer.decode(response_ids, skip_special_tokens=True)
         self._keep(rec, pos[start:], k, rec.response_text, expect=response_ids)
