@@ -117,6 +117,9 @@ class PeftSpec(Spec):
 # A dataset by name (`--dataset-name` and its companions; the same keys in every spec that names a data
 # file): smolforge.data.hub.by_name reads it offline and writes it once as JSONL.
 NAMED_DATASET_KEYS: tuple[str, ...] = ("dataset_name", "dataset_config", "dataset_split", "dataset_column")
+# With dataset_name, in a section that has a held-out file too (`DataSpec.eval_path`): the named dataset's
+# split read into that file, as TRL's `dataset_test_split` (e.g. wikitext's `validation`).
+EVAL_SPLIT_KEY = "dataset_eval_split"
 
 
 def dataset_choice_problem(file_key: str, file: Any, named: dict[str, Any],
@@ -133,6 +136,20 @@ def dataset_choice_problem(file_key: str, file: Any, named: dict[str, Any],
     return None
 
 
+def eval_split_problem(eval_key: str, eval_file: Any, name: Any, eval_split: Any,
+                       spell: Callable[[str], str] = lambda key: key) -> str | None:
+    """What is wrong with a held-out set given as a file (EVAL_KEY = EVAL_FILE) and/or as the named
+    dataset's split (`dataset_eval_split`), as a sentence naming both spellings; None when fine. The
+    one rule for flags and specs, beside `dataset_choice_problem`."""
+    if eval_split is None:
+        return None
+    if name is None:
+        return f"{spell(EVAL_SPLIT_KEY)} needs {spell('dataset_name')}"
+    if eval_file is not None:
+        return f"both {spell(eval_key)} {eval_file} and {spell(EVAL_SPLIT_KEY)} {eval_split}: give one"
+    return None
+
+
 class NamedDataset(Spec):
     """A spec section that names its data as a file (the field `DATASET_FILE`) or by name: `dataset_name`
     [`dataset_config`, `dataset_split`, `dataset_column`], as the commands' `--dataset-name` flags. One or
@@ -141,6 +158,7 @@ class NamedDataset(Spec):
     JSONL), so what runs sees the file field only."""
 
     DATASET_FILE: ClassVar[str] = "path"
+    EVAL_FILE: ClassVar[str | None] = None  # the held-out file `dataset_eval_split` stands for (DataSpec: eval_path)
 
     dataset_name: str | None = Field(None, description="a Hugging Face dataset by name, read offline from the local "
                                      "HF cache, or a save_to_disk / Hub-layout directory: written once as JSONL and "
@@ -158,6 +176,11 @@ class NamedDataset(Spec):
             raise ValueError(f"{problem}: give one of {self.DATASET_FILE} and dataset_name")
         if file is None and self.dataset_name is None and getattr(self, self.DATASET_FILE) is None:
             raise ValueError(f"no dataset: give {self.DATASET_FILE} (a JSONL file or 'bundled') or dataset_name")
+        if self.EVAL_FILE is not None:
+            problem = eval_split_problem(self.EVAL_FILE, getattr(self, self.EVAL_FILE),
+                                         self.dataset_name, getattr(self, EVAL_SPLIT_KEY))
+            if problem:
+                raise ValueError(problem)
         return self
 
     def named_dataset(self) -> dict[str, Any]:
@@ -166,9 +189,14 @@ class NamedDataset(Spec):
 
 
 class DataSpec(NamedDataset):
+    EVAL_FILE: ClassVar[str | None] = "eval_path"
+
     path: str | None = Field(None, description="JSONL file, or 'bundled' for the generated task set (or dataset_name)")
     format: DataFormat = "auto"
-    eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path`")
+    eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path` (or "
+                                  "dataset_eval_split)")
+    dataset_eval_split: str | None = Field(None, description="with dataset_name: its split held out for eval, read "
+                                           "as eval_path (e.g. validation; TRL's dataset_test_split)")
     eval_fraction: float = Field(0.1, ge=0, lt=1)
     max_eval_samples: int | None = 200
     max_samples: int | None = None
