@@ -6,7 +6,9 @@ builds the same object and validation errors read the same everywhere.
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections import deque
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
@@ -333,7 +335,74 @@ def put_path(data: dict[str, Any], dotted: str, value: Any, where: str | None = 
     node[last] = value
 
 
+Loc = tuple[Any, ...]  # a key path in a document: ("train", "data", "max_length"), list items by index
+
+
+class SpecFile(dict):
+    """A mapping read from a YAML file (`load_yaml`) that remembers where each key was written, so an
+    error in a field names it as `file:line` (`spec_error`). `source` is the path; `marks` maps each key
+    path (list items by index) to its 1-based line. A value that changed since it was read (a flag or
+    --set replaced it) is not the file's: its error names no line. `copy.deepcopy` keeps all of it."""
+
+    def __init__(self, data: dict[str, Any], source: str, marks: dict[Loc, int]):
+        super().__init__(data)
+        self.source, self.marks = source, marks
+        self.loaded = copy.deepcopy(data)  # what the file said, to tell its values from later ones
+
+    def line_of(self, loc: Loc, missing: bool = False) -> int | None:
+        """The line of the key at LOC (a pydantic error's `loc`; parts past a value, as a union's branch
+        names, are ignored), while its value is still the file's; for a MISSING key, its section's line.
+        None where the file did not write it."""
+        for end in range(len(loc), -1, -1):
+            if loc[:end] in self.marks:
+                break
+        else:
+            return None
+        here, then = get_path_loc(self, loc[:end]), get_path_loc(self.loaded, loc[:end])
+        if isinstance(here, (dict, list)):  # a section: where the file wrote it
+            return self.marks[loc[:end]] if end == len(loc) or missing else None
+        return self.marks[loc[:end]] if here == then else None
+
+
+def get_path_loc(data: Any, loc: Loc) -> Any:
+    """The value at LOC in nested dicts and lists (list items by index); None where a part is missing."""
+    for part in loc:
+        if isinstance(data, dict):
+            data = data.get(part)
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def key_lines(text: str) -> dict[Loc, int]:
+    """Each key path of a YAML document (list items by index) -> the 1-based line it starts on, from the
+    parser's node marks (`yaml.compose`: the same document `safe_load` read). A node is walked once, where
+    it is written (an alias is not walked again: a small file cannot expand into many walks)."""
+    marks: dict[Loc, int] = {}
+    queue: deque[tuple[Any, Loc]] = deque([(yaml.compose(text, Loader=yaml.SafeLoader), ())])
+    seen: set[int] = set()
+    while queue:  # in document order: an anchored node's keys are marked where it is written, not at an alias
+        node, path = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    marks[(*path, key.value)] = key.start_mark.line + 1
+                    queue.append((value, (*path, key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                marks[(*path, i)] = item.start_mark.line + 1
+                queue.append((item, (*path, i)))
+    return marks
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config or job spec file as a `SpecFile` (a dict that knows each key's line). SmolforgeError
+    (exit 2) for a file that is missing, not UTF-8, not YAML (naming `file:line`) or not a mapping."""
     path = Path(path)
     problem = not_a_regular_file(path)
     if problem == "does not exist":
@@ -357,7 +426,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SmolforgeError("config must be a mapping of keys to values", where=str(path),
                              fix="write key: value lines at the top level")
-    return data
+    return SpecFile(data, str(path), key_lines(path.read_text(encoding="utf-8")))
 
 
 # `--set`/`--override` keys as the seed documents (SmolCluster, SplitLearn, HF Trainer habits) name them ->
@@ -395,12 +464,22 @@ def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise spec_error(cls, err, where) from err
+        raise spec_error(cls, err, where, data if isinstance(data, SpecFile) else None) from err
 
 
-def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config") -> SmolforgeError:
-    """pydantic's error list as one SmolforgeError that names each field (and a likely misspelling)."""
-    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}{_did_you_mean(cls, e)}"
-                         for e in err.errors())
-    return SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
-                          fix="correct or remove those keys (see `smolforge train --help`)")
+def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config",
+               file: SpecFile | None = None) -> SmolforgeError:
+    """pydantic's error list as one SmolforgeError that names each field (and a likely misspelling).
+    Read from a FILE: `where` is `file:line` of the first field the file wrote (each field's line too
+    when several are)."""
+    errors = err.errors()
+    lines = [file.line_of(tuple(e["loc"]), e["type"] == "missing") if file is not None else None for e in errors]
+    several = sum(n is not None for n in lines) > 1
+    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}{f' (line {n})' if several and n else ''}: "
+                         f"{e['msg']}{_did_you_mean(cls, e)}" for e, n in zip(errors, lines))
+    first = next((n for n in lines if n is not None), None)
+    return SmolforgeError(f"invalid {cls.__name__}: {problems}",
+                          where=f"{file.source}:{first}" if file is not None and first else where,
+                          fix="correct or remove " + (f"the key at line {first} of {file.source}" if file is not None
+                                                      and first and not several else "those keys")
+                          + " (see `smolforge train --help`)")

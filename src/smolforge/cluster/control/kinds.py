@@ -222,6 +222,13 @@ def parse(spec: dict[str, Any]) -> Any:
     return job
 
 
+def check_fields(spec: dict[str, Any]) -> None:
+    """SPEC's fields checked against its kind's spec where it is submitted (the kind's deeper checks and
+    the coordinator's own validation come later): a spec file's bad field is one message naming
+    `file:line` (`config.SpecFile`), before anything is sent or a cluster starts. SmolforgeError (exit 2)."""
+    validate(kind_of(spec).spec, spec, where="job spec")
+
+
 def check_output_dir(job: Any, embedded: bool) -> None:
     """A job may name a directory to write into only on the embedded cluster (this machine): a
     coordinator never writes where a network peer tells it to."""
