@@ -411,7 +411,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise SmolforgeError(f"config file {path} {problem}, not a YAML file", where=str(path),
                              fix="point --config at the YAML file itself")
     try:
-        data = _safe_load(path.read_text(encoding="utf-8"), str(path)) or {}
+        text = path.read_text(encoding="utf-8")
+        data = _safe_load(text, str(path)) or {}
     except UnicodeDecodeError as err:
         raise SmolforgeError(f"{path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})",
                              where=str(path), fix="save the YAML as UTF-8") from err
@@ -426,7 +427,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SmolforgeError("config must be a mapping of keys to values", where=str(path),
                              fix="write key: value lines at the top level")
-    return SpecFile(data, str(path), key_lines(path.read_text(encoding="utf-8")))
+    return SpecFile(data, str(path), key_lines(text))
 
 
 # `--set`/`--override` keys as the seed documents (SmolCluster, SplitLearn, HF Trainer habits) name them ->
