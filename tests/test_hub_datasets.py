@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import last_json, smolforge_here
 
 ALPACA = [{"instruction": f"Say the number {i}.", "input": "", "output": f"The number is {i}."} for i in range(16)]
+HELD_OUT = [{"instruction": f"Say the letter {c}.", "input": "", "output": f"The letter is {c}."} for c in "abcd"]
 
 
 def _cache_entry(root: Path, repo: str, config: str, rows: list[dict]) -> None:
@@ -43,7 +44,8 @@ def hub(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("hub")
     saved = root / "alpaca_saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ALPACA)}).save_to_disk(str(saved))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ALPACA),
+                          "validation": datasets.Dataset.from_list(HELD_OUT)}).save_to_disk(str(saved))
     _cache_entry(root, "acme/tiny_notes", "default",
                  [{"content": f"note {i}: the sky is blue.", "id": i} for i in range(16)])
     _cache_entry(root, "wikitext", "wikitext-2-raw-v1", [{"text": f" = Article {i} = \n"} for i in range(16)])
@@ -120,6 +122,11 @@ SPEC_SECTIONS = {  # kind: (the job spec around a dataset by name, where its fil
                                                               **named}}, "distill.data"),
     "split": (lambda named: {"kind": "split", "split": {"model": "tiny-llama", "split_point_1": 1,
                                                         "split_point_2": 3, **named}}, "split.dataset"),
+    # the seeds' stage calls as jobs: a teacher stage's prompts, a students stage's held-out set
+    "distill_task teacher": (lambda named: {"kind": "distill_task", "stage": "teacher",
+                                            "args": {"model_path": "small-llama", **named}}, "args.dataset_path"),
+    "distill_task students": (lambda named: {"kind": "distill_task", "stage": "students", "teacher_job": "j1",
+                                             "args": {"base_model": "tiny-llama", **named}}, "args.eval_data"),
 }
 
 
@@ -163,14 +170,17 @@ def test_the_seeds_split_train_line_reads_a_cached_wikitext(hub, offline, tmp_pa
     (["--data", "bundled", "--dataset-name", "acme/tiny_notes"], "both --data bundled and --dataset-name acme/tiny_notes"),
     (["--data", "bundled", "--dataset-split", "test"], "--dataset-split needs --dataset-name"),
     (["--dataset-name", "bundled", "--dataset-column", "text"], "--dataset-column: bundled is a local dataset"),
-], ids=["both", "split-without-name", "column-of-a-file"])
+    (["--data", "bundled", "--dataset-eval-split", "validation"], "--dataset-eval-split needs --dataset-name"),
+    (["--dataset-name", "acme/absent", "--eval-data", "bundled", "--dataset-eval-split", "validation"],
+     "both --eval-data bundled and --dataset-eval-split validation"),
+], ids=["both", "split-without-name", "column-of-a-file", "eval-split-without-name", "eval-file-and-split"])
 def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, offline, tmp_path):
     proc = _train(tmp_path, *args)
     assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]
     assert proc.stderr.count("error:") == 1 and "\n  fix:" in proc.stderr and "Traceback" not in proc.output
 
 
-@pytest.mark.parametrize("kind", ["data_parallel", "distill", "split"])
+@pytest.mark.parametrize("kind", ["data_parallel", "distill", "split", "distill_task teacher", "distill_task students"])
 def test_a_coordinator_refuses_a_spec_whose_name_was_not_read_at_submit(kind):
     """A spec posted straight to a coordinator (not through Client/submit, which read the name) still
     naming a dataset: refused at its submit, naming the field (the coordinator has no such cache)."""
@@ -201,6 +211,8 @@ EVERY_PATH = {  # every command and spec that reads a dataset, naming one that i
     "submit seed task": ["submit", "{dir}/task.yaml"],
     "submit distill": ["submit", "{dir}/distill.yaml"],
     "submit split": ["submit", "{dir}/split.yaml"],
+    "submit distill_task": ["submit", "{dir}/teacher.yaml"],
+    "submit distill_task --set": ["submit", "{dir}/students.yaml", "--set", "dataset_name=acme/absent"],
     "submit --set": ["submit", "{dir}/bare.yaml", "--set", "dataset_name=acme/absent"],
 }
 SPEC_FILES = {
@@ -210,6 +222,8 @@ SPEC_FILES = {
     "distill.yaml": "kind: distill\ndistill: {teacher: small-llama, students: [tiny-llama], dataset_name: acme/absent}\n",
     "split.yaml": "kind: split\nsplit: {model: tiny-llama, split_point_1: 1, split_point_2: 3, dataset_name: acme/absent}\n",
     "bare.yaml": "kind: data_parallel\ntrain: {model: tiny-llama, max_steps: 1}\n",
+    "teacher.yaml": "kind: distill_task\nstage: teacher\nargs: {model_path: small-llama, dataset_name: acme/absent}\n",
+    "students.yaml": "kind: distill_task\nstage: students\nteacher_job: j1\nargs: {base_model: tiny-llama}\n",
 }
 
 
@@ -310,3 +324,33 @@ def test_a_data_flag_replaces_the_config_file_s_dataset_by_name(tmp_path):
     (tmp_path / "c.yaml").write_text("model: tiny-llama\ndata: {dataset_name: acme/absent, max_length: 32}\n")
     cfg = build_train_config(tmp_path / "c.yaml", [], {"data": "bundled"}, {})
     assert (cfg.data.path, cfg.data.dataset_name, cfg.data.max_length) == ("bundled", None, 32)
+
+
+def _held_out(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_the_eval_split_of_a_dataset_by_name_is_the_held_out_file(hub, offline, tmp_path):
+    """`dataset_eval_split` (TRL's dataset_test_split) reads the named dataset's other split into the
+    held-out file, by the one resolver: a train --config, `--set` on a job spec read at submit into the
+    uploaded `train.data.eval_path`, and a spec naming a held-out file too refused naming both."""
+    from smolforge.cli.train import build_train_config
+    from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
+    from smolforge.errors import SmolforgeError
+
+    (tmp_path / "c.yaml").write_text(f"model: tiny-llama\ndata: {{dataset_name: {hub['saved']}, "
+                                     "dataset_eval_split: validation}\n")
+    cfg = build_train_config(tmp_path / "c.yaml", [], {}, {})
+    assert (_held_out(cfg.data.path), _held_out(cfg.data.eval_path)) == (ALPACA, HELD_OUT)
+    spec = apply_job_overrides({"kind": "data_parallel", "train": {"model": "tiny-llama"}},
+                               [f"dataset_name={hub['saved']}", "dataset_eval_split=validation"])
+    uploads: dict[str, list] = {}
+    staged = stage_spec(spec, lambda path: uploads.setdefault(f"upload:{len(uploads)}", _held_out(path)) and
+                        f"upload:{len(uploads) - 1}")
+    data = staged["train"]["data"]
+    assert (uploads[data["path"]], uploads[data["eval_path"]]) == (ALPACA, HELD_OUT)
+    assert "dataset_eval_split" not in data
+    both = {"kind": "data_parallel", "train": {"model": "tiny-llama", "data": {
+        "dataset_name": str(hub["saved"]), "eval_path": "bundled", "dataset_eval_split": "validation"}}}
+    with pytest.raises(SmolforgeError, match="both train.data.eval_path bundled and train.data.dataset_eval_split"):
+        stage_spec(both, lambda path: "upload:x")

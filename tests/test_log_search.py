@@ -214,11 +214,39 @@ def test_cli_follow_prints_each_new_line_once(store, monkeypatch):
     assert calls[0] is None and None not in calls[1:]  # the newest first, then only after the last id shown
 
 
+def test_job_logs_prints_each_lines_level_as_logs_does(store, monkeypatch):
+    """`smolforge job logs JOB` prints a task's line as `smolforge logs` does, by the one formatter
+    (`jobview.format_task_line`: the same line, less the job id a one-job view needs not), its level
+    included; --json carries each line's `level`."""
+    from typer.testing import CliRunner
+
+    from smolforge.cli import cluster as cluster_cli
+    from smolforge.cli import logs as logs_cli
+    from smolforge.cli.main import app
+
+    monkeypatch.setattr(cluster_cli, "_backend", lambda *a, **k: Facade(store))
+    monkeypatch.setattr(logs_cli, "_backend", lambda *a, **k: Facade(store))
+    shown = CliRunner().invoke(app, ["job", "logs", "job-aaa"])
+    assert shown.exit_code == 0, shown.output
+    searched = CliRunner().invoke(app, ["logs", "--job", "job-aaa", "--grep", "broke"]).output.strip()
+    broke = [ln for ln in shown.output.splitlines() if "broke" in ln]
+    assert broke == [searched.replace("[job-aaa ", "[")] and "[r1 w2 ERROR] ERROR smolforge.task: a broke" in broke[0]
+    as_json = CliRunner().invoke(app, ["job", "logs", "job-aaa", "--json"]).output.splitlines()
+    assert [(r["task"], r["level"]) for r in map(json.loads, as_json) if r["type"] == "log"] == [
+        ("r0", "INFO"), ("r1", "ERROR"), ("r0", "ERROR"), ("r1", "INFO")]
+
+
 class Facade:
-    """The one Backend method `smolforge logs` calls, on a store (as EmbeddedCluster does)."""
+    """The Backend methods `smolforge logs` and `smolforge job logs` call, on a store (as EmbeddedCluster does)."""
 
     def __init__(self, store: JobStore):
         self.store = store
+
+    def job_events(self, job_id: str, since: int = 0):
+        return self.store.events(job_id, since_id=since)
+
+    def task_logs(self, job_id: str, since: int = 0, task: str | None = None):
+        return self.store.logs(job_id, since_id=since, task=task)
 
     def search_logs(self, **kw):
         kw["since_id"] = kw.pop("after", None)

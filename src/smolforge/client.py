@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from smolforge.cluster.control.kinds import apply_job_overrides, stage_spec
+from smolforge.cluster.control.kinds import apply_job_overrides, check_fields, read_named, stage_spec
 from smolforge.cluster.control.specs import from_seed_task
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
@@ -188,6 +188,8 @@ class Client:
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         data = from_seed_task(data)
         apply_job_overrides(data, overrides or [])
+        data = read_named(data)
+        check_fields(data)  # a spec file's bad field as file:line, before any upload (the coordinator's answer names no line)
         data = stage_spec(data, self.upload)
         return self._request("POST", "/api/v1/jobs", json=data)["job_id"]
 

@@ -6,7 +6,9 @@ builds the same object and validation errors read the same everywhere.
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections import deque
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
@@ -117,6 +119,9 @@ class PeftSpec(Spec):
 # A dataset by name (`--dataset-name` and its companions; the same keys in every spec that names a data
 # file): smolforge.data.hub.by_name reads it offline and writes it once as JSONL.
 NAMED_DATASET_KEYS: tuple[str, ...] = ("dataset_name", "dataset_config", "dataset_split", "dataset_column")
+# With dataset_name, in a section that has a held-out file too (`DataSpec.eval_path`): the named dataset's
+# split read into that file, as TRL's `dataset_test_split` (e.g. wikitext's `validation`).
+EVAL_SPLIT_KEY = "dataset_eval_split"
 
 
 def dataset_choice_problem(file_key: str, file: Any, named: dict[str, Any],
@@ -133,6 +138,20 @@ def dataset_choice_problem(file_key: str, file: Any, named: dict[str, Any],
     return None
 
 
+def eval_split_problem(eval_key: str, eval_file: Any, name: Any, eval_split: Any,
+                       spell: Callable[[str], str] = lambda key: key) -> str | None:
+    """What is wrong with a held-out set given as a file (EVAL_KEY = EVAL_FILE) and/or as the named
+    dataset's split (`dataset_eval_split`), as a sentence naming both spellings; None when fine. The
+    one rule for flags and specs, beside `dataset_choice_problem`."""
+    if eval_split is None:
+        return None
+    if name is None:
+        return f"{spell(EVAL_SPLIT_KEY)} needs {spell('dataset_name')}"
+    if eval_file is not None:
+        return f"both {spell(eval_key)} {eval_file} and {spell(EVAL_SPLIT_KEY)} {eval_split}: give one"
+    return None
+
+
 class NamedDataset(Spec):
     """A spec section that names its data as a file (the field `DATASET_FILE`) or by name: `dataset_name`
     [`dataset_config`, `dataset_split`, `dataset_column`], as the commands' `--dataset-name` flags. One or
@@ -141,6 +160,7 @@ class NamedDataset(Spec):
     JSONL), so what runs sees the file field only."""
 
     DATASET_FILE: ClassVar[str] = "path"
+    EVAL_FILE: ClassVar[str | None] = None  # the held-out file `dataset_eval_split` stands for (DataSpec: eval_path)
 
     dataset_name: str | None = Field(None, description="a Hugging Face dataset by name, read offline from the local "
                                      "HF cache, or a save_to_disk / Hub-layout directory: written once as JSONL and "
@@ -158,6 +178,11 @@ class NamedDataset(Spec):
             raise ValueError(f"{problem}: give one of {self.DATASET_FILE} and dataset_name")
         if file is None and self.dataset_name is None and getattr(self, self.DATASET_FILE) is None:
             raise ValueError(f"no dataset: give {self.DATASET_FILE} (a JSONL file or 'bundled') or dataset_name")
+        if self.EVAL_FILE is not None:
+            problem = eval_split_problem(self.EVAL_FILE, getattr(self, self.EVAL_FILE),
+                                         self.dataset_name, getattr(self, EVAL_SPLIT_KEY))
+            if problem:
+                raise ValueError(problem)
         return self
 
     def named_dataset(self) -> dict[str, Any]:
@@ -166,9 +191,14 @@ class NamedDataset(Spec):
 
 
 class DataSpec(NamedDataset):
+    EVAL_FILE: ClassVar[str | None] = "eval_path"
+
     path: str | None = Field(None, description="JSONL file, or 'bundled' for the generated task set (or dataset_name)")
     format: DataFormat = "auto"
-    eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path`")
+    eval_path: str | None = Field(None, description="held-out JSONL; default: a split of `path` (or "
+                                  "dataset_eval_split)")
+    dataset_eval_split: str | None = Field(None, description="with dataset_name: its split held out for eval, read "
+                                           "as eval_path (e.g. validation; TRL's dataset_test_split)")
     eval_fraction: float = Field(0.1, ge=0, lt=1)
     max_eval_samples: int | None = 200
     max_samples: int | None = None
@@ -305,7 +335,74 @@ def put_path(data: dict[str, Any], dotted: str, value: Any, where: str | None = 
     node[last] = value
 
 
+Loc = tuple[Any, ...]  # a key path in a document: ("train", "data", "max_length"), list items by index
+
+
+class SpecFile(dict):
+    """A mapping read from a YAML file (`load_yaml`) that remembers where each key was written, so an
+    error in a field names it as `file:line` (`spec_error`). `source` is the path; `marks` maps each key
+    path (list items by index) to its 1-based line. A value that changed since it was read (a flag or
+    --set replaced it) is not the file's: its error names no line. `copy.deepcopy` keeps all of it."""
+
+    def __init__(self, data: dict[str, Any], source: str, marks: dict[Loc, int]):
+        super().__init__(data)
+        self.source, self.marks = source, marks
+        self.loaded = copy.deepcopy(data)  # what the file said, to tell its values from later ones
+
+    def line_of(self, loc: Loc, missing: bool = False) -> int | None:
+        """The line of the key at LOC (a pydantic error's `loc`; parts past a value, as a union's branch
+        names, are ignored), while its value is still the file's; for a MISSING key, its section's line.
+        None where the file did not write it."""
+        for end in range(len(loc), -1, -1):
+            if loc[:end] in self.marks:
+                break
+        else:
+            return None
+        here, then = get_path_loc(self, loc[:end]), get_path_loc(self.loaded, loc[:end])
+        if isinstance(here, (dict, list)):  # a section: where the file wrote it
+            return self.marks[loc[:end]] if end == len(loc) or missing else None
+        return self.marks[loc[:end]] if here == then else None
+
+
+def get_path_loc(data: Any, loc: Loc) -> Any:
+    """The value at LOC in nested dicts and lists (list items by index); None where a part is missing."""
+    for part in loc:
+        if isinstance(data, dict):
+            data = data.get(part)
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def key_lines(text: str) -> dict[Loc, int]:
+    """Each key path of a YAML document (list items by index) -> the 1-based line it starts on, from the
+    parser's node marks (`yaml.compose`: the same document `safe_load` read). A node is walked once, where
+    it is written (an alias is not walked again: a small file cannot expand into many walks)."""
+    marks: dict[Loc, int] = {}
+    queue: deque[tuple[Any, Loc]] = deque([(yaml.compose(text, Loader=yaml.SafeLoader), ())])
+    seen: set[int] = set()
+    while queue:  # in document order: an anchored node's keys are marked where it is written, not at an alias
+        node, path = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    marks[(*path, key.value)] = key.start_mark.line + 1
+                    queue.append((value, (*path, key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                marks[(*path, i)] = item.start_mark.line + 1
+                queue.append((item, (*path, i)))
+    return marks
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config or job spec file as a `SpecFile` (a dict that knows each key's line). SmolforgeError
+    (exit 2) for a file that is missing, not UTF-8, not YAML (naming `file:line`) or not a mapping."""
     path = Path(path)
     problem = not_a_regular_file(path)
     if problem == "does not exist":
@@ -314,7 +411,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise SmolforgeError(f"config file {path} {problem}, not a YAML file", where=str(path),
                              fix="point --config at the YAML file itself")
     try:
-        data = _safe_load(path.read_text(encoding="utf-8"), str(path)) or {}
+        text = path.read_text(encoding="utf-8")
+        data = _safe_load(text, str(path)) or {}
     except UnicodeDecodeError as err:
         raise SmolforgeError(f"{path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})",
                              where=str(path), fix="save the YAML as UTF-8") from err
@@ -329,7 +427,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SmolforgeError("config must be a mapping of keys to values", where=str(path),
                              fix="write key: value lines at the top level")
-    return data
+    return SpecFile(data, str(path), key_lines(text))
 
 
 # `--set`/`--override` keys as the seed documents (SmolCluster, SplitLearn, HF Trainer habits) name them ->
@@ -367,12 +465,22 @@ def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise spec_error(cls, err, where) from err
+        raise spec_error(cls, err, where, data if isinstance(data, SpecFile) else None) from err
 
 
-def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config") -> SmolforgeError:
-    """pydantic's error list as one SmolforgeError that names each field (and a likely misspelling)."""
-    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}{_did_you_mean(cls, e)}"
-                         for e in err.errors())
-    return SmolforgeError(f"invalid {cls.__name__}: {problems}", where=where,
-                          fix="correct or remove those keys (see `smolforge train --help`)")
+def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config",
+               file: SpecFile | None = None) -> SmolforgeError:
+    """pydantic's error list as one SmolforgeError that names each field (and a likely misspelling).
+    Read from a FILE: `where` is `file:line` of the first field the file wrote (each field's line too
+    when several are)."""
+    errors = err.errors()
+    lines = [file.line_of(tuple(e["loc"]), e["type"] == "missing") if file is not None else None for e in errors]
+    several = sum(n is not None for n in lines) > 1
+    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}{f' (line {n})' if several and n else ''}: "
+                         f"{e['msg']}{_did_you_mean(cls, e)}" for e, n in zip(errors, lines))
+    first = next((n for n in lines if n is not None), None)
+    return SmolforgeError(f"invalid {cls.__name__}: {problems}",
+                          where=f"{file.source}:{first}" if file is not None and first else where,
+                          fix="correct or remove " + (f"the key at line {first} of {file.source}" if file is not None
+                                                      and first and not several else "those keys")
+                          + " (see `smolforge train --help`)")

@@ -470,7 +470,7 @@ def test_two_stages_on_the_workers_answer_as_one_process_through_the_openai_clie
     while time.time() < deadline and "stage 1: layers" not in said:
         said = c.cli("job", "logs", job["id"], "--task", "stage1").stdout
         time.sleep(1)
-    assert re.search(rf"\[stage1 {stages[1]['node']}\] INFO .*stage 1: layers {bounds[1]}-{bounds[2]} of {SERVED}", said), said
+    assert re.search(rf"\[stage1 {stages[1]['node']} INFO\] INFO .*stage 1: layers {bounds[1]}-{bounds[2]} of {SERVED}", said), said
 
 
 def test_a_killed_stage_fails_its_stream_and_is_placed_again(world, job):

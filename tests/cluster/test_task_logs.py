@@ -98,15 +98,15 @@ def test_follow_returns_when_the_job_ends_with_every_ranks_lines(run):
     assert run["ended"]["state"] == "completed", out.stdout  # it returned because the job ended
     assert "completed" in out.stdout.splitlines()[-1] or any("[state]" in ln and "completed" in ln
                                                              for ln in out.stdout.splitlines()[-5:])
-    prefixes = set(re.findall(r"\[(r[01]) (w[12])\]", out.stdout))
+    prefixes = set(re.findall(r"\[(r[01]) (w[12]) [A-Z]+\]", out.stdout))
     assert {p[0] for p in prefixes} == {"r0", "r1"}, out.stdout
     assert len({p[1] for p in prefixes}) == 2, out.stdout  # the two ranks on their two nodes
     # each rank's own lines through the task logger (at info), rank 1's too. Not its step lines: under ssp
     # the server hands parts to whichever rank asks, so on a loaded machine rank 0 may take every step
     # (two CI runs on 2026-11-28 saw rank 1 log no "step 4/4", rank 0 log steps 2 and 4 twice each)
-    assert re.search(r"\[r1 w[12]\] INFO smolforge.task: rank 1/2 on w[12]: via the parameter server", out.stdout), \
+    assert re.search(r"\[r1 w[12] INFO\] INFO smolforge.task: rank 1/2 on w[12]: via the parameter server", out.stdout), \
         out.stdout
-    assert re.search(r"\[r[01] w[12]\] INFO smolforge.task: rank [01] step 4/4: loss \d", out.stdout), out.stdout
+    assert re.search(r"\[r[01] w[12] INFO\] INFO smolforge.task: rank [01] step 4/4: loss \d", out.stdout), out.stdout
     assert "[placed]" in out.stdout  # events and task lines in one stream
     assert run["c"].token not in out.stdout
 
@@ -115,9 +115,9 @@ def test_task_filter_shows_one_ranks_lines_only(run):
     out = run["c"].cli("job", "logs", run["job"], "--task", "r1")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines and all(re.match(r"\d\d:\d\d:\d\d \[r1 w[12]\] ", ln) for ln in lines), out.stdout
+    assert lines and all(re.match(r"\d\d-\d\d \d\d:\d\d:\d\d \[r1 w[12] [A-Z]+\] ", ln) for ln in lines), out.stdout
     ps = run["c"].cli("job", "logs", run["job"], "--task", "ps").stdout
-    assert re.search(r"\[ps w[12]\] INFO smolforge.task: parameter server \(ssp\) for 2 members", ps), ps
+    assert re.search(r"\[ps w[12] INFO\] INFO smolforge.task: parameter server \(ssp\) for 2 members", ps), ps
 
 
 def test_json_lines_and_the_api_route_needs_the_token(run):

@@ -223,6 +223,25 @@ def test_job_page_draws_the_jobs_curves(world, page):
     page.screenshot(path=str(ARTIFACTS / "job-curves.png"), full_page=True)
 
 
+def test_the_job_page_shows_its_jobs_lines_in_the_same_log_view(world, page):
+    """On the job page (after the curves test opened it) the overview's log view shows that job's lines
+    only: its job filter is the page's (the choice hidden), node/level/text filter as there."""
+    job_id, client = world["job"], world["client"]
+    page.wait_for_selector("body[data-job-loaded]")
+    assert page.locator("#log-view").is_visible() and page.locator("#log-job-filter").is_hidden()
+    page.select_option("#log-node", "w1")  # the choices: the nodes its tasks ran on
+    page.fill("#log-text", "smolforge.task: rank")
+    page.wait_for_function(f"() => (document.body.dataset.logs || '') === 'node=w1&job={job_id}&grep=smolforge.task%3A%20rank'"
+                           " && document.querySelectorAll('#logs li').length > 0")
+    shown = page.locator("#logs li").evaluate_all("els => els.map(e => [e.dataset.node, e.dataset.job, e.textContent])")
+    wanted = [r["line"] for r in client.search_logs(node="w1", job=job_id, grep="smolforge.task: rank")]
+    assert {(n, j) for n, j, _ in shown} == {("w1", job_id)}, shown
+    assert [text.split("] ", 1)[1] for _, _, text in shown] == wanted, (shown, wanted)  # held: no new lines
+    page.screenshot(path=str(ARTIFACTS / "job-logs.png"), full_page=True)
+    page.select_option("#log-node", "")
+    page.fill("#log-text", "")
+
+
 def test_pause_and_resume_buttons(world, page):
     job_id, client = world["job"], world["client"]
     assert client.get_job_status(job_id)["state"] == "running"

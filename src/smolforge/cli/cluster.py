@@ -453,7 +453,8 @@ def _register_job_views(job_app: typer.Typer) -> None:
         state_dir: Optional[str] = typer.Option(None, help=STATE_HELP),
     ):
         """The job's log: its events (state changes, placement, checkpoints, failures) and what its
-        tasks printed, interleaved by time; a task's line starts with its task and node: \\[r1 w2].
+        tasks printed, interleaved by time; a task's line starts with its task, node and level, as
+        `smolforge logs` prints it: \\[r1 w2 ERROR]. With --json each line's object carries its `level` too.
 
         Example: smolforge job logs job-1a2b3c --follow --task r1
         """

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from smolforge.config import dataset_choice_problem
+from smolforge.config import dataset_choice_problem, eval_split_problem
 from smolforge.errors import SmolforgeError
 
 DatasetNameOpt = Annotated[Optional[str], typer.Option(
@@ -19,6 +19,9 @@ DatasetNameOpt = Annotated[Optional[str], typer.Option(
     "--dataset-config wikitext-2-raw-v1")]
 DatasetConfigOpt = Annotated[Optional[str], typer.Option("--dataset-config", help="with --dataset-name: its config")]
 DatasetSplitOpt = Annotated[Optional[str], typer.Option("--dataset-split", help="with --dataset-name: its split (default train)")]
+DatasetEvalSplitOpt = Annotated[Optional[str], typer.Option(
+    "--dataset-eval-split", help="with --dataset-name: its split held out for eval, in place of --eval-data "
+    "(e.g. validation)")]
 DatasetColumnOpt = Annotated[Optional[str], typer.Option(
     "--dataset-column", help="with --dataset-name: the text column (default: rows shaped as text/alpaca/chat)")]
 
@@ -39,6 +42,21 @@ def named_dataset(path: str | None, name: str | None, config: str | None, split:
         fix = f"pass one of {flag} and --dataset-name" if name is not None else "add --dataset-name NAME"
         raise SmolforgeError(problem, fix=fix)
     return path if name is None else by_name(name, config, split, column)
+
+
+def named_eval(eval_path: str | None, name: str | None, config: str | None, eval_split: str | None,
+                column: str | None, flag: str = "--eval-data") -> str | None:
+    """The held-out set to read: EVAL_PATH (the FLAG) as given, or NAME's EVAL_SPLIT (`--dataset-eval-split`)
+    as `data.hub.by_name` reads it. SmolforgeError (exit 2) for both, or the split without --dataset-name
+    (`config.eval_split_problem`, the rule specs follow too)."""
+    from smolforge.data.hub import as_flag, by_name
+
+    spell = lambda key: key if key.startswith("--") else as_flag(key)  # noqa: E731
+    problem = eval_split_problem(flag, eval_path, name, eval_split, spell)
+    if problem:
+        raise SmolforgeError(problem, fix=f"pass one of {flag} and --dataset-eval-split" if name is not None
+                             else "add --dataset-name NAME")
+    return eval_path if eval_split is None else by_name(str(name), config, eval_split, column)
 
 
 def sets_a_dataset(sets: list[str]) -> bool:

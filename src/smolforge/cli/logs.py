@@ -30,13 +30,6 @@ def _backend(coordinator: str | None, token: str | None, state_dir: str | None) 
     return backend_for(coordinator, token, state_dir, embedded_ok=True)
 
 
-def format_log(row: dict[str, Any]) -> str:
-    """One line as `smolforge logs` prints it: `11-29 12:00:01 [job-1a2b r1 w2 ERROR] text`."""
-    ts = time.strftime("%m-%d %H:%M:%S", time.localtime(row["ts"]))
-    who = " ".join(str(part) for part in (row.get("job_id"), row.get("task"), row.get("node"), row.get("level")) if part)
-    return f"{ts} [{who}] {row['line']}"
-
-
 def register(app: typer.Typer) -> None:
     @app.command("logs")
     @run_cli
@@ -87,11 +80,13 @@ def register(app: typer.Typer) -> None:
 
 def _print_lines(backend: Backend, filters: dict[str, Any], limit: int, follow: bool, json_out: bool) -> None:
     """The newest `limit` matching lines; with `follow`, then each new one as it is stored, a page at a time."""
+    from smolforge.cluster.control.jobview import format_task_line  # the lines' one formatter, `job logs`' too
+
     rows = backend.search_logs(**filters, limit=limit)
     after = rows[-1]["id"] if rows else 0  # none yet: every later match is new, from the first line on
     while True:
         for row in rows:
-            typer.echo(json.dumps(row, default=str) if json_out else format_log(row))
+            typer.echo(json.dumps(row, default=str) if json_out else format_task_line(row))
         if not follow:
             return
         if not rows:

@@ -16,10 +16,11 @@ from typing import Any, Optional
 import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
-from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
+from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt,
+                                   DatasetSplitOpt, named_dataset, named_eval)
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
-from smolforge.config import NAMED_DATASET_KEYS, TrainConfig, apply_overrides, load_yaml, put_path, validate
+from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, TrainConfig, apply_overrides, load_yaml, put_path, validate
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP, parse_dtype
 from smolforge.models.export.targets import RUN_TARGETS
@@ -45,7 +46,7 @@ def build_train_config(config: Optional[Path], sets: list[str], flags: dict[str,
     whole config is valid (`data.hub.resolved`); --data/--dataset-name (FLAGS' data) replace the file's."""
     data: dict[str, Any] = load_yaml(config) if config else {}
     if flags.get("data") is not None and isinstance(data.get("data"), dict):
-        data["data"] = {k: v for k, v in data["data"].items() if k not in NAMED_DATASET_KEYS}
+        data["data"] = {k: v for k, v in data["data"].items() if k not in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY)}
     for name, value in flags.items():
         if value is not None and value is not False:
             put_path(data, FLAG_KEYS[name], value, where=f"--{name.replace('_', '-')}")
@@ -70,7 +71,7 @@ def _data_key(item: str) -> str:
     """`--set dataset_name=wikitext` (or training.dataset_name=...) as the data section's key: data.dataset_name."""
     key, sep, value = item.partition("=")
     bare = key.strip().removeprefix("training.")
-    return f"data.{bare}{sep}{value}" if sep and bare in NAMED_DATASET_KEYS else item
+    return f"data.{bare}{sep}{value}" if sep and bare in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY) else item
 
 
 def check_model_and_data(cfg: TrainConfig):
@@ -109,6 +110,7 @@ def _register_train(app: typer.Typer) -> None:
         dataset_column: DatasetColumnOpt = None,
         format: Optional[str] = typer.Option(None, "--format", help="auto|alpaca|chat|prompt_completion|text"),
         eval_data: Optional[str] = typer.Option(None, help="held-out JSONL (default: a 10% split of --data)"),
+        dataset_eval_split: DatasetEvalSplitOpt = None,
         peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
         peft_config: Optional[str] = typer.Option(None, help='JSON, e.g. \'{"r": 8, "alpha": 16, "dropout": 0.05}\''),
         lora_r: Optional[int] = typer.Option(None, help="LoRA rank"),
@@ -161,7 +163,10 @@ def _register_train(app: typer.Typer) -> None:
         Example: smolforge train --model qwen2.5:0.5b --data bundled --dtype bf16  (frozen base in bf16: half the memory)
 
         Example: smolforge train --model tiny-llama --dataset-name tatsu-lab/alpaca --max-steps 50  (offline, from the HF cache)
+
+        Example: smolforge train --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --max-steps 50
         """
+        eval_data = named_eval(eval_data, dataset_name, dataset_config, dataset_eval_split, dataset_column)
         data = named_dataset(data, dataset_name, dataset_config, dataset_split, dataset_column, "--data")
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))

@@ -23,7 +23,7 @@ import psutil
 from smolforge.cluster.nodes import ray_glue, ray_session
 from smolforge.cluster.nodes.ray_glue import ClusterHandle
 from smolforge.cluster.control.artifacts import ArtifactStore
-from smolforge.cluster.control.kinds import apply_job_overrides, pin_local_models, stage_spec
+from smolforge.cluster.control.kinds import apply_job_overrides, check_fields, pin_local_models, read_named, stage_spec
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.cluster.control.manager import JobManager
@@ -128,6 +128,8 @@ class EmbeddedCluster:
     def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
         apply_job_overrides(data, overrides or [])
+        data = read_named(data)
+        check_fields(data)  # a spec file's bad field as file:line, before an upload or the cluster starts
         spec = pin_local_models(stage_spec(data, self.upload))
         self.handle  # noqa: B018  (placement is checked against the live node table)
         return self.manager.submit(spec)

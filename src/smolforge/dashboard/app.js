@@ -1,6 +1,7 @@
 // The smolforge dashboard: the overview (nodes, jobs) and a page per job (#job=<id>): state, ETA,
-// curves drawn with the vendored uPlot, tasks, events, pause/resume/cancel; on the overview, every job's
-// task lines filtered by node, level, job and text (GET /api/v1/logs, what `smolforge logs` reads).
+// curves drawn with the vendored uPlot, tasks, events, pause/resume/cancel; one log view: on the overview
+// every job's task lines filtered by node, level, job and text, on a job page that job's (GET /api/v1/logs,
+// what `smolforge logs` reads).
 // The token comes from the URL fragment (#token=…, never sent to the server) or the login box and is
 // kept in sessionStorage; every API call carries it as a bearer token. All text from the API goes in
 // with textContent (node, model and job names are user input).
@@ -174,7 +175,7 @@
     });
   }
 
-  // -- logs: every job's task lines, filtered ----------------------------------------------------
+  // -- logs: every job's task lines, filtered (on a job page: that job's) ------------------------
   // The filters make the query; while it stays the same, each refresh asks only for the lines after
   // the last one shown (`after`), so a line is shown once. A changed filter starts again from the newest.
   var logView = { key: null, after: null };
@@ -189,7 +190,7 @@
   function logQuery() {
     var parts = [];
     [["node", "log-node"], ["level", "log-level"], ["job", "log-job"], ["grep", "log-text"]].forEach(function (f) {
-      var v = $(f[1]).value;
+      var v = f[0] === "job" && view.job ? view.job : $(f[1]).value;  // a job page: its own job's lines
       if (v) parts.push(f[0] + "=" + encodeURIComponent(v));
     });
     return parts.join("&");
@@ -358,6 +359,9 @@
     $("btn-pause").disabled = !(j.state === "running" || j.state === "pending");
     $("btn-resume").disabled = j.state !== "paused";
     $("btn-cancel").disabled = !!FINAL[j.state];
+    var nodes = [];
+    (j.tasks || []).forEach(function (t) { if (t.node_name && nodes.indexOf(t.node_name) < 0) nodes.push(t.node_name); });
+    fillChoices("log-node", nodes.sort());  // the log view's node filter: where this job's tasks ran
     var body = document.querySelector("#tasks tbody");
     body.textContent = "";
     (j.tasks || []).forEach(function (t) {
@@ -406,6 +410,7 @@
           view.metricsState = j.state;
         }
         document.body.setAttribute("data-job-loaded", j.state);
+        return refreshLogs();
       });
     });
   }
@@ -437,6 +442,7 @@
     $("main").hidden = !!id;
     $("job-page").hidden = !id;
     if (id) openJob(id); else view.job = null;
+    $("log-job-filter").hidden = !!id;  // the job page's log view is its job's
     if (busy) return;
     busy = true;
     (id ? refreshJob() : refreshOverview())

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from smolforge.config import NAMED_DATASET_KEYS, NamedDataset
+from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, NamedDataset
 from smolforge.data.formats import detect_format
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
@@ -166,21 +166,32 @@ Section = TypeVar("Section", bound=NamedDataset)
 
 def resolved(section: Section) -> Section:
     """SECTION (a spec's `NamedDataset` part) with its dataset by name read (`by_name`) into its file
-    field, the name fields cleared; as it is when it names a file."""
+    field, the name fields cleared, and its `dataset_eval_split` (where it has a held-out file: `EVAL_FILE`)
+    read into that file; as it is when it names a file."""
     if section.dataset_name is None:
         return section
-    path = by_name(section.dataset_name, section.dataset_config, section.dataset_split, section.dataset_column,
-                   spell=as_field)
-    return section.model_copy(update={section.DATASET_FILE: path, **{key: None for key in NAMED_DATASET_KEYS}})
+    named = [section.dataset_name, section.dataset_config, section.dataset_split, section.dataset_column]
+    update: dict[str, Any] = {section.DATASET_FILE: by_name(*named, spell=as_field),
+                              **{key: None for key in NAMED_DATASET_KEYS}}
+    eval_split = getattr(section, EVAL_SPLIT_KEY, None) if section.EVAL_FILE else None
+    if eval_split is not None:
+        named[2] = eval_split
+        update.update({section.EVAL_FILE: by_name(*named, spell=as_field), EVAL_SPLIT_KEY: None})
+    return section.model_copy(update=update)
 
 
-def resolve_in(section: dict[str, Any], file_key: str) -> dict[str, Any]:
+def resolve_in(section: dict[str, Any], file_key: str, eval_key: str | None = None) -> dict[str, Any]:
     """A spec section as a dict (a job spec before it is validated): its `dataset_name` [...] read into
-    FILE_KEY (`by_name`) when it names no file too; as it is otherwise (both, or a companion without a
-    name, are the spec's validation's to refuse: `NamedDataset`)."""
+    FILE_KEY (`by_name`) when it names no file too, and its `dataset_eval_split` into EVAL_KEY (the
+    section's held-out file, when it has one: `data.eval_path`); as it is otherwise (both, or a companion
+    without a name, are the spec's validation's to refuse: `NamedDataset`)."""
     if section.get("dataset_name") is None or section.get(file_key) is not None:
         return section
-    named = {key: section.get(key) for key in NAMED_DATASET_KEYS}
+    named = [section.get(key) for key in NAMED_DATASET_KEYS]
+    eval_split = section.get(EVAL_SPLIT_KEY) if eval_key and section.get(eval_key) is None else None
     out = {k: v for k, v in section.items() if k not in NAMED_DATASET_KEYS}
-    out[file_key] = by_name(*(named[key] for key in NAMED_DATASET_KEYS), spell=as_field)
+    out[file_key] = by_name(*named, spell=as_field)
+    if eval_key and eval_split is not None:
+        out[eval_key] = by_name(named[0], named[1], eval_split, named[3], spell=as_field)
+        del out[EVAL_SPLIT_KEY]
     return out

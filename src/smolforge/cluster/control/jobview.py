@@ -40,16 +40,23 @@ def _mb(value) -> str:
     return "?" if value is None else f"{float(value):.0f} MB"
 
 
+STAMP = "%m-%d %H:%M:%S"  # a log line's (and an event's) local time, as `smolforge logs` and `job logs` print it
+
+
 def format_event(e: dict) -> str:
-    ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+    """One job event: `11-29 12:00:01 [placed] rank 0 on w1`."""
+    ts = time.strftime(STAMP, time.localtime(e["ts"]))
     return f"{ts} [{e['kind']}] {e['message']}"
 
 
 def format_task_line(line: dict) -> str:
-    """One line a task printed, prefixed with who said it and where: `12:00:01 [r1 w2] ...`."""
-    ts = time.strftime("%H:%M:%S", time.localtime(line["ts"]))
-    where = f"{line['task']} {line['node']}" if line.get("node") else line["task"]
-    return f"{ts} [{where}] {line['line']}"
+    """One line a task printed, prefixed with whose, where and how loud: `11-29 12:00:01 [job-1a2b r1 w2
+    ERROR] text`. The one formatter of `smolforge logs` (rows name their job) and `smolforge job logs`
+    (one job's rows: no job id); a part the row lacks is left out."""
+    ts = time.strftime(STAMP, time.localtime(line["ts"]))
+    who = " ".join(str(part) for part in (line.get("job_id"), line.get("task"), line.get("node"), line.get("level"))
+                   if part)
+    return f"{ts} [{who}] {line['line']}"
 
 
 def interleave(events: list[dict], lines: list[dict]) -> list[dict]:

@@ -27,7 +27,7 @@ from smolforge.cluster.control.specs import (
     DataParallelJob, DistillJob, DistillTaskJob, ExportJob, ServeJob, from_seed_task, get_path, put_path,
 )
 from smolforge.cluster.control.specs import SplitJob
-from smolforge.config import NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, validate
+from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, validate
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
 from smolforge.distill.backends import teacher_backend
@@ -46,8 +46,11 @@ class JobKind:
     section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
     # the one of `uploads` a dataset by name may stand for: its section takes `dataset_name`, ... (config.
-    # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section
-    named: str | None = None
+    # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section.
+    # A function of the spec where the kind's jobs differ in it (`by_stage`: a distill_task's stage)
+    named: str | Callable[[dict[str, Any]], str | None] | None = None
+    # the held-out file of `named`'s section that its `dataset_eval_split` is read into (train.data.eval_path)
+    named_eval: str | None = None
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
@@ -82,6 +85,18 @@ def check_at(ref: str) -> Callable[[Any], None]:
     of the kind is checked (as `runner_at`, so the control plane imports no workload)."""
     load = runner_at(ref)
     return lambda job: load()(job)
+
+
+def by_stage(files: dict[str, str]) -> Callable[[dict[str, Any]], str | None]:
+    """A kind's `named` for jobs whose `stage` decides what a dataset by name stands for (a distill_task
+    job: a teacher stage's prompts, a students stage's held-out set); None for a stage that reads none."""
+    return lambda spec: files.get(str(spec.get("stage")))
+
+
+def named_file(spec: dict[str, Any]) -> str | None:
+    """The dotted spec path a dataset by name in SPEC (a dict) stands for (its kind's `named`), or None."""
+    named = kind_of(spec).named
+    return named(spec) if callable(named) else named
 
 
 def _dp_demand(job: DataParallelJob, embedded: bool) -> Demand:
@@ -165,6 +180,7 @@ def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
             uploads=("train.data.path", "train.data.eval_path"), named="train.data.path",
+            named_eval="train.data.eval_path",
             models=("train.model",), check=lambda job: refuse_unused(job.train),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
@@ -176,6 +192,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("distill_task", "distillation task", DistillTaskJob,
             runner_at(f"{WORKLOADS}.distill.runner:DistillTaskRunner"), section="args",
             uploads=("args.dataset_path", "args.eval_data"), models=("args.model_path", "args.base_model"),
+            named=by_stage({"teacher": "args.dataset_path", "students": "args.eval_data"}),
             check=check_at(f"{WORKLOADS}.distill.stage_args:check_task_args"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_task_demand),
@@ -203,6 +220,13 @@ def parse(spec: dict[str, Any]) -> Any:
     job = validate(kind.spec, spec, where="job spec")
     kind.check(job)
     return job
+
+
+def check_fields(spec: dict[str, Any]) -> None:
+    """SPEC's fields checked against its kind's spec where it is submitted (the kind's deeper checks and
+    the coordinator's own validation come later): a spec file's bad field is one message naming
+    `file:line` (`config.SpecFile`), before anything is sent or a cluster starts. SmolforgeError (exit 2)."""
+    validate(kind_of(spec).spec, spec, where="job spec")
 
 
 def check_output_dir(job: Any, embedded: bool) -> None:
@@ -250,7 +274,7 @@ def read_named(spec: dict) -> dict:
     sent or starts (the rule of `config.NamedDataset`, which the spec's validation applies anyway). In
     place; returned."""
     spec = from_seed_task(spec)
-    named = kind_of(spec).named
+    named = named_file(spec)
     where, _, key = (named or "").rpartition(".")
     section = get_path(spec, where) if named else None
     if not isinstance(section, dict):
@@ -258,10 +282,16 @@ def read_named(spec: dict) -> dict:
     problem = dataset_choice_problem(key, section.get(key), section, lambda k: f"{where}.{k}")
     if problem:
         raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{key} and {where}.dataset_name")
+    eval_key = (kind_of(spec).named_eval or "").rpartition(".")[2] or None
+    problem = eval_key and eval_split_problem(eval_key, section.get(eval_key), section.get("dataset_name"),
+                                              section.get(EVAL_SPLIT_KEY), lambda k: f"{where}.{k}")
+    if problem:
+        raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{eval_key} and {where}.{EVAL_SPLIT_KEY}"
+                             f" (with {where}.dataset_name)")
     if section.get("dataset_name") is not None:
         from smolforge.data.hub import resolve_in
 
-        put_path(spec, where, resolve_in(section, key))
+        put_path(spec, where, resolve_in(section, key, eval_key))
     return spec
 
 
@@ -283,7 +313,7 @@ def check_uploads(job: Any, has_upload: Callable[[str], bool]) -> None:
     """Every file the job names is an upload the coordinator holds (or 'bundled'), and no dataset by name
     is left unread (`stage_spec` reads it where the job is submitted: this side has no such cache)."""
     data = job.model_dump(mode="json")
-    named = kind_of(job.kind).named
+    named = named_file(data)
     name = get_path(data, named.rpartition(".")[0] + ".dataset_name") if named else None
     if name is not None:
         raise SmolforgeError(f"{named.rpartition('.')[0]}.dataset_name {name!r} was not read into a file at submit",
@@ -320,9 +350,10 @@ def apply_job_overrides(data: dict, overrides: list[str]) -> dict:
                                      fix=f"use one of {', '.join(sorted(job_keys - {'kind'}))}")
             apply_overrides(data, [".".join(parts) + "=" + raw], strip_training=False)
             continue
-        if kind.named and parts[-1] in NAMED_DATASET_KEYS and (
+        named = named_file(data)
+        if named and parts[-1] in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY) and (
                 len(parts) == 1 or len(parts) == 2 and parts[0] in ("training", "train", kind.section)):
-            parts = [*kind.named.rpartition(".")[0].split("."), parts[-1]]  # dataset_name=N: beside the data file
+            parts = [*named.rpartition(".")[0].split("."), parts[-1]]  # dataset_name=N: beside the data file
         if parts[0] in ("training", "train", kind.section):
             parts = parts[1:]
             target = data.setdefault(kind.section, {})

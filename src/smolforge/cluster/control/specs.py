@@ -46,7 +46,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import NAMED_DATASET_KEYS, ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
+from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
 from smolforge.distill.settings import DistillSettings
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.targets import ExportTarget, QuantName
@@ -289,7 +289,7 @@ def from_seed_task(data: Any) -> Any:
     train = {"model": data.pop("model")}
     if "dataset" in data:
         train["data"] = {"path": data.pop("dataset")}
-    named = {key: data.pop(key) for key in NAMED_DATASET_KEYS if key in data}  # a dataset by name, beside it
+    named = {key: data.pop(key) for key in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY) if key in data}  # a dataset by name, beside it
     if named:
         train["data"] = {**train.get("data", {}), **named}
     return {**data, "train": train}

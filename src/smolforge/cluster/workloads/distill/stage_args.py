@@ -14,7 +14,9 @@ import difflib
 import inspect
 from typing import Any, Callable
 
+from smolforge.cluster.control.kinds import named_file
 from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall
+from smolforge.config import NAMED_DATASET_KEYS
 from smolforge.distill.aggregate import aggregate_student_outputs
 from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
 from smolforge.errors import SmolforgeError
@@ -47,7 +49,7 @@ def known_args(stage: str) -> list[str]:
 
 def check_task_args(job: Any) -> None:
     """Refuse a DistillTaskJob whose `args` its stage's call would refuse; one message naming the key."""
-    stage, args = job.stage, job.args
+    stage, args = job.stage, _unnamed(job)
     known = known_args(stage)
     where = f"job spec (args of the {stage} stage)"
     for key in args:
@@ -65,6 +67,17 @@ def check_task_args(job: Any) -> None:
         raise SmolforgeError(f"the {stage} stage needs args.{missing[0]}", where=where,
                              fix=f"give {', '.join(f'args.{m}' for m in missing)} (the call's required arguments)")
     _check_students_tokenizer(args)
+
+
+def _unnamed(job: Any) -> dict[str, Any]:
+    """The job's `args` with a dataset by name (`dataset_name`, ...: the spec's, read into the stage's file
+    where the job is submitted, `kinds.read_named`) counted as that file; a coordinator refuses one left
+    unread (`kinds.check_uploads`). As they are for a stage that reads no dataset."""
+    named = named_file({"kind": job.kind, "stage": job.stage, "args": job.args})
+    if named is None or job.args.get("dataset_name") is None:
+        return job.args
+    args = {k: v for k, v in job.args.items() if k not in NAMED_DATASET_KEYS}
+    return {**args, named.rpartition(".")[2]: job.args["dataset_name"]}
 
 
 def _check_students_tokenizer(args: dict[str, Any]) -> None:
