@@ -174,8 +174,9 @@ class ServerCore:
         for its residuals: `ps_feedback.py`), `feedback` (its residual to resume with, with its first part)."""
         with self.cond:
             out = self._claim_reply(member, wait_s, have, pull_due)
-            if "done" in out:
+            if "done" in out and member not in self.feedback.finished:
                 self.feedback.finished.add(member)
+                self.cond.notify_all()  # a snapshot waiting for this member's residuals waits no more
             if "step" in out:
                 found, residual = self.feedback.hand(member)
                 if found:
