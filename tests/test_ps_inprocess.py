@@ -260,7 +260,8 @@ def test_sync_ps_with_sparse_pushes_resumes_bitwise(tmp_path):
     the residuals the workers' next pushes would carry less, and the weights differ)."""
     from smolforge.train.checkpoint import verify
 
-    config = {"deadline_s": GATE_S, "codec": "sparse", "chunk": 256, "topk": 16, "bits": 4}
+    config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "sparse", "chunk": 256, "topk": 16,
+              "bits": 4}  # deadline_max_s too: a step never closes without a part, however loaded the machine
     whole, _, _ = run_ps(tmp_path / "whole", "sync-ps", config, lr=1e-3, max_steps=6)
     first, _, _ = run_ps(tmp_path / "paused", "sync-ps", config, lr=1e-3, max_steps=6, pause_after=3)
     assert first[0].stopped == "pause" and first[0].checkpoint_dir
@@ -270,7 +271,7 @@ def test_sync_ps_with_sparse_pushes_resumes_bitwise(tmp_path):
     assert state["error_feedback_codec"] == {"codec": "sparse", "chunk": 256, "topk": 16, "bits": 4}
     assert sorted(state["error_feedback"]) == [0, 1] and all(r is not None for r in state["error_feedback"].values())
     again, server, _ = run_ps(tmp_path / "paused", "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
-    assert again[0].stopped is None and again[0].steps == 6
+    assert again[0].stopped is None and again[0].steps == 6 and server.stats()["closed_at_deadline"] == 0
     mine, ref = adapter(again[0]), adapter(whole[0])
     for k in ref:
         assert torch.equal(mine[k], ref[k]), k
@@ -282,9 +283,35 @@ def test_sync_ps_with_sparse_pushes_learns(tmp_path):
     """sync-ps pushing 1 % of fp32 (sparse at its defaults: the top 64 of every 4096 values at 2 bits, error
     feedback on each worker) still trains: 20 steps take tiny-llama's LoRA from the untrained eval loss (7.52)
     to below 5 (measured 4.33; fp32 pushes reach 3.33, int8 3.33), each push the codec's bytes."""
-    results, server, strategies = run_ps(tmp_path, "sync-ps", {"deadline_s": GATE_S, "codec": "sparse"},
-                                         max_steps=20, lr=1e-2)
+    config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "sparse"}
+    results, server, strategies = run_ps(tmp_path, "sync-ps", config, max_steps=20, lr=1e-2)
     assert server.version == 20 and server.applied == 20
     numel = int(server.flat.numel())
     assert sum(s.bytes_sent for s in strategies) == 40 * server.coder.nbytes(numel) < 40 * 4 * numel // 50
     assert results[0].eval["eval_loss"] < 5.0, results[0].eval
+
+
+def test_sync_ps_with_int8_pushes_resumes_bitwise_from_a_periodic_checkpoint(tmp_path):
+    """sync-ps with int8 pushes, a checkpoint every 3 steps: rank 0's snapshot asks rank 1 (waiting at the
+    barrier for rank 0's part) for its residual at the step the checkpoint resumes from, and gets it; a job
+    resumed from that checkpoint (the later ones removed) ends bitwise where the uninterrupted run ended."""
+    import shutil
+
+    from smolforge.train.checkpoint import list_checkpoints
+
+    config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "int8", "block": 64}
+    whole, first_server, _ = run_ps(tmp_path / "whole", "sync-ps", config, lr=1e-3, max_steps=6, save_every=3,
+                                    keep_last=9)
+    assert first_server.feedback.tables[1][1] is False  # rank 1 answered the checkpoint's request (not a pause)
+    shutil.copytree(whole[0].output_dir, tmp_path / "again" / "rank0")
+    first, *later = list_checkpoints(tmp_path / "again" / "rank0")
+    for path in later:
+        shutil.rmtree(path)
+    state = torch.load(first / "optim.pt", weights_only=True)["strategy"]
+    assert state["error_feedback_step"] == int(first.name.split("-")[1]) < 6
+    assert sorted(state["error_feedback"]) == [0, 1] and all(r is not None for r in state["error_feedback"].values())
+    again, server, _ = run_ps(tmp_path / "again", "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
+    assert again[0].steps == 6 and not server.feedback.handback and server.stats()["closed_at_deadline"] == 0
+    mine, ref = adapter(again[0]), adapter(whole[0])
+    for k in ref:
+        assert torch.equal(mine[k], ref[k]), k

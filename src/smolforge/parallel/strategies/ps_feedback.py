@@ -7,13 +7,14 @@ snapshot, taken by rank 0, and resumes at the step every part before which is ap
 `resume_step`, s): the residual a worker must resume with is the one it held *before its first push for
 a step >= s* (those parts are computed again after the resume). So each worker keeps, beside its
 residual, the residual it held before each push not yet behind the server's resume step (`FeedbackMarks`,
-pruned as each claim's reply says where the server is: one or two of them), and hands them over (its
-*table*) when the server asks:
+pruned as each claim's reply says where the server is: one or two under ssp and sync-ps; at most
+`MAX_MARKS`, the oldest dropped, under async-ps, whose resume is not exact anyway: parts past the resume
+step may already be in the weights), and hands them over (its *table*) when the server asks:
 
 1. rank 0's snapshot fixes s, hands over rank 0's own table and raises a request (a generation number);
-2. every other worker that has pushed sees the request in the reply to its next claim (a claim that
-   waits returns at once) and puts its table (`put_feedback`); a worker told to pause puts it unasked,
-   as it pushes no more;
+2. every other worker that has pushed sees the request (and s) in the reply to its next claim (a claim
+   that waits returns at once) and puts its residual at s (`put_feedback`); a worker told to pause puts
+   its whole table unasked, as it pushes no more;
 3. the snapshot waits, bounded (`WAIT_S`), for each such worker still in the job (not dead, not done: a
    worker that finished makes no claim to see the request), resolves each table at s and keeps the
    residuals with the codec's settings (`Codec.settings`) and the world size in the checkpoint's strategy
@@ -34,6 +35,7 @@ import torch
 from smolforge.parallel.codecs import Codec, ErrorFeedback
 
 WAIT_S = 120.0  # a snapshot waits this long at most for the workers' tables (then: zeros for the missing)
+MAX_MARKS = 4  # residuals a worker keeps beside its own (each the size of the trainable weights, fp32)
 
 
 class FeedbackMarks:
@@ -52,17 +54,18 @@ class FeedbackMarks:
         """Called before a part of `step` is encoded: what the residual was."""
         if self.active:
             res = self.stream.residual
-            self.marks.append((int(step), None if res is None else res.clone()))
+            self.marks = [*self.marks, (int(step), None if res is None else res.clone())][-MAX_MARKS:]
 
     def prune(self, resume: int) -> None:
         """The server resumes at `resume` or later from now on: marks of earlier steps can never be asked for."""
         self.marks = [(s, r) for s, r in self.marks if s >= resume]
 
-    def table(self) -> dict[str, Any]:
+    def table(self, step: int | None = None) -> dict[str, Any]:
         """What the server resolves at a resume step: {"marks": [(step, residual before)], "current": residual}
-        (numpy, flat fp32; None: no residual yet)."""
+        (numpy, flat fp32; None: no residual yet); given the `step`, only the residual at it (as "current")."""
         arr = lambda t: None if t is None else t.numpy()  # noqa: E731
-        return {"marks": [(s, arr(r)) for s, r in self.marks], "current": arr(self.stream.residual)}
+        whole = {"marks": [(s, arr(r)) for s, r in self.marks], "current": arr(self.stream.residual)}
+        return whole if step is None else {"marks": [], "current": resolve(whole, int(step))}
 
     def load(self, residual: Any) -> None:
         """Continue from a checkpoint's residual (handed back by the server with the first claim)."""
@@ -84,7 +87,7 @@ class FeedbackKeeper:
 
     def __init__(self, coder: Codec, world: int):
         self.coder, self.world = coder, world
-        self.gen = 0  # the last request's number
+        self.gen, self.step = 0, 0  # the last request's number, and the step it resumes from
         self.tables: dict[int, tuple[int, bool, dict]] = {}  # member -> (request answered, final, table)
         self.pushers: set[int] = set()  # members with a residual stream (they pushed)
         self.finished: set[int] = set()  # members told every step is done (they claim no more)
@@ -108,9 +111,10 @@ class FeedbackKeeper:
         """A worker's table, in answer to request `gen` (None: unasked), `final` when it pushes no more."""
         self.tables[member] = (self.gen if gen is None else int(gen), bool(final), table)
 
-    def request(self, member: int, table: dict[str, Any] | None) -> int:
-        """A new request (rank 0's snapshot), answered at once for `member` (rank 0) with its own table."""
-        self.gen += 1
+    def request(self, member: int, table: dict[str, Any] | None, step: int) -> int:
+        """A new request (rank 0's snapshot, resuming at `step`), answered at once for `member` (rank 0)
+        with its own table."""
+        self.gen, self.step = self.gen + 1, int(step)
         if table is not None:
             self.tables[member] = (self.gen, False, table)
         return self.gen

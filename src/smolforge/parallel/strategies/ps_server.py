@@ -183,7 +183,7 @@ class ServerCore:
                     out["feedback"] = to_numpy(residual)
             ask = self.feedback.wants(member)
             if ask is not None:
-                out["feedback_for"] = ask
+                out["feedback_for"], out["feedback_step"] = ask, self.feedback.step
             return out
 
     def _claim_reply(self, member: int, wait_s: float, have: int | None, pull_due: bool) -> dict[str, Any]:
@@ -278,7 +278,7 @@ class ServerCore:
         with self.cond:
             out = self._snapshot()
             if self.feedback.active and (self.feedback.pushers or feedback):
-                gen = self.feedback.request(member, feedback)
+                gen = self.feedback.request(member, feedback, out["resume_step"])
                 self.cond.notify_all()  # waiting claims return with the request
                 self.cond.wait_for(lambda: not self.feedback.missing(gen, self.gone), timeout=wait_s)
                 kept, lacking = self.feedback.collect(out["resume_step"], gen, self.gone)

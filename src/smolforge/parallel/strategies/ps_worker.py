@@ -191,7 +191,8 @@ class PSStrategy(Strategy):
             self.marks.load(reply["feedback"])
         final = reply.get("stop") == "pause" and self.n["parts"] > 0
         if self.marks.active and (reply.get("feedback_for") is not None or final):
-            self.server.put_feedback(self.member, reply.get("feedback_for"), self.marks.table(), final)
+            step = None if final else reply.get("feedback_step")  # asked: only the residual at that step
+            self.server.put_feedback(self.member, reply.get("feedback_for"), self.marks.table(step), final)
 
     def rows_for(self, step: int, total: int) -> tuple[int, int]:
         part, parts = self.claimed["part"], self.claimed["parts"]
