@@ -253,29 +253,51 @@ def test_final_loss_is_the_last_steps_token_mean_for_every_strategy(tmp_path):
 
 
 
+def _only_the_first_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of rank 0's output directory `src` at `dst` with its later checkpoints removed: a job that
+    resumes there starts from the first one. Returns that checkpoint's directory."""
+    import shutil
+
+    from smolforge.train.checkpoint import list_checkpoints
+
+    shutil.copytree(src, dst)
+    first, *later = list_checkpoints(dst)
+    for path in later:
+        shutil.rmtree(path)
+    return first
+
+
 def test_sync_ps_with_sparse_pushes_resumes_bitwise(tmp_path):
-    """sync-ps with the sparse codec (error feedback on each worker): rank 0 pauses after 3 of 6 steps; the checkpoint
-    keeps both workers' residuals at the step it resumes from (checksummed in its manifest with the rest), a new
-    server hands each its own back, and the resumed run ends bitwise where an uninterrupted one does (without
-    the residuals the workers' next pushes would carry less, and the weights differ)."""
+    """sync-ps with the sparse codec (error feedback on each worker) resumes bitwise both ways a checkpoint is
+    taken. A checkpoint every 3 steps: rank 0's snapshot asks rank 1 (waiting at the barrier for rank 0's part)
+    for its residual at the step the checkpoint resumes from. A pause after 3 steps: rank 1, told to pause,
+    hands over its residuals unasked. Each checkpoint keeps both workers' residuals with the codec's settings
+    (in optim.pt, checksummed by the manifest), a new server hands each its own back, and both resumed jobs
+    end bitwise where the uninterrupted run ended (without the residuals the workers' next pushes carry
+    less, and the weights differ)."""
     from smolforge.train.checkpoint import verify
 
     config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "sparse", "chunk": 256, "topk": 16,
               "bits": 4}  # deadline_max_s too: a step never closes without a part, however loaded the machine
-    whole, _, _ = run_ps(tmp_path / "whole", "sync-ps", config, lr=1e-3, max_steps=6)
-    first, _, _ = run_ps(tmp_path / "paused", "sync-ps", config, lr=1e-3, max_steps=6, pause_after=3)
-    assert first[0].stopped == "pause" and first[0].checkpoint_dir
-    ckpt = Path(first[0].checkpoint_dir)
-    assert verify(ckpt)  # the residuals are in optim.pt, whose sha256 the manifest holds
-    state = torch.load(ckpt / "optim.pt", weights_only=True)["strategy"]
-    assert state["error_feedback_codec"] == {"codec": "sparse", "chunk": 256, "topk": 16, "bits": 4}
-    assert sorted(state["error_feedback"]) == [0, 1] and all(r is not None for r in state["error_feedback"].values())
-    again, server, _ = run_ps(tmp_path / "paused", "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
-    assert again[0].stopped is None and again[0].steps == 6 and server.stats()["closed_at_deadline"] == 0
-    mine, ref = adapter(again[0]), adapter(whole[0])
-    for k in ref:
-        assert torch.equal(mine[k], ref[k]), k
-    assert not server.feedback.handback  # each member was handed its residual
+    whole, server, _ = run_ps(tmp_path / "whole", "sync-ps", config, lr=1e-3, max_steps=6, save_every=3, keep_last=9)
+    assert server.feedback.tables[1][1] is False  # rank 1 answered the periodic checkpoint's request
+    periodic = _only_the_first_checkpoint(Path(whole[0].output_dir), tmp_path / "periodic" / "rank0")
+    paused, _, _ = run_ps(tmp_path / "paused", "sync-ps", config, lr=1e-3, max_steps=6, pause_after=3)
+    assert paused[0].stopped == "pause" and paused[0].checkpoint_dir
+    ref = adapter(whole[0])
+    for ckpt, root in ((periodic, "periodic"), (Path(paused[0].checkpoint_dir), "paused")):
+        assert verify(ckpt)  # the residuals are in optim.pt, whose sha256 the manifest holds
+        state = torch.load(ckpt / "optim.pt", weights_only=True)["strategy"]
+        assert state["error_feedback_codec"] == {"codec": "sparse", "chunk": 256, "topk": 16, "bits": 4}
+        assert state["error_feedback_step"] == int(ckpt.name.split("-")[1]) < 6, root
+        residuals = state["error_feedback"]
+        assert sorted(residuals) == [0, 1] and all(r is not None for r in residuals.values()), root
+        again, server, _ = run_ps(tmp_path / root, "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
+        assert again[0].steps == 6 and server.stats()["closed_at_deadline"] == 0, root
+        assert not server.feedback.handback, root  # each member was handed its residual
+        mine = adapter(again[0])
+        for k in ref:
+            assert torch.equal(mine[k], ref[k]), (root, k)
 
 
 @pytest.mark.soak
@@ -289,29 +311,3 @@ def test_sync_ps_with_sparse_pushes_learns(tmp_path):
     numel = int(server.flat.numel())
     assert sum(s.bytes_sent for s in strategies) == 40 * server.coder.nbytes(numel) < 40 * 4 * numel // 50
     assert results[0].eval["eval_loss"] < 5.0, results[0].eval
-
-
-def test_sync_ps_with_int8_pushes_resumes_bitwise_from_a_periodic_checkpoint(tmp_path):
-    """sync-ps with int8 pushes, a checkpoint every 3 steps: rank 0's snapshot asks rank 1 (waiting at the
-    barrier for rank 0's part) for its residual at the step the checkpoint resumes from, and gets it; a job
-    resumed from that checkpoint (the later ones removed) ends bitwise where the uninterrupted run ended."""
-    import shutil
-
-    from smolforge.train.checkpoint import list_checkpoints
-
-    config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "int8", "block": 64}
-    whole, first_server, _ = run_ps(tmp_path / "whole", "sync-ps", config, lr=1e-3, max_steps=6, save_every=3,
-                                    keep_last=9)
-    assert first_server.feedback.tables[1][1] is False  # rank 1 answered the checkpoint's request (not a pause)
-    shutil.copytree(whole[0].output_dir, tmp_path / "again" / "rank0")
-    first, *later = list_checkpoints(tmp_path / "again" / "rank0")
-    for path in later:
-        shutil.rmtree(path)
-    state = torch.load(first / "optim.pt", weights_only=True)["strategy"]
-    assert state["error_feedback_step"] == int(first.name.split("-")[1]) < 6
-    assert sorted(state["error_feedback"]) == [0, 1] and all(r is not None for r in state["error_feedback"].values())
-    again, server, _ = run_ps(tmp_path / "again", "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
-    assert again[0].steps == 6 and not server.feedback.handback and server.stats()["closed_at_deadline"] == 0
-    mine, ref = adapter(again[0]), adapter(whole[0])
-    for k in ref:
-        assert torch.equal(mine[k], ref[k]), k
