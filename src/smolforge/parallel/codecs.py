@@ -74,6 +74,11 @@ class Codec:
         """What a payload of `numel` values costs on the wire, in bytes (equals `payload_bytes(encode(x))`)."""
         raise NotImplementedError
 
+    def settings(self) -> dict[str, Any]:
+        """What gives its payloads and residuals meaning: {"codec": name, each option: its value}, e.g.
+        {"codec": "sparse", "chunk": 4096, "topk": 64, "bits": 2}; `make_codec(s["codec"], **s)` rebuilds it."""
+        return {"codec": self.name, **{k: getattr(self, k) for k in self.options}}
+
     def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
         """sum_r weights[r] * decode(parts[r]), in rank order: exactly what was sent, nothing re-quantised."""
         return sum((self.decode(p, numel) * float(w) for p, w in zip(parts, weights)), torch.zeros(numel))

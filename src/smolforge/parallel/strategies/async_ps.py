@@ -4,8 +4,8 @@ Workers never wait for each other: each takes the next part of the global steps,
 gradient on the weights it holds (pulled every `pull_every` parts, so possibly stale), pushes it, and
 goes on. The server applies every part as it arrives, one optimizer step each, at the lr of the part's
 step, optionally scaled down by its staleness (`staleness_lr: inverse`: lr / (1 + parts applied since
-the worker's weights)). Gradients travel as fp32, fp16 or blockwise int8 with error feedback
-(`parallel.codecs`: what a push's int8 could not carry is added to the next one). A dead worker's
+the worker's weights)). Gradients travel as fp32, fp16, blockwise int8 or sparse top-k low-bit with
+error feedback (`parallel.codecs`: what a push could not carry is added to the worker's next one). A dead worker's
 unfinished part goes to another; a joiner starts from the current weights.
 """
 
@@ -14,19 +14,17 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from smolforge.parallel.strategies.ps_server import PartQueue, ServerCore
-from smolforge.parallel.strategies.ps_worker import PSStrategy
+from smolforge.parallel.strategies.ps_worker import CodecSettings, PSStrategy
 
 
-class AsyncPSSettings(BaseModel):
+class AsyncPSSettings(CodecSettings):
     """`strategy_config` of `async-ps` (`--set strategy_config.KEY=VALUE`)."""
 
     model_config = ConfigDict(extra="forbid")
     pull_every: int = Field(1, ge=1, description="pull the current weights every N parts")
-    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how gradients travel")
-    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
     staleness_lr: Literal["none", "inverse"] = Field("none", description="scale a stale gradient's lr down")
 
 

@@ -23,7 +23,8 @@ gradients computed on the same weights, summed and clipped once, one AdamW step 
 actor (`smolforge.cluster.workloads.data_parallel.param_server`) and the tests in a thread. Tensors
 travel as numpy arrays (zero-copy buffers in Ray's object store), never pickled over a socket of ours
 (`to_numpy` / `to_torch`). Its `snapshot` is what a checkpoint keeps (weights, optimizer state,
-versions, Polyak average).
+versions, Polyak average) and, with a lossy codec, every worker's error-feedback residual at the step
+the checkpoint resumes from (`ps_feedback.py`: how they are gathered and handed back on resume).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from smolforge.parallel.codecs import decode
+from smolforge.parallel.codecs import make_codec
+from smolforge.parallel.strategies.ps_feedback import WAIT_S, FeedbackKeeper
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -87,6 +89,9 @@ class ServerCore:
         self.notes: list[dict] = []  # decisions for the job's events (a straggler left the barrier)
         self.waiting: dict[int, str] = {}  # member -> why the policy makes its claim wait now (shown in stats)
         self.applied = 0
+        # the codec pushes travel in (its settings from the strategy's config: sparse's chunk/topk/bits)
+        self.coder = make_codec(str(config.get("codec", "fp32")), **config)
+        self.feedback = FeedbackKeeper(self.coder, world)  # the workers' residuals, for checkpoints
 
     # -- setup (rank 0, once per round) ---------------------------------------------------------------
 
@@ -113,6 +118,9 @@ class ServerCore:
                 ema = state.get("ema")
                 self.ema = (torch.cat([ema[n].float().reshape(-1) for n in self.names]) if isinstance(ema, dict)
                             else self.flat.clone())
+            why = self.feedback.restore(state)
+            if why:
+                self.notes.append({"kind": "error_feedback_reset", "message": why})
             self.start, self.steps = int(spec["start"]), int(spec["steps"])
             self._begin(self.start)
             self.ready = True
@@ -162,6 +170,23 @@ class ServerCore:
             return {**got, "pushed": pushed}
 
     def claim(self, member: int, wait_s: float = 1.0, have: int | None = None, pull_due: bool = False) -> dict[str, Any]:
+        """`_claim_reply`, with what the error feedback needs: `feedback_for` (a checkpoint asks this member
+        for its residuals: `ps_feedback.py`), `feedback` (its residual to resume with, with its first part)."""
+        with self.cond:
+            out = self._claim_reply(member, wait_s, have, pull_due)
+            if "done" in out and member not in self.feedback.finished:
+                self.feedback.finished.add(member)
+                self.cond.notify_all()  # a snapshot waiting for this member's residuals waits no more
+            if "step" in out:
+                found, residual = self.feedback.hand(member)
+                if found:
+                    out["feedback"] = to_numpy(residual)
+            ask = self.feedback.wants(member)
+            if ask is not None:
+                out["feedback_for"], out["feedback_step"] = ask, self.feedback.step
+            return out
+
+    def _claim_reply(self, member: int, wait_s: float, have: int | None, pull_due: bool) -> dict[str, Any]:
         """The next part this member computes: {"step", "part", "parts", "version", "need"}; or {"wait": why}
         after up to `wait_s`; {"stop": "pause"|"cancel"}; {"done": True} once every step is applied. With
         `have` (the version the worker holds): "values" carries the weights when it must or may pull.
@@ -179,7 +204,7 @@ class ServerCore:
                     out = {**got, "blocked": blocked, "at_bound": at_bound}
                     if "stop" in got:
                         return out
-                    out["progress"] = self.progress()
+                    out["progress"], out["resume"] = self.progress(), self.resume_step()
                     if have is not None and "step" in got and (
                             have < got["need"] or (got["version"] > have and pull_due)):
                         out["values"] = self.flat.numpy().copy()  # the weights of `version`, atomically
@@ -189,7 +214,7 @@ class ServerCore:
                     self.cond.notify_all()  # whoever watches the server (a test's gate) sees it start waiting
                 self.waiting[member] = got["wait"]
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.feedback.wants(member) is not None:  # a checkpoint waits for this member
                     return {"wait": got["wait"], "version": self.version, "blocked": True, "at_bound": at_bound}
                 self.cond.wait(self._wake_in(left))
 
@@ -210,7 +235,8 @@ class ServerCore:
         with self.cond:
             if not self.ready:
                 raise RuntimeError("push before the parameter server was set up")
-            grad = decode(payload, int(self.flat.numel()))
+            self.feedback.pushers.add(member)
+            grad = self.coder.decode(payload, int(self.flat.numel()))
             out = self._push(member, step, part, version_used, grad, float(weight), float(lr), max_norm)
             if not out.get("accepted", True):
                 self.dropped[member] = self.dropped.get(member, 0) + 1
@@ -237,17 +263,43 @@ class ServerCore:
             self._left(member)
             self.cond.notify_all()
 
-    def snapshot(self) -> dict[str, Any]:
-        """An atomic copy of the state a checkpoint keeps; `resume_step`: where a resumed job starts."""
+    def put_feedback(self, member: int, gen: int | None, table: dict[str, Any], final: bool = False) -> None:
+        """A worker's error-feedback table (`ps_feedback.FeedbackMarks.table`), asked for by request `gen`
+        (None: unasked, a pausing worker's), `final` when it pushes no more."""
         with self.cond:
-            split = lambda flat: {n: flat[o:o + int(np.prod(s))].reshape(s).numpy().copy()  # noqa: E731
-                                  for n, o, s in zip(self.names, self.offsets, self.shapes)}
-            out = {"resume_step": self.resume_step(), "weights": split(self.flat),
-                   "optim": to_numpy(self.optimizer.state_dict()),
-                   "state": {"version": self.version, "applied": self.applied}}
-            if self.ema is not None:
-                out["state"]["ema"] = split(self.ema)
+            self.feedback.put(member, gen, table, final)
+            self.cond.notify_all()
+
+    def snapshot(self, member: int | None = None, feedback: dict[str, Any] | None = None,
+                 wait_s: float = WAIT_S) -> dict[str, Any]:
+        """An atomic copy of the state a checkpoint keeps; `resume_step`: where a resumed job starts. With a
+        lossy codec also every worker's residual at it: `member` (rank 0, the caller) hands its own table
+        (`feedback`) and the others are asked for theirs, waited for at most `wait_s` (`ps_feedback.py`)."""
+        with self.cond:
+            out = self._snapshot()
+            if self.feedback.active and (self.feedback.pushers or feedback):
+                gen = self.feedback.request(member, feedback, out["resume_step"])
+                self.cond.notify_all()  # waiting claims return with the request
+                self.cond.wait_for(lambda: not self.feedback.missing(gen, self.gone), timeout=wait_s)
+                kept, lacking = self.feedback.collect(out["resume_step"], gen, self.gone)
+                out["state"].update(to_numpy(kept))
+                if lacking:
+                    self.notes.append({"kind": "error_feedback_missing", "members": lacking, "message":
+                                       f"the checkpoint at step {out['resume_step']} lacks the error-feedback "
+                                       f"residuals of member(s) {lacking} (gone, done or slow to answer): "
+                                       "they resume at zero"})
             return out
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The weights, optimizer state and counters, copied (the caller holds the lock)."""
+        split = lambda flat: {n: flat[o:o + int(np.prod(s))].reshape(s).numpy().copy()  # noqa: E731
+                              for n, o, s in zip(self.names, self.offsets, self.shapes)}
+        out = {"resume_step": self.resume_step(), "weights": split(self.flat),
+               "optim": to_numpy(self.optimizer.state_dict()),
+               "state": {"version": self.version, "applied": self.applied}}
+        if self.ema is not None:
+            out["state"]["ema"] = split(self.ema)
+        return out
 
     def stats(self) -> dict[str, Any]:
         with self.cond:

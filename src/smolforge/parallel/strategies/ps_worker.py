@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, Field, model_validator
 
 from smolforge.parallel.codecs import ErrorFeedback, make_codec, payload_bytes
+from smolforge.parallel.strategies.ps_feedback import FeedbackMarks
 from smolforge.parallel.strategies.ps_server import OPTIMIZERS, ServerCore, to_numpy, to_torch
 from smolforge.train import balance
 from smolforge.train.loop import StopRequested
@@ -29,6 +31,24 @@ from smolforge.train.strategy import Strategy
 
 SETUP_WAIT_S = 600.0  # a worker waiting for rank 0 to start the server (rank 0 may still be loading)
 STALL_S = 900.0  # a worker that gets no step to take for this long gives up, saying why
+
+
+class CodecSettings(BaseModel):
+    """How a parameter server's workers push their gradients (every PS strategy's `strategy_config` has these).
+    A lossy codec's error feedback stays on the worker; its residuals go into checkpoints (`ps_feedback.py`)."""
+
+    codec: Literal["fp32", "fp16", "int8", "sparse"] = Field(
+        "fp32", description="how gradients travel (sparse: per chunk the top-k at 2 or 4 bits, ~1 % of fp32)")
+    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
+    chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
+    topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
+    bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
+
+    @model_validator(mode="after")
+    def _topk_in_chunk(self) -> "CodecSettings":
+        if self.topk > self.chunk:
+            raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
+        return self
 
 
 class ServerOptimizer(torch.optim.Optimizer):
@@ -62,6 +82,7 @@ class PSStrategy(Strategy):
         self.server: ParamServer | None = self.context.server  # the job's server (the context's)
         self.member, self.nominal_world = self.context.member, self.context.world
         self.codec = ErrorFeedback(make_codec(self.config.get("codec", "fp32"), **self.config))
+        self.marks = FeedbackMarks(self.codec)  # its residual before each push the server may resume before
         self.pull_every = int(self.config.get("pull_every", 1))
         self.final = self.config.get("final", "raw")
         self.named: list[tuple[str, torch.nn.Parameter]] = []
@@ -139,6 +160,7 @@ class PSStrategy(Strategy):
                                          self.since_pull >= self.pull_every)
             if reply.get("pushed") is not None:
                 self._pushed(reply["pushed"], loss)
+            self._feedback(reply)
             if "stop" in reply:
                 raise StopRequested(reply["stop"])
             blocked, at_bound = blocked or bool(reply.get("blocked")), at_bound or bool(reply.get("at_bound"))
@@ -158,6 +180,19 @@ class PSStrategy(Strategy):
         if "values" in reply:
             self._load(reply["values"], reply["version"])
         return int(reply["step"])
+
+    def _feedback(self, reply: dict[str, Any]) -> None:
+        """What a claim's reply says of the error feedback: where the server resumes (older marks go), the
+        residual to resume with, a checkpoint asking for this worker's table (answered at once; a pausing
+        worker's table goes unasked: it pushes no more). See `ps_feedback.py`."""
+        if "resume" in reply:
+            self.marks.prune(int(reply["resume"]))
+        if "feedback" in reply:
+            self.marks.load(reply["feedback"])
+        final = reply.get("stop") == "pause" and self.n["parts"] > 0
+        if self.marks.active and (reply.get("feedback_for") is not None or final):
+            step = None if final else reply.get("feedback_step")  # asked: only the residual at that step
+            self.server.put_feedback(self.member, reply.get("feedback_for"), self.marks.table(step), final)
 
     def rows_for(self, step: int, total: int) -> tuple[int, int]:
         part, parts = self.claimed["part"], self.claimed["parts"]
@@ -196,9 +231,10 @@ class PSStrategy(Strategy):
         """This part's gradient, encoded; it travels with the next claim (`exchange`: one round trip)."""
         grads = [p.grad.detach().float().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                  for _, p in self.named]
+        c = self.claimed
+        self.marks.before_push(c["step"])
         payload = self.codec.encode(torch.cat(grads).cpu())
         self.bytes_sent += payload_bytes(payload)
-        c = self.claimed
         share = self.targets / max(self.step_total, 1.0)  # of the step's loss tokens
         self._pending = {"step": c["step"], "part": c["part"], "version_used": self.version, "payload": payload,
                          "weight": share, "lr": lr, "max_norm": self.max_norm}
@@ -266,7 +302,7 @@ class PSStrategy(Strategy):
     def checkpoint_step(self, step: int) -> int:
         if not self.is_main or not self.started:
             return step
-        self._snap = self.server.snapshot()
+        self._snap = self.server.snapshot(self.member, self.marks.table() if self.marks.active else None)
         return int(self._snap["resume_step"])
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, spool_dir: Path | None = None) -> dict[str, Any] | None:

@@ -12,23 +12,21 @@ fully synchronous and gives DDP's weights.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from smolforge.parallel.strategies.ps_server import PartQueue, ServerCore
-from smolforge.parallel.strategies.ps_worker import PSStrategy
+from smolforge.parallel.strategies.ps_worker import CodecSettings, PSStrategy
 
 
-class SSPSettings(BaseModel):
+class SSPSettings(CodecSettings):
     """`strategy_config` of `ssp` (`--set strategy_config.KEY=VALUE`)."""
 
     model_config = ConfigDict(extra="forbid")
     staleness_bound: int = Field(2, ge=0, description="K: how many steps a worker may run ahead of the slowest")
     pull_every: int = Field(1, ge=1, description="pull newer weights at most every N parts (within the bound)")
-    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how gradients travel")
-    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
 
 
 class SSPServer(ServerCore):

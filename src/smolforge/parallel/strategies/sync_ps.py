@@ -23,13 +23,13 @@ from collections import deque
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from smolforge.parallel.strategies.ps_server import ServerCore, median_mad
-from smolforge.parallel.strategies.ps_worker import PSStrategy
+from smolforge.parallel.strategies.ps_worker import CodecSettings, PSStrategy
 
 
-class SyncPSSettings(BaseModel):
+class SyncPSSettings(CodecSettings):
     """`strategy_config` of `sync-ps` (`--set strategy_config.KEY=VALUE`)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -40,8 +40,6 @@ class SyncPSSettings(BaseModel):
     pull_every: int = Field(1, ge=1, description="pull the raw weights every N steps")
     polyak_decay: float = Field(0.99, ge=0, lt=1, description="the Polyak average's decay per step")
     final: Literal["polyak", "raw"] = Field("raw", description="the model the job ends with")
-    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how gradients travel")
-    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
 
     @model_validator(mode="after")
     def _floor_below_ceiling(self) -> "SyncPSSettings":

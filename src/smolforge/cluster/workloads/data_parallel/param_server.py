@@ -66,8 +66,11 @@ class ServerActor:
     def member_left(self, member: int) -> None:
         self.core.member_left(member)
 
-    def snapshot(self) -> dict:
-        return self.core.snapshot()
+    def put_feedback(self, member: int, gen: int | None, table: dict, final: bool) -> None:
+        self.core.put_feedback(member, gen, table, final)
+
+    def snapshot(self, member: int | None = None, feedback: dict | None = None) -> dict:
+        return self.core.snapshot(member, feedback)
 
     def stats(self) -> dict:
         return {**self.core.stats(), "lines": self.lines.drain()}

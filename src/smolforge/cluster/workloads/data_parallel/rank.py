@@ -190,8 +190,11 @@ class ServerClient:
     def stop(self, code: str) -> None:
         self._call("stop", code)
 
-    def snapshot(self) -> dict:
-        return self._call("snapshot", timeout=600)
+    def put_feedback(self, member: int, gen: int | None, table: dict, final: bool) -> None:
+        self._call("put_feedback", member, gen, table, final, timeout=600)
+
+    def snapshot(self, member: int | None = None, feedback: dict | None = None) -> dict:
+        return self._call("snapshot", member, feedback, timeout=600)
 
 
 class DPWorker:
