@@ -106,3 +106,17 @@ def test_every_parameter_server_takes_the_sparse_codec(name):
                                                                     "bits": 4}
     with pytest.raises(ValueError, match="topk 128 is more than a chunk"):
         STRATEGIES[name].Settings(codec="sparse", chunk=64, topk=128)
+
+
+def test_a_fixed_deadline_is_used_as_given_and_the_ceiling_bounds_only_the_adaptive_one():
+    """`deadline_s` is "a fixed deadline per step": 120 s waits 120 s, though the adaptive deadline's ceiling
+    `deadline_max_s` is 30 by default (it was clamped to 30: a loaded machine closed a step without a part
+    in a test that asked for 120). Without it, a step waits the ceiling until four parts have arrived."""
+    settings = STRATEGIES["sync-ps"].Settings
+    fixed = SyncPSServer(settings(deadline_s=120.0).model_dump(), 2)
+    adaptive = SyncPSServer(settings(deadline_max_s=7.0).model_dump(), 2)
+    for core in (fixed, adaptive):
+        core.setup({"names": ["w"], "shapes": [(4,)], "weights": {"w": np.zeros(4, np.float32)},
+                    "groups": [{"names": ["w"], "weight_decay": 0.0}], "optimizer": "SGD", "defaults": {"lr": 1.0},
+                    "start": 0, "steps": 1, "state": None})
+    assert (fixed.deadline_len(), adaptive.deadline_len()) == (120.0, 7.0)

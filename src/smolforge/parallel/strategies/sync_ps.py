@@ -4,7 +4,7 @@ Every step the server waits for one part from each worker in its barrier, until 
 applies what arrived (token-normalised, so a missing part only makes that step's batch smaller),
 counts the step (`closed_at_deadline`) and a late part as dropped (`dropped`). The deadline adapts
 to the arrivals: max(2 x median, median + 6 x MAD) of recent ones, between `deadline_min_s` and
-`deadline_max_s` (or fixed: `deadline_s`); until four parts have arrived it is the ceiling. A worker
+`deadline_max_s` (or fixed: `deadline_s`, used as given); until four parts have arrived it is the ceiling. A worker
 that misses `straggler_after` deadlines in a row leaves the barrier (an event says so), so the
 others stop waiting for it; when it asks for work again it has caught up and is back in the barrier
 from the next step. A dead worker leaves the barrier at once. Nothing waits without a bound: a step
@@ -35,7 +35,7 @@ class SyncPSSettings(CodecSettings):
     model_config = ConfigDict(extra="forbid")
     deadline_s: float | None = Field(None, gt=0, description="a fixed deadline per step (default: adaptive)")
     deadline_min_s: float = Field(0.5, gt=0, description="the adaptive deadline's floor")
-    deadline_max_s: float = Field(30.0, gt=0, description="its ceiling: no step waits longer")
+    deadline_max_s: float = Field(30.0, gt=0, description="its ceiling: no adaptive step waits longer")
     straggler_after: int = Field(3, ge=1, description="missed deadlines in a row before a worker leaves the barrier")
     pull_every: int = Field(1, ge=1, description="pull the raw weights every N steps")
     polyak_decay: float = Field(0.99, ge=0, lt=1, description="the Polyak average's decay per step")
@@ -73,10 +73,13 @@ class SyncPSServer(ServerCore):
         self.deadline = self.opened + self.deadline_len()
 
     def deadline_len(self) -> float:
+        """Seconds the open step waits for its barrier: a fixed `deadline_s` as given (stop 51: it was
+        clamped to `deadline_max_s`, so 120 meant 30 unless the ceiling was raised too), else the
+        adaptive one between its floor and ceiling."""
         c = self.config
         if c["deadline_s"]:
-            d = c["deadline_s"]
-        elif len(self.arrivals) < 4:
+            return float(c["deadline_s"])
+        if len(self.arrivals) < 4:
             d = c["deadline_max_s"]
         else:
             med, mad = median_mad(self.arrivals)
