@@ -77,3 +77,21 @@ def test_a_marker_and_a_name_split_across_tokens_are_held_until_whole():
     assert [(p.kind, p.text) for p in got] == [("name", "get_weather"), ("arguments", '{"ci')]
     assert [p.text for p in reader.feed('ty": "Paris"}}\n</tool_call>')] == ['ty": "Paris"}']
     assert reader.close() == [] and reader.called
+
+
+def test_each_choice_of_n_marks_its_tool_chunks_with_its_index():
+    """`n` > 1 streamed: a choice's content and `delta.tool_calls` chunks carry that choice's index."""
+    import json
+
+    from smolforge.serve.streams import Indexed
+    from smolforge.serve.tools import ToolChunks, ToolPlan
+
+    view = Indexed(ToolChunks("c", 0, "tiny", False, ToolPlan(HERMES, [], "auto")), 2)
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    frames = b"".join(view.frame(text[k:k + 4]) for k in range(0, len(text), 4))
+    chunks = [json.loads(line[6:]) for line in frames.decode().splitlines() if line.startswith("data: ")]
+    chunks += view.closing("stop")
+    deltas = [c["choices"][0] for c in chunks]
+    assert {d["index"] for d in deltas} == {2}
+    assert [d["delta"]["tool_calls"][0]["function"].get("name") for d in deltas if "tool_calls" in d["delta"]][0] == "f"
+    assert deltas[0]["delta"] == {"content": "Hi"} and deltas[-1]["finish_reason"] == "tool_calls"
