@@ -7,6 +7,8 @@ grammar that makes a model write one (`tool_choice` required or a named function
   (`<|python_tag|>` before it, when the model writes one, is dropped).
 
 A family names its format (`Family.tool_calls`); serve/tools.py asks the family, never a model type.
+`ObjectScan` finds a call's members in its text in one pass, as the text comes: the arguments' own text
+(OpenAI's `arguments` string is what the model wrote) and toolstream.py's streamed calls.
 The grammars are Lark text with `%json` schemas (llguidance's syntax, compiled in serve/structured.py).
 """
 
