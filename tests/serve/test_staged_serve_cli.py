@@ -50,9 +50,12 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         with torch.no_grad():  # the single model's own log-softmax over prompt + answer (issue 44: through stages)
             ref = torch.log_softmax(single.model.model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
         want_lps = [float(ref[k - 1, t]) for k, t in enumerate(seq) if k >= 1]
-        sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3, frequency_penalty=1.0, presence_penalty=0.5,
-                                 logit_bias={100: 2.0})
+        sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
         want_n = [single.generate(ids, p, timeout=120).text for p in choice_params(sampled, 2)]  # choice k: seed + k
+        banned = {result.token_ids[0]: -100.0}  # the greedy answer's first token: the answer must change
+        penalized = SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.0, presence_penalty=1.0,
+                                   logit_bias=banned)
+        want_penalized = single.generate(ids, penalized, timeout=120).text
     finally:
         single.stop()
 
@@ -87,9 +90,11 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         lps = echoed.choices[0].logprobs.token_logprobs
         assert lps[0] is None and len(lps) == len(want_lps) + 1
         assert max(abs(a - b) for a, b in zip(lps[1:], want_lps)) < 1e-4
-        picked = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=3, n=2,
-                                        frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"100": 2})
+        picked = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=3, n=2)
         assert [c.text for c in picked.choices] == want_n and want_n[0] != want_n[1], (picked, want_n)
+        got = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=1.0,
+                                     presence_penalty=1.0, logit_bias={str(k): v for k, v in banned.items()})
+        assert got.choices[0].text == want_penalized != want, (got, want_penalized)
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
         assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)
