@@ -172,8 +172,7 @@ def test_n_and_penalties_through_stages_give_the_single_process_answers(tiny_lla
     staged = Live(staged_model(str(tiny_llama_dir), local_stages(str(tiny_llama_dir), BOUNDS[2]), name="tiny"))
     single = Live(served)
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "the the the the the the"}], "max_tokens": 8,
-           "temperature": 1.0, "seed": 5, "n": 3, "frequency_penalty": 1.5, "presence_penalty": 0.5,
-           "logit_bias": {"100": 3}}
+           "temperature": 1.0, "seed": 5, "n": 3, "frequency_penalty": 1.5, "presence_penalty": 0.5}
     greedy = {"model": "tiny", "prompt": "the the the the the the", "max_tokens": 10, "temperature": 0,
               "frequency_penalty": 1.0, "presence_penalty": 1.0}
 
@@ -186,7 +185,8 @@ def test_n_and_penalties_through_stages_give_the_single_process_answers(tiny_lla
                 texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
         penalized = client.completions.create(**greedy).choices[0].text
         plain = client.completions.create(**{**greedy, "frequency_penalty": 0, "presence_penalty": 0}).choices[0].text
-        return [c.message.content for c in whole.choices], [texts[0], texts[1]], penalized, plain
+        biased = client.completions.create(**{**greedy, "max_tokens": 2, "logit_bias": {"100": 100}}).choices[0].text
+        return [c.message.content for c in whole.choices], [texts[0], texts[1]], penalized, plain, biased
 
     try:
         got, want = answers(staged), answers(single)
@@ -194,7 +194,8 @@ def test_n_and_penalties_through_stages_give_the_single_process_answers(tiny_lla
         staged.close()
         single.close()
     assert got == want
-    choices, streamed, penalized, plain = got
+    choices, streamed, penalized, plain, biased = got
+    assert biased == served.tokenizer.decode([100, 100])  # +100 forces the token
     assert len(set(choices)) > 1 and streamed == choices[:2]  # 3 choices, each its own seed; streamed alike
     assert penalized != plain  # the penalties changed the greedy answer (on the stages as in one process)
     assert all(not s.caches for s in staged.engine.model.stages)
