@@ -3,7 +3,8 @@ serves the model from two stage actors until SIGTERM (the adapter's files travel
 through Ray, merged on each); the bearer token is the one `$SMOLFORGE_TOKEN` gives, as for one-process
 `serve`, even where the embedded cluster has a token file of its own (issue 28: that one won), and
 the greedy answer equals the single-process engine's with the same adapter, and its log-probabilities
-(echo: the prompt's too) are the single model's own log-softmax."""
+(echo: the prompt's too) are the single model's own log-softmax; `n` sampled choices with a seed, the
+penalties and `logit_bias` are the single engine's choices too (one sampling code, issue 44)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     from smolforge.serve.engine import Engine
     from smolforge.serve.model import ServedModel
     from smolforge.serve.sampling import SamplingParams
+    from smolforge.serve.streams import choice_params
 
     torch.manual_seed(1)  # a LoRA that changes the answers (B not zero)
     lora = get_peft_model(load_model(str(model_copy)), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
@@ -48,6 +50,12 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         with torch.no_grad():  # the single model's own log-softmax over prompt + answer (issue 44: through stages)
             ref = torch.log_softmax(single.model.model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
         want_lps = [float(ref[k - 1, t]) for k, t in enumerate(seq) if k >= 1]
+        sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        want_n = [single.generate(ids, p, timeout=120).text for p in choice_params(sampled, 2)]  # choice k: seed + k
+        banned = {result.token_ids[0]: -100.0}  # the greedy answer's first token: the answer must change
+        penalized = SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.0, presence_penalty=1.0,
+                                   logit_bias=banned)
+        want_penalized = single.generate(ids, penalized, timeout=120).text
     finally:
         single.stop()
 
@@ -82,6 +90,11 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         lps = echoed.choices[0].logprobs.token_logprobs
         assert lps[0] is None and len(lps) == len(want_lps) + 1
         assert max(abs(a - b) for a, b in zip(lps[1:], want_lps)) < 1e-4
+        picked = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=3, n=2)
+        assert [c.text for c in picked.choices] == want_n and want_n[0] != want_n[1], (picked, want_n)
+        got = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=1.0,
+                                     presence_penalty=1.0, logit_bias={str(k): v for k, v in banned.items()})
+        assert got.choices[0].text == want_penalized != want, (got, want_penalized)
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
         assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)

@@ -1,6 +1,8 @@
 """Staged serving in one process: a model cut into 2 or 3 `StageServer`s behind a `StagedModel`
 generates exactly the tokens of the single-process `ServedModel` (and of HF `generate`), batched
-prompts of different lengths, with and without a LoRA adapter, rows leaving at different steps."""
+prompts of different lengths, with and without a LoRA adapter, rows leaving at different steps; over
+HTTP (the app and engine `serve --stages` runs), `n`, the penalties and `logit_bias` give the
+single-process server's answers (issue 44)."""
 
 from __future__ import annotations
 
@@ -159,3 +161,41 @@ def test_a_short_request_sent_during_a_long_one_ends_first_on_2_stages(tiny_llam
     chunked.run_batch([Request(ps[2], SamplingParams(max_tokens=8, temperature=0), events.append)])
     assert len(ps[2]) > 2 * 6 and chunked.prefill_tokens == len(ps[2])
     assert events[-1].token_ids == hf_greedy(served.model, ps[2], 8, served.pad_id)
+
+
+def test_n_and_penalties_through_stages_give_the_single_process_answers(tiny_llama_dir, served):
+    """`serve --stages` runs the same app and engine over a `StagedModel` (cluster/workloads/serve/runner.py),
+    so its sampling is the one process's: `n` choices with a seed, frequency/presence penalties and
+    `logit_bias`, streamed and not, through the official client, equal the single-process server's."""
+    from test_llamacpp_engine import Live
+
+    staged = Live(staged_model(str(tiny_llama_dir), local_stages(str(tiny_llama_dir), BOUNDS[2]), name="tiny"))
+    single = Live(served)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "the the the the the the"}], "max_tokens": 8,
+           "temperature": 1.0, "seed": 5, "n": 3, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+    greedy = {"model": "tiny", "prompt": "the the the the the the", "max_tokens": 10, "temperature": 0,
+              "frequency_penalty": 1.0, "presence_penalty": 1.0}
+
+    def answers(live):
+        client = live.client()
+        whole = client.chat.completions.create(**ask)
+        texts: dict[int, str] = {}
+        for chunk in client.chat.completions.create(stream=True, **{**ask, "n": 2}):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        penalized = client.completions.create(**greedy).choices[0].text
+        plain = client.completions.create(**{**greedy, "frequency_penalty": 0, "presence_penalty": 0}).choices[0].text
+        biased = client.completions.create(**{**greedy, "max_tokens": 2, "logit_bias": {"100": 100}}).choices[0].text
+        return [c.message.content for c in whole.choices], [texts[0], texts[1]], penalized, plain, biased
+
+    try:
+        got, want = answers(staged), answers(single)
+    finally:
+        staged.close()
+        single.close()
+    assert got == want
+    choices, streamed, penalized, plain, biased = got
+    assert biased == served.tokenizer.decode([100, 100])  # +100 forces the token
+    assert len(set(choices)) > 1 and streamed == choices[:2]  # 3 choices, each its own seed; streamed alike
+    assert penalized != plain  # the penalties changed the greedy answer (on the stages as in one process)
+    assert all(not s.caches for s in staged.engine.model.stages)

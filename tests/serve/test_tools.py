@@ -3,6 +3,9 @@
 - a Qwen2.5-kind twin (random weights) served in-process, asked by the official `openai` client with
   `tool_choice` required and named: the grammar forces one `<tool_call>` block, parsed into `tool_calls`
   (finish_reason "tool_calls"), streamed as `delta.tool_calls` and equal to the non-streamed calls;
+- streamed incrementally: the first delta of a call has its id, type, name and `arguments` "", a long
+  argument follows in several fragments, and the `openai` client's stream helper assembles the
+  non-streamed `tool_calls` (string-equal arguments);
 - the follow-up (the assistant's call and the `tool` answer in the history) is tokenized exactly as
   transformers' `apply_chat_template(..., tools=)` tokenizes it;
 - a named function not among the tools is a 400 naming `tool_choice`;
@@ -76,6 +79,33 @@ def test_forced_choice_returns_a_tool_call_streamed_and_not(live, choice):
     if name == "get_weather":
         assert args["city"] in {"Paris", "Oslo"}
     assert whole.usage.prompt_tokens > 100  # the tools went into the prompt (the template renders them)
+
+
+NOTE = {"type": "function", "function": {"name": "take_note", "description": "Write a note down", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 16, "maxLength": 32}},
+    "required": ["text"], "additionalProperties": False}}}
+
+
+def test_a_streamed_call_sends_its_name_then_its_arguments_in_fragments(live):
+    client = live.client()
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Note: buy milk"}], tools=[NOTE, *TOOLS],
+               tool_choice={"type": "function", "function": {"name": "take_note"}}, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    with client.chat.completions.stream(**ask) as helper:  # the client's own accumulation of the deltas
+        events = list(helper)
+        final = helper.get_final_completion().choices[0]
+    deltas = [d for e in events if e.type == "chunk" for ch in e.chunk.choices for d in ch.delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "take_note", "")
+    assert first.id and all(d.index == 0 and d.id is None and d.function.name is None for d in rest), deltas
+    assert len(rest) > 1, deltas  # the arguments came as they were generated, not in one piece at the end
+    assert "".join(d.function.arguments for d in rest) == whole[0].function.arguments
+    assert [e.type for e in events].count("tool_calls.function.arguments.delta") == len(deltas)
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    print("streamed arguments:", [d.function.arguments for d in rest])
+    assert len(json.loads(whole[0].function.arguments)["text"]) >= 16
 
 
 def test_the_follow_up_renders_as_transformers_renders_it(qwen_twin):

@@ -307,7 +307,11 @@ class Indexed:
 
     def __init__(self, inner: ChatChunks, index: int):
         self.inner, self.index = inner, index
-        self.frame = _TextFrame(self.text) if isinstance(inner.frame, _TextFrame) else inner.frame
+        self.frame = _TextFrame(self.text) if isinstance(inner.frame, _TextFrame) else self._pieces
+
+    def _pieces(self, text: str) -> bytes:
+        """A chunker that sends several chunks per text (serve/tools.py's), each marked with this index."""
+        return b"".join(sse(self._mark(c)) for c in self.inner.pieces(text))  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

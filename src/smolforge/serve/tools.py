@@ -8,20 +8,23 @@
 - `tool_choice` `required` or a named function is enforced: the answer is generated under the format's
   grammar for one call (serve/structured.py, llguidance), so a call comes back whatever the weights.
   `auto` leaves the model free; `none` renders the tools and returns text only (no parsing).
-- Streamed, a tool request's text is held until the answer is complete (a call's start is only known
-  once its text is there); then the content, each call's id and name, and its arguments go out as
-  OpenAI's `delta.tool_calls` chunks, and `finish_reason` is "tool_calls".
+- Streamed, the answer goes out as it is generated, the way OpenAI streams it (models/families/toolstream.py
+  reads the family's format piece by piece): content at once (less a tail that may begin a call's
+  marker), then per call one `delta.tool_calls` chunk with its index, id, type, name and `arguments` "",
+  then its arguments in fragments as the model writes them; `finish_reason` is "tool_calls". A client
+  that accumulates the deltas gets the non-streamed `tool_calls` (`arguments`: the model's own text of
+  the object, in both).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from smolforge.models.families.toolcalls import ToolCall, ToolCallFormat
-from smolforge.serve.protocol import ChatRequest
+from smolforge.models.families.toolstream import CallStream, Piece
+from smolforge.serve.protocol import ChatRequest, sse
 from smolforge.serve.streams import ChatChunks
 
 
@@ -81,9 +84,12 @@ def plan_of(req: ChatRequest, fmt: ToolCallFormat, tokenizer: Any) -> ToolPlan |
                     tokens=single_tokens(tokenizer, fmt.markers))
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _openai_call(call: ToolCall) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments_text}}
 
 
 def chat_choice(text: str, reason: str, plan: ToolPlan | None) -> dict[str, Any]:
@@ -96,29 +102,30 @@ def chat_choice(text: str, reason: str, plan: ToolPlan | None) -> dict[str, Any]
 
 
 class ToolChunks(ChatChunks):
-    """A tool request's stream: the text is held, and sent at the end as content and `delta.tool_calls`."""
+    """A tool request's stream: its text read by the family's format as it comes (`CallStream`), sent as
+    content and `delta.tool_calls` chunks (`pieces`); `frame` is those chunks' SSE bytes."""
 
     def __init__(self, cid: str, created: int, model: str, include_usage: bool, plan: ToolPlan, *,
                  fingerprint: str | None = None):
         super().__init__(cid, created, model, include_usage, fingerprint=fingerprint)
-        self.plan, self.held = plan, []
-        self.frame = self._hold  # type: ignore[assignment]
+        self.plan, self.reader = plan, CallStream(plan.format)
+        self.frame = self._frame  # type: ignore[assignment]
 
-    def _hold(self, text: str) -> bytes:
-        self.held.append(text)
-        return b""
+    def _frame(self, text: str) -> bytes:
+        return b"".join(sse(c) for c in self.pieces(text))
+
+    def pieces(self, text: str) -> list[dict[str, Any]]:
+        """The chunks the answer's next text makes sendable (none while a marker or a name is incomplete)."""
+        return [self._chunk(p) for p in self.reader.feed(text)]
+
+    def _chunk(self, piece: Piece) -> dict[str, Any]:
+        if piece.kind == "content":
+            return self.text(piece.text)
+        if piece.kind == "name":
+            return self.chunk({"tool_calls": [{"index": piece.index, "id": _call_id(), "type": "function",
+                                               "function": {"name": piece.text, "arguments": ""}}]}, None)
+        return self.chunk({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}, None)
 
     def closing(self, reason: str) -> list[dict[str, Any]]:
-        content, calls = self.plan.answer("".join(self.held))
-        text = "".join(self.held)
-        out = []
-        if (content if calls else text):
-            out.append(self.text(content if calls else text))
-        for i, call in enumerate(calls):
-            fn = call["function"]
-            out.append(self.chunk({"tool_calls": [
-                {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]},
-                None))
-            out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
-        out.append(self.last("tool_calls" if calls else reason))
-        return out
+        out = [self._chunk(p) for p in self.reader.close()]
+        return [*out, self.last("tool_calls" if self.reader.called else reason)]

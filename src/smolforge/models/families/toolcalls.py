@@ -7,6 +7,8 @@ grammar that makes a model write one (`tool_choice` required or a named function
   (`<|python_tag|>` before it, when the model writes one, is dropped).
 
 A family names its format (`Family.tool_calls`); serve/tools.py asks the family, never a model type.
+`ObjectScan` finds a call's members in its text in one pass, as the text comes: the arguments' own text
+(OpenAI's `arguments` string is what the model wrote) and toolstream.py's streamed calls.
 The grammars are Lark text with `%json` schemas (llguidance's syntax, compiled in serve/structured.py).
 """
 
@@ -14,16 +16,106 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: the function's name and its arguments (a JSON object)."""
+    """One parsed call: the function's name and its arguments (a JSON object); `text`, the arguments as the
+    model wrote them (OpenAI's `arguments` string is the model's own text; None: written here)."""
 
     name: str
     arguments: dict[str, Any]
+    text: str | None = field(default=None, compare=False)
+
+    @property
+    def arguments_text(self) -> str:
+        """OpenAI's `function.arguments`: the model's text of the object, or its JSON when it wrote none."""
+        return self.text if self.text is not None else json.dumps(self.arguments, ensure_ascii=False)
+
+
+class ObjectScan:
+    """A JSON object's text fed piece by piece (a model's call as it is generated): where each top-level
+    member's value starts and ends, found in one pass without parsing the values. It checks structure
+    only; `json.loads` of the whole decides validity. Positions index `text`."""
+
+    def __init__(self) -> None:
+        self.text, self.depth, self.closed, self.bad = "", 0, False, False
+        self.in_str = self.esc = False
+        self.key_start: int | None = None  # a top-level key's opening quote
+        self._key: str | None = None  # the last top-level key read
+        self.current: str | None = None  # the member whose value is being read
+        self.spans: dict[str, list[int | None]] = {}  # key -> [start, end) of its value (None: not yet)
+        self.last = -1  # the last non-whitespace character's index
+
+    def feed(self, piece: str) -> int:
+        """Scan `piece`; the number of its characters that belong to the object (all, until it closes)."""
+        for n, ch in enumerate(piece):
+            if self.closed or self.bad:
+                return n
+            i = len(self.text)
+            self.text += ch
+            self._step(ch, i)
+        return len(piece)
+
+    def _step(self, ch: str, i: int) -> None:
+        if self.in_str:
+            self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+            if not self.in_str and self.depth == 1:
+                self._string_ended(i)
+            return
+        if ch.isspace():
+            return
+        if self.depth == 0:
+            self.depth, self.bad = (1, False) if ch == "{" else (0, True)
+            return
+        span = self.spans.get(self.current) if self.current is not None else None
+        if self.depth == 1 and ch in ",}" and span is not None and span[0] is not None and span[1] is None:
+            span[1] = self.last + 1  # a number, true, false or null ends here
+        if ch == '"':
+            self.in_str = True
+            if self.depth == 1 and self.current is None:
+                self.key_start = i
+        elif self.depth == 1 and ch == ":" and self.current is None:
+            if self._key is None:
+                self.bad = True
+                return
+            self.current, self._key = self._key, None
+            self.spans[self.current] = [None, None]
+        elif self.depth == 1 and ch == ",":
+            self.current = None
+        elif self.depth == 1 and ch == "}":
+            self.closed, self.depth = True, 0
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 1 and span is not None:
+                span[1] = i + 1
+        if self.depth >= 1 and span is not None and span[0] is None and ch not in ":,}":
+            span[0] = i
+        self.last = i
+
+    def _string_ended(self, i: int) -> None:
+        if self.key_start is not None:  # a key: its value comes after the colon
+            try:
+                self._key = json.loads(self.text[self.key_start:i + 1])
+            except ValueError:
+                self.bad = True
+            self.key_start = None
+            return
+        span = self.spans.get(self.current) if self.current is not None else None
+        if span is not None and span[1] is None:
+            span[1] = i + 1
+        self.last = i
+
+    def value(self, key: str, partial: bool = False) -> str | None:
+        """The text of member `key`'s value: whole, or (`partial`) as far as it has come; None: not begun."""
+        span = self.spans.get(key)
+        if span is None or span[0] is None or (span[1] is None and not partial):
+            return None
+        return self.text[span[0]:span[1]]
 
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -52,6 +144,12 @@ class ToolCallFormat:
     name: ClassVar[str] = "none"
     arguments_key: ClassVar[str] = "arguments"
     markers: ClassVar[tuple[str, ...]] = ()  # the texts around a call (single added tokens in some vocabularies)
+    whole_answer: ClassVar[bool] = False  # a call is the whole answer (else calls sit between `markers`, among text)
+    prefix: ClassVar[str] = ""  # a tag a whole-answer call may start with (dropped)
+
+    def argument_keys(self) -> tuple[str, ...]:
+        """The members a call's arguments may come under, in the order `parse` looks (first found wins)."""
+        return tuple(dict.fromkeys((self.arguments_key, "arguments", "parameters")))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls): the answer's text outside any call (None when empty), and its calls in order."""
@@ -69,13 +167,19 @@ class ToolCallFormat:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get(self.arguments_key, obj.get("arguments", obj.get("parameters", {})))
+        key = next((k for k in self.argument_keys() if k in obj), None)
+        args, text = obj.get(key, {}) if key else {}, None
         if isinstance(args, str):  # some models write the arguments as a JSON string
+            text = args
             try:
                 args = json.loads(args)
             except ValueError:
                 return None
-        return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+        elif key is not None:
+            scan = ObjectScan()
+            scan.feed(blob.strip())
+            text = scan.value(key)
+        return ToolCall(obj["name"], args, text) if isinstance(args, dict) else None
 
 
 class HermesCalls(ToolCallFormat):
@@ -109,7 +213,8 @@ class LlamaJsonCalls(ToolCallFormat):
 
     name = "llama3-json"
     arguments_key = "parameters"
-    _TAG = "<|python_tag|>"
+    whole_answer = True
+    prefix = _TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         blob = text.strip()
