@@ -81,3 +81,22 @@ def test_smolforge_train_runs_in_this_process_without_ray(tmp_path, monkeypatch)
     summary = json.loads(got.output.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["strategy"] == "single"
     assert Path(summary["adapter_dir"]) == out / "lora_adapter"
+
+
+def test_the_thread_knob_sets_a_runs_default_threads_and_refuses_a_bad_value(monkeypatch):
+    """$SMOLFORGE_NUM_THREADS is a run's torch threads when it is given no --num-threads (the tests' CLI
+    processes run beside their own Ray workers with 1); unset, the CPUs this process may use."""
+    import os
+
+    from smolforge.errors import SmolforgeError
+
+    monkeypatch.delenv(driver.THREADS_ENV, raising=False)
+    assert driver.available_cpus() == len(os.sched_getaffinity(0))
+    for given, threads in (("1", 1), (" 3 ", 3)):
+        monkeypatch.setenv(driver.THREADS_ENV, given)
+        assert driver.available_cpus() == threads
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(driver.THREADS_ENV, bad)
+        with pytest.raises(SmolforgeError) as err:
+            driver.available_cpus()
+        assert f"{driver.THREADS_ENV}={bad!r}" in err.value.render() and "fix:" in err.value.render()

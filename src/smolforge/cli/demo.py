@@ -119,6 +119,8 @@ def register(app: typer.Typer) -> None:
                                        "answers for the KD students, the labelled ones first"),
         student_peft: str = typer.Option("none", help="distill: the students' PEFT method (none = every weight; "
                                          "lora is the benchmark's other arm)"),
+        eval_samples: int = typer.Option(200, help="distill: held-out examples each model is evaluated on (exact "
+                                         "match and eval loss; the teacher's are cached per value)"),
         seed: int = typer.Option(0),
         json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
         quiet: Optional[bool] = typer.Option(None, "--quiet", help="no progress bars"),
@@ -146,9 +148,10 @@ def register(app: typer.Typer) -> None:
         elif workflow == "distill":
             from smolforge.distill.demo import DISTILL_REPLACES, DemoSettings
 
-            if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts) < 1:
-                raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples and "
-                                     "--kd-prompts must be ≥ 1", fix="e.g. --student-steps 600 --distill-samples 512")
+            if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts, eval_samples) < 1:
+                raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples, "
+                                     "--kd-prompts and --eval-samples must be ≥ 1",
+                                     fix="e.g. --student-steps 600 --distill-samples 512 --eval-samples 200")
             if kd_prompts > BUNDLED_PROMPTS_N:
                 raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has {BUNDLED_PROMPTS_N:,} prompts",
                                      fix=f"use --kd-prompts {BUNDLED_PROMPTS_N} or fewer")
@@ -156,7 +159,7 @@ def register(app: typer.Typer) -> None:
                 raise SmolforgeError(f"unknown --student-peft {student_peft!r}", fix="use none or lora")
             settings = DemoSettings(pretrain_steps=pretrain_steps, teacher_steps=teacher_steps,
                                     student_steps=student_steps, distill_samples=distill_samples,
-                                    student_peft=student_peft, kd_samples=kd_prompts)
+                                    student_peft=student_peft, kd_samples=kd_prompts, max_eval_samples=eval_samples)
             prepare_output_dir(output_dir, DISTILL_REPLACES)
             summary = distill_summary(output_dir, seed, be_quiet, settings)
             if json_out:

@@ -162,7 +162,8 @@ def train_teacher(s: DemoSettings, quiet: bool = True) -> tuple[Path, dict[str, 
 
     It knows the task: a full fine-tune on every bundled training example, from the same pretrained
     base as the students (`teacher_base: "student"`) or from a preset's random weights."""
-    fields = {k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length", "teacher_seed")}
+    fields = {k: getattr(s, k) for k in ("teacher_steps", "teacher_lr", "teacher_batch", "max_length", "teacher_seed",
+                                         "max_eval_samples")}  # its cached metrics are on that many examples
     if s.teacher_base == "student":
         base, _ = student_base(s, quiet)
         fields["base"] = base.parent.name

@@ -26,6 +26,7 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 
+from smolforge.errors import SmolforgeError
 from smolforge.models.loading import pick_device
 from smolforge.models.peft_methods import save_adapter
 from smolforge.paths import atomic_write_json
@@ -40,7 +41,21 @@ from smolforge.train.strategy import TOKENS, Batch, BatchLayout, Strategy
 R = TypeVar("R")
 
 
+THREADS_ENV = "SMOLFORGE_NUM_THREADS"  # torch threads of a run given no --num-threads (default: its CPUs)
+
+
 def available_cpus() -> int:
+    """The torch threads a run takes when not told (`--num-threads`): $SMOLFORGE_NUM_THREADS when set
+    (a whole number ≥ 1; processes this one starts inherit it), else the CPUs this process may use
+    (its affinity; the CPU count on macOS). Two threads on a core another process keeps busy spin in
+    OpenMP's waits, so a process beside others (a test's CLI run next to its own Ray workers) is told 1.
+    Raises SmolforgeError (exit 2) for a value that is not a whole number ≥ 1."""
+    given = os.environ.get(THREADS_ENV, "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise SmolforgeError(f"{THREADS_ENV}={given!r}: not a whole number ≥ 1",
+                                 fix=f"e.g. {THREADS_ENV}=1, or unset it to use every CPU this process may use")
+        return int(given)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
