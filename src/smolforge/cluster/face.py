@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from smolforge.cluster.nodes.worker import WorkerNode, WorkerOptions, request_rescan
     from smolforge.cluster.workloads.distill.runner import split_task_id
     from smolforge.cluster.workloads.distill.session import DistillSession, DistillTasks
-    from smolforge.cluster.workloads.distill.state import store_dir_of
+    from smolforge.cluster.workloads.distill.plans import store_dir_of
 
 __all__ = ["Backend", "holds_jobs", "check_node_name", "check_port", "WorkerNode", "WorkerOptions", "request_rescan",
            "split_task_id", "DistillSession", "DistillTasks", "store_dir_of"]
@@ -98,7 +98,7 @@ _LAZY = {
     "split_task_id": "smolforge.cluster.workloads.distill.runner",
     "DistillSession": "smolforge.cluster.workloads.distill.session",
     "DistillTasks": "smolforge.cluster.workloads.distill.session",
-    "store_dir_of": "smolforge.cluster.workloads.distill.state",
+    "store_dir_of": "smolforge.cluster.workloads.distill.plans",
 }
 
 

@@ -19,6 +19,7 @@ from smolforge.cluster.workloads.distill.decide import RunRecord, shard_of
 from smolforge.cluster.workloads.distill.remotes import remotes
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.cluster.workloads.distill.sync import DataParallelSync
+from smolforge.cluster.workloads.distill.task_plans import student_task_plan
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
 
@@ -154,11 +155,8 @@ class Placing(RunRecord):
         with st.lock:
             refs = []
             for m, actor in zip(members, actors):
-                spec = {k: v for k, v in m.spec.items() if k not in ("req_model", "no_node_since", "replace_timeout_s")}
-                spec.update(task_id=m.task_id, node_name=m.node)  # its log lines' label and node
-                if meet:
-                    spec["group"] = {**spec["group"], **meet}
-                refs.append(actor.run.remote(spec, store.broker, m.rank))
+                plan = student_task_plan(m.task_id, m.node or "", m.spec, meet)  # sent whole, typed
+                refs.append(actor.run.remote(plan, store.broker, m.rank))
                 st.handles[m.task_id] = (actor, refs[-1])
         for m, actor, ref in zip(members, actors, refs):
             self._devent("student_submitted", f"{m.task_id} placed on {m.node}", task_id=m.task_id, node=m.node)

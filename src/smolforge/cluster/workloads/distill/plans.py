@@ -25,13 +25,18 @@ from typing import Any
 
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.cluster.workloads.distill.seed_args import resolve, student_args, task_options
-from smolforge.cluster.workloads.distill.state import store_dir_of
 from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSync, make_sync
 from smolforge.config import PeftSpec
 from smolforge.distill import backends
 from smolforge.distill.kdconfig import KDConfig
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
+
+
+def store_dir_of(output_dir: str | Path) -> Path:
+    """The teacher store under a run dir: `<output_dir>/teacher_outputs` (a dir of that name as is)."""
+    p = Path(output_dir)
+    return p if p.name == "teacher_outputs" else p / "teacher_outputs"
 
 
 @dataclass(frozen=True)

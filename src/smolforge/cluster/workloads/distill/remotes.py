@@ -12,18 +12,17 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S
 from smolforge.cluster.workloads.distill.sync import SYNCS
-from smolforge.config import PeftSpec
-from smolforge.distill.losses import KDConfig
-from smolforge.distill.prompts import GenSettings, PromptItem
+from smolforge.cluster.workloads.distill.task_plans import StudentTaskPlan, TeacherTaskPlan
 from smolforge.train.faults import fault_hold_step, held_message, stay_held
 from smolforge.train.loop import StopRequested
 from smolforge.distill.store import CorruptShardError, Shard, decode_shard
-from smolforge.distill.student import StudentConfig, train_student
+from smolforge.distill.student import train_student
 from smolforge.distill.backends import teacher_backend
 from smolforge.distill.teacher import make_teacher, produce_shards
 from smolforge.errors import SmolforgeError
@@ -44,41 +43,38 @@ def _node_model(name: str) -> str:
     return local_model_path(name)
 
 
-def _teacher_shards(spec: dict[str, Any]):
+def _teacher_shards(plan: TeacherTaskPlan):
     """Ray streaming generator: one teacher on one node, yielding (manifest JSON, bytes) per shard."""
 
     # What it prints rides along with each shard's manifest (`log`: the driver takes it out); lines
     # after the last shard stay in the node's Ray log.
-    lines = LineBuffer(spec["task_id"], spec.get("node_name") or "")
+    lines = LineBuffer(plan.task_id, plan.node_name or "")
     with capture_output(lines):
-        yield from _teacher_shards_captured(spec, lines)
+        yield from _teacher_shards_captured(plan, lines)
 
 
-def _teacher_shards_captured(spec: dict[str, Any], lines: LineBuffer):
+def _teacher_shards_captured(plan: TeacherTaskPlan, lines: LineBuffer):
     import ray
     import torch
 
-    torch.set_num_threads(max(1, int(spec["num_threads"])))
+    torch.set_num_threads(plan.num_threads)
     ctx = ray.get_runtime_context()
-    model = _node_model(spec["model"]) if teacher_backend(spec["backend"]).loader.weights else spec["model"]
-    teacher = make_teacher(model, spec["backend"], device=spec["device"], ollama_host=spec.get("ollama_host"),
-                           tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "fp32"), quant=spec.get("quant"),
-                           n_threads=max(1, int(spec["num_threads"])),  # llamacpp: the task's CPUs
-                           teacher_url=spec.get("teacher_url"), teacher_key_file=spec.get("teacher_key_file"))
-    items = {int(i): PromptItem(int(i), it["prompt_messages"], it.get("answer")) for i, it in spec["items"].items()}
-    ranges = {int(sid): (int(a), int(b)) for sid, (a, b) in spec["shards"].items()}
-    settings = GenSettings(**spec["settings"])
+    t = plan.teacher
+    model = _node_model(t.model) if teacher_backend(t.backend).loader.weights else t.model
+    teacher = make_teacher(model, t.backend, device=t.device, ollama_host=t.ollama_host, tokenizer=t.tokenizer,
+                           dtype=t.dtype, quant=t.quant, n_threads=plan.num_threads,  # llamacpp: the task's CPUs
+                           teacher_url=t.teacher_url, teacher_key_file=t.teacher_key_file)
     hold = fault_hold_step("hold-shard")  # fault injection for tests (train/faults.py): read once, here
-    produced = produce_shards(teacher, items, ranges, settings, compress=spec["compress"])
+    produced = produce_shards(teacher, plan.prompt_items(), plan.ranges(), replace(t.settings), compress=t.compress)
     for count, (manifest, data) in enumerate(produced, 1):
-        manifest.update(node_id=ctx.get_node_id(), node=spec.get("node_name"), task=spec["task_id"],
-                        teacher=spec["model"], finished=time.time(), pid=os.getpid())
-        logging.getLogger(TASK_LOGGER).info("%s: shard %s done", spec["task_id"], manifest.get("shard"))
+        manifest.update(node_id=ctx.get_node_id(), node=plan.node_name, task=plan.task_id,
+                        teacher=t.model, finished=time.time(), pid=os.getpid())
+        logging.getLogger(TASK_LOGGER).info("%s: shard %s done", plan.task_id, manifest.get("shard"))
         manifest["log"] = lines.drain()
         yield json.dumps(manifest), data
         if hold == count:  # the shard is the driver's already (a streaming generator runs ahead)
-            logging.getLogger(TASK_LOGGER).info(held_message(spec["task_id"], count, "hold-shard"))
-            stay_held(spec["task_id"], count, hold, lambda: None, "hold-shard")
+            logging.getLogger(TASK_LOGGER).info(held_message(plan.task_id, count, "hold-shard"))
+            stay_held(plan.task_id, count, hold, lambda: None, "hold-shard")
 
 
 class _ShardBroker:
@@ -323,14 +319,14 @@ class _StudentWorker:
         self._listen = listen_socket(node_ip())
         return self._listen.getsockname()[:2]
 
-    def run(self, spec: dict[str, Any], broker, rank: int) -> dict[str, Any]:
+    def run(self, plan: StudentTaskPlan, broker, rank: int) -> dict[str, Any]:
         """`_train`, with what this process prints sent to the broker as the task's lines."""
         import ray
 
-        lines = LineBuffer(spec.get("task_id") or f"student-rank{rank}", spec.get("node_name") or "")
+        lines = LineBuffer(plan.task_id or f"student-rank{rank}", plan.node_name or "")
         with capture_output(lines):
             try:
-                return self._train(spec, broker, rank, lines)
+                return self._train(plan, broker, rank, lines)
             except BaseException:
                 logging.getLogger(TASK_LOGGER).exception("%s failed", lines.task)
                 raise
@@ -342,21 +338,14 @@ class _StudentWorker:
                 except RayError:
                     pass  # a lost broker: the lines stay in the node's Ray log
 
-    def _train(self, spec: dict[str, Any], broker, rank: int, lines: LineBuffer) -> dict[str, Any]:
+    def _train(self, plan: StudentTaskPlan, broker, rank: int, lines: LineBuffer) -> dict[str, Any]:
         import ray
 
-
-        cfg_fields = dict(spec["config"])
-        cfg_fields["base_model"] = _node_model(cfg_fields["base_model"])
-        cfg_fields["peft"] = PeftSpec(**cfg_fields["peft"])
-        cfg_fields["kd"] = KDConfig(**cfg_fields["kd"])
         work = Path(tempfile.mkdtemp(prefix=f"smolforge-student-{rank}-"))
-        cfg_fields["output_dir"] = str(work / "out")
-        resume = spec.get("resume")  # the checkpoint this student paused at, shipped back from the driver
+        resume = plan.resume  # the checkpoint this student paused at, shipped back from the driver
         if resume:
-            unpack_dir(resume["payload"], ckpt.checkpoints_dir(work / "out") / resume["name"])
-            cfg_fields["resume"] = True
-        cfg = StudentConfig(**cfg_fields)
+            unpack_dir(resume.payload, ckpt.checkpoints_dir(work / "out") / resume.name)
+        cfg = plan.config_for(_node_model(plan.config.base_model), str(work / "out"))
         node_id = ray.get_runtime_context().get_node_id()
 
         def on_event(kind: str, **data: Any) -> None:
@@ -386,13 +375,13 @@ class _StudentWorker:
         # A preset is built here before any process group exists, one student of the node at a time
         # (as a data-parallel rank does: building inside a group writes the weights on rank 0 only).
         prepare_model(cfg.base_model, node_dir())
-        group = spec.get("group")
-        sync = SYNCS[group["sync"] if group else "average"]  # (its `join`: the strategy was checked when the group formed)
+        group = plan.group
+        sync = SYNCS[group.sync if group else "average"]  # (its `join`: the strategy was checked when the group formed)
         listen, self._listen = self._listen, None
         try:
-            eval_examples = spec.get("eval_examples")
+            eval_examples = None if plan.eval_examples is None else list(plan.eval_examples)
             with sync.join(group, BrokerShardSource(broker, rank, timeout_s=cfg.wait_timeout_s), listen) as (strategy, source):
-                result = train_student(cfg, source, teacher_tokenizer_hash=spec.get("teacher_hash"), on_event=on_event,
+                result = train_student(cfg, source, teacher_tokenizer_hash=plan.teacher_hash, on_event=on_event,
                                        should_stop=should_stop, on_step=on_step, eval_examples=eval_examples,
                                        on_checkpoint=on_checkpoint, strategy=strategy)
             adapter = pack_dir(result.adapter_dir) if result.adapter_dir else None

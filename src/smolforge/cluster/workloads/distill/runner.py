@@ -49,7 +49,8 @@ from smolforge.cluster.control.runner import (
 )
 from smolforge.cluster.control.specs import DistillJob, DistillTaskJob, TaskConfig
 from smolforge.cluster.control.states import ended_unsuccessfully, succeeded
-from smolforge.cluster.workloads.distill.state import TASK_ENDED, store_dir_of
+from smolforge.cluster.workloads.distill.plans import store_dir_of
+from smolforge.cluster.workloads.distill.state import TASK_ENDED
 from smolforge.cluster.workloads.distill.travel import bring_run_models, travelling_models
 from smolforge.cluster.workloads.model_transfer import job_report
 from smolforge.distill.store import store_summary

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.workloads.distill.controller import DistillRun
+from smolforge.cluster.workloads.distill.plans import TeacherPlan
 from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
@@ -110,6 +111,7 @@ class StoreState:
     assigned: dict[str, list[int]] = field(default_factory=dict)
     eval_examples: list[dict[str, Any]] = field(default_factory=list)
     broker_silent_since: float | None = None  # when its broker first failed to answer a drain
+    teacher_plan: TeacherPlan | None = None  # the stage's plan, sent whole to each of its teachers
 
 
 class SessionState:
@@ -133,11 +135,6 @@ class SessionState:
         self.max_restarts = MAX_STUDENT_RESTARTS  # per student (per group): restarts after a lost worker
         self.journal: list[Any] | None = None  # a list: every event and plan kept (decide.replay)
         self.store_nos: list[str] = []  # the stores' keys in the order they came (shard keys, decide.shard_key)
-
-
-def store_dir_of(output_dir: str | Path) -> Path:
-    p = Path(output_dir)
-    return p if p.name == "teacher_outputs" else p / "teacher_outputs"
 
 
 def is_local_model(name: str) -> bool:

@@ -16,7 +16,8 @@ from smolforge.cluster.workloads.distill.controller import TaskEnded, TaskFailed
 from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.placing import Placing
 from smolforge.cluster.workloads.distill.remotes import new_broker
-from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error, store_dir_of
+from smolforge.cluster.workloads.distill.plans import store_dir_of
+from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.plans import StudentCall, StudentPlan, plan_students
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec

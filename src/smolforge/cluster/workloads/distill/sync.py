@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from smolforge.distill.planner import student_assignment
@@ -28,6 +29,24 @@ if TYPE_CHECKING:  # (torch: imported where a student joins, not where a plan is
     from smolforge.train.strategy import Strategy
 
 GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then restarts: groups.py)
+
+
+@dataclass(frozen=True)
+class GroupSeat:
+    """A student's seat in a data-parallel student group (`sync.DataParallelSync`): the group's strategy,
+    members (task ids), world size and shards, this member's rank and device, and where the group meets
+    (rank 0's address, a port it holds, the group's secret: through Ray only)."""
+
+    sync: str
+    strategy: str
+    members: tuple[str, ...]
+    world: int
+    shards: tuple[int, ...]
+    rank: int
+    device: str
+    addr: str | None = None
+    port: int | None = None
+    secret: str | None = None
 
 
 class _Sync:
@@ -70,7 +89,7 @@ class AverageSync(_Sync):
 
     @staticmethod
     @contextmanager
-    def join(group: dict[str, Any] | None, source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+    def join(group: GroupSeat | None, source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
         from smolforge.train.strategy import Strategy
 
         yield Strategy(), source
@@ -116,15 +135,15 @@ class DataParallelSync(_Sync):
 
     @staticmethod
     @contextmanager
-    def join(group: dict[str, Any], source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
+    def join(group: GroupSeat, source: ShardSource, listen=None) -> Iterator[tuple[Strategy, ShardSource]]:
         from smolforge.distill.shard_source import InOrderShardSource
         from smolforge.parallel.rendezvous import init_group, leave_group, pick_backend
         from smolforge.parallel.strategies import make_strategy
 
-        init_group(pick_backend("auto", group.get("device", "auto")), group["addr"], group["port"], group["rank"],
-                   group["world"], GROUP_TIMEOUT_S, group["secret"], listen)
+        init_group(pick_backend("auto", group.device), group.addr, group.port, group.rank, group.world,
+                   GROUP_TIMEOUT_S, group.secret, listen)
         try:
-            yield make_strategy(group["strategy"]), InOrderShardSource(source, group["shards"])
+            yield make_strategy(group.strategy), InOrderShardSource(source, list(group.shards))
         finally:
             leave_group()
 

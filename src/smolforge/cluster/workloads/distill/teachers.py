@@ -25,6 +25,7 @@ from smolforge.cluster.workloads.distill.state import (
     short_error,
 )
 from smolforge.cluster.workloads.distill.plans import TeacherCall, TeacherPlan, plan_teachers
+from smolforge.cluster.workloads.distill.task_plans import teacher_task_plan
 from smolforge.cluster.nodes.ray_glue import Requirements
 from smolforge.cluster.control.distill_placement import own_cpus, teacher_nodes
 from smolforge.distill import backends
@@ -175,7 +176,7 @@ class TeacherTasks:
                            teacher_req_model=req_model, cpus_per_teacher=plan.cpus, device=plan.device,
                            ollama_host=plan.ollama_host, teacher_tokenizer=plan.tokenizer, max_retries=plan.max_retries,
                            teacher_on_coordinator=plan.on_coordinator, dtype=plan.dtype, quant=plan.quant,
-                           teacher_url=plan.teacher_url, teacher_key_file=plan.teacher_key_file)
+                           teacher_url=plan.teacher_url, teacher_key_file=plan.teacher_key_file, teacher_plan=plan)
         with st.lock:
             st.stores[str(store_dir.resolve())] = store
         todo = self._reuse_shards(store)
@@ -245,25 +246,15 @@ class TeacherTasks:
             no = self._store_no(store)
             self._record(TaskAdded(Task(task_id=task_id, kind="teacher", cpus=store.cpus_per_teacher,
                                         shards=tuple(shard_key(no, s) for s in shard_ids), eligible=eligible)))
-        items = {}
-        shards = {}
-        for sid in shard_ids:
-            a, b = store.plan.shards[sid]
-            shards[sid] = [a, b]
-            for i in range(a, b):
-                it = store.items[i]
-                items[i] = {"prompt_messages": it.prompt_messages, "answer": it.answer}
-        spec = {"task_id": task_id, "model": store.teacher, "backend": store.backend, "items": items, "shards": shards,
-                "settings": asdict(store.settings), "compress": store.compress, "device": store.device, "dtype": store.dtype,
-                "num_threads": max(1, int(store.cpus_per_teacher)), "node_name": node.name,
-                "ollama_host": store.ollama_host, "tokenizer": store.teacher_tokenizer, "quant": store.quant,
-                "teacher_url": store.teacher_url, "teacher_key_file": store.teacher_key_file}
+        shards = {sid: tuple(store.plan.shards[sid]) for sid in shard_ids}
+        assert store.teacher_plan is not None  # (set by start_teachers, the one maker of a store)
+        plan = teacher_task_plan(task_id, node.name, store.teacher_plan, store.items, shards)
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
                            samples_total=sum(b - a for a, b in shards.values()))
         opts = self._options(node, store.teacher_req_model, store.cpus_per_teacher, store.backend,
                              store.teacher_on_coordinator)
-        gen = remotes()["teacher"].options(**opts).remote(spec)
+        gen = remotes()["teacher"].options(**opts).remote(plan)
         with st.lock:
             st.tasks[task_id] = task
             st.handles[task_id] = gen
