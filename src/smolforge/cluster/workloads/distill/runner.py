@@ -47,10 +47,11 @@ from smolforge.cluster.control.placement import busy_cpus
 from smolforge.cluster.control.runner import (
     Cancelled, Completed, Failed, JobRunner, Outcome, Paused, RunnerContext, short_error,
 )
-from smolforge.cluster.control.specs import DistillJob, DistillTaskJob, TaskConfig
+from smolforge.cluster.control.specs import DistillJob, DistillTaskJob
 from smolforge.cluster.control.states import ended_unsuccessfully, succeeded
 from smolforge.cluster.workloads.distill.plans import store_dir_of
 from smolforge.cluster.workloads.distill.state import TASK_ENDED
+from smolforge.cluster.workloads.distill.stage_args import typed_args
 from smolforge.cluster.workloads.distill.travel import bring_run_models, travelling_models
 from smolforge.cluster.workloads.model_transfer import job_report
 from smolforge.distill.store import store_summary
@@ -401,13 +402,12 @@ class DistillTaskRunner(DistillRunner):
     # -- what the stages share -----------------------------------------------------------------------
 
     def _call_args(self, data_key: str) -> dict[str, Any]:
-        """The call's keyword arguments: its dataset read from the coordinator's upload, its TaskConfig rebuilt."""
-        args = dict(self.spec.args)
+        """The call's keyword arguments, typed as checked at submit (`stage_args.typed_args`: a TaskConfig's
+        dict a TaskConfig), its dataset read from the coordinator's upload."""
+        args = typed_args(self.spec.stage, self.spec.args)
         value = args.get(data_key)
         if isinstance(value, str) and value.startswith("upload:"):
             args[data_key] = str(self.ctx.artifacts.upload_path(value.split(":", 1)[1]))
-        if isinstance(args.get("task_config"), dict):
-            args["task_config"] = TaskConfig(**args["task_config"])
         return args
 
     def _sync(self) -> None:

@@ -6,16 +6,24 @@ started, after it had waited in the queue for a node. The calls' signatures are 
 each stage takes (no copy to drift): a key they do not name, one the job itself passes (where it
 writes, the store it reads) or a missing required one is refused when the job is submitted, naming
 the key and the ones the stage knows (`kinds.KINDS["distill_task"].check`).
+
+Their values are checked at submit too, by the builders the job runs (`stage_call`, then
+`plans.plan_teachers` / `plan_students`): a value of the wrong type (`top_k: "many"`) or one the stage
+refuses (`kd_ratio: 2`, an unknown `kd_loss`, a TaskConfig asking for RAM) is one message naming the
+argument before any job exists, not the job's failure after its wait in the queue.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+from dataclasses import fields
 from typing import Any, Callable
 
+from pydantic import TypeAdapter, ValidationError
+
 from smolforge.cluster.control.kinds import named_file
-from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall
+from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall, plan_students, plan_teachers
 from smolforge.config import NAMED_DATASET_KEYS
 from smolforge.distill.aggregate import aggregate_student_outputs
 from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
@@ -66,6 +74,7 @@ def check_task_args(job: Any) -> None:
     if missing:
         raise SmolforgeError(f"the {stage} stage needs args.{missing[0]}", where=where,
                              fix=f"give {', '.join(f'args.{m}' for m in missing)} (the call's required arguments)")
+    _check_values(stage, job.mode, args, where)
     _check_students_tokenizer(args)
 
 
@@ -78,6 +87,51 @@ def _unnamed(job: Any) -> dict[str, Any]:
         return job.args
     args = {k: v for k, v in job.args.items() if k not in NAMED_DATASET_KEYS}
     return {**args, named.rpartition(".")[2]: job.args["dataset_name"]}
+
+
+# stage -> the placeholders for what the job passes itself (paths only: no builder reads them)
+PLACEHOLDERS: dict[str, dict[str, str]] = {"teacher": {"output_dir": "."}, "students": {"teacher_outputs_dir": "."}}
+
+
+def stage_call(stage: str, args: dict[str, Any], **owned: Any) -> TeacherCall | StudentCall:
+    """A teacher or students stage's call from a job's `args` and what the job passes itself (`owned`),
+    its values' types checked by the call's own field types (pydantic, lax: JSON's numbers and strings
+    as the fields take them; a TaskConfig's dict becomes a TaskConfig). SmolforgeError (where: the
+    stage's args) naming the first argument whose value has the wrong type."""
+    call = CALLS[stage]
+    try:
+        return TypeAdapter(call).validate_python({**args, **owned})
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        wanted = call.__dataclass_fields__[str(first["loc"][0])].type  # type: ignore[attr-defined]
+        raise SmolforgeError(f"args.{key}: {first['msg']} (got {first['input']!r})",
+                             where=f"job spec (args of the {stage} stage)",
+                             fix=f"give args.{first['loc'][0]} as the {stage} call takes it: {wanted}") from None
+
+
+def typed_args(stage: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The job's `args` with their values as the call's fields hold them (what the stage runs with and
+    what `check_task_args` checked at submit); `args` of the aggregate stage as they are."""
+    if stage not in PLACEHOLDERS:
+        return dict(args)
+    call = stage_call(stage, args, **PLACEHOLDERS[stage])
+    return {f.name: getattr(call, f.name) for f in fields(call) if f.name in args}
+
+
+def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> None:
+    """A teacher or students stage's `args` (a dataset by name counted as its file) as the builders the job
+    runs check them (the `mode`'s own rules included), at submit; the builder's refusal, where: the args."""
+    if stage not in PLACEHOLDERS:
+        return
+    call = stage_call(stage, args, **PLACEHOLDERS[stage])
+    try:
+        if isinstance(call, TeacherCall):
+            plan_teachers(call)
+        else:
+            plan_students(call, mode)
+    except SmolforgeError as err:
+        raise SmolforgeError(err.what, where=f"{where}, {err.where}" if err.where else where, fix=err.fix) from None
 
 
 def _check_students_tokenizer(args: dict[str, Any]) -> None:

@@ -1,0 +1,75 @@
+"""A `distill_task` job's `args` VALUES are checked at submit by the builders its stage runs
+(`stage_args.stage_call`, then `plans.plan_teachers` / `plan_students`), not when the job starts after
+its wait in the queue: a wrong type or a value the stage refuses is one message naming the argument,
+and the API answers it with a 400 before any job exists. No cluster."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from smolforge.cluster.control import kinds
+from smolforge.cluster.control.artifacts import ArtifactStore
+from smolforge.cluster.control.jobstore import JobStore
+from smolforge.cluster.control.manager import JobManager
+from smolforge.cluster.control.specs import TaskConfig
+from smolforge.cluster.workloads.distill.stage_args import typed_args
+from smolforge.errors import SmolforgeError
+
+TEACHER = {"kind": "distill_task", "stage": "teacher", "args": {"model_path": "tiny-llama", "dataset_path": "bundled"}}
+STUDENTS = {"kind": "distill_task", "stage": "students", "teacher_job": "job-0000000001",
+            "args": {"base_model": "tiny-llama", "num_students": 2, "peft_config": {"r": 4}}}
+
+
+def _with(spec: dict, **args) -> dict:
+    return {**spec, "args": {**spec["args"], **args}}
+
+
+BAD = [  # (name, spec, what the message says, where it says it is)
+    ("a wrong type", _with(TEACHER, top_k="many"), "args.top_k: Input should be a valid integer", ""),
+    ("a list for a number", _with(STUDENTS, kd_ratio=[0.5]), "args.kd_ratio: Input should be a valid number", ""),
+    ("sampling the teacher refuses", _with(TEACHER, top_p=2), "top_p must be in (0, 1], got 2", ""),
+    ("no teachers", _with(TEACHER, num_teachers=0), "num_teachers must be ≥ 1", ""),
+    ("an unknown backend", _with(TEACHER, backend="vllm"), "vllm", ""),
+    ("a TaskConfig asking for RAM", _with(TEACHER, task_config={"resources": {"ram_gb": 8}}),
+     "cannot honour resources.ram_gb", ", task_config"),
+    ("a KD ratio out of range", _with(STUDENTS, kd_ratio=2), "kd_ratio must be in [0, 1], got 2", ""),
+    ("an unknown KD loss", _with(STUDENTS, kd_loss="l2"), "unknown KD loss 'l2'", ""),
+    ("an unknown sync", _with(STUDENTS, students_sync="ring"), "unknown --students-sync 'ring'", ""),
+    ("two PEFT spellings", _with(STUDENTS, lora_config={"r": 4}), "lora_config is peft_type='lora'",
+     ", create_student_tasks"),
+    ("hybrid without a split", {**_with(STUDENTS, split_shards=False), "mode": "hybrid"},
+     "hybrid mode splits the shards", ""),
+]
+
+
+@pytest.mark.parametrize("name,spec,needle,where", BAD, ids=[row[0] for row in BAD])
+def test_a_bad_value_is_refused_at_submit_naming_it(name, spec, needle, where):
+    with pytest.raises(SmolforgeError) as err:
+        kinds.parse(spec)
+    assert needle in err.value.what and err.value.fix, (name, err.value.render())
+    assert err.value.where.startswith(f"job spec (args of the {spec['stage']} stage)"), err.value.render()
+    assert err.value.where.endswith(where or "stage)"), err.value.render()
+
+
+def test_the_stage_runs_with_the_values_checked_at_submit():
+    spec = kinds.parse(_with(TEACHER, top_k=8.0, task_config={"max_retries": 1}))  # JSON's 8.0 for an int
+    args = typed_args("teacher", spec.args)
+    assert args["top_k"] == 8 and isinstance(args["top_k"], int)
+    assert args["task_config"] == TaskConfig(max_retries=1) and set(args) == set(spec.args)  # no defaults added
+    assert typed_args("aggregate", {"method": "ties"}) == {"method": "ties"}
+
+
+def test_the_api_answers_a_bad_value_with_a_400_and_queues_nothing(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from smolforge.cluster.api import create_app
+
+    mgr = JobManager(JobStore(tmp_path / "jobs.db"), ArtifactStore(tmp_path / "art"))
+    core = SimpleNamespace(token="t", manager=mgr, store=mgr.store, artifacts=mgr.artifacts)
+    http = TestClient(create_app(core))
+    r = http.post("/api/v1/jobs", headers={"Authorization": "Bearer t"}, json=_with(STUDENTS, kd_ratio=2))
+    assert r.status_code == 400 and set(r.json()) == {"error", "where", "fix"}, r.text
+    assert "kd_ratio" in r.json()["error"] and "args of the students stage" in r.json()["where"], r.text
+    assert mgr.store.list_jobs() == []
