@@ -20,12 +20,13 @@ from smolforge.distill.prompts import PromptItem
 def test_a_teacher_task_gets_the_stages_plan_whole_with_its_own_prompts_and_shards(tmp_path):
     stage = plan_teachers(TeacherCall("tiny-llama", "bundled", tmp_path, cpus_per_teacher=3, temperature=0.7,
                                       top_k=8, backend="hf", dtype="bf16"))
-    items = [PromptItem(i, [{"role": "user", "content": f"q{i}"}], f"a{i}") for i in range(12)]
+    # (a dataset row without messages is skipped, so an item's example_id may be past its place)
+    items = [PromptItem(i + 3, [{"role": "user", "content": f"q{i}"}], f"a{i}") for i in range(12)]
     plan = pickle.loads(pickle.dumps(teacher_task_plan("teacher-2", "w1", stage, items, {4: (8, 12), 1: (2, 5)})))
     assert isinstance(plan, TeacherTaskPlan) and plan.teacher == stage  # whole: sampling, backend, dtype, CPUs
     assert plan.ranges() == {1: (2, 5), 4: (8, 12)} and plan.num_threads == 3
     assert sorted(plan.prompt_items()) == [2, 3, 4, 8, 9, 10, 11]  # only its shards' prompts travel
-    assert plan.prompt_items()[9] == items[9]
+    assert plan.prompt_items()[9] == PromptItem(9, items[9].prompt_messages, "a9")  # numbered by place
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.task_id = "teacher-3"  # type: ignore[misc]
 

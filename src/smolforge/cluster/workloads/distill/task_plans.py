@@ -26,7 +26,7 @@ from smolforge.distill.student import StudentConfig
 class TeacherTaskPlan:
     """One teacher task: the stage's plan whole, its prompts and its shards.
 
-    `items`: the prompts of its shards (by their dataset index); `shards`: (shard id, first prompt index,
+    `items`: the prompts of its shards, numbered by their place in the stage's prompt list; `shards`: (shard id, first prompt index,
     end index), end exclusive; `node_name`: the node it was placed on (its log lines' label)."""
 
     task_id: str
@@ -53,8 +53,9 @@ def teacher_task_plan(task_id: str, node_name: str, teacher: TeacherPlan, items:
                       ranges: dict[int, tuple[int, int]]) -> TeacherTaskPlan:
     """The plan of a teacher on `ranges` (shard id -> prompt range of `items`, the stage's prompts)."""
     shards = tuple((int(sid), int(a), int(b)) for sid, (a, b) in sorted(ranges.items()))
+    # numbered by their place in the stage's prompts, which the shard ranges count (as the store's rows do)
     return TeacherTaskPlan(task_id=task_id, node_name=node_name, teacher=teacher, shards=shards,
-                           items=tuple(items[i] for _sid, a, b in shards for i in range(a, b)))
+                           items=tuple(replace(items[i], example_id=i) for _sid, a, b in shards for i in range(a, b)))
 
 
 @dataclass(frozen=True)
