@@ -64,3 +64,18 @@ def test_a_group_member_gets_its_seat_and_a_resumed_one_its_checkpoint(tmp_path)
                                    shards=(0, 1, 2), rank=1, device="cpu", addr="10.0.0.5", port=29500, secret="s3")
     assert plan.resume == ResumePoint("step_4", b"packed", 4) and plan.config_for("b", "o").resume is True
     assert "addr" not in rec["group"]  # the driver's record is not changed by what a placement sent
+
+
+def test_a_store_left_on_disk_regenerates_its_shards_with_its_own_teacher_and_sampling(tmp_path):
+    from smolforge.cluster.workloads.distill.plans import stored_teacher_plan
+    from smolforge.distill.prompts import GenSettings
+    from smolforge.distill.store import StorePlan
+
+    stored = StorePlan(num_shards=2, num_examples=8, shard_size=4, teacher="tiny-llama", dataset="bundled",
+                       tokenizer_hash="", vocab_size=0, k=8, compress=False, backend="reference")
+    sampling = GenSettings(temperature=0.5, top_k=8, seed=3)
+    plan = stored_teacher_plan(stored, tmp_path, sampling)
+    assert (plan.model, plan.dataset, plan.backend, plan.compress, plan.settings) == (
+        "tiny-llama", "bundled", "reference", False, sampling)
+    assert plan == dataclasses.replace(plan_teachers(TeacherCall("tiny-llama", "bundled", tmp_path, backend="reference",
+                                                                 compress_outputs=False)), settings=sampling)

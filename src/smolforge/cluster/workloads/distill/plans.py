@@ -19,9 +19,9 @@ No Ray, no torch: the builders are pure and cheap.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.cluster.workloads.distill.seed_args import resolve, student_args, task_options
@@ -31,6 +31,9 @@ from smolforge.distill import backends
 from smolforge.distill.kdconfig import KDConfig
 from smolforge.distill.prompts import GenSettings
 from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:  # (a store's plan.json: an annotation only)
+    from smolforge.distill.store import StorePlan
 
 
 def store_dir_of(output_dir: str | Path) -> Path:
@@ -139,6 +142,15 @@ def plan_teachers(call: TeacherCall) -> TeacherPlan:
         dtype=call.dtype, ollama_host=call.ollama_host, tokenizer=call.tokenizer, data_format=call.data_format,
         on_coordinator=call.teacher_on_coordinator, quant=call.quant, teacher_url=call.teacher_url,
         teacher_key_file=call.teacher_key_file)
+
+
+def stored_teacher_plan(stored: StorePlan, store_dir: Path, settings: GenSettings) -> TeacherPlan:
+    """The teacher plan of a store an earlier run left (`stored`: its plan.json; `settings`: its sampling),
+    to regenerate its missing or corrupt shards: its teacher, dataset, backend and compression, the rest
+    the seeds' defaults (`TeacherCall`'s)."""
+    call = TeacherCall(stored.teacher, stored.dataset, store_dir, backend=stored.backend,
+                       compress_outputs=stored.compress)
+    return replace(plan_teachers(call), settings=settings)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from smolforge.cluster.workloads.distill.controller import TaskEnded, TaskFailed
 from smolforge.cluster.workloads.distill.groups import StudentGroups
 from smolforge.cluster.workloads.distill.placing import Placing
 from smolforge.cluster.workloads.distill.remotes import new_broker
-from smolforge.cluster.workloads.distill.plans import store_dir_of
+from smolforge.cluster.workloads.distill.plans import store_dir_of, stored_teacher_plan
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.plans import StudentCall, StudentPlan, plan_students
 from smolforge.cluster.control.specs import TaskConfig
@@ -144,7 +144,8 @@ class StudentTasks(StudentGroups, Placing):
         settings = GenSettings(**plan.generation) if plan.generation else GenSettings(top_k=plan.k)
         store = StoreState(dir=store_dir, plan=plan, items=[], teacher=plan.teacher, backend=plan.backend,
                            settings=settings, compress=plan.compress, broker=broker, teacher_nodes=[],
-                           teacher_req_model=None, cpus_per_teacher=1.0, device="auto")
+                           teacher_req_model=None, cpus_per_teacher=1.0, device="auto",
+                           teacher_plan=stored_teacher_plan(plan, store_dir, settings))
         todo = self._reuse_shards(store)
         if todo:
             store.items = prompts_from_dataset(plan.dataset)

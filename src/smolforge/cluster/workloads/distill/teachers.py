@@ -247,7 +247,7 @@ class TeacherTasks:
             self._record(TaskAdded(Task(task_id=task_id, kind="teacher", cpus=store.cpus_per_teacher,
                                         shards=tuple(shard_key(no, s) for s in shard_ids), eligible=eligible)))
         shards = {sid: tuple(store.plan.shards[sid]) for sid in shard_ids}
-        assert store.teacher_plan is not None  # (set by start_teachers, the one maker of a store)
+        assert store.teacher_plan is not None  # (start_teachers' plan, or a stored store's)
         plan = teacher_task_plan(task_id, node.name, store.teacher_plan, store.items, shards)
         task = DistillTask(task_id=task_id, kind="teacher", store=str(store.dir), node=node.name, node_id=node.node_id,
                            cpus=store.cpus_per_teacher, shards=list(shard_ids),
