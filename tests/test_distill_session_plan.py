@@ -30,7 +30,7 @@ def node(name: str) -> SimpleNamespace:
 
 class FakeActor:
     def __init__(self):
-        self.run = SimpleNamespace(remote=lambda spec, broker, rank: ("ref", spec["task_id"]))
+        self.run = SimpleNamespace(remote=lambda plan, broker, rank: ("ref", plan.task_id))  # a StudentTaskPlan
 
 
 def session(monkeypatch, tmp_path: Path, nodes: list, n: int) -> DistillSession:
@@ -47,7 +47,8 @@ def session(monkeypatch, tmp_path: Path, nodes: list, n: int) -> DistillSession:
         st.tasks[f"student-{i}"] = DistillTask(
             task_id=f"student-{i}", kind="student", store="store", rank=i, max_steps=4,
             output_dir=str(tmp_path / f"student_{i}"),
-            spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4, "peft": {"method": "lora"}},
+            spec={"config": {"base_model": "tiny-llama", "output_dir": str(tmp_path / f"student_{i}"), "device": "cpu",
+                             "max_steps": 4, "peft": {"method": "lora"}, "kd": {}},
                   "replace_timeout_s": 30.0, "resume": None, "req_model": None})
     s._student_nodes = lambda task: list(nodes)
     s._options = lambda pick, model, cpus, *a, **k: {}
