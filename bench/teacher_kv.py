@@ -6,8 +6,9 @@ micro-batches of consecutive ids); the serving engine had one unified stream. Bo
 `models/llamacpp_context.py` (unified). This times `LlamaCppTeacher.generate` (prefill, decode, top-k:
 no store writing) with the old module (a file: `git show REV:src/smolforge/distill/llamacpp_batch.py`)
 and the current one, each in its own teacher (its own context, kept across calls as a teacher keeps
-it), alternated ABBA per round after one warm-up each; medians, the new/old ratio, and whether the
-records agree (responses equal, top-k ids equal, the largest |Δ top-k log-prob|).
+it), alternated ABBA per round after one warm-up each; medians, the new/old ratio, and how the records
+agree with each other and with the teacher's one-at-a-time path (batch 1, no `BatchDecoder`): equal
+responses, top-1 agreement and the largest |Δ top-1 log-prob| on the rows both read the same tokens.
 
     git show b62106b:src/smolforge/distill/llamacpp_batch.py > /tmp/old_llamacpp_batch.py
     python bench/teacher_kv.py --old /tmp/old_llamacpp_batch.py --model llama-100m --quant q8_0 \
@@ -108,7 +109,10 @@ def main() -> None:
     ratio = statistics.median(times["old"]) / statistics.median(times["new"])
     pairs = sorted(o / n for o, n in zip(times["old"], times["new"]))
     print(f"old/new median time {ratio:.3f}x (>1: new faster); per-round old/new {[round(p, 3) for p in pairs]}")
+    one = teachers["new"].generate(items, GenSettings(**{**settings.__dict__, "batch_size": 1}))  # no BatchDecoder
     for label, (x, y) in {"new vs old": (records["new"], records["old"]),
+                          "new vs one at a time": (records["new"], one),
+                          "old vs one at a time": (records["old"], one),
                           "old vs its warm-up": (records["old"], warm["old"]),
                           "new vs its warm-up": (records["new"], warm["new"])}.items():
         same, top1, dlp = agreement(x, y)
