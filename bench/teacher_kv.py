@@ -83,16 +83,19 @@ def main() -> None:
     settings = GenSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k, batch_size=args.batch_size,
                            temperature=args.temperature)
     times: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}  # this process's CPU seconds: less of the load
     records: dict[str, list] = {}
 
     def run(name: str) -> float:
         teacher_llamacpp.BatchDecoder = arms[name]  # what `_batch_decoder` makes (once per teacher)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         records[name] = teachers[name].generate(items, settings)
+        cpu[name].append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     for name in arms:
         run(name)  # warm-up: the context is made here
+        cpu[name].clear()
     warm = dict(records)
     for r in range(args.rounds):
         for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
@@ -109,6 +112,10 @@ def main() -> None:
     ratio = statistics.median(times["old"]) / statistics.median(times["new"])
     pairs = sorted(o / n for o, n in zip(times["old"], times["new"]))
     print(f"old/new median time {ratio:.3f}x (>1: new faster); per-round old/new {[round(p, 3) for p in pairs]}")
+    cpu_pairs = sorted(o / n for o, n in zip(cpu["old"], cpu["new"]))
+    print(f"CPU seconds: old median {statistics.median(cpu['old']):.3f}, new {statistics.median(cpu['new']):.3f}, "
+          f"old/new {statistics.median(cpu['old']) / statistics.median(cpu['new']):.3f}x; "
+          f"per-round {[round(p, 3) for p in cpu_pairs]}")
     one = teachers["new"].generate(items, GenSettings(**{**settings.__dict__, "batch_size": 1}))  # no BatchDecoder
     for label, (x, y) in {"new vs old": (records["new"], records["old"]),
                           "new vs one at a time": (records["new"], one),

@@ -11,8 +11,9 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
 - Rows of a batch are llama.cpp sequences: a batch's rows are decoded in one `llama_decode`, each
   row with its own sequence id and KV cells, so eight streams share each read of the weights as the
   torch engine's batch does (the context is `models.llamacpp_context.SeqContext`, the llamacpp
-  teacher's too: one unified KV stream, one ubatch whatever the ids' order). A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes back to the
-  pool; no column trimming is needed (llama.cpp keeps no padding).
+  teacher's too: one unified KV stream, one ubatch whatever the ids' order). A finished row's cells
+  are freed (`llama_memory_seq_rm`) and its id goes back to the pool; no column trimming is needed
+  (llama.cpp keeps no padding).
 - A step's cost outside llama.cpp is kept small (a small model's token takes a few hundred
   microseconds, issue 32): a decode step sends each row's one token without reading the mask, into
   a `llama_batch` made once, and its logits are llama.cpp's own output rows (`LogitsView`, no copy),
