@@ -1,6 +1,6 @@
 """The llamacpp teacher's batched decode, two versions of `distill/llamacpp_batch.py` alternated in one process.
 
-Issue 51: the teacher's `BatchDecoder` had a KV stream per sequence and moved the highest running
+Stop 51: the teacher's `BatchDecoder` had a KV stream per sequence and moved the highest running
 sequence into each finished one's slot (`_compact`: llama.cpp cuts a batch over separate streams into
 micro-batches of consecutive ids); the serving engine had one unified stream. Both now use
 `models/llamacpp_context.py` (unified). This times `LlamaCppTeacher.generate` (prefill, decode, top-k:

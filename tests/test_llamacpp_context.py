@@ -1,4 +1,4 @@
-"""`models/llamacpp_context.SeqContext`: the one llama.cpp context of several sequences (issue 51), on
+"""`models/llamacpp_context.SeqContext`: the one llama.cpp context of several sequences (stop 51), on
 tiny-llama's f16 GGUF (the node cache's export, shared with the teacher's tests).
 
 - sequences in one unified KV stream share all `n_seq * n_ctx_seq` cells: one sequence may reach all of
