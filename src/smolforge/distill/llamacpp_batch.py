@@ -12,11 +12,12 @@ Two things keep the passes over the weights few (issue 32, measured in BENCHMARK
   prefilled once, in sequence 0, and its KV cells shared with the other sequences
   (`llama_memory_seq_cp`); the rest of every prompt is prefilled in one batch across the sequences,
   logits only at each prompt's last position;
-- one KV stream for all sequences (stop 51, after issue 44 found it for the engine): when a sequence ends its cells are freed and the others
-  stay where they are; the step of the rest is still one pass. (With a stream per sequence llama.cpp
-  cuts a batch into micro-batches of consecutive ids, and this module moved the highest running
-  sequence into each freed slot to keep them consecutive; unified KV made that unneeded and the
-  step 1.13x faster in wall time on a quieter machine: BENCHMARKS.md, stop 51.)
+- one KV stream for all sequences (stop 51, after issue 44 found it for the engine): when a sequence
+  ends its cells are freed and the others stay where they are; the step of the rest is still one
+  pass. (With a stream per sequence llama.cpp cuts a batch into micro-batches of consecutive ids, and
+  this module moved the highest running sequence into each freed slot to keep them consecutive;
+  unified KV made that unneeded and `generate` 1.13x faster in wall time on a quieter machine:
+  BENCHMARKS.md, stop 51.)
 
 The high-level `Llama` object keeps its own one-sequence context for everything else; this
 context is separate and freed on `close`.
