@@ -262,3 +262,24 @@ def run_gloo_ranks(work, world: int, *args, meanwhile=None, timeout: float = 600
                 p.join(10)
     assert [p.exitcode for p in procs] == [0] * world
     return got, extra
+
+
+def llama_ubatch_counter():
+    """(callback, counts) for a llama.cpp context's `cb_eval`: counts[0] grows by one per ubatch the
+    context computes (llama.cpp asks about the graph's output node once per ubatch); no node's data is
+    wanted. Keep the callback alive as long as the context."""
+    import ctypes
+
+    import llama_cpp
+
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_get_name.restype, ggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    counts = [0]
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def seen(tensor, ask, _data):
+        if ask and ggml.ggml_get_name(tensor) == b"result_output":
+            counts[0] += 1
+        return False
+
+    return seen, counts

@@ -273,13 +273,16 @@ def test_batched_decode_gives_the_one_at_a_time_records(gguf_f16, items):
         np.testing.assert_allclose(a.topk_logprobs[:, 0], b.topk_logprobs[:, 0], atol=1e-2)
 
 
-def test_batched_decode_shares_the_prefix_and_keeps_running_sequences_in_consecutive_slots(gguf_f16, items):
-    """`llamacpp_batch`: the prompts' shared prefix is read once and its KV cells copied to every sequence,
-    and when a sequence ends the highest running one moves into its slot (llama.cpp micro-batches only
-    consecutive sequence ids together). What each decision leaves must be what one sequence decoded alone
-    gives: the first rows and, after the move, the moved sequence's next row (its KV cells came along)."""
+def test_batched_decode_shares_the_prefix_and_a_step_is_one_pass_whatever_sequences_run(gguf_f16, items):
+    """`llamacpp_batch`: the prompts' shared prefix is read once and its KV cells shared with every sequence,
+    and when a sequence ends (here sequence 1: the running ones, 0, 2 and 3, are not consecutive ids) its
+    cells are freed, nobody moves, and each step is still one ubatch, one pass over the weights (one KV
+    stream for all: a stream per sequence cut this step in two). What each decision leaves must be what one
+    sequence decoded alone gives: the first rows, and every running sequence's next rows."""
+    import llama_cpp
     import torch
 
+    from helpers import llama_ubatch_counter
     from smolforge.distill.llamacpp_batch import BatchDecoder, shared_prefix
     from smolforge.distill.teacher_llamacpp import LlamaCppTeacher
 
@@ -298,17 +301,20 @@ def test_batched_decode_shares_the_prefix_and_keeps_running_sequences_in_consecu
 
     prompts = [teacher.prompt_ids(item) for item in items[:4]]
     assert shared_prefix(prompts) > 0  # the chat template's head
-    dec = BatchDecoder(teacher.llm, 4, 64, 1)
+    seen, ubatches = llama_ubatch_counter()
+    dec = BatchDecoder(teacher.llm, 4, 64, 1, cb_eval=seen)
     first = dec.prefill(prompts)
     for j, ids in enumerate(prompts):
         close(first[j], ids)
-    by_slot = sorted(range(4), key=dec.slot.__getitem__)
-    leaving, last = by_slot[0], by_slot[3]  # slot 0 frees, the member in slot 3 must move into it
-    feed = {m: (int(first[m].argmax()), len(prompts[m])) for m in range(4) if m != leaving}
-    members, rows = dec.step(feed)
-    assert dec.moves == 1 and dec.slot[last] == 0 and sorted(dec.slot.values()) == [0, 1, 2]
-    assert members == [last, by_slot[1], by_slot[2]]  # rows in slot order
-    for r, m in enumerate(members):
-        close(rows[r], prompts[m] + [feed[m][0]])
+    held = {m: prompts[m] + [int(first[m].argmax())] for m in (0, 2, 3)}  # member 1 ends after its first row
+    for _ in range(2):
+        before = (dec.passes, ubatches[0])
+        members, rows = dec.step({m: (ids[-1], len(ids) - 1) for m, ids in held.items()})
+        assert (dec.passes - before[0], ubatches[0] - before[1]) == (1, 1)  # one llama_decode, one ubatch
+        assert members == [0, 2, 3]  # rows in member order: nobody moved
+        for r, m in enumerate(members):
+            close(rows[r], held[m])
+            held[m] = held[m] + [int(np.argmax(rows[r]))]
+    assert llama_cpp.llama_memory_seq_pos_max(dec.context.mem, 1) == -1  # the finished sequence's cells freed
     dec.close()
     teacher.close()

@@ -415,31 +415,17 @@ def test_a_step_of_rows_in_any_sequence_order_is_one_ubatch(lcpp_model, served_t
     and every decode step) is still one ubatch, one pass over the weights: llama.cpp's own eval callback
     sees the graph's output node once per call (a KV stream per sequence split such a call into a ubatch
     per run of consecutive ids). The tokens are those of the same requests in the fixture's model."""
-    import ctypes
-    from pathlib import Path
-
-    import llama_cpp
-
+    from helpers import llama_ubatch_counter
     from smolforge.serve.batch import Request
     from smolforge.serve.engine import Engine
     from smolforge.serve.llamacpp import LlamaCppModel
     from smolforge.serve.sampling import SamplingParams
 
-    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    ggml.ggml_get_name.restype, ggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    ubatches = [0]
-
-    @llama_cpp.ggml_backend_sched_eval_callback
-    def seen(tensor, ask, _data):  # asked once per graph node; no node's data is wanted
-        if ask and ggml.ggml_get_name(tensor) == b"result_output":
-            ubatches[0] += 1
-        return False
+    seen, ubatches = llama_ubatch_counter()
 
     class Counted(LlamaCppModel):
-        def _context_params(self):
-            p = super()._context_params()
-            p.cb_eval = seen
-            return p
+        def _extra_params(self):
+            return {"cb_eval": seen}
 
     model = Counted(lcpp_model.gguf_path, lcpp_model.tokenizer, lcpp_model.eos_ids, name="tiny", quant="f16",
                     n_threads=1, max_batch=4)

@@ -10,9 +10,10 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
   tokenizes, and its ids go to llama.cpp as they are (our own export keeps the vocabulary).
 - Rows of a batch are llama.cpp sequences: a batch's rows are decoded in one `llama_decode`, each
   row with its own sequence id and KV cells, so eight streams share each read of the weights as the
-  torch engine's batch does (one unified KV stream, `kv_unified`: one ubatch whatever the ids'
-  order). A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes back to the
-  pool; no column trimming is needed (llama.cpp keeps no padding).
+  torch engine's batch does (the context is `models.llamacpp_context.SeqContext`, the llamacpp
+  teacher's too: one unified KV stream, one ubatch whatever the ids' order). A finished row's cells
+  are freed (`llama_memory_seq_rm`) and its id goes back to the pool; no column trimming is needed
+  (llama.cpp keeps no padding).
 - A step's cost outside llama.cpp is kept small (a small model's token takes a few hundred
   microseconds, issue 32): a decode step sends each row's one token without reading the mask, into
   a `llama_batch` made once, and its logits are llama.cpp's own output rows (`LogitsView`, no copy),
@@ -33,6 +34,7 @@ import torch
 
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import stop_ids
+from smolforge.models.llamacpp_context import SeqContext
 
 INSTALL_FIX = "pip install 'smolforge[export]' (it builds llama.cpp, minutes), or serve with --engine torch"
 MAX_CONTEXT = 4096  # per sequence: a 32k-context model's KV cache times --max-batch would not fit a laptop
@@ -65,23 +67,22 @@ class LogitsView:
 
     Why: at a few hundred microseconds a token (a small model on one thread), a fresh array, a copy
     of every row and `np.ctypeslib.as_array`'s ctypes array type per step were a visible part of the
-    step (issue 32). The buffer stays where it is until llama.cpp grows it (for a batch with more
-    outputs than it holds), so the view is made again only when its address moves (`made` counts).
+    step (issue 32). The context's numpy view (`SeqContext.rows`) is made again only when llama.cpp
+    moves its buffer, and the tensor over it only then too (`made` counts).
     A view's rows are valid until the next `llama_decode`: the batch samples from them at once."""
 
-    def __init__(self, lc: Any, ctx: Any, rows: int, n_vocab: int):
-        self.lc, self.ctx, self.cap, self.n_vocab = lc, ctx, rows, n_vocab
-        self.address: int | None = None
+    def __init__(self, context: SeqContext):
+        self.context = context
+        self.array: np.ndarray | None = None
         self.tensor = torch.empty(0)
         self.made = 0
 
     def rows(self, n: int) -> torch.Tensor:
-        """The first `n` rows (n <= the rows asked for at construction: only those llama.cpp wrote are read)."""
-        ptr = self.lc.llama_get_logits(self.ctx)  # also puts the rows back in batch order (output_reorder)
-        address = ctypes.cast(ptr, ctypes.c_void_p).value
-        if address != self.address:
-            self.tensor = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.cap, self.n_vocab)))
-            self.address, self.made = address, self.made + 1
+        """The first `n` rows (n <= the context's sequences: only those llama.cpp wrote are read)."""
+        array = self.context.view()
+        if array is not self.array:
+            self.tensor, self.array = torch.from_numpy(array), array
+            self.made += 1
         return self.tensor[:n]
 
 
@@ -113,39 +114,26 @@ class LlamaCppModel:
         if not self._model:
             raise SmolforgeError(f"llama.cpp cannot load {path}", where="--engine llamacpp",
                                  fix="delete that cached export (it is made again) or serve with --engine torch")
-        self._ctx = lc.llama_init_from_model(self._model, self._context_params())
-        if not self._ctx:
+        try:  # one KV stream for every sequence (`SeqContext`): a step of rows in any order of ids is one pass
+            self.context = SeqContext(lc, self._model, n_seq=self.n_seq, n_ctx_seq=self.max_positions,
+                                      n_batch=min(512, self.max_positions * self.n_seq), threads=self.n_threads,
+                                      fix="lower --max-batch, or serve with --engine torch", **self._extra_params())
+        except SmolforgeError:
             lc.llama_model_free(self._model)
-            raise SmolforgeError(f"llama.cpp cannot make a context of {self.max_positions} x {self.n_seq} tokens",
-                                 fix="lower --max-batch, or serve with --engine torch")
-        self.max_positions = min(self.max_positions, lc.llama_n_ctx_seq(self._ctx))  # what each sequence got
-        self.n_batch = min(512, self.max_positions * self.n_seq)
-        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        b = self._batch
-        for k in range(self.n_batch):  # every token is one sequence's: set once, not per token
-            b.n_seq_id[k] = 1
-        # The batch's arrays, read once: each read of a ctypes struct's field makes a new pointer object.
-        self._slots = (b.token, b.pos, b.logits, [b.seq_id[k] for k in range(self.n_batch)])
-        self._mem = lc.llama_get_memory(self._ctx)
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
-        self.logits = LogitsView(lc, self._ctx, self.n_seq, self.n_vocab)
+            raise
+        self.max_positions = min(self.max_positions, self.context.n_ctx_seq)  # what each sequence may reach
+        self.n_batch = self.context.n_batch  # a prefill's tokens per llama_decode (at most the context's batch)
+        self.n_vocab = self.context.n_vocab
+        self.logits = LogitsView(self.context)
         self._free = list(range(self.n_seq))
 
-    def _context_params(self) -> Any:
-        p = self.lc.llama_context_default_params()
-        p.n_ctx = self.max_positions * self.n_seq  # split evenly: each sequence gets max_positions
-        p.n_batch = p.n_ubatch = min(512, p.n_ctx)
-        p.n_seq_max = self.n_seq
-        # One KV stream for every sequence: a decode of rows in any order of sequence ids is one ubatch,
-        # one pass over the weights. With a stream per sequence (llama.cpp's default) a batch is split
-        # into ubatches of runs of consecutive ids (`split_equal`), and the pool hands ids out in any
-        # order: a decode step of 8 rows was up to 8 passes (issue 44: 3.5 s a step against 1.6 s for a
-        # 90-token prefill chunk, BENCHMARKS.md). The flash-attention CPU kernel skips the other
-        # sequences' masked cells, so sharing the stream costs a step little.
-        p.kv_unified = True
-        p.n_threads = p.n_threads_batch = self.n_threads
-        p.no_perf = True
-        return p
+    def _extra_params(self) -> dict[str, Any]:
+        """Further `llama_context_params` fields for the context (none; a test sets `cb_eval`)."""
+        return {}
+
+    @property
+    def _ctx(self) -> Any:
+        return self.context.ctx
 
     @property
     def pad_id(self) -> int:
@@ -176,7 +164,7 @@ class LlamaCppModel:
 
     def _step(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per row in one llama_decode (rows <= n_seq <= n_batch); every row's logits, in row order."""
-        self._decode(zip(seqs, tokens, positions, repeat(True)))
+        self._decode(zip(seqs, positions, tokens, repeat(True)))
         return self.logits.rows(len(seqs))
 
     def _prefill(self, work: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
@@ -187,7 +175,7 @@ class LlamaCppModel:
         out = torch.empty((len(work), self.n_vocab), dtype=torch.float32)
         for start in range(0, len(flat), self.n_batch):
             chunk = flat[start:start + self.n_batch]
-            self._decode((seq, tok, pos, last) for _, seq, tok, pos, last in chunk)
+            self._decode((seq, pos, tok, last) for _, seq, tok, pos, last in chunk)
             if len(chunk) == len(flat):
                 return self.logits.rows(len(work))
             done = [row for row, _, _, _, last in chunk if last]
@@ -202,24 +190,15 @@ class LlamaCppModel:
         out = torch.zeros((len(work), width, self.n_vocab), dtype=torch.float32)
         for start in range(0, len(flat), self.n_batch):
             chunk = flat[start:start + self.n_batch]
-            self._decode((seq, tok, pos, True) for _, _, seq, tok, pos in chunk)
-            ptr = self.lc.llama_get_logits(self._ctx)
-            got = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
+            self._decode((seq, pos, tok, True) for _, _, seq, tok, pos in chunk)
+            got = torch.from_numpy(self.context.rows(len(chunk)).copy())
             rows, cols = zip(*((row, col) for row, col, _, _, _ in chunk))
             out[list(rows), list(cols)] = got
         return out
 
     def _decode(self, entries: Iterable[tuple[int, int, int, bool]]) -> None:
-        """(sequence, token, position, wants logits) entries, at most `n_batch`, in one llama_decode."""
-        tokens, positions, wants, seq_ids = self._slots
-        k = -1
-        for k, (seq, tok, pos, want) in enumerate(entries):
-            tokens[k], positions[k], wants[k] = tok, pos, want
-            seq_ids[k][0] = seq
-        self._batch.n_tokens = k + 1
-        rc = self.lc.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} (the KV cache is full, or the batch was refused)")
+        """(sequence, position, token, wants logits) entries, at most `n_batch`, in one llama_decode."""
+        self.context.decode(entries)
 
     def select_rows(self, cache: SeqCache, rows: torch.Tensor, trim: int) -> bool:
         """Keep these rows' sequences; the others' cells are freed and their ids reused. True: llama.cpp
@@ -254,7 +233,7 @@ class LlamaCppModel:
         if not self.lc.llama_state_seq_set_data(self._ctx, snapshot, len(snapshot), seq):
             self._free.insert(0, seq)
             raise RuntimeError("llama_state_seq_set_data refused a prefix snapshot")
-        self.lc.llama_memory_seq_rm(self._mem, seq, length, -1)
+        self.context.drop(seq, length)
         return SeqCache([seq])
 
     def release(self, cache: SeqCache) -> None:
@@ -263,16 +242,15 @@ class LlamaCppModel:
 
     def _drop(self, seqs: list[int]) -> None:
         for s in seqs:
-            self.lc.llama_memory_seq_rm(self._mem, s, -1, -1)
+            self.context.drop(s)
             self._free.append(s)
 
     def close(self) -> None:
         """Free llama.cpp's context and weights (the server's process ends soon after anyway)."""
-        if self._ctx:
-            self.lc.llama_batch_free(self._batch)
-            self.lc.llama_free(self._ctx)
+        if self._model:
+            self.context.close()
             self.lc.llama_model_free(self._model)
-            self._ctx = self._model = None
+            self._model = None
 
 
 def load_llamacpp(model: str, *, name: str, quant: str, n_threads: int, max_batch: int,
