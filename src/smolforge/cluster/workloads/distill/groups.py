@@ -175,7 +175,8 @@ class StudentGroups:
         ray.get([broker.restart.remote(m.rank) for m in members], timeout=60)
         ids = [m.task_id for m in members]
         self._devent("group_restarted", f"{why}: its group ({', '.join(ids)}) starts again from "
-                     + (f"its checkpoint at step {step}" if resume else "the start"),
+                     + (f"its checkpoint at step {step}" if resume else "the start")
+                     + (f"; {lost.node} did not answer a probe for {NODE_VERDICT_S:.0f}s: gone" if gone else ""),
                      task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
                      members=ids, restarts=restarts, node_gone=gone)
         self._place_student(leader)
