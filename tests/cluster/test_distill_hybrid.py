@@ -333,13 +333,32 @@ def test_two_threads_placing_one_waiting_group_start_it_once():
     s._student_nodes = lambda task: [SimpleNamespace(name=n, node_id=f"id-{n}", cpus=1.0, gpus=0.0)
                                      for n in ("w1", "w2")]
     started: list[tuple[str, ...]] = []
-    other = threading.Thread(target=s._place_waiting, name="the other placer")
+    reached = threading.Event()  # the other placer asked for the placing lock, or placed without it
+
+    def other_places() -> None:
+        try:
+            s._place_waiting()
+        finally:
+            reached.set()
+
+    other = threading.Thread(target=other_places, name="the other placer")
+
+    class Watched:  # the session's placing lock, telling when the other placer asks for it
+        def __enter__(self):
+            if threading.current_thread() is other:
+                reached.set()
+            return placing.__enter__()
+
+        def __exit__(self, *exc):
+            return placing.__exit__(*exc)
+
+    placing, st.placing = st.placing, Watched()
 
     def start(action, by_id):  # as `_start_students` does, with the other thread's plan in the middle
         started.append(action.task_ids)
         if len(started) == 1:
             other.start()
-            other.join(timeout=1.0)  # unlocked, it plans (and starts) now; locked, it waits for this one
+            assert reached.wait(timeout=60)  # (a hang guard only)
         with st.lock:
             for tid, node_id in zip(action.task_ids, action.node_ids):
                 st.tasks[tid].node_id = node_id

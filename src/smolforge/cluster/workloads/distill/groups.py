@@ -38,7 +38,7 @@ def node_gone(node_id: str | None) -> bool:
     start first, seconds, and more on a loaded machine. A 4 s probe once called such a live node gone:
     the ddp group of 2, left 1 eligible worker, waited as unplaceable for replace_timeout_s (CI: "did
     not finish within 300s"). So a live node has NODE_VERDICT_S to answer; a dead one never does (the
-    probe ends with Ray's error for it, or at the bound), and Ray stops listing it within ~30 s anyway."""
+    probe ends with Ray's error for the pinned task, or at the bound; one Ray no longer lists: at once)."""
     return bool(node_id) and not ray_glue.probe_node(node_id, timeout=NODE_VERDICT_S)
 
 
