@@ -159,14 +159,42 @@ def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(clus
     assert "tiny-qwen2" in printed and "merged (tiny-llama)" in printed and "merged (tiny-qwen2)" in printed
 
 
-def _wait_for(orch, students: list[str], done, what: str, limit: float = 300.0) -> list[dict]:
+def _keep_lines(orch) -> list[dict]:
+    """What the orchestrator's teachers and students print, kept for `_story` (an Orchestrator drops
+    them; a session hands them to whoever sets `log_lines`)."""
+    kept: list[dict] = []
+    orch.log_lines = kept.extend
+    return kept
+
+
+def _story(orch, lines: list[dict], last: int = 120) -> str:
+    """The run's events, then its tasks' last `last` output lines, one per line with its time: what a
+    failure message shows, so a flaky failure explains itself."""
+    events = [f"{e['ts']:.2f} {e['kind']}: {e['message']}" for e in list(orch.events)]
+    said = [f"{x.get('ts', 0):.2f} [{x.get('task')}@{x.get('node')}] {x.get('line')}" for x in list(lines)[-last:]]
+    return "\n".join(["events:", *events, f"task lines (last {last}):", *said])
+
+
+def _wait_for(orch, students: list[str], done, what: str, limit: float = 300.0,
+              lines: list | None = None) -> list[dict]:
     """The events `done(events)` waits for (a hang guard only: the students must still be live)."""
     deadline = time.time() + limit
     while not done(orch.events):
         assert time.time() < deadline and all(orch.task_status(s)["state"] in ("pending", "running")
-                                              for s in students), (what, [orch.task_status(s) for s in students])
+                                              for s in students), \
+            f"{what}: {[orch.task_status(s) for s in students]}\n{_story(orch, lines or [])}"  # (a str: shown whole)
         time.sleep(0.2)
     return list(orch.events)
+
+
+def _wait_distill(orch, task_ids: list[str], lines: list[dict], timeout: float = 300.0) -> None:
+    """`wait_distill` as a hang guard whose failure shows the run's events and its tasks' lines."""
+    from smolforge.errors import SmolforgeError
+
+    try:
+        orch.wait_distill(task_ids, timeout=timeout)
+    except SmolforgeError as err:
+        raise AssertionError(f"{err.render()}\n{_story(orch, lines)}") from err
 
 
 def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_an_undisturbed_run(cluster, tmp_path):
@@ -187,6 +215,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     if (cluster.base / "hybrid" / "teacher_outputs").is_dir():
         shutil.copytree(cluster.base / "hybrid" / "teacher_outputs", out / "teacher_outputs")
     orch = cluster.make()
+    lines = _keep_lines(orch)
     teachers = orch.create_parallel_teacher_tasks("tiny-llama", str(cluster.data), out, max_samples=24, num_shards=3,
                                                   top_k=8, max_new_tokens=8, batch_size=8, teacher_on_coordinator=True)
     hold = [node_dir(cluster.base, n) / "fault-hold-step" for n in ("w1", "w2")]
@@ -199,14 +228,15 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
                                              students_sync="ddp", eval_data=str(cluster.data), max_eval_samples=4,
                                              eval_accuracy=False)
         events = _wait_for(orch, students, lambda evs: len([e for e in evs if e["kind"] == "held"]) == 2 and any(
-            e["kind"] == "student_checkpoint" and e["data"]["step"] == 2 for e in evs), "both held, step 2 kept")
+            e["kind"] == "student_checkpoint" and e["data"]["step"] == 2 for e in evs), "both held, step 2 kept",
+                           lines=lines)
         held = {e["data"]["task_id"]: e["data"] for e in events if e["kind"] == "held"}
         assert sorted((t, d["step"]) for t, d in held.items()) == [(s, 3) for s in students], held
         os.kill(held[students[1]]["pid"], signal.SIGKILL)  # rank 1's worker process dies mid-run
     finally:
         for f in hold:  # read as a rank starts: the restarted group goes on unheld
             f.unlink(missing_ok=True)
-    orch.wait_distill(teachers + students, timeout=300)  # a hang guard: nothing but the kill was done by hand
+    _wait_distill(orch, teachers + students, lines)  # a hang guard: nothing but the kill was done by hand
 
     restarted = [e["data"] for e in orch.events if e["kind"] == "group_restarted"]
     assert [(d["task_id"], d["lost_rank"], d["step"], d["restarts"]) for d in restarted] == [(students[1], 1, 2, 1)], \
@@ -277,3 +307,84 @@ def test_a_ddp_group_no_nodes_can_hold_waits_then_fails_saying_why():
     with pytest.raises(SmolforgeError, match=r"no nodes could run its ddp student group \(student-0, student-1\) "
                                              r"for 30s: its 2 ranks need 1 CPUs each at once"):
         s.wait_distill(ids, timeout=5)
+
+
+def test_two_threads_placing_one_waiting_group_start_it_once():
+    """The decision, in process (no Ray): the monitor's periodic placement and a lost rank's restart both
+    ask to place the same waiting ddp group. Placement is one step per thread (`SessionState.placing`):
+    the second plan comes after the first start was told to the run, so the group starts once. Two starts
+    made two copies of the group on nodes of one CPU each, each copy's rank 0 waiting to meet a rank 1
+    whose CPU the other copy held (with 3 s held open between a plan and its start, the group failed)."""
+    import threading
+
+    from smolforge.cluster.workloads.distill.controller import TaskPlaced
+    from smolforge.cluster.workloads.distill.session import DistillSession
+    from smolforge.cluster.workloads.distill.state import DistillTask
+
+    s = DistillSession(cluster=None, mode="hybrid")
+    st = s._dstate()
+    st.stores["store"] = SimpleNamespace()
+    ids = ["student-0", "student-1"]
+    for rank, tid in enumerate(ids):
+        st.tasks[tid] = DistillTask(task_id=tid, kind="student", store="store", rank=rank, max_steps=4,
+                                    spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4},
+                                          "replace_timeout_s": 30.0, "resume": None})
+    s._form_group({"sync": "ddp", "strategy": "ddp", "members": ids, "world": 2, "shards": [0, 1, 2]})
+    s._student_nodes = lambda task: [SimpleNamespace(name=n, node_id=f"id-{n}", cpus=1.0, gpus=0.0)
+                                     for n in ("w1", "w2")]
+    started: list[tuple[str, ...]] = []
+    reached = threading.Event()  # the other placer asked for the placing lock, or placed without it
+
+    def other_places() -> None:
+        try:
+            s._place_waiting()
+        finally:
+            reached.set()
+
+    other = threading.Thread(target=other_places, name="the other placer")
+
+    class Watched:  # the session's placing lock, telling when the other placer asks for it
+        def __enter__(self):
+            if threading.current_thread() is other:
+                reached.set()
+            return placing.__enter__()
+
+        def __exit__(self, *exc):
+            return placing.__exit__(*exc)
+
+    placing, st.placing = st.placing, Watched()
+
+    def start(action, by_id):  # as `_start_students` does, with the other thread's plan in the middle
+        started.append(action.task_ids)
+        if len(started) == 1:
+            other.start()
+            assert reached.wait(timeout=60)  # (a hang guard only)
+        with st.lock:
+            for tid, node_id in zip(action.task_ids, action.node_ids):
+                st.tasks[tid].node_id = node_id
+                s._record(TaskPlaced(tid, node_id, action.attempt))
+        return {tid: True for tid in action.task_ids}
+
+    s._start_students = start
+    assert s._place_student(st.tasks[ids[0]]) is True
+    other.join()
+    assert started == [tuple(ids)], started
+
+
+def test_a_live_node_slow_to_start_a_worker_is_not_called_gone(monkeypatch):
+    """The verdict on a lost rank's node, in process (no Ray): the probe of a live node whose only worker
+    just died answers once a new worker process starts (here: one that takes 5 s). A 4 s probe called it
+    gone, and a group of 2 with one node left waited as unplaceable for replace_timeout_s; the verdict
+    gives a live node NODE_VERDICT_S, and a node that never answers is gone."""
+    from smolforge.cluster.workloads.distill import groups
+
+    asked: list[float] = []
+
+    def probe(node_id: str, timeout: float = 4.0) -> bool:
+        asked.append(timeout)
+        return node_id == "id-w2" and timeout >= 5.0  # w2 is alive, its new worker starts in 5 s; w3 is dead
+
+    monkeypatch.setattr("smolforge.cluster.nodes.ray_glue.probe_node", probe)
+    assert groups.node_gone("id-w2") is False
+    assert groups.node_gone("id-w3") is True
+    assert groups.node_gone(None) is False and len(asked) == 2  # no node, no probe

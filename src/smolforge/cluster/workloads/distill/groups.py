@@ -27,6 +27,19 @@ from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.train import checkpoint as ckpt
 
 LOST_PEER_GRACE_S = 10.0  # a rank whose collective broke: how long to look for the peer whose worker died
+NODE_VERDICT_S = 60.0  # how long the node of a lost worker has to answer a probe before the run calls it gone
+
+
+def node_gone(node_id: str | None) -> bool:
+    """Whether the node of a lost worker is gone: the run never places there again (`TaskFailed.node_gone`).
+
+    The probe (`ray_glue.probe_node`, a zero-CPU task pinned there) answers once a worker process runs
+    it: at once where an idle one waits, but on the node whose only worker just died a new process must
+    start first, seconds, and more on a loaded machine. A 4 s probe once called such a live node gone:
+    the ddp group of 2, left 1 eligible worker, waited as unplaceable for replace_timeout_s (CI: "did
+    not finish within 300s"). So a live node has NODE_VERDICT_S to answer; a dead one never does (the
+    probe ends with Ray's error for the pinned task, or at the bound; one Ray no longer lists: at once)."""
+    return bool(node_id) and not ray_glue.probe_node(node_id, timeout=NODE_VERDICT_S)
 
 
 class StudentGroups:
@@ -93,25 +106,29 @@ class StudentGroups:
             what = error
         who = lost or task
         latest = ckpt.latest_checkpoint(members[0].output_dir)
-        gone = bool(lost is not None and lost.node_id and not ray_glue.probe_node(lost.node_id, timeout=4))
-        run = self._record(TaskFailed(who.task_id, what, lost is not None, who.attempt,
-                                      latest.name if latest else None, gone))
-        verdict = run.tasks[who.task_id]
-        if verdict.state == "completed":  # its leader had written the adapter: this rank's part is in it
-            task.state, task.progress, task.finished = "completed", 1.0, time.time()
-            self._devent("student_finished", f"{task.task_id} lost its worker after its group finished; the "
-                         f"group's adapter is {members[0].task_id}'s", task_id=task.task_id, node=task.node)
-            return True
-        for actor in actors:
-            self._kill_quietly(actor)
-        why = verdict.error or what
-        if verdict.state == "waiting" and not st.closing:
-            try:
-                self._restart_group(members, who, why, verdict.restarts, gone)
-                return False
-            except Exception as again:  # the restart itself failed: the group ends, saying why
-                why = f"{why}; restarting the group failed: {short_error(again)}"
-                self._record(TaskFailed(who.task_id, why, False, verdict.attempt))
+        gone = lost is not None and node_gone(lost.node_id)
+        # The verdict and the restart it asks for as one step: from the verdict on the run holds the
+        # members "waiting", and a plan of another thread (the monitor's every PLACEMENT_POLL_S) would
+        # start the group while this one still resets it (`SessionState.placing`).
+        with st.placing:
+            run = self._record(TaskFailed(who.task_id, what, lost is not None, who.attempt,
+                                          latest.name if latest else None, gone))
+            verdict = run.tasks[who.task_id]
+            if verdict.state == "completed":  # its leader had written the adapter: this rank's part is in it
+                task.state, task.progress, task.finished = "completed", 1.0, time.time()
+                self._devent("student_finished", f"{task.task_id} lost its worker after its group finished; "
+                             f"the group's adapter is {members[0].task_id}'s", task_id=task.task_id, node=task.node)
+                return True
+            for actor in actors:
+                self._kill_quietly(actor)
+            why = verdict.error or what
+            if verdict.state == "waiting" and not st.closing:
+                try:
+                    self._restart_group(members, who, why, verdict.restarts, gone)
+                    return False
+                except Exception as again:  # the restart itself failed: the group ends, saying why
+                    why = f"{why}; restarting the group failed: {short_error(again)}"
+                    self._record(TaskFailed(who.task_id, why, False, verdict.attempt))
         self._fail_group(members, f"{why}; a data-parallel group cannot go on without a rank (rerun with --resume "
                                   "to continue from the group's last checkpoint)")
         return True
@@ -158,7 +175,8 @@ class StudentGroups:
         ray.get([broker.restart.remote(m.rank) for m in members], timeout=60)
         ids = [m.task_id for m in members]
         self._devent("group_restarted", f"{why}: its group ({', '.join(ids)}) starts again from "
-                     + (f"its checkpoint at step {step}" if resume else "the start"),
+                     + (f"its checkpoint at step {step}" if resume else "the start")
+                     + (f"; {lost.node} did not answer a probe for {NODE_VERDICT_S:.0f}s: gone" if gone else ""),
                      task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
                      members=ids, restarts=restarts, node_gone=gone)
         self._place_student(leader)

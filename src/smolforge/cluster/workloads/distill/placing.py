@@ -30,7 +30,15 @@ class Placing(RunRecord):
     def _place_waiting(self, only: set[str] | None = None, node=None) -> dict[str, bool]:
         """`plan` over the waiting tasks, acted on. `only`: act on these students alone (a group's
         members), and on no teacher; `node`: offer them this node alone (a finished teacher's: rotation).
-        Returns, per student acted on, whether it was placed (or ended) rather than queued."""
+        Returns, per student acted on, whether it was placed (or ended) rather than queued.
+
+        One thread at a time (`SessionState.placing`): a plan and the Places it starts are one step,
+        so the monitor's periodic placement and a restart's never both start one waiting group."""
+        with self._dstate().placing:
+            return self._plan_and_place(only, node)
+
+    def _plan_and_place(self, only: set[str] | None, node) -> dict[str, bool]:
+        """`_place_waiting`'s step, with the placing lock held."""
         st = self._dstate()
         with st.lock:
             waiting = [t for t in st.tasks.values() if t.kind == "student" and t.state == "pending" and not t.node_id]

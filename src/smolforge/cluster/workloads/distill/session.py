@@ -98,12 +98,15 @@ class DistillTasks(TeacherTasks, StudentTasks):
         if st.closing or not ray.is_initialized():
             return
         self._collect(timeout)
-        if time.time() - st.last_placement > PLACEMENT_POLL_S:
+        # (a placement under way in another thread, a restart's: this round is skipped, not waited for)
+        if time.time() - st.last_placement > PLACEMENT_POLL_S and st.placing.acquire(blocking=False):
             st.last_placement = time.time()
             try:
                 self._fail_unplaceable()  # (and every waiting task placed where the plan says)
             except Exception as err:  # keep going; say what went wrong
                 self._devent("monitor_error", f"distill placement: {short_error(err)}", error=short_error(err))
+            finally:
+                st.placing.release()
         for store in list(st.stores.values()):
             self._drain(store)
 

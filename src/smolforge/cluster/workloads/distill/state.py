@@ -117,6 +117,12 @@ class StoreState:
 class SessionState:
     def __init__(self):
         self.lock = threading.RLock()
+        # One placement at a time (`Placing._place_waiting`: a plan, then its Places started, told to the
+        # run), and a failure's verdict with the restart it asks for (`_group_member_failed`): held
+        # across both, no other thread plans between a verdict ("waiting") and its restart, nor starts a
+        # second copy of a group another thread's plan is starting (two groups for one CPU each: neither
+        # meets). Taken before `lock`, never while holding it.
+        self.placing = threading.RLock()
         self.tasks: dict[str, DistillTask] = {}
         self.stores: dict[str, StoreState] = {}
         self.handles: dict[str, Any] = {}  # task id -> generator / (actor, ref)

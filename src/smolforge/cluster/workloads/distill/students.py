@@ -11,9 +11,8 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.distill.controller import TaskEnded, TaskFailed
-from smolforge.cluster.workloads.distill.groups import StudentGroups
+from smolforge.cluster.workloads.distill.groups import StudentGroups, node_gone
 from smolforge.cluster.workloads.distill.placing import Placing
 from smolforge.cluster.workloads.distill.remotes import new_broker
 from smolforge.cluster.workloads.distill.plans import store_dir_of, stored_teacher_plan
@@ -238,20 +237,21 @@ class StudentTasks(StudentGroups, Placing):
         with self._dstate().lock:
             if task.state == "failed":
                 return False  # failed already, saying why (a lost broker, a store that failed)
-        # The node itself gone (Ray takes ~15 s to say so): the run never places the student there again.
-        gone = bool(lost and task.node_id and not ray_glue.probe_node(task.node_id, timeout=4))
+        # The node itself gone (`node_gone`): the run never places the student there again.
+        gone = lost and node_gone(task.node_id)
         latest = ckpt.latest_checkpoint(task.output_dir)
-        run = self._record(TaskFailed(task.task_id, f"on {task.node} ({error})" if lost else error, lost,
-                                      task.attempt, latest.name if latest else None, gone))
-        verdict = run.tasks[task.task_id]
-        error = verdict.error or error
-        if verdict.state == "waiting" and not self._dstate().closing:
-            try:
-                self._restart_student(task, verdict.error or error, verdict.restarts)
-                return False
-            except Exception as again:  # the restart itself failed: the student ends, saying why
-                error = f"{error}; restarting it failed: {short_error(again)}"
-                self._record(TaskFailed(task.task_id, error, False, verdict.attempt))
+        with self._dstate().placing:  # the verdict and its restart as one step (as a group's: groups.py)
+            run = self._record(TaskFailed(task.task_id, f"on {task.node} ({error})" if lost else error, lost,
+                                          task.attempt, latest.name if latest else None, gone))
+            verdict = run.tasks[task.task_id]
+            error = verdict.error or error
+            if verdict.state == "waiting" and not self._dstate().closing:
+                try:
+                    self._restart_student(task, verdict.error or error, verdict.restarts)
+                    return False
+                except Exception as again:  # the restart itself failed: the student ends, saying why
+                    error = f"{error}; restarting it failed: {short_error(again)}"
+                    self._record(TaskFailed(task.task_id, error, False, verdict.attempt))
         task.queued, task.state, task.finished, task.error = False, "failed", time.time(), error
         self._devent("student_failed", f"{task.task_id} failed: {task.error}", task_id=task.task_id,
                      node=task.node, error=task.error)
