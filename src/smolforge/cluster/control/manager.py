@@ -377,7 +377,7 @@ class JobManager:
 
     # -- node health ------------------------------------------------------------------------------
 
-    def probe_node(self, node_id: str, timeout: float = 4.0) -> bool:
+    def probe_node(self, node_id: str, timeout: float = ray_glue.NODE_VERDICT_S) -> bool:
         return ray_glue.probe_node(node_id, timeout)
 
     def healthy_nodes(self) -> list[ray_glue.NodeInfo]:

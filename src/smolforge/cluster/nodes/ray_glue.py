@@ -42,6 +42,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -508,12 +509,24 @@ def _probe_fn() -> bool:
 _PROBE: Any = None
 
 
-def probe_node(node_id: str, timeout: float = 4.0) -> bool:
-    """Does the node still run tasks? Ray needs ~15 s to declare a silent node dead; a zero-CPU task
-    pinned to it answers in milliseconds when it is alive."""
+NODE_VERDICT_S = 60.0  # how long a listed node has to answer a probe before it is called gone (stop 51)
+PROBE_SLICE_S = 1.0  # between looks at Ray's node table while a probe waits
+
+
+def probe_node(node_id: str, timeout: float = NODE_VERDICT_S) -> bool:
+    """Does the node still run tasks? The one verdict every runner asks before it sets a node aside.
+
+    A zero-CPU task pinned to the node answers once a worker process there runs it: at once where an idle
+    one waits, but on a node whose only worker just died (the usual question: a task's worker was lost)
+    a new process must start first — seconds, more on a loaded machine (7.4 s measured at load 15; a 4 s
+    probe called such live nodes gone and their jobs waited for nodes that would never come: the stop 50
+    CI failure). So a live node has `timeout` (NODE_VERDICT_S) to answer, while a dead one is called gone
+    as soon as Ray's node table drops it (looked at every PROBE_SLICE_S) or the pinned task fails; a node
+    Ray already does not list: at once. A caller that only *clears* a suspicion may pass a short timeout
+    (a false "no" there only delays)."""
     global _PROBE
     import ray
-    from ray.exceptions import GetTimeoutError, RayError
+    from ray.exceptions import RayError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if node_id not in {n.node_id for n in nodes()}:
@@ -522,8 +535,15 @@ def probe_node(node_id: str, timeout: float = 4.0) -> bool:
         _PROBE = ray.remote(_probe_fn)
     ref = _PROBE.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                          max_retries=0).remote()
+    deadline = time.monotonic() + timeout
     try:
-        return ray.get(ref, timeout=timeout) is True
-    except (GetTimeoutError, RayError):
-        ray.cancel(ref, force=True)
-        return False
+        while True:
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(PROBE_SLICE_S, deadline - time.monotonic())))
+            if ready:
+                return ray.get(ref, timeout=5) is True
+            if time.monotonic() >= deadline or node_id not in {n.node_id for n in nodes()}:
+                break
+    except RayError:
+        pass
+    ray.cancel(ref, force=True)
+    return False

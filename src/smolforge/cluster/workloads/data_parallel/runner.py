@@ -37,6 +37,7 @@ from ray.exceptions import RayError
 from smolforge.cluster.workloads.data_parallel.job_control import create_control
 from smolforge.cluster.workloads.data_parallel.joining import NodeJoining
 from smolforge.cluster.workloads.data_parallel.leaving import NodeLeaving
+from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.control.placement import COORDINATOR, requirements_for, round_plan
 from smolforge.cluster.control.runner import (
     CANCEL_GRACE_S, POLL_S, Cancelled, Completed, Failed, JobRunner, Outcome, Paused, Regroup, RunnerContext,
@@ -523,7 +524,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
                 continue  # the actor answers: its node is fine
             except RayError:
                 pass  # no answer: probe the node itself
-            if not self.ctx.probe_node(nid, 4):
+            if not self.ctx.probe_node(nid, ray_glue.NODE_VERDICT_S):
                 self.ctx.set_aside(nid)
                 lost.append(m.info.get("node_name") or nid[:12])
         return {"rank": rank, "node_name": info.get("node_name"), "node_id": info.get("node_id"),

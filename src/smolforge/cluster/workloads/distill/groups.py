@@ -27,19 +27,14 @@ from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.train import checkpoint as ckpt
 
 LOST_PEER_GRACE_S = 10.0  # a rank whose collective broke: how long to look for the peer whose worker died
-NODE_VERDICT_S = 60.0  # how long the node of a lost worker has to answer a probe before the run calls it gone
 
 
 def node_gone(node_id: str | None) -> bool:
     """Whether the node of a lost worker is gone: the run never places there again (`TaskFailed.node_gone`).
-
-    The probe (`ray_glue.probe_node`, a zero-CPU task pinned there) answers once a worker process runs
-    it: at once where an idle one waits, but on the node whose only worker just died a new process must
-    start first, seconds, and more on a loaded machine. A 4 s probe once called such a live node gone:
-    the ddp group of 2, left 1 eligible worker, waited as unplaceable for replace_timeout_s (CI: "did
-    not finish within 300s"). So a live node has NODE_VERDICT_S to answer; a dead one never does (the
-    probe ends with Ray's error for the pinned task, or at the bound; one Ray no longer lists: at once)."""
-    return bool(node_id) and not ray_glue.probe_node(node_id, timeout=NODE_VERDICT_S)
+    The one verdict every runner asks (`ray_glue.probe_node`, which gives a live node whose only worker
+    just died `ray_glue.NODE_VERDICT_S` to start a new one: a 4 s probe once called such a node gone and
+    the ddp group of 2, left 1 eligible worker, waited as unplaceable: CI's "did not finish within 300s")."""
+    return bool(node_id) and not ray_glue.probe_node(node_id, timeout=ray_glue.NODE_VERDICT_S)
 
 
 class StudentGroups:
@@ -176,7 +171,7 @@ class StudentGroups:
         ids = [m.task_id for m in members]
         self._devent("group_restarted", f"{why}: its group ({', '.join(ids)}) starts again from "
                      + (f"its checkpoint at step {step}" if resume else "the start")
-                     + (f"; {lost.node} did not answer a probe for {NODE_VERDICT_S:.0f}s: gone" if gone else ""),
+                     + (f"; {lost.node} did not answer a probe for {ray_glue.NODE_VERDICT_S:.0f}s: gone" if gone else ""),
                      task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
                      members=ids, restarts=restarts, node_gone=gone)
         self._place_student(leader)

@@ -299,7 +299,7 @@ class SplitRunner(JobRunner):
                 self.store.add_metrics(self.job_id, [(self.step, "trunk_step", float(st["step"]))])
             return None
         if time.monotonic() - self.status_sent > STATUS_TIMEOUT_S:
-            if not self.ctx.probe_node(t.plan.node.node_id, 4.0):
+            if not self.ctx.probe_node(t.plan.node.node_id, ray_glue.NODE_VERDICT_S):
                 self.ctx.set_aside(t.plan.node.node_id)
                 return self._trunk_lost(t, f"its node {t.plan.node.name} stopped answering")
             self.status_ref = None  # slow, not gone: ask again
@@ -365,7 +365,8 @@ class SplitRunner(JobRunner):
         client elsewhere (`placement.client_plan`) and both sides resume from the newest checkpoint they
         share. None while the node still answers (a slow client, or one whose `train` ended: `_finish`)."""
         node = self.client_node_id
-        if not node or (any(n.node_id == node for n in self.ctx.healthy_nodes()) and self.ctx.probe_node(node, 4.0)):
+        listed = any(n.node_id == node for n in self.ctx.healthy_nodes())
+        if not node or (listed and self.ctx.probe_node(node, ray_glue.NODE_VERDICT_S)):
             return None
         self.ctx.set_aside(node)
         self.client_lost_on.add(node)
