@@ -12,9 +12,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # precision "auto" on CPU measures bf16 against fp32; tests compare floats exactly, so pin fp32.
 os.environ.setdefault("SMOLFORGE_CPU_BF16", "0")
-# the CLI processes the tests start train with one torch thread, as this process does (below): two xdist
-# workers on a 2-core box, each beside its Ray workers, oversubscribed the cores with two each
-os.environ.setdefault("SMOLFORGE_NUM_THREADS", "1")
 _MADE_HOME = None
 if "SMOLFORGE_HOME" not in os.environ or not os.environ.get("SMOLFORGE_KEEP_HOME"):
     # One home per test session: presets are built once, and nothing touches ~/.smolforge.
