@@ -262,38 +262,45 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
         assert float((group[k] - one[k]).abs().max()) <= 1e-5, (k, float((group[k] - one[k]).abs().max()))
 
 
+def _node(name: str) -> SimpleNamespace:
+    """A 1-CPU worker as placement sees it."""
+    return SimpleNamespace(name=name, node_id=f"id-{name}", cpus=1.0, gpus=0.0)
+
+
+def _waiting_group(nodes: list):
+    """A distillation session (no Ray) holding one ddp group of two waiting students of tiny-llama, whose
+    eligible nodes are `nodes`; returns (session, the students' ids)."""
+    from smolforge.cluster.workloads.distill.session import DistillSession
+    from smolforge.cluster.workloads.distill.state import DistillTask
+
+    s = DistillSession(cluster=None, mode="hybrid")
+    st = s._dstate()
+    st.stores["store"] = SimpleNamespace()
+    ids = ["student-0", "student-1"]
+    for rank, tid in enumerate(ids):
+        st.tasks[tid] = DistillTask(task_id=tid, kind="student", store="store", rank=rank, max_steps=4,
+                                    spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4},
+                                          "replace_timeout_s": 30.0, "resume": None})
+    s._form_group({"sync": "ddp", "strategy": "ddp", "members": ids, "world": 2, "shards": [0, 1, 2]})
+    s._student_nodes = lambda task: list(nodes)
+    return s, ids
+
+
 def test_a_ddp_group_no_nodes_can_hold_waits_then_fails_saying_why():
     """The decision, in process (no Ray): a group of 2 whose only eligible node has 1 CPU can never start
     there, so it is queued as unplaceable and, after replace_timeout_s, every member fails with the
     group's reason; the same group with a second node that is merely busy waits (no verdict)."""
-    from smolforge.cluster.workloads.distill.session import DistillSession
     from smolforge.cluster.workloads.distill.state import DistillTask
     from smolforge.errors import SmolforgeError
 
-    def node(name: str) -> SimpleNamespace:
-        return SimpleNamespace(name=name, node_id=f"id-{name}", cpus=1.0, gpus=0.0)
-
-    def session_with(nodes: list) -> tuple[DistillSession, list[str]]:
-        s = DistillSession(cluster=None, mode="hybrid")
-        st = s._dstate()
-        st.stores["store"] = SimpleNamespace()
-        ids = ["student-0", "student-1"]
-        for rank, tid in enumerate(ids):
-            st.tasks[tid] = DistillTask(task_id=tid, kind="student", store="store", rank=rank, max_steps=4,
-                                        spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4},
-                                              "replace_timeout_s": 30.0, "resume": None})
-        s._form_group({"sync": "ddp", "strategy": "ddp", "members": ids, "world": 2, "shards": [0, 1, 2]})
-        s._student_nodes = lambda task: list(nodes)
-        return s, ids
-
-    busy = node("w2")
-    s, ids = session_with([node("w1"), busy])
+    busy = _node("w2")
+    s, ids = _waiting_group([_node("w1"), busy])
     s._dstate().tasks["teacher-0"] = DistillTask(task_id="teacher-0", kind="teacher", store="store", state="running",
                                                  node_id=busy.node_id)
     assert s._place_student(s._dstate().tasks[ids[0]]) is False  # queued: w2 is busy, yet the two could hold it
     assert [s._dstate().tasks[t].spec["no_node_since"] for t in ids] == [None, None]
 
-    s, ids = session_with([node("w1")])  # the node that held rank 1 is gone: one 1-CPU node for 2 ranks
+    s, ids = _waiting_group([_node("w1")])  # the node that held rank 1 is gone: one 1-CPU node for 2 ranks
     assert s._place_student(s._dstate().tasks[ids[0]]) is False
     tasks = [s._dstate().tasks[t] for t in ids]
     assert all(t.queued and t.spec["no_node_since"] for t in tasks), [(t.queued, t.spec["no_node_since"]) for t in tasks]
@@ -318,20 +325,9 @@ def test_two_threads_placing_one_waiting_group_start_it_once():
     import threading
 
     from smolforge.cluster.workloads.distill.controller import TaskPlaced
-    from smolforge.cluster.workloads.distill.session import DistillSession
-    from smolforge.cluster.workloads.distill.state import DistillTask
 
-    s = DistillSession(cluster=None, mode="hybrid")
+    s, ids = _waiting_group([_node("w1"), _node("w2")])
     st = s._dstate()
-    st.stores["store"] = SimpleNamespace()
-    ids = ["student-0", "student-1"]
-    for rank, tid in enumerate(ids):
-        st.tasks[tid] = DistillTask(task_id=tid, kind="student", store="store", rank=rank, max_steps=4,
-                                    spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4},
-                                          "replace_timeout_s": 30.0, "resume": None})
-    s._form_group({"sync": "ddp", "strategy": "ddp", "members": ids, "world": 2, "shards": [0, 1, 2]})
-    s._student_nodes = lambda task: [SimpleNamespace(name=n, node_id=f"id-{n}", cpus=1.0, gpus=0.0)
-                                     for n in ("w1", "w2")]
     started: list[tuple[str, ...]] = []
     reached = threading.Event()  # the other placer asked for the placing lock, or placed without it
 
