@@ -283,3 +283,21 @@ def llama_ubatch_counter():
         return False
 
     return seen, counts
+
+
+def byte_fallback_tokenizer(pieces: list[str]):
+    """A Llama-style tokenizer built from a vocabulary, no download: `<unk> <s> </s>`, the 256 `<0xNN>` byte
+    tokens, then `pieces` (Metaspace "▁" for a space, no merges), byte fallback, the first space stripped on
+    decode. Returns (the tokenizer, piece -> id)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+    return fast, {p: i for i, p in enumerate(pieces)}

@@ -63,19 +63,10 @@ def check(tokenizer, ids: list[int], stop: list[str]) -> TextStream:
 def sentencepiece():
     """A Llama-style tokenizer (Metaspace pieces, <0xNN> byte fallback, the first space stripped on
     decode): built from a vocabulary, no download; only decoding is exercised."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    from helpers import byte_fallback_tokenizer
 
-    pieces = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-              + ["▁", "▁Hello", "▁world", ",", ".", "▁the", "▁café", "ing", "▁S", "T", "O", "P", "▁\n", "!"])
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                               byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
-    return fast, {p: i for i, p in enumerate(pieces)}
+    return byte_fallback_tokenizer(["▁", "▁Hello", "▁world", ",", ".", "▁the", "▁café", "ing", "▁S", "T", "O", "P",
+                                    "▁\n", "!"])
 
 
 def _bytes(vocab: dict[str, int], text: str) -> list[list[int]]:

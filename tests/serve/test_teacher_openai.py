@@ -362,18 +362,9 @@ def test_the_chat_shape_names_tokens_by_bytes_and_a_stop_by_no_text():
 def byte_fallback():
     """A Llama-2-style tokenizer (SentencePiece pieces, <0xNN> byte fallback): "k" is both a piece and the
     byte token <0x6B>. Built from a vocabulary, no download."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    from helpers import byte_fallback_tokenizer
 
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "k", "\u2581k", "ing"]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                               byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
-    return fast, {p: i for i, p in enumerate(pieces)}
+    return byte_fallback_tokenizer(["\u2581", "k", "\u2581k", "ing"])
 
 
 def test_the_endpoints_own_ids_decide_where_its_vocabulary_is_the_students(byte_fallback):
