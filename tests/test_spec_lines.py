@@ -75,3 +75,92 @@ def test_each_field_its_line_and_none_for_a_value_the_file_did_not_give(tmp_path
     assert "batch_size (line 4)" in err.value.what and "epochs (line 5)" in err.value.what
     marks = key_lines("a: &x [1, {b: 2}]\nc: *x\nd:\n  - e\n  - f: 3\n")
     assert marks[("a", 1, "b")] == 1 and marks[("d", 1)] == 5 and marks[("d", 1, "f")] == 5 and marks[("c",)] == 2
+
+
+TASK = """\
+# the seeds' task shape: {{model, dataset, ...}}, a data-parallel job
+model: tiny-llama
+{rest}
+priority: high
+"""
+
+
+@pytest.mark.parametrize("rest, extra, line, said", [
+    ("dataset: [a, b]", [], 3, "invalid DataParallelJob: train.data.path: Input should be a valid string"),
+    ("dataset: nope.jsonl", ["--set", "lr=0.01"], 3, "dataset nope.jsonl does not exist"),
+    ("dataset: bundled\nbatch_size: -3", [], 4,
+     "invalid DataParallelJob: batch_size: Extra inputs are not permitted (did you mean 'train.batch_size'?)"),
+], ids=["a dataset of the wrong type", "a dataset that is not there, with --set", "a training key"])
+def test_the_seeds_task_shape_names_its_bad_field_at_its_line(rest, extra, line, said, nothing_starts, tmp_path):
+    """The seeds' task file has `dataset` where the job has `train.data.path` (`specs.from_seed_task`): the
+    refusal names the file's line of `dataset` (its line moved with it, `SEED_TASK_MOVES`), also for the
+    upload's check and with a --set beside it (which goes into the translated job's train section); a
+    training key written beside `model` is at its line, with where it belongs."""
+    spec = tmp_path / "task.yaml"
+    spec.write_text(TASK.format(rest=rest))
+    proc = smolforge_here("submit", str(spec), *extra)
+    assert proc.exit_code == 2, proc.output[-2000:]
+    assert proc.stderr.startswith(f"error: {spec}:{line}: {said}"), proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.output
+
+
+def test_the_seed_translation_moves_each_keys_line(tmp_path):
+    """`from_seed_task` of a file: each moved key at its new path keeps its line, a section the move made is
+    at its first key's, and a value changed after the file was read has none."""
+    from smolforge.cluster.control.specs import from_seed_task
+    from smolforge.config import load_yaml
+
+    (tmp_path / "t.yaml").write_text(TASK.format(rest="dataset: d.jsonl\ndataset_split: train"))
+    doc = from_seed_task(load_yaml(tmp_path / "t.yaml"))
+    assert doc == {"priority": "high", "train": {"model": "tiny-llama", "data": {"path": "d.jsonl",
+                                                                               "dataset_split": "train"}}}
+    lines = {loc: doc.line_of(loc) for loc in [("train", "model"), ("train", "data", "path"), ("train", "data"),
+                                               ("train", "data", "dataset_split"), ("priority",)]}
+    assert lines == {("train", "model"): 2, ("train", "data", "path"): 3, ("train", "data"): 3,
+                     ("train", "data", "dataset_split"): 4, ("priority",): 5}
+    assert doc.marks[("train",)] == 2 and doc.place(("train", "data", "path")) == f"{tmp_path / 't.yaml'}:3"
+    doc["train"]["data"]["path"] = "other.jsonl"  # as a --set would
+    assert doc.line_of(("train", "data", "path")) is None
+
+
+STAGE = """\
+kind: distill_task
+stage: teacher
+args:
+  model_path: tiny-llama
+  dataset_path: bundled
+{bad}
+"""
+
+
+@pytest.mark.parametrize("bad, line, said", [
+    ("  temprature: 0.7", 6, "args.temprature is not an argument of the teacher stage (did you mean 'temperature'?)"),
+    ("  top_k: many", 6, "args.top_k: Input should be a valid integer"),
+    ("  output_dir: /tmp/x", 6, "args.output_dir is not for the job to give"),
+], ids=["misspelt", "wrong type", "the job's own"])
+def test_a_stage_jobs_bad_arg_is_named_at_its_line(bad, line, said, nothing_starts, tmp_path):
+    """A `distill_task` job's `args` are checked where it is submitted (`JobKind.check_here`, the pure part
+    of `stage_args`), each refusal at the key's `file:line`; a missing one at the `args` section's."""
+    spec = tmp_path / "stage.yaml"
+    spec.write_text(STAGE.format(bad=bad))
+    proc = smolforge_here("submit", str(spec))
+    assert proc.exit_code == 2, proc.output[-2000:]
+    assert proc.stderr.startswith(f"error: {spec}:{line}: {said}"), proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.output
+
+
+def test_a_stage_jobs_missing_arg_is_named_at_its_args_section(tmp_path):
+    """In process (no CLI): the required `dataset_path` missing is the `args` section's line; a spec not read
+    from a file keeps the stage's name as where."""
+    from smolforge.cluster.control.kinds import check_fields
+    from smolforge.config import load_yaml
+    from smolforge.errors import SmolforgeError
+
+    (tmp_path / "s.yaml").write_text("kind: distill_task\nstage: teacher\nargs:\n  model_path: tiny-llama\n")
+    doc = load_yaml(tmp_path / "s.yaml")
+    with pytest.raises(SmolforgeError) as err:
+        check_fields(doc)
+    assert err.value.where == f"{tmp_path / 's.yaml'}:3" and "needs args.dataset_path" in err.value.what
+    with pytest.raises(SmolforgeError) as err:
+        check_fields(dict(doc))
+    assert err.value.where == "job spec (args of the teacher stage)"

@@ -363,6 +363,35 @@ class SpecFile(dict):
             return self.marks[loc[:end]] if end == len(loc) or missing else None
         return self.marks[loc[:end]] if here == then else None
 
+    def moved(self, data: dict[str, Any], loaded: dict[str, Any], moves: dict[Loc, Loc]) -> "SpecFile":
+        """This file after a translation that moved some of its keys (`specs.from_seed_task`: the seeds'
+        `dataset` is `train.data.path`): DATA is the translated mapping, LOADED the file's own values
+        translated the same way, MOVES each moved key path -> its new one (the keys under it move with it).
+        Each key keeps its line at its new path, and a section the move made is at its first key's line,
+        so an error at the translated path names the line the file wrote it on."""
+        marks: dict[Loc, int] = {}
+        made: dict[Loc, int] = {}
+        for loc, line in self.marks.items():
+            old = next((o for o in moves if loc[:len(o)] == o), None)
+            new = loc if old is None else (*moves[old], *loc[len(old):])
+            marks[new] = line
+            for end in range(1, len(new) if old is not None else 0):
+                made[new[:end]] = min(line, made.get(new[:end], line))
+        out = SpecFile(data, self.source, {**made, **marks})
+        out.loaded = copy.deepcopy(loaded)
+        return out
+
+    def place(self, loc: Loc) -> str | None:
+        """`file:line` of the key at LOC while its value is the file's (`line_of`); None where it is not."""
+        line = self.line_of(loc)
+        return f"{self.source}:{line}" if line else None
+
+
+def place_in(spec: Any, loc: Loc, default: str) -> str:
+    """Where a problem with the key at LOC of SPEC is: `file:line` where SPEC was read from a file (a
+    `SpecFile`) that wrote it, else DEFAULT (a flag's or the spec's name)."""
+    return (spec.place(loc) if isinstance(spec, SpecFile) else None) or default
+
 
 def get_path_loc(data: Any, loc: Loc) -> Any:
     """The value at LOC in nested dicts and lists (list items by index); None where a part is missing."""
@@ -443,8 +472,9 @@ SEED_KEYS: dict[str, str] = {
 
 
 def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
-    """For an unknown key, the closest known one at that level (`bach_size` → `batch_size`), or ours for a
-    key close to a seed's name (`SEED_KEYS`: `learning_rat` → `lr`)."""
+    """For an unknown key, the section below that has it (a job's `batch_size` → `train.batch_size`), else the
+    closest known one at that level (`bach_size` → `batch_size`), or ours for a key close to a seed's name
+    (`SEED_KEYS`: `learning_rat` → `lr`)."""
     if error.get("type") != "extra_forbidden":
         return ""
     model: Any = cls
@@ -453,10 +483,15 @@ def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
         model = field.annotation if field is not None else None
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return ""
-    close = difflib.get_close_matches(str(error["loc"][-1]), list(model.model_fields), n=1)
+    key = str(error["loc"][-1])
+    below = [f"{name}.{key}" for name, f in model.model_fields.items()  # a section's key written above it
+             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
+    if below:
+        return f" (did you mean {below[0]!r}?)"
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
     if close:
         return f" (did you mean {close[0]!r}?)"
-    seed = difflib.get_close_matches(str(error["loc"][-1]), list(SEED_KEYS), n=1)
+    seed = difflib.get_close_matches(key, list(SEED_KEYS), n=1)
     return f" (did you mean {SEED_KEYS[seed[0]]!r}? the seeds' {seed[0]!r})" if seed else ""
 
 

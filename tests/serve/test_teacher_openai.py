@@ -370,14 +370,14 @@ def byte_fallback():
 def test_the_endpoints_own_ids_decide_where_its_vocabulary_is_the_students(byte_fallback):
     """`TokenMap`: by bytes, <0x6B> and "k" are one name (the piece wins) and the end of turn named '' with no
     bytes is none; with the vocabulary stated equal, each id the endpoint sends is kept, its piece checked;
-    a size that differs, or one id whose piece differs, and it is bytes/text again, with the reason."""
+    a smaller size, or one id whose piece differs, and it is bytes/text again, with the reason."""
     from smolforge.distill.teacher_openai import TokenMap
 
     tok, v = byte_fallback
     piece, byte, eos = v["k"], v["<0x6B>"], v["</s>"]
     m = TokenMap(tok)
     assert m(("k", [0x6B], byte)) == piece and m(("", [], eos)) is None and m.saw_id and not m.by_id
-    assert not m.use_ids(len(tok) + 1) and m(("k", [0x6B], byte)) == piece and str(len(tok) + 1) in m.why_not
+    assert not m.use_ids(len(tok) - 1) and m(("k", [0x6B], byte)) == piece and str(len(tok) - 1) in m.why_not
     assert not m.use_ids(None) and "states no vocabulary size" in m.why_not
     assert m.use_ids(len(tok))
     assert [m(("k", [0x6B], byte)), m(("k", [0x6B], piece)), m(("", [], eos)), m("ing")] == [byte, piece, eos, v["ing"]]
@@ -387,8 +387,8 @@ def test_the_endpoints_own_ids_decide_where_its_vocabulary_is_the_students(byte_
 
 def test_an_end_of_turn_named_by_its_id_keeps_its_place_in_the_row(monkeypatch):
     """The llama-server rows that differed (issue 46): an alternative named '' with no bytes, only its `id`,
-    is the end of turn, kept in the row where ids are used; where they are not (the endpoint states another
-    vocabulary size) it drops to the tail, and the run says once why ids are not used."""
+    is the end of turn, kept in the row where ids are used; where they are not (the endpoint states a smaller
+    vocabulary than the tokenizer's) it drops to the tail, and the run says once why ids are not used."""
     from smolforge.distill import teacher_openai
     from smolforge.distill.store import TeacherRecord
     from smolforge.models.families import turn_end_id
@@ -400,7 +400,7 @@ def test_an_end_of_turn_named_by_its_id_keeps_its_place_in_the_row(monkeypatch):
             {"id": end, "token": "", "bytes": [], "logprob": -2.5}]
     content = [{"id": is_, "token": " is", "bytes": list(b" is"), "logprob": -0.1, "top_logprobs": alts}]
     rows = []
-    for n_vocab in (teacher.vocab_size, teacher.vocab_size + 1):
+    for n_vocab in (teacher.vocab_size, teacher.vocab_size - 1):
         monkeypatch.setattr(teacher, "_stated_vocab", lambda n=n_vocab: n)
         teacher.map.use_ids(teacher._stated_vocab())
         rec = TeacherRecord(example_id=0, prompt_messages=[], prompt_ids=[], response_ids=[], response_text=" is")
@@ -408,3 +408,34 @@ def test_an_end_of_turn_named_by_its_id_keeps_its_place_in_the_row(monkeypatch):
         rows.append([i for i, lp in zip(rec.topk_indices[0].tolist(), rec.topk_logprobs[0].tolist()) if lp > -60000])
     assert rows == [[is_, end], [is_]] and teacher.text_only == 0
     assert len(said) == 1 and "not mapped by the endpoint's token ids" in said[0] and "tokenizer" in said[0]
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_keeps_the_ids_and_drops_its_padding_rows(monkeypatch):
+    """A model whose vocabulary is padded past its tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens), served by
+    llama-server, which states the rows (`meta.n_vocab`): the ids are used; an alternative named by a row past
+    the tokenizer (a padding row) is dropped, its mass in the tail, and the ids stay on for the end of turn
+    after it (named by its id alone); the count is in the manifest, said once."""
+    import math
+
+    from smolforge.distill.prompts import PromptItem
+    from smolforge.models.families import turn_end_id
+
+    said: list[str] = []
+    teacher = _teacher("http://127.0.0.1:9/v1", say=said.append)  # asked nothing: the answers are given
+    n, end, is_ = teacher.vocab_size, turn_end_id(teacher.tokenizer), teacher.map(" is")
+    pad = {"id": n + 3, "token": f"[PAD{n + 3}]", "bytes": list(f"[PAD{n + 3}]".encode()), "logprob": -1.0}
+    alts = [{"id": is_, "token": " is", "bytes": list(b" is"), "logprob": -0.1}, pad,
+            {"id": end, "token": "", "bytes": [], "logprob": -2.5}]
+    answer = {"text": " is", "finish_reason": "length", "logprobs": {"content": [
+        {"id": is_, "token": " is", "bytes": list(b" is"), "logprob": -0.1, "top_logprobs": alts}]}}
+    monkeypatch.setattr(teacher, "_stated_vocab", lambda: n + 64)
+    monkeypatch.setattr(teacher, "_post", lambda payload: answer)
+    recs = teacher.generate([PromptItem(0, [{"role": "user", "content": "q"}])] * 2, GEN)
+    for rec in recs:
+        kept = [i for i, lp in zip(rec.topk_indices[0].tolist(), rec.topk_logprobs[0].tolist()) if lp > -60000]
+        assert rec.response_ids == [is_] and kept == [is_, end]
+        assert math.isclose(float(rec.tail_mass[0]), 1 - math.exp(-0.1) - math.exp(-2.5), rel_tol=1e-5)
+    assert teacher.map.by_id and teacher.text_only == 0
+    assert teacher.manifest_extra["endpoint"] | {"url": None} == {
+        "url": None, "k": 2, "k_asked": K, "text_only": 0, "by_ids": True, "n_vocab": n + 64, "padding_dropped": 2}
+    assert len(said) == 1 and f"{n + 64} vocabulary rows" in said[0] and "tail mass" in said[0]

@@ -24,6 +24,7 @@ from smolforge.cluster.nodes import ray_glue, ray_session
 from smolforge.cluster.nodes.ray_glue import ClusterHandle
 from smolforge.cluster.control.artifacts import ArtifactStore
 from smolforge.cluster.control.kinds import apply_job_overrides, check_fields, pin_local_models, read_named, stage_spec
+from smolforge.cluster.control.specs import from_seed_task
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.cluster.control.manager import JobManager
@@ -127,6 +128,7 @@ class EmbeddedCluster:
 
     def submit_job(self, spec: dict | str | Path, overrides: list[str] | None = None) -> str:
         data = load_yaml(spec) if isinstance(spec, (str, Path)) else copy.deepcopy(dict(spec))
+        data = from_seed_task(data)  # before --set, as the client: a --set key goes into the job's train section
         apply_job_overrides(data, overrides or [])
         data = read_named(data)
         check_fields(data)  # a spec file's bad field as file:line, before an upload or the cluster starts

@@ -12,12 +12,13 @@ log-probabilities is a clear error: use `generate`).
 What it writes: the same store as the other backends (`store.TeacherRecord`), in the student's ids, each
 token the endpoint names mapped by `TokenMap`: by the endpoint's own `id` where it sends one (llama-server
 does, for each token and alternative) and its vocabulary is the student's (the size it states at GET
-/models, llama-server's `meta.n_vocab`, equal to the tokenizer's; each id's piece checked against the
-bytes or text sent with it); else by the token's `bytes` (the chat shape), else by its text (every id's
+/models, llama-server's `meta.n_vocab`, at least the tokenizer's; each id's piece checked against the
+bytes or text sent with it; an id past the tokenizer's, a padding row of a model whose vocabulary is
+padded, is a candidate dropped to the tail, counted in the manifest's `endpoint.padding_dropped`); else by the token's `bytes` (the chat shape), else by its text (every id's
 text as it reads after another token, as an incremental detokenizer makes it; a text two ids share is the
 id the tokenizer itself encodes it as). Ids are exact where bytes and text are not: a special token
 (llama-server names the end of turn '' with no bytes) and a byte-fallback token `<0x6B>` beside the piece
-"k". Where an answer carries ids that are not used (another vocabulary size, none stated, or one id whose
+"k". Where an answer carries ids that are not used (a smaller vocabulary, none stated, or one id whose
 piece differs), the run says so once; the manifest says which way it mapped (`endpoint.by_ids`). A
 response with any token that does not map, or whose mapped ids do not spell its text, is kept as text
 only: students train on it sequence-level (the same fallback as a teacher of another tokenizer), and the
@@ -91,10 +92,14 @@ class TokenMap:
 
     By the endpoint's own ids first, where it sends them (llama-server: each candidate's `id`) and its
     vocabulary is this tokenizer's: the size it states (`use_ids`, llama-server's `meta.n_vocab` at GET
-    /models) equal to `len(tokenizer)`, and each id's piece checked as it comes (its bytes, else its text,
-    equal to this id's). Ids are exact where bytes and text are not: a byte-fallback token `<0x6B>` and
-    the piece "k" are the same bytes, and a special token (`<|im_end|>`) is named by no text and no bytes.
-    One id whose piece differs turns ids off for the rest of the run (`why_not` says why).
+    /models: the model's embedding rows) at least `len(tokenizer)`, and each id below `len(tokenizer)`
+    checked as it comes (its bytes, else its text, equal to this id's). Ids are exact where bytes and text
+    are not: a byte-fallback token `<0x6B>` and the piece "k" are the same bytes, and a special token
+    (`<|im_end|>`) is named by no text and no bytes. One id whose piece differs turns ids off for the rest
+    of the run (`why_not` says why). An id at or past `len(tokenizer)` but below the stated size is a
+    padding row (Qwen2.5: 151,936 rows, 151,665 tokens; the tokenizer is the one answer to how many real
+    tokens there are, as the GGUF export writes the rows past it as unused `[PAD<i>]`): it names no token,
+    so that candidate maps to None (its mass goes to the tail) and ids stay on; `padding` counts them.
 
     Else by bytes, where the endpoint sends each token's `bytes` (the chat shape: llama-server, Ollama,
     `smolforge serve`; `models.token_bytes.vocab_bytes`, the tokenizer's one answer): a byte of a
@@ -127,20 +132,27 @@ class TokenMap:
         self.by_id = False  # the endpoint's own ids are used (`use_ids`)
         self.why_not = "the endpoint's vocabulary was not checked"  # why they are not, while not
         self.saw_id = False  # some name carried an id
+        self.n_vocab: int | None = None  # the size the endpoint states (`use_ids`), None: none stated
+        self.padding = 0  # candidates named by a padding row's id, dropped (their mass is tail mass)
 
     def use_ids(self, n_vocab: Any) -> bool:
         """Map by the endpoint's own ids from now on iff `n_vocab` (the vocabulary size the endpoint states;
-        None: it states none) is `len(tokenizer)`; each id's piece is still checked as it comes. Sets
-        `why_not` when not."""
+        None: it states none) is at least `len(tokenizer)`: the rows past it are padding (`is_padding`);
+        each id's piece is still checked as it comes. Sets `why_not` when not."""
         n = len(self.tokenizer)
         stated = isinstance(n_vocab, int) and not isinstance(n_vocab, bool)
+        self.n_vocab = n_vocab if stated else None
         if not stated:
             self.why_not = "the endpoint states no vocabulary size (GET /models: meta.n_vocab)"
-        elif n_vocab != n:
-            self.why_not = f"the endpoint's vocabulary has {n_vocab} tokens, the student's tokenizer {n}"
-        ok = stated and n_vocab == n
-        self.by_id = ok
+        elif n_vocab < n:
+            self.why_not = f"the endpoint's vocabulary has {n_vocab} tokens, fewer than the student's tokenizer's {n}"
+        self.by_id = stated and n_vocab >= n
         return self.by_id
+
+    def is_padding(self, tid: int) -> bool:
+        """Whether id `tid` is one of the rows the endpoint's model has past this tokenizer's tokens (below
+        the size it states): a padding row, which names no token."""
+        return self.n_vocab is not None and len(self.texts) <= tid < self.n_vocab
 
     def same_piece(self, tid: int, text: Any, raw: Any) -> bool:
         """Whether id `tid` is, in this tokenizer, the piece the endpoint names by `text` and `raw` (bytes):
@@ -164,6 +176,9 @@ class TokenMap:
             if self.by_id:
                 if self.same_piece(tid, text, raw):
                     return tid
+                if self.is_padding(tid):  # no token's: dropped, as an unmappable candidate; ids stay on
+                    self.padding += 1
+                    return None
                 ours = self.texts[tid] if 0 <= tid < len(self.texts) else "no such id"
                 self.by_id = False
                 self.why_not = f"the endpoint's id {tid} is {text!r} {raw}, the student's tokenizer's {ours!r}"
@@ -277,7 +292,7 @@ class OpenAITeacher:
         self.map = TokenMap(self.tokenizer)
         self.given_k = 0
         self.text_only = 0
-        self._ids_checked = self._said_ids = False
+        self._ids_checked = self._said_ids = self._said_padding = False
         self.manifest_extra: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- HTTP
@@ -366,9 +381,10 @@ class OpenAITeacher:
         one id's piece did, mid-answer: mapped again) is mapped by bytes/text, said once."""
         if not pos:
             return None, None
-        was = self.map.by_id
+        was, padding = self.map.by_id, self.map.padding
         got = self._rows(pos, k)
         if was and not self.map.by_id:
+            self.map.padding = padding  # the answer's padding candidates were not dropped as such after all
             got = self._rows(pos, k)
         if self.map.saw_id and not self.map.by_id and not self._said_ids:
             self._said_ids = True
@@ -435,9 +451,20 @@ class OpenAITeacher:
                     rec.response_text = text
                     self._keep(rec, self._named_stop(positions(choice.get("logprobs")), choice), k, text)
                 records.append(rec)
+        self._say_padding()
         self.manifest_extra = {"endpoint": {"url": self.url, "k": self.given_k, "k_asked": k,
-                                            "text_only": self.text_only, "by_ids": self.map.by_id}}
+                                            "text_only": self.text_only, "by_ids": self.map.by_id,
+                                            "n_vocab": self.map.n_vocab, "padding_dropped": self.map.padding}}
         return records
+
+    def _say_padding(self) -> None:
+        """Once, when a candidate named a padding row (`TokenMap.is_padding`): what was done with it."""
+        if self.map.padding and not self._said_padding:
+            self._said_padding = True
+            self.say(f"teacher {self.name}: the endpoint's model has {self.map.n_vocab} vocabulary rows, the "
+                     f"student's tokenizer {self.vocab_size} tokens: candidates named by a row past the tokenizer "
+                     "(padding) are dropped, their probability counted as tail mass (the count: the store "
+                     "manifest's endpoint.padding_dropped)")
 
     def _score(self, rec: TeacherRecord, item: PromptItem, k: int) -> None:
         """The reference answer's positions (`teacher.reference_ids`: the ids plain SFT trains on, its end of

@@ -27,7 +27,9 @@ from smolforge.cluster.control.specs import (
     DataParallelJob, DistillJob, DistillTaskJob, ExportJob, ServeJob, from_seed_task, get_path, put_path,
 )
 from smolforge.cluster.control.specs import SplitJob
-from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, validate
+from smolforge.config import (
+    EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, place_in, validate,
+)
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError
 from smolforge.distill.backends import teacher_backend
@@ -53,6 +55,9 @@ class JobKind:
     named_eval: str | None = None
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
+    # the checks the submitting machine makes too (pure: no model, file or network), given the job and the
+    # spec as submitted, whose `config.SpecFile` names a refused key's `file:line` (`check_fields`)
+    check_here: Callable[[Any, dict[str, Any]], None] = field(default=lambda job, spec: None)
     check_capacity: bool = False  # fail at submit when the nodes cannot hold the job's workers
     joinable: bool = False  # `job join` lends it nodes
     # where a resumed job starts from, as a sentence: (the artifact store, job id) -> "step-40" / "the start"
@@ -80,11 +85,12 @@ def runner_at(ref: str) -> Callable[[], type]:
     return load
 
 
-def check_at(ref: str) -> Callable[[Any], None]:
-    """A kind's submit-time check named `module:function` in its workload package, imported when a job
-    of the kind is checked (as `runner_at`, so the control plane imports no workload)."""
+def check_at(ref: str) -> Callable[..., None]:
+    """A kind's submit-time check named `module:function` in its workload package (called with the check's
+    own arguments), imported when a job of the kind is checked (as `runner_at`, so the control plane imports
+    no workload)."""
     load = runner_at(ref)
-    return lambda job: load()(job)
+    return lambda *args: load()(*args)
 
 
 def by_stage(files: dict[str, str]) -> Callable[[dict[str, Any]], str | None]:
@@ -194,6 +200,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             uploads=("args.dataset_path", "args.eval_data"), models=("args.model_path", "args.base_model"),
             named=by_stage({"teacher": "args.dataset_path", "students": "args.eval_data"}),
             check=check_at(f"{WORKLOADS}.distill.stage_args:check_task_args"),
+            check_here=check_at(f"{WORKLOADS}.distill.stage_args:check_arg_names"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_task_demand),
     JobKind("serve", "serving", ServeJob, runner_at(f"{WORKLOADS}.serve.runner:ServeRunner"), section=None, models=("model",),
@@ -225,8 +232,11 @@ def parse(spec: dict[str, Any]) -> Any:
 def check_fields(spec: dict[str, Any]) -> None:
     """SPEC's fields checked against its kind's spec where it is submitted (the kind's deeper checks and
     the coordinator's own validation come later): a spec file's bad field is one message naming
-    `file:line` (`config.SpecFile`), before anything is sent or a cluster starts. SmolforgeError (exit 2)."""
-    validate(kind_of(spec).spec, spec, where="job spec")
+    `file:line` (`config.SpecFile`), before anything is sent or a cluster starts; then the kind's own
+    checks the submitting machine can make (`JobKind.check_here`: a distill_task's `args` keys, each at its
+    line). SmolforgeError (exit 2)."""
+    kind = kind_of(spec)
+    kind.check_here(validate(kind.spec, spec, where="job spec"), spec)
 
 
 def check_output_dir(job: Any, embedded: bool) -> None:
@@ -259,7 +269,8 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
             continue
         path = Path(str(value)).expanduser()
         if not path.is_file():
-            raise SmolforgeError(f"dataset {value} does not exist", where=dotted,
+            raise SmolforgeError(f"dataset {value} does not exist",
+                                 where=place_in(spec, tuple(dotted.split(".")), dotted),  # a file's: file:line
                                  fix="check the path, or name a dataset every node has: "
                                      f"{', '.join(BUILTIN_DATASETS)} ('bundled': the generated task set)")
         put_path(spec, dotted, upload(path))

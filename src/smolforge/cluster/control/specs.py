@@ -46,7 +46,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, ModelDtype, Spec, TrainConfig, get_path, put_path, spec_error
+from smolforge.config import (
+    EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Loc, ModelDtype, Spec, SpecFile, TrainConfig, get_path, put_path, spec_error,
+)
 from smolforge.distill.settings import DistillSettings
 from smolforge.errors import SmolforgeError
 from smolforge.models.export.targets import ExportTarget, QuantName
@@ -278,21 +280,39 @@ class DataParallelJob(JobSpec):
         return self.train.batch_size * self.num_workers
 
 
+# the seeds' task shape's keys -> where a data-parallel job has them (`from_seed_task`): one table, by
+# which both the spec and its file's lines (`config.SpecFile.moved`) are translated
+SEED_TASK_MOVES: dict[Loc, Loc] = {("model",): ("train", "model"), ("dataset",): ("train", "data", "path"),
+                                   **{(key,): ("train", "data", key) for key in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY)}}
+
+
+def _is_seed_task(data: Any) -> bool:
+    return (isinstance(data, dict) and "train" not in data and "model" in data
+            and data.get("kind", "data_parallel") == "data_parallel")  # a serve job names its `model` too
+
+
+def _seed_moved(data: dict[str, Any]) -> dict[str, Any]:
+    """DATA's keys moved by `SEED_TASK_MOVES`, the rest as they are."""
+    out = {key: value for key, value in data.items() if (key,) not in SEED_TASK_MOVES}
+    for (key,), new in SEED_TASK_MOVES.items():
+        if key in data:
+            put_path(out, ".".join(new), data[key])
+    return out
+
+
 def from_seed_task(data: Any) -> Any:
     """The seeds' task shape, `{"model": M, "dataset": D, "resources": {...}, ...}`, as a data-parallel
     job (`train: {model: M, data: {path: D}}`; `dataset_name: N` and its companions go beside it, into
-    `train.data`); a job spec with `train` passes unchanged."""
-    if (not isinstance(data, dict) or "train" in data or "model" not in data
-            or data.get("kind", "data_parallel") != "data_parallel"):  # a serve job names its `model` too
+    `train.data`); a job spec with `train` passes unchanged. Read from a file (`config.SpecFile`), the
+    result is the file's too, each moved key at its line (`SpecFile.moved`): a bad `dataset` is named
+    `task.yaml:LINE`, not `train.data.path`."""
+    if not _is_seed_task(data):
         return data
-    data = dict(data)
-    train = {"model": data.pop("model")}
-    if "dataset" in data:
-        train["data"] = {"path": data.pop("dataset")}
-    named = {key: data.pop(key) for key in (*NAMED_DATASET_KEYS, EVAL_SPLIT_KEY) if key in data}  # a dataset by name, beside it
-    if named:
-        train["data"] = {**train.get("data", {}), **named}
-    return {**data, "train": train}
+    moved = _seed_moved(data)
+    if not isinstance(data, SpecFile):
+        return moved
+    loaded = _seed_moved(data.loaded) if _is_seed_task(data.loaded) else data.loaded
+    return data.moved(moved, loaded, SEED_TASK_MOVES)
 
 
 class DistillJob(JobSpec):

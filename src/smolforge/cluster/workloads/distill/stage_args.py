@@ -5,7 +5,9 @@ form in the spec, so a misspelt one (`lerning_rate`) used to be Python's TypeErr
 started, after it had waited in the queue for a node. The calls' signatures are the one list of what
 each stage takes (no copy to drift): a key they do not name, one the job itself passes (where it
 writes, the store it reads) or a missing required one is refused when the job is submitted, naming
-the key and the ones the stage knows (`kinds.KINDS["distill_task"].check`).
+the key and the ones the stage knows (`kinds.KINDS["distill_task"].check`). The keys and the values'
+types are checked where the spec is submitted too (`check_arg_names`, the kind's `check_here`, pure),
+so a spec file's bad `args.KEY` is named at that key's `file:line`.
 
 Their values are checked at submit too, by the builders the job runs (`stage_call`, then
 `plans.plan_teachers` / `plan_students`): a value of the wrong type (`top_k: "many"`) or one the stage
@@ -24,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from smolforge.cluster.control.kinds import named_file
 from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall, plan_students, plan_teachers
-from smolforge.config import NAMED_DATASET_KEYS
+from smolforge.config import NAMED_DATASET_KEYS, place_in
 from smolforge.distill.aggregate import aggregate_student_outputs
 from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
 from smolforge.errors import SmolforgeError
@@ -56,26 +58,43 @@ def known_args(stage: str) -> list[str]:
 
 
 def check_task_args(job: Any) -> None:
-    """Refuse a DistillTaskJob whose `args` its stage's call would refuse; one message naming the key."""
+    """Refuse a DistillTaskJob whose `args` its stage's call would refuse; one message naming the key (the
+    kind's check, where the job is created: `check_arg_names`, then the values as the builders see them)."""
+    check_arg_names(job)
+    args = _unnamed(job)
+    _check_values(job.stage, job.mode, args, f"job spec (args of the {job.stage} stage)")
+    _check_students_tokenizer(args)
+
+
+def check_arg_names(job: Any, spec: dict[str, Any] | None = None) -> None:
+    """Refuse a DistillTaskJob whose `args` name a key its stage's call does not take (or one the job passes
+    itself), miss a required one, or give a value of the wrong type; one message naming `args.KEY`. Pure (no
+    model, no file, no network): the submitting machine's check too (`kinds.check_fields`), where SPEC is
+    the spec as submitted: read from a file (`config.SpecFile`), each refusal is at that key's `file:line`
+    (a missing key: the `args` section's), else at the stage's args."""
     stage, args = job.stage, _unnamed(job)
     known = known_args(stage)
-    where = f"job spec (args of the {stage} stage)"
+    default = f"job spec (args of the {stage} stage)"
+
+    def where(key: str | None = None) -> str:
+        return place_in(spec, ("args", key) if key else ("args",), default)
+
     for key in args:
         if key in OWNED[stage]:
             raise SmolforgeError(f"args.{key} is not for the job to give: the {stage} stage passes it itself",
-                                 where=where, fix=f"drop it; the spec says it as {OWNED[stage][key]}")
+                                 where=where(key), fix=f"drop it; the spec says it as {OWNED[stage][key]}")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             raise SmolforgeError(f"args.{key} is not an argument of the {stage} stage"
                                  + (f" (did you mean {close[0]!r}?)" if close else ""),
-                                 where=where, fix=f"use the call's keyword arguments: {', '.join(known)}")
+                                 where=where(key), fix=f"use the call's keyword arguments: {', '.join(known)}")
     params = inspect.signature(CALLS[stage]).parameters
     missing = [n for n in known if params[n].default is inspect.Parameter.empty and n not in args]
     if missing:
-        raise SmolforgeError(f"the {stage} stage needs args.{missing[0]}", where=where,
+        raise SmolforgeError(f"the {stage} stage needs args.{missing[0]}", where=where(),
                              fix=f"give {', '.join(f'args.{m}' for m in missing)} (the call's required arguments)")
-    _check_values(stage, job.mode, args, where)
-    _check_students_tokenizer(args)
+    if stage in PLACEHOLDERS:
+        stage_call(stage, args, place=where, **PLACEHOLDERS[stage])
 
 
 def _unnamed(job: Any) -> dict[str, Any]:
@@ -93,11 +112,12 @@ def _unnamed(job: Any) -> dict[str, Any]:
 PLACEHOLDERS: dict[str, dict[str, str]] = {"teacher": {"output_dir": "."}, "students": {"teacher_outputs_dir": "."}}
 
 
-def stage_call(stage: str, args: dict[str, Any], **owned: Any) -> TeacherCall | StudentCall:
+def stage_call(stage: str, args: dict[str, Any], place: Callable[[str], str] | None = None,
+               **owned: Any) -> TeacherCall | StudentCall:
     """A teacher or students stage's call from a job's `args` and what the job passes itself (`owned`),
     its values' types checked by the call's own field types (pydantic, lax: JSON's numbers and strings
-    as the fields take them; a TaskConfig's dict becomes a TaskConfig). SmolforgeError (where: the
-    stage's args) naming the first argument whose value has the wrong type."""
+    as the fields take them; a TaskConfig's dict becomes a TaskConfig). SmolforgeError naming the first
+    argument whose value has the wrong type, where `place(key)` says (default: the stage's args)."""
     call = CALLS[stage]
     try:
         return TypeAdapter(call).validate_python({**args, **owned})
@@ -106,7 +126,7 @@ def stage_call(stage: str, args: dict[str, Any], **owned: Any) -> TeacherCall | 
         key = ".".join(str(part) for part in first["loc"])
         wanted = call.__dataclass_fields__[str(first["loc"][0])].type  # type: ignore[attr-defined]
         raise SmolforgeError(f"args.{key}: {first['msg']} (got {first['input']!r})",
-                             where=f"job spec (args of the {stage} stage)",
+                             where=place(str(first["loc"][0])) if place else f"job spec (args of the {stage} stage)",
                              fix=f"give args.{first['loc'][0]} as the {stage} call takes it: {wanted}") from None
 
 
