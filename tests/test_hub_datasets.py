@@ -171,9 +171,11 @@ def test_the_seeds_split_train_line_reads_a_cached_wikitext(hub, offline, tmp_pa
     (["--data", "bundled", "--dataset-split", "test"], "--dataset-split needs --dataset-name"),
     (["--dataset-name", "bundled", "--dataset-column", "text"], "--dataset-column: bundled is a local dataset"),
     (["--data", "bundled", "--dataset-eval-split", "validation"], "--dataset-eval-split needs --dataset-name"),
+    (["--dataset-name", "bundled", "--dataset-eval-split", "validation"], "--dataset-eval-split: bundled is a local dataset"),
     (["--dataset-name", "acme/absent", "--eval-data", "bundled", "--dataset-eval-split", "validation"],
      "both --eval-data bundled and --dataset-eval-split validation"),
-], ids=["both", "split-without-name", "column-of-a-file", "eval-split-without-name", "eval-file-and-split"])
+], ids=["both", "split-without-name", "column-of-a-file", "eval-split-without-name", "eval-split-of-a-file",
+        "eval-file-and-split"])
 def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, offline, tmp_path):
     proc = _train(tmp_path, *args)
     assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Mapping, Optional
 
 import typer
 
-from smolforge.config import dataset_choice_problem, eval_split_problem
+from smolforge.config import EVAL_SPLIT_KEY, dataset_choice_problem, eval_split_problem
 from smolforge.errors import SmolforgeError
 
 DatasetNameOpt = Annotated[Optional[str], typer.Option(
@@ -65,7 +65,7 @@ def named_eval(eval_path: str | None, name: str | None, config: str | None, eval
     if problem:
         raise SmolforgeError(problem, fix=f"pass one of {flag} and --dataset-eval-split" if name is not None
                              else "add --dataset-name NAME")
-    return eval_path if eval_split is None else by_name(str(name), config, eval_split, column)
+    return eval_path if eval_split is None else by_name(str(name), config, eval_split, column, split_key=EVAL_SPLIT_KEY)
 
 
 def dataset_files(options: Mapping[str, Any], file_key: str, flag: str, eval_key: str | None = None,

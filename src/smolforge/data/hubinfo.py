@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from smolforge.config import DataSpec
+from smolforge.config import EVAL_SPLIT_KEY, DataSpec
 from smolforge.data.formats import Example, jsonl_records
 from smolforge.data.hub import Spell, _is_saved, as_flag, by_name, load_rows
 from smolforge.data.synthetic import BUILTIN_DATASETS
@@ -68,7 +68,7 @@ def describe(name: str, config: str | None = None, split: str | None = None, col
 
     kind, where = locate(name)
     file = by_name(name, config, split, column, spell)
-    held = by_name(name, config, eval_split, column, spell) if eval_split is not None else None
+    held = by_name(name, config, eval_split, column, spell, EVAL_SPLIT_KEY) if eval_split is not None else None
     if kind in (SAVED, LOCAL_DIR, HF_CACHE):
         loaded = load_rows(name, config, split or "train", spell)  # datasets' own cache: read, not built again
         columns = list(loaded.column_names)
