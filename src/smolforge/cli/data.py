@@ -82,7 +82,8 @@ def show(
                              fix="give one: smolforge data show NAME|FILE.jsonl (or --data FILE)")
     name = source if source is not None else str(data)
     if model is None:
-        _show_source(name, dataset_config, dataset_split, dataset_column, dataset_eval_split, json_out)
+        named = {"config": dataset_config, "split": dataset_split, "column": dataset_column, "eval_split": dataset_eval_split}
+        _show_source(name, named, {"fmt": format, "skip_bad_lines": skip_bad_lines}, json_out)
         return
     from smolforge.data.hub import by_name
 
@@ -103,12 +104,12 @@ def show(
         _print(tok, model, data, fmt, view)
 
 
-def _show_source(name: str, config: str | None, split: str | None, column: str | None, eval_split: str | None,
-                 json_out: bool) -> None:
-    """`data show SOURCE` without --model: `hubinfo.describe`'s answer as text or one JSON object."""
+def _show_source(name: str, named: dict[str, Any], reading: dict[str, Any], json_out: bool) -> None:
+    """`data show SOURCE` without --model: `hubinfo.describe`'s answer (NAMED: config, split, column,
+    eval_split; READING: fmt, skip_bad_lines) as text or one JSON object."""
     from smolforge.data.hubinfo import describe
 
-    info = describe(name, config, split, column, eval_split)
+    info = describe(name, **named, **reading)
     if json_out:
         print_json(info)
         return
@@ -116,7 +117,8 @@ def _show_source(name: str, config: str | None, split: str | None, column: str |
     typer.echo(f"{name}: {info['kind']}, {info['where']}")
     typer.echo(f"reads:     {info['file']}")
     typer.echo(f"shape:     {info['format']} (columns used: {used}; columns: {', '.join(info['columns']) or '-'})")
-    typer.echo(f"rows:      {info['rows']} ({info['train_rows']} trained on)")
+    skipped = f", {info['skipped']} bad lines skipped" if info["skipped"] else ""
+    typer.echo(f"rows:      {info['rows']} ({info['train_rows']} trained on{skipped})")
     held = info["held_out"]
     typer.echo(f"held out:  {held['rows']} rows, {held['how']}" + (f" ({held['file']})" if held["file"] else ""))
     for i, row in enumerate(info["samples"], start=1):

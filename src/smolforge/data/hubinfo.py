@@ -55,15 +55,16 @@ def _first_keys(path: str) -> list[str]:
 
 
 def describe(name: str, config: str | None = None, split: str | None = None, column: str | None = None,
-             eval_split: str | None = None, samples: int = 2, spell: Spell = as_flag) -> dict[str, Any]:
+             eval_split: str | None = None, samples: int = 2, spell: Spell = as_flag, fmt: str = "auto",
+             skip_bad_lines: bool = False) -> dict[str, Any]:
     """What training reads for NAME (a dataset name or directory, a JSONL file, a built-in set) with its
     CONFIG, SPLIT, COLUMN and held-out EVAL_SPLIT, as JSON-able values: {name, kind and where (`locate`;
     a cached name: its cache directory), file (the JSONL read), columns (the dataset's), format (the
-    shape detected), columns_used, rows (train + held out), train_rows, held_out {how, rows}, samples
+    shape detected, or FMT as forced), columns_used, rows (train + held out), train_rows, held_out {how, rows}, samples
     [{source, text}] (the first SAMPLES training rows, `training_text`)}.
 
     Raises SmolforgeError (exit 2) as `by_name` (a name not cached: the command that caches it) and as
-    `read_spec` (a bad line: file:line)."""
+    `read_spec` (a bad line: file:line; skipped and counted in `skipped` with SKIP_BAD_LINES)."""
     from smolforge.data.splits import read_spec
 
     kind, where = locate(name)
@@ -76,12 +77,12 @@ def describe(name: str, config: str | None = None, split: str | None = None, col
             where = str(Path(loaded.cache_files[0]["filename"]).parent)
     else:
         columns = _first_keys(file) if kind == FILE else []
-    spec = DataSpec(path=file, eval_path=held, max_eval_samples=None)
-    train, eval_ex, fmt, _skipped = read_spec(spec)
+    spec = DataSpec(path=file, eval_path=held, max_eval_samples=None, format=fmt, skip_bad_lines=skip_bad_lines)
+    train, eval_ex, fmt, skipped = read_spec(spec)
     how = (f"split {eval_split}, whole" if held else f"{name}'s own held-out set" if kind == BUILT_IN
            else f"a {spec.eval_fraction:.0%} split of the rows (eval_fraction)")
     return {"name": name, "kind": kind, "where": where, "file": str(file), "columns": columns, "format": fmt,
             "columns_used": [column] if column else [c for c in SHAPE_COLUMNS.get(fmt, ()) if c in columns or not columns],
             "rows": len(train) + (0 if held or kind == BUILT_IN else len(eval_ex)), "train_rows": len(train),
-            "held_out": {"how": how, "rows": len(eval_ex), "file": held},
+            "held_out": {"how": how, "rows": len(eval_ex), "file": held}, "skipped": skipped,
             "samples": [{"source": ex.source, "text": training_text(ex)} for ex in train[:samples]]}
