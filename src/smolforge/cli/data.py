@@ -120,7 +120,8 @@ def _show_source(name: str, named: dict[str, Any], reading: dict[str, Any], json
     skipped = f", {info['skipped']} bad lines skipped" if info["skipped"] else ""
     typer.echo(f"rows:      {info['rows']} ({info['train_rows']} trained on{skipped})")
     held = info["held_out"]
-    typer.echo(f"held out:  {held['rows']} rows, {held['how']}" + (f" ({held['file']})" if held["file"] else ""))
+    rows = f"{held['rows']} row{'' if held['rows'] == 1 else 's'}"
+    typer.echo(f"held out:  {rows}, {held['how']}" + (f" ({held['file']})" if held["file"] else ""))
     for i, row in enumerate(info["samples"], start=1):
         typer.echo(f"\n--- row {i}: {row['source']} (as training text, before the chat template) ---")
         typer.echo(row["text"])
