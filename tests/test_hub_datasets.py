@@ -171,9 +171,11 @@ def test_the_seeds_split_train_line_reads_a_cached_wikitext(hub, offline, tmp_pa
     (["--data", "bundled", "--dataset-split", "test"], "--dataset-split needs --dataset-name"),
     (["--dataset-name", "bundled", "--dataset-column", "text"], "--dataset-column: bundled is a local dataset"),
     (["--data", "bundled", "--dataset-eval-split", "validation"], "--dataset-eval-split needs --dataset-name"),
+    (["--dataset-name", "bundled", "--dataset-eval-split", "validation"], "--dataset-eval-split: bundled is a local dataset"),
     (["--dataset-name", "acme/absent", "--eval-data", "bundled", "--dataset-eval-split", "validation"],
      "both --eval-data bundled and --dataset-eval-split validation"),
-], ids=["both", "split-without-name", "column-of-a-file", "eval-split-without-name", "eval-file-and-split"])
+], ids=["both", "split-without-name", "column-of-a-file", "eval-split-without-name", "eval-split-of-a-file",
+        "eval-file-and-split"])
 def test_dataset_flags_that_do_not_go_together_are_one_message(args, needle, offline, tmp_path):
     proc = _train(tmp_path, *args)
     assert proc.exit_code == 2 and needle in proc.stderr, proc.output[-2000:]
@@ -311,7 +313,7 @@ def test_help_shows_the_dataset_flags_with_an_example(command):
 
     out = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"}).output
     head, options = out.split("Options", 1)  # the command's text, then its flags
-    for flag in ("--dataset-name", "--dataset-config", "--dataset-split", "--dataset-column"):
+    for flag in ("--dataset-name", "--dataset-config", "--dataset-split", "--dataset-column", "--dataset-eval-split"):
         assert flag in options, flag
     examples = [p for p in re.split(r"\n\s*\n", head) if p.strip().startswith("Example")]
     assert any(f"smolforge {' '.join(command)} " in p and "--dataset-name" in p for p in examples), examples
@@ -354,3 +356,180 @@ def test_the_eval_split_of_a_dataset_by_name_is_the_held_out_file(hub, offline, 
         "dataset_name": str(hub["saved"]), "eval_path": "bundled", "dataset_eval_split": "validation"}}}
     with pytest.raises(SmolforgeError, match="both train.data.eval_path bundled and train.data.dataset_eval_split"):
         stage_spec(both, lambda path: "upload:x")
+
+
+# --- issue 46 leftovers: the eval split on every path, the seeds' calls by name, `data show` -------------------
+
+def test_eval_reads_a_datasets_eval_split_whole(hub, offline):
+    """A real run: `eval --dataset-eval-split validation` evaluates on that split, whole (4 rows), as
+    train holds it out; without it, the --dataset-split rows (16)."""
+    args = ("eval", "--model", "tiny-llama", "--dataset-name", str(hub["saved"]), "--max-length", "32",
+            "--max-new-tokens", "1", "--batch-size", "4", "--json")
+    proc = smolforge_here(*args, "--dataset-eval-split", "validation")
+    assert proc.exit_code == 0, proc.output[-3000:]
+    assert last_json(proc.stdout)["examples"] == len(HELD_OUT)
+
+
+def _sent_by(monkeypatch) -> list:
+    """What launch, distill and split train hand over (a job spec, split train's config), recorded instead."""
+    import dataclasses
+
+    import smolforge.cli.distill as distill
+    import smolforge.cli.launch as launch
+    import smolforge.split.trainer as trainer
+    from smolforge.cluster.control import kinds
+
+    sent: list = []
+    monkeypatch.setattr(launch, "_submit_and_follow", lambda spec, *_, **__: sent.append(spec))
+    monkeypatch.setattr(distill, "run_distill_job", lambda spec, *_, **__: sent.append(spec) or {})
+    monkeypatch.setattr(distill, "_export_and_show", lambda *_: None)
+    monkeypatch.setattr(trainer, "train_split", lambda cfg: sent.append(cfg.model_dump()) or SimpleNamespace(
+        to_dict=dict, steps=0, final_loss=0.0, adapter_dir="-"))
+    # the distill check plans the run (tokenizers, PEFT): not what this test asks
+    monkeypatch.setitem(kinds.KINDS, "distill", dataclasses.replace(kinds.KINDS["distill"], check=lambda job: None))
+    return sent
+
+
+SPLIT = ("--split-point-1", "1", "--split-point-2", "3")
+EVAL_SPLIT_PATHS = {  # command line -> where its held-out file lands in what it builds
+    "launch": (["launch", "--model", "tiny-llama", "--max-steps", "1"], "train.data.eval_path"),
+    "launch --stages": (["launch", "--model", "tiny-llama", "--stages", "2", "--max-steps", "1"], "train.data.eval_path"),
+    "launch split": (["launch", "--mode", "split", "--model", "tiny-llama", *SPLIT], "split.eval_dataset"),
+    "launch teacher_student": (["launch", "--mode", "teacher_student", "--model", "small-llama", "--student",
+                                "tiny-llama"], "distill.eval_data"),
+    "distill": (["distill", "--teacher", "small-llama", "--student", "tiny-llama"], "distill.eval_data"),
+    "split train": (["split", "train", "--model", "tiny-llama", *SPLIT, "--quiet"], "eval_dataset"),
+}
+
+
+@pytest.mark.parametrize("path", list(EVAL_SPLIT_PATHS))
+def test_every_command_reads_the_eval_split_into_its_held_out_file(path, hub, offline, tmp_path, monkeypatch):
+    """`--dataset-eval-split` on launch (data-parallel, pipeline, split, distillation), distill and split
+    train: the split read by the one resolver into the held-out file of what the command builds."""
+    from smolforge.config import get_path
+
+    sent = _sent_by(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    command, where = EVAL_SPLIT_PATHS[path]
+    proc = smolforge_here(*command, "--dataset-name", str(hub["saved"]), "--dataset-eval-split", "validation")
+    assert proc.exit_code == 0, proc.output[-3000:]
+    assert _held_out(get_path(sent[0], where)) == HELD_OUT
+
+
+EVAL_WHERE = {"data_parallel": "train.data.eval_path", "seed-task": "train.data.eval_path",
+              "distill": "distill.eval_data", "split": "split.eval_dataset", "distill_task students": "args.eval_path"}
+
+
+@pytest.mark.parametrize("kind", list(EVAL_WHERE))
+def test_every_job_kind_reads_its_eval_split_at_submit(kind, hub, offline):
+    """A spec's `dataset_eval_split` beside `dataset_name`: read at submit into the kind's held-out file
+    (`JobKind.named_eval`), uploaded; the coordinator's spec names the uploads only."""
+    from smolforge.cluster.control.kinds import parse, stage_spec
+    from smolforge.config import get_path
+
+    build, where = SPEC_SECTIONS[kind]
+    uploads: dict[str, list] = {}
+    staged = stage_spec(build({"dataset_name": str(hub["saved"]), "dataset_eval_split": "validation"}),
+                        lambda path: uploads.setdefault(f"upload:{len(uploads)}", _held_out(path)) and
+                        f"upload:{len(uploads) - 1}")
+    assert (uploads[get_path(staged, where)], uploads[get_path(staged, EVAL_WHERE[kind])]) == (ALPACA, HELD_OUT)
+    parse(staged)
+
+
+def test_split_and_distill_students_read_the_held_out_file_whole(hub, offline):
+    """What runs reads the held-out file as it is (not a split of it): split learning's DataSpec, and the
+    distill students' eval examples."""
+    from smolforge.cluster.workloads.distill.students import StudentTasks
+    from smolforge.data.hub import by_name
+    from smolforge.split.trainer import SplitTrainConfig
+
+    held = by_name(str(hub["saved"]), split="validation")
+    spec = SplitTrainConfig(model="tiny-llama", split_point_1=1, split_point_2=3, eval_dataset=held).data_spec()
+    assert spec.eval_path == held
+    examples = StudentTasks._eval_examples(None, held, held, 200)  # as `start_students` calls it
+    assert [ex["messages"][-1]["content"] for ex in examples] == [row["output"] for row in HELD_OUT]
+
+
+class _Recorder:
+    """The job API an Orchestrator uses, recording what it submits (parsed as a coordinator parses it)."""
+
+    runs_in_process = False
+
+    def __init__(self):
+        self.specs: list[dict] = []
+
+    def submit_job(self, spec: dict) -> str:
+        from smolforge.cluster.control import kinds
+
+        kinds.parse(spec)
+        self.specs.append(spec)
+        return f"job-{len(self.specs):010x}"
+
+
+def test_the_seeds_calls_take_a_dataset_by_name(hub, offline, tmp_path, monkeypatch):
+    """`create_data_parallel_tasks(dataset_name=...)` submits the spec's own fields (read at submit);
+    `create_teacher_task` / `create_student_tasks` read the name here into the files they send."""
+    from smolforge.orchestrator import Orchestrator
+
+    monkeypatch.chdir(tmp_path)
+    orch = Orchestrator("teacher_student", backend=_Recorder())
+    orch.create_data_parallel_tasks("tiny-llama", dataset_name="acme/tiny_notes", dataset_column="content",
+                                    dataset_eval_split="validation", max_steps=1)
+    assert orch.backend.specs[0]["train"]["data"] == {"dataset_name": "acme/tiny_notes", "dataset_column": "content",
+                                                      "dataset_eval_split": "validation", "max_length": 256}
+    orch.create_teacher_task("small-llama", dataset_name=str(hub["saved"]), output_dir="./run")
+    assert _held_out(orch.backend.specs[1]["args"]["dataset_path"]) == ALPACA
+    orch.create_student_tasks("tiny-llama", num_students=1, dataset_name=str(hub["saved"]),
+                              dataset_eval_split="validation")
+    args = orch.backend.specs[2]["args"]
+    assert (_held_out(args["eval_data"]), _held_out(args["eval_path"])) == (ALPACA, HELD_OUT)
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda o: o.create_data_parallel_tasks("tiny-llama", "bundled", dataset_name="acme/x"),
+     "both dataset_path bundled and dataset_name acme/x"),
+    (lambda o: o.create_data_parallel_tasks("tiny-llama"), "no dataset: give dataset_path or dataset_name"),
+    (lambda o: o.create_data_parallel_tasks("tiny-llama", "bundled", dataset_split="test"),
+     "dataset_split needs dataset_name"),
+    (lambda o: o.create_parallel_teacher_tasks("small-llama", output_dir="./run"),
+     "no dataset: give dataset_path or dataset_name"),
+    (lambda o: o.create_student_tasks("tiny-llama", "./run", eval_data="bundled", dataset_name="acme/x"),
+     "both eval_data bundled and dataset_name acme/x"),
+    (lambda o: o.create_student_tasks("tiny-llama", "./run", dataset_name="acme/x", eval_path="e.jsonl",
+                                      dataset_eval_split="validation"), "both eval_path e.jsonl and dataset_eval_split"),
+], ids=["dp-both", "dp-neither", "dp-split-alone", "teacher-neither", "students-both", "students-eval-both"])
+def test_a_seed_call_with_both_or_neither_dataset_is_one_error(call, needle, offline):
+    from smolforge.errors import SmolforgeError
+    from smolforge.orchestrator import Orchestrator
+
+    with pytest.raises(SmolforgeError, match=re.escape(needle)) as err:
+        call(Orchestrator("teacher_student", backend=_Recorder()))
+    assert err.value.fix and not offline.exists()  # refused before anything was read
+
+
+def test_data_show_says_what_training_reads_from_a_cached_name(hub, offline):
+    """`data show NAME`: where the name resolved (its cache directory), the shape, rows and columns, the
+    column used, two rows as training text and the held-out set; a JSONL file the same way."""
+    proc = smolforge_here("data", "show", "acme/tiny_notes", "--dataset-column", "content", "--json")
+    assert proc.exit_code == 0, proc.output[-3000:]
+    info = last_json(proc.stdout)
+    assert (info["kind"], Path(info["where"]).is_relative_to(hub["cache"] / "acme___tiny_notes")) == (
+        "Hugging Face cache", True)
+    assert (info["format"], info["columns"], info["columns_used"], info["rows"]) == ("text", ["content", "id"],
+                                                                                       ["content"], 16)
+    assert len(info["samples"]) == 2  # the first training rows (after the held-out split), as their text
+    assert all(re.fullmatch(r"note \d+: the sky is blue\.", sample["text"]) for sample in info["samples"])
+    assert info["held_out"]["rows"] == 1 and "10% split" in info["held_out"]["how"]
+    text = smolforge_here("data", "show", str(hub["saved"]), "--dataset-eval-split", "validation")
+    assert text.exit_code == 0, text.output[-3000:]
+    assert "save_to_disk directory" in text.stdout and "alpaca (columns used: instruction, input, output" in text.stdout
+    assert "held out:  4 rows, split validation, whole" in text.stdout
+    assert "user: Say the number 0.\nassistant: The number is 0." in text.stdout
+    file = smolforge_here("data", "show", info["file"], "--json")
+    assert (last_json(file.stdout)["kind"], last_json(file.stdout)["rows"]) == ("JSONL file", 16)
+
+
+def test_data_show_of_a_name_not_cached_is_exit_2_with_the_fix(hub, offline):
+    proc = smolforge_here("data", "show", "acme/absent")
+    assert proc.exit_code == 2, proc.output[-3000:]
+    assert "datasets.load_dataset('acme/absent', split='train')" in proc.stderr and "Traceback" not in proc.output

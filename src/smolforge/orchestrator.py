@@ -39,6 +39,7 @@ from typing import Any, Callable
 from smolforge.client import backend_for
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.cluster.face import DistillTasks, holds_jobs, split_task_id, store_dir_of
+from smolforge.config import EVAL_SPLIT_KEY, dataset_choice_problem, eval_split_problem
 from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
 
@@ -111,20 +112,31 @@ class Orchestrator(DistillTasks):
         self.log_event("discover", f"{len(nodes)} nodes", names=[n["name"] for n in nodes])
         return nodes
 
-    def create_data_parallel_tasks(self, model_path: str, dataset_path: str, num_workers: int = 2,
+    def create_data_parallel_tasks(self, model_path: str, dataset_path: str | None = None, num_workers: int = 2,
                                    batch_size: int = 4, epochs: float = 1.0, max_length: int = 256,
                                    peft: str = "lora", lora_r: int = 8, lora_alpha: float = 16,
                                    max_steps: int | None = None, lr: float | None = None,
                                    save_every: int | None = None, seed: int = 0, max_retries: int | None = None,
                                    cpus_per_worker: float | None = None, name: str | None = None,
-                                   task_config: TaskConfig | None = None, **train_overrides: Any) -> list[str]:
+                                   task_config: TaskConfig | None = None, dataset_name: str | None = None,
+                                   dataset_config: str | None = None, dataset_split: str | None = None,
+                                   dataset_column: str | None = None, dataset_eval_split: str | None = None,
+                                   **train_overrides: Any) -> list[str]:
         """Submit one data-parallel job (a group of `num_workers` ranks); returns `[job_id]`.
 
         `batch_size` is per worker; the global batch is batch_size x num_workers. `task_config` (the
         seeds' TaskConfig) sets the job's name, priority, per-worker resources, max_retries and
-        checkpointing (an argument that says otherwise is an error).
+        checkpointing (an argument that says otherwise is an error). The data is `dataset_path` (a JSONL
+        file or 'bundled') or a dataset by name, as `--dataset-name` ... `--dataset-eval-split`: the spec's
+        `train.data.dataset_name` ... fields, read where the job is submitted. SmolforgeError for both,
+        neither, or a companion without `dataset_name` (`_check_dataset`).
         """
-        train: dict[str, Any] = {"model": model_path, "data": {"path": dataset_path, "max_length": max_length},
+        named = _check_dataset("create_data_parallel_tasks", "dataset_path", dataset_path, {
+            "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
+            "dataset_column": dataset_column, EVAL_SPLIT_KEY: dataset_eval_split},
+            eval_file=train_overrides.get("eval_path", self.config.get("train", {}).get("eval_path")))
+        data = {"path": dataset_path} if dataset_path is not None else named
+        train: dict[str, Any] = {"model": model_path, "data": {**data, "max_length": max_length},
                                  "peft": {"method": peft, "r": lora_r, "alpha": lora_alpha},
                                  "batch_size": batch_size, "epochs": epochs, "seed": seed}
         for key, value in (("max_steps", max_steps), ("lr", lr), ("save_every", save_every)):
@@ -224,15 +236,34 @@ class Orchestrator(DistillTasks):
 
     # -- the seeds' distillation tasks, as jobs ------------------------------------------------------
 
-    def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str, output_dir: str | Path,
-                                      num_teachers: int | None = None, batch_size: int = 8,
-                                      compress_outputs: bool = True, max_samples: int | None = None,
-                                      **kwargs: Any) -> list[str]:
+    def create_teacher_task(self, model_path: str, dataset_path: str | None = None, output_dir: str | Path | None = None,
+                            batch_size: int = 8, max_samples: int | None = None, **kwargs: Any) -> str:
+        """One teacher over the whole dataset (the seeds' name); returns its task id. The dataset as
+        `create_parallel_teacher_tasks` takes it (a file, or `dataset_name=` ...)."""
+        return self.create_parallel_teacher_tasks(model_path, dataset_path, output_dir, 1, batch_size=batch_size,
+                                                  max_samples=max_samples, **kwargs)[0]
+
+    def create_parallel_teacher_tasks(self, model_path: str, dataset_path: str | None = None,
+                                      output_dir: str | Path | None = None, num_teachers: int | None = None,
+                                      batch_size: int = 8, compress_outputs: bool = True,
+                                      max_samples: int | None = None, dataset_name: str | None = None,
+                                      dataset_config: str | None = None, dataset_split: str | None = None,
+                                      dataset_column: str | None = None, **kwargs: Any) -> list[str]:
         """One teacher job: `num_teachers` teachers (None: one per node holding the model) write the
         store `<output_dir>/teacher_outputs/` (every argument: `cluster/workloads/distill/plans.py`
         TeacherCall; checked here, into its TeacherPlan). Returns the teacher task ids,
         `<job>-teacher-N`; with `num_teachers` None they are known once the job has started, so this
-        waits for that. On a bare Ray handle the plan's teachers start in this process."""
+        waits for that. On a bare Ray handle the plan's teachers start in this process. The prompts are
+        `dataset_path` or a dataset by name (`dataset_name` [`dataset_config`, `dataset_split`,
+        `dataset_column`], read here into one JSONL file by `data.hub`, uploaded as any); SmolforgeError
+        for both or neither (`_check_dataset`), or no output_dir."""
+        if output_dir is None:
+            raise SmolforgeError("no output_dir given", where="create_parallel_teacher_tasks",
+                                 fix="pass output_dir (the run dir that gets teacher_outputs/)")
+        named = _check_dataset("create_parallel_teacher_tasks", "dataset_path", dataset_path, {
+            "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
+            "dataset_column": dataset_column})
+        dataset_path = _read_named(named, "dataset_path").get("dataset_path", dataset_path)
         call = dict(model_path=model_path, dataset_path=dataset_path, output_dir=output_dir, num_teachers=num_teachers,
                     batch_size=batch_size, compress_outputs=compress_outputs, max_samples=max_samples, **kwargs)
         plan = self.teacher_plan(**call)  # the call checked here, at once: a wrong name, what a teacher cannot honour
@@ -254,14 +285,24 @@ class Orchestrator(DistillTasks):
 
     def create_student_tasks(self, base_model: str | list[str], teacher_outputs_dir: str | Path | None = None,
                              num_students: int = 2, peft_type: str = "lora",
-                             peft_config: dict[str, Any] | None = None, **kwargs: Any) -> list[str]:
+                             peft_config: dict[str, Any] | None = None, dataset_name: str | None = None,
+                             dataset_config: str | None = None, dataset_split: str | None = None,
+                             dataset_column: str | None = None, dataset_eval_split: str | None = None,
+                             **kwargs: Any) -> list[str]:
         """One students job on a teacher's store (every argument: `cluster/workloads/distill/plans.py`
         StudentCall; checked here, into its StudentPlan); returns the student task ids,
         `<job>-student-N`. `teacher_outputs_dir` is a store
         this orchestrator's teacher calls wrote (or a teacher task or job id; on the embedded cluster,
         any store); without it, this orchestrator's last teacher task's. The job starts training when
         that teacher job has completed. Outputs: `<output_dir>/output/student_N/` (default: the store's
-        parent), N counting on across this orchestrator's calls."""
+        parent), N counting on across this orchestrator's calls. The held-out set is `eval_data` (its
+        held-out split) / `eval_path` (whole), or a dataset by name: `dataset_name` [...] for eval_data,
+        `dataset_eval_split` for eval_path, read here as the teacher's (`_check_dataset`)."""
+        named = _check_dataset("create_student_tasks", "eval_data", kwargs.get("eval_data"), {
+            "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
+            "dataset_column": dataset_column, EVAL_SPLIT_KEY: dataset_eval_split},
+            eval_file=kwargs.get("eval_path"), required=False)
+        kwargs.update(_read_named(named, "eval_data", "eval_path"))
         call = dict(base_model=base_model, teacher_outputs_dir=teacher_outputs_dir, num_students=num_students,
                     peft_type=peft_type, peft_config=peft_config, **kwargs)
         if not self._as_jobs:
@@ -446,6 +487,34 @@ def _job_task_status(job: dict[str, Any], row_id: str) -> dict[str, Any]:
             "progress": 1.0 if state == "completed" else job.get("progress") or 0.0,
             "node": node or job.get("node"), "nodes": [node] if node else job.get("nodes", []),
             "error": (row or {}).get("error") or job.get("error")}
+
+
+def _check_dataset(where: str, file_key: str, file: Any, named: dict[str, Any], eval_file: Any = None,
+                   required: bool = True) -> dict[str, Any]:
+    """A seed call's dataset, a file (FILE_KEY = FILE) or by name (NAMED: `dataset_name` and its companions;
+    `dataset_eval_split` beside the call's held-out file EVAL_FILE), checked by the rules the commands and
+    specs follow (`config.dataset_choice_problem`, `eval_split_problem`), in the call's own argument names.
+    Returns the NAMED keys given. SmolforgeError (where: the call) for a file and a name, a companion
+    without the name, an eval split beside a held-out file, or (REQUIRED) neither file nor name."""
+    given = {key: value for key, value in named.items() if value is not None}
+    problem = dataset_choice_problem(file_key, file, given) or eval_split_problem(
+        "eval_path", eval_file, given.get("dataset_name"), given.get(EVAL_SPLIT_KEY))
+    if problem is None and required and file is None and not given:
+        problem = f"no dataset: give {file_key} or dataset_name"
+    if problem:
+        raise SmolforgeError(problem, where=where, fix=f"pass one of {file_key}=FILE and dataset_name=NAME "
+                             "(with dataset_config=, dataset_split=, dataset_column=, dataset_eval_split= as needed)")
+    return given
+
+
+def _read_named(named: dict[str, Any], file_key: str, eval_key: str | None = None) -> dict[str, Any]:
+    """NAMED (a call's `dataset_name` ..., checked) read into FILE_KEY (and its eval split into EVAL_KEY) by
+    `data.hub.resolve_in`, the one reader specs use: {} when no name was given."""
+    if not named:
+        return {}
+    from smolforge.data.hub import resolve_in
+
+    return resolve_in(named, file_key, eval_key)
 
 
 def _call_args(call: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:

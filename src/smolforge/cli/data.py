@@ -1,6 +1,11 @@
-"""`smolforge data show`: a dataset's first rows as training will see them.
+"""`smolforge data show`: a dataset as training will read it.
 
-The rows come from the function training encodes with (`data.encode.encode_all`, told the chat
+`data show SOURCE` (a Hub name read offline from the local cache, a save_to_disk or Hub-layout directory,
+a JSONL file, 'bundled'; `--dataset-config/-split/-column/-eval-split` as every command takes them) says
+what smolforge would read (`data.hubinfo.describe`): where the name resolved, the shape detected, the
+rows and columns, the columns used, the first rows as training text and the held-out set; no tokenizer.
+
+With `--model`, the rows come from the function training encodes with (`data.encode.encode_all`, told the chat
 template's system role by `train.rendering.system_role`, as `load_checked_splits` tells it), one
 example at a time so each row keeps its `file:line`: the chat template applied (a system turn folded
 into the next user turn where the template has none), tokenized, truncated to `--max-length`, and
@@ -14,14 +19,17 @@ from __future__ import annotations
 import os
 import sys
 from itertools import pairwise
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
 from smolforge.cli.common import print_json, quiet_libraries, run_cli
+from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetSplitOpt
 from smolforge.config import DataSpec, validate
+from smolforge.errors import SmolforgeError
 
 data_app = typer.Typer(help="Look at a dataset as training will see it.\n\n"
+                       "Example: smolforge data show wikitext --dataset-config wikitext-2-raw-v1\n\n"
                        "Example: smolforge data show --model tiny-llama --data mydata.jsonl -n 3",
                        no_args_is_help=True)
 OPEN, CLOSE = "[[", "]]"
@@ -35,23 +43,51 @@ def register(app: typer.Typer) -> None:
 @data_app.command("show")
 @run_cli
 def show(
-    model: str = typer.Option(..., help="whose tokenizer and chat template: HF id, local dir, Ollama name, preset or twin"),
-    data: str = typer.Option(..., help="JSONL file, or 'bundled'"),
+    source: Optional[str] = typer.Argument(None, help="the dataset: a Hugging Face name (read offline from the local "
+                                           "cache), a save_to_disk / Hub-layout directory, a JSONL file, or 'bundled'"),
+    dataset_config: DatasetConfigOpt = None,
+    dataset_split: DatasetSplitOpt = None,
+    dataset_column: DatasetColumnOpt = None,
+    dataset_eval_split: DatasetEvalSplitOpt = None,
+    model: Optional[str] = typer.Option(None, help="whose tokenizer and chat template (HF id, local dir, Ollama name, "
+                                        "preset or twin): the rows tokenized, the trained tokens marked"),
+    data: Optional[str] = typer.Option(None, help="JSONL file, or 'bundled' (as SOURCE)"),
     rows: int = typer.Option(3, "-n", "--rows", min=1, help="how many rows to show (the file's first)"),
     format: str = typer.Option("auto", "--format", help="auto|alpaca|chat|prompt_completion|text"),
     max_length: int = typer.Option(_MAX_LENGTH, help="truncate rows to this many tokens, as training does"),
     skip_bad_lines: bool = typer.Option(False, "--skip-bad-lines", help="skip bad lines (listed), as training does"),
     json_out: bool = typer.Option(False, "--json", help="per row: text, token ids and the loss mask, as one JSON object"),
 ):
-    """Print a dataset's first rows as training will see them, the tokens the loss covers marked.
+    """Say what training would read from a dataset; with --model, its first rows as training sees them.
 
-    The chat template applied (a system turn folded into the next user turn where the template has no
-    system role), tokenized and truncated by the function training uses.
+    Without --model: where the name resolved (cache directory, save_to_disk or local directory, file),
+    the shape detected (text/alpaca/chat/prompt_completion), rows, columns and the columns used, two
+    rows as training text (cut), and the held-out set (--dataset-eval-split's split, or a split of the
+    rows). A name not in the local cache: exit 2 with the command that caches it.
+
+    With --model: the chat template applied (a system turn folded into the next user turn where the
+    template has no system role), tokenized and truncated by the function training uses, the tokens the
+    loss covers marked.
+
+    Example: smolforge data show wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation
+
+    Example: smolforge data show mydata.jsonl --json
 
     Example: smolforge data show --model twin:phi-3-mini-4k-instruct --data mydata.jsonl -n 3
 
     Example: smolforge data show --model tiny-llama --data bundled -n 1 --json
     """
+    if (source is None) == (data is None):
+        raise SmolforgeError("both SOURCE and --data given" if source else "no dataset given",
+                             fix="give one: smolforge data show NAME|FILE.jsonl (or --data FILE)")
+    name = source if source is not None else str(data)
+    if model is None:
+        named = {"config": dataset_config, "split": dataset_split, "column": dataset_column, "eval_split": dataset_eval_split}
+        _show_source(name, named, {"fmt": format, "skip_bad_lines": skip_bad_lines}, json_out)
+        return
+    from smolforge.data.hub import by_name
+
+    data = by_name(name, dataset_config, dataset_split, dataset_column)
     spec = validate(DataSpec, {"path": data, "format": format, "max_length": max_length, "eval_fraction": 0,
                                "max_eval_samples": None, "skip_bad_lines": skip_bad_lines}, where="smolforge data show")
     from smolforge.data.splits import read_spec
@@ -66,6 +102,29 @@ def show(
         print_json({"model": model, "data": data, "format": fmt, **view})
     else:
         _print(tok, model, data, fmt, view)
+
+
+def _show_source(name: str, named: dict[str, Any], reading: dict[str, Any], json_out: bool) -> None:
+    """`data show SOURCE` without --model: `hubinfo.describe`'s answer (NAMED: config, split, column,
+    eval_split; READING: fmt, skip_bad_lines) as text or one JSON object."""
+    from smolforge.data.hubinfo import describe
+
+    info = describe(name, **named, **reading)
+    if json_out:
+        print_json(info)
+        return
+    used = ", ".join(info["columns_used"]) or "-"
+    typer.echo(f"{name}: {info['kind']}, {info['where']}")
+    typer.echo(f"reads:     {info['file']}")
+    typer.echo(f"shape:     {info['format']} (columns used: {used}; columns: {', '.join(info['columns']) or '-'})")
+    skipped = f", {info['skipped']} bad lines skipped" if info["skipped"] else ""
+    typer.echo(f"rows:      {info['rows']} ({info['train_rows']} trained on{skipped})")
+    held = info["held_out"]
+    rows = f"{held['rows']} row{'' if held['rows'] == 1 else 's'}"
+    typer.echo(f"held out:  {rows}, {held['how']}" + (f" ({held['file']})" if held["file"] else ""))
+    for i, row in enumerate(info["samples"], start=1):
+        typer.echo(f"\n--- row {i}: {row['source']} (as training text, before the chat template) ---")
+        typer.echo(row["text"])
 
 
 def preview(tok: Any, examples: list, spec: DataSpec, n: int) -> dict[str, Any]:

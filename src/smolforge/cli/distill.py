@@ -17,7 +17,8 @@ import typer
 from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, cli_token, peft_section, print_json,
                                   quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
-from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
+from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt, DatasetSplitOpt,
+                                   dataset_files)
 from smolforge.distill.backends import backends_help
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
@@ -44,6 +45,8 @@ Example (a bf16 teacher, half its fp32 memory; students' base bf16, adapters fp3
 Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or give one with --teacher model.gguf): smolforge distill --teacher small-llama --student tiny-llama --data bundled --max-steps 20 --teacher-backend llamacpp --teacher-quant q8_0
 
 Example (prompts from a Hugging Face dataset, read offline from the local cache): smolforge distill --teacher small-llama --student tiny-llama --dataset-name tatsu-lab/alpaca --max-samples 256 --max-steps 20
+
+Example (the students evaluated on the dataset's validation split): smolforge distill --teacher small-llama --student tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --max-steps 20
 """
 
 
@@ -59,6 +62,7 @@ def register(app: typer.Typer) -> None:
         dataset_config: DatasetConfigOpt = None,
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
+        dataset_eval_split: DatasetEvalSplitOpt = None,
         output_dir: str = typer.Option("outputs/distill", help="run dir: teacher_outputs/, output/, merged_model/"),
         num_teachers: Optional[int] = typer.Option(None, help="teacher tasks (default: one per node holding the teacher)"),
         num_students: int = typer.Option(2, help="students per base; they split the shards (hybrid)"),
@@ -139,8 +143,7 @@ def register(app: typer.Typer) -> None:
 
 def _run_command(o: dict[str, Any]) -> None:
     """What `smolforge distill` does with its options: check, build the job spec, run it, export and show."""
-    o["data"] = named_dataset(o["data"], o["dataset_name"], o["dataset_config"], o["dataset_split"],
-                              o["dataset_column"], "--data")
+    o["data"], o["eval_data"] = dataset_files(o, "data", "--data")  # eval_data: --dataset-eval-split's file
     if o["data"] is None:
         raise SmolforgeError("no dataset given", fix="pass --data FILE|bundled|bundled-prompts or --dataset-name NAME")
     distill = _distill_section(o)
@@ -174,7 +177,7 @@ def _distill_section(o: dict[str, Any]) -> dict[str, Any]:
         "cpus_per_student": o["cpus_per_student"], "eval": not o["no_eval"], "device": o["device"],
         "teacher_dtype": o["teacher_dtype"], "student_dtype": o["student_dtype"],
         "students_sync": o["students_sync"], "students_strategy": o["students_strategy"],
-        "teacher_on_coordinator": o["teacher_on_coordinator"]}
+        "teacher_on_coordinator": o["teacher_on_coordinator"], "eval_data": o["eval_data"]}
 
 
 def _export_and_show(summary: dict[str, Any], output_dir: str, export: str | None, json_out: bool) -> None:

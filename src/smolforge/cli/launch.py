@@ -20,8 +20,8 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, pri
                                   run_cli)
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
-from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset,
-                                   sets_a_dataset)
+from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt,
+                                   DatasetSplitOpt, dataset_files, sets_a_dataset)
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
@@ -98,7 +98,7 @@ Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max
 
 Example: smolforge launch --mode split --model tiny-llama --dataset data.jsonl --split-point-1 1 --split-point-2 3 --max-steps 50
 
-Example: smolforge launch --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --workers 2 --max-steps 50  (a Hugging Face dataset, read offline from the local cache at submit, uploaded as JSONL; or --set dataset_name=wikitext)
+Example: smolforge launch --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --workers 2 --max-steps 50  (a Hugging Face dataset, read offline from the local cache at submit, uploaded as JSONL, its validation split held out; or --set dataset_name=wikitext)
 """  # `launch --help`: what it does and an example per kind of job
 
 
@@ -119,6 +119,7 @@ def _register_launch(app: typer.Typer) -> None:
         dataset_config: DatasetConfigOpt = None,
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
+        dataset_eval_split: DatasetEvalSplitOpt = None,
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
         strategy: StrategyOpt = None,
         stages: StagesOpt = None,
@@ -168,7 +169,7 @@ def _register_launch(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
         export: ExportOpt = None,
     ):
-        dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset")
+        dataset, held_out = dataset_files(locals(), "dataset", "--dataset")  # held_out: --dataset-eval-split's file
         if dataset is None and not sets_a_dataset(set_):
             raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
@@ -261,7 +262,8 @@ def _launch_distill_flags(o: dict[str, Any], after: Callable[[Path], dict] | Non
     if o["stages"] is not None or o["strategy"] is not None:
         raise SmolforgeError(f"--{'stages' if o['stages'] is not None else 'strategy'} applies to --mode "
                              "data_parallel or model_parallel", fix=f"drop it, or pick another --mode than {o['mode']}")
-    _launch_distill(mode=o["mode"], teacher=o["model"], students=o["student"], dataset=o["dataset"], workers=workers,
+    _launch_distill(mode=o["mode"], teacher=o["model"], students=o["student"], dataset=o["dataset"],
+                    eval_data=o["held_out"], workers=workers,
                     token=cli_token(o["token"], o["token_file"]), sets=o["set_"],
                     unsupported={"--gpu": None if o["gpu"] in (None, "no") else o["gpu"]}, after=after,
                     **{key: o[key] for key in _DISTILL_FLAGS})
@@ -284,7 +286,7 @@ def _launch_data_parallel_flags(o: dict[str, Any], after: Callable[[Path], dict]
     for key in ("epochs", "max_steps", "lr", "save_every", "seed", "max_length", "lora_r", "lora_alpha", "peft", "dtype"):
         if o[key] is not None:
             kwargs[key] = o[key]
-    spec = _launch_spec(o["model"], o["dataset"], gpu=o["gpu"] or "no", sets=o["set_"], **kwargs)
+    spec = _launch_spec(o["model"], o["dataset"], gpu=o["gpu"] or "no", sets=o["set_"], eval_path=o["held_out"], **kwargs)
     _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers",
                        coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
@@ -337,6 +339,8 @@ def _launch_split_flags(o: dict[str, Any], after: Callable[[Path], dict] | None)
                              fix="e.g. --split-point-1 1 --split-point-2 3: the trunk is layers [1, 3)")
     split: dict[str, Any] = {"model": o["model"], "dataset": o["dataset"], "split_point_1": o["split_point_1"],
                              "split_point_2": o["split_point_2"]}
+    if o["held_out"] is not None:
+        split["eval_dataset"] = o["held_out"]
     split.update({key: o[flag] for flag, key in _SPLIT_FLAGS.items() if o[flag] is not None})
     spec: dict[str, Any] = {"kind": "split", "name": o["name"], "priority": o["priority"],
                             "max_retries": o["max_retries"], "cpus": o["cpus_per_worker"], "split": split}
@@ -372,8 +376,8 @@ def _model_parallel(mode: str, stages: int | None, workers: int | None, strategy
     return (stages or workers or 2), "pipeline"
 
 
-def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, workers: int,
-                    unsupported: dict[str, Any], **o: Any) -> None:
+def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: str, eval_data: str | None,
+                    workers: int, unsupported: dict[str, Any], **o: Any) -> None:
     """`launch --mode teacher_student|hybrid`: a distill job on the coordinator (or the embedded
     cluster): it shows in `smolforge jobs` and the dashboard, and pauses, resumes and cancels."""
     from smolforge.cluster.control.kinds import KINDS, apply_job_overrides, read_named
@@ -400,6 +404,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
         distill["teacher_dtype"] = distill["student_dtype"] = o["dtype"]
     if mode == "hybrid":
         distill["split_shards"] = True
+    if eval_data is not None:
+        distill["eval_data"] = eval_data
     spec = apply_job_overrides({"kind": "distill", "name": o["name"], "priority": o["priority"], "mode": mode,
                                 "distill": distill, "tensorboard": o["tensorboard"], "wandb": o["wandb"]}, o["sets"])
     spec = read_named(spec)  # --set dataset_name=...: read here, once
@@ -508,7 +514,7 @@ def monitored(spec: dict) -> bool:
 
 def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_workers: int, batch_size: int,
                  max_retries: int, cpus_per_worker: float, name: str | None, priority: str = "normal",
-                 **opts: Any) -> dict:
+                 eval_path: str | None = None, **opts: Any) -> dict:
     from smolforge.cluster.control.kinds import apply_job_overrides
 
     strategy = opts.pop("strategy", "ddp")
@@ -520,6 +526,8 @@ def _launch_spec(model: str, dataset: str, *, gpu: str, sets: list[str], num_wor
     opts.pop("wandb", None)
     if "max_length" in opts:
         train["data"]["max_length"] = opts.pop("max_length")
+    if eval_path is not None:
+        train["data"]["eval_path"] = eval_path
     peft: dict[str, Any] = {}
     for key, dest in (("peft", "method"), ("lora_r", "r"), ("lora_alpha", "alpha")):
         if key in opts:

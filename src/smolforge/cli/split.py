@@ -18,7 +18,8 @@ import typer
 
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, check_port, cli_token, print_json, quiet_libraries, run_cli
-from smolforge.cli.hubdata import DatasetColumnOpt, DatasetConfigOpt, DatasetNameOpt, DatasetSplitOpt, named_dataset
+from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt, DatasetSplitOpt,
+                                   dataset_files)
 from smolforge.errors import SmolforgeError
 
 TOKEN_ENV = "SMOLFORGE_SPLIT_TOKEN"  # = smolforge.split.protocol.TOKEN_ENV (kept import-free for --help speed)
@@ -125,6 +126,7 @@ def train_cmd(
     dataset_config: DatasetConfigOpt = None,
     dataset_split: DatasetSplitOpt = None,
     dataset_column: DatasetColumnOpt = None,
+    dataset_eval_split: DatasetEvalSplitOpt = None,
     data_format: str = typer.Option("auto", help="auto|alpaca|chat|prompt_completion|text"),
     max_train_samples: Optional[int] = bounded(None, ge=1, help="use only the first N training examples"),
     max_eval_samples: int = bounded(64, ge=0, help="held-out examples for Val Loss (0: no evaluation)"),
@@ -157,10 +159,12 @@ def train_cmd(
     --token-file split.token --dataset bundled --max-steps 50
 
     Example: smolforge split train --model tiny-llama --split-point-1 1 --split-point-2 3 --dataset-name wikitext
-    --dataset-config wikitext-2-raw-v1 --max-steps 50  (offline, from the HF cache)
+    --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --max-steps 50  (offline, from the HF cache;
+    Val Loss on its validation split)
     """
     check_port(server_port, "--server-port")
-    dataset = named_dataset(dataset, dataset_name, dataset_config, dataset_split, dataset_column, "--dataset") or "bundled"
+    dataset, eval_dataset = dataset_files(locals(), "dataset", "--dataset")
+    dataset = dataset or "bundled"
     quiet_libraries()
     from smolforge.config import validate
     from smolforge.split.trainer import SplitTrainConfig, train_split
@@ -169,7 +173,8 @@ def train_cmd(
         model=model, split_point_1=split_point_1, split_point_2=split_point_2, server_host=server_host,
         server_port=server_port, token=cli_token(token, token_file) or local_token(server_host), tls_ca=tls_ca, tls_server_name=tls_server_name, lora_rank=lora_rank,
         lora_alpha=lora_alpha, lora_dropout=lora_dropout, batch_size=batch_size, learning_rate=learning_rate,
-        weight_decay=weight_decay, num_epochs=num_epochs, max_steps=max_steps, dataset=dataset, data_format=data_format,
+        weight_decay=weight_decay, num_epochs=num_epochs, max_steps=max_steps, dataset=dataset,
+        eval_dataset=eval_dataset, data_format=data_format,
         max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
         gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision,
         max_seq_length=max_seq_length, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm or None,

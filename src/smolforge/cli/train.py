@@ -17,7 +17,7 @@ import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt,
-                                   DatasetSplitOpt, named_dataset, named_eval)
+                                   DatasetSplitOpt, dataset_files)
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, TrainConfig, apply_overrides, load_yaml, put_path, validate
@@ -166,8 +166,7 @@ def _register_train(app: typer.Typer) -> None:
 
         Example: smolforge train --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --max-steps 50
         """
-        eval_data = named_eval(eval_data, dataset_name, dataset_config, dataset_eval_split, dataset_column)
-        data = named_dataset(data, dataset_name, dataset_config, dataset_split, dataset_column, "--data")
+        data, eval_data = dataset_files(locals(), "data", "--data", "eval_data")
         flags = {k: v for k, v in locals().items() if k in FLAG_KEYS}
         cfg = build_train_config(config, set_, flags, peft_section(peft, peft_config, lora_r, lora_alpha, lora_dropout))
         if tensorboard is not None:
@@ -207,6 +206,7 @@ def _register_eval(app: typer.Typer) -> None:
         dataset_config: DatasetConfigOpt = None,
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
+        dataset_eval_split: DatasetEvalSplitOpt = None,
         adapter: Optional[str] = typer.Option(None, help="a <peft>_adapter/ directory to apply"),
         format: str = typer.Option("auto", "--format"),
         max_length: int = typer.Option(256),
@@ -224,8 +224,10 @@ def _register_eval(app: typer.Typer) -> None:
         Example: smolforge eval --model tiny-llama --data bundled --dtype bf16 --json
 
         Example: smolforge eval --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-split test  (offline, from the HF cache)
+
+        Example: smolforge eval --model tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation  (that split, whole, as train holds it out)
         """
-        data = named_dataset(data, dataset_name, dataset_config, dataset_split, dataset_column, "--data")
+        data, held_out = dataset_files(locals(), "data", "--data")
         if data is None:
             raise SmolforgeError("no dataset given", fix="pass --data FILE|bundled or --dataset-name NAME")
         dtype = parse_dtype(dtype)
@@ -242,9 +244,10 @@ def _register_eval(app: typer.Typer) -> None:
             from smolforge.models.peft_methods import load_adapter
 
             net = load_adapter(net, adapter).to(dev)
-        # A file given to eval is all held-out data; 'bundled' has its own held-out split.
+        # A file given to eval is all held-out data; 'bundled' has its own held-out split; a dataset's eval
+        # split (--dataset-eval-split) is the held-out file, as train reads it.
         spec = DataSpec(path=data, format=format, max_length=max_length, max_eval_samples=max_samples,
-                        eval_path=None if data == "bundled" else data, max_samples=1)
+                        eval_path=held_out or (None if data == "bundled" else data), max_samples=1)
         splits = load_checked_splits(spec, tok)
         cfg = TrainConfig(model=model, data=spec, batch_size=batch_size, max_new_tokens=max_new_tokens)
         metrics = evaluate(net, tok, splits, cfg, dev)

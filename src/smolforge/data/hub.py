@@ -8,7 +8,7 @@
   local Hugging Face cache: it is read offline (no network), so a name not cached fails at once.
 
 `by_name` is the one answer every command (`--dataset-name` of train, eval, launch, distill, split
-train) and every spec (`dataset_name`: config.NamedDataset, read at submit) asks. The rows are written
+train; `data show NAME`) and every spec (`dataset_name`: config.NamedDataset, read at submit) asks. The rows are written
 once into `$SMOLFORGE_HOME/datasets/<name>-<split>-<fingerprint>.jsonl`; that file is what a command
 reads and what a job uploads to the coordinator, as any JSONL. The row shapes
 (text/alpaca/chat/prompt_completion) are those of JSONL files: `formats.detect_format` decides.
@@ -146,14 +146,16 @@ def dataset_to_jsonl(name: str, config: str | None = None, split: str | None = N
 
 
 def by_name(name: str, config: str | None = None, split: str | None = None, column: str | None = None,
-            spell: Spell = as_flag) -> str:
+            spell: Spell = as_flag, split_key: str = "dataset_split") -> str:
     """The one answer to "a dataset named by the user" (`--dataset-name` of every command, `dataset_name`
     of every spec): a built-in set ('bundled', 'digits', ...) or a local JSONL file as it is (it has no
     config, split or column); else a Hub name or dataset directory written once as JSONL
     (`dataset_to_jsonl`), its path returned. SmolforgeError (exit 2) for a name not cached, with the
-    command that caches it; SPELL names the keys in messages as the user wrote them (flags or fields)."""
+    command that caches it; SPELL names the keys in messages as the user wrote them (flags or fields),
+    SPLIT_KEY the key that gave SPLIT (`dataset_eval_split` for a held-out split)."""
     if name in BUILTIN_DATASETS or Path(name).expanduser().is_file():
-        given = [key for key, value in zip(NAMED_DATASET_KEYS[1:], (config, split, column)) if value is not None]
+        keys = (NAMED_DATASET_KEYS[1], split_key, NAMED_DATASET_KEYS[3])
+        given = [key for key, value in zip(keys, (config, split, column)) if value is not None]
         if given:
             raise SmolforgeError(f"{spell(given[0])}: {name} is a local dataset, which has none",
                                  fix=f"drop {spell(given[0])}")
@@ -176,7 +178,7 @@ def resolved(section: Section) -> Section:
     eval_split = getattr(section, EVAL_SPLIT_KEY, None) if section.EVAL_FILE else None
     if eval_split is not None:
         named[2] = eval_split
-        update.update({section.EVAL_FILE: by_name(*named, spell=as_field), EVAL_SPLIT_KEY: None})
+        update.update({section.EVAL_FILE: by_name(*named, spell=as_field, split_key=EVAL_SPLIT_KEY), EVAL_SPLIT_KEY: None})
     return section.model_copy(update=update)
 
 
@@ -192,6 +194,6 @@ def resolve_in(section: dict[str, Any], file_key: str, eval_key: str | None = No
     out = {k: v for k, v in section.items() if k not in NAMED_DATASET_KEYS}
     out[file_key] = by_name(*named, spell=as_field)
     if eval_key and eval_split is not None:
-        out[eval_key] = by_name(named[0], named[1], eval_split, named[3], spell=as_field)
+        out[eval_key] = by_name(named[0], named[1], eval_split, named[3], spell=as_field, split_key=EVAL_SPLIT_KEY)
         del out[EVAL_SPLIT_KEY]
     return out

@@ -35,10 +35,15 @@ class DistillSettings(NamedDataset):
     `data` (a JSONL file or a built-in set) or a dataset by name (`dataset_name`: config.NamedDataset)."""
 
     DATASET_FILE: ClassVar[str] = "data"
+    EVAL_FILE: ClassVar[str | None] = "eval_data"
 
     teacher: str
     students: list[str]
     data: str | None = None
+    eval_data: str | None = Field(None, description="held-out JSONL the students are evaluated on, whole (a job "
+                                  "uploads it); default: a split of `data` (or dataset_eval_split)")
+    dataset_eval_split: str | None = Field(None, description="with dataset_name: its split the students are "
+                                           "evaluated on, read as eval_data (e.g. validation)")
     num_teachers: int | None = Field(None, ge=1)
     num_students: int = Field(2, ge=1)
     peft: str = "lora"

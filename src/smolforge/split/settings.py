@@ -26,6 +26,7 @@ class SplitTraining(NamedDataset):
     dataset by name (`dataset_name`: config.NamedDataset)."""
 
     DATASET_FILE: ClassVar[str] = "dataset"
+    EVAL_FILE: ClassVar[str | None] = "eval_dataset"
 
     model: str = Field(..., description="a model both sides hold (a job: the trunk's node and the client's), "
                        "or a preset")
@@ -41,6 +42,10 @@ class SplitTraining(NamedDataset):
     num_epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
     dataset: str = Field("bundled", description="JSONL file (a job uploads it to the coordinator), or 'bundled'")
+    eval_dataset: str | None = Field(None, description="held-out JSONL for Val Loss, whole (a job uploads it); "
+                                     "default: a split of `dataset` (or dataset_eval_split)")
+    dataset_eval_split: str | None = Field(None, description="with dataset_name: its split held out for Val Loss, "
+                                           "read as eval_dataset (e.g. validation)")
     data_format: Literal["auto", "alpaca", "chat", "prompt_completion", "text"] = "auto"
     max_train_samples: int | None = Field(None, ge=1)
     max_eval_samples: int | None = Field(64, ge=0)

@@ -90,8 +90,9 @@ class SplitTrainConfig(SplitTraining):
                         target_modules=self.target_modules)
 
     def data_spec(self) -> DataSpec:
-        return DataSpec(path=self.dataset, format=self.data_format, max_samples=self.max_train_samples,
-                        max_eval_samples=self.max_eval_samples, max_length=self.max_seq_length)
+        return DataSpec(path=self.dataset, eval_path=self.eval_dataset, format=self.data_format,
+                        max_samples=self.max_train_samples, max_eval_samples=self.max_eval_samples,
+                        max_length=self.max_seq_length)
 
     def default_session_name(self) -> str:
         """Stable across restarts of the same run (it names the server's checkpoints)."""

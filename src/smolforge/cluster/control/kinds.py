@@ -51,8 +51,9 @@ class JobKind:
     # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section.
     # A function of the spec where the kind's jobs differ in it (`by_stage`: a distill_task's stage)
     named: str | Callable[[dict[str, Any]], str | None] | None = None
-    # the held-out file of `named`'s section that its `dataset_eval_split` is read into (train.data.eval_path)
-    named_eval: str | None = None
+    # the held-out file of `named`'s section that its `dataset_eval_split` is read into (train.data.eval_path);
+    # a function of the spec as `named`
+    named_eval: str | Callable[[dict[str, Any]], str | None] | None = None
     models: tuple[str, ...] = ()  # dotted spec paths naming models (a name, or a list of names)
     check: Callable[[Any], None] = field(default=lambda spec: None)  # deeper checks, before anything starts
     # the checks the submitting machine makes too (pure: no model, file or network), given the job and the
@@ -102,6 +103,13 @@ def by_stage(files: dict[str, str]) -> Callable[[dict[str, Any]], str | None]:
 def named_file(spec: dict[str, Any]) -> str | None:
     """The dotted spec path a dataset by name in SPEC (a dict) stands for (its kind's `named`), or None."""
     named = kind_of(spec).named
+    return named(spec) if callable(named) else named
+
+
+def named_eval_file(spec: dict[str, Any]) -> str | None:
+    """The dotted spec path a dataset's eval split (`dataset_eval_split`) in SPEC stands for (its kind's
+    `named_eval`: the held-out file beside `named_file`), or None where it has none."""
+    named = kind_of(spec).named_eval
     return named(spec) if callable(named) else named
 
 
@@ -190,15 +198,16 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             models=("train.model",), check=lambda job: refuse_unused(job.train),
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
-            uploads=("distill.data",), named="distill.data",
+            uploads=("distill.data", "distill.eval_data"), named="distill.data", named_eval="distill.eval_data",
             models=("distill.teacher", "distill.students"),
             check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
             demand=_distill_demand),
     JobKind("distill_task", "distillation task", DistillTaskJob,
             runner_at(f"{WORKLOADS}.distill.runner:DistillTaskRunner"), section="args",
-            uploads=("args.dataset_path", "args.eval_data"), models=("args.model_path", "args.base_model"),
+            uploads=("args.dataset_path", "args.eval_data", "args.eval_path"), models=("args.model_path", "args.base_model"),
             named=by_stage({"teacher": "args.dataset_path", "students": "args.eval_data"}),
+            named_eval=by_stage({"students": "args.eval_path"}),
             check=check_at(f"{WORKLOADS}.distill.stage_args:check_task_args"),
             check_here=check_at(f"{WORKLOADS}.distill.stage_args:check_arg_names"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
@@ -208,7 +217,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("export", "export", ExportJob, runner_at(f"{WORKLOADS}.export.runner:ExportRunner"), section=None, models=("model",),
             resumes_from=lambda artifacts, job_id: "the start (the export runs again)", demand=_export_demand),
     JobKind("split", "split-learning", SplitJob, runner_at(f"{WORKLOADS}.split.runner:SplitRunner"), section="split",
-            uploads=("split.dataset",), named="split.dataset", models=("split.model",),
+            uploads=("split.dataset", "split.eval_dataset"), named="split.dataset", named_eval="split.eval_dataset",
+            models=("split.model",),
             resumes_from=_split_resumes_from, demand=_split_demand),
 )}
 
@@ -293,7 +303,7 @@ def read_named(spec: dict) -> dict:
     problem = dataset_choice_problem(key, section.get(key), section, lambda k: f"{where}.{k}")
     if problem:
         raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{key} and {where}.dataset_name")
-    eval_key = (kind_of(spec).named_eval or "").rpartition(".")[2] or None
+    eval_key = (named_eval_file(spec) or "").rpartition(".")[2] or None
     problem = eval_key and eval_split_problem(eval_key, section.get(eval_key), section.get("dataset_name"),
                                               section.get(EVAL_SPLIT_KEY), lambda k: f"{where}.{k}")
     if problem:

@@ -198,6 +198,7 @@ class StudentCall:
     seed: int = 0
     cpus_per_student: float | None = None
     eval_data: str | None = None
+    eval_path: str | None = None  # a held-out file read whole (a dataset's eval split), in place of eval_data's split
     max_eval_samples: int | None = 200
     eval_accuracy: bool = True
     max_new_tokens: int = 16
@@ -262,6 +263,7 @@ class StudentPlan:
     save_every: int
     max_retries: int | None
     eval_data: str | None
+    eval_path: str | None
     resume: bool
     replace_timeout_s: float
     teacher_model: str | None
@@ -302,5 +304,5 @@ def plan_students(call: StudentCall, mode: str = "teacher_student") -> StudentPl
         sync=make_sync(call.students_sync, call.students_strategy), peft=args.peft,
         kd=KDConfig(loss=call.kd_loss, temperature=call.temperature, kd_ratio=call.kd_ratio, beta=call.beta),
         cpus=args.cpus, save_every=args.save_every, max_retries=args.max_retries, eval_data=call.eval_data,
-        resume=call.resume, replace_timeout_s=call.replace_timeout_s, teacher_model=call.teacher_model,
-        training=training)
+        eval_path=call.eval_path, resume=call.resume, replace_timeout_s=call.replace_timeout_s,
+        teacher_model=call.teacher_model, training=training)

@@ -211,6 +211,7 @@ def distill_plans(cfg: DistillSettings, mode: str, out: Path, resume: bool = Fal
         replace_timeout_s=cfg.replace_timeout_s, on_policy_ratio=cfg.on_policy_ratio,
         on_policy_temperature=cfg.on_policy_temperature, on_policy_start=cfg.on_policy_start,
         cpus_per_student=cfg.cpus_per_student, eval_data=cfg.data if cfg.eval else None,
+        eval_path=cfg.eval_data if cfg.eval else None,
         max_eval_samples=cfg.max_eval_samples, max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
         dtype=cfg.student_dtype, teacher_dtype=cfg.teacher_dtype,
         resume=resume, students_sync=cfg.students_sync, students_strategy=cfg.students_strategy)

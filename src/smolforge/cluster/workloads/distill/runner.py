@@ -97,12 +97,12 @@ class DistillRunner(JobRunner):
         return self.want
 
     def _settings(self):
-        """The run's settings, its dataset read from the coordinator's upload where it names one."""
+        """The run's settings, its dataset and held-out file read from the coordinator's uploads where they
+        name them."""
         settings = self.spec.distill
-        if settings.data.startswith("upload:"):
-            path = self.ctx.artifacts.upload_path(settings.data.split(":", 1)[1])
-            settings = settings.model_copy(update={"data": str(path)})
-        return settings
+        update = {key: str(self.ctx.artifacts.upload_path(value.split(":", 1)[1]))
+                  for key in ("data", "eval_data") if (value := getattr(settings, key)) and value.startswith("upload:")}
+        return settings.model_copy(update=update) if update else settings
 
     def start_attempt(self) -> Outcome | None:
         spec, settings = self.spec, self._settings()
@@ -373,7 +373,7 @@ class DistillTaskRunner(DistillRunner):
         store_dir = Path(self.spec.store_dir) if self.spec.store_dir else self._teacher_store(self.spec.teacher_job)
         s._dstate().counters["student"] = itertools.count(self.spec.first_student)
         # resume: a stage that runs again continues its students from their kept checkpoints
-        ids = s.create_student_tasks(**self._call_args("eval_data"), teacher_outputs_dir=store_dir,
+        ids = s.create_student_tasks(**self._call_args("eval_data", "eval_path"), teacher_outputs_dir=store_dir,
                                      output_dir=self.out, resume=True)
         self._follow(lambda: all(st["state"] in TASK_ENDED for st in map(s.task_status, ids)))
         students = [s.task_status(t) for t in ids]
@@ -401,13 +401,14 @@ class DistillTaskRunner(DistillRunner):
 
     # -- what the stages share -----------------------------------------------------------------------
 
-    def _call_args(self, data_key: str) -> dict[str, Any]:
+    def _call_args(self, *data_keys: str) -> dict[str, Any]:
         """The call's keyword arguments, typed as checked at submit (`stage_args.typed_args`: a TaskConfig's
-        dict a TaskConfig), its dataset read from the coordinator's upload."""
+        dict a TaskConfig), its dataset files (DATA_KEYS) read from the coordinator's uploads."""
         args = typed_args(self.spec.stage, self.spec.args)
-        value = args.get(data_key)
-        if isinstance(value, str) and value.startswith("upload:"):
-            args[data_key] = str(self.ctx.artifacts.upload_path(value.split(":", 1)[1]))
+        for key in data_keys:
+            value = args.get(key)
+            if isinstance(value, str) and value.startswith("upload:"):
+                args[key] = str(self.ctx.artifacts.upload_path(value.split(":", 1)[1]))
         return args
 
     def _sync(self) -> None:

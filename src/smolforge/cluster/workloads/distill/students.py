@@ -63,7 +63,8 @@ class StudentTasks(StudentGroups, Placing):
             st.max_restarts = plan.max_retries
         store = self._store_for(plan.store_dir)
         run_dir = plan.run_dir or store.dir.parent
-        eval_examples = self._eval_examples(plan.eval_data, plan.training.max_eval_samples) if plan.eval_data else None
+        held_out = plan.eval_path or plan.eval_data
+        eval_examples = self._eval_examples(held_out, plan.eval_path, plan.training.max_eval_samples) if held_out else None
         common = plan.student_config(store.plan.teacher)
         extra = {"eval_examples": eval_examples, "replace_timeout_s": plan.replace_timeout_s}
         ids = []
@@ -121,10 +122,11 @@ class StudentTasks(StudentGroups, Placing):
                          f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
         return task, ref
 
-    def _eval_examples(self, eval_data: str, max_eval: int | None) -> list[dict[str, Any]]:
-        # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval)
-        _train, eval_ex, _fmt, _skipped = read_spec(DataSpec(path=eval_data, max_eval_samples=max_eval, max_samples=1),
-                                                    prompts_only=True)
+    def _eval_examples(self, eval_data: str, eval_path: str | None, max_eval: int | None) -> list[dict[str, Any]]:
+        # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval);
+        # EVAL_PATH (a held-out file: a dataset's eval split) is read whole, as DataSpec reads an eval_path
+        spec = DataSpec(path=eval_data, eval_path=eval_path, max_eval_samples=max_eval, max_samples=1)
+        _train, eval_ex, _fmt, _skipped = read_spec(spec, prompts_only=True)
         return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
 
     def _store_for(self, teacher_outputs_dir: str | Path) -> StoreState:

@@ -211,7 +211,8 @@ class ClientActor:
         prepare_model(s.model, node_dir())
         # (server_host/port unused: the trainer talks through the FollowingTrunkClient it is handed)
         return SplitTrainConfig(**{**s.model_dump(), "model": local_model_path(s.model),
-                                   "dataset": self._stage_data(s.dataset)},
+                                   "dataset": self._stage_data(s.dataset),
+                                   "eval_dataset": s.eval_dataset and self._stage_data(s.eval_dataset)},
                                 token=self.token, output_dir=str(self.root / "client"),
                                 resume=True, session_name=session, quiet=True, reconnect_timeout=PROBE_S,
                                 num_threads=max(1, int(self.spec.cpus)))
