@@ -1,11 +1,16 @@
 """Tool calling: `tools`/`tool_choice` in, `tool_calls` out, through the family's template and format.
 
 Every test that serves runs on both engines: torch on the Qwen2.5 twin, and `serve --engine llamacpp`'s
-model of the same twin (its f16 GGUF export, loaded by the engine registry as `serve` loads it; soak: the
-export of a 150k vocabulary and its own llama.cpp check cost tens of seconds). What CI still proves for
-llama.cpp: the engines meet only below the `BatchModel` seam (logits in, the grammar's mask and the
-tool-call text above it are shared), and every engine's model names the checkpoint's family, the one the
-HTTP side asks for the template's tools and the tool-call format (torch, llama.cpp, 2 stages; CI).
+model of the same twin (its f16 GGUF export, loaded by the engine registry as `serve` loads it). The
+llamacpp cases are soak: the export of a 150k vocabulary with its own llama.cpp check took 66 s and the
+first constrained request 75 s at load 10 (about 160 s for the module's llamacpp cases). What CI still
+proves for llama.cpp: the engines meet only below the `BatchModel` seam (logits in; the template, the
+grammar's mask, the tool-call reader and the HTTP side above it are shared code), and every engine's
+model names the checkpoint's family, the one the HTTP side asks for the tool-call format (torch,
+llama.cpp, 2 stages; CI).
+
+- Llama 3's JSON call (soak, a 128k vocabulary) on one process, 2 stages and llama.cpp: a model that
+  named no family got the Generic family's Hermes `<tool_call>` block (`serve --stages` did);
 
 - a Qwen2.5-kind twin (random weights) served in-process, asked by the official `openai` client with
   `tool_choice` required and named: the grammar forces one `<tool_call>` block, parsed into `tool_calls`
