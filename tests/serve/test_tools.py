@@ -132,6 +132,34 @@ NOTE = {"type": "function", "function": {"name": "take_note", "description": "Wr
     "required": ["text"], "additionalProperties": False}}}
 
 
+@pytest.mark.soak  # a `serve` process of the 150k-vocabulary twin (the module doc's llamacpp cost, again)
+def test_serve_engine_llamacpp_returns_tool_calls_through_its_front(lcpp_qwen, tmp_path):
+    """The real `smolforge serve --engine llamacpp` process, whose HTTP front runs in a process of its own and
+    knows the family only from what `serve` hands it: a forced call comes back, streamed and not, equal."""
+    from servehelpers import start_server
+
+    from smolforge.models.export.cache import cache_root
+    from smolforge.models.twins import twin_dir
+
+    (tmp_path / "home").mkdir()  # the server's SMOLFORGE_HOME: its GGUF cache is lcpp_qwen's export (same key)
+    (tmp_path / "home" / "gguf").symlink_to(cache_root(), target_is_directory=True)
+    srv = start_server(tmp_path, twin_dir(TWIN), extra=("--engine", "llamacpp", "--quant", "f16"),
+                       bound=300)  # over 90 s at load 28: the tokenizer's 150k ids read by both processes
+    try:
+        client = srv.client()
+        ask = dict(model="tiny", messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40)
+        whole = client.chat.completions.create(**ask)
+        streamed, reason = _streamed_calls(client.chat.completions.create(stream=True, **ask))
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(timeout=30)
+    got = _calls(whole.choices[0].message.tool_calls or [])
+    assert (whole.choices[0].finish_reason, reason) == ("tool_calls", "tool_calls"), whole
+    assert len(got) == 1 and got == streamed, (got, streamed)
+    assert "llama.cpp f16" in srv.log.read_text()  # the engine `serve` says it runs
+    assert "exporting" not in srv.log.read_text()  # it served lcpp_qwen's export, not one of its own
+
+
 def test_a_streamed_call_sends_its_name_then_its_arguments_in_fragments(live):
     client = live.client()
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Note: buy milk"}], tools=[NOTE, *TOOLS],
