@@ -9,6 +9,8 @@ grammar's mask, the tool-call reader and the HTTP side above it are shared code)
 model names the checkpoint's family, the one the HTTP side asks for the tool-call format (torch,
 llama.cpp, 2 stages; CI).
 
+- the real `serve --engine llamacpp` process (its HTTP front a process of its own) returns a forced call,
+  streamed and not, equal (soak);
 - Llama 3's JSON call (soak, a 128k vocabulary) on one process, 2 stages and llama.cpp: a model that
   named no family got the Generic family's Hermes `<tool_call>` block (`serve --stages` did);
 
