@@ -77,7 +77,9 @@ def embedded_env(home: Path, ray_tmp: Path) -> dict[str, str]:
     return env
 
 
-def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123", extra: tuple[str, ...] = ()) -> Server:
+def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123", extra: tuple[str, ...] = (),
+                 bound: float = 90) -> Server:
+    """The server up (`/health` 200) within `bound` seconds, or an AssertionError with its log's tail."""
     token_file = tmp / "token"
     token_file.write_text(token)
     token_file.chmod(0o600)
@@ -89,7 +91,7 @@ def start_server(tmp: Path, model_dir: Path, token: str = "serve-test-token-123"
                              "--model-name", "tiny", "--port", str(port), "--token-file", str(token_file),
                              "--num-threads", "1", "--device", "cpu", "--engine", "torch", *extra],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 90
+    deadline = time.time() + bound
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:

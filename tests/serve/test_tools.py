@@ -1,5 +1,19 @@
 """Tool calling: `tools`/`tool_choice` in, `tool_calls` out, through the family's template and format.
 
+Every test that serves runs on both engines: torch on the Qwen2.5 twin, and `serve --engine llamacpp`'s
+model of the same twin (its f16 GGUF export, loaded by the engine registry as `serve` loads it). The
+llamacpp cases are soak: the export of a 150k vocabulary with its own llama.cpp check took 66 s and the
+first constrained request 75 s at load 10 (about 160 s for the module's llamacpp cases). What CI still
+proves for llama.cpp: the engines meet only below the `BatchModel` seam (logits in; the template, the
+grammar's mask, the tool-call reader and the HTTP side above it are shared code), and every engine's
+model names the checkpoint's family, the one the HTTP side asks for the tool-call format (torch,
+llama.cpp, 2 stages; CI).
+
+- the real `serve --engine llamacpp` process (its HTTP front a process of its own) returns a forced call,
+  streamed and not, equal (soak);
+- Llama 3's JSON call (soak, a 128k vocabulary) on one process, 2 stages and llama.cpp: a model that
+  named no family got the Generic family's Hermes `<tool_call>` block (`serve --stages` did);
+
 - a Qwen2.5-kind twin (random weights) served in-process, asked by the official `openai` client with
   `tool_choice` required and named: the grammar forces one `<tool_call>` block, parsed into `tool_calls`
   (finish_reason "tool_calls"), streamed as `delta.tool_calls` and equal to the non-streamed calls;
@@ -19,9 +33,13 @@ import json
 import pytest
 
 from helpers import require_module
-from test_llamacpp_engine import Live
+from test_llamacpp_engine import Live, require_llama_cpp
 
 pytestmark = pytest.mark.timeout(300)
+TWIN = "twin:qwen2.5-0.5b-instruct"
+# the engines each serving test runs on (llamacpp: soak, see the module doc)
+ENGINES = ["torch", pytest.param("llamacpp", marks=pytest.mark.soak)]
+VERIFY_PROMPTS = 4  # the GGUF export's own llama.cpp check on this many chat prompts (the product's: 16)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -37,12 +55,42 @@ def qwen_twin():
     from smolforge.models.twins import twin_dir
     from smolforge.serve.model import ServedModel
 
-    return ServedModel.load(str(twin_dir("twin:qwen2.5-0.5b-instruct")), name="tiny", device="cpu")
+    return ServedModel.load(str(twin_dir(TWIN)), name="tiny", device="cpu")
+
+
+def llamacpp_model(path: str):
+    """`serve --engine llamacpp --quant f16`'s model of a checkpoint: its GGUF export (the node's cache, checked
+    by the export in llama.cpp on VERIFY_PROMPTS prompts), loaded by `engines.load_engine` as `serve` does."""
+    require_llama_cpp()
+    from functools import partial
+
+    from smolforge.models.export import verify
+    from smolforge.serve.engines import EngineSpec, load_engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "verify_gguf", partial(verify.verify_gguf, count=VERIFY_PROMPTS))
+        return load_engine("llamacpp", EngineSpec(model=path, name="tiny", device="cpu", quant="f16", threads=1,
+                                                  max_batch=4)).model
 
 
 @pytest.fixture(scope="module")
-def live(qwen_twin):
-    server = Live(qwen_twin)
+def lcpp_qwen():
+    from smolforge.models.twins import twin_dir
+
+    model = llamacpp_model(str(twin_dir(TWIN)))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_model(request, qwen_twin):
+    """The twin as the engine named by the parameter serves it."""
+    return qwen_twin if request.param == "torch" else request.getfixturevalue("lcpp_qwen")
+
+
+@pytest.fixture(scope="module")
+def live(engine_model):
+    server = Live(engine_model)
     yield server
     server.close()
 
@@ -86,6 +134,34 @@ NOTE = {"type": "function", "function": {"name": "take_note", "description": "Wr
     "required": ["text"], "additionalProperties": False}}}
 
 
+@pytest.mark.soak  # a `serve` process of the 150k-vocabulary twin (the module doc's llamacpp cost, again)
+def test_serve_engine_llamacpp_returns_tool_calls_through_its_front(lcpp_qwen, tmp_path):
+    """The real `smolforge serve --engine llamacpp` process, whose HTTP front runs in a process of its own and
+    knows the family only from what `serve` hands it: a forced call comes back, streamed and not, equal."""
+    from servehelpers import start_server
+
+    from smolforge.models.export.cache import cache_root
+    from smolforge.models.twins import twin_dir
+
+    (tmp_path / "home").mkdir()  # the server's SMOLFORGE_HOME: its GGUF cache is lcpp_qwen's export (same key)
+    (tmp_path / "home" / "gguf").symlink_to(cache_root(), target_is_directory=True)
+    srv = start_server(tmp_path, twin_dir(TWIN), extra=("--engine", "llamacpp", "--quant", "f16"),
+                       bound=300)  # over 90 s at load 28: the tokenizer's 150k ids read by both processes
+    try:
+        client = srv.client()
+        ask = dict(model="tiny", messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40)
+        whole = client.chat.completions.create(**ask)
+        streamed, reason = _streamed_calls(client.chat.completions.create(stream=True, **ask))
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(timeout=30)
+    got = _calls(whole.choices[0].message.tool_calls or [])
+    assert (whole.choices[0].finish_reason, reason) == ("tool_calls", "tool_calls"), whole
+    assert len(got) == 1 and got == streamed, (got, streamed)
+    assert "llama.cpp f16" in srv.log.read_text()  # the engine `serve` says it runs
+    assert "exporting" not in srv.log.read_text()  # it served lcpp_qwen's export, not one of its own
+
+
 def test_a_streamed_call_sends_its_name_then_its_arguments_in_fragments(live):
     client = live.client()
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Note: buy milk"}], tools=[NOTE, *TOOLS],
@@ -108,7 +184,7 @@ def test_a_streamed_call_sends_its_name_then_its_arguments_in_fragments(live):
     assert len(json.loads(whole[0].function.arguments)["text"]) >= 16
 
 
-def test_the_follow_up_renders_as_transformers_renders_it(qwen_twin):
+def test_the_follow_up_renders_as_transformers_renders_it(engine_model):
     from smolforge.serve.api import Served, _prepare_chat
     from smolforge.serve.events import ContextLimits
 
@@ -121,14 +197,14 @@ def test_the_follow_up_renders_as_transformers_renders_it(qwen_twin):
                     "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     body = {"model": "tiny", "messages": history, "tools": TOOLS, "max_tokens": 8}
-    job = _prepare_chat(json.dumps(body).encode(), Served(qwen_twin, _Room(), "tiny", None))
+    job = _prepare_chat(json.dumps(body).encode(), Served(engine_model, _Room(), "tiny", None))
     reference = [*QUESTION,
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                  {"role": "tool", "content": "18 C and sunny"}]
-    text = qwen_twin.tokenizer.apply_chat_template(reference, tools=TOOLS, add_generation_prompt=True,
-                                                   tokenize=False)
-    want = qwen_twin.tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = engine_model.tokenizer.apply_chat_template(reference, tools=TOOLS, add_generation_prompt=True,
+                                                      tokenize=False)
+    want = engine_model.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert job.ids == want
     assert "<tool_call>" in text and "18 C and sunny" in text and "get_time" in text
 
@@ -140,6 +216,27 @@ def test_a_named_function_not_among_the_tools_is_a_400(live):
         live.client().chat.completions.create(model="tiny", messages=QUESTION, tools=TOOLS, max_tokens=4,
                                               tool_choice={"type": "function", "function": {"name": "nope"}})
     assert err.value.body["param"] == "tool_choice" and "nope" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("engine", ["torch", "llamacpp", "2 stages"])
+def test_every_engines_model_names_the_checkpoints_family(engine, served_tiny, model_copy, request):
+    """The HTTP side asks the model for its family (tools in the template, the tool-call format, the grammar):
+    every engine's model answers with the checkpoint's config, so a Llama checkpoint gets Llama 3's JSON calls
+    on each (a model that named none got the Generic family's Hermes blocks: `serve --stages` did)."""
+    from smolforge.models.families import family_of
+    from smolforge.models.families.toolcalls import LLAMA_JSON
+
+    if engine == "torch":
+        model = served_tiny
+    elif engine == "llamacpp":
+        model = request.getfixturevalue("lcpp_model")  # conftest's: `load_engine("llamacpp", ...)`'s model
+    else:
+        from smolforge.serve.stages import local_stages, staged_model
+
+        model = staged_model(str(model_copy), local_stages(str(model_copy), [0, 2, 4]), name="tiny")
+    config = json.loads((model_copy / "config.json").read_text())
+    assert model.model_type == config["model_type"] == "llama"
+    assert family_of(model.model_type).tool_calls is family_of(config).tool_calls is LLAMA_JSON
 
 
 def test_each_familys_format_parses_its_own_text():
@@ -155,16 +252,24 @@ def test_each_familys_format_parses_its_own_text():
 
 
 @pytest.mark.soak  # a second family's format (the first is Qwen2.5's above); a 128k vocabulary to index
-def test_llama3_forced_call_is_its_json_and_parses():
+@pytest.mark.parametrize("where", ["one process", "2 stages", "llamacpp"])
+def test_llama3_forced_call_is_its_json_and_parses(where):
     require_module("llguidance", "llguidance (a smolforge dependency)", "pip install -c constraints.txt llguidance==1.9.1")
     from smolforge.models.twins import twin_dir
     from smolforge.serve.api import Served, _prepare_chat
     from smolforge.serve.engine import Engine
     from smolforge.serve.model import ServedModel
+    from smolforge.serve.stages import local_stages, staged_model
     from smolforge.serve.tools import chat_choice
 
-    model = ServedModel.load(str(twin_dir("twin:llama-3.2-1b-instruct")), name="tiny", device="cpu")
-    engine = Engine(model).start()
+    path = str(twin_dir("twin:llama-3.2-1b-instruct"))
+    if where == "one process":
+        model = ServedModel.load(path, name="tiny", device="cpu")
+    elif where == "2 stages":  # `serve --stages 2`'s model, its stages in this process
+        model = staged_model(path, local_stages(path, [0, 1, 2]), name="tiny")
+    else:
+        model = llamacpp_model(path)
+    engine = Engine(model, max_batch=4).start()
     try:
         body = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40,
                 "temperature": 0}
@@ -172,6 +277,7 @@ def test_llama3_forced_call_is_its_json_and_parses():
         done = engine.generate(job.ids, job.params, timeout=240)
     finally:
         engine.stop()
+        getattr(model, "close", lambda: None)()  # llama.cpp's context and weights
     assert done.text.startswith('{"name":"get_'), done.text  # Llama 3's JSON call, no <tool_call> block
     choice = chat_choice(done.text, done.finish_reason, job.tools)
     assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice

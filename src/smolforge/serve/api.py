@@ -308,7 +308,7 @@ def _conversation(req: ChatRequest) -> list[dict[str, Any]]:
 def _tool_plan(req: ChatRequest, s: Served) -> ToolPlan | None:
     """`tools`/`tool_choice` as the family's format and the template's ability allow (400 naming the field)."""
     try:
-        plan = plan_of(req, family_of(getattr(s.model, "model_type", None)).tool_calls, s.model.tokenizer)
+        plan = plan_of(req, family_of(s.model.model_type).tool_calls, s.model.tokenizer)
     except ValueError as err:
         raise ApiError(400, str(err), param="tool_choice", code="invalid_value") from None
     if plan is not None and not abilities(s.model.tokenizer).tools:

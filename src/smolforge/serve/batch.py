@@ -56,6 +56,12 @@ class BatchModel(Protocol):
     @property
     def pad_id(self) -> int: ...
 
+    @property
+    def model_type(self) -> str | None:
+        """The checkpoint's config `model_type`: the family (`models.families.family_of`) the HTTP side asks
+        for the tool-call format, the same on every engine; None: the Generic family."""
+        ...
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: Any, keep: int = 1) -> torch.Tensor:
         """Logits after each row's last token, [rows, vocab]; with `keep` > 1 (a prefill whose prompts'

@@ -201,7 +201,7 @@ def run_front(served: Any, engine: Any, sock: socket.socket, token: str, fingerp
         settings = {"listen_fd": fds[0], "channel_fd": fds[1], "token": token,
                     "name": served.name, "tokenizer_dir": tokenizer_dir, "max_positions": engine.max_positions,
                     "max_batch": engine.max_batch,
-                    "model_type": getattr(served, "model_type", None), "fingerprint": fingerprint,
+                    "model_type": served.model_type, "fingerprint": fingerprint,
                     "log_level": logging.getLevelName(max(logging.WARNING, logging.getLogger().level))}
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(settings).encode())

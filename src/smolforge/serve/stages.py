@@ -170,7 +170,8 @@ class StageServer:
                 "layers": [self.stage.lo, self.stage.hi],
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
                 "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
-                "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1)}
+                "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1),
+                "model_type": getattr(self.stage.config, "model_type", None)}
 
 
 class StageHandle(Protocol):
@@ -240,6 +241,12 @@ class StagedModel:
             raise StageError("the stages disagree on trimming the cache's left padding",
                              fix="serve a model whose layers all use plain (not sliding-window) attention caches")
         return trimmed.pop()
+
+    @functools.cached_property
+    def model_type(self) -> str | None:
+        """The checkpoint's config `model_type`, as the last stage read it (`StageServer.info`): the family the
+        HTTP side asks (its tool-call format), the one a one-process model of the same checkpoint names."""
+        return self.stages[-1].info().get("model_type")
 
     @functools.cached_property
     def joins(self) -> bool:
