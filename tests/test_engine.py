@@ -106,24 +106,45 @@ def test_schedule_warmup_then_decay():
     assert lr_lambda(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
 
 
+# `smolforge ARGS` that holds (asleep, until it is killed) when step 15's checkpoint is due, before writing it:
+# steps 11-15 done and lost, step 10 the last checkpoint. The kill lands there on any machine's speed, so the run
+# need not outlast the test's polling (it was 160 steps, 25 s of the CI tier, for a kill soon after step 10).
+HELD_AT_STEP_15 = """
+import pathlib, runpy, sys, time
+import smolforge.train.checkpoint as ckpt
+save = ckpt.save_checkpoint
+def hold_at_15(output_dir, step, *args, **kw):
+    if step == 15:
+        pathlib.Path(str(output_dir) + ".held").write_text(str(step))
+        time.sleep(600)
+    return save(output_dir, step, *args, **kw)
+ckpt.save_checkpoint = hold_at_15
+sys.argv[0] = "smolforge"
+runpy.run_module("smolforge.cli.main", run_name="__main__")
+"""
+
+
 def test_killed_run_resumes_to_identical_weights(tmp_path):
-    """A real process killed with SIGKILL mid-run, then `--resume`: same weights as never interrupted. The
-    uninterrupted run and the resume go through the same CLI in this process (`smolforge_here`): only the
-    run that is killed needs a process of its own."""
-    args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "160", "--batch-size", "2",
+    """A real process killed with SIGKILL mid-run (20 steps, a checkpoint every 5: killed after step 15, before
+    its checkpoint), then `--resume` from step 10: same weights as never interrupted. The uninterrupted run and
+    the resume go through the same CLI in this process (`smolforge_here`): only the run that is killed needs a
+    process of its own."""
+    args = ["train", "--model", "tiny-llama", "--data", "bundled", "--max-steps", "20", "--batch-size", "2",
             "--max-length", "48", "--save-every", "5", "--seed", "7", "--num-threads", "1", "--quiet",
             "--set", "data.max_eval_samples=4", "--set", "eval_accuracy=false", "--set", "tensorboard=false"]
     ref = smolforge_here(*args, "--output-dir", str(tmp_path / "ref"))
     assert ref.exit_code == 0, ref.output[-3000:]
     out = tmp_path / "crash"
-    proc = subprocess.Popen([sys.executable, "-m", "smolforge.cli.main", *args, "--output-dir", str(out)],
+    proc = subprocess.Popen([sys.executable, "-c", HELD_AT_STEP_15, *args, "--output-dir", str(out)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while time.time() < deadline and not (out / "checkpoints" / "step-10" / "manifest.json").exists():
-        time.sleep(0.02)
+    while time.time() < deadline and proc.poll() is None and not tmp_path.joinpath("crash.held").exists():
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    assert not (out / "lora_adapter").exists(), "the run finished before it could be killed"
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before it was killed"
+    assert not (out / "lora_adapter").exists() and getattr(ckpt.latest_checkpoint(out), "name", None) == "step-10", \
+        sorted(p.name for p in ckpt.list_checkpoints(out))
     resumed = smolforge_here(*args, "--output-dir", str(out), "--resume")
     assert resumed.exit_code == 0, resumed.output[-3000:]
     ref = load_file(str(tmp_path / "ref" / "lora_adapter" / "adapter_model.safetensors"))

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,20 +41,35 @@ LLAMA_TEST = "tests/test_export.py::test_train_export_gguf_writes_a_verified_ggu
 BENCH_TEST = "tests/test_distill_kd_vs_sft.py::test_kd_beats_sft_over_seeds"  # marked bench
 
 
-def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """`python -m pytest ARGS` in the repository root, started now (the runs of a test overlap)."""
+# Several pytest runs in ONE interpreter, one after another (`pytest.main` per run, each with its own
+# environment changes): the interpreter's start and its imports (torch, through conftest.py) are paid once,
+# not once a run; they were most of each run's seconds (this module: 40 s of the CI tier, two runs a test).
+RUNS_IN_ONE = """
+import json, os, sys
+import pytest
+for env, args in json.loads(sys.argv[1]):
+    for key, value in env.items():
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    code = pytest.main(["-p", "no:cacheprovider", *args])
+    print(f"\\n{sys.argv[2]} {int(code)}", flush=True)
+"""
+END = "@@ pytest run ended, exit code"
+
+
+def _runs(*runs: tuple[dict, list[str]], env: dict | None = None) -> list[tuple[int, str]]:
+    """Each (environment changes, pytest args) run in turn in one interpreter in the repository root (a value
+    None removes the variable): [(exit code, output)], one per run, in order."""
     base = {k: v for k, v in os.environ.items() if k not in ("CI", "SMOLFORGE_TEST_TIER", "PYTEST_ADDOPTS")}
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", RUNS_IN_ONE, json.dumps(runs), END], cwd=ROOT,
                             env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=300)  # a guard against a hang only: each run takes seconds
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"{proc.args} still running after 300 s:\n{proc.communicate()[0][-3000:]}") from None
-    return proc.returncode, out
+        raise AssertionError(f"pytest runs {runs} still running after 300 s:\n{proc.communicate()[0][-3000:]}") from None
+    parts = out.split(END)
+    assert proc.returncode == 0 and len(parts) == len(runs) + 1, f"exit {proc.returncode}:\n{out[-3000:]}"
+    return [(int(parts[i + 1].split(None, 1)[0]), parts[i]) for i in range(len(runs))]
 
 
 def _outcome(present: bool) -> BaseException | None:
@@ -80,10 +96,9 @@ def test_require_fails_under_ci_and_skips_elsewhere(monkeypatch):
 def test_a_missing_llama_cpp_fails_under_ci_and_skips_without_it(tmp_path):
     (tmp_path / "hide_llama_cpp.py").write_text(HIDE_LLAMA_CPP)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    args = (LLAMA_TEST, "-p", "hide_llama_cpp", "-q", "-rfs")
-    ci = _start(*args, env={"PYTHONPATH": path, "CI": "true"})
-    laptop = _start(*args, env={"PYTHONPATH": path})
-    (ci_rc, ci_out), (laptop_rc, laptop_out) = _finish(ci), _finish(laptop)
+    args = [LLAMA_TEST, "-p", "hide_llama_cpp", "-q", "-rfs"]
+    (ci_rc, ci_out), (laptop_rc, laptop_out) = _runs(({"CI": "true"}, args), ({"CI": None}, args),
+                                                     env={"PYTHONPATH": path})
     assert ci_rc == 1 and "1 failed" in ci_out, ci_out[-3000:]
     assert "llama-cpp-python" in ci_out and "hidden by tests/test_tiers.py" in ci_out, ci_out[-3000:]
     assert "CI=true" in ci_out and "Traceback" not in ci_out and "During handling" not in ci_out, ci_out[-3000:]
@@ -99,10 +114,9 @@ def test_the_ci_tier_leaves_out_bench_tests_that_all_keeps():
     whatever was collected (`make test` collects every module, then deselects), so three modules show it
     without importing the whole tree twice (22 s of the CI run)."""
     files = sorted({t.split("::")[0] for t in (BENCH_TEST, SOAK_TEST, "tests/test_tiers.py")})
-    runs = {tier: _start("--collect-only", "-q", "--tier", tier, *files) for tier in ("ci", "all")}
+    tiers = ("ci", "all")
     listed = {}
-    for tier, proc in runs.items():
-        rc, out = _finish(proc)
+    for tier, (rc, out) in zip(tiers, _runs(*[({}, ["--collect-only", "-q", "--tier", tier, *files]) for tier in tiers])):
         assert rc == 0, out[-3000:]
         listed[tier] = {line for line in out.splitlines() if "::" in line}
     assert "tests/test_tiers.py::test_the_ci_tier_leaves_out_bench_tests_that_all_keeps" in listed["ci"]

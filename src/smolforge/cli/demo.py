@@ -102,6 +102,23 @@ def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> d
     return summary
 
 
+def check_distill_sizes(smallest: int, kd_prompts: int, student_peft: str) -> None:
+    """The distill demo's flags checked before anything heavy is imported (torch, the demo's module): a
+    refusal costs an interpreter's start, not a training stack's import.
+
+    Raises SmolforgeError (exit 2) for a size below 1 (`smallest`: the least of the size flags), more
+    --kd-prompts than the bundled pool holds, or a --student-peft other than none or lora."""
+    if smallest < 1:
+        raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples, "
+                             "--kd-prompts and --eval-samples must be ≥ 1",
+                             fix="e.g. --student-steps 600 --distill-samples 512 --eval-samples 200")
+    if kd_prompts > BUNDLED_PROMPTS_N:
+        raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has {BUNDLED_PROMPTS_N:,} prompts",
+                             fix=f"use --kd-prompts {BUNDLED_PROMPTS_N} or fewer")
+    if student_peft not in ("none", "lora"):
+        raise SmolforgeError(f"unknown --student-peft {student_peft!r}", fix="use none or lora")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @run_cli
@@ -146,17 +163,10 @@ def register(app: typer.Typer) -> None:
             summary = run_sft_demo(output_dir, max_steps, seed, quiet=be_quiet)
             print_json(summary) if json_out else print_sft_table(summary)
         elif workflow == "distill":
-            from smolforge.distill.demo import DISTILL_REPLACES, DemoSettings
+            check_distill_sizes(min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts,
+                                    eval_samples), kd_prompts, student_peft)
+            from smolforge.distill.demo import DISTILL_REPLACES, DemoSettings  # torch: after the checks
 
-            if min(pretrain_steps, teacher_steps, student_steps, distill_samples, kd_prompts, eval_samples) < 1:
-                raise SmolforgeError("--pretrain-steps, --teacher-steps, --student-steps, --distill-samples, "
-                                     "--kd-prompts and --eval-samples must be ≥ 1",
-                                     fix="e.g. --student-steps 600 --distill-samples 512 --eval-samples 200")
-            if kd_prompts > BUNDLED_PROMPTS_N:
-                raise SmolforgeError(f"--kd-prompts {kd_prompts}: the demo's pool has {BUNDLED_PROMPTS_N:,} prompts",
-                                     fix=f"use --kd-prompts {BUNDLED_PROMPTS_N} or fewer")
-            if student_peft not in ("none", "lora"):
-                raise SmolforgeError(f"unknown --student-peft {student_peft!r}", fix="use none or lora")
             settings = DemoSettings(pretrain_steps=pretrain_steps, teacher_steps=teacher_steps,
                                     student_steps=student_steps, distill_samples=distill_samples,
                                     student_peft=student_peft, kd_samples=kd_prompts, max_eval_samples=eval_samples)
