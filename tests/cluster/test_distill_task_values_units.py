@@ -130,3 +130,19 @@ def test_the_api_answers_a_bad_aggregate_value_with_a_400_and_queues_nothing(tmp
     r = http.post("/api/v1/jobs", headers={"Authorization": "Bearer t"}, json=_with(AGGREGATE, density=0))
     assert r.status_code == 400 and r.json()["error"].startswith("args.density: TIES density"), r.text
     assert "args of the aggregate stage" in r.json()["where"] and mgr.store.list_jobs() == [], r.text
+
+
+def test_a_tokenizer_refusal_names_the_args_it_is_about(monkeypatch):
+    """On-policy steps over two vocabularies (`check_shared_tokenizer`, which reads the tokenizers' files:
+    stood in here) are refused naming the two args whose models disagree."""
+    from smolforge.cluster.workloads.distill import stage_args
+
+    def differ(teacher, students, needs):
+        raise SmolforgeError(f"the teacher {teacher} and the student {students[0]} have different tokenizers",
+                             fix="pick one vocabulary")
+
+    monkeypatch.setattr(stage_args, "check_shared_tokenizer", differ)
+    with pytest.raises(SmolforgeError) as err:
+        kinds.parse(_with(STUDENTS, teacher_model="twin:gpt2", on_policy_ratio=0.5))
+    assert err.value.what.startswith("args.teacher_model, args.base_model: the teacher twin:gpt2"), err.value.render()
+    assert err.value.where == "job spec (args of the students stage)", err.value.render()
