@@ -246,7 +246,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     resumed = [e["data"] for e in orch.events if e["kind"] == "student_resumed"]
     assert sorted(d["step"] for d in resumed) == [2, 2], resumed  # both ranks went on from the checkpoint
 
-    eval_examples = orch._eval_examples(str(cluster.data), 4)
+    eval_examples = orch._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
     ref = train_student(StudentConfig(base_model="tiny-llama", output_dir=str(tmp_path / "one"), max_steps=4,
                                       batch_size=4, lr=1e-3, device="cpu", num_threads=1, precision="fp32",
                                       peft=PeftSpec(method="lora", **PEFT), kd=KDConfig(kd_ratio=0.5),
