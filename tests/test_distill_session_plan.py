@@ -20,6 +20,8 @@ from smolforge.cluster.workloads.distill.controller import Place, Wait
 from smolforge.cluster.workloads.distill.decide import Planned, replay
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.workloads.distill.state import DistillTask
+from smolforge.cluster.workloads.distill.task_plans import student_record
+from smolforge.distill.student import StudentConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "smolforge" / "cluster" / "workloads" / "distill"
 
@@ -46,10 +48,9 @@ def session(monkeypatch, tmp_path: Path, nodes: list, n: int) -> DistillSession:
     for i in range(n):
         st.tasks[f"student-{i}"] = DistillTask(
             task_id=f"student-{i}", kind="student", store="store", rank=i, max_steps=4,
-            output_dir=str(tmp_path / f"student_{i}"),
-            spec={"config": {"base_model": "tiny-llama", "output_dir": str(tmp_path / f"student_{i}"), "device": "cpu",
-                             "max_steps": 4, "peft": {"method": "lora"}, "kd": {}},
-                  "replace_timeout_s": 30.0, "resume": None, "req_model": None})
+            output_dir=str(tmp_path / f"student_{i}"), replace_timeout_s=30.0,
+            plan=student_record(f"student-{i}", StudentConfig(base_model="tiny-llama", output_dir=str(
+                tmp_path / f"student_{i}"), device="cpu", max_steps=4), None, None, None))
     s._student_nodes = lambda task: list(nodes)
     s._options = lambda pick, model, cpus, *a, **k: {}
     return s

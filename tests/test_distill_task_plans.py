@@ -12,7 +12,7 @@ import pytest
 from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall, plan_students, plan_teachers
 from smolforge.cluster.workloads.distill.sync import GroupSeat
 from smolforge.cluster.workloads.distill.task_plans import (
-    ResumePoint, StudentTaskPlan, TeacherTaskPlan, student_task_plan, teacher_task_plan,
+    ResumePoint, StudentTaskPlan, TeacherTaskPlan, group_seat, student_config, student_record, teacher_task_plan,
 )
 from smolforge.distill.prompts import PromptItem
 
@@ -31,19 +31,18 @@ def test_a_teacher_task_gets_the_stages_plan_whole_with_its_own_prompts_and_shar
         plan.task_id = "teacher-3"  # type: ignore[misc]
 
 
-def _student_record(tmp_path, **call) -> dict:
+def _student_record(tmp_path, **call) -> StudentTaskPlan:
     """A student's record as `StudentTasks._add_student` writes it (config: the plan's, base, output dir)."""
     stage = plan_students(StudentCall("tiny-llama", tmp_path, **call))
-    config = {"base_model": "tiny-llama", "output_dir": str(tmp_path / "output" / "student_0"),
-              **stage.student_config("tiny-llama")}
-    return {"config": config, "teacher_hash": "abc", "eval_examples": [{"messages": []}], "req_model": "tiny-llama",
-            "replace_timeout_s": 300.0, "no_node_since": None, "resume": None}
+    config = student_config({"base_model": "tiny-llama", "output_dir": str(tmp_path / "output" / "student_0"),
+                             **stage.student_config("tiny-llama")})
+    return student_record("student-0", config, "abc", ({"messages": []},), None)
 
 
 def test_a_student_actor_gets_a_typed_config_that_equals_the_stages_plan(tmp_path):
     rec = _student_record(tmp_path, peft_type="ia3", kd_loss="reverse_kl", lr=1e-3, max_steps=7, save_every=3,
                           on_policy_ratio=0.5)
-    plan = pickle.loads(pickle.dumps(student_task_plan("student-0", "w2", rec)))
+    plan = pickle.loads(pickle.dumps(rec.placed("w2")))
     assert isinstance(plan, StudentTaskPlan) and plan.group is None and plan.resume is None
     cfg = plan.config
     assert (cfg.peft.method, cfg.kd.loss, cfg.lr, cfg.max_steps, cfg.save_every) == ("ia3", "reverse_kl", 1e-3, 7, 3)
@@ -54,16 +53,16 @@ def test_a_student_actor_gets_a_typed_config_that_equals_the_stages_plan(tmp_pat
 
 
 def test_a_group_member_gets_its_seat_and_a_resumed_one_its_checkpoint(tmp_path):
-    rec = _student_record(tmp_path, students_sync="ddp")
-    rec["group"] = {"sync": "ddp", "strategy": "ddp", "members": ["student-0", "student-1"], "world": 2,
-                    "shards": [0, 1, 2], "rank": 1, "device": "cpu"}
-    rec["resume"] = {"name": "step_4", "payload": b"packed", "step": 4}
+    rec = dataclasses.replace(_student_record(tmp_path, students_sync="ddp"), task_id="student-1")
+    rec = dataclasses.replace(rec, resume=ResumePoint("step_4", b"packed", 4), group=group_seat(
+        {"sync": "ddp", "strategy": "ddp", "members": ["student-0", "student-1"], "world": 2, "shards": [0, 1, 2]},
+        1, "cpu"))
     meet = {"addr": "10.0.0.5", "port": 29500, "secret": "s3"}
-    plan = pickle.loads(pickle.dumps(student_task_plan("student-1", "w3", rec, meet)))
+    plan = pickle.loads(pickle.dumps(rec.placed("w3", meet)))
     assert plan.group == GroupSeat(sync="ddp", strategy="ddp", members=("student-0", "student-1"), world=2,
                                    shards=(0, 1, 2), rank=1, device="cpu", addr="10.0.0.5", port=29500, secret="s3")
     assert plan.resume == ResumePoint("step_4", b"packed", 4) and plan.config_for("b", "o").resume is True
-    assert "addr" not in rec["group"]  # the driver's record is not changed by what a placement sent
+    assert rec.group.addr is None and rec.node_name == ""  # the driver's record is not changed by what was sent
 
 
 def test_a_store_left_on_disk_regenerates_its_shards_with_its_own_teacher_and_sampling(tmp_path):

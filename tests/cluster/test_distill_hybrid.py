@@ -246,7 +246,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     resumed = [e["data"] for e in orch.events if e["kind"] == "student_resumed"]
     assert sorted(d["step"] for d in resumed) == [2, 2], resumed  # both ranks went on from the checkpoint
 
-    eval_examples = orch._eval_examples(str(cluster.data), 4)
+    eval_examples = orch._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
     ref = train_student(StudentConfig(base_model="tiny-llama", output_dir=str(tmp_path / "one"), max_steps=4,
                                       batch_size=4, lr=1e-3, device="cpu", num_threads=1, precision="fp32",
                                       peft=PeftSpec(method="lora", **PEFT), kd=KDConfig(kd_ratio=0.5),
@@ -272,15 +272,17 @@ def _waiting_group(nodes: list):
     eligible nodes are `nodes`; returns (session, the students' ids)."""
     from smolforge.cluster.workloads.distill.session import DistillSession
     from smolforge.cluster.workloads.distill.state import DistillTask
+    from smolforge.cluster.workloads.distill.task_plans import student_record
+    from smolforge.distill.student import StudentConfig
 
     s = DistillSession(cluster=None, mode="hybrid")
     st = s._dstate()
     st.stores["store"] = SimpleNamespace()
     ids = ["student-0", "student-1"]
     for rank, tid in enumerate(ids):
+        config = StudentConfig(base_model="tiny-llama", output_dir="", device="cpu", max_steps=4)
         st.tasks[tid] = DistillTask(task_id=tid, kind="student", store="store", rank=rank, max_steps=4,
-                                    spec={"config": {"base_model": "tiny-llama", "device": "cpu", "max_steps": 4},
-                                          "replace_timeout_s": 30.0, "resume": None})
+                                    plan=student_record(tid, config, None, None, None), replace_timeout_s=30.0)
     s._form_group({"sync": "ddp", "strategy": "ddp", "members": ids, "world": 2, "shards": [0, 1, 2]})
     s._student_nodes = lambda task: list(nodes)
     return s, ids
@@ -298,17 +300,17 @@ def test_a_ddp_group_no_nodes_can_hold_waits_then_fails_saying_why():
     s._dstate().tasks["teacher-0"] = DistillTask(task_id="teacher-0", kind="teacher", store="store", state="running",
                                                  node_id=busy.node_id)
     assert s._place_student(s._dstate().tasks[ids[0]]) is False  # queued: w2 is busy, yet the two could hold it
-    assert [s._dstate().tasks[t].spec["no_node_since"] for t in ids] == [None, None]
+    assert [s._dstate().tasks[t].no_node_since for t in ids] == [None, None]
 
     s, ids = _waiting_group([_node("w1")])  # the node that held rank 1 is gone: one 1-CPU node for 2 ranks
     assert s._place_student(s._dstate().tasks[ids[0]]) is False
     tasks = [s._dstate().tasks[t] for t in ids]
-    assert all(t.queued and t.spec["no_node_since"] for t in tasks), [(t.queued, t.spec["no_node_since"]) for t in tasks]
+    assert all(t.queued and t.no_node_since for t in tasks), [(t.queued, t.no_node_since) for t in tasks]
     assert "no live node can run it" in [e for e in s.events if e["kind"] == "student_queued"][0]["message"]
     s._fail_unplaceable()  # not yet: replace_timeout_s has not passed
     assert [t.state for t in tasks] == ["pending", "pending"]
     for t in tasks:
-        t.spec["no_node_since"] -= 31
+        t.no_node_since -= 31
     s._fail_unplaceable()
     assert [t.state for t in tasks] == ["failed", "failed"] and len({t.error for t in tasks}) == 1, tasks
     with pytest.raises(SmolforgeError, match=r"no nodes could run its ddp student group \(student-0, student-1\) "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,32 @@ from smolforge.paths import atomic_replace_dir, atomic_write_json
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "generation_config.json",
                     "base_model.json")  # and the base's shape (peft_methods.BASE_FILE): the merge keeps its base
+
+
+@dataclass(frozen=True)
+class AggregateSettings:
+    """How the students' adapters merge: `aggregate_student_outputs`' keyword arguments, and the `args` a
+    `distill_task` job's aggregate stage may give (checked at submit by `checked`, as the stage runs them).
+
+    `method`: one of METHODS; `rank`: a LoRA merge's rank (None: the students' r), ≥ 1; `density`: the
+    fraction of each update TIES keeps, in (0, 1]; `base_model`: the base a TIES merge of full fine-tunes
+    takes the updates from."""
+
+    method: str = "mean"
+    rank: int | None = None
+    density: float = 0.2
+    base_model: str | None = None
+
+    def checked(self) -> AggregateSettings:
+        """These settings, or a SmolforgeError for the first value the merge refuses (its setting named)."""
+        if self.method not in METHODS:
+            raise SmolforgeError(f"unknown aggregation method {self.method!r}", fix=f"use one of {', '.join(METHODS)}")
+        if not 0 < self.density <= 1:
+            raise SmolforgeError(f"TIES density must be in (0, 1], got {self.density}", fix="use e.g. density 0.2")
+        if self.rank is not None and self.rank < 1:
+            raise SmolforgeError(f"the merged LoRA rank must be ≥ 1, got {self.rank}",
+                                 fix="give a rank ≥ 1, or none: the merge keeps the students' r")
+        return self
 
 
 def find_adapter_dir(path: str | Path) -> Path:
@@ -212,16 +239,14 @@ def aggregate_student_outputs(student_output_dirs: list[str | Path], output_path
     """Merge the students' adapters into `merged_model/final_adapter/` (see `final_adapter_path`).
 
     Returns a report: method, PEFT type, students, where it was written, and for LoRA the
-    relative truncation error per layer (0 when rank ≥ the mean's rank).
+    relative truncation error per layer (0 when rank ≥ the mean's rank). The settings: `AggregateSettings`
+    (a value it refuses: SmolforgeError before anything is read).
     """
     from safetensors.torch import save_file
 
-    if method not in METHODS:
-        raise SmolforgeError(f"unknown aggregation method {method!r}", fix=f"use one of {', '.join(METHODS)}")
+    AggregateSettings(method, rank, density, base_model).checked()
     if not student_output_dirs:
         raise SmolforgeError("no student outputs to aggregate", fix="run the students first")
-    if not 0 < density <= 1:
-        raise SmolforgeError(f"TIES density must be in (0, 1], got {density}", fix="use e.g. density 0.2")
     adapters = [find_adapter_dir(p) for p in student_output_dirs]
     kinds = {_method_of(a) for a in adapters}
     if len(kinds) != 1:

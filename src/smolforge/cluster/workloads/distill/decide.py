@@ -101,7 +101,7 @@ class RunRecord:
         st = self._dstate()
         with st.lock:
             for t in [t for t in st.tasks.values() if t.kind in ("teacher", "student") and t.task_id not in st.run.tasks]:
-                group = (t.spec.get("group") or {}).get("members")
+                group = t.seat.members if t.seat else None
                 self._record(TaskAdded(Task(task_id=t.task_id, kind=t.kind, cpus=t.cpus, group=group[0] if group else None,
                                             attempt=t.attempt)))
                 if t.node_id and not t.queued and t.state in ("pending", "running"):
@@ -109,7 +109,7 @@ class RunRecord:
                 if t.state == "running":
                     self._record(TaskStarted(t.task_id, t.attempt))
             students = [t for t in st.tasks.values() if t.kind == "student"]
-            timeout = float(students[-1].spec.get("replace_timeout_s") or 300.0) if students else st.run.replace_timeout_s
+            timeout = float(students[-1].replace_timeout_s or 300.0) if students else st.run.replace_timeout_s
             stores = list(st.stores.values())
             retries = int(getattr(stores[-1], "max_retries", 2)) if stores else st.run.max_shard_retries
             settings = RunSettings(getattr(self, "mode", "") == "hybrid", timeout, st.max_restarts, retries)

@@ -18,12 +18,14 @@ too few CPUs) waits for nodes to join, and fails, saying why, after `replace_tim
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.workloads.distill.controller import TaskFailed
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
+from smolforge.cluster.workloads.distill.task_plans import group_seat
 from smolforge.train import checkpoint as ckpt
 
 LOST_PEER_GRACE_S = 10.0  # a rank whose collective broke: how long to look for the peer whose worker died
@@ -50,30 +52,30 @@ class StudentGroups:
         members = [st.tasks[t] for t in group["members"]]
         leader = members[0]
         for i, task in enumerate(members):
-            task.spec["group"] = {**group, "rank": i, "device": task.spec["config"]["device"]}
-            if not task.spec["config"].get("max_steps"):  # steps from the rows: each step takes world × batch
+            task.plan = replace(task.plan, group=group_seat(group, i, task.plan.config.device))
+            if not task.plan.config.max_steps:  # steps from the rows: each step takes world × batch
                 task.max_steps = max(1, -(-task.max_steps // group["world"]))
             if i:
                 task.output_dir = None  # one adapter for the group: the leader's
-                task.spec["resume"], task.resumed_step = leader.spec["resume"], leader.resumed_step
+                task.plan, task.resumed_step = replace(task.plan, resume=leader.plan.resume), leader.resumed_step
         self._devent("student_group", f"{', '.join(group['members'])} train as one {group['strategy']} group of "
                      f"{group['world']} over shards {group['shards']}; one adapter in {leader.output_dir}",
                      members=group["members"], strategy=group["strategy"], output_dir=leader.output_dir)
 
     def _members(self, task: DistillTask) -> list[DistillTask]:
         """The students that start and stop together with `task`: its group, or itself alone."""
-        group = task.spec.get("group")
-        return [self._dstate().tasks[t] for t in group["members"]] if group else [task]
+        seat = task.seat
+        return [self._dstate().tasks[t] for t in seat.members] if seat else [task]
 
     def _unplaceable_why(self, task: DistillTask, limit: float) -> str:
         """Why a student that no live nodes could run for `limit` seconds fails (the monitor's verdict)."""
-        model = task.spec["config"]["base_model"]
+        model = task.plan.config.base_model
         members = self._members(task)
         if len(members) == 1:
             return (f"no node could run it for {limit:.0f}s (it needs {task.cpus:g} free CPUs and model "
                     f"{model}): join a worker that holds the model, then rerun; its last checkpoint is kept")
-        group = task.spec["group"]
-        return (f"no nodes could run its {group['strategy']} student group ({', '.join(group['members'])}) for "
+        seat = task.seat
+        return (f"no nodes could run its {seat.strategy} student group ({', '.join(seat.members)}) for "
                 f"{limit:.0f}s: its {len(members)} ranks need {task.cpus:g} CPUs each at once on live nodes that "
                 f"hold {model}; join workers that hold the model, then rerun with --resume (the group's last "
                 "checkpoint is kept)")
@@ -96,7 +98,7 @@ class StudentGroups:
         lost = task if self._worker_lost(err) else self._lost_peer(task, members, refs)
         error = short_error(err)
         if lost is not None:
-            what = f"on {lost.node}" + ("" if lost is task else f" (rank {task.spec['group']['rank']}: {error})")
+            what = f"on {lost.node}" + ("" if lost is task else f" (rank {task.seat.rank}: {error})")
         else:
             what = error
         who = lost or task
@@ -159,12 +161,12 @@ class StudentGroups:
         st = self._dstate()
         leader = members[0]
         resume = self._resume_point(Path(leader.output_dir), True)
-        step = resume["step"] if resume else 0
+        step = resume.step if resume else 0
         broker = st.stores[leader.store].broker
         with st.lock:
             for m in members:
                 m.restarts = restarts
-                m.spec["resume"], m.resumed_step, m.step = resume, step, step
+                m.plan, m.resumed_step, m.step = replace(m.plan, resume=resume), step, step
                 m.started, m.finished, m.progress = None, None, step / max(1, m.max_steps)
                 m.state, m.node_id, m.queued, m.error = "pending", None, False, None  # their CPUs are not ours now
         ray.get([broker.restart.remote(m.rank) for m in members], timeout=60)
@@ -172,7 +174,7 @@ class StudentGroups:
         self._devent("group_restarted", f"{why}: its group ({', '.join(ids)}) starts again from "
                      + (f"its checkpoint at step {step}" if resume else "the start")
                      + (f"; {lost.node} did not answer a probe for {ray_glue.NODE_VERDICT_S:.0f}s: gone" if gone else ""),
-                     task_id=lost.task_id, lost_rank=lost.spec["group"]["rank"], node=lost.node, step=step,
+                     task_id=lost.task_id, lost_rank=lost.seat.rank, node=lost.node, step=step,
                      members=ids, restarts=restarts, node_gone=gone)
         self._place_student(leader)
 

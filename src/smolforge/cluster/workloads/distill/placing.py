@@ -19,7 +19,6 @@ from smolforge.cluster.workloads.distill.decide import RunRecord, shard_of
 from smolforge.cluster.workloads.distill.remotes import remotes
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
 from smolforge.cluster.workloads.distill.sync import DataParallelSync
-from smolforge.cluster.workloads.distill.task_plans import student_task_plan
 from smolforge.distill.teacher import prompts_from_dataset
 from smolforge.errors import SmolforgeError
 
@@ -102,15 +101,15 @@ class Placing(RunRecord):
         now = time.time()
         hybrid = getattr(self, "mode", "") == "hybrid"
         for q in members:
-            q.spec["no_node_since"] = (q.spec.get("no_node_since") or now) if action.unplaceable else None
+            q.no_node_since = (q.no_node_since or now) if action.unplaceable else None
             if not q.queued:
                 q.queued = True
-                why = ("no live node can run it; waiting for one to join" if q.spec["no_node_since"]
+                why = ("no live node can run it; waiting for one to join" if q.no_node_since
                        else "every eligible node is busy" + (" or runs a teacher (hybrid)" if hybrid else ""))
                 if len(members) > 1:
                     why = f"its group of {len(members)} cannot all start: " + why
                 self._devent("student_queued", f"{q.task_id} queued: {why}", task_id=q.task_id)
-        since = members[0].spec["no_node_since"]
+        since = members[0].no_node_since
         self._record(Queued(action.task_ids, since if since is not None else now, action.unplaceable))
 
     def _give_up(self, action: GiveUp) -> None:
@@ -138,7 +137,7 @@ class Placing(RunRecord):
                 m.queued, m.state, m.attempt = False, "pending", action.attempt
                 m.node, m.node_id = pick.name, pick.node_id
                 self._record(TaskPlaced(m.task_id, node_id, action.attempt))
-                opts = self._options(pick, m.spec["req_model"], m.cpus)
+                opts = self._options(pick, m.req_model, m.cpus)
                 actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
                 st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
         try:  # outside the lock: rank 0's process may take a while to start
@@ -163,7 +162,7 @@ class Placing(RunRecord):
         with st.lock:
             refs = []
             for m, actor in zip(members, actors):
-                plan = student_task_plan(m.task_id, m.node or "", m.spec, meet)  # sent whole, typed
+                plan = m.plan.placed(m.node or "", meet)  # its record as placed, sent whole
                 refs.append(actor.run.remote(plan, store.broker, m.rank))
                 st.handles[m.task_id] = (actor, refs[-1])
         for m, actor, ref in zip(members, actors, refs):

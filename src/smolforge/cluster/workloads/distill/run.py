@@ -244,18 +244,18 @@ def _aggregate(cfg: DistillSettings, orch, out: Path, students: list[str],
 
 def _base_of(orch, task_id: str) -> str | None:
     task = orch._dstate().tasks.get(task_id)
-    return task.spec["config"]["base_model"] if task is not None else None
+    return task.plan.config.base_model if task is not None and task.plan is not None else None
 
 
 def _student_line(orch, task_id: str) -> dict[str, Any]:
     """One student's line of the summary: its base, steps, final loss, eval and where its adapter is
     (none for the other ranks of a ddp group: their group's adapter is its first member's)."""
     task = orch._dstate().tasks[task_id]
-    group = task.spec.get("group")
-    return {"task_id": task_id, "base": task.spec["config"]["base_model"], "state": task.state,
+    seat = task.seat
+    return {"task_id": task_id, "base": _base_of(orch, task_id), "state": task.state,
             "steps": task.result.get("steps", task.step), "loss": task.result.get("final_loss", task.loss),
             "kd": task.result.get("mode"), "eval": dict(task.result.get("eval", {})), "output_dir": task.output_dir,
-            "group": {"members": group["members"], "rank": group["rank"], "strategy": group["strategy"]} if group else None}
+            "group": {"members": list(seat.members), "rank": seat.rank, "strategy": seat.strategy} if seat else None}
 
 
 def _eval_of(orch, task_id: str) -> dict[str, Any]:

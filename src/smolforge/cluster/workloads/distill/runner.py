@@ -392,7 +392,8 @@ class DistillTaskRunner(DistillRunner):
     def _aggregate_stage(self) -> Outcome:
         dirs = [d for d in (self._student_dir(t) for t in self.spec.student_tasks) if d] + list(self.spec.student_dirs)
         target = self.out if self.spec.output_dir and self.ctx.embedded else self.out / "merged_model"
-        report = self._session.aggregate_student_outputs(dirs, target, **self.spec.args)
+        # the values checked at submit (`stage_args`: AggregateSettings), as they were checked
+        report = self._session.aggregate_student_outputs(dirs, target, **typed_args("aggregate", self.spec.args))
         self._sync()
         final = Path(report["output"])
         self.ctx.artifacts.put_dir(self.job_id, "adapter", final.name, final)

@@ -178,8 +178,8 @@ class DistillTasks(TeacherTasks, StudentTasks):
         st = self._dstate()
         self._synced()
         for t in [t for t in st.tasks.values() if t.kind == "student" and t.queued and t.state == "pending"]:
-            if t.spec.get("no_node_since") is not None:
-                self._record(Queued((t.task_id,), t.spec["no_node_since"], True))
+            if t.no_node_since is not None:
+                self._record(Queued((t.task_id,), t.no_node_since, True))
         self._place_waiting()
 
     def _absorb_broker(self, store: StoreState, news: dict[str, Any]) -> None:
@@ -380,7 +380,7 @@ class DistillTasks(TeacherTasks, StudentTasks):
         dirs = []
         for d in student_output_dirs:
             task = st.tasks.get(str(d))
-            if task is not None and task.output_dir is None and task.spec.get("group"):
+            if task is not None and task.output_dir is None and task.seat:
                 continue  # a data-parallel group's other ranks: the group's one adapter is its leader's
             dirs.append(task.output_dir if task is not None else d)
         task_id = f"aggregate-{next(st.counters['aggregate'])}"

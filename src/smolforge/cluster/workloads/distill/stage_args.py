@@ -10,9 +10,10 @@ types are checked where the spec is submitted too (`check_arg_names`, the kind's
 so a spec file's bad `args.KEY` is named at that key's `file:line`.
 
 Their values are checked at submit too, by the builders the job runs (`stage_call`, then
-`plans.plan_teachers` / `plan_students`): a value of the wrong type (`top_k: "many"`) or one the stage
-refuses (`kd_ratio: 2`, an unknown `kd_loss`, a TaskConfig asking for RAM) is one message naming the
-argument before any job exists, not the job's failure after its wait in the queue.
+`plans.plan_teachers` / `plan_students`, or an aggregate's `AggregateSettings.checked`): a value of the
+wrong type (`top_k: "many"`) or one the stage refuses (`kd_ratio: 2`, an unknown `kd_loss`, a TaskConfig
+asking for RAM, an unknown merge `method`, a `density` of 0) is one message naming the argument before
+any job exists, not the job's failure after its wait in the queue.
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ from pydantic import TypeAdapter, ValidationError
 from smolforge.cluster.control.kinds import named_file
 from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall, plan_students, plan_teachers
 from smolforge.config import NAMED_DATASET_KEYS, place_in
-from smolforge.distill.aggregate import aggregate_student_outputs
+from smolforge.distill.aggregate import AggregateSettings
 from smolforge.distill.settings import check_shared_tokenizer, shared_tokenizer_needs
 from smolforge.errors import SmolforgeError
 
 # stage -> the callable whose keyword arguments its `args` are: the seeds' teacher and students calls'
 # arguments (`plans.TeacherCall` / `StudentCall`, which the runner's session call builds its plan from);
-# the aggregate stage's session call passes them on to smolforge.distill.aggregate's
+# the aggregate stage's session call passes them on to smolforge.distill.aggregate's (`AggregateSettings`)
 CALLS: dict[str, Callable[..., Any]] = {
     "teacher": TeacherCall,
     "students": StudentCall,
-    "aggregate": aggregate_student_outputs,
+    "aggregate": AggregateSettings,
 }
 # stage -> {argument the runner passes itself: where the spec says it instead}
 OWNED: dict[str, dict[str, str]] = {
@@ -109,7 +110,8 @@ def _unnamed(job: Any) -> dict[str, Any]:
 
 
 # stage -> the placeholders for what the job passes itself (paths only: no builder reads them)
-PLACEHOLDERS: dict[str, dict[str, str]] = {"teacher": {"output_dir": "."}, "students": {"teacher_outputs_dir": "."}}
+PLACEHOLDERS: dict[str, dict[str, str]] = {"teacher": {"output_dir": "."}, "students": {"teacher_outputs_dir": "."},
+                                           "aggregate": {}}
 
 
 def stage_call(stage: str, args: dict[str, Any], place: Callable[[str], str] | None = None,
@@ -132,34 +134,59 @@ def stage_call(stage: str, args: dict[str, Any], place: Callable[[str], str] | N
 
 def typed_args(stage: str, args: dict[str, Any]) -> dict[str, Any]:
     """The job's `args` with their values as the call's fields hold them (what the stage runs with and
-    what `check_task_args` checked at submit); `args` of the aggregate stage as they are."""
-    if stage not in PLACEHOLDERS:
-        return dict(args)
+    what `check_task_args` checked at submit): those given, no defaults added."""
     call = stage_call(stage, args, **PLACEHOLDERS[stage])
     return {f.name: getattr(call, f.name) for f in fields(call) if f.name in args}
 
 
 def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> None:
-    """A teacher or students stage's `args` (a dataset by name counted as its file) as the builders the job
-    runs check them (the `mode`'s own rules included), at submit; the builder's refusal, where: the args."""
-    if stage not in PLACEHOLDERS:
-        return
-    call = stage_call(stage, args, **PLACEHOLDERS[stage])
+    """A stage's `args` (a dataset by name counted as its file) as the builders the job runs check them
+    (the `mode`'s own rules included), at submit; the builder's refusal, where: the args, naming the
+    `args.KEY` it is about (`_refused_keys`) before the builder's words."""
+    call = stage_call(stage, args, **PLACEHOLDERS[stage])  # (a wrong type: its refusal names args.KEY)
     try:
-        if isinstance(call, TeacherCall):
-            plan_teachers(call)
-        else:
-            plan_students(call, mode)
+        _build(call, mode)
     except SmolforgeError as err:
-        raise SmolforgeError(err.what, where=f"{where}, {err.where}" if err.where else where, fix=err.fix) from None
+        keys = ", ".join(f"args.{key}" for key in _refused_keys(stage, mode, args))
+        raise SmolforgeError(f"{keys}: {err.what}" if keys else err.what,
+                             where=f"{where}, {err.where}" if err.where else where, fix=err.fix) from None
+
+
+def _build(call: TeacherCall | StudentCall | AggregateSettings, mode: str) -> None:
+    """The builder the stage runs, on its call (`stage_call`; an aggregate's: its settings, AggregateSettings);
+    SmolforgeError: a value it refuses."""
+    if isinstance(call, TeacherCall):
+        plan_teachers(call)
+    elif isinstance(call, StudentCall):
+        plan_students(call, mode)
+    else:
+        call.checked()
+
+
+def _refused_keys(stage: str, mode: str, args: dict[str, Any]) -> list[str]:
+    """The keys of `args` a builder's refusal is about: each one whose leaving out (its default in its
+    place) makes the builder take the rest (both of two that conflict). Empty when none alone does."""
+    out = []
+    for key in args:
+        try:
+            _build(stage_call(stage, {k: v for k, v in args.items() if k != key}, **PLACEHOLDERS[stage]), mode)
+        except SmolforgeError:
+            continue
+        out.append(key)
+    return out
 
 
 def _check_students_tokenizer(args: dict[str, Any]) -> None:
     """A students stage's on-policy steps need its teacher_model's tokenizer (when args name one: else
-    the store's teacher, checked when the students load it): refused at submit, as `smolforge distill`."""
+    the store's teacher, checked when the students load it): refused at submit, as `smolforge distill`,
+    naming the args it is about."""
     teacher, on_policy = args.get("teacher_model"), args.get("on_policy_ratio") or 0.0
     if not teacher or not isinstance(on_policy, (int, float)):
         return
     bases = args.get("base_model")
-    check_shared_tokenizer(teacher, [bases] if isinstance(bases, str) else list(bases or []),
-                           shared_tokenizer_needs(float(on_policy)))
+    try:
+        check_shared_tokenizer(teacher, [bases] if isinstance(bases, str) else list(bases or []),
+                               shared_tokenizer_needs(float(on_policy)))
+    except SmolforgeError as err:
+        raise SmolforgeError(f"args.teacher_model, args.base_model: {err.what}",
+                             where="job spec (args of the students stage)", fix=err.fix) from None

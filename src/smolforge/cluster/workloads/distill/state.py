@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smolforge.cluster.workloads.distill.controller import DistillRun
 from smolforge.cluster.workloads.distill.plans import TeacherPlan
@@ -15,6 +15,10 @@ from smolforge.distill.prompts import GenSettings, PromptItem
 from smolforge.distill.store import StorePlan
 from smolforge.errors import SmolforgeError
 from smolforge.models.names import built_from_code
+
+if TYPE_CHECKING:  # (annotations only: task_plans brings StudentConfig's torch)
+    from smolforge.cluster.workloads.distill.sync import GroupSeat
+    from smolforge.cluster.workloads.distill.task_plans import StudentTaskPlan
 
 GET_TIMEOUT_S = 600.0
 POLL_S = 0.25
@@ -54,7 +58,17 @@ class DistillTask:
     resumed_step: int = 0  # steps done before this run (a resumed student): not part of its rate
     restarts: int = 0  # times a lost worker made this student start again
     attempt: int = 0  # the run's attempt of this task (`controller.Task.attempt`) it was last started as
-    spec: dict[str, Any] = field(default_factory=dict, repr=False)
+    # A student's own record, typed (`task_plans.StudentTaskPlan`, frozen: its config, eval examples, resume
+    # point and group seat; a restart or a group replaces it whole); None for a teacher or an aggregate.
+    plan: StudentTaskPlan | None = field(default=None, repr=False)
+    req_model: str | None = None  # the model resource a student's node must hold (asked at each placement)
+    no_node_since: float | None = None  # a queued student no live node could run at all: since when (time.time())
+    replace_timeout_s: float = 300.0  # how long such a student waits for a node before it fails (s)
+
+    @property
+    def seat(self) -> GroupSeat | None:
+        """A student's seat in its ddp group; None alone (or not a student)."""
+        return self.plan.group if self.plan is not None else None
 
     def take_last_step(self, result: dict[str, Any]) -> None:
         """A finished student's last step and loss, from its result.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from smolforge.cluster.workloads.distill.remotes import new_broker
 from smolforge.cluster.workloads.distill.plans import store_dir_of, stored_teacher_plan
 from smolforge.cluster.workloads.distill.state import GET_TIMEOUT_S, DistillTask, StoreState, short_error
 from smolforge.cluster.workloads.distill.plans import StudentCall, StudentPlan, plan_students
+from smolforge.cluster.workloads.distill.task_plans import ResumePoint, student_config, student_record
 from smolforge.cluster.control.specs import TaskConfig
 from smolforge.config import DataSpec
 from smolforge.data.splits import read_spec
@@ -66,7 +67,6 @@ class StudentTasks(StudentGroups, Placing):
         held_out = plan.eval_path or plan.eval_data
         eval_examples = self._eval_examples(held_out, plan.eval_path, plan.training.max_eval_samples) if held_out else None
         common = plan.student_config(store.plan.teacher)
-        extra = {"eval_examples": eval_examples, "replace_timeout_s": plan.replace_timeout_s}
         ids = []
         assigned: list = []  # the broker is a threaded actor: its calls may run out of order, so wait for these
         for base in plan.bases:
@@ -74,8 +74,7 @@ class StudentTasks(StudentGroups, Placing):
             assignment = plan.sync.shards(store.plan.num_shards, plan.num_students, plan.split)
             of_base: list[str] = []
             for shards in assignment:
-                task, ref = self._add_student(plan, store, base, shards, run_dir, common,
-                                              {**extra, "req_model": req_model})
+                task, ref = self._add_student(plan, store, base, shards, run_dir, common, eval_examples, req_model)
                 assigned.append(ref)
                 ids.append(task.task_id)
                 of_base.append(task.task_id)
@@ -90,9 +89,12 @@ class StudentTasks(StudentGroups, Placing):
         return ids
 
     def _add_student(self, plan: StudentPlan, store: StoreState, base: str, shards: list[int], run_dir: Path,
-                     common: dict[str, Any], extra: dict[str, Any]) -> tuple[DistillTask, Any]:
-        """One student of `base` on `shards`: its number and rank, its spec, its task in the run's state, its
-        assignment sent to the broker (the returned ref) and its `student_created` event. Not placed yet."""
+                     common: dict[str, Any], eval_examples: tuple[dict[str, Any], ...] | None,
+                     req_model: str | None) -> tuple[DistillTask, Any]:
+        """One student of `base` on `shards`: its number and rank, its typed record (`task_plans.student_record`:
+        `common`, the stage's shared config, with its base and output dir), its task in the run's state (its
+        node must hold `req_model`), its assignment sent to the broker (the returned ref) and its
+        `student_created` event. Not placed yet."""
         st = self._dstate()
         with st.lock:
             rank = store.next_rank
@@ -102,32 +104,32 @@ class StudentTasks(StudentGroups, Placing):
         ref = store.broker.assign.remote(rank, shards)
         task_id = f"student-{n}"
         out = run_dir / "output" / f"student_{n}"
-        config = {"base_model": base, "output_dir": str(out), **common}
-        spec = {"config": config, "teacher_hash": store.plan.tokenizer_hash or None,
-                "eval_examples": extra["eval_examples"], "req_model": extra["req_model"],
-                "replace_timeout_s": extra["replace_timeout_s"], "resume": self._resume_point(out, plan.resume)}
+        config = student_config({"base_model": base, "output_dir": str(out), **common})
+        record = student_record(task_id, config, store.plan.tokenizer_hash or None, eval_examples,
+                                self._resume_point(out, plan.resume))
         rows = sum(store.plan.shards[s][1] - store.plan.shards[s][0] for s in shards) * store.plan.samples_per_prompt
-        epochs, max_steps, per_step = common["epochs"], common["max_steps"], common["batch_size"] * common["grad_accum"]
+        epochs, max_steps, per_step = config.epochs, config.max_steps, config.batch_size * config.grad_accum
         task = DistillTask(task_id=task_id, kind="student", store=str(store.dir), cpus=plan.cpus,
-                           shards=list(shards), output_dir=str(out), rank=rank, spec=spec,
-                           resumed_step=spec["resume"]["step"] if spec["resume"] else 0,
+                           shards=list(shards), output_dir=str(out), rank=rank, plan=record,
+                           replace_timeout_s=plan.replace_timeout_s, req_model=req_model,
+                           resumed_step=record.resume.step if record.resume else 0,
                            samples_total=int(rows * epochs) if not max_steps else max_steps * per_step,
                            max_steps=max_steps or max(1, -(-int(rows * epochs) // per_step)))
         with st.lock:
             st.tasks[task_id] = task
         self._devent("student_created", f"{task_id} ({base}, {plan.peft.method}) on shards {shards}",
                      task_id=task_id, shards=shards, base=base)
-        if spec["resume"]:
+        if record.resume:
             self._devent("student_resuming", f"{task_id} resumes from its checkpoint at step "
-                         f"{spec['resume']['step']}", task_id=task_id, step=spec["resume"]["step"])
+                         f"{record.resume.step}", task_id=task_id, step=record.resume.step)
         return task, ref
 
-    def _eval_examples(self, eval_data: str, eval_path: str | None, max_eval: int | None) -> list[dict[str, Any]]:
+    def _eval_examples(self, eval_data: str, eval_path: str | None, max_eval: int | None) -> tuple[dict[str, Any], ...]:
         # prompts_only: a teacher's dataset may hold prompts without answers (read_spec leaves them out of eval);
         # EVAL_PATH (a held-out file: a dataset's eval split) is read whole, as DataSpec reads an eval_path
         spec = DataSpec(path=eval_data, eval_path=eval_path, max_eval_samples=max_eval, max_samples=1)
         _train, eval_ex, _fmt, _skipped = read_spec(spec, prompts_only=True)
-        return [{"messages": ex.messages} for ex in eval_ex if ex.messages]
+        return tuple({"messages": ex.messages} for ex in eval_ex if ex.messages)
 
     def _store_for(self, teacher_outputs_dir: str | Path) -> StoreState:
         st = self._dstate()
@@ -162,7 +164,7 @@ class StudentTasks(StudentGroups, Placing):
         """The live nodes that may run this student now: asked at every placement, so a node that
         joined after the run started counts, and a dead one does not."""
         try:
-            nodes, task.spec["req_model"] = self._model_nodes(task.spec["config"]["base_model"], "student")
+            nodes, task.req_model = self._model_nodes(task.plan.config.base_model, "student")
         except SmolforgeError:
             return []
         return nodes  # (the run leaves out the nodes it lost: `controller.Task.lost_nodes`)
@@ -284,15 +286,16 @@ class StudentTasks(StudentGroups, Placing):
 
         st = self._dstate()
         task.restarts = restarts
-        task.spec["resume"] = self._resume_point(Path(task.output_dir), True)
-        task.resumed_step = task.spec["resume"]["step"] if task.spec["resume"] else 0
+        resume = self._resume_point(Path(task.output_dir), True)
+        task.plan = replace(task.plan, resume=resume)
+        task.resumed_step = resume.step if resume else 0
         task.started, task.progress = None, task.resumed_step / max(1, task.max_steps)
         task.step = task.resumed_step
         lost_on = task.node
         task.state, task.node_id = "pending", None  # its CPU on the old node is no longer ours
         ray.get(st.stores[task.store].broker.restart.remote(task.rank), timeout=60)
         self._devent("student_restarted", f"{why} (from "
-                     + (f"step {task.resumed_step})" if task.spec["resume"] else "the start)"),
+                     + (f"step {task.resumed_step})" if resume else "the start)"),
                      task_id=task.task_id, node=lost_on, step=task.resumed_step, restarts=task.restarts)
         self._place_student(task)
 
@@ -313,7 +316,7 @@ class StudentTasks(StudentGroups, Placing):
         self._devent("student_checkpoint", f"{task.task_id} {why} a checkpoint at step {step}; kept in {dest}",
                      task_id=task.task_id, step=step, checkpoint=str(dest), why=why)
 
-    def _resume_point(self, out: Path, resume: bool) -> dict[str, Any] | None:
+    def _resume_point(self, out: Path, resume: bool) -> ResumePoint | None:
         """A student's checkpoint to resume from, packed for the worker. Without `resume`, a run dir
         holding one is refused: its steps are never deleted, and never silently continued."""
         latest = ckpt.latest_checkpoint(out)
@@ -328,11 +331,11 @@ class StudentTasks(StudentGroups, Placing):
         # Same run dir, same spec (a resumed job): student_N is the same student. Its state.json names
         # the model by the node-local path it ran from, so it is not compared with `base` here.
         state = json.loads((latest / "state.json").read_text())
-        return {"name": latest.name, "payload": pack_dir(latest), "step": int(state["step"])}
+        return ResumePoint(latest.name, pack_dir(latest), int(state["step"]))
 
     def _write_student_output(self, task: DistillTask, result: dict[str, Any], adapter: dict[str, Any]) -> None:
         out = Path(task.output_dir)
-        method = task.spec["config"]["peft"]["method"]
+        method = task.plan.config.peft.method
         final = unpack_dir(adapter, out / f"{method}_adapter")  # checksummed, no path escapes, atomic swap
         result = {**result, "adapter_dir": str(final), "output_dir": str(out), "node": task.node}
         atomic_write_json(out / "summary.json", result)

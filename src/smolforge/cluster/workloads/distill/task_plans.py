@@ -5,8 +5,9 @@ ranges); a student actor gets a `StudentTaskPlan` (its `StudentConfig`, built on
 stage's `StudentPlan`, its group seat, its resume point). Both are frozen and pickle through Ray on
 our own driver -> task path (as a data-parallel rank's `RankPlan` does), never from a network peer.
 The tasks read fields, not dict keys: a setting misspelt on one side is an AttributeError at once,
-not a default quietly taken. No Ray here (`StudentConfig`'s module brings torch, which every module
-that starts these tasks holds already).
+not a default quietly taken. A student's plan is also the driver's own record of it (`DistillTask.plan`,
+`student_record`): what it is sent is that record placed (`StudentTaskPlan.placed`). No Ray here
+(`StudentConfig`'s module brings torch, which every module that starts these tasks holds already).
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class ResumePoint:
 class StudentTaskPlan:
     """One student actor's run: its `config` (base and output dir as the driver knows them: the actor
     uses its node's copy of the base and a temporary output dir), the store's tokenizer hash, the eval
-    examples (chat records), its resume point and its group seat (None: trains alone)."""
+    examples (chat records), its resume point and its group seat (None: trains alone).
+
+    It is also the driver's own record of the student (`DistillTask.plan`): there `node_name` is "" and
+    the seat has no meeting point until a placement (`placed`); a restart replaces its resume point."""
 
     task_id: str
     node_name: str
@@ -85,27 +89,34 @@ class StudentTaskPlan:
         """The config as it runs on the actor's node: its copy of the base, its own output dir."""
         return replace(self.config, base_model=base_model, output_dir=output_dir, resume=self.resume is not None)
 
+    def placed(self, node_name: str, meet: dict[str, Any] | None = None) -> StudentTaskPlan:
+        """The plan a student placed on `node_name` is sent; for a group member, with where its group meets
+        (`meet`: rank 0's addr, port and the group's secret, `DataParallelSync.rendezvous`). The record
+        it is made from is not changed (frozen)."""
+        group = self.group
+        if group is not None and meet:
+            port = meet.get("port", group.port)
+            group = replace(group, addr=meet.get("addr", group.addr), port=None if port is None else int(port),
+                            secret=meet.get("secret", group.secret))
+        return replace(self, node_name=node_name, group=group)
+
 
 def student_config(fields: dict[str, Any]) -> StudentConfig:
-    """A StudentConfig from the driver's record of a student (`StudentPlan.student_config` plus its base
-    and output dir; the PEFT and KD settings as their dumps)."""
+    """A StudentConfig from the students stage's shared config (`StudentPlan.student_config`, the PEFT and
+    KD settings as their dumps) plus a student's base and output dir."""
     return StudentConfig(**{**fields, "peft": PeftSpec(**fields["peft"]), "kd": KDConfig(**fields["kd"])})
 
 
-def student_task_plan(task_id: str, node_name: str, spec: dict[str, Any],
-                      meet: dict[str, Any] | None = None) -> StudentTaskPlan:
-    """The plan a placed student is sent, from the driver's record of it (`DistillTask.spec`: config,
-    teacher_hash, eval_examples, resume, group) and, for a group, where it meets (`meet`)."""
-    group, resume = spec.get("group"), spec.get("resume")
-    seat = None
-    if group:
-        where = {**group, **(meet or {})}
-        seat = GroupSeat(sync=where["sync"], strategy=where["strategy"], members=tuple(where["members"]),
-                         world=int(where["world"]), shards=tuple(where["shards"]), rank=int(where["rank"]),
-                         device=where["device"], addr=where.get("addr"),
-                         port=None if where.get("port") is None else int(where["port"]), secret=where.get("secret"))
-    examples = spec.get("eval_examples")
-    return StudentTaskPlan(
-        task_id=task_id, node_name=node_name, config=student_config(spec["config"]),
-        teacher_hash=spec.get("teacher_hash"), eval_examples=None if examples is None else tuple(examples),
-        resume=ResumePoint(resume["name"], resume["payload"], int(resume["step"])) if resume else None, group=seat)
+def student_record(task_id: str, config: StudentConfig, teacher_hash: str | None,
+                   eval_examples: tuple[dict[str, Any], ...] | None, resume: ResumePoint | None) -> StudentTaskPlan:
+    """The driver's record of a new student (`DistillTask.plan`): not placed (no node), in no group yet
+    (`group_seat`: set when its group forms)."""
+    return StudentTaskPlan(task_id=task_id, node_name="", config=config, teacher_hash=teacher_hash,
+                           eval_examples=eval_examples, resume=resume, group=None)
+
+
+def group_seat(group: dict[str, Any], rank: int, device: str) -> GroupSeat:
+    """Member `rank`'s seat in the group `group` (`DataParallelSync.group_spec`: sync, strategy, members,
+    world, shards) on `device`; where it meets is told at each placement (`StudentTaskPlan.placed`)."""
+    return GroupSeat(sync=group["sync"], strategy=group["strategy"], members=tuple(group["members"]),
+                     world=int(group["world"]), shards=tuple(group["shards"]), rank=rank, device=device)
