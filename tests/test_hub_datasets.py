@@ -533,3 +533,4 @@ def test_data_show_of_a_name_not_cached_is_exit_2_with_the_fix(hub, offline):
     proc = smolforge_here("data", "show", "acme/absent")
     assert proc.exit_code == 2, proc.output[-3000:]
     assert "datasets.load_dataset('acme/absent', split='train')" in proc.stderr and "Traceback" not in proc.output
+    assert "pass SOURCE (the argument) DIR" in proc.stderr and "--dataset-name" not in proc.stderr  # its own spelling

@@ -107,9 +107,13 @@ def show(
 def _show_source(name: str, named: dict[str, Any], reading: dict[str, Any], json_out: bool) -> None:
     """`data show SOURCE` without --model: `hubinfo.describe`'s answer (NAMED: config, split, column,
     eval_split; READING: fmt, skip_bad_lines) as text or one JSON object."""
+    from smolforge.data.hub import as_flag
     from smolforge.data.hubinfo import describe
 
-    info = describe(name, **named, **reading)
+    def spell(key: str) -> str:  # the name is this command's argument, not --dataset-name
+        return "SOURCE (the argument)" if key == "dataset_name" else as_flag(key)
+
+    info = describe(name, **named, **reading, spell=spell)
     if json_out:
         print_json(info)
         return
