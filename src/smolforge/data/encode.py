@@ -10,6 +10,9 @@ Rendering is checked against the messages: every message's text must reach the r
   `system + "\n\n" + user`, as Gemma 3's published template does itself and LlamaFactory's
   gemma/gemma2/gemma3 fine-tuning templates do (`format_system` "{{content}}\n\n" put before the
   first user turn); the rows folded are counted (`EncodeStats.folded`, `fold_note`).
+- A record's `tools` go to every rendering of it (transformers' `tools=`); its calls' function names and
+  its tools' names must reach the row too (a template without tools leaves them out: refused, not
+  learnt without them).
 - Any other loss (a message whose text is not in the rendering) and a template that raises is a
   `RenderError`: a bad line (`file:line`, the template's own words), skipped and counted under
   `skip_bad_lines` as the reader does its bad lines (formats.py).
@@ -18,7 +21,9 @@ Rendering is checked against the messages: every message's text must reach the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from smolforge.data.chat_turns import names_in
 from smolforge.data.formats import Example
 from smolforge.errors import SmolforgeError
 
@@ -33,6 +38,8 @@ FALLBACK_TEMPLATE = (
 _REFUSED_FIX = ("edit the record so the model's chat template accepts it (its words say what it refuses), "
                 "or train a model whose template does")
 _LOST_FIX = "move that text into a user turn (the model's chat template leaves such a turn out)"
+_TOOLS_FIX = ("train a model whose chat template renders tools (e.g. a Qwen2.5 or Llama 3.x kind), or drop the "
+              "record's tools and tool calls")
 
 
 class RenderError(ValueError):
@@ -60,7 +67,12 @@ def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: boo
 
 def prompt_text(tokenizer, example: Example) -> str:
     """What the model sees at generation time: the prompt turns plus the assistant header."""
-    return render(tokenizer, example.prompt_messages, add_generation_prompt=True)
+    return render(tokenizer, example.prompt_messages, add_generation_prompt=True, **_tools(example.tools))
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The template's keyword for a record's tools (`chat_turns`): none when it has none."""
+    return {"tools": tools} if tools else {}
 
 
 def fold_system(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], bool]:
@@ -107,10 +119,11 @@ class Rendered:
     folded: bool = False
 
 
-def _render_checked(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _render_checked(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
     """`render`, with whatever the template raises on this record turned into a RenderError in its words."""
     try:
-        return render(tokenizer, messages, add_generation_prompt)
+        return render(tokenizer, messages, add_generation_prompt, **_tools(tools))
     except Exception as err:  # noqa: BLE001 - raise_exception's TemplateError, or Jinja failing on this record
         words = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RenderError(f"the chat template refuses this record: {words}", _REFUSED_FIX) from None
@@ -122,8 +135,10 @@ def _unstable() -> RenderError:
                        "(or convert the record to prompt/completion)")
 
 
-def _turns(tokenizer, msgs: list[dict[str, str]]) -> tuple[list[int], list[int], str, list[int]]:
-    """(input_ids, labels, rendered text, where each message's piece starts in the text)."""
+def _turns(tokenizer, msgs: list[dict[str, Any]],
+           tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int], str, list[int]]:
+    """(input_ids, labels, rendered text, where each message's piece starts in the text); `tools` go to
+    every rendering (the template writes them into the first turn)."""
     input_ids: list[int] = []
     labels: list[int] = []
     starts: list[int] = []
@@ -131,8 +146,8 @@ def _turns(tokenizer, msgs: list[dict[str, str]]) -> tuple[list[int], list[int],
     for i, message in enumerate(msgs):
         starts.append(len(done))
         if message["role"] == "assistant":
-            before = _render_checked(tokenizer, msgs[:i], add_generation_prompt=True)
-            after = _render_checked(tokenizer, msgs[: i + 1], add_generation_prompt=False)
+            before = _render_checked(tokenizer, msgs[:i], add_generation_prompt=True, tools=tools)
+            after = _render_checked(tokenizer, msgs[: i + 1], add_generation_prompt=False, tools=tools)
             if not (before.startswith(done) and after.startswith(before)):
                 raise _unstable()
             head = _ids(tokenizer, before[len(done):])
@@ -140,7 +155,7 @@ def _turns(tokenizer, msgs: list[dict[str, str]]) -> tuple[list[int], list[int],
             input_ids += head + body
             labels += [IGNORE] * len(head) + body
         else:
-            after = _render_checked(tokenizer, msgs[: i + 1], add_generation_prompt=False)
+            after = _render_checked(tokenizer, msgs[: i + 1], add_generation_prompt=False, tools=tools)
             if not after.startswith(done):
                 raise _unstable()
             head = _ids(tokenizer, after[len(done):])
@@ -150,15 +165,21 @@ def _turns(tokenizer, msgs: list[dict[str, str]]) -> tuple[list[int], list[int],
     return input_ids, labels, done, starts
 
 
-def _check_reached(msgs: list[dict[str, str]], text: str, starts: list[int]) -> None:
-    """Every message's text (stripped: templates may trim) in the rendering, at or after where its
-    piece starts (a template may place it later, e.g. a system text in the first user turn)."""
+def _check_reached(msgs: list[dict[str, Any]], text: str, starts: list[int],
+                   tools: list[dict[str, Any]] | None = None) -> None:
+    """Every message's text (stripped: templates may trim) and its calls' function names in the rendering,
+    at or after where its piece starts (a template may place it later, e.g. a system text in the first user
+    turn); every tool's name in it (a template without tools drops them: nothing is learnt silently without)."""
     for message, start in zip(msgs, starts):
-        needle = message["content"].strip()
-        if needle and needle not in text[start:]:
-            shown = needle if len(needle) <= 40 else needle[:37] + "..."
-            raise RenderError(f"the {message['role']} turn {shown!r} does not reach the rendered row: the chat "
-                              "template leaves it out", _LOST_FIX)
+        for needle in [message["content"].strip(), *names_in(message)]:
+            if needle and needle not in text[start:]:
+                shown = needle if len(needle) <= 40 else needle[:37] + "..."
+                raise RenderError(f"the {message['role']} turn {shown!r} does not reach the rendered row: the chat "
+                                  "template leaves it out", _LOST_FIX)
+    for tool in tools or ():
+        if tool["function"]["name"] not in text:
+            raise RenderError(f"the tool {tool['function']['name']!r} does not reach the rendered row: the chat "
+                              "template leaves the record's tools out", _TOOLS_FIX)
 
 
 def encode_rendered(tokenizer, example: Example, system_role: bool = True) -> Rendered:
@@ -175,8 +196,8 @@ def encode_rendered(tokenizer, example: Example, system_role: bool = True) -> Re
             ids = ids + [tokenizer.eos_token_id]
         return Rendered(ids, list(ids), example.text)
     msgs, folded = (list(example.messages or []), False) if system_role else fold_system(example.messages or [])
-    input_ids, labels, text, starts = _turns(tokenizer, msgs)
-    _check_reached(msgs, text, starts)
+    input_ids, labels, text, starts = _turns(tokenizer, msgs, example.tools)
+    _check_reached(msgs, text, starts, example.tools)
     return Rendered(input_ids, labels, text, msgs, folded)
 
 

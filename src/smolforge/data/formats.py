@@ -2,7 +2,7 @@
 
 Formats (detected per file from the first record, or forced):
 - alpaca: {instruction, input?, output}
-- chat: {messages: [{role, content}, ...]}
+- chat: {messages: [{role, content}, ...], tools?} (tool calls and tool turns: `chat_turns`)
 - prompt_completion: {prompt, completion}
 - text: {text}
 
@@ -16,12 +16,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from smolforge.data.chat_turns import tools_of, turn_of
 from smolforge.errors import SmolforgeError
 from smolforge.paths import not_a_regular_file
 
 FORMATS = ("alpaca", "chat", "prompt_completion", "text")
-ROLES = ("system", "user", "assistant", "tool")
 _FIX = {
     "alpaca": 'each line must look like {"instruction": "...", "input": "...", "output": "..."} (input optional)',
     "chat": 'each line must look like {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
@@ -32,11 +33,14 @@ _FIX = {
 
 @dataclass
 class Example:
-    """One training record: either chat messages (loss on assistant turns) or raw text (loss on all)."""
+    """One training record: either chat messages (loss on assistant turns) or raw text (loss on all).
+    `tools`: the record's OpenAI tool objects, given to the chat template with every rendering of it
+    (`chat_turns`); a turn may then carry `tool_calls` / `tool_call_id` / `name`."""
 
     source: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     text: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def prompt_messages(self) -> list[dict[str, str]]:
@@ -113,18 +117,12 @@ def to_example(record: dict, fmt: str, source: str, prompts_only: bool = False) 
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError('field "messages" must be a non-empty list')
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be an object with string role and content")
-            if m["role"] not in ROLES:
-                raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
-            clean.append({"role": m["role"], "content": m["content"]})
+        clean = [turn_of(m, i) for i, m in enumerate(messages)]
         if not prompts_only and not any(m["role"] == "assistant" for m in clean):
             raise ValueError("messages has no assistant turn to learn from")
         if prompts_only and clean[-1]["role"] == "system":
             raise ValueError("messages ends with a system turn: nothing asked to answer")
-        return Example(source, messages=clean)
+        return Example(source, messages=clean, tools=tools_of(record.get("tools")))
     if fmt == "text":
         return Example(source, text=_need_str(record, "text", fmt))
     raise ValueError(f"unknown format {fmt!r}")

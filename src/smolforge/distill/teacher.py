@@ -40,6 +40,11 @@ def prompts_from_dataset(dataset: str, max_samples: int | None = None, data_form
 
     train, _eval, _fmt, _skipped = read_spec(DataSpec(path=dataset, format=data_format, max_samples=max_samples),
                                              prompts_only=True)
+    with_tools = next((ex for ex in train if ex.tools), None)
+    if with_tools is not None:  # a teacher's prompt would be rendered without them: refused, not dropped
+        raise SmolforgeError("a record has tools, which distillation does not take yet (a teacher's prompt "
+                             "is rendered without them)", where=with_tools.source,
+                             fix="distill on records without `tools`, or fine-tune on them with `smolforge train`")
     items = [PromptItem(i, ex.prompt_messages, ex.answer) for i, ex in enumerate(train) if ex.messages]
     if not items:
         raise SmolforgeError(f"{dataset} has no prompt/response examples for a teacher to answer",

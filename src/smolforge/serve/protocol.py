@@ -28,6 +28,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from smolforge.data.chat_turns import call_arguments
+
 DEFAULT_MAX_TOKENS = 256  # when a request names none: OpenAI's chat default is "to the context", too long here
 MAX_TOKENS_LIMIT = 2**20  # over any context served here: the real bound is the context, checked per request
 MAX_STOPS, MAX_STOP_CHARS = 4, 512
@@ -196,13 +198,9 @@ class ChatMessage(_Strict):
 
 
 def _arguments(call: FunctionCall) -> dict[str, Any]:
-    try:
-        args = json.loads(call.arguments or "{}")
-    except ValueError:
-        args = None
-    if not isinstance(args, dict):
-        raise ValueError(f"tool call {call.name}: arguments must be a JSON object's text, got {call.arguments[:80]!r}")
-    return args
+    """A history call's arguments as the template reads them: the one answer training data gets too
+    (`data.chat_turns.call_arguments`). ValueError for text that is not a JSON object."""
+    return call_arguments(call.name, call.arguments)
 
 
 class FunctionSpec(_Strict):
