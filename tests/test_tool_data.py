@@ -49,6 +49,15 @@ def test_a_tool_record_renders_as_transformers_renders_it_and_its_calls_are_lear
     assert "sunny, 21 C" not in learnt and "It is sunny in Paris." in learnt  # the tool's answer is prompt
 
 
+def test_tools_stored_as_json_text_are_read_as_the_list(qwen_tok):
+    from smolforge.data.encode import encode_rendered
+    from smolforge.data.formats import to_example
+
+    as_text = to_example({**RECORD, "tools": json.dumps(TOOLS)}, "chat", "t.jsonl:1")  # a Parquet dataset's column
+    assert as_text.tools == TOOLS
+    assert encode_rendered(qwen_tok, as_text).text == encode_rendered(qwen_tok, to_example(RECORD, "chat", "x")).text
+
+
 def test_the_prompt_of_a_tool_record_carries_its_tools(qwen_tok):
     from smolforge.data.encode import prompt_text
     from smolforge.data.formats import to_example

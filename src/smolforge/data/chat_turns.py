@@ -95,7 +95,14 @@ def turn_of(m: Any, i: int) -> dict[str, Any]:
 
 
 def tools_of(tools: Any) -> list[dict[str, Any]] | None:
-    """A record's `tools`, checked (each an OpenAI function tool with a name); None when absent or empty."""
+    """A record's `tools`, checked (each an OpenAI function tool with a name); None when absent or empty. A
+    JSON text of the list is read as the list: Hub datasets stored as Parquet keep `tools` as a string (Arrow
+    has no type for schemas that differ per row), as TRL's and prime-rl's SFT loaders read it (prime-rl #885)."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise ValueError('field "tools" is text but not JSON: give a list of tool objects') from None
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
