@@ -105,15 +105,14 @@ def test_teacher_shards_land_only_on_nodes_holding_the_model(cluster):
     out = cluster.base / "placement"
     ids = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), out, max_samples=32, num_shards=4, **GEN)
     assert len(ids) == 2  # num_teachers=None: one per eligible node
-    orch.wait_distill(ids, timeout=300)
+    # one teacher only: the GPU node is preferred (asked for at once: the node is chosen, not waited for)
+    [one] = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), cluster.base / "one", max_samples=8,
+                                               num_shards=2, num_teachers=1, **GEN)
+    orch.wait_distill([*ids, one], timeout=300)
     store = out / "teacher_outputs"
     nodes = {read_manifest(store, s)["node"] for s in ready_shards(store)}
     assert ready_shards(store) == [0, 1, 2, 3]
     assert nodes == {"gpu-box", "cpu-box"}
-    # one teacher only: the GPU node is preferred
-    [one] = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), cluster.base / "one", max_samples=8,
-                                               num_shards=2, num_teachers=1, **GEN)
-    orch.wait_distill([one], timeout=300)
     assert {read_manifest(cluster.base / "one" / "teacher_outputs", s)["node"] for s in (0, 1)} == {"gpu-box"}
     assert orch.task_status(one)["node"] == "gpu-box"
     # nobody holds the model: a clear error at submit (the call raises; no task was made) naming what
@@ -128,20 +127,22 @@ def test_teacher_shards_land_only_on_nodes_holding_the_model(cluster):
 
 def test_students_stream_rotate_and_aggregate(cluster):
     """Timeline: a student starts before the last shard is written; a queued student takes a
-    finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds."""
+    finished teacher's node; outputs follow the seed layout; monitor_tasks reports both kinds.
+    The order is made by holds (faults `hold-shard`, `hold-step`) released on the run's events, not
+    by teachers made slow enough: each teacher holds after its 2nd shard until a student has started
+    training, and the student on `bare` holds after step 15 of its 20 until it has said so and a
+    teacher's node has taken a queued student."""
     orch = cluster.make()
     run = cluster.base / "run"
-    # Slow teachers on purpose (small batches, long answers): 12 shards each, 10 prompts a shard. 240 of
-    # the 504 prompts: the timeline keeps its order (the students boot while the teachers do, so the
-    # first shard starts the student on `bare` long before the last is written; that student's last
-    # shard comes near a teacher's end and a whole epoch follows it), at half the teacher and student work.
-    teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24, max_samples=240,
-                                                  max_new_tokens=24, top_k=8, batch_size=2)
+    # 24 shards of 10 prompts: 8 shards (80 rows, 20 steps of 4) for each of the 3 students.
+    shard_holds = [node_dir(cluster.base, n) / "fault-hold-shard" for n in ("gpu-box", "cpu-box")]
+    for f in shard_holds:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("2")
     # 2 CPUs per student: one fits on `bare` at once, the others wait; a finished teacher's node takes one.
     # The student on `bare` is held after step 15 of its 20 (one epoch; fault `hold-step`) until a
     # teacher's node has taken a queued student, so it is still busy when a teacher finishes: without
     # the hold, a student done first would let `bare` take the queued ones (no rotation, seen in CI).
-    # Late in its run, so most of its steps still overlap the teachers' work.
     hold = node_dir(cluster.base, "bare") / "fault-hold-step"
     hold.parent.mkdir(parents=True, exist_ok=True)
     hold.write_text("15")
@@ -149,17 +150,24 @@ def test_students_stream_rotate_and_aggregate(cluster):
 
     def watch(tid: str, status: dict) -> None:
         seen.setdefault(tid, set()).add(status["state"])
-        if any(e["kind"] == "teacher_reassigned" for e in orch.events):
+        kinds = {e["kind"] for e in orch.events}
+        if "student_started" in kinds:  # a student trains: the teachers may write their last shards now
+            for f in shard_holds:
+                f.unlink(missing_ok=True)
+        if {"teacher_reassigned", "held"} <= kinds:
             hold.unlink(missing_ok=True)
 
     try:
+        teachers = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, num_shards=24, max_samples=240,
+                                                      **GEN)
         students = orch.create_student_tasks("tiny-llama", run / "teacher_outputs", num_students=3,
                                              peft_type="lora", peft_config={"r": 4, "alpha": 8, "dropout": 0.0},
                                              epochs=1, batch_size=4, cpus_per_student=2, eval_data=str(cluster.data),
                                              max_eval_samples=8, max_new_tokens=4)
         orch.monitor_tasks(teachers + students, callback=watch, poll=0.3, timeout=600)
     finally:
-        hold.unlink(missing_ok=True)
+        for f in (hold, *shard_holds):
+            f.unlink(missing_ok=True)
     for tid in teachers + students:
         assert orch.task_status(tid)["state"] == "completed", orch.task_status(tid)
         assert "completed" in seen[tid]
@@ -196,18 +204,25 @@ def test_students_stream_rotate_and_aggregate(cluster):
 
 
 def test_corrupt_shards_are_caught_and_regenerated(cluster):
-    """On disk (an earlier run's store) and in transit (bytes that no longer match the manifest)."""
+    """On disk (an earlier run's store) and in transit (bytes that no longer match the manifest). The
+    earlier run's store is the first test's (4 shards of 8 prompts, copied: a store is its directory),
+    made here (3 shards) when that test did not run: its teachers' work is not done twice."""
     import ray
 
-    from smolforge.distill.store import read_manifest
+    from smolforge.distill.store import read_manifest, ready_shards
 
-    orch = cluster.make()
     run = cluster.base / "corrupt"
-    ids = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, max_samples=24, num_shards=3, **GEN)
-    orch.wait_distill(ids, timeout=300)
-    orch.shutdown_distill()
     store = run / "teacher_outputs"
-    good = {s: read_manifest(store, s)["sha256"] for s in range(3)}
+    earlier = cluster.base / "placement" / "teacher_outputs"
+    if earlier.is_dir():
+        shutil.copytree(earlier, store)
+    else:
+        orch = cluster.make()
+        ids = orch.create_parallel_teacher_tasks(TEACHER, str(cluster.data), run, max_samples=24, num_shards=3, **GEN)
+        orch.wait_distill(ids, timeout=300)
+        orch.shutdown_distill()
+    good = {s: read_manifest(store, s)["sha256"] for s in ready_shards(store)}
+    assert len(good) >= 3, good
     path = store / "batch_2.safetensors"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

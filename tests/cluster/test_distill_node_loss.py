@@ -6,9 +6,9 @@ to the coordinator on a worker that joins afterwards; when none joins within `re
 the job fails and says why, instead of waiting forever (a soak test: its decision is proven in process,
 see its comment).
 
-The student is held after step 8 (the fault `hold-step` of `smolforge.train.faults`, a file in its
+The student is held after step 5 (the fault `hold-step` of `smolforge.train.faults`, a file in its
 node's directory) and the test waits for it to say so (`held`), so the node dies at a known step,
-after the checkpoint of step 5, in a 20-step run: the replacement resumes from step 5 exactly.
+after the checkpoint of step 3, in a 12-step run: the replacement resumes from step 3 exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from localcluster import LocalCluster
 pytestmark = [pytest.mark.timeout(1200)]
 
 
-STEPS, SAVE_EVERY, HOLD = 20, 5, 8  # the node dies while its student is held after step 8: checkpoint 5 kept
+STEPS, SAVE_EVERY, HOLD = 12, 3, 5  # the node dies while its student is held after step 5: checkpoint 3 kept
 
 
 def _spec(data, **kw) -> dict:
@@ -62,7 +62,7 @@ def _hold(cluster, node: str) -> Path:
 
 
 def _lose_the_student_node(cluster, client, job_id, node: str) -> int:
-    """Wait for the student to be held after step HOLD (so its checkpoint of step 5 is shipped) and the
+    """Wait for the student to be held after step HOLD (so its checkpoint of step SAVE_EVERY is shipped) and the
     teacher to finish; kill the node's group while the student is held; its last checkpoint's step."""
     _wait(client, job_id, "held", lambda st: _events(client, job_id, "held"))
     held = _events(client, job_id, "held")
@@ -84,7 +84,7 @@ def _start(cluster: LocalCluster, tmp_path: Path) -> tuple[Path, Path]:
     models = tmp_path / "models"
     shutil.copytree(preset_dir("tiny-llama"), models / "tiny-copy")
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in generate(96, seed=11)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(64, seed=11)))
     cluster.start_coordinator(models_dir=models)
     cluster.add_worker("s1", cpus=2, models_dir=models)
     return models, data

@@ -3,8 +3,11 @@ Ray processes it started (by PID and session: Ray's agents used to live on for m
 to init), `job show` lists its ranks as stopped, not running, and `job resume` finishes the job into
 the launch's --output-dir, where the launch itself would have put the adapter, continuing from the
 checkpoint kept before the kill (not from step 0). The model is named by a local directory, as
-users' own checkpoints are. (tests/cluster/test_embedded_recovery.py, a second instance of the same
-path with the whole process group killed, runs in the soak tier.)"""
+users' own checkpoints are. The launch is held after step HOLD (fault `hold-step`, in its environment
+only: the resume does not hold), so the kill lands at a known step, after the checkpoint of step
+SAVE_EVERY, in a run of STEPS: no run made "long enough" to still be going when the test acts.
+(tests/cluster/test_embedded_recovery.py, a second instance of the same path with the whole process
+group killed, runs in the soak tier.)"""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import pytest
 from localcluster import cli_module
 
 pytestmark = [pytest.mark.timeout(900)]
+
+STEPS, SAVE_EVERY, HOLD = 12, 4, 5  # killed while held after step 5: the checkpoint of step 4 is kept
 
 
 def _env(home, ray_tmp: str) -> dict:
@@ -45,16 +50,18 @@ def _running(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def _wait_for_step(db, step: int, proc: subprocess.Popen, log) -> dict:
+def _wait_for_hold(db, proc: subprocess.Popen, log) -> dict:
+    """The launch's job once its rank is held after step HOLD and the checkpoint of step SAVE_EVERY is stored."""
     from smolforge.cluster.control.jobstore import JobStore
 
     deadline = time.time() + 400  # a hang guard only: the launch reaches it in well under a minute alone
     while time.time() < deadline and proc.poll() is None:
         jobs = JobStore(db).list_jobs() if db.exists() else []
-        if jobs and (jobs[0]["step"] or 0) >= step:
+        kinds = {e["kind"] for e in JobStore(db).events(jobs[0]["id"])} if jobs else set()
+        if {"held", "checkpoint"} <= kinds and jobs[0]["step"] == HOLD:
             return jobs[0]
         time.sleep(0.2)
-    raise AssertionError(f"the launch never reached step {step}: {log.read_text()[-3000:]}")
+    raise AssertionError(f"the launch was never held after step {HOLD}: {log.read_text()[-3000:]}")
 
 
 def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir(tmp_path):
@@ -73,10 +80,12 @@ def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", cli_module(), "launch", "--model", "./my-model", "--dataset", str(data),
-             "--workers", "1", "--batch-size", "1", "--max-steps", "120", "--max-length", "32", "--save-every", "4",
-             "--set", "eval_accuracy=false", "--set", "data.max_eval_samples=2", "--output-dir", str(out), "--quiet"],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
-        job = _wait_for_step(home / "embedded" / "jobs.db", 5, proc, log)  # a checkpoint (step 4) is kept
+             "--workers", "1", "--batch-size", "1", "--max-steps", str(STEPS), "--max-length", "32",
+             "--save-every", str(SAVE_EVERY), "--set", "eval_accuracy=false", "--set", "data.max_eval_samples=2",
+             "--output-dir", str(out), "--quiet"],
+            cwd=tmp_path, env={**env, "SMOLFORGE_FAULT_HOLD_STEP": str(HOLD)}, stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"), start_new_session=True)
+        job = _wait_for_hold(home / "embedded" / "jobs.db", proc, log)
         session = psutil.Process(proc.pid).children(recursive=True)  # every process the launch started
         assert session, "the launch started no process"
         os.kill(proc.pid, signal.SIGKILL)  # the CLI alone, not its process group: what `kill -9 PID` does
@@ -98,13 +107,13 @@ def test_a_killed_launch_is_reaped_shown_stopped_and_resumed_into_its_output_dir
                                  capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         final = json.loads(resumed.stdout.strip().splitlines()[-1])
-        assert final["state"] == "completed" and final["result"]["steps"] == 120, final
+        assert final["state"] == "completed" and final["result"]["steps"] == STEPS, final
         assert final["adapter_dir"] == str(out / "lora_adapter"), final["adapter_dir"]
         assert (out / "lora_adapter" / "adapter_model.safetensors").is_file()
         events = JobStore(home / "embedded" / "jobs.db").events(job["id"])
         starts = [e["message"] for e in events if e["kind"] == "state" and "resumed from step-" in e["message"]]
         assert starts, [e["message"] for e in events]
-        assert int(starts[-1].split("step-")[1].split()[0].rstrip(")")) >= 4, starts  # a checkpoint, not step 0
+        assert int(starts[-1].split("step-")[1].split()[0].rstrip(")")) == SAVE_EVERY, starts  # the checkpoint, not step 0
     finally:
         for p in session:  # a failed run must not leave what it started behind (by PID, as the reaper does)
             try:

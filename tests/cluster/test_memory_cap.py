@@ -95,27 +95,37 @@ print(json.dumps({"peak_rss_mb": peak_rss_mb(), "texts": texts}))
 """
 
 
-def single_process(model: Path) -> dict:
-    """The whole model in one fresh process (the single-process server's load and greedy answers): P and the tokens."""
-    r = subprocess.run([sys.executable, "-c", SINGLE, str(model), str(TOKENS), json.dumps(PROMPTS)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def single_process(model: Path) -> subprocess.Popen:
+    """The whole model in one fresh process (the single-process server's load and greedy answers), started:
+    `measured` reads P and the tokens from it."""
+    return subprocess.Popen([sys.executable, "-c", SINGLE, str(model), str(TOKENS), json.dumps(PROMPTS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def measured(proc: subprocess.Popen) -> dict:
+    """What `single_process` printed: its peak RSS (MiB) and its greedy texts."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     base = tmp_path_factory.mktemp("memcap")
     model = build_model(base / "models" / MODEL)
-    single = single_process(model)
-    cap_mb = CAP_OF_P * single["peak_rss_mb"] * 2**20 / 1e6  # peak_rss_mb is MiB; --memory-limit is GB
+    proc = single_process(model)  # its peak is its own process's: measured while the coordinator starts
     cluster = LocalCluster(base)
     try:
         cluster.start_coordinator()
+        single = measured(proc)
+        cap_mb = CAP_OF_P * single["peak_rss_mb"] * 2**20 / 1e6  # peak_rss_mb is MiB; --memory-limit is GB
         cluster.add_workers(["w1", "w2"], models_dir=base / "models", memory_gb=round(cap_mb / 1000, 3))
         cluster.wait_nodes(["coordinator", "w1", "w2"])
         yield {"c": cluster, "base": base, "single": single, "cap_mb": cap_mb}
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         cluster.close()
 
 

@@ -326,12 +326,30 @@ def test_async_ps_lets_a_lent_worker_leave_at_its_next_step(world):
 def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(world):
     """Three workers; the server sits with rank 2. Its whole node is SIGKILLed mid-job: the round fails,
     and the job resumes from the last checkpoint (which holds the server's state) with a new server on
-    another node, and completes."""
+    another node, and completes. Every rank is held after step HOLD (fault `hold-step`) until the node
+    is killed, so the kill lands mid-job at a known step, after a checkpoint, however fast the steps go
+    (a run made long enough to outlast the kill took 80 steps, 60 of them after the restart)."""
     c, client = world["c"], world["c"].client()
-    job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=80, save_every=10))  # killed at 25: 55 after
-    st = wait_step(client, job, 25)
-    ps = next(t for t in st["tasks"] if t["kind"] == "param_server")
-    c.kill_worker(ps["node_name"])
+    hold = 12  # a checkpoint every 5 steps: 5 and 10 are kept before the kill
+    files = [c.state.parent / f"node-{n}" / "node" / "fault-hold-step" for n in ("w1", "w2", "w3")]
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(str(hold))
+    try:
+        job = client.submit_job(spec(world, "async-ps", {}, workers=3, steps=30, save_every=5))
+        deadline = time.time() + 300  # a hang guard only
+        while len(held := [e for e in client.job_events(job) if e["kind"] == "held"]) < 3 or not any(
+                e["kind"] == "checkpoint" for e in client.job_events(job)):
+            assert time.time() < deadline and client.get_job_status(job)["state"] in ("pending", "running"), \
+                timeline(client, job)
+            time.sleep(0.3)
+        st = client.get_job_status(job)
+        ps = next(t for t in st["tasks"] if t["kind"] == "param_server")
+        c.kill_worker(ps["node_name"])
+    finally:
+        for f in files:  # the ranks left go on (to the dead server); the restarted ones are never held
+            f.unlink(missing_ok=True)
+    assert sorted(e["data"]["rank"] for e in held) == [0, 1, 2] and st["step"] < 30, (held, st["step"])
     st = wait_state(client, job, ("completed",), timeout=600)
     kinds = [e["kind"] for e in client.job_events(job)]
     assert "recovered" in kinds, timeline(client, job)
@@ -339,5 +357,5 @@ def test_the_servers_node_killed_the_job_resumes_from_its_checkpoint_elsewhere(w
     assert len(servers) == 2 and servers[-1]["node_name"] != ps["node_name"], servers
     recovered = next(e for e in client.job_events(job) if e["kind"] == "recovered")
     assert "checkpoints" in recovered["message"] or "step-" in recovered["message"], recovered
-    assert st["result"]["steps"] == 80
+    assert st["result"]["steps"] == 30
     assert st["result"]["final_loss"] < first_loss(client, job)  # it learned (three workers, then the two left)

@@ -180,6 +180,7 @@ class WorkerNode:
         self.scheme, self.host, self.port = parse_coordinator(opts.coordinator)
         self.verify = tls_for(self.scheme, self.host, self.port, opts.tls_fingerprint)
         self.rescan_s = rescan_interval()
+        self.said_busy = ""  # the last "busy: re-registering when idle" line (said once, not at every check)
         self.token = ""
         self.models_dir = opts.models_dir  # at join: --models-dir, else <state>/models (where fetched models go)
         self.cap: MemoryCap | None = None  # --memory-limit: where it is enforced (applied once, at the first join)
@@ -386,8 +387,10 @@ class WorkerNode:
             line, outcome = f"{what}; this node is busy ({busy}): re-registering when it is idle", "busy"
         else:
             line, outcome = f"{what}; re-registering", "changed"
-        if what or unreadable or request is not None:
+        again = request is None and outcome == "busy" and line == self.said_busy  # the timer's check, said before
+        if (what or unreadable or request is not None) and not again:
             self.announce(line)
+        self.said_busy = line if outcome == "busy" else ""
         if request is not None:
             atomic_write_text(request.parent / (RESCAN_FILE + ".result"), line + "\n")
             request.unlink(missing_ok=True)
@@ -408,7 +411,11 @@ class WorkerNode:
         return ""
 
 
-BUSY_RETRY_S = 10.0  # a busy node checks again this soon (or at its timer, when that is shorter)
+# A busy node checks again this soon (or at its timer, when that is shorter): one GET of the coordinator's
+# node table. Its model waits unadvertised meanwhile; at 10 s a job that had just fetched it was
+# advertised up to 10 s after its tasks ended (tests/cluster/test_model_travel.py: 22 s from a job's end
+# to the re-join, 10 of them this wait).
+BUSY_RETRY_S = 2.0
 
 
 def _pid_alive(pid: int) -> bool:
