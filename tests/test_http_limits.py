@@ -240,3 +240,49 @@ def test_slow_clients_without_the_token_never_lock_out_one_with_it(monkeypatch):
         finally:
             for sock in slow:
                 sock.close()
+
+
+def test_a_stop_does_not_wait_for_an_idle_tls_client_to_say_goodbye(tmp_path):
+    """SIGINT/SIGTERM on a TLS listener (the coordinator with --tls) while a client holds a kept-alive
+    connection idle: uvicorn closes it, and TLS's close waits for the client's close_notify, which an idle
+    client never sends, up to asyncio's `ssl_shutdown_timeout` (30 s): the coordinator took 33.5 s to stop.
+    Every listener's stop now waits SHUTDOWN_GRACE_S for requests in flight, then goes on: uvicorn says so
+    ("timeout graceful shutdown exceeded"), and the server ends while the client still holds the socket."""
+    import logging
+    import ssl
+
+    import uvicorn
+
+    from smolforge.cluster.nodes.statedir import free_port
+    from smolforge.cluster.nodes.tls import ensure_cert
+
+    cert, key = ensure_cert(tmp_path, ["127.0.0.1"])
+    port = free_port()
+    config = http_limits.server_config(_app(), "127.0.0.1", port, log_level="warning", lifespan="off",
+                                       ssl_certfile=str(cert), ssl_keyfile=str(key))
+    assert config.timeout_graceful_shutdown == http_limits.SHUTDOWN_GRACE_S
+    srv = uvicorn.Server(config)
+    srv.install_signal_handlers = lambda: None
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        while not srv.started:
+            thread.join(0.05)
+            assert thread.is_alive(), "the server did not start"
+        logging.getLogger("uvicorn.error").addHandler(handler)  # after uvicorn configured its loggers
+        client = context.wrap_socket(_connect(port), server_hostname="127.0.0.1")
+        assert _answered(client)  # a request answered; the connection is kept alive, idle
+        srv.should_exit = True
+        thread.join(60)  # a hang guard: what is asserted is uvicorn's own decision below
+        assert not thread.is_alive(), "the server is still waiting for the idle TLS client"
+        assert any("timeout graceful shutdown exceeded" in line for line in said), said
+        client.close()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        srv.should_exit = True
+        thread.join(60)

@@ -253,8 +253,7 @@ def serve_config(app: Any, sock: socket.socket) -> Any:
     from smolforge.http_limits import server_config
 
     host, port = sock.getsockname()[:2]
-    return server_config(app, host, port, log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=3)
+    return server_config(app, host, port, log_level="warning", access_log=False, lifespan="off")
 
 
 def stop_when_engine_dies(engine: Any, server: Any) -> None:
