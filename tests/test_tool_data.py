@@ -112,3 +112,11 @@ def test_serve_and_training_read_a_calls_arguments_alike():
     msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [CALL]})
     assert msg.for_template()["tool_calls"][0]["function"]["arguments"] == call_arguments("f", '{"city": "Paris"}')
     assert json.loads(CALL["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_data_show_shows_a_records_tools_and_calls(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [RECORD])
+    proc = smolforge_here("data", "show", str(data))
+    assert proc.exit_code == 0, proc.output[-2000:]
+    assert "columns used: messages, tools" in proc.stdout
+    assert "tools: get_weather" in proc.stdout and 'get_weather({"city": "Paris"})' in proc.stdout

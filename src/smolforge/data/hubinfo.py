@@ -9,6 +9,8 @@ dataset another way.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from smolforge.data.hub import Spell, _is_saved, as_flag, by_name, load_rows
 from smolforge.data.synthetic import BUILTIN_DATASETS
 
 # the columns (a record's keys) each row shape reads (data/formats.py's formats)
-SHAPE_COLUMNS: dict[str, tuple[str, ...]] = {"alpaca": ("instruction", "input", "output"), "chat": ("messages",),
+SHAPE_COLUMNS: dict[str, tuple[str, ...]] = {"alpaca": ("instruction", "input", "output"), "chat": ("messages", "tools"),
                                              "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 BUILT_IN, FILE, SAVED, LOCAL_DIR, HF_CACHE = ("built-in set", "JSONL file", "save_to_disk directory",
                                               "local directory (Hub layout)", "Hugging Face cache")
@@ -41,9 +43,15 @@ def locate(name: str) -> tuple[str, str]:
 
 def training_text(example: Example, limit: int = SAMPLE_CHARS) -> str:
     """One example as the text training learns from, before a chat template: a text row's text, a
-    conversation's turns as `role: content` lines; cut at LIMIT characters (`…` marks a cut)."""
-    text = example.text if example.text is not None else "\n".join(
-        f"{turn['role']}: {turn['content']}" for turn in example.messages or [])
+    conversation's turns as `role: content` lines (a record's tools first, an assistant's calls as
+    `name(arguments)`); cut at LIMIT characters (`…` marks a cut)."""
+    if example.text is not None:
+        text = example.text
+    else:
+        tools = [f"tools: {', '.join(t['function']['name'] for t in example.tools)}"] if example.tools else []
+        text = "\n".join(tools + [f"{turn['role']}: {turn['content']}" + "".join(
+            f" {c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in turn.get("tool_calls", ()))
+            for turn in example.messages or []])
     return text if len(text) <= limit else text[:limit] + "…"
 
 
