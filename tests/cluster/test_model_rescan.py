@@ -49,8 +49,10 @@ def test_the_timer_waits_for_an_idle_node_before_re_registering(tmp_path, monkey
                                                          "available": {"CPU": next(free)}}])
     assert node._watch(StateDir.at(tmp_path / "state")) is None  # None: stopped to re-register
     assert stopped == [node.proc]
-    assert lines == ["found model late; this node is busy (1 of 1 CPUs in use): re-registering when it is idle"] * 2 + [
-        "found model late; re-registering"], lines
+    # busy at two checks, said once (the node checks every BUSY_RETRY_S, 2 s: not a line each time)
+    assert lines == ["found model late; this node is busy (1 of 1 CPUs in use): re-registering when it is idle",
+                     "found model late; re-registering"], lines
+    assert next(free, "spent") == "spent"  # the three checks were made: busy, busy, idle
 
 
 def test_rescan_without_a_running_worker_says_how_to_start_one(tmp_path):
