@@ -446,6 +446,9 @@ def test_two_stages_on_the_workers_answer_as_one_process_through_the_openai_clie
     events = client.job_events(job["id"])
     stages = sorted((e["data"] for e in events if e["kind"] == "stage"), key=lambda s: s["stage"])
     assert sorted(s["node"] for s in stages) == ["w1", "w2"], stages  # one per worker, not the coordinator
+    # on two nodes both stages start before either answers: their model loads overlap
+    order = [(e["kind"], e["data"]["stage"]) for e in events if e["kind"] in ("stage_start", "stage")]
+    assert order == [("stage_start", 0), ("stage_start", 1), ("stage", 0), ("stage", 1)], order
     # the layers as the placement plan cut them (from each worker's measured speed and memory), printed
     plan = next(e for e in events if e["kind"] == "plan")
     bounds = plan["data"]["bounds"]

@@ -30,7 +30,7 @@ import logging
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from smolforge.cluster.nodes import ray_glue
 from smolforge.cluster.control.placement import transfer_note
@@ -174,6 +174,7 @@ class RemoteStage:
         self.where: dict[str, Any] = {}
         self.broken = True  # not placed yet
         self.replacements = 0
+        self.pending: str | None = None  # the node id its actor is starting on (launched, not yet answered)
 
     def ready(self) -> None:
         """Before a batch: a stage whose actor died is placed again (on a live node with the model)."""
@@ -248,8 +249,9 @@ class StageGroup:
         """Where `handle` (re)starts (`stage_plan.stage_node`), counting the other running stages' nodes."""
         used: dict[str, int] = {}
         for h in self.handles:
-            if h is not handle and not h.broken and h.where.get("node_id"):
-                used[h.where["node_id"]] = used.get(h.where["node_id"], 0) + 1
+            at = h.pending or (h.where.get("node_id") if not h.broken else None)  # started there, or starting
+            if h is not handle and at:
+                used[at] = used.get(at, 0) + 1
         return stage_node(cands, self.cpus, self.model, self.model_bytes, used, planned)
 
     def plan(self) -> Plan:
@@ -318,6 +320,13 @@ class StageGroup:
 
     def place(self, handle: RemoteStage) -> None:
         """A new actor for this stage on a live node that holds the model, answering before it returns."""
+        self._settle(handle, *self._launch(handle))
+
+    def _launch(self, handle: RemoteStage, before: Callable[[ray_glue.NodeInfo], None] | None = None
+                ) -> tuple[Any, ray_glue.NodeInfo]:
+        """Under the group's lock: the old actor killed, a node picked (counting the stages being started
+        elsewhere: `handle.pending`), `before(node)` called (`start`: a stage still starting there answers
+        first), the part sent to it, the new actor created; not waited for."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -325,33 +334,47 @@ class StageGroup:
             self.kill(handle)
             planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
             node = self._pick(handle, self.candidates(), planned)
+            if before is not None:
+                before(node)
             self._bring_part(handle, node)
             actor = ray.remote(StageActor).options(
                 num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,
                 max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
+            handle.pending = node.node_id
+            self.events.append({"kind": "stage_start", "message": f"stage {handle.index} starting on {node.name}",
+                                "data": {"stage": handle.index, "node": node.name}})
+            return actor, node
+
+    def _settle(self, handle: RemoteStage, actor: Any, node: ray_glue.NodeInfo) -> None:
+        """Wait (`load_timeout_s`) for a launched actor's answer; the stage is then running there (an event of
+        the job), or the actor is killed and StageError says why."""
+        import ray
+
+        try:
+            info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
+        except Exception as err:
             try:
-                info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
-            except Exception as err:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:
-                    pass
-                raise StageError(f"stage {handle.index} could not start on {node.name}: {type(err).__name__}: "
-                                 f"{str(err).splitlines()[0] if str(err) else ''}",
-                                 fix="check that node's log; free CPUs on it, or join another node that holds "
-                                     f"{self.model}") from None
-            again = bool(handle.where)
-            handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
-            if again:
-                handle.replacements += 1
-            cap = f" of its {info['memory_limit_mb']:.0f} MB limit" if info.get("memory_limit_mb") else ""
-            message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
-                       f"{'re-placed' if again else 'placed'} on {node.name}, peak RSS {info['peak_rss_mb']:.0f} MB{cap}")
-            self.events.append({"kind": "stage", "message": message, "data": {
-                "stage": handle.index, "node": node.name, "pid": info.get("pid"), "layers": info["layers"],
-                "replaced": again, "peak_rss_mb": info["peak_rss_mb"], "memory_limit_mb": info.get("memory_limit_mb")}})
-            log.info(message)
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+            raise StageError(f"stage {handle.index} could not start on {node.name}: {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}",
+                             fix="check that node's log; free CPUs on it, or join another node that holds "
+                                 f"{self.model}") from None
+        finally:
+            handle.pending = None
+        again = bool(handle.where)
+        handle.actor, handle.where, handle.broken = actor, {**info, "node": node.name}, False
+        if again:
+            handle.replacements += 1
+        cap = f" of its {info['memory_limit_mb']:.0f} MB limit" if info.get("memory_limit_mb") else ""
+        message = (f"stage {handle.index} (layers {info['layers'][0]}-{info['layers'][1]}) "
+                   f"{'re-placed' if again else 'placed'} on {node.name}, peak RSS {info['peak_rss_mb']:.0f} MB{cap}")
+        self.events.append({"kind": "stage", "message": message, "data": {
+            "stage": handle.index, "node": node.name, "pid": info.get("pid"), "layers": info["layers"],
+            "replaced": again, "peak_rss_mb": info["peak_rss_mb"], "memory_limit_mb": info.get("memory_limit_mb")}})
+        log.info(message)
 
     def kill(self, handle: RemoteStage) -> None:
         import ray
@@ -376,8 +399,32 @@ class StageGroup:
                 self.plan()
             elif not self.handles:
                 self.handles = [RemoteStage(self, i) for i in range(len(self.bounds) - 1)]
-            for h in self.handles:
-                self.place(h)
+            # stages on different nodes start at once, their model loads overlapping (each stage's part is
+            # still sent under the lock, one at a time); on one node, one after another (a node's memory cap
+            # was planned for the stages' resident sizes, not for two loads' peaks at once). The first
+            # stage that fails ends the start.
+            launched: list[tuple[RemoteStage, Any, ray_glue.NodeInfo]] = []
+
+            def settle_on(node: ray_glue.NodeInfo) -> None:
+                for h, actor, there in launched:
+                    if h.pending and there.node_id == node.node_id:
+                        self._settle(h, actor, there)
+
+            try:
+                for h in self.handles:
+                    launched.append((h, *self._launch(h, settle_on)))
+                for h, actor, node in launched:
+                    if h.pending:
+                        self._settle(h, actor, node)
+            except BaseException:
+                for h, actor, _node in launched:  # started, not yet a handle's: close() would not see them
+                    if h.actor is not actor:
+                        try:
+                            ray.kill(actor, no_restart=True)
+                        except Exception:  # noqa: BLE001  already gone
+                            pass
+                    h.pending = None
+                raise
             files = ray.get(self.handles[0].actor.tokenizer_files.remote(), timeout=self.load_timeout_s)
             last = self.handles[-1].where
         except BaseException:
