@@ -2,9 +2,10 @@
 
 Two in-process servers on loopback ports (the `served_tiny` model copy; the torch engine, and the
 llamacpp engine on its f16 export), both driven by the official `openai` client:
-- streamed and non-streamed greedy answers, completions and chat, are the torch engine's text, and
+- streamed and non-streamed greedy answers, completions and chat, are the torch engine's tokens (but
+  for a near-tie: `servehelpers.greedy_alike`), and
   the chat prompt is the chat template's tokens (usage.prompt_tokens);
-- a stop string cuts both engines' answers at the same place, finish_reason "stop";
+- a stop string cuts each engine's answer where it first appears, finish_reason "stop";
 - a seeded sampled answer repeats itself (the request's own generator, as on torch);
 - requests arriving together are one llama.cpp batch (one sequence per row) and each gets its own text;
 - the `auto` rule: llamacpp for a base model on a CPU, torch for an adapter, a --dtype or CUDA; `--help`
@@ -21,6 +22,7 @@ import time
 import pytest
 
 from helpers import require_module
+from servehelpers import greedy_alike
 from test_serve_engine import SYSTEM, Held, final, short_during_long
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,44 +87,53 @@ def streamed_completion(client, **kw) -> str:
 
 
 def test_greedy_text_streamed_and_not_is_the_torch_engines(servers, served_tiny):
+    """Each engine's streamed answer is its answer; the two engines' answers are the same tokens but for a
+    near-tie (`greedy_alike`: the f16 export and fp32 may pick either of two nearly equal tokens)."""
     from smolforge.data.encode import render
 
     def ask(client):
-        chat = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=24)
-        done = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24)
+        chat = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=24,
+                                              logprobs=True, top_logprobs=2)
+        done = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24,
+                                         logprobs=2)
         return {"chat": chat.choices[0].message.content, "chat_stream": streamed_chat(client, messages=QUESTION,
                                                                                       temperature=0, max_tokens=24)[0],
                 "chat_usage": (chat.usage.prompt_tokens, chat.usage.completion_tokens),
                 "completion": done.choices[0].text,
                 "completion_stream": streamed_completion(client, prompt="Once upon a time", temperature=0,
-                                                         max_tokens=24)}
+                                                         max_tokens=24),
+                "entries": (chat.model_dump()["choices"][0]["logprobs"]["content"],
+                            done.model_dump()["choices"][0]["logprobs"]["content"])}
 
     got = both(servers, ask)
     lc, pt = got["llamacpp"], got["torch"]
-    assert lc == pt, (lc, pt)
-    assert lc["chat"] and lc["completion"] and lc["chat"] == lc["chat_stream"]
-    assert lc["completion"] == lc["completion_stream"]
+    parted = [greedy_alike(a, b) for a, b in zip(pt.pop("entries"), lc.pop("entries"))]
+    for key, where in zip(("chat", "completion"), parted):
+        if where is None:
+            assert lc[key] == pt[key], (key, lc, pt)
+        assert lc[key] and lc[key] == lc[f"{key}_stream"] and pt[key] == pt[f"{key}_stream"], (key, lc, pt)
+    assert lc["chat_usage"][0] == pt["chat_usage"][0]
     templated = served_tiny.tokenizer(render(served_tiny.tokenizer, QUESTION, add_generation_prompt=True),
                                       add_special_tokens=False)["input_ids"]
     assert lc["chat_usage"][0] == len(templated)  # the chat template's tokens went in
 
 
 def test_a_stop_string_cuts_both_engines_alike(servers):
-    whole = servers["torch"].client().completions.create(model="tiny", prompt="Once upon a time", temperature=0,
-                                                           max_tokens=24).choices[0].text
-    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
-    assert stop.strip(), whole
-
+    """A stop string from the middle of an engine's own greedy answer cuts it there, streamed and not,
+    finish_reason "stop" (each engine's own answer: a near-tie may part the two engines' texts)."""
     def ask(client):
+        whole = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0,
+                                          max_tokens=24).choices[0].text
+        stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+        assert stop.strip(), whole
         done = client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24,
                                          stop=[stop])
-        return (done.choices[0].text, done.choices[0].finish_reason,
+        return (whole, stop, done.choices[0].text, done.choices[0].finish_reason,
                 streamed_completion(client, prompt="Once upon a time", temperature=0, max_tokens=24, stop=[stop]))
 
-    got = both(servers, ask)
-    assert got["llamacpp"] == got["torch"], got
-    text, reason, streamed = got["llamacpp"]
-    assert reason == "stop" and stop not in text and whole.startswith(text) and streamed == text
+    for engine, (whole, stop, text, reason, streamed) in both(servers, ask).items():
+        assert reason == "stop" and stop not in text and text == whole[:whole.index(stop)], (engine, whole, text)
+        assert streamed == text, engine
 
 
 def test_a_seeded_sample_repeats_and_is_not_the_greedy_text(servers):
@@ -405,8 +416,9 @@ def test_bytes_cached_tokens_and_fingerprint_on_both_engines(servers, served_tin
                   *(c["system_fingerprint"] for c in chat2 + comp2)}
         assert len(prints) == 1 and prints.pop().startswith("fp_"), (engine, prints)
     assert got["torch"][0]["system_fingerprint"] != got["llamacpp"][0]["system_fingerprint"]
-    assert [c["bytes"] for c in got["torch"][0]["choices"][0]["logprobs"]["content"]] == \
-        [c["bytes"] for c in got["llamacpp"][0]["choices"][0]["logprobs"]["content"]]  # greedy: the same tokens
+    # greedy: the same tokens, but for a near-tie (the prompt is new each run: some have one)
+    greedy_alike(got["torch"][0]["choices"][0]["logprobs"]["content"],
+                 got["llamacpp"][0]["choices"][0]["logprobs"]["content"])
 
 
 def test_a_step_of_rows_in_any_sequence_order_is_one_ubatch(lcpp_model, served_tiny):
