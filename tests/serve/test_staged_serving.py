@@ -283,3 +283,26 @@ def test_a_kept_prefix_never_crosses_a_stage_change(tiny_llama_dir, served, tmp_
     assert got.token_ids != run_one(Engine(served, prefix_cache_bytes=0), second, [])[0].token_ids  # it changed
     assert all(stale is not snapshot for snapshot, _ in engine.prefix.entries.values())  # forgotten
     assert stale.id not in stages[0].kept  # freed on the stage that kept it
+
+
+def test_a_prefix_a_stage_failed_to_keep_is_not_kept_and_freed_on_the_others(tiny_llama_dir, served):
+    """`hold` fails on the last stage: the request is still answered, the head keeps nothing, and the copy
+    the first stage made is freed with the next message; the stages then hold what the head keeps."""
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    first, second, _ = shared_prompts(served.tokenizer)
+
+    def broken_hold(*args, **kwargs):
+        raise StageError("stage 1 went away while keeping a prefix")
+
+    model.stages[1] = type("Failing", (), {"hold": staticmethod(broken_hold),
+                                           "__getattr__": lambda self, name: getattr(stages[1], name)})()
+    engine = Engine(model)
+    got, _, _ = run_one(engine, first, stages)
+    assert got.token_ids == hf_greedy(served.model, first, 8, served.pad_id)
+    assert not engine.prefix.entries and len(stages[0].kept) == 1 and not stages[1].kept  # an orphan on stage 0
+    model.stages[1] = stages[1]
+    got, _, _ = run_one(engine, second, stages)  # no hit; its first forward frees the orphan, its own is kept
+    assert got.cached_tokens == 0 and got.token_ids == hf_greedy(served.model, second, 8, served.pad_id)
+    held = {snapshot.id for snapshot, _ in engine.prefix.entries.values()}
+    assert len(held) == 1 and all(set(s.kept) == held for s in stages)

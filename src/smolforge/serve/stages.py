@@ -313,8 +313,8 @@ class StagedModel:
             for stage in self.stages:
                 nbytes += int(stage.hold(cache.id, row, length, snapshot_id, **told))
                 holders.append(stage.uid)
-        except Exception:
-            self._forget.append(snapshot_id)  # the stages that kept it free it with the next message
+        except Exception:  # the stages that kept it free it with the next message, and what they were told
+            self._forget.extend([*forget, snapshot_id])
             raise
         return StagedSnapshot(snapshot_id, tuple(holders)), nbytes
 
