@@ -4,7 +4,8 @@ through Ray, merged on each); the bearer token is the one `$SMOLFORGE_TOKEN` giv
 `serve`, even where the embedded cluster has a token file of its own (issue 28: that one won), and
 the greedy answer equals the single-process engine's with the same adapter, and its log-probabilities
 (echo: the prompt's too) are the single model's own log-softmax; `n` sampled choices with a seed, the
-penalties and `logit_bias` are the single engine's choices too (one sampling code, issue 44)."""
+penalties and `logit_bias` are the single engine's choices too (one sampling code, issue 44); a prompt
+sharing a system prompt with the one before starts from the stage actors' kept prefix (`cached_tokens`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from servehelpers import embedded_env, free_port
+from test_serve_engine import SYSTEM
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -32,6 +34,7 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     from smolforge.models.loading import load_model
     from smolforge.serve.engine import Engine
     from smolforge.serve.model import ServedModel
+    from smolforge.serve.prefix import common_prefix
     from smolforge.serve.sampling import SamplingParams
     from smolforge.serve.streams import choice_params
 
@@ -56,6 +59,9 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         penalized = SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.0, presence_penalty=1.0,
                                    logit_bias=banned)
         want_penalized = single.generate(ids, penalized, timeout=120).text
+        asked = [SYSTEM + " What is 2 + 3?", SYSTEM + " " + prompt]  # a shared system prompt: kept on the stages
+        asked_ids = [single.model.tokenizer(a)["input_ids"] for a in asked]
+        want_shared = single.generate(asked_ids[1], SamplingParams(max_tokens=8, temperature=0), timeout=120).text
     finally:
         single.stop()
 
@@ -95,6 +101,9 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         got = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=1.0,
                                      presence_penalty=1.0, logit_bias={str(k): v for k, v in banned.items()})
         assert got.choices[0].text == want_penalized != want, (got, want_penalized)
+        shared = [api.completions.create(model="tiny", prompt=a, max_tokens=8, temperature=0) for a in asked]
+        assert shared[1].choices[0].text == want_shared  # started from the stage actors' kept prefix
+        assert [c.usage.prompt_tokens_details.cached_tokens for c in shared] == [0, common_prefix(*asked_ids)]
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
         assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)

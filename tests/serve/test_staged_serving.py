@@ -2,7 +2,8 @@
 generates exactly the tokens of the single-process `ServedModel` (and of HF `generate`), batched
 prompts of different lengths, with and without a LoRA adapter, rows leaving at different steps; over
 HTTP (the app and engine `serve --stages` runs), `n`, the penalties and `logit_bias` give the
-single-process server's answers (issue 44)."""
+single-process server's answers; a shared prefix is computed once on every stage, never restored
+across a changed stage (issue 44)."""
 
 from __future__ import annotations
 
@@ -199,3 +200,109 @@ def test_n_and_penalties_through_stages_give_the_single_process_answers(tiny_lla
     assert len(set(choices)) > 1 and streamed == choices[:2]  # 3 choices, each its own seed; streamed alike
     assert penalized != plain  # the penalties changed the greedy answer (on the stages as in one process)
     assert all(not s.caches for s in staged.engine.model.stages)
+
+
+# -- the prefix cache through stages ----------------------------------------------------------------
+
+def shared_prompts(tok) -> tuple[list[int], list[int], int]:
+    """Two prompts with a long system prompt in common (fixed text), and how many tokens they share."""
+    from smolforge.serve.prefix import common_prefix
+
+    from test_serve_engine import SYSTEM
+
+    first, second = tok(SYSTEM + " What is 2 + 3?")["input_ids"], tok(SYSTEM + " Reverse abc")["input_ids"]
+    shared = common_prefix(first, second)
+    assert shared >= 40 and shared < len(second) - 1
+    return first, second, shared
+
+
+def run_one(engine: Engine, ids: list[int], stages: list[StageServer]) -> tuple[DoneEvent, list[int], int]:
+    """One greedy request alone: its final event, the positions each stage computed, the engine's prefill."""
+    from test_serve_engine import final
+
+    events: list = []
+    before, prefill = [s.tokens for s in stages], engine.prefill_tokens
+    engine.run_batch([Request(ids, SamplingParams(max_tokens=8, temperature=0), events.append)])
+    return final(events), [s.tokens - b for s, b in zip(stages, before)], engine.prefill_tokens - prefill
+
+
+def test_a_shared_prefix_is_computed_once_on_every_stage(tiny_llama_dir, served):
+    """The head's prefix cache decides the hit; every stage starts from its own layers' kept K/V and
+    computes only the rest of the prompt (its own counter), with the tokens got without the cache; what the
+    head evicts, the stages free; `cached_tokens` is the one process's."""
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[3])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    first, second, shared = shared_prompts(served.tokenizer)
+    plain = Engine(model, prefix_cache_bytes=0)
+    alone, computed_alone, _ = run_one(plain, second, stages)
+    assert not any(s.kept for s in stages)
+    engine = Engine(model)
+    run_one(engine, first, stages)
+    engine.prefix.max_bytes = engine.prefix.bytes * 3 // 2  # room for one prompt: the next store evicts
+    got, computed, prefill = run_one(engine, second, stages)
+    assert got.token_ids == alone.token_ids == hf_greedy(served.model, second, 8, served.pad_id)
+    assert got.cached_tokens == shared and alone.cached_tokens == 0  # usage.prompt_tokens_details.cached_tokens
+    assert prefill == len(second) - shared  # the engine's count, as in one process
+    decoded = got.completion_tokens - 1  # one position per token fed back
+    assert computed == [len(second) - shared + decoded] * 3  # every stage computed only the rest
+    assert [a - c for a, c in zip(computed_alone, computed)] == [shared] * 3
+    assert [s.reused for s in stages] == [shared] * 3
+    assert engine.prefix.evictions == 1  # the first prompt went for the second
+    run_one(engine, prompts(served.tokenizer)[0], stages)  # its first forward tells the stages what went
+    held = {snapshot.id for snapshot, _ in engine.prefix.entries.values()}
+    assert len(held) == 1 and all(set(s.kept) == held for s in stages)
+    assert sum(s.info()["prefix_bytes"] for s in stages) == engine.prefix.bytes  # the stages' shares, summed
+    assert all(not s.caches for s in stages)
+
+
+def test_a_kept_prefix_never_crosses_a_stage_change(tiny_llama_dir, served, tmp_path):
+    """A stage server replaced (another adapter merged: re-placed, changed) holds none of the kept
+    prefixes: the head does not restore one (the prompt is computed whole, on every stage, with the new
+    weights' tokens) and forgets it; the stages that kept it free it."""
+    from peft import LoraConfig, get_peft_model
+
+    from smolforge.models.loading import load_model
+
+    torch.manual_seed(0)
+    lora = get_peft_model(load_model(str(tiny_llama_dir)), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                      target_modules=["q_proj", "v_proj"]))
+    adapter = tmp_path / "lora_adapter"
+    lora.save_pretrained(adapter)
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    first, second, _ = shared_prompts(served.tokenizer)
+    engine = Engine(model)
+    run_one(engine, first, stages)
+    (stale, _), = engine.prefix.entries.values()
+    changed = [stages[0], StageServer.load(str(tiny_llama_dir), BOUNDS[2], 1, adapter=str(adapter))]
+    model.stages[1] = changed[1]
+    got, computed, prefill = run_one(engine, second, changed)
+    assert got.cached_tokens == 0 and prefill == len(second) and engine.prefix.hits == 0
+    assert computed == [len(second) + got.completion_tokens - 1] * 2 and changed[1].reused == stages[0].reused == 0
+    assert got.token_ids == run_one(Engine(model, prefix_cache_bytes=0), second, changed)[0].token_ids
+    assert got.token_ids != run_one(Engine(served, prefix_cache_bytes=0), second, [])[0].token_ids  # it changed
+    assert all(stale is not snapshot for snapshot, _ in engine.prefix.entries.values())  # forgotten
+    assert stale.id not in stages[0].kept  # freed on the stage that kept it
+
+
+def test_a_prefix_a_stage_failed_to_keep_is_not_kept_and_freed_on_the_others(tiny_llama_dir, served):
+    """`hold` fails on the last stage: the request is still answered, the head keeps nothing, and the copy
+    the first stage made is freed with the next message; the stages then hold what the head keeps."""
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    first, second, _ = shared_prompts(served.tokenizer)
+
+    def broken_hold(*args, **kwargs):
+        raise StageError("stage 1 went away while keeping a prefix")
+
+    model.stages[1] = type("Failing", (), {"hold": staticmethod(broken_hold),
+                                           "__getattr__": lambda self, name: getattr(stages[1], name)})()
+    engine = Engine(model)
+    got, _, _ = run_one(engine, first, stages)
+    assert got.token_ids == hf_greedy(served.model, first, 8, served.pad_id)
+    assert not engine.prefix.entries and len(stages[0].kept) == 1 and not stages[1].kept  # an orphan on stage 0
+    model.stages[1] = stages[1]
+    got, _, _ = run_one(engine, second, stages)  # no hit; its first forward frees the orphan, its own is kept
+    assert got.cached_tokens == 0 and got.token_ids == hf_greedy(served.model, second, 8, served.pad_id)
+    held = {snapshot.id for snapshot, _ in engine.prefix.entries.values()}
+    assert len(held) == 1 and all(set(s.kept) == held for s in stages)

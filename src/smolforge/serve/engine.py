@@ -15,8 +15,8 @@ engine is idle (after a short window for a burst) are prefilled as one padded ba
 begins like a recent one starts from that one's KV (the prefix cache, prefix.py); one that would
 start from the KV of a request in the group being formed (a request's `n` choices, a shared system
 prompt) waits for the next group (`_kept_soon`), so the prompt is computed once, not once per row.
-A model that cannot join rows (a sliding-window cache, a chain of stages) is batched statically: a
-batch takes what waits and runs until its last row ends.
+A model that cannot join rows (a sliding-window cache, in one process or on stages) is batched
+statically: a batch takes what waits and runs until its last row ends.
 
 Why failures are caught at three levels: a request whose settings cannot be used or whose row
 cannot be sampled fails alone (400 or 500 with the reason); a failed forward fails its batch; and
@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from smolforge.errors import SmolforgeError
 from smolforge.serve.batch import Batch, BatchModel, Request, wants_echo
 from smolforge.serve.events import (  # noqa: F401  (PromptTooLong, EngineStopped: their old home)
     ContextLimits,
@@ -88,7 +89,8 @@ class Engine(ContextLimits):
         # rows join a running batch (else: static batches; `continuous=False` asks for them: the benchmark's baseline)
         self.joins = continuous and bool(getattr(model, "joins", False))
         keeps = self.joins and hasattr(model, "snapshot")  # a sliding window's cache is not the whole prompt's KV
-        self.prefix = PrefixCache(prefix_cache_bytes if keeps else 0, prefix_min_tokens)
+        # what the cache lets go, the model frees (a chain of stages holds its snapshots on the stages)
+        self.prefix = PrefixCache(prefix_cache_bytes if keeps else 0, prefix_min_tokens, getattr(model, "forget", None))
         self._waiting: deque[Request] = deque()
         self._prefilling: Batch | None = None
         self._running: Batch | None = None
@@ -306,8 +308,12 @@ class Engine(ContextLimits):
             try:
                 batch.resume(self.model.restore(hit.snapshot, hit.length), hit.length)
                 first.cached_tokens = hit.length
-            except Exception:  # noqa: BLE001 - the prompt is then computed whole
+            except SmolforgeError as err:  # its holder went away (a stage re-placed): computed whole, forgotten
+                log.warning("a kept prefix could not be restored, the prompt is computed whole: %s", err.what)
+                self.prefix.failed(hit)
+            except Exception:  # noqa: BLE001 - the prompt is then computed whole, and the prefix forgotten
                 log.exception("restoring a kept prefix failed")
+                self.prefix.failed(hit)
         return batch if batch.active else self._next_group(budget)
 
     def _kept_soon(self, group: list[Request], nxt: Request) -> bool:

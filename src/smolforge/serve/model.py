@@ -103,18 +103,12 @@ class ServedModel:
 
     def snapshot(self, cache: Any, row: int, length: int) -> tuple[Any, int]:
         """Row `row`'s K/V for its last `length` columns, per layer ([1, heads, length, head_dim] each), and
-        their bytes (`SnapshotModel.snapshot`)."""
-        kept = [(layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
-                for layer in cache.layers]
-        return kept, sum(k.numel() * k.element_size() * 2 for k, _ in kept)
+        their bytes (`SnapshotModel.snapshot`, `snapshot_row`)."""
+        return snapshot_row(cache, row, length)
 
     def restore(self, snapshot: Any, length: int) -> Any:
-        """A one-row `DynamicCache` with the snapshot's first `length` positions (views: `update` copies on
-        its next growth, so the snapshot is never written)."""
-        cache = self.new_cache()
-        for index, (keys, values) in enumerate(snapshot):
-            cache.update(keys[:, :, :length], values[:, :, :length], index)
-        return cache
+        """A one-row `DynamicCache` with the snapshot's first `length` positions (`restore_rows`)."""
+        return restore_rows(self.new_cache(), snapshot, length)
 
     def release(self, cache: Any) -> None:
         """A local cache goes with its last reference."""
@@ -145,6 +139,25 @@ def join_cache_rows(cache: Any, other: Any, pad: int, other_pad: int) -> Any:
             continue
         mine.keys = torch.cat([F.pad(mine.keys, (0, 0, pad, 0)), F.pad(theirs.keys, (0, 0, other_pad, 0))])
         mine.values = torch.cat([F.pad(mine.values, (0, 0, pad, 0)), F.pad(theirs.values, (0, 0, other_pad, 0))])
+    return cache
+
+
+def snapshot_row(cache: Any, row: int, length: int) -> tuple[list[Any], int]:
+    """Row `row`'s K/V of a `DynamicCache` for its last `length` columns: per layer a pair of copies
+    [1, kv_heads, length, head_dim], or None for a layer slot the cache does not fill (a stage's cache
+    fills only its own layers'), and their bytes."""
+    kept = [None if layer.keys is None or not layer.keys.numel() else
+            (layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
+            for layer in cache.layers]
+    return kept, sum(k.numel() * k.element_size() * 2 for k, _ in filter(None, kept))
+
+
+def restore_rows(cache: Any, snapshot: list[Any], length: int) -> Any:
+    """`cache` (new, empty) holding a `snapshot_row` snapshot's first `length` positions, in the same layer
+    slots. Views: `update` copies on the cache's next growth, so the snapshot is never written."""
+    for index, pair in enumerate(snapshot):
+        if pair is not None:
+            cache.update(pair[0][:, :, :length], pair[1][:, :, :length], index)
     return cache
 
 

@@ -11,6 +11,11 @@ Why least-recently-used and bounded in bytes: the snapshots are as large as the 
 longest ago goes first. A prompt that is a prefix of a kept one is not kept again (the longer one
 serves it), and a kept one that is a prefix of the new prompt is replaced by it.
 
+What a snapshot holds may live elsewhere (a chain of stages keeps each stage's layers' KV on that
+stage: serve/stages.py): `on_drop` is told of every snapshot the cache lets go (evicted, replaced by a
+longer prompt, too large to keep, or failed to restore), so its holder can free it. The cache's decisions (the
+key, the hit, the eviction) are this module's alone, whatever holds the bytes.
+
 Lookup compares the prompt with each entry by binary search over list-slice equality (C-speed
 comparisons, O(entries x log length) of them); a cache holds tens of entries, not thousands.
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -47,10 +52,12 @@ class PrefixCache:
     """Prompts' KV snapshots by their token ids, least recently used first; `max_bytes` 0 disables it.
 
     Counters (what /health and /metrics report): `hits`, `tokens_reused` (positions restored instead
-    of computed), `evictions`, and the present `entries` and `bytes`."""
+    of computed), `evictions`, and the present `entries` and `bytes`. `on_drop(snapshot)` is called for
+    every snapshot let go (see the module doc)."""
 
-    def __init__(self, max_bytes: int, min_tokens: int = 16):
+    def __init__(self, max_bytes: int, min_tokens: int = 16, on_drop: Callable[[Any], None] | None = None):
         self.max_bytes, self.min_tokens = max(0, max_bytes), max(1, min_tokens)
+        self.on_drop = on_drop
         self.entries: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
         self.bytes = self.hits = self.tokens_reused = self.evictions = 0
 
@@ -93,17 +100,33 @@ class PrefixCache:
     def store(self, prompt: list[int], snapshot: Any, nbytes: int) -> None:
         """Keep `snapshot` (the KV of all of `prompt`, `nbytes` large), evicting the least recently used."""
         if nbytes > self.max_bytes:
+            self._dropped(snapshot)
             return
         key = tuple(prompt)
         for shorter in [k for k in self.entries if len(k) < len(key) and key[:len(k)] == k]:
-            self.bytes -= self.entries.pop(shorter)[1]  # the new prompt serves every prompt it served
+            self._pop(shorter)  # the new prompt serves every prompt it served
         if key in self.entries:
-            self.bytes -= self.entries.pop(key)[1]
+            self._pop(key)
         while self.entries and self.bytes + nbytes > self.max_bytes:
-            _, (_, size) = self.entries.popitem(last=False)
-            self.bytes, self.evictions = self.bytes - size, self.evictions + 1
+            self._pop(next(iter(self.entries)))
+            self.evictions += 1
         self.entries[key] = (snapshot, nbytes)
         self.bytes += nbytes
+
+    def failed(self, hit: Hit) -> None:
+        """A hit whose snapshot could not be restored (its holder went away): not counted, and forgotten."""
+        self.hits, self.tokens_reused = self.hits - 1, self.tokens_reused - hit.length
+        for key in [k for k, (s, _) in self.entries.items() if s is hit.snapshot]:
+            self._pop(key)
+
+    def _pop(self, key: tuple[int, ...]) -> None:
+        snapshot, size = self.entries.pop(key)
+        self.bytes -= size
+        self._dropped(snapshot)
+
+    def _dropped(self, snapshot: Any) -> None:
+        if self.on_drop is not None:
+            self.on_drop(snapshot)
 
     def stats(self) -> dict[str, int]:
         """The counters, under the names /health and /metrics give them."""

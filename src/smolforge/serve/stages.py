@@ -12,8 +12,19 @@ Why numpy arrays at the boundary: a stage handle may be a remote actor, and noth
 pickles tensors over a network. bfloat16 has no numpy type: it travels as float32 (exact) and is
 cast back on arrival, so the chain computes what one process computes.
 
-A stage handle is any object with `forward`, `select`, `join`, `drop` and `info` as `StageServer` has
-them (one whose `info` does not say `joins` is batched statically);
+Why each stage keeps its own layers' KV of a kept prefix (the prefix cache through stages): a
+prompt that begins like a recent one (a shared system prompt, the chat so far) is computed once on
+every stage, not once per request. The engine's `PrefixCache` (prefix.py) is the head: it alone
+keys the prompts, decides a hit and evicts, as in one process; its entries are `StagedSnapshot`s,
+names of what the stages hold (`hold`: each stage copies its layers' K/V of the row). A hit's
+decision, which snapshot and how many of its positions, is carried in the batch's first `forward`
+(`resume`): every stage starts the batch's cache from its own copy and computes only the rest. What
+the head lets go is freed on the stages with the next `hold` or first `forward` (`forget`). A
+snapshot names the stage servers that hold it (`uid`); one taken by another server (a stage
+re-placed, a model or adapter changed) is never restored: the prompt is computed whole.
+
+A stage handle is any object with `forward`, `select`, `join`, `drop`, `hold`, `uid` and `info` as
+`StageServer` has them (one whose `info` does not say `joins` is batched statically);
 `ready()`, when present, is called before every batch (a remote handle re-places a dead actor there).
 """
 
@@ -32,7 +43,7 @@ import torch
 from smolforge.errors import SmolforgeError
 from smolforge.models.families import stop_ids
 from smolforge.serve.model import (_check_servable, _with_adapter, join_cache_rows, max_positions_of, plain_layers,
-                                   select_cache_rows)
+                                   restore_rows, select_cache_rows, snapshot_row)
 from smolforge.telemetry.memory import peak_rss_mb
 
 
@@ -59,7 +70,9 @@ def from_wire(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = N
 
 
 class StageServer:
-    """One stage of a model and the KV caches of the batches running through it."""
+    """One stage of a model, the KV caches of the batches running through it and its layers' share of the
+    kept prefixes (`hold`). Counters: `tokens` (positions its layers computed, prompts and answers) and
+    `reused` (positions started from a kept prefix instead)."""
 
     def __init__(self, stage: Any, index: int, count: int, *, device: torch.device | str = "cpu",
                  eos_ids: frozenset[int] = frozenset(), max_positions: int = 2048, name: str = ""):
@@ -72,6 +85,9 @@ class StageServer:
         params = list(self.stage.parameters())
         self.dtype = params[0].dtype if params else torch.float32
         self.caches: dict[str, Any] = {}
+        self.uid = uuid.uuid4().hex  # this server: a prefix kept by another one is never restored here
+        self.kept: dict[str, tuple[Any, int]] = {}  # snapshot id -> (its layers' K/V, bytes): `hold`
+        self.tokens = self.reused = 0
         self.read: dict[str, Any] = {}  # what loading read from the checkpoint (tensors, bytes), when known
 
     @classmethod
@@ -127,12 +143,16 @@ class StageServer:
 
     @torch.inference_mode()
     def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                start: bool = False, keep: int = 1) -> np.ndarray:
+                start: bool = False, keep: int = 1, resume: tuple[str, int] | None = None,
+                forget: Sequence[str] = ()) -> np.ndarray:
         """Input ids (first stage) or hidden states -> hidden states, or last-position logits [batch, vocab]
         on the last stage ([batch, keep, vocab] of the last `keep` positions when `keep` > 1: echo).
-        `start` opens the batch's cache (prefill); later steps need it open."""
+        `start` opens the batch's cache (prefill), with `resume` = (snapshot id, length) holding that kept
+        prefix's first `length` positions (x is then the rest of the prompt); later steps need it open.
+        `forget` names kept prefixes to free first. StageError for an unknown batch or snapshot."""
+        self.free(forget)
         if start:
-            self.caches[batch_id] = self.stage.new_cache()
+            self.caches[batch_id] = self._opened(resume)
         cache = self.caches.get(batch_id)
         if cache is None:
             raise StageError(f"stage {self.index} holds no cache for batch {batch_id}",
@@ -143,10 +163,38 @@ class StageServer:
         if self.first:
             h = self.stage._embed(h, positions)
         h = self.stage.run_layers(h, mask, positions, cache)
+        self.tokens += int(positions.numel())
         if self.last:  # as HF with logits_to_keep: norm and head of the last `keep` positions only
             h = self.stage.lm_head(self.stage.norm(h[:, -keep:, :]))
             h = h[:, -1, :] if keep == 1 else h
         return to_wire(h)
+
+    def _opened(self, resume: tuple[str, int] | None) -> Any:
+        """A new cache, or one holding a kept prefix's first positions (`resume`: snapshot id, length)."""
+        if resume is None:
+            return self.stage.new_cache()
+        snapshot_id, length = resume
+        if snapshot_id not in self.kept:
+            raise StageError(f"stage {self.index} holds no kept prefix {snapshot_id}",
+                             fix="send the prompt whole: the prefix was freed or kept by another stage server")
+        self.reused += int(length)
+        return restore_rows(self.stage.new_cache(), self.kept[snapshot_id][0], int(length))
+
+    def hold(self, batch_id: str, row: int, length: int, snapshot_id: str, forget: Sequence[str] = ()) -> int:
+        """Keep a copy of the batch's row `row`, its last `length` positions, of this stage's layers' K/V as
+        `snapshot_id` (a prefix the head's cache keeps); `forget` names kept prefixes to free first. Its bytes."""
+        self.free(forget)
+        cache = self.caches.get(batch_id)
+        if cache is None:
+            raise StageError(f"stage {self.index} holds no cache for batch {batch_id}")
+        kept, nbytes = snapshot_row(cache, row, length)
+        self.kept[snapshot_id] = (kept, nbytes)
+        return nbytes
+
+    def free(self, snapshot_ids: Sequence[str]) -> None:
+        """Let kept prefixes go (unknown ids are ignored: never held, or freed already)."""
+        for snapshot_id in snapshot_ids:
+            self.kept.pop(snapshot_id, None)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         """Keep only `rows` of the batch's cache and drop its first `trim` columns if it can (True then)."""
@@ -171,12 +219,19 @@ class StageServer:
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
                 "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
                 "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1),
-                "model_type": getattr(self.stage.config, "model_type", None)}
+                "model_type": getattr(self.stage.config, "model_type", None), "uid": self.uid,
+                "tokens": self.tokens, "prefix_tokens_reused": self.reused, "prefix_entries": len(self.kept),
+                "prefix_bytes": sum(nbytes for _, nbytes in self.kept.values())}
 
 
 class StageHandle(Protocol):
+    uid: str | None  # the stage server answering now (None: none is)
+
     def forward(self, batch_id: str, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                start: bool = False, keep: int = 1) -> np.ndarray: ...
+                start: bool = False, keep: int = 1, resume: tuple[str, int] | None = None,
+                forget: Sequence[str] = ()) -> np.ndarray: ...
+
+    def hold(self, batch_id: str, row: int, length: int, snapshot_id: str, forget: Sequence[str] = ()) -> int: ...
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool: ...
 
@@ -189,10 +244,20 @@ class StageHandle(Protocol):
 
 @dataclass
 class StagedCache:
-    """What the batch holds of a staged cache: its name on the stages."""
+    """What the batch holds of a staged cache: its name on the stages, and the kept prefix its first
+    forward starts from (`resume`: snapshot id, length; `StagedModel.restore`)."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: bool = False
+    resume: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class StagedSnapshot:
+    """A prefix the stages keep (each its layers' share): its name there and the servers that hold it."""
+
+    id: str
+    holders: tuple[str | None, ...]
 
 
 class StagedModel:
@@ -211,6 +276,7 @@ class StagedModel:
         # the stages' generation config ids with the tokenizer's (its eos, the template's end of turn)
         self.eos_ids = frozenset(eos_ids) | stop_ids(tokenizer)
         self.max_positions = max_positions
+        self._forget: list[str] = []  # kept prefixes the head let go, freed on the stages with the next message
 
     @property
     def pad_id(self) -> int:
@@ -222,10 +288,50 @@ class StagedModel:
         start, cache.started = not cache.started, True
         x, mask, positions = to_wire(input_ids), to_wire(attention_mask), to_wire(position_ids)
         last = len(self.stages) - 1
-        for k, stage in enumerate(self.stages):  # only the last stage is told `keep` (it has the head)
-            extra = (keep,) if keep != 1 and k == last else ()
-            x = stage.forward(cache.id, x, mask, positions, start, *extra)
+        told: dict[str, Any] = {}  # the first forward carries the hit's decision and what to free
+        if start and cache.resume is not None:
+            told["resume"] = cache.resume
+        if start and self._forget:
+            told["forget"], self._forget = self._forget, []
+        try:
+            for k, stage in enumerate(self.stages):  # only the last stage is told `keep` (it has the head)
+                extra = (keep,) if keep != 1 and k == last else ()
+                x = stage.forward(cache.id, x, mask, positions, start, *extra, **told)
+        except Exception:
+            self._forget.extend(told.get("forget", ()))  # told again with the next message
+            raise
         return from_wire(x, self.device)
+
+    def snapshot(self, cache: StagedCache, row: int, length: int) -> tuple[StagedSnapshot, int]:
+        """Every stage keeps row `row`'s last `length` positions of its layers' K/V (`StageServer.hold`): the
+        snapshot naming them, and their bytes on all stages together (`SnapshotModel.snapshot`)."""
+        snapshot_id = uuid.uuid4().hex
+        forget, self._forget = self._forget, []
+        told = {"forget": forget} if forget else {}
+        nbytes, holders = 0, []
+        try:
+            for stage in self.stages:
+                nbytes += int(stage.hold(cache.id, row, length, snapshot_id, **told))
+                holders.append(stage.uid)
+        except Exception:  # the stages that kept it free it with the next message, and what they were told
+            self._forget.extend([*forget, snapshot_id])
+            raise
+        return StagedSnapshot(snapshot_id, tuple(holders)), nbytes
+
+    def restore(self, snapshot: StagedSnapshot, length: int) -> StagedCache:
+        """A cache whose first forward starts every stage from the snapshot's first `length` positions
+        (`StageServer.forward`'s `resume`). StageError when a stage server that kept it is not the one
+        answering now (re-placed, or another model or adapter): the engine then computes the prompt whole."""
+        cache = self.new_cache()
+        if tuple(stage.uid for stage in self.stages) != snapshot.holders or None in snapshot.holders:
+            raise StageError("a kept prefix's stage servers are gone (a stage was re-placed or changed)",
+                             fix="nothing to do: the prompt is computed whole and kept again")
+        cache.resume = (snapshot.id, length)
+        return cache
+
+    def forget(self, snapshot: StagedSnapshot) -> None:
+        """The head's prefix cache let the snapshot go: the stages free it with the next message."""
+        self._forget.append(snapshot.id)
 
     def new_cache(self) -> StagedCache:
         for stage in self.stages:

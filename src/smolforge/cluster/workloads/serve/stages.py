@@ -92,8 +92,11 @@ class StageActor:
         log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
                  self.lines.node)
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
-        return self.server.forward(batch_id, x, attention_mask, position_ids, start, keep)
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1, resume=None, forget=()):
+        return self.server.forward(batch_id, x, attention_mask, position_ids, start, keep, resume, forget)
+
+    def hold(self, batch_id: str, row: int, length: int, snapshot_id: str, forget: list[str]) -> int:
+        return self.server.hold(batch_id, row, length, snapshot_id, forget)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self.server.select(batch_id, rows, trim)
@@ -197,9 +200,17 @@ class RemoteStage:
             raise StageError(f"stage {self.index} on {self.where.get('node', '?')} {what} ({type(err).__name__})",
                              fix="the stage is placed again on a live node before the next batch") from None
 
-    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1):
-        return self._call("forward", batch_id, x, attention_mask, position_ids, start, keep,
+    @property
+    def uid(self) -> str | None:
+        """The stage server answering now (`StageServer.uid`, from its actor's `info`); None while none is."""
+        return None if self.broken else self.where.get("uid")
+
+    def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1, resume=None, forget=()):
+        return self._call("forward", batch_id, x, attention_mask, position_ids, start, keep, resume, list(forget),
                           timeout=self.group.step_timeout_s)
+
+    def hold(self, batch_id: str, row: int, length: int, snapshot_id: str, forget=()) -> int:
+        return self._call("hold", batch_id, row, length, snapshot_id, list(forget), timeout=self.group.step_timeout_s)
 
     def select(self, batch_id: str, rows: list[int], trim: int) -> bool:
         return self._call("select", batch_id, rows, trim, timeout=self.group.step_timeout_s)
