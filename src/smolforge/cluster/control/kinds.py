@@ -31,7 +31,7 @@ from smolforge.config import (
     EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, place_in, validate,
 )
 from smolforge.data.synthetic import BUILTIN_DATASETS
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 from smolforge.distill.backends import teacher_backend
 from smolforge.models.kinds import refuse_unused
 
@@ -187,6 +187,12 @@ def _split_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
     return f"the shared checkpoint {newest}" if newest else "the start"
 
 
+def _dp_check(job: DataParallelJob) -> None:
+    """A data-parallel job's settings its model kind cannot use (`refuse_unused`), named at `train.KEY`."""
+    with in_spec("train"):
+        refuse_unused(job.train, prefix="train.")
+
+
 def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
     return artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -195,7 +201,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
             uploads=("train.data.path", "train.data.eval_path"), named="train.data.path",
             named_eval="train.data.eval_path",
-            models=("train.model",), check=lambda job: refuse_unused(job.train),
+            models=("train.model",), check=_dp_check,
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data", "distill.eval_data"), named="distill.data", named_eval="distill.eval_data",
