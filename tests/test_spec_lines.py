@@ -211,3 +211,16 @@ def test_a_value_refused_after_parsing_is_named_at_its_line(text, bad, line, sai
     assert proc.exit_code == 2, proc.output[-2000:]
     assert proc.stderr.startswith(f"error: {spec}:{line}: ") and said in proc.stderr, proc.stderr
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.output
+
+
+def test_a_distill_specs_held_out_file_is_read_at_submit(nothing_starts, tmp_path):
+    """`distill.eval_data: FILE` in a job file is read where it is submitted, before it is uploaded
+    (`JobKind.read_at_submit`, the one JSONL reader): a bad line is exit 2 at the held-out file's line."""
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2="\n')
+    spec = tmp_path / "job.yaml"
+    spec.write_text(DISTILL_JOB.format(bad=f"  eval_data: {held}"))
+    proc = smolforge_here("submit", str(spec))
+    assert proc.exit_code == 2, proc.output[-2000:]
+    assert proc.stderr.startswith(f"error: {held}:2: malformed JSON") and "fix:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.output

@@ -47,6 +47,9 @@ class JobKind:
     runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
     section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    # those of `uploads` read before they are uploaded, by the one JSONL reader (`data.formats.read_examples`):
+    # a held-out file's bad line is refused at its FILE:LINE where the spec is submitted, not by the run
+    read_at_submit: tuple[str, ...] = ()
     # the one of `uploads` a dataset by name may stand for: its section takes `dataset_name`, ... (config.
     # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section.
     # A function of the spec where the kind's jobs differ in it (`by_stage`: a distill_task's stage)
@@ -205,6 +208,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data", "distill.eval_data"), named="distill.data", named_eval="distill.eval_data",
+            read_at_submit=("distill.eval_data",),
             models=("distill.teacher", "distill.students"),
             check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
@@ -277,7 +281,9 @@ def is_local_file(value: Any) -> bool:
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
     """Replace the local files a job names by uploads (the workers share no filesystem with us); a
-    dataset by name is read into its file first (`read_named`) and uploaded as any JSONL."""
+    dataset by name is read into its file first (`read_named`) and uploaded as any JSONL. A missing file
+    is refused at its spec line; one of the kind's `read_at_submit` (a held-out file) is read first, a
+    bad line refused at its FILE:LINE."""
     spec = read_named(spec)
     for dotted in kind_of(spec).uploads:
         value = get_path(spec, dotted)
@@ -289,6 +295,10 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
                                  where=place_in(spec, tuple(dotted.split(".")), dotted),  # a file's: file:line
                                  fix="check the path, or name a dataset every node has: "
                                      f"{', '.join(BUILTIN_DATASETS)} ('bundled': the generated task set)")
+        if dotted in kind_of(spec).read_at_submit:
+            from smolforge.data.formats import read_examples
+
+            read_examples(path, skip_hint=False)
         put_path(spec, dotted, upload(path))
     return spec
 

@@ -90,8 +90,9 @@ def check_held_out(eval_data: str | None) -> None:
     """The held-out file `distill.eval_data` (`--eval-data`) names, read by the one reader
     (`data.formats.read_examples`; answers needed, the eval loss is over them) while it is a path on this
     machine (`smolforge distill` checks its spec so, before staging it): a bad line is refused at its
-    FILE:LINE before a teacher runs, a missing file before the run dir is touched. A staged upload or a
-    built-in set ('bundled') is left to the students' run, which reads it the same way. SmolforgeError (exit 2)."""
+    FILE:LINE before a teacher runs, a missing file before the run dir is touched (a spec that `submit` stages
+    is read so there: `JobKind.read_at_submit`). A staged upload or a built-in set ('bundled') is the
+    students' run's, which reads it the same way. SmolforgeError (exit 2)."""
     from smolforge.cluster.control.kinds import is_local_file
     from smolforge.data.formats import read_examples
 
