@@ -117,6 +117,16 @@ def test_eval_fraction_split(tmp_path, tok):
     assert len(splits.eval) == 10 and len(splits.train) == 40
 
 
+def test_the_held_out_file_may_be_the_bundled_sets():
+    """`eval_path: bundled` (`--eval-data bundled`, `distill.eval_data: bundled`): the generated task set's
+    held-out file, read whole beside any training file, as a file path would be."""
+    from smolforge.data.splits import read_spec
+
+    train_file, held_file = bundled_paths()
+    _train, held, _fmt, _skipped = read_spec(DataSpec(path=str(train_file), eval_path="bundled", max_eval_samples=None))
+    assert held and held == read_examples(held_file).examples
+
+
 # ---- bad input: one clear message, file:line, the fix, exit code 2, no traceback -------------
 
 BAD_CASES = {

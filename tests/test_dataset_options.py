@@ -45,3 +45,14 @@ def test_every_command_with_a_dataset_name_takes_every_dataset_option_from_the_o
         flag = as_flag(key)
         assert flag in params, f"smolforge {command} lacks {flag}"
         assert params[flag].help == declared.__metadata__[0].help, f"smolforge {command} {flag} is a copy"
+
+
+@pytest.mark.parametrize("command", ["train", "distill"])
+def test_the_held_out_file_flag_is_one_definition(command):
+    """`--eval-data FILE` (a held-out JSONL, read whole) is declared from `cli.hubdata.EvalDataOpt` by
+    every command that takes it, not a copy with its own help."""
+    from smolforge.cli.hubdata import EvalDataOpt
+
+    params = {opt: param for param in COMMANDS[command].params for opt in param.opts}
+    assert "--eval-data" in params, f"smolforge {command} lacks --eval-data"
+    assert params["--eval-data"].help == EvalDataOpt.__metadata__[0].help, f"smolforge {command} --eval-data is a copy"

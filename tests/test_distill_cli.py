@@ -55,6 +55,29 @@ def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
+def test_a_bad_held_out_file_is_refused_at_its_line_before_anything_runs(tmp_path, monkeypatch):
+    """`--eval-data FILE` is read where the job is submitted, by the one JSONL reader: a bad line is
+    refused at FILE:LINE (no --skip-bad-lines offered: distill has none), a missing file names the flag's
+    spec field, and --no-eval beside it is a contradiction; exit 2, nothing written, no cluster started
+    (in-process)."""
+    from typer.testing import CliRunner
+
+    import smolforge.cluster.embedded as embedded
+    from smolforge.cli.main import app
+
+    monkeypatch.setattr(embedded.EmbeddedCluster, "handle", property(lambda self: pytest.fail("started a cluster")))
+
+    bad = tmp_path / "held.jsonl"
+    bad.write_text('{"prompt": "1+1=", "completion": "2"}\n\n{"prompt": "2+2=", \n')
+    for flags, said in ((["--eval-data", str(bad)], f"error: {bad}:3: malformed JSON"),
+                        (["--eval-data", str(tmp_path / "none.jsonl")], "error: distill.eval_data: held-out file"),
+                        (["--eval-data", "bundled", "--no-eval"], "error: --eval-data names a held-out file, but --no-eval")):
+        res = CliRunner().invoke(app, [*DISTILL, "--output-dir", str(tmp_path / "o"), *flags])
+        assert res.exit_code == 2, (res.exit_code, res.stderr, res.exception)
+        assert res.stderr.startswith(said) and "fix:" in res.stderr and "skip-bad-lines" not in res.stderr, res.stderr
+        assert not (tmp_path / "o").exists()
+
+
 def test_settings_that_need_one_vocabulary_are_refused_at_submit_with_another_tokenizer(tmp_path):
     """On-policy steps (the teacher scores the student's own ids) and reference responses (the teacher's
     log-probs are all it makes) need the teacher's and the student's ids to agree. A teacher of another
@@ -105,7 +128,10 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r if i % 2 else {"prompt": r["prompt"]}) + "\n"
                             for i, r in enumerate(generate(60, seed=11))))
+    held = tmp_path / "held.jsonl"  # --eval-data: the students' eval is over these 5, whole (not a split of --data)
+    held.write_text("".join(json.dumps(r) + "\n" for r in generate(5, seed=12)))
     proc = smolforge("distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", str(data),
+                     "--eval-data", str(held),
                      "--max-samples", "32", "--max-steps", "3", "--batch-size", "4", "--max-new-tokens", "6",
                      "--top-k", "8", "--num-students", "2", "--peft-config", '{"r": 4, "lora_alpha": 8}',
                      "--save-every", "1", "--output-dir", str(out), "--tensorboard", "--json", timeout=600, env=env)
@@ -119,6 +145,9 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
         assert acc.Scalars("train/loss") and all(e.step <= 3 for e in acc.Scalars("train/loss"))
     assert summary["store"]["shards"] >= 2 and summary["store"]["bytes_per_token"] > 0
     assert [s["state"] for s in summary["student_tasks"]] == ["completed", "completed"]
+    assert summary["eval_data"] == str(held)
+    for student in summary["per_student"]:  # each student's eval loss is over the held-out file's 5 examples
+        assert student["eval"]["examples"] == 5 and student["eval"]["eval_loss"] > 0, student
     assert (out / "teacher_outputs" / "batch_0.safetensors").exists()
     for i in range(2):
         assert (out / "output" / f"student_{i}" / "lora_adapter" / "adapter_model.safetensors").exists()

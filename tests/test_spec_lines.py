@@ -164,3 +164,63 @@ def test_a_stage_jobs_missing_arg_is_named_at_its_args_section(tmp_path):
     with pytest.raises(SmolforgeError) as err:
         check_fields(dict(doc))
     assert err.value.where == "job spec (args of the teacher stage)"
+
+
+DISTILL_JOB = """\
+kind: distill
+distill:
+  teacher: tiny-llama
+  students: [tiny-llama]
+  data: bundled
+{bad}
+"""
+MLP_JOB = """\
+kind: data_parallel
+train:
+  model: mlp
+  data: {{path: digits}}
+{bad}
+"""
+
+
+@pytest.mark.parametrize("text, bad, line, said", [
+    (DISTILL_JOB, "  kd_loss: kl", 6, "unknown KD loss 'kl'"),
+    (DISTILL_JOB, "  beta: 2.5", 6, "JSD beta must be in [0, 1]"),
+    (DISTILL_JOB, "  aggregate: linear", 6, "unknown --aggregate 'linear'"),
+    (DISTILL_JOB, "  save_every: -5", 6, "--save-every must be 0 or more"),
+    (DISTILL_JOB, "  replace_timeout_s: 0", 6, "replace_timeout_s must be positive"),
+    (DISTILL_JOB, "  peft: lora\n  peft_config:\n    r: 0", 8, "r: Input should be greater than or equal to 1"),
+    (DISTILL_JOB, "  peft: lorra", 6, "invalid PeftSpec: method"),
+    (DISTILL_JOB, "  teacher_responses: mine", 6, "unknown teacher responses 'mine'"),
+    (DISTILL_JOB, "  samples_per_prompt: 2", 6, "identical samples"),
+    (DISTILL_JOB, "  teacher_backend: nope", 6, "unknown --teacher-backend 'nope'"),
+    (DISTILL_JOB, "  eval: false\n  eval_data: bundled", 6, "--no-eval skips the students' evaluation"),
+    (DISTILL_JOB, "  lr: -1", 6, "invalid DistillJob: distill.lr: Input should be greater than 0"),  # pydantic's own
+    (MLP_JOB, "  peft: {method: lora}", 5, "--peft/--lora-r/--lora-alpha (train.peft) does not apply"),
+    (STAGE, "  top_p: 1.5", 6, "args.top_p: top_p must be in (0, 1]"),  # the builder's
+], ids=["kd_loss", "beta", "aggregate", "save_every", "replace_timeout_s", "peft_config.r", "peft", "teacher_responses",
+        "samples_per_prompt", "teacher_backend", "eval with eval_data", "lr", "a model kind's unused setting",
+        "a stage job's value"])
+def test_a_value_refused_after_parsing_is_named_at_its_line(text, bad, line, said, nothing_starts, tmp_path):
+    """A job's value checks that run after its spec parsed (the kind's `check`: `distill.settings.check_run`,
+    `models.kinds.refuse_unused`) name the refused setting as the error's field, and `config.placed` finds
+    its line in the file (`smolforge submit`, embedded: before the cluster starts)."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(text.format(bad=bad))
+    proc = smolforge_here("submit", str(spec))
+    assert proc.exit_code == 2, proc.output[-2000:]
+    assert proc.stderr.startswith(f"error: {spec}:{line}: ") and said in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.output
+
+
+def test_a_distill_specs_held_out_file_is_read_at_submit(nothing_starts, tmp_path):
+    """`distill.eval_data: FILE` in a job file is read where it is submitted, before it is uploaded
+    (`JobKind.read_at_submit`, the one JSONL reader): a bad line is exit 2 at the held-out file's line."""
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2="\n')
+    spec = tmp_path / "job.yaml"
+    spec.write_text(DISTILL_JOB.format(bad=f"  eval_data: {held}"))
+    proc = smolforge_here("submit", str(spec))
+    assert proc.exit_code == 2, proc.output[-2000:]
+    assert proc.stderr.startswith(f"error: {held}:2: malformed JSON") and "fix:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.output

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from smolforge.cluster.control.kinds import apply_job_overrides, check_fields, read_named, stage_spec
+from smolforge.config import placed
 from smolforge.cluster.control.specs import from_seed_task
 from smolforge.cluster.control.jobview import format_event, job_status
 from smolforge.errors import SmolforgeError
@@ -109,8 +110,10 @@ class Client:
                 body = r.json()
             except ValueError:
                 body = {"error": r.text[:300]}
+            field = body.get("field")  # the spec key path a refusal of a spec names (`config.placed`)
             raise SmolforgeError(str(body.get("error") or body.get("detail") or r.status_code),
-                                 where=body.get("where") or self.base, fix=body.get("fix"))
+                                 where=body.get("where") or self.base, fix=body.get("fix"),
+                                 field=tuple(field) if isinstance(field, list) else None)
         if not raw and r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
         return r.content
@@ -189,9 +192,12 @@ class Client:
         data = from_seed_task(data)
         apply_job_overrides(data, overrides or [])
         data = read_named(data)
-        check_fields(data)  # a spec file's bad field as file:line, before any upload (the coordinator's answer names no line)
+        check_fields(data)  # a spec file's bad field as file:line, before any upload
         data = stage_spec(data, self.upload)
-        return self._request("POST", "/api/v1/jobs", json=data)["job_id"]
+        try:
+            return self._request("POST", "/api/v1/jobs", json=data)["job_id"]
+        except SmolforgeError as err:  # the coordinator's refusal names the field: at the file's line
+            raise placed(err, data) from None
 
     def remember_output_dir(self, job_id: str, output_dir: str | Path) -> None:
         """Nothing to remember: a coordinator's job outlives the command, and `job resume` of it

@@ -393,6 +393,17 @@ def place_in(spec: Any, loc: Loc, default: str) -> str:
     return (spec.place(loc) if isinstance(spec, SpecFile) else None) or default
 
 
+def placed(err: SmolforgeError, spec: Any) -> SmolforgeError:
+    """ERR, a refusal of the spec SPEC, at the `file:line` of the field it names (`err.field`, set by the
+    check that refused it, or sent back in a coordinator's 400) where SPEC was read from a file that wrote
+    that value (`place_in`); ERR itself where it names no field or the file did not write it (a flag's,
+    a --set's). The one place a refusal made after the spec was parsed learns its line."""
+    where = place_in(spec, tuple(err.field), "") if err.field else ""
+    if not where or where == err.where:
+        return err
+    return SmolforgeError(err.what, where=where, fix=err.fix, field=err.field)
+
+
 def get_path_loc(data: Any, loc: Loc) -> Any:
     """The value at LOC in nested dicts and lists (list items by index); None where a part is missing."""
     for part in loc:
@@ -496,7 +507,8 @@ def _did_you_mean(cls: type[BaseModel], error: dict[str, Any]) -> str:
 
 
 def validate(cls: type[BaseModel], data: dict[str, Any], where: str = "config"):
-    """Build a spec, turning pydantic's error list into one SmolforgeError that names each field."""
+    """Build a spec, turning pydantic's error list into one SmolforgeError that names each field (its
+    `field`: the first refused key path, within DATA)."""
     try:
         return cls.model_validate(data)
     except ValidationError as err:
@@ -514,7 +526,8 @@ def spec_error(cls: type[BaseModel], err: ValidationError, where: str = "config"
     problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or '<root>'}{f' (line {n})' if several and n else ''}: "
                          f"{e['msg']}{_did_you_mean(cls, e)}" for e, n in zip(errors, lines))
     first = next((n for n in lines if n is not None), None)
-    return SmolforgeError(f"invalid {cls.__name__}: {problems}",
+    field = tuple(errors[0]["loc"]) if errors and errors[0]["type"] != "missing" else None
+    return SmolforgeError(f"invalid {cls.__name__}: {problems}", field=field,
                           where=f"{file.source}:{first}" if file is not None and first else where,
                           fix="correct or remove " + (f"the key at line {first} of {file.source}" if file is not None
                                                       and first and not several else "those keys")

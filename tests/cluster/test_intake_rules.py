@@ -140,3 +140,33 @@ def test_the_commands_list_a_damaged_job_and_job_delete_removes_it(tmp_path):
     deleted = cli("job", "delete", "job-damaged002")
     assert deleted.exit_code == 0 and "deleted" in deleted.stdout, deleted.output
     assert "job-damaged002" not in cli("jobs", "--json").stdout
+
+
+def test_a_spec_value_the_coordinator_refuses_comes_back_at_its_file_line(http, tmp_path, monkeypatch):
+    """A value only the coordinator checks (the kind's `check`: distill's KD loss) is a 400 that names the
+    field as the spec's key path (`field`); `smolforge submit FILE --coordinator ...` prints that key's
+    `FILE:LINE` (`config.placed`, on the client), where the coordinator only knew the parsed JSON. The
+    CLI's Client talks to this module's in-process app (its HTTP client swapped for the TestClient)."""
+    text = "kind: distill\ndistill:\n  teacher: tiny-llama\n  students: [tiny-llama]\n  data: bundled\n  kd_loss: kl\n"
+    job = {"kind": "distill", "distill": {"teacher": "tiny-llama", "students": ["tiny-llama"], "data": "bundled",
+                                          "kd_loss": "kl"}}
+    before = len(http.core.store.list_jobs())
+    r = http.post("/api/v1/jobs", json=job, headers=H)
+    assert r.status_code == 400 and r.json()["field"] == ["distill", "kd_loss"], r.text[:300]
+    assert "unknown KD loss 'kl'" in r.json()["error"]
+    import httpx
+
+    from smolforge.cli.main import app
+
+    def request(method, path, **kw):  # the Client's own token header is this module's
+        return http.request(method, path, **{**kw, "headers": {**H, **(kw.get("headers") or {})}})
+
+    monkeypatch.setattr(httpx, "Client", lambda *a, **k: type("Shared", (), {"request": staticmethod(request),
+                                                                            "close": lambda self: None})())
+    spec = tmp_path / "job.yaml"
+    spec.write_text(text)
+    res = CliRunner().invoke(app, ["submit", str(spec), "--coordinator", "127.0.0.1:5999", "--token", TOKEN],
+                             env={"SMOLFORGE_COORDINATOR": ""})
+    assert res.exit_code == 2, (res.exit_code, res.output[-2000:], res.exception)
+    assert res.stderr.startswith(f"error: {spec}:6: unknown KD loss 'kl'") and "fix:" in res.stderr, res.stderr
+    assert len(http.core.store.list_jobs()) == before

@@ -18,7 +18,7 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, RegistryHelp, 
                                   quiet_libraries, run_cli)
 from smolforge.cli.export import check_run_export, export_distill, show
 from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt, DatasetSplitOpt,
-                                   dataset_files)
+                                   EvalDataOpt, dataset_files)
 from smolforge.distill.backends import backends_help
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.distill.settings import AGGREGATE_CHOICES, AGGREGATE_METHODS
@@ -46,6 +46,8 @@ Example (a CPU teacher in llama.cpp: exported once per node to a q8_0 GGUF, or g
 
 Example (prompts from a Hugging Face dataset, read offline from the local cache): smolforge distill --teacher small-llama --student tiny-llama --dataset-name tatsu-lab/alpaca --max-samples 256 --max-steps 20
 
+Example (the students evaluated on a held-out file, whole): smolforge distill --teacher small-llama --student tiny-llama --data prompts.jsonl --eval-data held_out.jsonl --max-steps 20
+
 Example (the students evaluated on the dataset's validation split): smolforge distill --teacher small-llama --student tiny-llama --dataset-name wikitext --dataset-config wikitext-2-raw-v1 --dataset-eval-split validation --max-steps 20
 """
 
@@ -63,6 +65,7 @@ def register(app: typer.Typer) -> None:
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
         dataset_eval_split: DatasetEvalSplitOpt = None,
+        eval_data: EvalDataOpt = None,
         output_dir: str = typer.Option("outputs/distill", help="run dir: teacher_outputs/, output/, merged_model/"),
         num_teachers: Optional[int] = typer.Option(None, help="teacher tasks (default: one per node holding the teacher)"),
         num_students: int = typer.Option(2, help="students per base; they split the shards (hybrid)"),
@@ -143,7 +146,7 @@ def register(app: typer.Typer) -> None:
 
 def _run_command(o: dict[str, Any]) -> None:
     """What `smolforge distill` does with its options: check, build the job spec, run it, export and show."""
-    o["data"], o["eval_data"] = dataset_files(o, "data", "--data")  # eval_data: --dataset-eval-split's file
+    o["data"], o["eval_data"] = dataset_files(o, "data", "--data", "eval_data")  # or --dataset-eval-split's file
     if o["data"] is None:
         raise SmolforgeError("no dataset given", fix="pass --data FILE|bundled|bundled-prompts or --dataset-name NAME")
     distill = _distill_section(o)
@@ -156,6 +159,8 @@ def _run_command(o: dict[str, Any]) -> None:
             "tensorboard": o["tensorboard"], "wandb": o["wandb"]}
     summary = run_distill_job(spec, o["output_dir"], resume=o["resume"], coordinator=o["coordinator"],
                               token=cli_token(o["token"], o["token_file"]), quiet=o["quiet"] or o["json_out"])
+    # the held-out set the students' eval loss is over, as the user named it (None: a split of the data)
+    summary["eval_data"] = o["eval_data"]
     _export_and_show(summary, o["output_dir"], o["export"], o["json_out"])
 
 
@@ -253,6 +258,8 @@ def _print_summary(summary: dict) -> None:
                       f"{ev['eval_loss']:.3f}" if "eval_loss" in ev else "-",
                       f"{ev['accuracy']:.1%}" if "accuracy" in ev else "-", str(output))
     con.print(table)
+    if summary.get("eval_data"):
+        con.print(f"eval: over {summary['eval_data']}")
     for base, rep in summary["merged"].items():
         how = f" ({rep['merge']})" if rep.get("merge") else ""
         con.print(f"merged ({base}){how}: {rep.get('output', rep.get('skipped'))}")

@@ -24,6 +24,10 @@ DatasetSplitOpt = Annotated[Optional[str], typer.Option("--dataset-split", help=
 DatasetEvalSplitOpt = Annotated[Optional[str], typer.Option(
     "--dataset-eval-split", help="with --dataset-name: its split held out for evaluation, in place of a held-out "
     "file (e.g. validation; TRL's dataset_test_split)")]
+# `--eval-data FILE`: a held-out JSONL, read whole (train and distill: one definition)
+EvalDataOpt = Annotated[Optional[str], typer.Option(
+    "--eval-data", help="held-out JSONL, read whole: the eval loss and accuracy are over it ('bundled': the "
+    "generated task set's held-out file; default: a 10% split of --data)")]
 DatasetColumnOpt = Annotated[Optional[str], typer.Option(
     "--dataset-column", help="with --dataset-name: the text column (default: rows shaped as text/alpaca/chat)")]
 

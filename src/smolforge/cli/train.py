@@ -17,7 +17,7 @@ import typer
 
 from smolforge.cli.export import check_run_export, export_run, show
 from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt,
-                                   DatasetSplitOpt, dataset_files)
+                                   DatasetSplitOpt, EvalDataOpt, dataset_files)
 from smolforge.cli.aliases import seed_command
 from smolforge.cli.common import bounded, make_output_dir, peft_section, print_json, quiet_libraries, run_cli
 from smolforge.config import EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, TrainConfig, apply_overrides, load_yaml, put_path, validate
@@ -109,7 +109,7 @@ def _register_train(app: typer.Typer) -> None:
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
         format: Optional[str] = typer.Option(None, "--format", help="auto|alpaca|chat|prompt_completion|text"),
-        eval_data: Optional[str] = typer.Option(None, help="held-out JSONL (default: a 10% split of --data)"),
+        eval_data: EvalDataOpt = None,
         dataset_eval_split: DatasetEvalSplitOpt = None,
         peft: Optional[str] = typer.Option(None, help=f"{'|'.join(PEFT_METHODS)} (default lora)"),
         peft_config: Optional[str] = typer.Option(None, help='JSON, e.g. \'{"r": 8, "alpha": 16, "dropout": 0.05}\''),

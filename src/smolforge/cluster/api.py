@@ -90,14 +90,19 @@ def create_app(core: Any) -> FastAPI:
 
 
 def _error_handlers(app: FastAPI) -> None:
-    """Every refusal as `{"error", "where", "fix"}`: ours (SmolforgeError) and Starlette's own."""
+    """Every refusal as `{"error", "where", "fix"}` (and `field`, the spec key path a refusal of a submitted
+    spec names: the client finds its line, `config.placed`): ours (SmolforgeError) and Starlette's own."""
 
     @app.exception_handler(SmolforgeError)
     def _smolforge_error(request: Request, err: SmolforgeError):
         status = 404 if err.what.startswith("no job") else 400
         # a message may echo what the client sent: escaped, so that rendering it never fails (a 500)
-        return JSONResponse({key: None if text is None else shown(text, 2000, controls=False) for key, text in
-                             (("error", err.what), ("where", err.where), ("fix", err.fix))}, status_code=status)
+        body: dict[str, Any] = {key: None if text is None else shown(text, 2000, controls=False) for key, text in
+                                (("error", err.what), ("where", err.where), ("fix", err.fix))}
+        if err.field:  # keys of the client's own spec, as it sent them: escaped as the message is
+            body["field"] = [part if isinstance(part, int) else shown(str(part), 200, controls=False)
+                             for part in err.field[:32]]
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(OSError)
     def _path_error(request: Request, err: OSError):

@@ -58,6 +58,9 @@ class ApiError(BaseModel):
     error: str
     where: str | None = None
     fix: str | None = None
+    # the key path of a submitted spec's refused setting, where the check knows it: the client finds its
+    # line in the file it read the spec from (`config.placed`); absent otherwise
+    field: list[str | int] | None = None
 
 
 class JoinRequest(BaseModel):

@@ -23,7 +23,8 @@ import psutil
 from smolforge.cluster.nodes import ray_glue, ray_session
 from smolforge.cluster.nodes.ray_glue import ClusterHandle
 from smolforge.cluster.control.artifacts import ArtifactStore
-from smolforge.cluster.control.kinds import apply_job_overrides, check_fields, pin_local_models, read_named, stage_spec
+from smolforge.cluster.control.kinds import (apply_job_overrides, check_fields, parse, pin_local_models, read_named,
+                                           stage_spec)
 from smolforge.cluster.control.specs import from_seed_task
 from smolforge.cluster.control.jobstore import JobStore
 from smolforge.cluster.control.jobview import format_event, job_status
@@ -31,7 +32,7 @@ from smolforge.cluster.control.manager import JobManager
 from smolforge.cluster.nodes.nodeview import node_view
 from smolforge.cluster.nodes.statedir import StateDir
 from smolforge.cluster.control.states import parse_states
-from smolforge.config import load_yaml
+from smolforge.config import load_yaml, placed
 from smolforge.errors import SmolforgeError
 from smolforge.parallel.transfer import check_download_dest, unpack_dir
 from smolforge.paths import atomic_write_json, home
@@ -133,8 +134,12 @@ class EmbeddedCluster:
         data = read_named(data)
         check_fields(data)  # a spec file's bad field as file:line, before an upload or the cluster starts
         spec = pin_local_models(stage_spec(data, self.upload))
+        try:
+            job = parse(spec)  # the kind's value checks, before the cluster starts: a refused field at its line
+        except SmolforgeError as err:
+            raise placed(err, spec) from None
         self.handle  # noqa: B018  (placement is checked against the live node table)
-        return self.manager.submit(spec)
+        return self.manager.submit(spec, job)
 
     def list_jobs(self, state: str | None = None) -> list[dict]:
         return self.store.list_jobs(states=parse_states(state))

@@ -177,8 +177,10 @@ def _record(line: bytes) -> dict | BadLine:
 
 
 def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False,
-                  prompts_only: bool = False) -> ReadResult:
-    """Every record of a JSONL file as an Example; `prompts_only` (a teacher's prompts): answers optional."""
+                  prompts_only: bool = False, skip_hint: bool = True) -> ReadResult:
+    """Every record of a JSONL file as an Example; `prompts_only` (a teacher's prompts): answers optional.
+    A bad line is a SmolforgeError at its FILE:LINE whose fix offers --skip-bad-lines where the command
+    has it (`skip_hint`)."""
     records = jsonl_records(path)
     if fmt != "auto" and fmt not in FORMATS:
         raise SmolforgeError(f"unknown --format {fmt!r}", fix=f"use one of auto, {', '.join(FORMATS)}")
@@ -202,8 +204,8 @@ def read_examples(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = Fa
                 raise BadLine(str(err), _FIX[result.format])
         except BadLine as bad:
             if not skip_bad_lines:
-                raise SmolforgeError(bad.what, where=where,
-                                     fix=f"{bad.fix}; or pass --skip-bad-lines to skip such lines") from None
+                raise SmolforgeError(bad.what, where=where, fix=bad.fix + (
+                    "; or pass --skip-bad-lines to skip such lines" if skip_hint else "")) from None
             result.skipped += 1
             result.problems.append(f"{where}: {bad.what}")
     if not result.examples:

@@ -51,6 +51,8 @@ def read_spec(spec: DataSpec, prompts_only: bool = False) -> tuple[list[Example]
     """(train examples, eval examples, format, skipped lines); `prompts_only`: train answers optional
     (a teacher's prompts), eval examples keep needing theirs."""
     path, eval_path = spec.path, spec.eval_path
+    if eval_path == "bundled":  # a held-out set by name: the generated task set's held-out file
+        eval_path = str(bundled_paths()[1])
     if path == "bundled":
         train_p, eval_p = bundled_paths()
         path, eval_path = str(train_p), eval_path or str(eval_p)

@@ -207,7 +207,7 @@ class OpenAIBackend(TeacherBackend):
         here and where the teacher runs, and travels in no spec."""
         if not getattr(cfg, "teacher_url", None):
             raise SmolforgeError("--teacher-backend openai needs the endpoint's URL", where="--teacher-url",
-                                 fix="add --teacher-url http://HOST:PORT/v1")
+                                 fix="add --teacher-url http://HOST:PORT/v1", field=("teacher_backend",))
         self.teacher_class().probe(cfg.teacher_url, cfg.teacher, cfg.teacher_key_file)
 
 

@@ -23,10 +23,13 @@ class KDConfig:
 
     def __post_init__(self) -> None:
         if self.loss not in KD_LOSSES:
-            raise SmolforgeError(f"unknown KD loss {self.loss!r}", fix=f"use one of {', '.join(KD_LOSSES)}")
+            raise SmolforgeError(f"unknown KD loss {self.loss!r}", fix=f"use one of {', '.join(KD_LOSSES)}",
+                                 field=("loss",))
         if not self.temperature > 0:
-            raise SmolforgeError(f"temperature must be > 0, got {self.temperature}", fix="use e.g. --temperature 1.0")
+            raise SmolforgeError(f"temperature must be > 0, got {self.temperature}", fix="use e.g. --temperature 1.0",
+                                 field=("temperature",))
         if not 0.0 <= self.kd_ratio <= 1.0:
-            raise SmolforgeError(f"kd_ratio must be in [0, 1], got {self.kd_ratio}", fix="use e.g. --kd-ratio 0.5")
+            raise SmolforgeError(f"kd_ratio must be in [0, 1], got {self.kd_ratio}", fix="use e.g. --kd-ratio 0.5",
+                                 field=("kd_ratio",))
         if not 0.0 <= self.beta <= 1.0:
-            raise SmolforgeError(f"JSD beta must be in [0, 1], got {self.beta}", fix="use e.g. beta 0.5")
+            raise SmolforgeError(f"JSD beta must be in [0, 1], got {self.beta}", fix="use e.g. beta 0.5", field=("beta",))

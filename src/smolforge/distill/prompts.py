@@ -30,15 +30,18 @@ class GenSettings:
     def check(self) -> None:
         if self.responses not in ("generate", "reference"):
             raise SmolforgeError(f"unknown teacher responses {self.responses!r}",
-                                 fix="use generate (the teacher answers) or reference (it scores the dataset's answers)")
+                                 fix="use generate (the teacher answers) or reference (it scores the dataset's answers)",
+                                 field=("responses",))
         if self.responses == "reference" and self.samples_per_prompt > 1:
             raise SmolforgeError("samples_per_prompt > 1 with reference responses gives identical samples",
-                                 fix="use samples_per_prompt 1, or --teacher-responses generate")
+                                 fix="use samples_per_prompt 1, or --teacher-responses generate",
+                                 field=("samples_per_prompt",))
         if self.samples_per_prompt > 1 and self.temperature <= 0:
             raise SmolforgeError("samples_per_prompt > 1 with greedy decoding gives identical samples",
-                                 fix="set a temperature > 0 (e.g. 0.8) or samples_per_prompt 1")
+                                 fix="set a temperature > 0 (e.g. 0.8) or samples_per_prompt 1",
+                                 field=("samples_per_prompt",))
         if not 0 < self.top_p <= 1:
-            raise SmolforgeError(f"top_p must be in (0, 1], got {self.top_p}", fix="use e.g. top_p 0.95")
+            raise SmolforgeError(f"top_p must be in (0, 1], got {self.top_p}", fix="use e.g. top_p 0.95", field=("top_p",))
         if self.top_k < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise SmolforgeError("top_k, max_new_tokens and batch_size must be ≥ 1", fix="check the teacher settings")
 

@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from smolforge.config import DEFAULT_LR, ModelDtype, NamedDataset, PeftSpec, default_lr, validate
 from smolforge.distill.prompts import GenSettings
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 from smolforge.rundir import check_run_dir, record
 
 # How the students of a base become one adapter (`--aggregate`), one place: `distill/aggregate.py`
@@ -141,43 +141,75 @@ def check_output_flag(output_dir: str | Path) -> None:
         raise SmolforgeError(f"--output-dir {output_dir} contains '..'", fix="give a plain directory path")
 
 
+# the teacher's generation settings (distill.prompts.GenSettings) by their names in DistillSettings
+GEN_FIELDS: dict[str, str] = {"temperature": "gen_temperature", "responses": "teacher_responses",
+                              "batch_size": "teacher_batch_size"}
+
+
 def check_run(cfg: DistillSettings, mode: str = "teacher_student") -> None:
     """The checks across fields and into other modules' settings, before a cluster starts: bad
-    flags fail in a second, not after the teachers."""
+    flags fail in a second, not after the teachers. Each refusal of one setting names it as the
+    error's `field` (DistillSettings' key: `config.placed` finds a spec file's line for it)."""
     from smolforge.distill.kdconfig import KDConfig
 
     if not cfg.students:
         raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
     if cfg.aggregate not in AGGREGATE_CHOICES:
-        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix=f"use one of {', '.join(AGGREGATE_CHOICES)}")
+        raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix=f"use one of {', '.join(AGGREGATE_CHOICES)}",
+                             field=("aggregate",))
     if mode not in ("teacher_student", "hybrid"):
         raise SmolforgeError(f"unknown --mode {mode!r}", fix="use teacher_student or hybrid")
+    with in_spec(names={"loss": "kd_loss"}):
+        KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
+    _check_peft(cfg)
+    with in_spec(names=GEN_FIELDS):
+        GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                    samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
+                    responses=cfg.teacher_responses).check()
+    _check_backend(cfg)
+    if cfg.replace_timeout_s <= 0:
+        raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
+                             fix="give the seconds a student whose node died may wait for another (e.g. 300)",
+                             field=("replace_timeout_s",))
+    if cfg.eval_data is not None and not cfg.eval:
+        raise SmolforgeError("--eval-data names a held-out file, but --no-eval skips the students' evaluation",
+                             fix="drop --no-eval (distill.eval: false), or drop --eval-data (distill.eval_data)",
+                             field=("eval",))
+    if cfg.save_every < 0:
+        raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
+                             fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints",
+                             field=("save_every",))
+    check_shared_tokenizer(cfg.teacher, cfg.students, shared_tokenizer_needs(cfg.on_policy_ratio,
+                                                                               cfg.teacher_responses))
 
-    KDConfig(loss=cfg.kd_loss, temperature=cfg.temperature, kd_ratio=cfg.kd_ratio, beta=cfg.beta)
-    validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
-    GenSettings(temperature=cfg.gen_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                samples_per_prompt=cfg.samples_per_prompt, top_k=cfg.top_k, batch_size=cfg.teacher_batch_size,
-                responses=cfg.teacher_responses).check()
+
+def _check_peft(cfg: DistillSettings) -> None:
+    """The students' PEFT method and config, as `PeftSpec` reads them; a refused key is `peft_config`'s
+    (the method: `peft`) as the error's field."""
+    try:
+        validate(PeftSpec, {"method": cfg.peft, **cfg.peft_config}, where="--peft/--peft-config")
+    except SmolforgeError as err:
+        head = tuple(err.field or ())
+        err.field = ("peft",) if head[:1] == ("method",) else ("peft_config", *head) if head else None
+        raise
+
+
+def _check_backend(cfg: DistillSettings) -> None:
+    """The teacher backend can do what the settings ask of it (on-policy scoring, reference answers) and
+    its own check (`TeacherBackend.check`); SmolforgeError naming the setting as its field."""
     from smolforge.distill.backends import backends_that, teacher_backend
 
-    backend = teacher_backend(cfg.teacher_backend)
+    with in_spec(default=("teacher_backend",)):
+        backend = teacher_backend(cfg.teacher_backend)
     if cfg.on_policy_ratio > 0 and not backend.on_policy:
         raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
-                             f"{backend.name} backend cannot",
+                             f"{backend.name} backend cannot", field=("on_policy_ratio",),
                              fix=f"use --teacher-backend {' or '.join(backends_that('on_policy'))}, or --on-policy-ratio 0")
     if cfg.teacher_responses == "reference" and not backend.scores_reference:
         raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
-                             f"{backend.name} backend generates its own",
+                             f"{backend.name} backend generates its own", field=("teacher_responses",),
                              fix=f"use --teacher-backend {' or '.join(backends_that('scores_reference'))} for reference")
     backend.check(cfg)
-    if cfg.replace_timeout_s <= 0:
-        raise SmolforgeError(f"replace_timeout_s must be positive, not {cfg.replace_timeout_s}",
-                             fix="give the seconds a student whose node died may wait for another (e.g. 300)")
-    if cfg.save_every < 0:
-        raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
-                             fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints")
-    check_shared_tokenizer(cfg.teacher, cfg.students, shared_tokenizer_needs(cfg.on_policy_ratio,
-                                                                               cfg.teacher_responses))
 
 
 def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "generate") -> list[tuple[str, str]]:

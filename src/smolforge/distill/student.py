@@ -287,7 +287,7 @@ def evaluate_student(model, tokenizer, eval_data: str | None, cfg: StudentConfig
         return {}
     rows, stats = encode_all(tokenizer, examples, cfg.max_length, system_role=system_role(tokenizer))
     examples = stats.kept  # as rendered: system turns folded where the template has no system role
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"examples": len(examples)}  # the held-out examples scored (after max_eval_samples)
     loss_sum, count = eval_loss_sums(model, rows, tokenizer.pad_token_id, 32, device)
     if count:
         out["eval_loss"] = loss_sum / count

@@ -31,7 +31,7 @@ from smolforge.config import (
     EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, place_in, validate,
 )
 from smolforge.data.synthetic import BUILTIN_DATASETS
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 from smolforge.distill.backends import teacher_backend
 from smolforge.models.kinds import refuse_unused
 
@@ -47,6 +47,9 @@ class JobKind:
     runner: Callable[[], type]  # the runner class, imported when a job of the kind runs (Ray, torch)
     section: str | None  # the settings section: `--set` routes keys the job itself lacks into it (None: flat spec)
     uploads: tuple[str, ...] = ()  # dotted spec paths naming local files, uploaded before submit
+    # those of `uploads` read before they are uploaded, by the one JSONL reader (`data.formats.read_examples`):
+    # a held-out file's bad line is refused at its FILE:LINE where the spec is submitted, not by the run
+    read_at_submit: tuple[str, ...] = ()
     # the one of `uploads` a dataset by name may stand for: its section takes `dataset_name`, ... (config.
     # NamedDataset), read into it at submit (`stage_spec`); `--set dataset_name=...` goes into that section.
     # A function of the spec where the kind's jobs differ in it (`by_stage`: a distill_task's stage)
@@ -187,6 +190,12 @@ def _split_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
     return f"the shared checkpoint {newest}" if newest else "the start"
 
 
+def _dp_check(job: DataParallelJob) -> None:
+    """A data-parallel job's settings its model kind cannot use (`refuse_unused`), named at `train.KEY`."""
+    with in_spec("train"):
+        refuse_unused(job.train, prefix="train.")
+
+
 def _dp_resumes_from(artifacts: "ArtifactStore", job_id: str) -> str:
     return artifacts.latest_checkpoint(job_id) or "the start (no checkpoint yet)"
 
@@ -195,10 +204,11 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("data_parallel", "data-parallel", DataParallelJob, runner_at(f"{WORKLOADS}.data_parallel.runner:DPRunner"), section="train",
             uploads=("train.data.path", "train.data.eval_path"), named="train.data.path",
             named_eval="train.data.eval_path",
-            models=("train.model",), check=lambda job: refuse_unused(job.train),
+            models=("train.model",), check=_dp_check,
             check_capacity=True, joinable=True, resumes_from=_dp_resumes_from, demand=_dp_demand),
     JobKind("distill", "distillation", DistillJob, runner_at(f"{WORKLOADS}.distill.runner:DistillRunner"), section="distill",
             uploads=("distill.data", "distill.eval_data"), named="distill.data", named_eval="distill.eval_data",
+            read_at_submit=("distill.eval_data",),
             models=("distill.teacher", "distill.students"),
             check=check_at(f"{WORKLOADS}.distill.run:check_job"),
             resumes_from=lambda artifacts, job_id: "its kept teacher shards and student checkpoints",
@@ -271,7 +281,9 @@ def is_local_file(value: Any) -> bool:
 
 def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
     """Replace the local files a job names by uploads (the workers share no filesystem with us); a
-    dataset by name is read into its file first (`read_named`) and uploaded as any JSONL."""
+    dataset by name is read into its file first (`read_named`) and uploaded as any JSONL. A missing file
+    is refused at its spec line; one of the kind's `read_at_submit` (a held-out file) is read first, a
+    bad line refused at its FILE:LINE."""
     spec = read_named(spec)
     for dotted in kind_of(spec).uploads:
         value = get_path(spec, dotted)
@@ -283,6 +295,10 @@ def stage_spec(spec: dict, upload: Callable[[Path], str]) -> dict:
                                  where=place_in(spec, tuple(dotted.split(".")), dotted),  # a file's: file:line
                                  fix="check the path, or name a dataset every node has: "
                                      f"{', '.join(BUILTIN_DATASETS)} ('bundled': the generated task set)")
+        if dotted in kind_of(spec).read_at_submit:
+            from smolforge.data.formats import read_examples
+
+            read_examples(path, skip_hint=False)
         put_path(spec, dotted, upload(path))
     return spec
 

@@ -85,10 +85,12 @@ class JobManager:
                     "lend the coordinator (`smolforge job join ID`)")
         return total
 
-    def submit(self, spec: dict[str, Any]) -> str:
+    def submit(self, spec: dict[str, Any], job: Any = None) -> str:
+        """Queue the job SPEC; JOB: SPEC as `kinds.parse` returned it, where the caller parsed (and so
+        checked) it already (the embedded cluster, before it starts). SmolforgeError for a refused spec."""
         if self.closed:
             raise SmolforgeError("the coordinator is shutting down", fix="retry once it is back")
-        job = kinds.parse(spec)
+        job = kinds.parse(spec) if job is None else job
         kinds.check_output_dir(job, self.embedded)
         self.check_uploads(job)
         if kinds.kind_of(job.kind).check_capacity:

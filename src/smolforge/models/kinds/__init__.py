@@ -77,6 +77,6 @@ def refuse_unused(cfg: TrainConfig, prefix: str = "train.") -> None:
         named = ", ".join(f"{flags} ({path})" for flags, path, _ in unused)
         raise SmolforgeError(f"{named} do{'es' if len(unused) == 1 else ''} not apply: "
                              + "; ".join(sorted({why for _, _, why in unused})),
-                             where=f"--model {cfg.model}",
+                             where=f"--model {cfg.model}", field=tuple(unused[0][1][len(prefix):].split(".")),
                              fix=f"drop {'it' if len(unused) == 1 else 'them'} (a model kind that is not a "
                                  "language model trains whole, on feature rows)")

@@ -19,7 +19,7 @@ from smolforge.cluster.workloads.distill.sync import AverageSync, DataParallelSy
 from smolforge.distill.backends import teacher_backend
 from smolforge.distill.settings import DistillSettings, _slug, check_run
 from smolforge.distill.store import store_summary
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 from smolforge.paths import atomic_write_json
 
 
@@ -80,8 +80,29 @@ def check_job(job: Any) -> None:
     the CLI flag `settings.check_output_flag`'s), and the run's two plans (`distill_plans`: the PEFT
     config, the students' sync plug-in with its strategy, ...). The runner takes the checked spec as
     it is and builds the same plans from it."""
-    check_run(job.distill, job.mode)
+    with in_spec("distill"):  # a refusal of one setting names it, at its spec line (`config.placed`)
+        check_run(job.distill, job.mode)
+        check_held_out(job.distill.eval_data)
     distill_plans(job.distill, job.mode, Path(job.output_dir or "."))
+
+
+def check_held_out(eval_data: str | None) -> None:
+    """The held-out file `distill.eval_data` (`--eval-data`) names, read by the one reader
+    (`data.formats.read_examples`; answers needed, the eval loss is over them) while it is a path on this
+    machine (`smolforge distill` checks its spec so, before staging it): a bad line is refused at its
+    FILE:LINE before a teacher runs, a missing file before the run dir is touched (a spec that `submit` stages
+    is read so there: `JobKind.read_at_submit`). A staged upload or a built-in set ('bundled') is the
+    students' run's, which reads it the same way. SmolforgeError (exit 2)."""
+    from smolforge.cluster.control.kinds import is_local_file
+    from smolforge.data.formats import read_examples
+
+    if not is_local_file(eval_data):
+        return
+    path = Path(str(eval_data)).expanduser()
+    if not path.is_file():
+        raise SmolforgeError(f"held-out file {eval_data} does not exist", where="distill.eval_data", field=("eval_data",),
+                             fix="check the --eval-data path, or name 'bundled' (the generated task set's held-out file)")
+    read_examples(path, skip_hint=False)
 
 
 class DistillFlow:

@@ -155,9 +155,11 @@ def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> No
     try:
         _build(call, mode)
     except SmolforgeError as err:
-        keys = ", ".join(f"args.{key}" for key in _refused_keys(stage, mode, args))
-        raise SmolforgeError(f"{keys}: {err.what}" if keys else err.what,
-                             where=f"{where}, {err.where}" if err.where else where, fix=err.fix) from None
+        refused = _refused_keys(stage, mode, args)
+        keys = ", ".join(f"args.{key}" for key in refused)
+        raise SmolforgeError(f"{keys}: {err.what}" if keys else err.what, fix=err.fix,
+                             where=f"{where}, {err.where}" if err.where else where,
+                             field=("args", refused[0]) if len(refused) == 1 else None) from None  # its line: config.placed
 
 
 def _build(call: TeacherCall | StudentCall | AggregateSettings, mode: str) -> None:
