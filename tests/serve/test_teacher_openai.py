@@ -387,7 +387,8 @@ def test_an_entry_holding_earlier_tokens_bytes_keeps_that_answer_as_text_and_the
     """What llama-server sends after a token whose text ends inside a UTF-8 character: no entry for it, and
     the next entry's `token`/`bytes` hold its bytes too ('\ufffdolbs', [247, 111, 108, 98, 115] for id 787,
     whose piece is 'bs'). That answer has no rows for those positions: kept as text, counted as held back,
-    said once; the ids stay on for the next answer, whose end of turn is named by its id alone."""
+    said once; the ids stay on for the next answer, whose end of turn is named by its id alone. Held back
+    at the end (cut by max_tokens), the bytes are in the text only (U+FFFD): the rows kept, that dropped."""
     from smolforge.distill.prompts import PromptItem
     from smolforge.models.families import turn_end_id
 
@@ -403,11 +404,13 @@ def test_an_entry_holding_earlier_tokens_bytes_keeps_that_answer_as_text_and_the
               "logprobs": {"content": [entry(is_, b"\xf7ol is", -0.5)]}}
     plain = {"text": " is", "finish_reason": "stop",
              "logprobs": {"content": [entry(is_, b" is", -0.1), {**entry(end, b"", -0.2), "token": ""}]}}
-    answers = iter([merged, plain, merged])
+    cut = {"text": " is\ufffd", "finish_reason": "length", "logprobs": {"content": [entry(is_, b" is", -0.1)]}}
+    answers = iter([merged, plain, merged, cut])
     monkeypatch.setattr(teacher, "_stated_vocab", lambda: teacher.vocab_size)
     monkeypatch.setattr(teacher, "_post", lambda payload: next(answers))
-    recs = teacher.generate([PromptItem(i, [{"role": "user", "content": "q"}]) for i in range(3)], GEN)
-    assert [r.has_topk for r in recs] == [False, True, False] and recs[1].response_ids == [is_, end]
+    recs = teacher.generate([PromptItem(i, [{"role": "user", "content": "q"}]) for i in range(4)], GEN)
+    assert [r.has_topk for r in recs] == [False, True, False, True] and recs[1].response_ids == [is_, end]
+    assert (recs[3].response_ids, recs[3].response_text) == ([is_], " is")  # the unfinished character dropped
     assert teacher.map.by_id and teacher.map.held_back(("", list(b"\xf7ol is"), is_))
     ep = teacher.manifest_extra["endpoint"]
     assert (ep["text_only"], ep["held_back"], ep["by_ids"]) == (2, 2, True), ep

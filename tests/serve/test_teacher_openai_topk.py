@@ -11,15 +11,17 @@ between two ids the hf teacher holds that close: the rule of models/export/verif
 
 Measured 2026-11-30 on tiny-llama, 48 bundled prompts x 16 new tokens, k 8 (/tmp/topk/measure.py):
 - `smolforge serve` (torch, fp32): 700/700 positions exact, sets and order (log-probs within 1e-5);
-- llama-server on an f32 GGUF with an f32 KV cache and flash attention off: 498/498 exact, sets and order
+- llama-server on an f32 GGUF with an f32 KV cache and flash attention off: 528/528 exact, sets and order
   (log-probs within 1e-5): the closest-to-exact export, asserted exact;
-- llama-server on the f16 GGUF as a user runs it (f16 KV cache): sets 97.3 %, order 87.6 % exact; every
-  set that differed had the hf teacher's k-th and (k+1)-th within 0.012 nats (the f16 weights and cache
-  move log-probs by up to 0.0135); on the f32 GGUF with the default f16 cache, sets 98.7 %, order 93.1 %:
+- llama-server on the f16 GGUF as a user runs it (f16 KV cache): of 509 positions, sets 97.1 %, order
+  87.2 % exact; every set that differed had the hf teacher's k-th and (k+1)-th within 0.012 nats (the f16
+  weights and cache move log-probs by up to 0.0135), 100 % and 99.6 % counting near-ties; with an f32 KV
+  cache 97.7 % / 89.3 %; on the f32 GGUF with the default f16 cache, sets 98.7 %, order 93.1 %:
   f16 rounding makes such ties common in a random tiny model, so f16 is asserted counting near-ties.
 - llama-server sends no entry for a token whose text ends inside a UTF-8 character (a byte-level token of
-  a multi-byte character) and puts its bytes in front of the next entry's: 12-13 of the 48 answers, kept
-  as text (`endpoint.held_back`), their positions not compared; `smolforge serve` sends every position.
+  a multi-byte character) and puts its bytes in front of the next entry's: 12 of the 48 answers, kept
+  as text (`endpoint.held_back`), their positions not compared (2 more, cut there by max_tokens, keep their
+  rows); `smolforge serve` sends every position.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def test_llama_servers_topk_is_the_hf_teachers_exactly_on_f32_and_but_for_near_t
         ep, a = teacher.manifest_extra["endpoint"], agreement(got, hf_answers, NEAR_TIE, teacher.vocab_size)
         print(a.line(f"llama-server ({name} GGUF{', f32 KV cache' if extra else ''})"), ep)
         assert ep["by_ids"] is True and ep["k"] == K and ep["n_vocab"] == teacher.vocab_size, ep
-        assert ep["text_only"] - ep["held_back"] <= 0.1 * PROMPTS, ep  # what else goes to text is rare
+        assert ep["text_only"] == ep["held_back"], ep  # only llama-server's held-back tokens go to text
         assert a.positions >= 400 and a.text_only == ep["text_only"], (name, a)
         runs[name] = a
     exact, f16 = runs["f32"], runs["f16"]

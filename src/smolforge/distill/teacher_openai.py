@@ -22,7 +22,11 @@ id the tokenizer itself encodes it as). Ids are exact where bytes and text are n
 piece differs), the run says so once; the manifest says which way it mapped (`endpoint.by_ids`). A
 response with any token that does not map, or whose mapped ids do not spell its text, is kept as text
 only: students train on it sequence-level (the same fallback as a teacher of another tokenizer), and the
-run says so once and counts it in each shard's manifest (`endpoint.text_only`). A token that is part of a
+run says so once and counts it in each shard's manifest (`endpoint.text_only`). llama-server sends no
+entry for a token whose text ends inside a UTF-8 character, and puts its bytes in front of the next
+entry's (`TokenMap.held_back`): such an answer has no rows for those positions and is kept as text too
+(`endpoint.held_back` of them); held back at the answer's end (cut by `max_tokens`), they are in its text
+only, as U+FFFD: the answer keeps its rows, that unfinished character dropped from its text. A token that is part of a
 character (a byte-level token of a multi-byte UTF-8 character) has no text of its own (U+FFFD, or
 nothing): its id or bytes name it; where the endpoint sends text only (the legacy shape), such an answer
 is text only too. k is what the endpoint gives: rows with fewer alternatives than asked are padded with
@@ -419,6 +423,9 @@ class OpenAITeacher:
         if got is not None and expect is not None and got[0] != expect:
             got, bad = None, f"ids {got[0][:6]}..., not the reference's {expect[:6]}..."
         spelled = self.tokenizer.decode(got[0], skip_special_tokens=True) if got is not None else text
+        if expect is None and spelled != text and text.startswith(spelled) and not text[len(spelled):].strip("\ufffd"):
+            rec.response_text = text = spelled  # the end held back inside a character (`TokenMap.held_back`): no
+            # entries, its bytes in the text only (U+FFFD); an answer cut there keeps its rows, not that piece
         if expect is None and spelled != text:
             got, bad = None, f"ids that spell {spelled[:40]!r}, not the answer's text"
         if got is None:
