@@ -287,3 +287,23 @@ def test_export_job_kind_on_the_embedded_cluster(loras, tmp_path):
     got = Path(out["path"])
     assert (got / "model.gguf").is_file() and (got / "Modelfile").is_file()
     assert json.loads((got / "export.json").read_text())["name"] == "job-export"
+
+
+def test_an_f32_gguf_keeps_every_weight_unrounded(tmp_path):
+    """`--quant f32`: every tensor written as F32 (the file type ALL_F32), the weights the checkpoint's own
+    to the bit: the export to compare an engine against the fp32 model exactly (issue 46: llama-server on it
+    gives the hf teacher's top-k at every position, tests/serve/test_teacher_openai_topk.py)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from smolforge.models.export.run import export
+    from smolforge.models.tiny import preset_dir
+
+    export("tiny-llama", "gguf", tmp_path / "f32", quant="f32", verify=False, threads=1)
+    reader = gguf.GGUFReader(tmp_path / "f32" / "model.gguf")
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType.ALL_F32
+    emb = load_file(preset_dir("tiny-llama") / "model.safetensors")["model.embed_tokens.weight"]
+    written = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert np.array_equal(np.asarray(written.data).reshape(emb.shape), emb)

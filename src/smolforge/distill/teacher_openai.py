@@ -22,7 +22,11 @@ id the tokenizer itself encodes it as). Ids are exact where bytes and text are n
 piece differs), the run says so once; the manifest says which way it mapped (`endpoint.by_ids`). A
 response with any token that does not map, or whose mapped ids do not spell its text, is kept as text
 only: students train on it sequence-level (the same fallback as a teacher of another tokenizer), and the
-run says so once and counts it in each shard's manifest (`endpoint.text_only`). A token that is part of a
+run says so once and counts it in each shard's manifest (`endpoint.text_only`). llama-server sends no
+entry for a token whose text ends inside a UTF-8 character, and puts its bytes in front of the next
+entry's (`TokenMap.held_back`): such an answer has no rows for those positions and is kept as text too
+(`endpoint.held_back` of them); held back at the answer's end (cut by `max_tokens`), they are in its text
+only, as U+FFFD: the answer keeps its rows, that unfinished character dropped from its text. A token that is part of a
 character (a byte-level token of a multi-byte UTF-8 character) has no text of its own (U+FFFD, or
 nothing): its id or bytes name it; where the endpoint sends text only (the legacy shape), such an answer
 is text only too. k is what the endpoint gives: rows with fewer alternatives than asked are padded with
@@ -121,6 +125,11 @@ class TokenMap:
         for i, text in enumerate(self.texts):
             self.ids.setdefault(text, []).append(i)
         self.raw = vocab_bytes(tokenizer)
+        # the tokenizer's special tokens, the added ones marked special included (`<|im_start|>` is one, though
+        # not in `all_special_ids`): a GGUF holds them as CONTROL tokens, which llama-server names '' with no bytes
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special = {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
+        self.special |= set(getattr(tokenizer, "all_special_ids", []) or [])
         self.by_bytes: dict[bytes, list[int]] = {}
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         for i, raw in enumerate(self.raw):
@@ -156,16 +165,27 @@ class TokenMap:
 
     def same_piece(self, tid: int, text: Any, raw: Any) -> bool:
         """Whether id `tid` is, in this tokenizer, the piece the endpoint names by `text` and `raw` (bytes):
-        the bytes equal where both sides know them; a special token (no bytes here) named by no bytes and
-        no text or its own text; else the texts equal."""
+        the bytes equal where both sides know them; a special token (no bytes here, or an added token marked
+        special: `<|im_start|>`) named by no bytes and no text or its own text; else the texts equal."""
         if not (isinstance(tid, int) and 0 <= tid < len(self.texts)):
             return False
         got, ours = _as_bytes(raw), self.raw[tid]
         if got and ours is not None:
             return got == ours
-        if got == b"" and ours is None:
+        if got == b"" and (ours is None or tid in self.special):
             return text in ("", None, self.texts[tid])
         return text == self.texts[tid]
+
+    def held_back(self, name: Any) -> bool:
+        """Whether `name` (text, bytes, id) is an entry that carries the bytes of tokens before it as well as
+        its own: its bytes longer than id's own piece and ending with them. llama-server holds back a token
+        whose text ends inside a UTF-8 character (a byte-level token of a multi-byte character), sends no
+        entry for it, and puts its bytes in front of the next entry's (tools/server `process_token`, llama.cpp
+        b6xxx-b7xxx): those positions' log-probabilities are not sent at all."""
+        _text, raw, tid = token_name(name)
+        got = _as_bytes(raw)
+        ours = self.raw[tid] if isinstance(tid, int) and 0 <= tid < len(self.raw) else None
+        return bool(got and ours and len(got) > len(ours) and got.endswith(ours))
 
     def __call__(self, name: Any) -> int | None:
         """The id `name` names, or None (no id, or several and the tokenizer picks none of them). `name`:
@@ -173,6 +193,8 @@ class TokenMap:
         text, raw, tid = token_name(name)
         if isinstance(tid, int) and not isinstance(tid, bool):
             self.saw_id = True
+            if self.held_back(name):  # tokens before it have no entries: the answer cannot keep its rows
+                return None
             if self.by_id:
                 if self.same_piece(tid, text, raw):
                     return tid
@@ -292,6 +314,7 @@ class OpenAITeacher:
         self.map = TokenMap(self.tokenizer)
         self.given_k = 0
         self.text_only = 0
+        self.held_back = 0  # of them, answers with an entry holding earlier tokens' bytes (`TokenMap.held_back`)
         self._ids_checked = self._said_ids = self._said_padding = False
         self.manifest_extra: dict[str, Any] = {}
 
@@ -400,14 +423,23 @@ class OpenAITeacher:
         if got is not None and expect is not None and got[0] != expect:
             got, bad = None, f"ids {got[0][:6]}..., not the reference's {expect[:6]}..."
         spelled = self.tokenizer.decode(got[0], skip_special_tokens=True) if got is not None else text
+        if expect is None and spelled != text and text.startswith(spelled) and not text[len(spelled):].strip("\ufffd"):
+            rec.response_text = text = spelled  # the end held back inside a character (`TokenMap.held_back`): no
+            # entries, its bytes in the text only (U+FFFD); an answer cut there keeps its rows, not that piece
         if expect is None and spelled != text:
             got, bad = None, f"ids that spell {spelled[:40]!r}, not the answer's text"
         if got is None:
-            if not self.text_only:
+            held = bad is not None and self.map.held_back(bad)
+            if held:
+                why = (f"the endpoint sent token {token_name(bad)[2]} with the bytes of tokens before it (held "
+                       "back inside a UTF-8 character, as llama-server does) and no log-probabilities for those")
+            else:
                 why = f"token {bad!r} names no single token of the student's tokenizer" if bad is not None \
                     else "the endpoint sent no log-probabilities"
+            if (self.held_back == 0) if held else (self.text_only == self.held_back):  # once for each reason
                 self.say(f"teacher {self.name}: {why}: such answers train the student on their text "
                          "(sequence-level KD), not on logits")
+            self.held_back += held
             self.text_only += 1
             rec.response_ids = expect if expect is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return
@@ -453,7 +485,7 @@ class OpenAITeacher:
                 records.append(rec)
         self._say_padding()
         self.manifest_extra = {"endpoint": {"url": self.url, "k": self.given_k, "k_asked": k,
-                                            "text_only": self.text_only, "by_ids": self.map.by_id,
+                                            "text_only": self.text_only, "held_back": self.held_back, "by_ids": self.map.by_id,
                                             "n_vocab": self.map.n_vocab, "padding_dropped": self.map.padding}}
         return records
 

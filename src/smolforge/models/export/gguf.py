@@ -73,7 +73,7 @@ def _qtype(name: str, shape: tuple[int, ...], quant: str):
         return Q.F32
     if quant == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
         return Q.F16  # q8_0 packs rows in blocks of 32
-    return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[quant]
+    return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "f32": Q.F32}[quant]
 
 
 def _pack(t: "torch.Tensor", qtype) -> "np.ndarray":
@@ -122,7 +122,7 @@ def write_gguf(model: MergedModel, path: Path, quant: str = "f16", name: str | N
     writer.add_name(name or Path(cfg.get("_name_or_path") or model.base_dir).name)
     family.gguf_hparams(writer, cfg)
     writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f32": gguf.LlamaFileType.ALL_F32}[quant])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = cfg["vocab_size"]
     tok = write_tokenizer(writer, model.tokenizer_dir, cfg, vocab_size, chat_template(model.tokenizer_dir),

@@ -33,5 +33,6 @@ RUN_TARGETS: tuple[str, ...] = tuple(name for name, target in TARGETS.items() if
 ExportTarget = Literal[tuple(TARGETS)]  # type: ignore[valid-type]
 
 # GGUF weight types (`--quant`, for gguf and ollama), written by gguf.py, each with its verify.py limits
-QUANTS: tuple[str, ...] = ("f16", "bf16", "q8_0")
+# f32: no rounding at all (4 bytes a weight), the export to compare against a reference exactly
+QUANTS: tuple[str, ...] = ("f16", "bf16", "q8_0", "f32")
 QuantName = Literal[QUANTS]  # type: ignore[valid-type]  # the job spec's `quant`

@@ -27,7 +27,7 @@ from smolforge.errors import SmolforgeError
 # TIE_RMS x that position's RMS logit error (llama.cpp vs HF): rounding the weights to the format
 # moves logits by about that much, so HF's own choice there is a coin toss.
 TIE_RMS = 3.0
-LIMITS = {"f16": (1e-4, 1.0), "bf16": (1e-3, 0.9), "q8_0": (1e-2, 0.9)}
+LIMITS = {"f16": (1e-4, 1.0), "bf16": (1e-3, 0.9), "q8_0": (1e-2, 0.9), "f32": (1e-5, 1.0)}
 
 QUESTIONS = [
     "What is 12 + 30?", "Reverse hello.", "Uppercase word.", "What is 7 - 9?", "Count vowels in banana.",
