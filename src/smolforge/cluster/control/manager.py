@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 TICK_S = 2.0  # the queue looks again at least this often while jobs wait
 CLAIM_TTL_S = 60.0  # an admitted job's claim lapses by then even if its runner never says it placed
 PLACED_GRACE_S = 2.0  # Ray's resource table catches up with a new placement group within this
+WAIT_LOOK_S = 0.5  # `wait` looks at a job with no running runner, or for its progress callback, this often
 
 class JobManager:
     def __init__(self, store: JobStore, artifacts: ArtifactStore, embedded: bool = False,
@@ -362,18 +363,29 @@ class JobManager:
             r.join(timeout=timeout / max(1, len(runners)))
 
     def wait(self, job_id: str, timeout: float | None = None, on_update: Callable[[dict], None] | None = None) -> dict:
-        """Block until the job is final or paused (for the embedded CLI path)."""
-        deadline = None if timeout is None else time.time() + timeout
+        """Block until the job is final or paused (for the embedded CLI path); returns its row.
+
+        While the job's runner runs, this waits on the runner's `finished` event (its end is when a
+        running job becomes final or paused): without `on_update` it does not look at the job until
+        then; with it, `on_update(job)` is called every WAIT_LOOK_S (progress). A job with no runner
+        (queued, or between attempts) is looked at every WAIT_LOOK_S. `timeout` in seconds (None:
+        no limit); on it the job's row as it is then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             job = self._job(job_id)
             if on_update:
                 on_update(job)
             runner = self.runners.get(job["id"])
-            if job["state"] in FINAL or (job["state"] == JobState.PAUSED and (runner is None or not runner.is_alive())):
+            ended = runner is None or runner.finished.is_set() or not runner.is_alive()
+            if job["state"] in FINAL or (job["state"] == JobState.PAUSED and ended):
                 return job
-            if deadline and time.time() > deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return job
-            time.sleep(0.5)
+            if runner is not None and not ended:
+                runner.finished.wait(WAIT_LOOK_S if on_update else left)
+            else:
+                time.sleep(WAIT_LOOK_S if left is None else min(WAIT_LOOK_S, left))
 
     # -- node health ------------------------------------------------------------------------------
 
