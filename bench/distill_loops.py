@@ -180,8 +180,8 @@ class Sampler:
         self.threads_max: Counter = Counter()  # pid -> most threads seen in it
         self.procs_max = 0  # most processes of the run at once
         self.py_names: dict[str, str] = {}  # driver thread id -> its Python name (from the dumps)
-        self.wakes0: dict[str, tuple[str, int]] = {}
-        self.wakes1: dict[str, tuple[str, int]] = {}
+        self.wakes: dict[str, list] = {}  # driver thread id -> [name, first count, at, last count, at]
+        self.polling: dict[tuple, dict] = {}  # (process role, pid, thread name) -> {own, sites, seen}
         self.loops: dict[str, dict] = {}  # site -> {own, roles, threads max, dumps seen}
         self.dumps = self.dump_failures = 0
         self.driver_threads: Counter = Counter()  # driver thread name -> dumps it was seen in
@@ -206,11 +206,10 @@ class Sampler:
             except psutil.Error:
                 continue
             self.roles[p.pid][role(p, self.driver)] += 1
-        wakes = thread_wakes(self.driver)
-        if wakes:
-            if not self.wakes0:
-                self.wakes0 = wakes
-            self.wakes1 = wakes
+        now = time.monotonic()
+        for tid, (name, n) in thread_wakes(self.driver).items():
+            row = self.wakes.setdefault(tid, [name, n, now, n, now])
+            row[3:] = [n, now]
 
     def sort_threads(self) -> None:
         if not self.pyspy:
@@ -233,6 +232,10 @@ class Sampler:
                     continue
                 name, own = site(t["frames"])
                 seen[name] += 1
+                who = self.polling.setdefault((r, p.pid, t["name"] or t["tid"]), {"own": False, "sites": set(), "seen": 0})
+                who["own"] |= own
+                who["sites"].add(name)
+                who["seen"] += 1
                 row = self.loops.setdefault(name, {"own": own, "roles": set(), "threads_max": 0, "seen": 0})
                 row["roles"].add(r)
                 row["seen"] += 1
@@ -246,12 +249,16 @@ class Sampler:
             before = [c for t, c in self.cpu if t <= 60 * k]
             prev = [c for t, c in self.cpu if t <= 60 * (k - 1)] or [0]
             per_minute.append(round((before[-1] - prev[-1]) / CLK_TCK, 2))
+        first = [c for t, c in self.cpu if t <= 60] or [0]
         loops = {n: {**v, "roles": sorted(v["roles"])} for n, v in self.loops.items() if v["seen"] >= min_seen}
         own = {n: v for n, v in loops.items() if v["own"]}
         span = max(wall, 1e-9)
         wakes = {tid: {"name": self.py_names.get(tid, name), "python": tid in self.py_names,
-                       "wakes_per_s": round((n - self.wakes0.get(tid, (name, 0))[1]) / span, 2)}
-                 for tid, (name, n) in self.wakes1.items()}
+                       "seen_s": round(t1 - t0, 1), "wakes_per_s": round((n1 - n0) / max(t1 - t0, 1.0), 2)}
+                 for tid, (name, n0, t0, n1, t1) in self.wakes.items()}
+        threads = [{"process": r if r == "driver" else f"{r} {pid}", "thread": name, "sites": sorted(v["sites"]),
+                    "seen": v["seen"], "own": v["own"]}
+                   for (r, pid, name), v in self.polling.items() if v["seen"] >= min_seen]
         procs = []
         for pid, seen in self.roles.items():
             names = [r for r, _ in seen.most_common() if r not in ("gone", "ray::IDLE")] or ["ray::IDLE"]
@@ -261,11 +268,18 @@ class Sampler:
             "driver_cpu_s": cpu_s and round(cpu_s, 2),
             "driver_cpu_s_per_min": cpu_s and round(cpu_s * 60 / span, 2),
             "driver_cpu_s_each_minute": per_minute,
+            # the run's own pace, without the first minute's start (imports, the embedded cluster)
+            "driver_cpu_s_per_min_after_first": round(
+                (self.cpu[-1][1] - first[-1]) / CLK_TCK * 60 / (self.cpu[-1][0] - 60), 2) if len(first) < len(self.cpu)
+                and self.cpu[-1][0] > 90 else None,
             "driver_threads_max": self.threads_max.get(self.driver, 0),
             "processes_max": self.procs_max,
             "processes_seen": len(procs),
             "threads_max_sum": sum(p["threads_max"] for p in procs),
             "processes": sorted(procs, key=lambda p: p["role"]),
+            "own_polling_threads": sum(t["own"] for t in threads),
+            "other_polling_threads": sum(not t["own"] for t in threads),
+            "polling_threads": sorted(threads, key=lambda t: (not t["own"], t["process"], t["thread"])),
             "own_polling_loops": sum(v["threads_max"] for v in own.values()),
             "own_loop_sites": own,
             "other_polling_loops": sum(v["threads_max"] for n, v in loops.items() if n not in own),
