@@ -7,8 +7,9 @@ What a job kind adds (its spec, runner, uploads, checks and demand) comes from t
 The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
 free; `schedule` decides (rules in `smolforge.cluster.control.queue`: priority, FIFO, backfill only onto
 what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
-submit and resume, whenever a job's runner ends (finished, paused, failed), and on a bounded tick
-(TICK_S) for what the store cannot tell us: a node joining, a node's resources coming back.
+submit and resume, whenever a job's runner ends (finished, paused, failed), and, while a job waits,
+on a bounded tick (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming
+back (with no job waiting its thread sleeps until woken).
 Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
 shows it then), so two jobs are never started into the same free slots.
 
@@ -60,6 +61,7 @@ class JobManager:
         self.serve_token_file: str | None = None  # embedded `serve`: the token the user gave (cli/serve.py)
         self._wake = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._queued = False  # a job waited at the last schedule: the queue's thread looks every TICK_S
         self.context = RunnerContext(
             store=store, artifacts=artifacts, embedded=embedded, healthy_nodes=self.healthy_nodes,
             probe_node=self.probe_node, set_aside=self.set_aside, placed=self.placed, keep_spec=self.keep_spec,
@@ -180,6 +182,7 @@ class JobManager:
             self.claims = {j: c for j, c in self.claims.items() if c[0] > now}
             waiting = self._waiting()
             if not waiting:
+                self._queued = False
                 return []
             self._ensure_ticker()
             nodes = self.healthy_nodes()
@@ -196,6 +199,10 @@ class JobManager:
                 why = decision.reasons.get(job["id"])
                 if why and why != job.get("pending_reason"):
                     self.store.update_job(job["id"], pending_reason=why)
+            queued = len(started) < len(waiting)
+            if queued and not self._queued and threading.current_thread() is not self._ticker:
+                self._wake.set()  # the queue's thread waits without a timeout while no job waits
+            self._queued = queued
             return started
 
     def _ensure_ticker(self) -> None:
@@ -204,9 +211,10 @@ class JobManager:
             self._ticker.start()
 
     def _tick(self) -> None:
-        """Re-check the queue when woken (a job ended) or every TICK_S; ends with the manager."""
+        """Re-check the queue when woken (a job ended, a job left waiting), and every TICK_S while a job
+        waits (a node joining or freeing is not told to it); ends with the manager."""
         while not self.closed:
-            self._wake.wait(TICK_S)
+            self._wake.wait(TICK_S if self._queued else None)
             self._wake.clear()
             try:
                 self.schedule()
