@@ -334,6 +334,8 @@ def main() -> None:
             run.terminate()
         stdout, _ = run.communicate(timeout=120)
     wall = time.monotonic() - t0
+    for tree in ("ray", "run", "home"):  # kept: run.log and the last dumps
+        shutil.rmtree(work / tree, ignore_errors=True)
     report = {"command": " ".join(distill_cmd(args, Path("OUT"))[1:]), "rc": run.returncode,
               "code": os.environ.get("PYTHONPATH", ""), "py_spy": bool(pyspy), "load_avg_1m": os.getloadavg()[0],
               **sampler.report(wall, args.min_seen), "log": str(work / "run.log"), "last_dumps": str(work / "dumps")}
