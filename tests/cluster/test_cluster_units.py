@@ -393,3 +393,47 @@ def test_a_refusal_does_not_tell_whether_a_path_exists_on_the_coordinator(tmp_pa
     assert fix("secret-model").replace("secret-model", "M") == fix("other-model").replace("other-model", "M")
     assert "directory on this machine" not in fix("secret-model")
     assert "directory on this machine" in fix(str(tmp_path / "no-such-model"))
+
+
+def test_wait_for_a_running_job_waits_on_its_runners_end_not_in_a_sleep_loop(tmp_path, monkeypatch):
+    """The embedded CLI's wait (`smolforge distill`, `train` without a coordinator) is one wait on the
+    job's runner's `finished` event while the runner runs (issue 42: no polling loop left there); it
+    looks at the job once before and once after."""
+    import threading
+
+    store = JobStore(tmp_path / "j.db")
+    mgr = JobManager(store, ArtifactStore(tmp_path / "a"))
+    job_id = store.create_job("data-parallel", {"kind": "data-parallel"})
+    store.set_state(job_id, "running", force=True)
+    waits: list[float | None] = []
+
+    class Finished(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            if len(waits) == 1:  # the runner ends while the caller waits on it
+                store.set_state(job_id, "completed", force=True)
+                self.set()
+            return super().wait(timeout)
+
+    class Runner:  # what `wait` reads of a JobRunner
+        def __init__(self) -> None:
+            self.finished = Finished()
+
+        def is_alive(self) -> bool:
+            return not self.finished.is_set()
+
+    mgr.runners[job_id] = Runner()
+    looks: list[str] = []
+    real_job = mgr._job
+    monkeypatch.setattr(mgr, "_job", lambda jid: looks.append(jid) or real_job(jid))
+    job = mgr.wait(job_id, timeout=5.0)
+    assert job["state"] == "completed"
+    assert len(waits) == 1 and waits[0] > 0 and looks == [job_id, job_id]
+    # with a progress callback: woken every WAIT_LOOK_S for it, and at once by the runner's end
+    progress: list[str] = []
+    job_id = store.create_job("data-parallel", {"kind": "data-parallel"})
+    store.set_state(job_id, "running", force=True)
+    mgr.runners[job_id] = Runner()
+    waits.clear()
+    mgr.wait(job_id, timeout=5.0, on_update=lambda j: progress.append(j["state"]))
+    assert waits == [0.5] and progress == ["running", "completed"]

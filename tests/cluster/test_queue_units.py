@@ -159,3 +159,41 @@ def test_the_store_keeps_the_reason_while_pending_only(tmp_path):
     assert store.busy_nodes() == {}
     store.set_state(job_id, "pending")
     assert store.get_job(job_id)["pending_reason"] == "queued"
+
+
+def test_the_queue_ticks_only_while_a_job_waits(tmp_path, monkeypatch):
+    """The queue's thread waits on its wake event without a timeout while no job waits (issue 42: no
+    TICK_S tick through a running distillation), and every TICK_S while one does; a schedule on another
+    thread that leaves a job waiting wakes it at once."""
+    import threading
+
+    from smolforge.cluster.control import manager as manager_mod
+    from smolforge.cluster.control.artifacts import ArtifactStore
+    from smolforge.cluster.control.jobstore import JobStore
+    from smolforge.cluster.control.manager import JobManager
+
+    mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
+    nodes = [node("w1", used=BUSY)]
+    monkeypatch.setattr(mgr, "healthy_nodes", lambda: nodes)
+    monkeypatch.setattr(mgr, "_ensure_ticker", lambda: None)  # the test drives the queue's loop itself
+    started: list[str] = []
+    monkeypatch.setattr(mgr, "_start", lambda job_id, reason: started.append(job_id)
+                        or mgr.store.set_state(job_id, "running"))
+    job = kinds.parse({"model": "tiny-llama", "dataset": "bundled", "num_workers": 1})
+    job_id = mgr.store.create_job(job.kind, job.model_dump(mode="json"))
+    mgr.specs[job_id] = job
+    assert mgr.schedule() == [] and mgr._wake.is_set()  # w1 is busy: the job waits, the ticker is told
+    waits: list[float | None] = []
+
+    class Wake(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            if len(waits) == 1:
+                nodes[:] = [node("w1")]  # w1 is free by the next look
+            else:
+                mgr.closed = True
+            return True
+
+    mgr._wake = Wake()
+    mgr._tick()
+    assert started == [job_id] and waits == [manager_mod.TICK_S, None]

@@ -7,8 +7,9 @@ What a job kind adds (its spec, runner, uploads, checks and demand) comes from t
 The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
 free; `schedule` decides (rules in `smolforge.cluster.control.queue`: priority, FIFO, backfill only onto
 what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
-submit and resume, whenever a job's runner ends (finished, paused, failed), and on a bounded tick
-(TICK_S) for what the store cannot tell us: a node joining, a node's resources coming back.
+submit and resume, whenever a job's runner ends (finished, paused, failed), and, while a job waits,
+on a bounded tick (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming
+back (with no job waiting its thread sleeps until woken).
 Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
 shows it then), so two jobs are never started into the same free slots.
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 TICK_S = 2.0  # the queue looks again at least this often while jobs wait
 CLAIM_TTL_S = 60.0  # an admitted job's claim lapses by then even if its runner never says it placed
 PLACED_GRACE_S = 2.0  # Ray's resource table catches up with a new placement group within this
+WAIT_LOOK_S = 0.5  # `wait` looks at a job with no running runner, or for its progress callback, this often
 
 class JobManager:
     def __init__(self, store: JobStore, artifacts: ArtifactStore, embedded: bool = False,
@@ -59,6 +61,7 @@ class JobManager:
         self.serve_token_file: str | None = None  # embedded `serve`: the token the user gave (cli/serve.py)
         self._wake = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._queued = False  # a job waited at the last schedule: the queue's thread looks every TICK_S
         self.context = RunnerContext(
             store=store, artifacts=artifacts, embedded=embedded, healthy_nodes=self.healthy_nodes,
             probe_node=self.probe_node, set_aside=self.set_aside, placed=self.placed, keep_spec=self.keep_spec,
@@ -181,6 +184,7 @@ class JobManager:
             self.claims = {j: c for j, c in self.claims.items() if c[0] > now}
             waiting = self._waiting()
             if not waiting:
+                self._queued = False
                 return []
             self._ensure_ticker()
             nodes = self.healthy_nodes()
@@ -197,6 +201,10 @@ class JobManager:
                 why = decision.reasons.get(job["id"])
                 if why and why != job.get("pending_reason"):
                     self.store.update_job(job["id"], pending_reason=why)
+            queued = len(started) < len(waiting)
+            if queued and not self._queued and threading.current_thread() is not self._ticker:
+                self._wake.set()  # the queue's thread waits without a timeout while no job waits
+            self._queued = queued
             return started
 
     def _ensure_ticker(self) -> None:
@@ -205,9 +213,10 @@ class JobManager:
             self._ticker.start()
 
     def _tick(self) -> None:
-        """Re-check the queue when woken (a job ended) or every TICK_S; ends with the manager."""
+        """Re-check the queue when woken (a job ended, a job left waiting), and every TICK_S while a job
+        waits (a node joining or freeing is not told to it); ends with the manager."""
         while not self.closed:
-            self._wake.wait(TICK_S)
+            self._wake.wait(TICK_S if self._queued else None)
             self._wake.clear()
             try:
                 self.schedule()
@@ -364,18 +373,29 @@ class JobManager:
             r.join(timeout=timeout / max(1, len(runners)))
 
     def wait(self, job_id: str, timeout: float | None = None, on_update: Callable[[dict], None] | None = None) -> dict:
-        """Block until the job is final or paused (for the embedded CLI path)."""
-        deadline = None if timeout is None else time.time() + timeout
+        """Block until the job is final or paused (for the embedded CLI path); returns its row.
+
+        While the job's runner runs, this waits on the runner's `finished` event (its end is when a
+        running job becomes final or paused): without `on_update` it does not look at the job until
+        then; with it, `on_update(job)` is called every WAIT_LOOK_S (progress). A job with no runner
+        (queued, or between attempts) is looked at every WAIT_LOOK_S. `timeout` in seconds (None:
+        no limit); on it the job's row as it is then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             job = self._job(job_id)
             if on_update:
                 on_update(job)
             runner = self.runners.get(job["id"])
-            if job["state"] in FINAL or (job["state"] == JobState.PAUSED and (runner is None or not runner.is_alive())):
+            ended = runner is None or runner.finished.is_set() or not runner.is_alive()
+            if job["state"] in FINAL or (job["state"] == JobState.PAUSED and ended):
                 return job
-            if deadline and time.time() > deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return job
-            time.sleep(0.5)
+            if runner is not None and not ended:
+                runner.finished.wait(WAIT_LOOK_S if on_update else left)
+            else:
+                time.sleep(WAIT_LOOK_S if left is None else min(WAIT_LOOK_S, left))
 
     # -- node health ------------------------------------------------------------------------------
 
