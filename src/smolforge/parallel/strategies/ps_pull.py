@@ -64,7 +64,8 @@ class PullStream:
             return None
         saved, why = state.get("pull_shadow"), None
         if saved is not None and state.get("pull_codec") == self.coder.settings() and np.asarray(saved).size == flat.numel():
-            self.shadow = torch.from_numpy(np.array(saved, dtype=np.float32)).reshape(-1)
+            saved = saved if isinstance(saved, torch.Tensor) else torch.from_numpy(np.array(saved, dtype=np.float32))
+            self.shadow = saved.detach().float().reshape(-1).clone()
             kept = state.get("pull_version")
             self.shadow_version = int(version) if kept is not None and int(kept) == int(version) else None
             return None
