@@ -19,8 +19,14 @@ The bound, against the server's weights w at the version a worker pulled: the wo
 residual of that version's Δ: |r| ≤ Δ's block absmax / 254 per value for int8 (half a step), half an
 fp16 step for fp16, and Δ's chunk absmax for sparse (values not sent are no larger than the smallest
 sent one; a sent value errs by at most its chunk's scale / (2^bits − 1)). Δ is what changed since the
-previous pull plus the previous residual, so r does not build up. The job's final weights are pulled
-whole (`ServerCore.pull`): the model a job ends with is the server's, exactly.
+previous pull plus the previous residual: what one pull leaves out goes with a later one, and r is bounded
+by the newest Δ, not summed over pulls. The job's final weights are pulled whole (`ServerCore.pull`): the
+model a job ends with is the server's, exactly.
+
+Costs: the server holds one more fp32 copy of the trainable weights (the shadow, also in checkpoints)
+and the chain (at most that again). A worker that missed k versions gets k deltas: one per pull under
+sync-ps and ssp (all pull the same versions), about the world size under async-ps (the others' parts
+came in between; tests/test_ps_pull.py).
 """
 
 from __future__ import annotations
