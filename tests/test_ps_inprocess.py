@@ -281,7 +281,8 @@ def test_sync_ps_with_sparse_pushes_resumes_bitwise(tmp_path):
     hands over its residuals unasked. Each checkpoint keeps both workers' residuals with the codec's settings
     (in optim.pt, checksummed by the manifest), a new server hands each its own back, and both resumed jobs
     end bitwise where the uninterrupted run ended (without the residuals the workers' next pushes carry
-    less, and the weights differ)."""
+    less, and the weights differ). The pulls go through the codec too: the checkpoint keeps the weights the
+    workers held (the server's shadow, `ps_pull.py`), without which they would resume on the server's own."""
     from smolforge.train.checkpoint import verify
 
     config = {"deadline_s": GATE_S, "deadline_max_s": GATE_S, "codec": "sparse", "chunk": 256, "topk": 16,
@@ -299,6 +300,7 @@ def test_sync_ps_with_sparse_pushes_resumes_bitwise(tmp_path):
         assert state["error_feedback_step"] == int(ckpt.name.split("-")[1]) < 6, root
         residuals = state["error_feedback"]
         assert sorted(residuals) == [0, 1] and all(r is not None for r in residuals.values()), root
+        assert state["pull_codec"] == state["error_feedback_codec"] and state["pull_shadow"].numel() > 0  # ps_pull
         again, server, _ = run_ps(tmp_path / root, "sync-ps", config, lr=1e-3, max_steps=6, resume=True)
         assert again[0].steps == 6 and server.stats()["closed_at_deadline"] == 0, root
         assert not server.feedback.handback, root  # each member was handed its residual

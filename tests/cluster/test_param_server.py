@@ -246,9 +246,14 @@ def test_async_ps_int8_sends_a_quarter_of_fp32s_bytes_and_both_learn(world):
     assert b["final_loss"] < first_loss(client, int8) and a["final_loss"] < first_loss(client, fp32)
 
 
-def test_async_ps_loses_a_worker_without_a_pause(world):
+def test_async_ps_with_sparse_loses_a_worker_without_a_pause(world):
+    """async-ps with the sparse codec both ways (issue 45): each push is the codec's bytes, pulls are deltas
+    through it (`ps_pull.py`), far below fp32, counted on the worker and the server; rank 1 is SIGKILLed at
+    step 10 and the job goes on without a pause, and learns (lr 1e-2: the in-process runs' rate for sparse)."""
+    from smolforge.parallel.codecs import make_codec
+
     client = world["c"].client()
-    job = client.submit_job(spec(world, "async-ps", {}, steps=60))
+    job = client.submit_job(spec(world, "async-ps", {"codec": "sparse"}, steps=60, lr=1e-2))
     st = wait_step(client, job, 10)
     os.kill(rank_pid(st, 1), signal.SIGKILL)
     st = wait_state(client, job, ("completed",))
@@ -257,6 +262,13 @@ def test_async_ps_loses_a_worker_without_a_pause(world):
     assert "member_left" in kinds and "recovering" not in kinds, timeline(client, job)
     assert res["steps"] == 60 and res["workers"] == 1, res
     assert res["claim_waits_per_rank"][0] == 0, res  # async-ps never made rank 0 wait, not for the dead one either
+    numel, parts, pulls = res["trainable_params"], res["parts_done_per_rank"][0], res["pulls_per_rank"][0]
+    assert res["comm_bytes_sent_per_rank"][0] == parts * make_codec("sparse").nbytes(numel), res
+    server = res["server"]
+    assert server["pull_deltas"] > 0 and server["pull_bytes"] >= res["bytes_pulled_per_rank"][0] > 0, server
+    # its pulls: a keyframe to start, the final weights whole, deltas between (each a few % of fp32)
+    assert res["bytes_pulled_per_rank"][0] < 0.25 * pulls * 4 * numel, (res, server)
+    assert res["final_loss"] < 0.8 * first_loss(client, job), res["final_loss"]
 
 
 def test_async_ps_takes_in_a_joiner_from_the_current_weights(world):

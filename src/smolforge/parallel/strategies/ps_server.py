@@ -40,6 +40,7 @@ import torch
 
 from smolforge.parallel.codecs import make_codec
 from smolforge.parallel.strategies.ps_feedback import WAIT_S, FeedbackKeeper
+from smolforge.parallel.strategies.ps_pull import PullStream
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -92,6 +93,8 @@ class ServerCore:
         # the codec pushes travel in (its settings from the strategy's config: sparse's chunk/topk/bits)
         self.coder = make_codec(str(config.get("codec", "fp32")), **config)
         self.feedback = FeedbackKeeper(self.coder, world)  # the workers' residuals, for checkpoints
+        # how workers pull newer weights: what changed, through the codec (`ps_pull.py`), or the fp32 weights
+        self.pulls = PullStream(self.coder if config.get("pull", "codec") == "codec" else make_codec("fp32"))
 
     # -- setup (rank 0, once per round) ---------------------------------------------------------------
 
@@ -123,6 +126,9 @@ class ServerCore:
                 self.notes.append({"kind": "error_feedback_reset", "message": why})
             self.start, self.steps = int(spec["start"]), int(spec["steps"])
             self._begin(self.start)
+            why = self.pulls.reset(self.flat, self.version, state)
+            if why:
+                self.notes.append({"kind": "pull_shadow_reset", "message": why})
             self.ready = True
             self.cond.notify_all()
             return True
@@ -189,7 +195,8 @@ class ServerCore:
     def _claim_reply(self, member: int, wait_s: float, have: int | None, pull_due: bool) -> dict[str, Any]:
         """The next part this member computes: {"step", "part", "parts", "version", "need"}; or {"wait": why}
         after up to `wait_s`; {"stop": "pause"|"cancel"}; {"done": True} once every step is applied. With
-        `have` (the version the worker holds): "values" carries the weights when it must or may pull.
+        `have` (the version the worker holds): "pull" carries the weights (`ps_pull.PullStream.reply`: the
+        fp32 weights, or what changed since `have` through the codec) when it must or may pull.
 
         Every reply says what the policy decided, not how long it took: `blocked` (this claim was made to
         wait: a bound, a barrier, the last parts out) and `at_bound` (ssp: it waited at the staleness
@@ -207,7 +214,7 @@ class ServerCore:
                     out["progress"], out["resume"] = self.progress(), self.resume_step()
                     if have is not None and "step" in got and (
                             have < got["need"] or (got["version"] > have and pull_due)):
-                        out["values"] = self.flat.numpy().copy()  # the weights of `version`, atomically
+                        out["pull"] = self.pulls.reply(self.flat, self.version, have)  # of `version`, atomically
                     return out
                 blocked, at_bound = True, at_bound or bool(got.get("bound"))
                 if member not in self.waiting:
@@ -244,9 +251,12 @@ class ServerCore:
             return {**out, "version": self.version}
 
     def pull(self, member: int, which: str = "raw") -> dict[str, Any]:
-        """The current weights (flat fp32) and their version; `which="polyak"`: the Polyak average."""
+        """The current weights (flat fp32, whole: the job's final model is the server's exactly, whatever the
+        codec) and their version; `which="polyak"`: the Polyak average. Counted in `pull_bytes`."""
         with self.cond:
             src = self.ema if which == "polyak" and self.ema is not None else self.flat
+            self.pulls.n["pull_bytes"] += 4 * int(src.numel())
+            self.pulls.n["pull_keyframes"] += 1
             return {"version": self.version, "values": src.numpy().copy()}
 
     def stop(self, code: str) -> None:
@@ -296,7 +306,7 @@ class ServerCore:
                               for n, o, s in zip(self.names, self.offsets, self.shapes)}
         out = {"resume_step": self.resume_step(), "weights": split(self.flat),
                "optim": to_numpy(self.optimizer.state_dict()),
-               "state": {"version": self.version, "applied": self.applied}}
+               "state": {"version": self.version, "applied": self.applied, **self.pulls.state()}}
         if self.ema is not None:
             out["state"]["ema"] = split(self.ema)
         return out
@@ -306,7 +316,7 @@ class ServerCore:
             notes, self.notes = self.notes, []
             return {"version": self.version, "progress": self.progress(), "dropped": dict(self.dropped),
                     "staleness": {m: {"mean": s[0] / max(1, s[1]), "max": s[2]} for m, s in self.staleness.items()},
-                    "notes": notes, "waiting": dict(self.waiting), **self._stats()}
+                    "notes": notes, "waiting": dict(self.waiting), **self.pulls.n, **self._stats()}
 
     # -- the policy (subclasses) ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from smolforge.parallel.codecs import ErrorFeedback, make_codec, payload_bytes
 from smolforge.parallel.strategies.ps_feedback import FeedbackMarks
+from smolforge.parallel.strategies.ps_pull import PulledWeights, pulled_bytes
 from smolforge.parallel.strategies.ps_server import OPTIMIZERS, ServerCore, to_numpy, to_torch
 from smolforge.train import balance
 from smolforge.train.loop import StopRequested
@@ -43,6 +44,9 @@ class CodecSettings(BaseModel):
     chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
     topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
     bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
+    pull: Literal["codec", "full"] = Field(
+        "codec", description="how workers get newer weights: codec, what changed since their version through "
+                             "the codec, error feedback on the server (ps_pull.py); full, the fp32 weights")
 
     @model_validator(mode="after")
     def _topk_in_chunk(self) -> "CodecSettings":
@@ -83,6 +87,7 @@ class PSStrategy(Strategy):
         self.member, self.nominal_world = self.context.member, self.context.world
         self.codec = ErrorFeedback(make_codec(self.config.get("codec", "fp32"), **self.config))
         self.marks = FeedbackMarks(self.codec)  # its residual before each push the server may resume before
+        self.pulled = PulledWeights(self.codec.coder)  # its fp32 copy of what it pulled (`ps_pull.py`)
         self.pull_every = int(self.config.get("pull_every", 1))
         self.final = self.config.get("final", "raw")
         self.named: list[tuple[str, torch.nn.Parameter]] = []
@@ -177,8 +182,8 @@ class PSStrategy(Strategy):
         if reply.get("done"):
             return None
         self.claimed = reply
-        if "values" in reply:
-            self._load(reply["values"], reply["version"])
+        if "pull" in reply:
+            self._load(reply["pull"])
         return int(reply["step"])
 
     def _feedback(self, reply: dict[str, Any]) -> None:
@@ -258,18 +263,19 @@ class PSStrategy(Strategy):
         t0 = time.monotonic()
         got = self.server.pull(self.member, which)
         self.comm_wait_s += time.monotonic() - t0
-        self._load(got["values"], got["version"])
+        self._load(got)
 
-    def _load(self, values: np.ndarray, version: int) -> None:
-        values = torch.from_numpy(np.asarray(values))
-        self.bytes_pulled += int(values.numel()) * 4
+    def _load(self, got: dict[str, Any]) -> None:
+        """A pull's reply (`ps_pull.PullStream.reply`: fp32 weights, or deltas to add) into the parameters."""
+        values = self.pulled.apply(got)
+        self.bytes_pulled += pulled_bytes(got)
         offset = 0
         with torch.no_grad():
             for _, p in self.named:
                 k = p.numel()
                 p.copy_(values[offset:offset + k].view_as(p).to(p.device, p.dtype))
                 offset += k
-        self.version = int(version)
+        self.version = int(got["version"])
         self.since_pull = 0
         self.n["pulls"] += 1
 
