@@ -625,6 +625,17 @@ def test_dashboard_page_is_a_shell_and_the_api_feeds_it(world):
             "eta_s", "nodes"} <= set(job)
 
 
+def assert_ranks_released(client, job_id: str) -> None:
+    """A paused job's ranks are `released` and their processes gone (a 60 s hang guard: released actors'
+    processes exit in seconds)."""
+    __tracebackhide__ = True
+    ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
+    deadline = time.time() + 60
+    while any(pid_running(t["pid"]) for t in ranks) and time.time() < deadline:
+        time.sleep(0.3)
+    assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks), ranks
+
+
 # zero1: the dropout test below pauses a zero1 job and checks the same things (the pause where the ranks
 # are held, the ranks released, the resume from the checkpoint), against the same job uninterrupted
 # rather than one process (zero1 equals one process in process: tests/test_zero1_strategy.py); fsdp's pause
@@ -639,11 +650,7 @@ def test_pause_then_resume_equals_uninterrupted(world, strategy):
         client.pause_job(job_id)
         st = wait_state(client, job_id, ("paused",))
     assert st["step"] == 6, st  # the held ranks take the pause where they stand
-    ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
-    deadline = time.time() + 60  # a hang guard: released actors' processes exit in seconds
-    while any(pid_running(t["pid"]) for t in ranks) and time.time() < deadline:
-        time.sleep(0.3)
-    assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks)
+    assert_ranks_released(client, job_id)
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
     assert st["result"]["steps"] == steps
@@ -671,11 +678,7 @@ def test_pause_then_resume_with_lora_dropout_equals_uninterrupted(world):
             "balance": "off", "strategy": "zero1"}
     whole, job_id, st = whole_and_paused(world, spec, at=6)
     assert st["step"] == 6, st  # the held ranks take the pause where they stand
-    ranks = [t for t in client.get_job_status(job_id)["tasks"] if t["kind"] == "dp_rank"]
-    deadline = time.time() + 60  # a hang guard: released actors' processes exit in seconds
-    while any(pid_running(t["pid"]) for t in ranks) and time.time() < deadline:
-        time.sleep(0.3)
-    assert ranks and all(t["state"] == "released" and not pid_running(t["pid"]) for t in ranks)
+    assert_ranks_released(client, job_id)
     client.resume_job(job_id)
     st = wait_state(client, job_id, ("completed",))
     assert st["result"]["steps"] == steps and st["result"]["strategy"] == "zero1", st["result"]

@@ -195,3 +195,18 @@ def greedy_alike(ref: list[dict], other: list[dict], tie: float = NEAR_TIE) -> i
         return i
     assert len(ref) == len(other), (len(ref), len(other))
     return None
+
+
+def llama_server_module():
+    """bench/llama_server.py (builds llama-server once from the vendored llama.cpp, then finds it), imported
+    and its binary ensured: the tests that run llama.cpp's own server share it."""
+    import importlib
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        module = importlib.import_module("llama_server")
+    finally:
+        sys.path.remove(bench)
+    module.ensure_built()
+    return module

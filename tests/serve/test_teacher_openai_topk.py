@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import pytest
 
 from smolforge.distill.prompts import GenSettings
 
-from servehelpers import NEAR_TIE, free_port
+from servehelpers import NEAR_TIE, free_port, llama_server_module
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
 
@@ -129,17 +128,6 @@ def _teacher(url: str, said: list[str]):
     return OpenAITeacher("tiny", url=url, tokenizer="tiny-llama", say=said.append)
 
 
-def _llama_server():
-    bench = Path(__file__).resolve().parents[2] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        import llama_server  # bench/llama_server.py: builds it once from the vendored llama.cpp, then finds it
-    finally:
-        sys.path.remove(str(bench))
-    llama_server.ensure_built()
-    return llama_server
-
-
 EXACT_ARGS = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")  # llama-server's KV cache in f32, plain attention
 
 
@@ -172,7 +160,7 @@ def test_llama_servers_topk_is_the_hf_teachers_exactly_on_f32_and_but_for_near_t
 
     from test_teacher_openai import _student_cfg
 
-    llama_server = _llama_server()
+    llama_server = llama_server_module()
     export("tiny-llama", "gguf", tmp_path / "f32", quant="f32", verify=False, threads=1)
     runs, gen, store = {}, GenSettings(max_new_tokens=NEW, top_k=K), tmp_path / "store"
     for name, gguf, extra in (("f32", tmp_path / "f32" / "model.gguf", EXACT_ARGS),
@@ -239,7 +227,7 @@ def test_a_padded_vocabulary_behind_llama_server_keeps_its_ids_and_drops_the_pad
     from smolforge.distill.teacher import HFTeacher
     from smolforge.models.export.run import export
 
-    llama_server = _llama_server()
+    llama_server = llama_server_module()
     model = _padded_twin(tmp_path / "padded")
     export(str(model), "gguf", tmp_path / "gguf", quant="f32", verify=False, threads=1)
     some = items[:16]

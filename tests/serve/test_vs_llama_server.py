@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-from servehelpers import free_port, start_server
+from servehelpers import free_port, llama_server_module, start_server
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "Name three colours of the rainbow."}]
 LOGPROB_TOL = 0.05  # one q8_0 GGUF, one llama.cpp: only the batch shape of the decode differs
@@ -30,13 +27,7 @@ LOGPROB_TOL = 0.05  # one q8_0 GGUF, one llama.cpp: only the batch shape of the 
 @pytest.fixture(scope="module")
 def llama_server_mod():
     pytest.importorskip("llama_cpp")
-    sys.path.insert(0, str(BENCH))
-    try:
-        import llama_server
-    finally:
-        sys.path.remove(str(BENCH))
-    llama_server.ensure_built()
-    return llama_server
+    return llama_server_module()
 
 
 @pytest.fixture(scope="module")
