@@ -97,6 +97,17 @@ def rank_pid(st: dict, rank: int) -> int:
     return next(t for t in st["tasks"] if t["kind"] == "dp_rank" and t["rank"] == rank and t["state"] == "running")["pid"]
 
 
+def hold_files(w, step: int) -> list:
+    """Every rank that starts on any node holds after `step` (fault `hold-step`, train/faults.py) until
+    its file is removed; the files."""
+    dirs = [w["c"].state / "node"] + [w["base"] / f"node-{n}" / "node" for n in ("w1", "w2", "w3")]
+    files = [d / "fault-hold-step" for d in dirs]
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(str(step))
+    return files
+
+
 def adapter(w, job_id) -> dict[str, torch.Tensor]:
     path = w["c"].client().download_adapter(job_id, w["base"] / "downloads" / job_id)
     return load_file(str(path / "adapter_model.safetensors"))
@@ -159,25 +170,41 @@ def test_ssp_with_k0_equals_ddp_and_a_slow_worker_stays_within_the_bound(world):
 def test_sync_ps_rides_out_a_stopped_worker_and_a_killed_one(world):
     """Rank 1 is SIGSTOPped until the server has closed steps at their deadline without it and it left
     the barrier as a straggler (the event); then SIGCONT: its late part is dropped and counted, it comes
-    back (the event) and contributes again. Then a second job loses rank 1 to SIGKILL and finishes."""
+    back (the event) and contributes again. Then a second job loses rank 1 to SIGKILL and finishes.
+
+    Alone, rank 0 runs a step in ~15 ms: once rank 1 had left the barrier, rank 0 could end the job
+    before the SIGCONTed rank 1 asked for work again (CI, 2026-11-30: straggler at step 27, the other 23
+    steps in 0.3 s, no `straggler_back`). So every rank holds after step HOLD_AT (fault `hold-step`):
+    the job cannot end before rank 1 is back. Rank 1 is continued only once rank 0 is held (the race's
+    worst case, every run), and the hold is released on the `straggler_back` event."""
     client = world["c"].client()
     cfg = {"deadline_max_s": 5.0, "deadline_min_s": 0.2}  # straggler_after: 3 deadlines missed in a row
-    # 50 steps: stopped at step 10 it misses ~3 deadlines; the ~35 steps after SIGCONT give rank 1 far more
-    # than the 5 contributed parts asked below (100 steps proved the same at twice the worker time)
-    job = client.submit_job(spec(world, "sync-ps", cfg, steps=50))
-    st = wait_step(client, job, 10)  # past the first arrivals: the deadline adapts
-    pid = rank_pid(st, 1)
-    os.kill(pid, signal.SIGSTOP)
+    steps, hold_at = 70, 50
+    # rank 1 stopped at step >= 10 misses 3 deadlines well before HOLD_AT; the steps after the hold give
+    # rank 1 far more than the 5 contributed parts asked below
+    files = hold_files(world, hold_at)
     try:
-        wait_event(client, job, "straggler", timeout=120)
-        before = client.get_job_status(job)
+        job = client.submit_job(spec(world, "sync-ps", cfg, steps=steps))
+        st = wait_step(client, job, 10)  # past the first arrivals: the deadline adapts
+        pid = rank_pid(st, 1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped_at = client.get_job_status(job)["step"] or 0
+            assert stopped_at + 3 < hold_at, f"rank 1 stopped at step {stopped_at}: too late to miss 3 deadlines"
+            wait_event(client, job, "straggler", timeout=120)
+            before = client.get_job_status(job)
+            wait_event(client, job, "held", timeout=120)  # rank 0 ran on alone to HOLD_AT: the race's worst case
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_event(client, job, "straggler_back", timeout=120)  # rank 0 is held: the job cannot end first
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for f in files:
+            f.unlink(missing_ok=True)
     res = wait_state(client, job, ("completed",))["result"]
     kinds = [e["kind"] for e in client.job_events(job)]
-    assert res["steps"] == 50, res
+    assert "held" in kinds and kinds.index("held") < kinds.index("straggler_back"), timeline(client, job)
+    assert res["steps"] == steps, res
     assert res["server"]["closed_at_deadline"] >= 3, res["server"]  # the steps it missed closed without it
-    assert "straggler_back" in kinds, timeline(client, job)
     assert res["dropped_per_rank"][1] >= 1 and res["server"]["dropped"]["1"] == res["dropped_per_rank"][1], res
     parts_then = (before["comm"].get("metrics_per_rank") or [{}, {}])[1].get("parts_done", 0)
     assert res["parts_done_per_rank"][1] - res["dropped_per_rank"][1] > parts_then + 5, (res, parts_then)
