@@ -84,6 +84,16 @@ def test_a_bad_held_out_file_is_refused_at_its_line_before_anything_runs(command
         assert not (tmp_path / "o").exists()
 
 
+def test_the_eval_line_names_the_held_out_file_and_the_examples_scored():
+    """A launched job's text outcome (`follow.finish_job`): its eval scores, over the held-out file the user
+    named (`--eval-data`), and the count of examples each student scored (a distill job's result)."""
+    from smolforge.cli.follow import eval_line
+
+    assert eval_line({"eval_loss": 2.0, "accuracy": 0.25, "examples": 5}, "held.jsonl") == \
+        "eval: eval_loss 2.0000, accuracy 0.2500 over held.jsonl (5 examples)"
+    assert eval_line({"eval_loss": 2.0}, None) == "eval: eval_loss 2.0000"
+
+
 def test_settings_that_need_one_vocabulary_are_refused_at_submit_with_another_tokenizer(tmp_path):
     """On-policy steps (the teacher scores the student's own ids) and reference responses (the teacher's
     log-probs are all it makes) need the teacher's and the student's ids to agree. A teacher of another
