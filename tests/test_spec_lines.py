@@ -224,11 +224,12 @@ train:
     (OTHER_VOCAB, "  on_policy_ratio: 0.5", 6, "have different tokenizers"),
     (STAGE, "  responses: reference\n  samples_per_prompt: 2\n  temperature: 0.7", 6,
      "args.responses, args.samples_per_prompt: samples_per_prompt > 1 with reference responses"),
+    (MLP_JOB, "strategy_config: {inner_steps: 5}", 5, "the ddp strategy takes no settings (got inner_steps)"),
 ], ids=["kd_loss", "beta", "aggregate", "save_every", "replace_timeout_s", "peft_config.r", "peft", "teacher_responses",
         "samples_per_prompt", "teacher_backend", "eval with eval_data", "lr", "a model kind's unused setting",
         "a stage job's value", "no student", "teacher settings below 1", "llamacpp quant", "openai probe",
         "students_strategy without ddp", "data and dataset_name", "eval split without a name", "shared tokenizer",
-        "a stage job's two args"])
+        "a stage job's two args", "a strategy's settings"])
 def test_a_value_refused_after_parsing_is_named_at_its_line(text, bad, line, said, nothing_starts, tmp_path):
     """A job's value checks that run after its spec parsed (the kind's `check`: `distill.settings.check_run`,
     `models.kinds.refuse_unused`) name the refused setting as the error's field, and `config.placed` finds
