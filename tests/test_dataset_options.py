@@ -47,7 +47,7 @@ def test_every_command_with_a_dataset_name_takes_every_dataset_option_from_the_o
         assert params[flag].help == declared.__metadata__[0].help, f"smolforge {command} {flag} is a copy"
 
 
-@pytest.mark.parametrize("command", ["train", "distill"])
+@pytest.mark.parametrize("command", ["train", "distill", "launch"])
 def test_the_held_out_file_flag_is_one_definition(command):
     """`--eval-data FILE` (a held-out JSONL, read whole) is declared from `cli.hubdata.EvalDataOpt` by
     every command that takes it, not a copy with its own help."""

@@ -55,11 +55,17 @@ def test_bad_flags_fail_fast_with_exit_2(command, args, message, tmp_path):
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
-def test_a_bad_held_out_file_is_refused_at_its_line_before_anything_runs(tmp_path, monkeypatch):
-    """`--eval-data FILE` is read where the job is submitted, by the one JSONL reader: a bad line is
-    refused at FILE:LINE (no --skip-bad-lines offered: distill has none), a missing file names the flag's
-    spec field, and --no-eval beside it is a contradiction; exit 2, nothing written, no cluster started
-    (in-process)."""
+TEACHER_STUDENT = ["launch", "--mode", "teacher_student", "--model", "tiny-llama", "--student", "tiny-llama",
+                   "--dataset", "bundled"]
+
+
+@pytest.mark.parametrize("command, no_eval", [(DISTILL, ["--no-eval"]), (TEACHER_STUDENT, ["--set", "eval=false"])],
+                         ids=["distill", "launch teacher_student"])
+def test_a_bad_held_out_file_is_refused_at_its_line_before_anything_runs(command, no_eval, tmp_path, monkeypatch):
+    """`--eval-data FILE` (distill, and launch's distillation modes) is read where the job is submitted,
+    by the one JSONL reader: a bad line is refused at FILE:LINE (no --skip-bad-lines offered: distill has
+    none), a missing file names the flag's spec field, and --no-eval (launch: `--set eval=false`) beside
+    it is a contradiction; exit 2, nothing written, no cluster started (in-process)."""
     from typer.testing import CliRunner
 
     import smolforge.cluster.embedded as embedded
@@ -71,11 +77,21 @@ def test_a_bad_held_out_file_is_refused_at_its_line_before_anything_runs(tmp_pat
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n\n{"prompt": "2+2=", \n')
     for flags, said in ((["--eval-data", str(bad)], f"error: {bad}:3: malformed JSON"),
                         (["--eval-data", str(tmp_path / "none.jsonl")], "error: distill.eval_data: held-out file"),
-                        (["--eval-data", "bundled", "--no-eval"], "error: --eval-data names a held-out file, but --no-eval")):
-        res = CliRunner().invoke(app, [*DISTILL, "--output-dir", str(tmp_path / "o"), *flags])
+                        (["--eval-data", "bundled", *no_eval], "error: --eval-data names a held-out file, but --no-eval")):
+        res = CliRunner().invoke(app, [*command, "--output-dir", str(tmp_path / "o"), *flags])
         assert res.exit_code == 2, (res.exit_code, res.stderr, res.exception)
         assert res.stderr.startswith(said) and "fix:" in res.stderr and "skip-bad-lines" not in res.stderr, res.stderr
         assert not (tmp_path / "o").exists()
+
+
+def test_the_eval_line_names_the_held_out_file_and_the_examples_scored():
+    """A launched job's text outcome (`follow.finish_job`): its eval scores, over the held-out file the user
+    named (`--eval-data`), and the count of examples each student scored (a distill job's result)."""
+    from smolforge.cli.follow import eval_line
+
+    assert eval_line({"eval_loss": 2.0, "accuracy": 0.25, "examples": 5}, "held.jsonl") == \
+        "eval: eval_loss 2.0000, accuracy 0.2500 over held.jsonl (5 examples)"
+    assert eval_line({"eval_loss": 2.0}, None) == "eval: eval_loss 2.0000"
 
 
 def test_settings_that_need_one_vocabulary_are_refused_at_submit_with_another_tokenizer(tmp_path):
@@ -176,15 +192,18 @@ def test_distill_end_to_end_on_the_embedded_cluster(tmp_path):
 def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
     """`launch --mode hybrid` on the embedded (one-node) cluster, as a distill job: the students never
     run beside a teacher, so they queue, take the node when the teacher is done, and split the shards;
-    the merged adapter and the run summary come back into --output-dir."""
+    the merged adapter and the run summary come back into --output-dir. `--eval-data`: each student is
+    evaluated on the held-out file, whole; --json names the file and the count of examples scored."""
     out = tmp_path / "run"
     env = {"RAY_TMPDIR": f"/tmp/sfdh{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": ""}
     from smolforge.data.synthetic import generate
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(48, seed=3)))
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in generate(3, seed=4)))
     proc = smolforge("launch", "--mode", "hybrid", "--model", "tiny-llama", "--student", "tiny-llama",
-                     "--dataset", str(data), "--workers", "2", "--max-steps", "2", "--batch-size", "4",
+                     "--dataset", str(data), "--eval-data", str(held), "--workers", "2", "--max-steps", "2", "--batch-size", "4",
                      "--lora-r", "4", "--top-k", "8", "--output-dir", str(out), "--json", timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "distill_summary.json").read_text())
@@ -198,5 +217,6 @@ def test_launch_hybrid_keeps_teachers_and_students_apart(tmp_path):
     status = last_json(proc.stdout)  # it ran as a job of the embedded cluster, like a data-parallel launch
     assert status["kind"] == "distill" and status["state"] == "completed", status
     assert status["result"]["store"]["shards"] == summary["store"]["shards"] and "eval_loss" in status["result"]["eval"]
+    assert status["eval_data"] == str(held) and status["result"]["eval"]["examples"] == 3, status
     assert status["adapter_dir"] == str(out / "final_adapter")
     assert (out / "final_adapter" / "adapter_config.json").exists()

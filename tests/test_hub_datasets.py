@@ -268,9 +268,11 @@ def test_a_name_not_cached_fails_at_once_on_every_path(path, hub, offline, spec_
      "both path bundled and dataset_name acme/tiny_notes"),
     (["train", "--model", "tiny-llama", "--data", "bundled", "--set", "dataset_split=test"],
      "dataset_split needs dataset_name"),
-    (["submit", "{dir}/both_job.yaml"], "job spec: both train.data.path bundled and train.data.dataset_name acme/tiny_notes"),
+    # a spec file's: at the line of the first of the two the file wrote (the --set's value has none)
+    (["submit", "{dir}/both_job.yaml"], "both_job.yaml:1: both train.data.path bundled and train.data.dataset_name "
+                                        "acme/tiny_notes"),
     (["submit", "{dir}/split.yaml", "--set", "split.dataset=bundled"],
-     "job spec: both split.dataset bundled and split.dataset_name acme/absent"),
+     "split.yaml:2: both split.dataset bundled and split.dataset_name acme/absent"),
     (["launch", "--model", "tiny-llama", "--dataset", "bundled", "--set", "dataset_name=acme/tiny_notes"],
      "job spec: both train.data.path bundled and train.data.dataset_name acme/tiny_notes"),
 ], ids=["train-config", "train-set", "train-set-split-alone", "submit", "submit-split-set", "launch-set"])

@@ -174,6 +174,21 @@ distill:
   data: bundled
 {bad}
 """
+NO_STUDENT = """\
+kind: distill
+distill:
+  teacher: tiny-llama
+  students: []
+  data: bundled
+"""
+OTHER_VOCAB = """\
+kind: distill
+distill:
+  teacher: {teacher}
+  students: [{student}]
+  data: bundled
+{bad}
+"""
 MLP_JOB = """\
 kind: data_parallel
 train:
@@ -198,15 +213,31 @@ train:
     (DISTILL_JOB, "  lr: -1", 6, "invalid DistillJob: distill.lr: Input should be greater than 0"),  # pydantic's own
     (MLP_JOB, "  peft: {method: lora}", 5, "--peft/--lora-r/--lora-alpha (train.peft) does not apply"),
     (STAGE, "  top_p: 1.5", 6, "args.top_p: top_p must be in (0, 1]"),  # the builder's
+    # refusals across settings (`SmolforgeError.fields`): at the line of the first of them the file wrote
+    (NO_STUDENT, "", 4, "no student model given"),
+    (DISTILL_JOB, "  top_k: 0", 6, "top_k, max_new_tokens and batch_size must be ≥ 1"),
+    (DISTILL_JOB, "  teacher_backend: llamacpp\n  teacher_quant: q3", 7, "unknown --teacher-quant 'q3'"),
+    (DISTILL_JOB, "  teacher_backend: openai\n  teacher_url: http://127.0.0.1:9/v1", 7, "cannot reach the teacher endpoint"),
+    (DISTILL_JOB, "  students_strategy: zero1", 6, "--students-strategy zero1 needs --students-sync ddp"),
+    (DISTILL_JOB, "  dataset_name: acme/absent", 5, "both distill.data bundled and distill.dataset_name acme/absent"),
+    (DISTILL_JOB, "  dataset_eval_split: validation", 6, "distill.dataset_eval_split needs distill.dataset_name"),
+    (OTHER_VOCAB, "  on_policy_ratio: 0.5", 6, "have different tokenizers"),
+    (STAGE, "  responses: reference\n  samples_per_prompt: 2\n  temperature: 0.7", 6,
+     "args.responses, args.samples_per_prompt: samples_per_prompt > 1 with reference responses"),
+    (MLP_JOB, "strategy_config: {inner_steps: 5}", 5, "the ddp strategy takes no settings (got inner_steps)"),
 ], ids=["kd_loss", "beta", "aggregate", "save_every", "replace_timeout_s", "peft_config.r", "peft", "teacher_responses",
         "samples_per_prompt", "teacher_backend", "eval with eval_data", "lr", "a model kind's unused setting",
-        "a stage job's value"])
+        "a stage job's value", "no student", "teacher settings below 1", "llamacpp quant", "openai probe",
+        "students_strategy without ddp", "data and dataset_name", "eval split without a name", "shared tokenizer",
+        "a stage job's two args", "a strategy's settings"])
 def test_a_value_refused_after_parsing_is_named_at_its_line(text, bad, line, said, nothing_starts, tmp_path):
     """A job's value checks that run after its spec parsed (the kind's `check`: `distill.settings.check_run`,
     `models.kinds.refuse_unused`) name the refused setting as the error's field, and `config.placed` finds
-    its line in the file (`smolforge submit`, embedded: before the cluster starts)."""
+    its line in the file (`smolforge submit`, embedded: before the cluster starts). A refusal across
+    settings (two that contradict each other, the settings that need one vocabulary, the endpoint teacher's
+    probe) names each (`fields`) and is at the line of the first of them the file wrote."""
     spec = tmp_path / "job.yaml"
-    spec.write_text(text.format(bad=bad))
+    spec.write_text(text.format(bad=bad, **(_two_vocabularies(tmp_path) if "{teacher}" in text else {})))
     proc = smolforge_here("submit", str(spec))
     assert proc.exit_code == 2, proc.output[-2000:]
     assert proc.stderr.startswith(f"error: {spec}:{line}: ") and said in proc.stderr, proc.stderr
@@ -224,3 +255,19 @@ def test_a_distill_specs_held_out_file_is_read_at_submit(nothing_starts, tmp_pat
     assert proc.exit_code == 2, proc.output[-2000:]
     assert proc.stderr.startswith(f"error: {held}:2: malformed JSON") and "fix:" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.output
+
+
+def _two_vocabularies(tmp_path) -> dict[str, str]:
+    """A teacher and a student whose token ids differ, cheaply: the presets' tokenizer trained to 512 and to
+    640 tokens, each with a config naming its family (no weights, no preset built: the submit's check reads
+    tokenizer files alone)."""
+    import json
+
+    from smolforge.models.tiny import train_tokenizer
+
+    made = {}
+    for role, size in (("teacher", 512), ("student", 640)):
+        made[role] = out = tmp_path / f"{role}-{size}"
+        train_tokenizer(size).save_pretrained(out)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": size}))
+    return {role: str(path) for role, path in made.items()}

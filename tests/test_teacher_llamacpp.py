@@ -215,6 +215,41 @@ def test_bad_llamacpp_flags_fail_fast_with_exit_2(args, message, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_f32_is_a_teacher_quant_and_reaches_the_export(tmp_path, monkeypatch):
+    """`--teacher-quant f32` (the unrounded GGUF `export --quant f32` writes): the GGUF weight types are one
+    table for export and teacher (`cache.TEACHER_QUANTS` holds `targets.QUANTS`); the flag passes the submit's
+    check, and the llamacpp backend's teacher asks the node's cache, which asks the export, for f32 (the export
+    stood in: no llama.cpp run)."""
+    require_llama_cpp()
+    from typer.testing import CliRunner
+
+    from smolforge.cli import distill as distill_cli
+    from smolforge.cli.main import app
+    from smolforge.distill.backends import teacher_backend
+    from smolforge.distill.settings import DistillSettings, check_run
+    from smolforge.models.export import cache, run, targets
+
+    assert set(targets.QUANTS) <= set(cache.TEACHER_QUANTS)
+    sent: list = []
+    monkeypatch.setattr(distill_cli, "run_distill_job", lambda spec, *_, **__: sent.append(spec) or {})
+    monkeypatch.setattr(distill_cli, "_export_and_show", lambda *_: None)
+    res = CliRunner().invoke(app, ["distill", "--teacher", "tiny-llama", "--student", "tiny-llama", "--data", "bundled",
+                                   "--teacher-backend", "llamacpp", "--teacher-quant", "f32"])
+    assert res.exit_code == 0 and sent[0]["distill"]["teacher_quant"] == "f32", (res.stderr, res.exception)
+    check_run(DistillSettings(**sent[0]["distill"]))  # the submit's check of the settings (the backend's: the quant)
+    asked: list = []
+
+    def export(model, to, out, *, quant, **_):  # the export's call, recorded; nothing written
+        asked.append((model, to, quant))
+        raise RuntimeError("stood in")
+
+    monkeypatch.setattr(run, "export", export)
+    monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "gguf")  # not a file an earlier run cached
+    with pytest.raises(RuntimeError, match="stood in"):
+        teacher_backend("llamacpp").build("tiny-llama", quant="f32")
+    assert asked == [("tiny-llama", "gguf", "f32")]
+
+
 def test_a_gguf_file_is_held_by_the_embedded_clusters_node(gguf_f16):
     """The queue admits a distill job whose teacher is a GGUF file on this machine (it waited forever
     for a node advertising that path, when only a local directory counted as held)."""

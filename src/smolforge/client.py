@@ -110,10 +110,11 @@ class Client:
                 body = r.json()
             except ValueError:
                 body = {"error": r.text[:300]}
-            field = body.get("field")  # the spec key path a refusal of a spec names (`config.placed`)
+            # the spec key paths a refusal of a spec names (`config.placed`): one, or several across settings
+            named = body.get("fields") or ([body.get("field")] if body.get("field") is not None else [])
+            fields = tuple(tuple(f) for f in named if isinstance(f, list)) if isinstance(named, list) else ()
             raise SmolforgeError(str(body.get("error") or body.get("detail") or r.status_code),
-                                 where=body.get("where") or self.base, fix=body.get("fix"),
-                                 field=tuple(field) if isinstance(field, list) else None)
+                                 where=body.get("where") or self.base, fix=body.get("fix"), fields=fields)
         if not raw and r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
         return r.content

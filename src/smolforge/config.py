@@ -396,12 +396,13 @@ def place_in(spec: Any, loc: Loc, default: str) -> str:
 def placed(err: SmolforgeError, spec: Any) -> SmolforgeError:
     """ERR, a refusal of the spec SPEC, at the `file:line` of the field it names (`err.field`, set by the
     check that refused it, or sent back in a coordinator's 400) where SPEC was read from a file that wrote
-    that value (`place_in`); ERR itself where it names no field or the file did not write it (a flag's,
-    a --set's). The one place a refusal made after the spec was parsed learns its line."""
-    where = place_in(spec, tuple(err.field), "") if err.field else ""
+    that value (`place_in`); a refusal across settings (`err.fields`) at the line of the first of them
+    the file wrote; ERR itself where it names no field or the file wrote none of them (a flag's, a
+    --set's). The one place a refusal made after the spec was parsed learns its line."""
+    where = next((line for line in (place_in(spec, tuple(f), "") for f in err.fields) if line), "")
     if not where or where == err.where:
         return err
-    return SmolforgeError(err.what, where=where, fix=err.fix, field=err.field)
+    return SmolforgeError(err.what, where=where, fix=err.fix, fields=err.fields)
 
 
 def get_path_loc(data: Any, loc: Loc) -> Any:

@@ -138,7 +138,7 @@ def test_a_tokenizer_refusal_names_the_args_it_is_about(monkeypatch):
     stood in here) are refused naming the two args whose models disagree."""
     from smolforge.cluster.workloads.distill import stage_args
 
-    def differ(teacher, students, needs):
+    def differ(teacher, students, needs, **_):
         raise SmolforgeError(f"the teacher {teacher} and the student {students[0]} have different tokenizers",
                              fix="pick one vocabulary")
 

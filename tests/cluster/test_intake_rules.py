@@ -145,8 +145,9 @@ def test_the_commands_list_a_damaged_job_and_job_delete_removes_it(tmp_path):
 def test_a_spec_value_the_coordinator_refuses_comes_back_at_its_file_line(http, tmp_path, monkeypatch):
     """A value only the coordinator checks (the kind's `check`: distill's KD loss) is a 400 that names the
     field as the spec's key path (`field`); `smolforge submit FILE --coordinator ...` prints that key's
-    `FILE:LINE` (`config.placed`, on the client), where the coordinator only knew the parsed JSON. The
-    CLI's Client talks to this module's in-process app (its HTTP client swapped for the TestClient)."""
+    `FILE:LINE` (`config.placed`, on the client), where the coordinator only knew the parsed JSON; one
+    across settings names each (`fields`). The CLI's Client talks to this module's in-process app (its HTTP
+    client swapped for the TestClient)."""
     text = "kind: distill\ndistill:\n  teacher: tiny-llama\n  students: [tiny-llama]\n  data: bundled\n  kd_loss: kl\n"
     job = {"kind": "distill", "distill": {"teacher": "tiny-llama", "students": ["tiny-llama"], "data": "bundled",
                                           "kd_loss": "kl"}}
@@ -169,4 +170,14 @@ def test_a_spec_value_the_coordinator_refuses_comes_back_at_its_file_line(http, 
                              env={"SMOLFORGE_COORDINATOR": ""})
     assert res.exit_code == 2, (res.exit_code, res.output[-2000:], res.exception)
     assert res.stderr.startswith(f"error: {spec}:6: unknown KD loss 'kl'") and "fix:" in res.stderr, res.stderr
+    # A refusal across two settings names both (`fields`, the one to change first leading): at the line of
+    # the first the file wrote; here `eval` came from --set, so the file's `eval_data` line.
+    r = http.post("/api/v1/jobs", json={**job, "distill": {**job["distill"], "kd_loss": "forward_kl", "eval": False,
+                                                            "eval_data": "bundled"}}, headers=H)
+    assert r.status_code == 400 and r.json()["fields"] == [["distill", "eval"], ["distill", "eval_data"]], r.text[:300]
+    spec.write_text(text.replace("kd_loss: kl", "eval_data: bundled"))
+    res = CliRunner().invoke(app, ["submit", str(spec), "--set", "eval=false", "--coordinator", "127.0.0.1:5999",
+                                   "--token", TOKEN], env={"SMOLFORGE_COORDINATOR": ""})
+    assert res.exit_code == 2, (res.exit_code, res.output[-2000:], res.exception)
+    assert res.stderr.startswith(f"error: {spec}:6: --eval-data names a held-out file, but --no-eval"), res.stderr
     assert len(http.core.store.list_jobs()) == before

@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
         no_compress: bool = typer.Option(False, "--no-compress", help="keep fp32 values in the store"),
         teacher_backend: str = typer.Option("hf", help=backends_help()),
         teacher_quant: str = typer.Option("q8_0", help=f"llamacpp: the HF teacher's GGUF weights, "
-                                          f"{'|'.join(TEACHER_QUANTS)} (q4_k_m by llama.cpp's quantizer)"),
+                                          f"{'|'.join(TEACHER_QUANTS)} (f32: unrounded; q4_k_m by llama.cpp's quantizer)"),
         ollama_host: Optional[str] = typer.Option(None, help="Ollama URL (default $OLLAMA_HOST or 127.0.0.1:11434)"),
         teacher_url: Optional[str] = typer.Option(None, help="openai: the endpoint's base URL, e.g. http://host:8000/v1 "
                                                   "(--teacher: the model name it serves)"),

@@ -72,9 +72,11 @@ HEADLINE = ("strategy", "workers", "steps", "samples", "final_loss", "eval_loss"
 
 
 def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool,
-               after: Callable[[Path], dict] | None = None) -> None:
+               after: Callable[[Path], dict] | None = None, held_out: str | None = None) -> None:
     """Download the finished job's adapter and report; `after(adapter_dir)` (launch --export) runs on
-    the downloaded adapter and its result is reported as `export`."""
+    the downloaded adapter and its result is reported as `export`. HELD_OUT (the held-out file as the
+    user named it: `--eval-data`, a dataset's eval split; a coordinator's spec holds only its upload) is
+    named beside the eval: `eval_data` in the JSON, "over FILE" in the eval line."""
     job_id = st["job_id"]
     adapter = extra = None
     if st["state"] == "completed" and output_dir:
@@ -85,14 +87,14 @@ def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool,
         res = st.get("result") or {}
         headline = {k: res[k] for k in HEADLINE if k in res}  # what scripts and benchmarks read first
         print_json({**headline, **st, "adapter_dir": str(adapter) if adapter else None,
-                    **({"export": extra} if extra else {})})
+                    **({"eval_data": held_out} if held_out else {}), **({"export": extra} if extra else {})})
         if st["state"] == "failed":
             raise typer.Exit(1)
         return
     typer.echo(f"job {job_id}: {st['state']}" + (f" ({st['error']})" if st.get("error") else ""))
     res = st.get("result") or {}
     if res.get("eval"):
-        typer.echo("eval: " + ", ".join(f"{k} {v:.4f}" for k, v in res["eval"].items()))
+        typer.echo(eval_line(res["eval"], held_out))
     if adapter:
         typer.echo(f"adapter: {adapter}")
     if extra:
@@ -101,6 +103,17 @@ def finish_job(backend: Any, st: dict, output_dir: str | None, json_out: bool,
         show(extra, False)
     if st["state"] == "failed":
         raise typer.Exit(1)
+
+
+def eval_line(scores: dict[str, Any], held_out: str | None) -> str:
+    """'eval: eval_loss 2.1043, accuracy 0.2000 over FILE (5 examples)': a job result's eval SCORES
+    (floats; `examples`, the count of held-out examples scored, an int) and the held-out file they are over."""
+    line = "eval: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "examples")
+    if held_out:
+        line += f" over {held_out}"
+    if scores.get("examples") is not None:
+        line += f" ({scores['examples']} examples)"
+    return line
 
 
 def refuse_used_download_dir(output_dir: str | None) -> None:

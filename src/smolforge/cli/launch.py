@@ -21,7 +21,7 @@ from smolforge.cli.common import (PRIORITY_HELP, TOKEN_FILE_HELP, cli_token, pri
 from smolforge.cli.follow import finish_job, refuse_used_download_dir, wait_with_progress
 from smolforge.cli.export import check_run_export, export_run
 from smolforge.cli.hubdata import (DatasetColumnOpt, DatasetConfigOpt, DatasetEvalSplitOpt, DatasetNameOpt,
-                                   DatasetSplitOpt, dataset_files, sets_a_dataset)
+                                   DatasetSplitOpt, EvalDataOpt, dataset_files, sets_a_dataset)
 from smolforge.distill.kdconfig import KD_LOSSES
 from smolforge.errors import SmolforgeError
 from smolforge.models.dtypes import DTYPE_HELP
@@ -92,6 +92,8 @@ Example: smolforge launch --model tiny-llama --dataset bundled --workers 1 --pri
 
 Example: smolforge launch --mode hybrid --model small-llama --student tiny-llama --dataset bundled --workers 2 --max-steps 50
 
+Example: smolforge launch --mode teacher_student --model small-llama --student tiny-llama --dataset prompts.jsonl --eval-data held_out.jsonl --max-steps 50  (the students evaluated on a held-out file, whole; read when submitted)
+
 Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --tensorboard --wandb my-project --output-dir outputs/dp  (then: tensorboard --logdir outputs/dp/tensorboard)
 
 Example: smolforge launch --model tiny-llama --dataset bundled --workers 2 --max-steps 50 --dtype bf16  (LoRA base in bf16)
@@ -120,6 +122,7 @@ def _register_launch(app: typer.Typer) -> None:
         dataset_split: DatasetSplitOpt = None,
         dataset_column: DatasetColumnOpt = None,
         dataset_eval_split: DatasetEvalSplitOpt = None,
+        eval_data: EvalDataOpt = None,
         workers: Optional[int] = typer.Option(None, help="ranks (default 2; with --stages, the stage count)"),
         strategy: StrategyOpt = None,
         stages: StagesOpt = None,
@@ -169,7 +172,8 @@ def _register_launch(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print the final status as JSON"),
         export: ExportOpt = None,
     ):
-        dataset, held_out = dataset_files(locals(), "dataset", "--dataset")  # held_out: --dataset-eval-split's file
+        # held_out: --eval-data's file, or --dataset-eval-split's
+        dataset, held_out = dataset_files(locals(), "dataset", "--dataset", "eval_data")
         if dataset is None and not sets_a_dataset(set_):
             raise SmolforgeError("no dataset given", fix="pass --dataset FILE|bundled or --dataset-name NAME")
         flags = dict(locals())  # every option by name, as given
@@ -290,7 +294,7 @@ def _launch_data_parallel_flags(o: dict[str, Any], after: Callable[[Path], dict]
     _submit_and_follow(spec, f"{workers} stages" if strategy == "pipeline" else f"{workers} workers",
                        coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], after=after)
+                       output_dir=o["output_dir"], after=after, held_out=o["held_out"])
 
 
 def _not_for(given: dict[str, Any]) -> None:
@@ -352,7 +356,7 @@ def _launch_split_flags(o: dict[str, Any], after: Callable[[Path], dict] | None)
     _submit_and_follow(spec, f"split: trunk layers [{o['split_point_1']}, {o['split_point_2']})",
                        coordinator=o["coordinator"], token=cli_token(o["token"], o["token_file"]),
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], after=after)
+                       output_dir=o["output_dir"], after=after, held_out=o["held_out"])
 
 
 def _model_parallel(mode: str, stages: int | None, workers: int | None, strategy: str | None) -> tuple[int, str]:
@@ -413,7 +417,8 @@ def _launch_distill(*, mode: str, teacher: str, students: list[str], dataset: st
     quiet_libraries()  # transformers (seconds): only once the settings are known to be good
     _submit_and_follow(spec, f"{mode}: {workers} students", coordinator=o["coordinator"], token=o["token"],
                        state_dir=o["state_dir"], detach=o["detach"], quiet=o["quiet"], json_out=o["json_out"],
-                       output_dir=o["output_dir"], on_completed=fetch_distill_summary, after=o.get("after"))
+                       output_dir=o["output_dir"], on_completed=fetch_distill_summary, after=o.get("after"),
+                       held_out=eval_data)
 
 
 def _default_student(teacher: str, mode: str, coordinator: str | None, token: str | None,
@@ -454,10 +459,11 @@ def fetch_distill_summary(backend: Any, job_id: str, out: Path) -> None:
 def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token: str | None, state_dir: str | None,
                        detach: bool, quiet: bool, json_out: bool, output_dir: str | None,
                        on_completed: Callable[[Any, str, Path], None] | None = None,
-                       after: Callable[[Path], dict] | None = None) -> None:
+                       after: Callable[[Path], dict] | None = None, held_out: str | None = None) -> None:
     """Submit a job (to the coordinator, or an embedded cluster of this machine), then follow it to
-    its end and fetch its adapter into `output_dir` (default outputs/<job>). The spec is checked
-    first: a bad setting is a message in a second, not after an embedded cluster has started."""
+    its end and fetch its adapter into `output_dir` (default outputs/<job>); the outcome names HELD_OUT
+    (`finish_job`). The spec is checked first: a bad setting is a message in a second, not after an
+    embedded cluster has started."""
     from smolforge.cluster.control.kinds import parse, read_named
 
     parse(read_named(spec))  # a dataset by name (--set dataset_name=...) read here, once
@@ -487,7 +493,7 @@ def _submit_and_follow(spec: dict, what: str, *, coordinator: str | None, token:
             on_completed(backend, job_id, Path(out))
         if not json_out:
             say_monitoring(backend, job_id, embedded)
-        finish_job(backend, st, out, json_out, after=after)
+        finish_job(backend, st, out, json_out, after=after, held_out=held_out)
     finally:
         backend.close()
 

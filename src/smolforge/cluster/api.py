@@ -100,8 +100,11 @@ def _error_handlers(app: FastAPI) -> None:
         body: dict[str, Any] = {key: None if text is None else shown(text, 2000, controls=False) for key, text in
                                 (("error", err.what), ("where", err.where), ("fix", err.fix))}
         if err.field:  # keys of the client's own spec, as it sent them: escaped as the message is
-            body["field"] = [part if isinstance(part, int) else shown(str(part), 200, controls=False)
-                             for part in err.field[:32]]
+            named = [[part if isinstance(part, int) else shown(str(part), 200, controls=False) for part in f[:32]]
+                     for f in err.fields[:8]]
+            body["field"] = named[0]
+            if len(named) > 1:  # a refusal across settings: each of them, the first leading (`config.placed`)
+                body["fields"] = named
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(OSError)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 
 
 @dataclass(frozen=True)
@@ -159,14 +159,20 @@ class LlamaCppBackend(TeacherBackend):
     def check(self, cfg: Any) -> None:
         """The quantisation is one the export writes, and a GGUF teacher given as a file here shares the
         student's vocabulary (its logits train the student): refused now (exit 2) rather than by the
-        teacher task on its node. (A path only a worker has is checked there, still before the first shard.)"""
+        teacher task on its node. (A path only a worker has is checked there, still before the first shard.)
+        Each refusal names its settings (`teacher_quant`; `teacher` then `students`: a spec's line)."""
         from smolforge.models.export.cache import check_quant, is_gguf
 
-        check_quant(cfg.teacher_quant)
+        with in_spec(default=("teacher_quant",)):
+            check_quant(cfg.teacher_quant)
         if is_gguf(cfg.teacher) and Path(cfg.teacher).expanduser().is_file():
             from smolforge.distill.teacher_llamacpp import check_gguf_vocab
 
-            check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
+            try:
+                check_gguf_vocab(Path(cfg.teacher).expanduser(), cfg.students[0])
+            except SmolforgeError as err:
+                err.fields = (("teacher",), ("students",))
+                raise
 
 
 @register

@@ -42,8 +42,10 @@ class GenSettings:
                                  field=("samples_per_prompt",))
         if not 0 < self.top_p <= 1:
             raise SmolforgeError(f"top_p must be in (0, 1], got {self.top_p}", fix="use e.g. top_p 0.95", field=("top_p",))
-        if self.top_k < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise SmolforgeError("top_k, max_new_tokens and batch_size must be ≥ 1", fix="check the teacher settings")
+        low = [key for key in ("top_k", "max_new_tokens", "batch_size") if getattr(self, key) < 1]
+        if low:
+            raise SmolforgeError("top_k, max_new_tokens and batch_size must be ≥ 1", fix="check the teacher settings",
+                                 fields=tuple((key,) for key in low))
 
 
 @dataclass

@@ -153,7 +153,8 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student") -> None:
     from smolforge.distill.kdconfig import KDConfig
 
     if not cfg.students:
-        raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)")
+        raise SmolforgeError("no student model given", fix="pass --student NAME (repeat it for several bases)",
+                             field=("students",))
     if cfg.aggregate not in AGGREGATE_CHOICES:
         raise SmolforgeError(f"unknown --aggregate {cfg.aggregate!r}", fix=f"use one of {', '.join(AGGREGATE_CHOICES)}",
                              field=("aggregate",))
@@ -174,7 +175,7 @@ def check_run(cfg: DistillSettings, mode: str = "teacher_student") -> None:
     if cfg.eval_data is not None and not cfg.eval:
         raise SmolforgeError("--eval-data names a held-out file, but --no-eval skips the students' evaluation",
                              fix="drop --no-eval (distill.eval: false), or drop --eval-data (distill.eval_data)",
-                             field=("eval",))
+                             fields=(("eval",), ("eval_data",)))
     if cfg.save_every < 0:
         raise SmolforgeError(f"--save-every must be 0 or more, not {cfg.save_every}",
                              fix="pass a step count (e.g. --save-every 50), or 0 for no student checkpoints",
@@ -203,18 +204,18 @@ def _check_backend(cfg: DistillSettings) -> None:
         backend = teacher_backend(cfg.teacher_backend)
     if cfg.on_policy_ratio > 0 and not backend.on_policy:
         raise SmolforgeError(f"--on-policy-ratio needs a teacher that can score the student's samples; the "
-                             f"{backend.name} backend cannot", field=("on_policy_ratio",),
+                             f"{backend.name} backend cannot", fields=(("on_policy_ratio",), ("teacher_backend",)),
                              fix=f"use --teacher-backend {' or '.join(backends_that('on_policy'))}, or --on-policy-ratio 0")
     if cfg.teacher_responses == "reference" and not backend.scores_reference:
         raise SmolforgeError("--teacher-responses reference needs a teacher that scores given answers; the "
-                             f"{backend.name} backend generates its own", field=("teacher_responses",),
+                             f"{backend.name} backend generates its own", fields=(("teacher_responses",), ("teacher_backend",)),
                              fix=f"use --teacher-backend {' or '.join(backends_that('scores_reference'))} for reference")
     backend.check(cfg)
 
 
-def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "generate") -> list[tuple[str, str]]:
+def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "generate") -> list[tuple[str, str, str]]:
     """The settings of a run that only work when the teacher's and the students' token ids agree, as
-    (what needs it, the fix): on-policy steps (the teacher scores the student's own sampled ids), and
+    (what needs it, the fix, its setting: DistillSettings' key): on-policy steps (the teacher scores the student's own sampled ids), and
     reference responses (the teacher's only product is its log-probs over the dataset's answers; a
     student of another vocabulary drops them and trains on the answers alone, plain fine-tuning after a
     whole teacher stage). Everything else works across tokenizers: the students fall back to
@@ -222,20 +223,24 @@ def shared_tokenizer_needs(on_policy_ratio: float, teacher_responses: str = "gen
     needs = []
     if on_policy_ratio > 0:
         needs.append((f"--on-policy-ratio {on_policy_ratio} (the teacher scores the student's own token ids)",
-                      "pass --on-policy-ratio 0 (the student learns from the teacher's text: sequence-level KD)"))
+                      "pass --on-policy-ratio 0 (the student learns from the teacher's text: sequence-level KD)",
+                      "on_policy_ratio"))
     if teacher_responses == "reference":
         needs.append(("--teacher-responses reference (the teacher's log-probs over the dataset's answers are "
                       "all it produces)", "pass --teacher-responses generate (sequence-level KD on the teacher's "
-                                          "own answers)"))
+                                          "own answers)", "teacher_responses"))
     return needs
 
 
-def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[str, str]]) -> None:
+def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[str, str, str]],
+                           names: tuple[str, str] = ("teacher", "students")) -> None:
     """Refuse at submit (exit 2), from the tokenizers alone (their files, no weights), settings that
     `shared_tokenizer_needs` says need one vocabulary when the teacher's and a student's differ, rather
     than after the teacher stage ran. A model whose tokenizer this machine cannot load without a
     download (a name only the workers hold, an Ollama tag, a GGUF: checked by `_check_local_gguf`) is
-    checked where it runs instead (distill/student.py refuses a mismatched on-policy teacher there)."""
+    checked where it runs instead (distill/student.py refuses a mismatched on-policy teacher there).
+    The refusal's `fields`: the settings that need one vocabulary (what its fix changes), then NAMES
+    (the teacher's and the students' keys in the settings checked)."""
     if not needs:
         return
     from smolforge.distill.store import tokenizer_hash
@@ -250,8 +255,9 @@ def check_shared_tokenizer(teacher: str, students: list[str], needs: list[tuple[
             raise SmolforgeError(
                 f"the teacher {teacher} and the student {student} have different tokenizers (vocabularies of "
                 f"{len(teacher_tok)} and {len(student_tok)} tokens, ids that do not agree), and "
-                f"{' and '.join(what for what, _fix in needs)} need{'s' if len(needs) == 1 else ''} one vocabulary",
-                fix="; or ".join(fix for _what, fix in needs) + f"; or pick a student with {teacher}'s tokenizer")
+                f"{' and '.join(what for what, _fix, _key in needs)} need{'s' if len(needs) == 1 else ''} one vocabulary",
+                fix="; or ".join(fix for _what, fix, _key in needs) + f"; or pick a student with {teacher}'s tokenizer",
+                fields=(*((key,) for _what, _fix, key in needs), (names[1],), (names[0],)))
 
 
 # the top-level names a distillation run writes in its --output-dir (its manifest: `rundir`)

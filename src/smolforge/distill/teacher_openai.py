@@ -224,10 +224,11 @@ def read_key(key_file: str | None) -> str | None:
             key = path.read_text(encoding="utf-8").strip()
         except OSError as err:
             raise SmolforgeError(f"cannot read the key file {key_file}: {err.strerror}", where="--teacher-key-file",
-                                 fix="give a readable file holding the endpoint's API key (on the teacher's node)") from None
+                                 fix="give a readable file holding the endpoint's API key (on the teacher's node)",
+                                 field=("teacher_key_file",)) from None
         if not key:
             raise SmolforgeError(f"the key file {key_file} is empty", where="--teacher-key-file",
-                                 fix="write the API key into it, or drop --teacher-key-file")
+                                 fix="write the API key into it, or drop --teacher-key-file", field=("teacher_key_file",))
         return key
     return os.environ.get(KEY_ENV) or None
 
@@ -252,25 +253,28 @@ def positions(logprobs: Any) -> list[tuple[Any, list[tuple[Any, float]]]] | None
 
 def refuse_status(resp: Any, where: str, url: str) -> None:
     """Nothing for a 200; else one SmolforgeError (exit 2) with the fix: 401/403 the key, 404 the URL or
-    model, anything else the endpoint's own words."""
+    model, anything else the endpoint's own words. Its `fields` (DistillSettings' keys, a spec's line:
+    `config.placed`): the key's file, then the URL; the URL, then the teacher; the URL."""
     status, said = resp.status_code, resp.text[:200]
     if status in (401, 403):
         raise SmolforgeError(f"the teacher endpoint refused the key ({status}): {said}", where="--teacher-url",
-                             fix=f"set ${KEY_ENV} or --teacher-key-file to a key the endpoint accepts")
+                             fix=f"set ${KEY_ENV} or --teacher-key-file to a key the endpoint accepts",
+                             fields=(("teacher_key_file",), ("teacher_url",)))
     if status == 404:
         raise SmolforgeError(f"the teacher endpoint answered 404 at {where}: {said}", where="--teacher-url",
                              fix=f"give the base URL ending in /v1, and --teacher as the model name it serves "
-                                 f"(GET {url}/models lists them)")
+                                 f"(GET {url}/models lists them)", fields=(("teacher_url",), ("teacher",)))
     if status != 200:
         raise SmolforgeError(f"the teacher endpoint answered {status}: {said}", where="--teacher-url",
                              fix="check the endpoint's log; --top-k above what it allows (often 20, OpenAI 5) "
-                                 "is a common cause")
+                                 "is a common cause", field=("teacher_url",))
 
 
 def probe(url: str, model: str, key_file: str | None) -> None:
     """At submit, before anything starts: the endpoint answers `GET {url}/models` with this key, and serves
     `model` where it lists its models. A SmolforgeError (exit 2) for an unreachable URL, a refused key, or a
-    model it does not list. Asked from the submitting machine (the teachers ask from their nodes)."""
+    model it does not list, naming the settings it is about (DistillSettings' teacher_url, teacher_key_file,
+    teacher: its `fields`). Asked from the submitting machine (the teachers ask from their nodes)."""
     import httpx
 
     key = read_key(key_file)
@@ -280,7 +284,8 @@ def probe(url: str, model: str, key_file: str | None) -> None:
                          timeout=httpx.Timeout(30.0, connect=TIMEOUT[0]))
     except httpx.HTTPError as err:
         raise SmolforgeError(f"cannot reach the teacher endpoint {where}: {type(err).__name__}", where="--teacher-url",
-                             fix="check the URL (the base ending in /v1) and that the server is running") from None
+                             fix="check the URL (the base ending in /v1) and that the server is running",
+                             field=("teacher_url",)) from None
     refuse_status(resp, where, url.rstrip("/"))
     try:
         served = [m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)]
@@ -288,7 +293,8 @@ def probe(url: str, model: str, key_file: str | None) -> None:
         served = []
     if served and model not in served:
         raise SmolforgeError(f"the teacher endpoint does not serve {model!r} (it serves {', '.join(map(str, served[:8]))})",
-                             where="--teacher", fix="give --teacher as one of the names it serves")
+                             where="--teacher", fix="give --teacher as one of the names it serves",
+                             fields=(("teacher",), ("teacher_url",)))
 
 
 class OpenAITeacher:

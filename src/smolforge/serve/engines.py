@@ -116,13 +116,11 @@ def check_engine(name: str) -> str:
 
 
 def check_quant(quant: str) -> str:
-    """The quantization if the GGUF cache makes it (`TEACHER_QUANTS`); else one message."""
-    from smolforge.models.export.cache import TEACHER_QUANTS
+    """The quantization if the GGUF cache makes it (`export.cache.TEACHER_QUANTS`, the one table); else one
+    message naming --quant."""
+    from smolforge.models.export.cache import check_quant as cache_makes
 
-    if quant not in TEACHER_QUANTS:
-        raise SmolforgeError(f"unknown --quant {quant!r}", where="--quant",
-                             fix=f"use one of {', '.join(TEACHER_QUANTS)} (q4_k_m is made by llama.cpp's quantizer)")
-    return quant
+    return cache_makes(quant, "--quant")
 
 
 def auto_engine(spec: EngineSpec) -> str:

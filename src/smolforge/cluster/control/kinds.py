@@ -28,7 +28,8 @@ from smolforge.cluster.control.specs import (
 )
 from smolforge.cluster.control.specs import SplitJob
 from smolforge.config import (
-    EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, place_in, validate,
+    EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Spec, apply_overrides, dataset_choice_problem, eval_split_problem, place_in, placed,
+    validate,
 )
 from smolforge.data.synthetic import BUILTIN_DATASETS
 from smolforge.errors import SmolforgeError, in_spec
@@ -317,14 +318,19 @@ def read_named(spec: dict) -> dict:
     if not isinstance(section, dict):
         return spec
     problem = dataset_choice_problem(key, section.get(key), section, lambda k: f"{where}.{k}")
+    # a refusal across the section's dataset keys names each given one (`fields`), at the first one's line
+    given = lambda *keys: tuple((*where.split("."), k) for k in keys if section.get(k) is not None)  # noqa: E731
     if problem:
-        raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{key} and {where}.dataset_name")
+        raise placed(SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{key} and {where}.dataset_name",
+                                    fields=given(*NAMED_DATASET_KEYS[1:]) if section.get("dataset_name") is None
+                                    else given(key, "dataset_name")), spec)
     eval_key = (named_eval_file(spec) or "").rpartition(".")[2] or None
     problem = eval_key and eval_split_problem(eval_key, section.get(eval_key), section.get("dataset_name"),
                                               section.get(EVAL_SPLIT_KEY), lambda k: f"{where}.{k}")
     if problem:
-        raise SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{eval_key} and {where}.{EVAL_SPLIT_KEY}"
-                             f" (with {where}.dataset_name)")
+        raise placed(SmolforgeError(problem, where="job spec", fix=f"give one of {where}.{eval_key} and "
+                                    f"{where}.{EVAL_SPLIT_KEY} (with {where}.dataset_name)",
+                                    fields=given(EVAL_SPLIT_KEY, eval_key, "dataset_name")), spec)
     if section.get("dataset_name") is not None:
         from smolforge.data.hub import resolve_in
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from smolforge.config import (
     EVAL_SPLIT_KEY, NAMED_DATASET_KEYS, Loc, ModelDtype, Spec, SpecFile, TrainConfig, get_path, put_path, spec_error,
@@ -264,16 +264,22 @@ class DataParallelJob(JobSpec):
         except SmolforgeError as err:
             raise ValueError(err.what) from None
 
-    @model_validator(mode="after")
-    def _strategy_settings(self) -> "DataParallelJob":
+    @field_validator("strategy_config")
+    @classmethod
+    def _strategy_settings(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """The settings the (valid) strategy takes: refused as `strategy_config`'s (a spec file's line), the
+        strategy beside it named in the message."""
         from smolforge.parallel.strategies import strategy_class
 
+        strategy = info.data.get("strategy")
+        if strategy is None:  # the strategy itself was refused: that is the message
+            return value
         try:
-            strategy_class(self.strategy).check_settings(self.strategy_config)
+            strategy_class(strategy).check_settings(value)
         except ValidationError as err:
             raise ValueError("; ".join(f"strategy_config.{'.'.join(map(str, e['loc']))}: {e['msg']} for "
-                                       f"--strategy {self.strategy}" for e in err.errors())) from None
-        return self
+                                       f"--strategy {strategy}" for e in err.errors())) from None
+        return value
 
     @property
     def global_batch(self) -> int:

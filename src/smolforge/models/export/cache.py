@@ -7,8 +7,9 @@ mtime: a re-downloaded or retrained checkpoint is a new key, without reading gig
 them), the quantization and CACHE_VERSION (bumped when the writer's output changes). Parallel
 teacher tasks on one node wait on a file lock instead of exporting the same model twice.
 
-Quantizations (TEACHER_QUANTS): f16 and q8_0 come from smolforge's own writer (`gguf.py`, packed by the
-`gguf` package) and are verified in llama.cpp against the HF model; q4_k_m needs llama.cpp's
+Quantizations (TEACHER_QUANTS, one table): f16, bf16, q8_0 and f32 (unrounded) come from smolforge's own writer
+(`gguf.py`, packed by the `gguf` package: `smolforge export --quant`'s `targets.QUANTS`) and are verified in
+llama.cpp against the HF model; q4_k_m needs llama.cpp's
 k-quant quantizer, which the `gguf` package does not have (it packs Q8_0, not Q4_K) but
 llama-cpp-python exposes as `llama_cpp.llama_model_quantize`: the f16 export (cached too) is
 quantized by it. That one is not held to verify.py's LIMITS (none is set for 4 bits); llama.cpp
@@ -27,12 +28,15 @@ from pathlib import Path
 from typing import Callable
 
 from smolforge.errors import SmolforgeError
+from smolforge.models.export.targets import QUANTS
 from smolforge.paths import atomic_write_json, home
 
-TEACHER_QUANTS = ("f16", "q8_0", "q4_k_m")
 CACHE_VERSION = 1
 GGUF_NAME = "model.gguf"
 LLAMA_QUANTIZED = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # made by llama.cpp's quantizer from the f16 export
+# What the cache makes, one table (`--teacher-quant`, serve's `--quant`): the weight types smolforge's writer
+# exports (`targets.QUANTS`, `smolforge export --quant`'s) and those llama.cpp's quantizer makes from its f16
+TEACHER_QUANTS: tuple[str, ...] = (*QUANTS, *LLAMA_QUANTIZED)
 
 
 def cache_root() -> Path:
@@ -60,10 +64,13 @@ def fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def check_quant(quant: str) -> None:
+def check_quant(quant: str, flag: str = "--teacher-quant") -> str:
+    """QUANT if the cache makes it (`TEACHER_QUANTS`); else one message naming FLAG (exit 2)."""
     if quant not in TEACHER_QUANTS:
-        raise SmolforgeError(f"unknown --teacher-quant {quant!r}", where="--teacher-quant",
-                             fix=f"use one of {', '.join(TEACHER_QUANTS)} (q4_k_m is made by llama.cpp's quantizer)")
+        raise SmolforgeError(f"unknown {flag} {quant!r}", where=flag,
+                             fix=f"use one of {', '.join(TEACHER_QUANTS)} ({', '.join(LLAMA_QUANTIZED)} is made by "
+                                 "llama.cpp's quantizer)")
+    return quant
 
 
 def cached_gguf(model: str, quant: str = "q8_0", *, threads: int | None = None,

@@ -289,7 +289,8 @@ def plan_students(call: StudentCall, mode: str = "teacher_student") -> StudentPl
         raise SmolforgeError("no student base model given", fix="pass --student NAME")
     if mode == "hybrid" and call.split_shards is False:
         raise SmolforgeError("hybrid mode splits the shards across data-parallel students",
-                             fix="drop split_shards=False, or use mode teacher_student for an ensemble")
+                             fix="drop split_shards=False, or use mode teacher_student for an ensemble",
+                             field=("split_shards",))
     training = StudentTraining(
         max_steps=call.max_steps, epochs=call.epochs, batch_size=call.batch_size, grad_accum=call.grad_accum,
         lr=call.lr, warmup_steps=call.warmup_steps, max_length=call.max_length, seed=call.seed, device=call.device,

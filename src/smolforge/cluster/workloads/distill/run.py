@@ -80,10 +80,10 @@ def check_job(job: Any) -> None:
     the CLI flag `settings.check_output_flag`'s), and the run's two plans (`distill_plans`: the PEFT
     config, the students' sync plug-in with its strategy, ...). The runner takes the checked spec as
     it is and builds the same plans from it."""
-    with in_spec("distill"):  # a refusal of one setting names it, at its spec line (`config.placed`)
+    with in_spec("distill"):  # a refusal names its settings, at a spec's line (`config.placed`)
         check_run(job.distill, job.mode)
         check_held_out(job.distill.eval_data)
-    distill_plans(job.distill, job.mode, Path(job.output_dir or "."))
+        distill_plans(job.distill, job.mode, Path(job.output_dir or "."))  # (the calls' keys are the settings')
 
 
 def check_held_out(eval_data: str | None) -> None:

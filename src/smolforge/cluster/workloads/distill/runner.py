@@ -248,6 +248,9 @@ class DistillRunner(JobRunner):
         if ok:
             result["eval"] = {k: sum(ev[k] for ev in ok) / len(ok) for k in ("eval_loss", "accuracy")
                               if all(k in ev for ev in ok)}
+            scored = {ev.get("examples") for ev in ok}  # each student scores the one held-out set
+            if len(scored) == 1 and None not in scored:
+                result["eval"]["examples"] = scored.pop()
         total = sum(int(t.get("max_steps") or 0) for t in summary["student_tasks"])
         self.store.update_job(self.job_id, step=total, max_steps=total)
         return Completed(f"completed: {len(summary['student_tasks'])} students, "

@@ -150,7 +150,8 @@ def typed_args(stage: str, args: dict[str, Any]) -> dict[str, Any]:
 def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> None:
     """A stage's `args` (a dataset by name counted as its file) as the builders the job runs check them
     (the `mode`'s own rules included), at submit; the builder's refusal, where: the args, naming the
-    `args.KEY` it is about (`_refused_keys`) before the builder's words."""
+    `args.KEY` it is about (`_refused_keys`; two that conflict: both) before the builder's words, and as its
+    `fields` (a spec file's line: the first of them the file wrote, `config.placed`)."""
     call = stage_call(stage, args, **PLACEHOLDERS[stage])  # (a wrong type: its refusal names args.KEY)
     try:
         _build(call, mode)
@@ -159,7 +160,7 @@ def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> No
         keys = ", ".join(f"args.{key}" for key in refused)
         raise SmolforgeError(f"{keys}: {err.what}" if keys else err.what, fix=err.fix,
                              where=f"{where}, {err.where}" if err.where else where,
-                             field=("args", refused[0]) if len(refused) == 1 else None) from None  # its line: config.placed
+                             fields=tuple(("args", key) for key in refused)) from None  # its line: config.placed
 
 
 def _build(call: TeacherCall | StudentCall | AggregateSettings, mode: str) -> None:
@@ -196,7 +197,8 @@ def _check_students_tokenizer(args: dict[str, Any]) -> None:
     bases = args.get("base_model")
     try:
         check_shared_tokenizer(teacher, [bases] if isinstance(bases, str) else list(bases or []),
-                               shared_tokenizer_needs(float(on_policy)))
-    except SmolforgeError as err:
+                               shared_tokenizer_needs(float(on_policy)), names=("teacher_model", "base_model"))
+    except SmolforgeError as err:  # its settings are the args' (on_policy_ratio, base_model, teacher_model)
         raise SmolforgeError(f"args.teacher_model, args.base_model: {err.what}",
-                             where="job spec (args of the students stage)", fix=err.fix) from None
+                             where="job spec (args of the students stage)", fix=err.fix,
+                             fields=tuple(("args", *f) for f in err.fields)) from None

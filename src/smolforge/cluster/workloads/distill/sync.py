@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from smolforge.distill.planner import student_assignment
-from smolforge.errors import SmolforgeError
+from smolforge.errors import SmolforgeError, in_spec
 
 if TYPE_CHECKING:  # (torch: imported where a student joins, not where a plan is checked)
     from smolforge.distill.shard_source import ShardSource
@@ -76,7 +76,8 @@ class AverageSync(_Sync):
     def __init__(self, strategy: str | None = None):
         if strategy not in (None, "", "single"):
             raise SmolforgeError(f"--students-strategy {strategy} needs --students-sync ddp",
-                                 fix="add --students-sync ddp, or drop --students-strategy")
+                                 fix="add --students-sync ddp, or drop --students-strategy",
+                                 fields=(("students_strategy",), ("students_sync",)))
 
     def shards(self, num_shards: int, num_students: int, split: bool) -> list[list[int]]:
         return student_assignment(num_shards, num_students, split=split)
@@ -104,13 +105,15 @@ class DataParallelSync(_Sync):
     def __init__(self, strategy: str | None = None):
         from smolforge.parallel.strategies import STRATEGIES, check_name, names_where
 
-        self.strategy = check_name(strategy or "ddp", where="--students-strategy")
+        with in_spec(default=("students_strategy",)):
+            self.strategy = check_name(strategy or "ddp", where="--students-strategy")
         chosen = STRATEGIES[self.strategy]
         if not chosen.distill_students:
             why = ("needs a parameter server, which a distill student group does not run" if chosen.needs_server
                    else "cannot train a distill student group")
             raise SmolforgeError(f"--students-strategy {self.strategy} {why}",
-                                 fix=f"use one of {', '.join(names_where(lambda s: s.distill_students))}")
+                                 fix=f"use one of {', '.join(names_where(lambda s: s.distill_students))}",
+                                 field=("students_strategy",))
 
     def shards(self, num_shards: int, num_students: int, split: bool) -> list[list[int]]:
         return [list(range(num_shards)) for _ in range(num_students)]
