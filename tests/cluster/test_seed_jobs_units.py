@@ -12,7 +12,8 @@ from smolforge import ResourceConfig, TaskConfig
 from smolforge.cluster.control import kinds
 from smolforge.cluster.workloads.distill.runner import split_task_id
 from smolforge.errors import SmolforgeError
-from smolforge.orchestrator import Orchestrator, _job_task_status
+from smolforge.cluster.control.jobview import job_task_status as _job_task_status
+from smolforge.orchestrator import Orchestrator
 
 
 class FakeCoordinator:
