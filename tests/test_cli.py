@@ -5,6 +5,7 @@ process (the distill demo's embedded Ray cluster is the process's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,18 +100,26 @@ def test_demo_json_shows_accuracy_rising(tmp_path):
     assert summary["after_accuracy"] > summary["before_accuracy"]
 
 
-def test_distill_demo_json_has_the_documented_keys(tmp_path):
+@pytest.fixture(scope="module")
+def distill_demo(tmp_path_factory):
+    """(the process, its --output-dir) of one shrunk distillation demo, which the tests below read."""
+    out = tmp_path_factory.mktemp("distill-demo") / "demo"
+    env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
+           "SMOLFORGE_NUM_THREADS": "1"}
+    proc = smolforge("demo", "--json", "--output-dir", str(out), "--pretrain-steps", "5",
+                     "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
+                     "--eval-samples", "32", timeout=600, env=env)
+    return proc, out
+
+
+def test_distill_demo_json_has_the_documented_keys(distill_demo):
     """The distillation demo end to end, shrunk (a 5-step student base, a 10-step teacher, 6-step
     students, 32 held-out examples) to check its wiring and its JSON; the full-size numbers are in
     BENCHMARKS.md. The base's and the teacher's training were 145 of its 233 s at 20 and 40 steps
     (stage_seconds, a loaded 2-core machine); at 200 held-out examples the teacher's training and the
     evaluation were 135 of 325 s, at 32 with 1 thread in this CLI process (its Ray workers beside it) 7 of
     206 s. The KD student still ends below the base's eval loss by a wide margin (4.9 against 7.3)."""
-    env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
-           "SMOLFORGE_NUM_THREADS": "1"}
-    proc = smolforge("demo", "--json", "--output-dir", str(tmp_path / "demo"), "--pretrain-steps", "5",
-                     "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
-                     "--eval-samples", "32", timeout=600, env=env)
+    proc, out = distill_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     keys = {"teacher_accuracy", "student_base_accuracy", "sft_accuracy", "kd_accuracy", "sft_eval_loss",
@@ -119,8 +128,31 @@ def test_distill_demo_json_has_the_documented_keys(tmp_path):
     assert {"student_base", "teacher_training", "teacher_shards", "students", "aggregation", "evaluation", "total"} <= set(summary["stage_seconds"])
     assert summary["kd_eval_loss"] < summary["student_base_eval_loss"]
     assert 0 < summary["store_bytes_per_token"] < summary["store_fp16_full_vocab_bytes_per_token"]
-    run = tmp_path / "demo" / "distill"
+    run = out / "distill"
     assert (run / "merged_model" / "final_adapter" / "model.safetensors").exists()  # every weight trained
     assert summary["kd_prompts"] == 128 and summary["sft_examples"] == 64
     assert summary["settings"]["max_eval_samples"] == 32
     assert len(list((run / "teacher_outputs").glob("batch_*.safetensors"))) == 16
+
+
+def test_the_distill_demos_tasks_are_jobs_of_the_embedded_cluster(distill_demo):
+    """The demo is a client of jobs, as a seed script is (issue 42): `smolforge jobs` lists its tasks
+    afterwards as `distill_task` jobs, completed, in the run dirs it names: a teacher stage and a students
+    stage that reads that teacher job's store per arm, and the arm's aggregate stage of those students."""
+    proc, out = distill_demo
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = smolforge_here("jobs", "--json")
+    assert listed.exit_code == 0, listed.output[-3000:]
+    mine = [j for j in json.loads(listed.stdout) if str(j["spec"].get("output_dir", "")).startswith(str(out))]
+    stages = {}
+    for job in mine:
+        arm = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0]
+        stages.setdefault(arm, {})[job["spec"]["stage"]] = job
+    assert sorted(stages) == ["distill", "sft-baseline"], [j["spec"] for j in mine]
+    for arm, jobs in stages.items():
+        assert sorted(jobs) == ["aggregate", "students", "teacher"] and len(mine) == 6, (arm, [j["spec"] for j in mine])
+        assert {j["kind"] for j in jobs.values()} == {"distill_task"}
+        assert [j["state"] for j in jobs.values()] == ["completed"] * 3, (arm, jobs)
+        assert jobs["students"]["spec"]["teacher_job"] == jobs["teacher"]["id"]
+        students = [f"{jobs['students']['id']}-{t['task_id']}" for t in jobs["students"]["result"]["students"]]
+        assert jobs["aggregate"]["spec"]["student_tasks"] == students

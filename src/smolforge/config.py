@@ -152,6 +152,24 @@ def eval_split_problem(eval_key: str, eval_file: Any, name: Any, eval_split: Any
     return None
 
 
+def check_call_dataset(where: str, file_key: str, file: Any, named: dict[str, Any], eval_file: Any = None,
+                       required: bool = True) -> dict[str, Any]:
+    """A seed call's dataset (`Orchestrator.create_*_tasks`), a file (FILE_KEY = FILE) or by name (NAMED:
+    `dataset_name` and its companions; `dataset_eval_split` beside the call's held-out file EVAL_FILE), checked by the rules the commands and
+    specs follow (`config.dataset_choice_problem`, `eval_split_problem`), in the call's own argument names.
+    Returns the NAMED keys given. SmolforgeError (where: the call) for a file and a name, a companion
+    without the name, an eval split beside a held-out file, or (REQUIRED) neither file nor name."""
+    given = {key: value for key, value in named.items() if value is not None}
+    problem = dataset_choice_problem(file_key, file, given) or eval_split_problem(
+        "eval_path", eval_file, given.get("dataset_name"), given.get(EVAL_SPLIT_KEY))
+    if problem is None and required and file is None and not given:
+        problem = f"no dataset: give {file_key} or dataset_name"
+    if problem:
+        raise SmolforgeError(problem, where=where, fix=f"pass one of {file_key}=FILE and dataset_name=NAME "
+                             "(with dataset_config=, dataset_split=, dataset_column=, dataset_eval_split= as needed)")
+    return given
+
+
 class NamedDataset(Spec):
     """A spec section that names its data as a file (the field `DATASET_FILE`) or by name: `dataset_name`
     [`dataset_config`, `dataset_split`, `dataset_column`], as the commands' `--dataset-name` flags. One or

@@ -22,9 +22,13 @@ results come back to the paths the calls named: a task's outputs are downloaded 
 sees its job complete, the merged adapter when `aggregate_student_outputs` returns (the embedded
 cluster writes them there itself).
 
+`wait_distill` waits for tasks as `monitor_tasks` follows them, and raises if one failed (the demo's
+wait, `smolforge demo`); `shutdown_distill` stops what runs in this process (a job runs on its cluster).
+
 On a bare Ray handle (a backend with no jobs: the distill tests' clusters) the same calls run the
-tasks in this process: `smolforge.cluster.face.DistillTasks`, the building blocks
-the distill job runner drives, with `self.cluster` and `self.log_event` from here.
+tasks in this process: the orchestrator holds a `DistillSession` (`smolforge.cluster.face`, what the
+distill job runner drives) on that handle, made at the first call, and hands the calls to it; its
+events are this orchestrator's `events`, its tasks' output lines go to `log_lines` when one is set.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from smolforge.client import backend_for
+from smolforge.cluster.control.jobview import job_task_status
 from smolforge.cluster.control.specs import TaskConfig
-from smolforge.cluster.face import DistillTasks, holds_jobs, split_task_id, store_dir_of
-from smolforge.config import EVAL_SPLIT_KEY, dataset_choice_problem, eval_split_problem
+from smolforge.cluster.face import (StudentCall, TeacherCall, holds_jobs, plan_students, plan_teachers, split_task_id,
+                                    store_dir_of)
+from smolforge.config import EVAL_SPLIT_KEY, check_call_dataset
 from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
 
@@ -47,7 +53,12 @@ MODES = ("data_parallel", "teacher_student", "hybrid")
 FINAL_STATES = ("completed", "failed", "cancelled")
 UNREACHABLE_GRACE_S = 180.0  # monitor_tasks rides out a coordinator restart this long
 
-class Orchestrator(DistillTasks):
+class Orchestrator:
+    """The seeds' façade over a Backend's jobs (the module docstring), or over a bare Ray handle's
+    in-process DistillSession."""
+
+    log_lines: Callable[[list[dict[str, Any]]], None] | None = None  # a bare handle's tasks' output lines
+
     def __init__(self, mode: str = "data_parallel", config: dict[str, Any] | None = None, *, backend: Any = None,
                  coordinator: str | None = None, token: str | None = None, state_dir: str | Path | None = None):
         if mode not in MODES:
@@ -72,6 +83,7 @@ class Orchestrator(DistillTasks):
         self._fetched: set[tuple[str, str, str]] = set()
         self._exit_hook = False
         self._unreachable_since: float | None = None  # monitor_tasks: since when the coordinator is silent
+        self._session: Any = None  # on a bare Ray handle: the DistillSession the seeds' calls go to
 
     def __repr__(self) -> str:
         return f"Orchestrator(mode={self.mode!r}, backend={self.backend!r})"
@@ -92,6 +104,30 @@ class Orchestrator(DistillTasks):
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
+
+    def _in_process(self) -> Any:
+        """The DistillSession the seeds' distillation calls go to on a bare Ray handle (made on first
+        use, on `cluster`; monitor-thread driven). SmolforgeError on a Backend: its tasks are jobs."""
+        if self._as_jobs:
+            raise SmolforgeError("this orchestrator's distillation tasks are jobs, not in this process",
+                                 fix="follow them by task id (monitor_tasks, task_status)")
+        if self._session is None:
+            from smolforge.cluster.face import DistillSession
+
+            self._session = DistillSession(self.cluster, self.mode, events=self.events, on_lines=self._task_lines)
+        return self._session
+
+    def _task_lines(self, lines: list[dict[str, Any]]) -> None:
+        if self.log_lines is not None:
+            self.log_lines(lines)
+
+    def __getattr__(self, name: str) -> Any:
+        """On a bare Ray handle, what its DistillSession has beyond the calls named here (the run's state:
+        `_dstate`, `distill_tasks`, `cancel_distill_task`, `pause_distill_students`, ...). AttributeError
+        on a Backend, or for a name the session lacks."""
+        if name.startswith("__") or self.__dict__.get("_as_jobs", True):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._in_process(), name)
 
     def close(self) -> None:
         self.backend.close()
@@ -129,9 +165,9 @@ class Orchestrator(DistillTasks):
         checkpointing (an argument that says otherwise is an error). The data is `dataset_path` (a JSONL
         file or 'bundled') or a dataset by name, as `--dataset-name` ... `--dataset-eval-split`: the spec's
         `train.data.dataset_name` ... fields, read where the job is submitted. SmolforgeError for both,
-        neither, or a companion without `dataset_name` (`_check_dataset`).
+        neither, or a companion without `dataset_name` (`config.check_call_dataset`).
         """
-        named = _check_dataset("create_data_parallel_tasks", "dataset_path", dataset_path, {
+        named = check_call_dataset("create_data_parallel_tasks", "dataset_path", dataset_path, {
             "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
             "dataset_column": dataset_column, EVAL_SPLIT_KEY: dataset_eval_split},
             eval_file=train_overrides.get("eval_path", self.config.get("train", {}).get("eval_path")))
@@ -173,14 +209,14 @@ class Orchestrator(DistillTasks):
         jobs: dict[str, dict[str, Any]] = {}
         out = {}
         for tid in task_ids:
-            st = self._local_task_status(tid)
+            st = self._session._local_task_status(tid) if self._session is not None else None
             if st is not None:
                 out[tid] = st
                 continue
             job_id, name = split_task_id(tid) or (tid, None)
             if job_id not in jobs:
                 jobs[job_id] = self.backend.get_job_status(job_id)
-            out[tid] = jobs[job_id] if name is None else _job_task_status(jobs[job_id], f"{job_id}-{name}")
+            out[tid] = jobs[job_id] if name is None else job_task_status(jobs[job_id], f"{job_id}-{name}")
         return out
 
     def monitor_tasks(self, task_ids: list[str], callback: Callable[[str, dict], None] | None = None,
@@ -234,6 +270,34 @@ class Orchestrator(DistillTasks):
         self._unreachable_since = None
         return got
 
+    def wait_distill(self, task_ids: list[str], timeout: float | None = None,
+                     callback: Callable[[str, dict], None] | None = None) -> dict[str, dict[str, Any]]:
+        """Wait until the distillation tasks end (completed, failed, cancelled or paused); returns their
+        statuses. Jobs are followed as `monitor_tasks` follows them (so their outputs come to the paths
+        the calls named), `callback(task_id, status)` as it calls it (default: silent); on a bare Ray
+        handle, the session's wait. SmolforgeError when one failed, or one has not ended in `timeout` s."""
+        if not self._as_jobs:
+            return self._in_process().wait_distill(task_ids, timeout=timeout, callback=callback)
+        statuses = self.monitor_tasks(task_ids, callback or _silent, timeout=timeout)
+        ended = FINAL_STATES + ("paused",)
+        running = [t for t in dict.fromkeys(task_ids) if statuses.get(t, {}).get("state") not in ended]
+        if running:  # (only past a timeout: monitor_tasks returns when every one has ended)
+            raise SmolforgeError(f"distillation tasks did not finish within {timeout or 0:.0f}s: {', '.join(running)}",
+                                 fix="check `smolforge jobs`, or raise the timeout")
+        failed = [(t, st) for t, st in statuses.items() if st["state"] == "failed"]
+        if failed:
+            tid, st = failed[0]
+            raise SmolforgeError(f"{tid} failed: {st.get('error')}",
+                                 fix=f"see `smolforge job logs {(split_task_id(tid) or (tid,))[0]}`")
+        return statuses
+
+    def shutdown_distill(self, timeout: float = 15.0) -> None:
+        """Stop what runs in this process: a bare Ray handle's session (its threads joined, its actors
+        killed; call before Ray goes away). Nothing on a Backend: its jobs run on their cluster (`close`
+        ends an embedded one)."""
+        if self._session is not None:
+            self._session.shutdown_distill(timeout)
+
     # -- the seeds' distillation tasks, as jobs ------------------------------------------------------
 
     def create_teacher_task(self, model_path: str, dataset_path: str | None = None, output_dir: str | Path | None = None,
@@ -256,19 +320,19 @@ class Orchestrator(DistillTasks):
         waits for that. On a bare Ray handle the plan's teachers start in this process. The prompts are
         `dataset_path` or a dataset by name (`dataset_name` [`dataset_config`, `dataset_split`,
         `dataset_column`], read here into one JSONL file by `data.hub`, uploaded as any); SmolforgeError
-        for both or neither (`_check_dataset`), or no output_dir."""
+        for both or neither (`config.check_call_dataset`), or no output_dir."""
         if output_dir is None:
             raise SmolforgeError("no output_dir given", where="create_parallel_teacher_tasks",
                                  fix="pass output_dir (the run dir that gets teacher_outputs/)")
-        named = _check_dataset("create_parallel_teacher_tasks", "dataset_path", dataset_path, {
+        named = check_call_dataset("create_parallel_teacher_tasks", "dataset_path", dataset_path, {
             "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
             "dataset_column": dataset_column})
         dataset_path = _read_named(named, "dataset_path").get("dataset_path", dataset_path)
         call = dict(model_path=model_path, dataset_path=dataset_path, output_dir=output_dir, num_teachers=num_teachers,
                     batch_size=batch_size, compress_outputs=compress_outputs, max_samples=max_samples, **kwargs)
-        plan = self.teacher_plan(**call)  # the call checked here, at once: a wrong name, what a teacher cannot honour
+        plan = plan_teachers(TeacherCall(**call))  # checked here, at once: a wrong name, what a teacher cannot honour
         if not self._as_jobs:
-            return self.start_teachers(plan)
+            return self._in_process().start_teachers(plan)
         args = _call_args(call, drop=("output_dir",))
         out = Path(output_dir).expanduser().resolve()
         job_id = self._submit("teacher", args, name=f"teacher {model_path}", output_dir=out)
@@ -297,8 +361,8 @@ class Orchestrator(DistillTasks):
         that teacher job has completed. Outputs: `<output_dir>/output/student_N/` (default: the store's
         parent), N counting on across this orchestrator's calls. The held-out set is `eval_data` (its
         held-out split) / `eval_path` (whole), or a dataset by name: `dataset_name` [...] for eval_data,
-        `dataset_eval_split` for eval_path, read here as the teacher's (`_check_dataset`)."""
-        named = _check_dataset("create_student_tasks", "eval_data", kwargs.get("eval_data"), {
+        `dataset_eval_split` for eval_path, read here as the teacher's (`config.check_call_dataset`)."""
+        named = check_call_dataset("create_student_tasks", "eval_data", kwargs.get("eval_data"), {
             "dataset_name": dataset_name, "dataset_config": dataset_config, "dataset_split": dataset_split,
             "dataset_column": dataset_column, EVAL_SPLIT_KEY: dataset_eval_split},
             eval_file=kwargs.get("eval_path"), required=False)
@@ -306,9 +370,9 @@ class Orchestrator(DistillTasks):
         call = dict(base_model=base_model, teacher_outputs_dir=teacher_outputs_dir, num_students=num_students,
                     peft_type=peft_type, peft_config=peft_config, **kwargs)
         if not self._as_jobs:
-            return self.start_students(self.student_plan(**call))
+            return self._in_process().start_students(plan_students(StudentCall(**call), self.mode))
         # the call checked here, at once (its store is the job's to find: the seeds may name a job, or none)
-        self.student_plan(**{**call, "teacher_outputs_dir": "-"})
+        plan_students(StudentCall(**{**call, "teacher_outputs_dir": "-"}), self.mode)
         args = _call_args(call, drop=("teacher_outputs_dir", "output_dir", "resume"))
         source, store = self._teacher_source(teacher_outputs_dir)
         base = Path(kwargs.get("output_dir") or store.parent).expanduser().resolve()
@@ -331,7 +395,8 @@ class Orchestrator(DistillTasks):
         for it (the seeds' call returns the merge's report). Student task ids, or the output dirs of
         this orchestrator's students (on the embedded cluster, any), wait for their jobs to complete."""
         if not self._as_jobs:
-            return super().aggregate_student_outputs(student_output_dirs, output_path, method=method, **kwargs)
+            return self._in_process().aggregate_student_outputs(student_output_dirs, output_path, method=method,
+                                                                **kwargs)
         tasks, dirs = [], []
         for d in student_output_dirs:
             tid = str(d) if split_task_id(str(d)) else self._student_dirs.get(str(Path(d).expanduser().resolve()))
@@ -360,7 +425,7 @@ class Orchestrator(DistillTasks):
         soon as a node frees, so this checks the teacher has finished and returns the first of this
         orchestrator's students still waiting for a node (which the queue places next), or None."""
         if not self._as_jobs:
-            return super().reassign_idle_teacher_as_student(task_id)
+            return self._in_process().reassign_idle_teacher_as_student(task_id)
         parts = split_task_id(task_id)
         if parts is None or not parts[1].startswith("teacher-"):
             raise SmolforgeError(f"{task_id} is not a teacher task", fix="pass an id returned by create_parallel_teacher_tasks")
@@ -470,43 +535,6 @@ class Orchestrator(DistillTasks):
         return self.backend.leave_job(job_id, node)
 
 
-def _job_task_status(job: dict[str, Any], row_id: str) -> dict[str, Any]:
-    """One task of a job as the seeds' callbacks read it: the job's status, with the task's state, node
-    and error from its row (a task not started yet is pending; a completed job's tasks all completed)."""
-    row = next((t for t in job.get("tasks", []) if t["id"] == row_id), None)
-    state, job_state = job["state"], job["state"]
-    if job_state != "completed" and row is not None:
-        if row["state"] in FINAL_STATES:
-            state = row["state"]
-        elif job_state not in FINAL_STATES + ("paused",):
-            state = "running" if row["state"] == "running" else "pending"
-    elif job_state != "completed" and job_state not in FINAL_STATES + ("paused",):
-        state = "pending"
-    node = (row or {}).get("node_name")
-    return {**job, "task_id": row_id, "job_state": job_state, "state": state,
-            "progress": 1.0 if state == "completed" else job.get("progress") or 0.0,
-            "node": node or job.get("node"), "nodes": [node] if node else job.get("nodes", []),
-            "error": (row or {}).get("error") or job.get("error")}
-
-
-def _check_dataset(where: str, file_key: str, file: Any, named: dict[str, Any], eval_file: Any = None,
-                   required: bool = True) -> dict[str, Any]:
-    """A seed call's dataset, a file (FILE_KEY = FILE) or by name (NAMED: `dataset_name` and its companions;
-    `dataset_eval_split` beside the call's held-out file EVAL_FILE), checked by the rules the commands and
-    specs follow (`config.dataset_choice_problem`, `eval_split_problem`), in the call's own argument names.
-    Returns the NAMED keys given. SmolforgeError (where: the call) for a file and a name, a companion
-    without the name, an eval split beside a held-out file, or (REQUIRED) neither file nor name."""
-    given = {key: value for key, value in named.items() if value is not None}
-    problem = dataset_choice_problem(file_key, file, given) or eval_split_problem(
-        "eval_path", eval_file, given.get("dataset_name"), given.get(EVAL_SPLIT_KEY))
-    if problem is None and required and file is None and not given:
-        problem = f"no dataset: give {file_key} or dataset_name"
-    if problem:
-        raise SmolforgeError(problem, where=where, fix=f"pass one of {file_key}=FILE and dataset_name=NAME "
-                             "(with dataset_config=, dataset_split=, dataset_column=, dataset_eval_split= as needed)")
-    return given
-
-
 def _read_named(named: dict[str, Any], file_key: str, eval_key: str | None = None) -> dict[str, Any]:
     """NAMED (a call's `dataset_name` ..., checked) read into FILE_KEY (and its eval split into EVAL_KEY) by
     `data.hub.resolve_in`, the one reader specs use: {} when no name was given."""
@@ -530,6 +558,10 @@ def _call_args(call: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _silent(task_id: str, status: dict[str, Any]) -> None:
+    """A monitor_tasks callback that says nothing (wait_distill's default)."""
+
+
 def _distill_mode(mode: str) -> str:
     """The distill mode of the orchestrator's mode: hybrid stays, the others are teacher_student."""
     return "hybrid" if mode == "hybrid" else "teacher_student"
@@ -544,7 +576,7 @@ def _close_at_exit(ref: "weakref.ref[Orchestrator]") -> None:
 
 def _shutdown_at_exit(ref: "weakref.ref[Orchestrator]") -> None:
     orch = ref()
-    if orch is not None and getattr(orch, "_distill_state", None) is not None:
+    if orch is not None:
         orch.shutdown_distill()
 
 

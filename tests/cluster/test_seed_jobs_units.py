@@ -12,7 +12,8 @@ from smolforge import ResourceConfig, TaskConfig
 from smolforge.cluster.control import kinds
 from smolforge.cluster.workloads.distill.runner import split_task_id
 from smolforge.errors import SmolforgeError
-from smolforge.orchestrator import Orchestrator, _job_task_status
+from smolforge.cluster.control.jobview import job_task_status as _job_task_status
+from smolforge.orchestrator import Orchestrator
 
 
 class FakeCoordinator:
@@ -121,3 +122,20 @@ def test_a_task_reads_its_state_from_its_job_and_its_row(job_state, row_state, w
 def test_task_ids_name_their_job():
     assert split_task_id("job-1a2b3c4d5e-teacher-12") == ("job-1a2b3c4d5e", "teacher-12")
     assert split_task_id("job-1a2b3c4d5e") is None and split_task_id("student-1") is None
+
+
+def test_wait_distill_follows_this_orchestrators_jobs_and_names_a_failed_task(orch, tmp_path, monkeypatch):
+    """The demo's wait on the job path (`Orchestrator.wait_distill`): it follows the tasks' jobs as
+    `monitor_tasks` does (fetching a completed teacher's store to the path the call named) and returns
+    their statuses; a task whose job failed is one SmolforgeError naming it and the job's error."""
+    monkeypatch.chdir(tmp_path)
+    [teacher] = orch.create_parallel_teacher_tasks("tiny-llama", "bundled", "./run", num_teachers=1)
+    done = orch.wait_distill([teacher], timeout=5)
+    assert done[teacher]["state"] == "completed"
+    assert orch.backend.downloaded == (split_task_id(teacher)[0], "store", "teacher_outputs",
+                                       (tmp_path / "run" / "teacher_outputs").resolve(), False)
+    students = orch.create_student_tasks("tiny-llama", "./run/teacher_outputs", num_students=1)
+    failed = {"state": "failed", "progress": 0.0, "nodes": [], "error": "out of memory", "tasks": []}
+    monkeypatch.setattr(orch.backend, "get_job_status", lambda job_id: {"job_id": job_id, **failed})
+    with pytest.raises(SmolforgeError, match=f"{students[0]} failed: out of memory"):
+        orch.wait_distill(students, timeout=5)

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
     from smolforge.cluster.nodes.statedir import check_port
     from smolforge.cluster.nodes.worker import WorkerNode, WorkerOptions, request_rescan
     from smolforge.cluster.workloads.distill.runner import split_task_id
-    from smolforge.cluster.workloads.distill.session import DistillSession, DistillTasks
-    from smolforge.cluster.workloads.distill.plans import store_dir_of
+    from smolforge.cluster.workloads.distill.session import DistillSession
+    from smolforge.cluster.workloads.distill.plans import StudentCall, TeacherCall, plan_students, plan_teachers, store_dir_of
 
 __all__ = ["Backend", "holds_jobs", "check_node_name", "check_port", "WorkerNode", "WorkerOptions", "request_rescan",
-           "split_task_id", "DistillSession", "DistillTasks", "store_dir_of"]
+           "split_task_id", "DistillSession", "TeacherCall", "StudentCall", "plan_teachers", "plan_students",
+           "store_dir_of"]
 
 
 @runtime_checkable
@@ -97,7 +98,10 @@ _LAZY = {
     "request_rescan": "smolforge.cluster.nodes.worker",
     "split_task_id": "smolforge.cluster.workloads.distill.runner",
     "DistillSession": "smolforge.cluster.workloads.distill.session",
-    "DistillTasks": "smolforge.cluster.workloads.distill.session",
+    "TeacherCall": "smolforge.cluster.workloads.distill.plans",
+    "StudentCall": "smolforge.cluster.workloads.distill.plans",
+    "plan_teachers": "smolforge.cluster.workloads.distill.plans",
+    "plan_students": "smolforge.cluster.workloads.distill.plans",
     "store_dir_of": "smolforge.cluster.workloads.distill.plans",
 }
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import Any
+
+_FINAL = ("completed", "failed", "cancelled")
+_ENDED = _FINAL + ("paused",)  # a job that runs no more (paused: until resumed)
 
 
 def job_status(job: dict) -> dict:
@@ -18,6 +22,25 @@ def job_status(job: dict) -> dict:
         "priority": (job.get("spec") or {}).get("priority", "normal"), "pending_reason": job.get("pending_reason"),
         **({"damaged": job["damaged"]} if job.get("damaged") else {}),  # a stored row that cannot be shown whole
     }
+
+
+def job_task_status(job: dict[str, Any], row_id: str) -> dict[str, Any]:
+    """One task of a job as the seeds' callbacks read it: the job's status, with the task's state, node
+    and error from its row (a task not started yet is pending; a completed job's tasks all completed)."""
+    row = next((t for t in job.get("tasks", []) if t["id"] == row_id), None)
+    state, job_state = job["state"], job["state"]
+    if job_state != "completed" and row is not None:
+        if row["state"] in _FINAL:
+            state = row["state"]
+        elif job_state not in _ENDED:
+            state = "running" if row["state"] == "running" else "pending"
+    elif job_state != "completed" and job_state not in _ENDED:
+        state = "pending"
+    node = (row or {}).get("node_name")
+    return {**job, "task_id": row_id, "job_state": job_state, "state": state,
+            "progress": 1.0 if state == "completed" else job.get("progress") or 0.0,
+            "node": node or job.get("node"), "nodes": [node] if node else job.get("nodes", []),
+            "error": (row or {}).get("error") or job.get("error")}
 
 
 def memory_lines(job: dict) -> list[str]:

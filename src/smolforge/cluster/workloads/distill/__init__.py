@@ -1,7 +1,8 @@
 """Distillation on the cluster: teacher shards, streaming students, rotation, aggregation.
 
-`DistillTasks` (session.py) is a mixin for `smolforge.orchestrator.Orchestrator` and the distill job runner, which gives it `self.cluster`
-(a connected `ray_glue.ClusterHandle`) and `self.log_event(kind, message, **data)`. It adds the seeds'
+`DistillTasks` (session.py) is the base of `DistillSession`, which gives it `self.cluster` (a connected
+`ray_glue.ClusterHandle`) and `self.log_event(kind, message, **data)`: what the distill job runners drive,
+and what the seeds' `smolforge.orchestrator.Orchestrator` holds on a bare Ray handle. It has the seeds'
 names: `create_teacher_task`, `create_parallel_teacher_tasks`, `create_student_tasks`,
 `aggregate_student_outputs`, `reassign_idle_teacher_as_student`, and `_local_task_status` so
 `monitor_tasks` reports teacher and student tasks.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ray.exceptions import RayError
 
@@ -24,7 +24,7 @@ MAX_HELD_LINES = 50_000  # task lines held for the job runner, which takes them 
 
 
 class DistillTasks(TeacherTasks, StudentTasks):
-    """Mixed into Orchestrator: distillation tasks on the cluster (see the module docstring)."""
+    """Distillation tasks on the cluster (see the module docstring): `DistillSession`'s building blocks."""
 
     # -- rotation ------------------------------------------------------------------------------------
 
@@ -401,25 +401,31 @@ class DistillTasks(TeacherTasks, StudentTasks):
 
 
 class DistillSession(DistillTasks):
-    """DistillTasks on a connected cluster: what the distill job runner drives.
+    """DistillTasks on a connected cluster: what the distill job runner drives, and what the seeds'
+    `Orchestrator` holds on a bare Ray handle (the distill tests' clusters) and hands its calls to."""
 
-    (`smolforge.orchestrator.Orchestrator` is the other DistillTasks: the seed-named façade.)
-    """
-
-    def __init__(self, cluster, mode: str = "teacher_student", driven: bool = False):
+    def __init__(self, cluster, mode: str = "teacher_student", driven: bool = False,
+                 events: list[dict[str, Any]] | None = None,
+                 on_lines: Callable[[list[dict[str, Any]]], None] | None = None):
         """`driven`: the caller steps the run (`step`, `tick`: the distill job runner's poll); else a
-        monitor thread does."""
+        monitor thread does. `events`: the list its events are appended to (default: its own, `events`);
+        `on_lines`: where its tasks' output lines go as they come (default: held for `take_lines`)."""
         self.cluster, self.mode = cluster, mode
         self._dstate().driven = driven
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = [] if events is None else events
         self.lines: list[dict[str, Any]] = []
+        self._on_lines = on_lines
         self._lines_lock = threading.Lock()
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
 
     def log_lines(self, lines: list[dict[str, Any]]) -> None:
-        """Teachers' and students' output lines, until the job runner takes them (`take_lines`)."""
+        """Teachers' and students' output lines, to `on_lines`, or held until the job runner takes
+        them (`take_lines`)."""
+        if self._on_lines is not None:
+            self._on_lines(lines)
+            return
         with self._lines_lock:
             self.lines.extend(lines)
             del self.lines[:-MAX_HELD_LINES]  # a runner that stopped taking them must not grow this
