@@ -505,3 +505,48 @@ def test_a_served_model_s_parts_are_sent_at_once_then_its_stages_start_one_per_n
         g._start_stages()
     assert sorted(e[0] for e in record) == ["send"] * 3 + ["sent"] * 3, record  # every send ended, none started
     assert [h.pending for h in g.handles] == [None] * 3
+
+
+def test_a_data_parallel_round_sends_the_model_while_its_ranks_processes_start(monkeypatch):
+    """`WorkerGroup.start`: once the bundles are reserved and every rank's actor is created, `meanwhile`
+    (the runner's `bring_model`) gets the reserved nodes in rank order, before the actors' answers are
+    awaited, so the transfer overlaps the ranks' process starts instead of following them."""
+    import importlib
+
+    import ray
+
+    from smolforge.cluster.workloads.data_parallel import worker_group
+
+    pgmod = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is its function)
+
+    w1, w2 = _node("w1"), _node("w2")
+    record: list[tuple] = []
+
+    class Actor:
+        def __init__(self, rank):
+            self.info = type("M", (), {"remote": lambda _self: ("info", rank)})()
+
+    class Cls:
+        def options(self, **kw):
+            return self
+
+        def remote(self, job_id, attempt, rank, cpus, control):
+            record.append(("created", rank))
+            return Actor(rank)
+
+    def get(refs, timeout=None):
+        if refs == "ready":
+            return None
+        record.append(("awaited", [r for _, r in refs]))
+        return [{"rank": r, "node_id": n.node_id, "node_name": n.name} for (_, r), n in zip(refs, (w1, w2))]
+
+    monkeypatch.setattr(pgmod, "placement_group", lambda specs, **kw: type("PG", (), {"ready": lambda s: "ready"})())
+    monkeypatch.setattr(pgmod, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: w1.node_id, 1: w2.node_id}})
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "remote", lambda cls: Cls())
+    monkeypatch.setattr(ray_glue, "nodes", lambda: [w2, w1])
+    group = worker_group.WorkerGroup("j", 1, [({"CPU": 1}, {}), ({"CPU": 1}, {})], control=None)
+    infos = group.start(5, meanwhile=lambda placed: record.append(("meanwhile", placed)))
+    assert record == [("created", 0), ("created", 1), ("meanwhile", [(w1.node_id, "w1"), (w2.node_id, "w2")]),
+                      ("awaited", [0, 1])], record
+    assert [i["node_name"] for i in infos] == ["w1", "w2"]
