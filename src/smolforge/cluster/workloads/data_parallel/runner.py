@@ -145,11 +145,12 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
             return Failed(f"no place to run: {err.what}", error=err.what)
         gid, brought = f"{self.job_id}-g{round_no}", []
         # the placed workers lacking the model fetch it while the ranks' processes start
-        infos = self._place(round_no, bundles, world,
-                            lambda placed: brought.append(self._bring_model(placed, gid, world)))
+        bring = ((lambda placed: brought.append(self._bring_model(placed, gid, world)))
+                 if self._model_travels() else None)
+        infos = self._place(round_no, bundles, world, bring)
         if not isinstance(infos, list):
             return infos
-        moved = brought[0]
+        moved = brought[0] if brought else None
         if moved is not None:
             self.store.upsert_task(gid, self.job_id, "dp_group", "released" if isinstance(moved, Regroup) else "failed",
                                    error=getattr(moved, "error", None))
