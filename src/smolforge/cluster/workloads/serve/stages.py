@@ -353,7 +353,7 @@ class StageGroup:
         with self._lock:
             cands, picked = self.candidates(), []
             for h in self.handles:
-                planned = self.targets[h.index] if h.index < len(self.targets) else None
+                planned = self.targets[h.index] if not h.where and h.index < len(self.targets) else None
                 node = self._pick(h, cands, planned)
                 h.pending = node.node_id
                 picked.append((h, node))
