@@ -309,11 +309,14 @@ def test_a_node_joining_a_running_elastic_job_gets_the_model_before_its_rank_sta
 
 
 def test_a_distill_run_waits_for_its_fetching_workers_to_advertise_its_models(monkeypatch):
-    """distill/travel.py: each model fetched with advertise=False by the workers that lack it, each such
+    """distill/travel.py: each model fetched with advertise=False by the workers that lack it, the models
+    at once (each of the first run's two sends waits until both began), each such
     node asked to read its models once, after the last; the run waits for them by name (a node re-joins
     Ray under a new id); one that never comes back is left out with an event; no worker holding the
     teacher then fails the attempt; a stop while waiting regroups. Presets, Ollama teachers and a
     teacher on the coordinator do not travel."""
+    import threading
+
     from smolforge.cluster.control.runner import Failed, Regroup
     from smolforge.cluster.workloads.distill import travel
 
@@ -324,8 +327,12 @@ def test_a_distill_run_waits_for_its_fetching_workers_to_advertise_its_models(mo
     tables: list[list] = []
     calls, asked, events = [], [], []
 
+    both = threading.Barrier(2, timeout=20)  # the first run's two models: sent at once, else it breaks
+
     def bring(report, model, placed, nodes, stopping, part=None, advertise=True):
         calls.append((model, [n for _, n in placed], advertise))
+        if len(calls) <= 2:
+            both.wait()
 
     monkeypatch.setattr(travel, "bring_model", bring)
     monkeypatch.setattr(travel, "ask_rescan", lambda placed: asked.append(sorted(n for _, n in placed))
@@ -343,7 +350,7 @@ def test_a_distill_run_waits_for_its_fetching_workers_to_advertise_its_models(mo
 
     tables[:] = [[coord, w1, w2], [coord, w1, w2], [coord, back, w2]]  # w1 re-joins, w2 never does
     assert travel.bring_run_models(report, ["org/t", "org/s"], "org/t", lambda: False, wait_s=0.5) is None
-    assert calls == [("org/t", ["w1", "w2"], False), ("org/s", ["w1", "w2"], False)] and asked == [["w1", "w2"]]
+    assert sorted(calls) == [("org/s", ["w1", "w2"], False), ("org/t", ["w1", "w2"], False)] and asked == [["w1", "w2"]]
     left = [(nodes, m) for state, nodes, m in events if state == "left_out"]
     assert [nodes for nodes, _ in left] == [["w2"]] and "left out" in left[0][1], events
     assert "advertised" not in [state for state, _, _ in events]
@@ -445,3 +452,101 @@ def test_a_rank_s_part_fetch_reports_as_the_job_s_events_and_fails_the_rank_with
     with pytest.raises(SmolforgeError) as err:
         fetch([0, 1, 4], 1)
     assert "stage 1's part (layers 1-4)" in err.value.render() and "0.10 GB free" in err.value.render()
+
+
+def test_a_served_model_s_parts_are_sent_at_once_then_its_stages_start_one_per_node_at_a_time(monkeypatch):
+    """`serve --stages 3` of a model only the coordinator holds, stages 0 and 2 planned on w1, stage 1 on
+    w2 (`StageGroup._start_stages`): every stage's part is sent before any stage starts, the three sends
+    at once (each send waits until all three have begun: sent one after another, the first would wait
+    alone and the barrier break); then the stages start, w2's while w1's first loads, w1's second only
+    once w1's first answered (a node's memory cap is planned for resident sizes, not two loads at once).
+    A send that fails ends the start with its reason, after the others ended, and no stage starts."""
+    import threading
+
+    from smolforge.cluster.control.runner import Failed
+    from smolforge.cluster.workloads import model_transfer
+    from smolforge.cluster.workloads.serve import stages as st
+    from smolforge.serve.stages import StageError
+
+    coord, w1, w2 = _node("coord", "coordinator", ("org/m",)), _node("w1"), _node("w2")
+    monkeypatch.setattr(ray_glue, "nodes", lambda: [coord, w1, w2])
+    record: list[tuple] = []
+    barrier, refuse = threading.Barrier(3, timeout=20), set()
+
+    def bring(report, model, placed, nodes, stopping, part=None, **kw):
+        record.append(("send", part.index, placed[0][1]))
+        barrier.wait()  # BrokenBarrierError unless the three sends run at once
+        record.append(("sent", part.index))
+        return Failed("w2 cannot take it: 0.10 GB free", retryable=False) if part.index in refuse else None
+
+    def settle(h, actor, node):
+        record.append(("answered", h.index))
+        h.actor, h.where, h.broken, h.pending = actor, {"node": node.name}, False, None
+
+    def group() -> st.StageGroup:
+        g = st.StageGroup("org/m", None, bounds=[0, 1, 2, 4])
+        g.targets, g.handles = [w1.node_id, w2.node_id, w1.node_id], [st.RemoteStage(g, i) for i in range(3)]
+        monkeypatch.setattr(g, "_create", lambda h, node: record.append(("create", h.index, node.name)) or h.index)
+        monkeypatch.setattr(g, "_settle", settle)
+        return g
+
+    monkeypatch.setattr(model_transfer, "bring_model", bring)
+    group()._start_stages()
+    sends, rest = record[:6], record[6:]
+    assert sorted(e for e in sends[:3]) == [("send", 0, "w1"), ("send", 1, "w2"), ("send", 2, "w1")], record
+    assert sorted(e[1] for e in sends[3:]) == [0, 1, 2] and {e[0] for e in sends[3:]} == {"sent"}, record
+    assert rest == [("create", 0, "w1"), ("create", 1, "w2"), ("answered", 0), ("create", 2, "w1"),
+                    ("answered", 1), ("answered", 2)], record
+
+    record.clear()
+    refuse.add(1)
+    g = group()
+    with pytest.raises(StageError, match="stage 1 could not be given its part .*0.10 GB free"):
+        g._start_stages()
+    assert sorted(e[0] for e in record) == ["send"] * 3 + ["sent"] * 3, record  # every send ended, none started
+    assert [h.pending for h in g.handles] == [None] * 3
+
+
+def test_a_data_parallel_round_sends_the_model_while_its_ranks_processes_start(monkeypatch):
+    """`WorkerGroup.start`: once the bundles are reserved and every rank's actor is created, `meanwhile`
+    (the runner's `bring_model`) gets the reserved nodes in rank order, before the actors' answers are
+    awaited, so the transfer overlaps the ranks' process starts instead of following them."""
+    import importlib
+
+    import ray
+
+    from smolforge.cluster.workloads.data_parallel import worker_group
+
+    pgmod = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is its function)
+
+    w1, w2 = _node("w1"), _node("w2")
+    record: list[tuple] = []
+
+    class Actor:
+        def __init__(self, rank):
+            self.info = type("M", (), {"remote": lambda _self: ("info", rank)})()
+
+    class Cls:
+        def options(self, **kw):
+            return self
+
+        def remote(self, job_id, attempt, rank, cpus, control):
+            record.append(("created", rank))
+            return Actor(rank)
+
+    def get(refs, timeout=None):
+        if refs == "ready":
+            return None
+        record.append(("awaited", [r for _, r in refs]))
+        return [{"rank": r, "node_id": n.node_id, "node_name": n.name} for (_, r), n in zip(refs, (w1, w2))]
+
+    monkeypatch.setattr(pgmod, "placement_group", lambda specs, **kw: type("PG", (), {"ready": lambda s: "ready"})())
+    monkeypatch.setattr(pgmod, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: w1.node_id, 1: w2.node_id}})
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "remote", lambda cls: Cls())
+    monkeypatch.setattr(ray_glue, "nodes", lambda: [w2, w1])
+    group = worker_group.WorkerGroup("j", 1, [({"CPU": 1}, {}), ({"CPU": 1}, {})], control=None)
+    infos = group.start(5, meanwhile=lambda placed: record.append(("meanwhile", placed)))
+    assert record == [("created", 0), ("created", 1), ("meanwhile", [(w1.node_id, "w1"), (w2.node_id, "w2")]),
+                      ("awaited", [0, 1])], record
+    assert [i["node_name"] for i in infos] == ["w1", "w2"]

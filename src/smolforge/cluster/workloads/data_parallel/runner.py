@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ray.exceptions import RayError
 
@@ -142,11 +143,14 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
                 return Regroup("stopped while waiting for placement")  # the base sees the stop request
             self.store.add_event(self.job_id, "placement_failed", err.render())
             return Failed(f"no place to run: {err.what}", error=err.what)
-        infos = self._place(round_no, bundles, world)
+        gid, brought = f"{self.job_id}-g{round_no}", []
+        # the placed workers lacking the model fetch it while the ranks' processes start
+        bring = ((lambda placed: brought.append(self._bring_model(placed, gid, world)))
+                 if self._model_travels() else None)
+        infos = self._place(round_no, bundles, world, bring)
         if not isinstance(infos, list):
             return infos
-        gid = f"{self.job_id}-g{round_no}"
-        moved = self._bring_model([(i["node_id"], i["node_name"]) for i in infos], gid, world)  # placed workers lacking it fetch it
+        moved = brought[0] if brought else None
         if moved is not None:
             self.store.upsert_task(gid, self.job_id, "dp_group", "released" if isinstance(moved, Regroup) else "failed",
                                    error=getattr(moved, "error", None))
@@ -177,8 +181,10 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
         self.round = Round(round_no, gid, self.group, cfg, self._launch(self.group, plan, resume))
         return None
 
-    def _place(self, round_no: int, bundles: list, world: int) -> list[dict] | Outcome:
-        """The round's group placed (each rank's placement info), or what came of trying."""
+    def _place(self, round_no: int, bundles: list, world: int,
+               meanwhile: Callable[[list[tuple[str, str]]], None] | None = None) -> list[dict] | Outcome:
+        """The round's group placed (each rank's placement info), or what came of trying; `meanwhile`
+        (`WorkerGroup.start`) runs while the ranks' processes start."""
         spec = self.spec
         group = WorkerGroup(self.job_id, round_no, bundles, self.control)
         self.group, self.world = group, world
@@ -188,7 +194,7 @@ class DPRunner(NodeJoining, NodeLeaving, JobRunner):
                                max_retries=spec.max_retries,
                                requirements=requirements_for(spec, self.ctx.embedded).to_dict())
         try:
-            infos = group.start(spec.placement_timeout_s)
+            infos = group.start(spec.placement_timeout_s, meanwhile)
         except Exception as err:  # noqa: BLE001 - Ray's placement errors and ours alike
             self._release()
             msg = err.render() if isinstance(err, SmolforgeError) else short_error(err)

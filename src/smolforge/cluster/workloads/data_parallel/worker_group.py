@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ray.exceptions import RayError
 
@@ -45,8 +45,11 @@ class WorkerGroup:
     def world(self) -> int:
         return len(self.bundles)
 
-    def start(self, ready_timeout: float = 120.0) -> list[dict]:
-        """Reserve the bundles, create one actor per bundle, return each rank's placement info."""
+    def start(self, ready_timeout: float = 120.0,
+              meanwhile: Callable[[list[tuple[str, str]]], None] | None = None) -> list[dict]:
+        """Reserve the bundles, create one actor per bundle, return each rank's placement info.
+        `meanwhile`: called with the reserved nodes (`bundle_nodes`) while the actors' processes start
+        (the runner sends the model to those that lack it then: the transfer and the starts overlap)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -77,10 +80,23 @@ class WorkerGroup:
                 max_restarts=0, max_task_retries=0, name=None,
             ).remote(self.job_id, self.attempt, rank, b.get("CPU", 1), self.control)
             self.members.append(Member(rank, actor))
+        if meanwhile is not None:
+            meanwhile(self.bundle_nodes())
         infos = ray.get([m.actor.info.remote() for m in self.members], timeout=ready_timeout)
         for m, info in zip(self.members, infos):
             m.info = info
         return infos
+
+    def bundle_nodes(self) -> list[tuple[str, str]]:
+        """(node id, name) of each reserved bundle's node, in rank order (Ray's placement group table;
+        the name the node table gives it, else its id)."""
+        from ray.util.placement_group import placement_group_table
+
+        from smolforge.cluster.nodes import ray_glue
+
+        where = placement_group_table(self.pg)["bundles_to_node_id"]
+        names = {n.node_id: n.name for n in ray_glue.nodes()}
+        return [(where[i], names.get(where[i], where[i])) for i in range(len(self.bundles))]
 
     def run(self, plan: RankPlan, resume_from: str | None, join_world: int | None = None,
             server: Any = None) -> list:

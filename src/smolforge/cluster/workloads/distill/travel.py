@@ -5,8 +5,8 @@ Distill places its teachers and students by what the nodes advertise (`model:<na
 round) or on one node it pins (an export). So the run's models travel first: the teacher (unless it
 runs on the coordinator, or is an Ollama tag) and every student base, each that some node holds
 (`placement.model_travels`), go to every live worker that takes work and lacks them
-(`model_transfer.bring_model`, its steps the job's `model_transfer` events), and the run then waits
-(REGISTER_WAIT_S at most) until those workers advertise them.
+(`model_transfer.bring_model`, its steps the job's `model_transfer` events; the models at once), and
+the run then waits (REGISTER_WAIT_S at most) until those workers advertise them.
 
 A worker advertises a new model only by leaving Ray and joining again (Ray cannot add a resource to a
 running node), under a new node id, once none of its CPUs runs a task: the wait matches nodes by
@@ -20,6 +20,7 @@ worker holds the teacher then, the attempt fails with the reason (its FailurePol
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from smolforge.cluster.control.placement import model_travels
@@ -46,21 +47,23 @@ def travelling_models(teacher: str | None, students: list[str], embedded: bool, 
 
 def bring_run_models(report: Report, models: list[str], teacher: str | None, stopping: Callable[[], bool],
                      wait_s: float | None = None) -> Outcome | None:
-    """`models` to every live worker that takes work and lacks them, then each such worker's re-join
-    awaited (`wait_s`, default REGISTER_WAIT_S); None when the run may place its tasks, else the
-    attempt's Outcome: a transfer's Failed or Regroup, Regroup when `stopping()` turned true while
-    waiting, Failed when `teacher` (one of `models`) is on no worker afterwards."""
+    """`models` to every live worker that takes work and lacks them, every model at once (a run waits for
+    the slowest transfer, not their sum; a failed one's Outcome is returned once all ended), then each
+    such worker's re-join awaited (`wait_s`, default REGISTER_WAIT_S); None when the run may place its
+    tasks, else the attempt's Outcome: a transfer's Failed or Regroup, Regroup when `stopping()` turned
+    true while waiting, Failed when `teacher` (one of `models`) is on no worker afterwards."""
     if not models:
         return None
     nodes = ray_glue.nodes()
     placed = [(n.node_id, n.name) for n in nodes if n.alive and n.takes_work]
     fetched: dict[tuple[str, str], set[str]] = {}  # (node id, name) -> the models it must advertise
+    with ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="sf-run-model") as pool:  # all at once
+        outcomes = list(pool.map(lambda m: bring_model(report, m, placed, nodes, stopping, advertise=False), models))
+    moved = next((o for o in outcomes if o is not None), None)  # the first model's that failed, in `models` order
+    if moved is not None:
+        return moved
     for model in models:
-        _, need = lacking(model, placed, nodes)
-        moved = bring_model(report, model, placed, nodes, stopping, advertise=False)
-        if moved is not None:
-            return moved
-        for node in need:
+        for node in lacking(model, placed, nodes)[1]:
             fetched.setdefault(node, set()).add(model)
     if fetched:
         asked, failed = ask_rescan(list(fetched))

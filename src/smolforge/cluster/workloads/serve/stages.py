@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Stages' parts sent at once when a group starts (`StageGroup._bring_parts`): each send writes its part on
+# the holder (the part's tensors in memory while written: the model's bytes at most, all parts together).
+SENDS_AT_ONCE = 4
+
 
 def read_dir(path: str | Path) -> dict[str, bytes]:
     """A small directory (adapter, tokenizer) as {relative name: bytes}, to send through Ray."""
@@ -329,33 +333,67 @@ class StageGroup:
             raise StageError(f"stage {handle.index} could not be given its part of {self.model} on {node.name}: "
                              f"{why}", fix=f"join a worker that holds {self.model}, or free disk space on {node.name}")
 
+    def _bring_parts(self, picked: list[tuple[RemoteStage, ray_glue.NodeInfo]]) -> None:
+        """Every picked stage's part sent to its node at once (`_bring_part` each, in threads, at most
+        SENDS_AT_ONCE at a time; a node holding the model is skipped): a start waits for the slowest send,
+        not for their sum. Raises the first stage's StageError (or other error) once every send ended."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [(h, node) for h, node in picked if not self._holds(node)]
+        if not todo:
+            return
+        with ThreadPoolExecutor(max_workers=min(SENDS_AT_ONCE, len(todo)), thread_name_prefix="sf-stage-part") as pool:
+            sends = [pool.submit(self._bring_part, h, node) for h, node in todo]
+        for send in sends:
+            send.result()
+
+    def _pick_all(self) -> list[tuple[RemoteStage, ray_glue.NodeInfo]]:
+        """Under the group's lock: a node for every stage (`_pick`, the plan's where it is a candidate),
+        each marked `pending` there so the next pick counts it."""
+        with self._lock:
+            cands, picked = self.candidates(), []
+            for h in self.handles:
+                planned = self.targets[h.index] if not h.where and h.index < len(self.targets) else None
+                node = self._pick(h, cands, planned)
+                h.pending = node.node_id
+                picked.append((h, node))
+            return picked
+
     def place(self, handle: RemoteStage) -> None:
         """A new actor for this stage on a live node that holds the model, answering before it returns."""
         self._settle(handle, *self._launch(handle))
 
-    def _launch(self, handle: RemoteStage, before: Callable[[ray_glue.NodeInfo], None] | None = None
-                ) -> tuple[Any, ray_glue.NodeInfo]:
+    def _launch(self, handle: RemoteStage, before: Callable[[ray_glue.NodeInfo], None] | None = None,
+                picked: ray_glue.NodeInfo | None = None) -> tuple[Any, ray_glue.NodeInfo]:
         """Under the group's lock: the old actor killed, a node picked (counting the stages being started
         elsewhere: `handle.pending`), `before(node)` called (`start`: a stage still starting there answers
-        first), the part sent to it, the new actor created; not waited for."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+        first), the part sent to it, the new actor created; not waited for. `picked`: the node `start`
+        chose and sent the part to already (`_pick_all`, `_bring_parts`)."""
         with self._lock:
             self.kill(handle)
-            planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
-            node = self._pick(handle, self.candidates(), planned)
+            node = picked
+            if node is None:
+                planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
+                node = self._pick(handle, self.candidates(), planned)
             if before is not None:
                 before(node)
-            self._bring_part(handle, node)
-            actor = ray.remote(StageActor).options(
-                num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,
-                max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
+            if picked is None:
+                self._bring_part(handle, node)
+            actor = self._create(handle, node)
             handle.pending = node.node_id
             self.events.append({"kind": "stage_start", "message": f"stage {handle.index} starting on {node.name}",
                                 "data": {"stage": handle.index, "node": node.name}})
             return actor, node
+
+    def _create(self, handle: RemoteStage, node: ray_glue.NodeInfo) -> Any:
+        """The stage's actor, created on `node` (hard affinity; not waited for)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return ray.remote(StageActor).options(
+            num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,
+            max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
 
     def _settle(self, handle: RemoteStage, actor: Any, node: ray_glue.NodeInfo) -> None:
         """Wait (`load_timeout_s`) for a launched actor's answer; the stage is then running there (an event of
@@ -387,6 +425,40 @@ class StageGroup:
             "replaced": again, "peak_rss_mb": info["peak_rss_mb"], "memory_limit_mb": info.get("memory_limit_mb")}})
         log.info(message)
 
+    def _start_stages(self) -> None:
+        """Every stage placed: a node picked for each (`_pick_all`), every stage's part sent at once to a
+        node that lacks the model (`_bring_parts`), then the actors started. Stages on different nodes
+        start at once, their model loads overlapping; on one node one after another (a node's memory cap
+        was planned for the stages' resident sizes, not for two loads' peaks at once). The first stage that
+        fails ends the start, the actors it started killed."""
+        import ray
+
+        launched: list[tuple[RemoteStage, Any, ray_glue.NodeInfo]] = []
+
+        def settle_on(node: ray_glue.NodeInfo) -> None:
+            for h, actor, there in launched:
+                if h.pending and there.node_id == node.node_id:
+                    self._settle(h, actor, there)
+
+        picked = self._pick_all()
+        try:
+            self._bring_parts(picked)
+            for h, node in picked:
+                launched.append((h, *self._launch(h, settle_on, node)))
+            for h, actor, node in launched:
+                if h.pending:
+                    self._settle(h, actor, node)
+        except BaseException:
+            for h, actor, _node in launched:  # started, not yet a handle's: close() would not see them
+                if h.actor is not actor:
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001  already gone
+                        pass
+            for h in self.handles:
+                h.pending = None
+            raise
+
     def kill(self, handle: RemoteStage) -> None:
         import ray
 
@@ -410,32 +482,7 @@ class StageGroup:
                 self.plan()
             elif not self.handles:
                 self.handles = [RemoteStage(self, i) for i in range(len(self.bounds) - 1)]
-            # stages on different nodes start at once, their model loads overlapping (each stage's part is
-            # still sent under the lock, one at a time); on one node, one after another (a node's memory cap
-            # was planned for the stages' resident sizes, not for two loads' peaks at once). The first
-            # stage that fails ends the start.
-            launched: list[tuple[RemoteStage, Any, ray_glue.NodeInfo]] = []
-
-            def settle_on(node: ray_glue.NodeInfo) -> None:
-                for h, actor, there in launched:
-                    if h.pending and there.node_id == node.node_id:
-                        self._settle(h, actor, there)
-
-            try:
-                for h in self.handles:
-                    launched.append((h, *self._launch(h, settle_on)))
-                for h, actor, node in launched:
-                    if h.pending:
-                        self._settle(h, actor, node)
-            except BaseException:
-                for h, actor, _node in launched:  # started, not yet a handle's: close() would not see them
-                    if h.actor is not actor:
-                        try:
-                            ray.kill(actor, no_restart=True)
-                        except Exception:  # noqa: BLE001  already gone
-                            pass
-                    h.pending = None
-                raise
+            self._start_stages()
             files = ray.get(self.handles[0].actor.tokenizer_files.remote(), timeout=self.load_timeout_s)
             last = self.handles[-1].where
         except BaseException:
