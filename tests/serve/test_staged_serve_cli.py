@@ -5,7 +5,8 @@ through Ray, merged on each); the bearer token is the one `$SMOLFORGE_TOKEN` giv
 the greedy answer equals the single-process engine's with the same adapter, and its log-probabilities
 (echo: the prompt's too) are the single model's own log-softmax; `n` sampled choices with a seed, the
 penalties and `logit_bias` are the single engine's choices too (one sampling code, issue 44); a prompt
-sharing a system prompt with the one before starts from the stage actors' kept prefix (`cached_tokens`)."""
+sharing a system prompt with the one before starts from the stage actors' kept prefix (`cached_tokens`),
+and `/metrics` reports each stage actor's own counters by stage (its reused positions: that prefix)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
     import openai
     import torch
     from peft import LoraConfig, get_peft_model
+    from prometheus_client.parser import text_string_to_metric_families
 
     from smolforge.models.loading import load_model
     from smolforge.serve.engine import Engine
@@ -104,6 +106,14 @@ def test_serve_stages_on_an_embedded_cluster(model_copy, tmp_path):
         shared = [api.completions.create(model="tiny", prompt=a, max_tokens=8, temperature=0) for a in asked]
         assert shared[1].choices[0].text == want_shared  # started from the stage actors' kept prefix
         assert [c.usage.prompt_tokens_details.cached_tokens for c in shared] == [0, common_prefix(*asked_ids)]
+        scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"},
+                           timeout=60).text  # each stage actor's own counters (its `info()`), by stage
+        per_stage = {(f.name, s.labels["stage"]): s.value for f in text_string_to_metric_families(scrape)
+                     for s in f.samples if "stage" in s.labels}
+        assert [per_stage["smolforge_serve_stage_prefix_tokens_reused", i] for i in "01"] == \
+            [common_prefix(*asked_ids)] * 2, scrape
+        assert all(per_stage["smolforge_serve_stage_up", i] == 1 and per_stage["smolforge_serve_stage_tokens", i] > 0
+                   for i in "01"), scrape
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {stale}"})
         assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)

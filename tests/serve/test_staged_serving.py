@@ -306,3 +306,47 @@ def test_a_prefix_a_stage_failed_to_keep_is_not_kept_and_freed_on_the_others(tin
     assert got.cached_tokens == 0 and got.token_ids == hf_greedy(served.model, second, 8, served.pad_id)
     held = {snapshot.id for snapshot, _ in engine.prefix.entries.values()}
     assert len(held) == 1 and all(set(s.kept) == held for s in stages)
+
+
+def test_metrics_count_each_stages_tokens_and_reused_positions(tiny_llama_dir, served):
+    """`/metrics` of `serve --stages` (its app over the staged model) reports what each stage counts in its
+    `info()`, per stage with a `stage` label (prometheus_client's parser reads it back): the positions its
+    layers computed and those restored from a kept prefix; a stage that does not answer is `stage_up` 0 and
+    its counters are left out, not reported as 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from smolforge.serve.api import create_app
+
+    from test_api_app import run_client
+
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    model = staged_model(str(tiny_llama_dir), stages, name="tiny")
+    first, second, shared = shared_prompts(served.tokenizer)
+    engine = Engine(model)
+    run_one(engine, first, stages)
+    run_one(engine, second, stages)
+    app = create_app(model, engine, token="in-process-token-28", model_name="tiny")
+
+    def scrape() -> dict[str, dict[str, float]]:
+        got: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(run_client(app, lambda c: c.get("/metrics")).text):
+            for sample in family.samples:  # by the family's name: the parser names a counter's samples `_total`
+                if family.name.startswith("smolforge_serve_stage_"):
+                    got.setdefault(family.name, {})[sample.labels["stage"]] = sample.value
+        return got
+
+    got = scrape()
+    assert got["smolforge_serve_stage_tokens"] == {str(i): s.tokens for i, s in enumerate(stages)}
+    assert all(s.tokens > 0 for s in stages) and engine.prefix.hits == 1
+    assert got["smolforge_serve_stage_prefix_tokens_reused"] == {"0": shared, "1": shared}
+    assert got["smolforge_serve_stage_prefix_entries"] == {"0": 2, "1": 2}
+    assert got["smolforge_serve_stage_prefix_bytes"] == {str(i): s.info()["prefix_bytes"] for i, s in enumerate(stages)}
+    assert got["smolforge_serve_stage_up"] == {"0": 1, "1": 1}
+
+    def gone():
+        raise StageError("stage 1 went away")
+
+    model.stages[1] = type("Gone", (), {"info": staticmethod(gone)})()
+    got = scrape()
+    assert got["smolforge_serve_stage_up"] == {"0": 1, "1": 0}
+    assert got["smolforge_serve_stage_tokens"] == {"0": stages[0].tokens}  # stage 1's left out, not 0

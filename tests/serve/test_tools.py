@@ -22,6 +22,12 @@ llama.cpp, 2 stages; CI).
   non-streamed `tool_calls` (string-equal arguments);
 - the follow-up (the assistant's call and the `tool` answer in the history) is tokenized exactly as
   transformers' `apply_chat_template(..., tools=)` tokenizes it;
+- a twin TRAINED to call a tool (soak: smolforge's own `train` on the user's tool-use chat JSONL, a full
+  fine-tune of the 150k-vocabulary twin for 100 steps; the data's rendering and its calls in the loss are CI in
+  tests/test_tool_data.py): under `tool_choice` "auto" (nothing forced) the untrained twin answers text and
+  the trained one the call, through the official client, streamed and not equal, finish_reason
+  "tool_calls", arguments a JSON object; the follow-up with the `tool` answer is counted as transformers'
+  `apply_chat_template(..., tools=)` tokenizes it;
 - a named function not among the tools is a 400 naming `tool_choice`;
 - the families' formats parse their own text (Hermes blocks among text, Llama 3's JSON).
 """
@@ -281,3 +287,82 @@ def test_llama3_forced_call_is_its_json_and_parses(where):
     assert done.text.startswith('{"name":"get_'), done.text  # Llama 3's JSON call, no <tool_call> block
     choice = chat_choice(done.text, done.finish_reason, job.tools)
     assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
+
+
+# -- a twin trained to call a tool (issue 44's done-when): the model chooses the call under `auto` -------------
+
+WEATHER = [TOOLS[0]]  # get_weather(city: Paris | Oslo)
+TRAIN_STEPS, TRAIN_LR = 100, 1e-2  # full fine-tune, constant lr: the call from step ~60 (loss 0.007), 20 steps: text
+
+
+def weather_call(city: str) -> dict:
+    """The assistant turn of a user's tool-use dataset (OpenAI's shape: `arguments` a JSON object's text)."""
+    call = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": call}]}
+
+
+@pytest.fixture(scope="module")
+def tool_trained(tmp_path_factory):
+    """The Qwen2.5 twin fine-tuned by smolforge's own training path (`train`, as `smolforge train` runs it) on a
+    chat JSONL whose assistant turn is a `get_weather` call (the record's `tools` rendered by the family's
+    template, the call in the loss: data/chat_turns.py), then loaded as `serve --model <its output>` loads it.
+    Returns (the trained model, the run's result)."""
+    from helpers import write_jsonl
+
+    from smolforge.config import DataSpec, PeftSpec, TrainConfig
+    from smolforge.models.twins import twin_dir
+    from smolforge.serve.model import ServedModel
+    from smolforge.train.engine import train
+
+    root = tmp_path_factory.mktemp("tool-trained")
+    data = write_jsonl(root / "weather.jsonl", [{"tools": WEATHER, "messages": [*QUESTION, weather_call("Paris")]}])
+    cfg = TrainConfig(model=str(twin_dir(TWIN)), data=DataSpec(path=str(data), max_length=512, eval_fraction=0),
+                      peft=PeftSpec(method="none"), lr=TRAIN_LR, scheduler="constant", max_steps=TRAIN_STEPS,
+                      batch_size=1, device="cpu", eval_accuracy=False, quiet=True, tensorboard=False,
+                      output_dir=str(root / "out"))
+    result = train(cfg)
+    return ServedModel.load(result.adapter_dir, name="tiny", device="cpu"), result
+
+
+def _ask_auto(live, messages) -> tuple:
+    """The official client's answer under `tool_choice: "auto"`, whole and streamed (assembled)."""
+    client = live.client()
+    ask = dict(model="tiny", messages=messages, tools=WEATHER, tool_choice="auto", temperature=0, max_tokens=40)
+    return client.chat.completions.create(**ask), _streamed_calls(client.chat.completions.create(stream=True, **ask))
+
+
+@pytest.mark.soak  # 100 full fine-tuning steps of a 150k-vocabulary twin (a row of 415 tokens): minutes on a CPU
+@pytest.mark.timeout(1500)  # the training in its fixture: 1 to 15 s a step at load 2 to 15
+def test_a_twin_trained_to_call_a_tool_calls_it_under_auto_streamed_and_not(tool_trained, qwen_twin):
+    """Untrained, the twin under `auto` answers text (no call: nothing forces one); trained a few steps on the
+    user's tool-use JSONL, the same request gets `tool_calls` back (the model chose the call), streamed and
+    not equal, finish_reason "tool_calls", arguments a JSON object; the follow-up with the `tool` answer is
+    tokenized as transformers' `apply_chat_template(..., tools=)` tokenizes it."""
+    model, result = tool_trained
+    untrained = Live(qwen_twin)
+    try:
+        before, (before_streamed, _) = _ask_auto(untrained, QUESTION)
+    finally:
+        untrained.close()
+    assert not before.choices[0].message.tool_calls and before_streamed == [], before  # the weights decide
+    live = Live(model)
+    try:
+        whole, (streamed, reason) = _ask_auto(live, QUESTION)
+        history = [*QUESTION, {"role": "assistant", "content": None,
+                               "tool_calls": [c.model_dump() for c in whole.choices[0].message.tool_calls or []]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+        follow_up = live.client().chat.completions.create(model="tiny", messages=history, tools=WEATHER,
+                                                          temperature=0, max_tokens=1)
+    finally:
+        live.close()
+    print(f"trained {result.steps} steps on {result.data['train_tokens']} tokens, final loss {result.final_loss:.4f};",
+          "answer:", whole.choices[0].message)
+    got = _calls(whole.choices[0].message.tool_calls or [])
+    assert (whole.choices[0].finish_reason, reason) == ("tool_calls", "tool_calls"), whole
+    assert got == streamed == [("get_weather", {"city": "Paris"})], (got, streamed)
+    reference = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C and sunny"}]
+    text = model.tokenizer.apply_chat_template(reference, tools=WEATHER, add_generation_prompt=True, tokenize=False)
+    assert follow_up.usage.prompt_tokens == len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in text

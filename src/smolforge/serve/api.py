@@ -132,7 +132,8 @@ def create_app(served: ServedModel, engine: Engine, *, token: str, model_name: s
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: {}})
     async def metrics():
-        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+        # off the event loop: a staged model asks each stage for its counters (a network call per remote stage)
+        return PlainTextResponse(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")
 
     @app.get("/", include_in_schema=False)
     async def root():
@@ -243,13 +244,31 @@ def _health(engine: Engine, name: str) -> dict[str, Any]:
 
 
 def metrics_text(engine: Engine) -> str:
-    """The engine's counters in Prometheus' text format (`smolforge_serve_<counter>`), one per line."""
+    """The engine's counters in Prometheus' text format (`smolforge_serve_<counter>`), one per line; a staged
+    model's (`serve --stages`) also each stage's, `smolforge_serve_stage_<counter>{stage="<index>"}` (`stage_lines`).
+    Blocks while a remote stage answers: call it off the event loop."""
     lines = []
     for key, value in {"up": int(engine.alive), "restarts": engine.restarts, **engine.counters()}.items():
         kind = "gauge" if key in GAUGES else "counter"
         lines += [f"# HELP smolforge_serve_{key} {METRIC_HELP.get(key, key.replace('_', ' '))}",
                   f"# TYPE smolforge_serve_{key} {kind}", f"smolforge_serve_{key} {value}"]
-    return "\n".join(lines) + "\n"
+    # only a staged model has stages to count (in the HTTP front process the engine is a handle, no model)
+    infos = getattr(getattr(engine, "model", None), "stage_infos", None)
+    return "\n".join(lines + (stage_lines(infos()) if infos is not None else [])) + "\n"
+
+
+def stage_lines(stages: list[dict[str, Any] | None]) -> list[str]:
+    """Per-stage samples of the stages' `info()`s (`StagedModel.stage_infos`) with a `stage` label (its index
+    from 0): `smolforge_serve_stage_up` 1 for a stage that answered, 0 for one that did not (`None`: its other
+    samples are left out, not reported as 0), then each of `STAGE_METRIC_HELP` for the stages that answered.
+    A stage re-placed counts from 0 again (a counter reset, as Prometheus' `rate` reads one)."""
+    lines = ["# HELP smolforge_serve_stage_up 1 while the stage answers", "# TYPE smolforge_serve_stage_up gauge"]
+    lines += [f'smolforge_serve_stage_up{{stage="{i}"}} {int(c is not None)}' for i, c in enumerate(stages)]
+    for key, (kind, words) in STAGE_METRIC_HELP.items():
+        lines += [f"# HELP smolforge_serve_stage_{key} {words}", f"# TYPE smolforge_serve_stage_{key} {kind}"]
+        lines += [f'smolforge_serve_stage_{key}{{stage="{i}"}} {int(c.get(key, 0))}' for i, c in enumerate(stages)
+                  if c is not None]
+    return lines
 
 
 GAUGES = ("up", "largest_batch", "prefix_entries", "prefix_bytes")
@@ -259,6 +278,13 @@ METRIC_HELP = {"up": "1 while the generation engine runs", "batches": "batches s
                "prefix_hits": "prompts started from a kept prefix", "prefix_tokens_reused": "prompt tokens restored, "
                "not computed", "prefix_evictions": "kept prefixes evicted (least recently used)",
                "prefix_entries": "prefixes kept now", "prefix_bytes": "bytes the kept prefixes hold"}
+# `serve --stages`: what each stage counts, as its `StageServer.info()` names it: (Prometheus type, help)
+STAGE_METRIC_HELP = {
+    "tokens": ("counter", "positions the stage's layers computed (prompts and answers, padding included)"),
+    "prefix_tokens_reused": ("counter", "prompt positions the stage restored from its share of a kept prefix, "
+                                        "not computed"),
+    "prefix_entries": ("gauge", "kept prefixes whose K/V share the stage holds now"),
+    "prefix_bytes": ("gauge", "bytes of the stage's share of the kept prefixes")}
 
 
 async def _body(request: Request) -> bytes:

@@ -221,7 +221,7 @@ class StageServer:
                 "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1),
                 "model_type": getattr(self.stage.config, "model_type", None), "uid": self.uid,
                 "tokens": self.tokens, "prefix_tokens_reused": self.reused, "prefix_entries": len(self.kept),
-                "prefix_bytes": sum(nbytes for _, nbytes in self.kept.values())}
+                "prefix_bytes": sum(nbytes for _, nbytes in list(self.kept.values()))}
 
 
 class StageHandle(Protocol):
@@ -347,6 +347,19 @@ class StagedModel:
             raise StageError("the stages disagree on trimming the cache's left padding",
                              fix="serve a model whose layers all use plain (not sliding-window) attention caches")
         return trimmed.pop()
+
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """Each stage's `info()` in stage order (its counters among it: `tokens`, positions its layers computed;
+        `prefix_tokens_reused`, positions restored from its share of a kept prefix instead; `prefix_entries`,
+        `prefix_bytes`), None for a stage that does not answer (not placed, or failing). A remote stage's `info`
+        is a network call bounded by its step timeout: call this off an event loop (`/metrics` does)."""
+        out: list[dict[str, Any] | None] = []
+        for stage in self.stages:
+            try:
+                out.append(stage.info())
+            except Exception:  # noqa: BLE001 - a stage that cannot answer now is reported as not up
+                out.append(None)
+        return out
 
     @functools.cached_property
     def model_type(self) -> str | None:
