@@ -12,9 +12,9 @@ Per line (OUTCOMES names each line's; a line added to the table without one fail
   here. The wikitext client line is refused first for its dataset, not cached here (cached, it trains:
   test_hub_datasets.py).
 - `unreachable`: `worker join --sollol-host 192.168.1.100 ...`: no smolforge coordinator is there; the
-  line runs under a bound and ends with one message, exit 2, no traceback. What answers at that address
-  depends on the network: nothing (cannot reach the coordinator) or, in a sandbox whose network answers
-  every address, an HTTP 404 (is that a smolforge coordinator?); both carry a fix.
+  line runs under a bound (JOIN_BOUND_S) and ends with one message, exit 2, no traceback. What answers at
+  that address depends on the network: nothing (cannot reach the coordinator) or, in a sandbox whose
+  network answers every address, an HTTP 404 (no smolforge coordinator is there); both carry a fix.
 - `completes`: a `launch` line runs its job to completion on the embedded cluster (this machine), with
   its own epochs and batch size; the dataset files the line names are made under tmp_path, a few rows in
   the shape of the seed's file (chat with tools, alpaca); `bundled` is the generated task set, made small
@@ -55,7 +55,9 @@ OUTCOMES = {
     "override-learning-rate": "completes", "override-epochs": "completes",
 }
 CUDA = "--device cuda asked for, but no CUDA GPU is visible"
-NO_COORDINATOR = ("cannot reach the coordinator at http://192.168.1.100:", "http://192.168.1.100:")
+NO_COORDINATOR = ("cannot reach the coordinator at http://192.168.1.100:5000",  # nothing answers there
+                  "http://192.168.1.100:5000: answered HTTP 404 to the coordinator's token check: no smolforge "
+                  "coordinator is there")  # something else answers (a sandbox's network answers every address)
 JOIN_BOUND_S = 90  # the join's probe waits 5 s; the rest is the interpreter starting on a loaded box
 LAUNCH_BOUND_S = 420
 SECONDS: dict[str, float] = {}  # line id -> seconds the line ran (printed at the module's end)

@@ -437,3 +437,39 @@ def test_wait_for_a_running_job_waits_on_its_runners_end_not_in_a_sleep_loop(tmp
     waits.clear()
     mgr.wait(job_id, timeout=5.0, on_update=lambda j: progress.append(j["state"]))
     assert waits == [0.5] and progress == ["running", "completed"]
+
+
+@pytest.mark.parametrize("code,body,needle", [
+    (404, "", "answered HTTP 404 to the coordinator's token check: no smolforge coordinator is there"),
+    (503, "busy\n  try later", "answered HTTP 503 (busy try later) to the coordinator's token check"),
+], ids=["404 nothing there", "503 busy"])
+def test_an_address_that_answers_but_not_as_a_coordinator_is_named_with_the_fix(monkeypatch, code, body, needle):
+    """`worker join --sollol-host 192.168.1.100` where something else answers HTTP (a sandbox's network, another
+    service on the port): one message with what answered and where the coordinator's address comes from."""
+    import httpx
+
+    from smolforge.cluster.nodes import worker
+
+    monkeypatch.setattr(httpx, "get", lambda url, **_: httpx.Response(code, text=body))
+    with pytest.raises(SmolforgeError) as info:
+        worker.check_coordinator("192.168.1.100", 5000, "t0ken")
+    assert info.value.where == "http://192.168.1.100:5000" and info.value.what == needle, info.value.what
+    assert "smolforge coordinator start" in info.value.fix and "--port" in info.value.fix
+    assert ("no smolforge coordinator" in info.value.what) == (code == 404)  # a busy coordinator is not "none"
+
+
+def test_an_embedded_ray_that_does_not_start_is_one_message_exit_1(tmp_path):
+    """Ray gives its node a fixed 30 s to register (a loaded 2-core box missed it in a seed line's run) and
+    raises a bare Exception: the CLI says so once, naming Ray's logs, exit 1 (ours, not the caller's)."""
+    asked: list[dict] = []
+
+    def init(**kwargs):
+        asked.append(kwargs)
+        raise Exception("The current node timed out during startup. This could happen because some of the "
+                        "raylet failed to startup or the GCS has become overloaded.")
+
+    with pytest.raises(ray_glue.RayStartFailed) as info:
+        ray_glue.start_embedded(init, {"num_cpus": 2, "_temp_dir": str(tmp_path)})
+    assert asked == [{"num_cpus": 2, "_temp_dir": str(tmp_path)}] and info.value.exit_code == 1
+    assert info.value.what.startswith("the embedded Ray cluster did not start: Exception: The current node timed out")
+    assert str(tmp_path / "session_latest" / "logs") in info.value.fix

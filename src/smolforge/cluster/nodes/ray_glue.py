@@ -487,9 +487,29 @@ def connect(address: str | None = None, *, state_dir: str | Path | None = None,
         tmp = os.environ.get("RAY_TMPDIR")
         if tmp:
             kwargs["_temp_dir"] = tmp
-        ray.init(**kwargs)
+        start_embedded(ray.init, kwargs)
         _HANDLE = ClusterHandle(address=None, embedded=True, state_dir=sd.root)
         return _HANDLE
+
+
+class RayStartFailed(SmolforgeError):
+    """The embedded Ray cluster did not start (ours, not the caller's: exit 1)."""
+
+    exit_code = 1
+
+
+def start_embedded(init: Any, kwargs: dict[str, Any]) -> None:
+    """`ray.init(**kwargs)` for the embedded cluster; a start that fails (Ray gives its node a fixed 30 s
+    to register with its GCS, which a loaded machine can miss, and raises a bare Exception) is one
+    message naming Ray's logs: RayStartFailed, not a traceback."""
+    try:
+        init(**kwargs)
+    except Exception as err:  # noqa: BLE001 (Ray raises Exception itself for a start-up timeout)
+        first = str(err).splitlines()[0] if str(err) else ""
+        logs = Path(kwargs.get("_temp_dir") or "/tmp/ray") / "session_latest" / "logs"
+        raise RayStartFailed(f"the embedded Ray cluster did not start: {type(err).__name__}: {first}",
+                             fix=f"run the command again (on a loaded machine Ray's start can time out); "
+                                 f"Ray's own logs: {logs}") from None
 
 
 def connected_handle() -> ClusterHandle | None:

@@ -150,9 +150,13 @@ def check_coordinator(host: str, port: int, token: str, timeout: float = 5.0, *,
     if r.status_code == 401:
         raise SmolforgeError(REJECTED, where=url,
                              fix="copy the token printed by `smolforge coordinator start` (or from its state dir's `token` file)")
-    if r.status_code != 200:
-        raise SmolforgeError(f"coordinator answered {r.status_code}: {r.text[:200]}", where=url,
-                             fix="is that a smolforge coordinator?")
+    if r.status_code != 200:  # something answers there, but not as a coordinator: say what, and where to look
+        body = " ".join(r.text.split())[:200]
+        none_there = ": no smolforge coordinator is there" if r.status_code == 404 else ""
+        raise SmolforgeError(f"answered HTTP {r.status_code}{f' ({body})' if body else ''} to the coordinator's "
+                             f"token check{none_there}", where=url,
+                             fix="check HOST:PORT against the address `smolforge coordinator start` printed "
+                                 "(port 5000 unless it was started with --port)")
     return r.json()
 
 
