@@ -353,11 +353,15 @@ class StageGroup:
         with self._lock:
             cands, picked = self.candidates(), []
             for h in self.handles:
-                planned = self.targets[h.index] if not h.where and h.index < len(self.targets) else None
-                node = self._pick(h, cands, planned)
+                node = self._pick(h, cands, self._planned(h))
                 h.pending = node.node_id
                 picked.append((h, node))
             return picked
+
+    def _planned(self, handle: RemoteStage) -> str | None:
+        """The plan's node for a stage that has not run yet (`targets`), else None (a re-placement
+        picks anew)."""
+        return self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
 
     def place(self, handle: RemoteStage) -> None:
         """A new actor for this stage on a live node that holds the model, answering before it returns."""
@@ -373,8 +377,7 @@ class StageGroup:
             self.kill(handle)
             node = picked
             if node is None:
-                planned = self.targets[handle.index] if not handle.where and handle.index < len(self.targets) else None
-                node = self._pick(handle, self.candidates(), planned)
+                node = self._pick(handle, self.candidates(), self._planned(handle))
             if before is not None:
                 before(node)
             if picked is None:
