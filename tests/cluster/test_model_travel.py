@@ -21,6 +21,10 @@ tokens, through the official `openai` client too; a stage actor SIGKILLed mid-st
 and is placed again; `job cancel` stops the API and every stage; `--stages auto` keeps the model whole on
 one worker. It had a cluster of its own (tests/cluster/test_serve_job.py, ~40 s of the CI tier to start);
 this topology is the one it asked for (the coordinator holds no copy of the served model).
+
+Last, on a third serve job with stage 1 armed for fault `hold-stage`: `/metrics` answers while stage 1 is
+held inside a forward (every stage's counters, the request still waiting), and a stage whose status group
+is held is reported `_stage_up 0` after the scrape's bound, neither killed nor re-placed (issue 44).
 """
 
 from __future__ import annotations
@@ -576,3 +580,133 @@ def test_a_model_copied_in_after_join_is_placed_on_without_a_rejoin(cluster):
 
     r = c.cli("worker", "rescan", "--state-dir", str(c.base / "node-w1"))  # nothing new: no re-register
     assert r.returncode == 0 and "no change (" in r.stdout and "re-registering" not in r.stdout, r.stdout + r.stderr
+
+
+# -- /metrics while a stage is busy or silent (issue 44): a scrape never waits on a step, nor takes a stage down --
+
+
+def hold_files(c) -> list[Path]:
+    """Fault `hold-stage` (train/faults.py) on both workers: whichever runs stage 1 reads it."""
+    dirs = [c.base / f"node-{n}" / "node" for n in ("w1", "w2")]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)  # a node's scratch directory is made by the first task that needs it
+    return [d / "fault-hold-stage" for d in dirs]
+
+
+def stage_samples(url: str, token: str) -> dict[str, dict[str, float]]:
+    """`/metrics`' per-stage samples: {metric name: {stage label: value}} (the scrape bounded by httpx)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    got: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:  # by the family's name (the parser names a counter's samples `_total`)
+            if "stage" in sample.labels:
+                got.setdefault(family.name, {})[sample.labels["stage"]] = sample.value
+    return got
+
+
+def wait_ended(client, job_id: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and client.get_job_status(job_id)["state"] != "cancelled":
+        time.sleep(0.3)
+    assert client.get_job_status(job_id)["state"] == "cancelled"
+
+
+def said(client, job_id: str, text: str, timeout: float = 60) -> bool:
+    """Whether a stage's log line with `text` reaches the job's log (shipped every 2 s; a hang guard only)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(text in line["line"] for line in client.task_logs(job_id, task="stage1")):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.fixture(scope="module")
+def held_job(world, job):
+    """Last in the module (its stages hold both workers' CPUs until it ends), after the jobs above: `serve --stages 2` with stage 1 armed for fault
+    `hold-stage` ("1 forward": its first forward waits until the test says otherwise)."""
+    c, client = world["c"], world["c"].client()
+    if client.get_job_status(job["id"])["state"] not in ("cancelled", "failed"):  # run alone: free the CPUs
+        client.cancel_job(job["id"])
+        wait_ended(client, job["id"])
+    for f in hold_files(c):
+        f.write_text("1 forward")
+    port = free_port()
+    r = c.cli("serve", "--model", SERVED, "--stages", "2", "--port", str(port), "--model-name", "tiny", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = r.stderr.split("submitted ", 1)[1].split()[0]
+    url = wait_event(c.client(), job_id, "serving", 30)["data"]["url"]
+    try:
+        yield {"id": job_id, "url": url}
+    finally:
+        for f in hold_files(c):
+            f.unlink(missing_ok=True)
+        c.client().cancel_job(job_id)
+
+
+def test_a_scrape_answers_while_a_stage_is_inside_a_forward(world, held_job):
+    """Stage 1 held inside its first forward (fault `hold-stage`): `/metrics` answers at once with both
+    stages up and their counters (stage 0 computed the prompt, stage 1 nothing yet), the request still
+    waiting; released, the request ends with the single process's tokens. A stage answers `info` in a
+    concurrency group of its own: with one thread for everything it would answer only after the step."""
+    import threading
+
+    import openai
+
+    c, client = world["c"], world["c"].client()
+    api = openai.OpenAI(base_url=f"{held_job['url']}/v1", api_key=c.token, max_retries=0, timeout=120)
+    answer: list[str] = []
+    asking = threading.Thread(target=lambda: answer.append(
+        api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text))
+    asking.start()
+    try:
+        assert said(client, held_job["id"], "stage 1 forward held"), timeline(client, held_job["id"])
+        got = stage_samples(held_job["url"], c.token)
+        assert not answer and asking.is_alive()  # the step is still held: the scrape did not wait for it
+    finally:
+        for f in hold_files(c):
+            f.unlink(missing_ok=True)  # released
+        asking.join(150)
+    assert got["smolforge_serve_stage_up"] == {"0": 1.0, "1": 1.0}, got
+    tokens = got["smolforge_serve_stage_tokens"]
+    assert sorted(tokens) == ["0", "1"] and tokens["0"] > 0 and tokens["1"] == 0, got  # the prompt, on stage 0 only
+    assert answer == [single_text(world, PROMPTS[0], 6)]
+
+
+def test_a_stage_that_does_not_answer_a_scrape_in_time_is_not_up_and_stays(world, held_job):
+    """Stage 1's status group held (fault `hold-stage` "1 report": the API's next log read waits there):
+    a scrape gives up on it after its bound (`SCRAPE_TIMEOUT_S`), stage 1 `_up 0`, stage 0 up; the stage
+    is neither marked broken nor killed (no re-placement, the same process), and once released it is up
+    again and serves the single process's tokens."""
+    import openai
+
+    c, client = world["c"], world["c"].client()
+    for f in hold_files(c):
+        f.write_text("1 report")
+    up: dict[str, float] = {}
+    try:
+        deadline = time.time() + 90  # the runner reads the stages' logs every 2 s: the next read holds
+        while time.time() < deadline and up.get("1") != 0.0:
+            got = stage_samples(held_job["url"], c.token)
+            up = got["smolforge_serve_stage_up"]
+        assert up == {"0": 1.0, "1": 0.0}, up
+        assert sorted(got["smolforge_serve_stage_tokens"]) == ["0"], got  # stage 1's left out, not reported as 0
+    finally:
+        for f in hold_files(c):
+            f.unlink(missing_ok=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and up.get("1") != 1.0:
+        up = stage_samples(held_job["url"], c.token)["smolforge_serve_stage_up"]
+    assert up == {"0": 1.0, "1": 1.0}, up  # the same actor answers again: it was not killed
+    assert said(client, held_job["id"], "stage 1 report held"), timeline(client, held_job["id"])
+    stages = [e["data"] for e in client.job_events(held_job["id"]) if e["kind"] == "stage"]
+    assert sorted(s["stage"] for s in stages) == [0, 1] and not any(s["replaced"] for s in stages), stages
+    api = openai.OpenAI(base_url=f"{held_job['url']}/v1", api_key=c.token, max_retries=0, timeout=120)
+    got_text = api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0).choices[0].text
+    assert got_text == single_text(world, PROMPTS[1], 6)
+    stages = [e["data"] for e in client.job_events(held_job["id"]) if e["kind"] == "stage"]
+    assert not any(s["replaced"] for s in stages), stages  # the request ran on the same stage 1, not a new one

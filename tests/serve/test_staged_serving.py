@@ -346,7 +346,34 @@ def test_metrics_count_each_stages_tokens_and_reused_positions(tiny_llama_dir, s
     def gone():
         raise StageError("stage 1 went away")
 
-    model.stages[1] = type("Gone", (), {"info": staticmethod(gone)})()
+    model.stages[1] = type("Gone", (), {"info": staticmethod(gone), "status": staticmethod(gone)})()
     got = scrape()
     assert got["smolforge_serve_stage_up"] == {"0": 1, "1": 0}
     assert got["smolforge_serve_stage_tokens"] == {"0": stages[0].tokens}  # stage 1's left out, not 0
+
+
+def test_a_scrape_asks_every_stage_at_once(tiny_llama_dir, served):
+    """`StagedModel.stage_infos` (what `/metrics` reads) asks every stage's `status()` at once: stage 0's read
+    answers only once stage 1's was asked too (a bounded wait), as a remote stage's read waits out its scrape
+    bound (`SCRAPE_TIMEOUT_S`) before giving up. Asked one after another, a scrape of k silent stages would take
+    k bounds (two: Prometheus' 10 s), and here stage 0 would give up, not up. The two handles stand in for remote
+    stages answering late (an actor's latency, which cannot be made here without a cluster)."""
+    import threading
+
+    from smolforge.serve.stages import StagedModel
+
+    stages = local_stages(str(tiny_llama_dir), BOUNDS[2])
+    asked = threading.Event()
+
+    class Waits:
+        def status(self):
+            return stages[0].status() if asked.wait(10) else None
+
+    class Marks:
+        def status(self):
+            asked.set()
+            return stages[1].status()
+
+    model = StagedModel([Waits(), Marks()], served.tokenizer, name="tiny", eos_ids=frozenset(), max_positions=64)
+    infos = model.stage_infos()
+    assert [None if i is None else i["index"] for i in infos] == [0, 1]

@@ -246,15 +246,14 @@ def _health(engine: Engine, name: str) -> dict[str, Any]:
 def metrics_text(engine: Engine) -> str:
     """The engine's counters in Prometheus' text format (`smolforge_serve_<counter>`), one per line; a staged
     model's (`serve --stages`) also each stage's, `smolforge_serve_stage_<counter>{stage="<index>"}` (`stage_lines`).
-    Blocks while a remote stage answers: call it off the event loop."""
+    Blocks while remote stages answer (each within its scrape bound, never a step's): call it off the event loop."""
     lines = []
     for key, value in {"up": int(engine.alive), "restarts": engine.restarts, **engine.counters()}.items():
         kind = "gauge" if key in GAUGES else "counter"
         lines += [f"# HELP smolforge_serve_{key} {METRIC_HELP.get(key, key.replace('_', ' '))}",
                   f"# TYPE smolforge_serve_{key} {kind}", f"smolforge_serve_{key} {value}"]
-    # only a staged model has stages to count (in the HTTP front process the engine is a handle, no model)
-    infos = getattr(getattr(engine, "model", None), "stage_infos", None)
-    return "\n".join(lines + (stage_lines(infos()) if infos is not None else [])) + "\n"
+    infos = engine.stage_infos()  # [] without stages (one process, llama.cpp, the front process's handle)
+    return "\n".join(lines + (stage_lines(infos) if infos else [])) + "\n"
 
 
 def stage_lines(stages: list[dict[str, Any] | None]) -> list[str]:

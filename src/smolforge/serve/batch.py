@@ -79,6 +79,11 @@ class BatchModel(Protocol):
         """The batch is over (finished or failed): whatever the cache holds may go."""
         ...
 
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """Each stage's counters for `/metrics` (`StagedModel.stage_infos`: a stage's `info()`, None for one
+        that does not answer in time); [] for a model that has no stages (one process, llama.cpp)."""
+        ...
+
 
 class JoiningModel(BatchModel, Protocol):
     """A `BatchModel` whose batches can take new rows while they run (torch in one process, llama.cpp).

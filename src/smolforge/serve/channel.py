@@ -246,6 +246,10 @@ class RemoteEngine(ContextLimits):
         """The engine's last reported `Engine.counters` (batches, steps, prefill, prefix cache)."""
         return {k: v for k, v in self.stats.items() if k not in ("alive", "restarts", "failure")}
 
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """No stages behind a front process (`serve --stages` runs its app in the API actor, over `Engine`)."""
+        return []
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Event], None]) -> _RemoteRequest:
         self.check_length(len(prompt_ids), params.max_tokens)
         if not self.alive:

@@ -343,6 +343,11 @@ class Engine(ContextLimits):
         else:
             self._running.join(group)
 
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """The model's stages' counters for `/metrics` (`BatchModel.stage_infos`; [] without stages). Blocks
+        while remote stages answer (each within its scrape bound): call it off an event loop."""
+        return self.model.stage_infos()
+
     def counters(self) -> dict[str, Any]:
         """What /health and /metrics report of the scheduler: batches, steps, prefill and prefix cache."""
         return {"batches": self.batches, "largest_batch": self.largest_batch, "steps": self.steps,

@@ -240,6 +240,10 @@ class LlamaCppModel:
         self._drop(cache.seqs)
         cache.seqs = []
 
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """No stages: the whole model is in this llama.cpp context (`BatchModel.stage_infos`)."""
+        return []
+
     def _drop(self, seqs: list[int]) -> None:
         for s in seqs:
             self.context.drop(s)

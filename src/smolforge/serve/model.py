@@ -113,6 +113,10 @@ class ServedModel:
     def release(self, cache: Any) -> None:
         """A local cache goes with its last reference."""
 
+    def stage_infos(self) -> list[dict[str, Any] | None]:
+        """No stages: the whole model is in this process (`BatchModel.stage_infos`)."""
+        return []
+
 
 def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> bool:
     """Keep `rows` of a `DynamicCache`; drop its first `trim` columns when every layer is a plain K/V

@@ -23,9 +23,11 @@ the head lets go is freed on the stages with the next `hold` or first `forward` 
 snapshot names the stage servers that hold it (`uid`); one taken by another server (a stage
 re-placed, a model or adapter changed) is never restored: the prompt is computed whole.
 
-A stage handle is any object with `forward`, `select`, `join`, `drop`, `hold`, `uid` and `info` as
+A stage handle is any object with `forward`, `select`, `join`, `drop`, `hold`, `uid`, `info` and `status` as
 `StageServer` has them (one whose `info` does not say `joins` is batched statically);
 `ready()`, when present, is called before every batch (a remote handle re-places a dead actor there).
+`status` is the monitoring read (`/metrics`): it answers while a step runs (a remote stage's in its own
+concurrency group), within a short bound, and never takes a stage down (only the step path decides that).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class StageServer:
         self.uid = uuid.uuid4().hex  # this server: a prefix kept by another one is never restored here
         self.kept: dict[str, tuple[Any, int]] = {}  # snapshot id -> (its layers' K/V, bytes): `hold`
         self.tokens = self.reused = 0
+        # fixed at load, so `info` (read from another thread while a step runs: `status`) does no torch work
+        self.joins = plain_layers(self.stage.new_cache())
+        self.params = sum(p.numel() for p in params)
         self.read: dict[str, Any] = {}  # what loading read from the checkpoint (tensors, bytes), when known
 
     @classmethod
@@ -214,14 +219,20 @@ class StageServer:
         self.caches.pop(batch_id, None)
 
     def info(self) -> dict[str, Any]:
-        return {"joins": plain_layers(self.stage.new_cache()), "index": self.index, "count": self.count,
+        """What the stage is and counts. Safe from a second thread while `forward`/`hold`/`join` run (a remote
+        stage answers it beside a step): it reads counters and copies what it iterates, no torch work."""
+        return {"joins": self.joins, "index": self.index, "count": self.count,
                 "layers": [self.stage.lo, self.stage.hi],
                 "eos_ids": sorted(self.eos_ids), "max_positions": self.max_positions, "pid": os.getpid(),
-                "params": sum(p.numel() for p in self.stage.parameters()), "batches": len(self.caches),
+                "params": self.params, "batches": len(self.caches),
                 "model": self.name, "read": self.read, "peak_rss_mb": round(peak_rss_mb(), 1),
                 "model_type": getattr(self.stage.config, "model_type", None), "uid": self.uid,
                 "tokens": self.tokens, "prefix_tokens_reused": self.reused, "prefix_entries": len(self.kept),
                 "prefix_bytes": sum(nbytes for _, nbytes in list(self.kept.values()))}
+
+    def status(self) -> dict[str, Any] | None:
+        """The monitoring read (`StageHandle.status`): in this process, `info()` at once."""
+        return self.info()
 
 
 class StageHandle(Protocol):
@@ -240,6 +251,11 @@ class StageHandle(Protocol):
     def drop(self, batch_id: str) -> None: ...
 
     def info(self) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any] | None:
+        """`info()` for a monitoring read: answered beside a running step, within a short bound; None when
+        the stage does not answer (not placed, or not in time). Never marks the stage broken."""
+        ...
 
 
 @dataclass
@@ -351,15 +367,14 @@ class StagedModel:
     def stage_infos(self) -> list[dict[str, Any] | None]:
         """Each stage's `info()` in stage order (its counters among it: `tokens`, positions its layers computed;
         `prefix_tokens_reused`, positions restored from its share of a kept prefix instead; `prefix_entries`,
-        `prefix_bytes`), None for a stage that does not answer (not placed, or failing). A remote stage's `info`
-        is a network call bounded by its step timeout: call this off an event loop (`/metrics` does)."""
-        out: list[dict[str, Any] | None] = []
-        for stage in self.stages:
-            try:
-                out.append(stage.info())
-            except Exception:  # noqa: BLE001 - a stage that cannot answer now is reported as not up
-                out.append(None)
-        return out
+        `prefix_bytes`), None for a stage that does not answer (not placed, not in time, or failing): each
+        stage's `status()`, the monitoring read, which never takes a stage down. The stages are asked at once
+        (a thread each), so a scrape waits one scrape timeout at most, not one per silent stage. A remote stage's
+        is a network call: call this off an event loop (`/metrics` does)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(self.stages), thread_name_prefix="sf-stage-status") as pool:
+            return list(pool.map(_status_of, self.stages))
 
     @functools.cached_property
     def model_type(self) -> str | None:
@@ -388,6 +403,14 @@ class StagedModel:
                 errors.append(err)
         if errors and len(errors) == len(self.stages):
             raise errors[0]
+
+
+def _status_of(stage: StageHandle) -> dict[str, Any] | None:
+    """A stage's `status()`, None when it raises (a stage that cannot answer now is reported as not up)."""
+    try:
+        return stage.status()
+    except Exception:  # noqa: BLE001 - reported as not up, never raised into a scrape
+        return None
 
 
 def even_bounds(num_layers: int, stages: int) -> list[int]:

@@ -51,6 +51,11 @@ def fault_setting(name: str) -> str:
     handing over its N-th shard, until released, so a test sees two teachers running at once by the
     order of their shards, not by a clock.
 
+    `hold-stage` ("<index> <method>", read as a serve job's stage actor starts: only a stage armed then reads it
+    again, at each call of `forward` and `report`): stage <index>'s calls of <method> wait while the setting
+    names them (`hold_while`), saying so in the stage's log first, so a test acts while a stage is inside a
+    step (or its status group is busy) instead of on one made "long enough".
+
     `say-error` (a text, read as a data-parallel rank starts: `say_fault`): the rank logs it at ERROR
     through the task logger, so a test finds a known line from a known node by its level
     (`smolforge logs --level ERROR --node w2`)."""
@@ -135,6 +140,26 @@ def stay_held(who: str, step: int, at: int, interrupt: Callable[[], str | None],
         time.sleep(HOLD_POLL_S)
     logging.getLogger(TASK_LOGGER).info("%s goes on after %s %d: %s", who, "shard" if fault == "hold-shard" else "step",
                                         step, why)
+    return why
+
+
+def hold_while(fault: str, value: str, who: str) -> str | None:
+    """Wait while fault `fault`'s setting is `value` (`hold-stage`), read every HOLD_POLL_S, at most
+    HOLD_LIMIT_S; None when it did not hold, else why the hold ended. Says "<who> held" in the task's log
+    as it starts holding (what a test waits for) and why it goes on as it ends."""
+    if fault_setting(fault) != value:
+        return None
+    logging.getLogger(TASK_LOGGER).info("%s held (fault injection: %s); waiting for its release", who,
+                                        node_dir() / f"fault-{fault}")
+    deadline = time.time() + HOLD_LIMIT_S
+    why = None
+    while why is None:
+        time.sleep(HOLD_POLL_S)
+        if fault_setting(fault) != value:
+            why = "released"
+        elif time.time() > deadline:
+            why = f"not released within {HOLD_LIMIT_S:.0f} s"
+    logging.getLogger(TASK_LOGGER).info("%s goes on: %s", who, why)
     return why
 
 

@@ -17,6 +17,11 @@ requests of that batch only. The handle is then marked broken, and before the ne
 Ray does not restart the actors itself (`max_restarts=0`): a stage's KV caches die with it, so a
 silent restart would only turn the failure into wrong tokens.
 
+A stage runs one step at a time (`max_concurrency=1`), but answers `info` and `report` in a concurrency
+group of its own (`STATUS_GROUP`), beside a running forward: `/metrics` (`RemoteStage.status`) waits for a
+stage at most `SCRAPE_TIMEOUT_S`, and a stage that does not answer by then is reported not up, never marked
+broken nor killed (a monitoring read must not take a serving stage down: only the step path decides that).
+
 A model only some nodes hold travels (`placement.model_travels`): every worker is then a candidate,
 and before a stage starts on a node that lacks the model, that node receives only the stage's part
 (its tensors, the config and tokenizer: `model_transfer.StagePart`), kept under its models dir where
@@ -40,6 +45,7 @@ from smolforge.cluster.control.stage_plan import (
 from smolforge.errors import SmolforgeError
 from smolforge.serve.stages import StagedModel, StageError
 from smolforge.telemetry.tasklog import LineBuffer, start_capture, this_node
+from smolforge.train.faults import fault_setting, hold_while
 
 if TYPE_CHECKING:
     from smolforge.models.stage_costs import Plan
@@ -49,6 +55,16 @@ log = logging.getLogger(__name__)
 # Stages' parts sent at once when a group starts (`StageGroup._bring_parts`): each send writes its part on
 # the holder (the part's tensors in memory while written: the model's bytes at most, all parts together).
 SENDS_AT_ONCE = 4
+# A scrape's wait for one stage's counters (`RemoteStage.status`): below Prometheus' default scrape timeout (10 s).
+SCRAPE_TIMEOUT_S = 5.0
+# The stage actor's concurrency group for what reads its state (`info`, `report`): answered while a step runs.
+STATUS_GROUP = "status"
+GROUP_OF = {"info": STATUS_GROUP, "report": STATUS_GROUP}  # a method not named: the default group (one step at a time)
+
+
+def on_actor(actor: Any, method: str, *args: Any) -> Any:
+    """`actor.<method>.remote(*args)` in the method's concurrency group (`GROUP_OF`): the object ref."""
+    return getattr(actor, method).options(concurrency_group=GROUP_OF.get(method)).remote(*args)
 
 
 def read_dir(path: str | Path) -> dict[str, bytes]:
@@ -85,6 +101,9 @@ class StageActor:
         self.lines = LineBuffer(f"stage{index}", this_node())
         start_capture(self.lines)  # for the actor's life: its process is its own
         torch.set_num_threads(max(1, int(num_cpus)))
+        # fault injection for tests (train/faults.py `hold-stage`): read here; only a stage armed now reads it again
+        self.hold_fault = fault_setting("hold-stage").split()[:1] == [str(index)]
+        self.index = index
         # the node's whole copy, else the part fetched for this stage (a model that travels), else the name
         self.model = held_stage_dir(model, list(bounds), index) or model
         # The adapter's files are needed only while loading: the actor is killed, never closed, so
@@ -96,7 +115,13 @@ class StageActor:
         log.info("stage %d: layers %d-%d of %s loaded on %s", index, bounds[index], bounds[index + 1], model,
                  self.lines.node)
 
+    def _held(self, method: str) -> None:
+        """Fault `hold-stage` "<index> <method>" (armed at start): wait while it names this call."""
+        if self.hold_fault:
+            hold_while("hold-stage", f"{self.index} {method}", f"stage {self.index} {method}")
+
     def forward(self, batch_id, x, attention_mask, position_ids, start=False, keep=1, resume=None, forget=()):
+        self._held("forward")
         return self.server.forward(batch_id, x, attention_mask, position_ids, start, keep, resume, forget)
 
     def hold(self, batch_id: str, row: int, length: int, snapshot_id: str, forget: list[str]) -> int:
@@ -112,6 +137,7 @@ class StageActor:
         self.server.drop(batch_id)
 
     def info(self) -> dict[str, Any]:
+        """`StageServer.info` and where it runs; in `STATUS_GROUP` (`on_actor`): answered while a step runs."""
         import ray
 
         from smolforge.telemetry.memory import memory_limit_bytes
@@ -121,9 +147,11 @@ class StageActor:
                 "memory_limit_mb": None if limit is None else round(limit / 1e6, 1)}
 
     def report(self) -> dict[str, Any]:
-        """What it printed since the last report, and its peak RSS so far (KV caches grow it after loading)."""
+        """What it printed since the last report, and its peak RSS so far (KV caches grow it after loading);
+        in `STATUS_GROUP`, as `info`."""
         from smolforge.telemetry.memory import peak_rss_mb
 
+        self._held("report")
         return {"lines": self.lines.drain(), "peak_rss_mb": round(peak_rss_mb(), 1)}
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -182,6 +210,7 @@ class RemoteStage:
         self.broken = True  # not placed yet
         self.replacements = 0
         self.pending: str | None = None  # the node id its actor is starting on (launched, not yet answered)
+        self.asked: tuple[Any, Any] | None = None  # (actor, ref) of a `status` read not answered in time yet
 
     def ready(self) -> None:
         """Before a batch: a stage whose actor died is placed again (on a live node with the model)."""
@@ -194,7 +223,7 @@ class RemoteStage:
         if self.broken or self.actor is None:
             raise StageError(f"stage {self.index} is not running", fix="it is placed again before the next batch")
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+            return ray.get(on_actor(self.actor, method, *args), timeout=timeout)
         except Exception as err:
             if not _dead(err):
                 raise  # an error inside the stage (e.g. an unknown batch): the actor is fine
@@ -229,6 +258,29 @@ class RemoteStage:
     def info(self) -> dict[str, Any]:
         return self._call("info", timeout=self.group.step_timeout_s)
 
+    def status(self) -> dict[str, Any] | None:
+        """The monitoring read (`/metrics`): the actor's `info` (in its status group, so a running step does
+        not delay it), waited for at most `group.scrape_timeout_s`; None when the stage is not running or
+        did not answer by then. It never marks the stage broken nor kills it: the step path alone decides
+        that. A read not answered in time is waited on again by the next one, not asked twice."""
+        import ray
+        import ray.exceptions as rex
+
+        actor = self.actor
+        if self.broken or actor is None:
+            return None
+        asked = self.asked if self.asked is not None and self.asked[0] is actor else (actor, on_actor(actor, "info"))
+        self.asked = asked
+        try:
+            info = ray.get(asked[1], timeout=self.group.scrape_timeout_s)
+        except rex.GetTimeoutError:
+            return None  # still asked: the next read waits for the same answer
+        except Exception:  # noqa: BLE001  a stage that died: the step path finds it and re-places it
+            info = None
+        if self.asked is asked:
+            self.asked = None
+        return info
+
 
 class StageGroup:
     """The stage actors of one served model: placed, re-placed when one dies, killed together."""
@@ -236,7 +288,7 @@ class StageGroup:
     def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
                  cpus_per_stage: float = 1.0, device: str = "cpu", dtype: str = "fp32", step_timeout_s: float = 120.0,
                  load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None,
-                 allowed: Sequence[str] | None = None):
+                 allowed: Sequence[str] | None = None, scrape_timeout_s: float = SCRAPE_TIMEOUT_S):
         self.model, self.name = model, name or model
         self.allowed = set(allowed) if allowed else None  # the job's stage_nodes: only these nodes run stages
         self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
@@ -244,6 +296,7 @@ class StageGroup:
         self.bounds = list(bounds) if bounds else None
         self.cpus, self.device, self.dtype = float(cpus_per_stage), device, dtype
         self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
+        self.scrape_timeout_s = float(scrape_timeout_s)  # a `/metrics` read's wait per stage (`RemoteStage.status`)
         self.embedded = embedded
         self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
         self.targets: list[str] = []  # the node id the plan chose for each stage
@@ -393,7 +446,8 @@ class StageGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return ray.remote(StageActor).options(
+        # steps one at a time (default group); `info`/`report` in their own group, beside a step (`GROUP_OF`)
+        return ray.remote(concurrency_groups={STATUS_GROUP: 1})(StageActor).options(
             num_cpus=self.cpus, resources=self._model_resources(node), max_restarts=0, max_task_retries=0,
             max_concurrency=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
         ).remote(self.model, self.bounds, handle.index, self.adapter_files, self.cpus, self.device, self.dtype)
@@ -404,7 +458,7 @@ class StageGroup:
         import ray
 
         try:
-            info = ray.get(actor.info.remote(), timeout=self.load_timeout_s)
+            info = ray.get(on_actor(actor, "info"), timeout=self.load_timeout_s)
         except Exception as err:
             try:
                 ray.kill(actor, no_restart=True)
@@ -504,7 +558,7 @@ class StageGroup:
 
         for h in self.handles:
             if h.actor is not None and not h.broken and h.index not in self._line_calls:
-                self._line_calls[h.index] = h.actor.report.remote()
+                self._line_calls[h.index] = on_actor(h.actor, "report")
         refs = list(self._line_calls.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         out: list[dict[str, Any]] = []
