@@ -39,6 +39,7 @@ def test_without_cuda_it_exits_2_with_one_line():
     assert r.stdout == "" and "Traceback" not in r.stderr
 
 
+@pytest.mark.soak  # CI budget (stop 55): a benchmark's own table; its refusal without CUDA stays in CI
 def test_on_the_cpu_at_a_tiny_size_it_prints_the_table():
     """Training bf16 vs fp32, the teacher writing a store, serve vs HF generate: one row each, with
     numbers and a ratio. (The staged row starts an embedded cluster: the soak test below runs it.)"""

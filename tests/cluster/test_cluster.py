@@ -559,6 +559,7 @@ def test_diloco_member_killed_mid_round_the_others_carry_on(world):
     assert (client.download_adapter(job_id, world["base"] / "downloads" / job_id) / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.soak  # CI budget (stop 55); the take-in at an outer step in CI: test_a_lent_diloco_member_leaves_at_its_next_outer_step_and_the_others_go_on
 def test_diloco_member_joining_mid_job_is_taken_in_at_the_next_outer_step(world):
     """The coordinator is lent to a running diloco job: it is placed at once as member 2, waits, and
     the group takes it in at its next outer step (it receives the step, the shared weights and the
@@ -965,6 +966,7 @@ def test_distill_job_survives_a_killed_teacher_and_a_killed_student(world):
     assert (path / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.soak  # CI budget (stop 55): a race's second instance; a join in CI: test_a_lent_node_leaves_at_the_next_checkpoint_and_the_job_completes
 def test_a_join_before_placement_is_never_lost(world):
     """Joined the moment the job runs, before or while its group is placed (the control actor may not
     exist yet): the node is in the group that finishes the job, whichever way the race went."""
@@ -1136,6 +1138,7 @@ def test_coordinator_killed_and_restarted_keeps_jobs_and_resumes(world):
     assert names.get("w1") == "online" and names.get("w3") == "online"  # workers never had to re-join
 
 
+@pytest.mark.soak  # CI budget (stop 55); in CI: a killed coordinator (test_coordinator_killed_and_restarted_keeps_jobs_and_resumes), a distill job's students from their shipped checkpoints (test_distill_job_pauses_resumes_and_reuses_its_shards)
 def test_coordinator_killed_mid_distill_job_resumes_its_students(world):
     """The coordinator (the distill run's driver) dies mid-run: after its restart the job runs again
     in the same run dir, reusing the teacher shards and continuing each student from the checkpoint

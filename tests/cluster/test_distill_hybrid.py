@@ -35,7 +35,7 @@ def node_dir(base: Path, name: str) -> Path:
 def _spawn(base: Path, procs: list):
     from smolforge.cluster.nodes import ray_glue
     from smolforge.auth import write_token
-    from smolforge.cluster.nodes.ray_process import head_command, spawn, wait_for_port, worker_command
+    from smolforge.cluster.nodes.ray_process import head_command, spawn, start_head, worker_command
     from smolforge.cluster.nodes.statedir import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="sfh", dir="/tmp"))  # short: Ray socket paths
@@ -46,11 +46,11 @@ def _spawn(base: Path, procs: list):
            "RAY_raylet_start_wait_time_s": "120", "SMOLFORGE_CPU_BF16": "0"}
     env.pop("RAY_ADDRESS", None)
     port = free_port()
-    head = head_command(port, cpus=1, node_ip="127.0.0.1", name="head", resources={ray_glue.HEAD_RESOURCE: 1000},
-                        labels={ray_glue.NAME_LABEL: "head", ray_glue.ROLE_LABEL: "coordinator"}, temp_dir=str(tmp),
-                        object_store_mb=100)
-    procs.append(spawn(head, env, base / "head.log", die_with_parent=True))
-    wait_for_port("127.0.0.1", port, procs[0], 120, base / "head.log")
+    # a head that exits during start-up (Ray's fixed 30 s registration, missed on a loaded machine) starts again
+    head = lambda: head_command(port, cpus=1, node_ip="127.0.0.1", name="head",  # noqa: E731 - a fresh command per attempt
+                                resources={ray_glue.HEAD_RESOURCE: 1000}, temp_dir=str(tmp), object_store_mb=100,
+                                labels={ray_glue.NAME_LABEL: "head", ray_glue.ROLE_LABEL: "coordinator"})
+    procs.append(start_head(head, "127.0.0.1", port, env, base / "head.log", timeout=120, die_with_parent=True))
     handle = ray_glue.connect(f"127.0.0.1:{port}", state_dir=base / "driver", token=token_path.read_text())
     for name in ("w1", "w2"):
         cmd = worker_command(f"127.0.0.1:{port}", cpus=1, gpus=0, node_ip="127.0.0.1", name=name,

@@ -73,3 +73,25 @@ def test_a_child_that_dies_ends_the_wait_with_its_log(procs, tmp_path):
     with pytest.raises(SmolforgeError) as err:
         ray_process.wait_for_port("127.0.0.1", free_port(), procs[0], 60, log)
     assert "did not come up" in err.value.what and "bind failed" in err.value.what
+
+
+def test_a_head_that_exits_during_start_up_is_started_again_with_a_fresh_command(tmp_path):
+    """`start_head` (the coordinator's and the test clusters' one way to start a head): a head that exits
+    during start-up (Ray's fixed 30 s node registration missed on a loaded machine: CI, stop 55) is started
+    again from a command built afresh; one that exits every time raises the wait's error after `attempts`."""
+    port, said = free_port(), []
+    commands = [[sys.executable, "-c", "import sys; sys.exit(3)"], [sys.executable, "-c", LISTEN.format(port=port)]]
+    made = iter(commands)
+    proc = ray_process.start_head(lambda: next(made), "127.0.0.1", port, {}, tmp_path / "log", timeout=60,
+                                  say=said.append)
+    try:
+        assert ray_process.listens_on(proc.pid, port) and proc.args == commands[1]
+        assert said == ["the Ray head exited during start-up (code 3); starting it again with fresh ports (attempt 2 of 3)"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    said.clear()
+    with pytest.raises(SmolforgeError, match="did not come up"):
+        ray_process.start_head(lambda: [sys.executable, "-c", "import sys; sys.exit(4)"], "127.0.0.1", free_port(),
+                               {}, tmp_path / "log2", timeout=60, attempts=2, say=said.append)
+    assert len(said) == 1  # started twice, told once

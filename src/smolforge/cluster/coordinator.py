@@ -55,7 +55,6 @@ def _is_ray_start(pid: int) -> bool:
     return b"start" in cmd and b"--head" in cmd
 
 
-HEAD_START_ATTEMPTS = 3  # a Ray head that exits during start-up is started again, with fresh ports
 
 
 @dataclass
@@ -185,23 +184,13 @@ class Coordinator:
                "SMOLFORGE_MODEL_PATHS": json.dumps(with_aliases(models)), **ray_process.metrics_port_env()}
         env.pop("RAY_AUTH_TOKEN", None)
         log = self.state.root / "logs" / "ray-head.log"
-        for attempt in range(HEAD_START_ATTEMPTS):
-            # fresh ports each time: one picked free may be taken before Ray binds it, and Ray then exits
-            cmd = ray_process.head_command(self.opts.ray_port, cpus=cpus, node_ip=ip, name=self.opts.name,
-                                           resources=resources, labels=labels,
-                                           temp_dir=os.environ.get("RAY_TMPDIR"), object_store_mb=self.opts.object_store_mb)
-            self.head_proc = ray_process.spawn(cmd, env, log, die_with_parent=False)
-            self.head_pid = self.head_proc.pid
-            try:
-                ray_process.wait_for_port(ip, self.opts.ray_port, self.head_proc, 60, log)
-                return
-            except SmolforgeError:
-                exited = self.head_proc.poll() is not None
-                ray_process.stop(self.head_proc)
-                if not exited or attempt == HEAD_START_ATTEMPTS - 1:
-                    raise  # its port is someone else's, or it failed every time: the error says which
-                print(f"the Ray head exited during start-up (code {self.head_proc.returncode}); "
-                      f"starting it again with fresh ports", flush=True)
+        # fresh ports each attempt: one picked free may be taken before Ray binds it, and Ray then exits
+        self.head_proc = ray_process.start_head(
+            lambda: ray_process.head_command(self.opts.ray_port, cpus=cpus, node_ip=ip, name=self.opts.name,
+                                             resources=resources, labels=labels, temp_dir=os.environ.get("RAY_TMPDIR"),
+                                             object_store_mb=self.opts.object_store_mb),
+            ip, self.opts.ray_port, env, log, timeout=60)
+        self.head_pid = self.head_proc.pid
 
     def _connect(self, token_path: Path) -> None:
         import ray

@@ -22,12 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from smolforge.cluster.nodes.statedir import free_ports, port_open
 from smolforge.errors import SmolforgeError
 from smolforge.net import is_loopback
+
+HEAD_START_ATTEMPTS = 3  # a Ray head that exits during start-up is started again, with fresh ports (`start_head`)
 
 
 def ray_executable() -> str:
@@ -218,6 +220,31 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen | None, timeout: 
         time.sleep(0.3)
     raise SmolforgeError(f"Ray did not come up on {host}:{port}:\n{tail(log_path)}",
                          fix=f"see {log_path}; another process may hold the port (pick --ray-port)")
+
+
+def start_head(command: Callable[[], list[str]], host: str, port: int, env: dict[str, str], log_path: Path, *,
+               timeout: float = 60.0, attempts: int = HEAD_START_ATTEMPTS, die_with_parent: bool = False,
+               say: Callable[[str], None] = lambda line: print(line, flush=True)) -> subprocess.Popen:
+    """Start a Ray head (`command()`, called once per attempt so its other ports are picked afresh) and wait
+    until it listens on host:port (`wait_for_port`, `timeout` s each): the started process.
+
+    A head that exits during start-up is started again, up to `attempts` times: Ray's own node registration
+    has a fixed 30 s bound that a loaded machine can miss (seen in CI beside other Ray clusters), and a port
+    picked free may be taken before Ray binds it. A head that is alive but not ours on the port, or that
+    failed every attempt, raises `wait_for_port`'s SmolforgeError (it says which); the failed process is stopped."""
+    for attempt in range(attempts):
+        proc = spawn(command(), env, log_path, die_with_parent=die_with_parent)
+        try:
+            wait_for_port(host, port, proc, timeout, log_path)
+            return proc
+        except SmolforgeError:
+            exited = proc.poll() is not None
+            stop(proc)
+            if not exited or attempt == attempts - 1:
+                raise
+            say(f"the Ray head exited during start-up (code {proc.returncode}); starting it again with fresh ports "
+                f"(attempt {attempt + 2} of {attempts})")
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def tail(path: Path, lines: int = 15) -> str:
