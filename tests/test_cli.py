@@ -5,6 +5,7 @@ process (the distill demo's embedded Ray cluster is the process's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,25 @@ def test_distill_demo_json_has_the_documented_keys(distill_demo):
     assert summary["settings"]["max_eval_samples"] == 32
     assert len(list((run / "teacher_outputs").glob("batch_*.safetensors"))) == 16
 
+
+def test_the_distill_demos_tasks_are_jobs_of_the_embedded_cluster(distill_demo):
+    """The demo is a client of jobs, as a seed script is (issue 42): `smolforge jobs` lists its tasks
+    afterwards as `distill_task` jobs, completed, in the run dirs it names: a teacher stage and a students
+    stage that reads that teacher job's store per arm, and the arm's aggregate stage of those students."""
+    proc, out = distill_demo
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = smolforge_here("jobs", "--json")
+    assert listed.exit_code == 0, listed.output[-3000:]
+    mine = [j for j in json.loads(listed.stdout) if str(j["spec"].get("output_dir", "")).startswith(str(out))]
+    stages = {}
+    for job in mine:
+        arm = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0]
+        stages.setdefault(arm, {})[job["spec"]["stage"]] = job
+    assert sorted(stages) == ["distill", "sft-baseline"], [j["spec"] for j in mine]
+    for arm, jobs in stages.items():
+        assert sorted(jobs) == ["aggregate", "students", "teacher"] and len(mine) == 6, (arm, [j["spec"] for j in mine])
+        assert {j["kind"] for j in jobs.values()} == {"distill_task"}
+        assert [j["state"] for j in jobs.values()] == ["completed"] * 3, (arm, jobs)
+        assert jobs["students"]["spec"]["teacher_job"] == jobs["teacher"]["id"]
+        students = [f"{jobs['students']['id']}-{t['task_id']}" for t in jobs["students"]["result"]["students"]]
+        assert jobs["aggregate"]["spec"]["student_tasks"] == students

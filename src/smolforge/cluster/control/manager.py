@@ -10,8 +10,9 @@ what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. 
 submit and resume, whenever a job's runner ends (finished, paused, failed), and, while a job waits,
 on a bounded tick (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming
 back (with no job waiting its thread sleeps until woken).
-Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
-shows it then), so two jobs are never started into the same free slots.
+Admitted jobs hold a claim on what they will take until their runner's tasks have started (Ray's table
+shows an actor's CPUs once it has a worker, not when it is placed), so two jobs are never started into
+the same free slots.
 
 A spec is validated once: at submit (`kinds.parse`), or once when a job is loaded from the store
 after a restart. The manager keeps the typed spec (`specs`) and hands it to the job's runner;
@@ -150,7 +151,9 @@ class JobManager:
     # -- the queue --------------------------------------------------------------------------------
 
     def placed(self, job_id: str) -> None:
-        """A runner has its tasks placed: Ray's table shows what they hold, so the claim can go."""
+        """A runner's tasks have started (a worker process each: Ray's table shows what they hold then, not when
+        they are merely placed), so the claim can go, PLACED_GRACE_S later. A runner that never says so keeps
+        its claim until CLAIM_TTL_S."""
         with self.lock:
             if job_id in self.claims:
                 self.claims[job_id] = (min(self.claims[job_id][0], time.time() + PLACED_GRACE_S),
@@ -167,11 +170,11 @@ class JobManager:
             kind = kinds.kind_of(job["kind"])
             try:
                 spec = self.spec_of(job)  # validated at submit (or once, on load): not again here
+                demand = kind.demand(spec, self.embedded) if kind.demand else None
             except Exception as err:  # noqa: BLE001 - recorded on the job, never kills the queue
                 self.store.set_state(job["id"], JobState.FAILED.value, f"failed: its spec no longer parses: {err}",
                                      error=str(err)[:400])
                 continue
-            demand = kind.demand(spec, self.embedded) if kind.demand else None
             out.append((job, queue.Waiting(job["id"], spec.priority, job["created"], demand) if demand else None))
         return out
 

@@ -75,6 +75,17 @@ def run_dir(artifacts: ArtifactStore, job_id: str) -> Path:
     return artifacts.root.parent / "distill" / job_id
 
 
+def tasks_started(statuses: list[dict[str, Any]]) -> bool:
+    """Whether a run's teachers and students hold what the queue admitted it for, in Ray's table: some task
+    is placed and every placed one has started (`running`: a group once each member has its worker, a
+    teacher at its first shard, a lone student at its first step). A task merely placed does not count:
+    Ray shows an actor's CPUs only once it has a worker, so a claim dropped then let the queue start a
+    second students stage into the same CPUs (stop 54's demo). The claim's CLAIM_TTL_S bounds the wait."""
+    placed = [s for s in statuses if s["kind"] != "aggregate" and s.get("node") and not s.get("queued")
+              and s["state"] in ("pending", "running")]
+    return bool(placed) and all(s["state"] == "running" for s in placed)
+
+
 class DistillRunner(JobRunner):
     """Runs one distill job until it is completed, failed, cancelled or paused."""
 
@@ -200,7 +211,6 @@ class DistillRunner(JobRunner):
                                        node_name=s.get("node"), error=s.get("error"))
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
-                self.ctx.placed(self.job_id)  # a task holds a node now: the queue's claim can go
             if s["kind"] == "student":
                 if s.get("node"):
                     self._nodes.setdefault(student_series(s["task_id"]), s["node"])
@@ -219,6 +229,8 @@ class DistillRunner(JobRunner):
                 if s.get("eta_s") is not None:
                     etas.append(float(s["eta_s"]))
         self.store.add_metrics(self.job_id, metric_rows)
+        if tasks_started(statuses):
+            self.ctx.placed(self.job_id)  # Ray's table shows what its tasks hold now: the queue's claim can go
         progress = done / total if total else 0.0
         if abs(progress - self._last_progress) >= 0.005 or (nodes and self.world != len(nodes)):
             self._last_progress = progress
