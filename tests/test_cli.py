@@ -106,9 +106,14 @@ def distill_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("distill-demo") / "demo"
     env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
            "SMOLFORGE_NUM_THREADS": "1"}
-    proc = smolforge("demo", "--json", "--output-dir", str(out), "--pretrain-steps", "5",
-                     "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts", "128",
-                     "--eval-samples", "32", timeout=600, env=env)
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus[:2])  # its embedded cluster has CPUs for one students group (2), as a 2-core machine
+    try:
+        proc = smolforge("demo", "--json", "--output-dir", str(out), "--pretrain-steps", "5",
+                         "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts",
+                         "128", "--eval-samples", "32", timeout=600, env=env)
+    finally:
+        os.sched_setaffinity(0, cpus)
     return proc, out
 
 
@@ -133,6 +138,45 @@ def test_distill_demo_json_has_the_documented_keys(distill_demo):
     assert summary["kd_prompts"] == 128 and summary["sft_examples"] == 64
     assert summary["settings"]["max_eval_samples"] == 32
     assert len(list((run / "teacher_outputs").glob("batch_*.safetensors"))) == 16
+
+
+def demo_jobs(out) -> dict[str, dict[str, dict]]:
+    """The distill demo's jobs in `out`, as `smolforge jobs` lists them: {arm: {stage: job}}."""
+    listed = smolforge_here("jobs", "--json")
+    assert listed.exit_code == 0, listed.output[-3000:]
+    stages: dict[str, dict[str, dict]] = {}
+    for job in json.loads(listed.stdout):
+        if str(job["spec"].get("output_dir", "")).startswith(str(out)):
+            arm = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0]
+            stages.setdefault(arm, {})[job["spec"]["stage"]] = job
+    return stages
+
+
+def job_events(job_id: str) -> list[dict]:
+    """A job's events as `smolforge job logs --json` gives them (their ids: the store's order)."""
+    logs = smolforge_here("job", "logs", job_id, "--json")
+    assert logs.exit_code == 0, logs.output[-3000:]
+    return [e for e in map(json.loads, logs.stdout.splitlines()) if e["type"] == "event"]
+
+
+def test_the_demos_two_students_groups_take_the_two_cpus_in_turn(distill_demo):
+    """The race of stop 54, on an embedded cluster with CPUs for one group (the fixture gives the demo 2):
+    its KD and SFT students stages, a ddp group of 2 each, are submitted at once; each asks the queue for
+    its group's 2 CPUs and holds its claim until its group has started, so the second waits in the queue
+    for the first (its `queued` events name that job) and places its group only after the first's
+    students have finished, and both complete (events in the job store's order, not clocks)."""
+    proc, out = distill_demo
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    students = [jobs["students"] for jobs in demo_jobs(out).values()]
+    assert len(students) == 2 and [j["state"] for j in students] == ["completed"] * 2, students
+    events = {j["id"]: job_events(j["id"]) for j in students}
+    first, second = sorted(events, key=lambda j: next(e["id"] for e in events[j] if e["kind"] == "dequeued"))
+    waited = [e["message"] for e in events[second] if e["kind"] == "queued" and first in e["message"]]
+    assert waited, [e["message"] for e in events[second] if e["kind"] == "queued"]
+    finished = [e["id"] for e in events[first] if e["kind"] == "student_finished"]
+    placed = [e["id"] for e in events[second] if e["kind"] == "student_submitted"]
+    assert len(finished) >= 2 and len(placed) >= 2 and min(placed) > max(finished), (
+        [(e["id"], e["kind"]) for e in events[first]], [(e["id"], e["kind"]) for e in events[second]])
 
 
 def test_the_distill_demos_tasks_are_jobs_of_the_embedded_cluster(distill_demo):

@@ -246,7 +246,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     resumed = [e["data"] for e in orch.events if e["kind"] == "student_resumed"]
     assert sorted(d["step"] for d in resumed) == [2, 2], resumed  # both ranks went on from the checkpoint
 
-    eval_examples = orch._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
+    eval_examples = orch.distill_session()._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
     ref = train_student(StudentConfig(base_model="tiny-llama", output_dir=str(tmp_path / "one"), max_steps=4,
                                       batch_size=4, lr=1e-3, device="cpu", num_threads=1, precision="fp32",
                                       peft=PeftSpec(method="lora", **PEFT), kd=KDConfig(kd_ratio=0.5),
@@ -255,7 +255,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     one = load_file(str(Path(ref.adapter_dir) / "adapter_model.safetensors"))
     group = load_file(str(out / "output" / "student_0" / "lora_adapter" / "adapter_model.safetensors"))
     assert {k: v.shape for k, v in group.items()} == {k: v.shape for k, v in one.items()}
-    healed = orch._dstate().tasks[students[0]].result["eval"]["eval_loss"]
+    healed = orch.distill_session()._dstate().tasks[students[0]].result["eval"]["eval_loss"]
     undisturbed = ref.eval["eval_loss"]
     assert abs(healed - undisturbed) <= 0.05 * undisturbed, (healed, undisturbed)
     for k in one:  # the restart lost nothing: the checkpoint held the weights, the optimizer and the data's place

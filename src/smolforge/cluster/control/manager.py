@@ -6,7 +6,8 @@ What a job kind adds (its spec, runner, uploads, checks and demand) comes from t
 
 The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
 free; `schedule` decides (rules in `smolforge.cluster.control.queue`: priority, FIFO, backfill only onto
-what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
+what the jobs ahead cannot use) and writes each waiting job's `pending_reason` (and, when it changes, a
+`queued` event saying it, which stays in the job's log). It runs at once on
 submit and resume, whenever a job's runner ends (finished, paused, failed), and, while a job waits,
 on a bounded tick (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming
 back (with no job waiting its thread sleeps until woken).
@@ -204,6 +205,7 @@ class JobManager:
                 why = decision.reasons.get(job["id"])
                 if why and why != job.get("pending_reason"):
                     self.store.update_job(job["id"], pending_reason=why)
+                    self.store.add_event(job["id"], "queued", why)  # why it waited stays in its log once it runs
             queued = len(started) < len(waiting)
             if queued and not self._queued and threading.current_thread() is not self._ticker:
                 self._wake.set()  # the queue's thread waits without a timeout while no job waits

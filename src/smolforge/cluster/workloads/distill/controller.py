@@ -393,6 +393,16 @@ def _teacher_failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRu
     return _put(run, failed, retry, shard_retries=retries, teachers_made=run.teachers_made + 1)
 
 
+def started(run: DistillRun) -> bool:
+    """Whether what the run holds shows in Ray's table: some task is placed and every placed one has started
+    (`running`: a group once Ray has a worker for each member, a teacher at its first shard, a lone student
+    at its first step). A job runner's queue claim goes then (`runner.DistillRunner._mirror`), not when a task
+    is merely placed: Ray shows an actor's CPUs only once it has a worker, and a claim dropped before let
+    the queue start a second students stage into the same CPUs (stop 54's demo)."""
+    placed = [t for t in run.tasks.values() if t.state in ("placed", "running")]
+    return bool(placed) and all(t.state == "running" for t in placed)
+
+
 # -- plan ------------------------------------------------------------------------------------------
 
 

@@ -158,11 +158,8 @@ class Placing(RunRecord):
             return {m.task_id: True for m in members}  # ended, not queued
         if meet is None:
             return self._not_started(members, actors, action)
-        if len(members) > 1:  # every member has its worker: Ray's table shows the group's CPUs (the queue's claim)
-            with st.lock:
-                for m in members:
-                    m.state = "running"
-                    self._record(TaskStarted(m.task_id, action.attempt))
+        if len(members) > 1:  # every member has its worker: Ray's table shows the group's CPUs (`started`)
+            self._record(*(TaskStarted(m.task_id, action.attempt) for m in members))
         self._run_students(members, actors, store, meet)
         return {m.task_id: True for m in members}
 

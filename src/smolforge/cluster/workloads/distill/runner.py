@@ -40,6 +40,7 @@ from typing import Any, Callable
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.controller import started
 from smolforge.cluster.workloads.distill.run import DistillFlow, DistillStopped
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.control.artifacts import ArtifactStore
@@ -73,17 +74,6 @@ def student_series(task_id: str) -> str:
 def run_dir(artifacts: ArtifactStore, job_id: str) -> Path:
     """Where a distill job writes its run (teacher_outputs/, output/, merged_model/)."""
     return artifacts.root.parent / "distill" / job_id
-
-
-def tasks_started(statuses: list[dict[str, Any]]) -> bool:
-    """Whether a run's teachers and students hold what the queue admitted it for, in Ray's table: some task
-    is placed and every placed one has started (`running`: a group once each member has its worker, a
-    teacher at its first shard, a lone student at its first step). A task merely placed does not count:
-    Ray shows an actor's CPUs only once it has a worker, so a claim dropped then let the queue start a
-    second students stage into the same CPUs (stop 54's demo). The claim's CLAIM_TTL_S bounds the wait."""
-    placed = [s for s in statuses if s["kind"] != "aggregate" and s.get("node") and not s.get("queued")
-              and s["state"] in ("pending", "running")]
-    return bool(placed) and all(s["state"] == "running" for s in placed)
 
 
 class DistillRunner(JobRunner):
@@ -229,7 +219,7 @@ class DistillRunner(JobRunner):
                 if s.get("eta_s") is not None:
                     etas.append(float(s["eta_s"]))
         self.store.add_metrics(self.job_id, metric_rows)
-        if tasks_started(statuses):
+        if self._session is not None and started(self._session._dstate().run):
             self.ctx.placed(self.job_id)  # Ray's table shows what its tasks hold now: the queue's claim can go
         progress = done / total if total else 0.0
         if abs(progress - self._last_progress) >= 0.005 or (nodes and self.world != len(nodes)):

@@ -160,17 +160,22 @@ class DataParallelSync(_Sync):
         t0 = time.monotonic()
         since: float | None = None  # since when some member has had no CPUs from Ray
         while True:
-            ready, _ = ray.wait([ref], timeout=START_LOOK_S)
+            try:
+                addr, port = ray.get(ref, timeout=START_LOOK_S)
+                answered = True
+            except GetTimeoutError:
+                answered = False
             now = time.monotonic()
             since = (since or now) if any(actor_waits_for_cpus(a) for a in actors) else None
-            verdict = start_verdict(bool(ready), now - since if since is not None else None, now - t0)
+            verdict = start_verdict(answered, now - since if since is not None else None, now - t0)
             if verdict == "met":
-                addr, port = ray.get(ref, timeout=START_S)
                 return {"addr": addr, "port": port, "secret": secrets.token_hex(16)}
             if verdict == "not_started":
                 return None
             if verdict == "timeout":
                 raise GetTimeoutError(f"rank 0 did not answer within {START_S:.0f}s")
+            if answered:  # (rank 0's answer is in hand: look again at the others in a while)
+                time.sleep(START_LOOK_S)
 
     @staticmethod
     @contextmanager
