@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from smolforge.cluster.control.distill_placement import (own_cpus, freest_node, hosts, pick_group_nodes,
@@ -258,6 +258,8 @@ event = st.one_of(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(event, max_size=30))
+@example([TaskPlaced("student-0", "a", 0), NotStarted("student-0", 0, 1.0), TaskPlaced("student-0", "b", 1)])
+@example([TaskPlaced("student-1", "a", 0), TaskPlaced("student-2", "b", 0), NotStarted("student-2", 0, 1.0)])
 def test_no_event_sequence_leaves_a_task_both_running_and_restarted(events):
     run = run_of(teacher(shards=(0, 1, 2)), student("student-0"), student("student-1", group="student-1"),
                  student("student-2", group="student-1"), num_shards=3, max_restarts=2)
