@@ -31,7 +31,10 @@ if TYPE_CHECKING:  # (torch: imported where a student joins, not where a plan is
 
 GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then restarts: groups.py)
 START_S = 120.0  # a group's rank 0 answers within this once placed, else the group fails (its process is stuck)
-UNSCHEDULED_S = 20.0  # a member Ray has had no CPUs for this long: the group did not start (it waits again)
+# a member Ray has had no CPUs for this long: the group did not start (it waits again). Not shorter: Ray leases
+# a worker only once its process runs, so a member whose CPUs are granted shows no worker while its process
+# starts (7.4 s measured at load 15 for a probe's, stop 50)
+UNSCHEDULED_S = 45.0
 START_LOOK_S = 1.0  # between looks at a starting group's actors
 
 
