@@ -224,3 +224,30 @@ def test_a_students_stage_asks_for_its_largest_group_so_two_ddp_stages_do_not_sh
     d = decide(waiting, [node("w1", cpus=2)], {}, {})
     assert d.start == ["job-kd"] and "job-sft" in d.reasons
     assert d.reasons["job-sft"] == "waiting for 2 tasks with 1 CPU: w1 taken by job-kd (starting)"
+
+
+def test_why_a_job_waited_stays_in_its_events_each_reason_once(tmp_path, monkeypatch):
+    """The queue's reason is the job's `pending_reason` while it waits, and a `queued` event the first time it
+    gives it (a reason that comes back, as two alternate tick by tick, is not said again): its log keeps
+    why it waited once it runs (`smolforge job logs`)."""
+    from smolforge.cluster.control.artifacts import ArtifactStore
+    from smolforge.cluster.control.jobstore import JobStore
+    from smolforge.cluster.control.manager import JobManager
+
+    mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
+    nodes = [node("w1", used=BUSY)]
+    monkeypatch.setattr(mgr, "healthy_nodes", lambda: nodes)
+    monkeypatch.setattr(mgr, "_ensure_ticker", lambda: None)
+    monkeypatch.setattr(mgr, "_start", lambda job_id, reason: mgr.store.set_state(job_id, "running"))
+    job = kinds.parse({"model": "tiny-llama", "dataset": "bundled", "num_workers": 1})
+    job_id = mgr.store.create_job(job.kind, job.model_dump(mode="json"))
+    mgr.specs[job_id] = job
+    busy = {"w1": ["job-x"]}
+    monkeypatch.setattr(mgr.store, "busy_nodes", lambda: busy)
+    for who in ("job-x", "job-y", "job-x", "job-y"):  # two reasons, alternating
+        busy["w1"] = [who]
+        assert mgr.schedule() == []
+    said = [e["message"] for e in mgr.store.events(job_id) if e["kind"] == "queued"]
+    assert said == ["waiting for 1 worker with 1 CPU: w1 busy with job-x", "waiting for 1 worker with 1 CPU: w1 busy with job-y"]
+    nodes[:] = [node("w1")]
+    assert mgr.schedule() == [job_id] and mgr.reasons_said == {}
