@@ -100,20 +100,25 @@ def test_demo_json_shows_accuracy_rising(tmp_path):
     assert summary["after_accuracy"] > summary["before_accuracy"]
 
 
+PINS = hasattr(os, "sched_setaffinity")  # (Linux): the demo's process, and its embedded cluster, get 2 CPUs
+
+
 @pytest.fixture(scope="module")
 def distill_demo(tmp_path_factory):
     """(the process, its --output-dir) of one shrunk distillation demo, which the tests below read."""
     out = tmp_path_factory.mktemp("distill-demo") / "demo"
     env = {"RAY_TMPDIR": f"/tmp/sfdd{os.getpid()}", "SMOLFORGE_COORDINATOR": "", "SMOLFORGE_RAY_ADDRESS": "",
            "SMOLFORGE_NUM_THREADS": "1"}
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cpus[:2])  # its embedded cluster has CPUs for one students group (2), as a 2-core machine
+    cpus = sorted(os.sched_getaffinity(0)) if PINS else []
+    if PINS:  # its embedded cluster has CPUs for one students group (2), as a 2-core machine has
+        os.sched_setaffinity(0, cpus[:2])
     try:
         proc = smolforge("demo", "--json", "--output-dir", str(out), "--pretrain-steps", "5",
                          "--teacher-steps", "10", "--student-steps", "6", "--distill-samples", "64", "--kd-prompts",
                          "128", "--eval-samples", "32", timeout=600, env=env)
     finally:
-        os.sched_setaffinity(0, cpus)
+        if PINS:
+            os.sched_setaffinity(0, cpus)
     return proc, out
 
 
@@ -165,6 +170,8 @@ def test_the_demos_two_students_groups_take_the_two_cpus_in_turn(distill_demo):
     its group's 2 CPUs and holds its claim until its group has started, so the second waits in the queue
     for the first (its `queued` events name that job) and places its group only after the first's
     students have finished, and both complete (events in the job store's order, not clocks)."""
+    if not PINS and (os.cpu_count() or 1) > 3:
+        pytest.skip("the demo's embedded cluster has CPUs for both groups here (no os.sched_setaffinity to give it 2)")
     proc, out = distill_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
     students = [jobs["students"] for jobs in demo_jobs(out).values()]
