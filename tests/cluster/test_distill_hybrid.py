@@ -97,7 +97,7 @@ def test_ddp_students_with_the_teacher_on_the_coordinator_equal_one_process(clus
                           max_samples=24, num_shards=3, top_k=8, max_new_tokens=8, teacher_batch_size=8,
                           max_steps=3, batch_size=2, lr=1e-3, peft_config=PEFT, save_every=2, eval=False,
                           device="cpu", students_sync="ddp", teacher_on_coordinator=True)
-    summary = run_distill(cfg, cluster.make(), output_dir=out, mode="hybrid")
+    summary = run_distill(cfg, cluster.make().distill_session(), output_dir=out, mode="hybrid")
 
     assert {t["node"] for t in summary["teacher_tasks"]} == {"head"}
     assert sorted(s["node"] for s in summary["student_tasks"]) == ["w1", "w2"]
@@ -139,7 +139,7 @@ def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(clus
                           num_students=1, max_samples=24, num_shards=3, top_k=8, max_new_tokens=8,
                           teacher_batch_size=8, max_steps=2, batch_size=4, lr=1e-3, peft_config=PEFT, save_every=0,
                           max_eval_samples=4, eval_max_new_tokens=4, device="cpu", teacher_on_coordinator=True)
-    summary = run_distill(cfg, cluster.make("teacher_student"), output_dir=out)
+    summary = run_distill(cfg, cluster.make("teacher_student").distill_session(), output_dir=out)
 
     lines = {s["base"]: s for s in summary["per_student"]}
     assert sorted(lines) == ["tiny-llama", "tiny-qwen2"]
