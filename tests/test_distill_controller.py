@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from smolforge.cluster.control.distill_placement import (own_cpus, freest_node, hosts, pick_group_nodes,
                                                          retry_teacher_node, teacher_nodes)
 from smolforge.cluster.workloads.distill.controller import (
-    ACTIVE, CancelAsked, DistillRun, Eligible, GiveUp, NodeLost, PauseAsked, Place, Queued, RunEnded, RunSettings,
+    ACTIVE, CancelAsked, DistillRun, Eligible, GiveUp, NodeLost, NotStarted, PauseAsked, Place, Queued, RunEnded, RunSettings,
     ShardCorrupt, ShardFound, ShardWritten, Stop, StudentProgress, Task, TaskAdded, TaskEnded, TaskFailed, TaskPlaced, TaskStarted, Wait,
-    apply, plan,
+    apply, plan, started,
 )
 
 
@@ -99,6 +99,57 @@ def test_a_group_starts_whole_or_waits_and_fails_once_no_node_could_run_it():
     assert isinstance(give_up[0], GiveUp) and give_up[0].task_ids == ("student-0", "student-1")
     run = reduce(lambda r, t: apply(TaskFailed(t, give_up[0].reason, False, 0), r), give_up[0].task_ids, run)
     assert [a.state for a in plan(run, [one], now=110) if isinstance(a, RunEnded)] == ["failed"]
+
+
+def test_a_group_placed_that_does_not_start_waits_again_without_a_restart_then_starts():
+    """Two stage jobs placed groups on the same 2 CPUs before Ray's table showed either: the group whose
+    rank 0 Ray could not start goes back to waiting (its placement undone, a new attempt, no restart
+    spent), is placed again once its node frees, and starts; one that never starts fails by replace_timeout_s."""
+    g = "student-0"
+    added = [student("student-0", group=g), student("student-1", group=g)]
+    run = run_of(*added, replace_timeout_s=60, max_restarts=2)
+    first = plan(run, [A], now=0)
+    assert first == [Place(("student-0", "student-1"), ("a", "a"), 0)]
+    run = run_of(TaskPlaced("student-0", "a", 0), TaskPlaced("student-1", "a", 0), **vars_of(run))
+    assert not started(run)  # placed only: Ray's table may not show it yet, so the queue's claim holds
+    run = apply(NotStarted("student-0", 0, at=30.0), run)
+    assert [(run.tasks[t].state, run.tasks[t].node_id, run.tasks[t].attempt, run.tasks[t].restarts)
+            for t in ("student-0", "student-1")] == [("waiting", None, 1, 0)] * 2
+    assert run.failures == {} and run.tasks["student-0"].unstarted_since == 30.0
+    assert plan(run, [A], now=31, held={"a": 2.0}) == [Wait(("student-0", "student-1"), False)]  # the other group's
+    assert apply(NotStarted("student-0", 0, at=40.0), run) == run  # the undone attempt's late news: stale
+    again = plan(run, [A], now=50, held={"a": 0.0})  # the other group ended: its CPUs are free
+    assert again == [Place(("student-0", "student-1"), ("a", "a"), 1)]
+    run = run_of(TaskPlaced("student-0", "a", 1), TaskPlaced("student-1", "a", 1), TaskStarted("student-0", 1),
+                 **vars_of(run))
+    assert apply(NotStarted("student-0", 1, at=55.0), run) == run  # a member started: a start is not undone
+    assert not started(run)  # one member of two
+    run = apply(TaskStarted("student-1", 1), run)
+    assert [(run.tasks[t].state, run.tasks[t].unstarted_since) for t in ("student-0", "student-1")] == [("running", None)] * 2
+    assert started(run)  # the claim can go
+    never = apply(NotStarted("student-0", 1, at=40.0), run_of(*added, TaskPlaced("student-0", "a", 0),
+                                                               TaskPlaced("student-1", "a", 0),
+                                                               NotStarted("student-0", 0, at=30.0),
+                                                               TaskPlaced("student-0", "a", 1), TaskPlaced("student-1", "a", 1),
+                                                               replace_timeout_s=60))
+    assert plan(never, [A], now=89, held={"a": 2.0}) == [Wait(("student-0", "student-1"), False)]
+    gave_up = plan(never, [A], now=90, held={"a": 2.0})  # 60 s since it was first placed and did not start
+    assert gave_up == [GiveUp(("student-0", "student-1"), gave_up[0].reason)] and "placed 2 times" in gave_up[0].reason
+
+
+def test_a_starting_groups_wait_ends_met_only_once_ray_has_every_member_and_sooner_when_it_has_none():
+    """`sync.start_verdict`, the session's one look at a placed group (`DataParallelSync.rendezvous`): met
+    once rank 0 answered and Ray has a worker for every member; back to waiting when Ray has had no CPUs for
+    a member for UNSCHEDULED_S (shorter than START_S, the bound on a started process that never answers)."""
+    from smolforge.cluster.workloads.distill.sync import START_S, UNSCHEDULED_S, start_verdict
+
+    assert UNSCHEDULED_S < START_S
+    assert start_verdict(True, None, 3.0) == "met"
+    assert start_verdict(True, 0.0, 3.0) == "wait"  # rank 0 answered, rank 1 has no CPUs yet: not met
+    assert start_verdict(False, UNSCHEDULED_S - 1, 30.0) == "wait"
+    assert start_verdict(True, UNSCHEDULED_S, 30.0) == "not_started"
+    assert start_verdict(False, None, START_S - 1) == "wait"  # every member has its worker: rank 0 imports
+    assert start_verdict(False, None, START_S) == "timeout"
 
 
 # -- failures ----------------------------------------------------------------------------------------
@@ -193,6 +244,7 @@ IDS = ("teacher-0", "student-0", "student-1", "student-2")
 event = st.one_of(
     st.builds(TaskPlaced, st.sampled_from(IDS), st.sampled_from("ab"), st.integers(0, 3)),
     st.builds(TaskStarted, st.sampled_from(IDS), st.integers(0, 3)),
+    st.builds(NotStarted, st.sampled_from(IDS), st.integers(0, 3), st.floats(0, 10)),
     st.builds(ShardWritten, st.sampled_from(IDS), st.integers(0, 2), st.integers(0, 3)),
     st.builds(StudentProgress, st.sampled_from(IDS), st.integers(0, 9), st.just(9), st.integers(0, 3)),
     st.builds(TaskEnded, st.sampled_from(IDS), st.sampled_from(["completed", "paused", "cancelled"]), st.integers(0, 3)),
@@ -206,6 +258,8 @@ event = st.one_of(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(event, max_size=30))
+@example([TaskPlaced("student-0", "a", 0), NotStarted("student-0", 0, 1.0), TaskPlaced("student-0", "b", 1)])
+@example([TaskPlaced("student-1", "a", 0), TaskPlaced("student-2", "b", 0), NotStarted("student-2", 0, 1.0)])
 def test_no_event_sequence_leaves_a_task_both_running_and_restarted(events):
     run = run_of(teacher(shards=(0, 1, 2)), student("student-0"), student("student-1", group="student-1"),
                  student("student-2", group="student-1"), num_shards=3, max_restarts=2)

@@ -29,6 +29,7 @@ On a bare Ray handle (a backend with no jobs: the distill tests' clusters) the s
 tasks in this process: the orchestrator holds a `DistillSession` (`smolforge.cluster.face`, what the
 distill job runner drives) on that handle, made at the first call, and hands the calls to it; its
 events are this orchestrator's `events`, its tasks' output lines go to `log_lines` when one is set.
+Only the seeds' calls named here go to it; a caller that looks inside its run asks `distill_session()`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from smolforge.client import backend_for
 from smolforge.cluster.control.jobview import job_task_status
@@ -48,6 +49,9 @@ from smolforge.cluster.face import (StudentCall, TeacherCall, holds_jobs, plan_s
 from smolforge.config import EVAL_SPLIT_KEY, check_call_dataset
 from smolforge.distill.aggregate import final_adapter_path
 from smolforge.errors import SmolforgeError
+
+if TYPE_CHECKING:
+    from smolforge.cluster.face import DistillSession
 
 MODES = ("data_parallel", "teacher_student", "hybrid")
 FINAL_STATES = ("completed", "failed", "cancelled")
@@ -105,7 +109,7 @@ class Orchestrator:
     def log_event(self, kind: str, message: str, **data: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "message": message, "data": data})
 
-    def _in_process(self) -> Any:
+    def _in_process(self) -> DistillSession:
         """The DistillSession the seeds' distillation calls go to on a bare Ray handle (made on first
         use, on `cluster`; monitor-thread driven). SmolforgeError on a Backend: its tasks are jobs."""
         if self._as_jobs:
@@ -121,13 +125,11 @@ class Orchestrator:
         if self.log_lines is not None:
             self.log_lines(lines)
 
-    def __getattr__(self, name: str) -> Any:
-        """On a bare Ray handle, what its DistillSession has beyond the calls named here (the run's state:
-        `_dstate`, `distill_tasks`, `cancel_distill_task`, `pause_distill_students`, ...). AttributeError
-        on a Backend, or for a name the session lacks."""
-        if name.startswith("__") or self.__dict__.get("_as_jobs", True):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self._in_process(), name)
+    def distill_session(self) -> DistillSession:
+        """The DistillSession this orchestrator's distillation calls go to on a bare Ray handle, for a caller
+        that looks inside the run (a test: its `_dstate()`, `_eval_examples`). SmolforgeError on a Backend:
+        its tasks are jobs, followed by task id (`task_status`, `monitor_tasks`)."""
+        return self._in_process()
 
     def close(self) -> None:
         self.backend.close()

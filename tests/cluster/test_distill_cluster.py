@@ -117,10 +117,10 @@ def test_teacher_shards_land_only_on_nodes_holding_the_model(cluster):
     assert orch.task_status(one)["node"] == "gpu-box"
     # nobody holds the model: a clear error at submit (the call raises; no task was made) naming what
     # each node has
-    before = len(orch._dstate().tasks)
+    before = len(orch.distill_session()._dstate().tasks)
     with pytest.raises(SmolforgeError, match="no node holds teacher model 'qwen2.5:7b'") as err:
         orch.create_parallel_teacher_tasks("qwen2.5:7b", str(cluster.data), cluster.base / "none", **GEN)
-    assert len(orch._dstate().tasks) == before
+    assert len(orch.distill_session()._dstate().tasks) == before
     assert "gpu-box" in err.value.render() and "worker join --models-dir" in err.value.render()
     orch.shutdown_distill()
 
@@ -232,7 +232,7 @@ def test_corrupt_shards_are_caught_and_regenerated(cluster):
     orch = cluster.make()
     students = orch.create_student_tasks("tiny-llama", store, num_students=1, epochs=1.0, batch_size=4,
                                          peft_config={"r": 4, "alpha": 8})
-    state = orch._dstate().stores[str(store.resolve())]
+    state = orch.distill_session()._dstate().stores[str(store.resolve())]
     # ... and shard 0's bytes get damaged on their way to the student.
     manifest = read_manifest(store, 0)
     bad = bytearray((store / "batch_0.safetensors").read_bytes())

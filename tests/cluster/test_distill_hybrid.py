@@ -97,7 +97,7 @@ def test_ddp_students_with_the_teacher_on_the_coordinator_equal_one_process(clus
                           max_samples=24, num_shards=3, top_k=8, max_new_tokens=8, teacher_batch_size=8,
                           max_steps=3, batch_size=2, lr=1e-3, peft_config=PEFT, save_every=2, eval=False,
                           device="cpu", students_sync="ddp", teacher_on_coordinator=True)
-    summary = run_distill(cfg, cluster.make(), output_dir=out, mode="hybrid")
+    summary = run_distill(cfg, cluster.make().distill_session(), output_dir=out, mode="hybrid")
 
     assert {t["node"] for t in summary["teacher_tasks"]} == {"head"}
     assert sorted(s["node"] for s in summary["student_tasks"]) == ["w1", "w2"]
@@ -139,7 +139,7 @@ def test_two_student_bases_on_one_store_each_get_their_own_output_and_merge(clus
                           num_students=1, max_samples=24, num_shards=3, top_k=8, max_new_tokens=8,
                           teacher_batch_size=8, max_steps=2, batch_size=4, lr=1e-3, peft_config=PEFT, save_every=0,
                           max_eval_samples=4, eval_max_new_tokens=4, device="cpu", teacher_on_coordinator=True)
-    summary = run_distill(cfg, cluster.make("teacher_student"), output_dir=out)
+    summary = run_distill(cfg, cluster.make("teacher_student").distill_session(), output_dir=out)
 
     lines = {s["base"]: s for s in summary["per_student"]}
     assert sorted(lines) == ["tiny-llama", "tiny-qwen2"]
@@ -246,7 +246,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     resumed = [e["data"] for e in orch.events if e["kind"] == "student_resumed"]
     assert sorted(d["step"] for d in resumed) == [2, 2], resumed  # both ranks went on from the checkpoint
 
-    eval_examples = orch._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
+    eval_examples = orch.distill_session()._eval_examples(str(cluster.data), None, 4)  # (no held-out file: the data's split)
     ref = train_student(StudentConfig(base_model="tiny-llama", output_dir=str(tmp_path / "one"), max_steps=4,
                                       batch_size=4, lr=1e-3, device="cpu", num_threads=1, precision="fp32",
                                       peft=PeftSpec(method="lora", **PEFT), kd=KDConfig(kd_ratio=0.5),
@@ -255,7 +255,7 @@ def test_a_ddp_group_that_loses_a_rank_restarts_from_its_checkpoint_and_ends_as_
     one = load_file(str(Path(ref.adapter_dir) / "adapter_model.safetensors"))
     group = load_file(str(out / "output" / "student_0" / "lora_adapter" / "adapter_model.safetensors"))
     assert {k: v.shape for k, v in group.items()} == {k: v.shape for k, v in one.items()}
-    healed = orch._dstate().tasks[students[0]].result["eval"]["eval_loss"]
+    healed = orch.distill_session()._dstate().tasks[students[0]].result["eval"]["eval_loss"]
     undisturbed = ref.eval["eval_loss"]
     assert abs(healed - undisturbed) <= 0.05 * undisturbed, (healed, undisturbed)
     for k in one:  # the restart lost nothing: the checkpoint held the weights, the optimizer and the data's place

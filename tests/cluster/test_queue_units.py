@@ -197,3 +197,57 @@ def test_the_queue_ticks_only_while_a_job_waits(tmp_path, monkeypatch):
     mgr._wake = Wake()
     mgr._tick()
     assert started == [job_id] and waits == [manager_mod.TICK_S, None]
+
+
+def test_a_students_stage_asks_for_its_largest_group_so_two_ddp_stages_do_not_share_two_cpus():
+    """A ddp students stage's group of 2 starts whole or not at all: the stage asks the queue for both its
+    students' CPUs (`kinds._distill_task_demand`, its plan's groups), so on a 2-CPU node the second such
+    stage waits for the first instead of being started into the same CPUs (the demo's race, stop 54);
+    independent students ask for one, at their CPUs per student (a TaskConfig's cpu_cores too)."""
+    from smolforge.cluster.control.specs import DistillTaskJob
+
+    def stage(**args):
+        return DistillTaskJob(stage="students", teacher_job="job-t", args={"base_model": "tiny-llama", **args})
+
+    def ask(job):
+        demand = kinds.KINDS["distill_task"].demand(job, True)
+        return demand.tasks, demand.req.cpus
+
+    kd, sft = stage(num_students=2, students_sync="ddp"), stage(num_students=2, students_sync="ddp")
+    assert ask(kd) == (2, 1.0)
+    assert ask(stage(num_students=3, students_sync="average", cpus_per_student=2)) == (1, 2.0)
+    assert ask(stage(base_model=["tiny-llama", "tiny-llama"], num_students=3, students_sync="ddp",
+                     task_config={"resources": {"cpu_cores": 2}})) == (3, 2.0)  # per base: one group of 3
+    assert kinds.KINDS["distill_task"].demand(DistillTaskJob(stage="aggregate", student_tasks=["j-student-0"]), True) is None
+    waiting = [Waiting(j, "normal", t, kinds.KINDS["distill_task"].demand(s, True)) for j, t, s in
+               (("job-kd", 0.0, kd), ("job-sft", 1.0, sft))]
+    d = decide(waiting, [node("w1", cpus=2)], {}, {})
+    assert d.start == ["job-kd"] and "job-sft" in d.reasons
+    assert d.reasons["job-sft"] == "waiting for 2 tasks with 1 CPU: w1 taken by job-kd (starting)"
+
+
+def test_why_a_job_waited_stays_in_its_events_each_reason_once(tmp_path, monkeypatch):
+    """The queue's reason is the job's `pending_reason` while it waits, and a `queued` event the first time it
+    gives it (a reason that comes back, as two alternate tick by tick, is not said again): its log keeps
+    why it waited once it runs (`smolforge job logs`)."""
+    from smolforge.cluster.control.artifacts import ArtifactStore
+    from smolforge.cluster.control.jobstore import JobStore
+    from smolforge.cluster.control.manager import JobManager
+
+    mgr = JobManager(JobStore(tmp_path / "j.db"), ArtifactStore(tmp_path / "a"))
+    nodes = [node("w1", used=BUSY)]
+    monkeypatch.setattr(mgr, "healthy_nodes", lambda: nodes)
+    monkeypatch.setattr(mgr, "_ensure_ticker", lambda: None)
+    monkeypatch.setattr(mgr, "_start", lambda job_id, reason: mgr.store.set_state(job_id, "running"))
+    job = kinds.parse({"model": "tiny-llama", "dataset": "bundled", "num_workers": 1})
+    job_id = mgr.store.create_job(job.kind, job.model_dump(mode="json"))
+    mgr.specs[job_id] = job
+    busy = {"w1": ["job-x"]}
+    monkeypatch.setattr(mgr.store, "busy_nodes", lambda: busy)
+    for who in ("job-x", "job-y", "job-x", "job-y"):  # two reasons, alternating
+        busy["w1"] = [who]
+        assert mgr.schedule() == []
+    said = [e["message"] for e in mgr.store.events(job_id) if e["kind"] == "queued"]
+    assert said == ["waiting for 1 worker with 1 CPU: w1 busy with job-x", "waiting for 1 worker with 1 CPU: w1 busy with job-y"]
+    nodes[:] = [node("w1")]
+    assert mgr.schedule() == [job_id] and mgr.reasons_said == {}

@@ -85,15 +85,13 @@ def prepare_output_dir(output_dir: str, replaces: tuple[str, ...]) -> None:
 
 def distill_summary(output_dir: str, seed: int, quiet: bool, settings=None) -> dict:
     """The distillation demo's summary, with the plain fine-tune demo's keys mapped onto it."""
-    from smolforge.cluster.face import DistillSession
     from smolforge.distill.demo import run_demo
     from smolforge.orchestrator import Orchestrator
 
     t0 = time.perf_counter()
     with Orchestrator("teacher_student") as orch:  # the configured coordinator, else the embedded cluster
-        # the demo drives its tasks in this process (the building blocks of a distill job), on orch's cluster
-        session = DistillSession(orch.cluster, "teacher_student")
-        summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings, orchestrator=session)
+        # the demo's tasks are that backend's jobs, as a seed script's (`smolforge jobs`, the dashboard)
+        summary = run_demo(quiet=quiet, output_dir=output_dir, seed=seed, settings=settings, orchestrator=orch)
     summary.setdefault("before_accuracy", summary.get("student_base_accuracy"))
     summary.setdefault("after_accuracy", summary.get("kd_accuracy"))
     summary.setdefault("eval_loss_before", summary.get("student_base_eval_loss"))
@@ -144,12 +142,13 @@ def register(app: typer.Typer) -> None:
     ):
         """Distill a tiny teacher into a student on the bundled tasks, and compare with plain fine-tuning.
 
-        Runs on the embedded default cluster: a student base pretrained in-process on a generic
-        corpus and a teacher fine-tuned from it (both cached); 2 parallel teacher tasks answer a pool
-        of 4,000 prompts (`bundled-prompts`: the 512 labelled ones and 3,488 without answers) into
-        the top-k logit store; 2 streaming students train as one data-parallel group. The SFT
-        baseline runs the same pipeline on the 512 labelled examples. Prints the share of the SFT
-        student's gap to the teacher that KD closes.
+        Runs on the embedded default cluster (or the configured coordinator): a student base pretrained
+        in-process on a generic corpus and a teacher fine-tuned from it (both cached); 2 parallel teacher
+        tasks answer a pool of 4,000 prompts (`bundled-prompts`: the 512 labelled ones and 3,488 without
+        answers) into the top-k logit store; 2 students train on it as one data-parallel group. The SFT
+        baseline runs the same pipeline on the 512 labelled examples. Each stage is a job, as a seed
+        script's tasks are (`smolforge jobs` lists them). Prints the share of the SFT student's gap to
+        the teacher that KD closes.
         `--workflow sft` runs only a LoRA fine-tune with held-out accuracy before and after.
 
         Example: smolforge demo --json

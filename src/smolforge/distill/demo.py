@@ -255,9 +255,11 @@ def student_kwargs(s: DemoSettings, seed: int) -> dict[str, Any]:
 
 
 def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: int = 0,
-             settings: DemoSettings | None = None, *, orchestrator) -> dict[str, Any]:
-    """Run the demo on `orchestrator` (a DistillTasks session: the caller's cluster); returns
-    teacher/base/SFT/KD metrics, store bytes/token and stage times."""
+             settings: DemoSettings | None = None, *, orchestrator: Any) -> dict[str, Any]:
+    """Run the demo's tasks through `orchestrator` (the seeds' `smolforge.Orchestrator`, whose calls are
+    `distill_task` jobs on its backend: they show in `smolforge jobs` and the dashboard like any run, and
+    write where the calls say); returns teacher/base/SFT/KD metrics, store bytes/token and stage times.
+    SmolforgeError when a task fails or runs past 30 minutes."""
     s = settings or DemoSettings()
     out = Path(output_dir or "outputs/demo")
     kd_dir, sft_dir = (out / name for name in DISTILL_REPLACES[:2])
@@ -276,32 +278,28 @@ def run_demo(quiet: bool = False, output_dir: str | Path | None = None, seed: in
     stages["teacher_training"] = time.time() - t
 
     orch = orchestrator
-    try:
-        say(f"2/5 {s.num_teachers} parallel teacher tasks write the top-k logit store")
-        t = time.time()
-        common = dict(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64, num_shards=s.num_shards,
-                      device="cpu")
-        teachers = orch.create_parallel_teacher_tasks(str(teacher_dir), s.kd_data, kd_dir, num_teachers=s.num_teachers,
-                                                      max_samples=s.kd_samples, **common)
-        reference = orch.create_parallel_teacher_tasks(str(base_dir), "bundled", sft_dir, num_teachers=1,
-                                                       backend="reference", max_samples=s.distill_samples, **common)
-        say(f"3/5 {s.num_students} KD students stream the shards; the SFT baseline runs the same pipeline")
-        kd_students = orch.create_student_tasks(str(base_dir), kd_dir / "teacher_outputs", **student_kwargs(s, seed))
-        sft_students = orch.create_student_tasks(str(base_dir), sft_dir / "teacher_outputs", **student_kwargs(s, seed))
-        orch.wait_distill(teachers + reference, timeout=1800)
-        stages["teacher_shards"] = time.time() - t
-        t_students = time.time()
-        orch.wait_distill(kd_students + sft_students, timeout=1800)
-        stages["students"] = time.time() - t_students
+    say(f"2/5 {s.num_teachers} parallel teacher tasks write the top-k logit store")
+    t = time.time()
+    common = dict(max_new_tokens=s.max_new_tokens, top_k=s.top_k, batch_size=64, num_shards=s.num_shards, device="cpu")
+    teachers = orch.create_parallel_teacher_tasks(str(teacher_dir), s.kd_data, kd_dir, num_teachers=s.num_teachers,
+                                                  max_samples=s.kd_samples, **common)
+    reference = orch.create_parallel_teacher_tasks(str(base_dir), "bundled", sft_dir, num_teachers=1,
+                                                   backend="reference", max_samples=s.distill_samples, **common)
+    say(f"3/5 {s.num_students} KD students learn from the store; the SFT baseline runs the same pipeline")
+    kd_students = orch.create_student_tasks(str(base_dir), kd_dir / "teacher_outputs", **student_kwargs(s, seed))
+    sft_students = orch.create_student_tasks(str(base_dir), sft_dir / "teacher_outputs", **student_kwargs(s, seed))
+    orch.wait_distill(teachers + reference, timeout=1800)
+    stages["teacher_shards"] = time.time() - t
+    t_students = time.time()
+    orch.wait_distill(kd_students + sft_students, timeout=1800)
+    stages["students"] = time.time() - t_students
 
-        say("4/5 each arm's adapter into merged_model/ (ddp: one group's adapter, copied; average: exact mean of "
-            "the LoRA updates → rank r)")
-        t = time.time()
-        kd_merge = orch.aggregate_student_outputs(kd_students, kd_dir / "merged_model")
-        sft_merge = orch.aggregate_student_outputs(sft_students, sft_dir / "merged_model")
-        stages["aggregation"] = time.time() - t
-    finally:
-        orch.shutdown_distill()
+    say("4/5 each arm's adapter into merged_model/ (ddp: one group's adapter, copied; average: exact mean of "
+        "the LoRA updates → rank r)")
+    t = time.time()
+    kd_merge = orch.aggregate_student_outputs(kd_students, kd_dir / "merged_model")
+    sft_merge = orch.aggregate_student_outputs(sft_students, sft_dir / "merged_model")
+    stages["aggregation"] = time.time() - t
 
     say("5/5 held-out evaluation")
     t = time.time()

@@ -90,12 +90,15 @@ def runner_at(ref: str) -> Callable[[], type]:
     return load
 
 
-def check_at(ref: str) -> Callable[..., None]:
-    """A kind's submit-time check named `module:function` in its workload package (called with the check's
-    own arguments), imported when a job of the kind is checked (as `runner_at`, so the control plane imports
-    no workload)."""
+def check_at(ref: str) -> Callable[..., Any]:
+    """A kind's submit-time check (or another of its answers: a students stage's ask) named `module:function`
+    in its workload package (called with its own arguments), imported when first called (as `runner_at`, so
+    the control plane imports no workload)."""
     load = runner_at(ref)
     return lambda *args: load()(*args)
+
+
+_students_ask = check_at(f"{WORKLOADS}.distill.stage_args:students_ask")
 
 
 def by_stage(files: dict[str, str]) -> Callable[[dict[str, Any]], str | None]:
@@ -136,9 +139,12 @@ def _distill_demand(job: DistillJob, embedded: bool) -> Demand:
 
 
 def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
-    """A teacher or students stage: one worker free to start on, holding its model unless it travels
-    (its runner spreads the tasks as `distill` does). An aggregate stage merges on the coordinator: it
-    asks for no worker, so it never waits in the queue (None)."""
+    """A teacher stage: one worker free to start on (its runner spreads its teachers as `distill` does; a
+    teacher waiting for a CPU in Ray only waits). A students stage: its largest group's students, each at
+    its CPUs per student, free at once (`stage_args.students_ask`: a ddp group's members start together or
+    not at all, so a stage admitted into fewer CPUs would place a group that cannot start). Both hold a
+    worker holding their model unless it travels. An aggregate stage merges on the coordinator: it asks
+    for no worker, so it never waits in the queue (None)."""
     if job.stage == "aggregate":
         return None
     a = job.args
@@ -146,9 +152,12 @@ def _distill_task_demand(job: DistillTaskJob, embedded: bool) -> Demand | None:
     model = model[0] if isinstance(model, list) and model else model
     if job.stage == "teacher" and a.get("teacher_on_coordinator"):
         model = None
-    cpus = float(a.get("cpus_per_teacher" if job.stage == "teacher" else "cpus_per_student") or 1.0)
-    return Demand(1, Requirements(model=model_need(model, None, embedded) if isinstance(model, str) else None,
-                                  cpus=cpus), noun="task")
+    if job.stage == "teacher":
+        tasks, cpus = 1, float(a.get("cpus_per_teacher") or 1.0)
+    else:
+        tasks, cpus = _students_ask(job)
+    return Demand(tasks, Requirements(model=model_need(model, None, embedded) if isinstance(model, str) else None,
+                                      cpus=cpus), noun="task")
 
 
 def _serve_demand(job: ServeJob, embedded: bool) -> Demand:

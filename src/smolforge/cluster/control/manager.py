@@ -6,12 +6,14 @@ What a job kind adds (its spec, runner, uploads, checks and demand) comes from t
 
 The queue: a submitted (or resumed) job is `pending` until what its kind's `demand` asks for is
 free; `schedule` decides (rules in `smolforge.cluster.control.queue`: priority, FIFO, backfill only onto
-what the jobs ahead cannot use) and writes each waiting job's `pending_reason`. It runs at once on
+what the jobs ahead cannot use) and writes each waiting job's `pending_reason` (and, the first time
+it gives a reason, a `queued` event saying it, which stays in the job's log). It runs at once on
 submit and resume, whenever a job's runner ends (finished, paused, failed), and, while a job waits,
 on a bounded tick (TICK_S) for what the store cannot tell us: a node joining, a node's resources coming
 back (with no job waiting its thread sleeps until woken).
-Admitted jobs hold a claim on what they will take until their runner has placed it (Ray's table
-shows it then), so two jobs are never started into the same free slots.
+Admitted jobs hold a claim on what they will take until their runner's tasks have started (Ray's table
+shows an actor's CPUs once it has a worker, not when it is placed), so two jobs are never started into
+the same free slots.
 
 A spec is validated once: at submit (`kinds.parse`), or once when a job is loaded from the store
 after a restart. The manager keeps the typed spec (`specs`) and hands it to the job's runner;
@@ -57,6 +59,7 @@ class JobManager:
         self.closed = False
         self.claims: dict[str, tuple[float, queue.Free]] = {}  # admitted, not yet placed: (expires, what)
         self.start_reasons: dict[str, str] = {}  # job id -> the runner's reason once it leaves the queue
+        self.reasons_said: dict[str, set[str]] = {}  # a waiting job -> the reasons its `queued` events gave
         self.specs: dict[str, Spec] = {}  # job id -> its validated spec (at submit, or once on load)
         self.serve_token_file: str | None = None  # embedded `serve`: the token the user gave (cli/serve.py)
         self._wake = threading.Event()
@@ -150,7 +153,9 @@ class JobManager:
     # -- the queue --------------------------------------------------------------------------------
 
     def placed(self, job_id: str) -> None:
-        """A runner has its tasks placed: Ray's table shows what they hold, so the claim can go."""
+        """A runner's tasks have started (a worker process each: Ray's table shows what they hold then, not when
+        they are merely placed), so the claim can go, PLACED_GRACE_S later. A runner that never says so keeps
+        its claim until CLAIM_TTL_S."""
         with self.lock:
             if job_id in self.claims:
                 self.claims[job_id] = (min(self.claims[job_id][0], time.time() + PLACED_GRACE_S),
@@ -167,11 +172,11 @@ class JobManager:
             kind = kinds.kind_of(job["kind"])
             try:
                 spec = self.spec_of(job)  # validated at submit (or once, on load): not again here
+                demand = kind.demand(spec, self.embedded) if kind.demand else None
             except Exception as err:  # noqa: BLE001 - recorded on the job, never kills the queue
                 self.store.set_state(job["id"], JobState.FAILED.value, f"failed: its spec no longer parses: {err}",
                                      error=str(err)[:400])
                 continue
-            demand = kind.demand(spec, self.embedded) if kind.demand else None
             out.append((job, queue.Waiting(job["id"], spec.priority, job["created"], demand) if demand else None))
         return out
 
@@ -195,12 +200,17 @@ class JobManager:
                 if job_id in decision.claims:
                     self.claims[job_id] = (now + CLAIM_TTL_S, decision.claims[job_id])
                 self.store.update_job(job_id, pending_reason=None)
+                self.reasons_said.pop(job_id, None)
                 self.store.add_event(job_id, "dequeued", "its turn: what it asks for is free; starting")
                 self._start(job_id, self.start_reasons.pop(job_id, "started"))
             for job, _ in waiting:
                 why = decision.reasons.get(job["id"])
                 if why and why != job.get("pending_reason"):
                     self.store.update_job(job["id"], pending_reason=why)
+                    said = self.reasons_said.setdefault(job["id"], set())
+                    if why not in said:  # each reason once (two that alternate tick by tick: two events)
+                        said.add(why)
+                        self.store.add_event(job["id"], "queued", why)  # why it waited stays in its log
             queued = len(started) < len(waiting)
             if queued and not self._queued and threading.current_thread() is not self._ticker:
                 self._wake.set()  # the queue's thread waits without a timeout while no job waits

@@ -567,3 +567,23 @@ def probe_node(node_id: str, timeout: float = NODE_VERDICT_S) -> bool:
         pass
     ray.cancel(ref, force=True)
     return False
+
+
+# -- has an actor started? -------------------------------------------------------------------------
+
+def actor_waits_for_cpus(actor: Any) -> bool | None:
+    """Whether Ray still waits for resources to start `actor`: True while its creation is pending and no
+    worker process has been leased to it (GCS's actor table: state PENDING_CREATION, pid 0 — measured on Ray
+    2.60: an actor whose lease was granted shows its worker's pid and port while its process starts, one
+    waiting for CPUs shows neither); False once it has a worker (Ray's resource table then shows its CPUs)
+    or has ended; None when the table cannot say (it is Ray's private state API: a caller then waits as if
+    it could not tell). One GCS call, no dashboard."""
+    try:
+        from ray._private import state as ray_state
+
+        info = ray_state.actors(actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - a private API: its absence only makes the caller wait longer
+        return None
+    if not isinstance(info, dict) or "State" not in info:
+        return None
+    return info["State"] in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") and not info.get("Pid")

@@ -18,6 +18,10 @@ The shape of a run:
   stale and changes nothing, so a restarted task is never also running.
 - a student that finds no node waits (`Queued`); one that no live node could run at all, were
   they idle, fails after `replace_timeout_s` from `Queued(..., unplaceable=True)`.
+- a group placed where Ray then had no CPUs for a member (another job's tasks took them before Ray's
+  table showed it) does not start: `NotStarted` puts it back to waiting, as a new attempt without
+  spending a restart, and `plan` places it again when nodes free; one that has not started within
+  `replace_timeout_s` of its first `NotStarted` fails (`GiveUp`), so nothing waits forever.
 - `PauseAsked` / `CancelAsked` stop every task; the run ends once no task is active.
 """
 
@@ -56,6 +60,8 @@ class Task:
     restarts: int = 0
     error: str | None = None
     no_node_since: float | None = None
+    unstarted_since: float | None = None  # a group placed but never started (`NotStarted`): since when
+    unstarted: int = 0  # how often it was placed and did not start
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,17 @@ class TaskPlaced:
 class TaskStarted:
     task_id: str
     attempt: int
+
+
+@dataclass(frozen=True)
+class NotStarted:
+    """`task_id`'s group (or itself), placed as `attempt`, did not start at `at` (s): a member's actor was
+    still waiting for CPUs in Ray. Its placement is undone: back to waiting, as attempt + 1 (the killed
+    actors' news is stale), without a restart spent."""
+
+    task_id: str
+    attempt: int
+    at: float
 
 
 @dataclass(frozen=True)
@@ -191,7 +208,7 @@ class CancelAsked:
     pass
 
 
-Event = Union[TaskAdded, TaskPlaced, TaskStarted, ShardWritten, ShardCorrupt, StudentProgress, TaskEnded,
+Event = Union[TaskAdded, TaskPlaced, TaskStarted, NotStarted, ShardWritten, ShardCorrupt, StudentProgress, TaskEnded,
               TaskFailed, NodeLost, Queued, ShardFound, Eligible, RunSettings, PauseAsked, CancelAsked]
 
 
@@ -286,15 +303,31 @@ def apply(event: Event, run: DistillRun) -> DistillRun:
     if isinstance(event, TaskPlaced):
         return _put(run, replace(task, state="placed", node_id=event.node_id, no_node_since=None))
     if isinstance(event, TaskStarted):
-        return _put(run, replace(task, state="running"))
+        return _put(run, replace(task, state="running", unstarted_since=None))
+    if isinstance(event, NotStarted):
+        return _not_started(run, event)
     if isinstance(event, ShardWritten):
         return _put(run, replace(task, state="running", done=task.done | {event.shard}),
                     written=run.written | {event.shard})
     if isinstance(event, StudentProgress):
-        return _put(run, replace(task, state="running", step=max(task.step, event.step), max_steps=event.max_steps))
+        return _put(run, replace(task, state="running", unstarted_since=None, step=max(task.step, event.step),
+                                 max_steps=event.max_steps))
     if isinstance(event, TaskEnded):
         return _put(run, replace(task, state=event.state, node_id=None))
     return _failed(run, task, event)
+
+
+def _not_started(run: DistillRun, event: NotStarted) -> DistillRun:
+    """The group of `event.task_id` back to waiting, its placement undone (a new attempt, no restart spent),
+    unless a member has started (a start is not undone). Under a pause or cancel it waits too: `plan` then
+    ends the run once no task is placed."""
+    members = run.members(event.task_id)
+    if any(m.state != "placed" or m.attempt != event.attempt for m in members):
+        return run
+    again = [replace(m, state="waiting", node_id=None, attempt=m.attempt + 1, no_node_since=None,
+                     unstarted_since=min(m.unstarted_since or event.at, event.at), unstarted=m.unstarted + 1)
+             for m in members]
+    return _put(run, *again)
 
 
 def _queued(run: DistillRun, event: Queued) -> DistillRun:
@@ -358,6 +391,16 @@ def _teacher_failed(run: DistillRun, task: Task, event: TaskFailed) -> DistillRu
     retry = Task(task_id=f"teacher-{run.teachers_made}", kind="teacher", cpus=task.cpus, shards=tuple(again),
                  eligible=task.eligible, exclude=task.node_id)
     return _put(run, failed, retry, shard_retries=retries, teachers_made=run.teachers_made + 1)
+
+
+def started(run: DistillRun) -> bool:
+    """Whether what the run holds shows in Ray's table: some task is placed and every placed one has started
+    (`running`: a group once Ray has a worker for each member, a teacher at its first shard, a lone student
+    at its first step). A job runner's queue claim goes then (`runner.DistillRunner._mirror`), not when a task
+    is merely placed: Ray shows an actor's CPUs only once it has a worker, and a claim dropped before let
+    the queue start a second students stage into the same CPUs (stop 54's demo)."""
+    placed = [t for t in run.tasks.values() if t.state in ("placed", "running")]
+    return bool(placed) and all(t.state == "running" for t in placed)
 
 
 # -- plan ------------------------------------------------------------------------------------------
@@ -445,8 +488,15 @@ def _doomed(run: DistillRun, now: float) -> GiveUp | None:
         return GiveUp(tuple(t.task_id for t in active), run.store_failed)
     late = [t for t in active if t.state == "waiting" and t.no_node_since is not None
             and now - t.no_node_since >= run.replace_timeout_s]
-    if not late:
+    if late:
+        return GiveUp(tuple(t.task_id for t in late),
+                      f"no node could run it for {run.replace_timeout_s:.0f}s: join a worker that holds the model, "
+                      "then rerun; its last checkpoint is kept")
+    unstarted = [t for t in active if t.state == "waiting" and t.unstarted_since is not None
+                 and now - t.unstarted_since >= run.replace_timeout_s]
+    if not unstarted:
         return None
-    return GiveUp(tuple(t.task_id for t in late),
-                  f"no node could run it for {run.replace_timeout_s:.0f}s: join a worker that holds the model, "
-                  "then rerun; its last checkpoint is kept")
+    return GiveUp(tuple(t.task_id for t in unstarted),
+                  f"placed {unstarted[0].unstarted} times, it did not start within {run.replace_timeout_s:.0f}s: Ray "
+                  "had no CPUs for its actors there (other jobs' tasks hold them); free CPUs on the workers, then "
+                  "rerun; its last checkpoint is kept")

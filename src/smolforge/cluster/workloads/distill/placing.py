@@ -5,6 +5,7 @@ that may run each of them given, and acts on its actions: a `Place` starts a tea
 or a student or a ddp group, all members at once (`_start_students`); a `Wait` queues them, saying why
 (`_queue`: busy nodes, or none that could run them at all, which the run records since when); a
 `GiveUp` fails them (`_give_up`: their store failed, or no node could run them for replace_timeout_s).
+A group whose members Ray could not start where the plan put them (`_not_started`) waits again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from smolforge.cluster.workloads.distill.controller import GiveUp, Place, Queued, TaskFailed, TaskPlaced, Wait
+from smolforge.cluster.workloads.distill.controller import (
+    GiveUp, NotStarted, Place, Queued, TaskFailed, TaskPlaced, TaskStarted, Wait,
+)
 from smolforge.cluster.workloads.distill.decide import RunRecord, shard_of
 from smolforge.cluster.workloads.distill.remotes import remotes
 from smolforge.cluster.workloads.distill.state import DistillTask, short_error
@@ -119,8 +122,10 @@ class Placing(RunRecord):
             t = st.tasks[tid]
             if t.state not in ("pending", "running"):
                 continue
-            why = action.reason if st.run.store_failed else self._unplaceable_why(t, st.run.replace_timeout_s)
-            self._record(TaskFailed(tid, why, False, t.attempt))
+            known = st.run.tasks.get(tid)
+            no_node = not st.run.store_failed and known is not None and known.no_node_since is not None
+            why = self._unplaceable_why(t, st.run.replace_timeout_s) if no_node else action.reason
+            self._record(TaskFailed(tid, why, False, self._attempt(t)))  # (the run's: a group waiting again is a new one)
             t.queued, t.state, t.finished, t.error = False, "failed", time.time(), why
             self._devent("student_failed", f"{tid} failed: {why}", task_id=tid, node=t.node, error=why)
 
@@ -141,7 +146,7 @@ class Placing(RunRecord):
                 actors.append(remotes()["student"].options(max_restarts=0, **opts).remote())
                 st.handles[m.task_id] = (actors[-1], None)  # shutdown_distill kills it from now on
         try:  # outside the lock: rank 0's process may take a while to start
-            meet = DataParallelSync.rendezvous(actors[0]) if len(members) > 1 else {}
+            meet = DataParallelSync.rendezvous(actors) if len(members) > 1 else {}
         except RayError as err:
             why = (f"its student group could not meet: rank 0 ({members[0].task_id} on {members[0].node}) did not "
                    f"start ({short_error(err)}); free CPUs on the workers, or rerun with --resume")
@@ -151,8 +156,32 @@ class Placing(RunRecord):
                 m.state, m.finished, m.error = "failed", time.time(), why
                 self._devent("student_failed", f"{m.task_id} failed: {why}", task_id=m.task_id, node=m.node, error=why)
             return {m.task_id: True for m in members}  # ended, not queued
+        if meet is None:
+            return self._not_started(members, actors, action)
+        if len(members) > 1:  # every member has its worker: Ray's table shows the group's CPUs (`started`)
+            self._record(*(TaskStarted(m.task_id, action.attempt) for m in members))
         self._run_students(members, actors, store, meet)
         return {m.task_id: True for m in members}
+
+    def _not_started(self, members: list[DistillTask], actors: list[Any], action: Place) -> dict[str, bool]:
+        """A group placed where Ray had no CPUs for a member (another job's tasks took them before Ray's
+        table showed it, `DataParallelSync.rendezvous`): its actors killed, back to waiting (`NotStarted`:
+        no restart spent), placed again by a later plan once CPUs free; `plan` gives it up after
+        replace_timeout_s. Returns its members as queued."""
+        st = self._dstate()
+        where = members[0].node
+        for actor in actors:
+            self._kill_quietly(actor)
+        with st.lock:
+            for m in members:
+                st.handles.pop(m.task_id, None)
+                m.state, m.node, m.node_id, m.queued = "pending", None, None, True
+            self._record(NotStarted(members[0].task_id, action.attempt, time.time()))
+        ids = [m.task_id for m in members]
+        self._devent("student_group_unstarted", f"its group ({', '.join(ids)}) did not start on {where}: Ray had no "
+                     "CPUs for a member (another job's tasks took them first); it waits for free CPUs",
+                     task_id=ids[0], members=ids, node=where)
+        return {tid: False for tid in ids}
 
     def _run_students(self, members: list[DistillTask], actors: list[Any], store, meet: dict[str, Any]) -> None:
         """The started actors run their students; `step` waits on their results."""

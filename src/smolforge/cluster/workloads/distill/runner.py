@@ -40,6 +40,7 @@ from typing import Any, Callable
 from ray.exceptions import RayError
 
 from smolforge.cluster.nodes import ray_glue
+from smolforge.cluster.workloads.distill.controller import started
 from smolforge.cluster.workloads.distill.run import DistillFlow, DistillStopped
 from smolforge.cluster.workloads.distill.session import DistillSession
 from smolforge.cluster.control.artifacts import ArtifactStore
@@ -200,7 +201,6 @@ class DistillRunner(JobRunner):
                                        node_name=s.get("node"), error=s.get("error"))
             if s.get("node") and s["state"] in ("pending", "running") and s["node"] not in nodes:
                 nodes.append(s["node"])
-                self.ctx.placed(self.job_id)  # a task holds a node now: the queue's claim can go
             if s["kind"] == "student":
                 if s.get("node"):
                     self._nodes.setdefault(student_series(s["task_id"]), s["node"])
@@ -219,6 +219,8 @@ class DistillRunner(JobRunner):
                 if s.get("eta_s") is not None:
                     etas.append(float(s["eta_s"]))
         self.store.add_metrics(self.job_id, metric_rows)
+        if self._session is not None and started(self._session._dstate().run):
+            self.ctx.placed(self.job_id)  # Ray's table shows what its tasks hold now: the queue's claim can go
         progress = done / total if total else 0.0
         if abs(progress - self._last_progress) >= 0.005 or (nodes and self.world != len(nodes)):
             self._last_progress = progress

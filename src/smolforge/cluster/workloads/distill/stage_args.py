@@ -147,6 +147,17 @@ def typed_args(stage: str, args: dict[str, Any]) -> dict[str, Any]:
     return {f.name: getattr(call, f.name) for f in fields(call) if f.name in args}
 
 
+def students_ask(job: Any) -> tuple[int, float]:
+    """What a students stage (a DistillTaskJob, checked at submit) asks of the job queue: (tasks, CPUs
+    each). Its tasks are its largest group, as its plan forms them (`plan_students`: `sync.groups` over one
+    base's students, each at the plan's CPUs per student), since a group's members start together or not at
+    all: every student of a base for `ddp`, one for independent (`average`) students. The queue admits the
+    stage when that many are free, so two stages' groups are not started into the same CPUs (kinds.py)."""
+    plan = plan_students(stage_call("students", _unnamed(job), **PLACEHOLDERS["students"]), job.mode)
+    groups = plan.sync.groups([f"student-{i}" for i in range(plan.num_students)])
+    return max((len(g) for g in groups), default=1), plan.cpus
+
+
 def _check_values(stage: str, mode: str, args: dict[str, Any], where: str) -> None:
     """A stage's `args` (a dataset by name counted as its file) as the builders the job runs check them
     (the `mode`'s own rules included), at submit; the builder's refusal, where: the args, naming the

@@ -17,6 +17,7 @@ how a member's worker joins and leaves it.
 from __future__ import annotations
 
 import secrets
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
@@ -29,6 +30,25 @@ if TYPE_CHECKING:  # (torch: imported where a student joins, not where a plan is
     from smolforge.train.strategy import Strategy
 
 GROUP_TIMEOUT_S = 300.0  # a collective that waits longer than this for a rank fails (the group then restarts: groups.py)
+START_S = 120.0  # a group's rank 0 answers within this once placed, else the group fails (its process is stuck)
+# a member Ray has had no CPUs for this long: the group did not start (it waits again). Not shorter: Ray leases
+# a worker only once its process runs, so a member whose CPUs are granted shows no worker while its process
+# starts (7.4 s measured at load 15 for a probe's, stop 50)
+UNSCHEDULED_S = 45.0
+START_LOOK_S = 1.0  # between looks at a starting group's actors
+
+
+def start_verdict(answered: bool, unscheduled_s: float | None, waited_s: float) -> str:
+    """What a starting group's wait decides, from one look (seconds): `met` when rank 0 has answered and Ray
+    has a worker for every member (`unscheduled_s` None: Ray's table shows all their CPUs); `not_started`
+    when some member has had no CPUs from Ray for `unscheduled_s` >= UNSCHEDULED_S (placed where another
+    job's tasks took them first: it waits again, `controller.NotStarted`); `timeout` once `waited_s` >=
+    START_S; else `wait`."""
+    if unscheduled_s is not None and unscheduled_s >= UNSCHEDULED_S:
+        return "not_started"
+    if answered and unscheduled_s is None:
+        return "met"
+    return "timeout" if waited_s >= START_S else "wait"
 
 
 @dataclass(frozen=True)
@@ -128,13 +148,37 @@ class DataParallelSync(_Sync):
                 "shards": list(shards)}
 
     @staticmethod
-    def rendezvous(first_actor) -> dict[str, Any]:
-        """Where the group meets: rank 0's address and a port it holds open, and this group's secret
-        (it travels only through Ray, which takes the cluster token)."""
+    def rendezvous(actors: list[Any]) -> dict[str, Any] | None:
+        """Where the group of `actors` (rank order) meets: rank 0's address and a port it holds open, and
+        this group's secret (it travels only through Ray, which takes the cluster token), once every
+        member has started (`start_verdict`, looked at every START_LOOK_S: Ray's actor table says whether
+        it still waits for CPUs, `ray_glue.actor_waits_for_cpus`). None: a member got no CPUs within
+        UNSCHEDULED_S (the group did not start). A RayError: rank 0 failed, or did not answer in START_S."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        addr, port = ray.get(first_actor.free_address.remote(), timeout=120)  # as a DP job's ranks get to start
-        return {"addr": addr, "port": port, "secret": secrets.token_hex(16)}
+        from smolforge.cluster.nodes.ray_glue import actor_waits_for_cpus
+
+        ref = actors[0].free_address.remote()
+        t0 = time.monotonic()
+        since: float | None = None  # since when some member has had no CPUs from Ray
+        while True:
+            try:
+                addr, port = ray.get(ref, timeout=START_LOOK_S)
+                answered = True
+            except GetTimeoutError:
+                answered = False
+            now = time.monotonic()
+            since = (since or now) if any(actor_waits_for_cpus(a) for a in actors) else None
+            verdict = start_verdict(answered, now - since if since is not None else None, now - t0)
+            if verdict == "met":
+                return {"addr": addr, "port": port, "secret": secrets.token_hex(16)}
+            if verdict == "not_started":
+                return None
+            if verdict == "timeout":
+                raise GetTimeoutError(f"rank 0 did not answer within {START_S:.0f}s")
+            if answered:  # (rank 0's answer is in hand: look again at the others in a while)
+                time.sleep(START_LOOK_S)
 
     @staticmethod
     @contextmanager
