@@ -288,7 +288,7 @@ class StageGroup:
     def __init__(self, model: str, stages: int | None, *, adapter: str | None = None, bounds: Sequence[int] | None = None,
                  cpus_per_stage: float = 1.0, device: str = "cpu", dtype: str = "fp32", step_timeout_s: float = 120.0,
                  load_timeout_s: float = 300.0, embedded: bool = False, name: str | None = None,
-                 allowed: Sequence[str] | None = None, scrape_timeout_s: float = SCRAPE_TIMEOUT_S):
+                 allowed: Sequence[str] | None = None):
         self.model, self.name = model, name or model
         self.allowed = set(allowed) if allowed else None  # the job's stage_nodes: only these nodes run stages
         self.count = None if stages is None else int(stages)  # None: the planner chooses (--stages auto)
@@ -296,7 +296,7 @@ class StageGroup:
         self.bounds = list(bounds) if bounds else None
         self.cpus, self.device, self.dtype = float(cpus_per_stage), device, dtype
         self.step_timeout_s, self.load_timeout_s = float(step_timeout_s), float(load_timeout_s)
-        self.scrape_timeout_s = float(scrape_timeout_s)  # a `/metrics` read's wait per stage (`RemoteStage.status`)
+        self.scrape_timeout_s = SCRAPE_TIMEOUT_S  # a `/metrics` read's wait per stage (`RemoteStage.status`)
         self.embedded = embedded
         self.handles = [RemoteStage(self, i) for i in range(self.count or 0)]
         self.targets: list[str] = []  # the node id the plan chose for each stage
