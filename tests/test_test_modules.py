@@ -1,4 +1,4 @@
-"""The test tree's own rule: every test module has a basename of its own.
+"""The test tree's own rules: every test module has a basename of its own; a soak marker's CI twin is in CI.
 
 Why: the test directories have no `__init__.py`, so pytest imports each module by its basename;
 two `test_engine.py` in different folders make the whole collection fail ("import file mismatch")
@@ -198,3 +198,41 @@ def test_the_shared_cluster_ends_after_its_last_user_and_a_later_one_starts_it_a
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "log.txt").read_text().split("\n")[:-1] == [
         "start", "a 1", "a 2", "end", "b", "start", "c 1", "end"], proc.stdout
+
+
+def _soak_status() -> tuple[dict[str, bool], list[tuple[str, int, str]]]:
+    """Every test function's name -> whether it is soak (its own `@pytest.mark.soak` or its module's
+    `pytestmark`), and every `@pytest.mark.soak  # …` line's (file, line, comment)."""
+    import ast
+
+    soak: dict[str, bool] = {}
+    comments: list[tuple[str, int, str]] = []
+    for path in TESTS.rglob("test_*.py"):
+        text = path.read_text()
+        module_soak = any("pytestmark" in line and "mark.soak" in line for line in text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                own = any("soak" in ast.unparse(d) for d in node.decorator_list)
+                soak[node.name] = soak.get(node.name, False) or own or module_soak
+        for no, line in enumerate(text.splitlines(), 1):
+            if line.strip().startswith("@pytest.mark.soak") and "#" in line:
+                comments.append((str(path.relative_to(TESTS.parent)), no, line.split("#", 1)[1]))
+    return soak, comments
+
+
+def test_a_soak_markers_ci_twin_is_a_ci_test():
+    """A soak test's marker may name the test that proves the same claim in CI (`# … in CI: test_x`): that
+    test exists and is not soak itself. Stop 55 moved a CI test to soak that another soak marker named as
+    its CI twin, leaving the claim with no CI proof; the module's soak run found it, this finds it first."""
+    import re
+
+    soak, comments = _soak_status()
+    wrong = []
+    for where, no, comment in comments:
+        for name in re.findall(r"\b(test_[A-Za-z0-9_]+\*?)(?![\w.])", comment):
+            named = [t for t in soak if t.startswith(name[:-1])] if name.endswith("*") else [name] * (name in soak)
+            if not named:
+                wrong.append(f"{where}:{no} names {name}, which is no test")
+            elif all(soak[t] for t in named):
+                wrong.append(f"{where}:{no} names {name} as its CI twin, but it is soak too")
+    assert not wrong, "\n".join(wrong)
