@@ -152,8 +152,9 @@ def demo_jobs(out) -> dict[str, dict[str, dict]]:
     stages: dict[str, dict[str, dict]] = {}
     for job in json.loads(listed.stdout):
         if str(job["spec"].get("output_dir", "")).startswith(str(out)):
-            arm = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0]
-            stages.setdefault(arm, {})[job["spec"]["stage"]] = job
+            arm, stage = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0], job["spec"]["stage"]
+            assert stage not in stages.get(arm, {}), f"two {stage} jobs of the {arm} arm: {job['spec']}"
+            stages.setdefault(arm, {})[stage] = job
     return stages
 
 
@@ -195,16 +196,10 @@ def test_the_distill_demos_tasks_are_jobs_of_the_embedded_cluster(distill_demo):
     stage that reads that teacher job's store per arm, and the arm's aggregate stage of those students."""
     proc, out = distill_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
-    listed = smolforge_here("jobs", "--json")
-    assert listed.exit_code == 0, listed.output[-3000:]
-    mine = [j for j in json.loads(listed.stdout) if str(j["spec"].get("output_dir", "")).startswith(str(out))]
-    stages = {}
-    for job in mine:
-        arm = os.path.relpath(job["spec"]["output_dir"], out).split(os.sep)[0]
-        stages.setdefault(arm, {})[job["spec"]["stage"]] = job
-    assert sorted(stages) == ["distill", "sft-baseline"], [j["spec"] for j in mine]
+    stages = demo_jobs(out)  # (each stage of an arm once: six jobs)
+    assert sorted(stages) == ["distill", "sft-baseline"], stages
     for arm, jobs in stages.items():
-        assert sorted(jobs) == ["aggregate", "students", "teacher"] and len(mine) == 6, (arm, [j["spec"] for j in mine])
+        assert sorted(jobs) == ["aggregate", "students", "teacher"], (arm, [j["spec"] for j in jobs.values()])
         assert {j["kind"] for j in jobs.values()} == {"distill_task"}
         assert [j["state"] for j in jobs.values()] == ["completed"] * 3, (arm, jobs)
         assert jobs["students"]["spec"]["teacher_job"] == jobs["teacher"]["id"]
