@@ -152,20 +152,21 @@ def hold_while(fault: str, value: str, who: str) -> str | None:
     logging.getLogger(TASK_LOGGER).info("%s held (fault injection: %s); waiting for its release", who,
                                         node_dir() / f"fault-{fault}")
     deadline = time.time() + HOLD_LIMIT_S
-    why = None
-    while why is None:
+    while not (why := _hold_ends(lambda: fault_setting(fault) == value, deadline)):
         time.sleep(HOLD_POLL_S)
-        if fault_setting(fault) != value:
-            why = "released"
-        elif time.time() > deadline:
-            why = f"not released within {HOLD_LIMIT_S:.0f} s"
     logging.getLogger(TASK_LOGGER).info("%s goes on: %s", who, why)
     return why
 
 
 def _hold_over(at: int, deadline: float, fault: str = "hold-step") -> str | None:
     """Why the hold of fault `fault` N = `at` ends now on its own (None: it goes on)."""
-    if fault_hold_step(fault) != at:
+    return _hold_ends(lambda: fault_hold_step(fault) == at, deadline)
+
+
+def _hold_ends(named: Callable[[], bool], deadline: float) -> str | None:
+    """Why a hold ends now: "released" once `named()` (its setting still names this hold) is false, or past
+    `deadline` (s, time.time()); None while it goes on. Every hold's one rule (`stay_held`, `hold_while`)."""
+    if not named():
         return "released"
     if time.time() > deadline:
         return f"not released within {HOLD_LIMIT_S:.0f} s"
