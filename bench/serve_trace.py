@@ -10,7 +10,10 @@ process, with every request at once (`--load 0`, the capacity run) or as a Poiss
 - the engine's counters (prefill tokens, prefix hits and tokens reused).
 
     PYTHONPATH=src .venv/bin/python bench/serve_trace.py --model llama-100m --requests 30 --prompt-max 256 \
-        --answer-max 64 --shared 150 --threads 2 [--load 0.5 --rps 0.22] [--peer]
+        --answer-max 64 --shared 150 --threads 2 [--load 0.5 --rps 0.22] [--peer] [--kv-unified]
+
+Per request it also splits admit-to-first-token into the first token sampled and the text held back
+after it (a token with no text, half a character): since stop 56 every token is told at once.
 
 `--peer` also plays the same requests (all at once) against llama-server and prints its wall and the
 per-request `timings` it returns (prompt_n, prompt_ms, predicted_ms).
@@ -41,12 +44,13 @@ class Trace:
         self.steps: list[tuple[float, float]] = []  # step seconds, of which llama_decode seconds
         self.snap_s = self.restore_s = 0.0
         self.admitted: dict[str, float] = {}
+        self.sampled: dict[str, float] = {}  # a request's first token sampled (its text may be held back)
         self._in_decode = 0.0
 
     def wrap(self, model: Any, engine: Any) -> None:
         """Wrap `model._decode`, `snapshot`, `restore` and `engine.step` / `_next_group` (instance attributes)."""
-        decode, snap, restore, step, next_group = (model._decode, model.snapshot, model.restore, engine.step,
-                                                   engine._next_group)
+        decode, snap, restore, step, next_group, advance = (model._decode, model.snapshot, model.restore,
+                                                            engine.step, engine._next_group, engine._advance)
 
         def _decode(entries: Any) -> None:
             entries = list(entries)
@@ -81,7 +85,12 @@ class Trace:
                     self.admitted.setdefault(r.id, now)
             return group
 
+        def _advance(r: Any, token: int) -> bool:
+            self.sampled.setdefault(r.id, time.perf_counter())
+            return advance(r, token)
+
         model._decode = _decode
+        engine._advance = _advance
         model.snapshot, model.restore = _timed(snap, "snap_s"), _timed(restore, "restore_s")
         engine.step, engine._next_group = _step, _next_group
 
@@ -149,10 +158,14 @@ def run_engine(args: argparse.Namespace, trace: list[serve_load.Work]) -> dict[s
     queue = sorted(tr.admitted[i] - sent[i] for i in sent)
     ttft = sorted(first[i] - sent[i] for i in sent)
     prefill = sorted(first[i] - tr.admitted[i] for i in sent)
+    sampled = sorted(tr.sampled[i] - tr.admitted[i] for i in sent)
+    held = sorted(first[i] - tr.sampled[i] for i in sent)
     pct = lambda xs, q: round(xs[int(q * (len(xs) - 1))], 3)  # noqa: E731
     return {"wall_s": round(wall, 2), "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
             "queue_p50_s": pct(queue, 0.5), "queue_p99_s": pct(queue, 0.99),
             "admit_to_first_p50_s": pct(prefill, 0.5), "admit_to_first_p99_s": pct(prefill, 0.99),
+            "admit_to_sampled_p50_s": pct(sampled, 0.5), "admit_to_sampled_p99_s": pct(sampled, 0.99),
+            "text_held_p50_s": pct(held, 0.5), "text_held_p99_s": pct(held, 0.99),
             "tokens_per_s": round(sum(w.answer for w in trace) / wall, 1),
             **tr.summary(), **engine.counters()}
 
@@ -201,7 +214,13 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.0, help="0: every request at once; else x --rps Poisson")
     ap.add_argument("--rps", type=float, default=0.22, help="the peer's capacity the load is a fraction of")
     ap.add_argument("--peer", action="store_true", help="also the same requests (all at once) on llama-server")
+    ap.add_argument("--kv-unified", action="store_true",
+                    help="one KV stream for every sequence (the engine before stop 56: the A/B's before)")
     args = ap.parse_args()
+    if args.kv_unified:
+        from smolforge.serve.llamacpp import LlamaCppModel
+
+        LlamaCppModel.KV_UNIFIED = True
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed trace still stops its llama-server
     from transformers import AutoTokenizer
 

@@ -470,3 +470,27 @@ def test_a_row_that_joined_goes_on_alone_after_the_first_rows_leave(served):
     assert engine.prefill_tokens == len(first) + len(joined)
     assert got["a"].token_ids == hf_greedy(served.model, first, 6, served.pad_id)
     assert got["b"].token_ids == hf_greedy(served.model, joined, 16, served.pad_id)
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_every_token_is_told_even_one_that_has_no_text(served, logprobs):
+    """A token with no text (a special token, skipped) or whose text is held back still gets its TokenEvent at
+    once, as llama-server streams a chunk per token: a client's first token is not late by the tokens before
+    the first text (issue 44's TTFT, measured on a model whose answers began with such tokens). Their
+    log-probabilities wait for the text that releases them: the events' lists add up to the answer's, in order."""
+    tok = served.tokenizer
+    silent = next(i for i in tok.all_special_ids if i not in served.eos_ids)  # <|pad|>: no text, not the end
+    assert tok.decode([silent], skip_special_tokens=True) == ""
+    p = prompts(tok)[0]
+    events: list = []
+    params = SamplingParams(max_tokens=5, temperature=0, logit_bias={silent: 100.0}, logprobs=logprobs)
+    Engine(served).run_batch([Request(p, params, events.append)])
+    done, told = events[-1], [e for e in events if isinstance(e, TokenEvent)]
+    assert isinstance(done, DoneEvent) and done.token_ids == [silent] * 5 and done.text == ""
+    assert [e.token_id for e in told[:5]] == [silent] * 5  # one per token, as it was sampled
+    assert all(e.text == "" for e in told)
+    if logprobs is None:
+        assert len(told) == 5 and all(e.logprobs is None for e in told)
+    else:  # held until the end: the last event releases all five
+        assert [len(e.logprobs) for e in told] == [0, 0, 0, 0, 0, 5]
+        assert told[-1].logprobs == done.logprobs and [e.id for e in done.logprobs] == [silent] * 5

@@ -7,13 +7,16 @@ by reading the weights, so one `llama_decode` of a token for each of N sequences
 for one. A context has `n_seq` sequences (ids 0..n_seq-1) and a batch says which sequence each token
 belongs to.
 
-Why one KV stream for every sequence (`unified`, the default): with a stream per sequence (llama.cpp's
-default) a batch is cut into micro-batches of runs of *consecutive* sequence ids (`split_equal`), so a
-step of rows with ids 2, 0, 3, 1 was up to four passes over the weights; with one stream a batch is one
-ubatch whatever its ids (issue 44: the server's decode step 3.4-3.7x faster, its first token 2.4-3.2x,
-BENCHMARKS.md). The flash-attention CPU kernel skips the other sequences' masked cells, so sharing the
-stream costs a step little. In a unified context the sequences share all `n_seq * n_ctx_seq` cells:
-none is held to `n_ctx_seq`, and `n_ctx_seq` here only sizes the whole.
+One KV stream for every sequence (`unified`, the default) or one per sequence (llama.cpp's default):
+with a stream per sequence a batch is cut into micro-batches of runs of *consecutive* sequence ids in
+batch order (`split_equal`), so a step of rows with ids 2, 0, 3, 1 is up to four passes over the
+weights unless the caller sends its rows in id order and keeps the ids low (the serving engine does,
+`serve/llamacpp.py`); with one stream a batch is one ubatch whatever its ids, but every row's attention
+and mask run over every sequence's cells (the CPU flash-attention kernel skips the masked ones, not
+for free): with a server's rows coming and going and cells scattered, its prefill was 1.7x slower at
+90 % load (issue 44, BENCHMARKS.md). The llamacpp teacher keeps one stream (its rows start and end
+together). In a unified context the sequences share all `n_seq * n_ctx_seq` cells: none is held to
+`n_ctx_seq`, and `n_ctx_seq` here only sizes the whole; per sequence, each has `n_ctx_seq`.
 
 Logits come back as a view of llama.cpp's own output buffer (no copy): valid until the next decode.
 """

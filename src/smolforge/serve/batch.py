@@ -124,6 +124,7 @@ class Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each sampled token's, when asked for
     logprobs_sent: int = 0  # how many of `logprobs` went out with a TokenEvent
+    token_events: int = 0  # TokenEvents sent (the first carries the prompt's log-probabilities: echo)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: the prompt's own, the first None
     cached_tokens: int = 0  # its prompt's positions restored from the prefix cache (not computed)
 

@@ -378,8 +378,7 @@ class Engine(ContextLimits):
             return self._finish(r, "stop")
         r.token_ids.append(token)
         text = r.stream.push(token)
-        if text:
-            _emit(r, _token_event(r, text, token))
+        _emit(r, _token_event(r, text, token, release=bool(text)))  # every token is told, its text or none
         if r.stream.stopped:
             return self._finish(r, "stop")
         if len(r.token_ids) >= r.params.max_tokens:
@@ -431,10 +430,17 @@ def _end(r: Request, event: DoneEvent | ErrorEvent) -> bool:
     return True
 
 
-def _token_event(r: Request, text: str, token: int) -> TokenEvent:
-    """New text, with the log-probabilities not sent yet (and the prompt's with the first: echo)."""
-    prompt = r.prompt_logprobs if r.logprobs_sent == 0 else None
-    return TokenEvent(text, token, r.unsent_logprobs(), prompt)
+def _token_event(r: Request, text: str, token: int, release: bool = True) -> TokenEvent:
+    """A generated token's event: its new text (maybe none), the prompt's log-probabilities with the
+    request's first event (echo), and, when `release`, the log-probabilities not sent yet. A token whose
+    text is held back (half a character, a stop string's start) or is none (a special token) is told
+    too, as llama-server streams a chunk for every token (`process_token`), so a client's first token
+    is not late by the tokens before the first text; its log-probabilities go with the text that
+    releases it (an empty list until then)."""
+    prompt = None if r.token_events else r.prompt_logprobs
+    r.token_events += 1
+    logprobs = r.unsent_logprobs() if release else (None if r.params.logprobs is None else [])
+    return TokenEvent(text, token, logprobs, prompt)
 
 
 def _emit(r: Request, event: Event) -> None:

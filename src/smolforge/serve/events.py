@@ -38,11 +38,12 @@ class TokenLogprob:
 
 @dataclass
 class TokenEvent:
-    """New text for the client (may be empty while a stop string or half a character is held back).
-    `logprobs`: when the request asked for them, the positions generated since the last event that
-    carried some (text held back still has its tokens' log-probabilities sent with the text that
-    releases it); `prompt_logprobs` (echo) on a request's first event only: one per prompt token,
-    the first None."""
+    """One per generated token: its new text for the client (empty while a stop string or half a
+    character is held back, or for a token that has no text), so the first arrives with the first
+    token. `logprobs`: when the request asked for them, the positions generated since the last event
+    that carried some (text held back still has its tokens' log-probabilities sent with the text that
+    releases it: an empty list until then); `prompt_logprobs` (echo) on a request's first event only:
+    one per prompt token, the first None."""
 
     text: str
     token_id: int

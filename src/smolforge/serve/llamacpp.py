@@ -11,9 +11,15 @@ CPU kernels (quantized weights, about 4x HF's fp32 `generate` for one stream: BE
 - Rows of a batch are llama.cpp sequences: a batch's rows are decoded in one `llama_decode`, each
   row with its own sequence id and KV cells, so eight streams share each read of the weights as the
   torch engine's batch does (the context is `models.llamacpp_context.SeqContext`, the llamacpp
-  teacher's too: one unified KV stream, one ubatch whatever the ids' order). A finished row's cells
-  are freed (`llama_memory_seq_rm`) and its id goes back to the pool; no column trimming is needed
-  (llama.cpp keeps no padding).
+  teacher's too). A finished row's cells are freed (`llama_memory_seq_rm`) and its id goes back to
+  the pool; no column trimming is needed (llama.cpp keeps no padding).
+- Each sequence has its own KV stream (`KV_UNIFIED` False, as llama-server with `-np N`): a row's
+  attention reads its own cells only. In one stream shared by all, every row's attention and mask
+  ran over every sequence's cells, scattered further as rows came and went: at 90 % load that made
+  the engine's prefill 1.7x and its output tokens/s 1.3x slower (BENCHMARKS.md, issue 44). llama.cpp
+  cuts a call into one ubatch (one pass over the weights) per run of consecutive ids in batch order
+  (`split_equal`), so ids are handed out lowest first and a decode step sends its rows in id order
+  (`_step`), their logits given back in row order.
 - A step's cost outside llama.cpp is kept small (a small model's token takes a few hundred
   microseconds, issue 32): a decode step sends each row's one token without reading the mask, into
   a `llama_batch` made once, and its logits are llama.cpp's own output rows (`LogitsView`, no copy),
@@ -96,6 +102,8 @@ class SeqCache:
 class LlamaCppModel:
     """A GGUF in llama.cpp as a `BatchModel`: `forward` decodes every row's new tokens in one call."""
 
+    KV_UNIFIED = False  # one KV stream for all sequences (the module's doc says why not; the bench's before)
+
     def __init__(self, path: Path, tokenizer: Any, eos_ids: frozenset[int], *, name: str, quant: str,
                  n_threads: int, max_batch: int):
         lc = require_llama_cpp()
@@ -114,10 +122,11 @@ class LlamaCppModel:
         if not self._model:
             raise SmolforgeError(f"llama.cpp cannot load {path}", where="--engine llamacpp",
                                  fix="delete that cached export (it is made again) or serve with --engine torch")
-        try:  # one KV stream for every sequence (`SeqContext`): a step of rows in any order of ids is one pass
+        try:  # a KV stream per sequence (the module's doc): a step's rows go in id order, one pass
             self.context = SeqContext(lc, self._model, n_seq=self.n_seq, n_ctx_seq=self.max_positions,
                                       n_batch=min(512, self.max_positions * self.n_seq), threads=self.n_threads,
-                                      fix="lower --max-batch, or serve with --engine torch", **self._extra_params())
+                                      fix="lower --max-batch, or serve with --engine torch", unified=self.KV_UNIFIED,
+                                      **self._extra_params())
         except SmolforgeError:
             lc.llama_model_free(self._model)
             raise
@@ -153,6 +162,7 @@ class LlamaCppModel:
         if not cache.seqs:
             if rows > len(self._free):
                 raise RuntimeError(f"{rows} rows but {len(self._free)} free llama.cpp sequences")
+            self._free.sort()  # the lowest free ids: the running rows' ids stay close to 0..n-1 (one ubatch)
             cache.seqs, self._free = self._free[:rows], self._free[rows:]
         if width == 1:  # a decode step: one token per row, none of it padding (no mask to read)
             return self._step(cache.seqs, input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist())
@@ -163,9 +173,18 @@ class LlamaCppModel:
         return self._prefill(work)
 
     def _step(self, seqs: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token per row in one llama_decode (rows <= n_seq <= n_batch); every row's logits, in row order."""
-        self._decode(zip(seqs, positions, tokens, repeat(True)))
-        return self.logits.rows(len(seqs))
+        """One token per row in one llama_decode (rows <= n_seq <= n_batch); every row's logits, in row order.
+        The rows go to llama.cpp in sequence-id order: with a KV stream per sequence a batch is one ubatch
+        only when its ids rise one by one (`split_equal`); the logits come back in the rows' order."""
+        order = sorted(range(len(seqs)), key=seqs.__getitem__)
+        if all(i == k for k, i in enumerate(order)):
+            self._decode(zip(seqs, positions, tokens, repeat(True)))
+            return self.logits.rows(len(seqs))
+        self._decode((seqs[i], positions[i], tokens[i], True) for i in order)
+        back = [0] * len(order)
+        for k, i in enumerate(order):
+            back[i] = k
+        return self.logits.rows(len(seqs))[back]
 
     def _prefill(self, work: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
         """Every row's tokens through llama_decode, `n_batch` tokens a call; each row's last logits. In one
@@ -229,6 +248,7 @@ class LlamaCppModel:
         """A free sequence holding the snapshot's first `length` positions (`llama_state_seq_set_data`)."""
         if not self._free:
             raise RuntimeError("no free llama.cpp sequence to restore a prefix into")
+        self._free.sort()
         seq = self._free.pop(0)
         if not self.lc.llama_state_seq_set_data(self._ctx, snapshot, len(snapshot), seq):
             self._free.insert(0, seq)
