@@ -162,8 +162,7 @@ class LlamaCppModel:
         if not cache.seqs:
             if rows > len(self._free):
                 raise RuntimeError(f"{rows} rows but {len(self._free)} free llama.cpp sequences")
-            self._free.sort()  # the lowest free ids: the running rows' ids stay close to 0..n-1 (one ubatch)
-            cache.seqs, self._free = self._free[:rows], self._free[rows:]
+            cache.seqs = self._take_free(rows)
         if width == 1:  # a decode step: one token per row, none of it padding (no mask to read)
             return self._step(cache.seqs, input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist())
         real = attention_mask[:, -width:].bool()
@@ -181,10 +180,15 @@ class LlamaCppModel:
             self._decode(zip(seqs, positions, tokens, repeat(True)))
             return self.logits.rows(len(seqs))
         self._decode((seqs[i], positions[i], tokens[i], True) for i in order)
-        back = [0] * len(order)
-        for k, i in enumerate(order):
-            back[i] = k
+        back = sorted(range(len(order)), key=order.__getitem__)  # row i's logits: output row back[i]
         return self.logits.rows(len(seqs))[back]
+
+    def _take_free(self, n: int) -> list[int]:
+        """The `n` lowest free sequence ids (the caller checked there are `n`): the running rows' ids stay
+        close to 0..rows-1, so a decode step in id order is one ubatch (`_step`)."""
+        self._free.sort()
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
 
     def _prefill(self, work: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
         """Every row's tokens through llama_decode, `n_batch` tokens a call; each row's last logits. In one
@@ -248,8 +252,7 @@ class LlamaCppModel:
         """A free sequence holding the snapshot's first `length` positions (`llama_state_seq_set_data`)."""
         if not self._free:
             raise RuntimeError("no free llama.cpp sequence to restore a prefix into")
-        self._free.sort()
-        seq = self._free.pop(0)
+        [seq] = self._take_free(1)
         if not self.lc.llama_state_seq_set_data(self._ctx, snapshot, len(snapshot), seq):
             self._free.insert(0, seq)
             raise RuntimeError("llama_state_seq_set_data refused a prefix snapshot")
