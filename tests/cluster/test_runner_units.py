@@ -133,3 +133,17 @@ def test_a_stop_before_the_start_never_starts_an_attempt(tmp_path, want, state):
     job, events, runner = _run(tmp_path, [], want=want)
     assert job["state"] == state and not hasattr(runner, "attempts"), job
     assert [e["message"] for e in events if e["kind"] == "state"] == [f"{state} before it started"]
+
+
+def test_every_runner_class_keeps_thread_join():
+    """The manager waits for its runners with `Thread.join(timeout=...)` (`shutdown`, `resume`). A runner
+    method named `join` (taking a node into the job) once shadowed it: the demo's exit raised TypeError
+    whenever a runner was still registered. Every registered kind's runner, and the base, keep it."""
+    import threading
+
+    from smolforge.cluster.control import kinds
+    from smolforge.cluster.control.runner import JobRunner
+
+    classes = {JobRunner, *(k.runner() for k in kinds.KINDS.values())}  # each kind's class, imported
+    shadowed = [c.__name__ for c in classes if c.join is not threading.Thread.join]
+    assert len(classes) > 3 and not shadowed, shadowed

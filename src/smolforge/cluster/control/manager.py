@@ -315,7 +315,7 @@ class JobManager:
             raise SmolforgeError(f"job {job_id} is {job['state']}; nodes can join running jobs only",
                                  fix=f"resume it first (`smolforge job resume {job_id}`)")
         target = node or COORDINATOR
-        when = runner.join(target)
+        when = runner.take_in(target)
         self.store.add_event(job_id, "join_requested", f"{target} will join at {when}", {"node": target})
         return self._job(job_id)
 

@@ -167,9 +167,10 @@ class JobRunner(threading.Thread):
         if what in ("pause", "cancel") and self.want != "cancel":
             self.want = what
 
-    def join(self, node: str) -> str:
+    def take_in(self, node: str) -> str:
         """Take `node` into the running job; returns when that happens (`job join`). Only kinds the
-        registry marks `joinable` are asked."""
+        registry marks `joinable` are asked. Not named `join`: that is `Thread.join`, which the manager
+        calls on its runners (a `join(node)` here once broke `shutdown` and `resume`)."""
         raise SmolforgeError(f"job {self.job_id} takes no nodes while it runs", fix="nothing to join")
 
     def leave(self, node: str) -> str:

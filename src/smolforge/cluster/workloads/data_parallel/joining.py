@@ -26,11 +26,11 @@ from smolforge.parallel.strategies import strategy_class
 
 
 class NodeJoining:
-    """`DPRunner.join` and what it needs. Its methods use the runner's own attributes (spec, store,
+    """`DPRunner.take_in` and what it needs. Its methods use the runner's own attributes (spec, store,
     control, ctx, world, training, elastic, pending_joins, pending_leaves, left, members, joiners,
     server, _lock); `runner.py` imports this module, never the other way round."""
 
-    def join(self, node: str) -> str:
+    def take_in(self, node: str) -> str:
         """Take `node` in: checked against the job's spec (it can hold a rank, has not joined, and the
         global batch splits over the new world), queued, and taken in at the returned moment."""
         spec = self.spec
