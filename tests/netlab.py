@@ -190,12 +190,19 @@ def _kill_inside(ids: list[tuple[int, int] | None]) -> list[int]:
 
 class Netlab:
     """Namespaces `names` on one bridge, each node's egress capped at `rate_mbit` (None: uncapped);
-    `rates` overrides the cap per node. A context manager; `close()` undoes everything."""
+    `rates` overrides the cap per node. `uncapped_to`: nodes that traffic *to* is never capped (a `prio`
+    qdisc `htb` as a classifier whose u32 filter sends packets for their addresses past the tbf; this kernel
+    has no `prio`): a benchmark whose link under
+    test is between the workers, with the coordinator on one of the home machines, so a job's checkpoint
+    upload and events do not cross the capped link. A context manager; `close()` undoes everything."""
 
     def __init__(self, rate_mbit: float | None = None, names: tuple[str, ...] = ("coord", "w1", "w2"),
-                 rates: dict[str, float | None] | None = None):
+                 rates: dict[str, float | None] | None = None, uncapped_to: tuple[str, ...] = ()):
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"netlab: node names must be distinct: {names}")
+        if set(uncapped_to) - set(names):
+            raise ValueError(f"netlab: uncapped_to names no node: {sorted(set(uncapped_to) - set(names))}")
+        self.uncapped_to = tuple(uncapped_to)
         self.names = tuple(names)
         self.rates = {n: (rates or {}).get(n, rate_mbit) for n in self.names}
         with _lock:
@@ -246,6 +253,7 @@ class Netlab:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "link", "set", IFACE, "up")
                 self._addr[name] = addr
+            for name in self.names:  # every address known: a filter names the uncapped ones
                 self.set_rate(name, self.rates[name])
             self._wait_reachable()
         except BaseException:
@@ -278,17 +286,34 @@ class Netlab:
     def set_rate(self, name: str, rate_mbit: float | None) -> None:
         """Cap `name`'s egress at rate_mbit (None: remove the cap)."""
         ns = self.ns(name)
-        if rate_mbit is None:
-            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", IFACE, "root"], capture_output=True, timeout=30)
-        else:
-            subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", IFACE, "root", "tbf", *tbf_args(rate_mbit)],
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", IFACE, "root"], capture_output=True, timeout=30)
+        exempt = [self._addr[n] for n in self.uncapped_to if n != name]
+        tc = ["tc", "-n", ns]
+        if rate_mbit is not None and not exempt:
+            subprocess.run([*tc, "qdisc", "replace", "dev", IFACE, "root", "tbf", *tbf_args(rate_mbit)],
                            check=True, capture_output=True, text=True, timeout=30)
+        elif rate_mbit is not None:  # an htb root: class 1:10 for the exempt addresses, the rest (1:20) through tbf
+            line = ["rate", "10gbit", "quantum", "60000"]  # htb as a classifier only: far above any link here
+            cmds = [["qdisc", "add", "dev", IFACE, "root", "handle", "1:", "htb", "default", "20"],
+                    ["class", "add", "dev", IFACE, "parent", "1:", "classid", "1:10", "htb", *line],
+                    ["class", "add", "dev", IFACE, "parent", "1:", "classid", "1:20", "htb", *line],
+                    ["qdisc", "add", "dev", IFACE, "parent", "1:20", "handle", "20:", "tbf", *tbf_args(rate_mbit)]]
+            cmds += [["filter", "add", "dev", IFACE, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                      "match", "ip", "dst", f"{a}/32", "flowid", "1:10"] for a in exempt]
+            for c in cmds:
+                subprocess.run([*tc, *c], check=True, capture_output=True, text=True, timeout=30)
         self.rates[name] = rate_mbit
 
     def sent_bytes(self, name: str) -> int:
         """Bytes that left `name` through its eth0 (its queue's counter when capped)."""
         r = _ip("-n", self.ns(name), "-s", "-j", "link", "show", IFACE)
         return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+
+    def capped_bytes(self, name: str) -> int:
+        """Bytes that went through `name`'s cap (its tbf qdisc's counter; 0 when uncapped)."""
+        r = subprocess.run(["tc", "-s", "-j", "-n", self.ns(name), "qdisc", "show", "dev", IFACE],
+                           check=True, capture_output=True, text=True, timeout=30)
+        return sum(int(q.get("bytes", 0)) for q in json.loads(r.stdout) if q.get("kind") == "tbf")
 
     def close(self) -> None:
         """Stop what this lab started, then delete its namespaces (their veths go with them)."""

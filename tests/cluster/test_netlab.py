@@ -81,6 +81,24 @@ def test_close_cleans_up_after_a_failure():
     assert not leftovers(lab), leftovers(lab)
 
 
+def test_traffic_to_an_uncapped_node_does_not_cross_the_cap():
+    """`uncapped_to=("coord",)` (bench/scale_out.py: the coordinator on one of the home machines): what a
+    worker sends the coordinator passes its cap; what it sends the other worker, and what the coordinator
+    sends, goes through it. Asserts the tbf qdiscs' byte counters, not a rate."""
+    with Netlab(CAP, uncapped_to=("coord",)) as lab:
+        before = {n: lab.capped_bytes(n) for n in lab.names}
+        measure_rate(lab, "w1", "coord", mbytes=1.0, repeats=1)
+        to_coord = lab.capped_bytes("w1") - before["w1"]
+        measure_rate(lab, "w1", "w2", mbytes=1.0, repeats=1, port=29518)
+        to_w2 = lab.capped_bytes("w1") - before["w1"] - to_coord
+        measure_rate(lab, "coord", "w2", mbytes=1.0, repeats=1, port=29519)
+        from_coord = lab.capped_bytes("coord") - before["coord"]
+    print(f"through w1's cap: {to_coord:,} B to coord, {to_w2:,} B to w2; through coord's: {from_coord:,} B")
+    assert to_coord < 100_000, to_coord  # 1.1 MB sent (a warm-up and one timed transfer): ARP-sized crumbs only
+    assert to_w2 > 1_100_000 and from_coord > 1_100_000, (to_w2, from_coord)
+    assert not leftovers(lab), leftovers(lab)
+
+
 def test_a_data_parallel_job_across_capped_links(tmp_path):
     from smolforge.data.synthetic import generate
     from smolforge.models.tiny import preset_dir
