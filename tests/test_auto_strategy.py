@@ -175,3 +175,42 @@ def test_a_launched_auto_job_runs_what_its_plan_says(tmp_path):
     plan = json.loads(shown.stdout)["comm"]["plan"]
     assert plan["strategy"] == out["strategy"] and plan["strategy"] in ("ddp", "diloco"), plan
     assert {(s["src"], s["dst"]) for s in plan["links"]} == {(0, 1), (1, 0)} and "10%" in plan["reason"]
+
+
+def test_a_batch_is_padded_to_its_longest_row_in_expectation():
+    """`padded_width`: the exact expected width of a batch drawn without replacement (what collate pads to)."""
+    from smolforge.parallel.auto_probe import padded_width
+
+    # pairs of [1, 2, 3, 4]: their longest rows are 2, 3, 4, 3, 4, 4 -> 20 / 6
+    assert padded_width([4, 1, 3, 2], 2) == pytest.approx(20 / 6)
+    assert padded_width([4, 1, 3, 2], 1) == pytest.approx(2.5)  # one row: the mean
+    assert padded_width([4, 1, 3, 2], 9) == 4  # the batch takes every row: the longest
+    with pytest.raises(ValueError, match="rows and a batch"):
+        padded_width([], 2)
+
+
+def test_the_step_estimate_counts_the_datas_tokens_not_max_length(tmp_path):
+    """auto's step compute is estimated for the tokens a batch of the run's own data has: llama-100m at
+    max_length 256 was planned for 2,048 tokens a step of 8 short rows, a step 23× too long (BENCHMARKS.md,
+    scale-out 2026-11-30). With packing, and for data it cannot read, the bound, said so."""
+    import json
+
+    from smolforge.config import TrainConfig
+    from smolforge.data.synthetic import generate
+    from smolforge.parallel.auto_probe import SAMPLE_ROWS, step_tokens
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(300, seed=11)))
+
+    def cfg(**data_kw):
+        return TrainConfig(model="tiny-llama", batch_size=8, grad_accum=2, peft={"method": "none"},
+                           data={"path": str(data), "max_length": 256, **data_kw})
+
+    tokens, source = step_tokens(cfg())
+    assert 8 * 2 * 8 < tokens < 8 * 2 * 64, (tokens, source)  # rows of tens of tokens, far under 256
+    assert f"from {SAMPLE_ROWS} rows of the data" in source, source
+    assert step_tokens(cfg(packing=True)) == (8 * 2 * 256, "packed: 256 tokens a row")
+    gone = cfg()
+    gone.data.path = str(tmp_path / "missing.jsonl")
+    tokens, source = step_tokens(gone)
+    assert tokens == 8 * 2 * 256 and source.startswith("max_length 256 (the data was not read here"), source

@@ -65,7 +65,8 @@ class LinkSample:
 class Measured:
     """What the ranks measured, gathered: every pair's link, the slowest rank's step compute (seconds,
     forward and backward of one rank's batch), the parameters in all and the trainable ones' bytes (what a
-    gradient or a pseudo-gradient holds), and the run's steps (None: unknown)."""
+    gradient or a pseudo-gradient holds), the run's steps (None: unknown), and the tokens a rank's step
+    was estimated for with where that number came from (for the plan's event; `decide` reads `step_s`)."""
 
     world: int
     links: tuple[LinkSample, ...]
@@ -73,6 +74,8 @@ class Measured:
     params: int
     trainable_bytes: int
     max_steps: int | None = None
+    step_tokens: float | None = None
+    tokens_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,8 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
     ddp_bytes = 2 * (n - 1) / n * m.trainable_bytes
     ddp_s = ddp_bytes / rate + 2 * (n - 1) * rtt
     numbers = {"world": n, "mbit_s": round(rate * 8 / 1e6, 2), "rtt_ms": round(rtt * 1e3, 3),
-               "step_s": round(m.step_s, 4), "budget": budget, "model_bytes": m.params * 4,
+               "step_s": round(m.step_s, 4), "step_tokens": m.step_tokens, "step_tokens_from": m.tokens_from,
+               "budget": budget, "model_bytes": m.params * 4,
                "ddp_bytes_per_step": int(ddp_bytes), "ddp_comm_s": round(ddp_s, 4)}
     link = f"slowest link {numbers['mbit_s']:g} Mbit/s, RTT {numbers['rtt_ms']:g} ms, step {m.step_s:.3g} s"
     if ddp_s <= budget * m.step_s:

@@ -9,9 +9,14 @@ What is measured, once per round (a regroup is a new round, so a node joining or
   the least of 5 one-value ping-pongs (a busy machine's scheduling only ever adds to a round trip, as NTP's
   minimum-delay filter assumes). Pairs go one at a time, the others waiting at a barrier.
 - **the step's compute**, from the model's FLOPs: 6 × parameters × tokens for full fine-tuning (4 × for
-  an adapter: no weight gradients of the frozen base), tokens = rows per rank × grad_accum × max_length,
-  at this rank's measured fp32/bf16 matmul rate × `MATMUL_EFFICIENCY` (a training step reaches about half
-  of a bare matmul's rate on a CPU). The slowest rank's estimate counts.
+  an adapter: no weight gradients of the frozen base), at this rank's measured fp32/bf16 matmul rate ×
+  `MATMUL_EFFICIENCY` (a training step reaches about half of a bare matmul's rate on a CPU). The slowest
+  rank's estimate counts. Tokens = rows per rank × grad_accum × the width a batch of *this run's data* is
+  padded to (`step_tokens`: the first `SAMPLE_ROWS` examples encoded as training encodes them, and the
+  expected longest row of a batch; `max_length` with packing, or when the data cannot be read here).
+  Counting `max_length` for every row, as this did first, put llama-100m's step on the synthetic task
+  set at 32.7 s against 1.4 s measured (BENCHMARKS.md, scale-out, 2026-11-30): auto then planned H for a
+  step 23× too long.
 - **the model's sizes** from its config on the meta device (no weights read), PEFT applied there: the
   parameters in all and the trainable ones' bytes (what ddp's all-reduce moves).
 
@@ -21,6 +26,7 @@ plan without a broadcast. Collective: every rank of the group calls `resolve` at
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
     from smolforge.parallel.rank_task import RankPlan
 
 MATMUL_EFFICIENCY = 0.5  # a training step's FLOP rate ÷ a bare matmul's on the same threads
+SAMPLE_ROWS = 256  # training examples encoded to estimate a batch's padded width
 WARM_BYTES = 256 * 1024
 PROBE_SECONDS = 0.5
 
@@ -150,9 +157,44 @@ def model_sizes(cfg: "TrainConfig") -> tuple[int, int] | None:
             sum(p.numel() * p.element_size() for p in params if p.requires_grad))
 
 
-def step_seconds(cfg: "TrainConfig", params: int, trainable_bytes: int, flops: float) -> float:
-    """One rank's forward and backward of its batch, estimated from FLOPs at `flops` × MATMUL_EFFICIENCY."""
-    tokens = cfg.batch_size * cfg.grad_accum * cfg.data.max_length
+def padded_width(lengths: list[int], batch: int) -> float:
+    """The expected width of a batch of `batch` rows drawn without replacement from rows of `lengths`
+    tokens, padded to its longest row (what `data.collate` makes): with the lengths sorted ascending,
+    the i-th (1-based) is the batch's longest with probability C(i-1, b-1) / C(n, b). Exact, no sampling.
+    Raises ValueError for no rows or a batch under 1."""
+    if not lengths or batch < 1:
+        raise ValueError(f"padded_width needs rows and a batch ≥ 1 (got {len(lengths)} rows, batch {batch})")
+    ordered, n = sorted(lengths), len(lengths)
+    b = min(batch, n)
+    total = math.comb(n, b)
+    return sum(length * math.comb(i, b - 1) for i, length in enumerate(ordered) if i >= b - 1) / total
+
+
+def step_tokens(cfg: "TrainConfig") -> tuple[float, str]:
+    """(tokens one rank's step computes, how that was found): rows per rank × grad_accum × the padded
+    width of a batch of this run's data (`padded_width` over the first `SAMPLE_ROWS` training examples,
+    encoded as training encodes them: the model's tokenizer and chat template, truncated at max_length);
+    with packing, or data this rank cannot read or encode here, max_length (said so)."""
+    rows, width = cfg.batch_size * cfg.grad_accum, cfg.data.max_length
+    if cfg.data.packing:
+        return float(rows * width), f"packed: {width} tokens a row"
+    try:
+        from smolforge.data.splits import read_spec
+        from smolforge.models.loading import load_tokenizer
+        from smolforge.train.rendering import load_checked_splits
+
+        train, _, fmt, _ = read_spec(cfg.data)
+        sample = train[:SAMPLE_ROWS]
+        encoded = load_checked_splits(cfg.data, load_tokenizer(cfg.model), read=(sample, [], fmt, 0)).train
+        expected = padded_width([len(r["input_ids"]) for r in encoded], cfg.batch_size)
+    except Exception as err:  # noqa: BLE001 - an estimate: any failure falls back to the bound, said so
+        return float(rows * width), f"max_length {width} (the data was not read here: {type(err).__name__})"
+    return rows * expected, f"{expected:.1f} tokens a row padded, from {len(encoded)} rows of the data"
+
+
+def step_seconds(params: int, trainable_bytes: int, flops: float, tokens: float) -> float:
+    """One rank's forward and backward of `tokens` tokens, estimated from FLOPs at `flops` ×
+    MATMUL_EFFICIENCY."""
     full = trainable_bytes >= params  # every weight trains (bf16 weights: 2 bytes each, still ≥ params)
     return (6 if full else 4) * params * tokens / max(flops * MATMUL_EFFICIENCY, 1.0)
 
@@ -169,13 +211,14 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
         sizes = None
     links = probe_links(probe_mb)
     flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
-    mine = step_seconds(cfg, *sizes, flops) if sizes else 0.0
+    tokens, source = step_tokens(cfg) if sizes else (0.0, "")
+    mine = step_seconds(*sizes, flops, tokens) if sizes else 0.0
     steps: list[Any] = [None] * world
     dist.all_gather_object(steps, mine)
     if sizes is None:
         return None
     return Measured(world=world, links=tuple(links), step_s=max(steps), params=sizes[0],
-                    trainable_bytes=sizes[1], max_steps=cfg.max_steps)
+                    trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source)
 
 
 def diloco_features() -> frozenset[str]:
