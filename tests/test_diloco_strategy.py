@@ -99,7 +99,8 @@ def _resolve_on_loopback(rank: int) -> dict:
     from smolforge.parallel.strategies import strategy_class
 
     events: list[dict] = []
-    train = TrainConfig(model="tiny-llama", data={"path": "bundled"}, batch_size=8)  # 8 rows of 256 tokens
+    # 8 rows of 256 tokens, packed (auto's step estimate counts the data's padded tokens: packed rows fill max_length)
+    train = TrainConfig(model="tiny-llama", data={"path": "bundled", "packing": True}, batch_size=8)
     plan = RankPlan(train=train, strategy="auto",
                     strategy_config=strategy_class("auto").settings_dict({"probe_mb": 1.0}))
     got = resolve(plan, 2, events.append if rank == 0 else None)
