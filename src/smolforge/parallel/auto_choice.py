@@ -7,7 +7,9 @@ The rule (issue 45, item 4): communication stays under `budget` (10 %) of comput
 - **ddp** when its per-step all-reduce fits: a ring all-reduce sends 2(n-1)/n of the gradient's bytes per
   rank over the slowest link, plus 2(n-1) round trips, and that must be ≤ budget × one step's compute.
 - else **diloco**, H (`inner_steps`) chosen so that one sync's transfer (an all-gather: each node sends its
-  part to the n-1 others) is ≤ budget × H steps' compute, with the codec the run's length allows:
+  part to the n-1 others) and its CPU work (`Measured.sync_cpu_s`: on a CPU node a sync of llama-100m through
+  int8 is ~10 s of one core against 0.9 s on a 1 Gbit/s link, BENCHMARKS.md scale-out 2026-11-30) are
+  ≤ budget × H steps' compute, with the codec the run's length allows:
   - the **sparse** codec (SparseLoCo: per-chunk top-k, low-bit values, uint16 indices, one fp32 scale per
     chunk) when the run has at least `SPARSE_MIN_ROUNDS` outer rounds at sparse's H (max_steps ÷ H; a run
     of unknown length counts as long): each round sends 1.6 % of the pseudo-gradient and the rest waits in
@@ -65,8 +67,9 @@ class LinkSample:
 class Measured:
     """What the ranks measured, gathered: every pair's link, the slowest rank's step compute (seconds,
     forward and backward of one rank's batch), the parameters in all and the trainable ones' bytes (what a
-    gradient or a pseudo-gradient holds), the run's steps (None: unknown), and the tokens a rank's step
-    was estimated for with where that number came from (for the plan's event; `decide` reads `step_s`)."""
+    gradient or a pseudo-gradient holds), the run's steps (None: unknown), the tokens a rank's step
+    was estimated for with where that number came from (for the plan's event; `decide` reads `step_s`),
+    and a diloco sync's CPU work per codec."""
 
     world: int
     links: tuple[LinkSample, ...]
@@ -76,6 +79,10 @@ class Measured:
     max_steps: int | None = None
     step_tokens: float | None = None
     tokens_from: str = ""
+    sync_cpu_s: dict[str, float] = field(default_factory=dict)
+    """Per codec ("int8", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
+    the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
+    step; `auto_probe.sync_cpu_seconds`). Missing: 0. On a CPU node it is not hidden behind compute."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +125,14 @@ def _bottleneck(m: Measured) -> tuple[float, float]:
 @dataclass(frozen=True)
 class _Plan:
     """One codec's diloco schedule for the measurements: its payload (bytes per rank per sync), one sync's
-    transfer (seconds), the H the budget asks (`blocking_h`), the H planned (`h`, at most `cap`: two syncs in
+    transfer (seconds) and CPU work besides it (`cpu_s`), the H the budget asks (`blocking_h`), the H planned (`h`, at most `cap`: two syncs in
     the run), streamed `fragments` with `overlap` τ (1 and 0: blocking) and the share of compute syncs wait."""
 
     codec: dict[str, Any]
     payload: int
     sent: int
     sync_s: float
+    cpu_s: float
     blocking_h: int
     cap: int
     h: int
@@ -152,16 +160,20 @@ def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: in
     payload = nbytes(params)
     sent = (n - 1) * payload  # an all-gather: this node's part to each of the others
     sync_s = sent / rate + (n - 1) * rtt
+    cpu_s = m.sync_cpu_s.get(codec, 0.0)  # the same work whether the model goes whole or in fragments
     cap = max(1, min(max_h, (m.max_steps or max_h) // 2))  # at least two syncs in the run
-    blocking_h = max(MIN_H, math.ceil(sync_s / (budget * m.step_s)))
-    plan = dict(codec=knobs, payload=int(payload), sent=int(sent), sync_s=sync_s, blocking_h=blocking_h, cap=cap)
+    blocking_h = max(MIN_H, math.ceil((sync_s + cpu_s) / (budget * m.step_s)))
+    plan = dict(codec=knobs, payload=int(payload), sent=int(sent), sync_s=sync_s, cpu_s=cpu_s,
+                blocking_h=blocking_h, cap=cap)
     if blocking_h <= min(prefer_h, cap) or "fragments" not in has or cap < 2 * FRAGMENTS:
         h = min(blocking_h, cap)
-        return _Plan(**plan, h=h, fragments=1, overlap=0, comm_fraction=sync_s / (h * m.step_s))
+        return _Plan(**plan, h=h, fragments=1, overlap=0, comm_fraction=(sync_s + cpu_s) / (h * m.step_s))
     tau = max(1, math.ceil(sync_s / FRAGMENTS / m.step_s))  # a fragment's transfer hidden behind τ steps
-    h = min(cap, max(MIN_H, FRAGMENTS * (tau + 1)))  # diloco's schedule: τ < H ÷ fragments
+    # diloco's schedule: τ < H ÷ fragments; and H long enough that the CPU work, not hidden, fits the budget
+    h = min(cap, max(MIN_H, FRAGMENTS * (tau + 1), math.ceil(cpu_s / (budget * m.step_s))))
     overlap = min(tau, h // FRAGMENTS - 1)
-    waits = max(0.0, sync_s - FRAGMENTS * overlap * m.step_s)  # per H: what τ steps do not hide
+    # per H: what τ steps do not hide of the transfer, and all of the CPU work (the compute's own cores)
+    waits = max(0.0, sync_s - FRAGMENTS * overlap * m.step_s) + cpu_s
     return _Plan(**plan, h=h, fragments=FRAGMENTS, overlap=overlap, comm_fraction=waits / (h * m.step_s))
 
 
@@ -205,11 +217,12 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
     """The Decision for plan `p`, its reason `why` followed by the codec's bytes and the schedule."""
     budget, params = numbers["budget"], m.trainable_bytes // 4
     numbers.update(codec=p.codec["codec"], bytes_per_sync=p.payload, bytes_sent_per_sync=p.sent,
-                   sync_s=round(p.sync_s, 4), sync_fraction_of_model=round(p.payload / max(1, params * 4), 5),
+                   sync_s=round(p.sync_s, 4), sync_cpu_s=round(p.cpu_s, 4), sync_fraction_of_model=round(p.payload / max(1, params * 4), 5),
                    inner_steps=p.h, rounds=None if m.max_steps is None else m.max_steps // p.h,
                    comm_fraction=round(p.comm_fraction, 4))
     sends = (f"{why}{p.codec['codec']} sends {_mb(p.payload)} per sync "
-             f"({p.payload / max(1, params * 4):.2%} of the fp32 model), {p.sync_s:.3g} s")
+             f"({p.payload / max(1, params * 4):.2%} of the fp32 model), {p.sync_s:.3g} s"
+             + (f" and {p.cpu_s:.3g} s of CPU" if p.cpu_s else ""))
     over = f"; over budget: H is capped at {p.cap} by the run, so syncs wait" if p.over else ""
     if p.fragments == 1:
         fits = (f"over budget: it needs H={p.blocking_h}, capped at {p.cap} by the run, so syncs wait" if p.over

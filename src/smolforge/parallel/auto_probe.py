@@ -17,6 +17,9 @@ What is measured, once per round (a regroup is a new round, so a node joining or
   Counting `max_length` for every row, as this did first, put llama-100m's step on the synthetic task
   set at 32.7 s against 1.4 s measured (BENCHMARKS.md, scale-out, 2026-11-30): auto then planned H for a
   step 23× too long.
+- **a diloco sync's CPU work** per codec (`sync_cpu_seconds`: the pseudo-gradient, the codec with its error
+  feedback, the world's parts summed, the outer step, timed on 16M values and scaled to the model): on a CPU
+  node it is paid on the training cores, not hidden behind the link.
 - **the model's sizes** from its config on the meta device (no weights read), PEFT applied there: the
   parameters in all and the trainable ones' bytes (what ddp's all-reduce moves).
 
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 
 MATMUL_EFFICIENCY = 0.5  # a training step's FLOP rate ÷ a bare matmul's on the same threads
 SAMPLE_ROWS = 256  # training examples encoded to estimate a batch's padded width
+SYNC_SAMPLE = 1 << 24  # values a sync is timed on (64 MB of fp32: past the caches, as the model is), then scaled
+SYNC_CODECS = ("int8", "sparse")  # the codecs `auto_choice.decide` plans with
 WARM_BYTES = 256 * 1024
 PROBE_SECONDS = 0.5
 
@@ -199,6 +204,30 @@ def step_seconds(params: int, trainable_bytes: int, flops: float, tokens: float)
     return (6 if full else 4) * params * tokens / max(flops * MATMUL_EFFICIENCY, 1.0)
 
 
+def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAMPLE) -> float:
+    """CPU seconds of one whole-model diloco sync of `values` fp32 values through `codec`, besides the
+    transfer, on this process's threads: what `DiLoCo._send` and `_merge` do (the flat copy and the token-
+    weighted pseudo-gradient, the codec's encode with its error feedback, the `world` parts summed, the
+    outer Nesterov SGD step, the new weights copied back), timed on `sample` values and scaled linearly
+    (every pass is elementwise or per block/chunk)."""
+    import torch
+
+    from smolforge.parallel.codecs import ErrorFeedback, make_codec
+
+    n = min(sample, max(values, 1))
+    shared, local = torch.zeros(n), torch.randn(n) * 1e-3
+    outer = torch.optim.SGD([shared], lr=0.7, momentum=0.9, nesterov=True)
+    feedback = ErrorFeedback(make_codec(codec))
+    feedback.encode(local)  # a residual, as every sync after the first has
+    t0 = time.perf_counter()
+    delta = (shared - local.clone()) * 2.0
+    payload = feedback.encode(delta)
+    shared.grad = feedback.coder.aggregate([payload] * world, [1.0] * world, n) / world
+    outer.step()
+    local.copy_(shared)
+    return (time.perf_counter() - t0) * values / n
+
+
 def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     """This round's measurements, the same on every rank (collective); None when the model's size is unknown."""
     import torch.distributed as dist
@@ -213,12 +242,15 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
     tokens, source = step_tokens(cfg) if sizes else (0.0, "")
     mine = step_seconds(*sizes, flops, tokens) if sizes else 0.0
-    steps: list[Any] = [None] * world
-    dist.all_gather_object(steps, mine)
+    cpu = {c: sync_cpu_seconds(c, sizes[1] // 4, world) for c in SYNC_CODECS} if sizes else {}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (mine, cpu))
     if sizes is None:
         return None
-    return Measured(world=world, links=tuple(links), step_s=max(steps), params=sizes[0],
-                    trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source)
+    slowest = {c: max(e[1][c] for e in every) for c in cpu}
+    return Measured(world=world, links=tuple(links), step_s=max(e[0] for e in every), params=sizes[0],
+                    trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source,
+                    sync_cpu_s=slowest)
 
 
 def diloco_features() -> frozenset[str]:
