@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -189,6 +190,7 @@ def main() -> None:
                     "(default 3; quick 0 = a full run)")
     ap.add_argument("--runs", default=None, help="only these two-node runs, comma-separated (auto, ddp, "
                     "diloco-int8, diloco-sparse; default all)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (the clusters' state, checkpoints)")
     ap.add_argument("--plan-only", action="store_true", help="only what auto decides per workload and link "
                     "(the probe and the decision, no training)")
     ap.add_argument("--ideal-steps", type=int, default=None, help="steps of the ideal's jobs (default 10; quick 6)")
@@ -235,6 +237,8 @@ def main() -> None:
                       f"{workload} at {link:g} Mbit/s: speedup {out['speedup']}x of ideal {out['ideal']}x "
                       f"(efficiency {out['efficiency']}), auto_vs_best {out['auto_vs_best']}, "
                       f"baselines {out['baselines']}", flush=True)
+    if not args.keep:  # every job's checkpoints and rank outputs (llama-100m full: GBs a job; 62 GB for two runs)
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"wall_s": round(time.time() - t_start, 1), "args": vars(args), "sparse_codec": sparse,
                       "netem": "none: this kernel has no tc netem (tbf queue delay only)",
                       "coordinator": "traffic to it uncapped (on one of the home machines)"}), flush=True)
