@@ -78,3 +78,21 @@ def test_collectives_live_in_parallel_only():
             if any(n.startswith(("torch.distributed", "torch.nn.parallel")) for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_no_collective_unpickles_what_a_peer_sent():
+    """torch.distributed's `*_object*` collectives pickle on the sender and unpickle on the receiver: a peer's
+    bytes would be executed. Ranks exchange tensors only (numbers as float64: `auto_probe.gather_numbers`;
+    names as fixed-width bytes: `pipeline`). Reads the source: a call of any such function fails here."""
+    import ast
+
+    forbidden = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                 "send_object_list", "recv_object_list"}
+    offenders = []
+    for path in (ROOT / "src" / "smolforge").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in forbidden:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert not offenders, offenders

@@ -23,7 +23,8 @@ What is measured, once per round (a regroup is a new round, so a node joining or
 - **the model's sizes** from its config on the meta device (no weights read), PEFT applied there: the
   parameters in all and the trainable ones' bytes (what ddp's all-reduce moves).
 
-Every rank gathers the same numbers (`all_gather_object`) and calls the same pure `decide`, so all reach one
+Every rank gathers the same numbers (float64 tensors, `gather_numbers`: nothing pickled crosses the network)
+and calls the same pure `decide`, so all reach one
 plan without a broadcast. Collective: every rank of the group calls `resolve` at the same point.
 """
 
@@ -33,7 +34,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smolforge.parallel.auto_choice import Decision, LinkSample, Measured, decide
 
@@ -120,9 +121,23 @@ def probe_links(probe_mb: float = 4.0) -> list[LinkSample]:
                 if sample is not None:
                     mine.append(sample)
                 dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return sorted((s for part in gathered for s in part), key=lambda s: (s.src, s.dst))
+    rows = [[s.src, s.dst, s.mbit_s, s.rtt_s] for s in mine]
+    every = gather_numbers(rows + [[math.nan] * 4] * (world - len(rows)), width=4)  # world rows each: fixed shape
+    return sorted((LinkSample(int(r[0]), int(r[1]), r[2], r[3]) for part in every for r in part
+                   if not math.isnan(r[0])), key=lambda s: (s.src, s.dst))
+
+
+def gather_numbers(rows: list[list[float]], width: int) -> list[list[list[float]]]:
+    """Every rank's `rows` (the same count on every rank, `width` floats each), gathered as float64 tensors:
+    numbers cross the network, never a pickle (`all_gather_object` would unpickle what a peer sent).
+    Collective over the default group."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(rows, dtype=torch.float64, device=_device()).reshape(len(rows), width)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.cpu().tolist() for t in every]
 
 
 def matmul_flops(dtype: "torch.dtype | None" = None, seconds: float = 0.3) -> float:
@@ -230,8 +245,6 @@ def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAM
 
 def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     """This round's measurements, the same on every rank (collective); None when the model's size is unknown."""
-    import torch.distributed as dist
-
     from smolforge.models.dtypes import torch_dtype
 
     try:
@@ -242,12 +255,11 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
     tokens, source = step_tokens(cfg) if sizes else (0.0, "")
     mine = step_seconds(*sizes, flops, tokens) if sizes else 0.0
-    cpu = {c: sync_cpu_seconds(c, sizes[1] // 4, world) for c in SYNC_CODECS} if sizes else {}
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, (mine, cpu))
+    cpu = [sync_cpu_seconds(c, sizes[1] // 4, world) if sizes else 0.0 for c in SYNC_CODECS]
+    every = [part[0] for part in gather_numbers([[mine, *cpu]], width=1 + len(SYNC_CODECS))]
     if sizes is None:
         return None
-    slowest = {c: max(e[1][c] for e in every) for c in cpu}
+    slowest = {c: max(e[1 + i] for e in every) for i, c in enumerate(SYNC_CODECS)}
     return Measured(world=world, links=tuple(links), step_s=max(e[0] for e in every), params=sizes[0],
                     trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source,
                     sync_cpu_s=slowest)
