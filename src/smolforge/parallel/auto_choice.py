@@ -125,8 +125,9 @@ def _bottleneck(m: Measured) -> tuple[float, float]:
 @dataclass(frozen=True)
 class _Plan:
     """One codec's diloco schedule for the measurements: its payload (bytes per rank per sync), one sync's
-    transfer (seconds) and CPU work besides it (`cpu_s`), the H the budget asks (`blocking_h`), the H planned (`h`, at most `cap`: two syncs in
-    the run), streamed `fragments` with `overlap` τ (1 and 0: blocking) and the share of compute syncs wait."""
+    transfer (seconds) and CPU work besides it (`cpu_s`), the H the budget asks (`blocking_h`), the H planned
+    (`h`, at most `cap`: two syncs in the run), streamed `fragments` with `overlap` τ (1 and 0: blocking) and
+    the share of compute syncs wait."""
 
     codec: dict[str, Any]
     payload: int
@@ -217,7 +218,8 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
     """The Decision for plan `p`, its reason `why` followed by the codec's bytes and the schedule."""
     budget, params = numbers["budget"], m.trainable_bytes // 4
     numbers.update(codec=p.codec["codec"], bytes_per_sync=p.payload, bytes_sent_per_sync=p.sent,
-                   sync_s=round(p.sync_s, 4), sync_cpu_s=round(p.cpu_s, 4), sync_fraction_of_model=round(p.payload / max(1, params * 4), 5),
+                   sync_s=round(p.sync_s, 4), sync_cpu_s=round(p.cpu_s, 4),
+                   sync_fraction_of_model=round(p.payload / max(1, params * 4), 5),
                    inner_steps=p.h, rounds=None if m.max_steps is None else m.max_steps // p.h,
                    comm_fraction=round(p.comm_fraction, 4))
     sends = (f"{why}{p.codec['codec']} sends {_mb(p.payload)} per sync "
