@@ -190,11 +190,11 @@ def _kill_inside(ids: list[tuple[int, int] | None]) -> list[int]:
 
 class Netlab:
     """Namespaces `names` on one bridge, each node's egress capped at `rate_mbit` (None: uncapped);
-    `rates` overrides the cap per node. `uncapped_to`: nodes that traffic *to* is never capped (a `prio`
-    qdisc `htb` as a classifier whose u32 filter sends packets for their addresses past the tbf; this kernel
-    has no `prio`): a benchmark whose link under
-    test is between the workers, with the coordinator on one of the home machines, so a job's checkpoint
-    upload and events do not cross the capped link. A context manager; `close()` undoes everything."""
+    `rates` overrides the cap per node. `uncapped_to`: nodes that traffic *to* is never capped (an `htb`
+    root used as a classifier, its u32 filter sending packets for their addresses past the tbf; this kernel
+    has no `prio`): for a benchmark whose link under test is between the workers, with the coordinator on one
+    of the home machines, so a job's checkpoint upload and events do not cross the capped link. A context
+    manager; `close()` undoes everything."""
 
     def __init__(self, rate_mbit: float | None = None, names: tuple[str, ...] = ("coord", "w1", "w2"),
                  rates: dict[str, float | None] | None = None, uncapped_to: tuple[str, ...] = ()):
