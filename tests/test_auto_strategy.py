@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import run_gloo_ranks
+
 from smolforge.parallel.auto_choice import (
     SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
 )
@@ -241,3 +243,33 @@ def test_a_syncs_cpu_work_is_timed_for_every_codec_auto_plans_with():
     for codec in SYNC_CODECS:
         s = sync_cpu_seconds(codec, values=1 << 16, world=2, sample=1 << 16)
         assert s > 0 and math.isfinite(s), (codec, s)
+
+
+def _measure_rank(rank: int, data: str) -> dict:
+    """One rank of `test_every_rank_states_the_same_step_estimate`: rank 1's copy of the data is missing."""
+    from smolforge.config import TrainConfig
+    from smolforge.parallel.auto_probe import measure
+
+    path = data if rank == 0 else data + ".not-on-this-node"
+    cfg = TrainConfig(model="tiny-llama", batch_size=8, peft={"method": "none"}, max_steps=100,
+                      data={"path": path, "max_length": 256})
+    m = measure(cfg, 0.05, 2)
+    return {"step_s": m.step_s, "tokens": m.step_tokens, "from": m.tokens_from}
+
+
+def test_every_rank_states_the_same_step_estimate(tmp_path):
+    """The plan's numbers are the same on every rank: the slowest rank's step and the tokens it was
+    estimated for, and how, as that rank said it (a rank that cannot read the data estimates max_length;
+    before, each rank stated its own: the same plan, different numbers in its event). The preset is built
+    before the group, as the rank glue does."""
+    import json
+
+    from smolforge.data.synthetic import generate
+    from smolforge.models.tiny import preset_dir
+
+    preset_dir("tiny-llama")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(300, seed=11)))
+    got, _ = run_gloo_ranks(_measure_rank, 2, str(data), timeout=300)
+    assert got[0] == got[1], got
+    assert got[0]["tokens"] == 8 * 256 and got[0]["from"].startswith("max_length 256"), got[0]

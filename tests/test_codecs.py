@@ -94,3 +94,32 @@ def test_decode_copies_only_what_it_must():
     assert not np.shares_memory(y.numpy(), payload["values"])  # read-only: copied, so y can be written
     y.mul_(2)
     assert torch.equal(torch.from_numpy(payload["values"].copy()), x)
+
+
+@pytest.mark.parametrize("codec,settings", [("fp16", {}), ("int8", {"block": 256}), ("int8", {"block": 100}),
+                                            ("sparse", {"topk": 64, "bits": 2}), ("sparse", {"topk": 3, "bits": 2}),
+                                            ("sparse", {"chunk": 1000, "topk": 3, "bits": 2}),
+                                            ("sparse", {"chunk": 1000, "topk": 5, "bits": 4})])
+def test_a_message_encoded_in_pieces_is_the_message_encoded_whole(codec, settings):
+    """Error feedback and the aggregate work piece by piece (`codecs.spans`, cache-sized); the payload, the
+    new residual and the sum of the parts are bit for bit those of whole tensors, including a tail piece
+    and codes packed across pieces (sparse: 3 codes a chunk at 2 bits)."""
+    from smolforge.parallel.codecs import PIECE_VALUES, make_codec, spans
+
+    g = torch.Generator().manual_seed(1)
+    n = 2 * PIECE_VALUES + 12_345
+    coder = make_codec(codec, **settings)
+    assert len(list(spans(n, coder.unit))) >= 3
+    x, r = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    stream = ErrorFeedback(coder)
+    stream.load(r)
+    payload = stream.encode(x)
+    whole = coder.encode(x + r)
+    assert sorted(payload) == sorted(whole)
+    for k in whole:
+        assert payload[k].dtype == whole[k].dtype and np.array_equal(payload[k], whole[k]), k
+    assert torch.equal(stream.residual, (x + r) - coder.decode(whole, n))
+    other = coder.encode(torch.randn(n, generator=g))
+    weights = [0.25, 0.75]
+    expected = torch.zeros(n) + coder.decode(payload, n) * weights[0] + coder.decode(other, n) * weights[1]
+    assert torch.equal(coder.aggregate([payload, other], weights, n), expected)

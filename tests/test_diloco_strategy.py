@@ -265,8 +265,7 @@ def _before():
         @torch.no_grad()
         def _outer_before(self):
             weight = max(self.tokens_in, 1.0)
-            total, avg = self._average((self.flat_shared - self._flat()) * weight, weight)
-            self.flat_shared.grad = avg / total
+            self.flat_shared.grad = self._average(self.flat_shared - self._flat(), weight)  # the weighted mean
             self.flat_outer.step()
             self.flat_shared.grad = None
             offset = 0
@@ -387,3 +386,26 @@ def test_a_three_times_slower_rank_runs_a_third_of_the_inner_steps_weighted_by_t
     assert all(n["weights"][0] > 2 * n["weights"][1] for n in plans[1:])
     for r in (0, 1):
         assert ranks[r]["result"]["steps"] == FSTEPS and ranks[r]["result"]["rounds"] == 3
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov", [(0.9, 0.0, True), (0.5, 0.1, False), (0.0, 0.0, False)])
+def test_the_outer_step_in_pieces_is_torchs_sgd_step(momentum, dampening, nesterov):
+    """`outer_step` (cache-sized pieces, no whole-model temporaries) moves the shared weights and the
+    momentum buffer to the bits torch's SGD does, step after step, over several pieces and a tail."""
+    from smolforge.parallel.codecs import PIECE_VALUES
+    from smolforge.parallel.strategies.diloco_stream import outer_step
+
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(PIECE_VALUES * 2 + 777, generator=g)
+    mine, theirs = (torch.nn.Parameter(start.clone(), requires_grad=False) for _ in range(2))
+    opts = [torch.optim.SGD([p], lr=0.7, momentum=momentum, dampening=dampening, nesterov=nesterov)
+            for p in (mine, theirs)]
+    for _ in range(3):
+        grad = torch.randn(start.numel(), generator=g)
+        outer_step(opts[0], mine, grad)
+        theirs.grad = grad.clone()
+        opts[1].step()
+        theirs.grad = None
+        assert torch.equal(mine, theirs)
+        if momentum:
+            assert torch.equal(opts[0].state[mine]["momentum_buffer"], opts[1].state[theirs]["momentum_buffer"])

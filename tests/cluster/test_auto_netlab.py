@@ -56,7 +56,11 @@ def _auto_worker(rank: int, master: str, port: int, model: str = "tiny-llama", p
     from smolforge.parallel.auto_choice import decide
     from smolforge.parallel.auto_probe import measure
 
+    from smolforge.models.tiny import is_preset, preset_dir
+
     torch.set_num_threads(1)
+    if is_preset(model):  # as the rank glue does (`prepare_model`): transformers writes weights on rank 0 only
+        preset_dir(model)  # once a process group exists, so a preset is built before it
     timeout = timedelta(seconds=120)
     store = dist.TCPStore(master, port, 2, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)

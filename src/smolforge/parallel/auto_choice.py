@@ -65,8 +65,8 @@ class LinkSample:
 
 @dataclass(frozen=True)
 class Measured:
-    """What the ranks measured, gathered: every pair's link, the slowest rank's step compute (seconds,
-    forward and backward of one rank's batch), the parameters in all and the trainable ones' bytes (what a
+    """What the ranks measured, gathered: every pair's link, the slowest rank's step (seconds: forward,
+    backward and the optimizer's step of one rank's batch), the parameters in all and the trainable ones' bytes (what a
     gradient or a pseudo-gradient holds), the run's steps (None: unknown), the tokens a rank's step
     was estimated for with where that number came from (for the plan's event; `decide` reads `step_s`),
     and a diloco sync's CPU work per codec."""
@@ -79,6 +79,7 @@ class Measured:
     max_steps: int | None = None
     step_tokens: float | None = None
     tokens_from: str = ""
+    step_from: str = ""  # how `step_s` was found: a timed step of the run's model, or estimated from FLOPs
     sync_cpu_s: dict[str, float] = field(default_factory=dict)
     """Per codec ("int8", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
     the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
@@ -192,6 +193,7 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
     ddp_s = ddp_bytes / rate + 2 * (n - 1) * rtt
     numbers = {"world": n, "mbit_s": round(rate * 8 / 1e6, 2), "rtt_ms": round(rtt * 1e3, 3),
                "step_s": round(m.step_s, 4), "step_tokens": m.step_tokens, "step_tokens_from": m.tokens_from,
+               "step_from": m.step_from,
                "budget": budget, "model_bytes": m.params * 4,
                "ddp_bytes_per_step": int(ddp_bytes), "ddp_comm_s": round(ddp_s, 4)}
     link = f"slowest link {numbers['mbit_s']:g} Mbit/s, RTT {numbers['rtt_ms']:g} ms, step {m.step_s:.3g} s"

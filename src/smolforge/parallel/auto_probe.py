@@ -57,7 +57,7 @@ def _device() -> "torch.device":
     import torch
     import torch.distributed as dist
 
-    nccl = dist.get_backend() == dist.Backend.NCCL and torch.cuda.is_available()
+    nccl = dist.is_initialized() and dist.get_backend() == dist.Backend.NCCL and torch.cuda.is_available()
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
@@ -140,6 +140,21 @@ def gather_numbers(rows: list[list[float]], width: int) -> list[list[list[float]
     return [t.cpu().tolist() for t in every]
 
 
+TEXT_BYTES = 160  # a gathered sentence's UTF-8 bytes, at most (longer ones are cut)
+
+
+def text_row(text: str, width: int = TEXT_BYTES) -> list[float]:
+    """`text` as `width` numbers (its UTF-8 bytes, zero-padded, cut at a character's boundary), for
+    `gather_numbers`: a sentence crosses the network as numbers, never a pickle."""
+    raw = text.encode()[:width].decode(errors="ignore").encode()
+    return [float(b) for b in raw] + [0.0] * (width - len(raw))
+
+
+def row_text(row: list[float]) -> str:
+    """`text_row`'s inverse."""
+    return bytes(int(v) for v in row).rstrip(b"\0").decode(errors="replace")
+
+
 def matmul_flops(dtype: "torch.dtype | None" = None, seconds: float = 0.3) -> float:
     """FLOP/s of a 512×512 matmul on this process's threads (`dtype`, default fp32), timed for ~`seconds`."""
     import torch
@@ -219,50 +234,116 @@ def step_seconds(params: int, trainable_bytes: int, flops: float, tokens: float)
     return (6 if full else 4) * params * tokens / max(flops * MATMUL_EFFICIENCY, 1.0)
 
 
+def timed_step_seconds(cfg: "TrainConfig", tokens: float) -> float:
+    """One rank's training step on this run's own model, timed: built as training builds it
+    (`train.engine.build_model`: its weights, dtype, PEFT method, gradient checkpointing) with training's
+    optimizer (`train.loop.make_optimizer`); forward and backward of `cfg.batch_size` rows of random token
+    ids, as wide as `tokens` makes a row, × `grad_accum`, then one optimizer step. The second such step of
+    two (the first warms up), in seconds. Raises what building the model raises (the caller falls back)."""
+    import torch
+    import torch.nn.functional as F
+
+    from smolforge.train.engine import build_model
+    from smolforge.train.loop import make_optimizer, plain_forward
+
+    device = _device()
+    _, model = build_model(cfg, device)
+    model.train()
+    optimizer = make_optimizer(model, cfg.lr or 1e-4, cfg.weight_decay, device, kind=cfg.optimizer)
+    rows, accum = cfg.batch_size, cfg.grad_accum
+    ids = torch.randint(0, model.get_input_embeddings().num_embeddings,
+                        (rows, max(2, round(tokens / (rows * accum)))), device=device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def forward_backward() -> None:
+        logits = plain_forward(model, batch)[:, :-1]
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)).backward()
+
+    spent = 0.0
+    for _ in range(2):
+        spent = timed(forward_backward) * accum + timed(optimizer.step)
+        optimizer.zero_grad(set_to_none=True)
+    del model, optimizer
+    return spent
+
+
 def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAMPLE) -> float:
     """CPU seconds of one whole-model diloco sync of `values` fp32 values through `codec`, besides the
-    transfer, on this process's threads: what `DiLoCo._send` and `_merge` do (the flat copy and the token-
-    weighted pseudo-gradient, the codec's encode with its error feedback, the `world` parts summed, the
-    outer Nesterov SGD step, the new weights copied back), timed on `sample` values and scaled linearly
-    (every pass is elementwise or per block/chunk)."""
+    transfer, on this process's threads: the functions `DiLoCo._send` and `_merge` call (the pseudo-gradient,
+    the codec's encode with its error feedback, the `world` parts summed, the outer step, the new weights
+    copied back), in a sync after a first one (momentum and residual exist), timed on `sample` values and
+    scaled linearly (every pass is elementwise or per block/chunk)."""
     import torch
 
     from smolforge.parallel.codecs import ErrorFeedback, make_codec
+    from smolforge.parallel.strategies.diloco_stream import make_fragments, merge_into, outer_step, pseudo_gradient
 
     n = min(sample, max(values, 1))
-    shared, local = torch.zeros(n), torch.randn(n) * 1e-3
-    outer = torch.optim.SGD([shared], lr=0.7, momentum=0.9, nesterov=True)
-    feedback = ErrorFeedback(make_codec(codec))
-    feedback.encode(local)  # a residual, as every sync after the first has
-    t0 = time.perf_counter()
-    delta = (shared - local.clone()) * 2.0
-    payload = feedback.encode(delta)
-    shared.grad = feedback.coder.aggregate([payload] * world, [1.0] * world, n) / world
-    outer.step()
-    local.copy_(shared)
-    return (time.perf_counter() - t0) * values / n
+    params = [torch.nn.Parameter(torch.zeros(n), requires_grad=False)]
+    frag = make_fragments(params, 1)[0]
+    coder = make_codec(codec)
+    outer = torch.optim.SGD([frag.shared], lr=0.7, momentum=0.9 if coder.momentum is None else coder.momentum,
+                            nesterov=coder.momentum is None)
+    feedback = ErrorFeedback(coder)
+
+    def sync() -> None:
+        params[0].data.add_(torch.randn(n) * 1e-3)  # a round's training (not timed below)
+        t0 = time.perf_counter()
+        payload = feedback.encode(pseudo_gradient(params, frag))
+        outer_step(outer, frag.shared, coder.aggregate([payload] * world, [1.0 / world] * world, n))
+        merge_into(params, frag, 0.0)
+        spent.append(time.perf_counter() - t0)
+
+    spent: list[float] = []
+    sync()
+    sync()
+    return spent[-1] * values / n
+
+
+def _step(cfg: "TrainConfig", sizes: tuple[int, int], tokens: float) -> tuple[float, str]:
+    """(this rank's step in seconds, how it was found): timed on the run's model, or where that model
+    cannot be built here, estimated from FLOPs (said so, with why)."""
+    try:
+        return timed_step_seconds(cfg, tokens), "timed: a step of the run's model"
+    except Exception as err:  # noqa: BLE001 - an estimate in its place, said so
+        from smolforge.models.dtypes import torch_dtype
+
+        flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
+        return (step_seconds(*sizes, flops, tokens),
+                f"estimated from FLOPs (the model was not built here: {type(err).__name__})")
 
 
 def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     """This round's measurements, the same on every rank (collective); None when the model's size is unknown."""
-    from smolforge.models.dtypes import torch_dtype
-
     try:
         sizes = model_sizes(cfg)
     except Exception:  # noqa: BLE001 - a PEFT method or family the meta device cannot build: ddp, said so
         sizes = None
     links = probe_links(probe_mb)
-    flops = matmul_flops(torch_dtype(cfg.dtype) if cfg.dtype in ("bf16", "fp32") else None)
     tokens, source = step_tokens(cfg) if sizes else (0.0, "")
-    mine = step_seconds(*sizes, flops, tokens) if sizes else 0.0
+    mine, how = _step(cfg, sizes, tokens) if sizes else (0.0, "")
     cpu = [sync_cpu_seconds(c, sizes[1] // 4, world) if sizes else 0.0 for c in SYNC_CODECS]
-    every = [part[0] for part in gather_numbers([[mine, *cpu]], width=1 + len(SYNC_CODECS))]
+    width = 2 + len(SYNC_CODECS) + 2 * TEXT_BYTES
+    row = [mine, tokens, *cpu, *text_row(source), *text_row(how)]
+    every = [part[0] for part in gather_numbers([row], width=width)]
     if sizes is None:
         return None
-    slowest = {c: max(e[1 + i] for e in every) for i, c in enumerate(SYNC_CODECS)}
-    return Measured(world=world, links=tuple(links), step_s=max(e[0] for e in every), params=sizes[0],
+    # the slowest rank's step, and the tokens it was estimated for, said as that rank said it: every rank
+    # states the same numbers (ranks may read the data differently: one may not reach it)
+    slow = every[max(range(len(every)), key=lambda r: (every[r][0], -r))]
+    texts = slow[2 + len(SYNC_CODECS):]
+    tokens, source, how = slow[1], row_text(texts[:TEXT_BYTES]), row_text(texts[TEXT_BYTES:])
+    slowest = {c: max(e[2 + i] for e in every) for i, c in enumerate(SYNC_CODECS)}
+    return Measured(world=world, links=tuple(links), step_s=slow[0], params=sizes[0],
                     trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source,
-                    sync_cpu_s=slowest)
+                    step_from=how, sync_cpu_s=slowest)
 
 
 def diloco_features() -> frozenset[str]:

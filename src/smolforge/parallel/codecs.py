@@ -23,12 +23,30 @@ the last message's residual.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 import torch
 
 CODECS: dict[str, type["Codec"]] = {}  # name -> class, filled by `Codec.__init_subclass__`
+
+# Values one pass of a lossy codec works on at a time (1 MiB of fp32): every pass of an encode with its
+# error feedback, or of an aggregate, then reads and writes a core's cache instead of main memory, and no
+# temporary is a fresh whole-model allocation. Measured on this machine (one thread, 109.5 M values,
+# int8 with its residual: /work notes of stop 58): 2.1 s whole, 0.17 s in pieces of 2**18, 0.25 s of 2**16,
+# 0.41 s of 2**14.
+PIECE_VALUES = 1 << 18
+
+
+def spans(numel: int, unit: int, size: int = PIECE_VALUES) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges covering `numel` values in order, each a whole number of `unit`s (but the last) and
+    about `size` values long: the pieces a codec with that `unit` encodes one at a time."""
+    if unit <= 0 or numel <= 0:  # a codec whose payloads do not split: one piece
+        yield 0, numel
+        return
+    step = max(unit, size // unit * unit)
+    for a in range(0, numel, step):
+        yield a, min(a + step, numel)
 
 
 def _tensor(a: Any, dtype: Any = None) -> torch.Tensor:
@@ -55,6 +73,9 @@ class Codec:
     keys: ClassVar[frozenset[str]] = frozenset()
     lossy: ClassVar[bool] = True  # decode(encode(x)) != x: a sender keeps an error-feedback residual
     summable: ClassVar[bool] = False  # payloads add up in transit (an all-reduce); else parts are gathered
+    # values whose payloads are independent and concatenate, key by key, into the payload of their
+    # concatenation (`spans`: the pieces an encode and an aggregate work on); 0: only whole tensors
+    unit: int = 0
     momentum: ClassVar[float | None] = None  # the outer momentum a DiLoCo job defaults to with it (None: DiLoCo's)
 
     def __init_subclass__(cls, **kw: Any) -> None:
@@ -74,20 +95,40 @@ class Codec:
         """What a payload of `numel` values costs on the wire, in bytes (equals `payload_bytes(encode(x))`)."""
         raise NotImplementedError
 
+    def roundtrip(self, x: torch.Tensor) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+        """(encode(x), what its receivers decode): the pair error feedback needs, for a codec to compute
+        without going through its numpy arrays again."""
+        payload = self.encode(x)
+        return payload, self.decode(payload, x.numel())
+
     def settings(self) -> dict[str, Any]:
         """What gives its payloads and residuals meaning: {"codec": name, each option: its value}, e.g.
         {"codec": "sparse", "chunk": 4096, "topk": 64, "bits": 2}; `make_codec(s["codec"], **s)` rebuilds it."""
         return {"codec": self.name, **{k: getattr(self, k) for k in self.options}}
 
+    def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+        """The part of a payload that carries values [a, b), `a` a multiple of `unit` (views, no copies);
+        with `unit` 0 only the whole, (0, numel)."""
+        return payload
+
     def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
-        """sum_r weights[r] * decode(parts[r]), in rank order: exactly what was sent, nothing re-quantised."""
-        return sum((self.decode(p, numel) * float(w) for p, w in zip(parts, weights)), torch.zeros(numel))
+        """sum_r weights[r] * decode(parts[r]), in rank order: exactly what was sent, nothing re-quantised;
+        computed piece by piece (`spans`), the same numbers as whole tensors."""
+        out = torch.zeros(numel)
+        for a, b in spans(numel, self.unit):
+            acc = out[a:b]
+            for p, w in zip(parts, weights):
+                acc.add_(self.decode(self.piece(p, a, b), b - a) * float(w))
+        return out
 
 
 class Fp32(Codec):
     """Every value as it is: nothing lost, and payloads sum in an all-reduce."""
 
-    name, keys, lossy, summable = "fp32", frozenset({"values"}), False, True
+    name, keys, lossy, summable, unit = "fp32", frozenset({"values"}), False, True, 1
+
+    def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+        return {"values": np.asarray(payload["values"])[a:b]}
 
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
         """fp32's array may share `x`'s memory."""
@@ -133,11 +174,21 @@ class Int8(Codec):
     name, options, keys = "int8", ("block",), frozenset({"codes", "scales"})
 
     def __init__(self, block: int = 256):
-        self.block = int(block)
+        self.block = self.unit = int(block)
+
+    def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+        lo, hi = a // self.block, -(-b // self.block)
+        return {"codes": np.asarray(payload["codes"])[lo * self.block:hi * self.block],
+                "scales": np.asarray(payload["scales"])[lo:hi]}
 
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
         codes, scales = quantize_int8(_flat(x), self.block)
         return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
+
+    def roundtrip(self, x: torch.Tensor) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+        codes, scales = quantize_int8(_flat(x), self.block)
+        decoded = dequantize_int8(codes.float(), scales, x.numel())  # decode's own arithmetic
+        return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}, decoded
 
     def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
         # int8 codes are exact in fp32: widening them here is the one copy, read-only or not
@@ -180,6 +231,7 @@ class Sparse(Codec):
                              f"(got chunk {chunk}, topk {topk}, bits {bits})")
         self.chunk, self.topk, self.bits = int(chunk), int(topk), int(bits)
         self.levels = (1 << self.bits) - 1  # the largest code: levels + 1 values, symmetric about zero
+        self.unit = 4 * self.chunk  # 4 chunks' codes fill whole bytes at 2 or 4 bits: packed pieces concatenate
 
     def _chunks(self, numel: int) -> int:
         return -(-numel // self.chunk)
@@ -304,12 +356,17 @@ class ErrorFeedback:
         """`x` plus the residual, encoded; the new residual is what this payload's rounding lost."""
         if not self.coder.lossy:
             return self.coder.encode(x)
-        target = _flat(x)
-        if self._residual is not None:
-            target = target + self._residual
-        payload = self.coder.encode(target)
-        self._residual = target - self.coder.decode(payload, target.numel())
-        return payload
+        x, old = _flat(x), self._residual
+        residual, pieces = torch.empty(x.numel()), []
+        for a, b in spans(x.numel(), self.coder.unit):  # piece by piece: the same payload, cache-sized passes
+            target = x[a:b] if old is None else torch.add(x[a:b], old[a:b])
+            payload, decoded = self.coder.roundtrip(target)
+            pieces.append(payload)
+            torch.sub(target, decoded, out=residual[a:b])
+        self._residual = residual  # a new tensor: a residual handed out earlier (`residual`) stays as it was
+        if len(pieces) == 1:
+            return pieces[0]
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
     def reset(self) -> None:
         """Forget the residual (a new stream: e.g. after the weights were replaced)."""

@@ -50,7 +50,8 @@ from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_pa
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco_speeds import SpeedPlan
-from smolforge.parallel.strategies.diloco_stream import Flight, Fragment, make_fragments, merge_into, offsets
+from smolforge.parallel.strategies.diloco_stream import (Flight, Fragment, make_fragments, merge_into, offsets,
+                                                         outer_step, pseudo_gradient)
 from smolforge.train import balance
 from smolforge.train.rank_context import Membership, RankContext
 from smolforge.train.strategy import Strategy
@@ -269,13 +270,14 @@ class DiLoCo(SpeedPlan, DDP):
         """Fragment f's token-weighted pseudo-gradient goes out (through the codec, `_average`): in the
         background, or blocking; merged `overlap` steps later (`now`, or overlap 0: merged here)."""
         frag = self.frags[f]
-        weight = max(self.targets[f], 1.0)
-        delta = (frag.shared - self._flat(frag)) * weight  # this rank's pseudo-gradient, token-weighted
+        weight = max(self.targets[f], 1.0)  # this rank's pseudo-gradient's weight: its loss tokens
+        delta = pseudo_gradient(self.params, frag)
         residual = frag.feedback.residual
         self.since[f], self.targets[f] = 0, 0.0
 
-        def average() -> tuple[float, torch.Tensor]:
-            frag.feedback.load(residual)  # a retry in a re-formed group starts from the same residual
+        def average() -> torch.Tensor:
+            if frag.feedback.residual is not residual:  # a retry in a re-formed group: the same residual again
+                frag.feedback.load(residual)
             self.feedback = frag.feedback  # the stream `_average` encodes through (one fragment in flight)
             return self._average(delta, weight)
 
@@ -296,11 +298,9 @@ class DiLoCo(SpeedPlan, DDP):
         """Fragment f's outer step from its averaged pseudo-gradient, then into the local weights."""
         frag = self.frags[f]
         with self.waiting():
-            total, avg = self._collective(frag.flight.wait)
+            mean = self._collective(frag.flight.wait)
         frag.flight = None
-        frag.shared.grad = avg / total
-        self.outer.step()
-        frag.shared.grad = None
+        outer_step(self.outer, frag.shared, mean)
         merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
         if f:
             return
@@ -416,22 +416,25 @@ class DiLoCo(SpeedPlan, DDP):
     def gather_rng(self) -> list[torch.Tensor] | None:
         return self._collective(lambda: DDP.gather_rng(self))
 
-    def _average(self, delta: torch.Tensor, weight: float) -> tuple[float, torch.Tensor]:
-        """(sum of the ranks' weights, sum of their weighted pseudo-gradients): an all-reduce for a codec
-        whose payloads sum in transit (fp32), else every rank's message gathered (one uint8 buffer each)
-        and summed by the codec, exactly as sent."""
+    def _average(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
+        """The ranks' pseudo-gradients (`delta`, unweighted) averaged with their `weight`s: an all-reduce
+        of the weighted values for a codec whose payloads sum in transit (fp32), else every rank's message
+        gathered (one uint8 buffer each) and summed by the codec, exactly as sent, each part weighted by
+        its share of the weights."""
         coder = self.feedback.coder
         if coder.summable:
-            packed = torch.cat([delta, torch.tensor([weight])])
+            packed = torch.empty(delta.numel() + 1)
+            torch.mul(delta, weight, out=packed[:-1])
+            packed[-1] = weight
             self._count(packed)
             dist.all_reduce(packed, group=self.sync_group)
-            return float(packed[-1]), packed[:-1]
+            return packed[:-1].div_(packed[-1])
         weights = torch.tensor([weight], dtype=torch.float64)
         every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
         # unweighted (fp16 overflows at 65504), and the residual is in the same units round after round
-        payload = self.feedback.encode(delta / weight)
+        payload = self.feedback.encode(delta)
         parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload), group=self.sync_group)]
-        return sum(every_w), coder.aggregate(parts, every_w, delta.numel())
+        return coder.aggregate(parts, [w / sum(every_w) for w in every_w], delta.numel())
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from smolforge.parallel.codecs import spans
+
 
 def split(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     """`fragments` contiguous ranges [first, last) of parameter indices, in layer order, each at least
@@ -131,3 +133,42 @@ def merge_into(params: list[torch.nn.Parameter], frag: Fragment, mix: float) -> 
         else:
             p.copy_(new)
         offset += n
+
+
+@torch.no_grad()
+def pseudo_gradient(params: list[torch.nn.Parameter], frag: Fragment) -> torch.Tensor:
+    """shared - local over the fragment's values: flat fp32, unweighted, written parameter by parameter
+    into one new buffer (no flat copy of the local weights, no whole-model temporaries)."""
+    out, offset = torch.empty(frag.end - frag.start), 0
+    for p in params[frag.first:frag.last]:
+        n = p.numel()
+        torch.sub(frag.shared[offset:offset + n], p.detach().reshape(-1), out=out[offset:offset + n])
+        offset += n
+    return out
+
+
+@torch.no_grad()
+def outer_step(outer: torch.optim.SGD, shared: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """`outer.step()` for one fragment's shared weights with gradient `grad` (flat fp32), piece by piece
+    (`codecs.spans`): torch's single-tensor SGD arithmetic (momentum, dampening, Nesterov; the buffer kept
+    in `outer.state` as torch keeps it), op for op, so the same bits without its whole-model temporaries
+    (a test compares them). Raises ValueError for weight decay or `maximize`, which DiLoCo never sets."""
+    group = outer.param_groups[0]
+    if group["weight_decay"] or group["maximize"]:
+        raise ValueError("outer_step: weight decay and maximize are not DiLoCo's outer step")
+    lr, momentum, dampening, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
+    buf, first = None, False
+    if momentum:
+        buf = outer.state[shared].get("momentum_buffer")
+        first = buf is None
+        if first:
+            buf = outer.state[shared]["momentum_buffer"] = torch.empty_like(shared)
+    for a, b in spans(shared.numel(), 1):
+        g = grad[a:b]
+        if buf is not None:
+            if first:
+                buf[a:b].copy_(g)
+            else:
+                buf[a:b].mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g.add(buf[a:b], alpha=momentum) if nesterov else buf[a:b]
+        shared[a:b].add_(g, alpha=-lr)
