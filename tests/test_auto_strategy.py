@@ -254,12 +254,12 @@ def _measure_rank(rank: int, data: str) -> dict:
     cfg = TrainConfig(model="tiny-llama", batch_size=8, peft={"method": "none"}, max_steps=100,
                       data={"path": path, "max_length": 256})
     m = measure(cfg, 0.05, 2)
-    return {"step_s": m.step_s, "tokens": m.step_tokens, "from": m.tokens_from}
+    return {"step_s": m.step_s, "tokens": m.step_tokens, "from": m.tokens_from, "step_from": m.step_from}
 
 
 def test_every_rank_states_the_same_step_estimate(tmp_path):
-    """The plan's numbers are the same on every rank: the slowest rank's step and the tokens it was
-    estimated for, and how, as that rank said it (a rank that cannot read the data estimates max_length;
+    """The plan's numbers are the same on every rank: the slowest rank's step (timed on the run's model)
+    and the tokens it was timed for, and how, as that rank said it (a rank that cannot read the data estimates max_length;
     before, each rank stated its own: the same plan, different numbers in its event). The preset is built
     before the group, as the rank glue does."""
     import json
@@ -273,3 +273,4 @@ def test_every_rank_states_the_same_step_estimate(tmp_path):
     got, _ = run_gloo_ranks(_measure_rank, 2, str(data), timeout=300)
     assert got[0] == got[1], got
     assert got[0]["tokens"] == 8 * 256 and got[0]["from"].startswith("max_length 256"), got[0]
+    assert got[0]["step_from"] == "timed: a step of the run's model", got[0]  # training's own step, not FLOPs

@@ -253,6 +253,10 @@ def _before():
             self.steps_in, self.tokens_in = 0, 0.0
             return out
 
+        @property
+        def sent_now(self):  # where stop codes are agreed (`DiLoCo.agree`): at its own outer steps
+            return self.steps_in == 0
+
         def after_step(self, step, model, optimizer, *, targets=0.0):
             self.last_step, self.steps_in, self.tokens_in = step, self.steps_in + 1, self.tokens_in + targets
             if self.steps_in >= self.inner_steps:
@@ -331,15 +335,16 @@ def test_a_streamed_fragment_sync_gives_the_weights_of_a_blocking_one(runs):
 
 @pytest.mark.parametrize("tag", ["", "_int8"])
 def test_a_streamed_run_pauses_with_nothing_in_flight_and_resumes_exactly(runs, tag):
-    """The pause asked after step 5 lands at 5 (fragment 0's flight merged there, fragment 1's not yet sent);
+    """The pause asked after step 5 is agreed at 6, where the ranks meet (fragment 1's send: between sends
+    they share no collective), and lands at 7 (fragment 1's flight merged there, nothing in flight);
     the checkpoint holds each rank's own weights and tokens (int8: and every fragment's error-feedback
     residual); the resumed ranks end as the uninterrupted run, bitwise."""
     runs = {r: runs["ranks"][r]["stream"] for r in (0, 1)}
     paused, resumed = runs[0]["paused" + tag], runs[0]["resumed" + tag]
-    assert paused["stopped"] == "pause" and paused["steps"] == 5
+    assert paused["stopped"] == "pause" and paused["steps"] == 7
     blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
     state = blob["strategy"]
-    assert state["since"] == [1, 3] and len(state["local"]) == 2 and len(state["shared"]) == 2
+    assert state["since"] == [3, 1] and len(state["local"]) == 2 and len(state["shared"]) == 2
     assert not torch.equal(state["local"][0], state["local"][1])  # the ranks' own weights differ mid-round
     assert resumed["steps"] == SSTEPS and resumed["stopped"] is None
     assert ("error_feedback" in state) == bool(tag)
@@ -409,3 +414,13 @@ def test_the_outer_step_in_pieces_is_torchs_sgd_step(momentum, dampening, nester
         assert torch.equal(mine, theirs)
         if momentum:
             assert torch.equal(opts[0].state[mine]["momentum_buffer"], opts[1].state[theirs]["momentum_buffer"])
+
+
+def test_between_outer_steps_the_ranks_share_no_collective(runs):
+    """Besides its pseudo-gradients a rank sends only a stop code at each outer step (8 bytes: where the
+    ranks meet anyway) and its evals' sums: no per-step collective, which made every inner step wait
+    for the slower rank's (one a step before stop 58: 12 codes here, not 3)."""
+    n = runs["one"]["adamw"].trainable_params
+    res = runs["ranks"][0]["fp32"]
+    evals = len(runs["ranks"][0]["fp32_evals"])
+    assert res["comm_bytes_sent"] - res["rounds"] * (n + 1) * 4 == res["rounds"] * 8 + evals * 4 * 8, (res, evals)

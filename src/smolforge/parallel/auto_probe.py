@@ -8,18 +8,20 @@ What is measured, once per round (a regroup is a new round, so a node joining or
   `probe_mb` MB), timed on the sender up to a 1-value acknowledgement (Mbit/s of payload); the round trip is
   the least of 5 one-value ping-pongs (a busy machine's scheduling only ever adds to a round trip, as NTP's
   minimum-delay filter assumes). Pairs go one at a time, the others waiting at a barrier.
-- **the step's compute**, from the model's FLOPs: 6 × parameters × tokens for full fine-tuning (4 × for
-  an adapter: no weight gradients of the frozen base), at this rank's measured fp32/bf16 matmul rate ×
-  `MATMUL_EFFICIENCY` (a training step reaches about half of a bare matmul's rate on a CPU). The slowest
-  rank's estimate counts. Tokens = rows per rank × grad_accum × the width a batch of *this run's data* is
-  padded to (`step_tokens`: the first `SAMPLE_ROWS` examples encoded as training encodes them, and the
-  expected longest row of a batch; `max_length` with packing, or when the data cannot be read here).
-  Counting `max_length` for every row, as this did first, put llama-100m's step on the synthetic task
-  set at 32.7 s against 1.4 s measured (BENCHMARKS.md, scale-out, 2026-11-30): auto then planned H for a
-  step 23× too long.
-- **a diloco sync's CPU work** per codec (`sync_cpu_seconds`: the pseudo-gradient, the codec with its error
-  feedback, the world's parts summed, the outer step, timed on 16M values and scaled to the model): on a CPU
-  node it is paid on the training cores, not hidden behind the link.
+- **the step**, timed (`timed_step_seconds`): the run's own model built as training builds it, and two
+  of training's own steps (`Trainer.step`: forward, backward, clipping, the optimizer) on random token ids
+  the shape of a batch; the second counts. Tokens = rows per rank × grad_accum × the width a batch of *this
+  run's data* is padded to (`step_tokens`: the first `SAMPLE_ROWS` examples encoded as training encodes
+  them, and the expected longest row of a batch; `max_length` with packing, or when the data cannot be read
+  here). Where the model cannot be built here, the step is estimated from FLOPs instead (6 × parameters ×
+  tokens for full fine-tuning, 4 × for an adapter, at the measured matmul rate × `MATMUL_EFFICIENCY`),
+  said so in the event's `step_from`. The slowest rank's step counts, and every rank states that rank's
+  tokens and sources. Measured on llama-100m, full fine-tuning, one core (stop 58): timed 1.50 s against
+  1.4-1.7 s in the job, where the FLOPs estimate said 2.5-3.3 s; counting `max_length` for every row, as
+  this did first, said 32.7 s, and auto then planned H for a step 23× too long.
+- **a diloco sync's CPU work** per codec (`sync_cpu_seconds`: the functions a sync calls — the pseudo-gradient,
+  the codec with its error feedback, the world's parts summed, the outer step — timed on 16M values and
+  scaled to the model): on a CPU node it is paid on the training cores, not hidden behind the link.
 - **the model's sizes** from its config on the meta device (no weights read), PEFT applied there: the
   parameters in all and the trainable ones' bytes (what ddp's all-reduce moves).
 
@@ -235,42 +237,37 @@ def step_seconds(params: int, trainable_bytes: int, flops: float, tokens: float)
 
 
 def timed_step_seconds(cfg: "TrainConfig", tokens: float) -> float:
-    """One rank's training step on this run's own model, timed: built as training builds it
-    (`train.engine.build_model`: its weights, dtype, PEFT method, gradient checkpointing) with training's
-    optimizer (`train.loop.make_optimizer`); forward and backward of `cfg.batch_size` rows of random token
-    ids, as wide as `tokens` makes a row, × `grad_accum`, then one optimizer step. The second such step of
-    two (the first warms up), in seconds. Raises what building the model raises (the caller falls back)."""
+    """One rank's training step on this run's own model, timed: the model built as training builds it
+    (`train.engine.build_model`: its weights, dtype, PEFT method, gradient checkpointing), and the step
+    training takes (`train.loop.Trainer.step`: forward and backward of each micro-batch under the run's
+    precision, clipping, training's optimizer) on `grad_accum` micro-batches of `cfg.batch_size` rows of
+    random token ids as wide as `tokens` makes a row. The second of two steps (the first warms up), in
+    seconds. Raises what building the model raises (the caller falls back to FLOPs)."""
     import torch
-    import torch.nn.functional as F
 
     from smolforge.train.engine import build_model
-    from smolforge.train.loop import make_optimizer, plain_forward
+    from smolforge.train.evaluate import token_loss_sum
+    from smolforge.train.loop import Trainer, make_optimizer
 
     device = _device()
     _, model = build_model(cfg, device)
     model.train()
     optimizer = make_optimizer(model, cfg.lr or 1e-4, cfg.weight_decay, device, kind=cfg.optimizer)
+    trainer = Trainer(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                      loss_sum=lambda logits, m: token_loss_sum(logits, m["labels"])[0], device=device,
+                      precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
     rows, accum = cfg.batch_size, cfg.grad_accum
-    ids = torch.randint(0, model.get_input_embeddings().num_embeddings,
-                        (rows, max(2, round(tokens / (rows * accum)))), device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-    def timed(fn: Callable[[], object]) -> float:
+    shape = (rows, max(2, round(tokens / (rows * accum))))
+    vocab = model.get_input_embeddings().num_embeddings
+    micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+             for ids in (torch.randint(0, vocab, shape, device=device) for _ in range(accum))]
+    spent = 0.0
+    for step in range(2):
         t0 = time.perf_counter()
-        fn()
+        trainer.step(step, micro)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    def forward_backward() -> None:
-        logits = plain_forward(model, batch)[:, :-1]
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)).backward()
-
-    spent = 0.0
-    for _ in range(2):
-        spent = timed(forward_backward) * accum + timed(optimizer.step)
-        optimizer.zero_grad(set_to_none=True)
-    del model, optimizer
+        spent = time.perf_counter() - t0
     return spent
 
 

@@ -2,7 +2,7 @@
 
 `auto` is a name the ranks resolve before training, never a strategy that trains: once the round's
 group has met, every rank measures (every pair's Mbit/s and round trip over the group's own channel, its
-step's compute from the model's FLOPs), all gather the numbers and the pure `parallel.auto_choice.decide`
+step, timed on the run's own model), all gather the numbers and the pure `parallel.auto_choice.decide`
 picks the strategy, codec and sync interval (`parallel/auto_probe.py`, called by the rank glue): the sparse
 codec only for a run with enough outer rounds for its error feedback (`SPARSE_MIN_ROUNDS`), int8 for a
 shorter one. Rank 0

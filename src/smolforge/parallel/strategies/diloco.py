@@ -245,9 +245,25 @@ class DiLoCo(SpeedPlan, DDP):
         return super().next_step(done, steps)
 
     def agree(self, code: int, device: torch.device) -> int:
+        """A stop code (pause, cancel) agreed where the ranks meet anyway: at the end of a round (by speed:
+        `_speed_agree`), or at a step where a fragment was sent (`sent_now`: the same steps on every rank);
+        held until then, so between syncs the ranks share no collective and none waits for another's step.
+        Agreeing every step made every step wait for the slower rank's (stop 58, BENCHMARKS.md). A pause
+        then lands at the first boundary (`at_boundary`) from there; a cancel waits for the next send."""
         def agreed(c: int) -> int:
             return self._collective(lambda: DDP.agree(self, c, device))
-        return self._speed_agree(code, agreed) if self.by_speed else agreed(code)
+        if self.by_speed:
+            return self._speed_agree(code, agreed)
+        self.held_code = max(self.held_code, code)
+        if not self.sent_now:
+            return 0
+        code, self.held_code = agreed(self.held_code), 0
+        return code
+
+    @property
+    def sent_now(self) -> bool:
+        """Whether the step just taken sent a fragment (each fragment's count restarts at its send)."""
+        return not all(self.since)
 
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Land what is in flight, then a short last round of every fragment not just synced, merged
