@@ -32,6 +32,7 @@ plan without a broadcast. Collective: every rank of the group calls `resolve` at
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -268,6 +269,8 @@ def timed_step_seconds(cfg: "TrainConfig", tokens: float) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         spent = time.perf_counter() - t0
+    del trainer, optimizer, model, micro
+    gc.collect()  # the probe's model and optimizer state go before training builds its own (cycles included)
     return spent
 
 

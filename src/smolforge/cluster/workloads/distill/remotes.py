@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -234,19 +235,24 @@ class _StudentWorker:
 
 
 _REMOTES: dict[str, Any] = {}
+_REMOTES_LOCK = threading.Lock()
 
 
 def remotes() -> dict[str, Any]:
+    """The remote teacher function and broker and student classes, built once per process and shared by
+    every job its driver runs at once: built whole under a lock, then published, so a concurrent first
+    caller never sees a partial table (it did: KeyError 'broker', stop 58)."""
     import ray
 
-    if not _REMOTES:
-        # max_calls=1: each teacher gets a fresh worker process, which exits after it. A teacher
-        # cancelled mid-import (a job cancel or pause while it loads transformers) otherwise leaves
-        # the pooled process with half-imported modules, and every later teacher there fails with
-        # "Could not import module 'LlamaConfig'" (seen in CI after the cancel test).
-        _REMOTES["teacher"] = ray.remote(num_returns="streaming", max_retries=0, max_calls=1)(_teacher_shards)
-        _REMOTES["broker"] = ray.remote(_ShardBroker)
-        _REMOTES["student"] = ray.remote(_StudentWorker)
+    with _REMOTES_LOCK:
+        if not _REMOTES:
+            # max_calls=1: each teacher gets a fresh worker process, which exits after it. A teacher
+            # cancelled mid-import (a job cancel or pause while it loads transformers) otherwise leaves
+            # the pooled process with half-imported modules, and every later teacher there fails with
+            # "Could not import module 'LlamaConfig'" (seen in CI after the cancel test).
+            built = {"teacher": ray.remote(num_returns="streaming", max_retries=0, max_calls=1)(_teacher_shards),
+                     "broker": ray.remote(_ShardBroker), "student": ray.remote(_StudentWorker)}
+            _REMOTES.update(built)
     return _REMOTES
 
 
