@@ -32,9 +32,9 @@ CODECS: dict[str, type["Codec"]] = {}  # name -> class, filled by `Codec.__init_
 
 # Values one pass of a lossy codec works on at a time (1 MiB of fp32): every pass of an encode with its
 # error feedback, or of an aggregate, then reads and writes a core's cache instead of main memory, and no
-# temporary is a fresh whole-model allocation. Measured on this machine (one thread, 109.5 M values,
-# int8 with its residual: /work notes of stop 58): 2.1 s whole, 0.17 s in pieces of 2**18, 0.25 s of 2**16,
-# 0.41 s of 2**14.
+# temporary is a fresh whole-model allocation. Measured on the 2-core dev machine (one thread, 109.5 M
+# values, int8's quantise and residual; stop 58, BENCHMARKS.md "Scale-out at real size, stop 58"): 2.1 s
+# whole, 0.17 s in pieces of 2**18, 0.25 s of 2**16, 0.41 s of 2**14.
 PIECE_VALUES = 1 << 18
 
 
@@ -182,13 +182,15 @@ class Int8(Codec):
                 "scales": np.asarray(payload["scales"])[lo:hi]}
 
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
-        codes, scales = quantize_int8(_flat(x), self.block)
-        return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
+        return self._payload(*quantize_int8(_flat(x), self.block))
 
     def roundtrip(self, x: torch.Tensor) -> tuple[dict[str, np.ndarray], torch.Tensor]:
         codes, scales = quantize_int8(_flat(x), self.block)
-        decoded = dequantize_int8(codes.float(), scales, x.numel())  # decode's own arithmetic
-        return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}, decoded
+        return self._payload(codes, scales), dequantize_int8(codes.float(), scales, x.numel())  # decode's arithmetic
+
+    @staticmethod
+    def _payload(codes: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
+        return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
 
     def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
         # int8 codes are exact in fp32: widening them here is the one copy, read-only or not
