@@ -8,9 +8,11 @@ what the mechanism decided and why (its reason names the rule and the measured n
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from helpers import run_gloo_ranks
+from helpers import ROOT, run_gloo_ranks
 
 from smolforge.parallel.auto_choice import (
     SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
@@ -274,3 +276,23 @@ def test_every_rank_states_the_same_step_estimate(tmp_path):
     assert got[0] == got[1], got
     assert got[0]["tokens"] == 8 * 256 and got[0]["from"].startswith("max_length 256"), got[0]
     assert got[0]["step_from"] == "timed: a step of the run's model", got[0]  # training's own step, not FLOPs
+
+
+def test_the_time_to_a_target_leaves_the_evaluations_out():
+    """bench/scale_out.py's figure: training seconds to the first eval at or under the target, every eval's
+    own seconds (`eval_s`) taken out, so two cadences of the same training give the same time, and the
+    wall time (evals in) is there too. Eval curves are (ts, step, loss, eval_s); the job's first step at 100 s:
+    2 s of training per step, 2 s per eval."""
+    bench = str(ROOT / "bench")
+    saved = list(sys.path)
+    sys.path.insert(0, bench)
+    try:
+        import scale_out
+    finally:
+        sys.path[:] = saved
+    every5 = {"first_step_ts": 100.0, "evals": [(112.0, 5, 3.0, 2.0), (124.0, 10, 2.5, 2.0), (136.0, 15, 2.0, 2.0)]}
+    every10 = {"first_step_ts": 100.0, "evals": [(122.0, 10, 2.5, 2.0), (144.0, 20, 1.8, 2.0)]}
+    assert scale_out.time_to(every5, 2.5) == scale_out.time_to(every10, 2.5) == 20.0
+    assert scale_out.time_to(every5, 2.5, with_evals=True) == 24.0
+    assert scale_out.time_to(every5, 2.2) == 30.0 and scale_out.time_to(every10, 2.2) == 40.0  # the cadence's resolution
+    assert scale_out.time_to(every5, 1.0) is None

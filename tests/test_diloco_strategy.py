@@ -44,6 +44,7 @@ CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradie
 # (d): two outer steps of H = 2; the paused run stops on the outer step at 2, its resume takes the second
 RH, RSTEPS = 2, 4
 CODECS = {"int8": {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.5},
+          "int4": {"codec": "int4", "outer_lr": 1.0, "outer_momentum": 0.5},
           "sparse": {"codec": "sparse", "outer_lr": 1.0, "chunk": 1024, "topk": 16}}  # sparse: no momentum
 
 

@@ -56,6 +56,15 @@ def test_loss_goes_down_and_outputs_land(tmp_path):
     assert 0 < result.trainable_params < result.total_params
 
 
+def test_each_evaluation_tells_its_own_seconds(tmp_path):
+    """The eval hook (what a cluster job's eval event carries) has `eval_s`, the evaluation's wall seconds,
+    beside its metrics, periodic and final: what bench/scale_out.py leaves out of a time to a target loss."""
+    evals: list[dict] = []
+    train(cfg(tmp_path, max_steps=4, eval_every=2, save_every=0), TrainHooks(on_eval=evals.append))
+    assert [e["step"] for e in evals] == [2, 4], evals
+    assert all(isinstance(e["eval_s"], float) and 0 < e["eval_s"] < 60 and e["eval_loss"] > 0 for e in evals), evals
+
+
 def test_gradient_accumulation_equals_big_batch(tmp_path):
     a = train(cfg(tmp_path / "a", batch_size=8, grad_accum=1, peft=PeftSpec(method="lora", r=4, dropout=0.0)))
     b = train(cfg(tmp_path / "b", batch_size=4, grad_accum=2, peft=PeftSpec(method="lora", r=4, dropout=0.0)))

@@ -1,5 +1,6 @@
 """The `sparse` codec (SparseLoCo's message: per-chunk top-k, 2 or 4 bits, error feedback on each node):
-it converges where plain top-k does not, it costs what it says, and the sum of the ranks' parts is exact."""
+it converges where plain top-k does not, it costs what it says, and the sum of the ranks' parts is exact;
+int4's error feedback on the same least-squares problem."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ import torch
 from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, payload_bytes, unpack_payload
 
 
-def _least_squares(feedback: bool) -> float:
+def _least_squares(feedback: bool, codec: str = "sparse") -> float:
     """Two nodes, each with its own rows of a noisy least-squares problem (so each node's gradient stays
     non-zero at the joint optimum: only their sum vanishes), descend on the average of their sparse
-    2-bit gradients (chunk 64, top 8). Returns the distance to the dense optimum, relative to its norm."""
+    2-bit gradients (chunk 64, top 8), or `codec`'s (int4: blocks of 64). Returns the distance to the dense
+    optimum, relative to its norm."""
     g = torch.Generator().manual_seed(0)
     d, m = 128, 256
     rows = [torch.randn(m, d, generator=g) / m ** 0.5 for _ in range(2)]
     truth = torch.randn(d, generator=g)
     targets = [a @ truth + 0.1 * torch.randn(m, generator=g) for a in rows]
     optimum = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[:, 0]
-    codec = make_codec("sparse", chunk=64, topk=8, bits=2)
+    codec = make_codec(codec, chunk=64, topk=8, bits=2, block=64)
     nodes = [ErrorFeedback(codec) for _ in rows]  # one residual per node, never shared
     w = torch.zeros(d)
     for _ in range(400):
@@ -37,6 +39,15 @@ def test_error_feedback_converges_to_the_dense_optimum_where_plain_top_k_stalls(
     with_fb, without = _least_squares(True), _least_squares(False)
     assert with_fb <= 0.01, with_fb
     assert without >= 0.05, without
+
+
+def test_int4_with_error_feedback_reaches_the_dense_optimum_too():
+    """int4 (15 levels a block) rounds each node's gradient so that their sum does not vanish at the
+    optimum; fed back, the rounding arrives later (measured: 0.0009 with feedback, as int8's 0.0009;
+    0.0124 without)."""
+    with_fb, without = _least_squares(True, "int4"), _least_squares(False, "int4")
+    assert with_fb <= 0.002, with_fb
+    assert without >= 0.005, without
 
 
 def test_payload_bytes_are_the_formula_and_under_two_percent_of_fp32_at_defaults():

@@ -502,12 +502,13 @@ class SplitTrainer:
         return step
 
     def _eval_and_log(self, step: int, writer) -> dict[str, float]:
+        t0 = time.perf_counter()
         metrics = self.evaluate(step)
         if metrics:
             writer.log("eval", step, **metrics)
             self.log(eval_log(metrics["eval_loss"], metrics["best_eval_loss"]))
-            if self.hooks.on_eval:
-                self.hooks.on_eval({"step": step, **metrics})
+            if self.hooks.on_eval:  # as the engine's: the evaluation's seconds beside its metrics
+                self.hooks.on_eval({"step": step, **metrics, "eval_s": round(time.perf_counter() - t0, 4)})
         return metrics
 
     def _close_session(self) -> None:

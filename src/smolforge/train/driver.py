@@ -19,6 +19,7 @@ loop (`smolforge.split.trainer`): its step and checkpoints span two processes; i
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +157,8 @@ class RunSettings:
 @dataclass
 class RunHooks:
     on_step: Callable[[StepInfo], None] | None = None
-    on_eval: Callable[[dict], None] | None = None  # {"step": N, **metrics}, periodic and final
+    # {"step": N, **metrics, "eval_s": the evaluation's seconds on this rank}, periodic and final
+    on_eval: Callable[[dict], None] | None = None
     on_checkpoint: Callable[[Path, int, bool], None] | None = None  # (path, step, pausing)
     should_stop: Callable[[], str | None] | None = None  # "pause" | "cancel" | None, asked on rank 0
     on_resume: Callable[[Path, int], None] | None = None  # (checkpoint, step) restored
@@ -299,11 +301,15 @@ class Driver(Generic[R]):
             self.r.log(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def _evaluate(self, step: int) -> dict[str, Any]:
+        """The held-out metrics at `step`, logged; the hook also gets `eval_s`, the evaluation's wall seconds
+        on this rank (its share of a collective's wait included): what a time-to-loss figure leaves out."""
+        t0 = time.perf_counter()
         metrics = self.r.evaluate()
+        spent = time.perf_counter() - t0
         if self.writer:
             self.writer.log("eval", step, **metrics)
         if self.r.hooks.on_eval:
-            self.r.hooks.on_eval({"step": step, **metrics})
+            self.r.hooks.on_eval({"step": step, **metrics, "eval_s": round(spent, 4)})
         return metrics
 
     def _save(self, step: int, pausing: bool) -> None:

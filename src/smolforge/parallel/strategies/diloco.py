@@ -9,8 +9,8 @@ next round from them. Gradients cross the network once per H steps instead of ev
 - The average is weighted by each rank's loss tokens in the round, so with H = 1, outer lr 1.0, no
   momentum and a linear inner optimizer (SGD) the result is exactly DDP's step (a test checks it).
 - `codec`: how pseudo-gradients travel (`smolforge.parallel.codecs`). `fp32` (an all-reduce), or a lossy
-  codec whose parts every rank gathers and sums exactly as sent (`Codec.aggregate`): `fp16`, `int8`
-  (blockwise absmax, one fp32 scale per `block` values) or `sparse` (SparseLoCo: per `chunk` values the
+  codec whose parts every rank gathers and sums exactly as sent (`Codec.aggregate`): `fp16`, `int8` or
+  `int4` (blockwise absmax, one fp32 scale per `block` values; int4 half int8's bytes) or `sparse` (SparseLoCo: per `chunk` values the
   `topk` largest at `bits` bits; ~0.9 % of fp32 at its defaults, and no outer momentum unless set).
   Each rank keeps an error-feedback buffer: what a round's message could not carry is added to the
   next round's pseudo-gradient, so nothing is lost, only delayed.
@@ -74,7 +74,7 @@ class DiLoCoSettings(BaseModel):
     codec: str = Field("fp32", description="how pseudo-gradients travel: " + ", ".join(CODECS))
     # bounded like the parameter-server strategies: the codec pads every message to a whole block, so
     # an unbounded one made a pseudo-gradient of a few values cost megabytes
-    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
+    block: int = Field(256, ge=64, le=4096, description="int8, int4: values per fp32 scale")
     chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
     topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
     bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
@@ -97,6 +97,7 @@ class DiLoCoSettings(BaseModel):
     def _codec_defaults(self) -> "DiLoCoSettings":
         if self.topk > self.chunk:
             raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
+        make_codec(self.codec, block=self.block, chunk=self.chunk, topk=self.topk, bits=self.bits)  # its own refusals
         momentum = CODECS[self.codec].momentum  # sparse: error feedback in place of outer momentum
         if momentum is not None and "outer_momentum" not in self.model_fields_set:
             self.outer_momentum = momentum
