@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, run_gloo_ranks
 
 from smolforge.parallel.auto_choice import (
-    SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int8_bytes, sparse_bytes,
+    SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int4_bytes, int8_bytes, sparse_bytes,
 )
 
 LLAMA_100M = 109_529_856  # llama-100m's parameters (its config on the meta device)
@@ -34,7 +34,9 @@ def measured(mbit: float, step_s: float, params: int = LLAMA_100M, trainable: in
 
 # llama-100m's whole-model sync CPU work on one core of the dev box (`sync_cpu_seconds` at full size: int8 5.1 s,
 # sparse 3.6 s; a real int8 sync waited ~10.8 s on a 1 Gbit/s link: BENCHMARKS.md, scale-out 2026-11-30)
-CPU_100M = {"int8": 5.1, "sparse": 3.6}
+# int4: int8's × 1.19, the ratio of the two measured after stop 58's cut (`sync_cpu_seconds` at 109.5 M values, one
+# thread, two runs each: int4 1.57 and 1.60 s, int8 1.45 and 1.22 s; its nibbles cost a packing pass)
+CPU_100M = {"int8": 5.1, "int4": 6.07, "sparse": 3.6}
 
 
 # (what, measurements, what decide takes, strategy, codec, H, fragments)
@@ -51,8 +53,12 @@ TABLE = [
      {}, "diloco", "int8", 5, None),
     ("the run's length unknown: counted as long, sparse", measured(20, 3.0, max_steps=None), {},
      "diloco", "sparse", 6, None),
-    ("the quick bench's 12-step run: 2 rounds; int8 over budget, capped at 6, not sparse",
-     measured(20, 0.024, params=TINY, max_steps=12), {}, "diloco", "int8", 6, None),
+    ("the quick bench's 12-step run: 2 rounds; the dense codecs over budget, capped at 6: int4 waits less",
+     measured(20, 0.024, params=TINY, max_steps=12), {}, "diloco", "int4", 6, None),
+    ("the same without int4: int8, capped at 6", measured(20, 0.024, params=TINY, max_steps=12),
+     {"has": frozenset({"sparse", "fragments"})}, "diloco", "int8", 6, None),
+    ("100M full at 20 Mbit/s, 100 steps (the bench's run): 16 rounds of sparse; int4 streamed at H 12, int8 at 20",
+     measured(20, 3.0, max_steps=100), {}, "diloco", "int4", 12, 4),
     ("the same without fragments: blocking, H capped by the run", measured(20, 3.0, max_steps=200),
      {"has": frozenset()}, "diloco", "int8", 100, None),
     ("100M full at 1 Gbit/s, 200 steps, a sync's 5.1 s of CPU counted: int8 at H 20, not 5",
@@ -76,7 +82,7 @@ def test_the_decision_on_a_table_of_measurements(what, m, kw, strategy, codec, h
     rounds = d.numbers.get("sparse_rounds")
     if codec == "sparse":  # enough rounds for its error feedback, or a run of unknown length
         assert rounds is None or rounds >= SPARSE_MIN_ROUNDS, d.reason
-    elif codec == "int8" and "sparse" in kw.get("has", {"sparse"}):  # sparse was there: too few rounds for it
+    elif codec in ("int8", "int4") and "sparse" in kw.get("has", {"sparse"}):  # sparse was there: too few rounds
         assert rounds < SPARSE_MIN_ROUNDS and f"{rounds} rounds < {SPARSE_MIN_ROUNDS}" in d.reason, d.reason
     assert f"{d.numbers['mbit_s']:g} Mbit/s" in d.reason and "10%" in d.reason, d.reason
     if strategy == "ddp":  # its per-step all-reduce is within 10 % of a step's compute
@@ -111,6 +117,17 @@ def test_the_same_link_picks_sparse_for_a_long_run_and_int8_for_a_short_one():
     assert short.config["inner_steps"] > long.config["inner_steps"] and short.numbers["comm_fraction"] == 0
     assert f"33 rounds < {SPARSE_MIN_ROUNDS}: too few for sparse's error feedback at H=6" in short.reason
     assert short.numbers["bytes_per_sync"] == int8_bytes(LLAMA_100M)
+
+
+def test_int4_where_its_half_of_the_bytes_shortens_h_int8_where_the_cpu_dominates():
+    """The dense codec (issue 45, stop 59): at 20 Mbit/s the transfer dominates and int4's half of int8's bytes
+    shortens H (streamed, τ 2 against 4); at 1 Gbit/s a sync is mostly CPU, int4's packing costs more of it,
+    and int8 fits the shorter H. The reason says which and why."""
+    slow = decide(measured(20, 3.0, max_steps=100))
+    assert "int4, half int8's bytes, for H=12 against int8's H=20: int4 sends 56.5 MB" in slow.reason, slow.reason
+    assert slow.numbers["bytes_per_sync"] == int4_bytes(LLAMA_100M) < int8_bytes(LLAMA_100M) / 1.9
+    fast = decide(measured(1000, 3.0, max_steps=200, cpu=CPU_100M))
+    assert "int8, the less lossy (int4 would need H=22): int8 sends" in fast.reason, fast.reason
 
 
 def test_one_rank_shares_nothing_and_the_decision_is_deterministic():
@@ -240,8 +257,10 @@ def test_a_syncs_cpu_work_is_timed_for_every_codec_auto_plans_with():
     that it is one is asserted here (the table above asserts what the decision does with it)."""
     import math
 
+    from smolforge.parallel.auto_choice import _CODECS
     from smolforge.parallel.auto_probe import SYNC_CODECS, sync_cpu_seconds
 
+    assert sorted(SYNC_CODECS) == sorted(_CODECS)  # each codec decide plans with has its CPU work measured
     for codec in SYNC_CODECS:
         s = sync_cpu_seconds(codec, values=1 << 16, world=2, sample=1 << 16)
         assert s > 0 and math.isfinite(s), (codec, s)

@@ -14,12 +14,15 @@ The rule (issue 45, item 4): communication stays under `budget` (10 %) of comput
     chunk) when the run has at least `SPARSE_MIN_ROUNDS` outer rounds at sparse's H (max_steps ÷ H; a run
     of unknown length counts as long): each round sends 1.6 % of the pseudo-gradient and the rest waits in
     the error-feedback buffer, which needs rounds to catch up;
-  - else **int8** (nearly lossless: a byte per value with error feedback) at the H its own, 28× larger,
-    sync needs; when even that passes what the run allows (two syncs), int8 all the same with H capped and
-    its syncs waiting, said so: a sparse plan within budget that cannot learn in the run never reaches the
-    loss it is run for (BENCHMARKS.md, scale-out: 4 rounds of sparse at 20 Mbit/s ended at held-out 5.7-6.5
-    where int8 reached 3.36).
-  - int8 whenever this build's diloco lacks `sparse`.
+  - else a **dense** codec (every value, with error feedback) at the H its own, 14-28× larger, sync needs:
+    **int4** (half a byte per value) where that halving buys a shorter H, or less waiting when the run
+    caps both (a slow link, where the transfer dominates), else **int8** (a byte per value, the less
+    lossy; a fast link, where the CPU work dominates and int4's packing costs more of it). When even
+    that passes what the run allows (two syncs), the dense codec all the same with H capped and its syncs
+    waiting, said so: a sparse plan within budget that cannot learn in the run never reaches the loss it
+    is run for (BENCHMARKS.md, scale-out: 4 rounds of sparse at 20 Mbit/s ended at held-out 5.7-6.5 where
+    int8 reached 3.36).
+  - the dense codec whenever this build's diloco lacks `sparse` (int8 where it lacks `int4` too).
 - **streaming fragments** (`fragments`, `overlap` τ) when the blocking H would be longer than
   `prefer_h` or than the run allows (and the run allows H ≥ 2 × fragments): each fragment's transfer then runs behind τ inner steps of compute,
   so it costs nothing while it fits in them (H = fragments × (τ + 1): diloco merges a fragment before the
@@ -40,7 +43,7 @@ BUDGET = 0.10  # communication ≤ 10 % of compute
 SPARSE = {"chunk": 4096, "topk": 64, "bits": 2}  # SparseLoCo's defaults (the sparse codec's own)
 INT8_BLOCK = 256  # diloco's int8 default: one fp32 scale per 256 values
 MIN_H, PREFER_H, MAX_H = 5, 100, 500  # inner steps: a floor, above which streaming is preferred, a ceiling
-FEATURES = frozenset({"sparse", "fragments"})  # what diloco takes once issue 45's items 2 and 3 are in
+FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
 SPARSE_MIN_ROUNDS = SPARSE["chunk"] // SPARSE["topk"]
 """Outer rounds (max_steps ÷ H) a run needs before `decide` picks the sparse codec: 64 for SparseLoCo's
@@ -81,7 +84,7 @@ class Measured:
     tokens_from: str = ""
     step_from: str = ""  # how `step_s` was found: a timed step of the run's model, or estimated from FLOPs
     sync_cpu_s: dict[str, float] = field(default_factory=dict)
-    """Per codec ("int8", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
+    """Per codec ("int8", "int4", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
     the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
     step; `auto_probe.sync_cpu_seconds`). Missing: 0. On a CPU node it is not hidden behind compute."""
 
@@ -115,6 +118,14 @@ def int8_bytes(params: int, block: int = INT8_BLOCK) -> int:
     from smolforge.parallel.codecs import make_codec
 
     return make_codec("int8", block=block).nbytes(params)
+
+
+def int4_bytes(params: int, block: int = INT8_BLOCK) -> int:
+    """Bytes of one blockwise-int4 pseudo-gradient: the int4 codec's own formula (`Int4.nbytes`: half a byte
+    per value, the last block padded, and an fp32 scale per block)."""
+    from smolforge.parallel.codecs import make_codec
+
+    return make_codec("int4", block=block).nbytes(params)
 
 
 def _bottleneck(m: Measured) -> tuple[float, float]:
@@ -151,11 +162,12 @@ class _Plan:
 _CODECS = {  # the codecs auto plans with: diloco's settings and bytes per sync for a count of fp32 values
     "sparse": ({"codec": "sparse", **SPARSE}, lambda values: sparse_bytes(values, **SPARSE)),
     "int8": ({"codec": "int8"}, int8_bytes),
+    "int4": ({"codec": "int4"}, int4_bytes),
 }
 
 
 def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: int, prefer_h: int) -> _Plan:
-    """diloco with `codec` ("sparse" or "int8"), blocking or streamed, H from the budget rule."""
+    """diloco with `codec` ("sparse", "int8" or "int4"), blocking or streamed, H from the budget rule."""
     rate, rtt = _bottleneck(m)
     n, params = m.world, m.trainable_bytes // 4
     knobs, nbytes = _CODECS[codec]
@@ -183,8 +195,8 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
            prefer_h: int = PREFER_H) -> Decision:
     """The strategy, codec and H that keep communication ≤ `budget` of compute for measurements `m`, and
     that can learn in the run's outer rounds (`m.max_steps` ÷ H; sparse needs `SPARSE_MIN_ROUNDS`).
-    `has`: what this build's diloco takes ("sparse": the codec, else `int8`; "fragments": streaming, else
-    blocking syncs only). Deterministic in its inputs."""
+    `has`: what this build's diloco takes ("sparse" and "int4": the codecs, else `int8`; "fragments":
+    streaming, else blocking syncs only). Deterministic in its inputs."""
     if m.world <= 1 or not m.links:
         return Decision("single", {}, "one rank: nothing to share", {"world": m.world})
     rate, rtt = _bottleneck(m)
@@ -202,9 +214,11 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
                         f"{ddp_s / m.step_s:.1%} of a step's compute, within {budget:.0%} ({link})", numbers)
     head = (f"diloco: ddp's all-reduce ({ddp_s:.3g} s per step) would be {ddp_s / m.step_s:.0%} of compute, "
             f"over {budget:.0%}")
-    plans = {c: _plan(m, c, budget, has, max_h, prefer_h) for c in ("sparse", "int8")}
+    dense = ("int8", "int4") if "int4" in has else ("int8",)
+    plans = {c: _plan(m, c, budget, has, max_h, prefer_h) for c in ("sparse", *dense)}
+    lean, which = _dense(plans, dense)
     if "sparse" not in has:
-        return _decision(m, plans["int8"], numbers, f"{head}; ", link)
+        return _decision(m, lean, numbers, f"{head}; {which}", link)
     sparse = plans["sparse"]
     rounds = None if m.max_steps is None else m.max_steps // sparse.h
     numbers.update(sparse_rounds=rounds, min_sparse_rounds=SPARSE_MIN_ROUNDS)
@@ -212,8 +226,27 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
         enough = "the run's length unknown" if rounds is None else f"{rounds} rounds ≥ {SPARSE_MIN_ROUNDS}"
         return _decision(m, sparse, numbers, f"{head}; {enough}: ", link)
     few = (f"{head}; {rounds} rounds < {SPARSE_MIN_ROUNDS}: too few for sparse's error feedback at "
-           f"H={sparse.h}, so the less lossy ")
-    return _decision(m, plans["int8"], numbers, few, link)
+           f"H={sparse.h}, so a dense codec: {which}")
+    return _decision(m, lean, numbers, few, link)
+
+
+def _dense(plans: dict[str, _Plan], names: tuple[str, ...]) -> tuple[_Plan, str]:
+    """The dense codec (every value sent, with error feedback) and why: int4 where its half of int8's bytes
+    buys a shorter H, or less waiting when the run caps both at the same H (a slow link: a transfer
+    dominates), else int8, which loses less per message (a fast link: the CPU work dominates, and int4's
+    packing costs more of it; measured on llama-100m, one core: 1.6 s a sync against int8's 1.2-1.45 s)."""
+    i8 = plans["int8"]
+    if "int4" not in names:
+        return i8, "the less lossy "
+    i4 = plans["int4"]
+
+    def cost(p: _Plan) -> tuple[int, float]:
+        return p.h, (p.comm_fraction if p.over else 0.0)
+
+    if cost(i4) < cost(i8):
+        gain = f"H={i4.h} against int8's H={i8.h}" if i4.h < i8.h else f"less waiting at the same H={i4.h}"
+        return i4, f"int4, half int8's bytes, for {gain}: "
+    return i8, f"int8, the less lossy (int4 would need H={i4.h}): "
 
 
 def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Decision:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 MATMUL_EFFICIENCY = 0.5  # a training step's FLOP rate ÷ a bare matmul's on the same threads
 SAMPLE_ROWS = 256  # training examples encoded to estimate a batch's padded width
 SYNC_SAMPLE = 1 << 24  # values a sync is timed on (64 MB of fp32: past the caches, as the model is), then scaled
-SYNC_CODECS = ("int8", "sparse")  # the codecs `auto_choice.decide` plans with
+SYNC_CODECS = ("int8", "int4", "sparse")  # the codecs `auto_choice.decide` plans with
 WARM_BYTES = 256 * 1024
 PROBE_SECONDS = 0.5
 
@@ -347,12 +347,13 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
 
 
 def diloco_features() -> frozenset[str]:
-    """What this build's diloco takes of issue 45's additions: "sparse" (the codec, item 2) and "fragments"
-    (streaming syncs, item 3); the plan keeps to those (int8, blocking syncs without them)."""
+    """What this build's diloco takes of issue 45's additions: "sparse" (the codec, item 2), "fragments"
+    (streaming syncs, item 3) and "int4" (the codec); the plan keeps to those (int8, blocking syncs without
+    them)."""
     from smolforge.errors import SmolforgeError
     from smolforge.parallel.strategies import strategy_class
 
-    tries = {"sparse": {"codec": "sparse"}, "fragments": {"fragments": 2, "overlap": 1}}
+    tries = {"sparse": {"codec": "sparse"}, "fragments": {"fragments": 2, "overlap": 1}, "int4": {"codec": "int4"}}
     has = set()
     for feature, settings in tries.items():
         try:
