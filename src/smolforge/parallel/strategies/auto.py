@@ -1,4 +1,4 @@
-"""auto: measures the ranks' links, step time and a sync's CPU work at the start of every round and runs ddp, or diloco with the int8 or sparse codec, whichever keeps communication under 10 % of compute.
+"""auto: measures the ranks' links, step time and a sync's CPU work at the start of every round and runs ddp, or diloco with the int8, int4 or sparse codec, whichever keeps communication under 10 % of compute.
 
 `auto` is a name the ranks resolve before training, never a strategy that trains: once the round's
 group has met, every rank measures (every pair's Mbit/s and round trip over the group's own channel, its
@@ -33,7 +33,7 @@ class AutoSettings(BaseModel):
 
 
 class Auto(Strategy):
-    """auto: measures the ranks' links, step time and a sync's CPU work at the start of every round and runs ddp, or diloco with the int8 or sparse codec, whichever keeps communication under 10 % of compute."""
+    """auto: measures the ranks' links, step time and a sync's CPU work at the start of every round and runs ddp, or diloco with the int8, int4 or sparse codec, whichever keeps communication under 10 % of compute."""
 
     name = "auto"
     Settings: ClassVar[type[BaseModel] | None] = AutoSettings
