@@ -297,18 +297,43 @@ def test_every_rank_states_the_same_step_estimate(tmp_path):
     assert got[0]["step_from"] == "timed: a step of the run's model", got[0]  # training's own step, not FLOPs
 
 
+def _scale_out():
+    """bench/scale_out.py as a module (its pure parts), sys.path left as it was."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import scale_out
+    finally:
+        sys.path[:] = saved
+    return scale_out
+
+
+def test_an_extrapolated_baseline_takes_autos_run_where_auto_ran_that_plan():
+    """bench/scale_out.py: ddp's few steps are an estimate; when auto chose ddp (its plan's strategy and config),
+    auto's full run is ddp's measurement (auto_vs_best then 1.0, not the estimate's 0.91). A plan that differs
+    keeps the estimate."""
+    runs = {"auto": ("auto", {}), "ddp": ("ddp", {}), "diloco-int8": ("diloco", {"inner_steps": 10, "codec": "int8"})}
+
+    def out(plan):
+        return {"auto": {"seconds": 515.0, "target_step": 60, "seconds_with_evals": 530.0, "extrapolated": False,
+                         "plan": plan},
+                "ddp": {"seconds": None, "extrapolated": True, "target_step": None, "median_step_s": 7.8},
+                "diloco-int8": {"seconds": 600.0, "extrapolated": False, "target_step": 70}}
+
+    same = out({"strategy": "ddp", "config": {}})
+    _scale_out().adopt_autos_run(same, runs)
+    assert same["ddp"]["seconds"] == 515.0 and not same["ddp"]["extrapolated"] and same["ddp"]["target_step"] == 60
+    other = out({"strategy": "diloco", "config": {"codec": "int8", "inner_steps": 5}})
+    _scale_out().adopt_autos_run(other, runs)
+    assert other["ddp"]["seconds"] is None and other["ddp"]["extrapolated"]
+
+
 def test_the_time_to_a_target_leaves_the_evaluations_out():
     """bench/scale_out.py's figure: training seconds to the first eval at or under the target, every eval's
     own seconds (`eval_s`) taken out, so two cadences of the same training give the same time, and the
     wall time (evals in) is there too. Eval curves are (ts, step, loss, eval_s); the job's first step at 100 s:
     2 s of training per step, 2 s per eval."""
-    bench = str(ROOT / "bench")
-    saved = list(sys.path)
-    sys.path.insert(0, bench)
-    try:
-        import scale_out
-    finally:
-        sys.path[:] = saved
+    scale_out = _scale_out()
     every5 = {"first_step_ts": 100.0, "evals": [(112.0, 5, 3.0, 2.0), (124.0, 10, 2.5, 2.0), (136.0, 15, 2.0, 2.0)]}
     every10 = {"first_step_ts": 100.0, "evals": [(122.0, 10, 2.5, 2.0), (144.0, 20, 1.8, 2.0)]}
     assert scale_out.time_to(every5, 2.5) == scale_out.time_to(every10, 2.5) == 20.0
