@@ -45,6 +45,15 @@ INT8_BLOCK = 256  # diloco's int8 default: one fp32 scale per 256 values
 MIN_H, PREFER_H, MAX_H = 5, 100, 500  # inner steps: a floor, above which streaming is preferred, a ceiling
 FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
+SHORT_ROUNDS = 100  # outer rounds under which a dense plan's outer step is lr 1.0, momentum 0.5 (`SHORT_OUTER`)
+SHORT_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.5}
+"""DiLoCo's outer Nesterov momentum 0.9 (lr 0.7, the paper's, for thousands of rounds) amplifies a steady
+pseudo-gradient up to 1 / (1 - 0.9) = 10 rounds' worth: in a run of tens of rounds it overshoots. Measured:
+tiny-llama LoRA, 10 rounds: eval 3.199 with 0.7 / 0.9 against DDP's 2.882, 2.896 with 1.0 / 0.5 (BENCHMARKS.md,
+data-parallel strategies); LoRA on the Qwen2.5-0.5B twin, lr 1e-3 (stop 59, BENCHMARKS.md scale-out): 0.7 / 0.9
+at H 10 rose from 4.49 to 4.99 over the last 5 of 10 rounds and never reached one node's loss, and auto's own
+plan, int8 at H 5 (20 rounds), went from 4.70 to 8.04 in two. 100 rounds is ten of momentum 0.9's horizons;
+a run of unknown length keeps the paper's. Sparse runs none (error feedback in its place, the codec's own)."""
 SPARSE_MIN_ROUNDS = SPARSE["chunk"] // SPARSE["topk"]
 """Outer rounds (max_steps ÷ H) a run needs before `decide` picks the sparse codec: 64 for SparseLoCo's
 chunk 4096 and top-64, the rounds its top-k takes to have sent as many values as a chunk holds, so that a
@@ -261,15 +270,26 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
              f"({p.payload / max(1, params * 4):.2%} of the fp32 model), {p.sync_s:.3g} s"
              + (f" and {p.cpu_s:.3g} s of CPU" if p.cpu_s else ""))
     over = f"; over budget: H is capped at {p.cap} by the run, so syncs wait" if p.over else ""
+    outer, steady = _outer(numbers["rounds"], p.codec["codec"])
     if p.fragments == 1:
         fits = (f"over budget: it needs H={p.blocking_h}, capped at {p.cap} by the run, so syncs wait" if p.over
                 else f"within {budget:.0%}")
-        return Decision("diloco", {**p.codec, "inner_steps": p.h},
-                        f"{sends}, {p.comm_fraction:.1%} of H={p.h} steps' compute, {fits} ({link})", numbers)
+        return Decision("diloco", {**p.codec, "inner_steps": p.h, **outer},
+                        f"{sends}, {p.comm_fraction:.1%} of H={p.h} steps' compute, {fits}{steady} ({link})", numbers)
     numbers.update(fragments=p.fragments, overlap=p.overlap)
-    return Decision("diloco", {**p.codec, "inner_steps": p.h, "fragments": p.fragments, "overlap": p.overlap},
+    return Decision("diloco", {**p.codec, "inner_steps": p.h, "fragments": p.fragments, "overlap": p.overlap, **outer},
                     f"{sends}: blocking would need H={p.blocking_h}, so {p.fragments} streamed fragments, each "
-                    f"sent behind τ={p.overlap} steps' compute (H={p.h}){over} ({link})", numbers)
+                    f"sent behind τ={p.overlap} steps' compute (H={p.h}){over}{steady} ({link})", numbers)
+
+
+def _outer(rounds: int | None, codec: str) -> tuple[dict[str, float], str]:
+    """The outer step's settings for a plan of `rounds` outer rounds, and what the reason says of them:
+    `SHORT_OUTER` for a dense codec's run of fewer than `SHORT_ROUNDS`, else diloco's own (the paper's;
+    sparse's no momentum)."""
+    if codec == "sparse" or rounds is None or rounds >= SHORT_ROUNDS:
+        return {}, ""
+    return dict(SHORT_OUTER), (f"; outer lr {SHORT_OUTER['outer_lr']:g}, momentum {SHORT_OUTER['outer_momentum']:g}"
+                               f" for {rounds} rounds (momentum 0.9 overshoots in under {SHORT_ROUNDS})")
 
 
 def _mb(nbytes: float) -> str:
