@@ -56,7 +56,7 @@ CASES = [  # (name, args with {t} for the tmp dir, what stderr says)
                                                 "--strategy", "diloco", "--set", "strategy_config.inner_step=5"],
      "strategy_config.inner_step: Extra inputs are not permitted"),
     ("a strategy setting out of range", ["launch", "--model", "tiny-llama", "--dataset", "bundled", "--strategy",
-                                         "diloco", "--set", "strategy_config.codec=int4"], "strategy_config.codec"),
+                                         "diloco", "--set", "strategy_config.codec=int3"], "strategy_config.codec"),
     ("a parameter-server deadline floor above its ceiling",
      ["launch", "--model", "tiny-llama", "--dataset", "bundled", "--strategy", "sync-ps", "--set",
       "strategy_config.deadline_min_s=9", "--set", "strategy_config.deadline_max_s=2"],

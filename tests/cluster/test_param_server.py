@@ -257,9 +257,9 @@ def test_sync_ps_polyak_average_is_the_ema_of_the_raw_weights(world):
 
 
 # soak: what a worker sends is the codec's payload (ps_worker counts `payload_bytes` of it), int8 about a quarter
-# of fp32: tests/test_codecs.py::test_int8_sends_about_a_quarter_of_fp32; async-ps with int8 applies every part
+# of fp32: tests/test_codecs.py::test_a_blockwise_codec_sends_what_it_claims; async-ps with int8 applies every part
 # and learns: tests/test_ps_inprocess.py::test_async_ps_applies_every_part_and_learns
-@pytest.mark.soak  # the same claim in CI: tests/test_codecs.py::test_int8_sends_about_a_quarter_of_fp32 + tests/test_ps_inprocess.py
+@pytest.mark.soak  # the same claim in CI: tests/test_codecs.py::test_a_blockwise_codec_sends_what_it_claims + tests/test_ps_inprocess.py
 def test_async_ps_int8_sends_a_quarter_of_fp32s_bytes_and_both_learn(world):
     client = world["c"].client()
     fp32 = client.submit_job(spec(world, "async-ps", {"codec": "fp32"}, steps=30))
