@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, run_gloo_ranks
 
 from smolforge.parallel.auto_choice import (
-    SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, decide, int4_bytes, int8_bytes, sparse_bytes,
+    SPARSE_MIN_ROUNDS, Decision, LinkSample, Measured, codec_bytes, decide,
 )
 
 LLAMA_100M = 109_529_856  # llama-100m's parameters (its config on the meta device)
@@ -98,11 +98,13 @@ def test_the_decision_on_a_table_of_measurements(what, m, kw, strategy, codec, h
 def test_sparse_bytes_per_sync_are_under_2_percent_of_the_fp32_model():
     """The plan's bytes are the sparse codec's layout: per 4096-value chunk 64 uint16 indices, 64 2-bit values
     and one fp32 scale (148 bytes against 16,384 in fp32, 0.9 %); int8 is a byte per value plus its scales."""
-    assert sparse_bytes(4096 * 10, 4096, 64, 2) == 10 * (128 + 16 + 4)
-    assert sparse_bytes(4097, 4096, 64, 4) == 2 * (128 + 32 + 4)
-    assert int8_bytes(512, 256) == 512 + 8
+    sparse = {"codec": "sparse", "chunk": 4096, "topk": 64}
+    assert codec_bytes({**sparse, "bits": 2}, 4096 * 10) == 10 * (128 + 16 + 4)
+    assert codec_bytes({**sparse, "bits": 4}, 4097) == 2 * (128 + 32 + 4)
+    assert codec_bytes({"codec": "int8", "block": 256}, 512) == 512 + 8
+    assert codec_bytes({"codec": "int4", "block": 256}, 513) == 3 * (128 + 4)  # the last block padded
     d = decide(measured(20, 3.0))
-    assert d.numbers["bytes_per_sync"] == sparse_bytes(LLAMA_100M, 4096, 64, 2)
+    assert d.numbers["bytes_per_sync"] == codec_bytes({**sparse, "bits": 2}, LLAMA_100M)
     assert d.numbers["sync_fraction_of_model"] <= 0.02
 
 
@@ -116,7 +118,7 @@ def test_the_same_link_picks_sparse_for_a_long_run_and_int8_for_a_short_one():
     assert (short.config["codec"], short.numbers["sparse_rounds"]) == ("int8", 33), short.reason
     assert short.config["inner_steps"] > long.config["inner_steps"] and short.numbers["comm_fraction"] == 0
     assert f"33 rounds < {SPARSE_MIN_ROUNDS}: too few for sparse's error feedback at H=6" in short.reason
-    assert short.numbers["bytes_per_sync"] == int8_bytes(LLAMA_100M)
+    assert short.numbers["bytes_per_sync"] == codec_bytes({"codec": "int8"}, LLAMA_100M)
 
 
 def test_int4_where_its_half_of_the_bytes_shortens_h_int8_where_the_cpu_dominates():
@@ -125,9 +127,15 @@ def test_int4_where_its_half_of_the_bytes_shortens_h_int8_where_the_cpu_dominate
     and int8 fits the shorter H. The reason says which and why."""
     slow = decide(measured(20, 3.0, max_steps=100))
     assert "int4, half int8's bytes, for H=12 against int8's H=20: int4 sends 56.5 MB" in slow.reason, slow.reason
-    assert slow.numbers["bytes_per_sync"] == int4_bytes(LLAMA_100M) < int8_bytes(LLAMA_100M) / 1.9
+    int4, int8 = codec_bytes({"codec": "int4"}, LLAMA_100M), codec_bytes({"codec": "int8"}, LLAMA_100M)
+    assert slow.numbers["bytes_per_sync"] == int4 < int8 / 1.9
     fast = decide(measured(1000, 3.0, max_steps=200, cpu=CPU_100M))
     assert "int8, the less lossy (int4 would need H=22): int8 sends" in fast.reason, fast.reason
+    # stop 60's 1 Gbit/s bench plan (step 1.57 s, int8 CPU 0.665 s): int4's halved transfer does not buy a
+    # shorter H against its packing, and the reason says so (it said "int4 would need H=9", int8's own H)
+    same = decide(measured(1257, 1.57, max_steps=100, rtt_ms=0.148, cpu={"int8": 0.665, "int4": 0.9}))
+    assert (same.config["codec"], same.config["inner_steps"]) == ("int8", 9), same.reason
+    assert "int8, the less lossy (int4 would not shorten H=9): int8 sends" in same.reason, same.reason
 
 
 def test_a_dense_plan_of_few_rounds_damps_the_outer_momentum():
@@ -277,10 +285,10 @@ def test_a_syncs_cpu_work_is_timed_for_every_codec_auto_plans_with():
     that it is one is asserted here (the table above asserts what the decision does with it)."""
     import math
 
-    from smolforge.parallel.auto_choice import _CODECS
+    from smolforge.parallel.auto_choice import PLANNED_CODECS
     from smolforge.parallel.auto_probe import SYNC_CODECS, sync_cpu_seconds
 
-    assert sorted(SYNC_CODECS) == sorted(_CODECS)  # each codec decide plans with has its CPU work measured
+    assert sorted(SYNC_CODECS) == sorted(PLANNED_CODECS)  # each codec decide plans with has its CPU work measured
     for codec in SYNC_CODECS:
         s = sync_cpu_seconds(codec, values=1 << 16, world=2, sample=1 << 16)
         assert s > 0 and math.isfinite(s), (codec, s)

@@ -100,13 +100,25 @@ def test_a_snapshot_keeps_each_workers_residual_before_its_first_push_at_the_res
     assert [n["kind"] for n in other.stats()["notes"]] == ["error_feedback_reset", "pull_shadow_reset"]
 
 
-@pytest.mark.parametrize("name", ["sync-ps", "async-ps", "ssp"])
-def test_every_parameter_server_takes_the_sparse_codec(name):
+@pytest.mark.parametrize("name", ["sync-ps", "async-ps", "ssp", "diloco"])
+def test_every_strategy_that_sends_through_a_codec_takes_every_codec_and_its_refusals(name):
+    """One set of codec fields (`parallel/codec_settings.py`) for diloco and the parameter servers: each
+    takes every registered codec (int4 too: the servers' list was fixed at four before), builds it with the
+    settings given, and refuses what the codec itself refuses, in the codec's words."""
+    from smolforge.parallel.codecs import CODECS
+
+    for codec in CODECS:
+        settings = STRATEGIES[name].Settings(codec=codec, block=128, chunk=1024, topk=16, bits=4).model_dump()
+        assert make_codec(settings["codec"], **settings).settings()["codec"] == codec
     settings = STRATEGIES[name].Settings(codec="sparse", chunk=1024, topk=16, bits=4).model_dump()
     assert make_codec(settings["codec"], **settings).settings() == {"codec": "sparse", "chunk": 1024, "topk": 16,
                                                                     "bits": 4}
     with pytest.raises(ValueError, match="topk 128 is more than a chunk"):
         STRATEGIES[name].Settings(codec="sparse", chunk=64, topk=128)
+    with pytest.raises(ValueError, match="int4 codec: block must be even"):
+        STRATEGIES[name].Settings(codec="int4", block=129)
+    with pytest.raises(ValueError, match="unknown codec 'int3'"):
+        STRATEGIES[name].Settings(codec="int3")
 
 
 def test_a_fixed_deadline_is_used_as_given_and_the_ceiling_bounds_only_the_adaptive_one():

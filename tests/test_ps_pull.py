@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from smolforge.parallel.codecs import dequantize_int8, quantize_int8
+from smolforge.parallel.codecs import CODECS, dequantize_int8, quantize_int8
 from smolforge.parallel.strategies import STRATEGIES, make_strategy
 from smolforge.parallel.strategies.ps_pull import pulled_bytes
 
@@ -96,7 +96,8 @@ def run_sync(config: dict, steps: int = 6):
     return server, [w[0] for w in workers], held
 
 
-@pytest.mark.parametrize("codec", [{"codec": "int8", "block": 64}, {"codec": "sparse", "chunk": 256, "topk": 16, "bits": 2}])
+@pytest.mark.parametrize("codec", [{"codec": "int8", "block": 64}, {"codec": "int4", "block": 64},
+                                   {"codec": "sparse", "chunk": 256, "topk": 16, "bits": 2}])
 def test_a_compressed_pull_costs_what_the_codec_claims_within_its_bound(codec):
     """Each pull brings the worker from its version to the server's: a keyframe (fp32: the first pull) or the
     deltas the server encoded since, each exactly the codec's `nbytes` (and the worker counts what came).
@@ -149,7 +150,8 @@ def bound(codec: dict, delta: torch.Tensor) -> torch.Tensor:
     size = codec.get("block") or codec["chunk"]
     pad = (-delta.numel()) % size
     absmax = torch.nn.functional.pad(delta.abs(), (0, pad)).view(-1, size).amax(dim=1, keepdim=True)
-    per = absmax / 254 if codec["codec"] == "int8" else absmax
+    qmax = getattr(CODECS[codec["codec"]], "qmax", None)  # blockwise codecs: half a step; sparse: the absmax
+    per = absmax if qmax is None else absmax / (2 * qmax)
     return per.expand(-1, size).reshape(-1)[:delta.numel()]
 
 

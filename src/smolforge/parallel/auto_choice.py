@@ -41,7 +41,6 @@ from typing import Any
 
 BUDGET = 0.10  # communication ≤ 10 % of compute
 SPARSE = {"chunk": 4096, "topk": 64, "bits": 2}  # SparseLoCo's defaults (the sparse codec's own)
-INT8_BLOCK = 256  # diloco's int8 default: one fp32 scale per 256 values
 MIN_H, PREFER_H, MAX_H = 5, 100, 500  # inner steps: a floor, above which streaming is preferred, a ceiling
 FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
@@ -112,29 +111,13 @@ class Decision:
         return asdict(self)
 
 
-def sparse_bytes(params: int, chunk: int, topk: int, bits: int) -> int:
-    """Bytes of one sparse pseudo-gradient of `params` fp32 values: the sparse codec's own formula
-    (`parallel/codecs.py` `Sparse.nbytes`: per chunk `topk` uint16 positions and an fp32 scale, the
-    values packed at `bits` bits)."""
+def codec_bytes(settings: dict[str, Any], values: int) -> int:
+    """Bytes of one pseudo-gradient of `values` fp32 values through the codec `settings` name (e.g.
+    {"codec": "int4"}, {"codec": "sparse", **SPARSE}): the codec's own formula (`Codec.nbytes`, which
+    equals what its payloads carry; int8/int4 pad the last block and add an fp32 scale per block)."""
     from smolforge.parallel.codecs import make_codec
 
-    return make_codec("sparse", chunk=chunk, topk=topk, bits=bits).nbytes(params)
-
-
-def int8_bytes(params: int, block: int = INT8_BLOCK) -> int:
-    """Bytes of one blockwise-int8 pseudo-gradient: the int8 codec's own formula (`Int8.nbytes`: a byte
-    per value, the last block padded, and an fp32 scale per block)."""
-    from smolforge.parallel.codecs import make_codec
-
-    return make_codec("int8", block=block).nbytes(params)
-
-
-def int4_bytes(params: int, block: int = INT8_BLOCK) -> int:
-    """Bytes of one blockwise-int4 pseudo-gradient: the int4 codec's own formula (`Int4.nbytes`: half a byte
-    per value, the last block padded, and an fp32 scale per block)."""
-    from smolforge.parallel.codecs import make_codec
-
-    return make_codec("int4", block=block).nbytes(params)
+    return make_codec(settings["codec"], **settings).nbytes(values)
 
 
 def _bottleneck(m: Measured) -> tuple[float, float]:
@@ -168,10 +151,10 @@ class _Plan:
         return self.comm_fraction > 0 if self.fragments > 1 else self.h < self.blocking_h
 
 
-_CODECS = {  # the codecs auto plans with: diloco's settings and bytes per sync for a count of fp32 values
-    "sparse": ({"codec": "sparse", **SPARSE}, lambda values: sparse_bytes(values, **SPARSE)),
-    "int8": ({"codec": "int8"}, int8_bytes),
-    "int4": ({"codec": "int4"}, int4_bytes),
+PLANNED_CODECS = {  # the codecs auto plans with, as diloco's settings (each codec's defaults: int8/int4 block 256)
+    "sparse": {"codec": "sparse", **SPARSE},
+    "int8": {"codec": "int8"},
+    "int4": {"codec": "int4"},
 }
 
 
@@ -179,8 +162,8 @@ def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: in
     """diloco with `codec` ("sparse", "int8" or "int4"), blocking or streamed, H from the budget rule."""
     rate, rtt = _bottleneck(m)
     n, params = m.world, m.trainable_bytes // 4
-    knobs, nbytes = _CODECS[codec]
-    payload = nbytes(params)
+    knobs = PLANNED_CODECS[codec]
+    payload = codec_bytes(knobs, params)
     sent = (n - 1) * payload  # an all-gather: this node's part to each of the others
     sync_s = sent / rate + (n - 1) * rtt
     cpu_s = m.sync_cpu_s.get(codec, 0.0)  # the same work whether the model goes whole or in fragments
@@ -255,6 +238,8 @@ def _dense(plans: dict[str, _Plan], names: tuple[str, ...]) -> tuple[_Plan, str]
     if cost(i4) < cost(i8):
         gain = f"H={i4.h} against int8's H={i8.h}" if i4.h < i8.h else f"less waiting at the same H={i4.h}"
         return i4, f"int4, half int8's bytes, for {gain}: "
+    if i4.h == i8.h:
+        return i8, f"int8, the less lossy (int4 would not shorten H={i8.h}): "
     return i8, f"int8, the less lossy (int4 would need H={i4.h}): "
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from smolforge.parallel.auto_choice import Decision, LinkSample, Measured, decide
+from smolforge.parallel.auto_choice import PLANNED_CODECS, Decision, LinkSample, Measured, decide
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 MATMUL_EFFICIENCY = 0.5  # a training step's FLOP rate ÷ a bare matmul's on the same threads
 SAMPLE_ROWS = 256  # training examples encoded to estimate a batch's padded width
 SYNC_SAMPLE = 1 << 24  # values a sync is timed on (64 MB of fp32: past the caches, as the model is), then scaled
-SYNC_CODECS = ("int8", "int4", "sparse")  # the codecs `auto_choice.decide` plans with
+SYNC_CODECS = tuple(PLANNED_CODECS)  # the codecs `auto_choice.decide` plans with, each timed
 WARM_BYTES = 256 * 1024
 PROBE_SECONDS = 0.5
 
@@ -288,7 +288,7 @@ def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAM
     n = min(sample, max(values, 1))
     params = [torch.nn.Parameter(torch.zeros(n), requires_grad=False)]
     frag = make_fragments(params, 1)[0]
-    coder = make_codec(codec)
+    coder = make_codec(codec, **PLANNED_CODECS[codec])  # the settings a plan would give diloco
     outer = torch.optim.SGD([frag.shared], lr=0.7, momentum=0.9 if coder.momentum is None else coder.momentum,
                             nesterov=coder.momentum is None)
     feedback = ErrorFeedback(coder)

@@ -174,13 +174,20 @@ class Int8(Codec):
 
     name, options, keys = "int8", ("block",), frozenset({"codes", "scales"})
     qmax: ClassVar[int] = 127  # codes in [-qmax, qmax]
+    bits: ClassVar[int] = 8  # a code's bits on the wire
+    codes_key: ClassVar[str] = "codes"  # the payload's array of (packed) codes
 
     def __init__(self, block: int = 256):
         self.block = self.unit = int(block)
 
+    @property
+    def block_bytes(self) -> int:
+        """A block's codes on the wire (whole bytes: int4's block is even)."""
+        return self.block * self.bits // 8
+
     def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
         lo, hi = a // self.block, -(-b // self.block)
-        return {"codes": np.asarray(payload["codes"])[lo * self.block:hi * self.block],
+        return {self.codes_key: np.asarray(payload[self.codes_key])[lo * self.block_bytes:hi * self.block_bytes],
                 "scales": np.asarray(payload["scales"])[lo:hi]}
 
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
@@ -199,7 +206,7 @@ class Int8(Codec):
 
     def nbytes(self, numel: int) -> int:
         blocks = -(-numel // self.block)
-        return blocks * (self.block + 4)
+        return blocks * (self.block_bytes + 4)
 
 
 class Int4(Int8):
@@ -211,18 +218,12 @@ class Int4(Int8):
     E3M0) and reports no loss in quality; this codec is the blockwise-integer kind of 4 bits, with feedback."""
 
     name, keys = "int4", frozenset({"nibbles", "scales"})
-    qmax = 7
+    qmax, bits, codes_key = 7, 4, "nibbles"
 
     def __init__(self, block: int = 256):
         if int(block) < 2 or int(block) % 2:
             raise ValueError(f"int4 codec: block must be even (two codes a byte), got {block}")
         super().__init__(block)
-
-    def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
-        lo, hi = a // self.block, -(-b // self.block)
-        half = self.block // 2
-        return {"nibbles": np.asarray(payload["nibbles"])[lo * half:hi * half],
-                "scales": np.asarray(payload["scales"])[lo:hi]}
 
     def _payload(self, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
         return {"nibbles": np.ascontiguousarray(pack_bits(codes + self.qmax, 4).numpy()),
@@ -232,10 +233,6 @@ class Int4(Int8):
         scales = _tensor(payload["scales"])
         codes = unpack_bits(_tensor(payload["nibbles"]), 4, scales.numel() * self.block).float() - self.qmax
         return dequantize_int8(codes, scales, numel)
-
-    def nbytes(self, numel: int) -> int:
-        blocks = -(-numel // self.block)
-        return blocks * (self.block // 2 + 4)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -265,6 +262,8 @@ class Sparse(Codec):
     momentum = 0.0  # error feedback in place of outer momentum (SparseLoCo, section 3)
 
     def __init__(self, chunk: int = 4096, topk: int = 64, bits: int = 2):
+        if int(topk) > int(chunk):
+            raise ValueError(f"sparse codec: topk {topk} is more than a chunk ({chunk})")
         if not (1 <= topk <= chunk <= 65536) or bits not in (2, 4):
             raise ValueError(f"sparse codec: need 1 <= topk <= chunk <= 65536 and bits 2 or 4 "
                              f"(got chunk {chunk}, topk {topk}, bits {bits})")

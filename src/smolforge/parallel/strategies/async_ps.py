@@ -4,7 +4,7 @@ Workers never wait for each other: each takes the next part of the global steps,
 gradient on the weights it holds (pulled every `pull_every` parts, so possibly stale), pushes it, and
 goes on. The server applies every part as it arrives, one optimizer step each, at the lr of the part's
 step, optionally scaled down by its staleness (`staleness_lr: inverse`: lr / (1 + parts applied since
-the worker's weights)). Gradients travel as fp32, fp16, blockwise int8 or sparse top-k low-bit with
+the worker's weights)). Gradients travel as fp32, fp16, blockwise int8 or int4, or sparse top-k low-bit with
 error feedback (`parallel.codecs`: what a push could not carry is added to the worker's next one). A dead worker's
 unfinished part goes to another; a joiner starts from the current weights.
 """

@@ -39,13 +39,16 @@ next round from them. Gradients cross the network once per H steps instead of ev
 from __future__ import annotations
 
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Literal, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from smolforge.parallel.codec_settings import CodecFields
 from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, unpack_payload
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
@@ -63,21 +66,14 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 
-class DiLoCoSettings(BaseModel):
-    """`strategy_config` of `diloco` (`--set strategy_config.KEY=VALUE`)."""
+class DiLoCoSettings(CodecFields):
+    """`strategy_config` of `diloco` (`--set strategy_config.KEY=VALUE`); the codec's fields are `CodecFields`'."""
 
     model_config = ConfigDict(extra="forbid")
     inner_steps: int = Field(20, ge=1, description="H: local steps between outer steps")
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="0.9; 0 with codec sparse unless set")
     nesterov: bool = True
-    codec: str = Field("fp32", description="how pseudo-gradients travel: " + ", ".join(CODECS))
-    # bounded like the parameter-server strategies: the codec pads every message to a whole block, so
-    # an unbounded one made a pseudo-gradient of a few values cost megabytes
-    block: int = Field(256, ge=64, le=4096, description="int8, int4: values per fp32 scale")
-    chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
-    topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
-    bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
 
     # Streaming DiLoCo (diloco_stream.py): fragments synced on a staggered schedule, overlapped with compute
     fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model)")
@@ -86,18 +82,8 @@ class DiLoCoSettings(BaseModel):
     background: bool = Field(True, description="overlap > 0: send from a thread (False: at send time, blocking)")
     inner_steps_by_speed: bool = Field(False, description="inner steps per round follow each rank's measured speed")
 
-    @field_validator("codec")
-    @classmethod
-    def _known_codec(cls, v: str) -> str:
-        if v not in CODECS:
-            raise ValueError(f"unknown codec {v!r} (one of {', '.join(CODECS)})")
-        return v
-
     @model_validator(mode="after")
     def _codec_defaults(self) -> "DiLoCoSettings":
-        if self.topk > self.chunk:
-            raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
-        make_codec(self.codec, block=self.block, chunk=self.chunk, topk=self.topk, bits=self.bits)  # its own refusals
         momentum = CODECS[self.codec].momentum  # sparse: error feedback in place of outer momentum
         if momentum is not None and "outer_momentum" not in self.model_fields_set:
             self.outer_momentum = momentum
@@ -131,6 +117,7 @@ class DiLoCo(SpeedPlan, DDP):
         self.inner_steps, self.codec = settings.inner_steps, settings.codec
         self.feedback = ErrorFeedback(make_codec(settings.codec, **self.config))  # this rank's residual
         self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
+        self.ended = False  # every step taken and every rank on the shared weights (`finish`)
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
         self.overlap, self.mix, self.background = settings.overlap, settings.mix, settings.background
@@ -144,6 +131,9 @@ class DiLoCo(SpeedPlan, DDP):
         self.frags: list[Fragment] = []
         self._count_lock = threading.Lock()  # a background transfer counts its bytes from its thread
         self.rounds, self.syncs, self.background_syncs = 0, 0, 0
+        # a sync's seconds on this rank by kind (`_timed`): "cpu", the pseudo-gradient, the codec, the sum of
+        # the parts, the outer step and the merge; "transfer", inside the collectives (a peer's lateness too)
+        self.sync_s = {"cpu": 0.0, "transfer": 0.0}
         self.params: list[torch.nn.Parameter] = []
         self._pending: dict[str, Any] = {}
         # elastic membership, from the context the worker glue (smolforge.cluster.workloads.data_parallel.rank) gives
@@ -275,6 +265,7 @@ class DiLoCo(SpeedPlan, DDP):
         for f in range(len(self.frags)):
             if self.since[f]:
                 self._send(f, self.last_step, now=True)
+        self.ended = True  # the checkpoint that follows is the run's last (`_gather_optimizer_state`)
 
     # -- the outer step -------------------------------------------------------------------------------
 
@@ -288,7 +279,8 @@ class DiLoCo(SpeedPlan, DDP):
         background, or blocking; merged `overlap` steps later (`now`, or overlap 0: merged here)."""
         frag = self.frags[f]
         weight = max(self.targets[f], 1.0)  # this rank's pseudo-gradient's weight: its loss tokens
-        delta = pseudo_gradient(self.params, frag)
+        with self._timed("cpu"):
+            delta = pseudo_gradient(self.params, frag)
         residual = frag.feedback.residual
         self.since[f], self.targets[f] = 0, 0.0
 
@@ -317,8 +309,9 @@ class DiLoCo(SpeedPlan, DDP):
         with self.waiting():
             mean = self._collective(frag.flight.wait)
         frag.flight = None
-        outer_step(self.outer, frag.shared, mean)
-        merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
+        with self._timed("cpu"):
+            outer_step(self.outer, frag.shared, mean)
+            merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
         if f:
             return
         self.rounds += 1
@@ -328,8 +321,22 @@ class DiLoCo(SpeedPlan, DDP):
             self.admit_next = True  # at the start of the next step (after a checkpoint or a pause here)
 
     def metrics(self) -> dict[str, float]:
-        """Fragment syncs sent, and how many of them ran in the background (streamed syncs)."""
-        return {"fragment_syncs": float(self.syncs), "background_syncs": float(self.background_syncs)}
+        """Fragment syncs sent, how many of them ran in the background (streamed syncs), and this rank's
+        seconds in them so far: `sync_cpu_s` (its own passes over the values, which on a CPU node take the
+        cores compute would use) and `sync_transfer_s` (inside the collectives, a slower peer included):
+        the two parts `--strategy auto` plans with (`auto_choice.Measured.sync_cpu_s` and the link)."""
+        return {"fragment_syncs": float(self.syncs), "background_syncs": float(self.background_syncs),
+                "sync_cpu_s": round(self.sync_s["cpu"], 4), "sync_transfer_s": round(self.sync_s["transfer"], 4)}
+
+    @contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        """Add the block's wall seconds to `sync_s[kind]` (a background sync's thread too)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                self.sync_s[kind] += time.perf_counter() - t0
 
     def _count(self, tensor: torch.Tensor, checkpoint: bool = False) -> None:
         with self._count_lock:
@@ -440,18 +447,26 @@ class DiLoCo(SpeedPlan, DDP):
         its share of the weights."""
         coder = self.feedback.coder
         if coder.summable:
-            packed = torch.empty(delta.numel() + 1)
-            torch.mul(delta, weight, out=packed[:-1])
-            packed[-1] = weight
+            with self._timed("cpu"):
+                packed = torch.empty(delta.numel() + 1)
+                torch.mul(delta, weight, out=packed[:-1])
+                packed[-1] = weight
             self._count(packed)
-            dist.all_reduce(packed, group=self.sync_group)
-            return packed[:-1].div_(packed[-1])
+            with self._timed("transfer"):
+                dist.all_reduce(packed, group=self.sync_group)
+            with self._timed("cpu"):
+                return packed[:-1].div_(packed[-1])
         weights = torch.tensor([weight], dtype=torch.float64)
-        every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
-        # unweighted (fp16 overflows at 65504), and the residual is in the same units round after round
-        payload = self.feedback.encode(delta)
-        parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload), group=self.sync_group)]
-        return coder.aggregate(parts, [w / sum(every_w) for w in every_w], delta.numel())
+        with self._timed("transfer"):
+            every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
+        with self._timed("cpu"):  # unweighted (fp16 overflows at 65504); the residual keeps its units
+            payload = self.feedback.encode(delta)
+            mine = pack_payload(payload)
+        with self._timed("transfer"):
+            every = self._gather(mine, group=self.sync_group)
+        with self._timed("cpu"):
+            parts = [unpack_payload(b, payload) for b in every]
+            return coder.aggregate(parts, [w / sum(every_w) for w in every_w], delta.numel())
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]
@@ -467,6 +482,9 @@ class DiLoCo(SpeedPlan, DDP):
 
     def _gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         mine = optimizer.state_dict()
+        if self.ended:  # the run's last checkpoint: nothing crosses the link (see `state_dict`)
+            self._gathered, self._residuals = {}, None  # an earlier checkpoint's are not this one's
+            return {"per_rank": [mine]} if self.is_main else None
         per_rank = [{"state": {}, "param_groups": mine["param_groups"]} for _ in range(self.world)]
         for idx in sorted(mine["state"]):
             for key in sorted(mine["state"][idx]):
@@ -491,8 +509,17 @@ class DiLoCo(SpeedPlan, DDP):
     def state_dict(self) -> dict[str, Any]:
         """Rounds and outer momentum (per fragment); the by-speed rates; streamed syncs: the shared weights,
         each fragment's position and every rank's own weights and tokens (gathered by `optimizer_state`,
-        which a checkpoint calls first), so a resume is exact."""
+        which a checkpoint calls first), so a resume is exact.
+
+        The run's last checkpoint (after `finish`: every rank holds the shared weights) keeps rank 0's inner
+        optimizer state only, and no error-feedback buffers or local weights, marked `ended`: gathering
+        every rank's AdamW moments and residual crossed the link for 1.3 GB a rank with llama-100m, 9-15
+        minutes after training at 20 Mbit/s (BENCHMARKS.md, scale-out), for a state only a run extended
+        past its end would read. Such a run starts every rank from rank 0's moments and empty buffers, said
+        in its notes."""
         out: dict[str, Any] = {"rounds": self.rounds}
+        if self.ended:
+            out["ended"] = True
         for f, frag in enumerate(self.frags):
             momentum = self._momentum(frag)
             if momentum is not None:
@@ -512,6 +539,10 @@ class DiLoCo(SpeedPlan, DDP):
     @torch.no_grad()
     def _restore(self, state: dict[str, Any]) -> None:
         self.rounds = int(state.get("rounds", 0))
+        if state.get("ended") and self.world > 1 and self.is_main:
+            self.notes.append({"kind": "diloco_extended", "message": "resumed from the run's last checkpoint, "
+                               "which keeps rank 0's inner optimizer state only: every rank starts from it, "
+                               "with empty error-feedback buffers"})
         self.rates = state.get("rates")
         for f, frag in enumerate(self.frags):
             key = "outer_momentum_buffer" + (f".{f}" if f else "")

@@ -1,6 +1,6 @@
 """How a parameter server's workers get newer weights: a pull through the job's codec (issue 45).
 
-With a lossy codec (`Codec.lossy`: int8, fp16, sparse) and `pull: codec` (the default) the server keeps
+With a lossy codec (`Codec.lossy`: int8, int4, fp16, sparse) and `pull: codec` (the default) the server keeps
 the weights the workers hold (`PullStream.shadow`: the sum of every delta sent so far) and, when a
 worker must or may pull, sends only what changed: Δ = weights − shadow, encoded with the job's codec,
 and the server adds decode(Δ) to the shadow exactly as a worker does. What Δ's message could not carry
@@ -16,7 +16,7 @@ and so does one whose deltas would cost more than that; the chain keeps at most 
 A codec that loses nothing (fp32), or `pull: full`, sends the server's weights themselves every pull.
 
 The bound, against the server's weights w at the version a worker pulled: the worker holds w − r, r the
-residual of that version's Δ: |r| ≤ Δ's block absmax / 254 per value for int8 (half a step), half an
+residual of that version's Δ: |r| ≤ Δ's block absmax / (2 qmax) per value for int8 and int4 (half a step: qmax 127 and 7), half an
 fp16 step for fp16, and Δ's chunk absmax for sparse (values not sent are no larger than the smallest
 sent one; a sent value errs by at most its chunk's scale / (2^bits − 1)). Δ is what changed since the
 previous pull plus the previous residual: what one pull leaves out goes with a later one, and r is bounded

@@ -19,8 +19,9 @@ from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field
 
+from smolforge.parallel.codec_settings import CodecFields
 from smolforge.parallel.codecs import ErrorFeedback, make_codec, payload_bytes
 from smolforge.parallel.strategies.ps_feedback import FeedbackMarks
 from smolforge.parallel.strategies.ps_pull import PulledWeights, pulled_bytes
@@ -34,25 +35,14 @@ SETUP_WAIT_S = 600.0  # a worker waiting for rank 0 to start the server (rank 0 
 STALL_S = 900.0  # a worker that gets no step to take for this long gives up, saying why
 
 
-class CodecSettings(BaseModel):
-    """How a parameter server's workers push their gradients (every PS strategy's `strategy_config` has these).
-    A lossy codec's error feedback stays on the worker; its residuals go into checkpoints (`ps_feedback.py`)."""
+class CodecSettings(CodecFields):
+    """How a parameter server's workers push their gradients (every PS strategy's `strategy_config` has these:
+    the codec's fields, `CodecFields`, and how workers pull). A lossy codec's error feedback stays on the
+    worker; its residuals go into checkpoints (`ps_feedback.py`)."""
 
-    codec: Literal["fp32", "fp16", "int8", "sparse"] = Field(
-        "fp32", description="how gradients travel (sparse: per chunk the top-k at 2 or 4 bits, ~1 % of fp32)")
-    block: int = Field(256, ge=64, le=4096, description="int8: values per fp32 scale")
-    chunk: int = Field(4096, ge=64, le=65536, description="sparse: values per chunk (positions as uint16)")
-    topk: int = Field(64, ge=1, description="sparse: values sent per chunk (64 of 4096: 1.6 %)")
-    bits: Literal[2, 4] = Field(2, description="sparse: bits per value sent")
     pull: Literal["codec", "full"] = Field(
         "codec", description="how workers get newer weights: codec, what changed since their version through "
                              "the codec, error feedback on the server (ps_pull.py); full, the fp32 weights")
-
-    @model_validator(mode="after")
-    def _topk_in_chunk(self) -> "CodecSettings":
-        if self.topk > self.chunk:
-            raise ValueError(f"topk {self.topk} is more than a chunk ({self.chunk})")
-        return self
 
 
 class ServerOptimizer(torch.optim.Optimizer):
