@@ -112,8 +112,11 @@ def measure_ideal(client, args, data: Path, workload: str) -> dict:
 
 
 def hand_picked(args, sparse: bool) -> dict[str, tuple[str, dict]]:
+    from smolforge.parallel.auto_choice import SHORT_OUTER
+
     outer = {"inner_steps": args.inner_steps}
     picks = {"ddp": ("ddp", {}), "diloco-int8": ("diloco", {**outer, "codec": "int8"}),
+             "diloco-int8-damped": ("diloco", {**outer, "codec": "int8", **SHORT_OUTER}),  # auto's short-run step
              "diloco-int4": ("diloco", {**outer, "codec": "int4"})}
     if sparse:
         picks["diloco-sparse"] = ("diloco", {**outer, "codec": "sparse"})
@@ -224,7 +227,7 @@ def main() -> None:
     ap.add_argument("--ddp-steps", type=int, default=None, help="K: ddp runs K steps, its time extrapolated "
                     "(default 3; quick 0 = a full run)")
     ap.add_argument("--runs", default=None, help="only these two-node runs, comma-separated (auto, ddp, "
-                    "diloco-int8, diloco-int4, diloco-sparse; default all)")
+                    "diloco-int8, diloco-int8-damped, diloco-int4, diloco-sparse; default all)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (the clusters' state, checkpoints)")
     ap.add_argument("--plan-only", action="store_true", help="only what auto decides per workload and link "
                     "(the probe and the decision, no training)")

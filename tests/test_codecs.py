@@ -132,6 +132,17 @@ def test_a_message_encoded_in_pieces_is_the_message_encoded_whole(codec, setting
     weights = [0.25, 0.75]
     expected = torch.zeros(n) + coder.decode(payload, n) * weights[0] + coder.decode(other, n) * weights[1]
     assert torch.equal(coder.aggregate([payload, other], weights, n), expected)
+    # diloco's path: the values filled a piece at a time (from the parameters), the pieces packed into one
+    # buffer, the parts summed a piece at a time into the outer step: the same bits at every stage
+    from smolforge.parallel.codecs import pack_payload, pack_pieces, unpack_payload
+
+    again = ErrorFeedback(coder)
+    again.load(r)
+    buf, like = pack_pieces(again.encode_pieces(n, lambda a, b, out: out.copy_(x[a:b])))
+    assert torch.equal(buf, pack_payload(payload)) and torch.equal(again.residual, stream.residual)
+    parts = [unpack_payload(buf, like), other]
+    pieced = torch.cat([coder.aggregate_piece(parts, weights, a, b) for a, b in spans(n, coder.unit)])
+    assert torch.equal(pieced, expected)
 
 
 def test_int4_refuses_an_odd_block_where_a_job_is_checked():

@@ -287,10 +287,26 @@ def _before():
             if self.steps_in:
                 self._outer_before()
 
+        def _mean_before(self, delta, weight):  # `DiLoCo._average` as it was: whole tensors, encoded in flight
+            import torch.distributed as dist
+
+            from smolforge.parallel.codecs import pack_payload, unpack_payload
+
+            coder = self.feedback.coder
+            if coder.summable:
+                packed = torch.cat([delta * weight, torch.tensor([weight])])
+                self._count(packed)
+                dist.all_reduce(packed)
+                return packed[:-1] / packed[-1]
+            every_w = [float(w) for w in self._gather(torch.tensor([weight], dtype=torch.float64))]
+            payload = self.feedback.encode(delta)
+            parts = [unpack_payload(b, payload) for b in self._gather(pack_payload(payload))]
+            return coder.aggregate(parts, [w / sum(every_w) for w in every_w], delta.numel())
+
         @torch.no_grad()
         def _outer_before(self):
             weight = max(self.tokens_in, 1.0)
-            self.flat_shared.grad = self._average(self.flat_shared - self._flat(), weight)  # the weighted mean
+            self.flat_shared.grad = self._mean_before(self.flat_shared - self._flat(), weight)  # the weighted mean
             self.flat_outer.step()
             self.flat_shared.grad = None
             offset = 0
@@ -442,6 +458,35 @@ def test_the_outer_step_in_pieces_is_torchs_sgd_step(momentum, dampening, nester
         assert torch.equal(mine, theirs)
         if momentum:
             assert torch.equal(opts[0].state[mine]["momentum_buffer"], opts[1].state[theirs]["momentum_buffer"])
+
+
+def test_the_pseudo_gradient_read_in_pieces_is_the_one_made_whole():
+    """A sync reads shared - local a piece at a time straight from the parameters (`fill_pseudo_gradient`, no
+    whole-model buffer), across parameter ends, an empty parameter and a bf16 one: the same bits as
+    `pseudo_gradient`; and the outer step fed a piece at a time equals the one fed the whole tensor."""
+    from smolforge.parallel.codecs import PIECE_VALUES, spans
+    from smolforge.parallel.strategies.diloco_stream import (fill_pseudo_gradient, make_fragments, outer_step,
+                                                             pseudo_gradient)
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [PIECE_VALUES + 7, 0, 300, PIECE_VALUES // 2 + 1, 5]
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    params[2] = torch.nn.Parameter(torch.randn(15, 20, generator=g).to(torch.bfloat16))
+    frag = make_fragments(params, 1)[0]
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 1e-2)
+    whole = pseudo_gradient(params, frag)
+    fill, out = fill_pseudo_gradient(params, frag), torch.empty(whole.numel())
+    for a, b in spans(whole.numel(), 256):
+        fill(a, b, out[a:b])
+    assert torch.equal(out, whole)
+    shared = [torch.nn.Parameter(frag.shared.detach().clone()) for _ in range(2)]
+    opts = [torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True) for p in shared]
+    for _ in range(2):  # the second step has a momentum buffer
+        outer_step(opts[0], shared[0], whole)
+        outer_step(opts[1], shared[1], lambda a, b: whole[a:b].clone(), 256)
+    assert torch.equal(shared[0], shared[1])
 
 
 def test_between_outer_steps_the_ranks_share_no_collective(runs):

@@ -44,15 +44,20 @@ SPARSE = {"chunk": 4096, "topk": 64, "bits": 2}  # SparseLoCo's defaults (the sp
 MIN_H, PREFER_H, MAX_H = 5, 100, 500  # inner steps: a floor, above which streaming is preferred, a ceiling
 FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
-SHORT_ROUNDS = 100  # outer rounds under which a dense plan's outer step is lr 1.0, momentum 0.5 (`SHORT_OUTER`)
+SHORT_ROUNDS = 100  # outer rounds under which a factored adapter's outer step is lr 1.0, momentum 0.5
 SHORT_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.5}
-"""DiLoCo's outer Nesterov momentum 0.9 (lr 0.7, the paper's, for thousands of rounds) amplifies a steady
-pseudo-gradient up to 1 / (1 - 0.9) = 10 rounds' worth: in a run of tens of rounds it overshoots. Measured:
-tiny-llama LoRA, 10 rounds: eval 3.199 with 0.7 / 0.9 against DDP's 2.882, 2.896 with 1.0 / 0.5 (BENCHMARKS.md,
-data-parallel strategies); LoRA on the Qwen2.5-0.5B twin, lr 1e-3 (stop 59, BENCHMARKS.md scale-out): 0.7 / 0.9
-at H 10 rose from 4.49 to 4.99 over the last 5 of 10 rounds and never reached one node's loss, and auto's own
-plan, int8 at H 5 (20 rounds), went from 4.70 to 8.04 in two. 100 rounds is ten of momentum 0.9's horizons;
-a run of unknown length keeps the paper's. Sparse runs none (error feedback in its place, the codec's own)."""
+"""The outer step of a dense plan of under `SHORT_ROUNDS` rounds that trains a factored PEFT method
+(`PeftMethodClass.factored`: LoRA's B @ A, Houlsby's down and up projections). DiLoCo's outer Nesterov
+momentum 0.9 (lr 0.7, the paper's, for thousands of rounds) moves the shared weights by up to
+0.7 / (1 - 0.9) = 7 rounds' pseudo-gradient once it is steady (1.33x in the first round, 2.4x by the third);
+each factor is moved that far, so their product by up to its square. Measured: tiny-llama LoRA, 10 rounds:
+eval 3.199 with 0.7 / 0.9 against DDP's 2.882, 2.896 with 1.0 / 0.5 (BENCHMARKS.md, data-parallel
+strategies); LoRA on the Qwen2.5-0.5B twin, lr 1e-3 (stop 59, BENCHMARKS.md scale-out): 0.7 / 0.9 at H 10
+rose from 4.49 to 4.99 over the last 5 of 10 rounds and never reached one node's loss, and int8 at H 5 went
+from 4.70 to 8.04 in two rounds. Full fine-tuning moves each weight linearly and keeps the paper's: llama-100m
+at 1 Gbit/s (stop 60, BENCHMARKS.md scale-out) reached one node's loss at step 42 with 0.7 / 0.9 (H 10) and at
+46 with 1.0 / 0.5 (H 9). 100 rounds is ten of momentum 0.9's horizons; a run of unknown length keeps the
+paper's. A codec with an outer momentum of its own (sparse: none, error feedback in its place) keeps it."""
 SPARSE_MIN_ROUNDS = SPARSE["chunk"] // SPARSE["topk"]
 """Outer rounds (max_steps ÷ H) a run needs before `decide` picks the sparse codec: 64 for SparseLoCo's
 chunk 4096 and top-64, the rounds its top-k takes to have sent as many values as a chunk holds, so that a
@@ -92,6 +97,7 @@ class Measured:
     tokens_from: str = ""
     step_from: str = ""  # how `step_s` was found: a timed step of the run's model, or estimated from FLOPs
     sync_cpu_s: dict[str, float] = field(default_factory=dict)
+    factored: bool = False  # the run trains a factored PEFT method (`PeftMethodClass.factored`): `SHORT_OUTER`
     """Per codec ("int8", "int4", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
     the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
     step; `auto_probe.sync_cpu_seconds`). Missing: 0. On a CPU node it is not hidden behind compute."""
@@ -255,7 +261,7 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
              f"({p.payload / max(1, params * 4):.2%} of the fp32 model), {p.sync_s:.3g} s"
              + (f" and {p.cpu_s:.3g} s of CPU" if p.cpu_s else ""))
     over = f"; over budget: H is capped at {p.cap} by the run, so syncs wait" if p.over else ""
-    outer, steady = _outer(numbers["rounds"], p.codec["codec"])
+    outer, steady = _outer(numbers["rounds"], p.codec["codec"], m.factored)
     if p.fragments == 1:
         fits = (f"over budget: it needs H={p.blocking_h}, capped at {p.cap} by the run, so syncs wait" if p.over
                 else f"within {budget:.0%}")
@@ -267,14 +273,17 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
                     f"sent behind τ={p.overlap} steps' compute (H={p.h}){over}{steady} ({link})", numbers)
 
 
-def _outer(rounds: int | None, codec: str) -> tuple[dict[str, float], str]:
+def _outer(rounds: int | None, codec: str, factored: bool) -> tuple[dict[str, float], str]:
     """The outer step's settings for a plan of `rounds` outer rounds, and what the reason says of them:
-    `SHORT_OUTER` for a dense codec's run of fewer than `SHORT_ROUNDS`, else diloco's own (the paper's;
-    sparse's no momentum)."""
-    if codec == "sparse" or rounds is None or rounds >= SHORT_ROUNDS:
+    `SHORT_OUTER` for a factored adapter's run of fewer than `SHORT_ROUNDS` with a codec that has no
+    outer momentum of its own, else diloco's (the paper's; sparse's none)."""
+    from smolforge.parallel.codecs import CODECS
+
+    if not factored or CODECS[codec].momentum is not None or rounds is None or rounds >= SHORT_ROUNDS:
         return {}, ""
     return dict(SHORT_OUTER), (f"; outer lr {SHORT_OUTER['outer_lr']:g}, momentum {SHORT_OUTER['outer_momentum']:g}"
-                               f" for {rounds} rounds (momentum 0.9 overshoots in under {SHORT_ROUNDS})")
+                               f" for {rounds} rounds of a factored adapter (momentum 0.9 overshoots a product "
+                               f"of factors in under {SHORT_ROUNDS})")
 
 
 def _mb(nbytes: float) -> str:

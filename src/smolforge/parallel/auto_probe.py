@@ -277,13 +277,14 @@ def timed_step_seconds(cfg: "TrainConfig", tokens: float) -> float:
 def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAMPLE) -> float:
     """CPU seconds of one whole-model diloco sync of `values` fp32 values through `codec`, besides the
     transfer, on this process's threads: the functions `DiLoCo._send` and `_merge` call (the pseudo-gradient,
-    the codec's encode with its error feedback, the `world` parts summed, the outer step, the new weights
-    copied back), in a sync after a first one (momentum and residual exist), timed on `sample` values and
+    the codec's encode with its error feedback, both read piece by piece from the parameters, the `world`
+    parts summed a piece at a time into the outer step, the new weights copied back), in a sync after a first one (momentum and residual exist), timed on `sample` values and
     scaled linearly (every pass is elementwise or per block/chunk)."""
     import torch
 
-    from smolforge.parallel.codecs import ErrorFeedback, make_codec
-    from smolforge.parallel.strategies.diloco_stream import make_fragments, merge_into, outer_step, pseudo_gradient
+    from smolforge.parallel.codecs import ErrorFeedback, make_codec, pack_pieces, unpack_payload
+    from smolforge.parallel.strategies.diloco_stream import (Averaged, fill_pseudo_gradient, make_fragments,
+                                                             merge_into, outer_step)
 
     n = min(sample, max(values, 1))
     params = [torch.nn.Parameter(torch.zeros(n), requires_grad=False)]
@@ -296,8 +297,9 @@ def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAM
     def sync() -> None:
         params[0].data.add_(torch.randn(n) * 1e-3)  # a round's training (not timed below)
         t0 = time.perf_counter()
-        payload = feedback.encode(pseudo_gradient(params, frag))
-        outer_step(outer, frag.shared, coder.aggregate([payload] * world, [1.0 / world] * world, n))
+        buf, like = pack_pieces(feedback.encode_pieces(n, fill_pseudo_gradient(params, frag)))
+        mean = Averaged(coder, parts=[unpack_payload(buf, like)] * world, weights=[1.0 / world] * world)
+        outer_step(outer, frag.shared, mean.piece, mean.unit)
         merge_into(params, frag, 0.0)
         spent.append(time.perf_counter() - t0)
 
@@ -341,9 +343,11 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     texts = slow[2 + len(SYNC_CODECS):]
     tokens, source, how = slow[1], row_text(texts[:TEXT_BYTES]), row_text(texts[TEXT_BYTES:])
     slowest = {c: max(e[2 + i] for e in every) for i, c in enumerate(SYNC_CODECS)}
+    from smolforge.models.peft import peft_method
+
     return Measured(world=world, links=tuple(links), step_s=slow[0], params=sizes[0],
                     trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source,
-                    step_from=how, sync_cpu_s=slowest)
+                    step_from=how, sync_cpu_s=slowest, factored=peft_method(cfg.peft.method).factored)
 
 
 def diloco_features() -> frozenset[str]:

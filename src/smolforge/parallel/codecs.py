@@ -23,7 +23,7 @@ the last message's residual.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -113,13 +113,20 @@ class Codec:
 
     def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
         """sum_r weights[r] * decode(parts[r]), in rank order: exactly what was sent, nothing re-quantised;
-        computed piece by piece (`spans`), the same numbers as whole tensors."""
-        out = torch.zeros(numel)
+        computed piece by piece (`spans`, `aggregate_piece`), the same numbers as whole tensors."""
+        out = torch.empty(numel)
         for a, b in spans(numel, self.unit):
-            acc = out[a:b]
-            for p, w in zip(parts, weights):
-                acc.add_(self.decode(self.piece(p, a, b), b - a) * float(w))
+            out[a:b] = self.aggregate_piece(parts, weights, a, b)
         return out
+
+    def aggregate_piece(self, parts: list[dict[str, Any]], weights: list[float], a: int, b: int) -> torch.Tensor:
+        """Values [a, b) of `aggregate` (`a` a multiple of `unit`, or the whole with `unit` 0), as a new
+        tensor: the same adds in the same order, so a caller that works piece by piece (diloco's outer step)
+        gets the aggregate's bits without a whole-model tensor."""
+        acc = torch.zeros(b - a)
+        for p, w in zip(parts, weights):
+            acc.add_(self.decode(self.piece(p, a, b), b - a) * float(w))
+        return acc
 
 
 class Fp32(Codec):
@@ -300,6 +307,15 @@ class Sparse(Codec):
         out[where] = vals
         return out[:numel]
 
+    def piece(self, payload: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+        """Chunks [a // chunk, ceil(b / chunk)): their positions, scales and packed codes (`unit` is 4
+        chunks, so a piece's codes start on a whole byte at 2 or 4 bits)."""
+        lo, hi = a // self.chunk, -(-b // self.chunk)
+        per = self.topk * self.bits  # bits of one chunk's codes
+        return {"idx": np.asarray(payload["idx"]).reshape(-1, self.topk)[lo:hi],
+                "q": np.asarray(payload["q"])[lo * per // 8:-(-hi * per // 8)],
+                "scale": np.asarray(payload["scale"])[lo:hi]}
+
     def aggregate(self, parts: list[dict[str, Any]], weights: list[float], numel: int) -> torch.Tensor:
         """The weighted parts scattered into one dense tensor: the same sum as decoding each (a part's
         positions are distinct, so each lands once), without a dense tensor per rank."""
@@ -308,6 +324,11 @@ class Sparse(Codec):
             where, vals = self._parts(p)
             out[where] += vals * float(w)
         return out[:numel]
+
+    def aggregate_piece(self, parts: list[dict[str, Any]], weights: list[float], a: int, b: int) -> torch.Tensor:
+        """Values [a, b) of `aggregate`: the parts' chunks there (`piece`), scattered the same way."""
+        pieces = [self.piece(p, a, b) for p in parts]
+        return self.aggregate(pieces, weights, b - a)
 
     def nbytes(self, numel: int) -> int:
         chunks = self._chunks(numel)
@@ -349,6 +370,25 @@ def decode(payload: dict[str, Any], numel: int, **settings: Any) -> torch.Tensor
 def payload_bytes(payload: dict[str, Any]) -> int:
     """What a payload costs on the wire (its arrays' bytes), for the strategies' traffic counters."""
     return int(sum(np.asarray(a).nbytes for a in payload.values()))
+
+
+def join_pieces(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The payload of consecutive pieces' values (`ErrorFeedback.encode_pieces`), key by key."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+
+def pack_pieces(pieces: list[dict[str, np.ndarray]]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """(`pack_payload(join_pieces(pieces))`, a payload of that layout for `unpack_payload`) in one copy of
+    the codes: the pieces' arrays go straight into the one buffer, and the layout's arrays are only
+    allocated (never written or read)."""
+    keys = sorted(pieces[0])
+    buf = torch.cat([torch.from_numpy(np.ascontiguousarray(p[k]).reshape(-1).view(np.uint8)) for k in keys
+                     for p in pieces])
+    like = {k: np.empty((sum(np.asarray(p[k]).shape[0] for p in pieces), *np.asarray(pieces[0][k]).shape[1:]),
+                        dtype=np.asarray(pieces[0][k]).dtype) for k in keys}
+    return buf, like
 
 
 def pack_payload(payload: dict[str, np.ndarray]) -> torch.Tensor:
@@ -394,17 +434,27 @@ class ErrorFeedback:
         """`x` plus the residual, encoded; the new residual is what this payload's rounding lost."""
         if not self.coder.lossy:
             return self.coder.encode(x)
-        x, old = _flat(x), self._residual
-        residual, pieces = torch.empty(x.numel()), []
-        for a, b in spans(x.numel(), self.coder.unit):  # piece by piece: the same payload, cache-sized passes
-            target = x[a:b] if old is None else torch.add(x[a:b], old[a:b])
+        x = _flat(x)
+        return join_pieces(self.encode_pieces(x.numel(), lambda a, b, out: out.copy_(x[a:b])))
+
+    def encode_pieces(self, numel: int, fill: Callable[[int, int, torch.Tensor], Any]) -> list[dict[str, np.ndarray]]:
+        """A lossy codec's payload of `numel` values plus the residual, as the payloads of its pieces
+        (`spans` of the codec's `unit`, in order; `join_pieces` makes them one payload, `pack_pieces` one
+        buffer), the values written piece by piece by `fill(a, b, out)` into `out` (fp32, b - a values):
+        the caller computes them into a cache-sized buffer instead of a whole-model tensor (diloco's
+        pseudo-gradient). The new residual is what the rounding lost; the same bits as `encode`."""
+        old, residual, pieces = self._residual, torch.empty(numel), []
+        scratch = torch.empty(min(numel, max(self.coder.unit, PIECE_VALUES // max(self.coder.unit, 1) * self.coder.unit)))
+        for a, b in spans(numel, self.coder.unit):  # piece by piece: the same payload, cache-sized passes
+            target = scratch[:b - a]
+            fill(a, b, target)
+            if old is not None:
+                target.add_(old[a:b])
             payload, decoded = self.coder.roundtrip(target)
             pieces.append(payload)
             torch.sub(target, decoded, out=residual[a:b])
         self._residual = residual  # a new tensor: a residual handed out earlier (`residual`) stays as it was
-        if len(pieces) == 1:
-            return pieces[0]
-        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        return pieces
 
     def reset(self) -> None:
         """Forget the residual (a new stream: e.g. after the weights were replaced)."""

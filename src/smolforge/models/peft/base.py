@@ -53,6 +53,10 @@ class PeftMethodClass:
     # Houlsby's 0); None for methods aggregated otherwise (LoRA: re-factorised; a full model)
     neutral: ClassVar[float | None] = None
     low_rank: ClassVar[bool] = False  # its deltas are B @ A pairs (re-factorised when aggregated)
+    # what it adds is a product of two trained factors (LoRA's B @ A, Houlsby's up(act(down x))): a step
+    # that moves each factor by k times moves their product by up to k^2 (`parallel/auto_choice.py`: an outer
+    # step's amplification is damped for it in a short run)
+    factored: ClassVar[bool] = False
     recheckpoint: ClassVar[bool] = False  # peft refuses it on a checkpointing model: `apply_peft` switches
     # checkpointing off, applies it, and switches it back on
 

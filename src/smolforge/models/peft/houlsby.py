@@ -25,6 +25,7 @@ class Houlsby(PeftMethodClass):
     what_it_adds = "Houlsby adapters are extra layers, not weight deltas"
     serves = frozenset({"torch", "stages"})
     aggregates = True
+    factored = True  # down and up projections, trained together
     neutral = 0.0  # an adapter output a student did not learn
 
     def apply(self, model: "nn.Module", spec: "PeftSpec") -> "nn.Module":

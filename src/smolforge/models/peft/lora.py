@@ -31,6 +31,7 @@ class LoRA(PeftLibMethod):
     exports = frozenset(EXPORT_TARGETS)
     aggregates = True
     low_rank = True
+    factored = True
     split_trains = True
 
     def peft_config(self, model: "nn.Module", spec: "PeftSpec") -> Any:

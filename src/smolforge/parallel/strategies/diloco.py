@@ -49,11 +49,12 @@ import torch.distributed as dist
 from pydantic import ConfigDict, Field, model_validator
 
 from smolforge.parallel.codec_settings import CodecFields
-from smolforge.parallel.codecs import CODECS, ErrorFeedback, make_codec, pack_payload, unpack_payload
+from smolforge.parallel.codecs import CODECS, Codec, ErrorFeedback, make_codec, pack_pieces, unpack_payload
 from smolforge.parallel.rendezvous import init_group, leave_group
 from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco_speeds import SpeedPlan
-from smolforge.parallel.strategies.diloco_stream import (Flight, Fragment, make_fragments, merge_into, offsets,
+from smolforge.parallel.strategies.diloco_stream import (Averaged, Flight, Fragment, fill_pseudo_gradient,
+                                                         make_fragments, merge_into, offsets,
                                                          outer_step, pseudo_gradient)
 from smolforge.train import balance
 from smolforge.train.rank_context import Membership, RankContext
@@ -279,16 +280,15 @@ class DiLoCo(SpeedPlan, DDP):
         background, or blocking; merged `overlap` steps later (`now`, or overlap 0: merged here)."""
         frag = self.frags[f]
         weight = max(self.targets[f], 1.0)  # this rank's pseudo-gradient's weight: its loss tokens
-        with self._timed("cpu"):
-            delta = pseudo_gradient(self.params, frag)
-        residual = frag.feedback.residual
+        coder = frag.feedback.coder
+        with self._timed("cpu"):  # a lossy codec's message is made now, piece by piece from the parameters
+            delta = pseudo_gradient(self.params, frag) if coder.summable else None
+            message = None if coder.summable else pack_pieces(
+                frag.feedback.encode_pieces(frag.end - frag.start, fill_pseudo_gradient(self.params, frag)))
         self.since[f], self.targets[f] = 0, 0.0
 
-        def average() -> torch.Tensor:
-            if frag.feedback.residual is not residual:  # a retry in a re-formed group: the same residual again
-                frag.feedback.load(residual)
-            self.feedback = frag.feedback  # the stream `_average` encodes through (one fragment in flight)
-            return self._average(delta, weight)
+        def average() -> Averaged:  # run again as it is after a regroup: the same message, another group
+            return self._average(coder, weight, delta, message)
 
         now = now or not self.overlap
         self.syncs += 1
@@ -309,8 +309,8 @@ class DiLoCo(SpeedPlan, DDP):
         with self.waiting():
             mean = self._collective(frag.flight.wait)
         frag.flight = None
-        with self._timed("cpu"):
-            outer_step(self.outer, frag.shared, mean)
+        with self._timed("cpu"):  # the ranks' messages summed a piece at a time, into the outer step
+            outer_step(self.outer, frag.shared, mean.piece, mean.unit)
             merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
         if f:
             return
@@ -440,12 +440,13 @@ class DiLoCo(SpeedPlan, DDP):
     def gather_rng(self) -> list[torch.Tensor] | None:
         return self._collective(lambda: DDP.gather_rng(self))
 
-    def _average(self, delta: torch.Tensor, weight: float) -> torch.Tensor:
-        """The ranks' pseudo-gradients (`delta`, unweighted) averaged with their `weight`s: an all-reduce
-        of the weighted values for a codec whose payloads sum in transit (fp32), else every rank's message
-        gathered (one uint8 buffer each) and summed by the codec, exactly as sent, each part weighted by
-        its share of the weights."""
-        coder = self.feedback.coder
+    def _average(self, coder: Codec, weight: float, delta: torch.Tensor | None,
+                 message: tuple[torch.Tensor, dict] | None) -> Averaged:
+        """The ranks' pseudo-gradients averaged with their `weight`s: for a codec whose payloads sum in
+        transit (fp32) an all-reduce of the weighted values (`delta`, unweighted); else every rank's
+        `message` (`pack_pieces`: one uint8 buffer, encoded unweighted, since fp16 overflows at 65504 and
+        the residual keeps its units) gathered, to be summed by the codec exactly as sent, each part
+        weighted by its share of the weights, a piece at a time by the outer step (`Averaged.piece`)."""
         if coder.summable:
             with self._timed("cpu"):
                 packed = torch.empty(delta.numel() + 1)
@@ -455,18 +456,13 @@ class DiLoCo(SpeedPlan, DDP):
             with self._timed("transfer"):
                 dist.all_reduce(packed, group=self.sync_group)
             with self._timed("cpu"):
-                return packed[:-1].div_(packed[-1])
+                return Averaged(coder, values=packed[:-1].div_(packed[-1]))
         weights = torch.tensor([weight], dtype=torch.float64)
         with self._timed("transfer"):
             every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
-        with self._timed("cpu"):  # unweighted (fp16 overflows at 65504); the residual keeps its units
-            payload = self.feedback.encode(delta)
-            mine = pack_payload(payload)
-        with self._timed("transfer"):
-            every = self._gather(mine, group=self.sync_group)
-        with self._timed("cpu"):
-            parts = [unpack_payload(b, payload) for b in every]
-            return coder.aggregate(parts, [w / sum(every_w) for w in every_w], delta.numel())
+            every = self._gather(message[0], group=self.sync_group)
+        parts = [unpack_payload(b, message[1]) for b in every]  # views of the buffers
+        return Averaged(coder, parts=parts, weights=[w / sum(every_w) for w in every_w])
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]

@@ -21,6 +21,7 @@ send time, blocking, and held until t + τ: the same numbers, only the waiting d
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -92,6 +93,28 @@ class Flight:
 
 
 @dataclass
+class Averaged:
+    """The ranks' average of one fragment's pseudo-gradient, read a piece at a time (`piece(a, b)`, `a` a
+    multiple of `unit`) by the outer step: all-reduced `values` (fp32), or every rank's message (`parts`,
+    as sent) and share (`weights`), summed by the codec piece by piece (`Codec.aggregate_piece`: the bits
+    of `Codec.aggregate` without a whole-model tensor)."""
+
+    coder: Any
+    values: torch.Tensor | None = None
+    parts: list[dict[str, Any]] | None = None
+    weights: list[float] | None = None
+
+    @property
+    def unit(self) -> int:
+        return 1 if self.values is not None else self.coder.unit
+
+    def piece(self, a: int, b: int) -> torch.Tensor:
+        if self.values is not None:
+            return self.values[a:b]
+        return self.coder.aggregate_piece(self.parts, self.weights, a, b)
+
+
+@dataclass
 class Fragment:
     """A slice of the trainable parameters synced together: params[first:last], values [start:end) of
     the flat vector; `shared`: its outer (global) weights, fp32; `feedback`: its codec stream's error
@@ -148,11 +171,33 @@ def pseudo_gradient(params: list[torch.nn.Parameter], frag: Fragment) -> torch.T
 
 
 @torch.no_grad()
-def outer_step(outer: torch.optim.SGD, shared: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """`outer.step()` for one fragment's shared weights with gradient `grad` (flat fp32), piece by piece
-    (`codecs.spans`): torch's single-tensor SGD arithmetic (momentum, dampening, Nesterov; the buffer kept
-    in `outer.state` as torch keeps it), op for op, so the same bits without its whole-model temporaries
-    (a test compares them). Raises ValueError for weight decay or `maximize`, which DiLoCo never sets."""
+def fill_pseudo_gradient(params: list[torch.nn.Parameter], frag: Fragment) -> Callable[[int, int, torch.Tensor], None]:
+    """`fill(a, b, out)`: values [a, b) of `pseudo_gradient(params, frag)` written into `out`, the same
+    subtraction, read straight from the parameters (for `ErrorFeedback.encode_pieces`: no whole-model
+    buffer). The parameters must not change until the last fill."""
+    views = [p.detach().reshape(-1) for p in params[frag.first:frag.last]]
+    starts = [0, *itertools.accumulate(v.numel() for v in views)]
+
+    def fill(a: int, b: int, out: torch.Tensor) -> None:
+        i, at = bisect.bisect_right(starts, a) - 1, a
+        while at < b:
+            end = min(b, starts[i + 1])
+            if end > at:
+                torch.sub(frag.shared[at:end], views[i][at - starts[i]:end - starts[i]], out=out[at - a:end - a])
+            at, i = end, i + 1
+
+    return fill
+
+
+@torch.no_grad()
+def outer_step(outer: torch.optim.SGD, shared: torch.nn.Parameter,
+               grad: torch.Tensor | Callable[[int, int], torch.Tensor], unit: int = 1) -> None:
+    """`outer.step()` for one fragment's shared weights with gradient `grad` (flat fp32, or `grad(a, b)`
+    giving its values [a, b) for pieces of whole `unit`s: a codec's `aggregate_piece`, so the average is
+    never a whole-model tensor), piece by piece (`codecs.spans`): torch's single-tensor SGD arithmetic
+    (momentum, dampening, Nesterov; the buffer kept in `outer.state` as torch keeps it), op for op, so the
+    same bits without its whole-model temporaries (a test compares them). Raises ValueError for weight
+    decay or `maximize`, which DiLoCo never sets."""
     group = outer.param_groups[0]
     if group["weight_decay"] or group["maximize"]:
         raise ValueError("outer_step: weight decay and maximize are not DiLoCo's outer step")
@@ -163,8 +208,8 @@ def outer_step(outer: torch.optim.SGD, shared: torch.nn.Parameter, grad: torch.T
         first = buf is None
         if first:
             buf = outer.state[shared]["momentum_buffer"] = torch.empty_like(shared)
-    for a, b in spans(shared.numel(), 1):
-        g = grad[a:b]
+    for a, b in spans(shared.numel(), unit):
+        g = grad(a, b) if callable(grad) else grad[a:b]
         if buf is not None:
             if first:
                 buf[a:b].copy_(g)
