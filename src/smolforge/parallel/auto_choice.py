@@ -55,9 +55,10 @@ eval 3.199 with 0.7 / 0.9 against DDP's 2.882, 2.896 with 1.0 / 0.5 (BENCHMARKS.
 strategies); LoRA on the Qwen2.5-0.5B twin, lr 1e-3 (stop 59, BENCHMARKS.md scale-out): 0.7 / 0.9 at H 10
 rose from 4.49 to 4.99 over the last 5 of 10 rounds and never reached one node's loss, and int8 at H 5 went
 from 4.70 to 8.04 in two rounds. Full fine-tuning moves each weight linearly and keeps the paper's: llama-100m
-at 1 Gbit/s (stop 60, BENCHMARKS.md scale-out) reached one node's loss at step 42 with 0.7 / 0.9 (H 10) and at
-46 with 1.0 / 0.5 (H 9). 100 rounds is ten of momentum 0.9's horizons; a run of unknown length keeps the
-paper's. A codec with an outer momentum of its own (sparse: none, error feedback in its place) keeps it."""
+at 1 Gbit/s, int8 at H 10, the same run (stop 60, BENCHMARKS.md scale-out), reached one node's loss at step
+42 with 0.7 / 0.9 and at 46 damped (damped ahead for two rounds, behind from the third; in time 88.0 s and
+85.9 s, the same within the run's noise). 100 rounds is ten of momentum 0.9's horizons; a run of unknown
+length keeps the paper's. A codec with an outer momentum of its own (sparse: none, error feedback in its place) keeps it."""
 SPARSE_MIN_ROUNDS = SPARSE["chunk"] // SPARSE["topk"]
 """Outer rounds (max_steps ÷ H) a run needs before `decide` picks the sparse codec: 64 for SparseLoCo's
 chunk 4096 and top-64, the rounds its top-k takes to have sent as many values as a chunk holds, so that a
