@@ -278,8 +278,9 @@ def sync_cpu_seconds(codec: str, values: int, world: int, sample: int = SYNC_SAM
     """CPU seconds of one whole-model diloco sync of `values` fp32 values through `codec`, besides the
     transfer, on this process's threads: the functions `DiLoCo._send` and `_merge` call (the pseudo-gradient,
     the codec's encode with its error feedback, both read piece by piece from the parameters, the `world`
-    parts summed a piece at a time into the outer step, the new weights copied back), in a sync after a first one (momentum and residual exist), timed on `sample` values and
-    scaled linearly (every pass is elementwise or per block/chunk)."""
+    parts summed a piece at a time into the outer step, the new weights copied back), in a sync after a
+    first one (momentum and residual exist), timed on `sample` values and scaled linearly (every pass is
+    elementwise or per block/chunk)."""
     import torch
 
     from smolforge.parallel.codecs import ErrorFeedback, make_codec, pack_pieces, unpack_payload

@@ -444,8 +444,9 @@ class ErrorFeedback:
         the caller computes them into a cache-sized buffer instead of a whole-model tensor (diloco's
         pseudo-gradient). The new residual is what the rounding lost; the same bits as `encode`."""
         old, residual, pieces = self._residual, torch.empty(numel), []
-        scratch = torch.empty(min(numel, max(self.coder.unit, PIECE_VALUES // max(self.coder.unit, 1) * self.coder.unit)))
+        scratch: torch.Tensor | None = None  # the first piece's size: no later piece is longer
         for a, b in spans(numel, self.coder.unit):  # piece by piece: the same payload, cache-sized passes
+            scratch = torch.empty(b - a) if scratch is None else scratch
             target = scratch[:b - a]
             fill(a, b, target)
             if old is not None:

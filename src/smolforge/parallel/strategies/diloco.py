@@ -281,10 +281,13 @@ class DiLoCo(SpeedPlan, DDP):
         frag = self.frags[f]
         weight = max(self.targets[f], 1.0)  # this rank's pseudo-gradient's weight: its loss tokens
         coder = frag.feedback.coder
+        delta, message = None, None
         with self._timed("cpu"):  # a lossy codec's message is made now, piece by piece from the parameters
-            delta = pseudo_gradient(self.params, frag) if coder.summable else None
-            message = None if coder.summable else pack_pieces(
-                frag.feedback.encode_pieces(frag.end - frag.start, fill_pseudo_gradient(self.params, frag)))
+            if coder.summable:
+                delta = pseudo_gradient(self.params, frag)
+            else:
+                fill = fill_pseudo_gradient(self.params, frag)
+                message = pack_pieces(frag.feedback.encode_pieces(frag.end - frag.start, fill))
         self.since[f], self.targets[f] = 0, 0.0
 
         def average() -> Averaged:  # run again as it is after a regroup: the same message, another group
