@@ -112,12 +112,14 @@ def measure_ideal(client, args, data: Path, workload: str) -> dict:
 
 
 def hand_picked(args, sparse: bool) -> dict[str, tuple[str, dict]]:
-    from smolforge.parallel.auto_choice import SHORT_OUTER
+    from smolforge.parallel.auto_choice import FRAGMENTS, SHORT_OUTER
 
     outer = {"inner_steps": args.inner_steps}
     picks = {"ddp": ("ddp", {}), "diloco-int8": ("diloco", {**outer, "codec": "int8"}),
              "diloco-int8-damped": ("diloco", {**outer, "codec": "int8", **SHORT_OUTER}),  # auto's short-run step
-             "diloco-int4": ("diloco", {**outer, "codec": "int4"})}
+             "diloco-int4": ("diloco", {**outer, "codec": "int4"}),
+             # Streaming DiLoCo at the same H: auto's fragments (4), each sent behind one step (τ 1)
+             "diloco-int8-streamed": ("diloco", {**outer, "codec": "int8", "fragments": FRAGMENTS, "overlap": 1})}
     if sparse:
         picks["diloco-sparse"] = ("diloco", {**outer, "codec": "sparse"})
     return picks

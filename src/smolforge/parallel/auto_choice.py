@@ -23,10 +23,14 @@ The rule (issue 45, item 4): communication stays under `budget` (10 %) of comput
     is run for (BENCHMARKS.md, scale-out: 4 rounds of sparse at 20 Mbit/s ended at held-out 5.7-6.5 where
     int8 reached 3.36).
   - the dense codec whenever this build's diloco lacks `sparse` (int8 where it lacks `int4` too).
-- **streaming fragments** (`fragments`, `overlap` τ) when the blocking H would be longer than
-  `prefer_h` or than the run allows (and the run allows H ≥ 2 × fragments): each fragment's transfer then runs behind τ inner steps of compute,
-  so it costs nothing while it fits in them (H = fragments × (τ + 1): diloco merges a fragment before the
-  next is sent; τ steps' compute ≥ a fragment's transfer).
+- **streaming fragments** (`fragments`, `overlap` τ) wherever they give the shorter H, or the same H with
+  less waiting (and the run allows H ≥ 2 × fragments): each fragment's transfer then runs behind τ inner
+  steps of compute, so it costs nothing while it fits in them (H ≥ fragments × (τ + 1): diloco merges a
+  fragment before the next is sent; τ steps' compute ≥ a fragment's transfer); only the CPU work is paid
+  on the training cores. A blocking sync waits for its transfer and for the slower peer: at 1 Gbit/s a
+  blocking int8 sync of llama-100m waited 1.9 s in the collectives besides 1.13 s of CPU (stop 60,
+  BENCHMARKS.md scale-out), so the link's speed alone does not make blocking the better plan; it is where
+  the fragments' own floor (H ≥ 2 × fragments) is above the blocking H (a fast link and little CPU).
 
 Units: bytes, seconds, Mbit/s (1 Mbit = 1e6 bits). Sources: the all-reduce and all-gather costs are the
 ring algorithms' (Thakur et al. 2005); the sparse payload follows SparseLoCo (arXiv 2508.15706: chunk 4096,
@@ -41,7 +45,7 @@ from typing import Any
 
 BUDGET = 0.10  # communication ≤ 10 % of compute
 SPARSE = {"chunk": 4096, "topk": 64, "bits": 2}  # SparseLoCo's defaults (the sparse codec's own)
-MIN_H, PREFER_H, MAX_H = 5, 100, 500  # inner steps: a floor, above which streaming is preferred, a ceiling
+MIN_H, MAX_H = 5, 500  # inner steps: a floor and a ceiling
 FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
 SHORT_ROUNDS = 100  # outer rounds under which a factored adapter's outer step is lr 1.0, momentum 0.5
@@ -151,11 +155,12 @@ class _Plan:
     fragments: int
     overlap: int
     comm_fraction: float
+    need_h: int = 0  # the H this schedule needs within budget (blocking: `blocking_h`)
 
     @property
     def over(self) -> bool:
         """Over budget: the run is too short for the H the budget asks, so syncs wait."""
-        return self.comm_fraction > 0 if self.fragments > 1 else self.h < self.blocking_h
+        return self.h < (self.need_h or self.blocking_h)
 
 
 PLANNED_CODECS = {  # the codecs auto plans with, as diloco's settings (each codec's defaults: int8/int4 block 256)
@@ -165,8 +170,9 @@ PLANNED_CODECS = {  # the codecs auto plans with, as diloco's settings (each cod
 }
 
 
-def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: int, prefer_h: int) -> _Plan:
-    """diloco with `codec` ("sparse", "int8" or "int4"), blocking or streamed, H from the budget rule."""
+def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: int) -> _Plan:
+    """diloco with `codec` ("sparse", "int8" or "int4"), blocking or streamed, H from the budget rule: of the
+    two, the shorter H, and at the same H the one that waits less (`_wait_order`)."""
     rate, rtt = _bottleneck(m)
     n, params = m.world, m.trainable_bytes // 4
     knobs = PLANNED_CODECS[codec]
@@ -178,20 +184,33 @@ def _plan(m: Measured, codec: str, budget: float, has: frozenset[str], max_h: in
     blocking_h = max(MIN_H, math.ceil((sync_s + cpu_s) / (budget * m.step_s)))
     plan = dict(codec=knobs, payload=int(payload), sent=int(sent), sync_s=sync_s, cpu_s=cpu_s,
                 blocking_h=blocking_h, cap=cap)
-    if blocking_h <= min(prefer_h, cap) or "fragments" not in has or cap < 2 * FRAGMENTS:
-        h = min(blocking_h, cap)
-        return _Plan(**plan, h=h, fragments=1, overlap=0, comm_fraction=(sync_s + cpu_s) / (h * m.step_s))
+    h = min(blocking_h, cap)
+    blocking = _Plan(**plan, h=h, fragments=1, overlap=0, comm_fraction=(sync_s + cpu_s) / (h * m.step_s))
+    if "fragments" not in has or cap < 2 * FRAGMENTS:
+        return blocking
+    return min(blocking, _streamed(m, plan, budget), key=_wait_order)
+
+
+def _wait_order(p: _Plan) -> tuple[int, float]:
+    """The shorter H first (more outer rounds in the run), then the smaller share of compute spent waiting."""
+    return p.h, p.comm_fraction
+
+
+def _streamed(m: Measured, plan: dict[str, Any], budget: float) -> _Plan:
+    """`plan`'s codec in `FRAGMENTS` streamed fragments: τ steps' compute hides a fragment's transfer, and H
+    is long enough for the schedule and for the CPU work, which nothing hides, to fit the budget."""
+    sync_s, cpu_s, cap = plan["sync_s"], plan["cpu_s"], plan["cap"]
     tau = max(1, math.ceil(sync_s / FRAGMENTS / m.step_s))  # a fragment's transfer hidden behind τ steps
     # diloco's schedule: τ < H ÷ fragments; and H long enough that the CPU work, not hidden, fits the budget
-    h = min(cap, max(MIN_H, FRAGMENTS * (tau + 1), math.ceil(cpu_s / (budget * m.step_s))))
+    need = max(MIN_H, FRAGMENTS * (tau + 1), math.ceil(cpu_s / (budget * m.step_s)))
+    h = min(cap, need)
     overlap = min(tau, h // FRAGMENTS - 1)
     # per H: what τ steps do not hide of the transfer, and all of the CPU work (the compute's own cores)
     waits = max(0.0, sync_s - FRAGMENTS * overlap * m.step_s) + cpu_s
-    return _Plan(**plan, h=h, fragments=FRAGMENTS, overlap=overlap, comm_fraction=waits / (h * m.step_s))
+    return _Plan(**plan, h=h, fragments=FRAGMENTS, overlap=overlap, comm_fraction=waits / (h * m.step_s), need_h=need)
 
 
-def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, max_h: int = MAX_H,
-           prefer_h: int = PREFER_H) -> Decision:
+def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, max_h: int = MAX_H) -> Decision:
     """The strategy, codec and H that keep communication ≤ `budget` of compute for measurements `m`, and
     that can learn in the run's outer rounds (`m.max_steps` ÷ H; sparse needs `SPARSE_MIN_ROUNDS`).
     `has`: what this build's diloco takes ("sparse" and "int4": the codecs, else `int8`; "fragments":
@@ -214,7 +233,7 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
     head = (f"diloco: ddp's all-reduce ({ddp_s:.3g} s per step) would be {ddp_s / m.step_s:.0%} of compute, "
             f"over {budget:.0%}")
     dense = ("int8", "int4") if "int4" in has else ("int8",)
-    plans = {c: _plan(m, c, budget, has, max_h, prefer_h) for c in ("sparse", *dense)}
+    plans = {c: _plan(m, c, budget, has, max_h) for c in ("sparse", *dense)}
     lean, which = _dense(plans, dense)
     if "sparse" not in has:
         return _decision(m, lean, numbers, f"{head}; {which}", link)
