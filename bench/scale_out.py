@@ -112,14 +112,17 @@ def measure_ideal(client, args, data: Path, workload: str) -> dict:
 
 
 def hand_picked(args, sparse: bool) -> dict[str, tuple[str, dict]]:
-    from smolforge.parallel.auto_choice import FRAGMENTS, SHORT_OUTER
+    from smolforge.parallel.auto_choice import FRAGMENTS, SHORT_OUTER, STREAMED_MERGE
 
     outer = {"inner_steps": args.inner_steps}
     picks = {"ddp": ("ddp", {}), "diloco-int8": ("diloco", {**outer, "codec": "int8"}),
              "diloco-int8-damped": ("diloco", {**outer, "codec": "int8", **SHORT_OUTER}),  # auto's short-run step
              "diloco-int4": ("diloco", {**outer, "codec": "int4"}),
-             # Streaming DiLoCo at the same H: auto's fragments (4), each sent behind one step (τ 1)
-             "diloco-int8-streamed": ("diloco", {**outer, "codec": "int8", "fragments": FRAGMENTS, "overlap": 1})}
+             # Streaming DiLoCo at the same H: auto's fragments (4), each sent behind one step (τ 1), merged as
+             # the paper mixes (local <- 0.5 local + 0.5 global) or as auto merges (global + the step's progress)
+             "diloco-int8-streamed": ("diloco", {**outer, "codec": "int8", "fragments": FRAGMENTS, "overlap": 1}),
+             "diloco-int8-streamed-delta": ("diloco", {**outer, "codec": "int8", "fragments": FRAGMENTS, "overlap": 1,
+                                                       "merge": STREAMED_MERGE})}
     if sparse:
         picks["diloco-sparse"] = ("diloco", {**outer, "codec": "sparse"})
     return picks

@@ -40,7 +40,8 @@ PLAIN_OUTER = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 # (b), (c): outer lr 1 and momentum 0.5 (Nesterov), as the cluster's comparison with DDP: with a few outer
 # steps the paper's 0.7/0.9 (made for thousands) overshoots. Momentum > 0: a checkpoint carries its buffer.
 OUTER = {"inner_steps": H, "outer_lr": 1.0, "outer_momentum": 0.5}
-CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: stop codes, eval sums
+CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: eval sums
+FLAGS = 3  # values a sync's message carries beside the token weight: pause, cancel, a joiner (`DiLoCo._signals`)
 # (d): two outer steps of H = 2; the paused run stops on the outer step at 2, its resume takes the second
 RH, RSTEPS = 2, 4
 CODECS = {"int8": {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.5},
@@ -70,7 +71,36 @@ def _runs(rank: int, root: Path) -> dict:
     out["auto"] = _resolve_on_loopback(rank)
     out["stream"] = _stream_runs(rank, root / "stream")
     out["speeds"] = _speeds_run(rank, root / "speeds")
+    out["signals"] = _signals_run(rank)
     return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in out.items()}
+
+
+def _signals_run(rank: int) -> dict:
+    """(g) The strategy alone, streamed (`STREAM`: fragment 1 sent at 2 and 6, merged at 3 and 7; fragment 0
+    at 4 and 8, merged at 5 and 9) with `merge: delta` on a 4x4 linear layer whose every weight each step moves
+    by 0.01 on rank 0, 0.02 on rank 1: rank 1 alone asks to cancel after step 1. What `agree` returned at each
+    step on this rank, the bytes it handed to collectives, and how far fragment 1's weights were from its
+    new shared weights right after its merge at step 3 (delta: that step's own move)."""
+    from smolforge.parallel.strategies import make_strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    strategy = make_strategy("diloco", {**STREAM, "codec": "int8", "merge": "delta"})
+    strategy.wrap(model, torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agreed, past_shared = [], None
+    for step in range(1, 10):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * (rank + 1))  # an inner step of sorts: the weights move
+        strategy.after_step(step, model, opt, targets=1.0)
+        agreed.append(strategy.agree(2 if (rank == 1 and step == 1) else 0, torch.device("cpu")))
+        if step == 3:
+            frag = strategy.frags[1]
+            past_shared = (strategy._flat(frag) - frag.shared.detach()).tolist()
+    strategy.finish(model, opt)
+    return {"agreed": agreed, "bytes": strategy.bytes_sent, "syncs": strategy.syncs, "past_shared": past_shared,
+            "payload": 8 * (1 + FLAGS) + strategy.frags[0].feedback.coder.nbytes(4 * 4 + 4)}
 
 
 def _error_feedback_runs(root: Path) -> dict:
@@ -146,8 +176,9 @@ def test_h_inner_steps_send_one_coded_pseudo_gradient_per_outer_step(runs, codec
 
     one = runs["one"]["adamw"]
     n = one.trainable_params
-    per_round = {"fp32": (n + 1) * 4,  # the pseudo-gradient and the token weight, one all-reduce
-                 "int8": 8 + payload_bytes(encode(torch.zeros(n), "int8", 256))}[codec]  # fp64 weight, codes, scales
+    per_round = {"fp32": (n + 1 + FLAGS) * 4,  # the pseudo-gradient, the token weight and the flags: one all-reduce
+                 "int8": 8 * (1 + FLAGS) + payload_bytes(encode(torch.zeros(n), "int8", 256))}[codec]  # fp64 weight
+    # and flags, codes, scales
     ddp = STEPS * n * 4  # DDP's gradient all-reduces for the same steps (tests/test_zero1_strategy.py counts them)
     for r in (0, 1):
         res = runs["ranks"][r][codec]
@@ -220,8 +251,9 @@ def test_a_resumed_run_with_error_feedback_is_bitwise_the_undisturbed_one(runs, 
     a, b = adapter_weights(resumed), adapter_weights(whole)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
-    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight), and a few control scalars
-    per_round = 8 + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
+    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight and flags), and a few
+    # control scalars
+    per_round = 8 * (1 + FLAGS) + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
     assert 0 <= whole["comm_bytes_sent"] - (RSTEPS // RH) * per_round < CONTROL, (whole["comm_bytes_sent"], per_round)
     assert resumed["final_loss"] == whole["final_loss"]
     assert ranks[1][codec + "_ef_resumed"]["final_loss"] == ranks[1][codec + "_ef"]["final_loss"]
@@ -273,10 +305,6 @@ def _before():
                                               nesterov=self.nesterov)
             self.steps_in, self.tokens_in = 0, 0.0
             return out
-
-        @property
-        def sent_now(self):  # where stop codes are agreed (`DiLoCo.agree`): at its own outer steps
-            return self.steps_in == 0
 
         def after_step(self, step, model, optimizer, *, targets=0.0):
             self.last_step, self.steps_in, self.tokens_in = step, self.steps_in + 1, self.tokens_in + targets
@@ -359,7 +387,8 @@ def test_one_fragment_without_overlap_is_bitwise_the_diloco_before_streaming(run
         assert counts(plain) == {"fragment_syncs": SSTEPS // SH, "background_syncs": 0}
         # a sync's seconds by kind: its own passes (cpu) and inside the collectives (transfer), both spent
         assert plain["strategy_metrics"]["sync_cpu_s"] > 0 and plain["strategy_metrics"]["sync_transfer_s"] > 0
-        assert plain["comm_bytes_sent"] == before["comm_bytes_sent"]
+        # the same all-reduce a round, with the flags beside the token weight (stop 61: `DiLoCo._signals`)
+        assert plain["comm_bytes_sent"] == before["comm_bytes_sent"] + plain["rounds"] * FLAGS * 4
     assert _same(adapter_weights(runs[0]["plain"]), adapter_weights(runs[0]["before"]))
 
 
@@ -489,11 +518,31 @@ def test_the_pseudo_gradient_read_in_pieces_is_the_one_made_whole():
     assert torch.equal(shared[0], shared[1])
 
 
+def test_a_stop_code_rides_in_the_next_sync_and_is_agreed_where_it_merges(runs):
+    """(g) A cancel asked on rank 1 alone after step 1 goes out with the next send (fragment 1's at step 2) and
+    both ranks read it where that fragment merges (step 3): the same step on each, and no collective of its
+    own (every byte a rank sent is a sync's message: the pseudo-gradient's codes, the weight and the flags)."""
+    got = [runs["ranks"][r]["signals"] for r in (0, 1)]
+    assert got[0]["agreed"] == got[1]["agreed"] == [0, 0, 2, 0, 0, 0, 0, 0, 0], got
+    for g in got:
+        assert g["syncs"] >= 4 and g["bytes"] <= g["syncs"] * g["payload"], g
+
+
+def test_a_delta_merge_puts_the_steps_own_progress_on_the_new_global_weights(runs):
+    """(g) `merge: delta`: right after fragment 1's merge (sent at step 2, merged at 3), each rank's weights are
+    the new shared weights plus step 3's own move (0.01 on rank 0, 0.02 on rank 1), not Streaming DiLoCo's
+    half-way mix of the two."""
+    for r in (0, 1):
+        gaps = runs["ranks"][r]["signals"]["past_shared"]
+        assert gaps and all(abs(g - 0.01 * (r + 1)) < 1e-6 for g in gaps), (r, gaps)
+
+
 def test_between_outer_steps_the_ranks_share_no_collective(runs):
-    """Besides its pseudo-gradients a rank sends only a stop code at each outer step (8 bytes: where the
-    ranks meet anyway) and its evals' sums: no per-step collective, which made every inner step wait
-    for the slower rank's (one a step before stop 58: 12 codes here, not 3)."""
+    """Besides its pseudo-gradients a rank sends only its token weight and three flags inside each outer
+    step's own all-reduce (the stop codes and a joiner's wait ride there: `DiLoCo._signals`) and its evals'
+    sums: no collective of its own for a stop code, which made every inner step wait for the slower rank's
+    (one a step before stop 58: 12 codes here, not 3; one at every send from stop 58 to 60)."""
     n = runs["one"]["adamw"].trainable_params
     res = runs["ranks"][0]["fp32"]
     evals = len(runs["ranks"][0]["fp32_evals"])
-    assert res["comm_bytes_sent"] - res["rounds"] * (n + 1) * 4 == res["rounds"] * 8 + evals * 4 * 8, (res, evals)
+    assert res["comm_bytes_sent"] - res["rounds"] * (n + 1 + FLAGS) * 4 == evals * 4 * 8, (res, evals)

@@ -48,6 +48,11 @@ SPARSE = {"chunk": 4096, "topk": 64, "bits": 2}  # SparseLoCo's defaults (the sp
 MIN_H, MAX_H = 5, 500  # inner steps: a floor and a ceiling
 FEATURES = frozenset({"sparse", "fragments", "int4"})  # what diloco takes: issue 45's items 2 and 3, the int4 codec
 FRAGMENTS = 4  # streaming: the model synced in this many slices, staggered over H
+STREAMED_MERGE = "delta"
+"""How a streamed plan merges a fragment (diloco's `merge`): the new global weights plus the τ steps' own
+progress since the send, not Streaming DiLoCo's mix (local <- 0.5 local + 0.5 global), which halves the
+outer step: llama-100m at 1 Gbit/s, H 10, four fragments, τ 1, mixed, reached one node's loss at step 52
+where blocking syncs reached it at 42 (stop 61, BENCHMARKS.md scale-out)."""
 SHORT_ROUNDS = 100  # outer rounds under which a factored adapter's outer step is lr 1.0, momentum 0.5
 SHORT_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.5}
 """The outer step of a dense plan of under `SHORT_ROUNDS` rounds that trains a factored PEFT method
@@ -288,9 +293,11 @@ def _decision(m: Measured, p: _Plan, numbers: dict, why: str, link: str) -> Deci
         return Decision("diloco", {**p.codec, "inner_steps": p.h, **outer},
                         f"{sends}, {p.comm_fraction:.1%} of H={p.h} steps' compute, {fits}{steady} ({link})", numbers)
     numbers.update(fragments=p.fragments, overlap=p.overlap)
-    return Decision("diloco", {**p.codec, "inner_steps": p.h, "fragments": p.fragments, "overlap": p.overlap, **outer},
+    return Decision("diloco", {**p.codec, "inner_steps": p.h, "fragments": p.fragments, "overlap": p.overlap,
+                               "merge": STREAMED_MERGE, **outer},
                     f"{sends}: blocking would need H={p.blocking_h}, so {p.fragments} streamed fragments, each "
-                    f"sent behind τ={p.overlap} steps' compute (H={p.h}){over}{steady} ({link})", numbers)
+                    f"sent behind τ={p.overlap} steps' compute (H={p.h}), merged with the steps' own progress"
+                    f"{over}{steady} ({link})", numbers)
 
 
 def _outer(rounds: int | None, codec: str, factored: bool) -> tuple[dict[str, float], str]:

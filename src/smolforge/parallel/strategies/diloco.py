@@ -55,13 +55,14 @@ from smolforge.parallel.strategies.ddp import DDP
 from smolforge.parallel.strategies.diloco_speeds import SpeedPlan
 from smolforge.parallel.strategies.diloco_stream import (Averaged, Flight, Fragment, fill_pseudo_gradient,
                                                          make_fragments, merge_into, offsets,
-                                                         outer_step, pseudo_gradient)
+                                                         outer_step, pseudo_gradient, snapshot)
 from smolforge.train import balance
 from smolforge.train.rank_context import Membership, RankContext
 from smolforge.train.strategy import Strategy
 
 T = TypeVar("T")
 MAX_REGROUPS = 4  # re-formations in a row for one collective before its error is let through
+PAUSE, CANCEL, JOINER = range(3)  # the flags a sync's message carries (`DiLoCo._signals`), summed over the ranks
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
              "Timed out", "timed out", "Socket Timeout", "No route to host")
 
@@ -80,6 +81,8 @@ class DiLoCoSettings(CodecFields):
     fragments: int = Field(1, ge=1, le=64, description="parameter groups synced in turn (1: the whole model)")
     overlap: int = Field(0, ge=0, description="tau: inner steps from a fragment's send to its merge (0: blocking)")
     mix: float = Field(0.5, ge=0, lt=1, description="overlap > 0: merge as local <- mix local + (1 - mix) global")
+    merge: Literal["mix", "delta"] = Field("mix", description="overlap > 0: `mix` (Streaming DiLoCo's), or `delta`: "
+                                           "local <- global + the steps' own progress since the send")
     background: bool = Field(True, description="overlap > 0: send from a thread (False: at send time, blocking)")
     inner_steps_by_speed: bool = Field(False, description="inner steps per round follow each rank's measured speed")
 
@@ -119,9 +122,11 @@ class DiLoCo(SpeedPlan, DDP):
         self.feedback = ErrorFeedback(make_codec(settings.codec, **self.config))  # this rank's residual
         self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
         self.ended = False  # every step taken and every rank on the shared weights (`finish`)
+        self.agreed_code = 0  # a stop code every rank learned from a merged sync (`agree` hands it to the loop)
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
         self.overlap, self.mix, self.background = settings.overlap, settings.mix, settings.background
+        self.delta = settings.merge == "delta" and self.overlap > 0  # `merge_into` with the send's snapshot
         self.by_speed = settings.inner_steps_by_speed
         # Fragment f's steps since its last send and its loss tokens since then (fragment 0: the whole model
         # when fragments == 1, today's round); its first send comes after H - offset_f steps
@@ -237,25 +242,30 @@ class DiLoCo(SpeedPlan, DDP):
         return super().next_step(done, steps)
 
     def agree(self, code: int, device: torch.device) -> int:
-        """A stop code (pause, cancel) agreed where the ranks meet anyway: at the end of a round (by speed:
-        `_speed_agree`), or at a step where a fragment was sent (`sent_now`: the same steps on every rank);
-        held until then, so between syncs the ranks share no collective and none waits for another's step.
-        Agreeing every step made every step wait for the slower rank's (stop 58, BENCHMARKS.md). A pause
-        then lands at the first boundary (`at_boundary`) from there; a cancel waits for the next send."""
-        def agreed(c: int) -> int:
-            return self._collective(lambda: DDP.agree(self, c, device))
+        """A stop code (pause, cancel) agreed without a collective of its own: held until the next fragment's
+        send, which carries it in its message (`_signals`), and agreed at that fragment's merge, where every
+        rank reads the same sum (the same step on every rank: blocking, the send's own; streamed, τ steps
+        later). By speed, at the end of a round (`_speed_agree`). Agreeing every step made every step wait
+        for the slower rank's (stop 58, BENCHMARKS.md); agreeing at every streamed send by an all-reduce of
+        its own made the ranks wait for each other every H ÷ fragments steps, where the transfer itself waits
+        for nobody for τ steps (stop 61). A pause then lands at the first boundary (`at_boundary`) from
+        there; a cancel waits for the next merge."""
         if self.by_speed:
-            return self._speed_agree(code, agreed)
+            return self._speed_agree(code, lambda c: self._collective(lambda: DDP.agree(self, c, device)))
         self.held_code = max(self.held_code, code)
-        if not self.sent_now:
-            return 0
-        code, self.held_code = agreed(self.held_code), 0
+        code, self.agreed_code = self.agreed_code, 0
         return code
 
-    @property
-    def sent_now(self) -> bool:
-        """Whether the step just taken sent a fragment (each fragment's count restarts at its send)."""
-        return not all(self.since)
+    def _signals(self, f: int) -> list[float]:
+        """What this rank tells the others with fragment f's message (flags: `PAUSE`, `CANCEL`, `JOINER`):
+        the stop code held since the last send (by speed: none, agreed at the round's end instead), and with
+        fragment 0 whether it sees a member waiting to join (`membership.joiners_waiting`)."""
+        flags = [0.0, 0.0, 0.0]
+        if not self.by_speed and self.held_code:
+            flags[CANCEL if self.held_code == 2 else PAUSE], self.held_code = 1.0, 0
+        if f == 0 and self.membership is not None and self.membership.joiners_waiting():
+            flags[JOINER] = 1.0
+        return flags
 
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Land what is in flight, then a short last round of every fragment not just synced, merged
@@ -289,11 +299,14 @@ class DiLoCo(SpeedPlan, DDP):
                 fill = fill_pseudo_gradient(self.params, frag)
                 message = pack_pieces(frag.feedback.encode_pieces(frag.end - frag.start, fill))
         self.since[f], self.targets[f] = 0, 0.0
+        signals = self._signals(f)
 
         def average() -> Averaged:  # run again as it is after a regroup: the same message, another group
-            return self._average(coder, weight, delta, message)
+            return self._average(coder, weight, delta, message, signals)
 
         now = now or not self.overlap
+        if self.delta and not now:
+            frag.meta["sent"] = snapshot(self.params, frag)
         self.syncs += 1
         if not now and self.background:
             self.background_syncs += 1
@@ -314,14 +327,20 @@ class DiLoCo(SpeedPlan, DDP):
         frag.flight = None
         with self._timed("cpu"):  # the ranks' messages summed a piece at a time, into the outer step
             outer_step(self.outer, frag.shared, mean.piece, mean.unit)
-            merge_into(self.params, frag, self.mix if mix is None and self.overlap else (mix or 0.0))
+            sent = frag.meta.pop("sent", None)
+            if mix is None and self.overlap:
+                merge_into(self.params, frag, self.mix, sent=sent if self.delta else None)
+            else:
+                merge_into(self.params, frag, mix or 0.0)
+        if mean.signals[CANCEL] or mean.signals[PAUSE]:  # the same sums on every rank: the same step's code
+            self.agreed_code = max(self.agreed_code, 2 if mean.signals[CANCEL] else 1)
         if f:
             return
         self.rounds += 1
         if self.by_speed:
             self._replan(frag.meta["weight"])
-        if self.membership is not None and self._collective(self._joiners_waiting):
-            self.admit_next = True  # at the start of the next step (after a checkpoint or a pause here)
+        if mean.signals[JOINER]:  # a member saw a joiner at the send: all take it in at the next step's start
+            self.admit_next = True  # (after a checkpoint or a pause here)
 
     def metrics(self) -> dict[str, float]:
         """Fragment syncs sent, how many of them ran in the background (streamed syncs), and this rank's
@@ -352,13 +371,6 @@ class DiLoCo(SpeedPlan, DDP):
             self.sync_group = dist.new_group()
 
     # -- elastic membership -------------------------------------------------------------------------
-
-    def _joiners_waiting(self) -> bool:
-        """Whether any member saw a joiner waiting: all re-form the group at this outer step, or none."""
-        t = torch.tensor([int(self.membership.joiners_waiting())], device=self.device)
-        self._count(t)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     def start_at(self, step: int) -> int:
         """A joiner waits until the others take it in at an outer step, then starts at their step."""
@@ -444,28 +456,33 @@ class DiLoCo(SpeedPlan, DDP):
         return self._collective(lambda: DDP.gather_rng(self))
 
     def _average(self, coder: Codec, weight: float, delta: torch.Tensor | None,
-                 message: tuple[torch.Tensor, dict] | None) -> Averaged:
+                 message: tuple[torch.Tensor, dict] | None, signals: list[float]) -> Averaged:
         """The ranks' pseudo-gradients averaged with their `weight`s: for a codec whose payloads sum in
         transit (fp32) an all-reduce of the weighted values (`delta`, unweighted); else every rank's
         `message` (`pack_pieces`: one uint8 buffer, encoded unweighted, since fp16 overflows at 65504 and
         the residual keeps its units) gathered, to be summed by the codec exactly as sent, each part
-        weighted by its share of the weights, a piece at a time by the outer step (`Averaged.piece`)."""
+        weighted by its share of the weights, a piece at a time by the outer step (`Averaged.piece`).
+        `signals` (`_signals`) travel beside the weight and come back summed over the ranks."""
+        n, k = (0 if delta is None else delta.numel()), len(signals)
         if coder.summable:
             with self._timed("cpu"):
-                packed = torch.empty(delta.numel() + 1)
-                torch.mul(delta, weight, out=packed[:-1])
-                packed[-1] = weight
+                packed = torch.empty(n + 1 + k)
+                torch.mul(delta, weight, out=packed[:n])
+                packed[n] = weight
+                packed[n + 1:] = torch.tensor(signals)
             self._count(packed)
             with self._timed("transfer"):
                 dist.all_reduce(packed, group=self.sync_group)
             with self._timed("cpu"):
-                return Averaged(coder, values=packed[:-1].div_(packed[-1]))
-        weights = torch.tensor([weight], dtype=torch.float64)
+                return Averaged(coder, values=packed[:n].div_(packed[n]), signals=packed[n + 1:].tolist())
+        head = torch.tensor([weight, *signals], dtype=torch.float64)
         with self._timed("transfer"):
-            every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
+            heads = self._gather(head, group=self.sync_group)
             every = self._gather(message[0], group=self.sync_group)
+        every_w = [float(h[0]) for h in heads]
         parts = [unpack_payload(b, message[1]) for b in every]  # views of the buffers
-        return Averaged(coder, parts=parts, weights=[w / sum(every_w) for w in every_w])
+        return Averaged(coder, parts=parts, weights=[w / sum(every_w) for w in every_w],
+                        signals=torch.stack(heads)[:, 1:].sum(0).tolist())
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]
