@@ -175,6 +175,21 @@ def test_a_factored_adapters_plan_of_few_rounds_damps_the_outer_momentum():
     assert sparse.config["codec"] == "sparse" and "outer_momentum" not in sparse.config
 
 
+def test_the_plan_takes_the_all_gathers_rate_where_it_is_below_one_way():
+    """A sync all-gathers, every link both ways at once: where the probe's all-gather (`gather_mbit_s`) is
+    slower than the slowest link one way (20 Mbit/s netlab: 11.5-12.7 against 19.1, stop 61), the plan's
+    transfer is timed at the all-gather's rate and the reason says both; a faster one changes nothing."""
+    from dataclasses import replace
+
+    one_way = decide(measured(20, 3.0, max_steps=100))
+    both = decide(replace(measured(20, 3.0, max_steps=100), gather_mbit_s=10.0))
+    assert (one_way.numbers["mbit_s"], both.numbers["mbit_s"]) == (20.0, 10.0)
+    assert both.numbers["sync_s"] > 1.9 * one_way.numbers["sync_s"], (one_way.numbers, both.numbers)
+    assert "slowest link 10 Mbit/s (20 one way, both ways at once in an all-gather)" in both.reason, both.reason
+    faster = decide(replace(measured(20, 3.0, max_steps=100), gather_mbit_s=30.0))
+    assert faster.config == one_way.config and "one way" not in faster.reason
+
+
 def test_one_rank_shares_nothing_and_the_decision_is_deterministic():
     assert decide(measured(20, 1.0, world=1)).strategy == "single"
     m = measured(20, 3.0)

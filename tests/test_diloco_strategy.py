@@ -40,8 +40,8 @@ PLAIN_OUTER = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 # (b), (c): outer lr 1 and momentum 0.5 (Nesterov), as the cluster's comparison with DDP: with a few outer
 # steps the paper's 0.7/0.9 (made for thousands) overshoots. Momentum > 0: a checkpoint carries its buffer.
 OUTER = {"inner_steps": H, "outer_lr": 1.0, "outer_momentum": 0.5}
-CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: eval sums
-FLAGS = 3  # values a sync's message carries beside the token weight: pause, cancel, a joiner (`DiLoCo._signals`)
+CONTROL = 1024  # bytes of a run's small collectives besides the (pseudo-)gradients: stop codes, eval sums
+AGREE = 16  # bytes a round's agreement sends: the stop code and whether a joiner waits (int64 each, `DiLoCo.agree`)
 # (d): two outer steps of H = 2; the paused run stops on the outer step at 2, its resume takes the second
 RH, RSTEPS = 2, 4
 CODECS = {"int8": {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.5},
@@ -71,16 +71,17 @@ def _runs(rank: int, root: Path) -> dict:
     out["auto"] = _resolve_on_loopback(rank)
     out["stream"] = _stream_runs(rank, root / "stream")
     out["speeds"] = _speeds_run(rank, root / "speeds")
-    out["signals"] = _signals_run(rank)
+    out["agree"] = _agree_run(rank)
     return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in out.items()}
 
 
-def _signals_run(rank: int) -> dict:
+def _agree_run(rank: int) -> dict:
     """(g) The strategy alone, streamed (`STREAM`: fragment 1 sent at 2 and 6, merged at 3 and 7; fragment 0
     at 4 and 8, merged at 5 and 9) with `merge: delta` on a 4x4 linear layer whose every weight each step moves
     by 0.01 on rank 0, 0.02 on rank 1: rank 1 alone asks to cancel after step 1. What `agree` returned at each
-    step on this rank, the bytes it handed to collectives, and how far fragment 1's weights were from its
-    new shared weights right after its merge at step 3 (delta: that step's own move)."""
+    step on this rank, the bytes it handed to collectives (and what one sync of each fragment sends), and how
+    far fragment 1's weights were from its new shared weights right after its merge at step 3 (delta: that
+    step's own move)."""
     from smolforge.parallel.strategies import make_strategy
 
     torch.manual_seed(0)
@@ -100,7 +101,7 @@ def _signals_run(rank: int) -> dict:
             past_shared = (strategy._flat(frag) - frag.shared.detach()).tolist()
     strategy.finish(model, opt)
     return {"agreed": agreed, "bytes": strategy.bytes_sent, "syncs": strategy.syncs, "past_shared": past_shared,
-            "payload": 8 * (1 + FLAGS) + strategy.frags[0].feedback.coder.nbytes(4 * 4 + 4)}
+            "rounds": strategy.rounds, "payloads": [8 + f.feedback.coder.nbytes(f.end - f.start) for f in strategy.frags]}
 
 
 def _error_feedback_runs(root: Path) -> dict:
@@ -176,9 +177,8 @@ def test_h_inner_steps_send_one_coded_pseudo_gradient_per_outer_step(runs, codec
 
     one = runs["one"]["adamw"]
     n = one.trainable_params
-    per_round = {"fp32": (n + 1 + FLAGS) * 4,  # the pseudo-gradient, the token weight and the flags: one all-reduce
-                 "int8": 8 * (1 + FLAGS) + payload_bytes(encode(torch.zeros(n), "int8", 256))}[codec]  # fp64 weight
-    # and flags, codes, scales
+    per_round = {"fp32": (n + 1) * 4,  # the pseudo-gradient and the token weight, one all-reduce
+                 "int8": 8 + payload_bytes(encode(torch.zeros(n), "int8", 256))}[codec]  # fp64 weight, codes, scales
     ddp = STEPS * n * 4  # DDP's gradient all-reduces for the same steps (tests/test_zero1_strategy.py counts them)
     for r in (0, 1):
         res = runs["ranks"][r][codec]
@@ -251,9 +251,8 @@ def test_a_resumed_run_with_error_feedback_is_bitwise_the_undisturbed_one(runs, 
     a, b = adapter_weights(resumed), adapter_weights(whole)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
-    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight and flags), and a few
-    # control scalars
-    per_round = 8 * (1 + FLAGS) + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
+    # what each rank sent per outer step is the codec's formula (plus its fp64 token weight), and a few control scalars
+    per_round = 8 + make_codec(**{"name": codec, **CODECS[codec]}).nbytes(whole["trainable_params"])
     assert 0 <= whole["comm_bytes_sent"] - (RSTEPS // RH) * per_round < CONTROL, (whole["comm_bytes_sent"], per_round)
     assert resumed["final_loss"] == whole["final_loss"]
     assert ranks[1][codec + "_ef_resumed"]["final_loss"] == ranks[1][codec + "_ef"]["final_loss"]
@@ -342,6 +341,7 @@ def _before():
                 p.copy_(self.flat_shared[offset:offset + p.numel()].view_as(p).to(p.dtype))
                 offset += p.numel()
             self.rounds, self.steps_in, self.tokens_in = self.rounds + 1, 0, 0.0
+            self.round_ended = True  # `DiLoCo.agree` meets the others after this step, as it did
 
     return Before(**SOUTER)
 
@@ -387,8 +387,7 @@ def test_one_fragment_without_overlap_is_bitwise_the_diloco_before_streaming(run
         assert counts(plain) == {"fragment_syncs": SSTEPS // SH, "background_syncs": 0}
         # a sync's seconds by kind: its own passes (cpu) and inside the collectives (transfer), both spent
         assert plain["strategy_metrics"]["sync_cpu_s"] > 0 and plain["strategy_metrics"]["sync_transfer_s"] > 0
-        # the same all-reduce a round, with the flags beside the token weight (stop 61: `DiLoCo._signals`)
-        assert plain["comm_bytes_sent"] == before["comm_bytes_sent"] + plain["rounds"] * FLAGS * 4
+        assert plain["comm_bytes_sent"] == before["comm_bytes_sent"]
     assert _same(adapter_weights(runs[0]["plain"]), adapter_weights(runs[0]["before"]))
 
 
@@ -408,16 +407,16 @@ def test_a_streamed_fragment_sync_gives_the_weights_of_a_blocking_one(runs):
 
 @pytest.mark.parametrize("tag", ["", "_int8"])
 def test_a_streamed_run_pauses_with_nothing_in_flight_and_resumes_exactly(runs, tag):
-    """The pause asked after step 5 is agreed at 6, where the ranks meet (fragment 1's send: between sends
-    they share no collective), and lands at 7 (fragment 1's flight merged there, nothing in flight);
-    the checkpoint holds each rank's own weights and tokens (int8: and every fragment's error-feedback
-    residual); the resumed ranks end as the uninterrupted run, bitwise."""
+    """The pause asked after step 5 is agreed at 5, where the ranks meet (the round's end: fragment 0 merged
+    there; between rounds they share no collective), and lands there (nothing in flight: fragment 1 goes out
+    at 6); the checkpoint holds each rank's own weights and tokens (int8: and every fragment's
+    error-feedback residual); the resumed ranks end as the uninterrupted run, bitwise."""
     runs = {r: runs["ranks"][r]["stream"] for r in (0, 1)}
     paused, resumed = runs[0]["paused" + tag], runs[0]["resumed" + tag]
-    assert paused["stopped"] == "pause" and paused["steps"] == 7
+    assert paused["stopped"] == "pause" and paused["steps"] == 5
     blob = torch.load(Path(paused["checkpoint_dir"]) / "optim.pt", map_location="cpu", weights_only=True)
     state = blob["strategy"]
-    assert state["since"] == [3, 1] and len(state["local"]) == 2 and len(state["shared"]) == 2
+    assert state["since"] == [1, 3] and len(state["local"]) == 2 and len(state["shared"]) == 2
     assert not torch.equal(state["local"][0], state["local"][1])  # the ranks' own weights differ mid-round
     assert resumed["steps"] == SSTEPS and resumed["stopped"] is None
     assert ("error_feedback" in state) == bool(tag)
@@ -518,14 +517,16 @@ def test_the_pseudo_gradient_read_in_pieces_is_the_one_made_whole():
     assert torch.equal(shared[0], shared[1])
 
 
-def test_a_stop_code_rides_in_the_next_sync_and_is_agreed_where_it_merges(runs):
-    """(g) A cancel asked on rank 1 alone after step 1 goes out with the next send (fragment 1's at step 2) and
-    both ranks read it where that fragment merges (step 3): the same step on each, and no collective of its
-    own (every byte a rank sent is a sync's message: the pseudo-gradient's codes, the weight and the flags)."""
-    got = [runs["ranks"][r]["signals"] for r in (0, 1)]
-    assert got[0]["agreed"] == got[1]["agreed"] == [0, 0, 2, 0, 0, 0, 0, 0, 0], got
+def test_a_stop_code_is_agreed_once_a_round_where_fragment_0_merges(runs):
+    """(g) Streamed, a cancel asked on rank 1 alone after step 1 is held until the round's end, fragment 0's
+    merge at step 5, and both ranks agree it there: the same step on each, and one agreement a round, not one
+    at every fragment's send (stop 58-60: steps 2, 4, 6, 8 here), which tied streamed ranks together every
+    H ÷ fragments steps. Every other byte is a fragment's sync: 3 of each (finish sends both once more)."""
+    got = [runs["ranks"][r]["agree"] for r in (0, 1)]
+    assert got[0]["agreed"] == got[1]["agreed"] == [0, 0, 0, 0, 2, 0, 0, 0, 0], got
     for g in got:
-        assert g["syncs"] >= 4 and g["bytes"] <= g["syncs"] * g["payload"], g
+        assert g["syncs"] == 6 and g["rounds"] == 3, g  # fragment 0 merged at 5, 9 and in finish
+        assert g["bytes"] == 3 * sum(g["payloads"]) + 2 * AGREE, g  # agreed at 5 and 9
 
 
 def test_a_delta_merge_puts_the_steps_own_progress_on_the_new_global_weights(runs):
@@ -533,16 +534,16 @@ def test_a_delta_merge_puts_the_steps_own_progress_on_the_new_global_weights(run
     the new shared weights plus step 3's own move (0.01 on rank 0, 0.02 on rank 1), not Streaming DiLoCo's
     half-way mix of the two."""
     for r in (0, 1):
-        gaps = runs["ranks"][r]["signals"]["past_shared"]
+        gaps = runs["ranks"][r]["agree"]["past_shared"]
         assert gaps and all(abs(g - 0.01 * (r + 1)) < 1e-6 for g in gaps), (r, gaps)
 
 
 def test_between_outer_steps_the_ranks_share_no_collective(runs):
-    """Besides its pseudo-gradients a rank sends only its token weight and three flags inside each outer
-    step's own all-reduce (the stop codes and a joiner's wait ride there: `DiLoCo._signals`) and its evals'
-    sums: no collective of its own for a stop code, which made every inner step wait for the slower rank's
-    (one a step before stop 58: 12 codes here, not 3; one at every send from stop 58 to 60)."""
+    """Besides its pseudo-gradients a rank sends only one agreement at each outer step (a stop code and
+    whether a joiner waits, 16 bytes: where the ranks meet anyway) and its evals' sums: no per-step
+    collective, which made every inner step wait for the slower rank's (one a step before stop 58: 12
+    codes here, not 3)."""
     n = runs["one"]["adamw"].trainable_params
     res = runs["ranks"][0]["fp32"]
     evals = len(runs["ranks"][0]["fp32_evals"])
-    assert res["comm_bytes_sent"] - res["rounds"] * (n + 1 + FLAGS) * 4 == evals * 4 * 8, (res, evals)
+    assert res["comm_bytes_sent"] - res["rounds"] * (n + 1) * 4 == res["rounds"] * AGREE + evals * 4 * 8, (res, evals)

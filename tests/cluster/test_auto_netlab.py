@@ -7,7 +7,8 @@ diloco: for a run long enough for sparse's error feedback (`LONG` steps, hundred
 (`SHORT` steps, 2 rounds) a dense codec: both over budget at the run's cap of H 6, int4, which waits
 less (half int8's bytes). The decision and its reason are asserted, not a time. Needs root, `ip netns` and tc (skipped otherwise; failed under CI).
 
-The probe and the decision only, seconds: the settings it chooses are asserted as a dict (the sparse codec
+A second test caps the two nodes' uploads unevenly (20 and 200 Mbit/s) and checks that the probe keeps each
+direction apart. The probe and the decision only, seconds: the settings it chooses are asserted as a dict (the sparse codec
 and streamed fragments are issue 45 items 2 and 3, merged beside this); a training run under them is
 bench/scale_out.py's.
 """
@@ -93,6 +94,8 @@ def test_auto_picks_sparse_diloco_on_a_20_mbit_link():
     assert {"chunk", "topk", "bits", "inner_steps"} <= set(d["config"]), d["config"]
     n = d["numbers"]
     assert n["mbit_s"] < 2 * CAP, n  # the capped link was measured, not the host's loopback
+    # the plan's rate is the slower of one way and the group's all-gather (every link both ways at once)
+    assert n["gather_mbit_s"] and n["mbit_s"] == round(min(n["one_way_mbit_s"], n["gather_mbit_s"]), 2), n
     assert n["ddp_comm_s"] > 0.10 * n["step_s"], n  # why not ddp: its all-reduce is over 10 % of a step
     assert "would be" in d["reason"] and "over 10%" in d["reason"] and "Mbit/s" in d["reason"], d["reason"]
     assert n["sync_s"] <= 0.10 * d["config"]["inner_steps"] * n["step_s"] or d["config"].get("fragments"), n
@@ -105,5 +108,41 @@ def test_auto_picks_sparse_diloco_on_a_20_mbit_link():
     assert rounds < SPARSE_MIN_ROUNDS and f"{rounds} rounds < {SPARSE_MIN_ROUNDS}: too few" in short["reason"]
 
 
+def _links_worker(rank: int, master: str, port: int) -> None:
+    """One rank: a 2-rank gloo group through `master` and the link probe alone, as a JSON line."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from smolforge.parallel.auto_probe import probe_links
+
+    timeout = timedelta(seconds=120)
+    store = dist.TCPStore(master, port, 2, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    print(json.dumps({"links": [vars(s) for s in probe_links(4.0)]}), flush=True)
+    dist.destroy_process_group()
+
+
+def test_the_probe_times_each_direction_of_an_uneven_link_on_its_receiver():
+    """w1's upload capped at 20 Mbit/s, w2's at 200: each ordered pair is its own direction, so 0 → 1 reads
+    near 20 and 1 → 0 near 200 (a direction mixed up, or the two averaged, would read both alike). A tenfold
+    gap, asserted as an order, not a time."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
+                                          str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    with Netlab(CAP, names=("w1", "w2"), rates={"w2": 10 * CAP}) as lab:
+        argv = [sys.executable, str(Path(__file__).resolve()), "links-worker"]
+        procs = [lab.popen(node, [*argv, str(rank), lab.addr("w1"), str(PORT + 1)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(("w1", "w2"))]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    got = [json.loads([x for x in o.splitlines() if x.startswith("{")][-1])["links"] for o in outs]
+    assert got[0] == got[1], "every rank holds every direction's sample"
+    rate = {(s["src"], s["dst"]): s["mbit_s"] for s in got[0]}
+    assert rate[(0, 1)] < 1.5 * CAP < 3 * CAP < rate[(1, 0)], rate
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "auto-worker":
     _auto_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:9])
+elif __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "links-worker":
+    _links_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

@@ -107,6 +107,7 @@ class Measured:
     tokens_from: str = ""
     step_from: str = ""  # how `step_s` was found: a timed step of the run's model, or estimated from FLOPs
     sync_cpu_s: dict[str, float] = field(default_factory=dict)
+    gather_mbit_s: float | None = None  # an all-gather over the group, every link both ways at once (None: not timed)
     factored: bool = False  # the run trains a factored PEFT method (`PeftMethodClass.factored`): `SHORT_OUTER`
     """Per codec ("int8", "int4", "sparse"): the slowest rank's CPU seconds for one whole-model diloco sync besides
     the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
@@ -137,9 +138,10 @@ def codec_bytes(settings: dict[str, Any], values: int) -> int:
 
 
 def _bottleneck(m: Measured) -> tuple[float, float]:
-    """(bytes/s of the slowest measured link, the longest round trip)."""
-    rate = min(s.mbit_s for s in m.links) * 1e6 / 8
-    return max(rate, 1.0), max(s.rtt_s for s in m.links)
+    """(bytes/s of the slowest measured link, or of the group's all-gather where that is slower: a sync and
+    a ring all-reduce use every link both ways at once; the longest round trip)."""
+    mbit = min([s.mbit_s for s in m.links] + ([m.gather_mbit_s] if m.gather_mbit_s else []))
+    return max(mbit * 1e6 / 8, 1.0), max(s.rtt_s for s in m.links)
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,11 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
                "step_from": m.step_from,
                "budget": budget, "model_bytes": m.params * 4,
                "ddp_bytes_per_step": int(ddp_bytes), "ddp_comm_s": round(ddp_s, 4)}
-    link = f"slowest link {numbers['mbit_s']:g} Mbit/s, RTT {numbers['rtt_ms']:g} ms, step {m.step_s:.3g} s"
+    one_way = min(s.mbit_s for s in m.links)
+    numbers.update(one_way_mbit_s=round(one_way, 2), gather_mbit_s=m.gather_mbit_s and round(m.gather_mbit_s, 2))
+    both = (f" ({one_way:.3g} one way, both ways at once in an all-gather)"
+            if m.gather_mbit_s and m.gather_mbit_s < one_way else "")
+    link = f"slowest link {numbers['mbit_s']:g} Mbit/s{both}, RTT {numbers['rtt_ms']:g} ms, step {m.step_s:.3g} s"
     if ddp_s <= budget * m.step_s:
         return Decision("ddp", {}, f"ddp: its all-reduce ({_mb(ddp_bytes)} per step, {ddp_s:.3g} s) is "
                         f"{ddp_s / m.step_s:.1%} of a step's compute, within {budget:.0%} ({link})", numbers)

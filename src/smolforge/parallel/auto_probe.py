@@ -3,14 +3,14 @@ round's plan with the chosen strategy in place of `auto`.
 
 What is measured, once per round (a regroup is a new round, so a node joining or leaving decides again):
 
-- **every pair's link**, over the round's own process group (the channel training uses), **both ways at
-  once**, as a sync's all-gather moves it: ranks i and j exchange a warm-up of 256 KB each, then payloads
-  sized to about half a second at the warm-up's rate (at most `probe_mb` MB), each timed by its receiver
-  (Mbit/s of payload, j → i measured on i); the round trip is the least of 5 one-value ping-pongs (a busy
-  machine's scheduling only ever adds to a round trip, as NTP's minimum-delay filter assumes). Pairs go
-  one at a time, the others waiting at a barrier. Timed one way at a time, as this did before stop 61, the
-  probe read 19.1 Mbit/s on a 20 Mbit/s netlab link where a sync's fragments crossed at 14.7 (stop 60,
-  BENCHMARKS.md scale-out): a direction's data shares the link with the other's acknowledgements.
+- **every pair's link**, over the round's own process group (the channel training uses): rank i sends
+  rank j a warm-up of 256 KB, then a payload sized to about half a second at the warm-up's rate (at most
+  `probe_mb` MB), timed on the sender up to a 1-value acknowledgement (Mbit/s of payload); the round trip is
+  the least of 5 one-value ping-pongs (a busy machine's scheduling only ever adds to a round trip, as NTP's
+  minimum-delay filter assumes). Pairs go one at a time, the others waiting at a barrier.
+- **an all-gather over the whole group** (`gather_rate`, stop 61), what a diloco sync does: every rank
+  sends while it receives, each link busy both ways at once. One way at a time a 20 Mbit/s netlab link read
+  19.1 Mbit/s where a job's sync fragments crossed at 14.7 (stop 60): the plan takes the slower of the two.
 - **the step**, timed (`timed_step_seconds`): the run's own model built as training builds it, and two
   of training's own steps (`Trainer.step`: forward, backward, clipping, the optimizer) on random token ids
   the shape of a batch; the second counts. Tokens = rows per rank × grad_accum × the width a batch of *this
@@ -67,21 +67,19 @@ def _device() -> "torch.device":
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def _pair(me: int, a: int, b: int, probe_mb: float) -> LinkSample | None:
-    """One timed exchange between ranks a and b, both ways at once (collective between the two; others
-    return None at once): each receives the other's payload while sending its own, as a sync's all-gather
-    does, and times what arrived. Returns this rank's incoming direction (peer → me)."""
+def _pair(me: int, src: int, dst: int, probe_mb: float) -> LinkSample | None:
+    """One timed exchange src → dst (collective between the two; others return None at once)."""
     import torch
     import torch.distributed as dist
 
-    if me not in (a, b):
+    if me not in (src, dst):
         return None
     dev = _device()
-    peer, ack = (b if me == a else a), torch.zeros(1, device=dev)
+    peer, ack, size = (dst if me == src else src), torch.zeros(1, device=dev), torch.zeros(1, device=dev)
     rtts = []
-    for _ in range(5):  # round trips: one value there and back (the last one also lines up the two starts)
+    for _ in range(5):  # round trips: one value there and back
         t0 = time.perf_counter()
-        if me == a:
+        if me == src:
             dist.send(ack, peer)
             dist.recv(ack, peer)
         else:
@@ -89,53 +87,76 @@ def _pair(me: int, a: int, b: int, probe_mb: float) -> LinkSample | None:
             dist.send(ack, peer)
         ack.cpu()  # on a GPU (NCCL), the round trip ends when the value is on the host
         rtts.append(time.perf_counter() - t0)
-    warm = _exchange(peer, WARM_BYTES // 4, WARM_BYTES // 4, dev)
-    # each side sizes what its peer sends it: about `PROBE_SECONDS` at the warm-up's rate, at most `probe_mb`
-    want = torch.tensor([max(WARM_BYTES, min(probe_mb * 1e6, warm * PROBE_SECONDS)) // 4], device=dev)
-    size = torch.zeros(1, device=dev)
-    _swap(peer, want, size)
-    rate = _exchange(peer, int(size.item()), int(want.item()), dev)
-    return LinkSample(peer, me, rate * 8 / 1e6, min(rtts))
+    rate = _timed_send(me == src, peer, torch.ones(WARM_BYTES // 4, device=dev))
+    if me == src:
+        size[0] = max(WARM_BYTES, min(probe_mb * 1e6, (rate or 1e6) * PROBE_SECONDS)) // 4
+        dist.send(size, peer)
+    else:
+        dist.recv(size, peer)
+    rate = _timed_send(me == src, peer, torch.ones(int(size.item()), device=dev))
+    return LinkSample(src, dst, rate * 8 / 1e6, min(rtts)) if me == src else None
 
 
-def _swap(peer: int, out: "torch.Tensor", into: "torch.Tensor") -> None:
-    """Send `out` to `peer` while receiving its tensor into `into` (both posted at once: neither waits)."""
+def _timed_send(sending: bool, peer: int, payload: "torch.Tensor") -> float | None:
+    """Bytes/s of one payload sent to `peer`, timed by the sender up to the peer's acknowledgement."""
+    import torch
     import torch.distributed as dist
 
-    ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-
-
-def _exchange(peer: int, send_values: int, recv_values: int, dev: "torch.device") -> float:
-    """Bytes/s of the peer's payload of `recv_values` fp32 values, received while this rank sends its own
-    `send_values` to it: timed from the exchange's start to the last byte here."""
-    import torch
-
-    out, into = torch.ones(send_values, device=dev), torch.empty(recv_values, device=dev)
+    ack = torch.zeros(1, device=payload.device)
     t0 = time.perf_counter()
-    _swap(peer, out, into)
-    into[-1:].cpu()  # a GPU's receive is asynchronous: the payload is in once its last value reaches the host
-    return recv_values * 4 / max(time.perf_counter() - t0, 1e-9)
+    if sending:
+        dist.send(payload, peer)
+        dist.recv(ack, peer)
+        ack.cpu()  # a GPU's send is asynchronous: the acknowledgement is here once it is on the host
+        return payload.numel() * 4 / max(time.perf_counter() - t0, 1e-9)
+    dist.recv(payload, peer)
+    dist.send(ack, peer)
+    return None
 
 
 def probe_links(probe_mb: float = 4.0) -> list[LinkSample]:
-    """Every ordered pair's measured link, the same list on every rank (collective over the default group):
-    the pairs go one at a time, each measured both ways at once (`_pair`), the others waiting at a barrier."""
+    """Every ordered pair's measured link, the same list on every rank (collective over the default group)."""
     import torch.distributed as dist
 
     me, world = dist.get_rank(), dist.get_world_size()
     mine = []
-    for a in range(world):
-        for b in range(a + 1, world):
-            sample = _pair(me, a, b, probe_mb)
-            if sample is not None:
-                mine.append(sample)
-            dist.barrier()
+    for src in range(world):
+        for dst in range(world):
+            if src != dst:
+                sample = _pair(me, src, dst, probe_mb)
+                if sample is not None:
+                    mine.append(sample)
+                dist.barrier()
     rows = [[s.src, s.dst, s.mbit_s, s.rtt_s] for s in mine]
     every = gather_numbers(rows + [[math.nan] * 4] * (world - len(rows)), width=4)  # world rows each: fixed shape
     return sorted((LinkSample(int(r[0]), int(r[1]), r[2], r[3]) for part in every for r in part
                    if not math.isnan(r[0])), key=lambda s: (s.src, s.dst))
+
+
+def gather_rate(links: list[LinkSample], probe_mb: float) -> float:
+    """Mbit/s of payload a rank sends in an all-gather over the whole group, every rank at once (what a diloco
+    sync does: each link both ways at once), the slowest rank's: a payload sized to about `PROBE_SECONDS` at
+    the slowest pair's one-way rate (at most `probe_mb` MB), after a warm-up gather of `WARM_BYTES`.
+    Collective over the default group. Measured on netlab at a 20 Mbit/s cap: one way 19.1 Mbit/s, a 2-rank
+    gloo all-gather of 1-16 MB 11-13, a job's 14 MB int4 fragments 14.7 (stop 60-61, BENCHMARKS.md
+    scale-out); timing each pair both ways at once instead read 6.6 in one direction and 19.5 in the other
+    in most tries (two TCP flows through one queue share it unevenly over half a second)."""
+    import torch
+    import torch.distributed as dist
+
+    world, dev = dist.get_world_size(), _device()
+    slowest = min(s.mbit_s for s in links) * 1e6 / 8
+    values = int(max(WARM_BYTES, min(probe_mb * 1e6, slowest * PROBE_SECONDS / max(1, world - 1)))) // 4
+    warm = torch.ones(WARM_BYTES // 4, device=dev)
+    dist.all_gather([torch.empty_like(warm) for _ in range(world)], warm)
+    mine = torch.ones(values, device=dev)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_gather(parts, mine)
+    parts[-1][-1:].cpu()  # on a GPU (NCCL), the gather is over once its last value is on the host
+    rate = values * 4 * (world - 1) / max(time.perf_counter() - t0, 1e-9)
+    return min(part[0][0] for part in gather_numbers([[rate]], width=1)) * 8 / 1e6
 
 
 def gather_numbers(rows: list[list[float]], width: int) -> list[list[list[float]]]:
@@ -338,6 +359,7 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     except Exception:  # noqa: BLE001 - a PEFT method or family the meta device cannot build: ddp, said so
         sizes = None
     links = probe_links(probe_mb)
+    gather = gather_rate(links, probe_mb)
     tokens, source = step_tokens(cfg) if sizes else (0.0, "")
     mine, how = _step(cfg, sizes, tokens) if sizes else (0.0, "")
     cpu = [sync_cpu_seconds(c, sizes[1] // 4, world) if sizes else 0.0 for c in SYNC_CODECS]
@@ -354,7 +376,7 @@ def measure(cfg: "TrainConfig", probe_mb: float, world: int) -> Measured | None:
     slowest = {c: max(e[2 + i] for e in every) for i, c in enumerate(SYNC_CODECS)}
     from smolforge.models.peft import peft_method
 
-    return Measured(world=world, links=tuple(links), step_s=slow[0], params=sizes[0],
+    return Measured(world=world, links=tuple(links), gather_mbit_s=gather, step_s=slow[0], params=sizes[0],
                     trainable_bytes=sizes[1], max_steps=cfg.max_steps, step_tokens=tokens, tokens_from=source,
                     step_from=how, sync_cpu_s=slowest, factored=peft_method(cfg.peft.method).factored)
 

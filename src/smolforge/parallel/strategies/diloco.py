@@ -22,6 +22,8 @@ next round from them. Gradients cross the network once per H steps instead of ev
   time on a staggered schedule, each merged `overlap` steps after its send while the ranks train on;
   checkpoints land where no fragment is in flight and keep every rank's own weights. `fragments` 1 and
   `overlap` 0 (the defaults) are the whole-model blocking sync above, bitwise (a test keeps it so).
+  `merge`: how a fragment lands τ steps after its send, mixed (`mix`, the paper's) or `delta` (the new
+  global weights plus the τ steps' own progress).
 - `inner_steps_by_speed` (`diloco_speeds.py`): each rank's inner steps per round follow its measured
   speed (a round is H global steps' rows, shared out by rate), so a slow node does not hold a fast one.
 - Elastic membership (as torchft and prime-diloco do): a collective that fails because a peer is
@@ -62,7 +64,6 @@ from smolforge.train.strategy import Strategy
 
 T = TypeVar("T")
 MAX_REGROUPS = 4  # re-formations in a row for one collective before its error is let through
-PAUSE, CANCEL, JOINER = range(3)  # the flags a sync's message carries (`DiLoCo._signals`), summed over the ranks
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
              "Timed out", "timed out", "Socket Timeout", "No route to host")
 
@@ -122,7 +123,8 @@ class DiLoCo(SpeedPlan, DDP):
         self.feedback = ErrorFeedback(make_codec(settings.codec, **self.config))  # this rank's residual
         self._residuals: list[torch.Tensor] | None = None  # every rank's, gathered for a checkpoint
         self.ended = False  # every step taken and every rank on the shared weights (`finish`)
-        self.agreed_code = 0  # a stop code every rank learned from a merged sync (`agree` hands it to the loop)
+        self.round_ended = False  # fragment 0 merged at the step just taken: `agree` meets the others there
+        self.held_code = 0  # a stop code asked since the last round's end (`agree`)
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.nesterov = settings.nesterov and self.outer_momentum > 0
         self.overlap, self.mix, self.background = settings.overlap, settings.mix, settings.background
@@ -242,30 +244,32 @@ class DiLoCo(SpeedPlan, DDP):
         return super().next_step(done, steps)
 
     def agree(self, code: int, device: torch.device) -> int:
-        """A stop code (pause, cancel) agreed without a collective of its own: held until the next fragment's
-        send, which carries it in its message (`_signals`), and agreed at that fragment's merge, where every
-        rank reads the same sum (the same step on every rank: blocking, the send's own; streamed, τ steps
-        later). By speed, at the end of a round (`_speed_agree`). Agreeing every step made every step wait
-        for the slower rank's (stop 58, BENCHMARKS.md); agreeing at every streamed send by an all-reduce of
-        its own made the ranks wait for each other every H ÷ fragments steps, where the transfer itself waits
-        for nobody for τ steps (stop 61). A pause then lands at the first boundary (`at_boundary`) from
-        there; a cancel waits for the next merge."""
-        if self.by_speed:
-            return self._speed_agree(code, lambda c: self._collective(lambda: DDP.agree(self, c, device)))
+        """A stop code (pause, cancel) and whether a joiner waits, agreed once a round: at the step fragment 0
+        merged (the whole model's sync, blocking; by speed, the round's end), after the step's hooks, so a
+        member that left there (`job leave`) is found by this collective and the others re-form at once.
+        Held until then, so between syncs the ranks share no collective and none waits for another's step.
+        Agreeing every step made every step wait for the slower rank's (stop 58, BENCHMARKS.md); agreeing
+        at every fragment's send made streamed ranks (4 fragments) wait for each other every H ÷ 4 steps,
+        where the transfers themselves wait for nobody for τ steps (stop 61). A pause then lands at the
+        first boundary (`at_boundary`) from there; a cancel waits for the round's end."""
         self.held_code = max(self.held_code, code)
-        code, self.agreed_code = self.agreed_code, 0
+        if not self.round_ended:
+            return 0
+        self.round_ended = False
+        code, joiners = self._collective(lambda: self._agree_round(device))
+        self.held_code = 0
+        if joiners:
+            self.admit_next = True  # at the start of the next step (after a checkpoint or a pause here)
         return code
 
-    def _signals(self, f: int) -> list[float]:
-        """What this rank tells the others with fragment f's message (flags: `PAUSE`, `CANCEL`, `JOINER`):
-        the stop code held since the last send (by speed: none, agreed at the round's end instead), and with
-        fragment 0 whether it sees a member waiting to join (`membership.joiners_waiting`)."""
-        flags = [0.0, 0.0, 0.0]
-        if not self.by_speed and self.held_code:
-            flags[CANCEL if self.held_code == 2 else PAUSE], self.held_code = 1.0, 0
-        if f == 0 and self.membership is not None and self.membership.joiners_waiting():
-            flags[JOINER] = 1.0
-        return flags
+    def _agree_round(self, device: torch.device) -> tuple[int, bool]:
+        """(the highest held stop code, whether any member sees a joiner waiting): one all-reduce."""
+        waiting = self.membership is not None and self.membership.joiners_waiting()
+        t = torch.tensor([self.held_code, int(waiting)], device=device)
+        self._count(t)
+        with self.waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t[0]), bool(t[1])
 
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Land what is in flight, then a short last round of every fragment not just synced, merged
@@ -299,10 +303,9 @@ class DiLoCo(SpeedPlan, DDP):
                 fill = fill_pseudo_gradient(self.params, frag)
                 message = pack_pieces(frag.feedback.encode_pieces(frag.end - frag.start, fill))
         self.since[f], self.targets[f] = 0, 0.0
-        signals = self._signals(f)
 
         def average() -> Averaged:  # run again as it is after a regroup: the same message, another group
-            return self._average(coder, weight, delta, message, signals)
+            return self._average(coder, weight, delta, message)
 
         now = now or not self.overlap
         if self.delta and not now:
@@ -332,15 +335,12 @@ class DiLoCo(SpeedPlan, DDP):
                 merge_into(self.params, frag, self.mix, sent=sent if self.delta else None)
             else:
                 merge_into(self.params, frag, mix or 0.0)
-        if mean.signals[CANCEL] or mean.signals[PAUSE]:  # the same sums on every rank: the same step's code
-            self.agreed_code = max(self.agreed_code, 2 if mean.signals[CANCEL] else 1)
         if f:
             return
         self.rounds += 1
+        self.round_ended = True  # `agree`, after this step's hooks
         if self.by_speed:
             self._replan(frag.meta["weight"])
-        if mean.signals[JOINER]:  # a member saw a joiner at the send: all take it in at the next step's start
-            self.admit_next = True  # (after a checkpoint or a pause here)
 
     def metrics(self) -> dict[str, float]:
         """Fragment syncs sent, how many of them ran in the background (streamed syncs), and this rank's
@@ -456,33 +456,28 @@ class DiLoCo(SpeedPlan, DDP):
         return self._collective(lambda: DDP.gather_rng(self))
 
     def _average(self, coder: Codec, weight: float, delta: torch.Tensor | None,
-                 message: tuple[torch.Tensor, dict] | None, signals: list[float]) -> Averaged:
+                 message: tuple[torch.Tensor, dict] | None) -> Averaged:
         """The ranks' pseudo-gradients averaged with their `weight`s: for a codec whose payloads sum in
         transit (fp32) an all-reduce of the weighted values (`delta`, unweighted); else every rank's
         `message` (`pack_pieces`: one uint8 buffer, encoded unweighted, since fp16 overflows at 65504 and
         the residual keeps its units) gathered, to be summed by the codec exactly as sent, each part
-        weighted by its share of the weights, a piece at a time by the outer step (`Averaged.piece`).
-        `signals` (`_signals`) travel beside the weight and come back summed over the ranks."""
-        n, k = (0 if delta is None else delta.numel()), len(signals)
+        weighted by its share of the weights, a piece at a time by the outer step (`Averaged.piece`)."""
         if coder.summable:
             with self._timed("cpu"):
-                packed = torch.empty(n + 1 + k)
-                torch.mul(delta, weight, out=packed[:n])
-                packed[n] = weight
-                packed[n + 1:] = torch.tensor(signals)
+                packed = torch.empty(delta.numel() + 1)
+                torch.mul(delta, weight, out=packed[:-1])
+                packed[-1] = weight
             self._count(packed)
             with self._timed("transfer"):
                 dist.all_reduce(packed, group=self.sync_group)
             with self._timed("cpu"):
-                return Averaged(coder, values=packed[:n].div_(packed[n]), signals=packed[n + 1:].tolist())
-        head = torch.tensor([weight, *signals], dtype=torch.float64)
+                return Averaged(coder, values=packed[:-1].div_(packed[-1]))
+        weights = torch.tensor([weight], dtype=torch.float64)
         with self._timed("transfer"):
-            heads = self._gather(head, group=self.sync_group)
+            every_w = [float(w) for w in self._gather(weights, group=self.sync_group)]
             every = self._gather(message[0], group=self.sync_group)
-        every_w = [float(h[0]) for h in heads]
         parts = [unpack_payload(b, message[1]) for b in every]  # views of the buffers
-        return Averaged(coder, parts=parts, weights=[w / sum(every_w) for w in every_w],
-                        signals=torch.stack(heads)[:, 1:].sum(0).tolist())
+        return Averaged(coder, parts=parts, weights=[w / sum(every_w) for w in every_w])
 
     def _gather(self, t: torch.Tensor, checkpoint: bool = False, group: Any = None) -> list[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(self.world)]

@@ -64,7 +64,6 @@ class SpeedPlan:
     mine: list[Slice] | None = None  # this rank's slices of the current round; None: between rounds
     taken: int = 0
     rates: list[float] | None = None  # every rank's measured rows/s at the last outer step (None: even)
-    held_code: int = 0  # a stop code asked between outer steps, agreed at the round's end
 
     def _plan_round(self, done: int, steps: int) -> int | None:
         """Plan the round that starts at step `done` (at most H steps, up to the job's `steps`; the job's
@@ -96,14 +95,6 @@ class SpeedPlan:
         """Count the inner step; True when it was this rank's last slice of the round (the outer step is due)."""
         self.taken += 1
         return self.taken >= len(self.mine)
-
-    def _speed_agree(self, code: int, agree) -> int:
-        """Mid-round: hold the code (no collective); at the round's end: every rank's held codes, agreed."""
-        self.held_code = max(self.held_code, code)
-        if self.mine is not None:
-            return 0
-        code, self.held_code = agree(self.held_code), 0
-        return code
 
     @torch.no_grad()
     def _replan(self, weight: float) -> None:

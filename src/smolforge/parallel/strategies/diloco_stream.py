@@ -109,7 +109,6 @@ class Averaged:
     values: torch.Tensor | None = None
     parts: list[dict[str, Any]] | None = None
     weights: list[float] | None = None
-    signals: list[float] = field(default_factory=list)  # every rank's flags, summed (`DiLoCo._signals`)
 
     @property
     def unit(self) -> int:
