@@ -232,7 +232,8 @@ def main() -> None:
     ap.add_argument("--ddp-steps", type=int, default=None, help="K: ddp runs K steps, its time extrapolated "
                     "(default 3; quick 0 = a full run)")
     ap.add_argument("--runs", default=None, help="only these two-node runs, comma-separated (auto, ddp, "
-                    "diloco-int8, diloco-int8-damped, diloco-int4, diloco-sparse; default all)")
+                    "diloco-int8, diloco-int8-damped, diloco-int4, diloco-int8-streamed, diloco-int8-streamed-delta, "
+                    "diloco-sparse; default all)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (the clusters' state, checkpoints)")
     ap.add_argument("--plan-only", action="store_true", help="only what auto decides per workload and link "
                     "(the probe and the decision, no training)")
@@ -245,6 +246,9 @@ def main() -> None:
                              ("inner_steps", 20, 3), ("ddp_steps", 3, 0), ("ideal_steps", 10, 6)):
         if getattr(args, key) is None:
             setattr(args, key, quick if q else full)
+    unknown = sorted(set((args.runs or "auto").split(",")) - {"auto", *hand_picked(args, sparse=True)})
+    if unknown:
+        ap.error(f"--runs: unknown {', '.join(unknown)} (known: auto, {', '.join(hand_picked(args, sparse=True))})")
     workloads = (args.workloads or ("tiny-llama-full" if q else "llama-100m-full,qwen2.5-0.5b-lora")).split(",")
     os.environ["OMP_NUM_THREADS"] = "1"
     import netlab
