@@ -140,7 +140,7 @@ def gather_rate(links: list[LinkSample], probe_mb: float) -> float:
     Collective over the default group. Measured on netlab at a 20 Mbit/s cap: one way 19.1 Mbit/s, a 2-rank
     gloo all-gather of 1-16 MB 11-13, a job's 14 MB int4 fragments 14.7 (stop 60-61, BENCHMARKS.md
     scale-out); timing each pair both ways at once instead read 6.6 in one direction and 19.5 in the other
-    in most tries (two TCP flows through one queue share it unevenly over half a second)."""
+    in most tries (why, not looked into)."""
     import torch
     import torch.distributed as dist
 

@@ -332,7 +332,7 @@ class DiLoCo(SpeedPlan, DDP):
             outer_step(self.outer, frag.shared, mean.piece, mean.unit)
             sent = frag.meta.pop("sent", None)
             if mix is None and self.overlap:
-                merge_into(self.params, frag, self.mix, sent=sent if self.delta else None)
+                merge_into(self.params, frag, self.mix, sent=sent)
             else:
                 merge_into(self.params, frag, mix or 0.0)
         if f:
