@@ -145,6 +145,44 @@ def test_a_message_encoded_in_pieces_is_the_message_encoded_whole(codec, setting
     assert torch.equal(pieced, expected)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_packed_codes_unpack_by_table_to_the_codes_and_to_their_levels(bits):
+    """`unpack_bits` looks a byte's codes up in a table (`byte_table`), its rows moved as one integer where
+    they fit 8 bytes: it gives back what `pack_bits` packed (a tail short of a byte included), and with a
+    table of levels, each code's level, whether the rows are narrow (int8 levels) or wide (fp32)."""
+    from smolforge.parallel.codecs import byte_table, pack_bits, unpack_bits
+
+    codes = torch.randint(0, 1 << bits, (1001,), generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == -(-1001 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, 1001), codes.to(torch.uint8))
+    narrow = torch.arange(1 << bits, dtype=torch.int16).sub(1 << (bits - 1)).to(torch.int8)  # two's complement
+    wide = torch.linspace(-1, 1, 1 << bits)
+    for levels in (narrow, wide):
+        got = unpack_bits(packed, bits, 1001, byte_table(bits, levels))
+        assert got.dtype == levels.dtype and torch.equal(got, levels[codes]), levels.dtype
+
+
+def test_a_residual_written_in_place_is_the_one_a_new_stream_would_keep():
+    """The next message overwrites the residual's buffer piece by piece (no whole-model allocation a sync):
+    over three messages each residual is bit for bit that of a new stream loaded with a copy of the last,
+    and a copy taken before a message keeps its values."""
+    from smolforge.parallel.codecs import PIECE_VALUES
+
+    g = torch.Generator().manual_seed(3)
+    n = PIECE_VALUES + 777  # two pieces, the second short
+    stream = ErrorFeedback("int4")
+    stream.encode(torch.randn(n, generator=g))
+    for _ in range(3):
+        x, kept = torch.randn(n, generator=g), stream.residual.clone()
+        fresh = ErrorFeedback("int4")
+        fresh.load(kept)
+        buffer = stream.residual
+        assert all(np.array_equal(a, b) for a, b in zip(stream.encode(x).values(), fresh.encode(x).values()))
+        assert stream.residual is buffer and torch.equal(stream.residual, fresh.residual)
+        assert not torch.equal(kept, stream.residual)
+
+
 def test_int4_refuses_an_odd_block_where_a_job_is_checked():
     """Two codes a byte: an odd block would split a byte between pieces. The codec refuses it, and diloco's
     settings ask the codec, so a job spec is refused by name before anything runs."""

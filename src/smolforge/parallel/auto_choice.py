@@ -113,6 +113,17 @@ class Measured:
     the transfer (the pseudo-gradient, the codec with its error feedback, the world's parts summed, the outer
     step; `auto_probe.sync_cpu_seconds`). Missing: 0. On a CPU node it is not hidden behind compute."""
 
+    @property
+    def one_way_mbit_s(self) -> float:
+        """The slowest pair's rate, one way at a time (Mbit/s)."""
+        return min(s.mbit_s for s in self.links)
+
+    @property
+    def link_mbit_s(self) -> float:
+        """What a sync gets: the slowest pair one way, or the group's all-gather where that is slower (a sync
+        and a ring all-reduce use every link both ways at once), in Mbit/s: the one rate every plan uses."""
+        return min(self.one_way_mbit_s, self.gather_mbit_s or float("inf"))
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -138,10 +149,8 @@ def codec_bytes(settings: dict[str, Any], values: int) -> int:
 
 
 def _bottleneck(m: Measured) -> tuple[float, float]:
-    """(bytes/s of the slowest measured link, or of the group's all-gather where that is slower: a sync and
-    a ring all-reduce use every link both ways at once; the longest round trip)."""
-    mbit = min([s.mbit_s for s in m.links] + ([m.gather_mbit_s] if m.gather_mbit_s else []))
-    return max(mbit * 1e6 / 8, 1.0), max(s.rtt_s for s in m.links)
+    """(bytes/s of `Measured.link_mbit_s`, the longest round trip in seconds)."""
+    return max(m.link_mbit_s * 1e6 / 8, 1.0), max(s.rtt_s for s in m.links)
 
 
 @dataclass(frozen=True)
@@ -233,7 +242,7 @@ def decide(m: Measured, budget: float = BUDGET, has: frozenset[str] = FEATURES, 
                "step_from": m.step_from,
                "budget": budget, "model_bytes": m.params * 4,
                "ddp_bytes_per_step": int(ddp_bytes), "ddp_comm_s": round(ddp_s, 4)}
-    one_way = min(s.mbit_s for s in m.links)
+    one_way = m.one_way_mbit_s
     numbers.update(one_way_mbit_s=round(one_way, 2), gather_mbit_s=m.gather_mbit_s and round(m.gather_mbit_s, 2))
     both = (f" ({one_way:.3g} one way, both ways at once in an all-gather)"
             if m.gather_mbit_s and m.gather_mbit_s < one_way else "")

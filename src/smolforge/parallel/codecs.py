@@ -161,19 +161,64 @@ class Fp16(Fp32):
         return 2 * numel
 
 
+def levels(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax, before the codes are cast: (blocks x `block` fp32 holding whole numbers in
+    [-qmax, qmax], one fp32 scale per block); the last block is zero-padded (a copy only where it is short).
+    Its own product with the scales is what a receiver decodes (`dequantize_int8` of its codes, bit for bit)."""
+    x = x.float().reshape(-1)
+    pad = (-x.numel()) % block
+    blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(-1, block)
+    scales = blocks.abs().amax(dim=1).clamp_min_(1e-30).div_(float(qmax))
+    q = torch.div(blocks, scales[:, None])
+    return q.round_().clamp_(-qmax, qmax), scales
+
+
 def quantize_int8(x: torch.Tensor, block: int, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax: (codes in [-qmax, qmax] as int8, one fp32 scale per block); the last block is
     zero-padded. qmax 127 is int8's; 7 is int4's (`Int4` packs the codes two to a byte)."""
-    pad = (-x.numel()) % block
-    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(-1, block)
-    scales = blocks.abs().amax(dim=1).clamp_min(1e-30) / float(qmax)
-    codes = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    return codes.view(-1), scales
+    q, scales = levels(x, block, qmax)
+    return q.to(torch.int8).view(-1), scales
 
 
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
     """`quantize_int8`'s inverse, up to half a step of each block; the padding is cut off (`numel`)."""
     return (codes.view(scales.numel(), -1).float() * scales[:, None]).view(-1)[:numel]
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes in [0, 2**bits) (any integer dtype) as uint8 bytes, 8 // bits to a byte, low bits first;
+    the tail is zero-padded to a whole byte."""
+    per = 8 // bits
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, (-codes.numel()) % per)).view(-1, per)
+    out = torch.zeros(c.shape[0], dtype=torch.uint8)
+    for j in range(per):
+        out |= c[:, j] << (bits * j)
+    return out
+
+
+def byte_table(bits: int, values: torch.Tensor | None = None) -> torch.Tensor:
+    """(256, 8 // bits): each byte's codes (`pack_bits`' layout, low bits first) as uint8, or as
+    `values[code]` (a tensor of 2**bits levels, in its dtype): `unpack_bits`' table."""
+    b = torch.arange(256, dtype=torch.int64)
+    codes = torch.stack([(b >> s) & ((1 << bits) - 1) for s in range(0, 8, bits)], dim=1)
+    return codes.to(torch.uint8) if values is None else values[codes].contiguous()
+
+
+_CODE_TABLES = {bits: byte_table(bits) for bits in (1, 2, 4, 8)}
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a table row's bytes -> one integer
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int, table: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_bits`' inverse: the first `count` codes, as uint8, or as a decoder's levels where `table` is
+    `byte_table(bits, levels)` (looked up in the same pass, in the table's dtype). One look-up a byte, a row
+    of up to 8 bytes moved as one integer: for 2**18 int4 codes, one thread, 0.16 ms against 1.30 for the
+    shifts and masks per code it replaced and 0.43 for a look-up of fp32 rows (stop 62)."""
+    table = _CODE_TABLES[bits] if table is None else table
+    index = packed.reshape(-1).to(torch.int32)
+    word = _WORDS.get(table.shape[1] * table.element_size())
+    if word is None:  # wide rows (fp32 levels): a row at a time
+        return table.index_select(0, index).view(-1)[:count]
+    return table.view(word).view(-1).index_select(0, index).view(table.dtype)[:count]
 
 
 class Int8(Codec):
@@ -198,14 +243,16 @@ class Int8(Codec):
                 "scales": np.asarray(payload["scales"])[lo:hi]}
 
     def encode(self, x: torch.Tensor) -> dict[str, np.ndarray]:
-        return self._payload(*quantize_int8(_flat(x), self.block, self.qmax))
+        return self._payload(*levels(_flat(x), self.block, self.qmax))
 
     def roundtrip(self, x: torch.Tensor) -> tuple[dict[str, np.ndarray], torch.Tensor]:
-        codes, scales = quantize_int8(_flat(x), self.block, self.qmax)
-        return self._payload(codes, scales), dequantize_int8(codes.float(), scales, x.numel())  # decode's arithmetic
+        q, scales = levels(_flat(x), self.block, self.qmax)
+        return self._payload(q, scales), (q * scales[:, None]).view(-1)[:x.numel()]  # decode's arithmetic
 
-    def _payload(self, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
-        return {"codes": np.ascontiguousarray(codes.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
+    def _payload(self, q: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
+        """The message of `levels`' output (blocks x block whole numbers, the scales)."""
+        return {"codes": np.ascontiguousarray(q.to(torch.int8).view(-1).numpy()),
+                "scales": np.ascontiguousarray(scales.numpy())}
 
     def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
         # int8 codes are exact in fp32: widening them here is the one copy, read-only or not
@@ -232,31 +279,20 @@ class Int4(Int8):
             raise ValueError(f"int4 codec: block must be even (two codes a byte), got {block}")
         super().__init__(block)
 
-    def _payload(self, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
-        return {"nibbles": np.ascontiguousarray(pack_bits(codes + self.qmax, 4).numpy()),
-                "scales": np.ascontiguousarray(scales.numpy())}
+    # a byte's two codes as int8 levels (nibble - 7), (256, 2): the decode's unpacking is one look-up
+    table: ClassVar[torch.Tensor] = byte_table(4, torch.arange(16, dtype=torch.int8) - qmax)
+
+    def _payload(self, q: torch.Tensor, scales: torch.Tensor) -> dict[str, np.ndarray]:
+        """Two codes a byte, the first in the low nibble (`pack_bits`' layout), made from the levels as fp32
+        whole numbers: lo + 16 hi + 7 * 17, exact, then one cast (a third of `pack_bits`' passes)."""
+        pairs = q.view(-1, 2)
+        nibbles = torch.add(pairs[:, 0], pairs[:, 1], alpha=16).add_(self.qmax * 17).to(torch.uint8)
+        return {"nibbles": np.ascontiguousarray(nibbles.numpy()), "scales": np.ascontiguousarray(scales.numpy())}
 
     def decode(self, payload: dict[str, Any], numel: int) -> torch.Tensor:
         scales = _tensor(payload["scales"])
-        codes = unpack_bits(_tensor(payload["nibbles"]), 4, scales.numel() * self.block).float() - self.qmax
+        codes = unpack_bits(_tensor(payload["nibbles"]), 4, scales.numel() * self.block, self.table)
         return dequantize_int8(codes, scales, numel)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes in [0, 2**bits) (any integer dtype) as uint8 bytes, 8 // bits to a byte, low bits first;
-    the tail is zero-padded to a whole byte."""
-    per = 8 // bits
-    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, (-codes.numel()) % per)).view(-1, per)
-    out = torch.zeros(c.shape[0], dtype=torch.uint8)
-    for j in range(per):
-        out |= c[:, j] << (bits * j)
-    return out
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """`pack_bits`' inverse: the first `count` codes, as uint8."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return ((packed.view(-1, 1) >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
 
 class Sparse(Codec):
@@ -276,6 +312,8 @@ class Sparse(Codec):
                              f"(got chunk {chunk}, topk {topk}, bits {bits})")
         self.chunk, self.topk, self.bits = int(chunk), int(topk), int(bits)
         self.levels = (1 << self.bits) - 1  # the largest code: levels + 1 values, symmetric about zero
+        # each byte's codes as their values on [-1, 1], before the chunk's scale (`unpack_bits`)
+        self.table = byte_table(self.bits, torch.arange(self.levels + 1, dtype=torch.float32) * (2.0 / self.levels) - 1.0)
         self.unit = 4 * self.chunk  # 4 chunks' codes fill whole bytes at 2 or 4 bits: packed pieces concatenate
 
     def _chunks(self, numel: int) -> int:
@@ -296,8 +334,7 @@ class Sparse(Codec):
         """(positions in the padded flat tensor, int64; their fp32 values), chunk by chunk."""
         scale = _tensor(payload["scale"], np.float32)
         idx = _tensor(payload["idx"], np.int64).view(scale.numel(), self.topk)
-        codes = unpack_bits(_tensor(payload["q"]), self.bits, idx.numel()).view_as(idx)
-        vals = (codes.float() * (2.0 / self.levels) - 1.0) * scale[:, None]
+        vals = unpack_bits(_tensor(payload["q"]), self.bits, idx.numel(), self.table).view_as(idx) * scale[:, None]
         rows = torch.arange(scale.numel(), dtype=torch.int64)[:, None] * self.chunk
         return (idx + rows).view(-1), vals.view(-1)
 
@@ -423,7 +460,8 @@ class ErrorFeedback:
 
     @property
     def residual(self) -> torch.Tensor | None:
-        """What the messages so far could not carry (flat fp32), or None (fp32, or nothing sent yet)."""
+        """What the messages so far could not carry (flat fp32), or None (fp32, or nothing sent yet): the
+        stream's own buffer, which the next message of the same size overwrites in place; copy it to keep it."""
         return self._residual
 
     def load(self, residual: torch.Tensor | None) -> None:
@@ -442,8 +480,11 @@ class ErrorFeedback:
         (`spans` of the codec's `unit`, in order; `join_pieces` makes them one payload, `pack_pieces` one
         buffer), the values written piece by piece by `fill(a, b, out)` into `out` (fp32, b - a values):
         the caller computes them into a cache-sized buffer instead of a whole-model tensor (diloco's
-        pseudo-gradient). The new residual is what the rounding lost; the same bits as `encode`."""
-        old, residual, pieces = self._residual, torch.empty(numel), []
+        pseudo-gradient). The new residual is what the rounding lost; the same bits as `encode`. It is
+        written over the old one, piece by piece after that piece is read: a fresh whole-model buffer a
+        message page-faulted in 0.4 s of int4's 0.9 s encode of llama-100m (one thread, stop 62)."""
+        old, pieces = self._residual, []
+        residual = old if old is not None and old.numel() == numel else torch.empty(numel)
         scratch: torch.Tensor | None = None  # the first piece's size: no later piece is longer
         for a, b in spans(numel, self.coder.unit):  # piece by piece: the same payload, cache-sized passes
             scratch = torch.empty(b - a) if scratch is None else scratch
@@ -454,7 +495,7 @@ class ErrorFeedback:
             payload, decoded = self.coder.roundtrip(target)
             pieces.append(payload)
             torch.sub(target, decoded, out=residual[a:b])
-        self._residual = residual  # a new tensor: a residual handed out earlier (`residual`) stays as it was
+        self._residual = residual
         return pieces
 
     def reset(self) -> None:
